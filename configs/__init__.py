@@ -1,0 +1,15 @@
+"""Typed configuration for microrl engines and examples."""
+
+from microrl.configs.engine import ActorConfig, CriticConfig, EngineConfig, LoraConfig, OptimConfig
+from microrl.losses.config import KLEstimator, PolicyLossConfig, PolicyLossType
+
+__all__ = [
+    "ActorConfig",
+    "CriticConfig",
+    "EngineConfig",
+    "KLEstimator",
+    "LoraConfig",
+    "OptimConfig",
+    "PolicyLossConfig",
+    "PolicyLossType",
+]

@@ -1,0 +1,141 @@
+"""Typed engine configuration: ``ActorConfig`` and ``CriticConfig`` (design.md section 5).
+
+Every field has a default; ``__post_init__`` validates ranges so a bad value fails at construction
+with a message that names the key, whether it came from Python, YAML or a command-line override.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from microrl.losses.aggregation import AggMode
+from microrl.losses.config import PolicyLossConfig
+
+__all__ = ["ActorConfig", "CriticConfig", "EngineConfig", "LoraConfig", "OptimConfig"]
+
+
+class Schedule(str, Enum):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+    LINEAR = "linear"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # "adamw" or "sgd"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0  # max global grad norm; None disables clipping
+    warmup_steps: int = 0
+    schedule: Schedule = Schedule.CONSTANT
+    total_steps: int | None = None  # needed by cosine / linear decay
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.schedule = Schedule(self.schedule)
+        self.betas = tuple(self.betas)
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"optim.name must be 'adamw' or 'sgd', got {self.name!r}")
+        if not self.lr >= 0:
+            raise ValueError(f"optim.lr must be >= 0, got {self.lr}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"optim.grad_clip must be > 0 or None, got {self.grad_clip}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule is not Schedule.CONSTANT and not (self.total_steps or 0) > 0:
+            raise ValueError(f"optim.total_steps must be > 0 for schedule {self.schedule.value!r}")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0 disables LoRA (full fine-tune)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0, got {self.rank}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules must name at least one module when lora.rank > 0")
+
+
+@dataclass
+class EngineConfig:
+    """What every engine role shares: batching, numerics, memory, optimisation."""
+
+    micro_batch_size: int | None = 4
+    max_tokens_per_micro_batch: int | None = None  # strict token budget; excludes micro_batch_size
+    loss_agg_mode: AggMode = AggMode.TOKEN_MEAN
+    seq_len_norm: float | None = None  # L of seq-mean-token-sum-norm
+    use_fused_kernel: bool = True
+    kernel_chunk_size: int | None = None
+    gradient_checkpointing: bool = False
+    pack_sequences: bool = False
+    check_grad_flow: bool = False
+    dtype: str = (
+        "auto"  # "auto": float32 on CPU, bfloat16 autocast on CUDA; or "float32" / "bfloat16"
+    )
+    device: str = "auto"
+    seed: int = 0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        self.loss_agg_mode = AggMode.parse(self.loss_agg_mode)
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise ValueError(
+                "set either micro_batch_size or max_tokens_per_micro_batch, not both "
+                f"(got {self.micro_batch_size} and {self.max_tokens_per_micro_batch})"
+            )
+        if self.micro_batch_size is None and self.max_tokens_per_micro_batch is None:
+            raise ValueError("one of micro_batch_size or max_tokens_per_micro_batch must be set")
+        for name in ("micro_batch_size", "max_tokens_per_micro_batch", "kernel_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if (
+            self.loss_agg_mode is AggMode.SEQ_MEAN_TOKEN_SUM_NORM
+            and not (self.seq_len_norm or 0) > 0
+        ):
+            raise ValueError(
+                "seq_len_norm must be > 0 when loss_agg_mode is 'seq-mean-token-sum-norm'"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+
+
+@dataclass
+class ActorConfig(EngineConfig):
+    temperature: float = 1.0
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.temperature > 0 and self.temperature != float("inf")):
+            raise ValueError(f"temperature must be a finite float > 0, got {self.temperature}")
+
+
+@dataclass
+class CriticConfig(EngineConfig):
+    cliprange_value: float | None = 0.2  # None disables value clipping
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cliprange_value is not None and not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value must be > 0 or None, got {self.cliprange_value}")
