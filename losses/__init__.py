@@ -1,1 +1,83 @@
-"""microrl.losses"""
+"""microrl.losses: policy/value/KL/entropy/SFT losses, loss aggregation and advantage estimators.
+
+Torch only (no transformers, peft or accelerate). Every loss takes ``[B, T]`` token-aligned
+tensors, a loss mask, the mini-batch's global :class:`LossDenominators` and a
+``loss_agg_mode``, and returns this micro-batch's *partial* loss plus summable :class:`Metric` s
+(design.md sections 2 and 4): summed over micro-batches and ranks they are exact.
+"""
+
+from .aggregation import (
+    AggMode,
+    LossDenominators,
+    aggregate,
+    global_denominators,
+    masked_partial_mean,
+)
+from .cispo import cispo_surrogate
+from .config import KLEstimator, PolicyLossConfig, PolicyLossType
+from .entropy import entropy_bonus
+from .gae import gae_advantages
+from .group import (
+    GROUP_STD_EPS,
+    GroupAdvantageInfo,
+    GroupStats,
+    group_stats,
+    grpo_advantages,
+    rloo_advantages,
+)
+from .gspo import gspo_surrogate
+from .kl import K3_MAX, KL_LOG_RATIO_CLAMP, kl_penalty
+from .metrics import Metric, Reduce, reduce_metrics
+from .policy import POLICY_SURROGATES, Surrogate, policy_loss
+from .ppo import ppo_surrogate
+from .ratio import LOG_RATIO_CLAMP, SurrogateOutput, clamped_log_ratio
+from .reinforce import reinforce_surrogate
+from .reinforce_pp import reinforce_pp_advantages
+from .sft import sft_loss
+from .tis import truncated_is_weights
+from .tokens import broadcast_to_tokens, scores_to_token_rewards
+from .value import value_loss
+from .whiten import WHITEN_EPS, whiten
+
+__all__ = [
+    "GROUP_STD_EPS",
+    "K3_MAX",
+    "KL_LOG_RATIO_CLAMP",
+    "LOG_RATIO_CLAMP",
+    "POLICY_SURROGATES",
+    "WHITEN_EPS",
+    "AggMode",
+    "GroupAdvantageInfo",
+    "GroupStats",
+    "KLEstimator",
+    "LossDenominators",
+    "Metric",
+    "PolicyLossConfig",
+    "PolicyLossType",
+    "Reduce",
+    "Surrogate",
+    "SurrogateOutput",
+    "aggregate",
+    "broadcast_to_tokens",
+    "cispo_surrogate",
+    "clamped_log_ratio",
+    "entropy_bonus",
+    "gae_advantages",
+    "global_denominators",
+    "group_stats",
+    "grpo_advantages",
+    "gspo_surrogate",
+    "kl_penalty",
+    "masked_partial_mean",
+    "policy_loss",
+    "ppo_surrogate",
+    "reduce_metrics",
+    "reinforce_pp_advantages",
+    "reinforce_surrogate",
+    "rloo_advantages",
+    "scores_to_token_rewards",
+    "sft_loss",
+    "truncated_is_weights",
+    "value_loss",
+    "whiten",
+]

@@ -1,0 +1,182 @@
+"""The policy loss: one surrogate (picked from a small registry) + KL penalty - entropy bonus.
+
+``policy_loss`` is what the actor engine calls once per micro-batch. It validates its inputs at
+this public boundary, removes masked positions with ``torch.where`` before any arithmetic (NaN/inf
+there reach neither the loss, a metric nor a gradient), and returns this micro-batch's *partial*
+loss under the global denominators plus summable detached metrics (design.md section 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._checks import check_agg_mode, check_denominators, check_token_inputs, unscaled
+from .aggregation import AggMode, LossDenominators, aggregate, masked_partial_mean
+from .cispo import cispo_surrogate
+from .config import PolicyLossConfig, PolicyLossType
+from .gspo import gspo_surrogate
+from .kl import kl_penalty
+from .metrics import Metric, Reduce
+from .ppo import ppo_surrogate
+from .ratio import SurrogateOutput
+from .reinforce import reinforce_surrogate
+from .tis import truncated_is_weights
+
+__all__ = ["POLICY_SURROGATES", "Surrogate", "policy_loss"]
+
+# (logprobs, old_logprobs, advantages, bool mask, config) -> per-token SurrogateOutput
+Surrogate = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossConfig], SurrogateOutput
+]
+
+POLICY_SURROGATES: dict[PolicyLossType, Surrogate] = {
+    PolicyLossType.PPO: ppo_surrogate,
+    PolicyLossType.GRPO: ppo_surrogate,  # the advantage estimator makes GRPO, not the surrogate
+    PolicyLossType.GSPO: gspo_surrogate,
+    PolicyLossType.CISPO: cispo_surrogate,
+    PolicyLossType.REINFORCE: reinforce_surrogate,
+}
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    denominators: LossDenominators,
+    config: PolicyLossConfig,
+    agg_mode: AggMode | str,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """This micro-batch's partial policy loss and its metrics.
+
+    ``loss = agg(w * pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``, each ``agg`` the
+    configured ``loss_agg_mode`` over the mini-batch's global denominators (times ``grad_scale``),
+    ``pg`` the per-token surrogate of ``config.name`` and ``w`` the truncated IS weight (1 without
+    ``tis_cap``). Summed over micro-batches and ranks it is the mini-batch loss.
+
+    Args:
+        logprobs: ``[B, T]`` log-probs of the taken tokens under the trained policy (with grad).
+        old_logprobs: ``[B, T]`` behaviour-policy log-probs (gradient ignored).
+        advantages: ``[B, T]`` per-token advantages (a per-sequence ``[B]`` advantage is spread
+            with :func:`microrl.losses.broadcast_to_tokens`).
+        loss_mask: ``[B, T]`` bool/int/float; nonzero marks a trained token.
+        denominators: the mini-batch's :class:`LossDenominators` (from ``global_denominators``).
+        config: the :class:`PolicyLossConfig` (surrogate, clips, coefficients).
+        agg_mode: a :class:`AggMode` or its name.
+        ref_logprobs: ``[B, T]`` reference log-probs; required iff ``config.kl_coef > 0``
+            (also accepted, for the ``kl`` metric, when it is 0).
+        entropy: ``[B, T]`` per-token entropy (with grad); required iff ``entropy_coef > 0``.
+        rollout_logprobs: ``[B, T]`` log-probs of the rollout engine; required iff
+            ``config.tis_cap`` is set.
+        validate: check that every unmasked input value is finite (one host sync per call).
+
+    Returns:
+        ``(loss, metrics)``: a 0-d tensor with gradient and detached :class:`Metric` s:
+        ``pg_loss`` (the aggregated pg term, without ``grad_scale``), ``pg_clipfrac`` (=
+        ``pg_clipfrac_lower + pg_clipfrac_upper``), ``pg_clipfrac_dual`` (when a dual clip is
+        configured), ``ppo_kl`` (token mean of ``log pi_old - log pi``), ``ratio_min``,
+        ``ratio_max``; ``kl`` and ``kl_loss`` with ``ref_logprobs``, ``entropy`` with
+        ``entropy``, ``tis_weight_mean`` and ``tis_clipfrac`` with ``tis_cap``. Fractions and
+        means are token-weighted over the mini-batch.
+    """
+    if not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    denominators = check_denominators(denominators)
+    mode = check_agg_mode(agg_mode, denominators)
+    inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
+    _require(inputs, "ref_logprobs", ref_logprobs, config.kl_coef > 0, "policy_loss.kl_coef > 0")
+    _require(inputs, "entropy", entropy, config.entropy_coef > 0, "policy_loss.entropy_coef > 0")
+    _require(
+        inputs,
+        "rollout_logprobs",
+        rollout_logprobs if config.tis_cap is not None else None,
+        config.tis_cap is not None,
+        "policy_loss.tis_cap is set",
+    )
+    mask = check_token_inputs(loss_mask, inputs, validate=validate)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    clean = {name: torch.where(mask, t, zero) for name, t in inputs.items()}
+
+    out = POLICY_SURROGATES[config.name](
+        clean["logprobs"],
+        clean["old_logprobs"].detach(),
+        clean["advantages"].detach(),
+        mask,
+        config,
+    )
+    pg = out.loss
+    metrics: dict[str, Metric] = {}
+    if config.tis_cap is not None:
+        weights = truncated_is_weights(
+            clean["old_logprobs"], clean["rollout_logprobs"], config.tis_cap
+        )
+        pg = pg * weights
+        metrics["tis_weight_mean"] = Metric(masked_partial_mean(weights, mask, denominators))
+        capped = (weights >= config.tis_cap).to(weights.dtype)
+        metrics["tis_clipfrac"] = Metric(masked_partial_mean(capped, mask, denominators))
+
+    plain = unscaled(denominators)
+    pg_term = aggregate(pg, mask, mode, plain)
+    total = pg_term
+    metrics["pg_loss"] = Metric(pg_term.detach().float())
+    metrics.update(_surrogate_metrics(out, mask, denominators))
+
+    if "ref_logprobs" in clean:
+        kl = kl_penalty(clean["logprobs"], clean["ref_logprobs"], config.kl_estimator)
+        kl_term = aggregate(kl, mask, mode, plain)
+        metrics["kl"] = Metric(masked_partial_mean(kl, mask, denominators))
+        metrics["kl_loss"] = Metric(kl_term.detach().float())
+        if config.kl_coef > 0:
+            total = total + config.kl_coef * kl_term
+    if "entropy" in clean:
+        metrics["entropy"] = Metric(masked_partial_mean(clean["entropy"], mask, denominators))
+        if config.entropy_coef > 0:
+            total = total - config.entropy_coef * aggregate(clean["entropy"], mask, mode, plain)
+    return total * denominators.grad_scale, metrics
+
+
+def _require(
+    inputs: dict[str, torch.Tensor],
+    name: str,
+    tensor: torch.Tensor | None,
+    required: bool,
+    because: str,
+) -> None:
+    if tensor is not None:
+        inputs[name] = tensor
+    elif required:
+        raise ValueError(f"{name} is required because {because}")
+
+
+def _surrogate_metrics(
+    out: SurrogateOutput, mask: torch.Tensor, denominators: LossDenominators
+) -> dict[str, Metric]:
+    def fraction(flags: torch.Tensor) -> Metric:
+        return Metric(masked_partial_mean(flags.float(), mask, denominators))
+
+    if mask.numel() == 0:  # an empty micro-batch: the reduction identities
+        ratio_min = Metric.empty(Reduce.MIN, mask.device)
+        ratio_max = Metric.empty(Reduce.MAX, mask.device)
+    else:
+        inf = torch.tensor(float("inf"), dtype=out.ratio.dtype, device=out.ratio.device)
+        ratio_min = Metric(torch.where(mask, out.ratio, inf).min().float(), Reduce.MIN)
+        ratio_max = Metric(torch.where(mask, out.ratio, -inf).max().float(), Reduce.MAX)
+    metrics = {
+        "pg_clipfrac": fraction(out.clipped_lower | out.clipped_upper),
+        "pg_clipfrac_lower": fraction(out.clipped_lower),
+        "pg_clipfrac_upper": fraction(out.clipped_upper),
+        # k1 estimate of KL(pi_old || pi) on the sampled tokens: how far this update has moved.
+        "ppo_kl": Metric(masked_partial_mean(-out.log_ratio, mask, denominators)),
+        "ratio_min": ratio_min,
+        "ratio_max": ratio_max,
+    }
+    if out.clipped_dual is not None:
+        metrics["pg_clipfrac_dual"] = fraction(out.clipped_dual)
+    return metrics
