@@ -40,8 +40,8 @@ class PolicyLossConfig:
     tis_cap: float | None = None
 
     def __post_init__(self) -> None:
-        self.name = PolicyLossType(self.name)
-        self.kl_estimator = KLEstimator(self.kl_estimator)
+        self.name = _parse(PolicyLossType, self.name, "name")
+        self.kl_estimator = _parse(KLEstimator, self.kl_estimator, "kl_estimator")
         for field in ("clip_ratio_low", "clip_ratio_high"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"policy_loss.{field} must be > 0, got {getattr(self, field)}")
@@ -53,3 +53,11 @@ class PolicyLossConfig:
             raise ValueError("policy_loss.kl_coef and policy_loss.entropy_coef must be >= 0")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"policy_loss.tis_cap must be > 0 or None, got {self.tis_cap}")
+
+
+def _parse(enum: type[Enum], value: object, field: str) -> Enum:
+    try:
+        return enum(value)
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in enum)
+        raise ValueError(f"policy_loss.{field} must be one of {names}, got {value!r}") from None

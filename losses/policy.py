@@ -88,6 +88,7 @@ def policy_loss(
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    config.__post_init__()  # re-validate: the dataclass is mutable (cheap, no tensors involved)
     denominators = check_denominators(denominators)
     mode = check_agg_mode(agg_mode, denominators)
     inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
