@@ -1,0 +1,256 @@
+"""Data parallelism with FSDP2: process-group setup, sharding, gradient sync, global grad norm.
+
+The engine stays one code path: with no process group every helper here is a no-op, so a single
+process and N ranks run the same loop. What changes under data parallelism:
+
+* ``shard_model`` applies FSDP2 (``fully_shard``) to every decoder layer, then to the root. The root
+  must be the module whose ``forward`` the engine calls (the per-instance policy/value wrapper): its
+  pre-forward hook all-gathers the root's own parameters (embedding, final norm, ``lm_head``), so
+  ``lm_head.weight`` read *inside* that forward is the full ``[V, H]`` tensor the fused kernel needs;
+  outside the forward it is a ``DTensor`` shard.
+* ``set_gradient_sync`` turns the reduce-scatter off for all but the last micro-batch of a
+  mini-batch: gradients accumulate unsharded locally and are reduced once per optimizer step.
+* ``agree_num_micro_batches`` makes every rank run the same number of micro-batches (FSDP's
+  collectives run per forward/backward: a rank that stops early deadlocks the others).
+* ``clip_grad_norm`` returns the norm over the *whole* model, not over the local shard.
+
+Losses need nothing from here: ``microrl.losses.global_denominators`` already sums the counts over
+ranks and scales by the world size, because FSDP *averages* gradients over ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "agree_num_micro_batches",
+    "clip_grad_norm",
+    "default_mp_policy",
+    "dp_group",
+    "dp_rank",
+    "dp_world_size",
+    "find_shard_units",
+    "init_distributed",
+    "is_distributed",
+    "set_gradient_sync",
+    "shard_model",
+]
+
+# Container names under which transformers models keep their decoder blocks; only used when a model
+# does not declare ``_no_split_modules`` (every causal LM in transformers does).
+_LAYER_CONTAINER_NAMES = ("layers", "h", "blocks", "layer")
+
+# NCCL's default 10 min is too short for a first compile or a slow shared filesystem; gloo on CPU
+# uses the same so a hung rank fails loudly instead of waiting forever.
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def is_distributed() -> bool:
+    """Whether torch.distributed is initialised with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def dp_group() -> dist.ProcessGroup | None:
+    """The data-parallel group (the default group), or ``None`` in a single process."""
+    return dist.group.WORLD if is_distributed() else None
+
+
+def dp_world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def dp_rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def init_distributed(
+    backend: str | None = None, *, timeout: timedelta = _DEFAULT_TIMEOUT
+) -> dist.ProcessGroup | None:
+    """Return the DP process group: the initialised one, or one started from torchrun's environment.
+
+    * A process group already initialised by the caller is used as is.
+    * Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the default group is initialised
+      with ``backend`` (default: ``nccl`` on CUDA, ``gloo`` on CPU), and each rank takes the GPU
+      ``LOCAL_RANK``. Multi-node runs need nothing else: torchrun sets the rendezvous variables.
+    * Otherwise (a plain ``python`` process, or torchrun with one process) it returns ``None`` and
+      the engine runs unsharded.
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout
+        )
+    return dp_group()
+
+
+def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
+    """bf16 compute with fp32 gradient reduction on CUDA; ``None`` (exact fp32) elsewhere.
+
+    Reducing in fp32 keeps the sum over ranks as exact as the single-process accumulation; CPU
+    bf16 matmuls are slow and gloo cannot reduce bf16 faster, so CPU stays fp32.
+    """
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def find_shard_units(module: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a transformers model (also under PEFT or a wrapper), in order.
+
+    Uses the models' own ``_no_split_modules`` (the class names transformers never splits across
+    devices: exactly the decoder layers), falling back to the children of a ``ModuleList`` named
+    like ``layers``. Nested matches are skipped: a unit inside a unit would shard twice.
+    """
+    names: set[str] = set()
+    for sub in module.modules():
+        declared = getattr(type(sub), "_no_split_modules", None) or getattr(
+            sub, "_no_split_modules", None
+        )
+        if isinstance(declared, list | tuple | set):
+            names.update(str(n) for n in declared)
+    units: list[nn.Module] = []
+    if names:
+        units = [m for m in module.modules() if type(m).__name__ in names]
+    if not units:
+        for name, sub in module.named_modules():
+            if isinstance(sub, nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_CONTAINER_NAMES:
+                units.extend(sub)
+    # Drop units nested in another unit (keep the outermost).
+    inner: set[int] = set()
+    for unit in units:
+        for sub in unit.modules():
+            if sub is not unit:
+                inner.add(id(sub))
+    return [u for u in units if id(u) not in inner]
+
+
+def shard_model(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | Literal["auto"] | None = "auto",
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``module`` with FSDP2 over ``mesh``: each decoder layer a unit, then the root.
+
+    Call it after LoRA and gradient checkpointing are applied and *before* building the optimizer
+    (the optimizer must hold the sharded ``DTensor`` parameters). Frozen base weights and trainable
+    LoRA weights share a unit: FSDP2 reduces gradients only for parameters that have them.
+
+    ``module`` must be the module the engine calls: its forward may read any parameter that is not
+    inside a decoder layer (e.g. ``lm_head.weight`` for the fused kernel) and gets the full tensor.
+
+    Args:
+        module: the model (or the engine's wrapper around it); modified in place and returned.
+        mesh: 1-D data-parallel mesh; default: all ranks of the default group on this device type.
+        mp_policy: FSDP2 mixed precision; ``"auto"`` = :func:`default_mp_policy` for the device.
+        reshard_after_forward: free each layer's gathered weights after its forward (saves memory,
+            costs a second all-gather in backward).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError("module is already sharded with FSDP2 (shard_model called twice?)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("shard_model needs an initialised process group (see init_distributed)")
+    if mesh is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh must be a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
+    policy = default_mp_policy(mesh.device_type) if mp_policy == "auto" else mp_policy
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    units = find_shard_units(module)
+    if not units:
+        raise ValueError(
+            f"found no decoder layers to shard in {type(module).__name__} (no _no_split_modules "
+            "and no ModuleList named 'layers'); pass a transformers model or its wrapper"
+        )
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    # The root keeps its gathered parameters between forward and backward (FSDP2 never reshards
+    # the root after forward), so the lm-head weight is gathered once per micro-batch.
+    fully_shard(module, **kwargs)
+    return module
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Turn FSDP2's gradient reduce-scatter on (last micro-batch) or off (the ones before it).
+
+    Off, each rank accumulates full-size gradients locally; the next backward with sync on reduces
+    the accumulated sum once. A no-op for an unsharded module.
+    """
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)
+
+
+def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | None = None) -> int:
+    """The largest local micro-batch count over all ranks (``num_micro_batches`` alone otherwise).
+
+    Ranks whose share needs fewer micro-batches run empty ones (all loss-masked, zero gradient) up
+    to this count, so every rank enters the same number of FSDP collectives.
+    """
+    if not isinstance(num_micro_batches, int) or num_micro_batches < 0:
+        raise ValueError(f"num_micro_batches must be an int >= 0, got {num_micro_batches!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return num_micro_batches
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    count = torch.tensor([num_micro_batches], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())
+
+
+def clip_grad_norm(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float | None,
+    *,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Global gradient norm over all parameters (all shards of all ranks), clipped to ``max_norm``.
+
+    With FSDP2 the gradients are ``DTensor`` shards; their norm is a partial result that
+    ``full_tensor()`` reduces across ranks, so every rank sees (and clips by) the same global norm.
+    ``max_norm=None`` only measures. Returns a 0-d float32 tensor; clipping is skipped (the caller
+    decides what to do) when the norm is not finite.
+    """
+    if max_norm is not None and not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros((), dtype=torch.float32)
+    grads = [p.grad for p in params]
+    kinds = {isinstance(g, DTensor) for g in grads}
+    if len(kinds) > 1:
+        # A wiring bug (a parameter outside the FSDP root): its gradient is not reduced over ranks
+        # and its norm would be counted on every rank.
+        raise ValueError(
+            "some gradients are DTensor shards and some are not; shard the whole model"
+        )
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=foreach)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm is not None and torch.isfinite(total):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total.float()

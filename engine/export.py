@@ -1,0 +1,161 @@
+"""Export a trained model for the ecosystem: a PEFT adapter, or a merged transformers model.
+
+Both work on a plain or an FSDP2-sharded module: the full state dict is gathered to rank 0 on the
+CPU first (``full_state_dict=True, cpu_offload=True``: one parameter at a time, so no rank ever
+holds two full copies on the accelerator), then rank 0 writes. Every rank must call them.
+
+* :func:`export_peft_adapter` writes what ``PeftModel.from_pretrained(base, path)`` loads.
+* :func:`export_merged_model` writes what ``AutoModelForCausalLM.from_pretrained(path)`` loads:
+  the base weights with each LoRA update ``W + scaling * B @ A`` folded in.
+
+Writes are atomic like checkpoints (a temporary directory renamed into place).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+__all__ = ["export_merged_model", "export_peft_adapter", "full_state_dict"]
+
+_PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped transformers model
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of ``model`` on the CPU on rank 0 (``{}`` on the other ranks)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return {k: v.detach() for k, v in state.items()} if _rank() == 0 else {}
+
+
+def _find(model: nn.Module, cls: type) -> tuple[str, nn.Module] | None:
+    for name, module in model.named_modules():
+        if isinstance(module, cls):
+            return (name + "." if name else ""), module
+    return None
+
+
+def _sub_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _write_atomically(path: str | os.PathLike, write) -> Path:
+    """Rank 0 runs ``write(tmp_dir)`` and renames ``tmp_dir`` to ``path``; all ranks wait."""
+    target = Path(path).absolute()
+    if _rank() == 0:
+        tmp = target.parent / f".{target.name}.tmp"
+        old = target.parent / f".{target.name}.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            write(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return target
+
+
+def export_peft_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write the LoRA adapter of ``model`` (anything containing a ``PeftModel``) in PEFT format."""
+    from peft import PeftModel
+
+    found = _find(model, PeftModel)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} holds no PeftModel: there is no adapter to export"
+        )
+    prefix, peft_model = found
+    state = _sub_state(full_state_dict(model), prefix)
+
+    def write(tmp: Path) -> None:
+        peft_model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+
+    return _write_atomically(path, write)
+
+
+def merged_state_dict(peft_model: nn.Module, state: dict[str, torch.Tensor]) -> dict:
+    """Fold each LoRA update into its base weight; keys of the wrapped transformers model.
+
+    ``state`` is the PeftModel's full state dict. Only plain ``lora.Linear`` layers with one
+    active adapter are supported (what the engine builds); anything else is a ``ValueError``
+    rather than a silently wrong merge.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    adapter = peft_model.active_adapter
+    if not isinstance(adapter, str):
+        raise ValueError(f"merging needs exactly one active adapter, got {adapter!r}")
+    merged = {k: v for k, v in state.items() if "lora_" not in k}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            raise ValueError(f"{name}: modules_to_save is not supported by the merged export")
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(module) is not LoraLinear or module.use_dora.get(adapter, False):
+            raise ValueError(f"{name}: only plain LoRA Linear layers can be merged")
+        if adapter not in module.lora_A:
+            continue
+        weight_key = f"{name}.base_layer.weight"
+        a = state[f"{name}.lora_A.{adapter}.weight"].double()
+        b = state[f"{name}.lora_B.{adapter}.weight"].double()
+        delta = (b @ a) * module.scaling[adapter]
+        if module.fan_in_fan_out:
+            delta = delta.T
+        base = merged[weight_key]
+        merged[weight_key] = (base.double() + delta).to(base.dtype)
+    out = {}
+    for key, value in merged.items():
+        if not key.startswith(_PEFT_BASE_PREFIX):
+            raise ValueError(f"unexpected key {key!r} outside the PEFT base model")
+        out[key[len(_PEFT_BASE_PREFIX) :].replace(".base_layer.", ".")] = value
+    return out
+
+
+def export_merged_model(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write the trained causal LM inside ``model`` in transformers format, LoRA merged in.
+
+    Without LoRA it is the fine-tuned model itself. The weights keep their training dtype.
+    """
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    full = full_state_dict(model)
+    found = _find(model, PeftModel)
+    if found is not None:
+        prefix, peft_model = found
+        base_model = peft_model.get_base_model()
+        state = merged_state_dict(peft_model, _sub_state(full, prefix)) if _rank() == 0 else {}
+    else:
+        located = _find(model, PreTrainedModel)
+        if located is None:
+            raise ValueError(f"{type(model).__name__} holds no transformers model to export")
+        prefix, base_model = located
+        state = _sub_state(full, prefix)
+
+    def write(tmp: Path) -> None:
+        base_model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+
+    return _write_atomically(path, write)
