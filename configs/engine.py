@@ -87,7 +87,9 @@ class EngineConfig:
     kernel_chunk_size: int | None = None
     gradient_checkpointing: bool = False
     pack_sequences: bool = False
-    check_grad_flow: bool = False
+    # Gradient-flow audit after backward: False (off), "warn" (log a warning) or "error" (raise);
+    # True means "warn".
+    check_grad_flow: bool | str = False
     dtype: str = (
         "auto"  # "auto": float32 on CPU, bfloat16 autocast on CUDA; or "float32" / "bfloat16"
     )
@@ -115,6 +117,12 @@ class EngineConfig:
         ):
             raise ValueError(
                 "seq_len_norm must be > 0 when loss_agg_mode is 'seq-mean-token-sum-norm'"
+            )
+        if self.check_grad_flow is True:
+            self.check_grad_flow = "warn"
+        if self.check_grad_flow not in (False, "warn", "error"):
+            raise ValueError(
+                f"check_grad_flow must be False, True, 'warn' or 'error', got {self.check_grad_flow!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")

@@ -1,1 +1,11 @@
-"""microrl.engine"""
+"""microrl.engine: the micro-batched training engine (design.md section 5).
+
+``ActorEngine`` (policy log-probs + policy loss) and ``CriticEngine`` (values + value loss) share
+the loop of ``Engine``; a new role overrides the head and the loss, not the loop.
+"""
+
+from microrl.engine.actor import ActorEngine
+from microrl.engine.base import Engine, LossFn
+from microrl.engine.critic import CriticEngine
+
+__all__ = ["ActorEngine", "CriticEngine", "Engine", "LossFn"]

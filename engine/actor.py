@@ -1,0 +1,117 @@
+"""ActorEngine: the policy. Per-token log-probs (and entropy) of the taken tokens; the policy loss."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from microrl.configs.engine import ActorConfig
+from microrl.engine.base import Engine
+from microrl.engine.heads import PolicyModel, fused_head_blocker
+from microrl.losses import policy_loss, sft_loss
+from microrl.losses.aggregation import LossDenominators
+from microrl.losses.metrics import Metric
+
+__all__ = ["ActorEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class ActorEngine(Engine):
+    """The policy engine: ``model_output`` holds ``logprobs`` (and ``entropy``) ``[B, T]``.
+
+    The head runs through :func:`microrl.kernels.fused_linear_logprob` when that is exact for the
+    model (a plain bias-free linear lm head, no logit scaling or soft-capping: see
+    :func:`~microrl.engine.heads.fused_head_blocker`); otherwise, or with
+    ``config.use_fused_kernel=False``, through the model's own forward and an fp32 log-softmax.
+    :attr:`uses_fused_kernel` tells which, and the choice is logged.
+
+    Entropy is computed by :meth:`infer_batch` and by training passes whose loss uses it
+    (``policy_loss.entropy_coef > 0``); otherwise it costs nothing.
+    """
+
+    config: ActorConfig
+    config_class = ActorConfig
+    loss_keys = ("loss_mask", "old_logprobs", "advantages")
+
+    def __init__(self, model, config: ActorConfig) -> None:
+        if isinstance(config, ActorConfig) and config.policy_loss.kl_coef > 0:
+            self.loss_keys = (*type(self).loss_keys, "ref_logprobs")
+        if isinstance(config, ActorConfig) and config.policy_loss.tis_cap is not None:
+            self.loss_keys = (*self.loss_keys, "rollout_logprobs")
+        super().__init__(model, config)
+
+    def _build_module(self, causal_lm: nn.Module) -> nn.Module:
+        fused = self.config.use_fused_kernel
+        if fused:
+            blocker = fused_head_blocker(causal_lm)
+            if blocker is not None:
+                logger.warning(
+                    "fused lm-head kernel not exact for this model (%s): eager path", blocker
+                )
+                fused = False
+        if fused:
+            logger.info("actor head: fused lm-head log-prob kernel")
+        elif not self.config.use_fused_kernel:
+            logger.info("actor head: eager path (use_fused_kernel=False)")
+        return PolicyModel(causal_lm, fused=fused, chunk_size=self.config.kernel_chunk_size)
+
+    def _head_forward(self, input_ids, position_ids, attention_mask, targets, *, training):
+        with_entropy = not training or self.config.policy_loss.entropy_coef > 0
+        logprobs, entropy = self.module(
+            input_ids,
+            position_ids,
+            attention_mask,
+            targets,
+            temperature=self.config.temperature,
+            with_entropy=with_entropy,
+        )
+        out = {"logprobs": logprobs}
+        if entropy is not None:
+            out["entropy"] = entropy
+        return out
+
+    def default_loss(
+        self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
+    ) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """``policy_loss`` per ``config.policy_loss`` (surrogate + KL + entropy bonus).
+
+        ``ref_logprobs`` (and ``rollout_logprobs``) are used whenever the batch carries them (the
+        ``kl`` metric is then reported even with ``kl_coef = 0``).
+        """
+        keys = micro_batch.keys()
+        return policy_loss(
+            output["logprobs"],
+            micro_batch["old_logprobs"],
+            micro_batch["advantages"],
+            micro_batch["loss_mask"],
+            denominators,
+            self.config.policy_loss,
+            self.config.loss_agg_mode,
+            ref_logprobs=micro_batch["ref_logprobs"] if "ref_logprobs" in keys else None,
+            entropy=output.get("entropy", None),
+            rollout_logprobs=micro_batch["rollout_logprobs"]
+            if "rollout_logprobs" in keys
+            else None,
+            validate=False,  # the engine checked the batch once at its boundary
+        )
+
+    def sft_loss(
+        self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
+    ) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """Negative log-likelihood of the ``loss_mask`` tokens: pass as ``loss_fn`` for SFT.
+
+        Needs only ``input_ids``, ``attention_mask`` and ``loss_mask`` in the batch, e.g.
+        ``engine.forward_backward_batch(batch, loss_fn=engine.sft_loss)``; for a full SFT step use
+        :meth:`train_batch` with ``loss_fn=engine.sft_loss``.
+        """
+        return sft_loss(
+            output["logprobs"],
+            micro_batch["loss_mask"],
+            denominators,
+            self.config.loss_agg_mode,
+            validate=False,
+        )

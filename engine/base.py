@@ -1,0 +1,418 @@
+"""The micro-batched training loop every engine role shares (design.md section 5).
+
+A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`, or a user's
+reward model) overrides three things only: :meth:`Engine._build_module` (the ``nn.Module`` that is
+differentiated), :meth:`Engine._head_forward` (one call of it) and :meth:`Engine.default_loss`
+(with :attr:`Engine.loss_keys`). The loop -- validation, global denominators, micro-batching,
+packing, token alignment, backward, metrics, optimizer step -- is written once, here.
+
+Hook points for distributed training and checkpoints: :attr:`dp_group`, :meth:`_wrap_model`,
+:meth:`_agree_num_micro_batches`, :meth:`save_checkpoint` / :meth:`load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from microrl.configs.engine import EngineConfig
+from microrl.engine import packing, setup
+from microrl.engine.heads import IGNORE_INDEX
+from microrl.engine.microbatch import (
+    compact_rows,
+    plan_micro_batches,
+    scatter_rows,
+    span_starts_and_lengths,
+)
+from microrl.engine.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_and_check,
+    grad_flow_report,
+)
+from microrl.engine.validation import check_batch
+from microrl.losses.aggregation import LossDenominators, global_denominators
+from microrl.losses.metrics import Metric, reduce_metrics
+
+__all__ = ["Engine", "LossFn"]
+
+logger = logging.getLogger(__name__)
+
+# loss_fn(output, micro_batch, denominators) -> (partial loss, metrics); `output` holds the
+# micro-batch's token-aligned model outputs *with* their graph, `micro_batch` its inputs, both in
+# the same compact [b, L] layout.
+LossFn = Callable[
+    [TensorDict, TensorDict, LossDenominators], tuple[torch.Tensor, dict[str, Metric]]
+]
+
+
+class Engine:
+    """Base engine: owns the module, the optimizer, the LR schedule and the micro-batch loop.
+
+    Args:
+        model: a transformers causal LM (``PreTrainedModel``) or a local checkpoint directory.
+        config: an :class:`~microrl.configs.EngineConfig` (or a role's subclass of it).
+    """
+
+    #: batch keys the default loss needs besides ``input_ids``/``attention_mask``.
+    loss_keys: tuple[str, ...] = ("loss_mask",)
+    config_class: type[EngineConfig] = EngineConfig
+
+    def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig) -> None:
+        if not isinstance(config, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.config_class.__name__}, "
+                f"got {type(config).__name__}"
+            )
+        self.config = config
+        self.device = setup.resolve_device(config)
+        #: the data-parallel process group; None when not distributed (set by the distributed layer).
+        self.dp_group: dist.ProcessGroup | None = None
+        self.global_step = 0
+        causal_lm = setup.load_causal_lm(model).to(self.device)
+        self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
+        causal_lm, self.peft_model = setup.apply_lora(causal_lm, config.lora)
+        if config.gradient_checkpointing:
+            setup.enable_gradient_checkpointing(causal_lm)
+        #: the transformers model (with LoRA layers injected), e.g. for ``generate``.
+        self.model = causal_lm
+        #: the trained nn.Module: the role's wrapper, possibly sharded.
+        self.module = self._wrap_model(self._build_module(causal_lm))
+        self.optimizer = build_optimizer(self._trainable_params(), config.optim)
+        self.lr_scheduler = build_scheduler(self.optimizer, config.optim)
+        self.last_step_metrics: dict[str, Metric] = {}
+
+    # ----------------------------------------------------------------- role hooks (override)
+    def _build_module(self, causal_lm: nn.Module) -> nn.Module:
+        """The role's ``nn.Module`` around the causal LM; :meth:`_head_forward` calls it once."""
+        raise NotImplementedError
+
+    def _head_forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        targets: torch.Tensor,
+        *,
+        training: bool,
+    ) -> dict[str, torch.Tensor]:
+        """One call of :attr:`module`; outputs aligned to the *predicting* position, ``[b, L]``.
+
+        ``targets[b, j]`` is the token that follows position ``j`` (``-100`` where none does);
+        the loop zeroes outputs there and shifts everything to token alignment.
+        """
+        raise NotImplementedError
+
+    def default_loss(
+        self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
+    ) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """The role's configured loss (used when ``loss_fn`` is None)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- hooks for distributed
+    def _wrap_model(self, module: nn.Module) -> nn.Module:
+        """Shard/wrap the role module after LoRA and checkpointing; unchanged when not distributed."""
+        return module
+
+    def _agree_num_micro_batches(self, n: int) -> int:
+        """The micro-batch count every DP rank will run (the max over ranks); ``n`` locally."""
+        return n
+
+    # ----------------------------------------------------------------- public API
+    def forward_backward_batch(
+        self,
+        batch: TensorDict | Mapping[str, torch.Tensor],
+        loss_fn: LossFn | None = None,
+        forward_only: bool = False,
+    ) -> dict[str, Any]:
+        """Run a whole mini-batch in micro-batches; accumulate gradients unless ``forward_only``.
+
+        Args:
+            batch: ``[B, T]`` TensorDict (design.md section 2); the loss keys are required unless
+                ``forward_only`` (then the loss is computed only when they are present).
+            loss_fn: ``loss_fn(output, micro_batch, denominators) -> (loss, metrics)``; None uses
+                :meth:`default_loss`. ``denominators`` are the mini-batch's global counts.
+            forward_only: no gradients, eval mode (old/ref log-probs, values).
+
+        Returns:
+            ``{"model_output": TensorDict [B, T] fp32 detached in the caller's row order,
+            "loss": float, "metrics": dict[str, float]}``.
+        """
+        keys = self._required_keys(loss_fn, forward_only)
+        batch = check_batch(batch, required=keys, vocab_size=self.vocab_size, device=self.device)
+        with_loss = loss_fn is not None or all(k in batch for k in self.loss_keys)
+        loss_fn = loss_fn or self.default_loss
+        starts, lengths = span_starts_and_lengths(batch["attention_mask"])
+        host_lengths = lengths.tolist()  # the one sync that planning needs
+        denominators = None
+        if with_loss:
+            # Design.md section 4: counted over the whole mini-batch (and all ranks) first.
+            denominators = global_denominators(
+                batch["loss_mask"], seq_len_norm=self.config.seq_len_norm, group=self.dp_group
+            )
+        plan = self._plan(host_lengths)
+        shape = tuple(batch["input_ids"].shape)
+        outputs: dict[str, torch.Tensor] = {}
+        losses, metrics = [], []
+        with self._mode(training=not forward_only), self._grad(forward_only):
+            for rows in plan:
+                real = bool(rows)
+                if not real:  # keeps the collective count equal across ranks; contributes 0
+                    rows = [0]
+                width = max(host_lengths[r] for r in rows)
+                micro = compact_rows(batch, rows, starts, lengths, width)
+                if not real and with_loss:
+                    micro["loss_mask"] = torch.zeros_like(micro["loss_mask"])
+                loss, step_metrics, output = self._forward_compact(
+                    micro, loss_fn if with_loss else None, denominators, training=not forward_only
+                )
+                if loss is not None:
+                    if not forward_only:
+                        loss.backward()
+                    losses.append(loss.detach() / denominators.grad_scale)
+                    metrics.append(step_metrics)
+                if not real:
+                    continue
+                for key, value in output.items():
+                    if key not in outputs:
+                        outputs[key] = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                    scatter_rows(value, rows, starts, lengths, outputs[key])
+        if not forward_only and with_loss and self.config.check_grad_flow:
+            self._audit_grad_flow(batch["loss_mask"])
+        if losses:
+            metrics.append({"loss": Metric(torch.stack(losses).sum())})
+        reduced = reduce_metrics(metrics, group=self.dp_group)
+        return {
+            "model_output": TensorDict(outputs, batch_size=[shape[0]], device=self.device),
+            "loss": reduced.pop("loss", 0.0),
+            "metrics": reduced,
+        }
+
+    def forward_step(
+        self,
+        micro_batch: TensorDict | Mapping[str, torch.Tensor],
+        loss_fn: LossFn | None = None,
+        forward_only: bool = False,
+        *,
+        denominators: LossDenominators | None = None,
+    ) -> tuple[torch.Tensor | None, TensorDict]:
+        """One micro-batch: forward, loss (when its inputs are present), detached outputs.
+
+        The returned loss still holds the graph (the caller runs ``backward``); the returned
+        outputs do not. ``denominators`` default to the counts of this micro-batch alone, i.e. it
+        is then treated as a whole mini-batch; inside a mini-batch pass the global ones.
+        Metrics of the step are left in :attr:`last_step_metrics`.
+        """
+        keys = self._required_keys(loss_fn, forward_only)
+        batch = check_batch(
+            micro_batch, required=keys, vocab_size=self.vocab_size, device=self.device
+        )
+        with_loss = loss_fn is not None or all(k in batch for k in self.loss_keys)
+        starts, lengths = span_starts_and_lengths(batch["attention_mask"])
+        rows = list(range(batch.batch_size[0]))
+        micro = compact_rows(batch, rows, starts, lengths, int(lengths.max()))
+        if with_loss and denominators is None:
+            denominators = global_denominators(
+                batch["loss_mask"], seq_len_norm=self.config.seq_len_norm, group=self.dp_group
+            )
+        with self._grad(forward_only):
+            loss, metrics, output = self._forward_compact(
+                micro,
+                (loss_fn or self.default_loss) if with_loss else None,
+                denominators,
+                training=self.module.training and not forward_only,
+            )
+        shape = tuple(batch["input_ids"].shape)
+        full = {}
+        for key, value in output.items():
+            full[key] = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            scatter_rows(value, rows, starts, lengths, full[key])
+        self.last_step_metrics = metrics
+        return loss, TensorDict(full, batch_size=[shape[0]], device=self.device)
+
+    def infer_batch(self, batch: TensorDict | Mapping[str, torch.Tensor]) -> TensorDict:
+        """No grad, eval mode: the role's outputs ``[B, T]`` fp32 in the caller's row order."""
+        return self.forward_backward_batch(batch, forward_only=True)["model_output"]
+
+    def optimizer_step(self) -> float:
+        """Clip to the global grad norm and step; a non-finite norm skips the step.
+
+        A skipped step leaves parameters, optimizer state, LR schedule and :attr:`global_step`
+        untouched and zeroes the gradients. Returns the grad norm (before clipping; may be nan/inf).
+        """
+        params = self._trainable_params()
+        norm = clip_and_check(params, self.config.optim.grad_clip)
+        norm_value = float(norm)  # one sync per optimizer step
+        self.last_step_skipped = not torch.isfinite(torch.tensor(norm_value)).item()
+        if self.last_step_skipped:
+            logger.warning("non-finite grad norm %s: optimizer step skipped", norm_value)
+        else:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.global_step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm_value
+
+    def train_batch(
+        self, batch: TensorDict | Mapping[str, torch.Tensor], loss_fn: LossFn | None = None
+    ) -> dict[str, float]:
+        """zero_grad + :meth:`forward_backward_batch` + :meth:`optimizer_step` (+ LR schedule).
+
+        ``loss_fn`` as in :meth:`forward_backward_batch` (None: the role's configured loss).
+
+        Returns the loss metrics plus ``loss``, ``grad_norm``, ``step_skipped`` (0/1) and ``lr``
+        (the learning rate this step used).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        result = self.forward_backward_batch(batch, loss_fn)
+        grad_norm = self.optimizer_step()
+        metrics = dict(result["metrics"])
+        metrics.update(
+            loss=result["loss"],
+            grad_norm=grad_norm,
+            step_skipped=float(self.last_step_skipped),
+            lr=lr,
+        )
+        return metrics
+
+    @contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Run the base weights (the reference policy) inside the block; LoRA is re-enabled after.
+
+        Raises ``RuntimeError`` without LoRA: the "reference" would silently be the trained policy
+        itself (KL always 0); keep a separate frozen engine as reference for a full fine-tune.
+        """
+        if self.peft_model is None:
+            raise RuntimeError(
+                "disable_adapter() needs LoRA (config.lora.rank > 0); with a full fine-tune the "
+                "base weights are gone: use a separate frozen engine as the reference policy"
+            )
+        with self.peft_model.disable_adapter():
+            yield
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Save module, optimizer, LR schedule, step, RNG and config (microrl.engine.checkpoint).
+
+        Atomic (written to a temporary directory, then renamed); under LoRA only the trainable
+        parameters (adapters, value head) are stored.
+        """
+        from microrl.engine import checkpoint
+
+        checkpoint.save_checkpoint(
+            path,
+            model=self.module,
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            step=self.global_step,
+            config=self.config,
+        )
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step."""
+        from microrl.engine import checkpoint
+
+        info = checkpoint.load_checkpoint(
+            path,
+            model=self.module,
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            config=self.config,
+        )
+        self.global_step = info.step
+
+    @property
+    def uses_fused_kernel(self) -> bool:
+        """Whether the head runs through the fused kernel (False for the eager path or a critic)."""
+        return bool(getattr(self.module, "fused", False))
+
+    # ----------------------------------------------------------------- internals
+    def _required_keys(self, loss_fn: LossFn | None, forward_only: bool) -> tuple[str, ...]:
+        if forward_only:
+            return ()
+        return ("loss_mask",) if loss_fn is not None else self.loss_keys
+
+    def _trainable_params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        kwargs = {
+            "micro_batch_size": self.config.micro_batch_size,
+            "max_tokens": self.config.max_tokens_per_micro_batch,
+            "packed": self.config.pack_sequences,
+        }
+        plan = plan_micro_batches(lengths, **kwargs)
+        agreed = self._agree_num_micro_batches(len(plan))
+        if agreed > len(plan):
+            plan = plan_micro_batches(lengths, **kwargs, min_micro_batches=agreed)
+        return plan
+
+    def _forward_compact(
+        self,
+        micro: TensorDict,
+        loss_fn: LossFn | None,
+        denominators: LossDenominators | None,
+        *,
+        training: bool,
+    ) -> tuple[torch.Tensor | None, dict[str, Metric], TensorDict]:
+        """Forward a compact right-padded ``[b, L]`` micro-batch; token-align the outputs; loss."""
+        valid = micro["attention_mask"]
+        ids, positions = micro["input_ids"], micro["position_ids"]
+        next_valid = F.pad(valid[:, 1:], (0, 1), value=False)
+        targets = torch.where(next_valid, F.pad(ids[:, 1:], (0, 1)), IGNORE_INDEX)
+        if self.config.pack_sequences:
+            inputs = (packing.pack(ids, valid), packing.pack(positions, valid), None)
+            packed_targets = packing.pack(targets, valid)
+        else:
+            inputs, packed_targets = (ids, positions, valid.long()), targets
+        with setup.autocast_context(self.config, self.device):
+            raw = self._head_forward(*inputs, packed_targets, training=training)
+        zero = torch.zeros((), dtype=torch.float32, device=ids.device)
+        aligned = {}
+        for key, value in raw.items():
+            value = value.float()
+            if self.config.pack_sequences:
+                value = packing.unpack(value, valid)
+            value = torch.where(next_valid, value, zero)
+            aligned[key] = F.pad(value[:, :-1], (1, 0))  # prediction from j -> token j + 1
+        output = TensorDict(aligned, batch_size=[ids.shape[0]], device=ids.device)
+        loss, metrics = None, {}
+        if loss_fn is not None:
+            loss, metrics = loss_fn(output, micro, denominators)
+        return loss, metrics, output.detach()
+
+    @contextmanager
+    def _mode(self, *, training: bool) -> Iterator[None]:
+        """Train mode for gradient passes, eval mode (no dropout) otherwise; restored after."""
+        previous = self.module.training
+        self.module.train(training)
+        try:
+            yield
+        finally:
+            self.module.train(previous)
+
+    @staticmethod
+    def _grad(forward_only: bool) -> Any:
+        return torch.no_grad() if forward_only else nullcontext()
+
+    def _audit_grad_flow(self, loss_mask: torch.Tensor) -> None:
+        if not bool(loss_mask.any()):  # no loss token: zero gradients are the right answer
+            return
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        dead = grad_flow_report(named)
+        if not dead:
+            return
+        shown = ", ".join(dead[:8]) + (f", ... ({len(dead)} in all)" if len(dead) > 8 else "")
+        message = f"grad-flow audit: trainable parameters without gradient: {shown}"
+        if self.config.check_grad_flow == "error":
+            raise RuntimeError(message)
+        logger.warning(message)

@@ -1,0 +1,209 @@
+"""The modules the engine differentiates: one ``nn.Module`` call from token ids to per-token outputs.
+
+Each wrapper owns the transformers model (or its decoder body) as a submodule and is the root the
+engine trains, so a sharding wrapper (FSDP2) installed on it unshards the lm-head weight in its
+pre-forward hook and the fused kernel sees the full weight. No transformers class is patched: the
+wrappers only call the model's public ``forward`` / ``get_decoder()`` / ``get_output_embeddings()``.
+
+All outputs are aligned to the *predicting* position: entry ``[.., j]`` is computed from the hidden
+state of token ``j`` and concerns token ``j + 1`` (the engine shifts them to token alignment).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PolicyModel", "ValueModel", "decoder_body", "fused_head_blocker"]
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # target of a position with no next token (the kernel's ignore_index)
+
+# Config attributes of transformers models that change the logits after the lm-head matmul
+# (Gemma 2/3 soft-capping, Cohere logit scale, Granite logits scaling, muP-style multipliers).
+# A non-trivial value of any of them means ``hidden @ W.T`` is not the model's logits.
+_LOGIT_TRANSFORM_ATTRS = (
+    "final_logit_softcapping",
+    "logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "logit_multiplier",
+    "output_multiplier_scale",
+    "lm_head_multiplier",
+    "mup_width_multiplier",
+    "width_multiplier",
+    "dim_model_base",
+)
+# Relative tolerance of the probe that compares the model's logits with ``lm_head(hidden)``: both
+# run the same fp32 matmul, so anything beyond rounding noise is a real transformation.
+_PROBE_RTOL = 1e-4
+_PROBE_TOKENS = 8  # a handful of tokens suffice to reveal a transformation of the logits
+
+
+def decoder_body(causal_lm: nn.Module) -> nn.Module:
+    """The model without its head (``get_decoder()``), returning ``last_hidden_state``."""
+    get = getattr(causal_lm, "get_decoder", None)
+    body = get() if callable(get) else None
+    if body is None or body is causal_lm:
+        raise TypeError(
+            f"{type(causal_lm).__name__} exposes no decoder body (get_decoder()); the engine needs "
+            "a transformers causal LM"
+        )
+    return body
+
+
+def fused_head_blocker(causal_lm: nn.Module) -> str | None:
+    """Why the fused kernel would not be exact for this model, or ``None`` when it is.
+
+    The fused path computes ``log_softmax(hidden @ W.T / T)``; it is exact only when the model's
+    logits are exactly a bias-free linear map of the body's final hidden state. Checked three ways:
+    the head's type and bias, known logit-transforming config attributes, and a tiny numerical
+    probe (the model's own logits against ``lm_head(body(x))``) that catches anything else.
+    """
+    head = causal_lm.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        return f"the lm head is a {type(head).__name__}, not a plain nn.Linear"
+    if head.bias is not None:
+        return "the lm head has a bias"
+    config = getattr(causal_lm, "config", None)
+    for attr in _LOGIT_TRANSFORM_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, (int, float)) and value not in (0, 1):
+            return f"config.{attr} = {value} transforms the logits"
+    try:
+        body = decoder_body(causal_lm)
+    except TypeError as error:
+        return str(error)
+    return _probe_logits(causal_lm, body, head)
+
+
+@torch.no_grad()
+def _probe_logits(causal_lm: nn.Module, body: nn.Module, head: nn.Linear) -> str | None:
+    was_training = causal_lm.training
+    causal_lm.eval()
+    try:
+        device = head.weight.device
+        ids = torch.arange(_PROBE_TOKENS, device=device).unsqueeze(0) % head.out_features
+        logits = causal_lm(input_ids=ids, use_cache=False).logits.float()
+        hidden = body(input_ids=ids, use_cache=False).last_hidden_state
+        direct = F.linear(hidden, head.weight).float()
+    finally:
+        causal_lm.train(was_training)
+    scale = direct.abs().max().clamp_min(1e-6)
+    if logits.shape != direct.shape or (logits - direct).abs().max() > _PROBE_RTOL * scale:
+        return "the model's logits differ from lm_head(final hidden state)"
+    return None
+
+
+class PolicyModel(nn.Module):
+    """Causal LM -> per-position log-probs of the next token (and the entropy of its distribution).
+
+    ``fused=True``: body to final hidden states, then :func:`microrl.kernels.fused_linear_logprob`
+    with the lm-head weight (the ``[N, V]`` logits never exist). ``fused=False``: the model's own
+    forward (its head, bias, soft-capping, scaling, ...) then an fp32 ``log_softmax``.
+    """
+
+    def __init__(self, causal_lm: nn.Module, *, fused: bool, chunk_size: int | None = None):
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.fused = fused
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float | torch.Tensor = 1.0,
+        with_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
+
+        ``targets[b, j]`` is the token predicted from position ``j`` (``-100``: none, output 0).
+        """
+        inputs = {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+            "use_cache": False,
+        }
+        if self.fused:
+            from microrl.kernels import fused_linear_logprob  # TODO(engine): top-level once landed
+
+            hidden = decoder_body(self.causal_lm)(**inputs).last_hidden_state
+            weight = self.causal_lm.get_output_embeddings().weight
+            if weight.dtype != hidden.dtype:  # autocast: run the head in the activations' dtype
+                weight = weight.to(hidden.dtype)
+            return fused_linear_logprob(
+                hidden,
+                weight,
+                targets,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                chunk_size=self.chunk_size,
+            )
+        logits = self.causal_lm(**inputs).logits
+        return eager_logprob(logits, targets, temperature, with_entropy)
+
+
+def eager_logprob(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | torch.Tensor,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_softmax(logits / T)`` gathered at ``targets`` (fp32); entropy of the same distribution."""
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        temperature = temperature.unsqueeze(-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    valid = targets != IGNORE_INDEX
+    picked = logp.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
+    zero = torch.zeros((), dtype=picked.dtype, device=picked.device)
+    logprobs = torch.where(valid, picked, zero)
+    entropy = None
+    if with_entropy:
+        entropy = torch.where(valid, -(logp.exp() * logp).sum(-1), zero)
+    return logprobs, entropy
+
+
+class ValueModel(nn.Module):
+    """Decoder body -> a scalar value per position through a ``Linear(H, 1)`` value head.
+
+    The head starts from ``N(0, 1/(H+1))`` weights and a zero bias: small values, but not a zero
+    weight, which would give the backbone no gradient on the first steps.
+    """
+
+    def __init__(self, body: nn.Module, hidden_size: int, *, seed: int = 0):
+        super().__init__()
+        self.body = body
+        param = next(body.parameters())
+        self.value_head = nn.Linear(hidden_size, 1, device=param.device, dtype=torch.float32)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        std = 1.0 / math.sqrt(hidden_size + 1)
+        weight = torch.randn(self.value_head.weight.shape, generator=generator) * std
+        with torch.no_grad():
+            self.value_head.weight.copy_(weight)
+            self.value_head.bias.zero_()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``[b, L]`` ids -> ``[b, L]`` fp32 values (one per position)."""
+        hidden = self.body(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+        ).last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()

@@ -1,0 +1,212 @@
+"""Micro-batch planning and the compact layout (pure functions, no model).
+
+Two jobs, both independent of the model:
+
+1. **Planning** (:func:`plan_micro_batches`): which rows of a mini-batch go into which micro-batch,
+   either ``micro_batch_size`` rows at a time or under a strict token budget. Rows are sorted by
+   length first so each micro-batch holds similar lengths (little padding); the caller restores
+   the original row order afterwards, and the loss contract (design.md section 4) makes the result
+   independent of the split.
+2. **Compaction** (:func:`compact_rows` / :func:`scatter_rows`): a micro-batch is gathered into a
+   *right-padded* ``[b, L]`` block where ``L`` is its longest real span. Left, right and mixed
+   padding of the caller's batch therefore all run the very same computation (identical
+   log-probs), and no compute is spent on columns that are padding in every row.
+
+A row's real tokens must be one contiguous span (padding on the left, the right, or both); the
+engine validates that at its public boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict
+
+__all__ = [
+    "compact_rows",
+    "micro_batch_cost",
+    "plan_micro_batches",
+    "scatter_rows",
+    "span_starts_and_lengths",
+]
+
+
+def micro_batch_cost(lengths: Sequence[int], *, packed: bool) -> int:
+    """Tokens a micro-batch costs: real tokens when packed, ``rows * longest`` when padded."""
+    if not lengths:
+        return 0
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
+    *,
+    micro_batch_size: int | None = None,
+    max_tokens: int | None = None,
+    packed: bool = False,
+    min_micro_batches: int = 1,
+) -> list[list[int]]:
+    """Split row indices into micro-batches.
+
+    Args:
+        lengths: real-token count of each row of the mini-batch (``[B]``).
+        micro_batch_size: fixed number of rows per micro-batch (exclusive with ``max_tokens``).
+        max_tokens: strict budget of :func:`micro_batch_cost` per micro-batch. No micro-batch
+            exceeds it, except a single row that is longer on its own.
+        packed: whether the cost counts real tokens (sequence packing) or padded ``rows * L``.
+        min_micro_batches: at least this many micro-batches (empty ones appended when there are
+            fewer rows), so every data-parallel rank can run the same count.
+
+    Returns:
+        A list of row-index lists; every row appears exactly once. Rows are grouped by length
+        (longest first) and the groups are balanced: their largest cost is as small as the
+        number of groups allows.
+    """
+    if (micro_batch_size is None) == (max_tokens is None):
+        raise ValueError("set exactly one of micro_batch_size or max_tokens")
+    if min_micro_batches < 1:
+        raise ValueError(f"min_micro_batches must be >= 1, got {min_micro_batches}")
+    lengths = [int(n) for n in lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError("lengths must be >= 0")
+    # Longest first; ties keep the original order so a plan is deterministic.
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if micro_batch_size is not None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        groups = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    elif max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    elif packed:
+        groups = _plan_packed(order, lengths, max_tokens, min_micro_batches)
+    else:
+        groups = _plan_padded(order, lengths, max_tokens, min_micro_batches)
+    groups = [g for g in groups if g]
+    while len(groups) < min_micro_batches:
+        groups.append([])
+    return groups
+
+
+def _plan_padded(order: list[int], lengths: list[int], budget: int, k_min: int) -> list[list[int]]:
+    """Consecutive runs of the length-sorted rows (similar lengths share padding).
+
+    The fewest runs under ``budget`` come from a greedy pass; then a binary search finds the
+    smallest cap that still needs no more runs, which balances them.
+    """
+    if not order:
+        return []
+
+    def runs(cap: int) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i in order:
+            # Sorted longest first, so the first row of a run sets its padded width.
+            if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= cap:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+
+    target = max(len(runs(budget)), min(k_min, len(order)))
+    low = max(lengths[order[0]], 1)  # a single longest row always costs this much
+    high = max(budget, low)
+    while low < high:
+        mid = (low + high) // 2
+        if len(runs(mid)) <= target:
+            high = mid
+        else:
+            low = mid + 1
+    return runs(low)
+
+
+def _plan_packed(order: list[int], lengths: list[int], budget: int, k_min: int) -> list[list[int]]:
+    """Longest-processing-time bin packing: each row to the least-loaded of ``k`` bins.
+
+    ``k`` starts at the lower bound ``ceil(total / budget)`` and grows until every bin fits,
+    which also balances the bins (LPT is within 4/3 of the optimal makespan).
+    """
+    if not order:
+        return []
+    total = sum(lengths[i] for i in order)
+    k = max(-(-total // budget), min(k_min, len(order)), 1)
+    while True:
+        bins: list[list[int]] = [[] for _ in range(k)]
+        loads = [0] * k
+        for i in order:
+            j = min(range(k), key=lambda b: (loads[b], b))
+            bins[j].append(i)
+            loads[j] += lengths[i]
+        if all(load <= budget or len(b) == 1 for load, b in zip(loads, bins, strict=True)):
+            return bins
+        k += 1
+
+
+def span_starts_and_lengths(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First real column and real-token count of each row of a contiguous ``[B, T]`` mask."""
+    mask = attention_mask.to(torch.bool)
+    lengths = mask.sum(dim=1)
+    starts = torch.where(lengths > 0, mask.to(torch.int8).argmax(dim=1), torch.zeros_like(lengths))
+    return starts, lengths
+
+
+def compact_rows(
+    batch: TensorDict,
+    rows: Sequence[int],
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    width: int,
+) -> TensorDict:
+    """Gather ``rows`` of ``batch`` into a right-padded ``[b, width]`` micro-batch.
+
+    Every ``[B, T]`` entry is gathered along the token axis so that column ``j`` of the result is
+    column ``starts[row] + j`` of the input; columns past a row's length hold 0 / False. Entries
+    of another shape (e.g. a per-row ``[B]`` tensor) are just indexed by row. ``attention_mask``
+    and ``position_ids`` are rebuilt from the lengths (position ``j`` for the ``j``-th real token).
+    """
+    device = batch.device if batch.device is not None else batch["input_ids"].device
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+    num_cols = batch["input_ids"].shape[1]
+    cols = torch.arange(width, device=device)
+    span = lengths.index_select(0, index).unsqueeze(1)
+    valid = cols.unsqueeze(0) < span
+    gather_cols = (starts.index_select(0, index).unsqueeze(1) + cols).clamp(max=num_cols - 1)
+    out = {}
+    for key, value in batch.items():
+        if key in ("attention_mask", "position_ids"):
+            continue
+        picked = value.index_select(0, index)
+        if picked.dim() >= 2 and picked.shape[1] == num_cols:
+            idx = gather_cols.reshape(*gather_cols.shape, *([1] * (picked.dim() - 2)))
+            picked = picked.gather(1, idx.expand(-1, -1, *picked.shape[2:]))
+            keep = valid.reshape(*valid.shape, *([1] * (picked.dim() - 2)))
+            picked = torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=device))
+        out[key] = picked
+    out["attention_mask"] = valid
+    out["position_ids"] = torch.where(valid, cols.unsqueeze(0), 0).expand(len(index), -1)
+    return TensorDict(out, batch_size=[len(index)], device=batch.device)
+
+
+def scatter_rows(
+    compact: torch.Tensor,
+    rows: Sequence[int],
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Inverse of :func:`compact_rows` for one ``[b, width]`` output: write it into ``out [B, T]``.
+
+    Only each row's real span is written; the rest of ``out`` keeps its zeros.
+    """
+    if not len(rows):
+        return
+    device = out.device
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+    num_cols = out.shape[1]
+    cols = torch.arange(compact.shape[1], device=device)
+    valid = cols.unsqueeze(0) < lengths.index_select(0, index).unsqueeze(1)
+    # Padding columns of the compact block go to one extra scratch column, dropped afterwards, so
+    # no two writes ever target the same place.
+    target_cols = torch.where(valid, starts.index_select(0, index).unsqueeze(1) + cols, num_cols)
+    block = torch.cat([out.index_select(0, index), out.new_zeros(len(index), 1)], dim=1)
+    block.scatter_(1, target_cols, compact.to(out.dtype))
+    out.index_copy_(0, index, block[:, :num_cols])

@@ -1,0 +1,88 @@
+"""Optimizer, learning-rate schedule, guarded step and the gradient-flow audit."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from microrl.configs.engine import OptimConfig, Schedule
+
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "clip_and_check",
+    "grad_flow_report",
+    "lr_factor",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def build_optimizer(params: Iterable[nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (default) or SGD over the trainable parameters."""
+    params = list(params)
+    if not params:
+        raise ValueError("the model has no trainable parameter (requires_grad=True)")
+    if config.name == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
+
+
+def lr_factor(step: int, config: OptimConfig) -> float:
+    """Multiplier of ``optim.lr`` at optimizer step ``step`` (0-based).
+
+    Linear warmup over ``warmup_steps`` (the first step already uses ``1 / warmup_steps``, never
+    a zero learning rate), then constant, cosine or linear decay to ``min_lr_ratio`` at
+    ``total_steps``.
+    """
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule is Schedule.CONSTANT:
+        return 1.0
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    if config.schedule is Schedule.COSINE:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: OptimConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+
+
+def clip_and_check(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Global grad norm (clipping to ``max_norm`` when set); a 0-d tensor, possibly non-finite.
+
+    ``clip_grad_norm_`` reduces over DTensor shards too, so this is the global norm under FSDP.
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return torch.zeros(())
+    limit = float("inf") if max_norm is None else max_norm
+    return torch.nn.utils.clip_grad_norm_(with_grad, limit, error_if_nonfinite=False)
+
+
+def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
+    """Names of trainable parameters whose gradient is ``None`` or all zero.
+
+    One fused reduction over all gradients (``torch._foreach_norm``) and one host sync, so the
+    audit costs about one extra read of the gradients.
+    """
+    dead = [name for name, p in named_params if p.grad is None]
+    with_grad = [(name, p.grad) for name, p in named_params if p.grad is not None]
+    if with_grad:
+        grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in with_grad]
+        norms = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
+        zero = (norms == 0).tolist()
+        dead += [name for (name, _), is_zero in zip(with_grad, zero, strict=True) if is_zero]
+    return dead
