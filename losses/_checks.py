@@ -55,9 +55,12 @@ def check_token_inputs(
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.shape != loss_mask.shape:
+            hint = ""
+            if tensor.dim() == 1 and tensor.shape[0] == loss_mask.shape[0]:
+                hint = " (a per-sequence [B] value: spread it with broadcast_to_tokens)"
             raise ValueError(
                 f"{name} must have the shape of loss_mask {tuple(loss_mask.shape)}, "
-                f"got {tuple(tensor.shape)}"
+                f"got {tuple(tensor.shape)}{hint}"
             )
         if not tensor.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")

@@ -54,11 +54,11 @@ def gae_advantages(
     check_finite(mask, {"rewards": rewards, "values": values})
     r = torch.where(mask, rewards.double(), 0.0)
     v = torch.where(mask, values.double(), 0.0)
-    batch, length = mask.shape
+    batch = mask.shape[0]
     next_value = torch.zeros(batch, dtype=torch.float64, device=v.device)
     running = torch.zeros_like(next_value)
     advantages = torch.zeros_like(v)
-    for t in range(length - 1, -1, -1):
+    for t in reversed(_active_columns(mask)):
         delta = r[:, t] + gamma * next_value - v[:, t]
         candidate = delta + gamma * lam * running
         m = mask[:, t]
@@ -67,3 +67,13 @@ def gae_advantages(
         advantages[:, t] = torch.where(m, candidate, 0.0)
     returns = torch.where(mask, advantages + v, 0.0)
     return advantages.to(values.dtype), returns.to(values.dtype)
+
+
+def _active_columns(mask: torch.Tensor) -> range:
+    """Columns from the first to the last one holding a loss token (one host sync): the
+    backward recursion need not walk the prompt and padding columns."""
+    active = mask.any(dim=0).nonzero()
+    if active.numel() == 0:
+        return range(0)
+    first, last = (int(i) for i in active[[0, -1], 0].tolist())
+    return range(first, last + 1)

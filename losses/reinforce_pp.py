@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_finite
+from .gae import _active_columns
 from .group import GroupAdvantageInfo, _info, group_stats
 from .whiten import whiten
 
@@ -67,7 +68,7 @@ def reinforce_pp_advantages(
     else:
         advantages = torch.zeros_like(r)
         running = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)
-        for t in range(r.shape[1] - 1, -1, -1):
+        for t in reversed(_active_columns(mask)):
             running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
             advantages[:, t] = torch.where(mask[:, t], running, 0.0)
     if whiten_advantages:
