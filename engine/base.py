@@ -376,13 +376,16 @@ class Engine:
             inputs, packed_targets = (ids, positions, valid.long()), targets
         with setup.autocast_context(self.config, self.device):
             raw = self._head_forward(*inputs, packed_targets, training=training)
-        zero = torch.zeros((), dtype=torch.float32, device=ids.device)
         aligned = {}
         for key, value in raw.items():
-            value = value.float()
+            # fp32 for the loss (bf16 under autocast is too coarse); fp64 models keep fp64 so
+            # exactness tests can compare at fp64 precision. Returned outputs are fp32 anyway.
+            value = value if value.dtype == torch.float64 else value.float()
             if self.config.pack_sequences:
                 value = packing.unpack(value, valid)
-            value = torch.where(next_valid, value, zero)
+            value = torch.where(
+                next_valid, value, torch.zeros((), dtype=value.dtype, device=value.device)
+            )
             aligned[key] = F.pad(value[:, :-1], (1, 0))  # prediction from j -> token j + 1
         output = TensorDict(aligned, batch_size=[ids.shape[0]], device=ids.device)
         loss, metrics = None, {}

@@ -163,7 +163,8 @@ def eager_logprob(
     """``log_softmax(logits / T)`` gathered at ``targets`` (fp32); entropy of the same distribution."""
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
         temperature = temperature.unsqueeze(-1)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     valid = targets != IGNORE_INDEX
     picked = logp.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
     zero = torch.zeros((), dtype=picked.dtype, device=picked.device)
@@ -185,10 +186,12 @@ class ValueModel(nn.Module):
         super().__init__()
         self.body = body
         param = next(body.parameters())
-        self.value_head = nn.Linear(hidden_size, 1, device=param.device, dtype=torch.float32)
+        # The head follows the body's parameter dtype (fp32 by default; fp64 in exactness tests).
+        dtype = param.dtype if param.dtype == torch.float64 else torch.float32
+        self.value_head = nn.Linear(hidden_size, 1, device=param.device, dtype=dtype)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         std = 1.0 / math.sqrt(hidden_size + 1)
-        weight = torch.randn(self.value_head.weight.shape, generator=generator) * std
+        weight = torch.randn(self.value_head.weight.shape, generator=generator, dtype=dtype) * std
         with torch.no_grad():
             self.value_head.weight.copy_(weight)
             self.value_head.bias.zero_()
@@ -206,4 +209,5 @@ class ValueModel(nn.Module):
             attention_mask=attention_mask,
             use_cache=False,
         ).last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return values if values.dtype == torch.float64 else values.float()

@@ -89,4 +89,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     LoRA parameters inside get gradients even when the embedding (the checkpoint's only input) is
     frozen; the reentrant variant would need ``enable_input_require_grads``.
     """
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
