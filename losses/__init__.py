@@ -4,6 +4,24 @@ Torch only (no transformers, peft or accelerate). Every loss takes ``[B, T]`` to
 tensors, a loss mask, the mini-batch's global :class:`LossDenominators` and a
 ``loss_agg_mode``, and returns this micro-batch's *partial* loss plus summable :class:`Metric` s
 (design.md sections 2 and 4): summed over micro-batches and ranks they are exact.
+
+A GRPO step, end to end::
+
+    adv, info = grpo_advantages(scores, group_ids)                 # [B], zero-variance groups -> 0
+    batch = batch[info.keep_index()]                               # optional: drop them, aligned
+    batch["advantages"] = broadcast_to_tokens(adv[info.keep_index()], batch["loss_mask"])
+    denominators = global_denominators(batch["loss_mask"])         # once per mini-batch
+    for micro in batch.split(micro_batch_size):                    # the engine's loop
+        loss, metrics = policy_loss(logprobs, micro["old_logprobs"], micro["advantages"],
+                                    micro["loss_mask"], denominators, config, "token-mean")
+        loss.backward()
+    log = reduce_metrics(all_micro_batch_metrics)                  # Python floats, exact
+
+PPO: ``scores_to_token_rewards`` -> ``gae_advantages`` (-> ``whiten``) for the actor,
+``value_loss`` on the returns for the critic. One algorithm per module: ``ppo``, ``gspo``,
+``cispo``, ``reinforce`` (surrogates), ``kl``, ``entropy``, ``tis``, ``value``, ``sft``, ``gae``,
+``group`` (GRPO, RLOO), ``reinforce_pp``, ``whiten``; ``policy`` dispatches by
+:class:`PolicyLossType`.
 """
 
 from .aggregation import (
