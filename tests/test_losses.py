@@ -644,3 +644,46 @@ def test_value_and_sft_reject_non_finite_and_mismatches():
         )
     with pytest.raises(ValueError, match="entropy"):
         entropy_bonus(bad, mask, d, "token-mean")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradcheck_where_the_loss_is_its_own_gradient(mode):
+    """Finite differences, independent of autograd's bookkeeping, for the losses whose gradient
+    is the derivative of their value (not the straight-through / stop-gradient ones)."""
+    batch = make_batch(torch.float64, seed=13, batch=3, length=6)
+    mask = batch["loss_mask"]
+    d = denominators_for(mask)
+    cfg = PolicyLossConfig(kl_coef=0.2, kl_estimator="k3", entropy_coef=0.1, clip_ratio_c=2.0)
+
+    def policy(lp, ent):
+        return policy_loss(
+            lp,
+            batch["old_logprobs"],
+            batch["advantages"],
+            mask,
+            d,
+            cfg,
+            mode,
+            ref_logprobs=batch["ref_logprobs"],
+            entropy=ent,
+            validate=False,
+        )[0]
+
+    def value(v):
+        return value_loss(
+            v,
+            batch["ref_logprobs"],
+            batch["old_logprobs"],
+            mask,
+            d,
+            mode,
+            cliprange_value=0.3,
+            validate=False,
+        )[0]
+
+    lp, ent = leaf(batch["logprobs"]), leaf(batch["entropy"])
+    assert torch.autograd.gradcheck(policy, (lp, ent), eps=1e-7, atol=1e-6)
+    assert torch.autograd.gradcheck(value, (leaf(batch["logprobs"]),), eps=1e-7, atol=1e-6)
+    assert torch.autograd.gradcheck(
+        lambda x: sft_loss(x, mask, d, mode, validate=False)[0], (lp,), eps=1e-7, atol=1e-6
+    )
