@@ -153,7 +153,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_
         model_sd, optim_sd = get_model_state_dict(model, options=options), None
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    tensors: dict[str, Any] = {"model": dict(model_sd)}
+    model_sd, aliases = _drop_aliases(model_sd)
+    tensors: dict[str, Any] = {"model": model_sd}
     optim_json: dict[str, Any] | None = None
     if optim_sd is not None:
         tensor_state: dict[str, dict[str, torch.Tensor]] = {}
@@ -170,8 +171,27 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_
             "param_groups": to_jsonable(optim_sd["param_groups"]),
             "scalar_state": scalar_state,
         }
-    shapes = {k: (list(v.shape), str(v.dtype)) for k, v in model_sd.items()}
-    return tensors, optim_json, shapes
+    return tensors, optim_json, aliases
+
+
+def _drop_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Keep one name per storage (tied embeddings): safetensors refuses shared tensors.
+
+    Returns the de-duplicated state and ``{alias: kept name}``; loading the kept name fills the
+    alias too, since both are the same parameter.
+    """
+    seen: dict[tuple, str] = {}
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, value in state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if local.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        kept[name] = value
+    return kept, aliases
 
 
 def _flat_tensor_specs(tensors: Mapping[str, Any], prefix: str = "") -> dict[str, list]:
@@ -249,7 +269,7 @@ def save_checkpoint(
     rank, world = _rank(), _world()
     config_json = to_jsonable(config) if config is not None else None
     sched_json = to_jsonable(scheduler.state_dict()) if scheduler is not None else None
-    tensors, optim_json, _ = _state(model, optimizer, trainable_only)
+    tensors, optim_json, aliases = _state(model, optimizer, trainable_only)
     if rank == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
@@ -278,6 +298,7 @@ def save_checkpoint(
                 "trainable_only": trainable_only,
                 "rng": rng,
                 "tensors": _flat_tensor_specs(tensors),
+                "aliases": aliases,
                 "optimizer": optim_json,
                 "scheduler": sched_json,
                 "files": files,
@@ -434,7 +455,12 @@ def load_checkpoint(
             f"checkpoint {root} holds {saved_opt['class']} state, the optimizer is "
             f"{type(optimizer).__name__}"
         )
-    tensors, _, _ = _state(model, optimizer, manifest["trainable_only"])
+    tensors, _, aliases = _state(model, optimizer, manifest["trainable_only"])
+    if aliases != manifest["aliases"]:
+        raise CheckpointError(
+            f"checkpoint {root} ties parameters {manifest['aliases']}, the model {aliases} "
+            "(tie_word_embeddings differs?)"
+        )
     saved_specs = manifest["tensors"]
     if optimizer is None:
         saved_specs = {k: v for k, v in saved_specs.items() if not k.startswith("optim.")}

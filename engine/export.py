@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-__all__ = ["export_merged_model", "export_peft_adapter", "full_state_dict"]
+__all__ = ["export_merged_model", "export_peft_adapter", "full_state_dict", "merged_state_dict"]
 
 _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped transformers model
 
@@ -76,17 +76,43 @@ def _write_atomically(path: str | os.PathLike, write) -> Path:
     return target
 
 
-def export_peft_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write the LoRA adapter of ``model`` (anything containing a ``PeftModel``) in PEFT format."""
+def _locate_base(model: nn.Module) -> tuple[str, nn.Module]:
+    """The outermost transformers ``PreTrainedModel`` inside ``model`` and its name prefix."""
+    from transformers import PreTrainedModel
+
+    found = _find(model, PreTrainedModel)
+    if found is None:
+        raise ValueError(f"{type(model).__name__} holds no transformers model to export")
+    return found
+
+
+def export_peft_adapter(
+    model: nn.Module, path: str | os.PathLike, *, peft_model: nn.Module | None = None
+) -> Path:
+    """Write the LoRA adapter trained inside ``model`` in PEFT's format.
+
+    Args:
+        model: the trained module (e.g. ``engine.module``), sharded or not.
+        path: output directory, loadable with ``PeftModel.from_pretrained(base, path)``.
+        peft_model: the ``PeftModel`` that injected the adapters (``engine.peft_model``); found
+            inside ``model`` when omitted.
+    """
     from peft import PeftModel
 
-    found = _find(model, PeftModel)
-    if found is None:
+    if peft_model is None:
+        found = _find(model, PeftModel)
+        peft_model = found[1] if found is not None else None
+    if not isinstance(peft_model, PeftModel):
         raise ValueError(
-            f"{type(model).__name__} holds no PeftModel: there is no adapter to export"
+            f"no PeftModel for {type(model).__name__}: there is no adapter to export "
+            "(pass peft_model=engine.peft_model when the module holds only the base model)"
         )
-    prefix, peft_model = found
-    state = _sub_state(full_state_dict(model), prefix)
+    prefix, base = _locate_base(model)
+    if base is not peft_model.get_base_model():
+        raise ValueError("peft_model does not wrap the transformers model inside model")
+    state = {
+        _PEFT_BASE_PREFIX + k: v for k, v in _sub_state(full_state_dict(model), prefix).items()
+    }
 
     def write(tmp: Path) -> None:
         peft_model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
@@ -94,68 +120,57 @@ def export_peft_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     return _write_atomically(path, write)
 
 
-def merged_state_dict(peft_model: nn.Module, state: dict[str, torch.Tensor]) -> dict:
-    """Fold each LoRA update into its base weight; keys of the wrapped transformers model.
+def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
+    """Fold each LoRA update ``scaling * B @ A`` into its base weight (float64 sum).
 
-    ``state`` is the PeftModel's full state dict. Only plain ``lora.Linear`` layers with one
-    active adapter are supported (what the engine builds); anything else is a ``ValueError``
-    rather than a silently wrong merge.
+    Args:
+        base: the transformers model with LoRA layers injected by peft.
+        state: its full state dict (keys relative to ``base``).
+
+    Returns the state dict of the plain transformers model (no ``base_layer`` or ``lora_`` keys).
+    Only plain ``lora.Linear`` layers with one active adapter are supported (what the engine
+    builds); anything else is a ``ValueError`` rather than a silently wrong merge.
     """
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
-    adapter = peft_model.active_adapter
-    if not isinstance(adapter, str):
-        raise ValueError(f"merging needs exactly one active adapter, got {adapter!r}")
-    merged = {k: v for k, v in state.items() if "lora_" not in k}
-    for name, module in peft_model.named_modules():
+    merged = {k: v for k, v in state.items() if ".lora_" not in k}
+    for name, module in base.named_modules():
         if isinstance(module, ModulesToSaveWrapper):
             raise ValueError(f"{name}: modules_to_save is not supported by the merged export")
         if not isinstance(module, LoraLayer):
             continue
-        if type(module) is not LoraLinear or module.use_dora.get(adapter, False):
-            raise ValueError(f"{name}: only plain LoRA Linear layers can be merged")
-        if adapter not in module.lora_A:
-            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if type(module) is not LoraLinear or len(adapters) != 1:
+            raise ValueError(f"{name}: only plain LoRA Linear layers with one adapter can merge")
+        adapter = adapters[0]
+        if module.use_dora.get(adapter, False):
+            raise ValueError(f"{name}: DoRA layers are not supported by the merged export")
         weight_key = f"{name}.base_layer.weight"
         a = state[f"{name}.lora_A.{adapter}.weight"].double()
         b = state[f"{name}.lora_B.{adapter}.weight"].double()
         delta = (b @ a) * module.scaling[adapter]
         if module.fan_in_fan_out:
             delta = delta.T
-        base = merged[weight_key]
-        merged[weight_key] = (base.double() + delta).to(base.dtype)
-    out = {}
-    for key, value in merged.items():
-        if not key.startswith(_PEFT_BASE_PREFIX):
-            raise ValueError(f"unexpected key {key!r} outside the PEFT base model")
-        out[key[len(_PEFT_BASE_PREFIX) :].replace(".base_layer.", ".")] = value
-    return out
+        weight = merged[weight_key]
+        merged[weight_key] = (weight.double() + delta).to(weight.dtype)
+    return {k.replace(".base_layer.", "."): v for k, v in merged.items()}
 
 
 def export_merged_model(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write the trained causal LM inside ``model`` in transformers format, LoRA merged in.
+    """Write the trained transformers model inside ``model`` in its own format, LoRA merged in.
 
-    Without LoRA it is the fine-tuned model itself. The weights keep their training dtype.
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads it (for a critic: the decoder body,
+    without the value head). Without LoRA it is the fine-tuned model itself; the weights keep
+    their training dtype.
     """
-    from peft import PeftModel
-    from transformers import PreTrainedModel
-
-    full = full_state_dict(model)
-    found = _find(model, PeftModel)
-    if found is not None:
-        prefix, peft_model = found
-        base_model = peft_model.get_base_model()
-        state = merged_state_dict(peft_model, _sub_state(full, prefix)) if _rank() == 0 else {}
-    else:
-        located = _find(model, PreTrainedModel)
-        if located is None:
-            raise ValueError(f"{type(model).__name__} holds no transformers model to export")
-        prefix, base_model = located
-        state = _sub_state(full, prefix)
+    prefix, base = _locate_base(model)
+    state = _sub_state(full_state_dict(model), prefix)
+    if _rank() == 0:
+        state = merged_state_dict(base, state)
 
     def write(tmp: Path) -> None:
-        base_model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+        base.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
 
     return _write_atomically(path, write)

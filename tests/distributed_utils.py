@@ -1,0 +1,116 @@
+"""Shared helpers of the distributed and checkpoint tests: tiny models, batches, references."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from microrl.configs.engine import ActorConfig, LoraConfig, OptimConfig
+
+VOCAB = 128
+REPO = Path(__file__).resolve().parents[1]
+# Lengths of the DP test mini-batch: uneven, so ranks get different token counts and micro-batch
+# counts, and a padded row in every micro-batch.
+LENGTHS = (12, 5, 9, 3, 7, 10, 4)
+
+
+def tiny_model(seed: int = 0, *, tie: bool = False, hidden: int = 32) -> Qwen2ForCausalLM:
+    """2 layers, hidden 32, vocab 128, built from a config (no download)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def make_batch(lengths=LENGTHS, seq_len: int = 12, *, seed: int = 1) -> TensorDict:
+    """Rows alternately right- and left-padded; loss on the last half of each row."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=gen)
+    mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+    loss_mask = torch.zeros_like(mask)
+    for b, n in enumerate(lengths):
+        start = 0 if b % 2 == 0 else seq_len - n
+        mask[b, start : start + n] = True
+        loss_mask[b, start + max(1, n // 2) : start + n] = True
+    return TensorDict(
+        input_ids=ids,
+        attention_mask=mask,
+        loss_mask=loss_mask,
+        advantages=torch.randn(batch, seq_len, generator=gen),
+        old_logprobs=-torch.rand(batch, seq_len, generator=gen) * 3,
+        old_values=torch.randn(batch, seq_len, generator=gen),
+        returns=torch.randn(batch, seq_len, generator=gen),
+        batch_size=[batch],
+    )
+
+
+def actor_config(*, lora: int = 0, fused: bool = True, **overrides) -> ActorConfig:
+    kwargs = dict(
+        micro_batch_size=2,
+        use_fused_kernel=fused,
+        lora=LoraConfig(rank=lora, alpha=8.0) if lora else LoraConfig(rank=0),
+        optim=OptimConfig(name="sgd", lr=1.0, grad_clip=None),
+    )
+    kwargs.update(overrides)
+    return ActorConfig(**kwargs)
+
+
+@torch.no_grad()
+def hf_logprobs(model, batch: TensorDict) -> torch.Tensor:
+    """Token-aligned log-probs from a transformers model's own logits, row by row (reference)."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    for b in range(batch.batch_size[0]):
+        keep = batch["attention_mask"][b].bool()
+        ids = batch["input_ids"][b][keep].unsqueeze(0)
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        picked = logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+        cols = keep.nonzero().squeeze(-1)
+        out[b, cols[1:]] = picked
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(nproc: int, script: Path, *args: str, timeout: float = 240) -> str:
+    """Run ``script`` under torchrun with ``nproc`` gloo ranks; fail with its output otherwise."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"{nproc}-rank run of {script.name} {args} failed:\n{output[-6000:]}")
+    return output
