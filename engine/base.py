@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import packing, setup
+from microrl.engine import distributed, packing, setup
 from microrl.engine.heads import IGNORE_INDEX
 from microrl.engine.microbatch import (
     compact_rows,
@@ -74,9 +74,10 @@ class Engine:
                 f"got {type(config).__name__}"
             )
         self.config = config
+        #: the data-parallel process group: an initialised one, or one started from torchrun's
+        #: environment; None in a single process. First, so each rank picks its own GPU.
+        self.dp_group: dist.ProcessGroup | None = distributed.init_distributed()
         self.device = setup.resolve_device(config)
-        #: the data-parallel process group; None when not distributed (set by the distributed layer).
-        self.dp_group: dist.ProcessGroup | None = None
         self.global_step = 0
         causal_lm = setup.load_causal_lm(model).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
@@ -121,11 +122,15 @@ class Engine:
     # ----------------------------------------------------------------- hooks for distributed
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         """Shard/wrap the role module after LoRA and checkpointing; unchanged when not distributed."""
-        return module
+        if self.dp_group is None:
+            return module
+        return distributed.shard_model(module)
 
     def _agree_num_micro_batches(self, n: int) -> int:
         """The micro-batch count every DP rank will run (the max over ranks); ``n`` locally."""
-        return n
+        if self.dp_group is None:
+            return n
+        return distributed.agree_num_micro_batches(n, self.dp_group)
 
     # ----------------------------------------------------------------- public API
     def forward_backward_batch(
@@ -164,7 +169,7 @@ class Engine:
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
         with self._mode(training=not forward_only), self._grad(forward_only):
-            for rows in plan:
+            for index, rows in enumerate(plan):
                 real = bool(rows)
                 if not real:  # keeps the collective count equal across ranks; contributes 0
                     rows = [0]
@@ -177,6 +182,8 @@ class Engine:
                 )
                 if loss is not None:
                     if not forward_only:
+                        # FSDP: reduce gradients over ranks once, after the last micro-batch.
+                        distributed.set_gradient_sync(self.module, index == len(plan) - 1)
                         loss.backward()
                     losses.append(loss.detach() / denominators.grad_scale)
                     metrics.append(step_metrics)
