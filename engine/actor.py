@@ -59,7 +59,9 @@ class ActorEngine(Engine):
             logger.info("actor head: eager path (use_fused_kernel=False)")
         return PolicyModel(causal_lm, fused=fused, chunk_size=self.config.kernel_chunk_size)
 
-    def _head_forward(self, input_ids, position_ids, attention_mask, targets, *, training):
+    def _head_forward(
+        self, input_ids, position_ids, attention_mask, targets, *, training, **model_kwargs
+    ):
         with_entropy = not training or self.config.policy_loss.entropy_coef > 0
         logprobs, entropy = self.module(
             input_ids,
@@ -68,6 +70,7 @@ class ActorEngine(Engine):
             targets,
             temperature=self.config.temperature,
             with_entropy=with_entropy,
+            **model_kwargs,
         )
         out = {"logprobs": logprobs}
         if entropy is not None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine import distributed, packing, setup
+from microrl.engine.attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
 from microrl.engine.heads import IGNORE_INDEX
 from microrl.engine.microbatch import (
     compact_rows,
@@ -84,6 +85,9 @@ class Engine:
         causal_lm, self.peft_model = setup.apply_lora(causal_lm, config.lora)
         if config.gradient_checkpointing:
             setup.enable_gradient_checkpointing(causal_lm)
+        # Packed rows on SDPA/eager: attention per sequence (cost sum n_i^2, results independent
+        # of the companions in the row); flash-attention handles packed rows natively.
+        self._varlen_attention = config.pack_sequences and enable_varlen_attention(causal_lm)
         #: the transformers model (with LoRA layers injected), e.g. for ``generate``.
         self.model = causal_lm
         #: the trained nn.Module: the role's wrapper, possibly sharded.
@@ -105,11 +109,13 @@ class Engine:
         targets: torch.Tensor,
         *,
         training: bool,
+        **model_kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         """One call of :attr:`module`; outputs aligned to the *predicting* position, ``[b, L]``.
 
         ``targets[b, j]`` is the token that follows position ``j`` (``-100`` where none does);
         the loop zeroes outputs there and shifts everything to token alignment.
+        ``model_kwargs`` (e.g. the packed sequence lengths) go to the transformers forward.
         """
         raise NotImplementedError
 
@@ -376,13 +382,16 @@ class Engine:
         ids, positions = micro["input_ids"], micro["position_ids"]
         next_valid = F.pad(valid[:, 1:], (0, 1), value=False)
         targets = torch.where(next_valid, F.pad(ids[:, 1:], (0, 1)), IGNORE_INDEX)
+        model_kwargs = {}
         if self.config.pack_sequences:
             inputs = (packing.pack(ids, valid), packing.pack(positions, valid), None)
             packed_targets = packing.pack(targets, valid)
+            if self._varlen_attention:
+                model_kwargs[PACKED_LENGTHS_KWARG] = tuple(micro["attention_mask"].sum(1).tolist())
         else:
             inputs, packed_targets = (ids, positions, valid.long()), targets
         with setup.autocast_context(self.config, self.device):
-            raw = self._head_forward(*inputs, packed_targets, training=training)
+            raw = self._head_forward(*inputs, packed_targets, training=training, **model_kwargs)
         aligned = {}
         for key, value in raw.items():
             # fp32 for the loss (bf16 under autocast is too coarse); fp64 models keep fp64 so

@@ -34,8 +34,10 @@ class CriticEngine(Engine):
         hidden_size = causal_lm.get_input_embeddings().embedding_dim
         return ValueModel(decoder_body(causal_lm), hidden_size, seed=self.config.seed)
 
-    def _head_forward(self, input_ids, position_ids, attention_mask, targets, *, training):
-        return {"values": self.module(input_ids, position_ids, attention_mask)}
+    def _head_forward(
+        self, input_ids, position_ids, attention_mask, targets, *, training, **model_kwargs
+    ):
+        return {"values": self.module(input_ids, position_ids, attention_mask, **model_kwargs)}
 
     def default_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators

@@ -124,6 +124,7 @@ class PolicyModel(nn.Module):
         targets: torch.Tensor,
         temperature: float | torch.Tensor = 1.0,
         with_entropy: bool = True,
+        **model_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
 
@@ -134,6 +135,7 @@ class PolicyModel(nn.Module):
             "position_ids": position_ids,
             "attention_mask": attention_mask,
             "use_cache": False,
+            **model_kwargs,
         }
         if self.fused:
             from microrl.kernels import fused_linear_logprob  # TODO(engine): top-level once landed
@@ -201,6 +203,7 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        **model_kwargs,
     ) -> torch.Tensor:
         """``[b, L]`` ids -> ``[b, L]`` fp32 values (one per position)."""
         hidden = self.body(
@@ -208,6 +211,7 @@ class ValueModel(nn.Module):
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
+            **model_kwargs,
         ).last_hidden_state
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return values if values.dtype == torch.float64 else values.float()

@@ -1,0 +1,99 @@
+"""Variable-length attention for packed rows on the SDPA / eager kernels.
+
+transformers runs a packed row ``[1, N]`` (position ids restarting at 0) with a block-diagonal
+``[N, N]`` mask on SDPA/eager: correct, but the attention costs ``N^2`` instead of
+``sum(n_i^2)`` and each sequence's softmax reductions depend on where it sits in the row, so a
+sequence's log-probs change in the last bits with its companions. Flash-attention avoids both
+with its varlen kernel; this module gives SDPA/eager the same property.
+
+It registers, through transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``
+(no class is patched), an implementation named ``microrl_varlen_<base>`` that runs the model's
+own ``<base>`` attention function once per sequence when the forward carries
+``packed_seq_lens`` (a tuple of sequence lengths), and is exactly ``<base>`` otherwise (padded
+batches, ``generate``). The model is switched to it per instance with
+``set_attn_implementation``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+__all__ = ["PACKED_LENGTHS_KWARG", "enable_varlen_attention"]
+
+PACKED_LENGTHS_KWARG = "packed_seq_lens"
+_BASES = ("sdpa", "eager")
+
+
+def enable_varlen_attention(model: nn.Module) -> bool:
+    """Switch ``model`` to the varlen variant of its SDPA/eager attention; False if not applicable.
+
+    Not applicable (and nothing changes) for flash-attention (it has its own varlen path through
+    packed position ids) or other implementations.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    config = getattr(model, "config", None)
+    base = getattr(config, "_attn_implementation", None)
+    if base not in _BASES:
+        return base is not None and base.startswith("microrl_varlen_")
+    name = f"microrl_varlen_{base}"
+    AttentionInterface.register(name, partial(_varlen_attention, base=base))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    model.set_attn_implementation(name)
+    return True
+
+
+def _varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    base: str,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``query`` ``[1, heads, N, d]`` (key/value may have fewer heads) -> ``[1, N, heads, d]``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attend = ALL_ATTENTION_FUNCTIONS[base]
+    lengths = kwargs.pop(PACKED_LENGTHS_KWARG, None)
+    if lengths is None:
+        return attend(module, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")
+    outputs, start = [], 0
+    for length in lengths:
+        end = start + length
+        mask = None
+        # SDPA infers a causal mask itself when given none; eager, or a sliding window shorter
+        # than the sequence, needs it explicitly.
+        if base == "eager" or (window is not None and length > window):
+            mask = _causal_mask(length, window, query.dtype, query.device)
+        out, _ = attend(
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            mask,
+            **kwargs,
+        )
+        outputs.append(out)
+        start = end
+    return torch.cat(outputs, dim=1), None
+
+
+def _causal_mask(
+    length: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive ``[1, 1, n, n]`` mask: 0 where query ``i`` sees key ``j`` (``i - window < j <= i``)."""
+    rows = torch.arange(length, device=device).unsqueeze(1)
+    cols = torch.arange(length, device=device).unsqueeze(0)
+    allowed = cols <= rows
+    if window is not None:
+        allowed &= cols > rows - window
+    lowest = torch.finfo(dtype).min
+    return torch.where(allowed, 0.0, lowest).to(dtype).view(1, 1, length, length)
