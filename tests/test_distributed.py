@@ -1,0 +1,394 @@
+"""Data parallelism on 2 gloo ranks: DP invariance, sharded fused head, gradient sync, resume.
+
+Each pytest function launches this same file under ``torchrun`` (``python -m
+torch.distributed.run``) with a *scenario* name; the ranks run every check of the scenario, write
+the names of the checks that passed, and the test asserts that all of them did (a scenario that
+silently ran nothing fails). References are computed in the same processes *before* the process
+group exists (an unsharded engine on the whole mini-batch), so no file has to cross processes,
+except for the resume checks, where a fresh launch must reproduce the first one's results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed_utils import (
+    actor_config,
+    hf_logprobs,
+    launch,
+    make_batch,
+    tiny_model,
+)
+
+from microrl.configs.engine import CriticConfig, LoraConfig, OptimConfig
+from microrl.losses import AggMode
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+HERE = Path(__file__).resolve()
+# Rows of the mini-batch each rank gets in the DP checks: 5 vs 2 rows, so with micro-batch size 2
+# rank 1 needs 1 micro-batch where rank 0 needs 3 (it runs 2 empty ones).
+SHARDS = ([0, 1, 2, 3, 4], [5, 6])
+ATOL = 2e-6  # fp32: the ranks sum partial gradients in a different order than one process
+MODES = [m.value for m in AggMode]
+K_STEPS, M_STEPS = 2, 2
+ADAM = OptimConfig(
+    name="adamw", lr=1e-2, warmup_steps=1, schedule="cosine", total_steps=6, grad_clip=0.5
+)
+
+
+# ============================================================================ pytest side
+
+
+def _run(tmp_path: Path, nproc: int, scenario: str) -> list[str]:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    launch(nproc, HERE, scenario, str(tmp_path))
+    passed = [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(nproc)]
+    assert all(p == passed[0] for p in passed), passed
+    return passed[0]
+
+
+def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
+    passed = _run(tmp_path, 2, "dp")
+    expected = [f"dp_invariance[{m},lora={r}]" for m in MODES for r in (0, 4)]
+    expected += [
+        "fused_head_sees_full_weight",
+        "clipping_uses_global_norm",
+        "one_gradient_reduction_per_mini_batch",
+        "all_masked_shard",
+        "critic_dp_invariance",
+        "export_roundtrip_under_fsdp",
+    ]
+    assert sorted(passed) == sorted(expected)
+
+
+def test_resume_is_exact_on_two_ranks_and_reshards_to_one(tmp_path):
+    assert _run(tmp_path, 2, "resume_save") == ["saved"]
+    assert _run(tmp_path, 2, "resume_load") == ["resumed_exactly"]
+    assert _run(tmp_path, 1, "reshard_load") == ["resharded_to_one_rank"]
+
+
+# ============================================================================ rank side
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {n: _full(p.detach()).clone() for n, p in engine.module.named_parameters()}
+
+
+def _close(a, b, what: str, atol: float = ATOL) -> None:
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= atol, f"{what}: max |diff| = {err:.3g} > {atol}"
+
+
+def _metrics_close(ref: dict, got: dict, what: str) -> None:
+    assert ref.keys() == got.keys(), (what, ref.keys(), got.keys())
+    for key, value in ref.items():
+        assert abs(value - got[key]) <= 1e-5 * max(1.0, abs(value)), (what, key, value, got[key])
+
+
+def _single_process(build):
+    """Run ``build()`` as if there were one process (no process group is started)."""
+    world = os.environ.pop("WORLD_SIZE")
+    try:
+        return build()
+    finally:
+        os.environ["WORLD_SIZE"] = world
+
+
+def _dp_configs():
+    for mode in MODES:
+        for lora in (0, 4):
+            kwargs = {"loss_agg_mode": mode}
+            if mode == "seq-mean-token-sum-norm":
+                kwargs["seq_len_norm"] = 8.0
+            if mode == "seq-mean-token-mean":  # the token-budget planner too
+                kwargs.update(micro_batch_size=None, max_tokens_per_micro_batch=20)
+            yield f"dp_invariance[{mode},lora={lora}]", actor_config(lora=lora, **kwargs)
+
+
+def scenario_dp(rank: int, tmp: Path) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from microrl.engine import ActorEngine, CriticEngine
+    from microrl.engine import distributed as D
+
+    batch = make_batch()
+    mine = batch[SHARDS[rank]]
+    clip_config = actor_config(lora=4, optim=OptimConfig(name="sgd", lr=1.0, grad_clip=1e-3))
+    critic_config = CriticConfig(
+        micro_batch_size=2, optim=OptimConfig(name="sgd", lr=1.0, grad_clip=None)
+    )
+
+    # ---- references: one process, the whole mini-batch (before any process group exists)
+    def references():
+        refs = {}
+        for name, config in [*_dp_configs(), ("clip", clip_config)]:
+            engine = ActorEngine(tiny_model(), config)
+            before = _params(engine)
+            metrics = engine.train_batch(batch)
+            refs[name] = (metrics, {n: p - before[n] for n, p in _params(engine).items()})
+        critic = CriticEngine(tiny_model(), critic_config)
+        before = _params(critic)
+        metrics = critic.train_batch(batch)
+        refs["critic"] = (metrics, {n: p - before[n] for n, p in _params(critic).items()})
+        return refs
+
+    refs = _single_process(references)
+    passed = []
+
+    # ---- DP invariance: the same update, loss and metrics from two halves
+    for name, config in _dp_configs():
+        engine = ActorEngine(tiny_model(), config)
+        assert D.dp_group() is not None and isinstance(engine.module, FSDPModule)
+        before = _params(engine)
+        metrics = engine.train_batch(mine)
+        ref_metrics, ref_delta = refs[name]
+        _metrics_close(ref_metrics, metrics, name)
+        for n, p in _params(engine).items():
+            _close(p - before[n], ref_delta[n], f"{name} {n}")
+        passed.append(name)
+
+    # ---- the fused kernel gets the full lm-head weight inside the sharded forward
+    engine = ActorEngine(tiny_model(), actor_config(lora=4))
+    assert engine.uses_fused_kernel
+    head = engine.model.get_output_embeddings().weight
+    assert isinstance(head, DTensor) and head.to_local().shape[0] < head.shape[0]
+    seen = []
+    import microrl.engine.heads as heads
+    import microrl.kernels as kernels
+
+    real = kernels.fused_linear_logprob
+
+    def spy(hidden, weight, *args, **kwargs):
+        seen.append((isinstance(weight, DTensor), tuple(weight.shape)))
+        return real(hidden, weight, *args, **kwargs)
+
+    kernels.fused_linear_logprob = spy
+    if hasattr(heads, "fused_linear_logprob"):
+        heads.fused_linear_logprob = spy
+    try:
+        logprobs = engine.infer_batch(batch)["logprobs"]
+    finally:
+        kernels.fused_linear_logprob = real
+        if hasattr(heads, "fused_linear_logprob"):
+            heads.fused_linear_logprob = real
+    assert seen and all(s == (False, (128, 32)) for s in seen), seen
+    unsharded = tiny_model()
+    mask = batch["attention_mask"].bool()
+    _close(logprobs[mask], hf_logprobs(unsharded, batch)[mask], "fused sharded log-probs", 2e-5)
+    passed.append("fused_head_sees_full_weight")
+
+    # ---- clipping by the global norm (a tiny max_norm: every update is clipped)
+    engine = ActorEngine(tiny_model(), clip_config)
+    before = _params(engine)
+    metrics = engine.train_batch(mine)
+    ref_metrics, ref_delta = refs["clip"]
+    assert metrics["grad_norm"] > 1e-3
+    _metrics_close(ref_metrics, metrics, "clip")
+    for n, p in _params(engine).items():
+        _close(p - before[n], ref_delta[n], f"clip {n}", 1e-8)
+    passed.append("clipping_uses_global_norm")
+
+    # ---- one reduce-scatter per FSDP unit per mini-batch, and equal micro-batch counts
+    engine = ActorEngine(tiny_model(), actor_config())  # full fine-tune: every unit reduces
+    units = len(D.find_shard_units(engine.module)) + 1
+    calls, forwards = [], []
+    real_rs = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real_rs(*args, **kwargs)
+
+    engine.module.register_forward_pre_hook(lambda *_: forwards.append(1))
+    dist.reduce_scatter_single = counting
+    try:
+        engine.train_batch(mine)
+        once = len(calls)
+        calls.clear()
+        real_sync = D.set_gradient_sync
+        D.set_gradient_sync = lambda module, enabled: None  # what the check must catch
+        try:
+            engine.train_batch(mine)
+        finally:
+            D.set_gradient_sync = real_sync
+        every = len(calls)
+    finally:
+        dist.reduce_scatter_single = real_rs
+    assert len(forwards) == 6, f"rank {rank} ran {len(forwards)} forwards (3 per step expected)"
+    assert once == units, f"{once} reduce-scatters for {units} FSDP units"
+    assert every == 3 * units, f"without the sync switch: {every} reduce-scatters"
+    passed.append("one_gradient_reduction_per_mini_batch")
+
+    # ---- a rank whose share has no loss token at all: zero contribution, no deadlock
+    silent = mine.clone()
+    if rank == 1:
+        silent["loss_mask"] = torch.zeros_like(silent["loss_mask"])
+    engine = ActorEngine(tiny_model(), actor_config())
+    before = _params(engine)
+    metrics = engine.train_batch(silent)
+    delta = {n: p - before[n] for n, p in _params(engine).items()}
+
+    def only_rank0():
+        engine = ActorEngine(tiny_model(), actor_config())
+        before = _params(engine)
+        metrics = engine.train_batch(batch[SHARDS[0]])
+        return metrics, {n: p - before[n] for n, p in _params(engine).items()}
+
+    ref_metrics, ref_delta = _single_process(only_rank0)
+    _metrics_close(ref_metrics, metrics, "all-masked shard")
+    for n, d in delta.items():
+        _close(d, ref_delta[n], f"all-masked shard {n}")
+    passed.append("all_masked_shard")
+
+    # ---- critic (value head bias [1]: one rank holds an empty shard of it)
+    critic = CriticEngine(tiny_model(), critic_config)
+    before = _params(critic)
+    metrics = critic.train_batch(mine)
+    ref_metrics, ref_delta = refs["critic"]
+    _metrics_close(ref_metrics, metrics, "critic")
+    for n, p in _params(critic).items():
+        _close(p - before[n], ref_delta[n], f"critic {n}")
+    passed.append("critic_dp_invariance")
+
+    # ---- exports gathered from the sharded model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from microrl.engine.export import export_merged_model, export_peft_adapter
+
+    engine = ActorEngine(tiny_model(), actor_config(lora=4, optim=ADAM))
+    engine.train_batch(mine)
+    engine.train_batch(mine)
+    expected = engine.infer_batch(batch)["logprobs"]
+    adapter = export_peft_adapter(engine.module, tmp / "adapter", peft_model=engine.peft_model)
+    merged = export_merged_model(engine.module, tmp / "merged")
+    if rank == 0:
+        loaded = PeftModel.from_pretrained(tiny_model(), adapter).eval()
+        _close(hf_logprobs(loaded, batch)[mask], expected[mask], "PEFT export", 2e-5)
+        full = AutoModelForCausalLM.from_pretrained(merged)
+        _close(hf_logprobs(full, batch)[mask], expected[mask], "merged export", 2e-5)
+    dist.barrier()
+    passed.append("export_roundtrip_under_fsdp")
+    return passed
+
+
+def _resume_engines():
+    from microrl.engine import ActorEngine, CriticEngine
+
+    config = actor_config(optim=ADAM)
+    config.lora = LoraConfig(rank=4, alpha=8.0, dropout=0.1)  # dropout: the RNG must resume
+    actor = ActorEngine(tiny_model(), config)
+    critic = CriticEngine(tiny_model(), CriticConfig(micro_batch_size=3, optim=ADAM))
+    return actor, critic
+
+
+def _state(engine) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer state as full tensors, plus learning rates and step."""
+    out = {f"param.{n}": t for n, t in _params(engine).items()}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for param, entry in engine.optimizer.state.items():
+        for key, value in entry.items():
+            out[f"optim.{names[id(param)]}.{key}"] = _full(value).detach().clone().reshape(-1)
+    out["lrs"] = torch.tensor([g["lr"] for g in engine.optimizer.param_groups], dtype=torch.float64)
+    out["step"] = torch.tensor([engine.global_step])
+    return out
+
+
+def _train(engines, steps, rank: int, world: int) -> None:
+    for step in steps:
+        batch = make_batch(seed=100 + step)
+        for engine in engines:
+            engine.train_batch(batch[list(range(rank, batch.batch_size[0], world))])
+
+
+def _states(engines) -> dict[str, torch.Tensor]:
+    """Every rank must call it (gathering shards is collective)."""
+    out = {}
+    for i, engine in enumerate(engines):
+        out.update({f"{i}.{k}": v.contiguous() for k, v in _state(engine).items()})
+    return out
+
+
+def _save_expected(engines, path: Path, rank: int) -> None:
+    from safetensors.torch import save_file
+
+    states = _states(engines)
+    if rank == 0:
+        save_file(states, str(path))
+
+
+def _assert_matches(engines, path: Path, what: str, rank: int) -> None:
+    from safetensors.torch import load_file
+
+    got = _states(engines)
+    if rank != 0:
+        return
+    expected = load_file(str(path))
+    assert expected.keys() == got.keys(), (what, expected.keys() ^ got.keys())
+    for key, value in expected.items():
+        assert torch.equal(value, got[key]), f"{what}: {key} differs"
+
+
+def scenario_resume_save(rank: int, tmp: Path) -> list[str]:
+    engines = _resume_engines()
+    _train(engines, range(K_STEPS), rank, 2)
+    for i, engine in enumerate(engines):
+        assert engine.optimizer.state, "empty optimizer state: the resume check would be vacuous"
+        engine.save_checkpoint(tmp / f"ckpt{i}")
+    _save_expected(engines, tmp / "at_save.safetensors", rank)
+    _train(engines, range(K_STEPS, K_STEPS + M_STEPS), rank, 2)
+    _save_expected(engines, tmp / "uninterrupted.safetensors", rank)
+    return ["saved"]
+
+
+def scenario_resume_load(rank: int, tmp: Path) -> list[str]:
+    torch.manual_seed(999)  # a fresh process with another RNG stream: the checkpoint restores it
+    engines = _resume_engines()
+    for i, engine in enumerate(engines):
+        engine.load_checkpoint(tmp / f"ckpt{i}")
+        assert engine.global_step == K_STEPS
+    _train(engines, range(K_STEPS, K_STEPS + M_STEPS), rank, 2)
+    _assert_matches(engines, tmp / "uninterrupted.safetensors", "resumed on 2 ranks", rank)
+    return ["resumed_exactly"]
+
+
+def scenario_reshard_load(rank: int, tmp: Path) -> list[str]:
+    engines = _resume_engines()
+    for i, engine in enumerate(engines):
+        with pytest.warns(UserWarning, match="RNG states not restored"):
+            engine.load_checkpoint(tmp / f"ckpt{i}")
+    _assert_matches(engines, tmp / "at_save.safetensors", "2-rank checkpoint on 1 rank", rank)
+    return ["resharded_to_one_rank"]
+
+
+def main(scenario: str, tmp: str) -> None:
+    import torch.distributed as dist
+
+    from microrl.engine import distributed as D
+
+    tmp_path = Path(tmp)
+    rank = int(os.environ.get("RANK", "0"))
+    passed = globals()[f"scenario_{scenario}"](rank, tmp_path)
+    if D.is_distributed():
+        dist.barrier()
+    (tmp_path / "out" / f"{scenario}_rank{rank}.json").write_text(json.dumps(passed))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
