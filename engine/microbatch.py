@@ -108,8 +108,9 @@ def _plan_padded(order: list[int], lengths: list[int], budget: int, k_min: int) 
         return out
 
     target = max(len(runs(budget)), min(k_min, len(order)))
-    low = max(lengths[order[0]], 1)  # a single longest row always costs this much
-    high = max(budget, low)
+    # The cap only limits adding a row to a run, so it never exceeds the budget (a row longer
+    # than the budget still runs, alone).
+    low, high = 1, budget
     while low < high:
         mid = (low + high) // 2
         if len(runs(mid)) <= target:
@@ -125,19 +126,21 @@ def _plan_packed(order: list[int], lengths: list[int], budget: int, k_min: int) 
     ``k`` starts at the lower bound ``ceil(total / budget)`` and grows until every bin fits,
     which also balances the bins (LPT is within 4/3 of the optimal makespan).
     """
-    if not order:
-        return []
-    total = sum(lengths[i] for i in order)
-    k = max(-(-total // budget), min(k_min, len(order)), 1)
+    # A row over the budget runs alone; the others are packed around it.
+    alone = [[i] for i in order if lengths[i] > budget]
+    rest = [i for i in order if lengths[i] <= budget]
+    if not rest:
+        return alone
+    k = max(-(-sum(lengths[i] for i in rest) // budget), min(k_min - len(alone), len(rest)), 1)
     while True:
         bins: list[list[int]] = [[] for _ in range(k)]
         loads = [0] * k
-        for i in order:
+        for i in rest:
             j = min(range(k), key=lambda b: (loads[b], b))
             bins[j].append(i)
             loads[j] += lengths[i]
-        if all(load <= budget or len(b) == 1 for load, b in zip(loads, bins, strict=True)):
-            return bins
+        if all(load <= budget for load in loads):
+            return alone + bins
         k += 1
 
 
