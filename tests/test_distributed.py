@@ -59,6 +59,7 @@ def _run(tmp_path: Path, nproc: int, scenario: str) -> list[str]:
 def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
     passed = _run(tmp_path, 2, "dp")
     expected = [f"dp_invariance[{m},lora={r}]" for m in MODES for r in (0, 4)]
+    expected += ["dp_invariance[packed]", "dp_invariance[grad_ckpt]"]
     expected += [
         "fused_head_sees_full_weight",
         "clipping_uses_global_norm",
@@ -74,6 +75,11 @@ def test_resume_is_exact_on_two_ranks_and_reshards_to_one(tmp_path):
     assert _run(tmp_path, 2, "resume_save") == ["saved"]
     assert _run(tmp_path, 2, "resume_load") == ["resumed_exactly"]
     assert _run(tmp_path, 1, "reshard_load") == ["resharded_to_one_rank"]
+
+
+def test_resume_is_exact_in_a_fresh_single_process(tmp_path):
+    assert _run(tmp_path, 1, "resume_save") == ["saved"]
+    assert _run(tmp_path, 1, "resume_load") == ["resumed_exactly"]
 
 
 # ============================================================================ rank side
@@ -116,6 +122,9 @@ def _dp_configs():
             if mode == "seq-mean-token-mean":  # the token-budget planner too
                 kwargs.update(micro_batch_size=None, max_tokens_per_micro_batch=20)
             yield f"dp_invariance[{mode},lora={lora}]", actor_config(lora=lora, **kwargs)
+    # Packing and gradient checkpointing change how the sharded layers are called.
+    yield "dp_invariance[packed]", actor_config(lora=4, pack_sequences=True)
+    yield "dp_invariance[grad_ckpt]", actor_config(lora=4, gradient_checkpointing=True)
 
 
 def scenario_dp(rank: int, tmp: Path) -> list[str]:
@@ -308,6 +317,10 @@ def _state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def _world() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
 def _train(engines, steps, rank: int, world: int) -> None:
     for step in steps:
         batch = make_batch(seed=100 + step)
@@ -345,12 +358,12 @@ def _assert_matches(engines, path: Path, what: str, rank: int) -> None:
 
 def scenario_resume_save(rank: int, tmp: Path) -> list[str]:
     engines = _resume_engines()
-    _train(engines, range(K_STEPS), rank, 2)
+    _train(engines, range(K_STEPS), rank, _world())
     for i, engine in enumerate(engines):
         assert engine.optimizer.state, "empty optimizer state: the resume check would be vacuous"
         engine.save_checkpoint(tmp / f"ckpt{i}")
     _save_expected(engines, tmp / "at_save.safetensors", rank)
-    _train(engines, range(K_STEPS, K_STEPS + M_STEPS), rank, 2)
+    _train(engines, range(K_STEPS, K_STEPS + M_STEPS), rank, _world())
     _save_expected(engines, tmp / "uninterrupted.safetensors", rank)
     return ["saved"]
 
@@ -361,8 +374,8 @@ def scenario_resume_load(rank: int, tmp: Path) -> list[str]:
     for i, engine in enumerate(engines):
         engine.load_checkpoint(tmp / f"ckpt{i}")
         assert engine.global_step == K_STEPS
-    _train(engines, range(K_STEPS, K_STEPS + M_STEPS), rank, 2)
-    _assert_matches(engines, tmp / "uninterrupted.safetensors", "resumed on 2 ranks", rank)
+    _train(engines, range(K_STEPS, K_STEPS + M_STEPS), rank, _world())
+    _assert_matches(engines, tmp / "uninterrupted.safetensors", "resumed", rank)
     return ["resumed_exactly"]
 
 
