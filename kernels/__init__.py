@@ -1,1 +1,11 @@
-"""microrl.kernels"""
+"""microrl.kernels: compute kernels that depend on torch only.
+
+``fused_linear_logprob`` turns hidden states and an lm-head weight into per-token log-probs and
+entropy without materialising the ``[N, V]`` logits; ``reference_linear_logprob`` is its eager,
+obviously-correct definition (tests and benchmarks compare against it).
+"""
+
+from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
+from .reference import reference_linear_logprob
+
+__all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob", "reference_linear_logprob"]

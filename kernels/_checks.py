@@ -1,0 +1,115 @@
+"""Input validation shared by the fused kernel and its eager reference.
+
+Both entry points raise the same errors for the same bad input, at the public boundary, naming the
+argument, so a caller can switch between them (``use_fused_kernel``) without changing behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["check_linear_logprob_inputs", "compute_dtype"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (so ``gradcheck`` works); every other float dtype computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_linear_logprob_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | torch.Tensor,
+    with_entropy: bool,
+    chunk_size: int | None,
+    ignore_index: int,
+) -> float | torch.Tensor:
+    """Validate the arguments of ``fused_linear_logprob``; return the temperature, normalised.
+
+    Returns a Python float for a scalar temperature (0-dim tensors included), or a tensor in the
+    compute dtype broadcast to ``targets.shape`` for a per-token / per-row temperature.
+    """
+    for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must be [..., H] with rank >= 2, got shape {tuple(hidden.shape)}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"hidden must be a float tensor, got dtype {hidden.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H={hidden.shape[-1]} (hidden's last dim), "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one vocabulary row")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
+    if weight.device != hidden.device or targets.device != hidden.device:
+        raise ValueError(
+            f"hidden, weight and targets must share a device, got {hidden.device}, "
+            f"{weight.device}, {targets.device}"
+        )
+    if targets.dtype not in _INTEGER_DTYPES:
+        raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden shape without its last "
+            f"dim {tuple(hidden.shape[:-1])}"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    vocab = weight.shape[0]
+    out_of_range = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+    if bool(out_of_range.any()):
+        bad = targets[out_of_range][0].item()
+        raise ValueError(
+            f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}, found {bad}"
+        )
+    if not isinstance(with_entropy, bool):
+        raise ValueError(f"with_entropy must be a bool, got {with_entropy!r}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    return _check_temperature(temperature, targets, compute_dtype(hidden.dtype), hidden.device)
+
+
+def _check_temperature(
+    temperature: float | torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> float | torch.Tensor:
+    if isinstance(temperature, torch.Tensor):
+        if temperature.requires_grad:
+            # No gradient is defined for the temperature: refuse rather than drop one silently.
+            raise ValueError("temperature tensor must not require grad (detach it)")
+        if not (temperature.is_floating_point() or temperature.dtype in _INTEGER_DTYPES):
+            raise ValueError(f"temperature must be a real tensor, got dtype {temperature.dtype}")
+        if temperature.dim() == 0:
+            return _check_temperature(float(temperature.item()), targets, dtype, device)
+        try:
+            expanded = torch.broadcast_to(temperature, targets.shape)
+        except RuntimeError as error:
+            raise ValueError(
+                f"temperature shape {tuple(temperature.shape)} must broadcast to targets shape "
+                f"{tuple(targets.shape)}"
+            ) from error
+        expanded = expanded.to(device=device, dtype=dtype)
+        if not bool(torch.isfinite(expanded).all()) or bool((expanded <= 0).any()):
+            raise ValueError("temperature must be finite and > 0 everywhere")
+        return expanded
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a float or a tensor, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return float(temperature)

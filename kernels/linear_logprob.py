@@ -1,0 +1,305 @@
+"""Fused lm-head log-prob / entropy: ``hidden @ weight.T`` -> per-token log-prob and entropy.
+
+The full ``[N, V]`` logits are never materialised. Rows are processed in chunks of ``rows`` tokens
+and the vocabulary in tiles of ``vocab_tile`` columns, so the working set is one ``[rows,
+vocab_tile]`` logits tile plus one scratch tile of the same size: cache-sized on a CPU, and
+independent of N.
+
+Forward, per row chunk: for each vocabulary tile, ``z = (h / T) @ W_tile.T`` (one matmul in the
+input dtype, upcast to float32), the tile's logsumexp and entropy, merged into running per-row
+statistics with the max-rescaled (online) logsumexp, so every value stays finite for huge logits
+and for rows whose logits are all very negative. The target logit is one dot product per row.
+Only O(N) statistics are saved: per-row max, sum of exponentials and entropy.
+
+Backward recomputes each logits tile (one more matmul) instead of keeping ``[N, V]`` of them from
+the forward: keeping would cost 6*N*H*V flops instead of 8*N*H*V, but memory that grows with N.
+With ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and upstream gradients
+``g_lp``, ``g_H`` per row, the gradient with respect to the untempered logits is::
+
+    dL/dlogit_j = (g_lp * [j == target] - p_j * (g_lp + g_H * (log p_j + H))) / T
+
+(``dH/dz_j = -p_j (log p_j + H)``), computed in place on the tile in four elementwise passes and
+followed by ``grad_hidden += G @ W_tile`` and ``grad_weight[tile] += G.T @ h``, each skipped when
+``ctx.needs_input_grad`` says that input does not need a gradient (a frozen weight gets no
+``[V, H]`` buffer and no matmul). The ``[j == target]`` term is applied per row as a gathered
+weight row, outside the tiles. Upstream gradients stay materialised (a missing one arrives as
+zeros), so no branch can be dropped; an all-zero entropy gradient skips two of the passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from ._checks import check_linear_logprob_inputs, compute_dtype
+
+__all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
+
+# Elements of one [rows, vocab_tile] logits tile. Two such float32 tiles (logits + scratch) make
+# the whole extra working memory for the logits: 2 * 4 * 2**19 bytes = 4 MiB, fits the L2 caches
+# of a 2-core CPU so the elementwise passes run from cache, and bounds memory independently of N.
+WORKING_TILE_ELEMENTS = 512 * 1024
+# Default rows per chunk: large enough that streaming W once per chunk is amortised over 512
+# tokens (matmul stays compute-bound), small enough that a chunk's [rows, H] copies stay small.
+_DEFAULT_ROWS = 512
+# Narrowest vocabulary tile when a caller asks for very tall chunks: thinner matmuls lose speed.
+_MIN_VOCAB_TILE = 128
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Non-tensor arguments of the autograd Function, bundled so backward returns few Nones."""
+
+    rows: int
+    vocab_tile: int
+    with_entropy: bool
+    inv_temperature: float  # used when no per-token temperature tensor is given
+
+
+def _plan(num_rows: int, vocab: int, chunk_size: int | None, with_entropy: bool, inv: float):
+    rows = max(1, min(chunk_size or _DEFAULT_ROWS, num_rows))
+    vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, WORKING_TILE_ELEMENTS // rows))
+    return _Plan(rows, vocab_tile, with_entropy, inv)
+
+
+def _scaled_rows(h: torch.Tensor, inv: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``h / T`` for matmuls in the input dtype; low-precision inputs are scaled after the upcast
+    (as the reference does), so they return ``h`` unchanged."""
+    if h.dtype != dtype:
+        return h
+    if isinstance(inv, torch.Tensor):
+        return h * inv.unsqueeze(1)
+    return h * inv if inv != 1.0 else h
+
+
+def _logits_tile(h_s, w_tile, inv, buf, low_buf):
+    """``[r, w]`` tempered logits of one tile in the compute dtype, written into ``buf``."""
+    r, w = h_s.shape[0], w_tile.shape[0]
+    z = buf[: r * w].view(r, w)
+    if low_buf is None:
+        return torch.mm(h_s, w_tile.T, out=z)
+    low = torch.mm(h_s, w_tile.T, out=low_buf[: r * w].view(r, w))
+    if isinstance(inv, torch.Tensor):
+        return torch.mul(low, inv.unsqueeze(1), out=z)
+    z.copy_(low)  # upcast first: a Python-float factor would keep the product in low precision
+    return z.mul_(inv) if inv != 1.0 else z
+
+
+def _tile_stats(z: torch.Tensor, scratch: torch.Tensor | None, with_entropy: bool):
+    """Row statistics of one tile ``z`` (overwritten): max ``m``, ``S = sum exp(z - m)`` and, for
+    the entropy, ``A = sum exp(z - m) * (z - m)`` (<= 0, no cancellation)."""
+    m = z.amax(dim=1, keepdim=True)
+    z.sub_(m)
+    if not with_entropy:
+        return m.squeeze(1), z.exp_().sum(dim=1), None
+    e = torch.exp(z, out=scratch[: z.numel()].view_as(z))
+    return m.squeeze(1), e.sum(dim=1), torch.linalg.vecdot(e, z)
+
+
+def _merge(run, tile):
+    """Online (max-rescaled) merge of the statistics of two disjoint vocabulary parts.
+
+    Rescaling part r from its max ``m_r`` to the joint max ``m``: ``S_r -> a_r * S_r`` and
+    ``A_r -> a_r * (A_r + (m_r - m) * S_r)`` with ``a_r = exp(m_r - m) <= 1``: nothing overflows.
+    """
+    (m_r, s_r, a_r), (m_t, s_t, a_t) = run, tile
+    m = torch.maximum(m_r, m_t)
+    d_r, d_t = m_r - m, m_t - m
+    w_r, w_t = d_r.exp(), d_t.exp()
+    s = w_r * s_r + w_t * s_t
+    a = None if a_r is None else w_r * (a_r + d_r * s_r) + w_t * (a_t + d_t * s_t)
+    return m, s, a
+
+
+def _gather_tile(z: torch.Tensor, local_targets: torch.Tensor, picked: torch.Tensor) -> None:
+    """Copy ``z[i, local_targets[i]]`` into ``picked[i]`` for the targets inside this tile."""
+    inside = (local_targets >= 0) & (local_targets < z.shape[1])
+    values = z.gather(1, local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    picked.copy_(torch.where(inside, values, picked))
+
+
+class _FusedLinearLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, hidden, weight, targets, rows_idx, inv_t, plan: _Plan):
+        # hidden [N, H], weight [V, H], targets [N], rows_idx [M] (the non-ignored rows),
+        # inv_t [N] or None. Shapes were flattened outside, under autograd, by the public wrapper.
+        cdtype = compute_dtype(hidden.dtype)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        logprob = hidden.new_zeros(n, dtype=cdtype)
+        entropy = hidden.new_zeros(n, dtype=cdtype) if plan.with_entropy else None
+        m = rows_idx.numel()
+        max_all = hidden.new_empty(m, dtype=cdtype)
+        sum_all = hidden.new_empty(m, dtype=cdtype)
+        ent_all = hidden.new_empty(m, dtype=cdtype) if plan.with_entropy else None
+        buf, scratch, low_buf = _buffers(hidden, plan, cdtype, scratch=plan.with_entropy)
+        for start in range(0, m, plan.rows):
+            idx = rows_idx[start : start + plan.rows]
+            rows = slice(start, start + plan.rows)
+            inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
+            h_s = _scaled_rows(hidden.index_select(0, idx), inv, cdtype)
+            t = targets.index_select(0, idx)
+            target_logit = hidden.new_zeros(idx.numel(), dtype=cdtype)
+            stats = None
+            for j in range(0, vocab, plan.vocab_tile):
+                z = _logits_tile(h_s, weight[j : j + plan.vocab_tile], inv, buf, low_buf)
+                _gather_tile(z, t - j, target_logit)
+                tile = _tile_stats(z, scratch, plan.with_entropy)
+                stats = tile if stats is None else _merge(stats, tile)
+            row_max, row_sum, row_a = stats
+            log_sum = row_sum.log()
+            max_all[rows], sum_all[rows] = row_max, row_sum
+            # log p(target) = (z_t - m) - log S: both differences are small, exact near the max.
+            logprob.index_copy_(0, idx, (target_logit - row_max) - log_sum)
+            if plan.with_entropy:
+                ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
+                entropy.index_copy_(0, idx, ent_all[rows])
+        ctx.save_for_backward(hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all)
+        ctx.plan = plan
+        return (logprob, entropy) if plan.with_entropy else logprob
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
+        hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cdtype = compute_dtype(hidden.dtype)
+        grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+        # Low-precision weights accumulate their gradient in float32 (one rounding at the end).
+        grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None
+        if not (need_h or need_w) or rows_idx.numel() == 0:
+            return grad_h, _cast(grad_w, weight.dtype), None, None, None, None
+        # A missing upstream gradient is a zero gradient, never a dropped branch.
+        g_lp_all = _or_zeros(grad_logprob, hidden.shape[0], hidden, cdtype)
+        g_ent_all = _or_zeros(
+            grad_entropy if plan.with_entropy else None, hidden.shape[0], hidden, cdtype
+        )
+        use_entropy = plan.with_entropy and bool(g_ent_all.any())
+        buf, scratch, low_buf = _buffers(hidden, plan, cdtype, scratch=True)
+        vocab = weight.shape[0]
+        for start in range(0, rows_idx.numel(), plan.rows):
+            idx = rows_idx[start : start + plan.rows]
+            h = hidden.index_select(0, idx)
+            inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
+            h_s = _scaled_rows(h, inv, cdtype)
+            rows = slice(start, start + plan.rows)
+            row_max = max_all[rows].unsqueeze(1)
+            inv_sum = sum_all[rows].reciprocal()
+            g_lp = g_lp_all.index_select(0, idx) * inv
+            g_ent = g_ent_all.index_select(0, idx) * inv
+            # With s = z - m, e = exp(s), p = e / S and log p = s - log S, the tile gradient
+            # G = p * (b * log p + c) = e * (b / S * s + (c - b * log S) / S); one-hot term below.
+            b = -g_ent
+            c = -(g_lp + g_ent * ent_all[rows]) if use_entropy else -g_lp
+            if use_entropy:
+                c = c - b * sum_all[rows].log()
+            b, c = (b * inv_sum).unsqueeze(1), (c * inv_sum).unsqueeze(1)
+            gh = h.new_zeros(h.shape, dtype=cdtype) if need_h else None
+            for j in range(0, vocab, plan.vocab_tile):
+                w_tile = weight[j : j + plan.vocab_tile]
+                z = _logits_tile(h_s, w_tile, inv, buf, low_buf)
+                z.sub_(row_max)  # s
+                g = torch.exp(z, out=scratch[: z.numel()].view_as(z))  # e
+                if use_entropy:
+                    g.mul_(z.mul_(b).add_(c))
+                else:
+                    g.mul_(c)
+                g_mm = g if g.dtype == weight.dtype else g.to(weight.dtype)
+                if need_h:
+                    _addmm(gh, g_mm, w_tile)
+                if need_w:
+                    _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h)
+            t = targets.index_select(0, idx)
+            if need_h:
+                gh.addcmul_(weight.index_select(0, t).to(cdtype), g_lp.unsqueeze(1))
+                grad_h.index_copy_(0, idx, gh.to(hidden.dtype))
+            if need_w:
+                grad_w.index_add_(0, t, h.to(cdtype) * g_lp.unsqueeze(1))
+        return grad_h, _cast(grad_w, weight.dtype), None, None, None, None
+
+
+def _buffers(hidden: torch.Tensor, plan: _Plan, cdtype: torch.dtype, scratch: bool):
+    """Flat tile buffers: logits (compute dtype), scratch, and a low-precision matmul output."""
+    size = plan.rows * plan.vocab_tile
+    buf = hidden.new_empty(size, dtype=cdtype)
+    scr = hidden.new_empty(size, dtype=cdtype) if scratch else None
+    low = hidden.new_empty(size) if hidden.dtype != cdtype else None
+    return buf, scr, low
+
+
+def _addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in the compute dtype and ``a``, ``b`` in the input dtype."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += torch.mm(a, b)
+
+
+def _or_zeros(grad, n, like, dtype):
+    if grad is None:
+        return like.new_zeros(n, dtype=dtype)
+    return grad.to(dtype)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def fused_linear_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    with_entropy: bool = True,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of an lm-head, without materialising the logits.
+
+    Exactly ``log_softmax((hidden @ weight.T).float() / temperature)`` gathered at ``targets``,
+    and the entropy of that distribution, with gradients to ``hidden`` and ``weight`` (each only
+    when it requires grad). See :func:`microrl.kernels.reference_linear_logprob` for the eager
+    definition.
+
+    Args:
+        hidden: ``[..., H]`` float32/bfloat16/float16/float64, any strides.
+        weight: ``[V, H]`` lm-head weight (same dtype as ``hidden``).
+        targets: ``[...]`` integer ids in ``[0, V)``, or ``ignore_index``: those positions give
+            log-prob 0 and entropy 0, and no gradient (their hidden rows are never read).
+        temperature: float > 0, or a tensor broadcastable to ``targets.shape`` (per token / per
+            row; no gradient flows to it).
+        with_entropy: False returns ``None`` for the entropy and skips its passes.
+        chunk_size: rows per chunk; ``None`` uses 512. The vocabulary tile is then chosen so a
+            ``[rows, vocab_tile]`` tile holds ``WORKING_TILE_ELEMENTS`` elements (at least 128
+            columns): extra memory is two such compute-dtype tiles (4 MiB in float32) plus
+            ``[rows, H]`` row copies and O(N) statistics, whatever N. A low-precision weight that
+            requires grad also gets a float32 ``[V, H]`` accumulator.
+        ignore_index: target id that marks a position with no prediction.
+
+    Returns:
+        ``(logprobs [...], entropy [...] | None)`` shaped like ``targets``, float32 (float64 for
+        float64 inputs).
+
+    Raises:
+        ValueError: shape mismatch, ``weight`` not ``[V, H]``, non-integer or out-of-range
+            targets, temperature <= 0 or non-finite, ``chunk_size < 1``.
+    """
+    temp = check_linear_logprob_inputs(
+        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index
+    )
+    # Flatten here, under autograd, so the Function receives tensors still connected to the graph.
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    rows_idx = (flat_targets != ignore_index).nonzero().squeeze(1)
+    flat_targets = torch.where(flat_targets == ignore_index, 0, flat_targets)
+    inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
+    inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
+    plan = _plan(max(1, rows_idx.numel()), weight.shape[0], chunk_size, with_entropy, inv_scalar)
+    out = _FusedLinearLogProb.apply(hidden_2d, weight, flat_targets, rows_idx, inv_t, plan)
+    if not with_entropy:
+        return out.view(targets.shape), None
+    logprobs, entropy = out
+    return logprobs.view(targets.shape), entropy.view(targets.shape)

@@ -1,0 +1,293 @@
+"""fused_linear_logprob against its eager reference: values and gradients, every input shape.
+
+Each case builds ``hidden``/``weight``/``targets`` once and runs both implementations on fresh
+clones; :func:`kernel_utils.compare` checks log-probs, entropy and both gradients with per-dtype
+tolerances and reports the worst element. Vocabulary tiling is forced at test sizes with
+``shrink_tiles`` so the online (multi-tile) logsumexp/entropy merge is what gets tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import TOLERANCES, assert_close, compare, run, shrink_tiles
+
+from microrl.kernels import fused_linear_logprob, reference_linear_logprob
+
+H, V = 16, 50  # V = 50 is not a multiple of the 7-column tiles forced below
+
+
+def make(shape, *, dtype=torch.float32, seed=0, vocab=V, scale=1.0, ignore=()):
+    """hidden [*shape, H] (requires grad), weight [V, H] (requires grad), targets [*shape]."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(*shape, H, generator=g, dtype=torch.float64) * scale).to(dtype)
+    weight = (torch.randn(vocab, H, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    targets = torch.randint(0, vocab, shape, generator=g)
+    for index in ignore:
+        targets[index] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), targets
+
+
+def upstream(shape, seed, dtype):
+    """Random upstream gradients (not 1, some negative) shaped like the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+@pytest.fixture
+def tiles(monkeypatch):
+    """rows * 7 columns per tile: with chunk_size=3, V=50 splits into 7 tiles of 7 and one of 1."""
+    shrink_tiles(monkeypatch, 21)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "shape, chunk_size",
+    [((7,), 3), ((2, 5), 3), ((2, 2, 3), 3), ((1,), None), ((2, 5), None), ((2, 5), 1), ((0,), 3)],
+    ids=["2d", "3d", "4d", "single-token", "one-chunk", "rows-of-one", "empty"],
+)
+def test_matches_reference(tiles, dtype, shape, chunk_size):
+    hidden, weight, targets = make(shape, dtype=dtype)
+    atol, rtol = TOLERANCES[dtype]
+    odtype = torch.float64 if dtype == torch.float64 else torch.float32
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=atol, rtol=rtol, chunk_size=chunk_size,
+        grad_lp=upstream(shape, 1, odtype), grad_ent=upstream(shape, 2, odtype),
+    )  # fmt: skip
+
+
+def test_output_dtypes_and_shapes():
+    hidden, weight, targets = make((2, 3), dtype=torch.bfloat16)
+    logprobs, entropy = fused_linear_logprob(hidden, weight, targets)
+    assert logprobs.shape == entropy.shape == targets.shape
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    hidden, weight, targets = make((2, 3), dtype=torch.float64)
+    logprobs, entropy = fused_linear_logprob(hidden, weight, targets, with_entropy=False)
+    assert logprobs.dtype == torch.float64 and entropy is None
+
+
+@pytest.mark.parametrize(
+    "leaf_shape, prepare, target_shape",
+    [
+        ((5, 2), lambda h: h.transpose(0, 1), (2, 5)),  # [T, B, H] seen as [B, T, H]
+        ((2, 5), lambda h: h[..., 3:], (2, 5)),  # last-dim slice: row stride != H
+        ((4, 6), lambda h: h[::2, 1::2], (2, 3)),  # strided rows and columns
+        (
+            (3, 2),
+            lambda h: h.transpose(0, 1).unsqueeze(0).expand(2, 2, 3, H + 3)[..., :H],
+            (2, 2, 3),
+        ),
+    ],
+    ids=["transpose", "slice-last-dim", "step-slices", "expanded"],
+)
+def test_non_contiguous_hidden(tiles, leaf_shape, prepare, target_shape):
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(*leaf_shape, H + 3, generator=g, dtype=torch.float64).requires_grad_()
+    _, weight, targets = make(target_shape, dtype=torch.float64)
+    if prepare(hidden).shape[-1] != H:  # the transposes keep H + 3 columns: drop 3 at the end
+        inner = prepare
+        prepare = lambda h: inner(h)[..., :H]  # noqa: E731
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=1e-10, rtol=1e-9, prepare=prepare, chunk_size=3,
+        grad_lp=upstream(target_shape, 4, torch.float64), grad_ent=upstream(target_shape, 5, torch.float64),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("hidden_grad, weight_grad", [(True, False), (False, True), (True, True)])
+def test_frozen_inputs_get_no_gradient(tiles, hidden_grad, weight_grad):
+    """``.grad is None`` exactly when requires_grad=False; the others match the reference."""
+    hidden, weight, targets = make((2, 5), dtype=torch.float64)
+    hidden.requires_grad_(hidden_grad)
+    weight.requires_grad_(weight_grad)
+    got = run(fused_linear_logprob, hidden, weight, targets, chunk_size=3)
+    want = run(reference_linear_logprob, hidden, weight, targets, chunk_size=3)
+    assert (got[2] is None) == (not hidden_grad) and (got[3] is None) == (not weight_grad)
+    for name, a, e in zip(
+        ("logprobs", "entropy", "hidden.grad", "weight.grad"), got, want, strict=True
+    ):
+        assert_close(a, e, atol=1e-10, rtol=1e-9, name=name)
+
+
+def test_frozen_weight_costs_no_weight_matmul(tiles, monkeypatch):
+    """Under LoRA the lm-head is frozen: backward must not accumulate anything [V, H]-shaped."""
+    from microrl.kernels import linear_logprob
+
+    accumulated = []
+    original = linear_logprob._addmm
+
+    def spy(acc, a, b):
+        accumulated.append(tuple(acc.shape))
+        original(acc, a, b)
+
+    monkeypatch.setattr(linear_logprob, "_addmm", spy)
+    hidden, weight, targets = make((2, 5), dtype=torch.float64)
+    weight.requires_grad_(False)
+    run(fused_linear_logprob, hidden, weight, targets, chunk_size=3)
+    assert accumulated and all(shape[1] == H and shape[0] <= 3 for shape in accumulated)
+    accumulated.clear()
+    hidden.requires_grad_(False)
+    weight.requires_grad_(True)
+    run(fused_linear_logprob, hidden, weight, targets, chunk_size=3)
+    assert accumulated and all(shape[0] <= 7 for shape in accumulated)  # weight tiles only
+
+
+@pytest.mark.parametrize(
+    "grad_lp, grad_ent",
+    [(1.0, None), (None, 1.0), (-2.5, 0.3), (0.0, 0.0), (None, 0.0), ("random", "random")],
+    ids=["logprob-only", "entropy-only", "mixed-scaled", "zeros", "entropy-zero-only", "random"],
+)
+def test_every_mix_of_upstream_gradients(tiles, grad_lp, grad_ent):
+    hidden, weight, targets = make((2, 5), dtype=torch.float64, ignore=[(0, 2)])
+    grad_lp = upstream((2, 5), 6, torch.float64) if grad_lp == "random" else grad_lp
+    grad_ent = upstream((2, 5), 7, torch.float64) if grad_ent == "random" else grad_ent
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=1e-10, rtol=1e-9, chunk_size=3, grad_lp=grad_lp, grad_ent=grad_ent,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "temperature",
+    [0.7, 1.6, "0-dim", "per-token", "per-row"],
+)
+def test_temperature(tiles, dtype, temperature):
+    hidden, weight, targets = make((3, 4), dtype=dtype)
+    g = torch.Generator().manual_seed(8)
+    temperature = {
+        "0-dim": torch.tensor(0.45),
+        "per-token": torch.rand(3, 4, generator=g) + 0.3,
+        "per-row": torch.rand(3, 1, generator=g) + 0.3,
+    }.get(temperature, temperature)
+    atol, rtol = TOLERANCES[dtype]
+    odtype = torch.float64 if dtype == torch.float64 else torch.float32
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=atol, rtol=rtol, chunk_size=3, temperature=temperature,
+        grad_lp=upstream((3, 4), 9, odtype), grad_ent=upstream((3, 4), 10, odtype),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_ignore_index(tiles, with_entropy):
+    """Ignored positions: log-prob 0, entropy 0, zero gradient to their hidden rows."""
+    hidden, weight, targets = make((2, 5), dtype=torch.float64, ignore=[(0, 0), (1, 3), (1, 4)])
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=1e-10, rtol=1e-9, chunk_size=3, with_entropy=with_entropy,
+        grad_lp=upstream((2, 5), 11, torch.float64), grad_ent=upstream((2, 5), 12, torch.float64),
+    )  # fmt: skip
+    logprobs, entropy, grad_h, _ = run(fused_linear_logprob, hidden, weight, targets, chunk_size=3)
+    ignored = targets == -100
+    assert (logprobs[ignored] == 0).all() and (entropy[ignored] == 0).all()
+    assert (grad_h[ignored] == 0).all() and (grad_h[~ignored] != 0).any()
+
+
+def test_custom_ignore_index_and_all_ignored(tiles):
+    hidden, weight, targets = make((2, 5), dtype=torch.float64)
+    targets[0, :] = 7
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=1e-10, rtol=1e-9, chunk_size=3, ignore_index=7,
+    )  # fmt: skip
+    targets.fill_(-100)
+    logprobs, entropy, grad_h, grad_w = run(fused_linear_logprob, hidden, weight, targets)
+    assert not logprobs.any() and not entropy.any() and not grad_h.any() and not grad_w.any()
+
+
+def test_ignored_rows_are_never_read(tiles):
+    """Garbage (NaN) hidden states at padding positions cannot leak into outputs or gradients."""
+    hidden, weight, targets = make((2, 5), dtype=torch.float64, ignore=[(0, 1), (1, 4)])
+    poisoned = hidden.detach().clone()
+    poisoned[0, 1] = float("nan")
+    poisoned[1, 4] = float("inf")
+    clean = hidden.detach().clone()
+    clean[0, 1] = 0.0
+    clean[1, 4] = 0.0
+    got = run(fused_linear_logprob, poisoned.requires_grad_(), weight, targets, chunk_size=3)
+    want = run(reference_linear_logprob, clean.requires_grad_(), weight, targets, chunk_size=3)
+    for name, a, e in zip(
+        ("logprobs", "entropy", "hidden.grad", "weight.grad"), got, want, strict=True
+    ):
+        assert_close(a, e, atol=1e-10, rtol=1e-9, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_is_as_accurate_as_eager(tiles, dtype):
+    """Low-precision inputs: compare both implementations against float32 truth (the same inputs,
+    upcast). The logits themselves are rounded to bf16/fp16 by the input-dtype matmul (relative
+    error 2**-8 / 2**-11, i.e. ~0.02 / 0.003 on logits of size ~4 here), which no implementation
+    can avoid; the kernel's statistics are float32, so its error must stay within that of the eager
+    reference run in the same dtype (factor 1.5 plus a 2-ulp-of-dtype floor for the different
+    summation order and rounding points)."""
+    hidden, weight, targets = make((4, 6), dtype=dtype, scale=2.0, ignore=[(1, 1)])
+    truth = run(reference_linear_logprob, hidden.float(), weight.float(), targets, chunk_size=3,
+                grad_lp=upstream((4, 6), 13, torch.float32), grad_ent=upstream((4, 6), 14, torch.float32))  # fmt: skip
+    kwargs = {
+        "grad_lp": upstream((4, 6), 13, torch.float32),
+        "grad_ent": upstream((4, 6), 14, torch.float32),
+    }
+    got = run(fused_linear_logprob, hidden, weight, targets, chunk_size=3, **kwargs)
+    eager = run(reference_linear_logprob, hidden, weight, targets, chunk_size=3, **kwargs)
+    assert got[0].dtype == torch.float32 and got[2].dtype == dtype and got[3].dtype == dtype
+    ulp = torch.finfo(dtype).eps
+    for name, g, e, t in zip(
+        ("logprobs", "entropy", "hidden.grad", "weight.grad"), got, eager, truth, strict=True
+    ):
+        eager_error = (e.double() - t.double()).abs().max().item()
+        floor = 2 * ulp * t.double().abs().max().item()
+        assert_close(g, t, atol=1.5 * eager_error + floor, rtol=0.0, name=f"{dtype} {name}")
+
+
+@pytest.mark.parametrize("offset", [3e4, -3e4, 0.0], ids=["huge", "very-negative", "spread"])
+def test_extreme_logits_stay_finite(tiles, offset):
+    """Logits of size ~1e4 (and rows that are all very negative): float32 outputs and gradients
+    finite and as close to float64 truth as the eager float32 reference gets. A bias column added
+    to hidden and weight shifts every logit of a row by ``offset``; 'spread' instead scales the
+    logits to a range of +-1e4. float32 holds a logit near 3e4 only to 2e-3, so log p (and p) carry
+    that absolute error in any implementation; the bias column's weight gradient multiplies it by
+    3e4 again. Hence the bound is relative to the eager float32 error on the same inputs.
+    """
+    hidden, weight, targets = make((2, 5), dtype=torch.float64, scale=1.0)
+    ones = torch.ones(2, 5, 1, dtype=torch.float64)
+    big_h = torch.cat([hidden.detach() * (1.0 if offset else 500.0), ones * offset], -1)
+    big_w = torch.cat([weight.detach(), torch.ones(V, 1, dtype=torch.float64)], -1)
+    logit_scale = (big_h @ big_w.T).abs().max().item()
+    eps = torch.finfo(torch.float32).eps
+    truth = run(reference_linear_logprob, big_h.requires_grad_(), big_w.requires_grad_(), targets)
+    h32, w32 = big_h.detach().float().requires_grad_(), big_w.detach().float().requires_grad_()
+    got = run(fused_linear_logprob, h32, w32, targets, chunk_size=3)
+    eager = run(reference_linear_logprob, h32, w32, targets)
+    for name, g, e, t in zip(
+        ("logprobs", "entropy", "hidden.grad", "weight.grad"), got, eager, truth, strict=True
+    ):
+        eager_error = (e.double() - t).abs().max().item()
+        # Values: the target logit and the row max come from differently-blocked matmuls than the
+        # eager ones, so they may round differently by one float32 ulp of the largest logit.
+        # Gradients: within 1.5x the eager float32 error (plus 1e-6 of their scale).
+        floor = eps * logit_scale if "grad" not in name else 1e-6 * t.abs().max().item()
+        assert_close(g, t, atol=1.5 * eager_error + floor, rtol=0.0, name=f"{offset} {name}")
+
+
+def test_extra_memory_is_bounded_by_the_tile_not_n(monkeypatch):
+    """No op output during forward+backward is [N, V]-sized: the largest is a tile, [V, H] or [N, H]."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    LargestOutput.largest = max(LargestOutput.largest, t.numel())
+            return out
+
+    shrink_tiles(monkeypatch, 4096)
+    n, vocab = 512, 2048
+    hidden, weight, targets = make((n,), vocab=vocab)
+    with LargestOutput():
+        run(fused_linear_logprob, hidden, weight, targets)
+    assert LargestOutput.largest <= max(4096, vocab * H, n * H) < n * vocab // 16

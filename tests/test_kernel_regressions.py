@@ -1,0 +1,237 @@
+"""Seed-bug regressions, gradcheck, the memory plan and input validation of the fused kernel.
+
+The two seed bugs of the original kernel each get a check that runs on our kernel *and* on a
+deliberately buggy tiny Function with that bug, to prove the check can fail:
+(a) ``requires_grad`` lost by a flatten inside ``forward`` (the backbone got no gradient);
+(b) ``set_materialize_grads(False)`` plus a ``None`` upstream gradient silently dropping a branch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import assert_close, run, shrink_tiles
+
+from microrl.kernels import (
+    WORKING_TILE_ELEMENTS,
+    fused_linear_logprob,
+    linear_logprob,
+    reference_linear_logprob,
+)
+
+H, V = 8, 30
+
+
+def _logit_grad(logits, targets, g_lp, g_ent):
+    """dL/dlogits for L = g_lp * log p(target) + g_ent * H(p), by the closed form."""
+    log_p = torch.log_softmax(logits, -1)
+    p = log_p.exp()
+    entropy = -(p * log_p).sum(-1, keepdim=True)
+    onehot = torch.nn.functional.one_hot(targets, logits.shape[-1]).to(logits.dtype)
+    return onehot * g_lp[:, None] - p * (g_lp[:, None] + g_ent[:, None] * (log_p + entropy))
+
+
+class _FlattenInsideForward(torch.autograd.Function):
+    """Seed bug (a): flattens inside forward, where autograd is off, then gates on that copy."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        ctx.hidden_needs_grad = flat.requires_grad  # always False inside forward: the bug
+        logits = flat @ weight.T
+        ctx.save_for_backward(flat, weight, logits, targets.reshape(-1))
+        log_p = torch.log_softmax(logits, -1)
+        lp = log_p.gather(-1, targets.reshape(-1, 1)).squeeze(-1)
+        return lp.view(targets.shape), (-(log_p.exp() * log_p).sum(-1)).view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        flat, weight, logits, targets = ctx.saved_tensors
+        grad = _logit_grad(logits, targets, g_lp.reshape(-1), g_ent.reshape(-1))
+        grad_h = (grad @ weight).view(*g_lp.shape, -1) if ctx.hidden_needs_grad else None
+        grad_w = grad.T @ flat if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None
+
+
+class _DropsNoneBranch(torch.autograd.Function):
+    """Seed bug (b): unmaterialised gradients, and only the 'both outputs used' case handled."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        ctx.set_materialize_grads(False)
+        logits = hidden @ weight.T
+        ctx.save_for_backward(hidden, weight, logits, targets)
+        log_p = torch.log_softmax(logits, -1)
+        lp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return lp, -(log_p.exp() * log_p).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, logits, targets = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        if g_lp is not None and g_ent is not None:  # a loss on one output silently gets nothing
+            grad = _logit_grad(logits, targets, g_lp, g_ent)
+        return grad @ weight, grad.T @ hidden, None
+
+
+def _buggy(function):
+    def call(hidden, weight, targets, **_):
+        return function.apply(hidden, weight, targets)
+
+    return call
+
+
+def _assert_backbone_gets_reference_gradient(fn) -> None:
+    """hidden comes out of a backbone layer as a [B, T, H] view: its parameters must get the reference
+    gradient through the lm-head (frozen, as under LoRA, so hidden is the only path)."""
+    grads = []
+    for impl in (fn, reference_linear_logprob):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(H, H, dtype=torch.float64)
+        x = torch.randn(5, 2, H, dtype=torch.float64)
+        head = torch.randn(V, H, dtype=torch.float64)
+        targets = torch.randint(0, V, (2, 5))
+        # [T, B, H] -> [B, T, H]: a non-contiguous view, so a reshape inside forward must copy,
+        # and a copy made there (autograd off) no longer requires grad.
+        logprobs, entropy = impl(torch.tanh(layer(x)).transpose(0, 1), head, targets)
+        (logprobs.sum() + 0.3 * entropy.sum()).backward()
+        assert layer.weight.grad is not None, "backbone weight got no gradient"
+        grads.append((layer.weight.grad, layer.bias.grad))
+    assert grads[0][0].abs().sum() > 0
+    assert_close(grads[0][0], grads[1][0], atol=1e-10, rtol=1e-9, name="backbone weight.grad")
+    assert_close(grads[0][1], grads[1][1], atol=1e-10, rtol=1e-9, name="backbone bias.grad")
+
+
+def _assert_single_output_losses_match_reference(fn) -> None:
+    """A loss on the log-probs only, or on the entropy only: the unused output's upstream gradient
+    arrives as None and must count as zero, not drop the other branch."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, H, generator=g, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64).requires_grad_()
+    targets = torch.randint(0, V, (6,), generator=g)
+    for grad_lp, grad_ent in ((1.0, None), (None, 1.0)):
+        got = run(fn, hidden, weight, targets, grad_lp=grad_lp, grad_ent=grad_ent)
+        want = run(
+            reference_linear_logprob, hidden, weight, targets, grad_lp=grad_lp, grad_ent=grad_ent
+        )
+        for name, a, e in zip(("hidden.grad", "weight.grad"), got[2:], want[2:], strict=True):
+            assert_close(a, e, atol=1e-10, rtol=1e-9, name=f"{grad_lp=} {grad_ent=} {name}")
+
+
+def test_backbone_gradient_through_reshape():
+    _assert_backbone_gets_reference_gradient(fused_linear_logprob)
+
+
+def test_backbone_check_catches_flatten_inside_forward():
+    with pytest.raises(AssertionError, match="no gradient"):
+        _assert_backbone_gets_reference_gradient(_buggy(_FlattenInsideForward))
+
+
+def test_single_output_losses_keep_their_branch():
+    _assert_single_output_losses_match_reference(fused_linear_logprob)
+
+
+def test_single_output_check_catches_unmaterialised_gradients():
+    with pytest.raises(AssertionError, match="grad_lp="):
+        _assert_single_output_losses_match_reference(_buggy(_DropsNoneBranch))
+
+
+@pytest.mark.parametrize(
+    "temperature, with_entropy, frozen_weight",
+    [("per-token", True, False), (0.6, True, True), ("per-row", False, False)],
+)
+def test_gradcheck_float64(monkeypatch, temperature, with_entropy, frozen_weight):
+    shrink_tiles(monkeypatch, 8)  # chunk_size=2 -> vocab tiles of 4, 4, 1 columns
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 5, generator=g, dtype=torch.float64, requires_grad=not frozen_weight)
+    targets = torch.randint(0, 9, (2, 3), generator=g)
+    targets[1, 0] = -100
+    temperature = {
+        "per-token": torch.rand(2, 3, generator=g, dtype=torch.float64) + 0.5,
+        "per-row": torch.rand(2, 1, generator=g, dtype=torch.float64) + 0.5,
+    }.get(temperature, temperature)
+
+    def fn(*inputs):
+        h, w = inputs if len(inputs) == 2 else (inputs[0], weight)
+        lp, ent = fused_linear_logprob(
+            h, w, targets, temperature=temperature, chunk_size=2, with_entropy=with_entropy
+        )
+        return (lp, ent) if with_entropy else lp
+
+    inputs = (hidden,) if frozen_weight else (hidden, weight)
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 100, 512, 4096, 10**6])
+@pytest.mark.parametrize("vocab", [10, 32768, 151936])
+def test_default_plan_bounds_the_tile_independently_of_n(n, vocab):
+    plan = linear_logprob._plan(n, vocab, None, True, 1.0)
+    assert plan.rows * plan.vocab_tile <= WORKING_TILE_ELEMENTS
+    assert plan == linear_logprob._plan(max(n, 512) * 8, vocab, None, True, 1.0) or n < 512
+
+
+def test_no_grad_mode_returns_plain_tensors():
+    hidden = torch.randn(3, 4, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    with torch.no_grad():
+        logprobs, entropy = fused_linear_logprob(hidden, weight, torch.randint(0, V, (3, 4)))
+    assert logprobs.grad_fn is None and entropy.grad_fn is None and (logprobs <= 0).all()
+
+
+def _bad_inputs():
+    h, w, t = torch.randn(2, 3, H), torch.randn(V, H), torch.randint(0, V, (2, 3))
+    return [
+        ("hidden", dict(hidden=torch.randn(H)), "rank >= 2"),
+        (
+            "hidden-int",
+            dict(hidden=torch.ones(2, 3, H, dtype=torch.long)),
+            "hidden must be a float",
+        ),
+        ("weight-1d", dict(weight=torch.randn(V)), "weight must be 2-D"),
+        ("weight-3d", dict(weight=torch.randn(1, V, H)), "weight must be 2-D"),
+        ("weight-H", dict(weight=torch.randn(V, H + 1)), "weight must be"),
+        ("weight-dtype", dict(weight=w.double()), "weight dtype"),
+        ("targets-float", dict(targets=t.float()), "targets must be an integer"),
+        ("targets-shape", dict(targets=t[:, :2]), "targets shape"),
+        ("targets-high", dict(targets=torch.full((2, 3), V)), "targets must lie"),
+        ("targets-negative", dict(targets=torch.full((2, 3), -1)), "targets must lie"),
+        ("temperature-0", dict(temperature=0.0), "temperature"),
+        ("temperature-negative", dict(temperature=-1.0), "temperature"),
+        ("temperature-nan", dict(temperature=float("nan")), "temperature"),
+        ("temperature-inf", dict(temperature=float("inf")), "temperature"),
+        ("temperature-bool", dict(temperature=True), "temperature"),
+        ("temperature-tensor-0", dict(temperature=torch.tensor([[1.0], [0.0]])), "temperature"),
+        (
+            "temperature-tensor-nan",
+            dict(temperature=torch.full((2, 3), float("nan"))),
+            "temperature",
+        ),
+        ("temperature-0dim-0", dict(temperature=torch.tensor(0.0)), "temperature"),
+        ("temperature-shape", dict(temperature=torch.ones(3, 2)), "temperature shape"),
+        ("temperature-grad", dict(temperature=torch.ones(2, 3, requires_grad=True)), "temperature"),
+        ("chunk-0", dict(chunk_size=0), "chunk_size"),
+        ("chunk-negative", dict(chunk_size=-4), "chunk_size"),
+        ("chunk-float", dict(chunk_size=2.0), "chunk_size"),
+        ("with-entropy", dict(with_entropy="yes"), "with_entropy"),
+        ("ignore-index", dict(ignore_index=None), "ignore_index"),
+    ], (h, w, t)
+
+
+_CASES, _GOOD = _bad_inputs()
+
+
+@pytest.mark.parametrize(
+    "fn", [fused_linear_logprob, reference_linear_logprob], ids=["fused", "eager"]
+)
+@pytest.mark.parametrize("override, message", [c[1:] for c in _CASES], ids=[c[0] for c in _CASES])
+def test_bad_input_raises_value_error(fn, override, message):
+    args = dict(zip(("hidden", "weight", "targets"), _GOOD, strict=True))
+    args.update(override)
+    with pytest.raises(ValueError, match=message):
+        fn(**args)
+
+
+def test_non_tensor_raises_type_error():
+    with pytest.raises(TypeError, match="hidden"):
+        fused_linear_logprob([[0.0] * H], torch.randn(V, H), torch.zeros(1, dtype=torch.long))
