@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from microrl.kernels import fused_linear_logprob
+
 __all__ = ["PolicyModel", "ValueModel", "decoder_body", "fused_head_blocker"]
 
 logger = logging.getLogger(__name__)
@@ -138,8 +140,6 @@ class PolicyModel(nn.Module):
             **model_kwargs,
         }
         if self.fused:
-            from microrl.kernels import fused_linear_logprob  # TODO(engine): top-level once landed
-
             hidden = decoder_body(self.causal_lm)(**inputs).last_hidden_state
             weight = self.causal_lm.get_output_embeddings().weight
             if weight.dtype != hidden.dtype:  # autocast: run the head in the activations' dtype
