@@ -20,26 +20,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine import distributed, packing, setup
+from microrl.engine.alignment import next_token_targets, to_token_alignment
 from microrl.engine.attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
-from microrl.engine.heads import IGNORE_INDEX
 from microrl.engine.microbatch import (
     compact_rows,
     plan_micro_batches,
-    scatter_rows,
+    scatter_outputs,
     span_starts_and_lengths,
 )
-from microrl.engine.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_and_check,
-    grad_flow_report,
-)
+from microrl.engine.optim import audit_grad_flow, build_optimizer, build_scheduler, clip_and_check
 from microrl.engine.validation import check_batch
 from microrl.losses.aggregation import LossDenominators, global_denominators
 from microrl.losses.metrics import Metric, reduce_metrics
@@ -184,7 +178,11 @@ class Engine:
                 if not real and with_loss:
                     micro["loss_mask"] = torch.zeros_like(micro["loss_mask"])
                 loss, step_metrics, output = self._forward_compact(
-                    micro, loss_fn if with_loss else None, denominators, training=not forward_only
+                    micro,
+                    [host_lengths[r] for r in rows],
+                    loss_fn if with_loss else None,
+                    denominators,
+                    training=not forward_only,
                 )
                 if loss is not None:
                     if not forward_only:
@@ -193,14 +191,10 @@ class Engine:
                         loss.backward()
                     losses.append(loss.detach() / denominators.grad_scale)
                     metrics.append(step_metrics)
-                if not real:
-                    continue
-                for key, value in output.items():
-                    if key not in outputs:
-                        outputs[key] = torch.zeros(shape, dtype=torch.float32, device=self.device)
-                    scatter_rows(value, rows, starts, lengths, outputs[key])
+                if real:
+                    scatter_outputs(output, rows, starts, lengths, outputs, shape)
         if not forward_only and with_loss and self.config.check_grad_flow:
-            self._audit_grad_flow(batch["loss_mask"])
+            audit_grad_flow(self.module, batch["loss_mask"], self.config.check_grad_flow)
         if losses:
             metrics.append({"loss": Metric(torch.stack(losses).sum())})
         reduced = reduce_metrics(metrics, group=self.dp_group)
@@ -232,7 +226,8 @@ class Engine:
         with_loss = loss_fn is not None or all(k in batch for k in self.loss_keys)
         starts, lengths = span_starts_and_lengths(batch["attention_mask"])
         rows = list(range(batch.batch_size[0]))
-        micro = compact_rows(batch, rows, starts, lengths, int(lengths.max()))
+        host_lengths = lengths.tolist()
+        micro = compact_rows(batch, rows, starts, lengths, max(host_lengths))
         if with_loss and denominators is None:
             denominators = global_denominators(
                 batch["loss_mask"], seq_len_norm=self.config.seq_len_norm, group=self.dp_group
@@ -240,15 +235,14 @@ class Engine:
         with self._grad(forward_only):
             loss, metrics, output = self._forward_compact(
                 micro,
+                host_lengths,
                 (loss_fn or self.default_loss) if with_loss else None,
                 denominators,
                 training=self.module.training and not forward_only,
             )
         shape = tuple(batch["input_ids"].shape)
-        full = {}
-        for key, value in output.items():
-            full[key] = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            scatter_rows(value, rows, starts, lengths, full[key])
+        full: dict[str, torch.Tensor] = {}
+        scatter_outputs(output, rows, starts, lengths, full, shape)
         self.last_step_metrics = metrics
         return loss, TensorDict(full, batch_size=[shape[0]], device=self.device)
 
@@ -372,22 +366,25 @@ class Engine:
     def _forward_compact(
         self,
         micro: TensorDict,
+        lengths: list[int],
         loss_fn: LossFn | None,
         denominators: LossDenominators | None,
         *,
         training: bool,
     ) -> tuple[torch.Tensor | None, dict[str, Metric], TensorDict]:
-        """Forward a compact right-padded ``[b, L]`` micro-batch; token-align the outputs; loss."""
+        """Forward a compact right-padded ``[b, L]`` micro-batch; token-align the outputs; loss.
+
+        ``lengths``: the rows' real-token counts, on the host (no sync in the micro-batch loop).
+        """
         valid = micro["attention_mask"]
         ids, positions = micro["input_ids"], micro["position_ids"]
-        next_valid = F.pad(valid[:, 1:], (0, 1), value=False)
-        targets = torch.where(next_valid, F.pad(ids[:, 1:], (0, 1)), IGNORE_INDEX)
+        targets, has_next = next_token_targets(ids, valid)
         model_kwargs = {}
         if self.config.pack_sequences:
             inputs = (packing.pack(ids, valid), packing.pack(positions, valid), None)
             packed_targets = packing.pack(targets, valid)
             if self._varlen_attention:
-                model_kwargs[PACKED_LENGTHS_KWARG] = tuple(micro["attention_mask"].sum(1).tolist())
+                model_kwargs[PACKED_LENGTHS_KWARG] = tuple(lengths)
         else:
             inputs, packed_targets = (ids, positions, valid.long()), targets
         with setup.autocast_context(self.config, self.device):
@@ -399,10 +396,7 @@ class Engine:
             value = value if value.dtype == torch.float64 else value.float()
             if self.config.pack_sequences:
                 value = packing.unpack(value, valid)
-            value = torch.where(
-                next_valid, value, torch.zeros((), dtype=value.dtype, device=value.device)
-            )
-            aligned[key] = F.pad(value[:, :-1], (1, 0))  # prediction from j -> token j + 1
+            aligned[key] = to_token_alignment(value, has_next)
         output = TensorDict(aligned, batch_size=[ids.shape[0]], device=ids.device)
         loss, metrics = None, {}
         if loss_fn is not None:
@@ -422,16 +416,3 @@ class Engine:
     @staticmethod
     def _grad(forward_only: bool) -> Any:
         return torch.no_grad() if forward_only else nullcontext()
-
-    def _audit_grad_flow(self, loss_mask: torch.Tensor) -> None:
-        if not bool(loss_mask.any()):  # no loss token: zero gradients are the right answer
-            return
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        dead = grad_flow_report(named)
-        if not dead:
-            return
-        shown = ", ".join(dead[:8]) + (f", ... ({len(dead)} in all)" if len(dead) > 8 else "")
-        message = f"grad-flow audit: trainable parameters without gradient: {shown}"
-        if self.config.check_grad_flow == "error":
-            raise RuntimeError(message)
-        logger.warning(message)

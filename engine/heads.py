@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from microrl.engine.alignment import IGNORE_INDEX
 from microrl.kernels import fused_linear_logprob
 
 __all__ = ["PolicyModel", "ValueModel", "decoder_body", "fused_head_blocker"]
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100  # target of a position with no next token (the kernel's ignore_index)
 
 # Config attributes of transformers models that change the logits after the lm-head matmul
 # (Gemma 2/3 soft-capping, Cohere logit scale, Granite logits scaling, muP-style multipliers).

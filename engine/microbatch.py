@@ -27,6 +27,7 @@ __all__ = [
     "compact_rows",
     "micro_batch_cost",
     "plan_micro_batches",
+    "scatter_outputs",
     "scatter_rows",
     "span_starts_and_lengths",
 ]
@@ -213,3 +214,19 @@ def scatter_rows(
     block = torch.cat([out.index_select(0, index), out.new_zeros(len(index), 1)], dim=1)
     block.scatter_(1, target_cols, compact.to(out.dtype))
     out.index_copy_(0, index, block[:, :num_cols])
+
+
+def scatter_outputs(
+    output: TensorDict,
+    rows: Sequence[int],
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    into: dict[str, torch.Tensor],
+    shape: tuple[int, int],
+) -> None:
+    """:func:`scatter_rows` for every entry of a micro-batch's output, into fp32 ``[B, T]`` buffers
+    (created on first use in ``into``)."""
+    for key, value in output.items():
+        if key not in into:
+            into[key] = torch.zeros(shape, dtype=torch.float32, device=value.device)
+        scatter_rows(value, rows, starts, lengths, into[key])

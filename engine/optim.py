@@ -12,6 +12,7 @@ from torch import nn
 from microrl.configs.engine import OptimConfig, Schedule
 
 __all__ = [
+    "audit_grad_flow",
     "build_optimizer",
     "build_scheduler",
     "clip_and_check",
@@ -86,3 +87,21 @@ def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
         zero = (norms == 0).tolist()
         dead += [name for (name, _), is_zero in zip(with_grad, zero, strict=True) if is_zero]
     return dead
+
+
+def audit_grad_flow(module: nn.Module, loss_mask: torch.Tensor, mode: str) -> None:
+    """Warn (``mode="warn"``) or raise ``RuntimeError`` (``"error"``) naming the trainable
+    parameters of ``module`` left without gradient by a backward over a batch with loss tokens.
+
+    A batch without a single loss token is skipped: zero gradients are the right answer there.
+    """
+    if not bool(loss_mask.any()):
+        return
+    dead = grad_flow_report([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+    if not dead:
+        return
+    shown = ", ".join(dead[:8]) + (f", ... ({len(dead)} in all)" if len(dead) > 8 else "")
+    message = f"grad-flow audit: trainable parameters without gradient: {shown}"
+    if mode == "error":
+        raise RuntimeError(message)
+    logger.warning(message)

@@ -1,0 +1,37 @@
+"""Token alignment (design.md section 2) of a compact right-padded ``[b, L]`` micro-batch.
+
+The model predicts token ``j + 1`` from position ``j``; the public layout stores that prediction at
+column ``j + 1`` (``logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``), with 0 where no
+prediction exists (a row's first token, padding). Both shifts live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["IGNORE_INDEX", "next_token_targets", "to_token_alignment"]
+
+IGNORE_INDEX = -100  # target of a position with no next token (the kernel's ignore_index)
+
+
+def next_token_targets(
+    input_ids: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``targets[b, j] = input_ids[b, j + 1]`` where that token is real, else ``IGNORE_INDEX``.
+
+    Returns ``(targets, has_next)``, both ``[b, L]``, aligned to the predicting position.
+    """
+    has_next = F.pad(valid[:, 1:], (0, 1), value=False)
+    targets = torch.where(has_next, F.pad(input_ids[:, 1:], (0, 1)), IGNORE_INDEX)
+    return targets, has_next
+
+
+def to_token_alignment(value: torch.Tensor, has_next: torch.Tensor) -> torch.Tensor:
+    """Per-predicting-position ``[b, L]`` values -> token-aligned ``[b, L]``, 0 where undefined.
+
+    Masked entries are removed with ``torch.where`` (not multiplied), so whatever the head left
+    there (even NaN) reaches neither the output nor a gradient.
+    """
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    return F.pad(torch.where(has_next, value, zero)[:, :-1], (1, 0))
