@@ -16,6 +16,7 @@ batches, ``generate``). The model is switched to it per instance with
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -40,6 +41,8 @@ def enable_varlen_attention(model: nn.Module) -> bool:
     base = getattr(config, "_attn_implementation", None)
     if base not in _BASES:
         return base is not None and base.startswith("microrl_varlen_")
+    if base == "eager" and not any(_model_eager_attention(m) for m in model.modules()):
+        return False  # a model without the usual per-file eager function: leave it alone
     name = f"microrl_varlen_{base}"
     AttentionInterface.register(name, partial(_varlen_attention, base=base))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
@@ -60,7 +63,9 @@ def _varlen_attention(
     """``query`` ``[1, heads, N, d]`` (key/value may have fewer heads) -> ``[1, N, heads, d]``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    attend = ALL_ATTENTION_FUNCTIONS[base]
+    # "eager" is not in the registry: each modeling file has its own ``eager_attention_forward``,
+    # which its attention layers use as the default.
+    attend = _model_eager_attention(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
     lengths = kwargs.pop(PACKED_LENGTHS_KWARG, None)
     if lengths is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
@@ -84,6 +89,11 @@ def _varlen_attention(
         outputs.append(out)
         start = end
     return torch.cat(outputs, dim=1), None
+
+
+def _model_eager_attention(module: nn.Module):
+    """The ``eager_attention_forward`` of the modeling file that defines ``module``, or None."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 
 
 def _causal_mask(

@@ -161,3 +161,48 @@ def test_model_from_local_checkpoint_path(tmp_path) -> None:
     torch.testing.assert_close(
         engine.infer_batch(batch)["logprobs"].double(), expected, atol=ATOL, rtol=0
     )
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_sliding_window_and_eager_attention(attn: str, packed: bool) -> None:
+    """Packed rows keep each layer's own mask: causal, and the sliding window where it applies."""
+    model = tiny_model(
+        "qwen2",
+        use_sliding_window=True,
+        sliding_window=4,  # shorter than most rows, so the window matters
+        max_window_layers=1,  # layer 0 full attention, layer 1 sliding
+        attn_implementation=attn,
+    )
+    engine = ActorEngine(model, ActorConfig(micro_batch_size=3, pack_sequences=packed))
+    batch = make_batch(5, 12, padding="mixed", seed=9)
+    expected, _ = reference_logprobs(model, batch)
+    out = engine.infer_batch(batch)["logprobs"]
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+
+
+def test_bf16_autocast_outputs_are_fp32_and_close() -> None:
+    model = tiny_model("qwen2")
+    batch = make_batch(4, 10, seed=10)
+    expected, _ = reference_logprobs(model, batch)
+    engine = ActorEngine(model, ActorConfig(micro_batch_size=2, dtype="bfloat16"))
+    out = engine.infer_batch(batch)
+    assert out["logprobs"].dtype == torch.float32 and out["entropy"].dtype == torch.float32
+    torch.testing.assert_close(out["logprobs"].double(), expected, atol=2e-2, rtol=0)
+    batch["old_logprobs"] = out["logprobs"]
+    metrics = engine.forward_backward_batch(batch)["metrics"]
+    assert metrics["ratio_min"] == 1.0 == metrics["ratio_max"]  # the same bf16 computation
+    assert all(p.grad.dtype == torch.float32 for p in engine.module.parameters())
+
+
+def test_generation_with_the_engine_model_is_unchanged_by_packing() -> None:
+    """The varlen attention installed for packing is exactly the model's own without packed rows."""
+    reference = tiny_model("qwen2")
+    engine = ActorEngine(tiny_model("qwen2"), ActorConfig(micro_batch_size=2, pack_sequences=True))
+    ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding, as for generation
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    expected = reference.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    generated = engine.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(generated, expected)
