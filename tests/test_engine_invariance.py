@@ -121,3 +121,43 @@ def test_row_order_of_outputs_is_the_callers() -> None:
     out = engine.infer_batch(batch)
     shuffled = engine.infer_batch(batch[perm])
     torch.testing.assert_close(shuffled["logprobs"], out["logprobs"][perm], atol=1e-6, rtol=0)
+
+
+class PaddedCountActor(ActorEngine):
+    """As if another data-parallel rank needed more micro-batches: empty ones are appended."""
+
+    def _agree_num_micro_batches(self, n: int) -> int:
+        return n + 3
+
+
+def test_extra_empty_micro_batches_change_nothing() -> None:
+    batch = make_batch(B, 10, padding="mixed", seed=15, dtype=torch.float64)
+    state = tiny_model("qwen2", dtype=torch.float64).state_dict()
+    results = []
+    for cls in (ActorEngine, PaddedCountActor):
+        model = tiny_model("qwen2", dtype=torch.float64)
+        model.load_state_dict(state)
+        engine = cls(model, ActorConfig(micro_batch_size=2))
+        results.append((engine.forward_backward_batch(batch), grads_of(engine.module)))
+    (plain, g_plain), (padded, g_padded) = results
+    assert padded["loss"] == pytest.approx(plain["loss"], rel=RTOL, abs=ATOL)
+    assert_close_dicts(padded["metrics"], plain["metrics"], rtol=RTOL, atol=ATOL)
+    assert_close_dicts(g_padded, g_plain, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    assert torch.equal(padded["model_output"]["logprobs"], plain["model_output"]["logprobs"])
+
+
+def test_forward_step_with_global_denominators_sums_to_the_batch_loss() -> None:
+    """forward_step is the loop's building block: its partial losses add up to the batch loss."""
+    from microrl.losses import global_denominators
+
+    engine = ActorEngine(tiny_model(dtype=torch.float64), ActorConfig(micro_batch_size=B))
+    batch = make_batch(B, 10, seed=16, dtype=torch.float64)
+    denominators = global_denominators(batch["loss_mask"])
+    total = sum(
+        engine.forward_step(batch[i : i + 2], denominators=denominators)[0].item()
+        for i in range(0, B, 2)
+    )
+    assert total == pytest.approx(engine.forward_backward_batch(batch)["loss"], rel=RTOL)
+    loss, output = engine.forward_step(batch)  # alone: the micro-batch is the mini-batch
+    assert loss.grad_fn is not None and output["logprobs"].grad_fn is None
+    assert loss.item() == pytest.approx(total, rel=RTOL)
