@@ -61,7 +61,8 @@ def check_batch(
             )
         if key in FLOAT_KEYS and not value.is_floating_point():
             raise ValueError(f"{key!r} must be a floating-point tensor, got {value.dtype}")
-    batch = batch.to(device)
+    # A shallow copy: the caller's TensorDict is never modified (even when already on `device`).
+    batch = batch.to(device).clone(recurse=False)
     if "attention_mask" not in batch:
         batch["attention_mask"] = torch.ones(shape, dtype=torch.bool, device=device)
     mask = batch["attention_mask"]

@@ -242,3 +242,17 @@ def test_checkpoint_round_trip(tmp_path) -> None:
     restored.load_checkpoint(tmp_path / "ckpt")
     assert restored.global_step == 1
     assert restored.train_batch(batch) == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_callers_batch_is_not_modified() -> None:
+    engine = _engine()
+    batch = make_batch(4, 10, seed=30)
+    batch["attention_mask"] = batch["attention_mask"].long()
+    before = batch.clone()
+    engine.forward_backward_batch(batch)
+    engine.infer_batch(batch.exclude("attention_mask"))
+    assert set(batch.keys()) == set(before.keys())
+    assert all(
+        torch.equal(batch[k], before[k]) and batch[k].dtype == before[k].dtype
+        for k in list(before.keys())
+    )
