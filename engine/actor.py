@@ -31,6 +31,9 @@ class ActorEngine(Engine):
 
     Entropy is computed by :meth:`infer_batch` and by training passes whose loss uses it
     (``policy_loss.entropy_coef > 0``); otherwise it costs nothing.
+
+    Temperature: ``config.temperature``, unless the batch carries ``temperature``: ``[B]`` per
+    row, or ``[B, T]`` token-aligned (``temperature[b, t]`` is the one token ``t`` was sampled at).
     """
 
     config: ActorConfig
@@ -60,7 +63,15 @@ class ActorEngine(Engine):
         return PolicyModel(causal_lm, fused=fused, chunk_size=self.config.kernel_chunk_size)
 
     def _head_forward(
-        self, input_ids, position_ids, attention_mask, targets, *, training, **model_kwargs
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        targets,
+        *,
+        training,
+        temperature=None,
+        **model_kwargs,
     ):
         with_entropy = not training or self.config.policy_loss.entropy_coef > 0
         logprobs, entropy = self.module(
@@ -68,7 +79,7 @@ class ActorEngine(Engine):
             position_ids,
             attention_mask,
             targets,
-            temperature=self.config.temperature,
+            temperature=self.config.temperature if temperature is None else temperature,
             with_entropy=with_entropy,
             **model_kwargs,
         )

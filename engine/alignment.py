@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "next_token_targets", "to_token_alignment"]
+__all__ = ["IGNORE_INDEX", "next_token_targets", "predicting_temperature", "to_token_alignment"]
 
 IGNORE_INDEX = -100  # target of a position with no next token (the kernel's ignore_index)
 
@@ -35,3 +35,14 @@ def to_token_alignment(value: torch.Tensor, has_next: torch.Tensor) -> torch.Ten
     """
     zero = torch.zeros((), dtype=value.dtype, device=value.device)
     return F.pad(torch.where(has_next, value, zero)[:, :-1], (1, 0))
+
+
+def predicting_temperature(temperature: torch.Tensor, has_next: torch.Tensor) -> torch.Tensor:
+    """A batch's ``temperature`` (``[b]`` per row, or token-aligned ``[b, L]``: the temperature
+    token ``t`` was sampled at) -> ``[b, L]`` at the predicting positions (1 where none)."""
+    if temperature.dim() == 1:
+        temperature = temperature.unsqueeze(1).expand_as(has_next)
+    else:
+        temperature = F.pad(temperature[:, 1:], (0, 1))
+    one = torch.ones((), dtype=temperature.dtype, device=temperature.device)
+    return torch.where(has_next, temperature, one)

@@ -25,7 +25,11 @@ from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine import distributed, packing, setup
-from microrl.engine.alignment import next_token_targets, to_token_alignment
+from microrl.engine.alignment import (
+    next_token_targets,
+    predicting_temperature,
+    to_token_alignment,
+)
 from microrl.engine.attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
 from microrl.engine.microbatch import (
     compact_rows,
@@ -103,12 +107,15 @@ class Engine:
         targets: torch.Tensor,
         *,
         training: bool,
+        temperature: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         """One call of :attr:`module`; outputs aligned to the *predicting* position, ``[b, L]``.
 
         ``targets[b, j]`` is the token that follows position ``j`` (``-100`` where none does);
         the loop zeroes outputs there and shifts everything to token alignment.
+        ``temperature``: the batch's per-row/per-token sampling temperature at the predicting
+        positions (same shape as ``targets``), or None (then the role's configured one).
         ``model_kwargs`` (e.g. the packed sequence lengths) go to the transformers forward.
         """
         raise NotImplementedError
@@ -380,15 +387,22 @@ class Engine:
         ids, positions = micro["input_ids"], micro["position_ids"]
         targets, has_next = next_token_targets(ids, valid)
         model_kwargs = {}
+        temperature = None
+        if "temperature" in micro:
+            temperature = predicting_temperature(micro["temperature"], has_next)
         if self.config.pack_sequences:
             inputs = (packing.pack(ids, valid), packing.pack(positions, valid), None)
             packed_targets = packing.pack(targets, valid)
+            if temperature is not None:
+                temperature = packing.pack(temperature, valid)
             if self._varlen_attention:
                 model_kwargs[PACKED_LENGTHS_KWARG] = tuple(lengths)
         else:
             inputs, packed_targets = (ids, positions, valid.long()), targets
         with setup.autocast_context(self.config, self.device):
-            raw = self._head_forward(*inputs, packed_targets, training=training, **model_kwargs)
+            raw = self._head_forward(
+                *inputs, packed_targets, training=training, temperature=temperature, **model_kwargs
+            )
         aligned = {}
         for key, value in raw.items():
             # fp32 for the loss (bf16 under autocast is too coarse); fp64 models keep fp64 so

@@ -35,7 +35,15 @@ class CriticEngine(Engine):
         return ValueModel(decoder_body(causal_lm), hidden_size, seed=self.config.seed)
 
     def _head_forward(
-        self, input_ids, position_ids, attention_mask, targets, *, training, **model_kwargs
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        targets,
+        *,
+        training,
+        temperature=None,
+        **model_kwargs,
     ):
         return {"values": self.module(input_ids, position_ids, attention_mask, **model_kwargs)}
 

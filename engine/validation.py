@@ -61,6 +61,13 @@ def check_batch(
             )
         if key in FLOAT_KEYS and not value.is_floating_point():
             raise ValueError(f"{key!r} must be a floating-point tensor, got {value.dtype}")
+        if key == "temperature" and (
+            not value.is_floating_point() or tuple(value.shape) not in (shape, shape[:1])
+        ):
+            raise ValueError(
+                f"'temperature' must be a float tensor [B] or [B, T] = {shape}, got "
+                f"{value.dtype} {tuple(value.shape)}"
+            )
     # A shallow copy: the caller's TensorDict is never modified (even when already on `device`).
     batch = batch.to(device).clone(recurse=False)
     if "attention_mask" not in batch:
@@ -101,6 +108,12 @@ def _check_values(batch: TensorDict, mask: torch.Tensor, vocab_size: int) -> Non
                 mask & (batch["position_ids"] != positions),
                 "position_ids must equal cumsum(attention_mask) - 1 on real tokens",
             )
+        )
+    if "temperature" in batch:
+        temp = batch["temperature"]
+        used = predicted if temp.dim() == 2 else torch.ones_like(temp, dtype=torch.bool)
+        checks.append(
+            (used & ~(torch.isfinite(temp) & (temp > 0)), "temperature must be finite and > 0")
         )
     if "loss_mask" in batch:
         loss_mask = batch["loss_mask"]

@@ -103,11 +103,13 @@ def repad(batch: TensorDict, padding: str) -> TensorDict:
 
 @torch.no_grad()
 def reference_logprobs(
-    model, batch: TensorDict, temperature: float = 1.0
+    model, batch: TensorDict, temperature: float | torch.Tensor = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row by row without padding: ``log_softmax(model(ids).logits / T)`` at the next token.
 
-    Returns token-aligned ``[B, T]`` log-probs and entropies (0 where there is no prediction).
+    ``temperature``: a float, a ``[B]`` tensor (per row) or ``[B, T]`` (token-aligned: the one
+    token ``t`` is scored with). Returns token-aligned ``[B, T]`` log-probs and entropies (0 where
+    there is no prediction).
     """
     was_training = model.training
     model.eval()
@@ -117,7 +119,12 @@ def reference_logprobs(
     for b in range(ids.shape[0]):
         cols = mask[b].nonzero().squeeze(1)
         row = ids[b, cols].unsqueeze(0)
-        logits = model(input_ids=row, use_cache=False).logits[0].double() / temperature
+        temp = torch.as_tensor(temperature, dtype=torch.float64)
+        if temp.dim() == 1:
+            temp = temp[b]
+        elif temp.dim() == 2:  # position j predicts token cols[j + 1]
+            temp = torch.cat([temp[b, cols[1:]], torch.ones(1, dtype=temp.dtype)]).unsqueeze(-1)
+        logits = model(input_ids=row, use_cache=False).logits[0].double() / temp
         logp = torch.log_softmax(logits, dim=-1)
         picked = logp[:-1].gather(-1, row[0, 1:, None]).squeeze(-1)
         logprobs[b, cols[1:]] = picked

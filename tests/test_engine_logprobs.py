@@ -206,3 +206,29 @@ def test_generation_with_the_engine_model_is_unchanged_by_packing() -> None:
     expected = reference.generate(input_ids=ids, attention_mask=mask, **kwargs)
     generated = engine.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert torch.equal(generated, expected)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("kind", ["per-row", "per-token"])
+def test_batch_temperature_overrides_the_config(fused: bool, packed: bool, kind: str) -> None:
+    model = tiny_model("qwen2")
+    config = ActorConfig(micro_batch_size=2, use_fused_kernel=fused, pack_sequences=packed)
+    engine = ActorEngine(model, config)
+    batch = make_batch(5, 10, padding="mixed", seed=12)
+    gen = torch.Generator().manual_seed(0)
+    shape = (5,) if kind == "per-row" else (5, 10)
+    batch["temperature"] = 0.5 + torch.rand(shape, generator=gen)
+    expected, expected_entropy = reference_logprobs(model, batch, batch["temperature"])
+    out = engine.infer_batch(batch)
+    torch.testing.assert_close(out["logprobs"].double(), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out["entropy"].double(), expected_entropy, atol=ATOL, rtol=0)
+
+
+def test_bad_temperature_is_rejected() -> None:
+    engine = ActorEngine(tiny_model(), ActorConfig(micro_batch_size=2))
+    batch = make_batch(3, 8, seed=13)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.infer_batch(batch.set("temperature", torch.zeros(3)))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.infer_batch(batch.set("temperature", torch.ones(3, 2)))
