@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from tensordict import TensorDict
@@ -40,7 +41,7 @@ class ActorEngine(Engine):
     config_class = ActorConfig
     loss_keys = ("loss_mask", "old_logprobs", "advantages")
 
-    def __init__(self, model, config: ActorConfig) -> None:
+    def __init__(self, model: nn.Module | str | os.PathLike, config: ActorConfig) -> None:
         if isinstance(config, ActorConfig) and config.policy_loss.kl_coef > 0:
             self.loss_keys = (*type(self).loss_keys, "ref_logprobs")
         if isinstance(config, ActorConfig) and config.policy_loss.tis_cap is not None:

@@ -161,7 +161,7 @@ class Engine:
         """
         keys = self._required_keys(loss_fn, forward_only)
         batch = check_batch(batch, required=keys, vocab_size=self.vocab_size, device=self.device)
-        with_loss = loss_fn is not None or all(k in batch for k in self.loss_keys)
+        with_loss = all(k in batch for k in self._loss_inputs(loss_fn))
         loss_fn = loss_fn or self.default_loss
         starts, lengths = span_starts_and_lengths(batch["attention_mask"])
         host_lengths = lengths.tolist()  # the one sync that planning needs
@@ -230,7 +230,7 @@ class Engine:
         batch = check_batch(
             micro_batch, required=keys, vocab_size=self.vocab_size, device=self.device
         )
-        with_loss = loss_fn is not None or all(k in batch for k in self.loss_keys)
+        with_loss = all(k in batch for k in self._loss_inputs(loss_fn))
         starts, lengths = span_starts_and_lengths(batch["attention_mask"])
         rows = list(range(batch.batch_size[0]))
         host_lengths = lengths.tolist()
@@ -350,10 +350,13 @@ class Engine:
         return bool(getattr(self.module, "fused", False))
 
     # ----------------------------------------------------------------- internals
-    def _required_keys(self, loss_fn: LossFn | None, forward_only: bool) -> tuple[str, ...]:
-        if forward_only:
-            return ()
+    def _loss_inputs(self, loss_fn: LossFn | None) -> tuple[str, ...]:
+        """Batch keys a loss needs: the role's for the default loss, ``loss_mask`` for a custom one
+        (the global denominators count it; the function itself reads what it wants)."""
         return ("loss_mask",) if loss_fn is not None else self.loss_keys
+
+    def _required_keys(self, loss_fn: LossFn | None, forward_only: bool) -> tuple[str, ...]:
+        return () if forward_only else self._loss_inputs(loss_fn)
 
     def _trainable_params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
