@@ -1,0 +1,100 @@
+"""The base model RL starts from: a local checkpoint, or a tiny Qwen2 warm-started here once.
+
+When ``model.path`` holds no checkpoint, a fresh model is built (:mod:`common.model`) and trained
+with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
+accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
+RL visible room to improve. The result (model + tokenizer) is saved to ``model.path`` and reused by
+every later run, including the other example.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from common.model import build_model, build_tokenizer, is_checkpoint, load_pretrained
+from common.rollout import evaluate_accuracy, sft_batch
+from common.runtime import Dist
+from common.task import AdditionTask
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from microrl.configs import ActorConfig, LoraConfig, OptimConfig
+from microrl.configs.examples import ModelConfig
+from microrl.engine import ActorEngine
+from microrl.engine.export import export_merged_model
+
+__all__ = ["prepare_base_model"]
+
+# Warm-start accuracy is measured on this many *training* prompts: the held-out set is kept for RL.
+WARM_START_EVAL_PROMPTS = 200
+
+
+def prepare_base_model(
+    cfg: ModelConfig,
+    task: AdditionTask,
+    dist_info: Dist,
+    max_new_tokens: int,
+    log: Callable[[str], None] = print,
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+    """Tokenizer and model at ``cfg.path``, warm-starting and saving them there first if needed."""
+    if not is_checkpoint(cfg.path):
+        _warm_start(cfg, task, dist_info, max_new_tokens, log)
+    return load_pretrained(cfg.path)
+
+
+def _warm_start(
+    cfg: ModelConfig,
+    task: AdditionTask,
+    dist_info: Dist,
+    max_new_tokens: int,
+    log: Callable[[str], None],
+) -> None:
+    ws = cfg.warm_start
+    tokenizer = build_tokenizer()
+    model = build_model(cfg, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(
+        f"no checkpoint at {cfg.path}: warm-starting a {n_params / 1e3:.0f}k-parameter Qwen2 "
+        f"with supervised steps until {ws.target_accuracy:.0%} accuracy (<= {ws.max_steps} steps)"
+    )
+    if ws.batch_size % dist_info.world_size:
+        raise ValueError(
+            f"model.warm_start.batch_size={ws.batch_size} must be divisible by the "
+            f"{dist_info.world_size} processes"
+        )
+    per_rank = ws.batch_size // dist_info.world_size
+    engine = ActorEngine(
+        model,
+        ActorConfig(
+            micro_batch_size=per_rank,
+            optim=OptimConfig(lr=ws.lr, grad_clip=1.0),
+            lora=LoraConfig(rank=0),  # full fine-tune: this *is* the base model
+            seed=cfg.seed,
+        ),
+    )
+    rng = random.Random(cfg.seed * 1000 + dist_info.rank)
+    check = dist_info.shard(task.sample(random.Random(cfg.seed + 1), WARM_START_EVAL_PROMPTS))
+    start = time.perf_counter()
+    accuracy = 0.0
+    for step in range(1, ws.max_steps + 1):
+        problems = task.sample(rng, per_rank)
+        batch = sft_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
+        metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
+        if step % ws.eval_every == 0 or step == ws.max_steps:
+            accuracy = evaluate_accuracy(
+                engine.model, tokenizer, task, check, dist_info, max_new_tokens
+            )
+            log(
+                f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
+                f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"
+            )
+            if accuracy >= ws.target_accuracy:
+                break
+    export_merged_model(engine.module, cfg.path)
+    if dist_info.is_main:
+        tokenizer.save_pretrained(cfg.path)  # last: a checkpoint counts as complete only with it
+    dist_info.barrier()
+    log(
+        f"saved the base model to {cfg.path} ({time.perf_counter() - start:.0f}s, accuracy {accuracy:.3f})"
+    )

@@ -1,0 +1,93 @@
+"""The tokenizer and the tiny model of the examples, built locally: nothing is downloaded.
+
+The tokenizer is a real one, built with the ``tokenizers`` library (one token per character over the
+task's alphabet, a ``<bos>`` added by its post-processor) and wrapped as a transformers
+``PreTrainedTokenizerFast``, so it saves, loads and pads like any hub tokenizer. The model is a small
+Qwen2 built from a config; any local transformers checkpoint can replace it (``model.path``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from microrl.configs.examples import ModelConfig
+
+__all__ = ["build_model", "build_tokenizer", "is_checkpoint", "load_pretrained"]
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+ALPHABET = "0123456789+-*= "  # digits, the operators a task may use, '=' and space
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over :data:`ALPHABET`; ``"12+7="`` -> ``<bos> 1 2 + 7 =``.
+
+    Padding is on the left so prompts of a batch end at the same column, which is what
+    ``generate`` needs for a decoder-only model. Decoding fuses characters back without spaces.
+    """
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *ALPHABET])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+    )
+
+
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
+    """A freshly initialised Qwen2 sized by ``cfg`` (seeded by ``cfg.seed``)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        model = Qwen2ForCausalLM(config)
+    return model
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` holds a transformers model (its ``config.json``) and a tokenizer."""
+    path = Path(path)
+    return (path / "config.json").is_file() and (path / "tokenizer_config.json").is_file()
+
+
+def load_pretrained(path: str | Path) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+    """Tokenizer and causal LM from a local checkpoint (float32, eval mode); never downloads."""
+    if not is_checkpoint(path):
+        raise ValueError(f"model.path {str(path)!r} is not a local transformers checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # many LM tokenizers ship without one
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return tokenizer, model.eval()
