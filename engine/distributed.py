@@ -21,7 +21,8 @@ ranks and scales by the world size, because FSDP *averages* gradients over ranks
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Literal
 
@@ -40,6 +41,7 @@ __all__ = [
     "dp_rank",
     "dp_world_size",
     "find_shard_units",
+    "gathered",
     "init_distributed",
     "is_distributed",
     "set_gradient_sync",
@@ -49,6 +51,9 @@ __all__ = [
 # Container names under which transformers models keep their decoder blocks; only used when a model
 # does not declare ``_no_split_modules`` (every causal LM in transformers does).
 _LAYER_CONTAINER_NAMES = ("layers", "h", "blocks", "layer")
+
+# Attribute of a module sharded by shard_model: its units' reshard_after_forward setting.
+_RESHARD_ATTR = "_microrl_reshard_after_forward"
 
 # NCCL's default 10 min is too short for a first compile or a slow shared filesystem; gloo on CPU
 # uses the same so a hung rank fails loudly instead of waiting forever.
@@ -142,6 +147,30 @@ def find_shard_units(module: nn.Module) -> list[nn.Module]:
     return [u for u in units if id(u) not in inner]
 
 
+def _untied_input_embeddings(module: nn.Module) -> list[nn.Module]:
+    """Input embeddings of the transformers models inside ``module`` whose weight is not tied.
+
+    A tied embedding shares its weight with the lm head, whose weight the engine's wrapper reads
+    directly inside the root's forward: it must stay in the root unit.
+    """
+    uses: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    found: list[nn.Module] = []
+    for sub in module.modules():
+        if not hasattr(sub, "_no_split_modules") or not hasattr(sub, "get_input_embeddings"):
+            continue
+        try:
+            embedding = sub.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            continue
+        if not isinstance(embedding, nn.Embedding) or any(embedding is f for f in found):
+            continue
+        if uses.get(id(embedding.weight), 0) == 1:
+            found.append(embedding)
+    return found
+
+
 def shard_model(
     module: nn.Module,
     *,
@@ -150,6 +179,10 @@ def shard_model(
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard ``module`` with FSDP2 over ``mesh``: each decoder layer a unit, then the root.
+
+    An input embedding that is not tied to the lm head is a unit of its own, so its full weight
+    exists only around the lookup; everything else outside the layers (final norm, lm head, a
+    value head) belongs to the root unit.
 
     Call it after LoRA and gradient checkpointing are applied and *before* building the optimizer
     (the optimizer must hold the sharded ``DTensor`` parameters). Frozen base weights and trainable
@@ -188,10 +221,57 @@ def shard_model(
         )
     for unit in units:
         fully_shard(unit, **kwargs)
+    for embedding in _untied_input_embeddings(module):
+        # Its own unit: gathered for the embedding lookup only, not kept for the whole forward
+        # and backward like the root's parameters (it is often the largest matrix of the model).
+        fully_shard(embedding, **kwargs)
     # The root keeps its gathered parameters between forward and backward (FSDP2 never reshards
     # the root after forward), so the lm-head weight is gathered once per micro-batch.
     fully_shard(module, **kwargs)
+    _init_root_state(module)
+    setattr(module, _RESHARD_ATTR, reshard_after_forward)
     return module
+
+
+def _init_root_state(module: FSDPModule) -> None:
+    """Mark ``module`` as the FSDP root now rather than at its first forward.
+
+    FSDP2 decides which unit is the root lazily, at the first forward it sees. A call that
+    bypasses the root (``generate`` on the inner causal LM, inside :func:`gathered`) before any
+    training step would otherwise make a decoder layer or the embedding the root.
+    """
+    state = module._get_fsdp_state()  # no public API for this in torch 2.6-2.13
+    state._lazy_init()
+
+
+@contextmanager
+def gathered(module: nn.Module) -> Iterator[None]:
+    """Inside the block every parameter of a sharded ``module`` is the full tensor.
+
+    For calls that do not go through ``module``'s own forward, such as
+    ``engine.model.generate(...)``: the root's parameters (final norm, lm head) are otherwise
+    ``DTensor`` shards there. Each unit is gathered once for the whole block instead of once per
+    decoding step; the memory is that of the full model (plus shards) until the block ends.
+    Collective: every rank must enter the block and run the same number of forwards (e.g.
+    ``generate`` with ``min_new_tokens == max_new_tokens`` or ``synced_gpus=True``).
+    A no-op for an unsharded module.
+    """
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        if unit is not module:
+            unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        reshard = getattr(module, _RESHARD_ATTR, True)
+        for unit in units:
+            unit.reshard()
+            if unit is not module:
+                unit.set_reshard_after_forward(reshard, recurse=False)
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:

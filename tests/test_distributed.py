@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed_utils import (
@@ -39,6 +40,9 @@ SHARDS = ([0, 1, 2, 3, 4], [5, 6])
 ATOL = 2e-6  # fp32: the ranks sum partial gradients in a different order than one process
 MODES = [m.value for m in AggMode]
 K_STEPS, M_STEPS = 2, 2
+PROMPTS = torch.randint(0, 128, (4, 5), generator=torch.Generator().manual_seed(3))
+# Every rank decodes the same number of steps (no eos): the sharded layers gather collectively.
+GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 ADAM = OptimConfig(
     name="adamw", lr=1e-2, warmup_steps=1, schedule="cosine", total_steps=6, grad_clip=0.5
 )
@@ -59,7 +63,7 @@ def _run(tmp_path: Path, nproc: int, scenario: str) -> list[str]:
 def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
     passed = _run(tmp_path, 2, "dp")
     expected = [f"dp_invariance[{m},lora={r}]" for m in MODES for r in (0, 4)]
-    expected += ["dp_invariance[packed]", "dp_invariance[grad_ckpt]"]
+    expected += ["dp_invariance[packed]", "dp_invariance[grad_ckpt]", "dp_invariance[tied]"]
     expected += [
         "fused_head_sees_full_weight",
         "clipping_uses_global_norm",
@@ -67,6 +71,7 @@ def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
         "all_masked_shard",
         "critic_dp_invariance",
         "export_roundtrip_under_fsdp",
+        "generate_then_train_under_fsdp",
     ]
     assert sorted(passed) == sorted(expected)
 
@@ -121,10 +126,12 @@ def _dp_configs():
                 kwargs["seq_len_norm"] = 8.0
             if mode == "seq-mean-token-mean":  # the token-budget planner too
                 kwargs.update(micro_batch_size=None, max_tokens_per_micro_batch=20)
-            yield f"dp_invariance[{mode},lora={lora}]", actor_config(lora=lora, **kwargs)
-    # Packing and gradient checkpointing change how the sharded layers are called.
-    yield "dp_invariance[packed]", actor_config(lora=4, pack_sequences=True)
-    yield "dp_invariance[grad_ckpt]", actor_config(lora=4, gradient_checkpointing=True)
+            yield f"dp_invariance[{mode},lora={lora}]", actor_config(lora=lora, **kwargs), False
+    # Packing and gradient checkpointing change how the sharded layers are called; a tied
+    # embedding stays in the root unit with the lm head.
+    yield "dp_invariance[packed]", actor_config(lora=4, pack_sequences=True), False
+    yield "dp_invariance[grad_ckpt]", actor_config(lora=4, gradient_checkpointing=True), False
+    yield "dp_invariance[tied]", actor_config(), True
 
 
 def scenario_dp(rank: int, tmp: Path) -> list[str]:
@@ -145,8 +152,8 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     # ---- references: one process, the whole mini-batch (before any process group exists)
     def references():
         refs = {}
-        for name, config in [*_dp_configs(), ("clip", clip_config)]:
-            engine = ActorEngine(tiny_model(), config)
+        for name, config, tie in [*_dp_configs(), ("clip", clip_config, False)]:
+            engine = ActorEngine(tiny_model(tie=tie), config)
             before = _params(engine)
             metrics = engine.train_batch(batch)
             refs[name] = (metrics, {n: p - before[n] for n, p in _params(engine).items()})
@@ -154,14 +161,16 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         before = _params(critic)
         metrics = critic.train_batch(batch)
         refs["critic"] = (metrics, {n: p - before[n] for n, p in _params(critic).items()})
+        engine = ActorEngine(tiny_model(), actor_config(lora=4))
+        refs["generate"] = engine.model.generate(input_ids=PROMPTS, generation_config=GREEDY)
         return refs
 
     refs = _single_process(references)
     passed = []
 
     # ---- DP invariance: the same update, loss and metrics from two halves
-    for name, config in _dp_configs():
-        engine = ActorEngine(tiny_model(), config)
+    for name, config, tie in _dp_configs():
+        engine = ActorEngine(tiny_model(tie=tie), config)
         assert D.dp_group() is not None and isinstance(engine.module, FSDPModule)
         before = _params(engine)
         metrics = engine.train_batch(mine)
@@ -214,7 +223,8 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
 
     # ---- one reduce-scatter per FSDP unit per mini-batch, and equal micro-batch counts
     engine = ActorEngine(tiny_model(), actor_config())  # full fine-tune: every unit reduces
-    units = len(D.find_shard_units(engine.module)) + 1
+    units = sum(isinstance(m, FSDPModule) for m in engine.module.modules())
+    assert units == 4, units  # 2 decoder layers, the (untied) embedding, the root
     calls, forwards = [], []
     real_rs = dist.reduce_scatter_single
 
@@ -272,6 +282,21 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     for n, p in _params(critic).items():
         _close(p - before[n], ref_delta[n], f"critic {n}")
     passed.append("critic_dp_invariance")
+
+    # ---- generation through the inner causal LM (bypassing the root) inside `gathered`,
+    # before any training step (FSDP's lazy root detection must not pick a layer), then training
+    engine = ActorEngine(tiny_model(), actor_config(lora=4))
+    with D.gathered(engine.module):
+        sequences = engine.model.generate(input_ids=PROMPTS[rank::2], generation_config=GREEDY)
+    assert torch.equal(sequences, refs["generate"][rank::2]), "generation differs under FSDP"
+    assert isinstance(engine.model.get_output_embeddings().weight, DTensor)  # resharded after
+    before = _params(engine)
+    metrics = engine.train_batch(mine)
+    ref_metrics, ref_delta = refs["dp_invariance[token-mean,lora=4]"]
+    _metrics_close(ref_metrics, metrics, "train after generate")
+    for n, p in _params(engine).items():
+        _close(p - before[n], ref_delta[n], f"train after generate {n}")
+    passed.append("generate_then_train_under_fsdp")
 
     # ---- exports gathered from the sharded model
     from peft import PeftModel
