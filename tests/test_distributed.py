@@ -308,6 +308,10 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     engine.train_batch(mine)
     engine.train_batch(mine)
     expected = engine.infer_batch(batch)["logprobs"]
+    with engine.disable_adapter():  # the reference policy: the base weights, still sharded
+        reference = engine.infer_batch(batch)["logprobs"]
+    _close(reference[mask], hf_logprobs(tiny_model(), batch)[mask], "disable_adapter", 2e-5)
+    assert (reference - expected)[mask].abs().max() > 1e-4, "the adapter did not train"
     adapter = export_peft_adapter(engine.module, tmp / "adapter", peft_model=engine.peft_model)
     merged = export_merged_model(engine.module, tmp / "merged")
     if rank == 0:
