@@ -117,9 +117,9 @@ def test_frozen_weight_costs_no_weight_matmul(tiles, monkeypatch):
     accumulated = []
     original = linear_logprob._addmm
 
-    def spy(acc, a, b):
+    def spy(acc, a, b, overwrite):
         accumulated.append(tuple(acc.shape))
-        original(acc, a, b)
+        original(acc, a, b, overwrite)
 
     monkeypatch.setattr(linear_logprob, "_addmm", spy)
     hidden, weight, targets = make((2, 5), dtype=torch.float64)

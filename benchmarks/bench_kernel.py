@@ -1,0 +1,235 @@
+"""Benchmark the fused lm-head log-prob/entropy kernel against eager and peer implementations.
+
+    python benchmarks/bench_kernel.py            # the README table (float32, CPU, ~15-25 min)
+    python benchmarks/bench_kernel.py --quick    # small shapes, a minute or two
+
+Each measurement is forward + backward (gradients to hidden and weight) of
+``sum(g1 * logprobs) + sum(g2 * entropy)`` in float32, one implementation per fresh subprocess so
+neither memory nor allocator state leaks between them. Reported per implementation and case:
+
+* median wall time over all repetitions of all rounds (rounds interleave the implementations,
+  so slow phases of a shared machine hit every implementation alike), and its ratio to eager;
+* extra peak memory: peak RSS (VmHWM, reset before each step) minus the RSS before the step
+  (inputs, library state) minus the gradient buffers the step must return ((N*H + V*H) * 4 bytes);
+* achieved GFLOP/s with the implementation's own FLOP count (8*N*H*V when the backward recomputes
+  the logits, 6*N*H*V when it keeps them) and its fraction of this machine's float32 matmul
+  throughput, measured in the same run on the forward GEMM shape [N, H] @ [H, V].
+
+Peers (benchmark-only, not project dependencies; skipped when not importable):
+TRL ``ChunkedLogProbFunction`` (torch path on CPU, TRL trainer's vocabulary chunk 32768), verl
+``FusedLinearForPPO`` (torch backend, its default 512-row chunks; loaded from its file because
+``verl/__init__`` needs ray), cut-cross-entropy ``impl="torch_compile"`` (log-probs only, no entropy;
+its compile time is excluded by a warm-up step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+IMPLS = ("eager", "microrl", "trl", "verl", "cce")
+FLOPS_FACTOR = {"eager": 6, "microrl": 8, "trl": 8, "verl": 8, "cce": 8}  # x N*H*V
+DEFAULT_CASES = "2048x1024x32768,1024x1024x32768,512x1024x151936,256x1024x151936"
+QUICK_CASES = "512x256x8192,256x256x8192"
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _trim() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError):  # give freed heap back so RSS is a fair baseline
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _load(impl: str):
+    """Return ``fn(hidden, weight, targets) -> (logprobs, entropy | None)`` for one implementation."""
+    import torch
+
+    if impl == "eager":
+        from microrl.kernels import reference_linear_logprob
+
+        return reference_linear_logprob
+    if impl == "microrl":
+        from microrl.kernels import fused_linear_logprob
+
+        return fused_linear_logprob
+    if impl == "trl":
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        def trl(h, w, t):
+            out = ChunkedLogProbFunction.apply(h, w, None, t, 1.0, 32768, None, 1.0, ("entropy",))
+            return out[0], out[1]
+
+        return trl
+    if impl == "verl":
+        import importlib.util
+        import sysconfig
+
+        path = os.path.join(
+            sysconfig.get_paths()["purelib"], "verl", "utils", "experimental", "torch_functional.py"
+        )
+        spec = importlib.util.spec_from_file_location("verl_torch_functional", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.FusedLinearForPPO(chunk_size=512)
+    if impl == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce(h, w, t):
+            return -linear_cross_entropy(h, w, t, impl="torch_compile", reduction="none"), None
+
+        return cce
+    if impl == "matmul":
+
+        def matmul(h, w, t):
+            torch.mm(h.detach(), w.detach().T)
+            return None, None
+
+        return matmul
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    fn = _load(impl)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * h**-0.5).requires_grad_()  # logits ~ N(0, 1)
+    targets = torch.randint(0, v, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def step():
+        logprobs, entropy = fn(hidden, weight, targets)
+        if logprobs is None:  # the matmul roofline probe
+            return
+        loss = (logprobs * g_lp).sum()
+        if entropy is not None:
+            loss = loss + (entropy * g_ent).sum()
+        loss.backward()
+
+    step()  # warm-up: library init, torch.compile for cce
+    times, extras = [], []
+    grad_bytes = (n * h + v * h) * 4 if impl != "matmul" else n * v * 4
+    for _ in range(reps):
+        hidden.grad = weight.grad = None
+        _trim()
+        base = _status_kib("VmRSS")
+        _reset_peak()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        extras.append((_status_kib("VmHWM") - base) * 1024 - grad_bytes)
+    return {"impl": impl, "times": times, "extra_bytes": max(extras)}
+
+
+def _run_worker(impl, case, reps, threads, timeout):
+    n, h, v = case
+    cmd = [sys.executable, __file__, "--worker", impl, "--case", f"{n}x{h}x{v}"]
+    cmd += ["--reps", str(reps), "--threads", str(threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "error": f"timed out after {timeout}s"}
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"impl": impl, "error": last[:160]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=None, help=f"NxHxV,... (default {DEFAULT_CASES})")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--reps", type=int, default=2, help="timed steps per subprocess")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of subprocesses")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
+    parser.add_argument("--quick", action="store_true", help="small shapes, one round")
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        n, h, v = (int(x) for x in args.case.split("x"))
+        print(json.dumps(worker(args.worker, n, h, v, args.reps, args.threads)))
+        return
+    if args.quick:
+        args.cases = args.cases or QUICK_CASES
+        args.rounds = 1
+    cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or DEFAULT_CASES).split(",")]
+    impls = args.impls.split(",")
+    results = {}
+    for case in cases:
+        per = {impl: {"times": [], "extra_bytes": 0} for impl in ["matmul", *impls]}
+        for _ in range(args.rounds):
+            for impl in ["matmul", *impls]:
+                r = _run_worker(impl, case, args.reps, args.threads, args.timeout)
+                if "error" in r:
+                    per[impl]["error"] = r["error"]
+                    continue
+                per[impl]["times"] += r["times"]
+                per[impl]["extra_bytes"] = max(per[impl]["extra_bytes"], r["extra_bytes"])
+                print(f"  {case} {impl}: {[round(t, 2) for t in r['times']]} s", file=sys.stderr)
+        results["x".join(map(str, case))] = per
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(_table(results, args))
+
+
+def _table(results: dict, args) -> str:
+    lines = [
+        f"torch.set_num_threads({args.threads}), float32, reps={args.reps} x rounds={args.rounds}",
+        "",
+        "| N x H x V | impl | median s | vs eager | extra peak MiB | vs eager | GFLOP/s | of matmul |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case, per in results.items():
+        n, h, v = (int(x) for x in case.split("x"))
+        mm = per["matmul"]
+        roof = 2 * n * h * v / statistics.median(mm["times"]) / 1e9 if mm["times"] else float("nan")
+        eager = per.get("eager", {})
+        t_eager = statistics.median(eager["times"]) if eager.get("times") else None
+        m_eager = eager.get("extra_bytes") if eager.get("times") else None
+        for impl, r in per.items():
+            if impl == "matmul":
+                continue
+            if not r["times"]:
+                lines.append(f"| {case} | {impl} | n/a: {r.get('error', 'no result')} |||||||")
+                continue
+            t = statistics.median(r["times"])
+            gflops = FLOPS_FACTOR[impl] * n * h * v / t / 1e9
+            mib = r["extra_bytes"] / 2**20
+            lines.append(
+                f"| {case} | {impl} | {t:.2f} | {t / t_eager:.2f}x | {mib:.0f} | "
+                f"{r['extra_bytes'] / m_eager:.1%} | {gflops:.0f} | {gflops / roof:.0%} |"
+                if t_eager
+                else f"| {case} | {impl} | {t:.2f} | | {mib:.0f} | | {gflops:.0f} | {gflops / roof:.0%} |"
+            )
+        lines.append(f"| {case} | (fp32 matmul roofline) | | | | | {roof:.0f} | 100% |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
