@@ -37,6 +37,7 @@ from common.tracking import Tracker, mean_metrics
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import config_to_yaml
 from microrl.engine import ActorEngine
+from microrl.engine.distributed import gathered
 from microrl.engine.export import export_peft_adapter
 from microrl.losses import broadcast_to_tokens, grpo_advantages
 
@@ -65,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     eval_problems = dist_info.shard(task.eval_problems())
 
     def evaluate() -> float:
-        return evaluate_accuracy(
-            engine.model, tokenizer, task, eval_problems, dist_info, cfg.rollout.max_new_tokens
-        )
+        with gathered(engine.module):  # FSDP: full weights for generate; a no-op in one process
+            return evaluate_accuracy(
+                engine.model, tokenizer, task, eval_problems, dist_info, cfg.rollout.max_new_tokens
+            )
 
     tracker = Tracker(
         cfg.output.dir,
@@ -93,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
             # 1. Sample a group of responses per prompt from the current policy (eval mode, the
             #    loss's temperature, plain ancestral sampling).
             problems = task.sample(rng, prompts_per_rank)
-            rollout = generate(
-                engine.model,
-                tokenizer,
-                [p.prompt for p in problems],
-                num_samples=cfg.rollout.group_size,
-                temperature=cfg.actor.temperature,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-            )
+            with gathered(engine.module):
+                rollout = generate(
+                    engine.model,
+                    tokenizer,
+                    [p.prompt for p in problems],
+                    num_samples=cfg.rollout.group_size,
+                    temperature=cfg.actor.temperature,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                )
             batch = rollout.batch
             # 2. Score: exact match of the answer text only.
             answered = [problems[i] for i in rollout.prompt_index.tolist()]

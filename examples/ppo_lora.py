@@ -37,6 +37,7 @@ from common.tracking import Tracker, mean_metrics
 from microrl.configs.examples import PPOExampleConfig
 from microrl.configs.loader import config_to_yaml
 from microrl.engine import ActorEngine, CriticEngine
+from microrl.engine.distributed import gathered
 from microrl.engine.export import export_peft_adapter
 from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
 
@@ -65,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     eval_problems = dist_info.shard(task.eval_problems())
 
     def evaluate() -> float:
-        return evaluate_accuracy(
-            actor.model, tokenizer, task, eval_problems, dist_info, cfg.rollout.max_new_tokens
-        )
+        with gathered(actor.module):  # FSDP: full weights for generate; a no-op in one process
+            return evaluate_accuracy(
+                actor.model, tokenizer, task, eval_problems, dist_info, cfg.rollout.max_new_tokens
+            )
 
     tracker = Tracker(
         cfg.output.dir,
@@ -93,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             # 1. Sample responses from the current policy (eval mode, the loss's temperature).
             problems = task.sample(rng, prompts_per_rank)
-            rollout = generate(
-                actor.model,
-                tokenizer,
-                [p.prompt for p in problems],
-                num_samples=cfg.rollout.group_size,
-                temperature=cfg.actor.temperature,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-            )
+            with gathered(actor.module):
+                rollout = generate(
+                    actor.model,
+                    tokenizer,
+                    [p.prompt for p in problems],
+                    num_samples=cfg.rollout.group_size,
+                    temperature=cfg.actor.temperature,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                )
             batch, mask = rollout.batch, rollout.batch["loss_mask"]
             # 2. Score the answer text; the score becomes the reward of the last response token.
             answered = [problems[i] for i in rollout.prompt_index.tolist()]

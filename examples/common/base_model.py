@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.examples import ModelConfig
 from microrl.engine import ActorEngine
+from microrl.engine.distributed import gathered
 from microrl.engine.export import export_merged_model
 
 __all__ = ["prepare_base_model"]
@@ -82,9 +83,10 @@ def _warm_start(
         batch = sft_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
         metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
         if step % ws.eval_every == 0 or step == ws.max_steps:
-            accuracy = evaluate_accuracy(
-                engine.model, tokenizer, task, check, dist_info, max_new_tokens
-            )
+            with gathered(engine.module):
+                accuracy = evaluate_accuracy(
+                    engine.model, tokenizer, task, check, dist_info, max_new_tokens
+                )
             log(
                 f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
                 f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"
