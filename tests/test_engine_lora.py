@@ -152,3 +152,25 @@ def test_inference_runs_in_eval_mode_and_restores_the_mode() -> None:
     trained = engine.forward_backward_batch(batch)["model_output"]["logprobs"]
     assert not torch.equal(trained, first)
     assert engine.module.training is False
+
+
+def test_critic_with_lora_trains_adapters_and_value_head() -> None:
+    from microrl.configs import CriticConfig
+    from microrl.engine import CriticEngine
+
+    config = CriticConfig(
+        micro_batch_size=2,
+        gradient_checkpointing=True,
+        lora=LoraConfig(rank=4, alpha=8),
+        check_grad_flow="error",
+    )
+    engine = CriticEngine(tiny_model("llama"), config)
+    _randomise_lora_b(engine)
+    trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert "value_head.weight" in trainable and all(
+        "lora_" in n or n.startswith("value_head") for n in trainable
+    )
+    batch = make_batch(4, 10, seed=5)
+    engine.forward_backward_batch(batch)  # the audit raises if one of them got no gradient
+    metrics = engine.train_batch(batch)
+    assert metrics["step_skipped"] == 0.0 and metrics["vf_loss"] > 0
