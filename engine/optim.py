@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from microrl.configs.engine import OptimConfig, Schedule
@@ -77,27 +78,54 @@ def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
     """Names of trainable parameters whose gradient is ``None`` or all zero.
 
     One fused reduction over all gradients (``torch._foreach_norm``) and one host sync, so the
-    audit costs about one extra read of the gradients.
+    audit costs about one extra read of the gradients. Under FSDP each rank holds a shard of each
+    gradient (possibly an empty one): the per-shard maxima are combined over the ranks with one
+    all-reduce, so every rank reports the same names.
     """
     dead = [name for name, p in named_params if p.grad is None]
     with_grad = [(name, p.grad) for name, p in named_params if p.grad is not None]
     if with_grad:
         grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in with_grad]
-        norms = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
+        nonempty = [g for g in grads if g.numel()]
+        maxima = iter(torch._foreach_norm(nonempty, float("inf")) if nonempty else [])
+        norms = torch.stack(
+            [
+                next(maxima).float() if g.numel() else g.new_zeros((), dtype=torch.float32)
+                for g in grads
+            ]
+        )
+        group = _shard_group(g for _, g in with_grad)
+        if group is not None:
+            dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)
         zero = (norms == 0).tolist()
         dead += [name for (name, _), is_zero in zip(with_grad, zero, strict=True) if is_zero]
     return dead
+
+
+def _shard_group(grads) -> dist.ProcessGroup | None:
+    """The process group a sharded (DTensor) gradient is split over; None if none is sharded."""
+    for grad in grads:
+        mesh = getattr(grad, "device_mesh", None)
+        if mesh is not None:
+            return mesh.get_group()
+    return None
 
 
 def audit_grad_flow(module: nn.Module, loss_mask: torch.Tensor, mode: str) -> None:
     """Warn (``mode="warn"``) or raise ``RuntimeError`` (``"error"``) naming the trainable
     parameters of ``module`` left without gradient by a backward over a batch with loss tokens.
 
-    A batch without a single loss token is skipped: zero gradients are the right answer there.
+    A batch without a single loss token (on any data-parallel rank) is skipped: zero gradients
+    are the right answer there.
     """
-    if not bool(loss_mask.any()):
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    has_tokens = loss_mask.any().float().reshape(1)
+    group = _shard_group(p for _, p in named)
+    if group is not None:  # every rank must take the same branch: the report is collective
+        dist.all_reduce(has_tokens, op=dist.ReduceOp.MAX, group=group)
+    if not bool(has_tokens):
         return
-    dead = grad_flow_report([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+    dead = grad_flow_report(named)
     if not dead:
         return
     shown = ", ".join(dead[:8]) + (f", ... ({len(dead)} in all)" if len(dead) > 8 else "")
