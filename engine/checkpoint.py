@@ -265,6 +265,12 @@ def save_checkpoint(
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     target = Path(path).absolute()
+    if target.is_dir() and any(target.iterdir()) and not (target / MANIFEST).is_file():
+        # Every rank checks (a shared filesystem gives them the same answer), so all fail alike.
+        raise CheckpointError(
+            f"refusing to replace {target}: it is a non-empty directory that is not a microrl "
+            "checkpoint"
+        )
     tmp, old = _tmp_and_old(target)
     rank, world = _rank(), _world()
     config_json = to_jsonable(config) if config is not None else None

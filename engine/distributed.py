@@ -12,7 +12,9 @@ process and N ranks run the same loop. What changes under data parallelism:
   mini-batch: gradients accumulate unsharded locally and are reduced once per optimizer step.
 * ``agree_num_micro_batches`` makes every rank run the same number of micro-batches (FSDP's
   collectives run per forward/backward: a rank that stops early deadlocks the others).
-* ``clip_grad_norm`` returns the norm over the *whole* model, not over the local shard.
+* Gradient clipping needs nothing: ``torch.nn.utils.clip_grad_norm_`` on the ``DTensor``
+  gradient shards reduces the norm over the ranks (the engine's ``optimizer_step`` is tested to
+  clip by the global norm).
 
 Losses need nothing from here: ``microrl.losses.global_denominators`` already sums the counts over
 ranks and scales by the world size, because FSDP *averages* gradients over ranks.
@@ -21,7 +23,7 @@ ranks and scales by the world size, because FSDP *averages* gradients over ranks
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Literal
@@ -31,11 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 __all__ = [
     "agree_num_micro_batches",
-    "clip_grad_norm",
     "default_mp_policy",
     "dp_group",
     "dp_rank",
@@ -299,38 +299,3 @@ def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | N
     count = torch.tensor([num_micro_batches], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
-
-
-def clip_grad_norm(
-    parameters: Iterable[nn.Parameter],
-    max_norm: float | None,
-    *,
-    norm_type: float = 2.0,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """Global gradient norm over all parameters (all shards of all ranks), clipped to ``max_norm``.
-
-    With FSDP2 the gradients are ``DTensor`` shards; their norm is a partial result that
-    ``full_tensor()`` reduces across ranks, so every rank sees (and clips by) the same global norm.
-    ``max_norm=None`` only measures. Returns a 0-d float32 tensor; clipping is skipped (the caller
-    decides what to do) when the norm is not finite.
-    """
-    if max_norm is not None and not max_norm > 0:
-        raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros((), dtype=torch.float32)
-    grads = [p.grad for p in params]
-    kinds = {isinstance(g, DTensor) for g in grads}
-    if len(kinds) > 1:
-        # A wiring bug (a parameter outside the FSDP root): its gradient is not reduced over ranks
-        # and its norm would be counted on every rank.
-        raise ValueError(
-            "some gradients are DTensor shards and some are not; shard the whole model"
-        )
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=foreach)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm is not None and torch.isfinite(total):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
-    return total.float()

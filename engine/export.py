@@ -54,9 +54,17 @@ def _sub_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.T
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def _is_export(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
 def _write_atomically(path: str | os.PathLike, write) -> Path:
     """Rank 0 runs ``write(tmp_dir)`` and renames ``tmp_dir`` to ``path``; all ranks wait."""
     target = Path(path).absolute()
+    if target.is_dir() and any(target.iterdir()) and not _is_export(target):
+        raise ValueError(
+            f"refusing to replace {target}: a non-empty directory that is not a model export"
+        )
     if _rank() == 0:
         tmp = target.parent / f".{target.name}.tmp"
         old = target.parent / f".{target.name}.old"

@@ -163,6 +163,20 @@ def test_incomplete_or_missing_directory_is_refused(tmp_path):
     assert not ckpt.is_complete_checkpoint(tmp_path / "ckpt")
 
 
+def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
+    engine = _engine(4)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="refusing to replace"):
+        engine.save_checkpoint(tmp_path / "notes")
+    with pytest.raises(ValueError, match="refusing to replace"):
+        export_merged_model(engine.module, tmp_path / "notes")
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "precious"
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.save_checkpoint(tmp_path / "ckpt")  # replacing a checkpoint is fine
+    assert ckpt.is_complete_checkpoint(tmp_path / "ckpt")
+
+
 def test_mismatched_model_or_config_is_refused(tmp_path):
     engine = _engine(4)
     engine.train_batch(make_batch())
