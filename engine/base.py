@@ -160,6 +160,11 @@ class Engine:
             "loss": float, "metrics": dict[str, float]}``.
         """
         keys = self._required_keys(loss_fn, forward_only)
+        # Data parallel: a rank whose share is empty still runs the agreed micro-batches (FSDP's
+        # collectives), on a one-token placeholder row that contributes nothing.
+        placeholder = self.dp_group is not None and distributed.is_empty_batch(batch)
+        if placeholder:
+            batch = distributed.placeholder_row(batch)
         batch = check_batch(batch, required=keys, vocab_size=self.vocab_size, device=self.device)
         with_loss = all(k in batch for k in self._loss_inputs(loss_fn))
         loss_fn = loss_fn or self.default_loss
@@ -177,7 +182,7 @@ class Engine:
         losses, metrics = [], []
         with self._mode(training=not forward_only), self._grad(forward_only):
             for index, rows in enumerate(plan):
-                real = bool(rows)
+                real = bool(rows) and not placeholder
                 if not real:  # keeps the collective count equal across ranks; contributes 0
                     rows = [0]
                 width = max(host_lengths[r] for r in rows)
@@ -205,6 +210,9 @@ class Engine:
         if losses:
             metrics.append({"loss": Metric(torch.stack(losses).sum())})
         reduced = reduce_metrics(metrics, group=self.dp_group)
+        if placeholder:  # the caller's [0, T] shape, with the keys a real share would have
+            outputs = {k: v.new_zeros((0, shape[1])) for k, v in output.items()}
+            shape = (0, shape[1])
         return {
             "model_output": TensorDict(outputs, batch_size=[shape[0]], device=self.device),
             "loss": reduced.pop("loss", 0.0),

@@ -23,13 +23,14 @@ ranks and scales by the world size, because FSDP *averages* gradients over ranks
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -44,6 +45,8 @@ __all__ = [
     "gathered",
     "init_distributed",
     "is_distributed",
+    "is_empty_batch",
+    "placeholder_row",
     "set_gradient_sync",
     "shard_model",
 ]
@@ -299,3 +302,30 @@ def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | N
     count = torch.tensor([num_micro_batches], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
+
+
+def is_empty_batch(batch: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``batch`` (a TensorDict or a mapping of ``[B, T]`` tensors) has no row."""
+    ids = batch.get("input_ids", None)
+    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 0
+
+
+def placeholder_row(batch: Mapping[str, torch.Tensor]) -> TensorDict:
+    """One row standing in for a rank's empty share ``[0, T]`` of a mini-batch: ``[1, T]``.
+
+    Its only real token is token id 0 at position 0 and it has no loss token, so the loss, the
+    gradient and every metric get nothing from it; it exists so that the rank runs the same
+    forwards and backwards (FSDP all-gathers and reduce-scatters) as the ranks with data.
+    Every key of ``batch`` gets a zero row of its own dtype.
+    """
+    columns = batch["input_ids"].shape[1]
+    if columns == 0:
+        raise ValueError("input_ids must have at least one column (T >= 1), got [0, 0]")
+    rows = {key: value.new_zeros((1, *value.shape[1:])) for key, value in batch.items()}
+    attention = torch.zeros(1, columns, dtype=torch.bool, device=batch["input_ids"].device)
+    attention[0, 0] = True
+    rows["attention_mask"] = attention.to(
+        batch["attention_mask"].dtype if "attention_mask" in batch else torch.bool
+    )
+    rows.pop("position_ids", None)  # derived from the mask
+    return TensorDict(rows, batch_size=[1])

@@ -69,6 +69,7 @@ def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
         "clipping_uses_global_norm",
         "one_gradient_reduction_per_mini_batch",
         "all_masked_shard",
+        "empty_shard",
         "critic_dp_invariance",
         "export_roundtrip_under_fsdp",
         "generate_then_train_under_fsdp",
@@ -166,6 +167,13 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         before = _params(critic)
         metrics = critic.train_batch(batch)
         refs["critic"] = (metrics, {n: p - before[n] for n, p in _params(critic).items()})
+        engine = ActorEngine(tiny_model(), audited)
+        before = _params(engine)
+        metrics = engine.train_batch(batch)
+        refs["audited_whole_batch"] = (
+            metrics,
+            {n: p - before[n] for n, p in _params(engine).items()},
+        )
         engine = ActorEngine(tiny_model(), actor_config(lora=4))
         refs["generate"] = engine.model.generate(input_ids=PROMPTS, generation_config=GREEDY)
         return refs
@@ -277,6 +285,19 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     for n, d in delta.items():
         _close(d, ref_delta[n], f"all-masked shard {n}")
     passed.append("all_masked_shard")
+
+    # ---- a rank with no sequence at all: a [0, T] share runs placeholder micro-batches
+    engine = ActorEngine(tiny_model(), audited)
+    before = _params(engine)
+    share = batch if rank == 0 else batch[:0]
+    metrics = engine.train_batch(share)
+    ref_metrics, ref_delta = refs["audited_whole_batch"]
+    _metrics_close(ref_metrics, metrics, "empty shard")
+    for n, p in _params(engine).items():
+        _close(p - before[n], ref_delta[n], f"empty shard {n}")
+    outputs = engine.infer_batch(share)
+    assert outputs.batch_size == torch.Size([len(share)]) and "logprobs" in outputs
+    passed.append("empty_shard")
 
     # ---- critic (value head bias [1]: one rank holds an empty shard of it)
     critic = CriticEngine(tiny_model(), critic_config)
