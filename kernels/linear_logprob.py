@@ -53,6 +53,11 @@ WORKING_TILE_ELEMENTS = 8 * 1024 * 1024
 _DEFAULT_ROWS = 1024
 # Narrowest vocabulary tile when a caller asks for very tall chunks: thinner matmuls lose speed.
 _MIN_VOCAB_TILE = 128
+# Logits tiles the forward keeps for backward instead of recomputing them (when a gradient will be
+# needed): each saves one tile matmul (1/4 of that tile's flops) for one tile of memory. A fixed
+# count, so the extra memory stays (2 + 2) tiles = 128 MiB in float32 whatever N; larger problems
+# simply recompute a larger share.
+_KEPT_TILES = 2
 
 
 @dataclass(frozen=True)
@@ -63,12 +68,20 @@ class _Plan:
     vocab_tile: int
     with_entropy: bool
     inv_temperature: float  # used when no per-token temperature tensor is given
+    kept_tiles: int  # logits tiles saved by forward for backward (0 when no gradient is needed)
 
 
-def _plan(num_rows: int, vocab: int, chunk_size: int | None, with_entropy: bool, inv: float):
+def _plan(
+    num_rows: int,
+    vocab: int,
+    chunk_size: int | None,
+    with_entropy: bool,
+    inv: float,
+    needs_grad: bool = True,
+) -> _Plan:
     rows = max(1, min(chunk_size or _DEFAULT_ROWS, num_rows))
     vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, WORKING_TILE_ELEMENTS // rows))
-    return _Plan(rows, vocab_tile, with_entropy, inv)
+    return _Plan(rows, vocab_tile, with_entropy, inv, _KEPT_TILES if needs_grad else 0)
 
 
 def _scaled_rows(h: torch.Tensor, inv: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
@@ -94,16 +107,15 @@ def _logits_tile(h_s, w_tile, inv, buf, low_buf):
     return z.mul_(inv) if inv != 1.0 else z
 
 
-def _tile_stats(z: torch.Tensor, scratch: torch.Tensor | None, with_entropy: bool):
-    """Row statistics of one tile ``z`` (overwritten): max ``m``, ``S = sum exp(z - m)`` and, for
-    the entropy, ``A = sum exp(z - m) * (z - m)`` (<= 0, no cancellation)."""
+def _tile_stats(z: torch.Tensor, scratch: torch.Tensor, with_entropy: bool):
+    """Row statistics of one tile ``z`` (left holding ``z - m``): max ``m``, ``S = sum exp(z - m)``
+    and, for the entropy, ``A = sum exp(z - m) * (z - m)`` (<= 0, no cancellation)."""
     m = z.amax(dim=1, keepdim=True)
     z.sub_(m)
-    if not with_entropy:
-        return m.squeeze(1), z.exp_().sum(dim=1), None
     e = torch.exp(z, out=scratch[: z.numel()].view_as(z))
-    # z is dead after this: the in-place product is faster on CPU than a batched GEMV dot.
-    return m.squeeze(1), e.sum(dim=1), z.mul_(e).sum(dim=1)
+    s = e.sum(dim=1)
+    # e is dead after this: the in-place product is faster on CPU than a batched GEMV dot.
+    return m.squeeze(1), s, e.mul_(z).sum(dim=1) if with_entropy else None
 
 
 def _merge(run, tile):
@@ -141,7 +153,8 @@ class _FusedLinearLogProb(torch.autograd.Function):
         max_all = hidden.new_empty(m, dtype=cdtype)
         sum_all = hidden.new_empty(m, dtype=cdtype)
         ent_all = hidden.new_empty(m, dtype=cdtype) if plan.with_entropy else None
-        buf, scratch, low_buf = _buffers(hidden, plan, cdtype, scratch=plan.with_entropy)
+        buf, scratch, low_buf = _buffers(hidden, plan, cdtype)
+        kept, kept_max = [], []  # tiles holding z - m_tile, and m_tile, in loop order
         for start in range(0, m, plan.rows):
             idx = rows_idx[start : start + plan.rows]
             rows = slice(start, start + plan.rows)
@@ -151,10 +164,15 @@ class _FusedLinearLogProb(torch.autograd.Function):
             target_logit = hidden.new_zeros(idx.numel(), dtype=cdtype)
             stats = None
             for j in range(0, vocab, plan.vocab_tile):
-                z = _logits_tile(h_s, weight[j : j + plan.vocab_tile], inv, buf, low_buf)
+                keep = len(kept) < plan.kept_tiles
+                out = hidden.new_empty(buf.numel(), dtype=cdtype) if keep else buf
+                z = _logits_tile(h_s, weight[j : j + plan.vocab_tile], inv, out, low_buf)
                 _gather_tile(z, t - j, target_logit)
                 tile = _tile_stats(z, scratch, plan.with_entropy)
                 stats = tile if stats is None else _merge(stats, tile)
+                if keep:
+                    kept.append(z)
+                    kept_max.append(tile[0])
             row_max, row_sum, row_a = stats
             log_sum = row_sum.log()
             max_all[rows], sum_all[rows] = row_max, row_sum
@@ -163,14 +181,19 @@ class _FusedLinearLogProb(torch.autograd.Function):
             if plan.with_entropy:
                 ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
                 entropy.index_copy_(0, idx, ent_all[rows])
-        ctx.save_for_backward(hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all)
+        ctx.save_for_backward(
+            hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all, *kept, *kept_max
+        )
         ctx.plan = plan
+        ctx.num_kept = len(kept)
         return (logprob, entropy) if plan.with_entropy else logprob
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
-        hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all = saved[:8]
+        kept, kept_max = saved[8 : 8 + ctx.num_kept], saved[8 + ctx.num_kept :]
         plan: _Plan = ctx.plan
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cdtype = compute_dtype(hidden.dtype)
@@ -187,8 +210,8 @@ class _FusedLinearLogProb(torch.autograd.Function):
             grad_entropy if plan.with_entropy else None, hidden.shape[0], hidden, cdtype
         )
         use_entropy = plan.with_entropy and bool(g_ent_all.any())
-        buf, scratch, low_buf = _buffers(hidden, plan, cdtype, scratch=True)
-        vocab = weight.shape[0]
+        buf, scratch, low_buf = _buffers(hidden, plan, cdtype)
+        vocab, tile_index = weight.shape[0], 0
         for start in range(0, rows_idx.numel(), plan.rows):
             idx = rows_idx[start : start + plan.rows]
             h = hidden.index_select(0, idx)
@@ -210,8 +233,14 @@ class _FusedLinearLogProb(torch.autograd.Function):
             t = targets.index_select(0, idx)
             for j in range(0, vocab, plan.vocab_tile):
                 w_tile = weight[j : j + plan.vocab_tile]
-                z = _logits_tile(h_s, w_tile, inv, buf, low_buf)
-                z.sub_(row_max)  # s
+                if tile_index < len(kept):  # z - m = (z - m_tile) - (m - m_tile), no matmul
+                    s_tile = kept[tile_index]
+                    shift = row_max - kept_max[tile_index].unsqueeze(1)
+                    z = torch.sub(s_tile, shift, out=buf[: s_tile.numel()].view_as(s_tile))
+                else:
+                    z = _logits_tile(h_s, w_tile, inv, buf, low_buf)
+                    z.sub_(row_max)  # s
+                tile_index += 1
                 g = torch.exp(z, out=scratch[: z.numel()].view_as(z))  # e
                 if use_entropy:
                     g.mul_(torch.addcmul(c, z, b, out=z))
@@ -235,11 +264,11 @@ def _scatter_tile(g: torch.Tensor, local_targets: torch.Tensor, values: torch.Te
     g.scatter_add_(1, index, torch.where(inside, values, 0.0).unsqueeze(1))
 
 
-def _buffers(hidden: torch.Tensor, plan: _Plan, cdtype: torch.dtype, scratch: bool):
+def _buffers(hidden: torch.Tensor, plan: _Plan, cdtype: torch.dtype):
     """Flat tile buffers: logits (compute dtype), scratch, and a low-precision matmul output."""
     size = plan.rows * plan.vocab_tile
     buf = hidden.new_empty(size, dtype=cdtype)
-    scr = hidden.new_empty(size, dtype=cdtype) if scratch else None
+    scr = hidden.new_empty(size, dtype=cdtype)
     low = hidden.new_empty(size) if hidden.dtype != cdtype else None
     return buf, scr, low
 
@@ -315,7 +344,10 @@ def fused_linear_logprob(
     flat_targets = torch.where(flat_targets == ignore_index, 0, flat_targets)
     inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
     inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
-    plan = _plan(max(1, rows_idx.numel()), weight.shape[0], chunk_size, with_entropy, inv_scalar)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    plan = _plan(
+        max(1, rows_idx.numel()), weight.shape[0], chunk_size, with_entropy, inv_scalar, needs_grad
+    )
     out = _FusedLinearLogProb.apply(hidden_2d, weight, flat_targets, rows_idx, inv_t, plan)
     if not with_entropy:
         return out.view(targets.shape), None

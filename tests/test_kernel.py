@@ -291,3 +291,47 @@ def test_extra_memory_is_bounded_by_the_tile_not_n(monkeypatch):
     with LargestOutput():
         run(fused_linear_logprob, hidden, weight, targets)
     assert LargestOutput.largest <= max(4096, vocab * H, n * H) < n * vocab // 16
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_integer_target_dtypes(dtype):
+    hidden, weight, targets = make((2, 5), dtype=torch.float64)
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets.to(dtype),
+        atol=1e-10, rtol=1e-9,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kept_tiles", [0, 1, 1000], ids=["recompute-all", "keep-one", "keep-all"])
+def test_kept_and_recomputed_tiles_agree(tiles, monkeypatch, kept_tiles):
+    """Backward uses forward's tiles for the first ``_KEPT_TILES`` and recomputes the rest."""
+    from microrl.kernels import linear_logprob
+
+    monkeypatch.setattr(linear_logprob, "_KEPT_TILES", kept_tiles)
+    hidden, weight, targets = make((2, 5), dtype=torch.float64, ignore=[(1, 1)])
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=1e-10, rtol=1e-9, chunk_size=3, temperature=0.8,
+        grad_lp=upstream((2, 5), 15, torch.float64), grad_ent=upstream((2, 5), 16, torch.float64),
+    )  # fmt: skip
+
+
+def test_nothing_is_kept_without_gradients(monkeypatch):
+    """Tiles are kept for backward only when one will run: grad mode on and an input needing it."""
+    from microrl.kernels import linear_logprob
+
+    seen = []
+    original = linear_logprob._plan
+
+    def spy(*args):
+        plan = original(*args)
+        seen.append(plan.kept_tiles)
+        return plan
+
+    monkeypatch.setattr(linear_logprob, "_plan", spy)
+    hidden, weight, targets = make((4,))
+    fused_linear_logprob(hidden, weight, targets)
+    with torch.no_grad():
+        fused_linear_logprob(hidden, weight, targets)
+    fused_linear_logprob(hidden.detach(), weight.detach(), targets)
+    assert seen == [linear_logprob._KEPT_TILES, 0, 0] and seen[0] > 0
