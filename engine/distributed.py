@@ -116,7 +116,11 @@ def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
     bf16 matmuls are slow and gloo cannot reduce bf16 faster, so CPU stays fp32.
     """
     if device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # cast_forward_inputs=False: the root's float inputs (a per-token temperature tensor)
+        # must keep fp32; the layers get bf16 activations from the bf16 embedding anyway.
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     return None
 
 
