@@ -35,8 +35,9 @@ def _check(condition: bool, key: str, rule: str, value: object) -> None:
 class WarmStartConfig:
     """Supervised warm start of a freshly built base model (only when ``model.path`` is empty).
 
-    It trains until the held-out greedy accuracy reaches ``target_accuracy`` or ``max_steps``
-    pass: a partly trained base leaves RL visible room to improve.
+    It trains until the greedy accuracy on 200 training prompts (the held-out ones are kept for
+    RL) reaches ``target_accuracy`` or ``max_steps`` pass: a partly trained base leaves RL
+    visible room to improve.
     """
 
     max_steps: int = 600
@@ -126,15 +127,19 @@ class LoopConfig:
     """The outer loop: ``steps`` rollouts, each followed by ``ppo_epochs`` passes over it in
     mini-batches of ``mini_batch_size`` sequences (one optimizer step each)."""
 
-    steps: int = 60
+    steps: int = 300
     ppo_epochs: int = 2
     mini_batch_size: int = 64  # sequences per optimizer step, across all ranks
-    eval_every: int = 10  # greedy accuracy on the held-out prompts every N steps (and at the end)
+    eval_every: int = 25  # greedy accuracy on the held-out prompts every N steps (and at the end)
     seed: int = 0
+    # CPU threads per process; 0 keeps torch's default. The tiny model's matrices are too small
+    # to gain from intra-op threads, and extra threads spin badly on a busy or small CPU.
+    num_threads: int = 1
 
     def __post_init__(self) -> None:
         for key in ("steps", "ppo_epochs", "mini_batch_size", "eval_every"):
             _check(getattr(self, key) >= 1, f"train.{key}", ">= 1", getattr(self, key))
+        _check(self.num_threads >= 0, "train.num_threads", ">= 0", self.num_threads)
 
 
 @dataclass

@@ -45,6 +45,8 @@ from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_cli(PPOExampleConfig, "ppo_lora.yaml", __doc__, argv)
     dist_info = Dist.init()
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
     log = print if dist_info.is_main else (lambda *_: None)
     prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", dist_info)
     mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
