@@ -20,8 +20,6 @@ import argparse
 import gc
 import json
 import os
-import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -90,7 +88,9 @@ def hand_loop(model: torch.nn.Module, batch: TensorDict, rows_per_step: int) -> 
 
 
 def timed(variants: dict, reps: int) -> dict[str, float]:
-    """Median seconds per call of each variant, interleaved; one warm-up call each."""
+    """Best (minimum) seconds per call of each variant over interleaved repetitions, after one
+    warm-up call each: on a shared machine other load only ever adds time, so the minimum is the
+    least disturbed measurement."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(reps + 1):
         for name, (fn, zero) in variants.items():
@@ -99,7 +99,7 @@ def timed(variants: dict, reps: int) -> dict[str, float]:
             fn()
             if rep:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: min(t) for name, t in times.items()}
 
 
 def engine_for(model, **config) -> ActorEngine:
@@ -149,7 +149,12 @@ def _reset_peak() -> bool:
 
 
 def _peak_kib() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    """``VmHWM``: not ``ru_maxrss``, which a child inherits from its parent's peak on Linux."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM")
 
 
 def memory_child(micro_batches: int, rows_per_micro: int, seq_len: int, vocab: int) -> None:
@@ -220,6 +225,10 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: least sensitive to other load)"
     )
+    parser.add_argument(
+        "--only", choices=["overhead", "memory", "packing"], help="run one benchmark only"
+    )
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
     parser.add_argument("--memory-child", nargs=4, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -227,11 +236,21 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     quick = args.quick
-    reps = 2 if quick else 5
+    reps = args.reps or (2 if quick else 5)
     rows, seq_len = (4, 128) if quick else (8, 256)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, reps={reps}\n")
 
-    print("1. forward_backward_batch vs hand loop (one micro-batch, no padding), s per call")
+    run = {args.only} if args.only else {"overhead", "memory", "packing"}
+    if "overhead" in run:
+        bench_overhead_table(quick, rows, seq_len, reps)
+    if "memory" in run:
+        bench_memory_table(seq_len)
+    if "packing" in run:
+        bench_packing_table(quick, reps)
+
+
+def bench_overhead_table(quick: bool, rows: int, seq_len: int, reps: int) -> None:
+    print("1. forward_backward_batch vs hand loop (one micro-batch, no padding), best s per call")
     for vocab in (8192, 32768 if quick else 65536):
         t = bench_overhead(vocab, rows, seq_len, reps)
         base = t["hand loop"]
@@ -241,6 +260,8 @@ def main() -> None:
             f"({t['engine fused'] / base:.3f}x)"
         )
 
+
+def bench_memory_table(seq_len: int) -> None:
     print("\n2. peak RSS of one call, 8 micro-batches vs 1 micro-batch of 4 rows (fresh processes)")
     mem = bench_memory(rows_per_micro=4, seq_len=seq_len, vocab=8192)
     for phase in ("warm", "cold"):
@@ -252,6 +273,8 @@ def main() -> None:
             f"{grow8 / 1024:.0f} MiB -> {grow8 / max(grow1, 1):.3f}x (peak reset: {one['reset']})"
         )
 
+
+def bench_packing_table(quick: bool, reps: int) -> None:
     print("\n3. packed vs padded, lengths uniform in 16..512, tokens/s (real tokens)")
     rate = bench_packing(rows=8 if quick else 16, reps=max(2, reps - 2), vocab=8192, max_len=512)
     base = rate["hand loop, padded"]
