@@ -25,13 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, is_dataclass
-from enum import Enum
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +42,19 @@ from torch.distributed.checkpoint.hf_storage import (
 )
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_state_dict,
     set_state_dict,
 )
+
+from microrl.engine.atomic_io import (
+    fsync_dir,
+    refuse_foreign_dir,
+    replace_dir,
+    staging_paths,
+    to_jsonable,
+    write_json,
+)
+from microrl.engine.rng import rng_state, set_rng_state
+from microrl.engine.state_dicts import join_optimizer_state, split_state, tensor_specs
 
 __all__ = [
     "CheckpointError",
@@ -103,135 +110,6 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def to_jsonable(value: Any) -> Any:
-    """Dataclasses, enums, tuples, paths -> plain JSON values; anything else is a ``TypeError``."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return to_jsonable(asdict(value))
-    if isinstance(value, Enum):
-        return to_jsonable(value.value)
-    if isinstance(value, Mapping):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint's JSON: {value!r}")
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, allow_nan=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tmp_and_old(path: Path) -> tuple[Path, Path]:
-    return path.parent / f".{path.name}.tmp", path.parent / f".{path.name}.old"
-
-
-# ----------------------------------------------------------------------------- state dicts
-
-
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool):
-    """(tensors for DCP, JSON part of the optimizer state, {fqn: (shape, dtype)} of the model)."""
-    options = StateDictOptions(ignore_frozen_params=trainable_only)
-    if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        model_sd, optim_sd = get_model_state_dict(model, options=options), None
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    model_sd, aliases = _drop_aliases(model_sd)
-    tensors: dict[str, Any] = {"model": model_sd}
-    optim_json: dict[str, Any] | None = None
-    if optim_sd is not None:
-        tensor_state: dict[str, dict[str, torch.Tensor]] = {}
-        scalar_state: dict[str, dict[str, Any]] = {}
-        for fqn, entry in optim_sd["state"].items():
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor):
-                    tensor_state.setdefault(fqn, {})[key] = value
-                else:
-                    scalar_state.setdefault(fqn, {})[key] = to_jsonable(value)
-        tensors["optim"] = tensor_state
-        optim_json = {
-            "class": type(optimizer).__name__,
-            "param_groups": to_jsonable(optim_sd["param_groups"]),
-            "scalar_state": scalar_state,
-        }
-    return tensors, optim_json, aliases
-
-
-def _drop_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Keep one name per storage (tied embeddings): safetensors refuses shared tensors.
-
-    Returns the de-duplicated state and ``{alias: kept name}``; loading the kept name fills the
-    alias too, since both are the same parameter.
-    """
-    seen: dict[tuple, str] = {}
-    kept: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, value in state.items():
-        local = value.to_local() if hasattr(value, "to_local") else value
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
-        if local.numel() and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        kept[name] = value
-    return kept, aliases
-
-
-def _flat_tensor_specs(tensors: Mapping[str, Any], prefix: str = "") -> dict[str, list]:
-    out: dict[str, list] = {}
-    for key, value in tensors.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flat_tensor_specs(value, name + "."))
-        else:
-            out[name] = [list(value.shape), str(value.dtype).removeprefix("torch.")]
-    return out
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def _rng_state() -> dict[str, Any]:
-    version, mt, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(mt), gauss]}
-    if "numpy" in sys.modules:  # only when the program uses numpy; never import it for this
-        np_state = sys.modules["numpy"].random.get_state()
-        state["numpy"] = [np_state[0], np_state[1].tolist(), *np_state[2:]]
-    state["torch"] = torch.get_rng_state().tolist()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
-    if "numpy" in state:
-        np = sys.modules.get("numpy") or __import__("numpy")
-        name, keys, *rest = state["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-
-
 # ----------------------------------------------------------------------------- save
 
 
@@ -265,17 +143,15 @@ def save_checkpoint(
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     target = Path(path).absolute()
-    if target.is_dir() and any(target.iterdir()) and not (target / MANIFEST).is_file():
-        # Every rank checks (a shared filesystem gives them the same answer), so all fail alike.
-        raise CheckpointError(
-            f"refusing to replace {target}: it is a non-empty directory that is not a microrl "
-            "checkpoint"
-        )
-    tmp, old = _tmp_and_old(target)
+    # Every rank checks (a shared filesystem gives them the same answer), so all fail alike.
+    refuse_foreign_dir(
+        target, lambda d: (d / MANIFEST).is_file(), "a microrl checkpoint", CheckpointError
+    )
+    tmp, old = staging_paths(target)
     rank, world = _rank(), _world()
     config_json = to_jsonable(config) if config is not None else None
     sched_json = to_jsonable(scheduler.state_dict()) if scheduler is not None else None
-    tensors, optim_json, aliases = _state(model, optimizer, trainable_only)
+    tensors, optim_json, aliases = split_state(model, optimizer, trainable_only)
     if rank == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
@@ -287,10 +163,10 @@ def save_checkpoint(
         with _quiet_single_process():
             dcp.save(tensors, storage_writer=writer, no_dist=world == 1)
         if rng:
-            _write_json(tmp / RNG_DIR / f"rank_{rank:05d}.json", _rng_state())
+            write_json(tmp / RNG_DIR / f"rank_{rank:05d}.json", rng_state())
         _barrier()
         if rank == 0:
-            _write_json(tmp / CONFIG, config_json)
+            write_json(tmp / CONFIG, config_json)
             files = {
                 str(p.relative_to(tmp)): p.stat().st_size
                 for p in sorted(tmp.rglob("*"))
@@ -303,32 +179,22 @@ def save_checkpoint(
                 "world_size": world,
                 "trainable_only": trainable_only,
                 "rng": rng,
-                "tensors": _flat_tensor_specs(tensors),
+                "tensors": tensor_specs(tensors),
                 "aliases": aliases,
                 "optimizer": optim_json,
                 "scheduler": sched_json,
                 "files": files,
             }
-            _write_json(tmp / MANIFEST, manifest)  # the completion marker: written last
+            write_json(tmp / MANIFEST, manifest)  # the completion marker: written last
             for sub in (tmp / STATE_DIR, tmp / RNG_DIR, tmp):
-                _fsync_dir(sub)
-            _replace_dir(tmp, target, old)
+                fsync_dir(sub)
+            replace_dir(tmp, target, old)
     except BaseException:
         if world == 1:  # with several ranks the others may still write into it
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     _barrier()
     return target
-
-
-def _replace_dir(tmp: Path, target: Path, old: Path) -> None:
-    """Move ``tmp`` to ``target``; a previous ``target`` survives until the new one is in place."""
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        os.rename(target, old)
-    os.rename(tmp, target)
-    _fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- load
@@ -339,7 +205,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     root = Path(path)
     manifest_path = root / MANIFEST
     if not root.is_dir():
-        _, old = _tmp_and_old(root.absolute())
+        _, old = staging_paths(root.absolute())
         hint = f" (a previous checkpoint was moved aside to {old})" if old.is_dir() else ""
         raise CheckpointError(f"checkpoint directory {root} does not exist{hint}")
     if not manifest_path.is_file():
@@ -444,7 +310,8 @@ def load_checkpoint(
 
     Every rank must call it. The model and optimizer must be built as for the save (same
     architecture, LoRA config, sharding may differ). Raises :class:`CheckpointError` naming what
-    differs before anything is modified. RNG states are restored only when the world size equals
+    differs before any parameter is modified (building the template of an optimizer that has no
+    state yet gives it zero state, as its first step would). RNG states are restored only when the world size equals
     the saving one (per-rank streams cannot be mapped to a different number of ranks).
     """
     if not isinstance(model, nn.Module):
@@ -461,7 +328,7 @@ def load_checkpoint(
             f"checkpoint {root} holds {saved_opt['class']} state, the optimizer is "
             f"{type(optimizer).__name__}"
         )
-    tensors, _, aliases = _state(model, optimizer, manifest["trainable_only"])
+    tensors, _, aliases = split_state(model, optimizer, manifest["trainable_only"])
     if aliases != manifest["aliases"]:
         raise CheckpointError(
             f"checkpoint {root} ties parameters {manifest['aliases']}, the model {aliases} "
@@ -470,9 +337,16 @@ def load_checkpoint(
     saved_specs = manifest["tensors"]
     if optimizer is None:
         saved_specs = {k: v for k, v in saved_specs.items() if not k.startswith("optim.")}
-    _check_tensors(saved_specs, _flat_tensor_specs(tensors), root)
+    _check_tensors(saved_specs, tensor_specs(tensors), root)
     if scheduler is not None and manifest["scheduler"] is None:
         raise CheckpointError(f"checkpoint {root} holds no LR scheduler state")
+    if optimizer is not None and len(saved_opt["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {root} has {len(saved_opt['param_groups'])} optimizer param groups, "
+            f"the optimizer {len(optimizer.param_groups)}"
+        )
+    # Every check passed: from here on the model (DCP loads into its tensors in place),
+    # optimizer, scheduler and RNG are overwritten.
 
     with _quiet_single_process():
         dcp.load(
@@ -486,7 +360,7 @@ def load_checkpoint(
 
         result = set_model_state_dict(model, tensors["model"], options=options)
     else:
-        optim_sd = _optimizer_state_dict(tensors["optim"], saved_opt, optimizer, root)
+        optim_sd = join_optimizer_state(tensors["optim"], saved_opt, optimizer)
         result = set_state_dict(
             model,
             optimizer,
@@ -501,7 +375,7 @@ def load_checkpoint(
     if rng and manifest["rng"]:
         if manifest["world_size"] == _world():
             state = json.loads((root / RNG_DIR / f"rank_{_rank():05d}.json").read_text())
-            _set_rng_state(state)
+            set_rng_state(state)
         elif _rank() == 0:
             warnings.warn(
                 f"{root} was saved on {manifest['world_size']} ranks and loads on {_world()}: "
@@ -514,31 +388,3 @@ def load_checkpoint(
 
 def _read_config(root: Path) -> Any:
     return json.loads((root / CONFIG).read_text())
-
-
-def _optimizer_state_dict(
-    tensor_state: Mapping[str, Mapping[str, torch.Tensor]],
-    saved: Mapping[str, Any],
-    optimizer: torch.optim.Optimizer,
-    root: Path,
-) -> dict[str, Any]:
-    """Rebuild the FQN-keyed optimizer state dict from the loaded tensors and the JSON part."""
-    state = {fqn: dict(entry) for fqn, entry in tensor_state.items()}
-    for fqn, entry in saved["scalar_state"].items():
-        state.setdefault(fqn, {}).update(entry)
-    groups = saved["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint {root} has {len(groups)} optimizer param groups, the optimizer "
-            f"{len(optimizer.param_groups)}"
-        )
-    restored = []
-    for group, live in zip(groups, optimizer.param_groups, strict=True):
-        # JSON turned tuples (Adam's betas) into lists: give each value its live type back.
-        restored.append(
-            {
-                k: tuple(v) if isinstance(live.get(k), tuple) and isinstance(v, list) else v
-                for k, v in group.items()
-            }
-        )
-    return {"state": state, "param_groups": restored}

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from microrl.engine.atomic_io import refuse_foreign_dir, replace_dir, staging_paths
+
 __all__ = ["export_merged_model", "export_peft_adapter", "full_state_dict", "merged_state_dict"]
 
 _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped transformers model
@@ -61,13 +63,9 @@ def _is_export(path: Path) -> bool:
 def _write_atomically(path: str | os.PathLike, write) -> Path:
     """Rank 0 runs ``write(tmp_dir)`` and renames ``tmp_dir`` to ``path``; all ranks wait."""
     target = Path(path).absolute()
-    if target.is_dir() and any(target.iterdir()) and not _is_export(target):
-        raise ValueError(
-            f"refusing to replace {target}: a non-empty directory that is not a model export"
-        )
+    refuse_foreign_dir(target, _is_export, "a model export")
     if _rank() == 0:
-        tmp = target.parent / f".{target.name}.tmp"
-        old = target.parent / f".{target.name}.old"
+        tmp, old = staging_paths(target)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
@@ -75,11 +73,7 @@ def _write_atomically(path: str | os.PathLike, write) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            os.rename(target, old)
-        os.rename(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, target, old)
     _barrier()
     return target
 
