@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,12 +84,6 @@ def hf_logprobs(model, batch: TensorDict) -> torch.Tensor:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(nproc: int, script: Path, *args: str, timeout: float = 240) -> str:
     """Run ``script`` under torchrun with ``nproc`` gloo ranks; fail with its output otherwise."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -98,12 +91,9 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 240) -> str:
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a rendezvous on a free local port: no port race between test runs
         "--nproc_per_node",
         str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
         str(script),
         *args,
     ]
