@@ -27,7 +27,6 @@ import ctypes
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -135,12 +134,6 @@ def worker(args: argparse.Namespace) -> None:
     out.write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(nproc: int, threads: int, argv: list[str], extra: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -148,10 +141,9 @@ def launch(nproc: int, threads: int, argv: list[str], extra: list[str]) -> list[
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",
             "--nproc_per_node",
             str(nproc),
-            "--master_port",
-            str(_free_port()),
             __file__,
             "--worker",
             "--out",
