@@ -89,6 +89,54 @@ def test_resume_is_exact_on_two_ranks_and_on_one_and_reshards(tmp_path):
     assert _run(tmp_path / "one", 1, "resume_load") == ["resumed_exactly"]
 
 
+def test_single_process_is_a_no_op_and_bad_input_is_named():
+
+    from microrl.engine import distributed as D
+
+    assert D.init_distributed() is None and D.dp_group() is None  # plain python: no group
+    assert D.agree_num_micro_batches(3) == 3
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        D.agree_num_micro_batches(-1)
+    model = tiny_model()
+    with pytest.raises(ValueError, match="initialised process group"):
+        D.shard_model(model)
+    with pytest.raises(TypeError, match=r"module must be an nn\.Module"):
+        D.shard_model("model")
+    with D.gathered(model):  # unsharded: nothing to gather
+        pass
+    D.set_gradient_sync(model, False)  # unsharded: nothing to switch
+
+
+def test_shard_units_are_the_decoder_layers_also_under_peft_and_wrappers():
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    from microrl.engine import distributed as D
+
+    model = tiny_model()
+    layers = list(model.model.layers)
+    assert D.find_shard_units(model) == layers
+    wrapped = torch.nn.ModuleDict({"policy": model})  # the engine's wrapper holds the model
+    assert D.find_shard_units(wrapped) == layers
+    peft_model = get_peft_model(tiny_model(), PeftLora(r=2, target_modules=["q_proj"]))
+    assert D.find_shard_units(peft_model) == list(peft_model.get_base_model().model.layers)
+    # Tied input embeddings stay with the lm head in the root unit.
+    assert D._untied_input_embeddings(model) == [model.model.embed_tokens]
+    assert D._untied_input_embeddings(tiny_model(tie=True)) == []
+
+
+def test_placeholder_row_stands_in_for_an_empty_share():
+    from microrl.engine import distributed as D
+
+    empty = make_batch()[:0]
+    assert D.is_empty_batch(empty) and not D.is_empty_batch(make_batch())
+    row = D.placeholder_row(empty)
+    assert row.batch_size == torch.Size([1])
+    assert set(row.keys()) == set(empty.keys())
+    assert row["attention_mask"].tolist()[0] == [True] + [False] * 11
+    assert not row["loss_mask"].any()
+
+
 # ============================================================================ rank side
 
 
