@@ -15,6 +15,10 @@ from microrl.losses.config import PolicyLossConfig
 __all__ = ["ActorConfig", "CriticConfig", "EngineConfig", "LoraConfig", "OptimConfig"]
 
 
+# Rows per micro-batch when neither micro-batching mode is configured.
+DEFAULT_MICRO_BATCH_SIZE = 4
+
+
 class Schedule(str, Enum):
     CONSTANT = "constant"
     COSINE = "cosine"
@@ -79,8 +83,10 @@ class LoraConfig:
 class EngineConfig:
     """What every engine role shares: batching, numerics, memory, optimisation."""
 
-    micro_batch_size: int | None = 4
-    max_tokens_per_micro_batch: int | None = None  # strict token budget; excludes micro_batch_size
+    # Micro-batching: a fixed number of rows, or a strict token budget (set one; with neither,
+    # micro_batch_size defaults to DEFAULT_MICRO_BATCH_SIZE).
+    micro_batch_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
     loss_agg_mode: AggMode = AggMode.TOKEN_MEAN
     seq_len_norm: float | None = None  # L of seq-mean-token-sum-norm
     use_fused_kernel: bool = True
@@ -106,7 +112,7 @@ class EngineConfig:
                 f"(got {self.micro_batch_size} and {self.max_tokens_per_micro_batch})"
             )
         if self.micro_batch_size is None and self.max_tokens_per_micro_batch is None:
-            raise ValueError("one of micro_batch_size or max_tokens_per_micro_batch must be set")
+            self.micro_batch_size = DEFAULT_MICRO_BATCH_SIZE
         for name in ("micro_batch_size", "max_tokens_per_micro_batch", "kernel_chunk_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
