@@ -324,12 +324,14 @@ def placeholder_row(batch: Mapping[str, torch.Tensor]) -> TensorDict:
     Its only real token is token id 0 at position 0 and it has no loss token, so the loss, the
     gradient and every metric get nothing from it; it exists so that the rank runs the same
     forwards and backwards (FSDP all-gathers and reduce-scatters) as the ranks with data.
-    Every key of ``batch`` gets a zero row of its own dtype.
+    Every key of ``batch`` gets a zero row of its own dtype (a temperature gets 1).
     """
     columns = batch["input_ids"].shape[1]
     if columns == 0:
         raise ValueError("input_ids must have at least one column (T >= 1), got [0, 0]")
     rows = {key: value.new_zeros((1, *value.shape[1:])) for key, value in batch.items()}
+    if "temperature" in rows:  # per-row/per-token sampling temperature: must stay > 0
+        rows["temperature"] = torch.ones_like(rows["temperature"])
     attention = torch.zeros(1, columns, dtype=torch.bool, device=batch["input_ids"].device)
     attention[0, 0] = True
     rows["attention_mask"] = attention.to(

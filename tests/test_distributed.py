@@ -129,8 +129,10 @@ def test_placeholder_row_stands_in_for_an_empty_share():
     from microrl.engine import distributed as D
 
     empty = make_batch()[:0]
+    empty["temperature"] = torch.ones(0)  # a per-row temperature must stay valid (> 0)
     assert D.is_empty_batch(empty) and not D.is_empty_batch(make_batch())
     row = D.placeholder_row(empty)
+    assert row["temperature"].tolist() == [1.0]
     assert row.batch_size == torch.Size([1])
     assert set(row.keys()) == set(empty.keys())
     assert row["attention_mask"].tolist()[0] == [True] + [False] * 11
