@@ -402,10 +402,11 @@ class Engine:
         if "temperature" in micro:
             temperature = predicting_temperature(micro["temperature"], has_next)
         if self.config.pack_sequences:
-            inputs = (packing.pack(ids, valid), packing.pack(positions, valid), None)
-            packed_targets = packing.pack(targets, valid)
+            index = packing.packed_index(valid, sum(lengths))
+            inputs = (packing.pack(ids, index), packing.pack(positions, index), None)
+            packed_targets = packing.pack(targets, index)
             if temperature is not None:
-                temperature = packing.pack(temperature, valid)
+                temperature = packing.pack(temperature, index)
             if self._varlen_attention:
                 model_kwargs[PACKED_LENGTHS_KWARG] = tuple(lengths)
         else:
@@ -420,7 +421,7 @@ class Engine:
             # exactness tests can compare at fp64 precision. Returned outputs are fp32 anyway.
             value = value if value.dtype == torch.float64 else value.float()
             if self.config.pack_sequences:
-                value = packing.unpack(value, valid)
+                value = packing.unpack(value, index, valid)
             aligned[key] = to_token_alignment(value, has_next)
         output = TensorDict(aligned, batch_size=[ids.shape[0]], device=ids.device)
         loss, metrics = None, {}

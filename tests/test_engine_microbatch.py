@@ -17,7 +17,7 @@ from microrl.engine.microbatch import (
     scatter_rows,
     span_starts_and_lengths,
 )
-from microrl.engine.packing import pack, unpack
+from microrl.engine.packing import pack, packed_index, unpack
 
 
 def _check_partition(plan: list[list[int]], n: int) -> None:
@@ -123,14 +123,16 @@ def test_compact_then_scatter_round_trips_any_padding() -> None:
 def test_pack_unpack_round_trip_with_gradient() -> None:
     valid = torch.tensor([[True, True, True, False], [True, False, False, False], [True] * 4])
     values = torch.randn(3, 4, 5, requires_grad=True)
-    packed = pack(values, valid)
-    assert packed.shape == (1, 8, 5)
-    restored = unpack(packed, valid)
+    index = packed_index(valid, 8)
+    assert index.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]  # row-major: sequences stay contiguous
+    packed = pack(values, index)
+    assert packed.shape == (1, 8, 5) and torch.equal(packed[0], values[valid])
+    restored = unpack(packed, index, valid)
     assert torch.equal(restored[valid], values[valid]) and (restored[~valid] == 0).all()
     restored.sum().backward()
     assert torch.equal(values.grad, valid.float().unsqueeze(-1).expand(3, 4, 5))
-    with pytest.raises(ValueError):
-        pack(values, valid[:, :3])
+    with pytest.raises(ValueError, match="valid"):
+        packed_index(valid[0], 3)
 
 
 def test_span_lengths_of_a_tensordict_batch() -> None:
