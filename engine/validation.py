@@ -12,7 +12,18 @@ from tensordict import TensorDict
 
 __all__ = ["check_batch"]
 
-FLOAT_KEYS = ("old_logprobs", "ref_logprobs", "advantages", "old_values", "returns")
+# Per-token float inputs of the built-in losses: checked for shape, dtype and finiteness on loss
+# tokens whenever present (a loss may be called with validate=False after this check).
+FLOAT_KEYS = (
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "advantages",
+    "old_values",
+    "returns",
+)
+# Token-aligned keys that are always [B, T] when present.
+TOKEN_KEYS = ("attention_mask", "position_ids", "loss_mask")
 
 
 def check_batch(
@@ -52,9 +63,7 @@ def check_batch(
     if missing:
         raise ValueError(f"batch is missing required key(s) {missing}")
     for key, value in batch.items():
-        per_token = (
-            key in FLOAT_KEYS or key in required or key in ("attention_mask", "position_ids")
-        )
+        per_token = key in FLOAT_KEYS or key in required or key in TOKEN_KEYS
         if per_token and tuple(value.shape) != shape:
             raise ValueError(
                 f"{key!r} must have the shape of input_ids {shape}, got {tuple(value.shape)}"

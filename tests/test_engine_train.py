@@ -198,6 +198,10 @@ def _engine() -> ActorEngine:
             "not finite",
         ),
         (lambda b: b.set("advantages", b["advantages"].long()), "floating-point"),
+        (
+            lambda b: b.set("rollout_logprobs", torch.full_like(b["old_logprobs"], float("nan"))),
+            "'rollout_logprobs' is not finite",
+        ),
         (lambda b: b.set("position_ids", torch.zeros_like(b["input_ids"])), "position_ids"),
     ],
 )
@@ -209,6 +213,15 @@ def test_bad_batches_are_rejected_before_compute(mutate, message) -> None:
         engine.forward_backward_batch(batch)
     assert all(p.grad is None for p in engine.module.parameters())
     assert all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+
+
+def test_mis_shaped_loss_mask_is_named_in_a_forward_only_pass() -> None:
+    batch = make_batch(4, 10, seed=27)
+    bad = TensorDict(
+        {k: (v[:, :-1] if k == "loss_mask" else v) for k, v in batch.items()}, batch_size=[4]
+    )
+    with pytest.raises(ValueError, match="'loss_mask' must have the shape"):
+        _engine().forward_backward_batch(bad, forward_only=True)
 
 
 def test_bad_configs_are_rejected() -> None:
