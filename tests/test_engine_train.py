@@ -65,6 +65,23 @@ def test_train_batch_steps_and_reports() -> None:
     assert all(p.grad is None for p in engine.module.parameters()), "grads not zeroed"
 
 
+def test_grad_clip_bounds_the_update_to_the_global_norm() -> None:
+    """SGD with lr=1: the update is minus the clipped gradient, so its global norm is grad_clip
+    while the reported grad_norm is the norm before clipping."""
+    clip = 1e-3
+    optim = OptimConfig(name="sgd", lr=1.0, grad_clip=clip)
+    engine = ActorEngine(tiny_model(), ActorConfig(micro_batch_size=2, optim=optim))
+    batch = make_batch(4, 10, seed=31)
+    batch["old_logprobs"] = engine.infer_batch(batch)["logprobs"]
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    metrics = engine.train_batch(batch)
+    delta = torch.cat(
+        [(p.detach() - before[n]).flatten() for n, p in engine.module.named_parameters()]
+    )
+    assert metrics["grad_norm"] > 10 * clip  # clipping must bind for the check to mean anything
+    assert delta.norm().item() == pytest.approx(clip, rel=1e-4)
+
+
 def test_sft_loss_trains_with_the_engine() -> None:
     engine = ActorEngine(
         tiny_model(), ActorConfig(micro_batch_size=4, optim=OptimConfig(lr=3e-3, grad_clip=None))
