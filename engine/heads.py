@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,7 +127,7 @@ class PolicyModel(nn.Module):
         targets: torch.Tensor,
         temperature: float | torch.Tensor = 1.0,
         with_entropy: bool = True,
-        **model_kwargs,
+        **model_kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
 
@@ -203,7 +204,7 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        **model_kwargs,
+        **model_kwargs: Any,
     ) -> torch.Tensor:
         """``[b, L]`` ids -> ``[b, L]`` fp32 values (one per position)."""
         hidden = self.body(

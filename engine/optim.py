@@ -59,6 +59,7 @@ def lr_factor(step: int, config: OptimConfig) -> float:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, config: OptimConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step schedule of :func:`lr_factor` (stepped once per successful optimizer step)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
 
 

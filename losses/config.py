@@ -9,6 +9,8 @@ __all__ = ["KLEstimator", "PolicyLossConfig", "PolicyLossType"]
 
 
 class PolicyLossType(str, Enum):
+    """The policy-gradient surrogate (``policy_loss`` picks it from ``POLICY_SURROGATES``)."""
+
     PPO = "ppo"  # clipped surrogate (asymmetric + dual clip)
     GRPO = "grpo"  # the PPO surrogate on group-normalised advantages
     GSPO = "gspo"  # sequence-level (length-normalised) importance ratio
@@ -28,6 +30,9 @@ class KLEstimator(str, Enum):
 
 @dataclass
 class PolicyLossConfig:
+    """Surrogate, clip ranges and coefficients of :func:`microrl.losses.policy_loss`; validated on
+    construction and again on every call (``ValueError`` naming the ``policy_loss.<field>``)."""
+
     name: PolicyLossType = PolicyLossType.PPO
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2

@@ -67,6 +67,8 @@ class GroupAdvantageInfo:
         return self.informative.nonzero().squeeze(1)
 
     def metrics(self) -> dict[str, float]:
+        """Counts for logging (Python floats, one host sync): groups, singletons, zero-variance
+        groups and the fraction of rows that carry signal."""
         rows = max(int(self.informative.numel()), 1)
         return {
             "groups/num": float(self.num_groups),

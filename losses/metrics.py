@@ -20,6 +20,8 @@ __all__ = ["Metric", "Reduce", "reduce_metrics"]
 
 
 class Reduce(str, Enum):
+    """How a metric combines over micro-batches and ranks."""
+
     SUM = "sum"
     MIN = "min"
     MAX = "max"
@@ -32,11 +34,14 @@ _IDENTITY = {Reduce.SUM: 0.0, Reduce.MIN: float("inf"), Reduce.MAX: float("-inf"
 
 @dataclass(frozen=True)
 class Metric:
+    """A detached 0-d metric value and its :class:`Reduce` (``SUM`` of partials, ``MIN``, ``MAX``)."""
+
     value: torch.Tensor
     reduce: Reduce = Reduce.SUM
 
     @staticmethod
     def empty(reduce: Reduce, device: torch.device | str = "cpu") -> Metric:
+        """The reduction's identity (0, +inf or -inf): a metric of an empty micro-batch."""
         return Metric(torch.tensor(_IDENTITY[reduce], device=device), reduce)
 
 
