@@ -230,7 +230,8 @@ class Engine:
         """One micro-batch: forward, loss (when its inputs are present), detached outputs.
 
         The returned loss still holds the graph (the caller runs ``backward``); the returned
-        outputs do not. ``denominators`` default to the counts of this micro-batch alone, i.e. it
+        outputs do not. Train mode for a gradient pass, eval mode for ``forward_only`` (the
+        module's mode is restored after). ``denominators`` default to the counts of this micro-batch alone, i.e. it
         is then treated as a whole mini-batch; inside a mini-batch pass the global ones.
         Metrics of the step are left in :attr:`last_step_metrics`.
         """
@@ -247,13 +248,15 @@ class Engine:
             denominators = global_denominators(
                 batch["loss_mask"], seq_len_norm=self.config.seq_len_norm, group=self.dp_group
             )
-        with self._grad(forward_only):
+        # As in the batch loop: train mode for a gradient pass, eval mode (no dropout) for a
+        # forward-only one (old/ref log-probs); the caller's mode is restored afterwards.
+        with self._mode(training=not forward_only), self._grad(forward_only):
             loss, metrics, output = self._forward_compact(
                 micro,
                 host_lengths,
                 (loss_fn or self.default_loss) if with_loss else None,
                 denominators,
-                training=self.module.training and not forward_only,
+                training=not forward_only,
             )
         shape = tuple(batch["input_ids"].shape)
         full: dict[str, torch.Tensor] = {}

@@ -146,6 +146,9 @@ def test_inference_runs_in_eval_mode_and_restores_the_mode() -> None:
         second = engine.forward_backward_batch(batch, forward_only=True)["model_output"]["logprobs"]
         assert torch.equal(first, second), "dropout active during inference"
         assert engine.module.training is mode
+        third = engine.forward_step(batch, forward_only=True)[1]["logprobs"]
+        assert torch.equal(first, third), "dropout active in a forward-only forward_step"
+        assert engine.module.training is mode
     # A gradient pass trains with dropout (it is a training pass), and restores the mode too.
     engine.module.eval()
     batch["old_logprobs"] = first
