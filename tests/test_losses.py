@@ -11,17 +11,16 @@ import math
 
 import pytest
 import torch
+from loss_utils import SEQ_LEN_NORM, denominators_for, leaf, make_batch, num
 
 from microrl.losses import (
     K3_MAX,
     LOG_RATIO_CLAMP,
     AggMode,
     KLEstimator,
-    LossDenominators,
     PolicyLossConfig,
     PolicyLossType,
     entropy_bonus,
-    global_denominators,
     kl_penalty,
     policy_loss,
     sft_loss,
@@ -29,54 +28,12 @@ from microrl.losses import (
 )
 
 MODES = [m.value for m in AggMode]
-SEQ_LEN_NORM = 16.0
 # (dtype, rtol, atol) of our result against the float64 reference. Metrics are float32 always.
 DTYPES = [(torch.float64, 1e-10, 1e-12), (torch.float32, 2e-5, 2e-6)]
 METRIC_TOL = dict(rtol=2e-5, atol=2e-6)
 
 
 # --------------------------------------------------------------------------- batch + reference
-
-
-def make_batch(dtype: torch.dtype, seed: int = 0, batch: int = 5, length: int = 11) -> dict:
-    """Rows of very different lengths (one of length 1, one all-masked), mixed padding sides,
-    NaN/inf at every masked position."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(batch, length, dtype=torch.bool)
-    spans = [(2, length), (0, 1), (5, 9), (0, 0), (1, length - 1)]
-    for b in range(batch):
-        start, stop = spans[b % len(spans)]
-        mask[b, start:stop] = True
-
-    def rand(scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(batch, length, generator=g, dtype=torch.float64) * scale
-
-    logprobs = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
-    old = logprobs + rand(0.3)  # ratios spread over [0.4, 2.5]: every clip binds somewhere
-    data = {
-        "logprobs": logprobs,
-        "old_logprobs": old,
-        "advantages": rand(),
-        "ref_logprobs": logprobs + rand(0.4),
-        "entropy": torch.rand(batch, length, generator=g, dtype=torch.float64) * 2,
-        "rollout_logprobs": old + rand(0.3),
-    }
-    poison = [float("nan"), float("inf"), float("-inf")]
-    out = {}
-    for i, (name, t) in enumerate(data.items()):
-        t = t.masked_fill(~mask, poison[i % 3]).to(dtype)
-        out[name] = t
-    out["loss_mask"] = mask
-    return out
-
-
-def num(x) -> float:
-    """A Python float from a (possibly grad-requiring) 0-d tensor or a number."""
-    return x.detach().item() if isinstance(x, torch.Tensor) else float(x)
-
-
-def leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone().requires_grad_(True)
 
 
 def ref_aggregate(per_token: dict, mask: torch.Tensor, mode: str, seq_len_norm: float | None):
@@ -188,10 +145,6 @@ def ref_policy(batch: dict, cfg: PolicyLossConfig, mode: str, leaves: dict):
     if cfg.name in (PolicyLossType.PPO, PolicyLossType.GRPO) and cfg.clip_ratio_c is not None:
         metrics["pg_clipfrac_dual"] = dual / n
     return total, metrics
-
-
-def denominators_for(mask: torch.Tensor) -> LossDenominators:
-    return global_denominators(mask, seq_len_norm=SEQ_LEN_NORM)
 
 
 def run_policy(batch: dict, cfg: PolicyLossConfig, mode: str, upstream: float = 0.7, **kw):
@@ -520,130 +473,6 @@ def test_grad_is_none_exactly_for_inputs_without_requires_grad():
     assert lp.grad is not None
     # old log-probs, advantages and the reference are constants of the loss
     assert old.grad is None and adv.grad is None and ref.grad is None
-
-
-# --------------------------------------------------------------------------- bad input
-
-
-def _args(dtype=torch.float32):
-    b = make_batch(dtype)
-    return b, denominators_for(b["loss_mask"])
-
-
-def test_bad_inputs_raise_value_errors_naming_the_argument():
-    b, d = _args()
-    mask, cfg = b["loss_mask"], PolicyLossConfig()
-    lp, old, adv = b["logprobs"], b["old_logprobs"], b["advantages"]
-
-    def call(**over):
-        kw = dict(
-            logprobs=lp,
-            old_logprobs=old,
-            advantages=adv,
-            loss_mask=mask,
-            denominators=d,
-            config=cfg,
-            agg_mode="token-mean",
-        )
-        kw.update(over)
-        return policy_loss(**kw)
-
-    cases = {
-        "old_logprobs": dict(old_logprobs=old[:, :-1]),
-        "advantages": dict(advantages=adv.double()),
-        "logprobs": dict(logprobs=lp.long()),
-        "loss_mask": dict(loss_mask=mask[0]),
-        "ref_logprobs": dict(config=PolicyLossConfig(kl_coef=0.1)),
-        "entropy": dict(config=PolicyLossConfig(entropy_coef=0.1)),
-        "rollout_logprobs": dict(config=PolicyLossConfig(tis_cap=2.0)),
-        "loss_agg_mode": dict(agg_mode="token_mean"),
-        "seq_len_norm": dict(
-            agg_mode="seq-mean-token-sum-norm", denominators=global_denominators(mask)
-        ),
-    }
-    for name, over in cases.items():
-        with pytest.raises(ValueError, match=name):
-            call(**over)
-    with pytest.raises(TypeError, match="denominators"):
-        call(denominators=torch.tensor(3.0))
-    with pytest.raises(TypeError, match="config"):
-        call(config={"name": "ppo"})
-    for field, value in [
-        ("clip_ratio_low", 0.0),
-        ("clip_ratio_high", -0.1),
-        ("clip_ratio_c", 1.0),
-        ("name", "ppo2"),
-        ("kl_estimator", "k4"),
-        ("tis_cap", 0.0),
-    ]:
-        with pytest.raises(ValueError, match=field):
-            PolicyLossConfig(**{field: value})
-    mutated = PolicyLossConfig()
-    mutated.clip_ratio_high = 0.0  # a mutated config is re-validated at the call
-    with pytest.raises(ValueError, match="clip_ratio_high"):
-        call(config=mutated)
-    with pytest.raises(ValueError, match="cliprange_value"):
-        value_loss(lp, old, adv, mask, d, "token-mean", cliprange_value=0.0)
-    with pytest.raises(ValueError, match="kl estimator"):
-        kl_penalty(lp, old, "k5")
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        kl_penalty(lp, old[:, :1], "k1")
-
-
-@pytest.mark.parametrize(
-    "argument",
-    ["logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy", "rollout_logprobs"],
-)
-def test_non_finite_at_unmasked_position_is_an_error_unless_validate_false(argument):
-    b, d = _args()
-    mask = b["loss_mask"]
-    b[argument] = b[argument].clone()
-    b[argument][0, 4] = float("nan")  # row 0 is unmasked at t = 2..10
-    cfg = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.1, tis_cap=2.0)
-    kw = dict(
-        ref_logprobs=b["ref_logprobs"], entropy=b["entropy"], rollout_logprobs=b["rollout_logprobs"]
-    )
-    with pytest.raises(ValueError, match=rf"{argument} has 1 non-finite.*\[0, 4\]"):
-        policy_loss(
-            b["logprobs"], b["old_logprobs"], b["advantages"], mask, d, cfg, "token-mean", **kw
-        )
-    loss, _ = policy_loss(
-        b["logprobs"],
-        b["old_logprobs"],
-        b["advantages"],
-        mask,
-        d,
-        cfg,
-        "token-mean",
-        validate=False,
-        **kw,
-    )
-    assert not torch.isfinite(loss)  # the check is skipped, and nothing hides the bad value
-
-
-def test_value_and_sft_reject_non_finite_and_mismatches():
-    b, d = _args()
-    mask = b["loss_mask"]
-    bad = b["advantages"].clone()
-    bad[2, 6] = float("inf")
-    with pytest.raises(ValueError, match="returns"):
-        value_loss(
-            b["logprobs"], b["old_logprobs"], bad, mask, d, "token-mean", cliprange_value=None
-        )
-    with pytest.raises(ValueError, match="logprobs"):
-        sft_loss(bad, mask, d, "token-mean")
-    with pytest.raises(ValueError, match="old_values"):
-        value_loss(
-            b["logprobs"],
-            b["old_logprobs"].double(),
-            bad,
-            mask,
-            d,
-            "token-mean",
-            cliprange_value=None,
-        )
-    with pytest.raises(ValueError, match="entropy"):
-        entropy_bonus(bad, mask, d, "token-mean")
 
 
 @pytest.mark.parametrize("mode", MODES)
