@@ -7,8 +7,9 @@ Each measurement is forward + backward (gradients to hidden and weight) of
 ``sum(g1 * logprobs) + sum(g2 * entropy)`` in float32, one implementation per fresh subprocess so
 neither memory nor allocator state leaks between them. Reported per implementation and case:
 
-* median wall time over all repetitions of all rounds (rounds interleave the implementations,
-  so slow phases of a shared machine hit every implementation alike), and its ratio to eager;
+* median wall time over all repetitions of all rounds, and the ratio to eager as the median over
+  rounds of per-round ratios (rounds interleave the implementations, so each ratio compares
+  processes run back to back and a shared machine's slow phases cancel); median CPU seconds;
 * extra peak memory: peak RSS (VmHWM, reset before each step) minus the RSS before the step
   (inputs, library state) minus the gradient buffers the step must return ((N*H + V*H) * 4 bytes);
 * achieved GFLOP/s with the implementation's own FLOP count (8*N*H*V when the backward recomputes
@@ -170,12 +171,17 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
     parser.add_argument("--quick", action="store_true", help="small shapes, one round")
     parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--from-json", default=None, help="only print the table of saved results")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         n, h, v = (int(x) for x in args.case.split("x"))
         print(json.dumps(worker(args.worker, n, h, v, args.reps, args.threads)))
+        return
+    if args.from_json:
+        with open(args.from_json) as f:
+            print(_table(json.load(f), args))
         return
     if args.quick:
         args.cases = args.cases or QUICK_CASES
@@ -193,6 +199,7 @@ def main() -> None:
                     continue
                 per[impl]["times"] += r["times"]
                 per[impl]["cpu"] += r["cpu"]
+                per[impl].setdefault("rounds", []).append(r["times"])
                 per[impl]["extra_bytes"] = max(per[impl]["extra_bytes"], r["extra_bytes"])
                 print(f"  {case} {impl}: {[round(t, 2) for t in r['times']]} s", file=sys.stderr)
         results["x".join(map(str, case))] = per
@@ -217,6 +224,23 @@ def _flops(impl: str, n: int, h: int, v: int) -> float:
     return 8 * n * h * v - 2 * h * sum(tiles[: plan.kept_tiles])
 
 
+def _rounds(r: dict, reps: int, key: str = "times") -> list[list[float]]:
+    """Per-round lists of one implementation's measurements (older JSON: split by reps)."""
+    if key == "times" and "rounds" in r:
+        return r["rounds"]
+    values = r.get(key, [])
+    return [values[k : k + reps] for k in range(0, len(values), reps)]
+
+
+def _paired(a: list[list[float]], b: list[list[float]]) -> float:
+    """Median over rounds of median(a) / median(b): each ratio compares processes run back to back,
+    so a shared machine's slow phases cancel instead of landing on one implementation."""
+    pairs = [
+        statistics.median(x) / statistics.median(y) for x, y in zip(a, b, strict=False) if x and y
+    ]
+    return statistics.median(pairs) if pairs else float("nan")
+
+
 def _table(results: dict, args) -> str:
     lines = [
         f"torch.set_num_threads({args.threads}), float32, reps={args.reps} x rounds={args.rounds}",
@@ -227,28 +251,28 @@ def _table(results: dict, args) -> str:
     ]
     for case, per in results.items():
         n, h, v = (int(x) for x in case.split("x"))
-        mm = per["matmul"]
-        roof = 2 * n * h * v / statistics.median(mm["times"]) / 1e9 if mm["times"] else float("nan")
+        mm_rounds = _rounds(per["matmul"], args.reps)
+        roof = 2 * n * h * v / statistics.median(per["matmul"]["times"]) / 1e9
         eager = per.get("eager", {})
-        t_eager = statistics.median(eager["times"]) if eager.get("times") else None
         m_eager = eager.get("extra_bytes") if eager.get("times") else None
         for impl, r in per.items():
             if impl == "matmul":
                 continue
             if not r["times"]:
-                lines.append(f"| {case} | {impl} | n/a: {r.get('error', 'no result')} |||||||")
+                lines.append(f"| {case} | {impl} | n/a: {r.get('error', 'no result')} ||||||||")
                 continue
             t, cpu = statistics.median(r["times"]), statistics.median(r["cpu"])
-            gflops = _flops(impl, n, h, v) / t / 1e9
+            rounds = _rounds(r, args.reps)
+            vs_eager = _paired(rounds, _rounds(eager, args.reps)) if m_eager else float("nan")
+            # of matmul: this implementation's FLOP rate over the matmul probe's, paired by round.
+            of_matmul = _flops(impl, n, h, v) / (2 * n * h * v) / _paired(rounds, mm_rounds)
             mib = r["extra_bytes"] / 2**20
+            mem = f"{r['extra_bytes'] / m_eager:.1%}" if m_eager else ""
             lines.append(
-                f"| {case} | {impl} | {t:.2f} | {t / t_eager:.2f}x | {cpu:.1f} | {mib:.0f} | "
-                f"{r['extra_bytes'] / m_eager:.1%} | {gflops:.0f} | {gflops / roof:.0%} |"
-                if t_eager
-                else f"| {case} | {impl} | {t:.2f} | | {cpu:.1f} | {mib:.0f} | | {gflops:.0f} "
-                f"| {gflops / roof:.0%} |"
+                f"| {case} | {impl} | {t:.2f} | {vs_eager:.2f}x | {cpu:.1f} | {mib:.0f} | {mem} "
+                f"| {_flops(impl, n, h, v) / t / 1e9:.0f} | {of_matmul:.0%} |"
             )
-        lines.append(f"| {case} | (fp32 matmul roofline) | | | | | | {roof:.0f} | 100% |")
+        lines.append(f"| {case} | (fp32 matmul probe) | | | | | | {roof:.0f} | 100% |")
     return "\n".join(lines)
 
 

@@ -15,8 +15,10 @@ from its tile. Only O(N) statistics are saved for backward: per-row ``m``, ``S``
 Backward recomputes each logits tile (one more matmul) instead of keeping ``[N, V]`` of them from
 the forward: keeping would cost 6*N*H*V flops instead of 8*N*H*V, but memory that grows with N.
 Upstream gradients are unknown in forward, so the gradient cannot be formed there either. The
-extra matmul is paid back on a CPU by the elementwise work: about ten passes over each tile in
-all, against ~25 passes over full ``[N, V]`` buffers (plus their page faults) in eager autograd.
+middle ground taken: the forward keeps a fixed number of tiles (``_KEPT_TILES``, as ``z - m_tile``)
+whose recompute backward then skips, so memory stays flat in N and small problems pay close to
+6*N*H*V. The extra matmul is paid back on a CPU by the elementwise work: about ten passes over each
+tile in all, against ~25 passes over full ``[N, V]`` buffers (plus page faults) in eager autograd.
 With ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and upstream gradients
 ``g_lp``, ``g_H`` per row, the gradient with respect to the untempered logits is::
 
@@ -48,6 +50,11 @@ __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 # elementwise op is one OpenMP region whose barrier costs up to a scheduler slice on a busy CPU;
 # 2 MiB tiles meant ~2000 regions per step and ran 2-3x slower there, 32 MiB tiles ~200.
 WORKING_TILE_ELEMENTS = 8 * 1024 * 1024
+# Small problems are cut into at least this many tiles, so the four tile-sized buffers (two
+# working, two kept) stay within half of one [N, V] logits buffer, i.e. ~10% of what eager
+# holds, at any size; the floor keeps tiny problems from becoming op-overhead bound.
+_MIN_TILES = 8
+_MIN_TILE_ELEMENTS = 64 * 1024
 # Default rows per chunk: W is streamed once per chunk and per pass, so taller chunks amortise
 # it over more tokens (measured ~4% faster than 512 on this CPU); the tile stays fixed anyway.
 _DEFAULT_ROWS = 1024
@@ -80,7 +87,9 @@ def _plan(
     needs_grad: bool = True,
 ) -> _Plan:
     rows = max(1, min(chunk_size or _DEFAULT_ROWS, num_rows))
-    vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, WORKING_TILE_ELEMENTS // rows))
+    small = max(_MIN_TILE_ELEMENTS, -(-num_rows * vocab // _MIN_TILES))
+    tile_elements = min(WORKING_TILE_ELEMENTS, small)
+    vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, tile_elements // rows))
     return _Plan(rows, vocab_tile, with_entropy, inv, _KEPT_TILES if needs_grad else 0)
 
 
@@ -321,9 +330,10 @@ def fused_linear_logprob(
         with_entropy: False returns ``None`` for the entropy and skips its passes.
         chunk_size: rows per chunk; ``None`` uses 1024. The vocabulary tile is then chosen so a
             ``[rows, vocab_tile]`` tile holds ``WORKING_TILE_ELEMENTS`` elements (at least 128
-            columns): extra memory is two such compute-dtype tiles (64 MiB in float32) plus
-            ``[rows, H]`` row copies and O(N) statistics, whatever N. A low-precision weight that
-            requires grad also gets a float32 ``[V, H]`` accumulator.
+            columns): extra memory is two such compute-dtype working tiles plus two tiles kept
+            from forward for backward (4 x 32 MiB in float32), ``[rows, H]`` row copies and O(N)
+            statistics, whatever N. A low-precision weight that requires grad also gets a
+            float32 ``[V, H]`` gradient accumulator.
         ignore_index: target id that marks a position with no prediction.
 
     Returns:
