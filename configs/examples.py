@@ -92,7 +92,7 @@ class TaskConfig:
     """Addition ``a+b=`` with ``0 <= a, b <= max_operand``; ``eval_size`` pairs are held out."""
 
     max_operand: int = 99
-    eval_size: int = 200
+    eval_size: int = 500
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -110,7 +110,7 @@ class RolloutConfig:
     """Sampling. The temperature is ``actor.temperature``: the loss must score the same policy
     that sampled, so there is deliberately no second temperature here."""
 
-    prompts_per_step: int = 16  # across all ranks
+    prompts_per_step: int = 32  # across all ranks
     group_size: int = 8  # responses per prompt
     max_new_tokens: int = 4
 
@@ -129,7 +129,7 @@ class LoopConfig:
 
     steps: int = 300
     ppo_epochs: int = 2
-    mini_batch_size: int = 64  # sequences per optimizer step, across all ranks
+    mini_batch_size: int = 128  # sequences per optimizer step, across all ranks
     eval_every: int = 25  # greedy accuracy on the held-out prompts every N steps (and at the end)
     seed: int = 0
     # CPU threads per process; 0 keeps torch's default. The tiny model's matrices are too small
@@ -159,7 +159,7 @@ def _grpo_actor() -> ActorConfig:
     return ActorConfig(
         micro_batch_size=32,
         temperature=1.0,
-        optim=OptimConfig(lr=2e-3, grad_clip=1.0),
+        optim=OptimConfig(lr=1e-3, grad_clip=1.0),
         lora=LoraConfig(rank=8, alpha=16.0),
         policy_loss=PolicyLossConfig(name="grpo", kl_coef=0.0),
     )
@@ -234,6 +234,10 @@ def _ppo_rollout() -> RolloutConfig:
     return RolloutConfig(prompts_per_step=64, group_size=2)
 
 
+def _ppo_train() -> LoopConfig:
+    return LoopConfig(mini_batch_size=64)
+
+
 def _ppo_output() -> OutputConfig:
     return OutputConfig(dir="outputs/ppo_lora")
 
@@ -246,7 +250,7 @@ class PPOExampleConfig:
     actor: ActorConfig = field(default_factory=_ppo_actor)
     critic: CriticConfig = field(default_factory=_ppo_critic)
     gae: GAEConfig = field(default_factory=GAEConfig)
-    train: LoopConfig = field(default_factory=LoopConfig)
+    train: LoopConfig = field(default_factory=_ppo_train)
     output: OutputConfig = field(default_factory=_ppo_output)
 
     def __post_init__(self) -> None:

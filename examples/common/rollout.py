@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from common.runtime import Dist
 from common.task import AdditionTask, Problem
 from tensordict import TensorDict
@@ -52,9 +53,10 @@ def generate(
     Sampling is plain ancestral sampling from ``softmax(logits / temperature)`` (no top-k/top-p),
     the distribution the loss scores at the same temperature, so the first PPO ratio is 1.
 
-    Every call runs exactly ``max_new_tokens`` decoding steps (no early stop at ``<eos>``) and cuts
-    each response after its first ``<eos>`` afterwards: the sampled tokens are the same, and every
-    data-parallel rank then runs the same number of forwards, which sharded (FSDP) weights need.
+    Under data parallelism (``torch.distributed`` initialised, more than one rank) ``generate``
+    runs with ``synced_gpus=True``: a rank whose rows all ended keeps stepping until every rank
+    is done, so all ranks run the same number of forwards, which sharded (FSDP) weights need.
+    Each response is cut after its first ``<eos>``; what follows is padding.
     """
     if not prompts:
         raise ValueError("prompts must not be empty")
@@ -66,22 +68,28 @@ def generate(
     device = next(model.parameters()).device
     prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0).to(device)
     prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0).to(device)
+    # Plain sampling: top-k / top-p explicitly off (an unset top_k falls back to transformers'
+    # default of 50, sampling from a truncated distribution the loss does not score).
+    sampling = (
+        {"do_sample": False}
+        if greedy
+        else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     gen_config = GenerationConfig(
         max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        do_sample=not greedy,
-        temperature=temperature if not greedy else None,
-        top_k=None,
-        top_p=None,
-        eos_token_id=None,  # decode all max_new_tokens steps; cut at <eos> below
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        **sampling,
     )
     was_training = model.training
     model.eval()
     try:
         sequences = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=gen_config,
+            synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
         )
     finally:
         model.train(was_training)

@@ -75,6 +75,10 @@ def parse_cli(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
     args = parser.parse_args(argv)
+    # The examples print their own progress; transformers' per-file load/save bars are noise here.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         config = load_config(schema, args.config, args.overrides)
     except ValueError as err:
