@@ -13,6 +13,7 @@ Hook points for distributed training and checkpoints: :attr:`dp_group`, :meth:`_
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -277,7 +278,7 @@ class Engine:
         params = self._trainable_params()
         norm = clip_and_check(params, self.config.optim.grad_clip)
         norm_value = float(norm)  # one sync per optimizer step
-        self.last_step_skipped = not torch.isfinite(torch.tensor(norm_value)).item()
+        self.last_step_skipped = not math.isfinite(norm_value)
         if self.last_step_skipped:
             logger.warning("non-finite grad norm %s: optimizer step skipped", norm_value)
         else:
