@@ -430,7 +430,7 @@ class Engine:
         output = TensorDict(aligned, batch_size=[ids.shape[0]], device=ids.device)
         loss, metrics = None, {}
         if loss_fn is not None:
-            loss, metrics = loss_fn(output, micro, denominators)
+            loss, metrics = _check_loss_result(loss_fn(output, micro, denominators))
         return loss, metrics, output.detach()
 
     @contextmanager
@@ -446,3 +446,21 @@ class Engine:
     @staticmethod
     def _grad(forward_only: bool) -> Any:
         return torch.no_grad() if forward_only else nullcontext()
+
+
+def _check_loss_result(result: object) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """A loss_fn must return ``(0-d tensor, dict[str, Metric])``: say so at the boundary instead of
+    failing later inside backward or the metric reduction."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"loss_fn must return (loss, metrics), got {type(result).__name__}")
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(
+            f"loss_fn's loss must be a 0-d tensor, got {getattr(loss, 'shape', type(loss))}"
+        )
+    if not isinstance(metrics, Mapping) or not all(isinstance(m, Metric) for m in metrics.values()):
+        raise TypeError(
+            "loss_fn's metrics must be a dict[str, Metric] (wrap values as "
+            "microrl.losses.Metric(tensor.detach()))"
+        )
+    return loss, dict(metrics)

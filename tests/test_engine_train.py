@@ -241,6 +241,21 @@ def test_mis_shaped_loss_mask_is_named_in_a_forward_only_pass() -> None:
         _engine().forward_backward_batch(bad, forward_only=True)
 
 
+@pytest.mark.parametrize(
+    ("loss_fn", "message"),
+    [
+        (lambda out, mb, d: out["logprobs"].sum(), r"return \(loss, metrics\)"),
+        (lambda out, mb, d: (out["logprobs"], {}), "0-d tensor"),
+        (lambda out, mb, d: (out["logprobs"].sum(), {"x": 1.0}), "Metric"),
+    ],
+    ids=["not-a-pair", "not-0-d", "raw-metric"],
+)
+def test_malformed_custom_loss_results_are_named(loss_fn, message) -> None:
+    batch = make_batch(4, 10, seed=32)
+    with pytest.raises(TypeError, match=message):
+        _engine().forward_backward_batch(batch, loss_fn=loss_fn)
+
+
 def test_bad_configs_are_rejected() -> None:
     with pytest.raises(ValueError, match="not both"):
         ActorConfig(micro_batch_size=2, max_tokens_per_micro_batch=64)
