@@ -450,7 +450,7 @@ class Engine:
 
 def _check_loss_result(result: object) -> tuple[torch.Tensor, dict[str, Metric]]:
     """A loss_fn must return ``(0-d tensor, dict[str, Metric])``: say so at the boundary instead of
-    failing later inside backward or the metric reduction."""
+    failing later inside backward or the metric reduction. Metric values come back detached."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(f"loss_fn must return (loss, metrics), got {type(result).__name__}")
     loss, metrics = result
@@ -463,4 +463,6 @@ def _check_loss_result(result: object) -> tuple[torch.Tensor, dict[str, Metric]]
             "loss_fn's metrics must be a dict[str, Metric] (wrap values as "
             "microrl.losses.Metric(tensor.detach()))"
         )
-    return loss, dict(metrics)
+    # Detached here: a metric still holding its graph would pin every micro-batch's activations
+    # until the end of the mini-batch (the list of metrics lives that long).
+    return loss, {k: Metric(m.value.detach(), m.reduce) for k, m in metrics.items()}

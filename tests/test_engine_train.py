@@ -256,6 +256,21 @@ def test_malformed_custom_loss_results_are_named(loss_fn, message) -> None:
         _engine().forward_backward_batch(batch, loss_fn=loss_fn)
 
 
+def test_custom_loss_metrics_are_detached() -> None:
+    """A custom loss that forgets ``.detach()`` on a metric must not keep its graph alive."""
+
+    def loss_fn(output, micro_batch, denominators):
+        loss = -(output["logprobs"] * micro_batch["loss_mask"]).sum() / denominators.n_tokens
+        return loss, {"nll": Metric(loss)}  # not detached
+
+    engine = _engine()
+    batch = make_batch(4, 10, seed=33)
+    loss, _ = engine.forward_step(batch, loss_fn=loss_fn)
+    assert loss.grad_fn is not None
+    assert engine.last_step_metrics["nll"].value.grad_fn is None
+    assert engine.last_step_metrics["nll"].value.item() == pytest.approx(loss.item())
+
+
 def test_bad_configs_are_rejected() -> None:
     with pytest.raises(ValueError, match="not both"):
         ActorConfig(micro_batch_size=2, max_tokens_per_micro_batch=64)
