@@ -269,6 +269,22 @@ def test_ctrl_c_saves_a_checkpoint_that_resume_continues(
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(saved + 2))
 
 
+@pytest.mark.distributed
+def test_grpo_runs_under_torchrun_on_two_ranks(base_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dp"
+    args = [*TINY_MODEL, *TINY_RL, f"model.path={base_model}", f"output.dir={out}", "train.steps=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*cmd, str(EXAMPLES / "grpo_lora.py"), *args], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _check_outputs(out, last_step=2)  # only rank 0 wrote them: one line per step
+    assert result.stdout.count("held-out greedy accuracy:") == 1
+    for rank in (0, 1):  # each rank saved its own loop state (prompt stream, RNG)
+        assert (out / "checkpoint" / f"loop_state_rank{rank}.pt").is_file()
+    _load_adapter(base_model, out / "adapter")
+
+
 def test_help_lists_the_options(capsys) -> None:
     from common.runtime import parse_cli
 
