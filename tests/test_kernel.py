@@ -241,6 +241,24 @@ def test_low_precision_is_as_accurate_as_eager(tiles, dtype):
         assert_close(g, t, atol=1.5 * eager_error + floor, rtol=0.0, name=f"{dtype} {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_low_precision_statistics_are_float32(tiles, dtype, temperature):
+    """Entries in {-0.5, 0, 0.5} make every logit a multiple of 0.25 in [-4, 4]: exact in bf16/fp16,
+    so the low-precision matmul loses nothing and the only possible error is in the softmax
+    statistics and the temperature scaling, which must be float32 (fp32 tolerance vs fp32 truth)."""
+    g = torch.Generator().manual_seed(17)
+    hidden = (torch.randint(-1, 2, (4, 6, H), generator=g) * 0.5).to(dtype)
+    weight = (torch.randint(-1, 2, (V, H), generator=g) * 0.5).to(dtype)
+    targets = torch.randint(0, V, (4, 6), generator=g)
+    got = fused_linear_logprob(hidden, weight, targets, temperature=temperature, chunk_size=3)
+    want = reference_linear_logprob(
+        hidden.float(), weight.float(), targets, temperature=temperature
+    )
+    for name, a, e in zip(("logprobs", "entropy"), got, want, strict=True):
+        assert_close(a, e, atol=1e-5, rtol=1e-5, name=f"{dtype} T={temperature} {name}")
+
+
 @pytest.mark.parametrize("offset", [3e4, -3e4, 0.0], ids=["huge", "very-negative", "spread"])
 def test_extreme_logits_stay_finite(tiles, offset):
     """Logits of size ~1e4 (and rows that are all very negative): float32 outputs and gradients
