@@ -2,7 +2,8 @@
 
 The full ``[N, V]`` logits are never materialised. Rows are processed in chunks of ``rows`` tokens
 and the vocabulary in tiles of ``vocab_tile`` columns, so the working set is one ``[rows,
-vocab_tile]`` logits tile plus one scratch tile of the same size, independent of N.
+vocab_tile]`` logits tile plus one scratch tile of the same size (and ``_KEPT_TILES`` tiles held
+for backward), independent of N.
 
 Forward, per row chunk: for each vocabulary tile, ``z = (h / T) @ W_tile.T`` (one matmul in the
 input dtype, upcast to float32), the tile's logsumexp and entropy, merged into running per-row
@@ -16,8 +17,8 @@ Backward recomputes each logits tile (one more matmul) instead of keeping ``[N, 
 the forward: keeping would cost 6*N*H*V flops instead of 8*N*H*V, but memory that grows with N.
 Upstream gradients are unknown in forward, so the gradient cannot be formed there either. The
 middle ground taken: the forward keeps a fixed number of tiles (``_KEPT_TILES``, as ``z - m_tile``)
-whose recompute backward then skips, so memory stays flat in N and small problems pay close to
-6*N*H*V. The extra matmul is paid back on a CPU by the elementwise work: about ten passes over each
+whose recompute backward then skips, so memory stays flat in N (7.5*N*H*V flops at N=2048,
+V=32768 instead of 8). The extra matmul is paid back on a CPU by the elementwise work: about ten passes over each
 tile in all, against ~25 passes over full ``[N, V]`` buffers (plus page faults) in eager autograd.
 With ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and upstream gradients
 ``g_lp``, ``g_H`` per row, the gradient with respect to the untempered logits is::
@@ -48,7 +49,7 @@ __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 # the extra working memory for the logits: 2 * 4 * 2**23 bytes = 64 MiB whatever N (eager holds
 # several [N, V] buffers: ~1.3 GB at N=2048, V=32768). Why not cache-sized tiles: every
 # elementwise op is one OpenMP region whose barrier costs up to a scheduler slice on a busy CPU;
-# 2 MiB tiles meant ~2000 regions per step and ran 2-3x slower there, 32 MiB tiles ~200.
+# 2 MiB tiles meant ~2000 regions per step and ran 2-3x slower there, 32 MiB tiles ~120.
 WORKING_TILE_ELEMENTS = 8 * 1024 * 1024
 # Small problems are cut into at least this many tiles, so the four tile-sized buffers (two
 # working, two kept) stay within half of one [N, V] logits buffer, i.e. ~10% of what eager
