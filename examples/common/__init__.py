@@ -1,0 +1,7 @@
+"""What the example trainings share, one concern per module.
+
+``task`` (the addition task and its exact-match reward), ``model`` (tokenizer and tiny Qwen2,
+built locally), ``base_model`` (load or warm-start the base model), ``rollout`` (sampling and the
+token-aligned batch layout, greedy evaluation), ``tracking`` (progress bar, JSONL, TensorBoard,
+plot), ``runtime`` (command line, ranks, Ctrl-C, run checkpoints).
+"""
