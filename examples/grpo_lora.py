@@ -56,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, model = prepare_base_model(
         cfg.model, task, dist_info, cfg.rollout.max_new_tokens, log
     )
+    torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     engine = ActorEngine(model, cfg.actor)
-    rng = random.Random(
-        cfg.train.seed * 1000 + dist_info.rank
-    )  # prompts: a different stream per rank
-    torch.manual_seed(cfg.train.seed * 1000 + dist_info.rank)  # sampling and mini-batch shuffles
+    # A different stream per rank: Python's for the prompts, torch's for sampling and shuffles.
+    rng = random.Random(cfg.train.seed * 1000 + dist_info.rank)
+    torch.manual_seed(cfg.train.seed * 1000 + dist_info.rank)
     start_step = 0
     if args.resume:
         start_step = load_run(cfg.output.dir, {"actor": engine}, rng=rng, dist_info=dist_info)
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         (tracker.out_dir / "config.yaml").write_text(config_to_yaml(cfg))
     first_accuracy = evaluate()
     tracker.write(
-        f"held-out greedy accuracy at step {start_step}: {first_accuracy:.3f} (setup {time.perf_counter() - t_setup:.0f}s)"
+        f"held-out greedy accuracy at step {start_step}: {first_accuracy:.3f} "
+        f"(setup {time.perf_counter() - t_setup:.0f}s)"
     )
     if start_step == 0:
         tracker.log(0, {"eval/accuracy": first_accuracy})
@@ -169,16 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         log(f"\ninterrupted after step {step}: checkpoint in {path}; continue with --resume")
         dist_info.close()
         return 130
-    adapter = export_peft_adapter(
-        engine.module, f"{cfg.output.dir}/adapter", peft_model=engine.peft_model
-    )
+    export_peft_adapter(engine.module, f"{cfg.output.dir}/adapter", peft_model=engine.peft_model)
     final_accuracy = metrics.get("eval/accuracy", first_accuracy)
     plot = tracker.close(plot=cfg.output.plot)
     log(
-        f"\nheld-out greedy accuracy: {first_accuracy:.3f} (step {start_step}) -> {final_accuracy:.3f} "
-        f"(step {step}) in {train_time:.0f}s of RL\n"
-        f"outputs in {cfg.output.dir}/: metrics.jsonl, tensorboard/, {plot.name if plot else 'no plot'}, "
-        f"adapter/ ({adapter.name}, PEFT format), checkpoint/ (--resume)"
+        f"\nheld-out greedy accuracy: {first_accuracy:.3f} (step {start_step}) -> "
+        f"{final_accuracy:.3f} (step {step}) in {train_time:.0f}s of RL\n"
+        f"outputs in {cfg.output.dir}/: metrics.jsonl, tensorboard/, "
+        f"{plot.name if plot else 'no plot'}, adapter/ (the LoRA adapter, PEFT format), "
+        "checkpoint/ (--resume)"
     )
     dist_info.close()
     return 0

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, model = prepare_base_model(
         cfg.model, task, dist_info, cfg.rollout.max_new_tokens, log
     )
+    torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     actor = ActorEngine(model, cfg.actor)
     critic = CriticEngine(load_pretrained(cfg.model.path)[1], cfg.critic)  # its own copy
     engines = {"actor": actor, "critic": critic}
