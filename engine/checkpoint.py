@@ -234,6 +234,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a finished checkpoint (its manifest, written last, reads back)."""
     try:
         read_manifest(path)
     except CheckpointError:

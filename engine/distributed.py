@@ -78,10 +78,12 @@ def dp_group() -> dist.ProcessGroup | None:
 
 
 def dp_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of data-parallel ranks (1 when torch.distributed is not initialised)."""
     return dist.get_world_size(group) if is_distributed() else 1
 
 
 def dp_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's data-parallel rank (0 when torch.distributed is not initialised)."""
     return dist.get_rank(group) if is_distributed() else 0
 
 
