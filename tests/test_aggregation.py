@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import pytest
 import torch
@@ -101,15 +99,9 @@ def test_reduce_metrics_sums_partials_and_keeps_extremes():
         reduce_metrics([{"m": Metric(torch.tensor(1.0))}, {"m": Metric.empty(Reduce.MIN)}])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, store_file: str, results) -> None:
+    # A file rendezvous: no TCP port to pick, so no race with other runs on the machine.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         mask = torch.tensor([[1, 1, 0], [0, 0, 0]]) if rank == 0 else torch.tensor([[1, 1, 1]])
         d = global_denominators(mask)
@@ -129,10 +121,11 @@ def _rank_main(rank: int, world: int, port: int, results) -> None:
 
 
 @pytest.mark.distributed
-def test_denominators_and_metrics_reduce_over_two_gloo_ranks():
+def test_denominators_and_metrics_reduce_over_two_gloo_ranks(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(2, _free_port(), results), nprocs=2, join=True)
+        store = str(tmp_path / "rendezvous")
+        mp.spawn(_rank_main, args=(2, store, results), nprocs=2, join=True)
         results = dict(results)
     for rank in range(2):
         n_tokens, n_seqs, scale, metrics = results[rank]
