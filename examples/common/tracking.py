@@ -94,9 +94,8 @@ class Tracker:
         if "eval/accuracy" in record and record["eval/accuracy"] is not None:
             self._last_eval = record["eval/accuracy"]
         if self._bar is not None:
-            shown = {k: record[k] for k in BAR_KEYS if record.get(k) is not None}
-            if self._last_eval is not None:
-                shown["eval/accuracy"] = self._last_eval
+            latest = {**record, "eval/accuracy": self._last_eval}  # the last eval, every step
+            shown = {k: latest[k] for k in BAR_KEYS if latest.get(k) is not None}
             self._bar.set_postfix(
                 {k.removeprefix("eval/"): f"{v:.3g}" for k, v in shown.items()}, refresh=False
             )
