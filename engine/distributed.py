@@ -232,6 +232,7 @@ def shard_model(
             f"found no decoder layers to shard in {type(module).__name__} (no _no_split_modules "
             "and no ModuleList named 'layers'); pass a transformers model or its wrapper"
         )
+    broadcast_from_rank0(module, group=mesh.get_group())
     for unit in units:
         fully_shard(unit, **kwargs)
     for embedding in _untied_input_embeddings(module):
@@ -244,6 +245,20 @@ def shard_model(
     _init_root_state(module)
     setattr(module, _RESHARD_ATTR, reshard_after_forward)
     return module
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
+    """Copy rank 0's parameters and buffers to every rank, in place, before sharding.
+
+    FSDP2 keeps each rank's *own* shard of every tensor, so ranks that built the model or its
+    LoRA adapters from different random states would otherwise train a silent mixture of their
+    initialisations. One broadcast per tensor at set-up makes the start identical on every rank
+    whatever the seeding.
+    """
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=src, group=group)
 
 
 def _init_root_state(module: FSDPModule) -> None:

@@ -70,6 +70,7 @@ def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
         "one_gradient_reduction_per_mini_batch",
         "all_masked_shard",
         "empty_shard",
+        "ranks_start_from_rank0_weights",
         "critic_dp_invariance",
         "export_roundtrip_under_fsdp",
         "generate_then_train_under_fsdp",
@@ -336,6 +337,24 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     for n, d in delta.items():
         _close(d, ref_delta[n], f"all-masked shard {n}")
     passed.append("all_masked_shard")
+
+    # ---- ranks that built different weights (seed = rank) all start from rank 0's
+    model = tiny_model(seed=rank)
+    rank0_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for tensor in rank0_weights.values():
+        dist.broadcast(tensor, src=0)
+    torch.manual_seed(100 + rank)  # different LoRA initialisations too
+    engine = ActorEngine(model, actor_config(lora=4))
+    lora_a = [p for n, p in engine.module.named_parameters() if "lora_A" in n]
+    for tensor in [_full(p.detach()).clone() for p in lora_a]:
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, tensor)
+        _close(gathered[0], gathered[1], "LoRA A identical on every rank", atol=0.0)
+    base = {n.replace("base_layer.", ""): p for n, p in engine.module.named_parameters()}
+    for name, expected in rank0_weights.items():
+        got = next(p for n, p in base.items() if n.endswith(name))
+        _close(_full(got.detach()), expected, f"rank 0's {name}", atol=0.0)
+    passed.append("ranks_start_from_rank0_weights")
 
     # ---- a rank with no sequence at all: a [0, T] share runs placeholder micro-batches
     engine = ActorEngine(tiny_model(), audited)
