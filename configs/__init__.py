@@ -1,6 +1,7 @@
 """Typed configuration for microrl engines and examples."""
 
 from microrl.configs.engine import ActorConfig, CriticConfig, EngineConfig, LoraConfig, OptimConfig
+from microrl.configs.loader import config_to_yaml, load_config
 from microrl.losses.config import KLEstimator, PolicyLossConfig, PolicyLossType
 
 __all__ = [
@@ -12,4 +13,6 @@ __all__ = [
     "OptimConfig",
     "PolicyLossConfig",
     "PolicyLossType",
+    "config_to_yaml",
+    "load_config",
 ]
