@@ -61,7 +61,10 @@ class ActorEngine(Engine):
             logger.info("actor head: fused lm-head log-prob kernel")
         elif not self.config.use_fused_kernel:
             logger.info("actor head: eager path (use_fused_kernel=False)")
-        return PolicyModel(causal_lm, fused=fused, chunk_size=self.config.kernel_chunk_size)
+        # Targets come from input_ids that check_batch validated against the vocabulary.
+        return PolicyModel(
+            causal_lm, fused=fused, chunk_size=self.config.kernel_chunk_size, trusted_targets=True
+        )
 
     def _head_forward(
         self,

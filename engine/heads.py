@@ -111,13 +111,27 @@ class PolicyModel(nn.Module):
     ``fused=True``: body to final hidden states, then :func:`microrl.kernels.fused_linear_logprob`
     with the lm-head weight (the ``[N, V]`` logits never exist). ``fused=False``: the model's own
     forward (its head, bias, soft-capping, scaling, ...) then an fp32 ``log_softmax``.
+
+    ``trusted_targets=True``: the caller guarantees every target is ``-100`` or a token id below
+    the input embeddings' size (the engine's ``check_batch`` validates ``input_ids`` against it at
+    the batch boundary) and every temperature is finite and > 0; the kernel then skips its own
+    value checks and issues no host sync (design.md section 6), whenever the head has at least
+    that many rows.
     """
 
-    def __init__(self, causal_lm: nn.Module, *, fused: bool, chunk_size: int | None = None):
+    def __init__(
+        self,
+        causal_lm: nn.Module,
+        *,
+        fused: bool,
+        chunk_size: int | None = None,
+        trusted_targets: bool = False,
+    ):
         super().__init__()
         self.causal_lm = causal_lm
         self.fused = fused
         self.chunk_size = chunk_size
+        self.trusted_targets = trusted_targets
 
     def forward(
         self,
@@ -145,6 +159,8 @@ class PolicyModel(nn.Module):
             weight = self.causal_lm.get_output_embeddings().weight
             if weight.dtype != hidden.dtype:  # autocast: run the head in the activations' dtype
                 weight = weight.to(hidden.dtype)
+            # Targets below the input vocabulary are in range only if the head is at least as wide.
+            in_range = weight.shape[0] >= self.causal_lm.get_input_embeddings().num_embeddings
             return fused_linear_logprob(
                 hidden,
                 weight,
@@ -152,6 +168,7 @@ class PolicyModel(nn.Module):
                 temperature=temperature,
                 with_entropy=with_entropy,
                 chunk_size=self.chunk_size,
+                validate=not (self.trusted_targets and in_range),
             )
         logits = self.causal_lm(**inputs).logits
         return eager_logprob(logits, targets, temperature, with_entropy)

@@ -29,11 +29,19 @@ def check_linear_logprob_inputs(
     with_entropy: bool,
     chunk_size: int | None,
     ignore_index: int,
-) -> float | torch.Tensor:
-    """Validate the arguments of ``fused_linear_logprob``; return the temperature, normalised.
+    validate: bool = True,
+) -> tuple[float | torch.Tensor, int | None]:
+    """Validate the arguments of ``fused_linear_logprob``; return ``(temperature, count)``.
 
-    Returns a Python float for a scalar temperature (0-dim tensors included), or a tensor in the
-    compute dtype broadcast to ``targets.shape`` for a per-token / per-row temperature.
+    ``temperature`` comes back normalised: a Python float for a scalar temperature, or a tensor in
+    the compute dtype broadcast to ``targets.shape`` for a per-token / per-row temperature.
+
+    ``validate=True`` also checks the values on the device (targets in range, tensor temperatures
+    finite and > 0) and returns ``count``, the number of non-ignored targets, all read back in ONE
+    host sync (the caller needs the count anyway to compact the rows without another one).
+    ``validate=False`` reads nothing from the device (design.md section 6: no host sync inside the
+    micro-batch loop): values are trusted, a 0-dim temperature tensor stays a (broadcast) tensor
+    and ``count`` is None. Only for callers that validated the values already.
     """
     for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(tensor, torch.Tensor):
@@ -67,20 +75,40 @@ def check_linear_logprob_inputs(
         )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    vocab = weight.shape[0]
-    out_of_range = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
-    if bool(out_of_range.any()):
-        bad = targets[out_of_range][0].item()
-        raise ValueError(
-            f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}, found {bad}"
-        )
     if not isinstance(with_entropy, bool):
         raise ValueError(f"with_entropy must be a bool, got {with_entropy!r}")
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
-    return _check_temperature(temperature, targets, compute_dtype(hidden.dtype), hidden.device)
+    if not isinstance(validate, bool):
+        raise ValueError(f"validate must be a bool, got {validate!r}")
+    cdtype = compute_dtype(hidden.dtype)
+    temp = _check_temperature(temperature, targets, cdtype, hidden.device)
+    if not validate:
+        if isinstance(temp, torch.Tensor) and temp.dim() == 0:  # its value would need a sync
+            temp = torch.broadcast_to(temp.to(device=hidden.device, dtype=cdtype), targets.shape)
+        return temp, None
+    vocab = weight.shape[0]
+    valid = targets != ignore_index
+    out_of_range = ((targets < 0) | (targets >= vocab)) & valid
+    probes = [out_of_range.any(), valid.sum()]
+    if isinstance(temp, torch.Tensor):
+        probes.append(temp if temp.dim() == 0 else (~(torch.isfinite(temp) & (temp > 0))).any())
+    # float64 holds the flags, the count (exact below 2**53) and a 0-dim temperature's value.
+    probes = [p.to(device=hidden.device, dtype=torch.float64).reshape(()) for p in probes]
+    summary = torch.stack(probes).tolist()  # the one host sync
+    if summary[0]:
+        bad = targets[out_of_range][0].item()  # error path only
+        raise ValueError(
+            f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}, found {bad}"
+        )
+    if isinstance(temp, torch.Tensor):
+        if temp.dim() == 0:
+            temp = _check_temperature(summary[2], targets, cdtype, hidden.device)
+        elif summary[2]:
+            raise ValueError("temperature must be finite and > 0 everywhere")
+    return temp, int(summary[1])
 
 
 def _check_temperature(
@@ -96,7 +124,7 @@ def _check_temperature(
         if not (temperature.is_floating_point() or temperature.dtype in _INTEGER_DTYPES):
             raise ValueError(f"temperature must be a real tensor, got dtype {temperature.dtype}")
         if temperature.dim() == 0:
-            return _check_temperature(float(temperature.item()), targets, dtype, device)
+            return temperature  # its value is checked (or trusted) by the caller
         try:
             expanded = torch.broadcast_to(temperature, targets.shape)
         except RuntimeError as error:
@@ -104,10 +132,7 @@ def _check_temperature(
                 f"temperature shape {tuple(temperature.shape)} must broadcast to targets shape "
                 f"{tuple(targets.shape)}"
             ) from error
-        expanded = expanded.to(device=device, dtype=dtype)
-        if not bool(torch.isfinite(expanded).all()) or bool((expanded <= 0).any()):
-            raise ValueError("temperature must be finite and > 0 everywhere")
-        return expanded
+        return expanded.to(device=device, dtype=dtype)  # values: checked (or trusted) by caller
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature must be a float or a tensor, got {temperature!r}")
     if not math.isfinite(temperature) or temperature <= 0:

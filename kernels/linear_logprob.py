@@ -30,8 +30,15 @@ With ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and upstre
 O(rows) scatter) and followed by ``grad_hidden += G @ W_tile`` and ``grad_weight[tile] += G.T @
 h``, each skipped when ``ctx.needs_input_grad`` says that input does not need a gradient (a frozen
 weight gets no ``[V, H]`` buffer and no matmul). Upstream gradients stay materialised (a missing
-one arrives as zeros), so no branch can be dropped; an all-zero entropy gradient skips one pass.
-Ignored rows (``ignore_index``) are skipped entirely: never read, zero outputs and gradients.
+one arrives as zeros), so no branch can be dropped; with ``with_entropy`` the entropy passes always
+run (skipping them for an all-zero entropy gradient would need a host sync to find out).
+
+Ignored rows (``ignore_index``): with ``validate=True`` the one host sync of the input check also
+reads their count, and the non-ignored rows are compacted (``nonzero_static``): ignored rows are
+never read, their outputs and gradients are zero. With ``validate=False`` (no host sync at all, for
+the engine's micro-batch loop, design.md section 6) every row is processed and the ignored ones are
+masked with ``torch.where`` before any arithmetic: hidden row and temperature replaced (by 0 and 1),
+target by 0, upstream gradients and outputs by 0, so garbage (NaN/inf) there cannot leak anywhere.
 """
 
 from __future__ import annotations
@@ -152,9 +159,11 @@ def _gather_tile(z: torch.Tensor, local_targets: torch.Tensor, picked: torch.Ten
 
 class _FusedLinearLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, hidden, weight, targets, rows_idx, inv_t, plan: _Plan):
-        # hidden [N, H], weight [V, H], targets [N], rows_idx [M] (the non-ignored rows),
-        # inv_t [N] or None. Shapes were flattened outside, under autograd, by the public wrapper.
+    def forward(ctx: FunctionCtx, hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
+        # hidden [N, H], weight [V, H], targets [N], rows_idx [M] (the rows to process), row_mask
+        # [N] bool (rows_idx covers ignored rows too: True marks the non-ignored ones) or None
+        # (rows_idx holds only non-ignored rows), inv_t [N] or None. Shapes were flattened
+        # outside, under autograd, by the public wrapper.
         cdtype = compute_dtype(hidden.dtype)
         n, vocab = hidden.shape[0], weight.shape[0]
         logprob = hidden.new_zeros(n, dtype=cdtype)
@@ -169,7 +178,8 @@ class _FusedLinearLogProb(torch.autograd.Function):
             idx = rows_idx[start : start + plan.rows]
             rows = slice(start, start + plan.rows)
             inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
-            h_s = _scaled_rows(hidden.index_select(0, idx), inv, cdtype)
+            real = None if row_mask is None else row_mask.index_select(0, idx)
+            h_s = _scaled_rows(_masked_rows(hidden, idx, real), inv, cdtype)
             t = targets.index_select(0, idx)
             target_logit = hidden.new_zeros(idx.numel(), dtype=cdtype)
             stats = None
@@ -187,13 +197,14 @@ class _FusedLinearLogProb(torch.autograd.Function):
             log_sum = row_sum.log()
             max_all[rows], sum_all[rows] = row_max, row_sum
             # log p(target) = (z_t - m) - log S: both differences are small, exact near the max.
-            logprob.index_copy_(0, idx, (target_logit - row_max) - log_sum)
+            logprob.index_copy_(0, idx, _zero_unkept((target_logit - row_max) - log_sum, real))
             if plan.with_entropy:
                 ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
-                entropy.index_copy_(0, idx, ent_all[rows])
+                entropy.index_copy_(0, idx, _zero_unkept(ent_all[rows], real))
         ctx.save_for_backward(
-            hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all, *kept, *kept_max
-        )
+            hidden, weight, targets, rows_idx, row_mask, inv_t, max_all, sum_all, ent_all,
+            *kept, *kept_max,
+        )  # fmt: skip
         ctx.plan = plan
         ctx.num_kept = len(kept)
         return (logprob, entropy) if plan.with_entropy else logprob
@@ -202,15 +213,15 @@ class _FusedLinearLogProb(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
         saved = ctx.saved_tensors
-        hidden, weight, targets, rows_idx, inv_t, max_all, sum_all, ent_all = saved[:8]
-        kept, kept_max = saved[8 : 8 + ctx.num_kept], saved[8 + ctx.num_kept :]
+        hidden, weight, targets, rows_idx, row_mask, inv_t, max_all, sum_all, ent_all = saved[:9]
+        kept, kept_max = saved[9 : 9 + ctx.num_kept], saved[9 + ctx.num_kept :]
         plan: _Plan = ctx.plan
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cdtype = compute_dtype(hidden.dtype)
         grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         if not (need_h or need_w) or rows_idx.numel() == 0:
             grad_w = torch.zeros_like(weight) if need_w else None
-            return grad_h, grad_w, None, None, None, None
+            return grad_h, grad_w, None, None, None, None, None
         # Low-precision weights accumulate their gradient in float32 (one rounding at the end).
         # No zero fill: the first row chunk overwrites every tile of it (beta=0 below).
         grad_w = weight.new_empty(weight.shape, dtype=cdtype) if need_w else None
@@ -219,12 +230,17 @@ class _FusedLinearLogProb(torch.autograd.Function):
         g_ent_all = _or_zeros(
             grad_entropy if plan.with_entropy else None, hidden.shape[0], hidden, cdtype
         )
-        use_entropy = plan.with_entropy and bool(g_ent_all.any())
+        if row_mask is not None:  # upstream gradients of ignored rows are dropped, NaN or not
+            g_lp_all = _zero_unkept(g_lp_all, row_mask)
+            g_ent_all = _zero_unkept(g_ent_all, row_mask)
+        use_entropy = plan.with_entropy  # no all-zero skip: finding out would be a host sync
         buf, scratch, low_buf = _buffers(hidden, plan, cdtype)
         vocab, tile_index = weight.shape[0], 0
         for start in range(0, rows_idx.numel(), plan.rows):
             idx = rows_idx[start : start + plan.rows]
-            h = hidden.index_select(0, idx)
+            h = _masked_rows(
+                hidden, idx, None if row_mask is None else row_mask.index_select(0, idx)
+            )
             inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
             h_s = _scaled_rows(h, inv, cdtype)
             rows = slice(start, start + plan.rows)
@@ -264,7 +280,18 @@ class _FusedLinearLogProb(torch.autograd.Function):
                     _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h, overwrite=start == 0)
             if need_h:
                 grad_h.index_copy_(0, idx, gh.to(hidden.dtype))
-        return grad_h, _cast(grad_w, weight.dtype), None, None, None, None
+        return grad_h, _cast(grad_w, weight.dtype), None, None, None, None, None
+
+
+def _masked_rows(hidden: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor | None):
+    """``hidden[idx]``, with the rows ``keep`` marks False replaced by 0 (before any arithmetic:
+    ``0 * NaN`` would still be NaN in the matmuls)."""
+    h = hidden.index_select(0, idx)
+    return h if keep is None else torch.where(keep.unsqueeze(1), h, 0.0)
+
+
+def _zero_unkept(values: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return values if keep is None else torch.where(keep, values, 0.0)
 
 
 def _scatter_tile(g: torch.Tensor, local_targets: torch.Tensor, values: torch.Tensor) -> None:
@@ -313,6 +340,7 @@ def fused_linear_logprob(
     with_entropy: bool = True,
     chunk_size: int | None = None,
     ignore_index: int = -100,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head, without materialising the logits.
 
@@ -336,30 +364,50 @@ def fused_linear_logprob(
             statistics, whatever N. A low-precision weight that requires grad also gets a
             float32 ``[V, H]`` gradient accumulator.
         ignore_index: target id that marks a position with no prediction.
+        validate: True checks the target range and the temperature values on the device, with one
+            device-to-host sync per call (which also counts the non-ignored rows, so only those
+            are computed). False issues no sync at all (forward and backward), for callers in a
+            hot loop that validated the values already, as the engine does for ``input_ids``
+            against the vocabulary at the batch boundary. Only skip when every target is known to
+            be in ``[0, V)`` or ``ignore_index`` and every temperature finite and > 0: otherwise
+            the results are silently wrong (no error). It then computes every row, ignored ones
+            included (masked, see the module docstring): same results, more work when many
+            positions are ignored.
 
     Returns:
         ``(logprobs [...], entropy [...] | None)`` shaped like ``targets``, float32 (float64 for
         float64 inputs).
 
     Raises:
-        ValueError: shape mismatch, ``weight`` not ``[V, H]``, non-integer or out-of-range
-            targets, temperature <= 0 or non-finite, ``chunk_size < 1``.
+        ValueError: shape mismatch, ``weight`` not ``[V, H]``, non-integer targets, temperature
+            of a bad type or shape, ``chunk_size < 1``; with ``validate``, also out-of-range
+            targets and temperatures <= 0 or non-finite.
     """
-    temp = check_linear_logprob_inputs(
-        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index
+    temp, count = check_linear_logprob_inputs(
+        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate
     )
     # Flatten here, under autograd, so the Function receives tensors still connected to the graph.
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).long()
-    rows_idx = (flat_targets != ignore_index).nonzero().squeeze(1)
-    flat_targets = torch.where(flat_targets == ignore_index, 0, flat_targets)
+    valid = flat_targets != ignore_index
+    flat_targets = torch.where(valid, flat_targets, 0)
     inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
+    if count is None:  # no sync: every row, the ignored ones masked inside
+        rows_idx = torch.arange(valid.numel(), device=valid.device)
+        row_mask = valid
+        if inv_t is not None:  # an ignored position's temperature is not validated: never use it
+            inv_t = torch.where(valid, inv_t, 1.0)
+    else:  # the count came with the validation's sync: compact without another one
+        rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
+        row_mask = None
     inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     plan = _plan(
         max(1, rows_idx.numel()), weight.shape[0], chunk_size, with_entropy, inv_scalar, needs_grad
     )
-    out = _FusedLinearLogProb.apply(hidden_2d, weight, flat_targets, rows_idx, inv_t, plan)
+    out = _FusedLinearLogProb.apply(
+        hidden_2d, weight, flat_targets, rows_idx, row_mask, inv_t, plan
+    )
     if not with_entropy:
         return out.view(targets.shape), None
     logprobs, entropy = out

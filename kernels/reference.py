@@ -22,11 +22,13 @@ def reference_linear_logprob(
     with_entropy: bool = True,
     chunk_size: int | None = None,
     ignore_index: int = -100,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax((hidden @ weight.T).float() / temperature)`` at ``targets``, and the entropy.
 
     Same signature, validation and semantics as :func:`microrl.kernels.fused_linear_logprob`;
-    ``chunk_size`` is validated and otherwise ignored (nothing is chunked here).
+    ``chunk_size`` is validated and otherwise ignored (nothing is chunked here); ``validate=False``
+    skips the value checks as there (targets and temperatures trusted to be in range).
 
     Args:
         hidden: ``[..., H]``.
@@ -36,8 +38,8 @@ def reference_linear_logprob(
     Returns:
         ``(logprobs [...], entropy [...] | None)`` in float32 (float64 for float64 inputs).
     """
-    temp = check_linear_logprob_inputs(
-        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index
+    temp, _ = check_linear_logprob_inputs(
+        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate
     )
     logits = (hidden @ weight.T).to(compute_dtype(hidden.dtype))
     logits = logits / (temp.unsqueeze(-1) if isinstance(temp, torch.Tensor) else temp)

@@ -197,8 +197,10 @@ def test_custom_ignore_index_and_all_ignored(tiles):
     assert not logprobs.any() and not entropy.any() and not grad_h.any() and not grad_w.any()
 
 
-def test_ignored_rows_are_never_read(tiles):
-    """Garbage (NaN) hidden states at padding positions cannot leak into outputs or gradients."""
+@pytest.mark.parametrize("validate", [True, False])
+def test_ignored_rows_are_never_read(tiles, validate):
+    """Garbage (NaN) hidden states at padding positions cannot leak into outputs or gradients
+    (``validate=False`` computes those rows, masked: the garbage must not leak there either)."""
     hidden, weight, targets = make((2, 5), dtype=torch.float64, ignore=[(0, 1), (1, 4)])
     poisoned = hidden.detach().clone()
     poisoned[0, 1] = float("nan")
@@ -206,7 +208,10 @@ def test_ignored_rows_are_never_read(tiles):
     clean = hidden.detach().clone()
     clean[0, 1] = 0.0
     clean[1, 4] = 0.0
-    got = run(fused_linear_logprob, poisoned.requires_grad_(), weight, targets, chunk_size=3)
+    got = run(
+        fused_linear_logprob, poisoned.requires_grad_(), weight, targets, chunk_size=3,
+        validate=validate,
+    )  # fmt: skip
     want = run(reference_linear_logprob, clean.requires_grad_(), weight, targets, chunk_size=3)
     for name, a, e in zip(
         ("logprobs", "entropy", "hidden.grad", "weight.grad"), got, want, strict=True
