@@ -29,16 +29,13 @@ import time
 
 import torch
 from common.base_model import prepare_base_model
-from common.rollout import evaluate_accuracy, generate
 from common.runtime import Dist, StopOnInterrupt, load_run, parse_cli, per_rank, save_run
+from common.session import evaluator, finish, sample, start_tracking
 from common.task import AdditionTask
-from common.tracking import Tracker, mean_metrics
+from common.tracking import mean_metrics
 
 from microrl.configs.examples import GRPOExampleConfig
-from microrl.configs.loader import config_to_yaml
 from microrl.engine import ActorEngine
-from microrl.engine.distributed import gathered
-from microrl.engine.export import export_peft_adapter
 from microrl.losses import broadcast_to_tokens, grpo_advantages
 
 
@@ -65,31 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         start_step = load_run(cfg.output.dir, {"actor": engine}, rng=rng, dist_info=dist_info)
         log(f"resumed from {cfg.output.dir}/checkpoint at step {start_step}")
-    eval_problems = dist_info.shard(task.eval_problems())
-
-    def evaluate() -> float:
-        with gathered(engine.module):  # FSDP: full weights for generate; a no-op in one process
-            return evaluate_accuracy(
-                engine.model, tokenizer, task, eval_problems, dist_info, cfg.rollout.max_new_tokens
-            )
-
-    tracker = Tracker(
-        cfg.output.dir,
-        total_steps=cfg.train.steps,
-        start_step=start_step,
-        enabled=dist_info.is_main,
-        tensorboard=cfg.output.tensorboard,
-        progress=cfg.output.progress,
-    )
-    if dist_info.is_main:
-        (tracker.out_dir / "config.yaml").write_text(config_to_yaml(cfg))
-    first_accuracy = evaluate()
-    tracker.write(
-        f"held-out greedy accuracy at step {start_step}: {first_accuracy:.3f} "
-        f"(setup {time.perf_counter() - t_setup:.0f}s)"
-    )
-    if start_step == 0:
-        tracker.log(0, {"eval/accuracy": first_accuracy})
+    evaluate = evaluator(engine, tokenizer, task, dist_info, cfg.rollout.max_new_tokens)
+    tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, t_setup)
 
     step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
     with StopOnInterrupt(dist_info) as stop:
@@ -98,15 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             # 1. Sample a group of responses per prompt from the current policy (eval mode, the
             #    loss's temperature, plain ancestral sampling).
             problems = task.sample(rng, prompts_per_rank)
-            with gathered(engine.module):
-                rollout = generate(
-                    engine.model,
-                    tokenizer,
-                    [p.prompt for p in problems],
-                    num_samples=cfg.rollout.group_size,
-                    temperature=cfg.actor.temperature,
-                    max_new_tokens=cfg.rollout.max_new_tokens,
-                )
+            rollout = sample(engine, tokenizer, problems, cfg)
             batch = rollout.batch
             # 2. Score: exact match of the answer text only.
             answered = [problems[i] for i in rollout.prompt_index.tolist()]
@@ -161,27 +127,19 @@ def main(argv: list[str] | None = None) -> int:
                     config=cfg,
                 )
 
-    train_time = time.perf_counter() - t_train
-    path = save_run(
-        cfg.output.dir, {"actor": engine}, step=step, rng=rng, dist_info=dist_info, config=cfg
+    return finish(
+        cfg,
+        {"actor": engine},
+        tracker,
+        step=step,
+        start_step=start_step,
+        rng=rng,
+        dist_info=dist_info,
+        interrupted=interrupted,
+        first_accuracy=first_accuracy,
+        last_metrics=metrics,
+        train_time=time.perf_counter() - t_train,
     )
-    if interrupted:
-        tracker.close(plot=cfg.output.plot)
-        log(f"\ninterrupted after step {step}: checkpoint in {path}; continue with --resume")
-        dist_info.close()
-        return 130
-    export_peft_adapter(engine.module, f"{cfg.output.dir}/adapter", peft_model=engine.peft_model)
-    final_accuracy = metrics.get("eval/accuracy", first_accuracy)
-    plot = tracker.close(plot=cfg.output.plot)
-    log(
-        f"\nheld-out greedy accuracy: {first_accuracy:.3f} (step {start_step}) -> "
-        f"{final_accuracy:.3f} (step {step}) in {train_time:.0f}s of RL\n"
-        f"outputs in {cfg.output.dir}/: metrics.jsonl, tensorboard/, "
-        f"{plot.name if plot else 'no plot'}, adapter/ (the LoRA adapter, PEFT format), "
-        "checkpoint/ (--resume)"
-    )
-    dist_info.close()
-    return 0
 
 
 if __name__ == "__main__":
