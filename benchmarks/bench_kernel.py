@@ -1,20 +1,24 @@
 """Benchmark the fused lm-head log-prob/entropy kernel against eager and peer implementations.
 
-    python benchmarks/bench_kernel.py            # the README table (float32, CPU, ~15-25 min)
-    python benchmarks/bench_kernel.py --quick    # small shapes, a minute or two
+    python benchmarks/bench_kernel.py                    # float32 and bfloat16, CPU, ~30-50 min
+    python benchmarks/bench_kernel.py --dtypes float32   # the README float32 table
+    python benchmarks/bench_kernel.py --quick            # small shapes, a few minutes
 
 Each measurement is forward + backward (gradients to hidden and weight) of
-``sum(g1 * logprobs) + sum(g2 * entropy)`` in float32, one implementation per fresh subprocess so
-neither memory nor allocator state leaks between them. Reported per implementation and case:
+``sum(g1 * logprobs) + sum(g2 * entropy)`` with ``hidden`` and ``weight`` in the given dtype (the
+head itself computes in float32 either way), one implementation per fresh subprocess so neither
+memory nor allocator state leaks between them. Reported per implementation, case and dtype:
 
 * median wall time over all repetitions of all rounds, and the ratio to eager as the median over
   rounds of per-round ratios (rounds interleave the implementations, so each ratio compares
   processes run back to back and a shared machine's slow phases cancel); median CPU seconds;
 * extra peak memory: peak RSS (VmHWM, reset before each step) minus the RSS before the step
-  (inputs, library state) minus the gradient buffers the step must return ((N*H + V*H) * 4 bytes);
+  (inputs, library state) minus the gradient buffers the step must return ((N*H + V*H) times
+  the dtype's size);
 * achieved GFLOP/s with the implementation's own FLOP count (8*N*H*V when the backward recomputes
   the logits, 6*N*H*V when it keeps them) and its fraction of this machine's float32 matmul
-  throughput, measured in the same run on the forward GEMM shape [N, H] @ [H, V].
+  throughput, measured in the same run on the forward GEMM shape [N, H] @ [H, V] (float32 for
+  every dtype: that is the matmul the head runs on a CPU).
 
 Peers (benchmark-only, not project dependencies; skipped when not importable):
 TRL ``ChunkedLogProbFunction`` (torch path on CPU, TRL trainer's vocabulary chunk 32768), verl
@@ -42,6 +46,7 @@ IMPLS = ("eager", "microrl", "trl", "verl", "cce")
 FLOPS_FACTOR = {"eager": 6, "microrl": 8, "trl": 8, "verl": 8, "cce": 6}
 DEFAULT_CASES = "2048x1024x32768,1024x1024x32768,512x1024x151936,256x1024x151936"
 QUICK_CASES = "512x256x8192,256x256x8192"
+DTYPES = ("float32", "bfloat16")
 
 
 def _status_kib(field: str) -> int:
@@ -111,14 +116,15 @@ def _load(impl: str):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int) -> dict:
+def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int, dtype: str) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     fn = _load(impl)
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=g).requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * h**-0.5).requires_grad_()  # logits ~ N(0, 1)
+    dt = getattr(torch, dtype) if impl != "matmul" else torch.float32
+    hidden = torch.randn(n, h, generator=g).to(dt).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * h**-0.5).to(dt).requires_grad_()  # logits ~ N(0, 1)
     targets = torch.randint(0, v, (n,), generator=g)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
 
@@ -133,7 +139,7 @@ def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int) -> dict:
 
     step()  # warm-up: library init, torch.compile for cce
     times, cpu, extras = [], [], []
-    grad_bytes = (n * h + v * h) * 4 if impl != "matmul" else n * v * 4
+    grad_bytes = (n * h + v * h) * dt.itemsize if impl != "matmul" else n * v * 4
     for _ in range(reps):
         hidden.grad = weight.grad = None
         _trim()
@@ -147,10 +153,10 @@ def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int) -> dict:
     return {"impl": impl, "times": times, "cpu": cpu, "extra_bytes": max(extras)}
 
 
-def _run_worker(impl, case, reps, threads, timeout):
+def _run_worker(impl, case, reps, threads, timeout, dtype):
     n, h, v = case
     cmd = [sys.executable, __file__, "--worker", impl, "--case", f"{n}x{h}x{v}"]
-    cmd += ["--reps", str(reps), "--threads", str(threads)]
+    cmd += ["--reps", str(reps), "--threads", str(threads), "--dtypes", dtype]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -165,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=None, help=f"NxHxV,... (default {DEFAULT_CASES})")
     parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="input dtypes, comma-separated")
     parser.add_argument("--reps", type=int, default=2, help="timed steps per subprocess")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of subprocesses")
     parser.add_argument("--threads", type=int, default=2)
@@ -177,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         n, h, v = (int(x) for x in args.case.split("x"))
-        print(json.dumps(worker(args.worker, n, h, v, args.reps, args.threads)))
+        print(json.dumps(worker(args.worker, n, h, v, args.reps, args.threads, args.dtypes)))
         return
     if args.from_json:
         with open(args.from_json) as f:
@@ -189,11 +196,11 @@ def main() -> None:
     cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or DEFAULT_CASES).split(",")]
     impls = args.impls.split(",")
     results = {}
-    for case in cases:
+    for case, dtype in [(c, d) for c in cases for d in args.dtypes.split(",")]:
         per = {impl: {"times": [], "cpu": [], "extra_bytes": 0} for impl in ["matmul", *impls]}
         for _ in range(args.rounds):
             for impl in ["matmul", *impls]:
-                r = _run_worker(impl, case, args.reps, args.threads, args.timeout)
+                r = _run_worker(impl, case, args.reps, args.threads, args.timeout, dtype)
                 if "error" in r:
                     per[impl]["error"] = r["error"]
                     continue
@@ -201,8 +208,9 @@ def main() -> None:
                 per[impl]["cpu"] += r["cpu"]
                 per[impl].setdefault("rounds", []).append(r["times"])
                 per[impl]["extra_bytes"] = max(per[impl]["extra_bytes"], r["extra_bytes"])
-                print(f"  {case} {impl}: {[round(t, 2) for t in r['times']]} s", file=sys.stderr)
-        results["x".join(map(str, case))] = per
+                times = [round(t, 2) for t in r["times"]]
+                print(f"  {case} {dtype} {impl}: {times} s", file=sys.stderr)
+        results["x".join(map(str, case)) + f":{dtype}"] = per
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -243,14 +251,16 @@ def _paired(a: list[list[float]], b: list[list[float]]) -> float:
 
 def _table(results: dict, args) -> str:
     lines = [
-        f"torch.set_num_threads({args.threads}), float32, reps={args.reps} x rounds={args.rounds}",
+        f"torch.set_num_threads({args.threads}), reps={args.reps} x rounds={args.rounds}",
         "",
-        "| N x H x V | impl | median s | vs eager | CPU s | extra peak MiB | vs eager | GFLOP/s "
-        "| of matmul |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| N x H x V | dtype | impl | median s | vs eager | CPU s | extra peak MiB | vs eager "
+        "| GFLOP/s | of matmul |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for case, per in results.items():
-        n, h, v = (int(x) for x in case.split("x"))
+    for key, per in results.items():
+        shape, _, dtype = key.partition(":")  # older JSON: "NxHxV", float32
+        case = f"{shape} | {dtype or 'float32'}"
+        n, h, v = (int(x) for x in shape.split("x"))
         mm_rounds = _rounds(per["matmul"], args.reps)
         roof = 2 * n * h * v / statistics.median(per["matmul"]["times"]) / 1e9
         eager = per.get("eager", {})

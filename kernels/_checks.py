@@ -1,24 +1,39 @@
-"""Input validation shared by the fused kernel and its eager reference.
+"""Input validation and dtype rules shared by the fused kernel and its eager reference.
 
 Both entry points raise the same errors for the same bad input, at the public boundary, naming the
-argument, so a caller can switch between them (``use_fused_kernel``) without changing behaviour.
+argument, so a caller can switch between them (``use_fused_kernel``) without changing behaviour,
+and both compute in the same dtype (:func:`compute_dtype`) with autocast off (:func:`no_autocast`).
+The contract is in ``docs/kernels.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
-__all__ = ["check_linear_logprob_inputs", "compute_dtype"]
+__all__ = ["check_linear_logprob_inputs", "compute_dtype", "no_autocast"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64 (so ``gradcheck`` works); every other float dtype computes in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype the lm-head is computed in: float64 if any input is float64 (so ``gradcheck``
+    works), float32 otherwise, so 16-bit inputs are upcast and the logits are never rounded to 16
+    bits. A float32/float64 mix is upcast to float64 rather than refused: the upcast is exact, and it
+    is the same "widest input, at least float32" rule as for a 16/32-bit mix."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off: under ``torch.autocast`` the head's matmuls would otherwise run (and round
+    the logits) in the autocast dtype; its contract is the float32 (float64) head whatever the
+    context."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def check_linear_logprob_inputs(
@@ -39,8 +54,8 @@ def check_linear_logprob_inputs(
     ``validate=True`` also checks the values on the device (targets in range, tensor temperatures
     finite and > 0) and returns ``count``, the number of non-ignored targets, all read back in ONE
     host sync (the caller needs the count anyway to compact the rows without another one).
-    ``validate=False`` reads nothing from the device (design.md section 6: no host sync inside the
-    micro-batch loop): values are trusted, a 0-dim temperature tensor stays a (broadcast) tensor
+    ``validate=False`` reads nothing from the device (no host sync inside the engine's micro-batch
+    loop, docs/engine.md "Host syncs"): values are trusted, a 0-dim temperature tensor stays a (broadcast) tensor
     and ``count`` is None. Only for callers that validated the values already.
     """
     for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets)):
@@ -50,6 +65,8 @@ def check_linear_logprob_inputs(
         raise ValueError(f"hidden must be [..., H] with rank >= 2, got shape {tuple(hidden.shape)}")
     if hidden.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"hidden must be a float tensor, got dtype {hidden.dtype}")
+    if weight.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"weight must be a float tensor, got dtype {weight.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
     if weight.shape[1] != hidden.shape[-1]:
@@ -59,8 +76,6 @@ def check_linear_logprob_inputs(
         )
     if weight.shape[0] < 1:
         raise ValueError("weight must have at least one vocabulary row")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
     if weight.device != hidden.device or targets.device != hidden.device:
         raise ValueError(
             f"hidden, weight and targets must share a device, got {hidden.device}, "
@@ -83,7 +98,7 @@ def check_linear_logprob_inputs(
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     if not isinstance(validate, bool):
         raise ValueError(f"validate must be a bool, got {validate!r}")
-    cdtype = compute_dtype(hidden.dtype)
+    cdtype = compute_dtype(hidden.dtype, weight.dtype)
     temp = _check_temperature(temperature, targets, cdtype, hidden.device)
     if not validate:
         if isinstance(temp, torch.Tensor) and temp.dim() == 0:  # its value would need a sync

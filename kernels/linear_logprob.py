@@ -1,44 +1,60 @@
 """Fused lm-head log-prob / entropy: ``hidden @ weight.T`` -> per-token log-prob and entropy.
 
+The contract (semantics, dtypes, memory, syncs, tolerances, errors) is in ``docs/kernels.md``;
+this docstring describes how the kernel meets it.
+
 The full ``[N, V]`` logits are never materialised. Rows are processed in chunks of ``rows`` tokens
 and the vocabulary in tiles of ``vocab_tile`` columns, so the working set is one ``[rows,
 vocab_tile]`` logits tile plus one scratch tile of the same size (and ``_KEPT_TILES`` tiles held
-for backward), independent of N.
+for backward), independent of N. The vocabulary tiles depend on V and the configured chunk
+height only, never on N (``_plan``), so a row meets the same tile boundaries and merge order in
+any batch; small problems get shorter row chunks instead.
 
-Forward, per row chunk: for each vocabulary tile, ``z = (h / T) @ W_tile.T`` (one matmul in the
-input dtype, upcast to float32), the tile's logsumexp and entropy, merged into running per-row
-statistics with the max-rescaled (online) logsumexp, so every value stays finite for huge logits
-and for rows whose logits are all very negative. Statistics are kept as (max ``m``, ``S = sum
-exp(z - m)``), never as a rounded ``lse``: ``z - m`` is exact near the max, which keeps float32
-results for logits of size 1e4 as accurate as the eager reference. The target logit is gathered
-from its tile. Only O(N) statistics are saved for backward: per-row ``m``, ``S`` and entropy.
+All arithmetic is in the compute dtype, float32 (float64 when an input is float64): the logits
+are never rounded to 16 bits. 16-bit (or mixed) inputs are upcast per row chunk (``[rows, H]``)
+and per weight tile (``[vocab_tile, H]``, one reused buffer), so every matmul is a float32 one,
+which on a CPU is also faster than a 16-bit one. On CUDA, when both inputs share one 16-bit dtype
+and ``torch.mm(..., out_dtype=torch.float32)`` is supported (probed once), the tile matmuls run
+on the 16-bit inputs with float32 accumulation and float32 output instead ("native16"), the
+temperature is applied to the float32 tile, and backward feeds the tensor cores the logit
+gradient rounded to the input dtype (float32 accumulation). Autocast is disabled inside.
+
+Forward, per row chunk: for each vocabulary tile, ``z = (h / T) @ W_tile.T``, the tile's
+logsumexp and entropy, merged into running per-row statistics with the max-rescaled (online)
+logsumexp, so every value stays finite for huge logits and for rows whose logits are all very
+negative. Statistics are kept as (max ``m``, ``S = sum exp(z - m)``), never as a rounded ``lse``:
+``z - m`` is exact near the max, which keeps float32 results for logits of size 1e4 as accurate
+as the eager reference. The target logit is gathered from its tile. Only O(N) statistics are
+saved for backward: per-row ``m``, ``S`` and entropy.
 
 Backward recomputes each logits tile (one more matmul) instead of keeping ``[N, V]`` of them from
 the forward: keeping would cost 6*N*H*V flops instead of 8*N*H*V, but memory that grows with N.
 Upstream gradients are unknown in forward, so the gradient cannot be formed there either. The
 middle ground taken: the forward keeps a fixed number of tiles (``_KEPT_TILES``, as ``z - m_tile``)
 whose recompute backward then skips, so memory stays flat in N (7.5*N*H*V flops at N=2048,
-V=32768 instead of 8). The extra matmul is paid back on a CPU by the elementwise work: about ten passes over each
-tile in all, against ~25 passes over full ``[N, V]`` buffers (plus page faults) in eager autograd.
-With ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and upstream gradients
-``g_lp``, ``g_H`` per row, the gradient with respect to the untempered logits is::
+V=32768 instead of 8). The extra matmul is paid back on a CPU by the elementwise work: about ten
+passes over each tile in all, against ~25 passes over full ``[N, V]`` buffers (plus page faults)
+in eager autograd. With ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and
+upstream gradients ``g_lp``, ``g_H`` per row, the gradient with respect to the untempered logits
+is::
 
     dL/dlogit_j = (g_lp * [j == target] - p_j * (g_lp + g_H * (log p_j + H))) / T
 
 (``dH/dz_j = -p_j (log p_j + H)``), computed in place on the tile in four elementwise passes
 (``z - m``, ``exp``, the per-row affine factor, the product; the ``[j == target]`` term is an
 O(rows) scatter) and followed by ``grad_hidden += G @ W_tile`` and ``grad_weight[tile] += G.T @
-h``, each skipped when ``ctx.needs_input_grad`` says that input does not need a gradient (a frozen
-weight gets no ``[V, H]`` buffer and no matmul). Upstream gradients stay materialised (a missing
-one arrives as zeros), so no branch can be dropped; with ``with_entropy`` the entropy passes always
-run (skipping them for an all-zero entropy gradient would need a host sync to find out).
+h`` (compute-dtype accumulators, cast to each input's dtype once at the end), each skipped when
+``ctx.needs_input_grad`` says that input does not need a gradient (a frozen weight gets no
+``[V, H]`` buffer and no matmul). Upstream gradients stay materialised (a missing one arrives as
+zeros), so no branch can be dropped; with ``with_entropy`` the entropy passes always run (skipping
+them for an all-zero entropy gradient would need a host sync to find out).
 
 Ignored rows (``ignore_index``): with ``validate=True`` the one host sync of the input check also
 reads their count, and the non-ignored rows are compacted (``nonzero_static``): ignored rows are
 never read, their outputs and gradients are zero. With ``validate=False`` (no host sync at all, for
-the engine's micro-batch loop, design.md section 6) every row is processed and the ignored ones are
-masked with ``torch.where`` before any arithmetic: hidden row and temperature replaced (by 0 and 1),
-target by 0, upstream gradients and outputs by 0, so garbage (NaN/inf) there cannot leak anywhere.
+the engine's micro-batch loop) every row is processed and the ignored ones are masked with
+``torch.where`` before any arithmetic: hidden row and temperature replaced (by 0 and 1), target
+by 0, upstream gradients and outputs by 0, so garbage (NaN/inf) there cannot leak anywhere.
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import check_linear_logprob_inputs, compute_dtype
+from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
 
 __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 
@@ -58,20 +74,23 @@ __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 # elementwise op is one OpenMP region whose barrier costs up to a scheduler slice on a busy CPU;
 # 2 MiB tiles meant ~2000 regions per step and ran 2-3x slower there, 32 MiB tiles ~120.
 WORKING_TILE_ELEMENTS = 8 * 1024 * 1024
-# Small problems are cut into at least this many tiles, so the four tile-sized buffers (two
-# working, two kept) stay within half of one [N, V] logits buffer, i.e. ~10% of what eager
-# holds, at any size; the floor keeps tiny problems from becoming op-overhead bound.
+# Small problems are cut into at least this many tiles (by shorter row chunks: the vocabulary
+# tile is fixed), so the four tile-sized buffers (two working, two kept) stay within half of one
+# [N, V] logits buffer, i.e. ~10% of what eager holds, at any size; the floor keeps tiny problems
+# from becoming op-overhead bound (at least 8 rows per chunk with the default 8192-column tile).
 _MIN_TILES = 8
 _MIN_TILE_ELEMENTS = 64 * 1024
 # Default rows per chunk: W is streamed once per chunk and per pass, so taller chunks amortise
-# it over more tokens (measured ~4% faster than 512 on this CPU); the tile stays fixed anyway.
+# it over more tokens (measured ~4% faster than 512 on this CPU). With the working tile it sets
+# the vocabulary tile: WORKING_TILE_ELEMENTS // 1024 = 8192 columns.
 _DEFAULT_ROWS = 1024
 # Narrowest vocabulary tile when a caller asks for very tall chunks: thinner matmuls lose speed.
 _MIN_VOCAB_TILE = 128
 # Logits tiles the forward keeps for backward instead of recomputing them (when a gradient will be
 # needed): each saves one tile matmul (1/4 of that tile's flops) for one tile of memory. A fixed
-# count, so the extra memory stays (2 + 2) tiles = 128 MiB in float32 whatever N; larger problems
-# simply recompute a larger share.
+# amount (this many full-size tiles' worth, more tiles when N cuts them short), so the extra
+# memory stays (2 + 2) tiles = 128 MiB in float32 whatever N; larger problems simply recompute a
+# larger share.
 _KEPT_TILES = 2
 
 
@@ -84,6 +103,7 @@ class _Plan:
     with_entropy: bool
     inv_temperature: float  # used when no per-token temperature tensor is given
     kept_tiles: int  # logits tiles saved by forward for backward (0 when no gradient is needed)
+    native16: bool = False  # tile matmuls in the 16-bit input dtype with float32 output (CUDA)
 
 
 def _plan(
@@ -93,34 +113,77 @@ def _plan(
     with_entropy: bool,
     inv: float,
     needs_grad: bool = True,
+    native16: bool = False,
 ) -> _Plan:
-    rows = max(1, min(chunk_size or _DEFAULT_ROWS, num_rows))
-    small = max(_MIN_TILE_ELEMENTS, -(-num_rows * vocab // _MIN_TILES))
-    tile_elements = min(WORKING_TILE_ELEMENTS, small)
-    vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, tile_elements // rows))
-    return _Plan(rows, vocab_tile, with_entropy, inv, _KEPT_TILES if needs_grad else 0)
+    """Tile sizes. The vocabulary tile width depends on V and the configured chunk height only,
+    never on the row count, so a row meets the same tile boundaries and the same merge order in
+    any batch. Small problems get shorter row chunks instead (which rows share a matmul does not
+    change a row's arithmetic, only BLAS blocking), so that one tile holds at most 1/_MIN_TILES of
+    the [N, V] logits (floor _MIN_TILE_ELEMENTS)."""
+    configured = chunk_size or _DEFAULT_ROWS
+    vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, WORKING_TILE_ELEMENTS // configured))
+    budget = max(_MIN_TILE_ELEMENTS, -(-num_rows * vocab // _MIN_TILES))
+    rows = max(1, min(configured, num_rows, budget // vocab_tile))
+    # Kept for backward: _KEPT_TILES tiles' worth of the largest tile this problem may use, so
+    # tiles cut short by a small N keep as many logits (and save as many flops) as full ones.
+    full = min(WORKING_TILE_ELEMENTS, budget)
+    kept = _KEPT_TILES * max(1, full // (rows * vocab_tile)) if needs_grad else 0
+    return _Plan(rows, vocab_tile, with_entropy, inv, kept, native16)
 
 
-def _scaled_rows(h: torch.Tensor, inv: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
-    """``h / T`` for matmuls in the input dtype; low-precision inputs are scaled after the upcast
-    (as the reference does), so they return ``h`` unchanged."""
-    if h.dtype != dtype:
-        return h
+# (device, dtype) -> whether torch.mm(a, b, out_dtype=torch.float32, out=...) runs there.
+_OUT_DTYPE_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _use_native16(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Tile matmuls on the 16-bit inputs with float32 accumulation and output: CUDA only, both
+    inputs in one 16-bit dtype, ``torch.mm(..., out_dtype=...)`` supported (probed once per device
+    and dtype). Elsewhere 16-bit operands are upcast (on a CPU fp32 GEMMs are the faster ones)."""
+    dtype = hidden.dtype
+    if hidden.device.type != "cuda" or weight.dtype != dtype or dtype.itemsize != 2:
+        return False
+    key = (str(hidden.device), dtype)
+    if key not in _OUT_DTYPE_SUPPORT:
+        probe = torch.ones(1, 1, dtype=dtype, device=hidden.device)
+        out = torch.empty(1, 1, dtype=torch.float32, device=hidden.device)
+        try:
+            _mm_fp32(probe, probe, out)
+            _OUT_DTYPE_SUPPORT[key] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_SUPPORT[key] = False
+    return _OUT_DTYPE_SUPPORT[key]
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` for 16-bit ``a``, ``b`` with float32 accumulation and float32 ``out``."""
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _scaled_rows(h: torch.Tensor, inv: torch.Tensor | float) -> torch.Tensor:
+    """``h / T`` in the compute dtype: folded into the rows, it saves a pass over every tile."""
     if isinstance(inv, torch.Tensor):
         return h * inv.unsqueeze(1)
     return h * inv if inv != 1.0 else h
 
 
-def _logits_tile(h_s, w_tile, inv, buf, low_buf):
-    """``[r, w]`` tempered logits of one tile in the compute dtype, written into ``buf``."""
-    r, w = h_s.shape[0], w_tile.shape[0]
+def _as_compute(tile: torch.Tensor, wbuf: torch.Tensor | None) -> torch.Tensor:
+    """A weight tile in the compute dtype: itself, or its upcast copy into ``wbuf``."""
+    if wbuf is None:
+        return tile
+    return wbuf[: tile.numel()].view(tile.shape).copy_(tile)
+
+
+def _logits_tile(h_mm, w_mm, inv, buf, native16):
+    """``[r, w]`` tempered logits of one tile in the compute dtype, written into ``buf``: from
+    rows already divided by T and a weight tile, both in the compute dtype, or (``native16``) from
+    the 16-bit inputs, with float32 output then divided by T."""
+    r, w = h_mm.shape[0], w_mm.shape[0]
     z = buf[: r * w].view(r, w)
-    if low_buf is None:
-        return torch.mm(h_s, w_tile.T, out=z)
-    low = torch.mm(h_s, w_tile.T, out=low_buf[: r * w].view(r, w))
+    if not native16:
+        return torch.mm(h_mm, w_mm.T, out=z)
+    _mm_fp32(h_mm, w_mm.T, z)
     if isinstance(inv, torch.Tensor):
-        return torch.mul(low, inv.unsqueeze(1), out=z)
-    z.copy_(low)  # upcast first: a Python-float factor would keep the product in low precision
+        return z.mul_(inv.unsqueeze(1))
     return z.mul_(inv) if inv != 1.0 else z
 
 
@@ -164,123 +227,150 @@ class _FusedLinearLogProb(torch.autograd.Function):
         # [N] bool (rows_idx covers ignored rows too: True marks the non-ignored ones) or None
         # (rows_idx holds only non-ignored rows), inv_t [N] or None. Shapes were flattened
         # outside, under autograd, by the public wrapper.
-        cdtype = compute_dtype(hidden.dtype)
-        n, vocab = hidden.shape[0], weight.shape[0]
-        logprob = hidden.new_zeros(n, dtype=cdtype)
-        entropy = hidden.new_zeros(n, dtype=cdtype) if plan.with_entropy else None
-        m = rows_idx.numel()
-        max_all = hidden.new_empty(m, dtype=cdtype)
-        sum_all = hidden.new_empty(m, dtype=cdtype)
-        ent_all = hidden.new_empty(m, dtype=cdtype) if plan.with_entropy else None
-        buf, scratch, low_buf = _buffers(hidden, plan, cdtype)
-        kept, kept_max = [], []  # tiles holding z - m_tile, and m_tile, in loop order
-        for start in range(0, m, plan.rows):
-            idx = rows_idx[start : start + plan.rows]
-            rows = slice(start, start + plan.rows)
-            inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
-            real = None if row_mask is None else row_mask.index_select(0, idx)
-            h_s = _scaled_rows(_masked_rows(hidden, idx, real), inv, cdtype)
-            t = targets.index_select(0, idx)
-            target_logit = hidden.new_zeros(idx.numel(), dtype=cdtype)
-            stats = None
-            for j in range(0, vocab, plan.vocab_tile):
-                keep = len(kept) < plan.kept_tiles
-                out = hidden.new_empty(buf.numel(), dtype=cdtype) if keep else buf
-                z = _logits_tile(h_s, weight[j : j + plan.vocab_tile], inv, out, low_buf)
-                _gather_tile(z, t - j, target_logit)
-                tile = _tile_stats(z, scratch, plan.with_entropy)
-                stats = tile if stats is None else _merge(stats, tile)
-                if keep:
-                    kept.append(z)
-                    kept_max.append(tile[0])
-            row_max, row_sum, row_a = stats
-            log_sum = row_sum.log()
-            max_all[rows], sum_all[rows] = row_max, row_sum
-            # log p(target) = (z_t - m) - log S: both differences are small, exact near the max.
-            logprob.index_copy_(0, idx, _zero_unkept((target_logit - row_max) - log_sum, real))
-            if plan.with_entropy:
-                ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
-                entropy.index_copy_(0, idx, _zero_unkept(ent_all[rows], real))
-        ctx.save_for_backward(
-            hidden, weight, targets, rows_idx, row_mask, inv_t, max_all, sum_all, ent_all,
-            *kept, *kept_max,
-        )  # fmt: skip
+        with no_autocast(hidden.device.type):
+            out, saved = _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan)
+        ctx.save_for_backward(hidden, weight, targets, rows_idx, row_mask, inv_t, *saved)
         ctx.plan = plan
-        ctx.num_kept = len(kept)
-        return (logprob, entropy) if plan.with_entropy else logprob
+        ctx.num_kept = (len(saved) - 3) // 2
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
         saved = ctx.saved_tensors
-        hidden, weight, targets, rows_idx, row_mask, inv_t, max_all, sum_all, ent_all = saved[:9]
-        kept, kept_max = saved[9 : 9 + ctx.num_kept], saved[9 + ctx.num_kept :]
-        plan: _Plan = ctx.plan
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cdtype = compute_dtype(hidden.dtype)
-        grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_h else None
-        if not (need_h or need_w) or rows_idx.numel() == 0:
-            grad_w = torch.zeros_like(weight) if need_w else None
-            return grad_h, grad_w, None, None, None, None, None
-        # Low-precision weights accumulate their gradient in float32 (one rounding at the end).
-        # No zero fill: the first row chunk overwrites every tile of it (beta=0 below).
-        grad_w = weight.new_empty(weight.shape, dtype=cdtype) if need_w else None
-        # A missing upstream gradient is a zero gradient, never a dropped branch.
-        g_lp_all = _or_zeros(grad_logprob, hidden.shape[0], hidden, cdtype)
-        g_ent_all = _or_zeros(
-            grad_entropy if plan.with_entropy else None, hidden.shape[0], hidden, cdtype
-        )
-        if row_mask is not None:  # upstream gradients of ignored rows are dropped, NaN or not
-            g_lp_all = _zero_unkept(g_lp_all, row_mask)
-            g_ent_all = _zero_unkept(g_ent_all, row_mask)
-        use_entropy = plan.with_entropy  # no all-zero skip: finding out would be a host sync
-        buf, scratch, low_buf = _buffers(hidden, plan, cdtype)
-        vocab, tile_index = weight.shape[0], 0
-        for start in range(0, rows_idx.numel(), plan.rows):
-            idx = rows_idx[start : start + plan.rows]
-            h = _masked_rows(
-                hidden, idx, None if row_mask is None else row_mask.index_select(0, idx)
+        need = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with no_autocast(saved[0].device.type):
+            grad_h, grad_w = _backward(
+                saved, ctx.num_kept, ctx.plan, need, grad_logprob, grad_entropy
             )
-            inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
-            h_s = _scaled_rows(h, inv, cdtype)
-            rows = slice(start, start + plan.rows)
-            row_max = max_all[rows].unsqueeze(1)
-            inv_sum = sum_all[rows].reciprocal()
-            g_lp = g_lp_all.index_select(0, idx) * inv
-            g_ent = g_ent_all.index_select(0, idx) * inv
-            # With s = z - m, e = exp(s), p = e / S and log p = s - log S, the tile gradient
-            # G = p * (b * log p + c) = e * (b / S * s + (c - b * log S) / S), + g_lp at the target.
-            b = -g_ent
-            c = -(g_lp + g_ent * ent_all[rows]) if use_entropy else -g_lp
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
+    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    logprob = hidden.new_zeros(n, dtype=cdtype)
+    entropy = hidden.new_zeros(n, dtype=cdtype) if plan.with_entropy else None
+    m = rows_idx.numel()
+    max_all = hidden.new_empty(m, dtype=cdtype)
+    sum_all = hidden.new_empty(m, dtype=cdtype)
+    ent_all = hidden.new_empty(m, dtype=cdtype) if plan.with_entropy else None
+    buf, scratch, _, wbuf = _buffers(hidden, weight, plan, cdtype)
+    kept, kept_max = [], []  # tiles holding z - m_tile, and m_tile, in loop order
+    for start in range(0, m, plan.rows):
+        idx = rows_idx[start : start + plan.rows]
+        rows = slice(start, start + plan.rows)
+        inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
+        real = None if row_mask is None else row_mask.index_select(0, idx)
+        h = _masked_rows(hidden, idx, real)
+        h_mm = h if plan.native16 else _scaled_rows(h.to(cdtype), inv)
+        t = targets.index_select(0, idx)
+        target_logit = hidden.new_zeros(idx.numel(), dtype=cdtype)
+        stats = None
+        for j in range(0, vocab, plan.vocab_tile):
+            keep = len(kept) < plan.kept_tiles
+            out = hidden.new_empty(buf.numel(), dtype=cdtype) if keep else buf
+            w_tile = weight[j : j + plan.vocab_tile]
+            w_mm = w_tile if plan.native16 else _as_compute(w_tile, wbuf)
+            z = _logits_tile(h_mm, w_mm, inv, out, plan.native16)
+            _gather_tile(z, t - j, target_logit)
+            tile = _tile_stats(z, scratch, plan.with_entropy)
+            stats = tile if stats is None else _merge(stats, tile)
+            if keep:
+                kept.append(z)
+                kept_max.append(tile[0])
+        row_max, row_sum, row_a = stats
+        log_sum = row_sum.log()
+        max_all[rows], sum_all[rows] = row_max, row_sum
+        # log p(target) = (z_t - m) - log S: both differences are small, exact near the max.
+        logprob.index_copy_(0, idx, _zero_unkept((target_logit - row_max) - log_sum, real))
+        if plan.with_entropy:
+            ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
+            entropy.index_copy_(0, idx, _zero_unkept(ent_all[rows], real))
+    out = (logprob, entropy) if plan.with_entropy else logprob
+    return out, (max_all, sum_all, ent_all, *kept, *kept_max)
+
+
+def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
+    hidden, weight, targets, rows_idx, row_mask, inv_t, max_all, sum_all, ent_all = saved[:9]
+    kept, kept_max = saved[9 : 9 + num_kept], saved[9 + num_kept :]
+    need_h, need_w = need
+    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+    if not (need_h or need_w) or rows_idx.numel() == 0:
+        return grad_h, torch.zeros_like(weight) if need_w else None
+    # The weight gradient accumulates over row chunks in the compute dtype (one rounding at the
+    # end for a 16-bit weight). No zero fill: the first row chunk overwrites every tile of it
+    # (beta=0 below). With a single row chunk there is nothing to accumulate: each tile is formed
+    # in a tile buffer and rounded straight into a 16-bit gradient, so no [V, H] float32 buffer.
+    direct_w = need_w and weight.dtype != cdtype and rows_idx.numel() <= plan.rows
+    grad_w = weight.new_empty(weight.shape, dtype=None if direct_w else cdtype) if need_w else None
+    # A missing upstream gradient is a zero gradient, never a dropped branch.
+    n = hidden.shape[0]
+    g_lp_all = _or_zeros(grad_logprob, n, hidden, cdtype)
+    g_ent_all = _or_zeros(grad_entropy if plan.with_entropy else None, n, hidden, cdtype)
+    if row_mask is not None:  # upstream gradients of ignored rows are dropped, NaN or not
+        g_lp_all = _zero_unkept(g_lp_all, row_mask)
+        g_ent_all = _zero_unkept(g_ent_all, row_mask)
+    use_entropy = plan.with_entropy  # no all-zero skip: finding out would be a host sync
+    buf, scratch, low_buf, wbuf = _buffers(hidden, weight, plan, cdtype)
+    if direct_w and wbuf is None:  # native16: no upcast buffer to reuse for the tile
+        wbuf = weight.new_empty(plan.vocab_tile * weight.shape[1], dtype=cdtype)
+    vocab, tile_index = weight.shape[0], 0
+    for start in range(0, rows_idx.numel(), plan.rows):
+        idx = rows_idx[start : start + plan.rows]
+        h = _masked_rows(hidden, idx, None if row_mask is None else row_mask.index_select(0, idx))
+        inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
+        h_c = h if plan.native16 else h.to(cdtype)  # unscaled: the weight gradient's operand
+        h_mm = h_c if plan.native16 else _scaled_rows(h_c, inv)
+        rows = slice(start, start + plan.rows)
+        row_max = max_all[rows].unsqueeze(1)
+        inv_sum = sum_all[rows].reciprocal()
+        g_lp = g_lp_all.index_select(0, idx) * inv
+        g_ent = g_ent_all.index_select(0, idx) * inv
+        # With s = z - m, e = exp(s), p = e / S and log p = s - log S, the tile gradient
+        # G = p * (b * log p + c) = e * (b / S * s + (c - b * log S) / S), + g_lp at the target.
+        b = -g_ent
+        c = -(g_lp + g_ent * ent_all[rows]) if use_entropy else -g_lp
+        if use_entropy:
+            c = c - b * sum_all[rows].log()
+        b, c = (b * inv_sum).unsqueeze(1), (c * inv_sum).unsqueeze(1)
+        gh = h.new_empty(h.shape, dtype=cdtype) if need_h else None
+        t = targets.index_select(0, idx)
+        for j in range(0, vocab, plan.vocab_tile):
+            w_tile = weight[j : j + plan.vocab_tile]
+            recompute = tile_index >= len(kept)
+            w_mm = w_tile
+            if not plan.native16 and (recompute or need_h):
+                w_mm = _as_compute(w_tile, wbuf)
+            if recompute:
+                z = _logits_tile(h_mm, w_mm, inv, buf, plan.native16)
+                z.sub_(row_max)  # s
+            else:  # z - m = (z - m_tile) - (m - m_tile), no matmul
+                s_tile = kept[tile_index]
+                shift = row_max - kept_max[tile_index].unsqueeze(1)
+                z = torch.sub(s_tile, shift, out=buf[: s_tile.numel()].view_as(s_tile))
+            tile_index += 1
+            g = torch.exp(z, out=scratch[: z.numel()].view_as(z))  # e
             if use_entropy:
-                c = c - b * sum_all[rows].log()
-            b, c = (b * inv_sum).unsqueeze(1), (c * inv_sum).unsqueeze(1)
-            gh = h.new_empty(h.shape, dtype=cdtype) if need_h else None
-            t = targets.index_select(0, idx)
-            for j in range(0, vocab, plan.vocab_tile):
-                w_tile = weight[j : j + plan.vocab_tile]
-                if tile_index < len(kept):  # z - m = (z - m_tile) - (m - m_tile), no matmul
-                    s_tile = kept[tile_index]
-                    shift = row_max - kept_max[tile_index].unsqueeze(1)
-                    z = torch.sub(s_tile, shift, out=buf[: s_tile.numel()].view_as(s_tile))
-                else:
-                    z = _logits_tile(h_s, w_tile, inv, buf, low_buf)
-                    z.sub_(row_max)  # s
-                tile_index += 1
-                g = torch.exp(z, out=scratch[: z.numel()].view_as(z))  # e
-                if use_entropy:
-                    g.mul_(torch.addcmul(c, z, b, out=z))
-                else:
-                    g.mul_(c)
-                _scatter_tile(g, t - j, g_lp)
-                g_mm = g if low_buf is None else low_buf[: g.numel()].view_as(g).copy_(g)
-                if need_h:
-                    _addmm(gh, g_mm, w_tile, overwrite=j == 0)
-                if need_w:
-                    _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h, overwrite=start == 0)
+                g.mul_(torch.addcmul(c, z, b, out=z))
+            else:
+                g.mul_(c)
+            _scatter_tile(g, t - j, g_lp)
+            # 16-bit tensor-core matmuls take G rounded to the input dtype (float32 accumulation
+            # and output); everywhere else G stays in the compute dtype.
+            g_mm = low_buf[: g.numel()].view_as(g).copy_(g) if plan.native16 else g
             if need_h:
-                grad_h.index_copy_(0, idx, gh.to(hidden.dtype))
-        return grad_h, _cast(grad_w, weight.dtype), None, None, None, None, None
+                _addmm(gh, g_mm, w_mm, overwrite=j == 0)
+            if need_w and direct_w:  # wbuf's weight tile is used up: reuse it
+                tile = wbuf[: w_tile.numel()].view(w_tile.shape)
+                _addmm(tile, g_mm.T, h_c, overwrite=True)
+                grad_w[j : j + plan.vocab_tile].copy_(tile)
+            elif need_w:
+                _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h_c, overwrite=start == 0)
+        if need_h:
+            grad_h.index_copy_(0, idx, gh.to(hidden.dtype))
+    return grad_h, _cast(grad_w, weight.dtype)
 
 
 def _masked_rows(hidden: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor | None):
@@ -301,24 +391,29 @@ def _scatter_tile(g: torch.Tensor, local_targets: torch.Tensor, values: torch.Te
     g.scatter_add_(1, index, torch.where(inside, values, 0.0).unsqueeze(1))
 
 
-def _buffers(hidden: torch.Tensor, plan: _Plan, cdtype: torch.dtype):
-    """Flat tile buffers: logits (compute dtype), scratch, and a low-precision matmul output."""
+def _buffers(hidden: torch.Tensor, weight: torch.Tensor, plan: _Plan, cdtype: torch.dtype):
+    """Flat tile buffers: logits and scratch (compute dtype); with ``native16`` a 16-bit copy of
+    the gradient tile (the tensor-core operand); for a weight not in the compute dtype (and not
+    ``native16``) room for one weight tile upcast to it."""
     size = plan.rows * plan.vocab_tile
     buf = hidden.new_empty(size, dtype=cdtype)
     scr = hidden.new_empty(size, dtype=cdtype)
-    low = hidden.new_empty(size) if hidden.dtype != cdtype else None
-    return buf, scr, low
+    low = hidden.new_empty(size) if plan.native16 else None
+    upcast = weight.dtype != cdtype and not plan.native16
+    wbuf = weight.new_empty(plan.vocab_tile * weight.shape[1], dtype=cdtype) if upcast else None
+    return buf, scr, low, wbuf
 
 
 def _addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool) -> None:
     """``acc += a @ b`` (``acc = a @ b`` when ``overwrite``: uninitialised ``acc`` is ignored) with
-    ``acc`` in the compute dtype and ``a``, ``b`` in the input dtype."""
+    ``acc`` in the compute dtype; ``a``, ``b`` in the compute dtype too, or 16-bit (``native16``:
+    float32 accumulation and output)."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b, beta=0.0 if overwrite else 1.0)
     elif overwrite:
-        acc.copy_(torch.mm(a, b))
+        _mm_fp32(a, b, acc)
     else:
-        acc += torch.mm(a, b)
+        acc += _mm_fp32(a, b, torch.empty_like(acc))
 
 
 def _or_zeros(grad, n, like, dtype):
@@ -344,25 +439,30 @@ def fused_linear_logprob(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head, without materialising the logits.
 
-    Exactly ``log_softmax((hidden @ weight.T).float() / temperature)`` gathered at ``targets``,
-    and the entropy of that distribution, with gradients to ``hidden`` and ``weight`` (each only
-    when it requires grad). See :func:`microrl.kernels.reference_linear_logprob` for the eager
-    definition.
+    ``log_softmax((hidden.float() @ weight.float().T) / temperature)`` gathered at ``targets``,
+    and the entropy of that distribution, computed in float32 (float64 when an input is float64)
+    whatever the input dtypes and autocast state: the logits are never rounded to 16 bits. Values
+    equal those of :func:`microrl.kernels.reference_linear_logprob` (the eager definition) to the
+    compute dtype's rounding, not bitwise. Gradients go to ``hidden`` and ``weight``, each only
+    when it requires grad, in its own dtype. Full contract: ``docs/kernels.md``.
 
     Args:
         hidden: ``[..., H]`` float32/bfloat16/float16/float64, any strides.
-        weight: ``[V, H]`` lm-head weight (same dtype as ``hidden``).
+        weight: ``[V, H]`` lm-head weight, any of those dtypes; it need not match ``hidden``'s
+            (e.g. bf16 activations with a float32 weight): both are upcast to the compute dtype.
         targets: ``[...]`` integer ids in ``[0, V)``, or ``ignore_index``: those positions give
             log-prob 0 and entropy 0, and no gradient (their hidden rows are never read).
         temperature: float > 0, or a tensor broadcastable to ``targets.shape`` (per token / per
             row; no gradient flows to it).
         with_entropy: False returns ``None`` for the entropy and skips its passes.
-        chunk_size: rows per chunk; ``None`` uses 1024. The vocabulary tile is then chosen so a
-            ``[rows, vocab_tile]`` tile holds ``WORKING_TILE_ELEMENTS`` elements (at least 128
-            columns): extra memory is two such compute-dtype working tiles plus two tiles kept
-            from forward for backward (4 x 32 MiB in float32), ``[rows, H]`` row copies and O(N)
-            statistics, whatever N. A low-precision weight that requires grad also gets a
-            float32 ``[V, H]`` gradient accumulator.
+        chunk_size: rows per chunk (at most; small problems use fewer); ``None`` uses 1024. It
+            sets the vocabulary tile, ``WORKING_TILE_ELEMENTS // chunk_size`` columns (at least
+            128, at most V), independently of the row count: extra memory is two compute-dtype
+            working tiles plus two tiles kept from forward for backward (4 x 32 MiB in float32 by
+            default, less for small problems), ``[rows, H]`` row copies and O(N) statistics,
+            whatever N. A weight not in the compute dtype also gets a ``[vocab_tile, H]`` upcast
+            buffer and, when it requires grad and there is more than one row chunk, a
+            compute-dtype ``[V, H]`` gradient accumulator.
         ignore_index: target id that marks a position with no prediction.
         validate: True checks the target range and the temperature values on the device, with one
             device-to-host sync per call (which also counts the non-ignored rows, so only those
@@ -375,13 +475,16 @@ def fused_linear_logprob(
             positions are ignored.
 
     Returns:
-        ``(logprobs [...], entropy [...] | None)`` shaped like ``targets``, float32 (float64 for
-        float64 inputs).
+        ``(logprobs [...], entropy [...] | None)`` shaped like ``targets``, float32 (float64 when
+        an input is float64).
 
     Raises:
-        ValueError: shape mismatch, ``weight`` not ``[V, H]``, non-integer targets, temperature
-            of a bad type or shape, ``chunk_size < 1``; with ``validate``, also out-of-range
-            targets and temperatures <= 0 or non-finite.
+        TypeError: ``hidden``, ``weight`` or ``targets`` not a tensor.
+        ValueError: shape mismatch, ``weight`` not ``[V, H]``, non-float ``hidden``/``weight``,
+            tensors on different devices, non-integer targets, temperature of a bad type or
+            shape (or requiring grad), ``chunk_size < 1``, non-bool ``with_entropy``/``validate``,
+            non-int ``ignore_index``; with ``validate``, also out-of-range targets and
+            temperatures <= 0 or non-finite.
     """
     temp, count = check_linear_logprob_inputs(
         hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate
@@ -402,9 +505,9 @@ def fused_linear_logprob(
         row_mask = None
     inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    plan = _plan(
-        max(1, rows_idx.numel()), weight.shape[0], chunk_size, with_entropy, inv_scalar, needs_grad
-    )
+    native16 = _use_native16(hidden, weight)
+    num_rows, vocab = max(1, rows_idx.numel()), weight.shape[0]
+    plan = _plan(num_rows, vocab, chunk_size, with_entropy, inv_scalar, needs_grad, native16)
     out = _FusedLinearLogProb.apply(
         hidden_2d, weight, flat_targets, rows_idx, row_mask, inv_t, plan
     )

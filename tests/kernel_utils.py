@@ -14,6 +14,27 @@ from microrl.kernels import linear_logprob
 TOLERANCES = {torch.float64: (1e-10, 1e-9), torch.float32: (2e-5, 2e-5)}
 
 
+def assert_outputs_close(got, want, *, values=(2e-5, 2e-5), grad_atol=1e-5, name="") -> None:
+    """``(logprobs, entropy, hidden.grad, weight.grad)`` of two runs of the same math.
+
+    Values (float32 or float64, whatever the input dtypes) within ``values = (atol, rtol)``.
+    Gradients ``got`` come back in their input's dtype, each rounded once from the compute dtype
+    (``want`` may be float64 truth): one ulp of ``got``'s dtype relative (rounding is within half an ulp; the other half covers the compute
+    dtype's own error moving a value across a rounding boundary), plus ``grad_atol`` times the
+    gradient's largest entry for entries near zero, where the sum over the vocabulary cancels and
+    leaves an absolute float32 error of ~1e-7..1e-6 of that scale.
+    """
+    names = ("logprobs", "entropy", "hidden.grad", "weight.grad")
+    for label, a, e in zip(names, got, want, strict=True):
+        full = f"{name} {label}".strip()
+        if label.endswith("grad") and a is not None and e is not None:
+            scale = e.detach().double().abs().max().item() if e.numel() else 0.0
+            rtol = torch.finfo(a.dtype).eps
+            assert_close(a, e, atol=grad_atol * scale, rtol=rtol, name=full)
+        else:
+            assert_close(a, e, atol=values[0], rtol=values[1], name=full)
+
+
 def assert_close(actual, expected, *, atol: float, rtol: float, name: str) -> None:
     """``|actual - expected| <= atol + rtol * |expected|`` everywhere; the message shows the worst."""
     if expected is None or actual is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import TOLERANCES, assert_close, compare, run, shrink_tiles
+from kernel_utils import TOLERANCES, assert_close, assert_outputs_close, compare, run, shrink_tiles
 
 from microrl.kernels import fused_linear_logprob, reference_linear_logprob
 
@@ -65,6 +65,14 @@ def test_output_dtypes_and_shapes():
     hidden, weight, targets = make((2, 3), dtype=torch.float64)
     logprobs, entropy = fused_linear_logprob(hidden, weight, targets, with_entropy=False)
     assert logprobs.dtype == torch.float64 and entropy is None
+    # Mixed dtypes compute in the wider one, at least float32: fp32 for 16/32-bit, fp64 with fp64.
+    for h_dtype, w_dtype, out in [
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float16, torch.bfloat16, torch.float32),
+        (torch.float32, torch.float64, torch.float64),
+    ]:
+        logprobs, entropy = fused_linear_logprob(hidden.to(h_dtype), weight.to(w_dtype), targets)
+        assert logprobs.dtype == entropy.dtype == out
 
 
 @pytest.mark.parametrize(
@@ -220,48 +228,28 @@ def test_ignored_rows_are_never_read(tiles, validate):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_is_as_accurate_as_eager(tiles, dtype):
-    """Low-precision inputs: compare both implementations against float32 truth (the same inputs,
-    upcast). The logits themselves are rounded to bf16/fp16 by the input-dtype matmul (relative
-    error 2**-8 / 2**-11, i.e. ~0.02 / 0.003 on logits of size ~4 here), which no implementation
-    can avoid; the kernel's statistics are float32, so its error must stay within that of the eager
-    reference run in the same dtype (factor 1.5 plus a 2-ulp-of-dtype floor for the different
-    summation order and rounding points)."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_low_precision_is_the_float32_head(tiles, dtype, temperature):
+    """16-bit inputs compute ``log_softmax((hidden.float() @ weight.float().T) / T)``: the same as
+    the float32 call on the upcast inputs, for any values (not only ones whose logits happen to
+    be exact in 16 bits), in both implementations. Values to float32 rounding; gradients in the
+    input dtype, one rounding of the float32 gradient (test_kernel_precision.py compares with
+    float64 truth at realistic logit sizes)."""
     hidden, weight, targets = make((4, 6), dtype=dtype, scale=2.0, ignore=[(1, 1)])
-    truth = run(reference_linear_logprob, hidden.float(), weight.float(), targets, chunk_size=3,
-                grad_lp=upstream((4, 6), 13, torch.float32), grad_ent=upstream((4, 6), 14, torch.float32))  # fmt: skip
     kwargs = {
         "grad_lp": upstream((4, 6), 13, torch.float32),
         "grad_ent": upstream((4, 6), 14, torch.float32),
+        "temperature": temperature,
+        "chunk_size": 3,
     }
-    got = run(fused_linear_logprob, hidden, weight, targets, chunk_size=3, **kwargs)
-    eager = run(reference_linear_logprob, hidden, weight, targets, chunk_size=3, **kwargs)
-    assert got[0].dtype == torch.float32 and got[2].dtype == dtype and got[3].dtype == dtype
-    ulp = torch.finfo(dtype).eps
-    for name, g, e, t in zip(
-        ("logprobs", "entropy", "hidden.grad", "weight.grad"), got, eager, truth, strict=True
-    ):
-        eager_error = (e.double() - t.double()).abs().max().item()
-        floor = 2 * ulp * t.double().abs().max().item()
-        assert_close(g, t, atol=1.5 * eager_error + floor, rtol=0.0, name=f"{dtype} {name}")
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_low_precision_statistics_are_float32(tiles, dtype, temperature):
-    """Entries in {-0.5, 0, 0.5} make every logit a multiple of 0.25 in [-4, 4]: exact in bf16/fp16,
-    so the low-precision matmul loses nothing and the only possible error is in the softmax
-    statistics and the temperature scaling, which must be float32 (fp32 tolerance vs fp32 truth)."""
-    g = torch.Generator().manual_seed(17)
-    hidden = (torch.randint(-1, 2, (4, 6, H), generator=g) * 0.5).to(dtype)
-    weight = (torch.randint(-1, 2, (V, H), generator=g) * 0.5).to(dtype)
-    targets = torch.randint(0, V, (4, 6), generator=g)
-    got = fused_linear_logprob(hidden, weight, targets, temperature=temperature, chunk_size=3)
-    want = reference_linear_logprob(
-        hidden.float(), weight.float(), targets, temperature=temperature
-    )
-    for name, a, e in zip(("logprobs", "entropy"), got, want, strict=True):
-        assert_close(a, e, atol=1e-5, rtol=1e-5, name=f"{dtype} T={temperature} {name}")
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    upcast = run(reference_linear_logprob, h32, w32, targets, **kwargs)
+    want = (*upcast[:2], upcast[2].to(dtype), upcast[3].to(dtype))
+    for fn in (fused_linear_logprob, reference_linear_logprob):
+        got = run(fn, hidden, weight, targets, **kwargs)
+        assert got[0].dtype == torch.float32 and got[2].dtype == got[3].dtype == dtype
+        assert_outputs_close(got, want, values=TOLERANCES[torch.float32], name=f"{fn.__name__}")
 
 
 @pytest.mark.parametrize("offset", [3e4, -3e4, 0.0], ids=["huge", "very-negative", "spread"])
@@ -357,4 +345,4 @@ def test_nothing_is_kept_without_gradients(monkeypatch):
     with torch.no_grad():
         fused_linear_logprob(hidden, weight, targets)
     fused_linear_logprob(hidden.detach(), weight.detach(), targets)
-    assert seen == [linear_logprob._KEPT_TILES, 0, 0] and seen[0] > 0
+    assert seen[0] >= linear_logprob._KEPT_TILES > 0 and seen[1:] == [0, 0]

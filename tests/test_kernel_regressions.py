@@ -169,8 +169,15 @@ def test_default_plan_bounds_the_tile_independently_of_n(n, vocab):
     plan = linear_logprob._plan(n, vocab, None, True, 1.0)
     tile = plan.rows * plan.vocab_tile
     assert tile <= WORKING_TILE_ELEMENTS
-    # small problems: at least 8 tiles (or the 64K-element floor), so 4 tiles <= half the logits
-    assert tile <= max(linear_logprob._MIN_TILE_ELEMENTS, -(-n * vocab // 8)) or tile == vocab
+    # The vocabulary tile is a function of V (and chunk_size) only: 8192 columns by default.
+    assert plan.vocab_tile == min(vocab, WORKING_TILE_ELEMENTS // linear_logprob._DEFAULT_ROWS)
+    # small problems: shorter chunks, so a tile is at most 1/8 of the logits (or the 64K-element
+    # floor) and the 4 tile buffers stay within half of one [N, V] logits buffer
+    budget = max(linear_logprob._MIN_TILE_ELEMENTS, -(-n * vocab // 8))
+    assert tile <= budget
+    # tiles kept for backward: at most _KEPT_TILES full-size tiles' worth, however short the rows
+    full = min(WORKING_TILE_ELEMENTS, budget)
+    assert plan.kept_tiles * tile <= linear_logprob._KEPT_TILES * full
     if n >= linear_logprob._DEFAULT_ROWS and n * vocab >= 8 * WORKING_TILE_ELEMENTS:
         assert plan == linear_logprob._plan(n * 8, vocab, None, True, 1.0)  # flat from here on
 
@@ -195,7 +202,7 @@ def _bad_inputs():
         ("weight-1d", dict(weight=torch.randn(V)), "weight must be 2-D"),
         ("weight-3d", dict(weight=torch.randn(1, V, H)), "weight must be 2-D"),
         ("weight-H", dict(weight=torch.randn(V, H + 1)), "weight must be"),
-        ("weight-dtype", dict(weight=w.double()), "weight dtype"),
+        ("weight-int", dict(weight=torch.ones(V, H, dtype=torch.int32)), "weight must be a float"),
         ("targets-float", dict(targets=t.float()), "targets must be an integer"),
         ("targets-shape", dict(targets=t[:, :2]), "targets shape"),
         ("targets-high", dict(targets=torch.full((2, 3), V)), "targets must lie"),
