@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from microrl.engine.alignment import IGNORE_INDEX
-from microrl.kernels import fused_linear_logprob
+from microrl.kernels import fused_linear_logprob, reference_linear_logprob
 
 __all__ = ["PolicyModel", "ValueModel", "decoder_body", "fused_head_blocker"]
 
@@ -109,13 +109,18 @@ class PolicyModel(nn.Module):
     """Causal LM -> per-position log-probs of the next token (and the entropy of its distribution).
 
     ``fused=True``: body to final hidden states, then :func:`microrl.kernels.fused_linear_logprob`
-    with the lm-head weight (the ``[N, V]`` logits never exist). ``fused=False``: the model's own
-    forward (its head, bias, soft-capping, scaling, ...) then an fp32 ``log_softmax``.
+    with the lm-head weight (the ``[N, V]`` logits never exist). ``fused=False`` with
+    ``plain_head=True`` (a bias-free linear head, see :func:`fused_head_blocker`): the same body,
+    then :func:`microrl.kernels.reference_linear_logprob`, the kernel's eager twin, so both paths
+    compute ``log_softmax((h.float() @ W.float().T) / T)`` and switching ``use_fused_kernel``
+    changes results by fp32 rounding only, also under autocast (docs/kernels.md). Otherwise the
+    model's own forward (its head, bias, soft-capping, scaling, ... in the model's dtype) then an
+    fp32 ``log_softmax``.
 
     ``trusted_targets=True``: the caller guarantees every target is ``-100`` or a token id below
     the input embeddings' size (the engine's ``check_batch`` validates ``input_ids`` against it at
     the batch boundary) and every temperature is finite and > 0; the kernel then skips its own
-    value checks and issues no host sync (design.md section 6), whenever the head has at least
+    value checks and issues no host sync (docs/engine.md), whenever the head has at least
     that many rows.
     """
 
@@ -124,12 +129,15 @@ class PolicyModel(nn.Module):
         causal_lm: nn.Module,
         *,
         fused: bool,
+        plain_head: bool | None = None,
         chunk_size: int | None = None,
         trusted_targets: bool = False,
     ):
         super().__init__()
         self.causal_lm = causal_lm
         self.fused = fused
+        # The fused kernel needs a plain head; the eager path uses it whenever the head is plain.
+        self.plain_head = fused if plain_head is None else (plain_head or fused)
         self.chunk_size = chunk_size
         self.trusted_targets = trusted_targets
 
@@ -154,14 +162,15 @@ class PolicyModel(nn.Module):
             "use_cache": False,
             **model_kwargs,
         }
-        if self.fused:
+        if self.plain_head:
             hidden = decoder_body(self.causal_lm)(**inputs).last_hidden_state
+            # Mixed dtypes (bf16 activations under autocast, fp32 weight) are the head's business:
+            # both are upcast to fp32 there, so the logits are never rounded to 16 bits.
             weight = self.causal_lm.get_output_embeddings().weight
-            if weight.dtype != hidden.dtype:  # autocast: run the head in the activations' dtype
-                weight = weight.to(hidden.dtype)
             # Targets below the input vocabulary are in range only if the head is at least as wide.
             in_range = weight.shape[0] >= self.causal_lm.get_input_embeddings().num_embeddings
-            return fused_linear_logprob(
+            head = fused_linear_logprob if self.fused else reference_linear_logprob
+            return head(
                 hidden,
                 weight,
                 targets,

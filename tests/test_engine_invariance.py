@@ -1,7 +1,9 @@
-"""Gradient, loss and metrics do not depend on how a mini-batch is split (design.md section 4).
+"""Gradient, loss and metrics do not depend on how a mini-batch is split (docs/losses.md).
 
 The model runs in float64, so any difference beyond reassociation noise (~1e-12) is a bug in the
 normalisation (a local denominator, a dropped or double-counted micro-batch, a wrong row order).
+Every test runs with 1 and with 2 intra-op threads (the ``intra_op_threads`` fixture): with 2,
+BLAS splits GEMMs differently per row count, which is exactly the noise the tolerances allow for.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from engine_utils import assert_close_dicts, grads_of, make_batch, tiny_model
 from microrl.configs import ActorConfig, CriticConfig, PolicyLossConfig
 from microrl.engine import ActorEngine, CriticEngine
 from microrl.losses.aggregation import AggMode
+
+pytestmark = pytest.mark.usefixtures("intra_op_threads")
 
 GRAD_RTOL, GRAD_ATOL = 1e-9, 1e-12  # fp64 gradients: reassociation noise only
 # Metrics (and the reported loss) are float32 by the metrics contract (losses/metrics.py), so the
@@ -120,7 +124,8 @@ def test_row_order_of_outputs_is_the_callers() -> None:
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(0))
     out = engine.infer_batch(batch)
     shuffled = engine.infer_batch(batch[perm])
-    torch.testing.assert_close(shuffled["logprobs"], out["logprobs"][perm], atol=1e-6, rtol=0)
+    # fp32 model, rows in other micro-batches: GEMM rounding only (~5e-7 measured, 2 threads).
+    torch.testing.assert_close(shuffled["logprobs"], out["logprobs"][perm], atol=1e-5, rtol=0)
 
 
 class PaddedCountActor(ActorEngine):
@@ -143,7 +148,9 @@ def test_extra_empty_micro_batches_change_nothing() -> None:
     assert padded["loss"] == pytest.approx(plain["loss"], rel=RTOL, abs=ATOL)
     assert_close_dicts(padded["metrics"], plain["metrics"], rtol=RTOL, atol=ATOL)
     assert_close_dicts(g_padded, g_plain, rtol=GRAD_RTOL, atol=GRAD_ATOL)
-    assert torch.equal(padded["model_output"]["logprobs"], plain["model_output"]["logprobs"])
+    torch.testing.assert_close(
+        padded["model_output"]["logprobs"], plain["model_output"]["logprobs"], rtol=0, atol=1e-6
+    )
 
 
 def test_forward_step_with_global_denominators_sums_to_the_batch_loss() -> None:
