@@ -1,4 +1,4 @@
-"""Typed engine configuration: ``ActorConfig`` and ``CriticConfig`` (design.md section 5).
+"""Typed engine configuration: ``ActorConfig`` and ``CriticConfig`` (docs/engine.md).
 
 Every field has a default; ``__post_init__`` validates ranges so a bad value fails at construction
 with a message that names the key, whether it came from Python, YAML or a command-line override.
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+import torch
 
 from microrl.losses.aggregation import AggMode
 from microrl.losses.config import PolicyLossConfig
@@ -55,28 +58,55 @@ class OptimConfig:
 
 @dataclass
 class LoraConfig:
+    """LoRA adapters (peft) on the causal LM; ``rank=0`` trains every parameter instead.
+
+    ``target_modules``: which layers get an adapter.
+
+    * ``None`` (default): picked for the architecture -- every linear layer of the model
+      (``nn.Linear`` and GPT-2's ``Conv1D``) except the output head, i.e. peft's ``"all-linear"``.
+      A fixed list of names would fit one family only (``q_proj``... matches nothing in GPT-2).
+      The lm head stays a plain ``nn.Linear``, which the fused log-prob kernel needs.
+    * a string, passed to peft as is: ``"all-linear"`` or a regular expression that must match
+      whole module names.
+    * a list of names: a module is adapted when its name is one of them or ends with
+      ``".<name>"``; each name must match at least one module of the model.
+
+    ``dropout`` is the adapters' own dropout: an explicit choice, so ``disable_dropout`` of the
+    engine leaves it alone (with ``dropout > 0`` the training forward is stochastic again).
+    """
+
     rank: int = 0  # 0 disables LoRA (full fine-tune)
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
+    # str | list[str] | None; typed Any because OmegaConf < 2.4 rejects a union with a list.
+    target_modules: Any = None
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ValueError(f"lora.rank must be >= 0, got {self.rank}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.rank and not self.target_modules:
-            raise ValueError("lora.target_modules must name at least one module when lora.rank > 0")
+        targets = self.target_modules
+        if isinstance(targets, (list, tuple)):
+            if not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(
+                    f"lora.target_modules must hold non-empty module names, got {targets!r}"
+                )
+            self.target_modules = list(targets)
+            if self.rank and not self.target_modules:
+                raise ValueError(
+                    "lora.target_modules must name at least one module when lora.rank > 0 "
+                    "(or be None: every linear layer but the output head)"
+                )
+        elif isinstance(targets, str):
+            if not targets:
+                raise ValueError("lora.target_modules must not be an empty string")
+        elif targets is not None:
+            # ValueError, not TypeError: OmegaConf would bury a TypeError under its own message.
+            raise ValueError(
+                "lora.target_modules must be None (every linear layer but the output head), "
+                f"a string such as 'all-linear', or a list of module names; got {targets!r}"
+            )
 
 
 @dataclass
@@ -99,8 +129,17 @@ class EngineConfig:
     dtype: str = (
         "auto"  # "auto": float32 on CPU, bfloat16 autocast on CUDA; or "float32" / "bfloat16"
     )
+    # "auto" (the current CUDA device when there is one, else the CPU), or a torch device string
+    # ("cpu", "cuda", "cuda:1", ...); one that is not available here fails at engine construction.
     device: str = "auto"
     seed: int = 0
+    # Zero every dropout probability of the model (nn.Dropout modules and the float rates that
+    # attention implementations read, e.g. Qwen2's attention_dropout) when the engine is built.
+    # RL ratios exp(logp - old_logp) need the training forward to be the same function as the
+    # rollout / old-log-prob forward (eval mode): with dropout the first on-policy ratio is not 1,
+    # and clipping, KL and importance weights measure dropout noise. TRL and verl do the same.
+    # LoRA's own lora.dropout is an explicit choice and is kept.
+    disable_dropout: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -132,12 +171,27 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.device != "auto":
+            try:
+                if not isinstance(self.device, str):
+                    raise TypeError
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    "device must be 'auto' or a torch device string such as 'cpu', 'cuda' or "
+                    f"'cuda:1', got {self.device!r}"
+                ) from None
 
 
 @dataclass
 class ActorConfig(EngineConfig):
     temperature: float = 1.0
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    # Per-token entropy in training passes too (``output["entropy"]`` for a custom loss_fn, with
+    # its gradient; the built-in loss then also reports the ``entropy`` metric). Off, a training
+    # pass computes it only when policy_loss.entropy_coef > 0, as it adds work over the vocabulary
+    # for every token, forward and backward. Inference (infer_batch) always returns it.
+    compute_entropy: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -31,7 +31,9 @@ class ActorEngine(Engine):
     :attr:`uses_fused_kernel` tells which, and the choice is logged.
 
     Entropy is computed by :meth:`infer_batch` and by training passes whose loss uses it
-    (``policy_loss.entropy_coef > 0``); otherwise it costs nothing.
+    (``policy_loss.entropy_coef > 0``) or that ask for it (``config.compute_entropy=True``: a
+    custom ``loss_fn`` then reads ``output["entropy"]``, with its gradient); otherwise a training
+    pass does not compute it, and its output has no ``entropy`` key.
 
     Temperature: ``config.temperature``, unless the batch carries ``temperature``: ``[B]`` per
     row, or ``[B, T]`` token-aligned (``temperature[b, t]`` is the one token ``t`` was sampled at).
@@ -49,21 +51,21 @@ class ActorEngine(Engine):
         super().__init__(model, config)
 
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
-        fused = self.config.use_fused_kernel
-        if fused:
-            blocker = fused_head_blocker(causal_lm)
-            if blocker is not None:
-                logger.warning(
-                    "fused lm-head kernel not exact for this model (%s): eager path", blocker
-                )
-                fused = False
-        if fused:
+        blocker = fused_head_blocker(causal_lm)
+        fused = self.config.use_fused_kernel and blocker is None
+        if blocker is not None:
+            logger.warning("lm head is not plain (%s): the model's own head, eager path", blocker)
+        elif fused:
             logger.info("actor head: fused lm-head log-prob kernel")
-        elif not self.config.use_fused_kernel:
-            logger.info("actor head: eager path (use_fused_kernel=False)")
+        else:
+            logger.info("actor head: eager fp32 head (use_fused_kernel=False)")
         # Targets come from input_ids that check_batch validated against the vocabulary.
         return PolicyModel(
-            causal_lm, fused=fused, chunk_size=self.config.kernel_chunk_size, trusted_targets=True
+            causal_lm,
+            fused=fused,
+            plain_head=blocker is None,
+            chunk_size=self.config.kernel_chunk_size,
+            trusted_targets=True,
         )
 
     def _head_forward(
@@ -77,7 +79,9 @@ class ActorEngine(Engine):
         temperature=None,
         **model_kwargs,
     ):
-        with_entropy = not training or self.config.policy_loss.entropy_coef > 0
+        with_entropy = (
+            not training or self.config.compute_entropy or self.config.policy_loss.entropy_coef > 0
+        )
         logprobs, entropy = self.module(
             input_ids,
             position_ids,

@@ -1,4 +1,4 @@
-"""The micro-batched training loop every engine role shares (design.md section 5).
+"""The micro-batched training loop every engine role shares (docs/engine.md).
 
 A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`, or a user's
 reward model) overrides three things only: :meth:`Engine._build_module` (the ``nn.Module`` that is
@@ -81,6 +81,16 @@ class Engine:
         self.global_step = 0
         causal_lm = setup.load_causal_lm(model).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
+        if config.disable_dropout:  # before LoRA: the adapters' own dropout is the user's choice
+            zeroed = setup.disable_dropout(causal_lm)
+            if zeroed:
+                logger.info("disable_dropout: set %d dropout rates to 0", len(zeroed))
+            if config.lora.rank and config.lora.dropout > 0:
+                logger.warning(
+                    "lora.dropout=%s keeps the training forward stochastic: on-policy ratios "
+                    "will not be 1 (disable_dropout leaves the adapters' dropout as configured)",
+                    config.lora.dropout,
+                )
         causal_lm, self.peft_model = setup.apply_lora(causal_lm, config.lora)
         if config.gradient_checkpointing:
             setup.enable_gradient_checkpointing(causal_lm)
@@ -150,7 +160,7 @@ class Engine:
         """Run a whole mini-batch in micro-batches; accumulate gradients unless ``forward_only``.
 
         Args:
-            batch: ``[B, T]`` TensorDict (design.md section 2); the loss keys are required unless
+            batch: ``[B, T]`` TensorDict (docs/batch.md); the loss keys are required unless
                 ``forward_only`` (then the loss is computed only when they are present).
             loss_fn: ``loss_fn(output, micro_batch, denominators) -> (loss, metrics)``; None uses
                 :meth:`default_loss`. ``denominators`` are the mini-batch's global counts.
@@ -158,8 +168,19 @@ class Engine:
 
         Returns:
             ``{"model_output": TensorDict [B, T] fp32 detached in the caller's row order,
-            "loss": float, "metrics": dict[str, float]}``.
+            "loss": float, "metrics": dict[str, float]}``. A MIN/MAX metric with no value in the
+            mini-batch (e.g. ``ratio_min`` when no token has a loss) is NaN.
         """
+        return self._forward_backward(batch, loss_fn, forward_only)[0]
+
+    def _forward_backward(
+        self,
+        batch: TensorDict | Mapping[str, torch.Tensor],
+        loss_fn: LossFn | None,
+        forward_only: bool,
+    ) -> tuple[dict[str, Any], LossDenominators | None]:
+        """:meth:`forward_backward_batch` and the global denominators it used (None without a
+        loss), which tell :meth:`train_batch` whether the mini-batch had any loss token."""
         keys = self._required_keys(loss_fn, forward_only)
         # Data parallel: a rank whose share is empty still runs the agreed micro-batches (FSDP's
         # collectives), on a one-token placeholder row that contributes nothing.
@@ -173,7 +194,7 @@ class Engine:
         host_lengths = lengths.tolist()  # the one sync that planning needs
         denominators = None
         if with_loss:
-            # Design.md section 4: counted over the whole mini-batch (and all ranks) first.
+            # docs/losses.md: counted over the whole mini-batch (and all ranks) first.
             denominators = global_denominators(
                 batch["loss_mask"], seq_len_norm=self.config.seq_len_norm, group=self.dp_group
             )
@@ -214,11 +235,12 @@ class Engine:
         if placeholder:  # the caller's [0, T] shape, with the keys a real share would have
             outputs = {k: v.new_zeros((0, shape[1])) for k, v in output.items()}
             shape = (0, shape[1])
-        return {
+        result = {
             "model_output": TensorDict(outputs, batch_size=[shape[0]], device=self.device),
             "loss": reduced.pop("loss", 0.0),
             "metrics": reduced,
         }
+        return result, denominators
 
     def forward_step(
         self,
@@ -269,8 +291,14 @@ class Engine:
         """No grad, eval mode: the role's outputs ``[B, T]`` fp32 in the caller's row order."""
         return self.forward_backward_batch(batch, forward_only=True)["model_output"]
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, *, has_loss_tokens: bool | torch.Tensor = True) -> float:
         """Clip to the global grad norm and step; a non-finite norm skips the step.
+
+        ``has_loss_tokens``: False (or a 0-d bool tensor holding False, e.g. the
+        ``has_loss_tokens`` of the mini-batch's :class:`LossDenominators`) skips the step too: a
+        mini-batch without a single loss token (on any rank) has nothing to learn, yet AdamW
+        would still move every parameter (momentum, weight decay) and the schedule would advance.
+        :meth:`train_batch` passes it; it costs one host read of a flag already on the device.
 
         A skipped step leaves parameters, optimizer state, LR schedule and :attr:`global_step`
         untouched and zeroes the gradients. Returns the grad norm (before clipping; may be nan/inf).
@@ -281,7 +309,10 @@ class Engine:
         self.last_step_skipped = not math.isfinite(norm_value)
         if self.last_step_skipped:
             logger.warning("non-finite grad norm %s: optimizer step skipped", norm_value)
-        else:
+        elif not bool(has_loss_tokens):  # all ranks agree: the count was all-reduced
+            self.last_step_skipped = True
+            logger.warning("no loss token in the mini-batch (loss_mask all 0): step skipped")
+        if not self.last_step_skipped:
             self.optimizer.step()
             self.lr_scheduler.step()
             self.global_step += 1
@@ -294,14 +325,18 @@ class Engine:
         """zero_grad + :meth:`forward_backward_batch` + :meth:`optimizer_step` (+ LR schedule).
 
         ``loss_fn`` as in :meth:`forward_backward_batch` (None: the role's configured loss).
+        The step is skipped (parameters, optimizer state, schedule and :attr:`global_step`
+        untouched) when the grad norm is not finite or when the mini-batch has no loss token on
+        any rank.
 
         Returns the loss metrics plus ``loss``, ``grad_norm``, ``step_skipped`` (0/1) and ``lr``
         (the learning rate this step used).
         """
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
-        result = self.forward_backward_batch(batch, loss_fn)
-        grad_norm = self.optimizer_step()
+        result, denominators = self._forward_backward(batch, loss_fn, forward_only=False)
+        has_tokens = getattr(denominators, "has_loss_tokens", None)
+        grad_norm = self.optimizer_step(has_loss_tokens=True if has_tokens is None else has_tokens)
         metrics = dict(result["metrics"])
         metrics.update(
             loss=result["loss"],
@@ -326,11 +361,14 @@ class Engine:
         with self.peft_model.disable_adapter():
             yield
 
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
         """Save module, optimizer, LR schedule, step, RNG and config (microrl.engine.checkpoint).
 
         Atomic (written to a temporary directory, then renamed); under LoRA only the trainable
-        parameters (adapters, value head) are stored.
+        parameters (adapters, value head) are stored. Under data parallelism a rank that fails
+        makes every rank raise, a killed or hung one after ``timeout_s`` (None: the
+        ``MICRORL_CHECKPOINT_TIMEOUT_S`` environment variable, else 600 s); the previous
+        checkpoint stays complete (docs/checkpoints.md).
         """
         from microrl.engine import checkpoint
 
@@ -341,10 +379,12 @@ class Engine:
             scheduler=self.lr_scheduler,
             step=self.global_step,
             config=self.config,
+            timeout_s=timeout_s,
         )
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step."""
+    def load_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step;
+        ``timeout_s`` bounds the ranks' agreements as in :meth:`save_checkpoint`."""
         from microrl.engine import checkpoint
 
         info = checkpoint.load_checkpoint(
@@ -353,6 +393,7 @@ class Engine:
             optimizer=self.optimizer,
             scheduler=self.lr_scheduler,
             config=self.config,
+            timeout_s=timeout_s,
         )
         self.global_step = info.step
 

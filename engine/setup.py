@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -14,6 +15,7 @@ from microrl.configs.engine import EngineConfig, LoraConfig
 __all__ = [
     "apply_lora",
     "autocast_context",
+    "disable_dropout",
     "enable_gradient_checkpointing",
     "load_causal_lm",
     "resolve_device",
@@ -21,14 +23,56 @@ __all__ = [
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    """``device="auto"``: the current CUDA device when there is one, else the CPU."""
+    """The engine's device: ``device="auto"`` is the current CUDA device when there is one, else
+    the CPU; an explicit one must exist on this machine.
+
+    Checked here, at construction, because torch only fails at the first allocation, deep inside
+    (``AssertionError: Torch not compiled with CUDA enabled``), without naming the setting.
+
+    Raises:
+        ValueError: naming ``device``: not a device string, or a device this machine lacks.
+    """
     if config.device == "auto":
         return (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
             else (torch.device("cpu"))
         )
-    return torch.device(config.device)
+    try:
+        device = torch.device(config.device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            "device must be 'auto' or a torch device string such as 'cpu', 'cuda' or 'cuda:1', "
+            f"got {config.device!r}"
+        ) from None
+    if device.type == "cpu":
+        return device
+    count = _device_count(device.type)
+    if count == 0:
+        raise ValueError(
+            f"device={config.device!r}, but no {device.type} device is available to torch here "
+            f"(torch {torch.__version__}); use device='auto' (an accelerator when there is one, "
+            "else the CPU) or device='cpu'"
+        )
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"device={config.device!r}, but only {count} {device.type} device(s) are visible "
+            f"(indices 0..{count - 1})"
+        )
+    return device
+
+
+def _device_count(device_type: str) -> int:
+    """How many devices of ``device_type`` torch can use here (0: none, or not a compute device)."""
+    if device_type == "mps":
+        return int(torch.backends.mps.is_available())
+    # torch.cuda, torch.xpu, torch.mtia, ...: the accelerator modules share this interface.
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    if not callable(is_available) or not is_available():
+        return 0
+    count = getattr(module, "device_count", None)
+    return int(count()) if callable(count) else 1
 
 
 def autocast_context(config: EngineConfig, device: torch.device) -> Any:
@@ -60,26 +104,124 @@ def load_causal_lm(model: nn.Module | str | os.PathLike) -> nn.Module:
     return model
 
 
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Set every dropout probability of ``model`` to 0, in place; returns what was non-zero.
+
+    RL needs the training forward to be the function that produced the rollout's and the old
+    log-probs (eval mode): dropout would make the first on-policy ratio differ from 1 and feed
+    noise into clipping, KL and importance weights. Three places hold the rates:
+
+    * ``nn.Dropout*`` modules (GPT-2's ``attn_pdrop``/``resid_pdrop``/``embd_pdrop``; its SDPA
+      path reads ``self.attn_dropout.p``);
+    * float attributes of modules named like a drop rate, read functionally in ``forward``
+      (Qwen2/Llama attention's ``attention_dropout``, OPT's ``dropout`` and ``layerdrop``);
+    * the model config (and its sub-configs), which some models read in ``forward`` (Gemma 2's
+      ``self.config.attention_dropout``) -- so an exported checkpoint carries the zeros too.
+    """
+    changed: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p:
+                changed.append(f"{name}.p" if name else "p")
+                module.p = 0.0
+            continue
+        for attr, value in list(vars(module).items()):
+            if _is_drop_rate(attr, value):
+                changed.append(f"{name}.{attr}" if name else attr)
+                setattr(module, attr, 0.0)
+    from transformers import PretrainedConfig
+
+    seen: set[int] = set()
+    pending = [("config", getattr(model, "config", None))]
+    while pending:
+        prefix, config = pending.pop()
+        if not isinstance(config, PretrainedConfig) or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for attr, value in list(vars(config).items()):
+            if isinstance(value, PretrainedConfig):  # a composite model's text/vision config
+                pending.append((f"{prefix}.{attr}", value))
+            elif _is_drop_rate(attr, value):
+                changed.append(f"{prefix}.{attr}")
+                setattr(config, attr, 0.0)
+    return changed
+
+
+def _is_drop_rate(name: str, value: object) -> bool:
+    """A non-zero probability stored under a drop-rate name (``*dropout*``, ``*pdrop*``,
+    ``*layerdrop*``, ``drop_path_rate``, ...); ints, bools and other floats are left alone."""
+    return "drop" in name.lower() and isinstance(value, float) and 0.0 < value <= 1.0
+
+
 def apply_lora(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, nn.Module | None]:
     """Inject LoRA adapters with peft when ``config.rank > 0``.
+
+    ``config.target_modules``: None adapts every linear layer but the output head (peft's
+    ``"all-linear"``, which also covers GPT-2's ``Conv1D``); a string goes to peft as is; a list
+    is checked first, so that a name matching nothing is an error naming the setting and the
+    model's own layer names rather than peft's bare "not found" (or a silently smaller adapter).
 
     Returns ``(model, peft_model)``: ``model`` is the same causal LM object with adapter layers
     injected (its base weights frozen by peft), ``peft_model`` the ``PeftModel`` that owns the
     adapters (``disable_adapter()``, ``save_pretrained()``), or ``None`` without LoRA.
+
+    Raises:
+        ValueError: naming ``lora.target_modules`` when its names select no (or not every) layer.
     """
     if config.rank == 0:
         return model, None
     import peft
 
+    targets = config.target_modules
+    if targets is None:
+        targets = "all-linear"
+    elif not isinstance(targets, str):
+        targets = list(targets)
+        unmatched = [
+            t for t in targets if not any(_matches(n, t) for n, _ in model.named_modules())
+        ]
+        if unmatched:
+            raise ValueError(
+                f"lora.target_modules names {unmatched} that match no module of "
+                f"{type(model).__name__}; layers LoRA can adapt here: {_adaptable_names(model)} "
+                "(or leave lora.target_modules unset: every linear layer but the output head)"
+            )
     lora = peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
-        target_modules=list(config.target_modules),
+        target_modules=targets,
         bias="none",
     )
-    peft_model = peft.get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # GPT-2's Conv1D stores its weight transposed; peft notices and adapts correctly.
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+        try:
+            peft_model = peft.get_peft_model(model, lora)
+        except ValueError as err:  # e.g. a regular expression that matches nothing
+            raise ValueError(
+                f"lora.target_modules={targets!r} could not be applied to "
+                f"{type(model).__name__} ({err}); layers LoRA can adapt here: "
+                f"{_adaptable_names(model)}"
+            ) from err
     return peft_model.get_base_model(), peft_model
+
+
+def _matches(module_name: str, target: str) -> bool:
+    """peft's rule for a list entry: the full module name or its dotted suffix."""
+    return module_name == target or module_name.endswith(f".{target}")
+
+
+def _adaptable_names(model: nn.Module, limit: int = 20) -> str:
+    """The distinct short names of the layers LoRA supports (linear, Conv1D, embeddings)."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (nn.Linear, nn.Embedding, Conv1D)
+    names = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, kinds)}
+    )
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

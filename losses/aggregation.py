@@ -1,7 +1,7 @@
 """Loss aggregation: one normalisation contract, exact under any micro-batch split or DP size.
 
 A *mini-batch* is what one optimizer step consumes, across all micro-batches and data-parallel
-ranks. Every loss is defined on the whole mini-batch (design.md section 4)::
+ranks. Every loss is defined on the whole mini-batch (docs/losses.md)::
 
     token-mean               sum(m * l) / N_tokens
     seq-mean-token-sum       sum_i sum_t(m * l) / N_seqs
@@ -56,12 +56,17 @@ class LossDenominators:
     ``grad_scale`` multiplies every partial loss. It equals the DP world size when the gradient
     reduction *averages* over ranks (FSDP / DDP do), so that the average of the ranks' gradients
     equals the gradient of the global sum.
+
+    ``has_loss_tokens``: a 0-d bool tensor on the same device, whether the mini-batch holds at
+    least one loss token on any rank (the floor at 1 hides it in ``n_tokens``); the engine skips
+    the optimizer step of a mini-batch without any. None when built by hand.
     """
 
     n_tokens: torch.Tensor
     n_seqs: torch.Tensor
     seq_len_norm: float | None = None
     grad_scale: float = 1.0
+    has_loss_tokens: torch.Tensor | None = None
 
 
 def global_denominators(
@@ -90,9 +95,10 @@ def global_denominators(
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, group=group)
         world = dist.get_world_size(group)
+    has_tokens = counts[0] > 0
     counts = counts.clamp_min(1.0).to(torch.float32)
     scale = float(world) if grad_averaged_over_ranks else 1.0
-    return LossDenominators(counts[0], counts[1], seq_len_norm, scale)
+    return LossDenominators(counts[0], counts[1], seq_len_norm, scale, has_tokens)
 
 
 def aggregate(

@@ -9,6 +9,7 @@ inside the micro-batch loop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -28,7 +29,8 @@ class Reduce(str, Enum):
 
 
 # The identity of each reduction; a MIN/MAX metric over an empty set (an all-masked micro-batch)
-# holds it, so it never wins against a real value, and a mini-batch with no value at all reports 0.
+# holds it, so it never wins against a real value. A mini-batch with no value at all reports NaN
+# (see reduce_metrics).
 _IDENTITY = {Reduce.SUM: 0.0, Reduce.MIN: float("inf"), Reduce.MAX: float("-inf")}
 
 
@@ -41,7 +43,10 @@ class Metric:
 
     @staticmethod
     def empty(reduce: Reduce, device: torch.device | str = "cpu") -> Metric:
-        """The reduction's identity (0, +inf or -inf): a metric of an empty micro-batch."""
+        """The reduction's identity (0, +inf or -inf): a metric of an empty micro-batch.
+
+        :func:`reduce_metrics` reports a MIN/MAX metric that is empty everywhere as NaN.
+        """
         return Metric(torch.tensor(_IDENTITY[reduce], device=device), reduce)
 
 
@@ -53,7 +58,14 @@ def reduce_metrics(
     """Combine micro-batch metrics (and DP ranks, when torch.distributed is initialised).
 
     Every rank must pass the same metric names (an empty micro-batch on one rank still reports
-    its identities). Returns Python floats; empty MIN/MAX metrics become 0.0.
+    its identities). Returns Python floats.
+
+    A MIN/MAX metric that saw no value anywhere (it still holds its identity, +inf for MIN, -inf
+    for MAX: e.g. ``ratio_min`` of a mini-batch without loss tokens) is NaN, "no value": 0 would
+    read as a real extreme (a ratio of 0). It stays in the result rather than being dropped, so
+    every step reports the same keys (loggers and per-step averages expect that); the examples'
+    tracker writes NaN as null and TensorBoard, the progress bar and the plot skip it. A real
+    infinite extreme (a MAX of +inf) is kept as is.
     """
     merged: dict[str, list[Metric]] = {}
     for metrics in per_micro_batch:
@@ -83,8 +95,9 @@ def reduce_metrics(
                 dist.all_reduce(part, op=op, group=group)
                 result[idx] = part
     out = {}
-    for name, value in zip(names, result.tolist(), strict=True):
-        out[name] = value if abs(value) != float("inf") else 0.0
+    for name, kind, value in zip(names, kinds, result.tolist(), strict=True):
+        empty = kind is not Reduce.SUM and value == _IDENTITY[kind]
+        out[name] = math.nan if empty else value
     return out
 
 

@@ -94,7 +94,12 @@ def test_reduce_metrics_sums_partials_and_keeps_extremes():
     parts.append({"mean": Metric(torch.tensor(0.0)), "max": Metric.empty(Reduce.MAX)})
     out = reduce_metrics(parts)
     assert out == {"mean": pytest.approx(3.0), "max": 6.0}
-    assert reduce_metrics([{"m": Metric.empty(Reduce.MIN)}]) == {"m": 0.0}
+    # No value anywhere: NaN ("no value"), not 0, which would read as a real extreme.
+    empty = reduce_metrics([{"m": Metric.empty(Reduce.MIN)}, {"m": Metric.empty(Reduce.MIN)}])
+    assert empty.keys() == {"m"} and math.isnan(empty["m"])
+    assert math.isnan(reduce_metrics([{"m": Metric.empty(Reduce.MAX)}])["m"])
+    # A real infinite extreme is a value, kept as is.
+    assert reduce_metrics([{"m": Metric(torch.tensor(math.inf), Reduce.MAX)}]) == {"m": math.inf}
     with pytest.raises(ValueError, match="different reductions"):
         reduce_metrics([{"m": Metric(torch.tensor(1.0))}, {"m": Metric.empty(Reduce.MIN)}])
 

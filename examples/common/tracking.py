@@ -161,8 +161,17 @@ RENAMED = {"pg_clipfrac": "clipfrac"}
 
 
 def mean_metrics(updates: list[dict[str, float]], prefix: str = "") -> dict[str, float]:
-    """Average the metrics of a step's optimizer updates (loss, kl, clipfrac, grad_norm, ...)."""
+    """Average the metrics of a step's optimizer updates (loss, kl, clipfrac, grad_norm, ...).
+
+    NaN means "no value" (e.g. ``ratio_min`` of a mini-batch without loss tokens): it is left out
+    of the average; a metric without any value in the step stays NaN (logged as null).
+    """
     if not updates:
         return {}
     keys = [k for k in updates[0] if all(k in u for u in updates)]
-    return {prefix + RENAMED.get(k, k): sum(u[k] for u in updates) / len(updates) for k in keys}
+    return {prefix + RENAMED.get(k, k): _nan_mean([u[k] for u in updates]) for k in keys}
+
+
+def _nan_mean(values: list[float]) -> float:
+    present = [v for v in values if not math.isnan(v)]
+    return sum(present) / len(present) if present else math.nan
