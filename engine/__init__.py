@@ -1,4 +1,4 @@
-"""microrl.engine: the micro-batched training engine (design.md section 5).
+"""microrl.engine: the micro-batched training engine (docs/engine.md).
 
 ``ActorEngine`` (policy log-probs + policy loss) and ``CriticEngine`` (values + value loss) share
 the loop of ``Engine``; a new role overrides the head and the loss, not the loop.

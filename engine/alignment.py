@@ -1,4 +1,4 @@
-"""Token alignment (design.md section 2) of a compact right-padded ``[b, L]`` micro-batch.
+"""Token alignment (docs/batch.md) of a compact right-padded ``[b, L]`` micro-batch.
 
 The model predicts token ``j + 1`` from position ``j``; the public layout stores that prediction at
 column ``j + 1`` (``logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``), with 0 where no

@@ -5,7 +5,7 @@ Two jobs, both independent of the model:
 1. **Planning** (:func:`plan_micro_batches`): which rows of a mini-batch go into which micro-batch,
    either ``micro_batch_size`` rows at a time or under a strict token budget. Rows are sorted by
    length first so each micro-batch holds similar lengths (little padding); the caller restores
-   the original row order afterwards, and the loss contract (design.md section 4) makes the result
+   the original row order afterwards, and the loss contract (docs/losses.md) makes the result
    independent of the split.
 2. **Compaction** (:func:`compact_rows` / :func:`scatter_rows`): a micro-batch is gathered into a
    *right-padded* ``[b, L]`` block where ``L`` is its longest real span. Left, right and mixed

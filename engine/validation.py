@@ -39,8 +39,8 @@ def check_batch(
     real tokens, each row's real tokens one contiguous non-empty span, ``position_ids`` (when
     given) equal to ``cumsum(attention_mask) - 1`` on real tokens, the ``required`` keys present
     and ``[B, T]``, float inputs floating point, and ``loss_mask`` only on tokens that have a
-    prediction (a real token after the first one: the token-alignment contract of design.md
-    section 2). ``attention_mask`` defaults to all ones.
+    prediction (a real token after the first one: the token-alignment contract of
+    docs/batch.md). ``attention_mask`` defaults to all ones.
     """
     if isinstance(batch, Mapping) and not isinstance(batch, TensorDict):
         if "input_ids" not in batch:

@@ -3,7 +3,7 @@
 Torch only (no transformers, peft or accelerate). Every loss takes ``[B, T]`` token-aligned
 tensors, a loss mask, the mini-batch's global :class:`LossDenominators` and a
 ``loss_agg_mode``, and returns this micro-batch's *partial* loss plus summable :class:`Metric` s
-(design.md sections 2 and 4): summed over micro-batches and ranks they are exact.
+(docs/batch.md, docs/losses.md): summed over micro-batches and ranks they are exact.
 
 A GRPO step, end to end::
 

@@ -3,7 +3,7 @@
 ``policy_loss`` is what the actor engine calls once per micro-batch. It validates its inputs at
 this public boundary, removes masked positions with ``torch.where`` before any arithmetic (NaN/inf
 there reach neither the loss, a metric nor a gradient), and returns this micro-batch's *partial*
-loss under the global denominators plus summable detached metrics (design.md section 4).
+loss under the global denominators plus summable detached metrics (docs/losses.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No host sync inside the micro-batch loop from the engine's own code (design.md section 6).
+"""No host sync inside the micro-batch loop from the engine's own code (docs/engine.md).
 
 A host sync shows up at the dispatcher as ``_local_scalar_dense`` (``.item()``, ``bool()``),
 ``nonzero`` / ``masked_select``, or an index with a boolean mask; ``.tolist()`` of a CPU tensor

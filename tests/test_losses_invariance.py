@@ -1,4 +1,4 @@
-"""The normalisation contract (design.md section 4): any micro-batch split, any number of
+"""The normalisation contract (docs/losses.md): any micro-batch split, any number of
 simulated data-parallel ranks, same loss, same gradient, same metrics, for every aggregation mode.
 
 The mini-batch mixes very different lengths, a length-1 response and an all-masked row, with

@@ -13,12 +13,12 @@ import random
 import time
 from collections.abc import Callable
 
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from common.model import build_model, build_tokenizer, is_checkpoint, load_pretrained
 from common.rollout import evaluate_accuracy, sft_batch
 from common.runtime import Dist
 from common.task import AdditionTask
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.examples import ModelConfig
 from microrl.engine import ActorEngine

@@ -1,4 +1,4 @@
-"""Sampling responses and laying them out as engine batches (design.md section 2).
+"""Sampling responses and laying them out as engine batches (docs/batch.md).
 
 A rollout row is ``[left-padded prompt | response, right-padded after its <eos>]``: ``input_ids``,
 ``attention_mask`` and ``loss_mask`` ``[B, T]``, the loss mask on the response tokens up to and
@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from common.runtime import Dist
-from common.task import AdditionTask, Problem
 from tensordict import TensorDict
 from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from common.runtime import Dist
+from common.task import AdditionTask, Problem
 
 __all__ = ["Rollout", "evaluate_accuracy", "generate", "sft_batch"]
 
