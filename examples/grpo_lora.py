@@ -30,7 +30,7 @@ import time
 import torch
 from common.base_model import prepare_base_model
 from common.runtime import Dist, StopOnInterrupt, load_run, parse_cli, per_rank, save_run
-from common.session import evaluator, finish, sample, start_tracking
+from common.session import check_whole_groups, evaluator, finish, sample, start_tracking
 from common.task import AdditionTask
 from common.tracking import mean_metrics
 
@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             batch["old_logprobs"] = old["logprobs"]
             with engine.disable_adapter():
                 batch["ref_logprobs"] = engine.infer_batch(batch)["logprobs"]
-            # 4. Group-normalised advantages, spread onto the response tokens.
+            # 4. Group-normalised advantages, spread onto the response tokens. A group is one
+            #    prompt's rows, all sampled on this rank, so its statistics are complete here.
+            check_whole_groups(rollout.prompt_index, cfg.rollout.group_size)
             advantages, _ = grpo_advantages(scores, rollout.prompt_index)
             batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch

@@ -15,7 +15,9 @@ than the critic expected) and a return, the critic's regression target. The acto
 surrogate steps on the whitened advantages plus a KL penalty to the reference policy (the base
 model with the LoRA adapter switched off), which keeps it from drifting to degenerate text. Actor
 and critic are two engines, each a LoRA on its own copy of the base model (the critic's lm head
-replaced by a value head).
+replaced by a value head). Under torchrun each rank samples its own prompts, and the whitening
+statistics are those of the whole rollout over all ranks, so the update is the one a single
+process would make on the same rollout.
 
 Each step: 1 sample -> 2 score -> 3 old/ref log-probs and values -> 4 GAE -> 5 update both -> 6 log.
 """
@@ -33,9 +35,11 @@ from common.runtime import Dist, StopOnInterrupt, load_run, parse_cli, per_rank,
 from common.session import evaluator, finish, sample, start_tracking
 from common.task import AdditionTask
 from common.tracking import mean_metrics
+from tensordict import TensorDict
 
 from microrl.configs.examples import PPOExampleConfig
 from microrl.engine import ActorEngine, CriticEngine
+from microrl.engine.distributed import dp_group
 from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
 
 
@@ -74,28 +78,15 @@ def main(argv: list[str] | None = None) -> int:
             problems = task.sample(rng, prompts_per_rank)
             rollout = sample(actor, tokenizer, problems, cfg)
             batch, mask = rollout.batch, rollout.batch["loss_mask"]
-            # 2. Score the answer text; the score becomes the reward of the last response token.
+            # 2. Score the answer text (the reward of the last response token, in step 4).
             answered = [problems[i] for i in rollout.prompt_index.tolist()]
             scores = torch.tensor(task.score(rollout.responses, answered))
-            rewards = scores_to_token_rewards(scores, mask)
-            # 3. Old log-probs (ratio anchor), reference log-probs (KL), old values (baseline).
-            old = actor.infer_batch(batch)
-            batch["old_logprobs"] = old["logprobs"]
-            with actor.disable_adapter():
-                batch["ref_logprobs"] = actor.infer_batch(batch)["logprobs"]
-            batch["old_values"] = critic.infer_batch(batch)["values"]
-            # 4. GAE over the response tokens; advantages whitened over this rank's rollout.
-            advantages, returns = gae_advantages(
-                rewards, batch["old_values"], mask, gamma=cfg.gae.gamma, lam=cfg.gae.lam
-            )
-            batch["advantages"] = whiten(advantages, mask)
-            batch["returns"] = returns
+            # 3-4. Old/ref log-probs and old values; GAE advantages whitened over all ranks.
+            old = estimate_advantages(actor, critic, batch, scores, cfg)
             # 5. PPO epochs over shuffled mini-batches: one actor and one critic step each.
-            actor_updates, critic_updates = [], []
-            for _ in range(cfg.train.ppo_epochs):
-                for rows in torch.randperm(batch.batch_size[0]).split(mini_batch_per_rank):
-                    actor_updates.append(actor.train_batch(batch[rows]))
-                    critic_updates.append(critic.train_batch(batch[rows]))
+            actor_updates, critic_updates = ppo_update(
+                actor, critic, batch, cfg, mini_batch_per_rank
+            )
             # 6. Metrics (counts summed over ranks), eval, checkpoint.
             reward_sum, n_rows, n_tokens, entropy_sum, n_response = dist_info.sum(
                 [
@@ -140,6 +131,57 @@ def main(argv: list[str] | None = None) -> int:
         last_metrics=metrics,
         train_time=time.perf_counter() - t_train,
     )
+
+
+def estimate_advantages(
+    actor: ActorEngine,
+    critic: CriticEngine,
+    batch: TensorDict,
+    scores: torch.Tensor,
+    cfg: PPOExampleConfig,
+) -> TensorDict:
+    """Steps 3-4 on this rank's rollout ``batch`` (``[B, T]``, scores ``[B]``), in place: adds
+    ``old_logprobs``, ``ref_logprobs``, ``old_values``, ``advantages`` and ``returns``; returns
+    the actor's inference outputs (their entropy is logged).
+
+    Everything here is per row except the whitening, whose mean and variance are those of the
+    whole rollout over all data-parallel ranks: N ranks, each with its share of the rows, get the
+    advantages one process would compute on all of them (tests/test_whiten_distributed.py).
+    """
+    mask = batch["loss_mask"]
+    # 3. Old log-probs (ratio anchor), reference log-probs (KL), old values (baseline).
+    old = actor.infer_batch(batch)
+    batch["old_logprobs"] = old["logprobs"]
+    with actor.disable_adapter():
+        batch["ref_logprobs"] = actor.infer_batch(batch)["logprobs"]
+    batch["old_values"] = critic.infer_batch(batch)["values"]
+    # 4. The score is the reward of the last response token; GAE over the response tokens, then
+    #    whitening over the loss tokens of every rank (a collective; no group in one process).
+    rewards = scores_to_token_rewards(scores, mask)
+    advantages, returns = gae_advantages(
+        rewards, batch["old_values"], mask, gamma=cfg.gae.gamma, lam=cfg.gae.lam
+    )
+    batch["advantages"] = whiten(advantages, mask, group=dp_group())
+    batch["returns"] = returns
+    return old
+
+
+def ppo_update(
+    actor: ActorEngine,
+    critic: CriticEngine,
+    batch: TensorDict,
+    cfg: PPOExampleConfig,
+    mini_batch_per_rank: int,
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Step 5: ``train.ppo_epochs`` passes over shuffled mini-batches of this rank's rows, one
+    actor and one critic optimizer step each; the engines normalise every loss over the global
+    mini-batch (all ranks). Returns the actor's and the critic's update metrics."""
+    actor_updates, critic_updates = [], []
+    for _ in range(cfg.train.ppo_epochs):
+        for rows in torch.randperm(batch.batch_size[0]).split(mini_batch_per_rank):
+            actor_updates.append(actor.train_batch(batch[rows]))
+            critic_updates.append(critic.train_batch(batch[rows]))
+    return actor_updates, critic_updates
 
 
 if __name__ == "__main__":

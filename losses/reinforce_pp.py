@@ -3,12 +3,17 @@ aligning large language models"): critic-free, normalised over the whole batch."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._checks import check_finite
 from .gae import _active_columns
 from .group import GroupAdvantageInfo, _info, group_stats
 from .whiten import whiten
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["reinforce_pp_advantages"]
 
@@ -21,6 +26,7 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     group_ids: torch.Tensor | None = None,
     whiten_advantages: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, GroupAdvantageInfo | None]:
     """REINFORCE++ per-token advantages ``[B, T]``.
 
@@ -39,6 +45,9 @@ def reinforce_pp_advantages(
         gamma: discount in [0, 1].
         group_ids: optional ``[B]`` integer group per row for the baseline variant.
         whiten_advantages: batch whitening (the paper's global advantage normalisation).
+        group: the data-parallel process group: whitening then spans the rows of every rank
+            (:func:`whiten`), so the result does not depend on the number of ranks. Groups of
+            ``group_ids`` must not span ranks (their baseline is computed locally).
 
     Returns:
         ``(advantages [B, T], info)``, ``info`` a :class:`GroupAdvantageInfo` with
@@ -72,5 +81,5 @@ def reinforce_pp_advantages(
             running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
             advantages[:, t] = torch.where(mask[:, t], running, 0.0)
     if whiten_advantages:
-        advantages = whiten(advantages, mask)
+        advantages = whiten(advantages, mask, group=group)
     return advantages.to(token_rewards.dtype), info

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from common.rollout import Rollout, evaluate_accuracy, generate
@@ -27,7 +28,12 @@ def sample(
     actor: ActorEngine, tokenizer: PreTrainedTokenizerBase, problems: list[Problem], cfg: Any
 ) -> Rollout:
     """A group of ``cfg.rollout.group_size`` responses per prompt from the current policy, at the
-    loss's temperature (under FSDP the full weights are gathered for ``generate``)."""
+    loss's temperature (under FSDP the full weights are gathered for ``generate``).
+
+    Each rank calls it with its *own* prompts, so the rows of one prompt (a GRPO group) are all
+    on the rank that sampled them: group statistics computed per rank are those of the whole
+    rollout. Shard prompts over ranks, never the rows of a rollout (see :func:`check_whole_groups`).
+    """
     with gathered(actor.module):
         return generate(
             actor.model,
@@ -36,6 +42,26 @@ def sample(
             num_samples=cfg.rollout.group_size,
             temperature=cfg.actor.temperature,
             max_new_tokens=cfg.rollout.max_new_tokens,
+        )
+
+
+def check_whole_groups(group_ids: torch.Tensor, group_size: int) -> None:
+    """Raise ``ValueError`` unless every group in ``group_ids [B]`` has exactly ``group_size`` rows
+    on this rank.
+
+    ``grpo_advantages`` sees only this rank's rows, so its group mean and std are the true ones
+    only when no group spans ranks. The examples guarantee that by sharding prompts (each rank
+    samples all ``group_size`` responses of its prompts); a group split over ranks, or cut short,
+    leaves fewer rows here, which this local check (no collective) catches.
+    """
+    ids, counts = torch.unique(group_ids, return_counts=True)
+    bad = (counts != group_size).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(f"group {ids[i].item()} has {counts[i].item()}" for i in bad[:3])
+        raise ValueError(
+            "GRPO groups must not span ranks: every group needs all its "
+            f"rollout.group_size={group_size} rows on one rank, but here {shown} "
+            "(shard prompts over ranks, never the rows of a rollout)"
         )
 
 
