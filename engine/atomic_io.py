@@ -70,11 +70,18 @@ def staging_paths(target: Path) -> tuple[Path, Path]:
 
 
 def replace_dir(tmp: Path, target: Path, old: Path) -> None:
-    """Move ``tmp`` to ``target``; a previous ``target`` survives until the new one is in place."""
+    """Move ``tmp`` to ``target``; a previous ``target`` survives until the new one is in place
+    (if moving ``tmp`` fails, the previous one is moved back before the error propagates)."""
     shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
+    moved_aside = target.exists()
+    if moved_aside:
         os.rename(target, old)
-    os.rename(tmp, target)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        if moved_aside and not target.exists():
+            os.rename(old, target)
+        raise
     fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
 

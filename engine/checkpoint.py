@@ -14,10 +14,19 @@ on M ranks (DCP reshards) and nothing is unpickled: DCP's default ``.metadata`` 
 the safetensors reader rebuilds the metadata from the files' JSON headers instead. Everything that
 is not a tensor is JSON.
 
-Atomicity: all ranks write into ``.<name>.tmp`` next to the target; after a barrier rank 0 writes
-the manifest, fsyncs, and renames the temporary directory into place (the previous checkpoint is
-moved aside first and deleted only after the rename). An error or crash before the rename leaves
-the previous checkpoint untouched; a directory without a valid manifest is refused on load.
+Atomicity: all ranks write into ``.<name>.tmp`` next to the target; once every rank has reported
+success rank 0 writes the manifest, fsyncs, and renames the temporary directory into place (the
+previous checkpoint is moved aside first and deleted only after the rename). An error or crash
+before the rename leaves the previous checkpoint untouched; a directory without a valid manifest is
+refused on load.
+
+A failure on one rank fails every rank, within a bounded time (``timeout_s``): a multi-rank save
+runs in phases (prepare, write, finalise; load: check, restore), each ending with an *agreement*
+of the ranks on its outcome instead of a bare barrier (:mod:`microrl.engine.agreement` says how).
+A rank whose own part failed re-raises its exception, every other rank raises
+:class:`CheckpointAbortedError` naming the failed ranks, and the previous checkpoint is never
+touched: it is replaced only in the last phase, after every rank agreed that all files are written.
+A single process runs none of this: no collective, no store access.
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from microrl.engine.agreement import (
+    CheckpointAbortedError,
+    RankSync,
+    phase,
+    resolve_timeout,
+)
 from microrl.engine.atomic_io import (
     fsync_dir,
     refuse_foreign_dir,
@@ -57,6 +72,7 @@ from microrl.engine.rng import rng_state, set_rng_state
 from microrl.engine.state_dicts import join_optimizer_state, split_state, tensor_specs
 
 __all__ = [
+    "CheckpointAbortedError",
     "CheckpointError",
     "CheckpointInfo",
     "is_complete_checkpoint",
@@ -97,11 +113,6 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
-
-
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
     """DCP warns that it 'assumes' a single process even when told so with ``no_dist``."""
@@ -123,6 +134,7 @@ def save_checkpoint(
     config: Any = None,
     rng: bool = True,
     trainable_only: bool = True,
+    timeout_s: float | None = None,
 ) -> Path:
     """Save everything a resume needs into ``path``, atomically; every rank must call it.
 
@@ -137,63 +149,81 @@ def save_checkpoint(
         rng: save each rank's RNG states.
         trainable_only: save only parameters with ``requires_grad`` (the adapter under LoRA; the
             frozen base comes from the base model on load).
+        timeout_s: with several ranks, how long a rank waits for the others at each step before
+            naming the missing ones in an error (default: ``$MICRORL_CHECKPOINT_TIMEOUT_S``, else
+            600); the same on every rank. Unused in a single process (but checked).
+
+    Raises:
+        CheckpointAbortedError: on a rank whose part succeeded when another rank's failed (named
+            in the message and ``failed_ranks``); the failed ranks raise their own exception.
+            Either way ``path`` still holds a complete checkpoint: the previous one (the only
+            exception: a rank lost in the last agreement, after rank 0 put the new one in place).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
+    timeout_s = resolve_timeout(timeout_s)
     target = Path(path).absolute()
-    # Every rank checks (a shared filesystem gives them the same answer), so all fail alike.
-    refuse_foreign_dir(
-        target, lambda d: (d / MANIFEST).is_file(), "a microrl checkpoint", CheckpointError
-    )
     tmp, old = staging_paths(target)
     rank, world = _rank(), _world()
-    config_json = to_jsonable(config) if config is not None else None
-    sched_json = to_jsonable(scheduler.state_dict()) if scheduler is not None else None
-    tensors, optim_json, aliases = split_state(model, optimizer, trainable_only)
-    if rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
-        (tmp / STATE_DIR).mkdir(parents=True)
-        (tmp / RNG_DIR).mkdir()
-    _barrier()
+    sync = RankSync(f"checkpoint save of {target}", timeout_s) if world > 1 else None
     try:
-        writer = HuggingFaceStorageWriter(str(tmp / STATE_DIR), save_distributed=True)
-        with _quiet_single_process():
-            dcp.save(tensors, storage_writer=writer, no_dist=world == 1)
-        if rng:
-            write_json(tmp / RNG_DIR / f"rank_{rank:05d}.json", rng_state())
-        _barrier()
-        if rank == 0:
-            write_json(tmp / CONFIG, config_json)
-            files = {
-                str(p.relative_to(tmp)): p.stat().st_size
-                for p in sorted(tmp.rglob("*"))
-                if p.is_file()
-            }
-            manifest = {
-                "format": FORMAT,
-                "version": VERSION,
-                "step": step,
-                "world_size": world,
-                "trainable_only": trainable_only,
-                "rng": rng,
-                "tensors": tensor_specs(tensors),
-                "aliases": aliases,
-                "optimizer": optim_json,
-                "scheduler": sched_json,
-                "files": files,
-            }
-            write_json(tmp / MANIFEST, manifest)  # the completion marker: written last
-            for sub in (tmp / STATE_DIR, tmp / RNG_DIR, tmp):
-                fsync_dir(sub)
-            replace_dir(tmp, target, old)
+        with phase(sync, "prepare"):
+            # Every rank checks (a shared filesystem gives them the same answer).
+            refuse_foreign_dir(
+                target, lambda d: (d / MANIFEST).is_file(), "a microrl checkpoint", CheckpointError
+            )
+            config_json = to_jsonable(config) if config is not None else None
+            sched_json = to_jsonable(scheduler.state_dict()) if scheduler is not None else None
+            tensors, optim_json, aliases = split_state(model, optimizer, trainable_only)
+            if rank == 0:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+                (tmp / STATE_DIR).mkdir(parents=True)
+                (tmp / RNG_DIR).mkdir()
+        with phase(sync, "write"):
+            writer = HuggingFaceStorageWriter(str(tmp / STATE_DIR), save_distributed=True)
+            with _quiet_single_process():
+                dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    no_dist=world == 1,
+                    process_group=sync.group if sync is not None else None,
+                )
+            if rng:
+                write_json(tmp / RNG_DIR / f"rank_{rank:05d}.json", rng_state())
+        with phase(sync, "finalise"):
+            if rank == 0:
+                write_json(tmp / CONFIG, config_json)
+                files = {
+                    str(p.relative_to(tmp)): p.stat().st_size
+                    for p in sorted(tmp.rglob("*"))
+                    if p.is_file()
+                }
+                manifest = {
+                    "format": FORMAT,
+                    "version": VERSION,
+                    "step": step,
+                    "world_size": world,
+                    "trainable_only": trainable_only,
+                    "rng": rng,
+                    "tensors": tensor_specs(tensors),
+                    "aliases": aliases,
+                    "optimizer": optim_json,
+                    "scheduler": sched_json,
+                    "files": files,
+                }
+                write_json(tmp / MANIFEST, manifest)  # the completion marker: written last
+                for sub in (tmp / STATE_DIR, tmp / RNG_DIR, tmp):
+                    fsync_dir(sub)
+                replace_dir(tmp, target, old)
     except BaseException:
-        if world == 1:  # with several ranks the others may still write into it
+        # With several ranks every exception leaves an agreement, so the ranks that are still
+        # alive have stopped writing into the temporary directory.
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _barrier()
     return target
 
 
@@ -306,84 +336,96 @@ def load_checkpoint(
     scheduler: Any | None = None,
     config: Any = None,
     rng: bool = True,
+    timeout_s: float | None = None,
 ) -> CheckpointInfo:
     """Restore a :func:`save_checkpoint` directory into ``model`` (and optimizer, scheduler, RNG).
 
     Every rank must call it. The model and optimizer must be built as for the save (same
     architecture, LoRA config, sharding may differ). Raises :class:`CheckpointError` naming what
     differs before any parameter is modified (building the template of an optimizer that has no
-    state yet gives it zero state, as its first step would). RNG states are restored only when the world size equals
-    the saving one (per-rank streams cannot be mapped to a different number of ranks).
+    state yet gives it zero state, as its first step would). RNG states are restored only when the
+    world size equals the saving one (per-rank streams cannot be mapped to a different number of
+    ranks).
+
+    With several ranks, a failure on one fails all of them as in :func:`save_checkpoint` (same
+    ``timeout_s``): one in the checks leaves every rank's model untouched, one while restoring
+    may leave the ranks partly restored (load again).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    timeout_s = resolve_timeout(timeout_s)
     root = Path(path).absolute()
-    manifest = read_manifest(root)
-    saved_config = _read_config(root)
-    _check_config(saved_config, config, root)
-    if optimizer is not None and manifest["optimizer"] is None:
-        raise CheckpointError(f"checkpoint {root} holds no optimizer state")
-    saved_opt = manifest["optimizer"]
-    if optimizer is not None and saved_opt["class"] != type(optimizer).__name__:
-        raise CheckpointError(
-            f"checkpoint {root} holds {saved_opt['class']} state, the optimizer is "
-            f"{type(optimizer).__name__}"
-        )
-    tensors, _, aliases = split_state(model, optimizer, manifest["trainable_only"])
-    if aliases != manifest["aliases"]:
-        raise CheckpointError(
-            f"checkpoint {root} ties parameters {manifest['aliases']}, the model {aliases} "
-            "(tie_word_embeddings differs?)"
-        )
-    saved_specs = manifest["tensors"]
-    if optimizer is None:
-        saved_specs = {k: v for k, v in saved_specs.items() if not k.startswith("optim.")}
-    _check_tensors(saved_specs, tensor_specs(tensors), root)
-    if scheduler is not None and manifest["scheduler"] is None:
-        raise CheckpointError(f"checkpoint {root} holds no LR scheduler state")
-    if optimizer is not None and len(saved_opt["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint {root} has {len(saved_opt['param_groups'])} optimizer param groups, "
-            f"the optimizer {len(optimizer.param_groups)}"
-        )
-    # Every check passed: from here on the model (DCP loads into its tensors in place),
-    # optimizer, scheduler and RNG are overwritten.
-
-    with _quiet_single_process():
-        dcp.load(
-            tensors,
-            storage_reader=HuggingFaceStorageReader(str(root / STATE_DIR)),
-            no_dist=_world() == 1,
-        )
-    options = StateDictOptions(ignore_frozen_params=manifest["trainable_only"], strict=False)
-    if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        result = set_model_state_dict(model, tensors["model"], options=options)
-    else:
-        optim_sd = join_optimizer_state(tensors["optim"], saved_opt, optimizer)
-        result = set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=tensors["model"],
-            optim_state_dict=optim_sd,
-            options=options,
-        )
-    if result.unexpected_keys:
-        raise CheckpointError(f"unexpected keys loading {root}: {_listed(result.unexpected_keys)}")
-    if scheduler is not None:
-        scheduler.load_state_dict(manifest["scheduler"])
-    if rng and manifest["rng"]:
-        if manifest["world_size"] == _world():
-            state = json.loads((root / RNG_DIR / f"rank_{_rank():05d}.json").read_text())
-            set_rng_state(state)
-        elif _rank() == 0:
-            warnings.warn(
-                f"{root} was saved on {manifest['world_size']} ranks and loads on {_world()}: "
-                "RNG states not restored",
-                stacklevel=2,
+    world = _world()
+    sync = RankSync(f"checkpoint load of {root}", timeout_s) if world > 1 else None
+    with phase(sync, "check"):
+        manifest = read_manifest(root)
+        saved_config = _read_config(root)
+        _check_config(saved_config, config, root)
+        if optimizer is not None and manifest["optimizer"] is None:
+            raise CheckpointError(f"checkpoint {root} holds no optimizer state")
+        saved_opt = manifest["optimizer"]
+        if optimizer is not None and saved_opt["class"] != type(optimizer).__name__:
+            raise CheckpointError(
+                f"checkpoint {root} holds {saved_opt['class']} state, the optimizer is "
+                f"{type(optimizer).__name__}"
             )
-    _barrier()
+        tensors, _, aliases = split_state(model, optimizer, manifest["trainable_only"])
+        if aliases != manifest["aliases"]:
+            raise CheckpointError(
+                f"checkpoint {root} ties parameters {manifest['aliases']}, the model {aliases} "
+                "(tie_word_embeddings differs?)"
+            )
+        saved_specs = manifest["tensors"]
+        if optimizer is None:
+            saved_specs = {k: v for k, v in saved_specs.items() if not k.startswith("optim.")}
+        _check_tensors(saved_specs, tensor_specs(tensors), root)
+        if scheduler is not None and manifest["scheduler"] is None:
+            raise CheckpointError(f"checkpoint {root} holds no LR scheduler state")
+        if optimizer is not None and len(saved_opt["param_groups"]) != len(optimizer.param_groups):
+            raise CheckpointError(
+                f"checkpoint {root} has {len(saved_opt['param_groups'])} optimizer param groups, "
+                f"the optimizer {len(optimizer.param_groups)}"
+            )
+    # Every check passed on every rank: from here on the model (DCP loads into its tensors in
+    # place), optimizer, scheduler and RNG are overwritten.
+    with phase(sync, "restore"):
+        with _quiet_single_process():
+            dcp.load(
+                tensors,
+                storage_reader=HuggingFaceStorageReader(str(root / STATE_DIR)),
+                no_dist=world == 1,
+                process_group=sync.group if sync is not None else None,
+            )
+        options = StateDictOptions(ignore_frozen_params=manifest["trainable_only"], strict=False)
+        if optimizer is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            result = set_model_state_dict(model, tensors["model"], options=options)
+        else:
+            optim_sd = join_optimizer_state(tensors["optim"], saved_opt, optimizer)
+            result = set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=tensors["model"],
+                optim_state_dict=optim_sd,
+                options=options,
+            )
+        if result.unexpected_keys:
+            raise CheckpointError(
+                f"unexpected keys loading {root}: {_listed(result.unexpected_keys)}"
+            )
+        if scheduler is not None:
+            scheduler.load_state_dict(manifest["scheduler"])
+        if rng and manifest["rng"]:
+            if manifest["world_size"] == _world():
+                state = json.loads((root / RNG_DIR / f"rank_{_rank():05d}.json").read_text())
+                set_rng_state(state)
+            elif _rank() == 0:
+                warnings.warn(
+                    f"{root} was saved on {manifest['world_size']} ranks and loads on {_world()}: "
+                    "RNG states not restored",
+                    stacklevel=2,
+                )
     return CheckpointInfo(root, manifest["step"], manifest["world_size"], saved_config)
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from microrl.engine.agreement import rank_agreement
 from microrl.engine.atomic_io import refuse_foreign_dir, replace_dir, staging_paths
 
 __all__ = ["export_merged_model", "export_peft_adapter", "full_state_dict", "merged_state_dict"]
@@ -31,11 +32,6 @@ _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped tra
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -61,20 +57,21 @@ def _is_export(path: Path) -> bool:
 
 
 def _write_atomically(path: str | os.PathLike, write) -> Path:
-    """Rank 0 runs ``write(tmp_dir)`` and renames ``tmp_dir`` to ``path``; all ranks wait."""
+    """Rank 0 runs ``write(tmp_dir)`` and renames ``tmp_dir`` to ``path``; all ranks wait, and
+    all raise if rank 0 fails (a bare barrier would leave the others blocked)."""
     target = Path(path).absolute()
     refuse_foreign_dir(target, _is_export, "a model export")
-    if _rank() == 0:
-        tmp, old = staging_paths(target)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            write(tmp)
-        except BaseException:
+    with rank_agreement(f"export to {target}"):
+        if _rank() == 0:
+            tmp, old = staging_paths(target)
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        replace_dir(tmp, target, old)
-    _barrier()
+            tmp.mkdir(parents=True)
+            try:
+                write(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            replace_dir(tmp, target, old)
     return target
 
 
