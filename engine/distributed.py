@@ -9,7 +9,9 @@ process and N ranks run the same loop. What changes under data parallelism:
   embedding, then the root. The root must be the module whose ``forward`` the engine calls (the
   per-instance policy/value wrapper): its pre-forward hook all-gathers the root's own parameters
   (final norm, ``lm_head``), so ``lm_head.weight`` read *inside* that forward is the full
-  ``[V, H]`` tensor the fused kernel needs; outside the forward it is a ``DTensor`` shard.
+  ``[V, H]`` tensor the fused kernel needs; outside the forward it is a ``DTensor`` shard. The
+  root is gathered once per micro-batch: it stays gathered from its forward to the end of the
+  backward. Its outputs that need a gradient are copies, never views (FSDP2 warns about views).
 * ``set_gradient_sync`` turns the reduce-scatter off for all but the last micro-batch of a
   mini-batch: gradients accumulate unsharded locally and are reduced once per optimizer step.
 * ``agree_num_micro_batches`` makes every rank run the same number of micro-batches (FSDP's
@@ -203,6 +205,9 @@ def shard_model(
 
     ``module`` must be the module the engine calls: its forward may read any parameter that is not
     inside a decoder layer (e.g. ``lm_head.weight`` for the fused kernel) and gets the full tensor.
+    It becomes the FSDP root here (one collective call of its hooks, no model code), and, while
+    gradients are enabled, its tensor outputs that require a gradient are returned as copies: the
+    heads' outputs are views, on which FSDP2 could lose its pre-backward hook (and warns).
 
     Args:
         module: the model (or the engine's wrapper around it); modified in place and returned.
@@ -239,9 +244,12 @@ def shard_model(
         # Its own unit: gathered for the embedding lookup only, not kept for the whole forward
         # and backward like the root's parameters (it is often the largest matrix of the model).
         fully_shard(embedding, **kwargs)
-    # The root keeps its gathered parameters between forward and backward (FSDP2 never reshards
-    # the root after forward), so the lm-head weight is gathered once per micro-batch.
-    fully_shard(module, **kwargs)
+    # The root keeps its gathered parameters from forward to backward, so the lm-head weight is
+    # gathered once per micro-batch. Said explicitly: FSDP2 keeps the root gathered only when its
+    # reshard_after_forward is left unset (torch 2.13 honours an explicit True on the root too).
+    fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+    # Before FSDP's post-forward hook (prepend): it hooks the pre-backward all-gather on outputs.
+    module.register_forward_hook(_copy_grad_outputs, prepend=True)
     _init_root_state(module)
     setattr(module, _RESHARD_ATTR, reshard_after_forward)
     return module
@@ -261,15 +269,62 @@ def broadcast_from_rank0(module: nn.Module, *, group: dist.ProcessGroup | None =
         dist.broadcast(tensor.data, src=src, group=group)
 
 
+@torch.no_grad()
 def _init_root_state(module: FSDPModule) -> None:
-    """Mark ``module`` as the FSDP root now rather than at its first forward.
+    """Make ``module`` the FSDP root now rather than at its first real forward.
 
-    FSDP2 decides which unit is the root lazily, at the first forward it sees. A call that
-    bypasses the root (``generate`` on the inner causal LM, inside :func:`gathered`) before any
-    training step would otherwise make a decoder layer or the embedding the root.
+    FSDP2 decides which unit is the root lazily, at the first forward any unit runs (and then
+    registers the state-dict hooks that ``load_checkpoint`` relies on). A call that bypasses the
+    root before any training step (``generate`` on the inner causal LM, inside :func:`gathered`)
+    would otherwise make a decoder layer the root, and the first training forward would fail with
+    "FSDP requires running forward through the root module first".
+
+    Public behaviour only (no FSDP internals): the root is *called* once with its ``forward``
+    swapped for a no-op, so FSDP's forward pre-hook and hook run around nothing -- that first
+    forward marks the root -- and no model code runs. The pre-hook all-gathers the root's own
+    parameters (a collective: every rank runs ``shard_model``); ``reshard`` frees them again.
     """
-    state = module._get_fsdp_state()  # no public API for this in torch 2.6-2.13
-    state._lazy_init()
+    own = module.__dict__.get("forward")  # an instance-level forward is put back as it was
+    module.forward = _no_forward
+    try:
+        module()
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+    module.reshard()
+
+
+def _no_forward(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def _copy_grad_outputs(module: nn.Module, args: object, output: object) -> object:
+    """Forward hook of the sharded root, run before FSDP's: outputs that need a gradient are copied.
+
+    FSDP's post-forward hook registers the root's pre-backward hook (it unshards the root's
+    parameters for backward if needed and queues the end-of-backward callback) on every output
+    that requires a gradient, and warns when such an output is a view ("returned a view tensor
+    ... can cause backward to fail or produce wrong gradients"): an in-place op on a view would
+    drop that hook. The heads' outputs are views (the fused kernel's ``.view(targets.shape)``,
+    the value head's ``.squeeze(-1)``); a copy is not, costs one ``[b, L]`` tensor per output,
+    and keeps the hook whatever the caller does with the output. Inference (no grad) is left
+    alone: FSDP registers no hook there.
+    """
+    if not torch.is_grad_enabled():
+        return None
+    return _copy_grad_tensors(output)
+
+
+def _copy_grad_tensors(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad else value
+    if type(value) in (tuple, list):
+        return type(value)(_copy_grad_tensors(v) for v in value)
+    if type(value) is dict:
+        return {key: _copy_grad_tensors(v) for key, v in value.items()}
+    return value
 
 
 @contextmanager
