@@ -104,3 +104,13 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 240) -> str:
     if proc.returncode != 0:
         raise AssertionError(f"{nproc}-rank run of {script.name} {args} failed:\n{output[-6000:]}")
     return output
+
+
+def single_process(build):
+    """Run ``build()`` on a rank as if there were one process: ``WORLD_SIZE`` is hidden, so an
+    engine built inside starts no process group (the reference of a DP comparison)."""
+    world = os.environ.pop("WORLD_SIZE")
+    try:
+        return build()
+    finally:
+        os.environ["WORLD_SIZE"] = world

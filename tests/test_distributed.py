@@ -25,6 +25,7 @@ from distributed_utils import (
     hf_logprobs,
     launch,
     make_batch,
+    single_process,
     tiny_model,
 )
 
@@ -162,15 +163,6 @@ def _metrics_close(ref: dict, got: dict, what: str) -> None:
         assert abs(value - got[key]) <= 1e-5 * max(1.0, abs(value)), (what, key, value, got[key])
 
 
-def _single_process(build):
-    """Run ``build()`` as if there were one process (no process group is started)."""
-    world = os.environ.pop("WORLD_SIZE")
-    try:
-        return build()
-    finally:
-        os.environ["WORLD_SIZE"] = world
-
-
 def _dp_configs():
     for mode in MODES:
         for lora in (0, 4):
@@ -230,7 +222,7 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         refs["generate"] = engine.model.generate(input_ids=PROMPTS, generation_config=GREEDY)
         return refs
 
-    refs = _single_process(references)
+    refs = single_process(references)
     passed = []
 
     # ---- DP invariance: the same update, loss and metrics from two halves
@@ -332,7 +324,7 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         metrics = engine.train_batch(batch[SHARDS[0]])
         return metrics, {n: p - before[n] for n, p in _params(engine).items()}
 
-    ref_metrics, ref_delta = _single_process(only_rank0)
+    ref_metrics, ref_delta = single_process(only_rank0)
     _metrics_close(ref_metrics, metrics, "all-masked shard")
     for n, d in delta.items():
         _close(d, ref_delta[n], f"all-masked shard {n}")

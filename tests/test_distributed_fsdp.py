@@ -25,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed_utils import actor_config, launch, make_batch, tiny_model
+from distributed_utils import actor_config, launch, make_batch, single_process, tiny_model
 
 from microrl.configs.engine import CriticConfig, OptimConfig
 from microrl.losses import PolicyLossConfig
@@ -138,15 +138,6 @@ def _update(engine, batch) -> tuple[dict[str, torch.Tensor], list[str]]:
     return delta, [str(w.message) for w in caught]
 
 
-def _single_process(build):
-    """Run ``build()`` as if there were one process (no process group is started)."""
-    world = os.environ.pop("WORLD_SIZE")
-    try:
-        return build()
-    finally:
-        os.environ["WORLD_SIZE"] = world
-
-
 def scenario_fsdp(rank: int) -> list[str]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -167,7 +158,7 @@ def scenario_fsdp(rank: int) -> list[str]:
             assert views and all(views), f"{name}: the head no longer returns views ({views})"
         return refs
 
-    refs = _single_process(references)
+    refs = single_process(references)
     passed = []
 
     # ---- the root is marked by the set-up call, which leaves the module as it was

@@ -19,7 +19,7 @@ import torch
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1] / "examples"))
-from distributed_utils import launch, make_batch, tiny_model  # noqa: E402
+from distributed_utils import launch, make_batch, single_process, tiny_model  # noqa: E402
 
 from microrl.losses import grpo_advantages, whiten  # noqa: E402
 
@@ -150,15 +150,6 @@ def test_grpo_group_spanning_ranks_is_an_error():
 # ============================================================================ rank side
 
 
-def _single_process(build):
-    """Run ``build()`` as if there were one process (no process group is started)."""
-    world = os.environ.pop("WORLD_SIZE")
-    try:
-        return build()
-    finally:
-        os.environ["WORLD_SIZE"] = world
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -256,7 +247,7 @@ def check_ppo(rank: int) -> list[str]:
 
     from microrl.engine import distributed as D
 
-    ref_batch, ref_actor, ref_critic = _single_process(lambda: _ppo_run(slice(0, 8)))
+    ref_batch, ref_actor, ref_critic = single_process(lambda: _ppo_run(slice(0, 8)))
     batch, actor_delta, critic_delta = _ppo_run(HALVES[rank])
     assert D.dp_group() is not None
     passed = []
