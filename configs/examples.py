@@ -9,11 +9,19 @@ section validates its own ranges in ``__post_init__`` with a message that names 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from microrl.configs.engine import ActorConfig, CriticConfig, LoraConfig, OptimConfig
+from microrl.configs.engine import (
+    ActorConfig,
+    CriticConfig,
+    EngineConfig,
+    LoraConfig,
+    OptimConfig,
+)
 from microrl.losses.config import PolicyLossConfig
 
 __all__ = [
+    "EXTERNAL_HELP",
     "GAEConfig",
     "GRPOExampleConfig",
     "LoopConfig",
@@ -31,6 +39,11 @@ def _check(condition: bool, key: str, rule: str, value: object) -> None:
         raise ValueError(f"{key} must be {rule}, got {value!r}")
 
 
+def _key(default: Any, help: str) -> Any:
+    """A config field with its one-line ``--help`` description (``metadata["help"]``)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class WarmStartConfig:
     """Supervised warm start of a freshly built base model (only when ``model.path`` is empty).
@@ -40,11 +53,11 @@ class WarmStartConfig:
     visible room to improve.
     """
 
-    max_steps: int = 600
-    batch_size: int = 64
-    lr: float = 3e-3
-    target_accuracy: float = 0.3
-    eval_every: int = 50
+    max_steps: int = _key(600, "most supervised warm-start steps")
+    batch_size: int = _key(64, "warm-start prompts per step, across all processes")
+    lr: float = _key(3e-3, "warm-start learning rate (AdamW, full fine-tune)")
+    target_accuracy: float = _key(0.3, "stop warm-starting at this greedy accuracy")
+    eval_every: int = _key(50, "measure the warm-start accuracy every N steps")
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_size", "eval_every"):
@@ -66,13 +79,15 @@ class ModelConfig:
     the size fields are ignored. Otherwise a tiny Qwen2 is built, warm-started and saved there.
     """
 
-    path: str = "outputs/base/qwen2-adder"
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    max_positions: int = 32
-    seed: int = 0
+    path: str = _key(
+        "outputs/base/qwen2-adder", "base model: loaded, or built, warm-started and saved here"
+    )
+    hidden_size: int = _key(64, "width of a newly built base model")
+    intermediate_size: int = _key(256, "MLP width of a newly built base model")
+    num_layers: int = _key(2, "decoder layers of a newly built base model")
+    num_heads: int = _key(4, "attention heads of a newly built base model")
+    max_positions: int = _key(32, "longest sequence a newly built base model handles")
+    seed: int = _key(0, "seed of a newly built base model's weights and of its warm start")
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
     def __post_init__(self) -> None:
@@ -91,9 +106,9 @@ class ModelConfig:
 class TaskConfig:
     """Addition ``a+b=`` with ``0 <= a, b <= max_operand``; ``eval_size`` pairs are held out."""
 
-    max_operand: int = 99
-    eval_size: int = 500
-    seed: int = 0
+    max_operand: int = _key(99, "largest number added: prompts a+b= with 0 <= a, b <= it")
+    eval_size: int = _key(500, "held-out prompts for the greedy accuracy, never trained on")
+    seed: int = _key(0, "seed of the held-out split")
 
     def __post_init__(self) -> None:
         _check(1 <= self.max_operand <= 9999, "task.max_operand", "in [1, 9999]", self.max_operand)
@@ -110,9 +125,9 @@ class RolloutConfig:
     """Sampling. The temperature is ``actor.temperature``: the loss must score the same policy
     that sampled, so there is deliberately no second temperature here."""
 
-    prompts_per_step: int = 32  # across all ranks
-    group_size: int = 8  # responses per prompt
-    max_new_tokens: int = 4
+    prompts_per_step: int = _key(32, "prompts sampled per step, across all processes")
+    group_size: int = _key(8, "responses sampled per prompt (a GRPO group)")
+    max_new_tokens: int = _key(4, "longest response, in tokens (<eos> included)")
 
     def __post_init__(self) -> None:
         _check(
@@ -127,14 +142,14 @@ class LoopConfig:
     """The outer loop: ``steps`` rollouts, each followed by ``ppo_epochs`` passes over it in
     mini-batches of ``mini_batch_size`` sequences (one optimizer step each)."""
 
-    steps: int = 300
-    ppo_epochs: int = 2
-    mini_batch_size: int = 128  # sequences per optimizer step, across all ranks
-    eval_every: int = 25  # greedy accuracy on the held-out prompts every N steps (and at the end)
-    seed: int = 0
-    # CPU threads per process; 0 keeps torch's default. The tiny model's matrices are too small
-    # to gain from intra-op threads, and extra threads spin badly on a busy or small CPU.
-    num_threads: int = 1
+    steps: int = _key(300, "RL steps (one rollout and its updates each); the last step run")
+    ppo_epochs: int = _key(2, "passes over each rollout")
+    mini_batch_size: int = _key(128, "sequences per optimizer step, across all processes")
+    eval_every: int = _key(25, "held-out greedy accuracy every N steps (and at the last step)")
+    seed: int = _key(0, "seed of the LoRA initialisation, prompt order and sampling")
+    # The tiny model's matrices are too small to gain from intra-op threads, and extra threads
+    # spin badly on a busy or small CPU.
+    num_threads: int = _key(1, "CPU threads per process (0: torch's default)")
 
     def __post_init__(self) -> None:
         for key in ("steps", "ppo_epochs", "mini_batch_size", "eval_every"):
@@ -144,15 +159,23 @@ class LoopConfig:
 
 @dataclass
 class OutputConfig:
-    dir: str = "outputs/grpo_lora"
-    save_every: int = 0  # checkpoint every N steps; 0: only at the end and on Ctrl-C
-    tensorboard: bool = True
-    plot: bool = True
-    progress: bool = True  # the tqdm bar (off in tests / CI logs)
+    """What a run writes into ``dir`` (metrics, TensorBoard, curves, adapter, checkpoint) and
+    what it prints while it trains."""
+
+    dir: str = _key(
+        "outputs/grpo_lora",
+        "where the run writes (holding a checkpoint: --resume or --overwrite)",
+    )
+    save_every: int = _key(0, "checkpoint every N steps (0: only at the end and on Ctrl-C)")
+    tensorboard: bool = _key(True, "write TensorBoard scalars to output.dir/tensorboard")
+    plot: bool = _key(True, "draw output.dir/curves.png at the end")
+    progress: bool = _key(True, "a live progress bar when stdout is a terminal")
+    log_every: int = _key(10, "without the bar: a plain line every N steps (0: none)")
 
     def __post_init__(self) -> None:
         _check(bool(self.dir), "output.dir", "a non-empty path", self.dir)
         _check(self.save_every >= 0, "output.save_every", ">= 0", self.save_every)
+        _check(self.log_every >= 0, "output.log_every", ">= 0", self.log_every)
 
 
 def _grpo_actor() -> ActorConfig:
@@ -204,8 +227,8 @@ class GRPOExampleConfig:
 class GAEConfig:
     """Generalised advantage estimation (Schulman et al. 2016) over the response tokens."""
 
-    gamma: float = 1.0
-    lam: float = 0.95
+    gamma: float = _key(1.0, "discount per token (1: the final reward counts fully)")
+    lam: float = _key(0.95, "GAE lambda: bias (0) vs variance (1) of the advantages")
 
     def __post_init__(self) -> None:
         _check(0 <= self.gamma <= 1, "gae.gamma", "in [0, 1]", self.gamma)
@@ -255,3 +278,61 @@ class PPOExampleConfig:
 
     def __post_init__(self) -> None:
         _check_lora_batches(self.actor, self.rollout, self.train)
+
+
+# One-line --help descriptions of the engine and loss sections, whose dataclasses live outside
+# this module (microrl.configs.engine, microrl.losses.config; docs/engine.md, docs/losses.md).
+# Looked up along the class's MRO, after a field's own ``metadata["help"]``; a test checks that
+# every key of both examples has one.
+EXTERNAL_HELP: dict[type, dict[str, str]] = {
+    EngineConfig: {
+        "micro_batch_size": "rows per forward/backward pass (exclusive with the token budget)",
+        "max_tokens_per_micro_batch": "token budget per micro-batch instead of a row count",
+        "loss_agg_mode": "loss normalisation (token-mean, seq-mean-token-mean, ...; docs/losses.md)",
+        "seq_len_norm": "the constant L of seq-mean-token-sum-norm",
+        "use_fused_kernel": "fused chunked lm-head log-probs (false: the eager fp32 head)",
+        "kernel_chunk_size": "rows per fused-kernel chunk (null: the kernel picks)",
+        "gradient_checkpointing": "recompute decoder activations in backward (less memory)",
+        "pack_sequences": "run each micro-batch as one packed row without padding",
+        "check_grad_flow": "name trainable parameters left without a gradient: false, warn, error",
+        "dtype": "auto (float32 on CPU, bf16 autocast on CUDA), float32 or bfloat16",
+        "device": "auto (CUDA if present, else CPU) or a torch device such as cuda:1",
+        "seed": "seed of the engine's own initialisation (the critic's value head)",
+        "disable_dropout": "zero the model's dropout so training passes match the rollout",
+    },
+    ActorConfig: {
+        "temperature": "sampling temperature, also applied in the loss",
+        "compute_entropy": "per-token entropy in training passes too (costs a vocab pass)",
+    },
+    CriticConfig: {
+        "cliprange_value": "value clipping around the old values (null: none)",
+    },
+    OptimConfig: {
+        "name": "optimizer: adamw or sgd",
+        "lr": "learning rate (after warm-up)",
+        "betas": "AdamW betas",
+        "eps": "AdamW epsilon",
+        "weight_decay": "decoupled weight decay",
+        "grad_clip": "max global gradient norm (null: no clipping)",
+        "warmup_steps": "optimizer steps of linear learning-rate warm-up",
+        "schedule": "learning-rate schedule after warm-up: constant, cosine or linear",
+        "total_steps": "optimizer steps the cosine/linear decay spans",
+        "min_lr_ratio": "floor of the decay, as a fraction of lr",
+    },
+    LoraConfig: {
+        "rank": "LoRA rank (0: train every parameter)",
+        "alpha": "LoRA scaling numerator (scale = alpha / rank)",
+        "dropout": "dropout on the LoRA adapters' input",
+        "target_modules": "layers that get an adapter (null: every linear layer but the head)",
+    },
+    PolicyLossConfig: {
+        "name": "surrogate: ppo, grpo, gspo, cispo or reinforce",
+        "clip_ratio_low": "ratio clip below: 1 - clip_ratio_low",
+        "clip_ratio_high": "ratio clip above: 1 + clip_ratio_high",
+        "clip_ratio_c": "dual-clip bound for negative advantages (null: off)",
+        "kl_coef": "weight of the KL penalty to the reference (adapter-off) policy",
+        "kl_estimator": "KL estimator: k1, k2, k3, k1+ or k3+",
+        "entropy_coef": "weight of the entropy bonus",
+        "tis_cap": "truncated importance-sampling cap (null: off)",
+    },
+}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,7 +20,14 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["config_to_yaml", "load_config"]
+__all__ = [
+    "config_changes",
+    "config_to_yaml",
+    "describe_config",
+    "format_value",
+    "load_config",
+    "override_value",
+]
 
 T = TypeVar("T")
 
@@ -129,3 +136,67 @@ def config_to_yaml(config: Any) -> str:
     """The YAML of a config instance (enums by value), e.g. to save beside a run's outputs;
     ``load_config`` reads it back to an equal instance."""
     return yaml.safe_dump(_plain(config), sort_keys=False)
+
+
+def override_value(overrides: Sequence[str], key: str, default: Any = None) -> Any:
+    """The value the ``key.sub=value`` overrides give ``key`` (the last one wins), parsed as
+    :func:`load_config` parses it, or ``default``; a malformed override is a ``ValueError``."""
+    return OmegaConf.select(_parse_overrides(overrides), key, default=default)
+
+
+def format_value(value: Any) -> str:
+    """A config value as it is written in YAML and on the command line: ``null``, ``true``,
+    ``0.001``, ``[0.9, 0.999]``, ``token-mean``."""
+    text = yaml.safe_dump(_plain(value), default_flow_style=True, width=1_000_000)
+    return text.strip().removesuffix("...").strip()
+
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def _field_help(cls: type, name: str, extra: Mapping[type, Mapping[str, str]]) -> str:
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if field.metadata.get("help"):
+        return field.metadata["help"]
+    for klass in cls.__mro__:
+        if name in extra.get(klass, {}):
+            return extra[klass][name]
+    return ""
+
+
+def describe_config(
+    config: Any, extra_help: Mapping[type, Mapping[str, str]] | None = None, prefix: str = ""
+) -> list[tuple[str, str, str]]:
+    """``(key.sub, value as YAML, one-line description)`` of every leaf of a config instance.
+
+    A description is the field's ``metadata["help"]``, else ``extra_help[cls][name]`` for the
+    field's dataclass or a base class (for dataclasses defined elsewhere); ``""`` when neither.
+    """
+    extra_help = extra_help or {}
+    rows = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += describe_config(value, extra_help, f"{prefix}{f.name}.")
+        else:
+            help_text = _field_help(type(config), f.name, extra_help)
+            rows.append((prefix + f.name, format_value(value), help_text))
+    return rows
+
+
+def config_changes(before: Any, after: Any) -> list[tuple[str, str, str]]:
+    """``(key.sub, old, new)`` for every leaf whose value differs (values as YAML)."""
+    old, new = _flat(before), _flat(after)
+    return [
+        (key, format_value(old.get(key)), format_value(new.get(key)))
+        for key in list(new) + [k for k in old if k not in new]
+        if _plain(old.get(key)) != _plain(new.get(key))
+    ]

@@ -16,8 +16,10 @@ is not a tensor is JSON.
 
 Atomicity: all ranks write into ``.<name>.tmp`` next to the target; once every rank has reported
 success rank 0 writes the manifest, fsyncs, and renames the temporary directory into place (the
-previous checkpoint is moved aside first and deleted only after the rename). An error or crash
-before the rename leaves the previous checkpoint untouched; a directory without a valid manifest is
+previous checkpoint is moved aside to ``.<name>.old`` first and deleted only after the rename). An
+error or crash before the rename leaves the previous checkpoint untouched; a kill between the two
+renames is repaired by the next save or load (:func:`microrl.engine.atomic_io.recover_swap`: the
+new copy if its manifest is there, else the previous one); a directory without a valid manifest is
 refused on load.
 
 A failure on one rank fails every rank, within a bounded time (``timeout_s``): a multi-rank save
@@ -62,6 +64,7 @@ from microrl.engine.agreement import (
 )
 from microrl.engine.atomic_io import (
     fsync_dir,
+    recover_swap,
     refuse_foreign_dir,
     replace_dir,
     staging_paths,
@@ -171,9 +174,8 @@ def save_checkpoint(
     try:
         with phase(sync, "prepare"):
             # Every rank checks (a shared filesystem gives them the same answer).
-            refuse_foreign_dir(
-                target, lambda d: (d / MANIFEST).is_file(), "a microrl checkpoint", CheckpointError
-            )
+            recover_swap(target, _has_manifest)  # finish a swap a killed save left behind
+            refuse_foreign_dir(target, _has_manifest, "a microrl checkpoint", CheckpointError)
             config_json = to_jsonable(config) if config is not None else None
             sched_json = to_jsonable(scheduler.state_dict()) if scheduler is not None else None
             tensors, optim_json, aliases = split_state(model, optimizer, trainable_only)
@@ -230,9 +232,14 @@ def save_checkpoint(
 # ----------------------------------------------------------------------------- load
 
 
+def _has_manifest(directory: Path) -> bool:
+    return (directory / MANIFEST).is_file()
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete checkpoint; ``CheckpointError`` for anything else."""
     root = Path(path)
+    recover_swap(root.absolute(), _has_manifest)  # a save killed between its two renames
     manifest_path = root / MANIFEST
     if not root.is_dir():
         _, old = staging_paths(root.absolute())

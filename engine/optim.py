@@ -63,6 +63,32 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
 
 
+def apply_optim_config(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None,
+    config: OptimConfig,
+) -> None:
+    """Give a loaded optimizer (and schedule) the hyper-parameters of ``config``.
+
+    Loading a checkpoint restores the saved param groups and the schedule's base learning rates,
+    which would silently undo a changed config (a new ``optim.lr`` given on resume): the config
+    says one learning rate, the optimizer steps with another. With the saved config unchanged this
+    writes back the values the checkpoint restored (``lr = base_lr * factor(step)`` computed as
+    ``LambdaLR`` does), so a resume stays exact.
+    """
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"] = config.lr
+        group["weight_decay"] = config.weight_decay
+        if "betas" in group:
+            group["betas"] = tuple(config.betas)
+        if "eps" in group:
+            group["eps"] = config.eps
+    if scheduler is not None:  # LambdaLR: lr = base_lr * factor(steps taken)
+        scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = config.lr * factor(scheduler.last_epoch)
+
+
 def clip_and_check(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Global grad norm (clipping to ``max_norm`` when set); a 0-d tensor, possibly non-finite.
 

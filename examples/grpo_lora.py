@@ -6,7 +6,8 @@ Launch (CPU by default; the config is configs/grpo_lora.yaml, any key can be ove
     python examples/grpo_lora.py train.steps=100 actor.optim.lr=1e-3 output.dir=outputs/try
     torchrun --nproc_per_node 2 examples/grpo_lora.py      # data parallel, FSDP2 (gloo on CPU)
     python examples/grpo_lora.py --resume                  # continue after Ctrl-C or a finished run
-    python examples/grpo_lora.py --help                    # every option and its default
+    python examples/grpo_lora.py --overwrite               # start again over a previous run
+    python examples/grpo_lora.py --help                    # every option, its default, its meaning
 
 What GRPO does (Shao et al. 2024, "DeepSeekMath"): for each prompt, sample a *group* of responses
 from the current policy and score them (1 if the sum is right, else 0). A response's advantage is
@@ -29,7 +30,15 @@ import time
 
 import torch
 from common.base_model import prepare_base_model
-from common.runtime import Dist, StopOnInterrupt, load_run, parse_cli, per_rank, save_run
+from common.runtime import (
+    Dist,
+    StopOnInterrupt,
+    load_run,
+    parse_cli,
+    per_rank,
+    prepare_output,
+    save_run,
+)
 from common.session import check_whole_groups, evaluator, finish, sample, start_tracking
 from common.task import AdditionTask
 from common.tracking import mean_metrics
@@ -42,6 +51,7 @@ from microrl.losses import broadcast_to_tokens, grpo_advantages
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_cli(GRPOExampleConfig, "grpo_lora.yaml", __doc__, argv)
     dist_info = Dist.init()
+    prepare_output(cfg, args, dist_info)  # --resume / --overwrite; a checkpoint left aside
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     log = print if dist_info.is_main else (lambda *_: None)

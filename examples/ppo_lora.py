@@ -5,7 +5,7 @@ Launch (CPU by default; the config is configs/ppo_lora.yaml, any key can be over
     python examples/ppo_lora.py
     python examples/ppo_lora.py train.steps=100 actor.policy_loss.kl_coef=0.05
     torchrun --nproc_per_node 2 examples/ppo_lora.py
-    python examples/ppo_lora.py --resume
+    python examples/ppo_lora.py --resume                   # continue it (saved config + overrides)
 
 What PPO does (Schulman et al. 2017, as used for RLHF by Ouyang et al. 2022): sample responses,
 score them, and put the score on the *last* response token as the reward. A critic predicts, at
@@ -31,7 +31,15 @@ import time
 import torch
 from common.base_model import prepare_base_model
 from common.model import load_pretrained
-from common.runtime import Dist, StopOnInterrupt, load_run, parse_cli, per_rank, save_run
+from common.runtime import (
+    Dist,
+    StopOnInterrupt,
+    load_run,
+    parse_cli,
+    per_rank,
+    prepare_output,
+    save_run,
+)
 from common.session import evaluator, finish, sample, start_tracking
 from common.task import AdditionTask
 from common.tracking import mean_metrics
@@ -46,6 +54,7 @@ from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_cli(PPOExampleConfig, "ppo_lora.yaml", __doc__, argv)
     dist_info = Dist.init()
+    prepare_output(cfg, args, dist_info)  # --resume / --overwrite; a checkpoint left aside
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     log = print if dist_info.is_main else (lambda *_: None)

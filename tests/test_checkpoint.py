@@ -278,3 +278,18 @@ def test_exports_give_the_engine_logprobs(tmp_path, lora):
     else:
         with pytest.raises(ValueError, match="no PeftModel"):
             export_peft_adapter(engine.module, tmp_path / "adapter")
+
+
+def test_a_learning_rate_changed_on_resume_takes_effect(tmp_path):
+    """The config's optimizer settings win over the saved ones: a new lr given on resume is the
+    one the optimizer (and the schedule) step with; moments still come from the checkpoint."""
+    run = _engine(0)
+    run.train_batch(make_batch(seed=0))
+    run.save_checkpoint(tmp_path / "ckpt")
+    lr = ADAM.lr / 4
+    resumed = _engine(0, optim=OptimConfig(name="adamw", lr=lr, weight_decay=0.01))
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert all(g["lr"] == lr and g["weight_decay"] == 0.01 for g in resumed.optimizer.param_groups)
+    assert resumed.lr_scheduler.base_lrs == [lr] * len(resumed.optimizer.param_groups)
+    assert resumed.optimizer.state_dict()["state"], "the moments were not restored"
+    assert resumed.train_batch(make_batch(seed=1))["lr"] == lr

@@ -95,6 +95,7 @@ def start_tracking(
         enabled=dist_info.is_main,
         tensorboard=cfg.output.tensorboard,
         progress=cfg.output.progress,
+        log_every=cfg.output.log_every,
     )
     if dist_info.is_main:
         (tracker.out_dir / "config.yaml").write_text(config_to_yaml(cfg))

@@ -1,13 +1,17 @@
-"""What a user sees: a tqdm bar with live reward/accuracy, metrics as JSON lines and TensorBoard
-scalars, and a PNG of the curves at the end. Only the main rank writes anything.
+"""What a user sees: a tqdm bar with live reward/accuracy on a terminal, or one short plain line
+every ``log_every`` steps in a log file (cluster jobs, ``> log``, pipes); metrics as JSON lines and
+TensorBoard scalars; and a PNG of the curves at the end. Only the main rank writes anything.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TextIO
 
 from tqdm.auto import tqdm
 
@@ -28,6 +32,15 @@ PLOT_PANELS: tuple[tuple[str, ...], ...] = (
 )
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = ("reward", "eval/accuracy", "kl", "loss")
+# Shown on a plain log line, in this order, when present: (metric, label, format). All but the
+# accuracy (the last evaluation) are means over the steps since the previous line.
+LINE_KEYS = (
+    ("reward", "reward", ".3f"),
+    ("eval/accuracy", "accuracy", ".3f"),
+    ("kl", "kl", ".3g"),
+    ("loss", "loss", ".3g"),
+    ("tokens_per_s", "tokens/s", ".0f"),
+)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -40,8 +53,13 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 class Tracker:
     """Per-step metrics sink. ``enabled=False`` (non-main ranks) makes every method a no-op.
 
+    Progress goes to ``stream`` (stdout): a live bar when it is a terminal and ``progress`` is
+    on; otherwise one plain line every ``log_every`` steps and at the last step (``0``: none),
+    short enough for any log viewer.
+
     On resume (``start_step > 0``) the JSONL lines of steps after ``start_step`` are dropped: they
-    belong to the interrupted run's unsaved tail and would otherwise appear twice.
+    belong to the interrupted run's unsaved tail and would otherwise appear twice. A fresh run
+    (``start_step == 0``) starts the file empty.
     """
 
     def __init__(
@@ -53,6 +71,8 @@ class Tracker:
         enabled: bool = True,
         tensorboard: bool = True,
         progress: bool = True,
+        log_every: int = 10,
+        stream: TextIO | None = None,
     ) -> None:
         self.enabled = enabled
         self.out_dir = Path(out_dir)
@@ -60,10 +80,17 @@ class Tracker:
         self._bar = None
         self._writer = None
         self._last_eval: float | None = None
+        self._stream = stream if stream is not None else sys.stdout
+        self._total = total_steps
+        self._start_step = start_step
+        self._t0 = time.perf_counter()
+        self._window: list[Mapping[str, float | None]] = []
+        self._log_every = 0
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         kept = [m for m in read_metrics(self.metrics_path) if m.get("step", 0) <= start_step]
+        kept = kept if start_step > 0 else []
         self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -71,14 +98,17 @@ class Tracker:
             self._writer = SummaryWriter(
                 log_dir=str(self.out_dir / "tensorboard"), purge_step=start_step + 1
             )
-        self._bar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            desc="train",
-            unit="step",
-            disable=not progress,
-            dynamic_ncols=True,
-        )
+        if progress and _is_terminal(self._stream):
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                file=self._stream,
+                dynamic_ncols=True,
+            )
+        else:
+            self._log_every = log_every
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record ``metrics`` of ``step`` (1-based); non-finite values are written as null."""
@@ -100,11 +130,34 @@ class Tracker:
                 {k.removeprefix("eval/"): f"{v:.3g}" for k, v in shown.items()}, refresh=False
             )
             self._bar.update(step - self._bar.n)
+        elif self._log_every and step > self._start_step:  # not the starting evaluation
+            self._window.append(record)
+            if step % self._log_every == 0 or step == self._total:
+                print(self._line(step), file=self._stream, flush=True)
+                self._window = []
+
+    def _line(self, step: int) -> str:
+        """``step 20/300  0:00:16 (eta 0:03:44)  reward 0.41  accuracy 0.658  kl 0.25 ...``"""
+        elapsed = time.perf_counter() - self._t0
+        done = step - self._start_step
+        eta = elapsed / done * (self._total - step) if done > 0 else 0.0
+        width = len(str(self._total))
+        parts = [f"step {step:>{width}}/{self._total}  {_clock(elapsed)} (eta {_clock(eta)})"]
+        for key, label, fmt in LINE_KEYS:
+            if key == "eval/accuracy":
+                value = self._last_eval
+            else:
+                values = [r[key] for r in self._window if r.get(key) is not None]
+                value = sum(values) / len(values) if values else None
+            if value is not None:
+                parts.append(f"{label} {value:{fmt}}")
+        return "  ".join(parts)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""
         if self.enabled:
-            tqdm.write(message)
+            tqdm.write(message, file=self._stream)
+            self._stream.flush()
 
     def close(self, *, plot: bool = True) -> Path | None:
         """Flush everything; returns the plot's path when one was drawn."""
@@ -117,6 +170,16 @@ class Tracker:
         if plot:
             return plot_metrics(self.metrics_path, self.out_dir / PLOT_FILE)
         return None
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _clock(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def _finite_or_none(value: float) -> float | None:
