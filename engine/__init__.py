@@ -1,11 +1,13 @@
 """microrl.engine: the micro-batched training engine (docs/engine.md).
 
-``ActorEngine`` (policy log-probs + policy loss) and ``CriticEngine`` (values + value loss) share
-the loop of ``Engine``; a new role overrides the head and the loss, not the loop.
+``ActorEngine`` (policy log-probs + policy loss), ``CriticEngine`` (values + value loss) and
+``RewardModelEngine`` (a score per sequence + the Bradley-Terry pairwise loss) share the loop of
+``Engine``; a new role overrides the head and the loss, not the loop.
 """
 
 from microrl.engine.actor import ActorEngine
 from microrl.engine.base import Engine, LossFn
 from microrl.engine.critic import CriticEngine
+from microrl.engine.reward import RewardModelEngine
 
-__all__ = ["ActorEngine", "CriticEngine", "Engine", "LossFn"]
+__all__ = ["ActorEngine", "CriticEngine", "Engine", "LossFn", "RewardModelEngine"]

@@ -1,10 +1,17 @@
 """The micro-batched training loop every engine role shares (docs/engine.md).
 
-A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`, or a user's
-reward model) overrides three things only: :meth:`Engine._build_module` (the ``nn.Module`` that is
-differentiated), :meth:`Engine._head_forward` (one call of it) and :meth:`Engine.default_loss`
-(with :attr:`Engine.loss_keys`). The loop -- validation, global denominators, micro-batching,
-packing, token alignment, backward, metrics, optimizer step -- is written once, here.
+A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`,
+:class:`~microrl.engine.RewardModelEngine`, or a user's own) overrides three things only:
+:meth:`Engine._build_module` (the ``nn.Module`` that is differentiated),
+:meth:`Engine._head_forward` (one call of it) and :meth:`Engine.default_loss` (with
+:attr:`Engine.loss_keys`, :attr:`Engine.row_keys` and :attr:`Engine.count_key`). The loop --
+validation, global denominators, micro-batching (whole groups of rows), packing, token
+alignment, backward, metrics, optimizer step -- is written once, here.
+
+Outputs of a role are per-position ``[b, L]`` (token-aligned by the loop) or per-row ``[b]`` (one
+value per sequence, e.g. a reward model's score at the last real token; the loop only restores
+the caller's row order). A role whose :meth:`Engine._head_forward` declares a ``last_index``
+parameter gets the flat index of each sequence's last real token (docs/engine.md).
 
 Hook points for distributed training and checkpoints: :attr:`dp_group`, :meth:`_wrap_model`,
 :meth:`_agree_num_micro_batches`, :meth:`save_checkpoint` / :meth:`load_checkpoint`.
@@ -12,6 +19,7 @@ Hook points for distributed training and checkpoints: :attr:`dp_group`, :meth:`_
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -29,7 +37,6 @@ from microrl.engine import distributed, packing, setup
 from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
-    to_token_alignment,
 )
 from microrl.engine.attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
 from microrl.engine.microbatch import (
@@ -38,8 +45,15 @@ from microrl.engine.microbatch import (
     scatter_outputs,
     span_starts_and_lengths,
 )
-from microrl.engine.optim import audit_grad_flow, build_optimizer, build_scheduler, clip_and_check
-from microrl.engine.validation import check_batch
+from microrl.engine.optim import (
+    apply_optim_config,
+    audit_grad_flow,
+    build_optimizer,
+    build_scheduler,
+    clip_and_check,
+)
+from microrl.engine.outputs import align_outputs, check_loss_result, last_token_index
+from microrl.engine.validation import GROUP_KEY, check_batch
 from microrl.losses.aggregation import LossDenominators, global_denominators
 from microrl.losses.metrics import Metric, reduce_metrics
 
@@ -63,8 +77,16 @@ class Engine:
         config: an :class:`~microrl.configs.EngineConfig` (or a role's subclass of it).
     """
 
-    #: batch keys the default loss needs besides ``input_ids``/``attention_mask``.
+    #: per-token ``[B, T]`` batch keys the default loss needs (besides ``input_ids`` and
+    #: ``attention_mask``).
     loss_keys: tuple[str, ...] = ("loss_mask",)
+    #: per-row ``[B]`` batch keys the default loss needs (validated as ``[B]``, indexed by row).
+    row_keys: tuple[str, ...] = ()
+    #: the key the mini-batch's global denominators count (docs/losses.md): ``loss_mask``
+    #: (``[B, T]``: loss tokens and loss sequences), or a per-row ``[B]`` key of :attr:`row_keys`
+    #: (then ``n_tokens = n_seqs`` = its nonzero rows, e.g. a reward model's pairs). A custom
+    #: ``loss_fn`` needs it too; an empty (padding) micro-batch gets it zeroed.
+    count_key: str = "loss_mask"
     config_class: type[EngineConfig] = EngineConfig
 
     def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig) -> None:
@@ -101,6 +123,9 @@ class Engine:
         self.model = causal_lm
         #: the trained nn.Module: the role's wrapper, possibly sharded.
         self.module = self._wrap_model(self._build_module(causal_lm))
+        # Sequence-level roles opt in to the last real token's index by naming the parameter;
+        # roles that forward **kwargs to the transformers model never receive it.
+        self._passes_last_index = "last_index" in inspect.signature(self._head_forward).parameters
         self.optimizer = build_optimizer(self._trainable_params(), config.optim)
         self.lr_scheduler = build_scheduler(self.optimizer, config.optim)
         self.last_step_metrics: dict[str, Metric] = {}
@@ -121,13 +146,23 @@ class Engine:
         temperature: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> dict[str, torch.Tensor]:
-        """One call of :attr:`module`; outputs aligned to the *predicting* position, ``[b, L]``.
+        """One call of :attr:`module` on a compact micro-batch of ``b`` sequences.
 
-        ``targets[b, j]`` is the token that follows position ``j`` (``-100`` where none does);
-        the loop zeroes outputs there and shifts everything to token alignment.
+        Returns a dict of tensors, each either
+          * per-position, shaped like ``input_ids`` (``[b, L]``, or ``[1, N]`` packed) and aligned
+            to the *predicting* position: the loop zeroes it where ``targets`` is ``-100``, unpacks
+            it and shifts it to token alignment (entry ``j`` lands at column ``j + 1``); or
+          * per-row, ``[b]``: one value per sequence in row order (also when packed); the loop
+            neither masks nor shifts it and returns it as ``[B]`` in the caller's row order.
+
+        ``targets[b, j]`` is the token that follows position ``j`` (``-100`` where none does).
         ``temperature``: the batch's per-row/per-token sampling temperature at the predicting
         positions (same shape as ``targets``), or None (then the role's configured one).
         ``model_kwargs`` (e.g. the packed sequence lengths) go to the transformers forward.
+        An override that declares a ``last_index`` parameter also gets ``last_index`` ``[b]``:
+        the index of each sequence's last real token in ``input_ids.flatten()`` (row-major;
+        ``row * L + length - 1`` padded, ``cumsum(lengths) - 1`` packed), for per-row outputs
+        such as a score at the last token (:func:`microrl.engine.heads.gather_last`).
         """
         raise NotImplementedError
 
@@ -187,18 +222,32 @@ class Engine:
         placeholder = self.dp_group is not None and distributed.is_empty_batch(batch)
         if placeholder:
             batch = distributed.placeholder_row(batch)
-        batch = check_batch(batch, required=keys, vocab_size=self.vocab_size, device=self.device)
+        batch = check_batch(
+            batch,
+            required=keys,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            row_keys=self.row_keys,
+        )
+        if not placeholder:
+            self._check_role_batch(batch)
         with_loss = all(k in batch for k in self._loss_inputs(loss_fn))
         loss_fn = loss_fn or self.default_loss
         starts, lengths = span_starts_and_lengths(batch["attention_mask"])
-        host_lengths = lengths.tolist()  # the one sync that planning needs
+        host_groups = None
+        if GROUP_KEY in batch:  # lengths and group ids in one read
+            host_lengths, host_groups = torch.stack(
+                [lengths, batch[GROUP_KEY].to(lengths.dtype)]
+            ).tolist()
+        else:
+            host_lengths = lengths.tolist()  # the one sync that planning needs
         denominators = None
         if with_loss:
             # docs/losses.md: counted over the whole mini-batch (and all ranks) first.
             denominators = global_denominators(
-                batch["loss_mask"], seq_len_norm=self.config.seq_len_norm, group=self.dp_group
+                self._count_mask(batch), seq_len_norm=self.config.seq_len_norm, group=self.dp_group
             )
-        plan = self._plan(host_lengths)
+        plan = self._plan(host_lengths, host_groups)
         shape = tuple(batch["input_ids"].shape)
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
@@ -210,7 +259,7 @@ class Engine:
                 width = max(host_lengths[r] for r in rows)
                 micro = compact_rows(batch, rows, starts, lengths, width)
                 if not real and with_loss:
-                    micro["loss_mask"] = torch.zeros_like(micro["loss_mask"])
+                    micro[self.count_key] = torch.zeros_like(micro[self.count_key])
                 loss, step_metrics, output = self._forward_compact(
                     micro,
                     [host_lengths[r] for r in rows],
@@ -228,12 +277,12 @@ class Engine:
                 if real:
                     scatter_outputs(output, rows, starts, lengths, outputs, shape)
         if not forward_only and with_loss and self.config.check_grad_flow:
-            audit_grad_flow(self.module, batch["loss_mask"], self.config.check_grad_flow)
+            audit_grad_flow(self.module, self._count_mask(batch), self.config.check_grad_flow)
         if losses:
             metrics.append({"loss": Metric(torch.stack(losses).sum())})
         reduced = reduce_metrics(metrics, group=self.dp_group)
-        if placeholder:  # the caller's [0, T] shape, with the keys a real share would have
-            outputs = {k: v.new_zeros((0, shape[1])) for k, v in output.items()}
+        if placeholder:  # the caller's [0, T] / [0] shapes, with the keys a real share would have
+            outputs = {k: v.new_zeros((0, *shape[1 : v.dim()])) for k, v in output.items()}
             shape = (0, shape[1])
         result = {
             "model_output": TensorDict(outputs, batch_size=[shape[0]], device=self.device),
@@ -260,8 +309,13 @@ class Engine:
         """
         keys = self._required_keys(loss_fn, forward_only)
         batch = check_batch(
-            micro_batch, required=keys, vocab_size=self.vocab_size, device=self.device
+            micro_batch,
+            required=keys,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            row_keys=self.row_keys,
         )
+        self._check_role_batch(batch)
         with_loss = all(k in batch for k in self._loss_inputs(loss_fn))
         starts, lengths = span_starts_and_lengths(batch["attention_mask"])
         rows = list(range(batch.batch_size[0]))
@@ -269,7 +323,7 @@ class Engine:
         micro = compact_rows(batch, rows, starts, lengths, max(host_lengths))
         if with_loss and denominators is None:
             denominators = global_denominators(
-                batch["loss_mask"], seq_len_norm=self.config.seq_len_norm, group=self.dp_group
+                self._count_mask(batch), seq_len_norm=self.config.seq_len_norm, group=self.dp_group
             )
         # As in the batch loop: train mode for a gradient pass, eval mode (no dropout) for a
         # forward-only one (old/ref log-probs); the caller's mode is restored afterwards.
@@ -384,7 +438,11 @@ class Engine:
 
     def load_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step;
-        ``timeout_s`` bounds the ranks' agreements as in :meth:`save_checkpoint`."""
+        ``timeout_s`` bounds the ranks' agreements as in :meth:`save_checkpoint`.
+
+        Optimizer state (moments, step counts) comes from the checkpoint; its hyper-parameters
+        (lr, betas, eps, weight decay, the schedule's base lr) from this engine's config, so a
+        learning rate changed on resume takes effect."""
         from microrl.engine import checkpoint
 
         info = checkpoint.load_checkpoint(
@@ -395,6 +453,9 @@ class Engine:
             config=self.config,
             timeout_s=timeout_s,
         )
+        # The current config's optimizer settings win over the saved ones (a changed lr on
+        # resume); unchanged settings are written back as they were, so resuming stays exact.
+        apply_optim_config(self.optimizer, self.lr_scheduler, self.config.optim)
         self.global_step = info.step
 
     @property
@@ -404,9 +465,21 @@ class Engine:
 
     # ----------------------------------------------------------------- internals
     def _loss_inputs(self, loss_fn: LossFn | None) -> tuple[str, ...]:
-        """Batch keys a loss needs: the role's for the default loss, ``loss_mask`` for a custom one
-        (the global denominators count it; the function itself reads what it wants)."""
-        return ("loss_mask",) if loss_fn is not None else self.loss_keys
+        """Batch keys a loss needs: the role's for the default loss, :attr:`count_key` for a custom
+        one (the global denominators count it; the function itself reads what it wants)."""
+        if loss_fn is not None:
+            return (self.count_key,)
+        keys = (*self.loss_keys, *self.row_keys)
+        return keys if self.count_key in keys else (*keys, self.count_key)
+
+    def _count_mask(self, batch: TensorDict) -> torch.Tensor:
+        """What the global denominators count, as ``[B, T]`` (a per-row key as ``[B, 1]``)."""
+        mask = batch[self.count_key]
+        return mask.unsqueeze(1) if mask.dim() == 1 else mask
+
+    def _check_role_batch(self, batch: TensorDict) -> None:
+        """Role-specific value checks after :func:`check_batch` (e.g. a reward model's pairs);
+        raises ``ValueError``. Runs once per public call, outside the micro-batch loop."""
 
     def _required_keys(self, loss_fn: LossFn | None, forward_only: bool) -> tuple[str, ...]:
         return () if forward_only else self._loss_inputs(loss_fn)
@@ -414,11 +487,12 @@ class Engine:
     def _trainable_params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _plan(self, lengths: list[int]) -> list[list[int]]:
+    def _plan(self, lengths: list[int], groups: list[int] | None = None) -> list[list[int]]:
         kwargs = {
             "micro_batch_size": self.config.micro_batch_size,
             "max_tokens": self.config.max_tokens_per_micro_batch,
             "packed": self.config.pack_sequences,
+            "groups": groups,
         }
         plan = plan_micro_batches(lengths, **kwargs)
         agreed = self._agree_num_micro_batches(len(plan))
@@ -435,14 +509,17 @@ class Engine:
         *,
         training: bool,
     ) -> tuple[torch.Tensor | None, dict[str, Metric], TensorDict]:
-        """Forward a compact right-padded ``[b, L]`` micro-batch; token-align the outputs; loss.
+        """Forward a compact right-padded ``[b, L]`` micro-batch; token-align the per-position
+        outputs (per-row ``[b]`` outputs stay as they are); loss.
 
         ``lengths``: the rows' real-token counts, on the host (no sync in the micro-batch loop).
         """
         valid = micro["attention_mask"]
         ids, positions = micro["input_ids"], micro["position_ids"]
         targets, has_next = next_token_targets(ids, valid)
-        model_kwargs = {}
+        model_kwargs, role_kwargs = {}, {}
+        if self._passes_last_index:
+            role_kwargs["last_index"] = last_token_index(valid, packed=self.config.pack_sequences)
         temperature = None
         if "temperature" in micro:
             temperature = predicting_temperature(micro["temperature"], has_next)
@@ -458,20 +535,21 @@ class Engine:
             inputs, packed_targets = (ids, positions, valid.long()), targets
         with setup.autocast_context(self.config, self.device):
             raw = self._head_forward(
-                *inputs, packed_targets, training=training, temperature=temperature, **model_kwargs
+                *inputs,
+                packed_targets,
+                training=training,
+                temperature=temperature,
+                **role_kwargs,
+                **model_kwargs,
             )
-        aligned = {}
-        for key, value in raw.items():
-            # fp32 for the loss (bf16 under autocast is too coarse); fp64 models keep fp64 so
-            # exactness tests can compare at fp64 precision. Returned outputs are fp32 anyway.
-            value = value if value.dtype == torch.float64 else value.float()
-            if self.config.pack_sequences:
-                value = packing.unpack(value, index, valid)
-            aligned[key] = to_token_alignment(value, has_next)
+        unpack = (lambda v: packing.unpack(v, index, valid)) if self.config.pack_sequences else None
+        aligned = align_outputs(
+            raw, ids.shape[0], tuple(inputs[0].shape), has_next, unpack, type(self).__name__
+        )
         output = TensorDict(aligned, batch_size=[ids.shape[0]], device=ids.device)
         loss, metrics = None, {}
         if loss_fn is not None:
-            loss, metrics = _check_loss_result(loss_fn(output, micro, denominators))
+            loss, metrics = check_loss_result(loss_fn(output, micro, denominators))
         return loss, metrics, output.detach()
 
     @contextmanager
@@ -487,23 +565,3 @@ class Engine:
     @staticmethod
     def _grad(forward_only: bool) -> Any:
         return torch.no_grad() if forward_only else nullcontext()
-
-
-def _check_loss_result(result: object) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """A loss_fn must return ``(0-d tensor, dict[str, Metric])``: say so at the boundary instead of
-    failing later inside backward or the metric reduction. Metric values come back detached."""
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise TypeError(f"loss_fn must return (loss, metrics), got {type(result).__name__}")
-    loss, metrics = result
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(
-            f"loss_fn's loss must be a 0-d tensor, got {getattr(loss, 'shape', type(loss))}"
-        )
-    if not isinstance(metrics, Mapping) or not all(isinstance(m, Metric) for m in metrics.values()):
-        raise TypeError(
-            "loss_fn's metrics must be a dict[str, Metric] (wrap values as "
-            "microrl.losses.Metric(tensor.detach()))"
-        )
-    # Detached here: a metric still holding its graph would pin every micro-batch's activations
-    # until the end of the mini-batch (the list of metrics lives that long).
-    return loss, {k: Metric(m.value.detach(), m.reduce) for k, m in metrics.items()}

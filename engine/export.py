@@ -8,14 +8,24 @@ holds two full copies on the accelerator), then rank 0 writes. Every rank must c
 * :func:`export_merged_model` writes what ``AutoModelForCausalLM.from_pretrained(path)`` loads:
   the base weights with each LoRA update ``W + scaling * B @ A`` folded in.
 
+A critic or a reward model (a :class:`~microrl.engine.heads.ValueModel`: decoder body plus a
+``Linear(H, 1)`` head) is not a causal LM: it exports as the architecture's transformers
+classifier with ``num_labels=1`` and the trained head as its ``score`` layer --
+``*ForTokenClassification`` for a critic (a value per position; the head's bias is kept), and
+``*ForSequenceClassification`` for a reward model (a score pooled at the last token; no bias).
+An architecture without that class, or whose class has a different head layout, is a
+``ValueError`` that says so: never a model that loads with a random head.
+
 Writes are atomic like checkpoints (a temporary directory renamed into place).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,8 +34,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from microrl.engine.agreement import rank_agreement
 from microrl.engine.atomic_io import refuse_foreign_dir, replace_dir, staging_paths
+from microrl.engine.heads import ValueModel
 
-__all__ = ["export_merged_model", "export_peft_adapter", "full_state_dict", "merged_state_dict"]
+__all__ = [
+    "ClassifierTarget",
+    "classifier_target",
+    "export_merged_model",
+    "export_peft_adapter",
+    "full_state_dict",
+    "merged_state_dict",
+]
 
 _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped transformers model
 
@@ -106,6 +124,9 @@ def export_peft_adapter(
             f"no PeftModel for {type(model).__name__}: there is no adapter to export "
             "(pass peft_model=engine.peft_model when the module holds only the base model)"
         )
+    found = _find(model, ValueModel)
+    if found is not None:
+        return _export_classifier_adapter(model, path, peft_model, found[0], found[1])
     prefix, base = _locate_base(model)
     if base is not peft_model.get_base_model():
         raise ValueError("peft_model does not wrap the transformers model inside model")
@@ -160,10 +181,15 @@ def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
 def export_merged_model(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write the trained transformers model inside ``model`` in its own format, LoRA merged in.
 
-    ``AutoModelForCausalLM.from_pretrained(path)`` loads it (for a critic: the decoder body,
-    without the value head). Without LoRA it is the fine-tuned model itself; the weights keep
-    their training dtype.
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads it. Without LoRA it is the fine-tuned
+    model itself; the weights keep their training dtype. A critic or a reward model (a
+    :class:`~microrl.engine.heads.ValueModel` inside ``model``) is written as a transformers
+    classifier instead (see :func:`classifier_target`): ``AutoModelForTokenClassification`` /
+    ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it with the trained head.
     """
+    found = _find(model, ValueModel)
+    if found is not None:
+        return _export_classifier(model, path, found[0], found[1])
     prefix, base = _locate_base(model)
     state = _sub_state(full_state_dict(model), prefix)
     if _rank() == 0:
@@ -171,5 +197,166 @@ def export_merged_model(model: nn.Module, path: str | os.PathLike) -> Path:
 
     def write(tmp: Path) -> None:
         base.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+
+    return _write_atomically(path, write)
+
+
+# ----------------------------------------------------------------- critics and reward models
+class ClassifierTarget(NamedTuple):
+    """The transformers classifier a critic / reward model exports as (:func:`classifier_target`)."""
+
+    config: Any  # the body's config with num_labels=1 and the classifier's architectures
+    base_prefix: str  # the attribute holding the body in that class ("model" for Llama/Qwen2)
+    head_name: str  # its Linear(H, 1) head ("score")
+    task_type: str  # PEFT's task type: "TOKEN_CLS" or "SEQ_CLS"
+    state_keys: frozenset[str]  # the classifier's state-dict keys
+
+
+def classifier_target(value_model: ValueModel) -> ClassifierTarget:
+    """The transformers classifier a critic (``sequence_level=False``) or a reward model
+    (``sequence_level=True``) exports as.
+
+    A critic maps to ``AutoModelForTokenClassification``: its logits ``[b, L, 1]`` are the values
+    at each *predicting* position (the engine's token-aligned ``values[b, t]`` is
+    ``logits[b, t - 1]``); the config gets ``classifier_dropout=0.0`` (the engine trains without
+    dropout) and ``token_classification_bias`` to match the head. A reward model maps to
+    ``AutoModelForSequenceClassification``, which pools the logits at the last token that is not
+    ``config.pad_token_id`` (transformers' rule; with no pad token it takes the last column and
+    accepts one row at a time).
+
+    Raises ``ValueError`` when the architecture has no such class, or when that class's head is
+    not a single ``Linear(H, 1)`` with the trained head's bias: the export would otherwise load
+    with a head that is not the trained one.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    body = value_model.body
+    head = value_model.value_head
+    if value_model.sequence_level:
+        auto, task, role = AutoModelForSequenceClassification, "SEQ_CLS", "reward model"
+    else:
+        auto, task, role = AutoModelForTokenClassification, "TOKEN_CLS", "critic"
+    kind = auto.__name__[len("AutoModelFor") :]
+    config = copy.deepcopy(body.config)
+    config.num_labels = 1
+    if not value_model.sequence_level:
+        config.classifier_dropout = 0.0
+        config.token_classification_bias = head.bias is not None
+    try:
+        with torch.device("meta"):
+            target = auto.from_config(config)
+    except (ValueError, KeyError) as error:
+        raise ValueError(
+            f"cannot export this {role}: transformers has no {kind} class for "
+            f"{type(config).__name__} ({error}); save_checkpoint keeps the trained body and head"
+        ) from None
+    name = type(target).__name__
+    prefix = target.base_model_prefix
+    if type(getattr(target, prefix, None)) is not type(body):
+        raise ValueError(
+            f"cannot export this {role} as {name}: its {prefix!r} is not a "
+            f"{type(body).__name__} (the trained decoder body)"
+        )
+    heads = [
+        (n, m)
+        for n, m in target.named_modules()
+        if isinstance(m, nn.Linear) and n != prefix and not n.startswith(prefix + ".")
+    ]
+    if len(heads) != 1 or heads[0][1].weight.shape != head.weight.shape:
+        raise ValueError(
+            f"cannot export this {role} as {name}: its head is not one Linear(H, 1) "
+            f"(found {[n for n, _ in heads]})"
+        )
+    head_name, target_head = heads[0]
+    if (target_head.bias is None) != (head.bias is None):
+        raise ValueError(
+            f"cannot export this {role} as {name}: the trained head "
+            f"{'has a' if head.bias is not None else 'has no'} bias, {name}.{head_name} "
+            f"{'has none' if target_head.bias is None else 'has one'}"
+        )
+    config.architectures = [name]
+    return ClassifierTarget(config, prefix, head_name, task, frozenset(target.state_dict()))
+
+
+def _head_state(
+    state: dict[str, torch.Tensor], value_prefix: str, head_name: str
+) -> dict[str, torch.Tensor]:
+    """The trained head's tensors under the classifier's head name."""
+    head = _sub_state(state, value_prefix + "value_head.")
+    return {f"{head_name}.{k}": v for k, v in head.items()}
+
+
+def _export_classifier(
+    model: nn.Module, path: str | os.PathLike, value_prefix: str, value_model: ValueModel
+) -> Path:
+    """:func:`export_merged_model` of a critic / reward model (see :func:`classifier_target`)."""
+    from safetensors.torch import save_file
+
+    target = classifier_target(value_model)
+    state = full_state_dict(model)  # every rank takes part; rank 0 gets the tensors
+
+    def write(tmp: Path) -> None:  # rank 0, inside the ranks' agreement: a failure reaches all
+        body = merged_state_dict(value_model.body, _sub_state(state, value_prefix + "body."))
+        out = {f"{target.base_prefix}.{k}": v for k, v in body.items()}
+        out.update(_head_state(state, value_prefix, target.head_name))
+        if out.keys() != target.state_keys:  # e.g. a buffer the classifier stores differently
+            missing = sorted(target.state_keys - out.keys())[:5]
+            extra = sorted(out.keys() - target.state_keys)[:5]
+            raise ValueError(
+                f"cannot export as {target.config.architectures[0]}: state keys differ "
+                f"(missing {missing}, unexpected {extra})"
+            )
+        target.config.save_pretrained(str(tmp))
+        tensors = {k: v.contiguous() for k, v in out.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return _write_atomically(path, write)
+
+
+def _export_classifier_adapter(
+    model: nn.Module,
+    path: str | os.PathLike,
+    peft_model: nn.Module,
+    value_prefix: str,
+    value_model: ValueModel,
+) -> Path:
+    """:func:`export_peft_adapter` of a critic / reward model: the body's LoRA adapter plus the
+    trained head as a module to save, for the classifier of :func:`classifier_target`::
+
+        base = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1)
+        model = PeftModel.from_pretrained(base, path)   # adapters + the trained ``score``
+
+    (``AutoModelForTokenClassification`` for a critic.) The adapter config is the training one
+    with ``task_type`` set and ``modules_to_save=[head_name]``.
+    """
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    target = classifier_target(value_model)
+    base = peft_model.get_base_model()
+    body_name = next((n for n, m in base.named_modules() if m is value_model.body), None)
+    if body_name is None:
+        raise ValueError("peft_model does not wrap the decoder body inside model")
+    if body_name != target.base_prefix:
+        raise ValueError(
+            f"cannot export this adapter for {target.config.architectures[0]}: the adapted body "
+            f"is {body_name!r} in the causal LM but {target.base_prefix!r} in the classifier, so "
+            "the adapter's module names would not match"
+        )
+    adapter = peft_model.active_adapter
+    peft_config = copy.deepcopy(peft_model.peft_config[adapter])
+    peft_config.task_type = target.task_type
+    peft_config.modules_to_save = [target.head_name]
+    state = full_state_dict(model)  # every rank takes part; rank 0 gets the tensors
+
+    def write(tmp: Path) -> None:  # rank 0, inside the ranks' agreement: a failure reaches all
+        body = _sub_state(state, value_prefix + "body.")
+        peft_state = {f"{_PEFT_BASE_PREFIX}{body_name}.{k}": v for k, v in body.items()}
+        out = get_peft_model_state_dict(peft_model, state_dict=peft_state, adapter_name=adapter)
+        head = _head_state(state, value_prefix, target.head_name)
+        out.update({_PEFT_BASE_PREFIX + k: v for k, v in head.items()})
+        peft_config.save_pretrained(str(tmp))
+        tensors = {k: v.contiguous() for k, v in out.items()}
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
     return _write_atomically(path, write)

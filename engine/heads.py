@@ -22,7 +22,7 @@ from torch import nn
 from microrl.engine.alignment import IGNORE_INDEX
 from microrl.kernels import fused_linear_logprob, reference_linear_logprob
 
-__all__ = ["PolicyModel", "ValueModel", "decoder_body", "fused_head_blocker"]
+__all__ = ["PolicyModel", "ValueModel", "decoder_body", "fused_head_blocker", "gather_last"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,35 +204,62 @@ def eager_logprob(
     return logprobs, entropy
 
 
+def gather_last(values: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    """Each sequence's entry at its last real token: ``[b, L, ...]`` (or packed ``[1, N, ...]``)
+    and ``last_index [b]`` (flat indices into the first two dimensions, as the engine passes to
+    ``_head_forward``) -> ``[b, ...]``. Differentiable; no host sync."""
+    return values.flatten(0, 1).index_select(0, last_index)
+
+
 class ValueModel(nn.Module):
-    """Decoder body -> a scalar value per position through a ``Linear(H, 1)`` value head.
+    """Decoder body -> a scalar per position, or per sequence, through a ``Linear(H, 1)`` head.
 
     The head starts from ``N(0, 1/(H+1))`` weights and a zero bias: small values, but not a zero
     weight, which would give the backbone no gradient on the first steps.
+
+    ``bias``: whether the head has a bias (the critic's does; a Bradley-Terry reward model's does
+    not: its loss only sees score differences, so a bias would get no gradient, and transformers'
+    ``*ForSequenceClassification`` heads have none). ``sequence_level``: what the module
+    computes, which also decides the export (microrl.engine.export): False, a value per position
+    (exported as ``*ForTokenClassification``); True, one score per sequence from the hidden
+    state of its last real token, given ``last_index`` (exported as
+    ``*ForSequenceClassification``).
     """
 
-    def __init__(self, body: nn.Module, hidden_size: int, *, seed: int = 0):
+    def __init__(
+        self,
+        body: nn.Module,
+        hidden_size: int,
+        *,
+        seed: int = 0,
+        bias: bool = True,
+        sequence_level: bool = False,
+    ):
         super().__init__()
         self.body = body
+        self.sequence_level = sequence_level
         param = next(body.parameters())
         # The head follows the body's parameter dtype (fp32 by default; fp64 in exactness tests).
         dtype = param.dtype if param.dtype == torch.float64 else torch.float32
-        self.value_head = nn.Linear(hidden_size, 1, device=param.device, dtype=dtype)
+        self.value_head = nn.Linear(hidden_size, 1, bias=bias, device=param.device, dtype=dtype)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         std = 1.0 / math.sqrt(hidden_size + 1)
         weight = torch.randn(self.value_head.weight.shape, generator=generator, dtype=dtype) * std
         with torch.no_grad():
             self.value_head.weight.copy_(weight)
-            self.value_head.bias.zero_()
+            if bias:
+                self.value_head.bias.zero_()
 
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        last_index: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor:
-        """``[b, L]`` ids -> ``[b, L]`` fp32 values (one per position)."""
+        """``[b, L]`` ids -> ``[b, L]`` fp32 values (one per position), or with ``last_index``
+        (:func:`gather_last`) ``[b]``: the head at each sequence's last real token."""
         hidden = self.body(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -240,5 +267,7 @@ class ValueModel(nn.Module):
             use_cache=False,
             **model_kwargs,
         ).last_hidden_state
+        if last_index is not None:
+            hidden = gather_last(hidden, last_index)
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return values if values.dtype == torch.float64 else values.float()

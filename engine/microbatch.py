@@ -6,7 +6,7 @@ Two jobs, both independent of the model:
    either ``micro_batch_size`` rows at a time or under a strict token budget. Rows are sorted by
    length first so each micro-batch holds similar lengths (little padding); the caller restores
    the original row order afterwards, and the loss contract (docs/losses.md) makes the result
-   independent of the split.
+   independent of the split. Rows sharing a ``group`` id are never separated.
 2. **Compaction** (:func:`compact_rows` / :func:`scatter_rows`): a micro-batch is gathered into a
    *right-padded* ``[b, L]`` block where ``L`` is its longest real span. Left, right and mixed
    padding of the caller's batch therefore all run the very same computation (identical
@@ -14,6 +14,12 @@ Two jobs, both independent of the model:
 
 A row's real tokens must be one contiguous span (padding on the left, the right, or both); the
 engine validates that at its public boundary.
+
+Per-token and per-row entries (docs/batch.md): an entry ``[B, T, ...]`` (second dimension ``T``,
+the width of ``input_ids``) is per-token and is gathered along the token axis; any other entry
+(``[B]``, or ``[B, K]`` with ``K != T``) is per-row and is indexed by row only. Outputs follow the
+same rule on the way back: ``[b, L]`` outputs are scattered to ``[B, T]``, per-row ``[b]`` outputs
+to ``[B]``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def plan_micro_batches(
     max_tokens: int | None = None,
     packed: bool = False,
     min_micro_batches: int = 1,
+    groups: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Split row indices into micro-batches.
 
@@ -58,6 +65,14 @@ def plan_micro_batches(
         packed: whether the cost counts real tokens (sequence packing) or padded ``rows * L``.
         min_micro_batches: at least this many micro-batches (empty ones appended when there are
             fewer rows), so every data-parallel rank can run the same count.
+        groups: a group id per row (the batch's ``group`` key), or None. Rows with the same id
+            always land in the same micro-batch (a chosen/rejected pair, the samples of one
+            prompt), so a loss that compares the rows of a group sees all of them. The planner
+            then places whole groups: the units below are groups instead of rows, ordered by
+            their longest row. A group never exceeds a limit: a group of more than
+            ``micro_batch_size`` rows, or of more than one row costing more than ``max_tokens``,
+            is a ``ValueError`` (splitting it would change the loss; running it alone would
+            silently exceed the configured memory bound).
 
     Returns:
         A list of row-index lists; every row appears exactly once. Rows are grouped by length
@@ -71,46 +86,95 @@ def plan_micro_batches(
     lengths = [int(n) for n in lengths]
     if any(n < 0 for n in lengths):
         raise ValueError("lengths must be >= 0")
-    # Longest first; ties keep the original order so a plan is deterministic.
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    units, ids = _units(lengths, groups)
+    # Longest first; ties keep the original order so a plan is deterministic. Without groups
+    # every unit is one row, ordered by (-length, row).
+    widths = [max(lengths[i] for i in unit) for unit in units]
+    order = sorted(range(len(units)), key=lambda u: (-widths[u], units[u][0]))
     if micro_batch_size is not None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        groups = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+        for u in order:
+            if len(units[u]) > micro_batch_size:
+                raise ValueError(
+                    f"group {ids[u]!r} has {len(units[u])} rows, more than "
+                    f"micro_batch_size={micro_batch_size}: the rows of a group are never split "
+                    "over micro-batches; raise micro_batch_size (e.g. to a multiple of the group "
+                    "size) or set a token budget instead"
+                )
+        plan: list[list[int]] = []
+        for u in order:
+            if plan and len(plan[-1]) + len(units[u]) <= micro_batch_size:
+                plan[-1].extend(units[u])
+            else:
+                plan.append(list(units[u]))
     elif max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    elif packed:
-        groups = _plan_packed(order, lengths, max_tokens, min_micro_batches)
     else:
-        groups = _plan_padded(order, lengths, max_tokens, min_micro_batches)
-    groups = [g for g in groups if g]
-    while len(groups) < min_micro_batches:
-        groups.append([])
-    return groups
+        for u in order:
+            cost = micro_batch_cost([lengths[i] for i in units[u]], packed=packed)
+            if len(units[u]) > 1 and cost > max_tokens:
+                raise ValueError(
+                    f"group {ids[u]!r} ({len(units[u])} rows) costs {cost} tokens "
+                    f"({'packed' if packed else 'padded'}), more than the token budget "
+                    f"max_tokens_per_micro_batch={max_tokens}: the rows of a group are never "
+                    "split over micro-batches; raise the budget"
+                )
+        planner = _plan_packed if packed else _plan_padded
+        plan = planner(order, units, lengths, max_tokens, min_micro_batches)
+    plan = [g for g in plan if g]
+    while len(plan) < min_micro_batches:
+        plan.append([])
+    return plan
 
 
-def _plan_padded(order: list[int], lengths: list[int], budget: int, k_min: int) -> list[list[int]]:
-    """Consecutive runs of the length-sorted rows (similar lengths share padding).
+def _units(
+    lengths: list[int], groups: Sequence[int] | None
+) -> tuple[list[list[int]], list[object]]:
+    """The indivisible units of a plan: one per row, or one per group id (rows in their order).
+
+    Returns the units and an id for each (the group id, or the row index without groups).
+    """
+    if groups is None:
+        return [[i] for i in range(len(lengths))], list(range(len(lengths)))
+    groups = list(groups)
+    if len(groups) != len(lengths):
+        raise ValueError(f"groups has {len(groups)} entries for {len(lengths)} rows")
+    members: dict[object, list[int]] = {}
+    for row, gid in enumerate(groups):
+        members.setdefault(gid, []).append(row)
+    return list(members.values()), list(members)
+
+
+def _plan_padded(
+    order: list[int], units: list[list[int]], lengths: list[int], budget: int, k_min: int
+) -> list[list[int]]:
+    """Consecutive runs of the width-sorted units (similar lengths share padding).
 
     The fewest runs under ``budget`` come from a greedy pass; then a binary search finds the
     smallest cap that still needs no more runs, which balances them.
     """
     if not order:
         return []
+    widths = {u: max(lengths[i] for i in units[u]) for u in order}
 
     def runs(cap: int) -> list[list[int]]:
         out: list[list[int]] = []
-        for i in order:
-            # Sorted longest first, so the first row of a run sets its padded width.
-            if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= cap:
-                out[-1].append(i)
+        width = 0
+        for u in order:
+            # Sorted widest first, so the first unit of a run sets its padded width.
+            if out and (len(out[-1]) + len(units[u])) * max(width, widths[u]) <= cap:
+                out[-1].extend(units[u])
+                width = max(width, widths[u])
             else:
-                out.append([i])
+                out.append(list(units[u]))
+                width = widths[u]
         return out
 
     target = max(len(runs(budget)), min(k_min, len(order)))
-    # The cap only limits adding a row to a run, so it never exceeds the budget (a row longer
-    # than the budget still runs, alone).
+    # The cap only limits adding a unit to a run, so it never exceeds the budget (a row longer
+    # than the budget still runs, alone; a group never costs more than the budget, checked by
+    # the caller).
     low, high = 1, budget
     while low < high:
         mid = (low + high) // 2
@@ -121,25 +185,29 @@ def _plan_padded(order: list[int], lengths: list[int], budget: int, k_min: int) 
     return runs(low)
 
 
-def _plan_packed(order: list[int], lengths: list[int], budget: int, k_min: int) -> list[list[int]]:
-    """Longest-processing-time bin packing: each row to the least-loaded of ``k`` bins.
+def _plan_packed(
+    order: list[int], units: list[list[int]], lengths: list[int], budget: int, k_min: int
+) -> list[list[int]]:
+    """Longest-processing-time bin packing: each unit to the least-loaded of ``k`` bins.
 
     ``k`` starts at the lower bound ``ceil(total / budget)`` and grows until every bin fits,
     which also balances the bins (LPT is within 4/3 of the optimal makespan).
     """
+    loads_of = {u: sum(lengths[i] for i in units[u]) for u in order}
+    order = sorted(order, key=lambda u: (-loads_of[u], units[u][0]))  # LPT: largest load first
     # A row over the budget runs alone; the others are packed around it.
-    alone = [[i] for i in order if lengths[i] > budget]
-    rest = [i for i in order if lengths[i] <= budget]
+    alone = [list(units[u]) for u in order if loads_of[u] > budget]
+    rest = [u for u in order if loads_of[u] <= budget]
     if not rest:
         return alone
-    k = max(-(-sum(lengths[i] for i in rest) // budget), min(k_min - len(alone), len(rest)), 1)
+    k = max(-(-sum(loads_of[u] for u in rest) // budget), min(k_min - len(alone), len(rest)), 1)
     while True:
         bins: list[list[int]] = [[] for _ in range(k)]
         loads = [0] * k
-        for i in rest:
+        for u in rest:
             j = min(range(k), key=lambda b: (loads[b], b))
-            bins[j].append(i)
-            loads[j] += lengths[i]
+            bins[j].extend(units[u])
+            loads[j] += loads_of[u]
         if all(load <= budget for load in loads):
             return alone + bins
         k += 1
@@ -164,7 +232,8 @@ def compact_rows(
 
     Every ``[B, T]`` entry is gathered along the token axis so that column ``j`` of the result is
     column ``starts[row] + j`` of the input; columns past a row's length hold 0 / False. Entries
-    of another shape (e.g. a per-row ``[B]`` tensor) are just indexed by row. ``attention_mask``
+    of another shape (per-row: ``[B]``, or ``[B, K]`` with ``K != T``) are indexed by row, in the
+    order of ``rows``. ``attention_mask``
     and ``position_ids`` are rebuilt from the lengths (position ``j`` for the ``j``-th real token).
     """
     device = batch.device if batch.device is not None else batch["input_ids"].device
@@ -224,9 +293,17 @@ def scatter_outputs(
     into: dict[str, torch.Tensor],
     shape: tuple[int, int],
 ) -> None:
-    """:func:`scatter_rows` for every entry of a micro-batch's output, into fp32 ``[B, T]`` buffers
-    (created on first use in ``into``)."""
+    """Write a micro-batch's outputs into fp32 buffers of the mini-batch (created on first use in
+    ``into``): :func:`scatter_rows` for each ``[b, L]`` output (into ``[B, T]``), a row copy for
+    each per-row ``[b]`` output (into ``[B]``, row ``rows[i]`` gets entry ``i``)."""
     for key, value in output.items():
+        per_row = value.dim() == 1
         if key not in into:
-            into[key] = torch.zeros(shape, dtype=torch.float32, device=value.device)
-        scatter_rows(value, rows, starts, lengths, into[key])
+            size = shape[:1] if per_row else shape
+            into[key] = torch.zeros(size, dtype=torch.float32, device=value.device)
+        if per_row:
+            if len(rows):
+                index = torch.as_tensor(list(rows), dtype=torch.long, device=value.device)
+                into[key].index_copy_(0, index, value.to(torch.float32))
+        else:
+            scatter_rows(value, rows, starts, lengths, into[key])

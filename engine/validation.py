@@ -24,6 +24,8 @@ FLOAT_KEYS = (
 )
 # Token-aligned keys that are always [B, T] when present.
 TOKEN_KEYS = ("attention_mask", "position_ids", "loss_mask")
+# The per-row key the micro-batch planner reads: rows with the same id share a micro-batch.
+GROUP_KEY = "group"
 
 
 def check_batch(
@@ -32,6 +34,7 @@ def check_batch(
     required: Iterable[str],
     vocab_size: int,
     device: torch.device,
+    row_keys: Iterable[str] = (),
 ) -> TensorDict:
     """Validate a ``[B, T]`` batch and return it as a TensorDict on ``device``.
 
@@ -41,6 +44,10 @@ def check_batch(
     and ``[B, T]``, float inputs floating point, and ``loss_mask`` only on tokens that have a
     prediction (a real token after the first one: the token-alignment contract of
     docs/batch.md). ``attention_mask`` defaults to all ones.
+
+    ``row_keys``: keys that are per-row ``[B]`` (a role's per-row loss inputs); when present (and
+    they must be when also ``required``) they must have shape ``[B]``, while every other required
+    key must be ``[B, T]``. The planner's ``group`` key, when present, must be an integer ``[B]``.
     """
     if isinstance(batch, Mapping) and not isinstance(batch, TensorDict):
         if "input_ids" not in batch:
@@ -59,10 +66,27 @@ def check_batch(
         batch = batch.clone(recurse=False)
         batch.batch_size = batch.batch_size[:1]
     shape = tuple(ids.shape)
+    required, row_keys = tuple(required), tuple(row_keys)
     missing = [key for key in required if key not in batch]
     if missing:
         raise ValueError(f"batch is missing required key(s) {missing}")
     for key, value in batch.items():
+        if key == GROUP_KEY and (
+            value.dtype == torch.bool
+            or value.is_floating_point()
+            or value.is_complex()
+            or tuple(value.shape) != shape[:1]
+        ):
+            raise ValueError(
+                f"'group' must be an integer tensor [B] = {shape[:1]} (rows with the same id are "
+                f"kept in one micro-batch), got {value.dtype} {tuple(value.shape)}"
+            )
+        if key in row_keys:
+            if tuple(value.shape) != shape[:1]:
+                raise ValueError(
+                    f"{key!r} must be a per-row tensor [B] = {shape[:1]}, got {tuple(value.shape)}"
+                )
+            continue
         per_token = key in FLOAT_KEYS or key in required or key in TOKEN_KEYS
         if per_token and tuple(value.shape) != shape:
             raise ValueError(

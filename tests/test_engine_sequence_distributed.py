@@ -1,0 +1,147 @@
+"""The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports.
+
+Like tests/test_distributed.py, the pytest function launches this file under ``torchrun`` and the
+ranks report the checks that passed. References are computed in the same processes before the
+process group exists (an unsharded engine on the whole mini-batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed_utils import launch, single_process, tiny_model
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+HERE = Path(__file__).resolve()
+ATOL = 2e-6  # fp32: the ranks sum partial gradients in a different order than one process
+# Whole pairs per rank, uneven: with micro_batch_size=2 (one pair) rank 0 runs 3 micro-batches
+# and rank 1 one real and two empty ones (their `chosen` zeroed: no pair, no contribution).
+SHARDS = ([0, 1, 2, 3, 4, 5], [6, 7])
+
+
+def pair_batch() -> TensorDict:
+    """4 pairs (ids 10..13) of rows of different lengths, left- and right-padded."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = (9, 4, 7, 11, 3, 8, 6, 10)
+    ids = torch.randint(0, 128, (8, 12), generator=gen)
+    mask = torch.zeros(8, 12, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        start = 0 if b % 2 else 12 - n
+        mask[b, start : start + n] = True
+    return TensorDict(
+        input_ids=ids,
+        attention_mask=mask,
+        group=torch.tensor([10, 10, 11, 11, 12, 12, 13, 13]),
+        chosen=torch.tensor([True, False, False, True, True, False, False, True]),
+        batch_size=[8],
+    )
+
+
+def test_reward_model_under_data_parallelism(tmp_path):
+    (tmp_path / "out").mkdir()
+    launch(2, HERE, str(tmp_path))
+    passed = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert passed[0] == passed[1] == ["dp_invariance", "empty_share", "export_under_fsdp"]
+
+
+# ============================================================================ rank side
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {n: _full(p.detach()).clone() for n, p in engine.module.named_parameters()}
+
+
+def _close(a, b, what: str, atol: float = ATOL) -> None:
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= atol, f"{what}: max |diff| = {err:.3g} > {atol}"
+
+
+def _metrics_close(ref: dict, got: dict, what: str) -> None:
+    assert ref.keys() == got.keys(), (what, ref.keys(), got.keys())
+    for key, value in ref.items():
+        assert abs(value - got[key]) <= 1e-5 * max(1.0, abs(value)), (what, key, value, got[key])
+
+
+def main(tmp: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForSequenceClassification
+
+    from microrl.configs import EngineConfig, LoraConfig, OptimConfig
+    from microrl.engine import RewardModelEngine
+    from microrl.engine import distributed as D
+    from microrl.engine.export import export_merged_model
+
+    rank = int(os.environ.get("RANK", "0"))
+    batch = pair_batch()
+    config = EngineConfig(
+        micro_batch_size=2,
+        lora=LoraConfig(rank=4, alpha=8.0),
+        optim=OptimConfig(name="sgd", lr=1.0, grad_clip=None),
+    )
+
+    def step(engine, data):
+        before = _params(engine)
+        metrics = engine.train_batch(data)
+        return metrics, {n: p - before[n] for n, p in _params(engine).items()}
+
+    def references():
+        whole = step(RewardModelEngine(tiny_model(), config), batch)
+        first = step(RewardModelEngine(tiny_model(), config), batch[list(SHARDS[0])])
+        return whole, first
+
+    (ref_metrics, ref_delta), (first_metrics, first_delta) = single_process(references)
+    passed = []
+
+    # ---- the same update, loss and metrics from two shares of whole pairs
+    engine = RewardModelEngine(tiny_model(), config)
+    assert D.dp_group() is not None and isinstance(engine.module, FSDPModule)
+    metrics, delta = step(engine, batch[list(SHARDS[rank])])
+    _metrics_close(ref_metrics, metrics, "dp")
+    for n, d in delta.items():
+        _close(d, ref_delta[n], f"dp {n}")
+    passed.append("dp_invariance")
+
+    # ---- a rank with no row: placeholder micro-batches, [0] scores
+    engine = RewardModelEngine(tiny_model(), config)
+    share = batch[list(SHARDS[0])] if rank == 0 else batch[:0]
+    metrics, delta = step(engine, share)
+    _metrics_close(first_metrics, metrics, "empty share")
+    for n, d in delta.items():
+        _close(d, first_delta[n], f"empty share {n}")
+    scores = engine.infer_batch(share)["scores"]
+    assert scores.shape == (len(share),), scores.shape
+    passed.append("empty_share")
+
+    # ---- the merged export is gathered from the shards and loads as a sequence classifier
+    expected = engine.infer_batch(batch)["scores"]
+    path = export_merged_model(engine.module, Path(tmp) / "merged")
+    if rank == 0:
+        model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+        for b in range(8):
+            cols = batch["attention_mask"][b].nonzero().squeeze(1)
+            with torch.no_grad():
+                got = model(input_ids=batch["input_ids"][b, cols][None]).logits[0, 0]
+            _close(got, expected[b], f"exported score of row {b}", atol=1e-5)
+    passed.append("export_under_fsdp")
+
+    dist.barrier()
+    (Path(tmp) / "out" / f"rank{rank}.json").write_text(json.dumps(passed))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
