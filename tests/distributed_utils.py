@@ -114,3 +114,29 @@ def single_process(build):
         return build()
     finally:
         os.environ["WORLD_SIZE"] = world
+
+
+# fp32 DP comparisons: the ranks sum partial gradients in a different order than one process.
+ATOL = 2e-6
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 ``DTensor`` shard (all-gathered), or ``t`` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Cloned full parameters of an engine's module (sharded or not), by name."""
+    return {n: full_tensor(p.detach()).clone() for n, p in engine.module.named_parameters()}
+
+
+def assert_max_close(a, b, what: str, atol: float = ATOL) -> None:
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= atol, f"{what}: max |diff| = {err:.3g} > {atol}"
+
+
+def assert_metrics_close(ref: dict, got: dict, what: str) -> None:
+    """Float metrics equal to 1e-5 relative (they are float32 sums over micro-batches and ranks)."""
+    assert ref.keys() == got.keys(), (what, ref.keys(), got.keys())
+    for key, value in ref.items():
+        assert abs(value - got[key]) <= 1e-5 * max(1.0, abs(value)), (what, key, value, got[key])

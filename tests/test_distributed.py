@@ -22,6 +22,10 @@ from transformers import GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed_utils import (
     actor_config,
+    assert_max_close,
+    assert_metrics_close,
+    full_params,
+    full_tensor,
     hf_logprobs,
     launch,
     make_batch,
@@ -38,7 +42,6 @@ HERE = Path(__file__).resolve()
 # Rows of the mini-batch each rank gets in the DP checks: 5 vs 2 rows, so with micro-batch size 2
 # rank 1 needs 1 micro-batch where rank 0 needs 3 (it runs 2 empty ones).
 SHARDS = ([0, 1, 2, 3, 4], [5, 6])
-ATOL = 2e-6  # fp32: the ranks sum partial gradients in a different order than one process
 MODES = [m.value for m in AggMode]
 K_STEPS, M_STEPS = 2, 2
 PROMPTS = torch.randint(0, 128, (4, 5), generator=torch.Generator().manual_seed(3))
@@ -144,25 +147,6 @@ def test_placeholder_row_stands_in_for_an_empty_share():
 # ============================================================================ rank side
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _params(engine) -> dict[str, torch.Tensor]:
-    return {n: _full(p.detach()).clone() for n, p in engine.module.named_parameters()}
-
-
-def _close(a, b, what: str, atol: float = ATOL) -> None:
-    err = (a - b).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"{what}: max |diff| = {err:.3g} > {atol}"
-
-
-def _metrics_close(ref: dict, got: dict, what: str) -> None:
-    assert ref.keys() == got.keys(), (what, ref.keys(), got.keys())
-    for key, value in ref.items():
-        assert abs(value - got[key]) <= 1e-5 * max(1.0, abs(value)), (what, key, value, got[key])
-
-
 def _dp_configs():
     for mode in MODES:
         for lora in (0, 4):
@@ -204,19 +188,19 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         refs = {}
         for name, config, tie in [*_dp_configs(), ("clip", clip_config, False)]:
             engine = ActorEngine(tiny_model(tie=tie), config)
-            before = _params(engine)
+            before = full_params(engine)
             metrics = engine.train_batch(batch)
-            refs[name] = (metrics, {n: p - before[n] for n, p in _params(engine).items()})
+            refs[name] = (metrics, {n: p - before[n] for n, p in full_params(engine).items()})
         critic = CriticEngine(tiny_model(), critic_config)
-        before = _params(critic)
+        before = full_params(critic)
         metrics = critic.train_batch(batch)
-        refs["critic"] = (metrics, {n: p - before[n] for n, p in _params(critic).items()})
+        refs["critic"] = (metrics, {n: p - before[n] for n, p in full_params(critic).items()})
         engine = ActorEngine(tiny_model(), audited)
-        before = _params(engine)
+        before = full_params(engine)
         metrics = engine.train_batch(batch)
         refs["audited_whole_batch"] = (
             metrics,
-            {n: p - before[n] for n, p in _params(engine).items()},
+            {n: p - before[n] for n, p in full_params(engine).items()},
         )
         engine = ActorEngine(tiny_model(), actor_config(lora=4))
         refs["generate"] = engine.model.generate(input_ids=PROMPTS, generation_config=GREEDY)
@@ -229,12 +213,12 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     for name, config, tie in _dp_configs():
         engine = ActorEngine(tiny_model(tie=tie), config)
         assert D.dp_group() is not None and isinstance(engine.module, FSDPModule)
-        before = _params(engine)
+        before = full_params(engine)
         metrics = engine.train_batch(mine)
         ref_metrics, ref_delta = refs[name]
-        _metrics_close(ref_metrics, metrics, name)
-        for n, p in _params(engine).items():
-            _close(p - before[n], ref_delta[n], f"{name} {n}")
+        assert_metrics_close(ref_metrics, metrics, name)
+        for n, p in full_params(engine).items():
+            assert_max_close(p - before[n], ref_delta[n], f"{name} {n}")
         passed.append(name)
 
     # ---- the fused kernel gets the full lm-head weight inside the sharded forward
@@ -264,18 +248,20 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     assert seen and all(s == (False, (128, 32)) for s in seen), seen
     unsharded = tiny_model()
     mask = batch["attention_mask"].bool()
-    _close(logprobs[mask], hf_logprobs(unsharded, batch)[mask], "fused sharded log-probs", 2e-5)
+    assert_max_close(
+        logprobs[mask], hf_logprobs(unsharded, batch)[mask], "fused sharded log-probs", 2e-5
+    )
     passed.append("fused_head_sees_full_weight")
 
     # ---- clipping by the global norm (a tiny max_norm: every update is clipped)
     engine = ActorEngine(tiny_model(), clip_config)
-    before = _params(engine)
+    before = full_params(engine)
     metrics = engine.train_batch(mine)
     ref_metrics, ref_delta = refs["clip"]
     assert metrics["grad_norm"] > 1e-3
-    _metrics_close(ref_metrics, metrics, "clip")
-    for n, p in _params(engine).items():
-        _close(p - before[n], ref_delta[n], f"clip {n}", 1e-8)
+    assert_metrics_close(ref_metrics, metrics, "clip")
+    for n, p in full_params(engine).items():
+        assert_max_close(p - before[n], ref_delta[n], f"clip {n}", 1e-8)
     passed.append("clipping_uses_global_norm")
 
     # ---- one reduce-scatter per FSDP unit per mini-batch, and equal micro-batch counts
@@ -314,20 +300,20 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     if rank == 1:
         silent["loss_mask"] = torch.zeros_like(silent["loss_mask"])
     engine = ActorEngine(tiny_model(), audited)
-    before = _params(engine)
+    before = full_params(engine)
     metrics = engine.train_batch(silent)
-    delta = {n: p - before[n] for n, p in _params(engine).items()}
+    delta = {n: p - before[n] for n, p in full_params(engine).items()}
 
     def only_rank0():
         engine = ActorEngine(tiny_model(), audited)
-        before = _params(engine)
+        before = full_params(engine)
         metrics = engine.train_batch(batch[SHARDS[0]])
-        return metrics, {n: p - before[n] for n, p in _params(engine).items()}
+        return metrics, {n: p - before[n] for n, p in full_params(engine).items()}
 
     ref_metrics, ref_delta = single_process(only_rank0)
-    _metrics_close(ref_metrics, metrics, "all-masked shard")
+    assert_metrics_close(ref_metrics, metrics, "all-masked shard")
     for n, d in delta.items():
-        _close(d, ref_delta[n], f"all-masked shard {n}")
+        assert_max_close(d, ref_delta[n], f"all-masked shard {n}")
     passed.append("all_masked_shard")
 
     # ---- ranks that built different weights (seed = rank) all start from rank 0's
@@ -338,37 +324,37 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     torch.manual_seed(100 + rank)  # different LoRA initialisations too
     engine = ActorEngine(model, actor_config(lora=4))
     lora_a = [p for n, p in engine.module.named_parameters() if "lora_A" in n]
-    for tensor in [_full(p.detach()).clone() for p in lora_a]:
+    for tensor in [full_tensor(p.detach()).clone() for p in lora_a]:
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, tensor)
-        _close(gathered[0], gathered[1], "LoRA A identical on every rank", atol=0.0)
+        assert_max_close(gathered[0], gathered[1], "LoRA A identical on every rank", atol=0.0)
     base = {n.replace("base_layer.", ""): p for n, p in engine.module.named_parameters()}
     for name, expected in rank0_weights.items():
         got = next(p for n, p in base.items() if n.endswith(name))
-        _close(_full(got.detach()), expected, f"rank 0's {name}", atol=0.0)
+        assert_max_close(full_tensor(got.detach()), expected, f"rank 0's {name}", atol=0.0)
     passed.append("ranks_start_from_rank0_weights")
 
     # ---- a rank with no sequence at all: a [0, T] share runs placeholder micro-batches
     engine = ActorEngine(tiny_model(), audited)
-    before = _params(engine)
+    before = full_params(engine)
     share = batch if rank == 0 else batch[:0]
     metrics = engine.train_batch(share)
     ref_metrics, ref_delta = refs["audited_whole_batch"]
-    _metrics_close(ref_metrics, metrics, "empty shard")
-    for n, p in _params(engine).items():
-        _close(p - before[n], ref_delta[n], f"empty shard {n}")
+    assert_metrics_close(ref_metrics, metrics, "empty shard")
+    for n, p in full_params(engine).items():
+        assert_max_close(p - before[n], ref_delta[n], f"empty shard {n}")
     outputs = engine.infer_batch(share)
     assert outputs.batch_size == torch.Size([len(share)]) and "logprobs" in outputs
     passed.append("empty_shard")
 
     # ---- critic (value head bias [1]: one rank holds an empty shard of it)
     critic = CriticEngine(tiny_model(), critic_config)
-    before = _params(critic)
+    before = full_params(critic)
     metrics = critic.train_batch(mine)
     ref_metrics, ref_delta = refs["critic"]
-    _metrics_close(ref_metrics, metrics, "critic")
-    for n, p in _params(critic).items():
-        _close(p - before[n], ref_delta[n], f"critic {n}")
+    assert_metrics_close(ref_metrics, metrics, "critic")
+    for n, p in full_params(critic).items():
+        assert_max_close(p - before[n], ref_delta[n], f"critic {n}")
     passed.append("critic_dp_invariance")
 
     # ---- generation through the inner causal LM (bypassing the root) inside `gathered`,
@@ -378,12 +364,12 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         sequences = engine.model.generate(input_ids=PROMPTS[rank::2], generation_config=GREEDY)
     assert torch.equal(sequences, refs["generate"][rank::2]), "generation differs under FSDP"
     assert isinstance(engine.model.get_output_embeddings().weight, DTensor)  # resharded after
-    before = _params(engine)
+    before = full_params(engine)
     metrics = engine.train_batch(mine)
     ref_metrics, ref_delta = refs["dp_invariance[token-mean,lora=4]"]
-    _metrics_close(ref_metrics, metrics, "train after generate")
-    for n, p in _params(engine).items():
-        _close(p - before[n], ref_delta[n], f"train after generate {n}")
+    assert_metrics_close(ref_metrics, metrics, "train after generate")
+    for n, p in full_params(engine).items():
+        assert_max_close(p - before[n], ref_delta[n], f"train after generate {n}")
     passed.append("generate_then_train_under_fsdp")
 
     # ---- exports gathered from the sharded model
@@ -398,15 +384,17 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     expected = engine.infer_batch(batch)["logprobs"]
     with engine.disable_adapter():  # the reference policy: the base weights, still sharded
         reference = engine.infer_batch(batch)["logprobs"]
-    _close(reference[mask], hf_logprobs(tiny_model(), batch)[mask], "disable_adapter", 2e-5)
+    assert_max_close(
+        reference[mask], hf_logprobs(tiny_model(), batch)[mask], "disable_adapter", 2e-5
+    )
     assert (reference - expected)[mask].abs().max() > 1e-4, "the adapter did not train"
     adapter = export_peft_adapter(engine.module, tmp / "adapter", peft_model=engine.peft_model)
     merged = export_merged_model(engine.module, tmp / "merged")
     if rank == 0:
         loaded = PeftModel.from_pretrained(tiny_model(), adapter).eval()
-        _close(hf_logprobs(loaded, batch)[mask], expected[mask], "PEFT export", 2e-5)
+        assert_max_close(hf_logprobs(loaded, batch)[mask], expected[mask], "PEFT export", 2e-5)
         full = AutoModelForCausalLM.from_pretrained(merged)
-        _close(hf_logprobs(full, batch)[mask], expected[mask], "merged export", 2e-5)
+        assert_max_close(hf_logprobs(full, batch)[mask], expected[mask], "merged export", 2e-5)
     dist.barrier()
     passed.append("export_roundtrip_under_fsdp")
     return passed
@@ -424,11 +412,11 @@ def _resume_engines():
 
 def _state(engine) -> dict[str, torch.Tensor]:
     """Parameters and optimizer state as full tensors, plus learning rates and step."""
-    out = {f"param.{n}": t for n, t in _params(engine).items()}
+    out = {f"param.{n}": t for n, t in full_params(engine).items()}
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for param, entry in engine.optimizer.state.items():
         for key, value in entry.items():
-            out[f"optim.{names[id(param)]}.{key}"] = _full(value).detach().clone().reshape(-1)
+            out[f"optim.{names[id(param)]}.{key}"] = full_tensor(value).detach().clone().reshape(-1)
     out["lrs"] = torch.tensor([g["lr"] for g in engine.optimizer.param_groups], dtype=torch.float64)
     out["step"] = torch.tensor([engine.global_step])
     return out

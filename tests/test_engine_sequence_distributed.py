@@ -17,12 +17,18 @@ import torch
 from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed_utils import launch, single_process, tiny_model
+from distributed_utils import (
+    assert_max_close,
+    assert_metrics_close,
+    full_params,
+    launch,
+    single_process,
+    tiny_model,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 HERE = Path(__file__).resolve()
-ATOL = 2e-6  # fp32: the ranks sum partial gradients in a different order than one process
 # Whole pairs per rank, uneven: with micro_batch_size=2 (one pair) rank 0 runs 3 micro-batches
 # and rank 1 one real and two empty ones (their `chosen` zeroed: no pair, no contribution).
 SHARDS = ([0, 1, 2, 3, 4, 5], [6, 7])
@@ -56,25 +62,6 @@ def test_reward_model_under_data_parallelism(tmp_path):
 # ============================================================================ rank side
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _params(engine) -> dict[str, torch.Tensor]:
-    return {n: _full(p.detach()).clone() for n, p in engine.module.named_parameters()}
-
-
-def _close(a, b, what: str, atol: float = ATOL) -> None:
-    err = (a - b).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"{what}: max |diff| = {err:.3g} > {atol}"
-
-
-def _metrics_close(ref: dict, got: dict, what: str) -> None:
-    assert ref.keys() == got.keys(), (what, ref.keys(), got.keys())
-    for key, value in ref.items():
-        assert abs(value - got[key]) <= 1e-5 * max(1.0, abs(value)), (what, key, value, got[key])
-
-
 def main(tmp: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -94,9 +81,9 @@ def main(tmp: str) -> None:
     )
 
     def step(engine, data):
-        before = _params(engine)
+        before = full_params(engine)
         metrics = engine.train_batch(data)
-        return metrics, {n: p - before[n] for n, p in _params(engine).items()}
+        return metrics, {n: p - before[n] for n, p in full_params(engine).items()}
 
     def references():
         whole = step(RewardModelEngine(tiny_model(), config), batch)
@@ -110,18 +97,18 @@ def main(tmp: str) -> None:
     engine = RewardModelEngine(tiny_model(), config)
     assert D.dp_group() is not None and isinstance(engine.module, FSDPModule)
     metrics, delta = step(engine, batch[list(SHARDS[rank])])
-    _metrics_close(ref_metrics, metrics, "dp")
+    assert_metrics_close(ref_metrics, metrics, "dp")
     for n, d in delta.items():
-        _close(d, ref_delta[n], f"dp {n}")
+        assert_max_close(d, ref_delta[n], f"dp {n}")
     passed.append("dp_invariance")
 
     # ---- a rank with no row: placeholder micro-batches, [0] scores
     engine = RewardModelEngine(tiny_model(), config)
     share = batch[list(SHARDS[0])] if rank == 0 else batch[:0]
     metrics, delta = step(engine, share)
-    _metrics_close(first_metrics, metrics, "empty share")
+    assert_metrics_close(first_metrics, metrics, "empty share")
     for n, d in delta.items():
-        _close(d, first_delta[n], f"empty share {n}")
+        assert_max_close(d, first_delta[n], f"empty share {n}")
     scores = engine.infer_batch(share)["scores"]
     assert scores.shape == (len(share),), scores.shape
     passed.append("empty_share")
@@ -135,7 +122,7 @@ def main(tmp: str) -> None:
             cols = batch["attention_mask"][b].nonzero().squeeze(1)
             with torch.no_grad():
                 got = model(input_ids=batch["input_ids"][b, cols][None]).logits[0, 0]
-            _close(got, expected[b], f"exported score of row {b}", atol=1e-5)
+            assert_max_close(got, expected[b], f"exported score of row {b}", atol=1e-5)
     passed.append("export_under_fsdp")
 
     dist.barrier()
