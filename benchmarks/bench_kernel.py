@@ -223,7 +223,7 @@ def _flops(impl: str, n: int, h: int, v: int) -> float:
         return FLOPS_FACTOR[impl] * n * h * v
     from microrl.kernels import linear_logprob
 
-    plan = linear_logprob._plan(n, v, None, True, 1.0)
+    plan = linear_logprob._plan(n, v, None, True, 1.0, (True, True), False, h)
     tiles = [
         min(plan.rows, n - i) * min(plan.vocab_tile, v - j)
         for i in range(0, n, plan.rows)

@@ -4,11 +4,25 @@ The contract (semantics, dtypes, memory, syncs, tolerances, errors) is in ``docs
 this docstring describes how the kernel meets it.
 
 The full ``[N, V]`` logits are never materialised. Rows are processed in chunks of ``rows`` tokens
-and the vocabulary in tiles of ``vocab_tile`` columns, so the working set is one ``[rows,
-vocab_tile]`` logits tile plus one scratch tile of the same size (and ``_KEPT_TILES`` tiles held
-for backward), independent of N. The vocabulary tiles depend on V and the configured chunk
+and the vocabulary in tiles of ``vocab_tile`` columns: the working set is one ``[rows,
+vocab_tile]`` logits tile plus one scratch tile of the same size, and the forward keeps
+``kept_tiles`` tiles for backward. The vocabulary tiles depend on V and the configured chunk
 height only, never on N (``_plan``), so a row meets the same tile boundaries and merge order in
-any batch; small problems get shorter row chunks instead.
+any batch.
+
+Memory and speed (``_plan``, ``_buffer_budget``): the tile buffers get a budget of at most four
+full 32 MiB tiles, which keeps the memory of large problems flat in N, and for small problems a
+fraction of what the materialised computation holds beyond the gradients it returns (modelled as
+five ``[N, V]`` buffers less the gradients, at least one; the eager reference measures that or
+more): a quarter for the two working tiles, a fifth with the kept ones. Within it the row chunk
+is as tall as the configured height allows, and what is left keeps tiles for backward. The row
+chunk is therefore the one N-dependent choice, and only for small problems, where it sets how
+many tiles there are: every tile costs a dozen elementwise ops and matmuls, each an OpenMP region
+whose barrier costs up to a scheduler slice on a busy CPU (~8 ms measured at load 4 with 2
+threads, whatever the op's size), so eight short chunks of a small problem ran 1.3-2x eager's
+time where two run at 0.8x (512 x 256 x 8192). Which rows share a matmul changes only BLAS
+blocking, not a row's arithmetic. Tiny problems get a 1 MiB floor instead (below allocator noise:
+under a few hundred rows at V=1000, for instance, the floor exceeds the fractions).
 
 All arithmetic is in the compute dtype, float32 (float64 when an input is float64): the logits
 are never rounded to 16 bits. 16-bit (or mixed) inputs are upcast per row chunk (``[rows, H]``)
@@ -27,34 +41,38 @@ negative. Statistics are kept as (max ``m``, ``S = sum exp(z - m)``), never as a
 as the eager reference. The target logit is gathered from its tile. Only O(N) statistics are
 saved for backward: per-row ``m``, ``S`` and entropy.
 
-Backward recomputes each logits tile (one more matmul) instead of keeping ``[N, V]`` of them from
-the forward: keeping would cost 6*N*H*V flops instead of 8*N*H*V, but memory that grows with N.
+Backward recomputes each logits tile (one more matmul) that forward did not keep: keeping all
+``[N, V]`` of them would cost 6*N*H*V flops instead of 8*N*H*V, but memory that grows with N.
 Upstream gradients are unknown in forward, so the gradient cannot be formed there either. The
-middle ground taken: the forward keeps a fixed number of tiles (``_KEPT_TILES``, as ``z - m_tile``)
-whose recompute backward then skips, so memory stays flat in N (7.5*N*H*V flops at N=2048,
-V=32768 instead of 8). The extra matmul is paid back on a CPU by the elementwise work: about ten
-passes over each tile in all, against ~25 passes over full ``[N, V]`` buffers (plus page faults)
-in eager autograd. With ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and
-upstream gradients ``g_lp``, ``g_H`` per row, the gradient with respect to the untempered logits
-is::
+middle ground taken: the forward keeps as many tiles as the budget allows (as ``z - m_tile``),
+whose recompute backward then skips: two full tiles for large problems (7.5*N*H*V flops at
+N=2048, V=32768), three of nineteen at 256 x 896 x 151936, all of them when they fit. The extra
+matmul is paid back on a CPU by the elementwise work: about ten passes over each tile in all,
+against ~25 passes over full ``[N, V]`` buffers (plus page faults) in eager autograd. With ``z``
+the tempered logits, ``p = softmax(z)``, ``H`` the entropy and upstream gradients ``g_lp``,
+``g_H`` per row, the gradient with respect to the untempered logits is::
 
     dL/dlogit_j = (g_lp * [j == target] - p_j * (g_lp + g_H * (log p_j + H))) / T
 
-(``dH/dz_j = -p_j (log p_j + H)``), computed in place on the tile in four elementwise passes
-(``z - m``, ``exp``, the per-row affine factor, the product; the ``[j == target]`` term is an
-O(rows) scatter) and followed by ``grad_hidden += G @ W_tile`` and ``grad_weight[tile] += G.T @
-h`` (compute-dtype accumulators, cast to each input's dtype once at the end), each skipped when
-``ctx.needs_input_grad`` says that input does not need a gradient (a frozen weight gets no
-``[V, H]`` buffer and no matmul). Upstream gradients stay materialised (a missing one arrives as
-zeros), so no branch can be dropped; with ``with_entropy`` the entropy passes always run (skipping
-them for an all-zero entropy gradient would need a host sync to find out).
+(``dH/dz_j = -p_j (log p_j + H)``), computed on the tile in four elementwise passes (``z - m``,
+``exp``, the per-row affine factor, the product; three for a kept tile ``s_t = z - m_t``, whose
+shift to the row max is folded into per-row factors: ``exp(z - m) = exp(s_t) * exp(m_t - m)``;
+the ``[j == target]`` term is an O(rows) scatter) and followed by ``grad_hidden += G @ W_tile``
+and ``grad_weight[tile] += G.T @ h`` (compute-dtype accumulators, cast to each input's dtype once
+at the end; a float32 hidden gradient is accumulated in place, row chunk by row chunk), each
+skipped when ``ctx.needs_input_grad`` says that input does not need a gradient (a frozen weight
+gets no ``[V, H]`` buffer and no matmul). Upstream gradients stay materialised (a missing one
+arrives as zeros), so no branch can be dropped; with ``with_entropy`` the entropy passes always
+run (skipping them for an all-zero entropy gradient would need a host sync to find out).
 
 Ignored rows (``ignore_index``): with ``validate=True`` the one host sync of the input check also
 reads their count, and the non-ignored rows are compacted (``nonzero_static``): ignored rows are
-never read, their outputs and gradients are zero. With ``validate=False`` (no host sync at all, for
-the engine's micro-batch loop) every row is processed and the ignored ones are masked with
-``torch.where`` before any arithmetic: hidden row and temperature replaced (by 0 and 1), target
-by 0, upstream gradients and outputs by 0, so garbage (NaN/inf) there cannot leak anywhere.
+never read, their outputs and gradients are zero. When no row is ignored (the common case), and
+with ``validate=False``, the row chunks are views of the inputs and outputs, with no gather or
+scatter of rows. With ``validate=False`` (no host sync at all, for the engine's micro-batch loop)
+every row is processed and the ignored ones are masked with ``torch.where`` before any
+arithmetic: hidden row and temperature replaced (by 0 and 1), target by 0, upstream gradients and
+outputs by 0, so garbage (NaN/inf) there cannot leak anywhere.
 """
 
 from __future__ import annotations
@@ -68,30 +86,31 @@ from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
 
 __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 
-# Elements of one [rows, vocab_tile] logits tile. Two such float32 tiles (logits + scratch) are
-# the extra working memory for the logits: 2 * 4 * 2**23 bytes = 64 MiB whatever N (eager holds
-# several [N, V] buffers: ~1.3 GB at N=2048, V=32768). Why not cache-sized tiles: every
-# elementwise op is one OpenMP region whose barrier costs up to a scheduler slice on a busy CPU;
-# 2 MiB tiles meant ~2000 regions per step and ran 2-3x slower there, 32 MiB tiles ~120.
+# Elements of the largest [rows, vocab_tile] logits tile: 2**23 float32 = 32 MiB. Why not
+# cache-sized tiles: every elementwise op is one OpenMP region whose barrier costs up to a
+# scheduler slice on a busy CPU; 2 MiB tiles meant ~2000 regions per step and ran 2-3x slower
+# there, 32 MiB tiles ~120.
 WORKING_TILE_ELEMENTS = 8 * 1024 * 1024
-# Small problems are cut into at least this many tiles (by shorter row chunks: the vocabulary
-# tile is fixed), so the four tile-sized buffers (two working, two kept) stay within half of one
-# [N, V] logits buffer, i.e. ~10% of what eager holds, at any size; the floor keeps tiny problems
-# from becoming op-overhead bound (at least 8 rows per chunk with the default 8192-column tile).
-_MIN_TILES = 8
-_MIN_TILE_ELEMENTS = 64 * 1024
 # Default rows per chunk: W is streamed once per chunk and per pass, so taller chunks amortise
 # it over more tokens (measured ~4% faster than 512 on this CPU). With the working tile it sets
 # the vocabulary tile: WORKING_TILE_ELEMENTS // 1024 = 8192 columns.
 _DEFAULT_ROWS = 1024
 # Narrowest vocabulary tile when a caller asks for very tall chunks: thinner matmuls lose speed.
 _MIN_VOCAB_TILE = 128
-# Logits tiles the forward keeps for backward instead of recomputing them (when a gradient will be
-# needed): each saves one tile matmul (1/4 of that tile's flops) for one tile of memory. A fixed
-# amount (this many full-size tiles' worth, more tiles when N cuts them short), so the extra
-# memory stays (2 + 2) tiles = 128 MiB in float32 whatever N; larger problems simply recompute a
-# larger share.
-_KEPT_TILES = 2
+# Memory budget of the logits-tile buffers (the working tile and its scratch; with the tiles kept
+# from forward for backward), in compute-dtype elements (_buffer_budget):
+# * at most this many full tiles (4 x 32 MiB in float32): flat in N for large problems;
+_BUFFER_TILES = 4
+# * at most 1/_WORKING_SHARE (the two working tiles) and 1/_TOTAL_SHARE (with the kept tiles) of
+#   what the materialised computation holds beyond the gradients it returns, modelled as
+#   _EAGER_BUFFERS [N, V] buffers (autograd of matmul, log_softmax, gather and entropy holds five
+#   at its peak; three without a backward) less the gradient buffers, which exist at eager's other
+#   peak, the weight-gradient matmul, where it holds one [N, V] buffer. The kept tiles leave the
+#   rest of the quarter to allocator slack (a freed heap-sized tile is not always reused: one
+#   tile measured) and row copies;
+_EAGER_BUFFERS, _EAGER_FORWARD_BUFFERS, _WORKING_SHARE, _TOTAL_SHARE = 5, 3, 4, 5
+# * but never below this floor (1 MiB in float32): tiny problems would become op-overhead bound.
+_MIN_BUFFER_ELEMENTS = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -106,28 +125,53 @@ class _Plan:
     native16: bool = False  # tile matmuls in the 16-bit input dtype with float32 output (CUDA)
 
 
+def _buffer_budget(
+    num_rows: int, vocab: int, hidden_size: int, need: tuple[bool, bool], share: int
+) -> int:
+    """Compute-dtype elements for tile buffers: a ``1/share`` of the materialised computation's
+    modelled extra memory, within the cap and above the floor (see the constants)."""
+    logits = num_rows * vocab
+    if need[0] or need[1]:
+        grads = (num_rows * hidden_size if need[0] else 0) + (vocab * hidden_size if need[1] else 0)
+        eager = max(_EAGER_BUFFERS * logits - grads, logits)
+    else:
+        eager = _EAGER_FORWARD_BUFFERS * logits
+    cap = _BUFFER_TILES * WORKING_TILE_ELEMENTS
+    return min(cap, max(_MIN_BUFFER_ELEMENTS, eager // share))
+
+
 def _plan(
     num_rows: int,
     vocab: int,
     chunk_size: int | None,
     with_entropy: bool,
     inv: float,
-    needs_grad: bool = True,
+    need: tuple[bool, bool] = (True, True),
     native16: bool = False,
+    hidden_size: int = 0,
 ) -> _Plan:
-    """Tile sizes. The vocabulary tile width depends on V and the configured chunk height only,
-    never on the row count, so a row meets the same tile boundaries and the same merge order in
-    any batch. Small problems get shorter row chunks instead (which rows share a matmul does not
-    change a row's arithmetic, only BLAS blocking), so that one tile holds at most 1/_MIN_TILES of
-    the [N, V] logits (floor _MIN_TILE_ELEMENTS)."""
+    """Tile sizes and kept tiles. ``need`` says which of (hidden, weight) gets a gradient.
+
+    The vocabulary tile width depends on V and the configured chunk height only, never on the row
+    count, so a row meets the same tile boundaries and the same merge order in any batch. The row
+    chunk is as tall as the configured height and the memory budget (``_buffer_budget``) allow
+    with two working tiles, in chunks of equal height when the budget is what limits it (which
+    rows share a matmul changes BLAS blocking only, not a row's arithmetic). The tighter budget
+    of all buffers keeps tiles for backward, the first ones in loop order (all of them when they
+    fit: then backward recomputes no logits)."""
     configured = chunk_size or _DEFAULT_ROWS
     vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, WORKING_TILE_ELEMENTS // configured))
-    budget = max(_MIN_TILE_ELEMENTS, -(-num_rows * vocab // _MIN_TILES))
-    rows = max(1, min(configured, num_rows, budget // vocab_tile))
-    # Kept for backward: _KEPT_TILES tiles' worth of the largest tile this problem may use, so
-    # tiles cut short by a small N keep as many logits (and save as many flops) as full ones.
-    full = min(WORKING_TILE_ELEMENTS, budget)
-    kept = _KEPT_TILES * max(1, full // (rows * vocab_tile)) if needs_grad else 0
+    budget = _buffer_budget(num_rows, vocab, hidden_size, need, _WORKING_SHARE)
+    tallest = min(configured, num_rows)
+    rows = max(1, min(tallest, budget // (2 * vocab_tile)))
+    if rows < tallest:  # the budget limits the chunk: spread the rows evenly over the chunks
+        rows = -(-num_rows // -(-num_rows // rows))
+    tile = rows * vocab_tile
+    kept = 0
+    if need[0] or need[1]:
+        count = -(-num_rows // rows) * -(-vocab // vocab_tile)
+        budget = _buffer_budget(num_rows, vocab, hidden_size, need, _TOTAL_SHARE)
+        kept = min(count, max(0, budget // tile - 2))
     return _Plan(rows, vocab_tile, with_entropy, inv, kept, native16)
 
 
@@ -223,10 +267,10 @@ def _gather_tile(z: torch.Tensor, local_targets: torch.Tensor, picked: torch.Ten
 class _FusedLinearLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
-        # hidden [N, H], weight [V, H], targets [N], rows_idx [M] (the rows to process), row_mask
-        # [N] bool (rows_idx covers ignored rows too: True marks the non-ignored ones) or None
-        # (rows_idx holds only non-ignored rows), inv_t [N] or None. Shapes were flattened
-        # outside, under autograd, by the public wrapper.
+        # hidden [N, H], weight [V, H], targets [N]; rows_idx [M], the rows to process (the
+        # non-ignored ones), or None for all N rows in order; row_mask [N] bool (True marks the
+        # non-ignored rows, which rows_idx=None then mixes with ignored ones) or None; inv_t [N]
+        # or None. Shapes were flattened outside, under autograd, by the public wrapper.
         with no_autocast(hidden.device.type):
             out, saved = _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan)
         ctx.save_for_backward(hidden, weight, targets, rows_idx, row_mask, inv_t, *saved)
@@ -246,30 +290,50 @@ class _FusedLinearLogProb(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
+def _take(t: torch.Tensor, rows: slice, idx: torch.Tensor | None) -> torch.Tensor:
+    """The rows of one chunk: a view when every row is processed in order, else gathered."""
+    return t[rows] if idx is None else t.index_select(0, idx)
+
+
+def _put(out: torch.Tensor, rows: slice, idx: torch.Tensor | None, values: torch.Tensor) -> None:
+    if idx is None:
+        out[rows] = values
+    else:
+        out.index_copy_(0, idx, values)
+
+
 def _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
     cdtype = compute_dtype(hidden.dtype, weight.dtype)
     n, vocab = hidden.shape[0], weight.shape[0]
-    logprob = hidden.new_zeros(n, dtype=cdtype)
-    entropy = hidden.new_zeros(n, dtype=cdtype) if plan.with_entropy else None
-    m = rows_idx.numel()
+    m = n if rows_idx is None else rows_idx.numel()
+    new = hidden.new_empty if rows_idx is None else hidden.new_zeros  # every row written, or not
+    logprob = new(n, dtype=cdtype)
+    entropy = new(n, dtype=cdtype) if plan.with_entropy else None
     max_all = hidden.new_empty(m, dtype=cdtype)
     sum_all = hidden.new_empty(m, dtype=cdtype)
     ent_all = hidden.new_empty(m, dtype=cdtype) if plan.with_entropy else None
-    buf, scratch, _, wbuf = _buffers(hidden, weight, plan, cdtype)
-    kept, kept_max = [], []  # tiles holding z - m_tile, and m_tile, in loop order
+    size = plan.rows * plan.vocab_tile
+    scratch, wbuf = _buffers(hidden, weight, plan, cdtype)
+    buf = None  # the working tile, allocated when a tile is not kept
+    kept, kept_max = [], []  # flat buffers holding z - m_tile, and m_tile, in loop order
     for start in range(0, m, plan.rows):
-        idx = rows_idx[start : start + plan.rows]
-        rows = slice(start, start + plan.rows)
-        inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
-        real = None if row_mask is None else row_mask.index_select(0, idx)
-        h = _masked_rows(hidden, idx, real)
+        rows = slice(start, min(start + plan.rows, m))
+        idx = None if rows_idx is None else rows_idx[rows]
+        inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
+        real = None if row_mask is None else _take(row_mask, rows, idx)
+        h = _masked_rows(_take(hidden, rows, idx), real)
         h_mm = h if plan.native16 else _scaled_rows(h.to(cdtype), inv)
-        t = targets.index_select(0, idx)
-        target_logit = hidden.new_zeros(idx.numel(), dtype=cdtype)
+        t = _take(targets, rows, idx)
+        target_logit = hidden.new_zeros(h.shape[0], dtype=cdtype)
         stats = None
         for j in range(0, vocab, plan.vocab_tile):
             keep = len(kept) < plan.kept_tiles
-            out = hidden.new_empty(buf.numel(), dtype=cdtype) if keep else buf
+            if keep:
+                out = hidden.new_empty(size, dtype=cdtype)
+                kept.append(out)
+            else:
+                buf = hidden.new_empty(size, dtype=cdtype) if buf is None else buf
+                out = buf
             w_tile = weight[j : j + plan.vocab_tile]
             w_mm = w_tile if plan.native16 else _as_compute(w_tile, wbuf)
             z = _logits_tile(h_mm, w_mm, inv, out, plan.native16)
@@ -277,16 +341,15 @@ def _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
             tile = _tile_stats(z, scratch, plan.with_entropy)
             stats = tile if stats is None else _merge(stats, tile)
             if keep:
-                kept.append(z)
                 kept_max.append(tile[0])
         row_max, row_sum, row_a = stats
         log_sum = row_sum.log()
         max_all[rows], sum_all[rows] = row_max, row_sum
         # log p(target) = (z_t - m) - log S: both differences are small, exact near the max.
-        logprob.index_copy_(0, idx, _zero_unkept((target_logit - row_max) - log_sum, real))
+        _put(logprob, rows, idx, _zero_unkept((target_logit - row_max) - log_sum, real))
         if plan.with_entropy:
             ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
-            entropy.index_copy_(0, idx, _zero_unkept(ent_all[rows], real))
+            _put(entropy, rows, idx, _zero_unkept(ent_all[rows], real))
     out = (logprob, entropy) if plan.with_entropy else logprob
     return out, (max_all, sum_all, ent_all, *kept, *kept_max)
 
@@ -296,38 +359,47 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
     kept, kept_max = saved[9 : 9 + num_kept], saved[9 + num_kept :]
     need_h, need_w = need
     cdtype = compute_dtype(hidden.dtype, weight.dtype)
-    grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_h else None
-    if not (need_h or need_w) or rows_idx.numel() == 0:
+    n = hidden.shape[0]
+    m = n if rows_idx is None else rows_idx.numel()
+    if rows_idx is None:  # every row is written below
+        grad_h = hidden.new_empty(hidden.shape) if need_h else None
+    else:
+        grad_h = hidden.new_zeros(hidden.shape) if need_h else None
+    if not (need_h or need_w) or m == 0:
         return grad_h, torch.zeros_like(weight) if need_w else None
     # The weight gradient accumulates over row chunks in the compute dtype (one rounding at the
     # end for a 16-bit weight). No zero fill: the first row chunk overwrites every tile of it
     # (beta=0 below). With a single row chunk there is nothing to accumulate: each tile is formed
     # in a tile buffer and rounded straight into a 16-bit gradient, so no [V, H] float32 buffer.
-    direct_w = need_w and weight.dtype != cdtype and rows_idx.numel() <= plan.rows
+    direct_w = need_w and weight.dtype != cdtype and m <= plan.rows
     grad_w = weight.new_empty(weight.shape, dtype=None if direct_w else cdtype) if need_w else None
     # A missing upstream gradient is a zero gradient, never a dropped branch.
-    n = hidden.shape[0]
     g_lp_all = _or_zeros(grad_logprob, n, hidden, cdtype)
     g_ent_all = _or_zeros(grad_entropy if plan.with_entropy else None, n, hidden, cdtype)
     if row_mask is not None:  # upstream gradients of ignored rows are dropped, NaN or not
         g_lp_all = _zero_unkept(g_lp_all, row_mask)
         g_ent_all = _zero_unkept(g_ent_all, row_mask)
     use_entropy = plan.with_entropy  # no all-zero skip: finding out would be a host sync
-    buf, scratch, low_buf, wbuf = _buffers(hidden, weight, plan, cdtype)
+    size = plan.rows * plan.vocab_tile
+    scratch, wbuf = _buffers(hidden, weight, plan, cdtype)
+    buf = hidden.new_empty(size, dtype=cdtype)
+    low_buf = hidden.new_empty(size) if plan.native16 else None
     if direct_w and wbuf is None:  # native16: no upcast buffer to reuse for the tile
         wbuf = weight.new_empty(plan.vocab_tile * weight.shape[1], dtype=cdtype)
+    gh_in_place = need_h and rows_idx is None and hidden.dtype == cdtype
     vocab, tile_index = weight.shape[0], 0
-    for start in range(0, rows_idx.numel(), plan.rows):
-        idx = rows_idx[start : start + plan.rows]
-        h = _masked_rows(hidden, idx, None if row_mask is None else row_mask.index_select(0, idx))
-        inv = inv_t.index_select(0, idx) if inv_t is not None else plan.inv_temperature
+    for start in range(0, m, plan.rows):
+        rows = slice(start, min(start + plan.rows, m))
+        idx = None if rows_idx is None else rows_idx[rows]
+        real = None if row_mask is None else _take(row_mask, rows, idx)
+        h = _masked_rows(_take(hidden, rows, idx), real)
+        inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
         h_c = h if plan.native16 else h.to(cdtype)  # unscaled: the weight gradient's operand
         h_mm = h_c if plan.native16 else _scaled_rows(h_c, inv)
-        rows = slice(start, start + plan.rows)
         row_max = max_all[rows].unsqueeze(1)
         inv_sum = sum_all[rows].reciprocal()
-        g_lp = g_lp_all.index_select(0, idx) * inv
-        g_ent = g_ent_all.index_select(0, idx) * inv
+        g_lp = _take(g_lp_all, rows, idx) * inv
+        g_ent = _take(g_ent_all, rows, idx) * inv
         # With s = z - m, e = exp(s), p = e / S and log p = s - log S, the tile gradient
         # G = p * (b * log p + c) = e * (b / S * s + (c - b * log S) / S), + g_lp at the target.
         b = -g_ent
@@ -335,27 +407,40 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
         if use_entropy:
             c = c - b * sum_all[rows].log()
         b, c = (b * inv_sum).unsqueeze(1), (c * inv_sum).unsqueeze(1)
-        gh = h.new_empty(h.shape, dtype=cdtype) if need_h else None
-        t = targets.index_select(0, idx)
+        gh = h.new_empty(h.shape, dtype=cdtype) if need_h and not gh_in_place else None
+        if gh_in_place:  # accumulate straight into the gradient's rows
+            gh = grad_h[rows]
+        t = _take(targets, rows, idx)
         for j in range(0, vocab, plan.vocab_tile):
             w_tile = weight[j : j + plan.vocab_tile]
-            recompute = tile_index >= len(kept)
+            r, w = h.shape[0], w_tile.shape[0]
+            e = scratch[: r * w].view(r, w)
+            z = buf[: r * w].view(r, w)
             w_mm = w_tile
-            if not plan.native16 and (recompute or need_h):
-                w_mm = _as_compute(w_tile, wbuf)
-            if recompute:
+            if tile_index < len(kept):  # forward's s_t = z - m_t, no matmul
+                # exp(z - m) = exp(s_t) * f with f = exp(m_t - m) <= 1, and z - m = s_t - (m - m_t):
+                # G = exp(s_t) * (b' s_t + c') with b' = b f, c' = (c - b (m - m_t)) f.
+                s_tile = kept[tile_index][: r * w].view(r, w)
+                shift = row_max - kept_max[tile_index].unsqueeze(1)
+                f = torch.exp(-shift)
+                g = torch.exp(s_tile, out=e)
+                if use_entropy:
+                    g.mul_(torch.addcmul((c - b * shift) * f, s_tile, b * f, out=z))
+                else:
+                    g.mul_(c * f)
+                if need_h and not plan.native16:
+                    w_mm = _as_compute(w_tile, wbuf)
+            else:
+                if not plan.native16:
+                    w_mm = _as_compute(w_tile, wbuf)
                 z = _logits_tile(h_mm, w_mm, inv, buf, plan.native16)
                 z.sub_(row_max)  # s
-            else:  # z - m = (z - m_tile) - (m - m_tile), no matmul
-                s_tile = kept[tile_index]
-                shift = row_max - kept_max[tile_index].unsqueeze(1)
-                z = torch.sub(s_tile, shift, out=buf[: s_tile.numel()].view_as(s_tile))
+                g = torch.exp(z, out=e)
+                if use_entropy:
+                    g.mul_(torch.addcmul(c, z, b, out=z))
+                else:
+                    g.mul_(c)
             tile_index += 1
-            g = torch.exp(z, out=scratch[: z.numel()].view_as(z))  # e
-            if use_entropy:
-                g.mul_(torch.addcmul(c, z, b, out=z))
-            else:
-                g.mul_(c)
             _scatter_tile(g, t - j, g_lp)
             # 16-bit tensor-core matmuls take G rounded to the input dtype (float32 accumulation
             # and output); everywhere else G stays in the compute dtype.
@@ -368,15 +453,14 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
                 grad_w[j : j + plan.vocab_tile].copy_(tile)
             elif need_w:
                 _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h_c, overwrite=start == 0)
-        if need_h:
-            grad_h.index_copy_(0, idx, gh.to(hidden.dtype))
+        if need_h and not gh_in_place:
+            _put(grad_h, rows, idx, gh.to(hidden.dtype))
     return grad_h, _cast(grad_w, weight.dtype)
 
 
-def _masked_rows(hidden: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor | None):
-    """``hidden[idx]``, with the rows ``keep`` marks False replaced by 0 (before any arithmetic:
-    ``0 * NaN`` would still be NaN in the matmuls)."""
-    h = hidden.index_select(0, idx)
+def _masked_rows(h: torch.Tensor, keep: torch.Tensor | None):
+    """Rows ``h`` with those ``keep`` marks False replaced by 0 (before any arithmetic: ``0 * NaN``
+    would still be NaN in the matmuls)."""
     return h if keep is None else torch.where(keep.unsqueeze(1), h, 0.0)
 
 
@@ -392,16 +476,12 @@ def _scatter_tile(g: torch.Tensor, local_targets: torch.Tensor, values: torch.Te
 
 
 def _buffers(hidden: torch.Tensor, weight: torch.Tensor, plan: _Plan, cdtype: torch.dtype):
-    """Flat tile buffers: logits and scratch (compute dtype); with ``native16`` a 16-bit copy of
-    the gradient tile (the tensor-core operand); for a weight not in the compute dtype (and not
-    ``native16``) room for one weight tile upcast to it."""
-    size = plan.rows * plan.vocab_tile
-    buf = hidden.new_empty(size, dtype=cdtype)
-    scr = hidden.new_empty(size, dtype=cdtype)
-    low = hidden.new_empty(size) if plan.native16 else None
+    """The scratch tile (compute dtype; the working tile is allocated where needed) and, for a
+    weight not in the compute dtype (and not ``native16``), room for one upcast weight tile."""
+    scratch = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
     upcast = weight.dtype != cdtype and not plan.native16
     wbuf = weight.new_empty(plan.vocab_tile * weight.shape[1], dtype=cdtype) if upcast else None
-    return buf, scr, low, wbuf
+    return scratch, wbuf
 
 
 def _addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool) -> None:
@@ -455,14 +535,15 @@ def fused_linear_logprob(
         temperature: float > 0, or a tensor broadcastable to ``targets.shape`` (per token / per
             row; no gradient flows to it).
         with_entropy: False returns ``None`` for the entropy and skips its passes.
-        chunk_size: rows per chunk (at most; small problems use fewer); ``None`` uses 1024. It
-            sets the vocabulary tile, ``WORKING_TILE_ELEMENTS // chunk_size`` columns (at least
-            128, at most V), independently of the row count: extra memory is two compute-dtype
-            working tiles plus two tiles kept from forward for backward (4 x 32 MiB in float32 by
-            default, less for small problems), ``[rows, H]`` row copies and O(N) statistics,
-            whatever N. A weight not in the compute dtype also gets a ``[vocab_tile, H]`` upcast
-            buffer and, when it requires grad and there is more than one row chunk, a
-            compute-dtype ``[V, H]`` gradient accumulator.
+        chunk_size: rows per chunk (at most; small problems may use fewer); ``None`` uses 1024.
+            It sets the vocabulary tile, ``WORKING_TILE_ELEMENTS // chunk_size`` columns (at least
+            128, at most V), independently of the row count. Extra memory: compute-dtype tile
+            buffers (two working tiles and the tiles kept from forward for backward) within four
+            full tiles (4 x 32 MiB in float32 by default) whatever N, and within a quarter of the
+            materialised computation's extra memory for small problems (module docstring), plus
+            ``[rows, H]`` row copies and O(N) statistics. A weight not in the compute dtype also
+            gets a ``[vocab_tile, H]`` upcast buffer and, when it requires grad and there is more
+            than one row chunk, a compute-dtype ``[V, H]`` gradient accumulator.
         ignore_index: target id that marks a position with no prediction.
         validate: True checks the target range and the temperature values on the device, with one
             device-to-host sync per call (which also counts the non-ignored rows, so only those
@@ -495,19 +576,23 @@ def fused_linear_logprob(
     valid = flat_targets != ignore_index
     flat_targets = torch.where(valid, flat_targets, 0)
     inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
+    num_rows = valid.numel()
+    rows_idx, row_mask = None, None  # all rows, in order
     if count is None:  # no sync: every row, the ignored ones masked inside
-        rows_idx = torch.arange(valid.numel(), device=valid.device)
         row_mask = valid
         if inv_t is not None:  # an ignored position's temperature is not validated: never use it
             inv_t = torch.where(valid, inv_t, 1.0)
-    else:  # the count came with the validation's sync: compact without another one
+    elif count < num_rows:  # the count came with the validation's sync: compact without another
         rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
-        row_mask = None
+        num_rows = count
     inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    grad_on = torch.is_grad_enabled()
+    need = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
     native16 = _use_native16(hidden, weight)
-    num_rows, vocab = max(1, rows_idx.numel()), weight.shape[0]
-    plan = _plan(num_rows, vocab, chunk_size, with_entropy, inv_scalar, needs_grad, native16)
+    vocab, hidden_size = weight.shape
+    plan = _plan(
+        max(1, num_rows), vocab, chunk_size, with_entropy, inv_scalar, need, native16, hidden_size
+    )
     out = _FusedLinearLogProb.apply(
         hidden_2d, weight, flat_targets, rows_idx, row_mask, inv_t, plan
     )

@@ -315,16 +315,24 @@ def test_integer_target_dtypes(dtype):
 
 @pytest.mark.parametrize("kept_tiles", [0, 1, 1000], ids=["recompute-all", "keep-one", "keep-all"])
 def test_kept_and_recomputed_tiles_agree(tiles, monkeypatch, kept_tiles):
-    """Backward uses forward's tiles for the first ``_KEPT_TILES`` and recomputes the rest."""
+    """Backward uses forward's tiles for the first ``kept_tiles`` and recomputes the rest."""
+    import dataclasses
+
     from microrl.kernels import linear_logprob
 
-    monkeypatch.setattr(linear_logprob, "_KEPT_TILES", kept_tiles)
+    original = linear_logprob._plan
+
+    def forced(*args):
+        return dataclasses.replace(original(*args), kept_tiles=kept_tiles)
+
+    monkeypatch.setattr(linear_logprob, "_plan", forced)
     hidden, weight, targets = make((2, 5), dtype=torch.float64, ignore=[(1, 1)])
-    compare(
-        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
-        atol=1e-10, rtol=1e-9, chunk_size=3, temperature=0.8,
-        grad_lp=upstream((2, 5), 15, torch.float64), grad_ent=upstream((2, 5), 16, torch.float64),
-    )  # fmt: skip
+    for with_entropy in (True, False):
+        compare(
+            fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+            atol=1e-10, rtol=1e-9, chunk_size=3, temperature=0.8, with_entropy=with_entropy,
+            grad_lp=upstream((2, 5), 15, torch.float64), grad_ent=upstream((2, 5), 16, torch.float64),
+        )  # fmt: skip
 
 
 def test_nothing_is_kept_without_gradients(monkeypatch):
@@ -345,4 +353,31 @@ def test_nothing_is_kept_without_gradients(monkeypatch):
     with torch.no_grad():
         fused_linear_logprob(hidden, weight, targets)
     fused_linear_logprob(hidden.detach(), weight.detach(), targets)
-    assert seen[0] >= linear_logprob._KEPT_TILES > 0 and seen[1:] == [0, 0]
+    assert seen[0] > 0 and seen[1:] == [0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n, vocab", [(300, 9000), (20, 40000)], ids=["even-chunks", "partly-kept"])
+@pytest.mark.parametrize(
+    "ignored, validate",
+    [((), True), ((3, 17), True), ((3, 17), False)],
+    ids=["all-rows", "compacted", "masked"],
+)
+def test_default_plan_matches_reference(dtype, n, vocab, ignored, validate):
+    """The real plan, no shrunk tiles: 300 x 9000 runs two budget-limited chunks of 150 rows and
+    recomputes every tile; 20 x 40000 runs one chunk and keeps two of its five 8192-column
+    tiles (the last one 7232 wide). Every row (views, in-place hidden gradient), compacted rows
+    (validate=True with ignored targets) and masked rows (validate=False)."""
+    from microrl.kernels import linear_logprob
+
+    plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, H)
+    assert (plan.rows, plan.kept_tiles) == ((150, 0) if n == 300 else (20, 2))
+    hidden, weight, targets = make((n,), dtype=dtype, vocab=vocab, ignore=ignored)
+    atol, rtol = TOLERANCES[dtype]
+    odtype = torch.float64 if dtype == torch.float64 else torch.float32
+    temperature = torch.rand(n, generator=torch.Generator().manual_seed(3), dtype=odtype) + 0.5
+    compare(
+        fused_linear_logprob, reference_linear_logprob, hidden, weight, targets,
+        atol=atol, rtol=rtol, temperature=temperature, validate=validate,
+        grad_lp=upstream((n,), 7, odtype), grad_ent=upstream((n,), 8, odtype),
+    )  # fmt: skip

@@ -163,23 +163,61 @@ def test_gradcheck_float64(monkeypatch, temperature, with_entropy, frozen_weight
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
-@pytest.mark.parametrize("n", [1, 100, 512, 4096, 10**6])
-@pytest.mark.parametrize("vocab", [10, 32768, 151936])
-def test_default_plan_bounds_the_tile_independently_of_n(n, vocab):
-    plan = linear_logprob._plan(n, vocab, None, True, 1.0)
+@pytest.mark.parametrize("n", [1, 100, 256, 512, 2048, 4096, 10**6])
+@pytest.mark.parametrize("vocab", [10, 8192, 32768, 151936])
+@pytest.mark.parametrize("hidden_size", [256, 1024])
+def test_default_plan_memory_budget(n, vocab, hidden_size):
+    plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, hidden_size)
     tile = plan.rows * plan.vocab_tile
-    assert tile <= WORKING_TILE_ELEMENTS
+    assert tile <= WORKING_TILE_ELEMENTS and plan.rows <= min(n, linear_logprob._DEFAULT_ROWS)
     # The vocabulary tile is a function of V (and chunk_size) only: 8192 columns by default.
     assert plan.vocab_tile == min(vocab, WORKING_TILE_ELEMENTS // linear_logprob._DEFAULT_ROWS)
-    # small problems: shorter chunks, so a tile is at most 1/8 of the logits (or the 64K-element
-    # floor) and the 4 tile buffers stay within half of one [N, V] logits buffer
-    budget = max(linear_logprob._MIN_TILE_ELEMENTS, -(-n * vocab // 8))
-    assert tile <= budget
-    # tiles kept for backward: at most _KEPT_TILES full-size tiles' worth, however short the rows
-    full = min(WORKING_TILE_ELEMENTS, budget)
-    assert plan.kept_tiles * tile <= linear_logprob._KEPT_TILES * full
-    if n >= linear_logprob._DEFAULT_ROWS and n * vocab >= 8 * WORKING_TILE_ELEMENTS:
-        assert plan == linear_logprob._plan(n * 8, vocab, None, True, 1.0)  # flat from here on
+    # All tile buffers (two working, the kept ones): at most four full tiles whatever N, and at
+    # most a quarter of the materialised computation's extra memory (five [N, V] buffers less
+    # the gradients, at least one), or the 1 MiB floor of tiny problems.
+    buffers = (2 + plan.kept_tiles) * tile
+    logits = n * vocab
+    eager = max(5 * logits - (n + vocab) * hidden_size, logits)
+    assert buffers <= 4 * WORKING_TILE_ELEMENTS
+    assert buffers <= max(eager // 4, linear_logprob._MIN_BUFFER_ELEMENTS)
+    # ... and the budget is used: a taller chunk or one more kept tile would not fit.
+    chunks = -(-n // plan.rows)
+    tiles = chunks * -(-vocab // plan.vocab_tile)
+    budget = linear_logprob._buffer_budget(n, vocab, hidden_size, (True, True), 5)
+    assert plan.kept_tiles == tiles or buffers + tile > budget
+    # ... the working tiles within a quarter, with the kept ones within a fifth (or the floor)
+    assert 2 * tile <= max(eager // 4, linear_logprob._MIN_BUFFER_ELEMENTS)
+    assert plan.kept_tiles == 0 or buffers <= max(eager // 5, linear_logprob._MIN_BUFFER_ELEMENTS)
+    if plan.rows < min(n, linear_logprob._DEFAULT_ROWS):  # budget-limited: even chunks
+        working = linear_logprob._buffer_budget(n, vocab, hidden_size, (True, True), 4)
+        assert 2 * (-(-n // (chunks - 1))) * plan.vocab_tile > working
+        assert n - (chunks - 1) * plan.rows > plan.rows - chunks
+    if n >= linear_logprob._DEFAULT_ROWS and eager // 5 >= 4 * WORKING_TILE_ELEMENTS:
+        flat = linear_logprob._plan(8 * n, vocab, None, True, 1.0, (True, True), False, hidden_size)
+        assert plan == flat  # flat from here on
+
+
+@pytest.mark.parametrize(
+    "shape, rows, kept",
+    [
+        ((512, 256, 8192), 256, 0),  # two chunks at parity with eager instead of eight
+        ((2048, 256, 8192), 1024, 0),
+        ((2048, 1024, 32768), 1024, 2),  # large: four full tiles, two of them kept
+        ((256, 896, 151936), 256, 3),  # the weight gradient dominates eager's peak
+        ((1, 64, 1000), 1, 1),  # tiny: the floor; every tile kept, nothing recomputed
+    ],
+)
+def test_plans_of_the_benchmark_grid(shape, rows, kept):
+    n, hidden_size, vocab = shape
+    plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, hidden_size)
+    assert (plan.rows, plan.vocab_tile, plan.kept_tiles) == (rows, min(vocab, 8192), kept)
+
+
+def test_plan_without_gradients_keeps_nothing_and_models_a_forward():
+    """No backward: nothing kept, and the budget models eager's forward (three [N, V] buffers)."""
+    plan = linear_logprob._plan(512, 8192, None, True, 1.0, (False, False), False, 256)
+    assert plan.kept_tiles == 0
+    assert 2 * plan.rows * plan.vocab_tile <= 3 * 512 * 8192 // 4
 
 
 def test_no_grad_mode_returns_plain_tensors():
