@@ -25,29 +25,12 @@ sys.path.insert(0, str(EXAMPLES))
 
 from common.runtime import Dist, parse_cli, prepare_output  # noqa: E402
 from common.tracking import Tracker, read_metrics  # noqa: E402
+from example_utils import TINY_MODEL, TINY_RL  # noqa: E402
 
 from microrl.configs.examples import EXTERNAL_HELP, GRPOExampleConfig, PPOExampleConfig  # noqa: E402
 from microrl.configs.loader import config_to_yaml, describe_config, load_config  # noqa: E402
 
-TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.warm_start.max_steps=2",
-    "model.warm_start.eval_every=2",
-    "model.warm_start.batch_size=16",
-    "task.max_operand=9",
-    "task.eval_size=8",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=2",
-    "train.mini_batch_size=4",
-    "train.ppo_epochs=1",
-    "train.eval_every=2",
-    "actor.micro_batch_size=2",
-    "output.tensorboard=false",
-    "output.plot=false",
-]
+TINY = [*TINY_MODEL, *TINY_RL, "output.tensorboard=false", "output.plot=false"]
 SCHEMAS = [(GRPOExampleConfig, "grpo_lora.yaml"), (PPOExampleConfig, "ppo_lora.yaml")]
 
 

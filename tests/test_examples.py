@@ -21,30 +21,9 @@ from common.model import build_model, build_tokenizer, is_checkpoint, load_pretr
 from common.rollout import generate, sft_batch  # noqa: E402
 from common.task import AdditionTask, exact_match_reward, parse_answer  # noqa: E402
 from common.tracking import read_metrics  # noqa: E402
+from example_utils import TINY_MODEL, TINY_RL  # noqa: E402
 
 from microrl.configs.examples import ModelConfig  # noqa: E402
-
-# Tiny everything: a 1-layer model, a 2-step warm start, 2-4 RL steps of 8 rows.
-TINY_MODEL = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.warm_start.max_steps=2",
-    "model.warm_start.eval_every=2",
-    "model.warm_start.batch_size=16",
-    "task.max_operand=9",
-    "task.eval_size=8",
-    "output.progress=false",
-]
-TINY_RL = [
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=2",
-    "train.mini_batch_size=4",
-    "train.ppo_epochs=1",
-    "train.eval_every=2",
-    "actor.micro_batch_size=2",
-]
 
 
 # ----------------------------------------------------------------------------- task and reward
