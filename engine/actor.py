@@ -10,9 +10,10 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import ActorConfig
-from microrl.engine.base import Engine
+from microrl.engine.base import Engine, LossFn
 from microrl.engine.heads import PolicyModel, fused_head_blocker
-from microrl.losses import policy_loss, sft_loss
+from microrl.engine.outputs import check_loss_result
+from microrl.losses import MISMATCH_METRICS, mismatch_metrics, policy_loss, sft_loss
 from microrl.losses.aggregation import LossDenominators
 from microrl.losses.metrics import Metric
 
@@ -37,6 +38,12 @@ class ActorEngine(Engine):
 
     Temperature: ``config.temperature``, unless the batch carries ``temperature``: ``[B]`` per
     row, or ``[B, T]`` token-aligned (``temperature[b, t]`` is the one token ``t`` was sampled at).
+
+    Rollout/trainer mismatch: whenever the batch carries ``rollout_logprobs``, every pass with a
+    loss reports the ``mismatch/*`` metrics (docs/losses.md#rollouttrainer-mismatch) comparing
+    them with ``old_logprobs`` (the trainer's log-probs at the sampling weights), or, for a
+    custom ``loss_fn`` on a batch without ``old_logprobs``, with the current ``logprobs``. The
+    default loss also applies the corrections configured in ``config.policy_loss``.
     """
 
     config: ActorConfig
@@ -46,9 +53,16 @@ class ActorEngine(Engine):
     def __init__(self, model: nn.Module | str | os.PathLike, config: ActorConfig) -> None:
         if isinstance(config, ActorConfig) and config.policy_loss.kl_coef > 0:
             self.loss_keys = (*type(self).loss_keys, "ref_logprobs")
-        if isinstance(config, ActorConfig) and config.policy_loss.tis_cap is not None:
+        if isinstance(config, ActorConfig) and config.policy_loss.corrects_mismatch:
             self.loss_keys = (*self.loss_keys, "rollout_logprobs")
         super().__init__(model, config)
+
+    def _forward_compact(self, micro, lengths, loss_fn, denominators, *, training):
+        # The one place every pass (forward_backward_batch, train_batch, forward_step) calls the
+        # loss: a loss that does not report the mismatch metrics gets them here.
+        return super()._forward_compact(
+            micro, lengths, _with_mismatch_metrics(loss_fn), denominators, training=training
+        )
 
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
         blocker = fused_head_blocker(causal_lm)
@@ -137,3 +151,33 @@ class ActorEngine(Engine):
             self.config.loss_agg_mode,
             validate=False,
         )
+
+
+def _with_mismatch_metrics(loss_fn: LossFn | None) -> LossFn | None:
+    """A custom ``loss_fn`` that also reports the ``mismatch/*`` metrics when the micro-batch
+    carries ``rollout_logprobs`` and the loss did not report them itself (the default loss,
+    ``policy_loss``, does). ``None`` (the default loss) is returned as is."""
+    if loss_fn is None:
+        return None
+
+    def loss_with_mismatch(
+        output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
+    ) -> tuple[torch.Tensor, dict[str, Metric]]:
+        loss, metrics = check_loss_result(loss_fn(output, micro_batch, denominators))
+        keys = micro_batch.keys()
+        if "rollout_logprobs" in keys and not any(name in metrics for name in MISMATCH_METRICS):
+            rollout = micro_batch["rollout_logprobs"]
+            train = micro_batch["old_logprobs"] if "old_logprobs" in keys else output["logprobs"]
+            metrics = {
+                **metrics,
+                **mismatch_metrics(
+                    train.detach().to(rollout.dtype),
+                    rollout,
+                    micro_batch["loss_mask"],
+                    denominators,
+                    validate=False,  # check_batch validated both keys on the loss tokens
+                ),
+            }
+        return loss, metrics
+
+    return loss_with_mismatch

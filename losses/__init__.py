@@ -19,7 +19,8 @@ A GRPO step, end to end::
 
 PPO: ``scores_to_token_rewards`` -> ``gae_advantages`` (-> ``whiten``) for the actor,
 ``value_loss`` on the returns for the critic. One algorithm per module: ``ppo``, ``gspo``,
-``cispo``, ``reinforce`` (surrogates), ``kl``, ``entropy``, ``tis``, ``value``, ``sft``, ``gae``,
+``cispo``, ``reinforce`` (surrogates), ``kl``, ``entropy``, ``tis`` and ``mismatch`` (rollout/trainer
+mismatch metrics and corrections), ``value``, ``sft``, ``gae``,
 ``group`` (GRPO, RLOO), ``reinforce_pp``, ``whiten``; ``policy`` dispatches by
 :class:`PolicyLossType`.
 """
@@ -46,6 +47,13 @@ from .group import (
 from .gspo import gspo_surrogate
 from .kl import K3_MAX, KL_LOG_RATIO_CLAMP, kl_penalty
 from .metrics import Metric, Reduce, reduce_metrics
+from .mismatch import (
+    MISMATCH_METRICS,
+    RolloutCorrection,
+    mismatch_log_ratio,
+    mismatch_metrics,
+    rollout_correction,
+)
 from .policy import POLICY_SURROGATES, Surrogate, policy_loss
 from .ppo import ppo_surrogate
 from .ratio import LOG_RATIO_CLAMP, SurrogateOutput, clamped_log_ratio
@@ -62,6 +70,7 @@ __all__ = [
     "K3_MAX",
     "KL_LOG_RATIO_CLAMP",
     "LOG_RATIO_CLAMP",
+    "MISMATCH_METRICS",
     "POLICY_SURROGATES",
     "WHITEN_EPS",
     "AggMode",
@@ -73,6 +82,7 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossType",
     "Reduce",
+    "RolloutCorrection",
     "Surrogate",
     "SurrogateOutput",
     "aggregate",
@@ -87,12 +97,15 @@ __all__ = [
     "gspo_surrogate",
     "kl_penalty",
     "masked_partial_mean",
+    "mismatch_log_ratio",
+    "mismatch_metrics",
     "policy_loss",
     "ppo_surrogate",
     "reduce_metrics",
     "reinforce_pp_advantages",
     "reinforce_surrogate",
     "rloo_advantages",
+    "rollout_correction",
     "scores_to_token_rewards",
     "sft_loss",
     "truncated_is_weights",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["KLEstimator", "PolicyLossConfig", "PolicyLossType"]
+__all__ = ["KLEstimator", "PolicyLossConfig", "PolicyLossType", "check_ratio_band"]
 
 
 class PolicyLossType(str, Enum):
@@ -41,8 +44,22 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = KLEstimator.K3
     entropy_coef: float = 0.0
-    # Truncated importance sampling cap for rollout/training mismatch; None disables it.
+    # Rollout/trainer mismatch corrections (docs/losses.md#rollouttrainer-mismatch), all on the
+    # ratio r = pi_old / pi_rollout of the batch's old_logprobs and rollout_logprobs; each None
+    # disables it, and any of them set makes rollout_logprobs a required batch key.
+    # Truncated importance sampling: the pg term weighted by min(r, tis_cap) (Yao et al. 2025).
     tis_cap: float | None = None
+    # IcePop token masking: weight 0 on tokens whose r lies outside [low, high] (Ling Team 2025).
+    token_ratio_band: tuple[float, float] | None = dataclasses.field(
+        default=None,
+        metadata={"help": "IcePop: zero pg weight where pi_old/pi_rollout is outside [low, high]"},
+    )
+    # Sequence masking: weight 0 on every token of a row whose geometric-mean ratio
+    # exp(mean_t log r) lies outside [low, high] (Liu et al. 2025, "When Speed Kills Stability").
+    seq_ratio_band: tuple[float, float] | None = dataclasses.field(
+        default=None,
+        metadata={"help": "zero pg weight on rows whose geometric-mean ratio is outside the band"},
+    )
 
     def __post_init__(self) -> None:
         self.name = _parse(PolicyLossType, self.name, "name")
@@ -58,6 +75,38 @@ class PolicyLossConfig:
             raise ValueError("policy_loss.kl_coef and policy_loss.entropy_coef must be >= 0")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"policy_loss.tis_cap must be > 0 or None, got {self.tis_cap}")
+        self.token_ratio_band = check_ratio_band(
+            self.token_ratio_band, "policy_loss.token_ratio_band"
+        )
+        self.seq_ratio_band = check_ratio_band(self.seq_ratio_band, "policy_loss.seq_ratio_band")
+
+    @property
+    def corrects_mismatch(self) -> bool:
+        """Whether a rollout/trainer mismatch correction is on (then ``rollout_logprobs`` is
+        required by the policy loss)."""
+        return (
+            self.tis_cap is not None
+            or self.token_ratio_band is not None
+            or self.seq_ratio_band is not None
+        )
+
+
+def check_ratio_band(band: object, name: str) -> tuple[float, float] | None:
+    """``None``, or ``band`` as a ``(low, high)`` tuple of floats with ``0 <= low < high``
+    (``high`` may be ``inf``: no upper bound); anything else is a ``ValueError`` naming ``name``."""
+    if band is None:
+        return None
+    ok = isinstance(band, Sequence) and not isinstance(band, str) and len(band) == 2
+    if ok:
+        try:
+            low, high = (float(v) for v in band)
+        except (TypeError, ValueError):
+            ok = False
+        else:
+            ok = not math.isnan(low) and not math.isnan(high) and 0 <= low < high
+    if not ok:
+        raise ValueError(f"{name} must be None or [low, high] with 0 <= low < high, got {band!r}")
+    return (low, high)
 
 
 def _parse(enum: type[Enum], value: object, field: str) -> Enum:

@@ -19,10 +19,10 @@ from .config import PolicyLossConfig, PolicyLossType
 from .gspo import gspo_surrogate
 from .kl import kl_penalty
 from .metrics import Metric, Reduce
+from .mismatch import mismatch_metrics, rollout_correction
 from .ppo import ppo_surrogate
 from .ratio import SurrogateOutput
 from .reinforce import reinforce_surrogate
-from .tis import truncated_is_weights
 
 __all__ = ["POLICY_SURROGATES", "Surrogate", "policy_loss"]
 
@@ -58,8 +58,9 @@ def policy_loss(
 
     ``loss = agg(w * pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``, each ``agg`` the
     configured ``loss_agg_mode`` over the mini-batch's global denominators (times ``grad_scale``),
-    ``pg`` the per-token surrogate of ``config.name`` and ``w`` the truncated IS weight (1 without
-    ``tis_cap``). Summed over micro-batches and ranks it is the mini-batch loss.
+    ``pg`` the per-token surrogate of ``config.name`` and ``w`` the rollout/trainer mismatch
+    correction (:func:`~microrl.losses.rollout_correction`: truncated IS, token and sequence
+    masking; 1 without any). Summed over micro-batches and ranks it is the mini-batch loss.
 
     Args:
         logprobs: ``[B, T]`` log-probs of the taken tokens under the trained policy (with grad).
@@ -73,8 +74,10 @@ def policy_loss(
         ref_logprobs: ``[B, T]`` reference log-probs; required iff ``config.kl_coef > 0``
             (also accepted, for the ``kl`` metric, when it is 0).
         entropy: ``[B, T]`` per-token entropy (with grad); required iff ``entropy_coef > 0``.
-        rollout_logprobs: ``[B, T]`` log-probs of the rollout engine; required iff
-            ``config.tis_cap`` is set.
+        rollout_logprobs: ``[B, T]`` log-probs the rollout backend sampled the tokens with;
+            required iff a mismatch correction is configured (``tis_cap``,
+            ``token_ratio_band``, ``seq_ratio_band``); whenever given, the ``mismatch/*``
+            metrics compare it with ``old_logprobs``.
         validate: check that every unmasked input value is finite (one host sync per call).
 
     Returns:
@@ -83,8 +86,10 @@ def policy_loss(
         ``pg_clipfrac_lower + pg_clipfrac_upper``), ``pg_clipfrac_dual`` (when a dual clip is
         configured), ``ppo_kl`` (token mean of ``log pi_old - log pi``), ``ratio_min``,
         ``ratio_max``; ``kl`` and ``kl_loss`` with ``ref_logprobs``, ``entropy`` with
-        ``entropy``, ``tis_weight_mean`` and ``tis_clipfrac`` with ``tis_cap``. Fractions and
-        means are token-weighted over the mini-batch.
+        ``entropy``; with ``rollout_logprobs`` the ``mismatch/*`` metrics
+        (:func:`~microrl.losses.mismatch_metrics`) and those of the configured corrections
+        (``tis_weight_mean``, ``tis_clipfrac``, ``mismatch/token_mask_frac``,
+        ``mismatch/seq_mask_frac``). Fractions and means are token-weighted over the mini-batch.
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
@@ -97,9 +102,10 @@ def policy_loss(
     _require(
         inputs,
         "rollout_logprobs",
-        rollout_logprobs if config.tis_cap is not None else None,
-        config.tis_cap is not None,
-        "policy_loss.tis_cap is set",
+        rollout_logprobs,
+        config.corrects_mismatch,
+        "a rollout/trainer mismatch correction is configured "
+        "(policy_loss.tis_cap, token_ratio_band or seq_ratio_band)",
     )
     mask = check_token_inputs(loss_mask, inputs, validate=validate)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
@@ -114,14 +120,21 @@ def policy_loss(
     )
     pg = out.loss
     metrics: dict[str, Metric] = {}
-    if config.tis_cap is not None:
-        weights = truncated_is_weights(
-            clean["old_logprobs"], clean["rollout_logprobs"], config.tis_cap
-        )
-        pg = pg * weights
-        metrics["tis_weight_mean"] = Metric(masked_partial_mean(weights, mask, denominators))
-        capped = (weights >= config.tis_cap).to(weights.dtype)
-        metrics["tis_clipfrac"] = Metric(masked_partial_mean(capped, mask, denominators))
+    if "rollout_logprobs" in clean:
+        # The mismatch between the trainer's behaviour log-probs and the rollout backend's
+        # (docs/losses.md#rollouttrainer-mismatch), and its corrections on the pg term.
+        behaviour = (clean["old_logprobs"], clean["rollout_logprobs"], mask, denominators)
+        metrics.update(mismatch_metrics(*behaviour, validate=False))
+        if config.corrects_mismatch:
+            correction = rollout_correction(
+                *behaviour,
+                tis_cap=config.tis_cap,
+                token_band=config.token_ratio_band,
+                seq_band=config.seq_ratio_band,
+                validate=False,
+            )
+            pg = pg * correction.weights.to(pg.dtype)
+            metrics.update(correction.metrics)
 
     plain = unscaled(denominators)
     pg_term = aggregate(pg, mask, mode, plain)

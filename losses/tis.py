@@ -5,6 +5,9 @@ The rollout engine (vLLM, SGLang) samples with slightly different numerics than 
 actually drawn with. Weighting each token's policy-gradient loss by
 ``w = min(pi_old / pi_rollout, cap)`` (detached) corrects the bias; the cap bounds the variance
 (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training").
+
+:func:`microrl.losses.rollout_correction` (mismatch.py) applies this weight together with the
+token and sequence masks, on the same ratio ``pi_old / pi_rollout``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from loss_utils import SEQ_LEN_NORM, denominators_for, leaf, make_batch, num
 from microrl.losses import (
     K3_MAX,
     LOG_RATIO_CLAMP,
+    MISMATCH_METRICS,
     AggMode,
     KLEstimator,
     PolicyLossConfig,
@@ -218,7 +219,8 @@ def test_policy_loss_matches_reference(config_name, mode, dtype, rtol, atol):
         assert torch.isfinite(grad).all(), f"{name}.grad has non-finite entries"
         assert (grad[~mask] == 0).all(), f"{name}.grad nonzero at masked positions"
         assert_close(grad, ref_grad, rtol, atol, f"{name}.grad")
-    assert set(metrics) == set(ref_metrics) | (
+    # rollout_logprobs is passed: the mismatch metrics are checked in test_mismatch.py.
+    assert set(metrics) == set(ref_metrics) | set(MISMATCH_METRICS) | (
         {"tis_weight_mean", "tis_clipfrac"} if cfg.tis_cap else set()
     )
     for name, expected in ref_metrics.items():
