@@ -18,6 +18,7 @@ from microrl.configs.engine import (
     LoraConfig,
     OptimConfig,
 )
+from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 from microrl.losses.config import PolicyLossConfig
 
 __all__ = [
@@ -128,8 +129,18 @@ class RolloutConfig:
     prompts_per_step: int = _key(32, "prompts sampled per step, across all processes")
     group_size: int = _key(8, "responses sampled per prompt (a GRPO group)")
     max_new_tokens: int = _key(4, "longest response, in tokens (<eos> included)")
+    backend: str = _key("hf", "hf (transformers generate) or vllm (docs/rollouts.md)")
+    sync_every: int = _key(1, "vllm: load the trained weights into vLLM every N steps")
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
+        _check(
+            self.backend in ROLLOUT_BACKENDS,
+            "rollout.backend",
+            f"one of {', '.join(ROLLOUT_BACKENDS)}",
+            self.backend,
+        )
+        _check(self.sync_every >= 1, "rollout.sync_every", ">= 1", self.sync_every)
         _check(
             self.prompts_per_step >= 1, "rollout.prompts_per_step", ">= 1", self.prompts_per_step
         )

@@ -38,6 +38,7 @@ from microrl.engine.heads import ValueModel
 
 __all__ = [
     "ClassifierTarget",
+    "base_state_dict",
     "classifier_target",
     "export_merged_model",
     "export_peft_adapter",
@@ -178,11 +179,22 @@ def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
     return {k.replace(".base_layer.", "."): v for k, v in merged.items()}
 
 
-def export_merged_model(model: nn.Module, path: str | os.PathLike) -> Path:
+def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain transformers state dict under LoRA layers, without their updates: ``lora_``
+    keys dropped, ``base_layer`` weights under their original names (a ``vllm`` rollout backend
+    loads these once and applies the adapter on top)."""
+    kept = {k: v for k, v in state.items() if ".lora_" not in k}
+    return {k.replace(".base_layer.", "."): v for k, v in kept.items()}
+
+
+def export_merged_model(
+    model: nn.Module, path: str | os.PathLike, *, merge_lora: bool = True
+) -> Path:
     """Write the trained transformers model inside ``model`` in its own format, LoRA merged in.
 
     ``AutoModelForCausalLM.from_pretrained(path)`` loads it. Without LoRA it is the fine-tuned
-    model itself; the weights keep their training dtype. A critic or a reward model (a
+    model itself; the weights keep their training dtype. ``merge_lora=False`` writes the base
+    model under the adapters instead (their updates left out). A critic or a reward model (a
     :class:`~microrl.engine.heads.ValueModel` inside ``model``) is written as a transformers
     classifier instead (see :func:`classifier_target`): ``AutoModelForTokenClassification`` /
     ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it with the trained head.
@@ -193,7 +205,7 @@ def export_merged_model(model: nn.Module, path: str | os.PathLike) -> Path:
     prefix, base = _locate_base(model)
     state = _sub_state(full_state_dict(model), prefix)
     if _rank() == 0:
-        state = merged_state_dict(base, state)
+        state = merged_state_dict(base, state) if merge_lora else base_state_dict(state)
 
     def write(tmp: Path) -> None:
         base.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)

@@ -19,7 +19,9 @@ of the ratio. Only a LoRA adapter trains; the base model with the adapter switch
 reference policy whose KL is reported (and penalised when ``actor.policy_loss.kl_coef > 0``).
 
 Each step below: 1 sample -> 2 score -> 3 old/ref log-probs -> 4 advantages -> 5 update -> 6 log.
-The base model is warm-started with supervised steps the first time (examples/common/base_model.py).
+The base model is warm-started with supervised steps the first time (microrl/tasks/warm_start.py).
+Sampling is ``rollout.backend``: ``hf`` (transformers ``generate`` on the trained model) or ``vllm``
+(a colocated vLLM engine, synced after the updates; docs/rollouts.md).
 """
 
 from __future__ import annotations
@@ -29,23 +31,27 @@ import sys
 import time
 
 import torch
-from common.base_model import prepare_base_model
-from common.runtime import (
+
+from microrl.configs.examples import GRPOExampleConfig
+from microrl.engine import ActorEngine
+from microrl.engine.rollout import SamplingParams, make_rollout
+from microrl.losses import broadcast_to_tokens, grpo_advantages
+from microrl.run import (
     Dist,
     StopOnInterrupt,
+    check_whole_groups,
+    evaluator,
+    finish,
     load_run,
+    mean_metrics,
     parse_cli,
     per_rank,
     prepare_output,
     save_run,
+    start_tracking,
 )
-from common.session import check_whole_groups, evaluator, finish, sample, start_tracking
-from common.task import AdditionTask
-from common.tracking import mean_metrics
-
-from microrl.configs.examples import GRPOExampleConfig
-from microrl.engine import ActorEngine
-from microrl.losses import broadcast_to_tokens, grpo_advantages
+from microrl.tasks import AdditionTask
+from microrl.tasks.warm_start import prepare_base_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,21 +78,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         start_step = load_run(cfg.output.dir, {"actor": engine}, rng=rng, dist_info=dist_info)
         log(f"resumed from {cfg.output.dir}/checkpoint at step {start_step}")
-    evaluate = evaluator(engine, tokenizer, task, dist_info, cfg.rollout.max_new_tokens)
+    sampler = make_rollout(cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm)
+    sampling = SamplingParams(
+        num_samples=cfg.rollout.group_size,
+        temperature=cfg.actor.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
+    evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens)
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, t_setup)
 
     step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
     with StopOnInterrupt(dist_info) as stop:
         for step in range(start_step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            # 1. Sample a group of responses per prompt from the current policy (eval mode, the
-            #    loss's temperature, plain ancestral sampling).
+            # 1. Sample a group of responses per prompt from the current policy (the loss's
+            #    temperature, plain ancestral sampling); the batch carries the sampler's
+            #    rollout_logprobs, which the engine compares with its own (mismatch/* metrics).
             problems = task.sample(rng, prompts_per_rank)
-            rollout = sample(engine, tokenizer, problems, cfg)
+            rollout = sampler.generate([p.prompt for p in problems], sampling)
             batch = rollout.batch
             # 2. Score: exact match of the answer text only.
-            answered = [problems[i] for i in rollout.prompt_index.tolist()]
-            scores = torch.tensor(task.score(rollout.responses, answered))
+            answered = [problems[i] for i in rollout.group_ids.tolist()]
+            scores = torch.tensor(task.score(rollout.texts, answered))
             # 3. Log-probs of the sampling policy (the ratio's anchor) and of the reference
             #    (the base model: the same engine with the LoRA adapter switched off).
             old = engine.infer_batch(batch)
@@ -95,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 batch["ref_logprobs"] = engine.infer_batch(batch)["logprobs"]
             # 4. Group-normalised advantages, spread onto the response tokens. A group is one
             #    prompt's rows, all sampled on this rank, so its statistics are complete here.
-            check_whole_groups(rollout.prompt_index, cfg.rollout.group_size)
-            advantages, _ = grpo_advantages(scores, rollout.prompt_index)
+            check_whole_groups(rollout.group_ids, cfg.rollout.group_size)
+            advantages, _ = grpo_advantages(scores, rollout.group_ids)
             batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch
             #    into micro-batches and normalises the loss over the whole mini-batch.
@@ -104,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(cfg.train.ppo_epochs):
                 for rows in torch.randperm(batch.batch_size[0]).split(mini_batch_per_rank):
                     updates.append(engine.train_batch(batch[rows]))
+            is_eval_step = step % cfg.train.eval_every == 0 or step == cfg.train.steps
+            if step % cfg.rollout.sync_every == 0 or is_eval_step:
+                sampler.sync(engine)  # vllm: load the new weights; hf samples the live model
             # 6. Metrics (summed over ranks where they are counts), eval, checkpoint.
             reward_sum, n_rows, n_tokens, entropy_sum, n_response = dist_info.sum(
                 [
@@ -123,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": n_tokens / step_time,
                 "step_time": step_time,
             }
-            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+            if is_eval_step:
                 metrics["eval/accuracy"] = evaluate()
             tracker.log(step, metrics)
             if stop.should_stop():
@@ -139,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     config=cfg,
                 )
 
+    sampler.close()
     return finish(
         cfg,
         {"actor": engine},

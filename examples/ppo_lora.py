@@ -29,26 +29,29 @@ import sys
 import time
 
 import torch
-from common.base_model import prepare_base_model
-from common.model import load_pretrained
-from common.runtime import (
-    Dist,
-    StopOnInterrupt,
-    load_run,
-    parse_cli,
-    per_rank,
-    prepare_output,
-    save_run,
-)
-from common.session import evaluator, finish, sample, start_tracking
-from common.task import AdditionTask
-from common.tracking import mean_metrics
 from tensordict import TensorDict
 
 from microrl.configs.examples import PPOExampleConfig
 from microrl.engine import ActorEngine, CriticEngine
 from microrl.engine.distributed import dp_group
+from microrl.engine.rollout import SamplingParams, make_rollout
 from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
+from microrl.run import (
+    Dist,
+    StopOnInterrupt,
+    evaluator,
+    finish,
+    load_run,
+    mean_metrics,
+    parse_cli,
+    per_rank,
+    prepare_output,
+    save_run,
+    start_tracking,
+)
+from microrl.tasks import AdditionTask
+from microrl.tasks.toy_model import load_pretrained
+from microrl.tasks.warm_start import prepare_base_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,26 +79,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         start_step = load_run(cfg.output.dir, engines, rng=rng, dist_info=dist_info)
         log(f"resumed from {cfg.output.dir}/checkpoint at step {start_step}")
-    evaluate = evaluator(actor, tokenizer, task, dist_info, cfg.rollout.max_new_tokens)
+    sampler = make_rollout(cfg.rollout.backend, actor, tokenizer, vllm=cfg.rollout.vllm)
+    sampling = SamplingParams(
+        num_samples=cfg.rollout.group_size,
+        temperature=cfg.actor.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
+    evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens)
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, t_setup)
 
     step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
     with StopOnInterrupt(dist_info) as stop:
         for step in range(start_step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            # 1. Sample responses from the current policy (eval mode, the loss's temperature).
+            # 1. Sample responses from the current policy (the loss's temperature); the batch
+            #    carries the sampler's rollout_logprobs (the engine reports the mismatch/*).
             problems = task.sample(rng, prompts_per_rank)
-            rollout = sample(actor, tokenizer, problems, cfg)
+            rollout = sampler.generate([p.prompt for p in problems], sampling)
             batch, mask = rollout.batch, rollout.batch["loss_mask"]
             # 2. Score the answer text (the reward of the last response token, in step 4).
-            answered = [problems[i] for i in rollout.prompt_index.tolist()]
-            scores = torch.tensor(task.score(rollout.responses, answered))
+            answered = [problems[i] for i in rollout.group_ids.tolist()]
+            scores = torch.tensor(task.score(rollout.texts, answered))
             # 3-4. Old/ref log-probs and old values; GAE advantages whitened over all ranks.
             old = estimate_advantages(actor, critic, batch, scores, cfg)
             # 5. PPO epochs over shuffled mini-batches: one actor and one critic step each.
             actor_updates, critic_updates = ppo_update(
                 actor, critic, batch, cfg, mini_batch_per_rank
             )
+            is_eval_step = step % cfg.train.eval_every == 0 or step == cfg.train.steps
+            if step % cfg.rollout.sync_every == 0 or is_eval_step:
+                sampler.sync(actor)  # vllm: load the new weights; hf samples the live model
             # 6. Metrics (counts summed over ranks), eval, checkpoint.
             reward_sum, n_rows, n_tokens, entropy_sum, n_response = dist_info.sum(
                 [
@@ -116,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": n_tokens / step_time,
                 "step_time": step_time,
             }
-            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+            if is_eval_step:
                 metrics["eval/accuracy"] = evaluate()
             tracker.log(step, metrics)
             if stop.should_stop():
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     cfg.output.dir, engines, step=step, rng=rng, dist_info=dist_info, config=cfg
                 )
 
+    sampler.close()
     return finish(
         cfg,
         engines,

@@ -21,3 +21,22 @@ TINY_RL = [
     "train.eval_every=2",
     "actor.micro_batch_size=2",
 ]
+
+
+def load_example(name: str):
+    """The example script ``examples/<name>.py`` as a module (its ``main``, its functions).
+
+    Loaded from its file, as a user's copy of it would be: the scripts import only ``microrl``,
+    so nothing needs to be on ``sys.path``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

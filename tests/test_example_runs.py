@@ -18,17 +18,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from example_utils import TINY_MODEL, TINY_RL, load_example
+
+from microrl.configs.examples import EXTERNAL_HELP, GRPOExampleConfig, PPOExampleConfig
+from microrl.configs.loader import config_to_yaml, describe_config, load_config
+from microrl.run import Dist, Tracker, parse_cli, prepare_output, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-from common.runtime import Dist, parse_cli, prepare_output  # noqa: E402
-from common.tracking import Tracker, read_metrics  # noqa: E402
-from example_utils import TINY_MODEL, TINY_RL  # noqa: E402
-
-from microrl.configs.examples import EXTERNAL_HELP, GRPOExampleConfig, PPOExampleConfig  # noqa: E402
-from microrl.configs.loader import config_to_yaml, describe_config, load_config  # noqa: E402
 
 TINY = [*TINY_MODEL, *TINY_RL, "output.tensorboard=false", "output.plot=false"]
 SCHEMAS = [(GRPOExampleConfig, "grpo_lora.yaml"), (PPOExampleConfig, "ppo_lora.yaml")]
@@ -227,7 +224,7 @@ def test_fresh_run_starts_an_empty_metrics_file(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """A finished 2-step GRPO run (its base model warm-started on the way)."""
-    import grpo_lora
+    grpo_lora = load_example("grpo_lora")
 
     root = tmp_path_factory.mktemp("runs")
     args = [*TINY, f"model.path={root / 'base'}", f"output.dir={root / 'run'}"]
@@ -238,7 +235,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[s
 def test_a_run_killed_between_the_renames_of_its_last_save_resumes(
     finished_run, tmp_path: Path, capsys
 ) -> None:
-    import grpo_lora
+    grpo_lora = load_example("grpo_lora")
 
     run, args = finished_run
     out = tmp_path / "run"

@@ -12,18 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from example_utils import TINY_MODEL, TINY_RL, load_example
+
+from microrl.configs.examples import ModelConfig
+from microrl.engine.rollout import HFRollout, SamplingParams, sft_batch
+from microrl.run import read_metrics
+from microrl.tasks import AdditionTask, exact_match_reward, parse_answer
+from microrl.tasks.toy_model import build_model, build_tokenizer, is_checkpoint, load_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-from common.model import build_model, build_tokenizer, is_checkpoint, load_pretrained  # noqa: E402
-from common.rollout import generate, sft_batch  # noqa: E402
-from common.task import AdditionTask, exact_match_reward, parse_answer  # noqa: E402
-from common.tracking import read_metrics  # noqa: E402
-from example_utils import TINY_MODEL, TINY_RL  # noqa: E402
-
-from microrl.configs.examples import ModelConfig  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- task and reward
@@ -94,9 +92,10 @@ def test_rollout_layout_is_token_aligned() -> None:
         ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
     )
     torch.manual_seed(0)
-    rollout = generate(model, tok, ["1+2=", "34+56="], num_samples=3, max_new_tokens=4)
+    params = SamplingParams(num_samples=3, max_new_tokens=4)
+    rollout = HFRollout(model, tok).generate(["1+2=", "34+56="], params)
     batch = rollout.batch
-    assert batch.batch_size == torch.Size([6]) and rollout.prompt_index.tolist() == [
+    assert batch.batch_size == torch.Size([6]) and rollout.group_ids.tolist() == [
         0,
         0,
         0,
@@ -114,7 +113,7 @@ def test_rollout_layout_is_token_aligned() -> None:
         eos = (response == tok.eos_token_id).nonzero()
         # the loss covers the response up to and including its first <eos>, nothing after
         assert eos.numel() <= 1 and (eos.numel() == 0 or eos.item() == len(response) - 1)
-        assert rollout.responses[row] == tok.decode(response, skip_special_tokens=True)
+        assert rollout.texts[row] == tok.decode(response, skip_special_tokens=True)
     sft = sft_batch(tok, ["1+2="], ["3"])
     assert sft["input_ids"][0].tolist() == tok("1+2=")["input_ids"] + tok(
         "3", add_special_tokens=False
@@ -133,7 +132,8 @@ def test_sampling_distribution_is_the_one_the_engine_scores() -> None:
     )
     engine = ActorEngine(model, ActorConfig(temperature=0.7, lora=LoraConfig(rank=2)))
     torch.manual_seed(0)
-    rollout = generate(engine.model, tok, ["1+2=", "34+56="], num_samples=2, temperature=0.7)
+    params = SamplingParams(num_samples=2, temperature=0.7, max_new_tokens=4)
+    rollout = HFRollout(engine, tok).generate(["1+2=", "34+56="], params)
     batch = rollout.batch
     logprobs = engine.infer_batch(batch)["logprobs"]
     # Reference: the model's own logits at the sampling temperature, token-aligned.
@@ -157,9 +157,7 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run_in_process(module: str, args: list[str]) -> int:
-    import importlib
-
-    return importlib.import_module(module).main(args)
+    return load_example(module).main(args)
 
 
 def _check_outputs(out: Path, last_step: int) -> list[dict]:
@@ -265,9 +263,8 @@ def test_grpo_runs_under_torchrun_on_two_ranks(base_model: Path, tmp_path: Path)
 
 
 def test_help_lists_the_options(capsys) -> None:
-    from common.runtime import parse_cli
-
     from microrl.configs.examples import GRPOExampleConfig
+    from microrl.run import parse_cli
 
     with pytest.raises(SystemExit) as info:
         parse_cli(GRPOExampleConfig, "grpo_lora.yaml", "GRPO", ["--help"])

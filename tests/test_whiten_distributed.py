@@ -18,7 +18,6 @@ import torch
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parents[1] / "examples"))
 from distributed_utils import launch, make_batch, single_process, tiny_model  # noqa: E402
 
 from microrl.losses import grpo_advantages, whiten  # noqa: E402
@@ -100,13 +99,13 @@ def test_grpo_groups_are_whole_on_each_rank_and_match_the_global_advantages():
     per-rank group statistics are the global ones."""
     import random
 
-    from common.model import build_model, build_tokenizer
-    from common.session import check_whole_groups, sample
-    from common.task import AdditionTask
-
     from microrl.configs.examples import GRPOExampleConfig, ModelConfig
     from microrl.configs.loader import load_config
     from microrl.engine import ActorEngine
+    from microrl.engine.rollout import HFRollout, SamplingParams
+    from microrl.run import check_whole_groups
+    from microrl.tasks import AdditionTask
+    from microrl.tasks.toy_model import build_model, build_tokenizer
 
     cfg = load_config(
         GRPOExampleConfig,
@@ -124,11 +123,12 @@ def test_grpo_groups_are_whole_on_each_rank_and_match_the_global_advantages():
     scores, ids = [], []
     for rank in range(world):  # what each rank of the recipe does in steps 1, 2 and 4
         problems = task.sample(random.Random(rank), per_rank)
-        rollout = sample(actor, tok, problems, cfg)
-        check_whole_groups(rollout.prompt_index, cfg.rollout.group_size)
+        params = SamplingParams(num_samples=cfg.rollout.group_size, max_new_tokens=4)
+        rollout = HFRollout(actor, tok).generate([p.prompt for p in problems], params)
+        check_whole_groups(rollout.group_ids, cfg.rollout.group_size)
         assert rollout.batch.batch_size[0] == per_rank * cfg.rollout.group_size
-        scores.append(torch.rand(len(rollout.responses)).round())  # any scores
-        ids.append(rollout.prompt_index)
+        scores.append(torch.rand(len(rollout.texts)).round())  # any scores
+        ids.append(rollout.group_ids)
     per_rank_adv = torch.cat([grpo_advantages(s, i)[0] for s, i in zip(scores, ids, strict=True)])
     global_ids = torch.cat([i + rank * per_rank for rank, i in enumerate(ids)])
     global_adv, _ = grpo_advantages(torch.cat(scores), global_ids)
@@ -136,7 +136,7 @@ def test_grpo_groups_are_whole_on_each_rank_and_match_the_global_advantages():
 
 
 def test_grpo_group_spanning_ranks_is_an_error():
-    from common.session import check_whole_groups
+    from microrl.run import check_whole_groups
 
     # 3 prompts x 2 samples split by rows over 2 ranks: prompt 1's rows land on both.
     ids = torch.arange(3).repeat_interleave(2)
@@ -206,10 +206,9 @@ def check_whiten(rank: int, group) -> list[str]:
 
 def _ppo_config():
     """The recipe's own config (configs/ppo_lora.yaml) at test sizes."""
-    from common.runtime import CONFIG_DIR
-
     from microrl.configs.examples import PPOExampleConfig
     from microrl.configs.loader import load_config
+    from microrl.run.cli import CONFIG_DIR
 
     return load_config(PPOExampleConfig, CONFIG_DIR / "ppo_lora.yaml", PPO_OVERRIDES)
 
@@ -230,7 +229,9 @@ def _ppo_setup():
 def _ppo_run(rows: slice):
     """The recipe's steps 3-5 (ppo_lora.estimate_advantages, ppo_update) on ``rows`` of the
     rollout: one mini-batch of all of them, one epoch."""
-    import ppo_lora
+    from example_utils import load_example
+
+    ppo_lora = load_example("ppo_lora")
 
     cfg, actor, critic, full = _ppo_setup()
     batch, scores = full[rows].clone(), PPO_SCORES[rows]

@@ -1,6 +1,6 @@
-"""The scaffolding both examples share around their RL step: evaluation, tracking, shutdown.
+"""The scaffolding every RL recipe shares around its step: evaluation, tracking, shutdown.
 
-The algorithm itself (sample, score, old/ref log-probs, advantages, update) stays in each example
+The algorithm itself (sample, score, old/ref log-probs, advantages, update) stays in each recipe
 so it reads top to bottom; what is here is the same for GRPO and PPO.
 """
 
@@ -8,41 +8,20 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from common.rollout import Rollout, evaluate_accuracy, generate
-from common.runtime import Dist, save_run
-from common.task import AdditionTask, Problem
-from common.tracking import Tracker
 from microrl.configs.loader import config_to_yaml
-from microrl.engine import ActorEngine
-from microrl.engine.distributed import gathered
 from microrl.engine.export import export_peft_adapter
+from microrl.engine.rollout import RolloutBackend, SamplingParams
+from microrl.run.checkpoint import save_run
+from microrl.run.dist import Dist
+from microrl.run.tracking import Tracker
+from microrl.tasks import Problem, Task
 
-
-def sample(
-    actor: ActorEngine, tokenizer: PreTrainedTokenizerBase, problems: list[Problem], cfg: Any
-) -> Rollout:
-    """A group of ``cfg.rollout.group_size`` responses per prompt from the current policy, at the
-    loss's temperature (under FSDP the full weights are gathered for ``generate``).
-
-    Each rank calls it with its *own* prompts, so the rows of one prompt (a GRPO group) are all
-    on the rank that sampled them: group statistics computed per rank are those of the whole
-    rollout. Shard prompts over ranks, never the rows of a rollout (see :func:`check_whole_groups`).
-    """
-    with gathered(actor.module):
-        return generate(
-            actor.model,
-            tokenizer,
-            [p.prompt for p in problems],
-            num_samples=cfg.rollout.group_size,
-            temperature=cfg.actor.temperature,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-        )
+__all__ = ["check_whole_groups", "evaluate_accuracy", "evaluator", "finish", "start_tracking"]
 
 
 def check_whole_groups(group_ids: torch.Tensor, group_size: int) -> None:
@@ -65,23 +44,29 @@ def check_whole_groups(group_ids: torch.Tensor, group_size: int) -> None:
         )
 
 
-def evaluator(
-    actor: ActorEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    task: AdditionTask,
+def evaluate_accuracy(
+    rollout: RolloutBackend,
+    task: Task,
+    problems: Sequence[Problem],
     dist_info: Dist,
     max_new_tokens: int,
+) -> float:
+    """Greedy accuracy (reward >= ``task.solved_threshold``) over every rank's share of
+    ``problems``, summed over ranks."""
+    greedy = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
+    result = rollout.generate([p.prompt for p in problems], greedy)
+    scores = task.score(result.texts, problems)
+    solved = sum(1.0 for s in scores if s >= task.solved_threshold)
+    correct, total = dist_info.sum([solved, len(problems)])
+    return correct / max(total, 1.0)
+
+
+def evaluator(
+    rollout: RolloutBackend, task: Task, dist_info: Dist, max_new_tokens: int
 ) -> Callable[[], float]:
     """Greedy held-out accuracy of the policy, each rank scoring its share of the problems."""
     problems = dist_info.shard(task.eval_problems())
-
-    def evaluate() -> float:
-        with gathered(actor.module):  # FSDP: full weights for generate; a no-op in one process
-            return evaluate_accuracy(
-                actor.model, tokenizer, task, problems, dist_info, max_new_tokens
-            )
-
-    return evaluate
+    return lambda: evaluate_accuracy(rollout, task, problems, dist_info, max_new_tokens)
 
 
 def start_tracking(

@@ -12,15 +12,10 @@ a short supervised warm start only gets part of the way, and exact match is unam
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-__all__ = ["AdditionTask", "Problem", "exact_match_reward", "parse_answer"]
+from microrl.tasks.base import Problem
 
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str  # "12+7="
-    answer: str  # "19"
+__all__ = ["AdditionTask", "exact_match_reward", "parse_answer"]
 
 
 def parse_answer(response: str) -> str | None:
@@ -46,6 +41,8 @@ class AdditionTask:
     The held-out evaluation prompts are drawn first from their own seed and removed from the
     training distribution, so the accuracy reported on them measures generalisation, not recall.
     """
+
+    solved_threshold = 1.0  # exact match: a response is right (1.0) or wrong (0.0)
 
     def __init__(self, max_operand: int = 99, eval_size: int = 200, seed: int = 0) -> None:
         if max_operand < 1:

@@ -1,6 +1,6 @@
 """The base model RL starts from: a local checkpoint, or a tiny Qwen2 warm-started here once.
 
-When ``model.path`` holds no checkpoint, a fresh model is built (:mod:`common.model`) and trained
+When ``model.path`` holds no checkpoint, a fresh model is built (:mod:`microrl.tasks.toy_model`) and trained
 with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
 accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
 RL visible room to improve. The result (model + tokenizer) is saved to ``model.path`` and reused by
@@ -15,15 +15,15 @@ from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from common.model import build_model, build_tokenizer, is_checkpoint, load_pretrained
-from common.rollout import evaluate_accuracy, sft_batch
-from common.runtime import Dist
-from common.task import AdditionTask
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.examples import ModelConfig
 from microrl.engine import ActorEngine
-from microrl.engine.distributed import gathered
 from microrl.engine.export import export_merged_model
+from microrl.engine.rollout import HFRollout, sft_batch
+from microrl.run.dist import Dist
+from microrl.run.session import evaluate_accuracy
+from microrl.tasks.base import Task
+from microrl.tasks.toy_model import build_model, build_tokenizer, is_checkpoint, load_pretrained
 
 __all__ = ["prepare_base_model"]
 
@@ -33,7 +33,7 @@ WARM_START_EVAL_PROMPTS = 200
 
 def prepare_base_model(
     cfg: ModelConfig,
-    task: AdditionTask,
+    task: Task,
     dist_info: Dist,
     max_new_tokens: int,
     log: Callable[[str], None] = print,
@@ -46,7 +46,7 @@ def prepare_base_model(
 
 def _warm_start(
     cfg: ModelConfig,
-    task: AdditionTask,
+    task: Task,
     dist_info: Dist,
     max_new_tokens: int,
     log: Callable[[str], None],
@@ -74,6 +74,7 @@ def _warm_start(
             seed=cfg.seed,
         ),
     )
+    sampler = HFRollout(engine, tokenizer)
     rng = random.Random(cfg.seed * 1000 + dist_info.rank)
     check = dist_info.shard(task.sample(random.Random(cfg.seed + 1), WARM_START_EVAL_PROMPTS))
     start = time.perf_counter()
@@ -83,10 +84,7 @@ def _warm_start(
         batch = sft_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
         metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
         if step % ws.eval_every == 0 or step == ws.max_steps:
-            with gathered(engine.module):
-                accuracy = evaluate_accuracy(
-                    engine.model, tokenizer, task, check, dist_info, max_new_tokens
-                )
+            accuracy = evaluate_accuracy(sampler, task, check, dist_info, max_new_tokens)
             log(
                 f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
                 f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"

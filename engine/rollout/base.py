@@ -1,0 +1,137 @@
+"""What every rollout backend shares: the sampling parameters, the result, the batch layout.
+
+A backend only turns prompt token ids into sampled response token ids and their log-probs
+(:meth:`RolloutBackend._sample`); everything else, prompt encoding, the cut after the first
+``<eos>`` and the token-aligned ``[B, T]`` layout (:mod:`microrl.engine.rollout.layout`), is done
+once for all, so two backends given the same samples return identical batches (docs/rollouts.md).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from microrl.engine.rollout.layout import Samples, build_rollout
+
+__all__ = ["Rollout", "RolloutBackend", "Samples", "SamplingParams"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: plain ancestral sampling at ``temperature`` unless asked otherwise.
+
+    ``temperature`` must be the loss's (``ActorConfig.temperature``): the engine scores
+    ``log_softmax(logits / temperature)``, so sampling from anything else (top-k, top-p, another
+    temperature) makes the first PPO ratio differ from 1 by construction. ``top_k=0`` and
+    ``top_p=1.0`` mean off; ``greedy`` takes the argmax (evaluation), and its rollout log-probs
+    are those of the tempered distribution all the same.
+    """
+
+    num_samples: int = 1
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    greedy: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SamplingParams.{name} must be an int >= 1, got {value!r}")
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number, got {self.temperature!r}"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(
+                f"SamplingParams.top_k must be an int >= 0 (0: off), got {self.top_k!r}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1: off), got {self.top_p!r}")
+
+
+@dataclass
+class Rollout:
+    """Sampled responses in the engine's token-aligned layout.
+
+    ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, then the response, right-padded after
+    its first ``<eos>``), ``attention_mask``, ``loss_mask`` (the response tokens up to and including
+    the first ``<eos>``) and ``rollout_logprobs`` (float32, the sampler's log-prob of each response
+    token, 0 off the response). ``texts``: each response decoded, special tokens removed.
+    ``group_ids`` ``[B]`` int64: the index of the prompt a row answers (a GRPO group).
+    """
+
+    batch: TensorDict
+    texts: list[str]
+    group_ids: torch.Tensor
+
+
+class RolloutBackend(ABC):
+    """Samples responses to prompts from the current policy.
+
+    Subclasses implement :meth:`_sample` (token ids in, :class:`Samples` out) and, when they hold
+    their own copy of the weights, :meth:`sync`. Under ``torchrun`` every rank owns a backend and
+    samples its own prompts (shard prompts over ranks, never the rows of one prompt).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        for name in ("eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, name, None) is None:
+                raise ValueError(f"the tokenizer needs a {name} (rollouts cut at <eos> and pad)")
+        self.tokenizer = tokenizer
+
+    def generate(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+    ) -> Rollout:
+        """Sample ``params.num_samples`` responses per prompt; rows are grouped by prompt.
+
+        ``prompts``: texts (tokenized with the tokenizer's special tokens, e.g. ``<bos>``; apply a
+        chat template before, see :func:`microrl.tasks.format_prompt`) or token-id lists.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._encode(prompts)
+        samples = self._sample(prompt_ids, params)
+        batch = build_rollout(
+            prompt_ids,
+            samples,
+            num_samples=params.num_samples,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        response = torch.where(batch["loss_mask"], batch["input_ids"], self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
+        group_ids = torch.arange(len(prompt_ids)).repeat_interleave(params.num_samples)
+        return Rollout(batch=batch, texts=texts, group_ids=group_ids)
+
+    def sync(self, engine) -> None:  # noqa: B027 - a backend that reads the live model has none
+        """Load ``engine``'s current weights into the backend (after optimizer steps)."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release what the backend holds (worker processes, memory)."""
+
+    @abstractmethod
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples: ...
+
+    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of texts or of token-id lists")
+        if all(isinstance(p, str) for p in prompts):
+            return [list(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
+        encoded = []
+        for p in prompts:
+            if isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p:
+                raise ValueError(
+                    "prompts must be all texts or all non-empty token-id lists, not a mix"
+                )
+            encoded.append(list(p))
+        return encoded

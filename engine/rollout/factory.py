@@ -1,0 +1,29 @@
+"""Pick a rollout backend by name (``rollout.backend`` in the recipes' configs)."""
+
+from __future__ import annotations
+
+from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
+from microrl.engine.rollout.base import RolloutBackend
+from microrl.engine.rollout.hf import HFRollout
+
+__all__ = ["BACKENDS", "make_rollout"]
+
+BACKENDS = ROLLOUT_BACKENDS
+
+
+def make_rollout(
+    backend: str, engine, tokenizer, *, vllm: VLLMConfig | None = None
+) -> RolloutBackend:
+    """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.
+
+    ``vllm`` configures the ``vllm`` backend (defaults when omitted); the ``hf`` backend needs
+    nothing. A ``vllm`` backend without vLLM installed raises ``ImportError`` with the command
+    that installs it.
+    """
+    if backend == "hf":
+        return HFRollout(engine, tokenizer)
+    if backend == "vllm":
+        from microrl.engine.rollout.vllm import VLLMRollout
+
+        return VLLMRollout(engine, tokenizer, vllm or VLLMConfig())
+    raise ValueError(f"rollout.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

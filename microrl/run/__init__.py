@@ -1,0 +1,39 @@
+"""The training-run library the recipes are built from (README "Bring your own task").
+
+:mod:`~microrl.run.cli` (command line, ``--resume``/``--overwrite``), :mod:`~microrl.run.dist`
+(ranks, Ctrl-C), :mod:`~microrl.run.checkpoint` (run checkpoints that survive a kill),
+:mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot) and
+:mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step).
+"""
+
+from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
+from microrl.run.cli import parse_cli, prepare_output
+from microrl.run.dist import Dist, StopOnInterrupt, per_rank
+from microrl.run.session import (
+    check_whole_groups,
+    evaluate_accuracy,
+    evaluator,
+    finish,
+    start_tracking,
+)
+from microrl.run.tracking import Tracker, mean_metrics, plot_metrics, read_metrics
+
+__all__ = [
+    "Dist",
+    "StopOnInterrupt",
+    "Tracker",
+    "check_whole_groups",
+    "evaluate_accuracy",
+    "evaluator",
+    "find_run_checkpoint",
+    "finish",
+    "load_run",
+    "mean_metrics",
+    "parse_cli",
+    "per_rank",
+    "plot_metrics",
+    "prepare_output",
+    "read_metrics",
+    "save_run",
+    "start_tracking",
+]

@@ -1,0 +1,202 @@
+"""The command line of a training script: ``--config``, ``--resume``, ``--overwrite``, ``--help``.
+
+- :func:`parse_cli`: ``--config``, ``--resume``, ``--overwrite`` and positional ``key.sub=value``
+  overrides, loaded into the script's typed config (``--help`` lists every key with its default
+  and a one-line description). A run never silently replaces another: an ``output.dir`` holding a
+  checkpoint needs ``--resume`` (continue it, from its saved config plus the overrides given) or
+  ``--overwrite`` (delete its outputs and start again).
+- :func:`prepare_output`: after the processes have started, rank 0 restores a checkpoint an
+  interrupted swap left aside (``--resume``) or deletes the previous run's outputs
+  (``--overwrite``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import microrl.configs
+from microrl.configs.examples import EXTERNAL_HELP
+from microrl.configs.loader import (
+    config_changes,
+    config_to_yaml,
+    describe_config,
+    load_config,
+    override_value,
+)
+from microrl.engine.atomic_io import staging_paths
+from microrl.run.checkpoint import (
+    CHECKPOINT_DIR,
+    LEGACY_STAGING,
+    RUN_OUTPUTS,
+    SAVED_CONFIG,
+    find_run_checkpoint,
+    recover_run_checkpoint,
+)
+from microrl.run.dist import Dist
+
+__all__ = ["CONFIG_DIR", "parse_cli", "prepare_output"]
+
+T = TypeVar("T")
+CONFIG_DIR = Path(microrl.configs.__file__).resolve().parent
+_HELP_WIDTH = 44  # column of the descriptions in --help
+
+
+def _help_epilog(defaults: Any, source: str) -> str:
+    lines = [f"config keys (override as key.sub=value), with the defaults of {source}:"]
+    for key, value, help_text in describe_config(defaults, EXTERNAL_HELP):
+        entry = f"  {key}={value}"
+        lines.append(f"{entry.ljust(_HELP_WIDTH)}  {help_text}")
+    return "\n".join(lines)
+
+
+def _line_buffered_stdout() -> None:
+    """Cluster logs (stdout a file or a pipe) get each line when it is printed, not in blocks."""
+    if not sys.stdout.isatty():
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            sys.stdout.reconfigure(line_buffering=True)
+
+
+def parse_cli(
+    schema: type[T], config_name: str, description: str, argv: Sequence[str] | None = None
+) -> tuple[T, argparse.Namespace]:
+    """Parse the command line into ``(config, args)``; bad keys or values exit with the message.
+
+    Without ``--resume`` the config is ``--config`` (default: ``configs/<config_name>``) plus the
+    overrides, and an ``output.dir`` that holds a checkpoint is refused unless ``--overwrite`` is
+    given. With ``--resume`` it is the run's saved ``<output.dir>/checkpoint/config.yaml`` plus
+    the overrides given now (``args.resume_changes`` lists the keys they change). Only reads the
+    file system: what has to change there happens in :func:`prepare_output`, once every process
+    has started. Under ``torchrun`` every rank decides alike and only rank 0 prints an error.
+    """
+    default_path = CONFIG_DIR / config_name
+    defaults = load_config(schema, default_path)
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_help_epilog(defaults, default_path.name),
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="override a config value"
+    )
+    parser.add_argument(
+        "--config", default=None, help=f"YAML config (default: {default_path}; not with --resume)"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"continue the run in output.dir from <output.dir>/{CHECKPOINT_DIR} (saved at the "
+        "end, every output.save_every steps, and on Ctrl-C), with its saved config; the "
+        "key.sub=value overrides given change it (e.g. a larger train.steps)",
+    )
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start again in an output.dir that holds a previous run: delete its outputs "
+        f"({', '.join(RUN_OUTPUTS)}) first",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    args = parser.parse_args(argv)
+    # The examples print their own progress; transformers' per-file load/save bars are noise here.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    _line_buffered_stdout()
+    args.resume_changes = []
+    try:
+        if args.resume:
+            if args.config is not None:
+                raise ValueError(
+                    "--resume continues from the run's saved config: give changes as "
+                    "key.sub=value overrides, not --config"
+                )
+            config, args.resume_changes = _resume_config(schema, defaults, args.overrides)
+        else:
+            config = load_config(schema, args.config or default_path, args.overrides)
+            if not (args.overwrite or args.print_config):
+                _refuse_previous_run(config.output.dir)
+    except ValueError as err:
+        if _env_rank() != 0:  # every rank reached the same verdict; one prints it
+            raise SystemExit(2) from None
+        parser.error(str(err))
+    if args.print_config:
+        print(config_to_yaml(config), end="")
+        raise SystemExit(0)
+    return config, args
+
+
+def _env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _refuse_previous_run(out_dir: str) -> None:
+    found = find_run_checkpoint(out_dir)
+    if found is not None:
+        raise ValueError(
+            f"output.dir={out_dir} holds a previous run's checkpoint ({found}); pass --resume "
+            "to continue it, --overwrite to delete its outputs and start again, or choose "
+            "another output.dir="
+        )
+
+
+def _resume_config(
+    schema: type[T], defaults: Any, overrides: Sequence[str]
+) -> tuple[T, list[tuple[str, str, str]]]:
+    out_dir = str(override_value(overrides, "output.dir", defaults.output.dir))
+    found = find_run_checkpoint(out_dir)
+    if found is None:
+        raise ValueError(
+            f"--resume: output.dir={out_dir} holds no checkpoint ({Path(out_dir) / CHECKPOINT_DIR} "
+            "does not exist); start without --resume"
+        )
+    saved_path = found / SAVED_CONFIG
+    saved = load_config(schema, saved_path)
+    config = load_config(schema, saved_path, overrides)
+    config.output.dir = out_dir  # where it was found, should the run have been moved
+    return config, config_changes(saved, config)
+
+
+def prepare_output(config: Any, args: argparse.Namespace, dist_info: Dist) -> None:
+    """Make ``output.dir`` ready for the run; every rank calls it after :meth:`Dist.init`.
+
+    Rank 0 restores a checkpoint an interrupted swap left aside (every run), prints what
+    ``--resume`` changes in the saved config, and with ``--overwrite`` deletes the previous run's
+    outputs, only the names a run writes (:data:`RUN_OUTPUTS` and their swap leftovers). Deleting
+    them at the start, rather than when the new run first saves, keeps a directory from ever
+    mixing the two runs (a later ``--resume`` would continue the old checkpoint with the new
+    metrics); ``--overwrite`` is the explicit request for it.
+    """
+    if dist_info.is_main:
+        out = Path(config.output.dir)
+        if args.overwrite:
+            removed = []
+            for name in RUN_OUTPUTS + LEGACY_STAGING:
+                for path in (out / name, *staging_paths(out / name)):
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    elif path.exists():
+                        path.unlink()
+                    else:
+                        continue
+                    removed.append(path.name)
+            if removed:
+                print(f"--overwrite: deleted the previous run's {', '.join(removed)} in {out}")
+        else:
+            recover_run_checkpoint(out)
+        if args.resume:
+            changes = args.resume_changes
+            changed = ", ".join(f"{k} {old} -> {new}" for k, old, new in changes)
+            print(
+                f"resuming {out / CHECKPOINT_DIR} with its saved config; "
+                + (f"changed by the command line: {changed}" if changes else "no key changed")
+            )
+    dist_info.barrier()

@@ -1,0 +1,103 @@
+"""This process's place among the ranks, and a Ctrl-C that stops every rank at the same step.
+
+- :class:`Dist`: rank and world size, the same code under ``python`` and ``torchrun``.
+- :class:`StopOnInterrupt`: Ctrl-C asks the loop to stop at the next step boundary, the same step on
+  every rank, so the checkpoint written then is consistent; a second Ctrl-C aborts at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Dist", "StopOnInterrupt", "per_rank"]
+
+T = TypeVar("T")
+
+
+def per_rank(total: int, key: str, dist_info: Dist) -> int:
+    """``total`` split evenly over the ranks (a ``ValueError`` naming ``key`` when it does not)."""
+    if total % dist_info.world_size:
+        raise ValueError(
+            f"{key}={total} must be divisible by the number of processes ({dist_info.world_size})"
+        )
+    return total // dist_info.world_size
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place among the data-parallel ranks (1 rank under plain ``python``)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def init(cls) -> Dist:
+        """Join the process group when launched by ``torchrun`` (gloo on CPU, nccl on GPU)."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's contiguous slice of ``items`` (sizes differ by at most 1)."""
+        n = len(items)
+        start = self.rank * n // self.world_size
+        stop = (self.rank + 1) * n // self.world_size
+        return list(items[start:stop])
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks (float64, so counts stay exact)."""
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def any(self, flag: bool) -> bool:
+        return self.sum([float(flag)])[0] > 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class StopOnInterrupt:
+    """Context manager turning the first SIGINT (Ctrl-C) into a polite stop request.
+
+    The loop calls :meth:`should_stop` at each step boundary; under ``torchrun`` the flag is
+    OR-reduced over ranks, so every rank stops after the same step and saves together.
+    """
+
+    def __init__(self, dist_info: Dist) -> None:
+        self.dist = dist_info
+        self.requested = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)  # a second Ctrl-C aborts immediately
+
+    def __enter__(self) -> StopOnInterrupt:
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def should_stop(self) -> bool:
+        return self.dist.any(self.requested)

@@ -1,0 +1,36 @@
+"""What an RL recipe needs from a task: prompts to train on, held-out prompts, and a reward."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Problem", "Task"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and the reference answer its reward compares against."""
+
+    prompt: str  # the text the policy continues, e.g. "12+7="
+    answer: str  # the reference answer, e.g. "19"
+
+
+@runtime_checkable
+class Task(Protocol):
+    """Training prompts, held-out prompts and their reward.
+
+    ``score(responses, problems)`` gets the decoded response texts (special tokens removed) and
+    the problems they answer, row by row, and returns one float per row. A held-out response
+    counts as solved when its score is at least ``solved_threshold`` (the recipes' accuracy).
+    """
+
+    solved_threshold: float
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]: ...
+
+    def eval_problems(self) -> list[Problem]: ...
+
+    def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]: ...

