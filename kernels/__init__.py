@@ -8,5 +8,11 @@ benchmarks compare against it). Their contract is in ``docs/kernels.md``.
 
 from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
 from .reference import reference_linear_logprob
+from .vocab_parallel import vocab_parallel_linear_logprob
 
-__all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob", "reference_linear_logprob"]
+__all__ = [
+    "WORKING_TILE_ELEMENTS",
+    "fused_linear_logprob",
+    "reference_linear_logprob",
+    "vocab_parallel_linear_logprob",
+]

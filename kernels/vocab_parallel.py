@@ -1,0 +1,503 @@
+"""Vocab-parallel fused lm-head log-prob / entropy: the vocabulary split over tensor-parallel ranks.
+
+Each rank of a tensor-parallel (TP) group holds a ``[V_local, H]`` shard of the lm-head weight,
+rows ``vocab_start .. vocab_start + V_local`` of the vocabulary, and the same (replicated)
+``hidden [..., H]``, ``targets`` and temperature as every other rank. The result is the
+single-device :func:`microrl.kernels.fused_linear_logprob` of the whole weight, on every rank, to
+the compute dtype's rounding. The contract is in ``docs/kernels.md`` ("Vocab-parallel").
+
+Forward. Each rank runs the single-device algorithm over the rows of its shard that lie inside the
+vocabulary (``global index < vocab_size``; the rest is padding, never read): row chunks, vocabulary
+tiles, fp32 (fp64) compute, and per row the online statistics of its part ``r`` of the
+vocabulary, a max ``m_r``, ``S_r = sum_j exp(z_j - m_r)`` and, for the entropy,
+``A_r = sum_j exp(z_j - m_r) (z_j - m_r)``, plus the target logit ``z_t`` on the rank whose shard
+holds the target. The parts are then combined exactly, as the single-device kernel merges its
+tiles, with two collectives of O(N) floats:
+
+1. ``m = max_r m_r`` (``all_reduce(MAX)`` of ``[N]``);
+2. each rank rescales its part to the joint max, ``d_r = m_r - m <= 0``, ``w_r = exp(d_r)``:
+   ``S'_r = w_r S_r``, ``A'_r = w_r (A_r + d_r S_r)``, and the owner of the target contributes
+   ``z_t - m`` (others 0); one ``all_reduce(SUM)`` of the stacked ``[3, N]`` (``[2, N]`` without
+   the entropy) gives ``S = sum S'_r``, ``A = sum A'_r`` and ``z_t - m``.
+
+Then ``log p(target) = (z_t - m) - log S`` and ``H = log S - A / S``: the same expressions, in the
+same max-shifted form, as on one device (nothing overflows for huge logits; ``z - m`` is exact near
+the max). Why the max goes first: summing unshifted ``exp(z)`` across ranks overflows, and summing
+per-rank logsumexps needs a second rescale that rounds more. A rank whose shard holds no real row
+contributes ``m_r = -inf``, ``S'_r = A'_r = 0``.
+
+Backward. With the global statistics (saved from forward: per row ``m``, ``S``, ``H``), the
+gradient with respect to a local logit is the single-device one,
+
+    dL/dlogit_j = (g_lp [j == target] - p_j (g_lp + g_H (log p_j + H))) / T,
+
+computed tile by tile on recomputed logits (the ``[N, V_local]`` logits are never kept). The weight
+gradient of the shard, ``G_local^T @ h``, is exact and stays local (padding rows get 0); the hidden
+gradient of the shard, ``G_local @ W_local``, is a partial sum and is summed over the group (one
+``all_reduce(SUM)`` of ``[N, H]``, only when ``hidden`` requires grad), so **every rank gets the
+full hidden gradient** and the caller adds no reduction of its own.
+
+Upstream gradients are always materialised: this Function never calls
+``ctx.set_materialize_grads(False)``, and a ``None`` upstream gradient (an output the loss does not
+use) counts as zeros. That is the bug this module exists to avoid: slime's vocab-parallel
+log-prob/entropy Function turned materialisation off and then dropped the branch whose gradient
+arrived as ``None``.
+
+Requirements on the caller (not checked: checking needs communication): every rank of ``group``
+calls with the same ``hidden``, ``targets``, temperature, ``ignore_index``, ``with_entropy``,
+``chunk_size``, ``validate`` and ``requires_grad`` flags; the shards are disjoint and cover
+``[0, vocab_size)``; every rank backpropagates the same upstream gradients (each computes the same
+loss from the replicated outputs). Ranks that disagree deadlock or get wrong numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
+
+__all__ = ["vocab_parallel_linear_logprob"]
+
+# Largest [rows, vocab_tile] logits tile, as in linear_logprob (32 MiB in float32): big tiles keep
+# the number of elementwise ops (each an OpenMP region on a CPU) low.
+_TILE_ELEMENTS = 8 * 1024 * 1024
+_DEFAULT_ROWS = 1024
+_MIN_VOCAB_TILE = 128  # thinner matmuls lose speed
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Non-tensor arguments of the autograd Function, bundled so backward returns few Nones."""
+
+    group: dist.ProcessGroup | None  # None: no tensor parallelism, no collective
+    vocab_start: int  # global id of the shard's first row
+    real_rows: int  # the shard's first rows inside the vocabulary; the rest is padding
+    rows: int  # rows per chunk
+    vocab_tile: int
+    with_entropy: bool
+    inv_temperature: float  # used when no per-token temperature tensor is given
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def _take(t: torch.Tensor, rows: slice, idx: torch.Tensor | None) -> torch.Tensor:
+    """The rows of one chunk: a view when every row is processed in order, else gathered."""
+    return t[rows] if idx is None else t.index_select(0, idx)
+
+
+def _masked_rows(h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``h`` with those ``keep`` marks False replaced by 0, before any arithmetic (a NaN row
+    would otherwise reach the matmuls: NaN * 0 is NaN)."""
+    return h if keep is None else torch.where(keep.unsqueeze(1), h, 0.0)
+
+
+def _scaled(h: torch.Tensor, inv: torch.Tensor | float) -> torch.Tensor:
+    """``h / T``: folded into the rows, it saves a pass over every tile."""
+    if isinstance(inv, torch.Tensor):
+        return h * inv.unsqueeze(1)
+    return h * inv if inv != 1.0 else h
+
+
+def _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx):
+    """One chunk's rows in the compute dtype (unscaled, scaled by 1/T), local targets and 1/T."""
+    real = None if row_mask is None else _take(row_mask, rows, idx)
+    h = _masked_rows(_take(hidden, rows, idx), real).to(cdtype)
+    inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
+    return h, _scaled(h, inv), _take(targets, rows, idx) - plan.vocab_start, inv
+
+
+def _local_stats(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan, cdtype):
+    """Per processed row, the statistics of this shard's real rows: max ``m``, ``S``, ``A`` (or
+    None) and the target logit (0 where the target is not in this shard)."""
+    m = hidden.shape[0] if rows_idx is None else rows_idx.numel()
+    row_max = hidden.new_full((m,), -math.inf, dtype=cdtype)
+    row_sum = hidden.new_zeros(m, dtype=cdtype)
+    row_a = hidden.new_zeros(m, dtype=cdtype) if plan.with_entropy else None
+    target_logit = hidden.new_zeros(m, dtype=cdtype)
+    if plan.real_rows == 0 or m == 0:
+        return row_max, row_sum, row_a, target_logit
+    buf = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
+    scratch = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
+    for start in range(0, m, plan.rows):
+        rows = slice(start, min(start + plan.rows, m))
+        idx = None if rows_idx is None else rows_idx[rows]
+        _, h_mm, t, _ = _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx)
+        picked = target_logit[rows]
+        stats = None
+        for j in range(0, plan.real_rows, plan.vocab_tile):
+            w_c = weight[j : min(j + plan.vocab_tile, plan.real_rows)].to(cdtype)
+            r, w = h_mm.shape[0], w_c.shape[0]
+            z = torch.mm(h_mm, w_c.T, out=buf[: r * w].view(r, w))
+            _gather(z, t - j, picked)
+            tile = _tile_stats(z, scratch, plan.with_entropy)
+            stats = tile if stats is None else _merge(stats, tile)
+        row_max[rows], row_sum[rows] = stats[0], stats[1]
+        if plan.with_entropy:
+            row_a[rows] = stats[2]
+    return row_max, row_sum, row_a, target_logit
+
+
+def _gather(z: torch.Tensor, local_targets: torch.Tensor, picked: torch.Tensor) -> None:
+    """``picked[i] = z[i, local_targets[i]]`` for the targets inside this tile."""
+    inside = (local_targets >= 0) & (local_targets < z.shape[1])
+    values = z.gather(1, local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    picked.copy_(torch.where(inside, values, picked))
+
+
+def _tile_stats(z: torch.Tensor, scratch: torch.Tensor, with_entropy: bool):
+    """Max ``m``, ``S = sum exp(z - m)`` and ``A = sum exp(z - m) (z - m)`` of one tile."""
+    m = z.amax(dim=1, keepdim=True)
+    z.sub_(m)
+    e = torch.exp(z, out=scratch[: z.numel()].view_as(z))
+    s = e.sum(dim=1)
+    return m.squeeze(1), s, e.mul_(z).sum(dim=1) if with_entropy else None
+
+
+def _merge(run, tile):
+    """Online merge of two disjoint vocabulary parts' statistics at their joint max."""
+    (m_r, s_r, a_r), (m_t, s_t, a_t) = run, tile
+    m = torch.maximum(m_r, m_t)
+    d_r, d_t = m_r - m, m_t - m
+    w_r, w_t = d_r.exp(), d_t.exp()
+    s = w_r * s_r + w_t * s_t
+    a = None if a_r is None else w_r * (a_r + d_r * s_r) + w_t * (a_t + d_t * s_t)
+    return m, s, a
+
+
+def _combine(local, targets_local, plan: _Plan):
+    """Exact combination over the group: the global max first, then the rescaled sums.
+
+    Returns the global per-row ``(m, S, A | None, z_t - m)``."""
+    row_max, row_sum, row_a, target_logit = local
+    m = row_max.clone()
+    _all_reduce(m, dist.ReduceOp.MAX, plan.group)
+    owned = (targets_local >= 0) & (targets_local < plan.real_rows)
+    parts = [torch.where(owned, target_logit - m, 0.0)]
+    if plan.real_rows == 0:  # m_r = -inf: nothing of this shard is in the softmax
+        parts.append(torch.zeros_like(row_sum))
+        if row_a is not None:
+            parts.append(torch.zeros_like(row_a))
+    else:
+        d = row_max - m
+        w = d.exp()
+        parts.append(w * row_sum)
+        if row_a is not None:
+            parts.append(w * (row_a + d * row_sum))
+    stacked = torch.stack(parts)
+    _all_reduce(stacked, dist.ReduceOp.SUM, plan.group)
+    shifted_target, total = stacked[0], stacked[1]
+    return m, total, stacked[2] if row_a is not None else None, shifted_target
+
+
+def _put(out: torch.Tensor, idx: torch.Tensor | None, values: torch.Tensor) -> None:
+    if idx is None:
+        out.copy_(values)
+    else:
+        out.index_copy_(0, idx, values)
+
+
+class _VocabParallelLinearLogProb(torch.autograd.Function):
+    # Never ctx.set_materialize_grads(False): an unused output's gradient must arrive as zeros
+    # (and backward treats None as zeros anyway), or its branch is silently dropped.
+    @staticmethod
+    def forward(ctx: FunctionCtx, hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
+        # hidden [N, H] (replicated), weight [V_local, H] (this rank's shard), targets [N] global
+        # ids (ignored ones replaced by 0); rows_idx [M] rows to process or None (all, in order);
+        # row_mask [N] bool (False: ignored, masked) or None; inv_t [N] or None.
+        cdtype = compute_dtype(hidden.dtype, weight.dtype)
+        with no_autocast(hidden.device.type):
+            local = _local_stats(hidden, weight, targets, rows_idx, row_mask, inv_t, plan, cdtype)
+            t_proc = targets if rows_idx is None else targets.index_select(0, rows_idx)
+            t_local = t_proc - plan.vocab_start
+            m, total, a, shifted_target = _combine(local, t_local, plan)
+            log_sum = total.log()
+            n = hidden.shape[0]
+            new = hidden.new_empty if rows_idx is None else hidden.new_zeros
+            logprob = new(n, dtype=cdtype)
+            _put(logprob, rows_idx, _zero_unkept(shifted_target - log_sum, row_mask))
+            entropy, ent = None, None
+            if plan.with_entropy:
+                ent = log_sum - a / total
+                entropy = new(n, dtype=cdtype)
+                _put(entropy, rows_idx, _zero_unkept(ent, row_mask))
+        ctx.save_for_backward(hidden, weight, targets, rows_idx, row_mask, inv_t, m, total, ent)
+        ctx.plan = plan
+        return (logprob, entropy) if plan.with_entropy else logprob
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
+        need = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        saved = ctx.saved_tensors
+        with no_autocast(saved[0].device.type):
+            grad_h, grad_w = _backward(saved, ctx.plan, need, grad_logprob, grad_entropy)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _zero_unkept(values: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
+    """Outputs of ignored rows zeroed (``validate=False``: every row was computed, masked)."""
+    return values if row_mask is None else torch.where(row_mask, values, 0.0)
+
+
+def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
+    hidden, weight, targets, rows_idx, row_mask, inv_t, row_max, total, ent = saved
+    need_h, need_w = need
+    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    n = hidden.shape[0]
+    m = n if rows_idx is None else rows_idx.numel()
+    grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None  # padding rows: 0
+    gh_all = hidden.new_zeros((m, hidden.shape[1]), dtype=cdtype) if need_h else None
+    # A missing upstream gradient is a zero gradient, never a dropped branch.
+    g_lp_all = _or_zeros(grad_logprob, n, hidden, cdtype)
+    g_ent_all = _or_zeros(grad_entropy if plan.with_entropy else None, n, hidden, cdtype)
+    if row_mask is not None:  # upstream gradients of ignored rows are dropped, NaN or not
+        g_lp_all = torch.where(row_mask, g_lp_all, 0.0)
+        g_ent_all = torch.where(row_mask, g_ent_all, 0.0)
+    if rows_idx is not None:
+        g_lp_all = g_lp_all.index_select(0, rows_idx)
+        g_ent_all = g_ent_all.index_select(0, rows_idx)
+    if m > 0 and plan.real_rows > 0 and (need_h or need_w):
+        size = plan.rows * plan.vocab_tile
+        buf, scratch = hidden.new_empty(size, dtype=cdtype), hidden.new_empty(size, dtype=cdtype)
+        log_sum = total.log()
+        for start in range(0, m, plan.rows):
+            rows = slice(start, min(start + plan.rows, m))
+            idx = None if rows_idx is None else rows_idx[rows]
+            h_c, h_mm, t, inv = _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx)
+            g_lp, g_ent = g_lp_all[rows] * inv, g_ent_all[rows] * inv
+            # s = z - m, e = exp(s), p = e / S, log p = s - log S:
+            # G = p (b log p + c) = e (b / S * s + (c - b log S) / S), plus g_lp / T at the target.
+            inv_sum = total[rows].reciprocal()
+            b = -g_ent
+            c = -g_lp
+            if plan.with_entropy:
+                c = c - g_ent * ent[rows] - b * log_sum[rows]
+            b, c = (b * inv_sum).unsqueeze(1), (c * inv_sum).unsqueeze(1)
+            shift = row_max[rows].unsqueeze(1)
+            gh = gh_all[rows] if need_h else None
+            for j in range(0, plan.real_rows, plan.vocab_tile):
+                w_c = weight[j : min(j + plan.vocab_tile, plan.real_rows)].to(cdtype)
+                r, w = h_mm.shape[0], w_c.shape[0]
+                z = torch.mm(h_mm, w_c.T, out=buf[: r * w].view(r, w)).sub_(shift)
+                g = torch.exp(z, out=scratch[: r * w].view(r, w))
+                if plan.with_entropy:
+                    g.mul_(torch.addcmul(c, z, b, out=z))
+                else:
+                    g.mul_(c)
+                _scatter(g, t - j, g_lp)
+                if need_h:
+                    gh.addmm_(g, w_c)
+                if need_w:
+                    grad_w[j : j + w].addmm_(g.T, h_c)
+    grad_h = None
+    if need_h:
+        # The shard's partial sum G_local @ W_local: the group's sum is the full hidden gradient.
+        _all_reduce(gh_all, dist.ReduceOp.SUM, plan.group)
+        if rows_idx is None:
+            grad_h = gh_all.to(hidden.dtype)
+        else:
+            grad_h = hidden.new_zeros(hidden.shape)
+            grad_h.index_copy_(0, rows_idx, gh_all.to(hidden.dtype))
+    return grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+
+
+def _scatter(g: torch.Tensor, local_targets: torch.Tensor, values: torch.Tensor) -> None:
+    """``g[i, local_targets[i]] += values[i]`` for the targets inside this tile."""
+    inside = (local_targets >= 0) & (local_targets < g.shape[1])
+    index = local_targets.clamp(0, g.shape[1] - 1).unsqueeze(1)
+    g.scatter_add_(1, index, torch.where(inside, values, 0.0).unsqueeze(1))
+
+
+def _or_zeros(grad, n, like, dtype):
+    return like.new_zeros(n, dtype=dtype) if grad is None else grad.to(dtype)
+
+
+def _is_dtensor(t) -> bool:
+    """Without importing ``torch.distributed.tensor`` (1.5 s on a CPU): a DTensor exists only
+    once that module has been imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _shard_of(weight, group, vocab_start, vocab_size):
+    """``(local weight, group, vocab_start, vocab_size)`` from a DTensor or explicit arguments."""
+    if _is_dtensor(weight):
+        from torch.distributed.tensor import Shard
+
+        if group is not None or vocab_start is not None:
+            raise ValueError("group and vocab_start come from a DTensor weight: do not pass them")
+        mesh = weight.device_mesh
+        if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+            raise ValueError(
+                "a DTensor weight must be sharded on dim 0 (Shard(0)) over a 1-D mesh, got "
+                f"placements {tuple(weight.placements)} on a {mesh.ndim}-D mesh"
+            )
+        rows, coord = weight.shape[0], mesh.get_coordinate()[0]
+        chunk = -(-rows // mesh.size())  # torch.chunk's split, as Shard(0) uses
+        start = min(coord * chunk, rows)
+        local = weight.to_local()  # differentiable: the gradient comes back as a Shard(0) DTensor
+        if local.shape[0] != min(chunk, rows - start):
+            raise ValueError(
+                f"DTensor shard of {local.shape[0]} rows on mesh rank {coord} is not the even "
+                f"Shard(0) split of {rows} rows"
+            )
+        vocab_size = rows if vocab_size is None else vocab_size
+        if _not_int(vocab_size) or not 1 <= vocab_size <= rows:
+            raise ValueError(f"vocab_size must be an int in [1, {rows}], got {vocab_size!r}")
+        return local, mesh.get_group(0), start, vocab_size
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {group!r}")
+    if _not_int(vocab_start) or vocab_start < 0:
+        raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start!r}")
+    if _not_int(vocab_size) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+    if group is None and (vocab_start != 0 or weight.shape[0] < vocab_size):
+        raise ValueError(
+            "group=None means no tensor parallelism: the weight must hold the whole vocabulary "
+            f"(vocab_start=0, at least vocab_size={vocab_size} rows), got vocab_start="
+            f"{vocab_start} and {weight.shape[0]} rows"
+        )
+    return weight, group, vocab_start, vocab_size
+
+
+def _not_int(x) -> bool:
+    return isinstance(x, bool) or not isinstance(x, int)
+
+
+def vocab_parallel_linear_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    with_entropy: bool = True,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of an lm-head whose vocabulary is split over a TP group.
+
+    Every rank of ``group`` gets ``fused_linear_logprob(hidden, full_weight, targets, ...)`` to the
+    compute dtype's rounding, where ``full_weight`` is the concatenation of the ranks' shards
+    without their padding rows. The forward communicates O(N) statistics (per row: a max, then
+    a sum, the entropy term and the target logit), never logits. Full contract:
+    ``docs/kernels.md`` ("Vocab-parallel"); the math is in the module docstring.
+
+    Args:
+        hidden: ``[..., H]`` float tensor, the same (replicated) on every rank of the group.
+        weight: this rank's ``[V_local, H]`` shard: global vocabulary rows ``vocab_start ..
+            vocab_start + V_local``. Rows at global index ``>= vocab_size`` are padding (an
+            uneven split padded to equal shards, or a padded embedding): never read, gradient 0.
+            Or a ``DTensor`` sharded ``Shard(0)`` over a 1-D mesh: ``group`` and ``vocab_start``
+            then come from it (pass neither), ``vocab_size`` defaults to its global row count, and
+            its gradient is a ``Shard(0)`` DTensor.
+        targets: ``[...]`` global token ids in ``[0, vocab_size)`` or ``ignore_index``, replicated.
+        group: the TP process group; ``None`` means no tensor parallelism (the weight must hold
+            the whole vocabulary; nothing is communicated).
+        vocab_start: global id of the shard's first row (required for a plain-tensor weight).
+        vocab_size: the real (unpadded) vocabulary size V (required for a plain-tensor weight).
+        temperature, with_entropy, chunk_size, ignore_index, validate: as in
+            ``fused_linear_logprob`` (``validate=True`` checks targets against ``vocab_size``,
+            with one host sync per call; ``chunk_size`` tiles the local shard).
+
+    Returns:
+        ``(logprobs [...], entropy [...] | None)``, identical on every rank, float32 (float64
+        when an input is float64).
+
+    Gradients: the hidden gradient returned is the **sum over the group** (the full gradient,
+    the same on every rank: do not all-reduce it again); the weight gradient is the local shard's
+    own (no communication). Every rank must backpropagate the same upstream gradients. A
+    ``None`` upstream gradient (an unused output) counts as zeros: no branch is ever dropped.
+
+    Raises:
+        TypeError / ValueError: as ``fused_linear_logprob``, and for a bad ``group``,
+            ``vocab_start``, ``vocab_size`` or DTensor layout, and a DTensor ``hidden``/``targets``.
+    """
+    for name, t in (("hidden", hidden), ("targets", targets)):
+        if _is_dtensor(t):
+            raise ValueError(f"{name} must be a plain (replicated) tensor, not a DTensor")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    weight, group, vocab_start, vocab_size = _shard_of(weight, group, vocab_start, vocab_size)
+    # Shapes, dtypes, devices, flags, temperature form: the single-device checks (no sync). The
+    # value checks below are against the whole vocabulary, not the shard.
+    # A rank may hold no row at all (Shard(0) of fewer rows than ranks): the single-device
+    # check refuses an empty weight, so it checks a one-row stand-in of the same dtype/device.
+    empty = weight.dim() == 2 and weight.shape[0] == 0
+    temp, _ = check_linear_logprob_inputs(
+        hidden=hidden,
+        weight=weight.new_empty((1, weight.shape[1])) if empty else weight,
+        targets=targets,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        validate=False,
+    )
+    valid = targets.reshape(-1) != ignore_index
+    count = None
+    if validate:
+        count = _validate_values(targets.reshape(-1), valid, temp, vocab_size, ignore_index)
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = torch.where(valid, targets.reshape(-1).long(), 0)
+    inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
+    num_rows = valid.numel()
+    rows_idx, row_mask = None, None
+    if count is None:  # no sync: every row, the ignored ones masked inside
+        row_mask = valid
+        if inv_t is not None:
+            inv_t = torch.where(valid, inv_t, 1.0)
+    elif count < num_rows:  # compact the non-ignored rows (the count came with the one sync)
+        rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
+        num_rows = count
+    configured = chunk_size or _DEFAULT_ROWS
+    real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    vocab_tile = max(1, min(real_rows, max(_MIN_VOCAB_TILE, _TILE_ELEMENTS // configured)))
+    plan = _Plan(
+        group=group,
+        vocab_start=vocab_start,
+        real_rows=real_rows,
+        rows=max(1, min(configured, num_rows)),
+        vocab_tile=vocab_tile,
+        with_entropy=with_entropy,
+        inv_temperature=1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0,
+    )
+    out = _VocabParallelLinearLogProb.apply(
+        hidden_2d, weight, flat_targets, rows_idx, row_mask, inv_t, plan
+    )
+    if not with_entropy:
+        return out.view(targets.shape), None
+    logprobs, entropy = out
+    return logprobs.view(targets.shape), entropy.view(targets.shape)
+
+
+def _validate_values(targets, valid, temp, vocab_size, ignore_index) -> int:
+    """Targets in ``[0, vocab_size)`` or ignored, tensor temperatures finite and > 0, and the count
+    of non-ignored rows: one host sync."""
+    out_of_range = ((targets < 0) | (targets >= vocab_size)) & valid
+    probes = [out_of_range.any(), valid.sum()]
+    if isinstance(temp, torch.Tensor):
+        bad_temp = ~(torch.isfinite(temp) & (temp > 0)).reshape(-1)
+        probes.append((bad_temp & valid).any())  # an ignored position's temperature is unused
+    summary = torch.stack([p.to(torch.float64) for p in probes]).tolist()  # the one sync
+    if summary[0]:
+        bad = targets[out_of_range][0].item()  # error path only
+        raise ValueError(
+            f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, "
+            f"found {bad}"
+        )
+    if len(summary) > 2 and summary[2]:
+        raise ValueError("temperature must be finite and > 0 everywhere")
+    return int(summary[1])
