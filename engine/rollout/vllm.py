@@ -157,6 +157,8 @@ class VLLMRollout(RolloutBackend):
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(peft_config.r), max_loras=1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        # A process group that exists now is the trainer's: vLLM must not end it on close().
+        self._trainer_group = dist.is_initialized()
         # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer
         # shares the process, so its own thread settings are put back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -214,6 +216,8 @@ class VLLMRollout(RolloutBackend):
             top_p=params.top_p,
             max_tokens=params.max_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
+            # vLLM runs without a tokenizer (ids in, ids out), so it is told where to stop.
+            stop_token_ids=[self.tokenizer.eos_token_id],
             seed=seed,
             detokenize=False,
         )
@@ -252,11 +256,28 @@ class VLLMRollout(RolloutBackend):
         """Shut the engine down and remove the temporary directory (when it made one)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with _keep_default_group(self._trainer_group), contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             del llm
         if self._own_workdir and _rank() == 0:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _keep_default_group(keep: bool):
+    """vLLM's shutdown destroys torch's default process group, as if it owned the process; when
+    the trainer's group is that one (under torchrun), it has to outlive vLLM."""
+    original = dist.destroy_process_group
+
+    def destroy(group=None):
+        if group is not None or not keep:
+            original(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
 
 
 def _lora_rank(rank: int) -> int:
