@@ -3,6 +3,8 @@
     python benchmarks/bench_kernel.py                    # float32 and bfloat16, CPU, ~30-50 min
     python benchmarks/bench_kernel.py --dtypes float32   # the README float32 table
     python benchmarks/bench_kernel.py --quick            # small shapes, a few minutes
+    python benchmarks/bench_kernel.py --quick --impls eager,microrl --heads bias,softcap,all
+                                                         # + lm-head transforms vs the plain head
 
 Each measurement is forward + backward (gradients to hidden and weight) of
 ``sum(g1 * logprobs) + sum(g2 * entropy)`` with ``hidden`` and ``weight`` in the given dtype (the
@@ -25,6 +27,11 @@ TRL ``ChunkedLogProbFunction`` (torch path on CPU, TRL trainer's vocabulary chun
 ``FusedLinearForPPO`` (torch backend, its default 512-row chunks; loaded from its file because
 ``verl/__init__`` needs ray), cut-cross-entropy ``impl="torch_compile"`` (log-probs only, no entropy;
 its compile time is excluded by a warm-up step).
+
+``--heads bias,softcap,all`` also times ``microrl`` and ``eager`` with lm-head transforms (named
+``impl:head``): an lm-head bias (Phi; its gradient included), Gemma 2's final-logit soft-capping
+(``softcap=30``), or both with Cohere's ``logit_scale=0.0625``; a second table gives each one's
+time relative to the plain head of the same implementation, paired by round in the same run.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ FLOPS_FACTOR = {"eager": 6, "microrl": 8, "trl": 8, "verl": 8, "cce": 6}
 DEFAULT_CASES = "2048x1024x32768,1024x1024x32768,512x1024x151936,256x1024x151936"
 QUICK_CASES = "512x256x8192,256x256x8192"
 DTYPES = ("float32", "bfloat16")
+# --heads: lm-head transforms passed to microrl and eager (a bias is created per case).
+HEADS = {
+    "bias": {"bias": True},
+    "softcap": {"softcap": 30.0},
+    "all": {"bias": True, "logit_scale": 0.0625, "softcap": 30.0},
+}
 
 
 def _status_kib(field: str) -> int:
@@ -120,16 +133,22 @@ def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int, dtype: st
     import torch
 
     torch.set_num_threads(threads)
-    fn = _load(impl)
+    base_impl, _, head = impl.partition(":")
+    fn = _load(base_impl)
     g = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype) if impl != "matmul" else torch.float32
     hidden = torch.randn(n, h, generator=g).to(dt).requires_grad_()
     weight = (torch.randn(v, h, generator=g) * h**-0.5).to(dt).requires_grad_()  # logits ~ N(0, 1)
     targets = torch.randint(0, v, (n,), generator=g)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    kwargs = dict(HEADS[head]) if head else {}
+    bias = None
+    if kwargs.pop("bias", False):
+        bias = torch.randn(v, generator=g).to(dt).requires_grad_()
+        kwargs["bias"] = bias
 
     def step():
-        logprobs, entropy = fn(hidden, weight, targets)
+        logprobs, entropy = fn(hidden, weight, targets, **kwargs)
         if logprobs is None:  # the matmul roofline probe
             return
         loss = (logprobs * g_lp).sum()
@@ -140,8 +159,11 @@ def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int, dtype: st
     step()  # warm-up: library init, torch.compile for cce
     times, cpu, extras = [], [], []
     grad_bytes = (n * h + v * h) * dt.itemsize if impl != "matmul" else n * v * 4
+    grad_bytes += v * dt.itemsize if bias is not None else 0
     for _ in range(reps):
         hidden.grad = weight.grad = None
+        if bias is not None:
+            bias.grad = None
         _trim()
         base = _status_kib("VmRSS")
         _reset_peak()
@@ -171,6 +193,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=None, help=f"NxHxV,... (default {DEFAULT_CASES})")
     parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument(
+        "--heads",
+        default="",
+        help=f"also time microrl/eager with lm-head transforms: {','.join(HEADS)}",
+    )
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="input dtypes, comma-separated")
     parser.add_argument("--reps", type=int, default=2, help="timed steps per subprocess")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of subprocesses")
@@ -195,6 +222,10 @@ def main() -> None:
         args.rounds = 1
     cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or DEFAULT_CASES).split(",")]
     impls = args.impls.split(",")
+    heads = [x for x in args.heads.split(",") if x]
+    if unknown := set(heads) - set(HEADS):
+        parser.error(f"unknown --heads {sorted(unknown)}; choose from {sorted(HEADS)}")
+    impls += [f"{i}:{x}" for x in heads for i in ("microrl", "eager") if i in impls]
     results = {}
     for case, dtype in [(c, d) for c in cases for d in args.dtypes.split(",")]:
         per = {impl: {"times": [], "cpu": [], "extra_bytes": 0} for impl in ["matmul", *impls]}
@@ -219,11 +250,13 @@ def main() -> None:
 
 def _flops(impl: str, n: int, h: int, v: int) -> float:
     """FLOPs of one forward+backward: 2*N*H*V per matmul over the logits."""
+    impl, _, head = impl.partition(":")
     if impl != "microrl":
         return FLOPS_FACTOR[impl] * n * h * v
     from microrl.kernels import linear_logprob
 
-    plan = linear_logprob._plan(n, v, None, True, 1.0, (True, True), False, h)
+    softcap = HEADS[head].get("softcap") if head else None
+    plan = linear_logprob._plan(n, v, None, True, 1.0, (True, True), False, h, 1.0, softcap)
     tiles = [
         min(plan.rows, n - i) * min(plan.vocab_tile, v - j)
         for i in range(0, n, plan.rows)
@@ -283,6 +316,23 @@ def _table(results: dict, args) -> str:
                 f"| {_flops(impl, n, h, v) / t / 1e9:.0f} | {of_matmul:.0%} |"
             )
         lines.append(f"| {case} | (fp32 matmul probe) | | | | | | {roof:.0f} | 100% |")
+    heads = [
+        (key, impl, r, per[impl.partition(":")[0]])
+        for key, per in results.items()
+        for impl, r in per.items()
+        if ":" in impl and r["times"] and per.get(impl.partition(":")[0], {}).get("times")
+    ]
+    if heads:
+        lines += [
+            "",
+            "| N x H x V | dtype | impl:head | median s | vs plain head |",
+            "|---|---|---|---|---|",
+        ]
+        for key, impl, r, plain in heads:
+            shape, _, dtype = key.partition(":")
+            ratio = _paired(_rounds(r, args.reps), _rounds(plain, args.reps))
+            t = statistics.median(r["times"])
+            lines.append(f"| {shape} | {dtype or 'float32'} | {impl} | {t:.2f} | {ratio:.2f}x |")
     return "\n".join(lines)
 
 

@@ -26,8 +26,9 @@ class ActorEngine(Engine):
     """The policy engine: ``model_output`` holds ``logprobs`` (and ``entropy``) ``[B, T]``.
 
     The head runs through :func:`microrl.kernels.fused_linear_logprob` when that is exact for the
-    model (a plain bias-free linear lm head, no logit scaling or soft-capping: see
-    :func:`~microrl.engine.heads.fused_head_blocker`); otherwise, or with
+    model: a linear lm head, with a bias, logit scaling and final-logit soft-capping when the model
+    has them (Phi, Cohere, Granite, Gemma 2/3: :func:`~microrl.engine.heads.logit_transform`), and
+    nothing else the probe of :func:`~microrl.engine.heads.fused_head_blocker` detects; otherwise, or with
     ``config.use_fused_kernel=False``, through the model's own forward and an fp32 log-softmax.
     :attr:`uses_fused_kernel` tells which, and the choice is logged.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,19 +23,31 @@ from torch import nn
 from microrl.engine.alignment import IGNORE_INDEX
 from microrl.kernels import fused_linear_logprob, reference_linear_logprob
 
-__all__ = ["PolicyModel", "ValueModel", "decoder_body", "fused_head_blocker", "gather_last"]
+__all__ = [
+    "LogitTransform",
+    "PolicyModel",
+    "ValueModel",
+    "decoder_body",
+    "fused_head_blocker",
+    "gather_last",
+    "logit_transform",
+]
 
 logger = logging.getLogger(__name__)
 
 
-# Config attributes of transformers models that change the logits after the lm-head matmul
-# (Gemma 2/3 soft-capping, Cohere logit scale, Granite logits scaling, muP-style multipliers).
-# A non-trivial value of any of them means ``hidden @ W.T`` is not the model's logits.
+# Config attributes of transformers models that change the logits after the lm-head matmul, and
+# how the kernel reproduces them (``logit_transform``): Gemma 2/3 ``tanh(logits / c) * c``, Cohere
+# ``logits * logit_scale``, Granite ``logits / logits_scaling``. None (or, for the scales, 1)
+# means off. The numerical probe still checks the result: a family that uses one of these names
+# differently falls back to the eager path.
+_SOFTCAP_ATTR = "final_logit_softcapping"
+_MULTIPLY_ATTR = "logit_scale"
+_DIVIDE_ATTR = "logits_scaling"
+# Other attributes that transform the logits in ways the kernel does not reproduce
+# (muP-style multipliers, ...): a non-trivial value of any of them blocks the fused path.
 _LOGIT_TRANSFORM_ATTRS = (
-    "final_logit_softcapping",
     "logit_softcapping",
-    "logit_scale",
-    "logits_scaling",
     "logit_multiplier",
     "output_multiplier_scale",
     "lm_head_multiplier",
@@ -42,8 +55,9 @@ _LOGIT_TRANSFORM_ATTRS = (
     "width_multiplier",
     "dim_model_base",
 )
-# Relative tolerance of the probe that compares the model's logits with ``lm_head(hidden)``: both
-# run the same fp32 matmul, so anything beyond rounding noise is a real transformation.
+# Relative tolerance of the probe that compares the model's logits with the kernel's transform of
+# ``lm_head(hidden)``: both run the same fp32 matmul and elementwise ops, so anything beyond
+# rounding noise is a transformation the kernel does not reproduce.
 _PROBE_RTOL = 1e-4
 _PROBE_TOKENS = 8  # a handful of tokens suffice to reveal a transformation of the logits
 
@@ -60,35 +74,77 @@ def decoder_body(causal_lm: nn.Module) -> nn.Module:
     return body
 
 
-def fused_head_blocker(causal_lm: nn.Module) -> str | None:
-    """Why the fused kernel would not be exact for this model, or ``None`` when it is.
+@dataclass(frozen=True)
+class LogitTransform:
+    """What the model does to ``lm_head(hidden)`` (bias included) before its logits come out:
+    ``logits = cap(z * scale)`` with ``cap(x) = softcap * tanh(x / softcap)`` (identity for
+    None). Passed to the kernel as ``logit_scale`` / ``softcap``."""
 
-    The fused path computes ``log_softmax(hidden @ W.T / T)``; it is exact only when the model's
-    logits are exactly a bias-free linear map of the body's final hidden state. Checked three ways:
-    the head's type and bias, known logit-transforming config attributes, and a tiny numerical
-    probe (the model's own logits against ``lm_head(body(x))``) that catches anything else.
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def apply(self, z: torch.Tensor) -> torch.Tensor:
+        """The transform in eager torch (the probe's model of the kernel)."""
+        z = z * self.scale if self.scale != 1.0 else z
+        return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+
+
+def logit_transform(causal_lm: nn.Module) -> LogitTransform:
+    """The logit transform the model's config declares (Gemma 2/3 ``final_logit_softcapping``,
+    Cohere ``logit_scale``, Granite ``logits_scaling``); identity for other models.
+
+    Raises:
+        ValueError: a declared value the kernel cannot reproduce (not a finite number > 0), or a
+            non-trivial value of another logit-transforming attribute (muP-style multipliers...).
     """
-    head = causal_lm.get_output_embeddings()
-    if type(head) is not nn.Linear:
-        return f"the lm head is a {type(head).__name__}, not a plain nn.Linear"
-    if head.bias is not None:
-        return "the lm head has a bias"
     config = getattr(causal_lm, "config", None)
     for attr in _LOGIT_TRANSFORM_ATTRS:
         value = getattr(config, attr, None)
         if isinstance(value, bool) or value is None:
             continue
         if isinstance(value, (int, float)) and value not in (0, 1):
-            return f"config.{attr} = {value} transforms the logits"
+            raise ValueError(f"config.{attr} = {value} transforms the logits")
+
+    def positive(attr: str) -> float | None:
+        value = getattr(config, attr, None)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config.{attr} = {value!r} is not a number")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"config.{attr} = {value} is not a finite number > 0")
+        return float(value)
+
+    multiply, divide = positive(_MULTIPLY_ATTR), positive(_DIVIDE_ATTR)
+    scale = (1.0 if multiply is None else multiply) / (1.0 if divide is None else divide)
+    return LogitTransform(scale=scale, softcap=positive(_SOFTCAP_ATTR))
+
+
+def fused_head_blocker(causal_lm: nn.Module) -> str | None:
+    """Why the fused kernel would not be exact for this model, or ``None`` when it is.
+
+    The fused path computes ``log_softmax(cap((hidden @ W.T + b) * scale) / T)`` (bias, scale
+    and soft-capping from :func:`logit_transform`); it is exact only when the model's logits are
+    exactly that transform of a linear map of the body's final hidden state. Checked three ways:
+    the head's type, the config attributes (:func:`logit_transform`), and a tiny numerical probe
+    (the model's own logits against the transform of ``lm_head(body(x))``) that catches anything
+    else.
+    """
+    head = causal_lm.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        return f"the lm head is a {type(head).__name__}, not a plain nn.Linear"
     try:
+        transform = logit_transform(causal_lm)
         body = decoder_body(causal_lm)
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         return str(error)
-    return _probe_logits(causal_lm, body, head)
+    return _probe_logits(causal_lm, body, head, transform)
 
 
 @torch.no_grad()
-def _probe_logits(causal_lm: nn.Module, body: nn.Module, head: nn.Linear) -> str | None:
+def _probe_logits(
+    causal_lm: nn.Module, body: nn.Module, head: nn.Linear, transform: LogitTransform
+) -> str | None:
     was_training = causal_lm.training
     causal_lm.eval()
     try:
@@ -96,12 +152,14 @@ def _probe_logits(causal_lm: nn.Module, body: nn.Module, head: nn.Linear) -> str
         ids = torch.arange(_PROBE_TOKENS, device=device).unsqueeze(0) % head.out_features
         logits = causal_lm(input_ids=ids, use_cache=False).logits.float()
         hidden = body(input_ids=ids, use_cache=False).last_hidden_state
-        direct = F.linear(hidden, head.weight).float()
+        direct = transform.apply(F.linear(hidden, head.weight, head.bias).float())
     finally:
         causal_lm.train(was_training)
     scale = direct.abs().max().clamp_min(1e-6)
     if logits.shape != direct.shape or (logits - direct).abs().max() > _PROBE_RTOL * scale:
-        return "the model's logits differ from lm_head(final hidden state)"
+        return (
+            "the model's logits differ from the kernel's transform of lm_head(final hidden state)"
+        )
     return None
 
 
@@ -109,13 +167,15 @@ class PolicyModel(nn.Module):
     """Causal LM -> per-position log-probs of the next token (and the entropy of its distribution).
 
     ``fused=True``: body to final hidden states, then :func:`microrl.kernels.fused_linear_logprob`
-    with the lm-head weight (the ``[N, V]`` logits never exist). ``fused=False`` with
-    ``plain_head=True`` (a bias-free linear head, see :func:`fused_head_blocker`): the same body,
-    then :func:`microrl.kernels.reference_linear_logprob`, the kernel's eager twin, so both paths
-    compute ``log_softmax((h.float() @ W.float().T) / T)`` and switching ``use_fused_kernel``
-    changes results by fp32 rounding only, also under autocast (docs/kernels.md). Otherwise the
-    model's own forward (its head, bias, soft-capping, scaling, ... in the model's dtype) then an
-    fp32 ``log_softmax``.
+    with the lm-head weight and bias and the config's logit transform (:func:`logit_transform`:
+    scale, soft-capping), so the ``[N, V]`` logits never exist. ``fused=False`` with
+    ``plain_head=True`` (a linear head the kernel reproduces exactly, see
+    :func:`fused_head_blocker`): the same body, then
+    :func:`microrl.kernels.reference_linear_logprob`, the kernel's eager twin with the same
+    arguments, so both paths compute ``log_softmax(cap((h.float() @ W.float().T + b) * scale) / T)``
+    and switching ``use_fused_kernel`` changes results by fp32 rounding only, also under autocast
+    (docs/kernels.md). Otherwise the model's own forward (its head and whatever follows it, in the
+    model's dtype) then an fp32 ``log_softmax``.
 
     ``trusted_targets=True``: the caller guarantees every target is ``-100`` or a token id below
     the input embeddings' size (the engine's ``check_batch`` validates ``input_ids`` against it at
@@ -138,6 +198,9 @@ class PolicyModel(nn.Module):
         self.fused = fused
         # The fused kernel needs a plain head; the eager path uses it whenever the head is plain.
         self.plain_head = fused if plain_head is None else (plain_head or fused)
+        # Read once: config values. The bias is read at each forward (a sharded head is unsharded
+        # by then).
+        self.logit_transform = logit_transform(causal_lm) if self.plain_head else None
         self.chunk_size = chunk_size
         self.trusted_targets = trusted_targets
 
@@ -166,7 +229,8 @@ class PolicyModel(nn.Module):
             hidden = decoder_body(self.causal_lm)(**inputs).last_hidden_state
             # Mixed dtypes (bf16 activations under autocast, fp32 weight) are the head's business:
             # both are upcast to fp32 there, so the logits are never rounded to 16 bits.
-            weight = self.causal_lm.get_output_embeddings().weight
+            lm_head = self.causal_lm.get_output_embeddings()
+            weight, transform = lm_head.weight, self.logit_transform
             # Targets below the input vocabulary are in range only if the head is at least as wide.
             in_range = weight.shape[0] >= self.causal_lm.get_input_embeddings().num_embeddings
             head = fused_linear_logprob if self.fused else reference_linear_logprob
@@ -178,6 +242,9 @@ class PolicyModel(nn.Module):
                 with_entropy=with_entropy,
                 chunk_size=self.chunk_size,
                 validate=not (self.trusted_targets and in_range),
+                bias=getattr(lm_head, "bias", None),
+                logit_scale=transform.scale,
+                softcap=transform.softcap,
             )
         logits = self.causal_lm(**inputs).logits
         return eager_logprob(logits, targets, temperature, with_entropy)

@@ -45,6 +45,10 @@ def check_linear_logprob_inputs(
     chunk_size: int | None,
     ignore_index: int,
     validate: bool = True,
+    *,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[float | torch.Tensor, int | None]:
     """Validate the arguments of ``fused_linear_logprob``; return ``(temperature, count)``.
 
@@ -57,6 +61,9 @@ def check_linear_logprob_inputs(
     ``validate=False`` reads nothing from the device (no host sync inside the engine's micro-batch
     loop, docs/engine.md "Host syncs"): values are trusted, a 0-dim temperature tensor stays a (broadcast) tensor
     and ``count`` is None. Only for callers that validated the values already.
+
+    ``bias`` (``[V]``, float, on ``hidden``'s device) joins the compute dtype like the other
+    inputs; ``logit_scale`` must be a finite number > 0 and ``softcap`` None or one.
     """
     for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(tensor, torch.Tensor):
@@ -98,7 +105,11 @@ def check_linear_logprob_inputs(
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     if not isinstance(validate, bool):
         raise ValueError(f"validate must be a bool, got {validate!r}")
-    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    _check_logit_transform(bias, weight, logit_scale, softcap)
+    dtypes = (
+        (hidden.dtype, weight.dtype) if bias is None else (hidden.dtype, weight.dtype, bias.dtype)
+    )
+    cdtype = compute_dtype(*dtypes)
     temp = _check_temperature(temperature, targets, cdtype, hidden.device)
     if not validate:
         if isinstance(temp, torch.Tensor) and temp.dim() == 0:  # its value would need a sync
@@ -124,6 +135,32 @@ def check_linear_logprob_inputs(
         elif summary[2]:
             raise ValueError("temperature must be finite and > 0 everywhere")
     return temp, int(summary[1])
+
+
+def _check_logit_transform(
+    bias: torch.Tensor | None, weight: torch.Tensor, logit_scale: float, softcap: float | None
+) -> None:
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"bias must be a float tensor, got dtype {bias.dtype}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"bias must be [V] with V={weight.shape[0]} (weight's rows), got shape "
+                f"{tuple(bias.shape)}"
+            )
+        if bias.device != weight.device:
+            raise ValueError(
+                f"bias must be on the weight's device {weight.device}, got {bias.device}"
+            )
+    for name, value in (("logit_scale", logit_scale), ("softcap", softcap)):
+        if value is None and name == "softcap":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
 
 
 def _check_temperature(

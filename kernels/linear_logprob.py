@@ -65,6 +65,19 @@ gets no ``[V, H]`` buffer and no matmul). Upstream gradients stay materialised (
 arrives as zeros), so no branch can be dropped; with ``with_entropy`` the entropy passes always
 run (skipping them for an all-zero entropy gradient would need a host sync to find out).
 
+Head transforms (``bias``, ``logit_scale``, ``softcap``; ``_row_factors``): the final logits of a
+row are ``post * tanh(pre * z)`` with a cap ``c`` (``pre = scale / c``, ``post = c / T``) and
+``pre * z`` without (``pre = scale / T``), ``z = h @ W.T + b``. ``pre`` is folded into the rows
+as ``1 / T`` is without a transform, and the bias term ``pre * b`` is written into the tile that
+the matmul then accumulates onto (``addmm_``), so a bias costs one write per tile and no matmul.
+The cap costs a ``tanh`` and a per-row scaling per tile in forward. Backward's gradient with
+respect to ``z`` is the formula above with ``1 / T`` replaced by ``scale / T``, times the slope
+``1 - tanh**2`` per element (after the target scatter): a recomputed tile keeps ``tanh`` in the
+working tile and forms ``s = post * tanh - m`` in a third one (when the entropy's affine factor
+needs ``s`` after ``exp(s)``; ``_plan`` budgets for it), a kept tile recovers ``tanh`` as
+``(s_t + m_t) / post``. The bias gradient is the column sums of that gradient, accumulated in the
+compute dtype. Without transforms none of this runs: no extra pass.
+
 Ignored rows (``ignore_index``): with ``validate=True`` the one host sync of the input check also
 reads their count, and the non-ignored rows are compacted (``nonzero_static``): ignored rows are
 never read, their outputs and gradients are zero. When no row is ignored (the common case), and
@@ -83,6 +96,24 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._tiles import (
+    _cap_slope_,
+    _cast,
+    _gather_tile,
+    _masked_rows,
+    _merge,
+    _mul_rows_,
+    _or_zeros,
+    _put,
+    _row_affine,
+    _row_factors,
+    _scaled_rows,
+    _scatter_tile,
+    _softcap_,
+    _take,
+    _tile_stats,
+    _zero_unkept,
+)
 
 __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 
@@ -123,6 +154,8 @@ class _Plan:
     inv_temperature: float  # used when no per-token temperature tensor is given
     kept_tiles: int  # logits tiles saved by forward for backward (0 when no gradient is needed)
     native16: bool = False  # tile matmuls in the 16-bit input dtype with float32 output (CUDA)
+    scale: float = 1.0  # logit multiplier, applied after the bias and before the soft-capping
+    softcap: float | None = None  # final-logit soft-capping c: logits -> c * tanh(logits / c)
 
 
 def _buffer_budget(
@@ -149,6 +182,8 @@ def _plan(
     need: tuple[bool, bool] = (True, True),
     native16: bool = False,
     hidden_size: int = 0,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> _Plan:
     """Tile sizes and kept tiles. ``need`` says which of (hidden, weight) gets a gradient.
 
@@ -158,12 +193,15 @@ def _plan(
     with two working tiles, in chunks of equal height when the budget is what limits it (which
     rows share a matmul changes BLAS blocking only, not a row's arithmetic). The tighter budget
     of all buffers keeps tiles for backward, the first ones in loop order (all of them when they
-    fit: then backward recomputes no logits)."""
+    fit: then backward recomputes no logits). A soft-capped backward with entropy holds three
+    working tiles instead of two (``tanh`` is needed after the shifted logits), within the same
+    budget."""
     configured = chunk_size or _DEFAULT_ROWS
     vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, WORKING_TILE_ELEMENTS // configured))
     budget = _buffer_budget(num_rows, vocab, hidden_size, need, _WORKING_SHARE)
     tallest = min(configured, num_rows)
-    rows = max(1, min(tallest, budget // (2 * vocab_tile)))
+    working = 3 if softcap is not None and with_entropy and (need[0] or need[1]) else 2
+    rows = max(1, min(tallest, budget // (working * vocab_tile)))
     if rows < tallest:  # the budget limits the chunk: spread the rows evenly over the chunks
         rows = -(-num_rows // -(-num_rows // rows))
     tile = rows * vocab_tile
@@ -171,8 +209,8 @@ def _plan(
     if need[0] or need[1]:
         count = -(-num_rows // rows) * -(-vocab // vocab_tile)
         budget = _buffer_budget(num_rows, vocab, hidden_size, need, _TOTAL_SHARE)
-        kept = min(count, max(0, budget // tile - 2))
-    return _Plan(rows, vocab_tile, with_entropy, inv, kept, native16)
+        kept = min(count, max(0, budget // tile - working))
+    return _Plan(rows, vocab_tile, with_entropy, inv, kept, native16, scale, softcap)
 
 
 # (device, dtype) -> whether torch.mm(a, b, out_dtype=torch.float32, out=...) runs there.
@@ -203,13 +241,6 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     return torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
-def _scaled_rows(h: torch.Tensor, inv: torch.Tensor | float) -> torch.Tensor:
-    """``h / T`` in the compute dtype: folded into the rows, it saves a pass over every tile."""
-    if isinstance(inv, torch.Tensor):
-        return h * inv.unsqueeze(1)
-    return h * inv if inv != 1.0 else h
-
-
 def _as_compute(tile: torch.Tensor, wbuf: torch.Tensor | None) -> torch.Tensor:
     """A weight tile in the compute dtype: itself, or its upcast copy into ``wbuf``."""
     if wbuf is None:
@@ -217,63 +248,38 @@ def _as_compute(tile: torch.Tensor, wbuf: torch.Tensor | None) -> torch.Tensor:
     return wbuf[: tile.numel()].view(tile.shape).copy_(tile)
 
 
-def _logits_tile(h_mm, w_mm, inv, buf, native16):
-    """``[r, w]`` tempered logits of one tile in the compute dtype, written into ``buf``: from
-    rows already divided by T and a weight tile, both in the compute dtype, or (``native16``) from
-    the 16-bit inputs, with float32 output then divided by T."""
+def _logits_tile(h_mm, w_mm, pre, buf, native16, bias=None):
+    """``[r, w]`` tile ``pre * (h @ W_tile.T + b_tile)`` in the compute dtype, written into
+    ``buf`` (the tempered logits unless soft-capping follows, see ``_row_factors``): from rows
+    already multiplied by ``pre`` and a weight tile, both in the compute dtype (the bias term
+    ``pre * b`` is written first and the product accumulated onto it), or (``native16``) from the
+    16-bit inputs, with float32 output, then ``+ b`` and ``* pre``."""
     r, w = h_mm.shape[0], w_mm.shape[0]
     z = buf[: r * w].view(r, w)
     if not native16:
-        return torch.mm(h_mm, w_mm.T, out=z)
+        if bias is None:
+            return torch.mm(h_mm, w_mm.T, out=z)
+        factor = pre.unsqueeze(1) if isinstance(pre, torch.Tensor) else pre
+        torch.mul(bias.expand(r, w), factor, out=z)
+        return z.addmm_(h_mm, w_mm.T)
     _mm_fp32(h_mm, w_mm.T, z)
-    if isinstance(inv, torch.Tensor):
-        return z.mul_(inv.unsqueeze(1))
-    return z.mul_(inv) if inv != 1.0 else z
-
-
-def _tile_stats(z: torch.Tensor, scratch: torch.Tensor, with_entropy: bool):
-    """Row statistics of one tile ``z`` (left holding ``z - m``): max ``m``, ``S = sum exp(z - m)``
-    and, for the entropy, ``A = sum exp(z - m) * (z - m)`` (<= 0, no cancellation)."""
-    m = z.amax(dim=1, keepdim=True)
-    z.sub_(m)
-    e = torch.exp(z, out=scratch[: z.numel()].view_as(z))
-    s = e.sum(dim=1)
-    # e is dead after this: the in-place product is faster on CPU than a batched GEMV dot.
-    return m.squeeze(1), s, e.mul_(z).sum(dim=1) if with_entropy else None
-
-
-def _merge(run, tile):
-    """Online (max-rescaled) merge of the statistics of two disjoint vocabulary parts.
-
-    Rescaling part r from its max ``m_r`` to the joint max ``m``: ``S_r -> a_r * S_r`` and
-    ``A_r -> a_r * (A_r + (m_r - m) * S_r)`` with ``a_r = exp(m_r - m) <= 1``: nothing overflows.
-    """
-    (m_r, s_r, a_r), (m_t, s_t, a_t) = run, tile
-    m = torch.maximum(m_r, m_t)
-    d_r, d_t = m_r - m, m_t - m
-    w_r, w_t = d_r.exp(), d_t.exp()
-    s = w_r * s_r + w_t * s_t
-    a = None if a_r is None else w_r * (a_r + d_r * s_r) + w_t * (a_t + d_t * s_t)
-    return m, s, a
-
-
-def _gather_tile(z: torch.Tensor, local_targets: torch.Tensor, picked: torch.Tensor) -> None:
-    """Copy ``z[i, local_targets[i]]`` into ``picked[i]`` for the targets inside this tile."""
-    inside = (local_targets >= 0) & (local_targets < z.shape[1])
-    values = z.gather(1, local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-    picked.copy_(torch.where(inside, values, picked))
+    if bias is not None:
+        z.add_(bias)
+    return _mul_rows_(z, pre)
 
 
 class _FusedLinearLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
-        # hidden [N, H], weight [V, H], targets [N]; rows_idx [M], the rows to process (the
-        # non-ignored ones), or None for all N rows in order; row_mask [N] bool (True marks the
-        # non-ignored rows, which rows_idx=None then mixes with ignored ones) or None; inv_t [N]
-        # or None. Shapes were flattened outside, under autograd, by the public wrapper.
+    def forward(
+        ctx: FunctionCtx, hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan
+    ):
+        # hidden [N, H], weight [V, H], bias [V] or None, targets [N]; rows_idx [M], the rows to
+        # process (the non-ignored ones), or None for all N rows in order; row_mask [N] bool (True
+        # marks the non-ignored rows, which rows_idx=None then mixes with ignored ones) or None;
+        # inv_t [N] or None. Shapes were flattened outside, under autograd, by the public wrapper.
         with no_autocast(hidden.device.type):
-            out, saved = _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan)
-        ctx.save_for_backward(hidden, weight, targets, rows_idx, row_mask, inv_t, *saved)
+            out, saved = _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan)
+        ctx.save_for_backward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, *saved)
         ctx.plan = plan
         ctx.num_kept = (len(saved) - 3) // 2
         return out
@@ -282,28 +288,21 @@ class _FusedLinearLogProb(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
         saved = ctx.saved_tensors
-        need = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need = ctx.needs_input_grad[:3]
         with no_autocast(saved[0].device.type):
-            grad_h, grad_w = _backward(
+            grad_h, grad_w, grad_b = _backward(
                 saved, ctx.num_kept, ctx.plan, need, grad_logprob, grad_entropy
             )
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _take(t: torch.Tensor, rows: slice, idx: torch.Tensor | None) -> torch.Tensor:
-    """The rows of one chunk: a view when every row is processed in order, else gathered."""
-    return t[rows] if idx is None else t.index_select(0, idx)
+def _compute_dtype(hidden, weight, bias) -> torch.dtype:
+    return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
 
 
-def _put(out: torch.Tensor, rows: slice, idx: torch.Tensor | None, values: torch.Tensor) -> None:
-    if idx is None:
-        out[rows] = values
-    else:
-        out.index_copy_(0, idx, values)
-
-
-def _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
-    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+def _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan):
+    cdtype = _compute_dtype(hidden, weight, bias)
+    bias_c = None if bias is None else bias.to(cdtype)
     n, vocab = hidden.shape[0], weight.shape[0]
     m = n if rows_idx is None else rows_idx.numel()
     new = hidden.new_empty if rows_idx is None else hidden.new_zeros  # every row written, or not
@@ -322,7 +321,8 @@ def _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
         inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
         real = None if row_mask is None else _take(row_mask, rows, idx)
         h = _masked_rows(_take(hidden, rows, idx), real)
-        h_mm = h if plan.native16 else _scaled_rows(h.to(cdtype), inv)
+        pre, post, _ = _row_factors(inv, plan.scale, plan.softcap)
+        h_mm = h if plan.native16 else _scaled_rows(h.to(cdtype), pre)
         t = _take(targets, rows, idx)
         target_logit = hidden.new_zeros(h.shape[0], dtype=cdtype)
         stats = None
@@ -336,7 +336,10 @@ def _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
                 out = buf
             w_tile = weight[j : j + plan.vocab_tile]
             w_mm = w_tile if plan.native16 else _as_compute(w_tile, wbuf)
-            z = _logits_tile(h_mm, w_mm, inv, out, plan.native16)
+            b_tile = None if bias_c is None else bias_c[j : j + plan.vocab_tile]
+            z = _logits_tile(h_mm, w_mm, pre, out, plan.native16, b_tile)
+            if post is not None:
+                _softcap_(z, post)
             _gather_tile(z, t - j, target_logit)
             tile = _tile_stats(z, scratch, plan.with_entropy)
             stats = tile if stats is None else _merge(stats, tile)
@@ -355,18 +358,24 @@ def _forward(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
 
 
 def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
-    hidden, weight, targets, rows_idx, row_mask, inv_t, max_all, sum_all, ent_all = saved[:9]
-    kept, kept_max = saved[9 : 9 + num_kept], saved[9 + num_kept :]
-    need_h, need_w = need
-    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    hidden, weight, bias, targets, rows_idx, row_mask, inv_t = saved[:7]
+    max_all, sum_all, ent_all = saved[7:10]
+    kept, kept_max = saved[10 : 10 + num_kept], saved[10 + num_kept :]
+    need_h, need_w, need_b = need
+    need_b = need_b and bias is not None
+    cdtype = _compute_dtype(hidden, weight, bias)
+    bias_c = None if bias is None else bias.to(cdtype)
     n = hidden.shape[0]
     m = n if rows_idx is None else rows_idx.numel()
     if rows_idx is None:  # every row is written below
         grad_h = hidden.new_empty(hidden.shape) if need_h else None
     else:
         grad_h = hidden.new_zeros(hidden.shape) if need_h else None
-    if not (need_h or need_w) or m == 0:
-        return grad_h, torch.zeros_like(weight) if need_w else None
+    # The bias gradient is the column sums of G, accumulated in the compute dtype.
+    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
+    if not (need_h or need_w or need_b) or m == 0:
+        zero_w = torch.zeros_like(weight) if need_w else None
+        return grad_h, zero_w, _cast(grad_b, bias.dtype if need_b else None)
     # The weight gradient accumulates over row chunks in the compute dtype (one rounding at the
     # end for a 16-bit weight). No zero fill: the first row chunk overwrites every tile of it
     # (beta=0 below). With a single row chunk there is nothing to accumulate: each tile is formed
@@ -383,6 +392,7 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
     size = plan.rows * plan.vocab_tile
     scratch, wbuf = _buffers(hidden, weight, plan, cdtype)
     buf = hidden.new_empty(size, dtype=cdtype)
+    shifted_buf = None  # soft-capping with entropy: s = z - m next to tanh, allocated when needed
     low_buf = hidden.new_empty(size) if plan.native16 else None
     if direct_w and wbuf is None:  # native16: no upcast buffer to reuse for the tile
         wbuf = weight.new_empty(plan.vocab_tile * weight.shape[1], dtype=cdtype)
@@ -394,12 +404,15 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
         real = None if row_mask is None else _take(row_mask, rows, idx)
         h = _masked_rows(_take(hidden, rows, idx), real)
         inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
+        pre, post, dz = _row_factors(inv, plan.scale, plan.softcap)
         h_c = h if plan.native16 else h.to(cdtype)  # unscaled: the weight gradient's operand
-        h_mm = h_c if plan.native16 else _scaled_rows(h_c, inv)
+        h_mm = h_c if plan.native16 else _scaled_rows(h_c, pre)
         row_max = max_all[rows].unsqueeze(1)
         inv_sum = sum_all[rows].reciprocal()
-        g_lp = _take(g_lp_all, rows, idx) * inv
-        g_ent = _take(g_ent_all, rows, idx) * inv
+        # G below is the gradient with respect to z = h @ W.T + b: the logits' gradient times
+        # d logits / dz = scale / T, and the soft-capping slope 1 - tanh**2 applied per element.
+        g_lp = _take(g_lp_all, rows, idx) * dz
+        g_ent = _take(g_ent_all, rows, idx) * dz
         # With s = z - m, e = exp(s), p = e / S and log p = s - log S, the tile gradient
         # G = p * (b * log p + c) = e * (b / S * s + (c - b * log S) / S), + g_lp at the target.
         b = -g_ent
@@ -428,20 +441,35 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
                     g.mul_(torch.addcmul((c - b * shift) * f, s_tile, b * f, out=z))
                 else:
                     g.mul_(c * f)
+                if post is not None:  # tanh = logit / post = (s_t + m_t) / post, into z
+                    inv_post = post.reciprocal() if isinstance(post, torch.Tensor) else 1.0 / post
+                    _row_affine(s_tile, kept_max[tile_index] * inv_post, inv_post, z)
                 if need_h and not plan.native16:
                     w_mm = _as_compute(w_tile, wbuf)
             else:
                 if not plan.native16:
                     w_mm = _as_compute(w_tile, wbuf)
-                z = _logits_tile(h_mm, w_mm, inv, buf, plan.native16)
-                z.sub_(row_max)  # s
-                g = torch.exp(z, out=e)
+                b_tile = None if bias_c is None else bias_c[j : j + plan.vocab_tile]
+                z = _logits_tile(h_mm, w_mm, pre, buf, plan.native16, b_tile)
+                if post is None:
+                    s = z.sub_(row_max)
+                    g = torch.exp(s, out=e)
+                else:  # z keeps tanh for the slope; s = post * tanh - m goes next to it
+                    z.tanh_()
+                    if use_entropy and shifted_buf is None:
+                        shifted_buf = hidden.new_empty(size, dtype=cdtype)
+                    s = shifted_buf[: r * w].view(r, w) if use_entropy else e
+                    g = torch.exp(_row_affine(z, -max_all[rows], post, s), out=e)
                 if use_entropy:
-                    g.mul_(torch.addcmul(c, z, b, out=z))
+                    g.mul_(torch.addcmul(c, s, b, out=s))
                 else:
                     g.mul_(c)
             tile_index += 1
             _scatter_tile(g, t - j, g_lp)
+            if post is not None:  # z holds tanh: the soft-capping slope 1 - tanh**2
+                g.mul_(_cap_slope_(z))
+            if need_b:
+                grad_b[j : j + plan.vocab_tile] += g.sum(dim=0)
             # 16-bit tensor-core matmuls take G rounded to the input dtype (float32 accumulation
             # and output); everywhere else G stays in the compute dtype.
             g_mm = low_buf[: g.numel()].view_as(g).copy_(g) if plan.native16 else g
@@ -455,24 +483,7 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
                 _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h_c, overwrite=start == 0)
         if need_h and not gh_in_place:
             _put(grad_h, rows, idx, gh.to(hidden.dtype))
-    return grad_h, _cast(grad_w, weight.dtype)
-
-
-def _masked_rows(h: torch.Tensor, keep: torch.Tensor | None):
-    """Rows ``h`` with those ``keep`` marks False replaced by 0 (before any arithmetic: ``0 * NaN``
-    would still be NaN in the matmuls)."""
-    return h if keep is None else torch.where(keep.unsqueeze(1), h, 0.0)
-
-
-def _zero_unkept(values: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    return values if keep is None else torch.where(keep, values, 0.0)
-
-
-def _scatter_tile(g: torch.Tensor, local_targets: torch.Tensor, values: torch.Tensor) -> None:
-    """``g[i, local_targets[i]] += values[i]`` for the targets inside this tile (O(rows) work)."""
-    inside = (local_targets >= 0) & (local_targets < g.shape[1])
-    index = local_targets.clamp(0, g.shape[1] - 1).unsqueeze(1)
-    g.scatter_add_(1, index, torch.where(inside, values, 0.0).unsqueeze(1))
+    return grad_h, _cast(grad_w, weight.dtype), _cast(grad_b, bias.dtype if need_b else None)
 
 
 def _buffers(hidden: torch.Tensor, weight: torch.Tensor, plan: _Plan, cdtype: torch.dtype):
@@ -496,16 +507,6 @@ def _addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool)
         acc += _mm_fp32(a, b, torch.empty_like(acc))
 
 
-def _or_zeros(grad, n, like, dtype):
-    if grad is None:
-        return like.new_zeros(n, dtype=dtype)
-    return grad.to(dtype)
-
-
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
-
-
 def fused_linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -516,15 +517,20 @@ def fused_linear_logprob(
     chunk_size: int | None = None,
     ignore_index: int = -100,
     validate: bool = True,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head, without materialising the logits.
 
-    ``log_softmax((hidden.float() @ weight.float().T) / temperature)`` gathered at ``targets``,
-    and the entropy of that distribution, computed in float32 (float64 when an input is float64)
-    whatever the input dtypes and autocast state: the logits are never rounded to 16 bits. Values
-    equal those of :func:`microrl.kernels.reference_linear_logprob` (the eager definition) to the
-    compute dtype's rounding, not bitwise. Gradients go to ``hidden`` and ``weight``, each only
-    when it requires grad, in its own dtype. Full contract: ``docs/kernels.md``.
+    ``log_softmax(cap((hidden.float() @ weight.float().T + bias) * logit_scale) / temperature)``
+    gathered at ``targets``, with ``cap(x) = softcap * tanh(x / softcap)`` (identity when
+    ``softcap`` is None), and the entropy of that distribution, computed in float32 (float64 when
+    an input is float64) whatever the input dtypes and autocast state: the logits are never
+    rounded to 16 bits. Values equal those of :func:`microrl.kernels.reference_linear_logprob`
+    (the eager definition) to the compute dtype's rounding, not bitwise. Gradients go to
+    ``hidden``, ``weight`` and ``bias``, each only when it requires grad, in its own dtype. Full
+    contract: ``docs/kernels.md``.
 
     Args:
         hidden: ``[..., H]`` float32/bfloat16/float16/float64, any strides.
@@ -554,6 +560,12 @@ def fused_linear_logprob(
             the results are silently wrong (no error). It then computes every row, ignored ones
             included (masked, see the module docstring): same results, more work when many
             positions are ignored.
+        bias: ``[V]`` lm-head bias (Phi), any float dtype, or None; gets a gradient when it
+            requires grad.
+        logit_scale: finite float > 0 multiplying the logits after the bias and before the
+            soft-capping (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).
+        softcap: None, or a finite float ``c > 0``: final-logit soft-capping
+            ``c * tanh(x / c)`` (Gemma 2/3 ``final_logit_softcapping``), before the temperature.
 
     Returns:
         ``(logprobs [...], entropy [...] | None)`` shaped like ``targets``, float32 (float64 when
@@ -564,12 +576,15 @@ def fused_linear_logprob(
         ValueError: shape mismatch, ``weight`` not ``[V, H]``, non-float ``hidden``/``weight``,
             tensors on different devices, non-integer targets, temperature of a bad type or
             shape (or requiring grad), ``chunk_size < 1``, non-bool ``with_entropy``/``validate``,
-            non-int ``ignore_index``; with ``validate``, also out-of-range targets and
-            temperatures <= 0 or non-finite.
+            non-int ``ignore_index``, ``bias`` not ``[V]`` or not a float tensor on the same
+            device, ``logit_scale`` or ``softcap`` not a finite number > 0; with ``validate``,
+            also out-of-range targets and temperatures <= 0 or non-finite.
     """
     temp, count = check_linear_logprob_inputs(
-        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate
-    )
+        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
+        bias=bias, logit_scale=logit_scale, softcap=softcap,
+    )  # fmt: skip
+    scale, cap = float(logit_scale), None if softcap is None else float(softcap)
     # Flatten here, under autograd, so the Function receives tensors still connected to the graph.
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).long()
@@ -588,13 +603,17 @@ def fused_linear_logprob(
     inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
     grad_on = torch.is_grad_enabled()
     need = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
-    native16 = _use_native16(hidden, weight)
+    if bias is not None and grad_on and bias.requires_grad and not any(need):
+        need = True, False  # a backward runs for the bias alone: plan (and keep tiles) for one
+    # A float64 bias makes the compute dtype float64: then 16-bit matmuls would not do.
+    native16 = _use_native16(hidden, weight) and (bias is None or bias.dtype != torch.float64)
     vocab, hidden_size = weight.shape
     plan = _plan(
-        max(1, num_rows), vocab, chunk_size, with_entropy, inv_scalar, need, native16, hidden_size
-    )
+        max(1, num_rows), vocab, chunk_size, with_entropy, inv_scalar, need, native16, hidden_size,
+        scale, cap,
+    )  # fmt: skip
     out = _FusedLinearLogProb.apply(
-        hidden_2d, weight, flat_targets, rows_idx, row_mask, inv_t, plan
+        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
     )
     if not with_entropy:
         return out.view(targets.shape), None

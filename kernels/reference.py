@@ -24,9 +24,16 @@ def reference_linear_logprob(
     chunk_size: int | None = None,
     ignore_index: int = -100,
     validate: bool = True,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log_softmax((hidden.float() @ weight.float().T) / temperature)`` at ``targets``, and the
-    entropy of that distribution (float64 instead of float32 when an input is float64).
+    """``log_softmax(cap((hidden.float() @ weight.float().T + bias) * logit_scale) / temperature)``
+    at ``targets``, with ``cap(x) = softcap * tanh(x / softcap)`` (the identity for
+    ``softcap=None``), and the entropy of that distribution (float64 instead of float32 when an
+    input is float64). The transforms run in the order the transformers models apply them (Phi's
+    bias in the head, Cohere's ``logits * logit_scale`` / Granite's ``logits / logits_scaling``,
+    Gemma 2/3's ``tanh(logits / cap) * cap``), then the temperature.
 
     Same signature, validation and semantics as :func:`microrl.kernels.fused_linear_logprob`;
     ``chunk_size`` is validated and otherwise ignored (nothing is chunked here); ``validate=False``
@@ -36,17 +43,28 @@ def reference_linear_logprob(
         hidden: ``[..., H]``, any float dtype.
         weight: ``[V, H]``, any float dtype (need not match ``hidden``'s: both are upcast).
         targets: ``[...]`` integer token ids; ``ignore_index`` positions give 0 and no gradient.
+        bias, logit_scale, softcap: the logit transform, as in ``fused_linear_logprob``.
 
     Returns:
         ``(logprobs [...], entropy [...] | None)`` in float32 (float64 when an input is
         float64). Gradients come back in each input's own dtype (autograd of the upcast).
     """
     temp, _ = check_linear_logprob_inputs(
-        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate
+        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
+        bias=bias, logit_scale=logit_scale, softcap=softcap,
+    )  # fmt: skip
+    dtypes = (
+        (hidden.dtype, weight.dtype) if bias is None else (hidden.dtype, weight.dtype, bias.dtype)
     )
-    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    cdtype = compute_dtype(*dtypes)
     with no_autocast(hidden.device.type):  # autocast would run the matmul in 16 bits
         logits = hidden.to(cdtype) @ weight.to(cdtype).T
+        if bias is not None:
+            logits = logits + bias.to(cdtype)
+        if logit_scale != 1.0:
+            logits = logits * float(logit_scale)
+        if softcap is not None:
+            logits = torch.tanh(logits / float(softcap)) * float(softcap)
         logits = logits / (temp.unsqueeze(-1) if isinstance(temp, torch.Tensor) else temp)
         log_probs = torch.log_softmax(logits, dim=-1)
     valid = targets != ignore_index

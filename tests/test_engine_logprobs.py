@@ -75,15 +75,16 @@ def test_packed_equals_padded_including_gradients() -> None:
         torch.testing.assert_close(g_packed[name], g_padded[name], atol=1e-5, rtol=1e-4)
 
 
-def test_lm_head_with_bias_takes_exact_eager_path(caplog) -> None:
+def test_lm_head_with_bias_takes_the_fused_path(caplog) -> None:
+    """The kernel adds the bias (tests/test_engine_heads.py: every family with a head transform)."""
     model = tiny_model("qwen2")
     head = nn.Linear(HIDDEN, VOCAB, bias=True)
     nn.init.normal_(head.bias, std=1.0)
     model.lm_head = head
     with caplog.at_level(logging.WARNING):
         engine = ActorEngine(model, ActorConfig(micro_batch_size=2))
-    assert not engine.uses_fused_kernel
-    assert "bias" in caplog.text
+    assert engine.uses_fused_kernel
+    assert "not plain" not in caplog.text
     batch = make_batch(4, 9, seed=4)
     expected, _ = reference_logprobs(model, batch)
     torch.testing.assert_close(
@@ -91,7 +92,7 @@ def test_lm_head_with_bias_takes_exact_eager_path(caplog) -> None:
     )
 
 
-def test_logit_softcapping_config_takes_exact_eager_path() -> None:
+def test_logit_softcapping_config_takes_the_fused_path() -> None:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
@@ -103,12 +104,12 @@ def test_logit_softcapping_config_takes_exact_eager_path() -> None:
         num_key_value_heads=2,
         head_dim=8,
         vocab_size=VOCAB,
-        final_logit_softcapping=0.5,  # strong capping: a fused path would be visibly wrong
+        final_logit_softcapping=0.5,  # strong capping: a fused path without it would be wrong
         attn_implementation="eager",
     )
     model = Gemma2ForCausalLM(config)
     engine = ActorEngine(model, ActorConfig(micro_batch_size=3))
-    assert not engine.uses_fused_kernel
+    assert engine.uses_fused_kernel
     batch = make_batch(4, 9, seed=5)
     expected, _ = reference_logprobs(model, batch)
     torch.testing.assert_close(
