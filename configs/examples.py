@@ -23,6 +23,7 @@ from microrl.losses.config import PolicyLossConfig
 
 __all__ = [
     "EXTERNAL_HELP",
+    "TASK_NAMES",
     "GAEConfig",
     "GRPOExampleConfig",
     "LoopConfig",
@@ -103,21 +104,87 @@ class ModelConfig:
         )
 
 
+# The tasks a recipe can train on (microrl.tasks.make_task builds them; docs/tasks.md).
+TASK_NAMES = ("addition", "word_problems", "dataset")
+
+
 @dataclass
 class TaskConfig:
-    """Addition ``a+b=`` with ``0 <= a, b <= max_operand``; ``eval_size`` pairs are held out."""
+    """The prompts, held-out prompts and reward of the run (docs/tasks.md).
 
-    max_operand: int = _key(99, "largest number added: prompts a+b= with 0 <= a, b <= it")
-    eval_size: int = _key(500, "held-out prompts for the greedy accuracy, never trained on")
-    seed: int = _key(0, "seed of the held-out split")
+    ``addition`` (``a+b=`` with ``0 <= a, b <= max_operand``) and ``word_problems`` are generated;
+    ``dataset`` reads ``train_file`` (JSONL/Parquet, ``prompt_field`` and ``answer_field`` per
+    row) and scores with the ``rewards`` functions (``module:function`` import paths, summed with
+    ``reward_weights``). ``eval_size`` prompts are held out and never trained on.
+    """
+
+    name: str = _key("addition", "the task: addition, word_problems or dataset (docs/tasks.md)")
+    max_operand: int = _key(
+        99, "built-in tasks' largest number: addition a+b= with 0 <= a, b <= it; word problems"
+    )
+    eval_size: int = _key(
+        500, "held-out prompts for the greedy accuracy, never trained on (dataset: rows)"
+    )
+    seed: int = _key(0, "seed of the held-out split (and of the word problems' names and items)")
+    train_file: str | None = _key(None, "dataset: the training prompts, a .jsonl or .parquet file")
+    eval_file: str | None = _key(
+        None, "dataset: held-out prompts file (null: eval_size rows held out of train_file)"
+    )
+    prompt_field: str = _key("prompt", "dataset: the field of a row holding the prompt")
+    answer_field: str = _key("answer", "dataset: the field holding the reference answer")
+    chat_template: bool = _key(False, "dataset: render prompts with the tokenizer's chat template")
+    rewards: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "reward functions [module:function, file.py:function] (dataset: needed; "
+            "built-in tasks: replace their reward)"
+        },
+    )
+    reward_weights: list[float] = field(
+        default_factory=list,
+        metadata={"help": "a weight per entry of task.rewards (empty: 1.0 each)"},
+    )
+    solved_threshold: float = _key(
+        1.0, "with task.rewards: a held-out response is solved at a reward >= this"
+    )
 
     def __post_init__(self) -> None:
+        _check(self.name in TASK_NAMES, "task.name", f"one of {', '.join(TASK_NAMES)}", self.name)
         _check(1 <= self.max_operand <= 9999, "task.max_operand", "in [1, 9999]", self.max_operand)
+        _check(self.eval_size >= 1, "task.eval_size", ">= 1", self.eval_size)
+        if self.name == "addition":
+            _check(
+                self.eval_size < (self.max_operand + 1) ** 2,
+                "task.eval_size",
+                f"in [1, {(self.max_operand + 1) ** 2 - 1}]",
+                self.eval_size,
+            )
+        is_dataset = self.name == "dataset"
+        for key in ("train_file", "eval_file"):
+            _check(
+                is_dataset or getattr(self, key) is None,
+                f"task.{key}",
+                "null unless task.name=dataset (set task.name=dataset to train on a file)",
+                getattr(self, key),
+            )
         _check(
-            1 <= self.eval_size < (self.max_operand + 1) ** 2,
-            "task.eval_size",
-            f"in [1, {(self.max_operand + 1) ** 2 - 1}]",
-            self.eval_size,
+            not is_dataset or bool(self.train_file),
+            "task.train_file",
+            "a .jsonl or .parquet file of prompts for task.name=dataset",
+            self.train_file,
+        )
+        _check(
+            not is_dataset or bool(self.rewards),
+            "task.rewards",
+            "a non-empty list of reward functions for task.name=dataset, e.g. "
+            "[my_reward:score] or [microrl.tasks.rewards:exact_match]",
+            self.rewards,
+        )
+        _check(
+            not self.reward_weights or len(self.reward_weights) == len(self.rewards),
+            "task.reward_weights",
+            f"empty or one weight per entry of task.rewards ({len(self.rewards)})",
+            self.reward_weights,
         )
 
 

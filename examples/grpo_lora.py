@@ -50,7 +50,7 @@ from microrl.run import (
     save_run,
     start_tracking,
 )
-from microrl.tasks import AdditionTask
+from microrl.tasks import make_task
 from microrl.tasks.warm_start import prepare_base_model
 
 
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", dist_info)
     mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
 
-    task = AdditionTask(cfg.task.max_operand, cfg.task.eval_size, cfg.task.seed)
     t_setup = time.perf_counter()
     tokenizer, model = prepare_base_model(
-        cfg.model, task, dist_info, cfg.rollout.max_new_tokens, log
+        cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
+    task = make_task(cfg.task, tokenizer)  # addition, word_problems or a file (docs/tasks.md)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     engine = ActorEngine(model, cfg.actor)
     # A different stream per rank: Python's for the prompts, torch's for sampling and shuffles.

@@ -49,7 +49,7 @@ from microrl.run import (
     save_run,
     start_tracking,
 )
-from microrl.tasks import AdditionTask
+from microrl.tasks import make_task
 from microrl.tasks.toy_model import load_pretrained
 from microrl.tasks.warm_start import prepare_base_model
 
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", dist_info)
     mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
 
-    task = AdditionTask(cfg.task.max_operand, cfg.task.eval_size, cfg.task.seed)
     t_setup = time.perf_counter()
     tokenizer, model = prepare_base_model(
-        cfg.model, task, dist_info, cfg.rollout.max_new_tokens, log
+        cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
+    task = make_task(cfg.task, tokenizer)  # addition, word_problems or a file (docs/tasks.md)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     actor = ActorEngine(model, cfg.actor)
     critic = CriticEngine(load_pretrained(cfg.model.path)[1], cfg.critic)  # its own copy

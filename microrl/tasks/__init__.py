@@ -1,11 +1,32 @@
-"""Tasks for the RL recipes: prompts, held-out prompts, rewards (README "Bring your own task").
+"""Tasks for the RL recipes: prompts, held-out prompts, rewards (docs/tasks.md).
 
-:class:`Task` is what a recipe needs; :class:`AdditionTask` is the built-in test bed. The toy
-tokenizer and model of the examples (:mod:`microrl.tasks.toy_model`) and their supervised warm
-start (:mod:`microrl.tasks.warm_start`) are imported from their modules, on use.
+:class:`Task` is what a recipe needs; :func:`make_task` builds one from the ``task`` config
+section: :class:`AdditionTask` (the main job's test bed), :class:`WordProblemTask` (generated
+arithmetic word problems, a numeric-answer reward) or :class:`DatasetTask` (the user's JSONL or
+Parquet prompt file, scored by reward functions given by import path, :mod:`microrl.tasks.rewards`).
+The toy tokenizer and model of the examples (:mod:`microrl.tasks.toy_model`) and their supervised
+warm start (:mod:`microrl.tasks.warm_start`) are imported from their modules, on use.
 """
 
 from microrl.tasks.addition import AdditionTask, exact_match_reward, parse_answer
 from microrl.tasks.base import Problem, Task
+from microrl.tasks.dataset import DatasetTask
+from microrl.tasks.factory import BUILT_IN_TASKS, make_task
+from microrl.tasks.rewards import Reward, RewardedTask, load_reward, resolve_reward_fn
+from microrl.tasks.word_problems import WordProblemTask
 
-__all__ = ["AdditionTask", "Problem", "Task", "exact_match_reward", "parse_answer"]
+__all__ = [
+    "BUILT_IN_TASKS",
+    "AdditionTask",
+    "DatasetTask",
+    "Problem",
+    "Reward",
+    "RewardedTask",
+    "Task",
+    "WordProblemTask",
+    "exact_match_reward",
+    "load_reward",
+    "make_task",
+    "parse_answer",
+    "resolve_reward_fn",
+]

@@ -31,13 +31,18 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 ALPHABET = "0123456789+-*= "  # digits, the operators a task may use, '=' and space
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     """A character-level tokenizer over :data:`ALPHABET`; ``"12+7="`` -> ``<bos> 1 2 + 7 =``.
+
+    ``extra_chars`` (a task's ``toy_alphabet``, e.g. the letters of word problems) are appended
+    after :data:`ALPHABET`, skipping those it has: the ids of the addition task's characters, and
+    with no extra characters the whole tokenizer, stay what they always were.
 
     Padding is on the left so prompts of a batch end at the same column, which is what
     ``generate`` needs for a decoder-only model. Decoding fuses characters back without spaces.
     """
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *ALPHABET])}
+    extra = [c for c in dict.fromkeys(extra_chars) if c not in ALPHABET]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *ALPHABET, *extra])}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
@@ -88,6 +93,11 @@ def load_pretrained(path: str | Path) -> tuple[PreTrainedTokenizerBase, PreTrain
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # many LM tokenizers ship without one
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"model.path {str(path)!r}: its tokenizer has neither a pad nor an eos token "
+                "(the rollouts need an eos token to end responses)"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return tokenizer, model.eval()

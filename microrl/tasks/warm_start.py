@@ -1,6 +1,8 @@
 """The base model RL starts from: a local checkpoint, or a tiny Qwen2 warm-started here once.
 
-When ``model.path`` holds no checkpoint, a fresh model is built (:mod:`microrl.tasks.toy_model`) and trained
+When ``model.path`` holds no checkpoint and the task is one the toy model can learn (a task with a
+``toy_alphabet``: the built-in ``addition`` and ``word_problems``), a fresh model is built
+(:mod:`microrl.tasks.toy_model`, its character tokenizer extended by the task's alphabet) and trained
 with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
 accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
 RL visible room to improve. The result (model + tokenizer) is saved to ``model.path`` and reused by
@@ -16,13 +18,14 @@ from collections.abc import Callable
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
-from microrl.configs.examples import ModelConfig
+from microrl.configs.examples import ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
 from microrl.engine.export import export_merged_model
 from microrl.engine.rollout import HFRollout, sft_batch
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
 from microrl.tasks.base import Task
+from microrl.tasks.factory import BUILT_IN_TASKS, make_task
 from microrl.tasks.toy_model import build_model, build_tokenizer, is_checkpoint, load_pretrained
 
 __all__ = ["prepare_base_model"]
@@ -33,13 +36,25 @@ WARM_START_EVAL_PROMPTS = 200
 
 def prepare_base_model(
     cfg: ModelConfig,
-    task: Task,
+    task_cfg: TaskConfig,
     dist_info: Dist,
     max_new_tokens: int,
     log: Callable[[str], None] = print,
 ) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
-    """Tokenizer and model at ``cfg.path``, warm-starting and saving them there first if needed."""
+    """Tokenizer and model at ``cfg.path``, warm-starting and saving them there first if needed.
+
+    Only a task with a ``toy_alphabet`` gets a model built for it; for any other (a
+    ``task.name=dataset`` file), an empty ``model.path`` is a ``ValueError``.
+    """
     if not is_checkpoint(cfg.path):
+        task = make_task(task_cfg) if task_cfg.name in BUILT_IN_TASKS else None
+        if getattr(task, "toy_alphabet", None) is None:
+            raise ValueError(
+                f"model.path={cfg.path!r} holds no transformers checkpoint (config.json and a "
+                "tokenizer), and a base model is built and warm-started here only for the "
+                f"built-in tasks ({', '.join(BUILT_IN_TASKS)}): for task.name={task_cfg.name} "
+                "give model.path a local checkpoint (docs/tasks.md)"
+            )
         _warm_start(cfg, task, dist_info, max_new_tokens, log)
     return load_pretrained(cfg.path)
 
@@ -52,7 +67,14 @@ def _warm_start(
     log: Callable[[str], None],
 ) -> None:
     ws = cfg.warm_start
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(task.toy_alphabet)
+    longest = max(len(tokenizer(p.prompt)["input_ids"]) for p in task.eval_problems())
+    if longest + max_new_tokens > cfg.max_positions:
+        raise ValueError(
+            f"model.max_positions must be >= {longest + max_new_tokens} for this task (its "
+            f"longest prompt has {longest} tokens, plus rollout.max_new_tokens={max_new_tokens}), "
+            f"got {cfg.max_positions}"
+        )
     model = build_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     log(

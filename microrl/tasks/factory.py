@@ -1,0 +1,75 @@
+"""The task a recipe trains on, from its ``task`` config section (docs/tasks.md).
+
+``task.name`` picks one of :data:`BUILT_IN_TASKS` (generated prompts with their own reward) or
+``dataset`` (the user's prompt file, scored by the reward functions in ``task.rewards``). Reward
+functions given for a built-in task replace its own reward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from microrl.configs.examples import TaskConfig
+from microrl.tasks.addition import AdditionTask
+from microrl.tasks.base import Task
+from microrl.tasks.dataset import DatasetTask
+from microrl.tasks.rewards import RewardedTask, load_reward
+from microrl.tasks.word_problems import WordProblemTask
+
+__all__ = ["BUILT_IN_TASKS", "check_tokenizer_covers", "make_task"]
+
+# name -> class, constructed as cls(task.max_operand, task.eval_size, task.seed).
+BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask]] = {
+    "addition": AdditionTask,
+    "word_problems": WordProblemTask,
+}
+# Held-out prompts whose tokenization is checked against the tokenizer's unknown token.
+_CHECKED_PROMPTS = 64
+
+
+def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
+    """The task ``cfg`` describes; ``tokenizer`` (the policy's) renders chat templates and is
+    checked to write the task's prompts without unknown tokens.
+
+    Raises ``ValueError``/``TypeError`` naming the ``task.*`` key of a bad file, field, reward
+    path or size.
+    """
+    if cfg.name == "dataset":
+        task: Task = DatasetTask(
+            cfg.train_file,
+            load_reward(cfg.rewards, cfg.reward_weights),
+            eval_file=cfg.eval_file,
+            eval_size=cfg.eval_size,
+            seed=cfg.seed,
+            prompt_field=cfg.prompt_field,
+            answer_field=cfg.answer_field,
+            chat_template=cfg.chat_template,
+            tokenizer=tokenizer,
+            solved_threshold=cfg.solved_threshold,
+        )
+    else:
+        task = BUILT_IN_TASKS[cfg.name](cfg.max_operand, cfg.eval_size, cfg.seed)
+        if cfg.rewards:
+            reward = load_reward(cfg.rewards, cfg.reward_weights)
+            task = RewardedTask(task, reward, cfg.solved_threshold)
+    if tokenizer is not None:
+        check_tokenizer_covers(tokenizer, task, cfg.name)
+    return task
+
+
+def check_tokenizer_covers(tokenizer: Any, task: Task, name: str = "") -> None:
+    """``ValueError`` when ``tokenizer`` turns some of the task's prompts into unknown tokens
+    (e.g. word problems given the addition model's character tokenizer)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    prompts = [p.prompt for p in task.eval_problems()[:_CHECKED_PROMPTS]]
+    for prompt, ids in zip(prompts, tokenizer(prompts)["input_ids"], strict=True):
+        if unk in ids:
+            unknown = sorted({c for c in prompt if tokenizer.convert_tokens_to_ids(c) == unk})
+            raise ValueError(
+                f"the model's tokenizer cannot write the prompts of task.name={name or '?'}: "
+                f"{prompt!r} has unknown characters {''.join(unknown)!r}. Give model.path a "
+                "checkpoint whose tokenizer covers them (for a built-in task, an empty "
+                "directory: a toy model is built there for it)"
+            )
