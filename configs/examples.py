@@ -78,16 +78,20 @@ class ModelConfig:
     """Where the base model lives and, when it must be built, its size.
 
     ``path`` holding a transformers checkpoint (``config.json`` + tokenizer) is loaded as is, and
-    the size fields are ignored. Otherwise a tiny Qwen2 is built, warm-started and saved there.
+    the size fields are ignored. Otherwise a tiny Llama-architecture model is built, warm-started and
+    saved there (:mod:`microrl.tasks.toy_model`).
     """
 
     path: str = _key(
-        "outputs/base/qwen2-adder", "base model: loaded, or built, warm-started and saved here"
+        "outputs/base/tiny-adder", "base model: loaded, or built, warm-started and saved here"
     )
     hidden_size: int = _key(64, "width of a newly built base model")
     intermediate_size: int = _key(256, "MLP width of a newly built base model")
     num_layers: int = _key(2, "decoder layers of a newly built base model")
     num_heads: int = _key(4, "attention heads of a newly built base model")
+    head_dim: int = _key(
+        32, "width of each head (vLLM's CPU attention needs >= 32); 0: hidden_size / num_heads"
+    )
     max_positions: int = _key(32, "longest sequence a newly built base model handles")
     seed: int = _key(0, "seed of a newly built base model's weights and of its warm start")
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -96,10 +100,11 @@ class ModelConfig:
         _check(bool(self.path), "model.path", "a non-empty path", self.path)
         for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "max_positions"):
             _check(getattr(self, key) >= 1, f"model.{key}", ">= 1", getattr(self, key))
+        _check(self.head_dim >= 0, "model.head_dim", ">= 0", self.head_dim)
         _check(
-            self.hidden_size % self.num_heads == 0,
+            self.head_dim > 0 or self.hidden_size % self.num_heads == 0,
             "model.hidden_size",
-            f"a multiple of model.num_heads={self.num_heads}",
+            f"a multiple of model.num_heads={self.num_heads} (or set model.head_dim)",
             self.hidden_size,
         )
 

@@ -6,6 +6,9 @@ Launch (CPU by default; the config is configs/grpo_lora.yaml, any key can be ove
     python examples/grpo_lora.py train.steps=100 actor.optim.lr=1e-3 output.dir=outputs/try
     torchrun --nproc_per_node 2 examples/grpo_lora.py      # data parallel, FSDP2 (gloo on CPU)
     python examples/grpo_lora.py --resume                  # continue after Ctrl-C or a finished run
+    python examples/grpo_lora.py rollout.backend=vllm       # sample with vLLM (docs/rollouts.md)
+    python examples/grpo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=[my:score]
+                                                  # your data and reward (docs/tasks.md)
     python examples/grpo_lora.py --overwrite               # start again over a previous run
     python examples/grpo_lora.py --help                    # every option, its default, its meaning
 

@@ -6,6 +6,9 @@ Launch (CPU by default; the config is configs/ppo_lora.yaml, any key can be over
     python examples/ppo_lora.py train.steps=100 actor.policy_loss.kl_coef=0.05
     torchrun --nproc_per_node 2 examples/ppo_lora.py
     python examples/ppo_lora.py --resume                   # continue it (saved config + overrides)
+    python examples/ppo_lora.py rollout.backend=vllm       # sample with vLLM (docs/rollouts.md)
+    python examples/ppo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=[my:score]
+                                                  # your data and reward (docs/tasks.md)
 
 What PPO does (Schulman et al. 2017, as used for RLHF by Ouyang et al. 2022): sample responses,
 score them, and put the score on the *last* response token as the reward. A critic predicts, at

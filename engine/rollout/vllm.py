@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -162,11 +164,18 @@ class VLLMRollout(RolloutBackend):
         # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer
         # shares the process, so its own thread settings are put back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        # vLLM seeds the process's global generators (Python, NumPy, torch) with its own seed;
+        # the trainer's streams (prompts, shuffles, a resumed run's RNG state) must not change.
+        python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
-            return vllm.LLM(**kwargs)
+            cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=cuda):
+                return vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
     def sync(self, engine=None) -> None:
         """Load the engine's current weights into vLLM. Collective under ``torchrun``: every rank

@@ -3,7 +3,9 @@
 The tokenizer is a real one, built with the ``tokenizers`` library (one token per character over the
 task's alphabet, a ``<bos>`` added by its post-processor) and wrapped as a transformers
 ``PreTrainedTokenizerFast``, so it saves, loads and pads like any hub tokenizer. The model is a small
-Qwen2 built from a config; any local transformers checkpoint can replace it (``model.path``).
+Llama-architecture decoder built from a config (biased attention projections, as in Qwen2, and
+32-wide heads, the narrowest vLLM's CPU attention runs, so the ``hf`` and ``vllm`` rollout
+backends both sample it); any local transformers checkpoint can replace it (``model.path``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from microrl.configs.examples import ModelConfig
@@ -59,15 +61,17 @@ def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
-    """A freshly initialised Qwen2 sized by ``cfg`` (seeded by ``cfg.seed``)."""
-    config = Qwen2Config(
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
+    """A freshly initialised Llama-architecture decoder sized by ``cfg`` (seeded by ``cfg.seed``)."""
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads,
+        head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
+        attention_bias=True,
         max_position_embeddings=cfg.max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
@@ -76,7 +80,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2Fo
     )
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        model = Qwen2ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     return model
 
 

@@ -1,4 +1,4 @@
-"""The base model RL starts from: a local checkpoint, or a tiny Qwen2 warm-started here once.
+"""The base model RL starts from: a local checkpoint, or a tiny model warm-started here once.
 
 When ``model.path`` holds no checkpoint and the task is one the toy model can learn (a task with a
 ``toy_alphabet``: the built-in ``addition`` and ``word_problems``), a fresh model is built
@@ -78,7 +78,7 @@ def _warm_start(
     model = build_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     log(
-        f"no checkpoint at {cfg.path}: warm-starting a {n_params / 1e3:.0f}k-parameter Qwen2 "
+        f"no checkpoint at {cfg.path}: warm-starting a {n_params / 1e3:.0f}k-parameter {type(model).__name__} "
         f"with supervised steps until {ws.target_accuracy:.0%} accuracy (<= {ws.max_steps} steps)"
     )
     if ws.batch_size % dist_info.world_size:
