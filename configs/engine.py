@@ -140,6 +140,9 @@ class EngineConfig:
     # and clipping, KL and importance weights measure dropout noise. TRL and verl do the same.
     # LoRA's own lora.dropout is an explicit choice and is kept.
     disable_dropout: bool = True
+    # Tensor parallelism: ranks per tensor-parallel group (1: none). Under torchrun it must
+    # divide the number of processes; the rest is data parallelism (docs/engine.md).
+    tensor_parallel_size: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -169,6 +172,17 @@ class EngineConfig:
             raise ValueError(
                 f"check_grad_flow must be False, True, 'warn' or 'error', got {self.check_grad_flow!r}"
             )
+        if isinstance(self.tensor_parallel_size, bool) or not (
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
+        ):
+            raise ValueError(
+                f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.lora.rank and self.lora.dropout > 0:
+            raise ValueError(
+                "lora.dropout must be 0 when tensor_parallel_size > 1 (each rank of a "
+                f"tensor-parallel group would draw its own dropout mask), got {self.lora.dropout}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device != "auto":
@@ -192,6 +206,15 @@ class ActorConfig(EngineConfig):
     # pass computes it only when policy_loss.entropy_coef > 0, as it adds work over the vocabulary
     # for every token, forward and backward. Inference (infer_batch) always returns it.
     compute_entropy: bool = False
+    # Fused policy-loss path (docs/engine.md): with the fused head, a training pass of the
+    # built-in loss (loss_fn=None) or of engine.sft_loss runs the loss inside the head and forms
+    # the head's gradients in forward (no logits recompute in backward); custom losses and
+    # forward-only passes use the kernel + loss path. Same loss, metrics and gradients to fp32
+    # rounding; False always uses the kernel + loss path.
+    fuse_loss: bool = field(
+        default=True,
+        metadata={"help": "loss inside the fused head, gradients formed in forward (faster)"},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

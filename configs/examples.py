@@ -382,6 +382,7 @@ EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "device": "auto (CUDA if present, else CPU) or a torch device such as cuda:1",
         "seed": "seed of the engine's own initialisation (the critic's value head)",
         "disable_dropout": "zero the model's dropout so training passes match the rollout",
+        "tensor_parallel_size": "ranks per tensor-parallel group (1: none; docs/engine.md)",
     },
     ActorConfig: {
         "temperature": "sampling temperature, also applied in the loss",

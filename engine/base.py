@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import distributed, packing, setup
+from microrl.engine import distributed, packing, setup, tensor_parallel
 from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
@@ -100,6 +100,11 @@ class Engine:
         #: environment; None in a single process. First, so each rank picks its own GPU.
         self.dp_group: dist.ProcessGroup | None = distributed.init_distributed()
         self.device = setup.resolve_device(config)
+        #: the ``("dp", "tp")`` device mesh under tensor parallelism (docs/engine.md), else None;
+        #: then only its ``dp`` dimension reduces denominators and metrics.
+        self.device_mesh = tensor_parallel.init_mesh(config.tensor_parallel_size, self.device)
+        if self.device_mesh is not None:
+            self.dp_group = self.device_mesh["dp"].get_group()
         self.global_step = 0
         causal_lm = setup.load_causal_lm(model).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
@@ -175,6 +180,8 @@ class Engine:
     # ----------------------------------------------------------------- hooks for distributed
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         """Shard/wrap the role module after LoRA and checkpointing; unchanged when not distributed."""
+        if self.device_mesh is not None:
+            return tensor_parallel.wrap(module, self.device_mesh)
         if self.dp_group is None:
             return module
         return distributed.shard_model(module)

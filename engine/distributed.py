@@ -266,7 +266,9 @@ def broadcast_from_rank0(module: nn.Module, *, group: dist.ProcessGroup | None =
     """
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=src, group=group)
+        # A tensor-parallel DTensor: its local slice, from the dp rank 0 of the same tp slice.
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor.data
+        dist.broadcast(local, src=src, group=group)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from microrl.engine.alignment import IGNORE_INDEX
-from microrl.kernels import fused_linear_logprob, reference_linear_logprob
+from microrl.kernels import fused_linear_logprob, fused_linear_loss, reference_linear_logprob
+from microrl.kernels.fused_loss import GroupLossFn
 
 __all__ = [
     "LogitTransform",
@@ -212,11 +214,17 @@ class PolicyModel(nn.Module):
         targets: torch.Tensor,
         temperature: float | torch.Tensor = 1.0,
         with_entropy: bool = True,
+        loss_fn: GroupLossFn | None = None,
+        loss_segments: list[int] | None = None,
         **model_kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, ...]:
         """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
 
         ``targets[b, j]`` is the token predicted from position ``j`` (``-100``: none, output 0).
+        ``loss_fn`` (fused head only): the loss runs inside the head through
+        :func:`microrl.kernels.fused_linear_loss` (its per-group callback, row groups never
+        splitting ``loss_segments``), and the result is ``(logprobs, entropy, loss)``: the
+        outputs detached, the loss with its gradients (docs/kernels.md, fused loss path).
         """
         inputs = {
             "input_ids": input_ids,
@@ -234,6 +242,12 @@ class PolicyModel(nn.Module):
             # Targets below the input vocabulary are in range only if the head is at least as wide.
             in_range = weight.shape[0] >= self.causal_lm.get_input_embeddings().num_embeddings
             head = fused_linear_logprob if self.fused else reference_linear_logprob
+            if loss_fn is not None:  # returned as a tuple: a sharding wrapper hooks its tensors
+                if not self.fused:
+                    raise ValueError("loss_fn needs the fused head (use_fused_kernel=True)")
+                head = _fused_loss_head(loss_fn, loss_segments)
+            if _is_dtensor(weight):  # tensor parallel (engine/tensor_parallel.py): Shard(0)
+                head = _vocab_parallel_head(loss_fn)
             return head(
                 hidden,
                 weight,
@@ -248,6 +262,43 @@ class PolicyModel(nn.Module):
             )
         logits = self.causal_lm(**inputs).logits
         return eager_logprob(logits, targets, temperature, with_entropy)
+
+
+def _fused_loss_head(loss_fn: GroupLossFn, segments: list[int] | None):
+    """:func:`fused_linear_loss` with ``fused_linear_logprob``'s call signature, returning
+    ``(logprobs, entropy, loss)``."""
+
+    def head(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        out = fused_linear_loss(*args, loss_fn, segments=segments, **kwargs)
+        return out.logprobs, out.entropy, out.loss
+
+    return head
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Without importing ``torch.distributed.tensor`` when nothing has (it is slow to import)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _vocab_parallel_head(loss_fn: GroupLossFn | None):
+    """:func:`microrl.kernels.vocab_parallel_linear_logprob` (the weight a ``Shard(0)`` DTensor
+    over the tp ranks, hidden replicated) with the fused head's call signature. The tensor-parallel
+    set-up refused a bias, scale or soft-cap. With ``loss_fn`` the loss runs on the outputs as
+    one group of rows (the fused loss path's result, through the kernel's own backward)."""
+
+    def head(hidden, weight, targets, *, bias, logit_scale, softcap, **kwargs):
+        from microrl.kernels import vocab_parallel_linear_logprob
+
+        logprobs, entropy = vocab_parallel_linear_logprob(hidden, weight, targets, **kwargs)
+        if loss_fn is None:
+            return logprobs, entropy
+        n = logprobs.numel()
+        flat_entropy = None if entropy is None else entropy.reshape(-1)
+        loss, _ = loss_fn(0, n, logprobs.reshape(-1), flat_entropy)
+        return logprobs.detach(), None if entropy is None else entropy.detach(), loss
+
+    return head
 
 
 def eager_logprob(

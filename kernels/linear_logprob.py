@@ -357,7 +357,9 @@ def _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Pl
     return out, (max_all, sum_all, ent_all, *kept, *kept_max)
 
 
-def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
+def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, grad_w_acc=None):
+    # grad_w_acc: a compute-dtype [V, H] buffer to accumulate the weight gradient into (returned
+    # as is, not cast), for a caller that runs this once per row group (kernels/fused_loss.py).
     hidden, weight, bias, targets, rows_idx, row_mask, inv_t = saved[:7]
     max_all, sum_all, ent_all = saved[7:10]
     kept, kept_max = saved[10 : 10 + num_kept], saved[10 + num_kept :]
@@ -374,14 +376,16 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
     # The bias gradient is the column sums of G, accumulated in the compute dtype.
     grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
     if not (need_h or need_w or need_b) or m == 0:
-        zero_w = torch.zeros_like(weight) if need_w else None
+        zero_w = torch.zeros_like(weight) if need_w and grad_w_acc is None else grad_w_acc
         return grad_h, zero_w, _cast(grad_b, bias.dtype if need_b else None)
     # The weight gradient accumulates over row chunks in the compute dtype (one rounding at the
     # end for a 16-bit weight). No zero fill: the first row chunk overwrites every tile of it
     # (beta=0 below). With a single row chunk there is nothing to accumulate: each tile is formed
     # in a tile buffer and rounded straight into a 16-bit gradient, so no [V, H] float32 buffer.
-    direct_w = need_w and weight.dtype != cdtype and m <= plan.rows
+    direct_w = need_w and weight.dtype != cdtype and m <= plan.rows and grad_w_acc is None
     grad_w = weight.new_empty(weight.shape, dtype=None if direct_w else cdtype) if need_w else None
+    if need_w and grad_w_acc is not None:
+        grad_w = grad_w_acc
     # A missing upstream gradient is a zero gradient, never a dropped branch.
     g_lp_all = _or_zeros(grad_logprob, n, hidden, cdtype)
     g_ent_all = _or_zeros(grad_entropy if plan.with_entropy else None, n, hidden, cdtype)
@@ -480,10 +484,12 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy):
                 _addmm(tile, g_mm.T, h_c, overwrite=True)
                 grad_w[j : j + plan.vocab_tile].copy_(tile)
             elif need_w:
-                _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h_c, overwrite=start == 0)
+                overwrite = start == 0 and grad_w_acc is None
+                _addmm(grad_w[j : j + plan.vocab_tile], g_mm.T, h_c, overwrite=overwrite)
         if need_h and not gh_in_place:
             _put(grad_h, rows, idx, gh.to(hidden.dtype))
-    return grad_h, _cast(grad_w, weight.dtype), _cast(grad_b, bias.dtype if need_b else None)
+    grad_w = grad_w if grad_w_acc is not None else _cast(grad_w, weight.dtype)
+    return grad_h, grad_w, _cast(grad_b, bias.dtype if need_b else None)
 
 
 def _buffers(hidden: torch.Tensor, weight: torch.Tensor, plan: _Plan, cdtype: torch.dtype):

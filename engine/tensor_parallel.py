@@ -1,0 +1,297 @@
+"""Tensor parallelism (TP) with torch's DTensor plans, composed with FSDP2 on a 2-D mesh.
+
+``EngineConfig.tensor_parallel_size = t > 1`` under ``torchrun`` with ``N`` processes (``t``
+divides ``N``) builds a ``(dp, tp) = (N // t, t)`` device mesh (:func:`init_mesh`); the ``t``
+ranks of one tp group hold slices of the same model and see the *same* share of the mini-batch;
+the ``N // t`` data-parallel groups see different shares. What :func:`parallelize` shards, on the
+``tp`` mesh dimension (the layout is docs/engine.md, "Tensor parallelism"):
+
+* every decoder layer, after the model's own ``config.base_model_tp_plan`` (transformers'
+  names): ``q/k/v_proj``, ``gate/up_proj`` column-wise (``ColwiseParallel``: weight and bias
+  ``Shard(0)``, each rank computes its heads / its slice of the MLP), ``o_proj`` and
+  ``down_proj`` row-wise (``RowwiseParallel``: weight ``Shard(1)``, the partial outputs summed by
+  one all-reduce). Attention then runs on ``num_heads / t`` local heads: the supported families
+  reshape with ``view(..., -1, head_dim)``, so no config is edited;
+* the input embedding vocab-parallel (``RowwiseParallel``: ``Shard(0)``, masked lookup, one
+  all-reduce), and the lm head ``Shard(0)`` over the vocabulary: the engine's policy head reads
+  the weight as a ``DTensor`` and calls :func:`microrl.kernels.vocab_parallel_linear_logprob`
+  with the replicated final hidden state (logits never gathered); called as a module
+  (``generate``) it all-gathers the logits (``ColwiseParallel(output_layouts=Replicate())``).
+  A tied embedding and head share one ``Shard(0)`` parameter;
+* LoRA adapters follow their base layer (peft's ``lora_A`` / ``lora_B`` are plain
+  ``nn.Linear``): of a column-wise layer, ``lora_B`` is column-wise (``[out / t, r]`` per rank)
+  and ``lora_A`` replicated; of a row-wise layer, ``lora_A`` is row-wise (``[r, in / t]``, its
+  ``[.., r]`` output summed by an all-reduce) and ``lora_B`` replicated. Adapter dropout is
+  refused (its mask would differ between the ranks of a group);
+* every other parameter (norms, a critic's value head, replicated adapter halves) becomes a
+  ``Replicate()`` DTensor used through input/output hooks, so every parameter is a DTensor on
+  the same mesh and gradient clipping, the optimizer and checkpoints handle them as one set.
+  Qwen3's per-head ``q_norm`` / ``k_norm`` take head-sharded inputs: their weight gradients are
+  partial sums, all-reduced as they accumulate.
+
+Hidden states between layers are replicated on the tp ranks (no sequence parallelism), so the
+engine's loop, micro-batching, packing and losses see ordinary tensors; only the data-parallel
+dimension reduces loss denominators and metrics (the engine's ``dp_group`` is the mesh's ``dp``
+group). With ``N > t`` the module is then sharded by FSDP2 over the ``dp`` dimension
+(:func:`microrl.engine.distributed.shard_model`), giving 2-D ``(dp, tp)`` parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "check_supported",
+    "init_mesh",
+    "parallelize",
+    "tp_mesh",
+    "wrap",
+]
+
+# Families whose attention reshapes with -1 heads (so local heads need no config change) and
+# whose base_model_tp_plan is only colwise/rowwise Linear layers; each is tested against one
+# process (tests/test_tensor_parallel.py).
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+# transformers' style of Qwen3's per-head q_norm / k_norm: replicated weights applied to
+# [.., heads / t, head_dim] slices (inputs sharded on dim -2), gradients summed over the ranks.
+_HEAD_SHARDED = "replicated_with_grad_allreduce"
+_LAYER_PREFIX = "layers.*."
+# Attribute of a parallelized module: its (dp, tp) mesh.
+_MESH_ATTR = "_microrl_device_mesh"
+
+
+def init_mesh(tensor_parallel_size: int, device: torch.device) -> DeviceMesh | None:
+    """The ``("dp", "tp")`` mesh of ``(world // t, t)`` ranks, or None for ``t == 1``.
+
+    Consecutive ranks form a tp group (on one node they share the fast interconnect).
+
+    Raises:
+        ValueError: naming ``tensor_parallel_size``: no process group (a single process), or a
+            size that does not divide the number of processes.
+    """
+    if tensor_parallel_size == 1:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} processes "
+            "(or a multiple) under torchrun; this is a single process"
+        )
+    world = dist.get_world_size()
+    if world % tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} must divide the number of processes "
+            f"({world})"
+        )
+    return init_device_mesh(
+        device.type,
+        (world // tensor_parallel_size, tensor_parallel_size),
+        mesh_dim_names=("dp", "tp"),
+    )
+
+
+def tp_mesh(module: nn.Module) -> DeviceMesh | None:
+    """The ``(dp, tp)`` mesh of a module :func:`parallelize` prepared, else None."""
+    return getattr(module, _MESH_ATTR, None)
+
+
+def _base_model(module: nn.Module) -> nn.Module:
+    """The transformers base model (embeddings, layers, norm) inside the engine's module."""
+    for sub in module.modules():
+        if (
+            hasattr(sub, "layers")
+            and hasattr(sub, "get_input_embeddings")
+            and hasattr(sub, "config")
+        ):
+            return sub
+    raise TypeError(f"found no transformers decoder model inside {type(module).__name__}")
+
+
+def _causal_lm(module: nn.Module) -> nn.Module | None:
+    for sub in module.modules():
+        get = getattr(sub, "get_output_embeddings", None)
+        if callable(get) and isinstance(get(), nn.Linear):
+            return sub
+    return None
+
+
+def check_supported(config: Any, tensor_parallel_size: int) -> dict[str, str]:
+    """The per-layer TP plan (``{"self_attn.q_proj": "colwise", ...}``) of a model config
+    (transformers' ``base_model_tp_plan``, its decoder-layer entries).
+
+    Raises:
+        ValueError: naming the family when it is not supported, or the size that ``t`` does not
+            divide (attention heads, key/value heads, MLP width).
+    """
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size}: model family {family!r} is not "
+            f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None)
+        or config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    for name, value in sizes.items():
+        if value % tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} must divide the model's {name} "
+                f"({value})"
+            )
+    plan = {}
+    for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
+        if not key.startswith(_LAYER_PREFIX):
+            continue  # the embedding (listed for tied models): parallelize() handles it
+        if style not in (*_STYLES, _HEAD_SHARDED):
+            raise ValueError(
+                f"{family}: tensor-parallel plan entry {key!r}: {style!r} is not supported"
+            )
+        plan[key[len(_LAYER_PREFIX) :]] = style
+    if not plan:
+        raise ValueError(f"{family}: the model config declares no base_model_tp_plan")
+    return plan
+
+
+def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """:func:`parallelize` over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` when it has > 1 rank."""
+    from microrl.engine import distributed
+
+    parallelize(module, mesh)
+    if mesh["dp"].size() == 1:
+        return module
+    return distributed.shard_model(module, mesh=mesh["dp"])
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard the engine's module (policy or value wrapper) over ``mesh["tp"]``, in place.
+
+    Call after LoRA and gradient checkpointing, before FSDP2 and the optimizer. Every tp rank
+    starts from tp rank 0's weights (``distribute_tensor`` scatters / broadcasts from it).
+    """
+    tp = mesh["tp"]
+    configs = (getattr(sub, "config", None) for sub in module.modules())
+    plan = check_supported(next((c for c in configs if hasattr(c, "model_type")), None), tp.size())
+    base = _base_model(module)
+    lm = _causal_lm(module)
+    head = lm.get_output_embeddings() if lm is not None else None
+    _check_head(module, head)
+    embedding = base.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    head_sharded = set()
+    for layer in base.layers:
+        for path, style in plan.items():
+            if style == _HEAD_SHARDED:
+                head_sharded.add(id(layer.get_submodule(path)))
+            else:
+                _parallelize_linear(layer.get_submodule(path), tp, style)
+    if type(embedding) is nn.Embedding:
+        parallelize_module(embedding, tp, RowwiseParallel(input_layouts=Replicate()))
+        if embedding.weight.requires_grad:  # DTensor's lookup backward gives a full [V, H]
+            embedding.weight.register_post_accumulate_grad_hook(_match_grad_placements)
+    if head is not None:
+        # Shard(0) over the vocabulary; a call of the module itself gathers the logits.
+        parallelize_module(head, tp, ColwiseParallel(output_layouts=Replicate()))
+        if tied:
+            head.weight = embedding.weight
+    for sub in module.modules():
+        if any(not isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
+            _replicate(sub, tp, head_sharded=id(sub) in head_sharded)
+    setattr(module, _MESH_ATTR, mesh)
+    return module
+
+
+def _check_head(module: nn.Module, head: nn.Module | None) -> None:
+    """The vocab-parallel kernel computes ``log_softmax(h @ W.T / T)``: no bias, scale, softcap."""
+    transform = getattr(module, "logit_transform", None)
+    if head is None or not getattr(module, "plain_head", False):
+        return
+    if head.bias is not None or (
+        transform is not None and (transform.scale != 1.0 or transform.softcap is not None)
+    ):
+        raise ValueError(
+            "tensor_parallel_size > 1: the vocab-parallel lm head supports no bias, logit scale "
+            "or soft-capping"
+        )
+
+
+def _lora_parts(layer: nn.Module) -> tuple[nn.Module, list[nn.Linear], list[nn.Linear]]:
+    """``(base linear, [lora_A per adapter], [lora_B per adapter])`` of a peft LoRA layer, or
+    ``(layer, [], [])`` for a plain linear layer."""
+    base = getattr(layer, "base_layer", None)
+    if base is None:
+        return layer, [], []
+    adapters_a = getattr(layer, "lora_A", {})
+    adapters_b = getattr(layer, "lora_B", {})
+    dropout = getattr(layer, "lora_dropout", {})
+    for name in adapters_a:
+        if name in dropout and not isinstance(dropout[name], nn.Identity):
+            raise ValueError("tensor_parallel_size > 1 needs lora.dropout = 0")
+    return base, list(adapters_a.values()), list(adapters_b.values())
+
+
+def _parallelize_linear(layer: nn.Module, tp: DeviceMesh, style: str) -> None:
+    base, lora_a, lora_b = _lora_parts(layer)
+    if type(base) is not nn.Linear:
+        raise ValueError(f"tensor parallelism needs nn.Linear layers, got {type(base).__name__}")
+    parallelize_module(base, tp, _STYLES[style]())
+    # Column-wise base: B produces this rank's output slice from the replicated A x.
+    # Row-wise base: A consumes this rank's input slice (partial [.., r] summed), B replicated.
+    for linear in lora_b if style == "colwise" else lora_a:
+        parallelize_module(linear, tp, _STYLES[style]())
+
+
+def _replicate(module: nn.Module, tp: DeviceMesh, *, head_sharded: bool) -> None:
+    """Make ``module``'s own plain parameters ``Replicate()`` DTensors; its tensor inputs are
+    wrapped as DTensors (replicated, or sharded over heads) and its outputs unwrapped."""
+    placement = Shard(-2) if head_sharded else Replicate()
+
+    def partition(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+        if sub is not module:
+            return
+        for pname, param in list(sub.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            dparam = nn.Parameter(
+                distribute_tensor(param.detach(), mesh, [Replicate()]),
+                requires_grad=param.requires_grad,
+            )
+            sub.register_parameter(pname, dparam)
+            if head_sharded and dparam.requires_grad:
+                dparam.register_post_accumulate_grad_hook(_match_grad_placements)
+
+    def inputs(sub: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(a, mesh, [placement], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(sub: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    distribute_module(module, tp, partition, inputs, outputs)
+
+
+def _match_grad_placements(param: nn.Parameter) -> None:
+    """Give an accumulated gradient its parameter's layout: partial sums of a replicated weight
+    used on head-sharded inputs are all-reduced; the replicated ``[V, H]`` gradient of a
+    vocab-sharded embedding keeps only this rank's rows (a local slice, no communication)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)

@@ -1,0 +1,348 @@
+"""Fused lm-head loss: ``hidden @ weight.T`` -> log-probs -> a loss, its gradients formed in forward.
+
+The contract is in ``docs/kernels.md`` ("The fused loss path"); this docstring says how it works.
+
+:func:`microrl.kernels.fused_linear_logprob` cannot form the logits' gradient in its forward: the
+upstream gradients of the log-probs and entropy are unknown until the caller's loss has run, so
+its backward recomputes the logits tiles forward did not keep (8·N·H·V flops with a trainable
+head, 6 with a frozen one, 7.5 and 5.5 at N=2048, V=32768 where two tiles are kept). When the loss
+is a function of the log-probs (and entropy) of *groups of rows* whose partial losses add up, as
+every loss of ``microrl.losses`` is per sequence under the global denominators (docs/losses.md),
+its gradient with respect to a group's log-probs is known as soon as that group's log-probs are.
+So :func:`fused_linear_loss` runs, per row group:
+
+1. the fused kernel's forward on the group's rows (same tiles, online statistics and head
+   transforms: ``linear_logprob._forward``), keeping the group's logits tiles (``z - m_tile``);
+2. the caller's ``loss_fn`` on the group's log-probs and entropy, detached leaves under
+   ``torch.enable_grad()``: the group's partial loss and ``dL/dlogp``, ``dL/dentropy`` by autograd
+   on ``[n]`` tensors (O(n) work);
+3. the kernel's backward with those upstream gradients (``linear_logprob._backward``) on the kept
+   tiles, so no logits tile is recomputed: ``grad_hidden`` rows of the group, and the group's
+   share of ``grad_weight`` (and ``grad_bias``) accumulated into compute-dtype buffers.
+
+Cost: ``2·N·H·V`` (logits) ``+ 2·N·H·V`` (hidden gradient) ``+ 2·N·H·V`` (weight gradient, only
+when the weight requires grad): 4 with a frozen head (LoRA), 6 with a trainable one. Memory: one
+group's logits (at most ``chunk_size`` rows, and at most the kernel's cap of four full 32 MiB
+tiles together with the two working tiles of the gradient pass), O(N) statistics, and the
+gradients themselves (``[N, H]``, ``[V, H]`` when the weight trains), which exist from this
+forward until backward. A group is the union of consecutive ``segments`` (e.g. whole sequences:
+a loss such as GSPO or a per-sequence mean needs all of a sequence's log-probs at once) that fits
+the budget; a single segment longer than that is one group processed in row chunks, and the tiles
+beyond the budget are recomputed in the gradient pass (exact, but back to up to 8·N·H·V there).
+
+The autograd Function's backward only scales the saved gradients by the upstream gradient of the
+loss (a scalar; 1 in a plain ``loss.backward()``). Outputs ``logprobs`` and ``entropy`` are
+detached. Numerics are those of the fused kernel (same tile boundaries and merge order), and the
+loss and its gradients equal the kernel + loss path to the rounding of the compute dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from ._checks import check_linear_logprob_inputs, no_autocast
+from .linear_logprob import (
+    _BUFFER_TILES,
+    WORKING_TILE_ELEMENTS,
+    _backward,
+    _compute_dtype,
+    _forward,
+    _Plan,
+    _plan,
+    _use_native16,
+)
+
+__all__ = ["FusedLossOutput", "GroupLossFn", "fused_linear_loss"]
+
+#: ``loss_fn(start, end, logprobs, entropy) -> (loss, aux)``: the partial loss of the flattened
+#: rows ``[start, end)`` (a 0-d tensor, a differentiable function of the ``[end - start]`` leaves
+#: ``logprobs`` and ``entropy``, the latter None without ``with_entropy``) and anything the caller
+#: wants back (metrics), collected in :attr:`FusedLossOutput.aux` in call order.
+GroupLossFn = Callable[[int, int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class FusedLossOutput:
+    """What :func:`fused_linear_loss` returns.
+
+    Attributes:
+        loss: 0-d, the sum of the groups' losses, with gradients to ``hidden``, ``weight`` and
+            ``bias`` (those that require grad), in the dtype ``loss_fn`` returned.
+        logprobs: ``targets.shape``, detached, as ``fused_linear_logprob`` computes them.
+        entropy: ``targets.shape``, detached, or None without ``with_entropy``.
+        aux: the second value of every ``loss_fn`` call, in row order.
+    """
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    aux: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Non-tensor arguments of the Function (``aux`` is filled in by its forward)."""
+
+    groups: tuple[tuple[int, int], ...]
+    plan: Any  # linear_logprob._Plan of the tallest group chunk (rows, tile, kept tiles)
+    need: tuple[bool, bool, bool]  # gradient to hidden, weight, bias
+    loss_fn: GroupLossFn
+    aux: list = field(default_factory=list)
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
+        with no_autocast(hidden.device.type):
+            loss, logprob, entropy, grads = _run(
+                hidden, weight, bias, targets, row_mask, inv_t, spec
+            )
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        ctx.present = tuple(g is not None for g in grads)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.used = False
+        outs = (logprob,) if entropy is None else (logprob, entropy)
+        ctx.mark_non_differentiable(*outs)
+        return (loss, *outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_loss, *_unused):
+        if ctx.used:
+            raise RuntimeError(
+                "fused_linear_loss: backward ran twice on one forward (retain_graph); its "
+                "gradients were formed in forward and are handed out once"
+            )
+        ctx.used = True
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) if here else None for here in ctx.present]
+        out = []
+        for grad, dtype in zip(grads, ctx.dtypes, strict=True):
+            if grad is None:
+                out.append(None)
+                continue
+            # Scaled in place (the buffers are this Function's own); rounded once to the input's
+            # dtype (the weight gradient is kept in the compute dtype until here).
+            grad.mul_(grad_loss.to(grad.dtype))
+            out.append(grad if grad.dtype == dtype else grad.to(dtype))
+        return (*out, None, None, None, None)
+
+
+def _run(hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
+    """The forward: per row group, kernel forward, ``loss_fn``, kernel backward on kept tiles."""
+    need_h, need_w, need_b = spec.need
+    need_b = need_b and bias is not None
+    cdtype = _compute_dtype(hidden, weight, bias)
+    n = hidden.shape[0]
+    logprob = hidden.new_empty(n, dtype=cdtype)
+    entropy = hidden.new_empty(n, dtype=cdtype) if spec.plan.with_entropy else None
+    grad_h = hidden.new_empty(hidden.shape) if need_h else None
+    # The weight (bias) gradient sums over the groups: accumulated in the compute dtype, rounded
+    # once in backward.
+    grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None
+    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
+    any_grad = need_h or need_w or need_b
+    losses = []
+    for start, end in spec.groups:
+        rows = slice(start, end)
+        h, t = hidden[rows], targets[rows]
+        mask = None if row_mask is None else row_mask[rows]
+        inv = None if inv_t is None else inv_t[rows]
+        plan = _group_plan(spec.plan, end - start, any_grad)
+        out, saved = _forward(h, weight, bias, t, None, mask, inv, plan)
+        lp, ent = out if plan.with_entropy else (out, None)
+        logprob[rows] = lp
+        if ent is not None:
+            entropy[rows] = ent
+        loss, g_lp, g_ent = _group_loss(spec, start, end, lp, ent)
+        losses.append(loss)
+        if not any_grad:
+            continue
+        if g_lp is None and g_ent is None:  # the loss does not depend on these rows
+            if need_h:
+                grad_h[rows] = 0.0
+            continue
+        gh, _, gb = _backward(
+            (h, weight, bias, t, None, mask, inv, *saved),
+            (len(saved) - 3) // 2,
+            plan,
+            (need_h, need_w, need_b),
+            g_lp,
+            g_ent,
+            grad_w_acc=grad_w,
+        )
+        del saved
+        if need_h:
+            grad_h[rows] = gh
+        if need_b:
+            grad_b += gb.to(cdtype)
+    total = torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
+    return total, logprob, entropy, (grad_h, grad_w, grad_b)
+
+
+def _group_loss(spec: _Spec, start: int, end: int, lp: torch.Tensor, ent: torch.Tensor | None):
+    """The caller's loss on detached leaves; its value and the upstream gradients (None when
+    the loss does not depend on them)."""
+    leaves = [lp.detach().requires_grad_()]
+    if ent is not None:
+        leaves.append(ent.detach().requires_grad_())
+    with torch.enable_grad():
+        loss, aux = spec.loss_fn(start, end, leaves[0], leaves[1] if ent is not None else None)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(
+                "fused_linear_loss: loss_fn must return (0-d tensor, aux), got loss "
+                f"{getattr(loss, 'shape', type(loss))}"
+            )
+        spec.aux.append(aux)
+        if not loss.requires_grad:
+            return loss.detach(), None, None
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    g_lp = grads[0]
+    g_ent = grads[1] if ent is not None else None
+    return loss.detach(), g_lp, g_ent
+
+
+def _group_plan(plan, rows: int, any_grad: bool):
+    """The kernel plan of one group of ``rows`` rows: one chunk of all of them when they fit
+    (``plan.rows`` is the tallest that does), else equal chunks; kept tiles within the budget."""
+    height = rows if rows <= plan.rows else -(-rows // -(-rows // plan.rows))
+    tiles_per_chunk = -(-plan.vocab // plan.vocab_tile)
+    count = -(-rows // height) * tiles_per_chunk
+    kept = 0
+    if any_grad:
+        working = 3 if plan.softcap is not None and plan.with_entropy else 2
+        kept = min(count, max(0, _budget() // (height * plan.vocab_tile) - working))
+    return replace(plan, rows=height, kept_tiles=kept)
+
+
+def _budget() -> int:
+    """Compute-dtype elements of the tile buffers: the fused kernel's cap (four full tiles)."""
+    return _BUFFER_TILES * WORKING_TILE_ELEMENTS
+
+
+@dataclass(frozen=True)
+class _GroupPlan(_Plan):
+    """``linear_logprob._Plan`` plus the vocabulary size, for the plans of the groups."""
+
+    vocab: int = 0
+
+
+def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
+    """Consecutive segments merged greedily while the group has at most ``rows`` rows (a longer
+    segment is a group on its own)."""
+    groups, start = [], segments[0]
+    for prev, end in itertools.pairwise(segments):
+        if end - start > rows and prev > start:
+            groups.append((start, prev))
+            start = prev
+    if segments[-1] > start:
+        groups.append((start, segments[-1]))
+    return tuple(groups)
+
+
+def _check_segments(segments, n: int) -> list[int]:
+    if segments is None:
+        return list(range(n + 1)) if n else [0]
+    if isinstance(segments, torch.Tensor) or not isinstance(segments, Sequence):
+        raise ValueError("segments must be a sequence of Python ints (row boundaries) or None")
+    bounds = list(segments)
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+        raise ValueError("segments must hold Python ints")
+    if not bounds or bounds[0] != 0 or bounds[-1] != n:
+        raise ValueError(f"segments must start at 0 and end at the row count {n}, got {bounds[:3]}")
+    if any(b <= a for a, b in itertools.pairwise(bounds)):
+        raise ValueError("segments must be strictly increasing")
+    return bounds
+
+
+def fused_linear_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: GroupLossFn,
+    *,
+    segments: Sequence[int] | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    validate: bool = True,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> FusedLossOutput:
+    """A loss of the lm-head's log-probs (and entropy), with its gradients formed in forward.
+
+    Equivalent to ``lp, ent = fused_linear_logprob(hidden, weight, targets, ...)`` followed by
+    ``sum(loss_fn(s, e, lp.flatten()[s:e], ent.flatten()[s:e])[0] for each group [s, e))`` and
+    its backward, to the rounding of the compute dtype, but without recomputing any logits tile
+    in backward: 4·N·H·V flops with a frozen weight, 6·N·H·V with a trainable one (module
+    docstring; contract in ``docs/kernels.md``).
+
+    Args:
+        hidden, weight, targets, temperature, chunk_size, ignore_index, validate, bias,
+        logit_scale, softcap: as in :func:`microrl.kernels.fused_linear_logprob` (same checks and
+            errors). ``chunk_size`` caps the rows of a group.
+        loss_fn: ``loss_fn(start, end, logprobs, entropy) -> (loss, aux)``, called once per group
+            of flattened rows ``[start, end)`` (consecutive, covering all rows in order), inside
+            this function's forward with autograd enabled, on detached leaves ``[end - start]``
+            (``entropy`` None without ``with_entropy``; ignored positions hold 0). ``loss`` is
+            the group's partial loss, a 0-d tensor whose gradient may flow only to those leaves
+            (the group losses are summed); ``aux`` is collected in the output.
+        segments: boundaries of the flattened rows that a group never splits, Python ints from 0
+            to N (e.g. sequence starts: a per-sequence loss sees whole sequences); None lets a
+            group end at any row.
+        with_entropy: compute the entropy (``loss_fn`` gets it; off by default).
+
+    Returns:
+        :class:`FusedLossOutput` (``loss`` with gradients; ``logprobs``/``entropy`` detached).
+
+    Raises:
+        TypeError, ValueError: as ``fused_linear_logprob``; ``loss_fn`` not callable, bad
+        ``segments``; a ``loss_fn`` that does not return a 0-d tensor (TypeError).
+    """
+    temp, _ = check_linear_logprob_inputs(
+        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
+        bias=bias, logit_scale=logit_scale, softcap=softcap,
+    )  # fmt: skip
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    n = flat_targets.numel()
+    bounds = _check_segments(segments, n)
+    valid = flat_targets != ignore_index
+    flat_targets = torch.where(valid, flat_targets, 0)
+    inv_t = None
+    if isinstance(temp, torch.Tensor):  # an ignored position's temperature is never used
+        inv_t = torch.where(valid, (1.0 / temp).reshape(-1), 1.0)
+    inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
+    grad_on = torch.is_grad_enabled()
+    need = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    native16 = _use_native16(hidden, weight) and (bias is None or bias.dtype != torch.float64)
+    vocab, hidden_size = weight.shape
+    base = _plan(
+        max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), native16,
+        hidden_size, float(logit_scale), None if softcap is None else float(softcap),
+    )  # fmt: skip
+    # The tallest group: its kept tiles and the gradient pass's working tiles fit the budget.
+    tiles = -(-vocab // base.vocab_tile)
+    working = 3 if softcap is not None and with_entropy else 2
+    rows = max(1, min(chunk_size or 1024, _budget() // (base.vocab_tile * (tiles + working))))
+    values = {f.name: getattr(base, f.name) for f in fields(base)}
+    plan = _GroupPlan(**{**values, "rows": rows}, vocab=vocab)
+    spec = _Spec(_groups(bounds, rows), plan, need, loss_fn)
+    out = _FusedLinearLoss.apply(hidden_2d, weight, bias, flat_targets, valid, inv_t, spec)
+    loss, logprob = out[0], out[1]
+    entropy = out[2].view(targets.shape) if with_entropy else None
+    return FusedLossOutput(loss, logprob.view(targets.shape), entropy, spec.aux)
