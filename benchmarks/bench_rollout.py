@@ -5,8 +5,9 @@
 
 Builds a random Qwen2 (nothing downloaded) under an ActorEngine with LoRA, as the recipes do, and
 samples ``--samples`` responses to each of ``--prompts`` random prompts of ``--prompt-len`` tokens
-with each backend, ``max_new_tokens`` each (EOS is never sampled: an id outside the vocabulary
-the model can produce is used, so both backends generate the same number of tokens). The time is
+with each backend, up to ``max_new_tokens`` each (the EOS id is the last of the vocabulary, which a
+random model samples with probability ~1/V per token: nearly every response is full length, and
+throughput counts the response tokens each backend actually produced). The time is
 the median over ``--repeats`` calls after a warm-up call (vLLM compiles on its first), and the
 ratio is measured in the same run. Needs vLLM (docs/rollouts.md).
 """
@@ -21,6 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from microrl.configs import ActorConfig, LoraConfig
+from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import HFRollout, SamplingParams, VLLMRollout
 
@@ -29,10 +31,9 @@ def _tokenizer(vocab: int):
     """A stand-in tokenizer: ids only (the benchmark passes token ids, decodes nothing useful)."""
     from tokenizers import Tokenizer, models
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab + 2)}, unk_token="t0"))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    # pad = 0; eos = vocab + 1: beyond the model's vocabulary, never sampled.
-    fast.add_special_tokens({"pad_token": "t0", "eos_token": f"t{vocab + 1}"})
+    fast.add_special_tokens({"pad_token": "t0", "eos_token": f"t{vocab - 1}"})
     return fast
 
 
@@ -58,6 +59,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm-dtype", default="auto", help="VLLMConfig.dtype")
+    parser.add_argument(
+        "--compile", action="store_true", help="let vLLM compile (enforce_eager=False)"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -72,17 +77,20 @@ def main() -> None:
     )
     tokenizer = _tokenizer(args.vocab)
     engine = ActorEngine(Qwen2ForCausalLM(config), ActorConfig(lora=LoraConfig(rank=8)))
-    prompts = torch.randint(1, args.vocab, (args.prompts, args.prompt_len)).tolist()
+    prompts = torch.randint(1, args.vocab - 1, (args.prompts, args.prompt_len)).tolist()
     params = SamplingParams(num_samples=args.samples, max_new_tokens=args.max_new_tokens)
     rows = []
     hf_time, hf_tokens = _time(HFRollout(engine, tokenizer), prompts, params, args.repeats)
     rows.append(("hf (transformers generate)", hf_time, hf_tokens))
-    vllm = VLLMRollout(engine, tokenizer)
+    vllm_config = VLLMConfig(dtype=args.vllm_dtype, enforce_eager=not args.compile)
+    vllm = VLLMRollout(engine, tokenizer, vllm_config)
     try:
         vllm_time, vllm_tokens = _time(vllm, prompts, params, args.repeats)
     finally:
         vllm.close()
-    rows.append(("vllm (colocated, in process)", vllm_time, vllm_tokens))
+    rows.append(
+        (f"vllm (in process, {args.vllm_dtype}, eager={not args.compile})", vllm_time, vllm_tokens)
+    )
     print(
         f"Qwen2 H={args.hidden} layers={args.layers} heads={args.heads} V={args.vocab}, "
         f"{args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt + "

@@ -61,6 +61,17 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._tiles import (
+    _gather_tile,
+    _masked_rows,
+    _merge,
+    _or_zeros,
+    _scaled_rows,
+    _scatter_tile,
+    _take,
+    _tile_stats,
+    _zero_unkept,
+)
 
 __all__ = ["vocab_parallel_linear_logprob"]
 
@@ -89,30 +100,12 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
         dist.all_reduce(t, op=op, group=group)
 
 
-def _take(t: torch.Tensor, rows: slice, idx: torch.Tensor | None) -> torch.Tensor:
-    """The rows of one chunk: a view when every row is processed in order, else gathered."""
-    return t[rows] if idx is None else t.index_select(0, idx)
-
-
-def _masked_rows(h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """Rows ``h`` with those ``keep`` marks False replaced by 0, before any arithmetic (a NaN row
-    would otherwise reach the matmuls: NaN * 0 is NaN)."""
-    return h if keep is None else torch.where(keep.unsqueeze(1), h, 0.0)
-
-
-def _scaled(h: torch.Tensor, inv: torch.Tensor | float) -> torch.Tensor:
-    """``h / T``: folded into the rows, it saves a pass over every tile."""
-    if isinstance(inv, torch.Tensor):
-        return h * inv.unsqueeze(1)
-    return h * inv if inv != 1.0 else h
-
-
 def _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx):
     """One chunk's rows in the compute dtype (unscaled, scaled by 1/T), local targets and 1/T."""
     real = None if row_mask is None else _take(row_mask, rows, idx)
     h = _masked_rows(_take(hidden, rows, idx), real).to(cdtype)
     inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
-    return h, _scaled(h, inv), _take(targets, rows, idx) - plan.vocab_start, inv
+    return h, _scaled_rows(h, inv), _take(targets, rows, idx) - plan.vocab_start, inv
 
 
 def _local_stats(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan, cdtype):
@@ -137,40 +130,13 @@ def _local_stats(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan
             w_c = weight[j : min(j + plan.vocab_tile, plan.real_rows)].to(cdtype)
             r, w = h_mm.shape[0], w_c.shape[0]
             z = torch.mm(h_mm, w_c.T, out=buf[: r * w].view(r, w))
-            _gather(z, t - j, picked)
+            _gather_tile(z, t - j, picked)
             tile = _tile_stats(z, scratch, plan.with_entropy)
             stats = tile if stats is None else _merge(stats, tile)
         row_max[rows], row_sum[rows] = stats[0], stats[1]
         if plan.with_entropy:
             row_a[rows] = stats[2]
     return row_max, row_sum, row_a, target_logit
-
-
-def _gather(z: torch.Tensor, local_targets: torch.Tensor, picked: torch.Tensor) -> None:
-    """``picked[i] = z[i, local_targets[i]]`` for the targets inside this tile."""
-    inside = (local_targets >= 0) & (local_targets < z.shape[1])
-    values = z.gather(1, local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-    picked.copy_(torch.where(inside, values, picked))
-
-
-def _tile_stats(z: torch.Tensor, scratch: torch.Tensor, with_entropy: bool):
-    """Max ``m``, ``S = sum exp(z - m)`` and ``A = sum exp(z - m) (z - m)`` of one tile."""
-    m = z.amax(dim=1, keepdim=True)
-    z.sub_(m)
-    e = torch.exp(z, out=scratch[: z.numel()].view_as(z))
-    s = e.sum(dim=1)
-    return m.squeeze(1), s, e.mul_(z).sum(dim=1) if with_entropy else None
-
-
-def _merge(run, tile):
-    """Online merge of two disjoint vocabulary parts' statistics at their joint max."""
-    (m_r, s_r, a_r), (m_t, s_t, a_t) = run, tile
-    m = torch.maximum(m_r, m_t)
-    d_r, d_t = m_r - m, m_t - m
-    w_r, w_t = d_r.exp(), d_t.exp()
-    s = w_r * s_r + w_t * s_t
-    a = None if a_r is None else w_r * (a_r + d_r * s_r) + w_t * (a_t + d_t * s_t)
-    return m, s, a
 
 
 def _combine(local, targets_local, plan: _Plan):
@@ -243,11 +209,6 @@ class _VocabParallelLinearLogProb(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
-def _zero_unkept(values: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
-    """Outputs of ignored rows zeroed (``validate=False``: every row was computed, masked)."""
-    return values if row_mask is None else torch.where(row_mask, values, 0.0)
-
-
 def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
     hidden, weight, targets, rows_idx, row_mask, inv_t, row_max, total, ent = saved
     need_h, need_w = need
@@ -293,7 +254,7 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
                     g.mul_(torch.addcmul(c, z, b, out=z))
                 else:
                     g.mul_(c)
-                _scatter(g, t - j, g_lp)
+                _scatter_tile(g, t - j, g_lp)
                 if need_h:
                     gh.addmm_(g, w_c)
                 if need_w:
@@ -308,17 +269,6 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
             grad_h = hidden.new_zeros(hidden.shape)
             grad_h.index_copy_(0, rows_idx, gh_all.to(hidden.dtype))
     return grad_h, None if grad_w is None else grad_w.to(weight.dtype)
-
-
-def _scatter(g: torch.Tensor, local_targets: torch.Tensor, values: torch.Tensor) -> None:
-    """``g[i, local_targets[i]] += values[i]`` for the targets inside this tile."""
-    inside = (local_targets >= 0) & (local_targets < g.shape[1])
-    index = local_targets.clamp(0, g.shape[1] - 1).unsqueeze(1)
-    g.scatter_add_(1, index, torch.where(inside, values, 0.0).unsqueeze(1))
-
-
-def _or_zeros(grad, n, like, dtype):
-    return like.new_zeros(n, dtype=dtype) if grad is None else grad.to(dtype)
 
 
 def _is_dtensor(t) -> bool:

@@ -51,6 +51,7 @@ def test_root_is_public_its_outputs_are_not_views_and_it_is_gathered_once(tmp_pa
     assert passed[0] == [
         "root_marked_at_set_up",
         *[f"no_view_warning_and_one_process_update[{n}]" for n in names],
+        *[f"fused_loss_update_is_the_one_process_update[{n}]" for n, _, _ in _FUSED_LOSS_CASES],
         *[f"view_warning_scenario_is_benign[{n}]" for n in names],
         "root_gathered_once_per_micro_batch",
     ]
@@ -86,11 +87,20 @@ def _critic():
 
 
 # name, role, config: the views come from the fused kernel (both outputs: the entropy enters the
-# loss) and from the value head's squeeze; full fine-tuning gives the lm head (root) a gradient.
+# loss; fuse_loss off, so the loss runs after the head) and from the value head's squeeze; full
+# fine-tuning gives the lm head (root) a gradient.
+_ENTROPY = PolicyLossConfig(entropy_coef=0.01)
 _CASES = [
-    ("actor_fused_full", "actor", lambda: _actor(policy_loss=PolicyLossConfig(entropy_coef=0.01))),
-    ("actor_fused_lora", "actor", lambda: _actor(lora=4)),
+    ("actor_fused_full", "actor", lambda: _actor(policy_loss=_ENTROPY, fuse_loss=False)),
+    ("actor_fused_lora", "actor", lambda: _actor(lora=4, fuse_loss=False)),
     ("critic", "critic", _critic),
+]
+# The fused loss path under FSDP2: the head returns the loss itself (a 0-d tensor formed inside,
+# not a view) with gradients computed in forward; the 2-rank update must still be the one-process
+# update, for a trainable (root) lm head and for LoRA.
+_FUSED_LOSS_CASES = [
+    ("actor_fused_loss_full", "actor", lambda: _actor(policy_loss=_ENTROPY)),
+    ("actor_fused_loss_lora", "actor", lambda: _actor(lora=4)),
 ]
 
 
@@ -156,6 +166,10 @@ def scenario_fsdp(rank: int) -> list[str]:
             views = _grad_outputs_are_views(engine)
             refs[name], _ = _update(engine, batch)
             assert views and all(views), f"{name}: the head no longer returns views ({views})"
+        for name, role, config in _FUSED_LOSS_CASES:
+            engine = _engine(role, config())
+            assert engine.fuses_loss(None), f"{name}: the fused loss path is not taken"
+            refs[name], _ = _update(engine, batch)
         return refs
 
     refs = single_process(references)
@@ -188,6 +202,13 @@ def scenario_fsdp(rank: int) -> list[str]:
         for n, d in delta.items():
             _close(d, refs[name][n], f"{name} {n}")
         passed.append(f"no_view_warning_and_one_process_update[{name}]")
+    for name, role, config in _FUSED_LOSS_CASES:
+        engine = _engine(role, config())
+        delta, caught = _update(engine, mine)
+        assert not [m for m in caught if VIEW_WARNING in m], (name, caught)
+        for n, d in delta.items():
+            _close(d, refs[name][n], f"{name} {n}")
+        passed.append(f"fused_loss_update_is_the_one_process_update[{name}]")
 
     # ---- the warning's own scenario (copies off): it is raised, and the update is still exact
     copy = D._copy_grad_outputs

@@ -173,7 +173,7 @@ def test_unsupported_head_dim_is_refused_by_name(tokenizer):
     from microrl.engine.rollout.vllm import VLLMRollout
     from microrl.tasks.toy_model import build_model
 
-    model = build_model(ModelConfig(hidden_size=64, num_heads=4), tokenizer)  # head_dim 16
+    model = build_model(ModelConfig(hidden_size=64, num_heads=4, head_dim=16), tokenizer)
     engine = ActorEngine(model, ActorConfig(lora=LoraConfig(rank=4)))
     with pytest.raises(ValueError, match="head_dim=16"):
         VLLMRollout(engine, tokenizer)

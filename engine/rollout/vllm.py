@@ -252,9 +252,17 @@ class VLLMRollout(RolloutBackend):
 
         sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         requests = [{"prompt_token_ids": list(ids)} for ids in sequences]
-        outputs = self.llm.generate(
-            requests, sampling, lora_request=self._lora_request, use_tqdm=False
-        )
+        # With an adapter on a model whose lm head vLLM wraps for LoRA (Llama), vLLM 0.32's CPU
+        # LoRA logits path indexes the prompt positions of a batch with one entry per request
+        # (an einsum shape error): one request per call sidesteps it.
+        batches = [[r] for r in requests] if self._lora_request is not None else [requests]
+        outputs = [
+            out
+            for batch in batches
+            for out in self.llm.generate(
+                batch, sampling, lora_request=self._lora_request, use_tqdm=False
+            )
+        ]
         scored = []
         for ids, output in zip(sequences, outputs, strict=True):
             steps = output.prompt_logprobs[1:]  # the first token has no prediction (None)
