@@ -130,11 +130,14 @@ def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
 
 
 def _shard_group(grads) -> dist.ProcessGroup | None:
-    """The process group a sharded (DTensor) gradient is split over; None if none is sharded."""
+    """The process group a sharded (DTensor) gradient is split over; None if none is sharded.
+
+    On a 2-D (data, tensor) mesh the shards of one gradient span both dimensions: the reduction
+    then runs over every rank (the mesh is the whole job's, and every rank runs the audit)."""
     for grad in grads:
         mesh = getattr(grad, "device_mesh", None)
         if mesh is not None:
-            return mesh.get_group()
+            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
     return None
 
 

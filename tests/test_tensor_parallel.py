@@ -201,7 +201,8 @@ def _cases():
     """``(name, model, role, config, steps)``: LoRA cases take 2 steps (B starts at 0, so A
     gets its first non-zero gradient in the second)."""
     lora4 = dict(lora=4)
-    yield "actor[full]", tiny_model, "actor", actor_config(), 1
+    # The grad-flow audit runs on the tensor-parallel gradients too (it raises on a dead one).
+    yield "actor[full]", tiny_model, "actor", actor_config(check_grad_flow="error"), 1
     yield "actor[lora]", tiny_model, "actor", actor_config(**lora4), 2
     yield (
         "actor[lora,packed,grad_ckpt,budget]",
@@ -352,7 +353,7 @@ def scenario_tp(rank: int, tmp: Path) -> list[str]:
 
 
 def _dp_tp_cases():
-    yield "dp_tp[full]", "actor", actor_config()
+    yield "dp_tp[full]", "actor", actor_config(check_grad_flow="error")
     yield "dp_tp[lora]", "actor", actor_config(lora=4, pack_sequences=True)
     critic = dict(micro_batch_size=2, optim=OptimConfig(name="sgd", lr=1.0, grad_clip=None))
     yield "dp_tp[critic]", "critic", CriticConfig(**critic)
