@@ -52,10 +52,10 @@ from .linear_logprob import (
     WORKING_TILE_ELEMENTS,
     _backward,
     _compute_dtype,
+    _flat_inputs,
     _forward,
     _Plan,
     _plan,
-    _use_native16,
 )
 
 __all__ = ["FusedLossOutput", "GroupLossFn", "fused_linear_loss"]
@@ -313,23 +313,19 @@ def fused_linear_loss(
     )  # fmt: skip
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1).long()
+    hidden_2d, flat_targets, valid, inv_t, inv_scalar, native16 = _flat_inputs(
+        hidden, weight, targets, temp, ignore_index, bias
+    )
     n = flat_targets.numel()
     bounds = _check_segments(segments, n)
-    valid = flat_targets != ignore_index
-    flat_targets = torch.where(valid, flat_targets, 0)
-    inv_t = None
-    if isinstance(temp, torch.Tensor):  # an ignored position's temperature is never used
-        inv_t = torch.where(valid, (1.0 / temp).reshape(-1), 1.0)
-    inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
+    if inv_t is not None:  # an ignored position's temperature is never used
+        inv_t = torch.where(valid, inv_t, 1.0)
     grad_on = torch.is_grad_enabled()
     need = (
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
-    native16 = _use_native16(hidden, weight) and (bias is None or bias.dtype != torch.float64)
     vocab, hidden_size = weight.shape
     base = _plan(
         max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), native16,

@@ -513,6 +513,24 @@ def _addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool)
         acc += _mm_fp32(a, b, torch.empty_like(acc))
 
 
+def _flat_inputs(hidden, weight, targets, temp, ignore_index: int, bias):
+    """What both fused functions (this one and :func:`~microrl.kernels.fused_linear_loss`) start
+    from: ``hidden`` as ``[N, H]`` and ``targets`` as ``[N]`` (flattened here, under autograd, so
+    the Function receives tensors still connected to the graph), ignored targets replaced by 0,
+    the ``valid`` mask, the per-token inverse temperature ``[N]`` (None for a scalar one, which is
+    ``inv_scalar``), and whether the 16-bit CUDA matmuls apply."""
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    valid = flat_targets != ignore_index
+    flat_targets = torch.where(valid, flat_targets, 0)
+    per_token = isinstance(temp, torch.Tensor)
+    inv_t = (1.0 / temp).reshape(-1) if per_token else None
+    inv_scalar = 1.0 if per_token else 1.0 / temp
+    # A float64 bias makes the compute dtype float64: then 16-bit matmuls would not do.
+    native16 = _use_native16(hidden, weight) and (bias is None or bias.dtype != torch.float64)
+    return hidden_2d, flat_targets, valid, inv_t, inv_scalar, native16
+
+
 def fused_linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -591,12 +609,9 @@ def fused_linear_logprob(
         bias=bias, logit_scale=logit_scale, softcap=softcap,
     )  # fmt: skip
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
-    # Flatten here, under autograd, so the Function receives tensors still connected to the graph.
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1).long()
-    valid = flat_targets != ignore_index
-    flat_targets = torch.where(valid, flat_targets, 0)
-    inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
+    hidden_2d, flat_targets, valid, inv_t, inv_scalar, native16 = _flat_inputs(
+        hidden, weight, targets, temp, ignore_index, bias
+    )
     num_rows = valid.numel()
     rows_idx, row_mask = None, None  # all rows, in order
     if count is None:  # no sync: every row, the ignored ones masked inside
@@ -606,13 +621,10 @@ def fused_linear_logprob(
     elif count < num_rows:  # the count came with the validation's sync: compact without another
         rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
         num_rows = count
-    inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
     grad_on = torch.is_grad_enabled()
     need = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
     if bias is not None and grad_on and bias.requires_grad and not any(need):
         need = True, False  # a backward runs for the bias alone: plan (and keep tiles) for one
-    # A float64 bias makes the compute dtype float64: then 16-bit matmuls would not do.
-    native16 = _use_native16(hidden, weight) and (bias is None or bias.dtype != torch.float64)
     vocab, hidden_size = weight.shape
     plan = _plan(
         max(1, num_rows), vocab, chunk_size, with_entropy, inv_scalar, need, native16, hidden_size,
