@@ -1,9 +1,10 @@
-"""Row and tile helpers of the fused lm-head kernel (``linear_logprob``): pure tensor functions.
+"""Row and tile helpers of the fused lm-head kernels (``linear_logprob``, ``vocab_parallel``):
+pure tensor functions.
 
-The online (max-rescaled) softmax statistics of a logits tile and their merge, the target
-gather/scatter, row selection and masking, and the logit transform that follows the head matmul
-(bias, scale, soft-capping) with its gradient factor. None of them allocates a tile: they work in
-the buffers ``linear_logprob`` hands them. The contract is in ``docs/kernels.md``.
+The logits tile itself (the head matmul with its bias), the online (max-rescaled) softmax
+statistics of a tile and their merge, the target gather/scatter, row selection and masking, and
+the logit transform that follows the head matmul (scale, soft-capping) with its gradient factor.
+None of them allocates a tile: they work in the buffers the kernels hand them. The contract is in ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -130,3 +131,28 @@ def _softcap_(u: torch.Tensor, post: torch.Tensor | float) -> torch.Tensor:
 def _cap_slope_(t: torch.Tensor) -> torch.Tensor:
     """``t -> 1 - t**2`` in place, one pass: the derivative of ``tanh`` at ``tanh = t``."""
     return torch.addcmul(t.new_ones(()), t, t, value=-1.0, out=t)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` for 16-bit ``a``, ``b`` with float32 accumulation and float32 ``out``."""
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _logits_tile(h_mm, w_mm, pre, buf, native16, bias=None):
+    """``[r, w]`` tile ``pre * (h @ W_tile.T + b_tile)`` in the compute dtype, written into
+    ``buf`` (the tempered logits unless soft-capping follows, see ``_row_factors``): from rows
+    already multiplied by ``pre`` and a weight tile, both in the compute dtype (the bias term
+    ``pre * b`` is written first and the product accumulated onto it), or (``native16``) from the
+    16-bit inputs, with float32 output, then ``+ b`` and ``* pre``."""
+    r, w = h_mm.shape[0], w_mm.shape[0]
+    z = buf[: r * w].view(r, w)
+    if not native16:
+        if bias is None:
+            return torch.mm(h_mm, w_mm.T, out=z)
+        factor = pre.unsqueeze(1) if isinstance(pre, torch.Tensor) else pre
+        torch.mul(bias.expand(r, w), factor, out=z)
+        return z.addmm_(h_mm, w_mm.T)
+    _mm_fp32(h_mm, w_mm.T, z)
+    if bias is not None:
+        z.add_(bias)
+    return _mul_rows_(z, pre)

@@ -100,9 +100,10 @@ from ._tiles import (
     _cap_slope_,
     _cast,
     _gather_tile,
+    _logits_tile,
     _masked_rows,
     _merge,
-    _mul_rows_,
+    _mm_fp32,
     _or_zeros,
     _put,
     _row_affine,
@@ -236,36 +237,11 @@ def _use_native16(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return _OUT_DTYPE_SUPPORT[key]
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = a @ b`` for 16-bit ``a``, ``b`` with float32 accumulation and float32 ``out``."""
-    return torch.mm(a, b, out_dtype=torch.float32, out=out)
-
-
 def _as_compute(tile: torch.Tensor, wbuf: torch.Tensor | None) -> torch.Tensor:
     """A weight tile in the compute dtype: itself, or its upcast copy into ``wbuf``."""
     if wbuf is None:
         return tile
     return wbuf[: tile.numel()].view(tile.shape).copy_(tile)
-
-
-def _logits_tile(h_mm, w_mm, pre, buf, native16, bias=None):
-    """``[r, w]`` tile ``pre * (h @ W_tile.T + b_tile)`` in the compute dtype, written into
-    ``buf`` (the tempered logits unless soft-capping follows, see ``_row_factors``): from rows
-    already multiplied by ``pre`` and a weight tile, both in the compute dtype (the bias term
-    ``pre * b`` is written first and the product accumulated onto it), or (``native16``) from the
-    16-bit inputs, with float32 output, then ``+ b`` and ``* pre``."""
-    r, w = h_mm.shape[0], w_mm.shape[0]
-    z = buf[: r * w].view(r, w)
-    if not native16:
-        if bias is None:
-            return torch.mm(h_mm, w_mm.T, out=z)
-        factor = pre.unsqueeze(1) if isinstance(pre, torch.Tensor) else pre
-        torch.mul(bias.expand(r, w), factor, out=z)
-        return z.addmm_(h_mm, w_mm.T)
-    _mm_fp32(h_mm, w_mm.T, z)
-    if bias is not None:
-        z.add_(bias)
-    return _mul_rows_(z, pre)
 
 
 class _FusedLinearLogProb(torch.autograd.Function):

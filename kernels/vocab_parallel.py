@@ -62,12 +62,18 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
 from ._tiles import (
+    _cap_slope_,
+    _cast,
     _gather_tile,
+    _logits_tile,
     _masked_rows,
     _merge,
     _or_zeros,
+    _row_affine,
+    _row_factors,
     _scaled_rows,
     _scatter_tile,
+    _softcap_,
     _take,
     _tile_stats,
     _zero_unkept,
@@ -93,6 +99,8 @@ class _Plan:
     vocab_tile: int
     with_entropy: bool
     inv_temperature: float  # used when no per-token temperature tensor is given
+    scale: float = 1.0  # logit multiplier, after the bias and before the soft-capping
+    softcap: float | None = None  # soft-capping c: logits -> c * tanh(logits / c)
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -101,14 +109,25 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
 
 
 def _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx):
-    """One chunk's rows in the compute dtype (unscaled, scaled by 1/T), local targets and 1/T."""
+    """One chunk's rows in the compute dtype, unscaled and scaled by ``pre``, its local targets
+    and the logit transform's factors ``(pre, post, dz)`` (``_row_factors``: ``pre = 1 / T``
+    without a scale or cap)."""
     real = None if row_mask is None else _take(row_mask, rows, idx)
     h = _masked_rows(_take(hidden, rows, idx), real).to(cdtype)
     inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
-    return h, _scaled_rows(h, inv), _take(targets, rows, idx) - plan.vocab_start, inv
+    factors = _row_factors(inv, plan.scale, plan.softcap)
+    return h, _scaled_rows(h, factors[0]), _take(targets, rows, idx) - plan.vocab_start, factors
 
 
-def _local_stats(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan, cdtype):
+def _logits(h_mm, weight, bias, j, plan: _Plan, cdtype, buf, pre, post):
+    """The shard's final logits of vocabulary tile ``j`` (bias, scale, cap and 1/T applied)."""
+    w_c = weight[j : min(j + plan.vocab_tile, plan.real_rows)].to(cdtype)
+    b_tile = None if bias is None else bias[j : j + w_c.shape[0]].to(cdtype)
+    z = _logits_tile(h_mm, w_c, pre, buf, False, b_tile)
+    return (z if post is None else _softcap_(z, post)), w_c
+
+
+def _local_stats(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan, cdtype):
     """Per processed row, the statistics of this shard's real rows: max ``m``, ``S``, ``A`` (or
     None) and the target logit (0 where the target is not in this shard)."""
     m = hidden.shape[0] if rows_idx is None else rows_idx.numel()
@@ -123,13 +142,13 @@ def _local_stats(hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan
     for start in range(0, m, plan.rows):
         rows = slice(start, min(start + plan.rows, m))
         idx = None if rows_idx is None else rows_idx[rows]
-        _, h_mm, t, _ = _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx)
+        _, h_mm, t, (pre, post, _) = _rows_of(
+            hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx
+        )
         picked = target_logit[rows]
         stats = None
         for j in range(0, plan.real_rows, plan.vocab_tile):
-            w_c = weight[j : min(j + plan.vocab_tile, plan.real_rows)].to(cdtype)
-            r, w = h_mm.shape[0], w_c.shape[0]
-            z = torch.mm(h_mm, w_c.T, out=buf[: r * w].view(r, w))
+            z, _ = _logits(h_mm, weight, bias, j, plan, cdtype, buf, pre, post)
             _gather_tile(z, t - j, picked)
             tile = _tile_stats(z, scratch, plan.with_entropy)
             stats = tile if stats is None else _merge(stats, tile)
@@ -175,13 +194,18 @@ class _VocabParallelLinearLogProb(torch.autograd.Function):
     # Never ctx.set_materialize_grads(False): an unused output's gradient must arrive as zeros
     # (and backward treats None as zeros anyway), or its branch is silently dropped.
     @staticmethod
-    def forward(ctx: FunctionCtx, hidden, weight, targets, rows_idx, row_mask, inv_t, plan: _Plan):
-        # hidden [N, H] (replicated), weight [V_local, H] (this rank's shard), targets [N] global
-        # ids (ignored ones replaced by 0); rows_idx [M] rows to process or None (all, in order);
-        # row_mask [N] bool (False: ignored, masked) or None; inv_t [N] or None.
-        cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    def forward(
+        ctx: FunctionCtx, hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan
+    ):
+        # hidden [N, H] (replicated), weight [V_local, H] (this rank's shard), bias [V_local] or
+        # None, targets [N] global ids (ignored ones replaced by 0); rows_idx [M] rows to process
+        # or None (all, in order); row_mask [N] bool (False: ignored, masked) or None; inv_t [N]
+        # or None.
+        cdtype = _compute_dtype(hidden, weight, bias)
         with no_autocast(hidden.device.type):
-            local = _local_stats(hidden, weight, targets, rows_idx, row_mask, inv_t, plan, cdtype)
+            local = _local_stats(
+                hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan, cdtype
+            )
             t_proc = targets if rows_idx is None else targets.index_select(0, rows_idx)
             t_local = t_proc - plan.vocab_start
             m, total, a, shifted_target = _combine(local, t_local, plan)
@@ -195,27 +219,35 @@ class _VocabParallelLinearLogProb(torch.autograd.Function):
                 ent = log_sum - a / total
                 entropy = new(n, dtype=cdtype)
                 _put(entropy, rows_idx, _zero_unkept(ent, row_mask))
-        ctx.save_for_backward(hidden, weight, targets, rows_idx, row_mask, inv_t, m, total, ent)
+        ctx.save_for_backward(
+            hidden, weight, bias, targets, rows_idx, row_mask, inv_t, m, total, ent
+        )
         ctx.plan = plan
         return (logprob, entropy) if plan.with_entropy else logprob
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
-        need = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
         with no_autocast(saved[0].device.type):
-            grad_h, grad_w = _backward(saved, ctx.plan, need, grad_logprob, grad_entropy)
-        return grad_h, grad_w, None, None, None, None, None
+            grad_h, grad_w, grad_b = _backward(saved, ctx.plan, need, grad_logprob, grad_entropy)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _compute_dtype(hidden, weight, bias) -> torch.dtype:
+    return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
 
 
 def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
-    hidden, weight, targets, rows_idx, row_mask, inv_t, row_max, total, ent = saved
-    need_h, need_w = need
-    cdtype = compute_dtype(hidden.dtype, weight.dtype)
+    hidden, weight, bias, targets, rows_idx, row_mask, inv_t, row_max, total, ent = saved
+    need_h, need_w, need_b = need
+    need_b = need_b and bias is not None
+    cdtype = _compute_dtype(hidden, weight, bias)
     n = hidden.shape[0]
     m = n if rows_idx is None else rows_idx.numel()
     grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None  # padding rows: 0
+    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None  # column sums of G
     gh_all = hidden.new_zeros((m, hidden.shape[1]), dtype=cdtype) if need_h else None
     # A missing upstream gradient is a zero gradient, never a dropped branch.
     g_lp_all = _or_zeros(grad_logprob, n, hidden, cdtype)
@@ -226,15 +258,22 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
     if rows_idx is not None:
         g_lp_all = g_lp_all.index_select(0, rows_idx)
         g_ent_all = g_ent_all.index_select(0, rows_idx)
-    if m > 0 and plan.real_rows > 0 and (need_h or need_w):
+    if m > 0 and plan.real_rows > 0 and (need_h or need_w or need_b):
         size = plan.rows * plan.vocab_tile
         buf, scratch = hidden.new_empty(size, dtype=cdtype), hidden.new_empty(size, dtype=cdtype)
+        # Soft-capping with entropy: s = z - m goes next to tanh (kept for the slope).
+        capped = plan.softcap is not None and plan.with_entropy
+        shifted_buf = hidden.new_empty(size, dtype=cdtype) if capped else None
         log_sum = total.log()
         for start in range(0, m, plan.rows):
             rows = slice(start, min(start + plan.rows, m))
             idx = None if rows_idx is None else rows_idx[rows]
-            h_c, h_mm, t, inv = _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx)
-            g_lp, g_ent = g_lp_all[rows] * inv, g_ent_all[rows] * inv
+            h_c, h_mm, t, (pre, post, dz) = _rows_of(
+                hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx
+            )
+            # G is the gradient with respect to z = h @ W.T + b: the logits' gradient times
+            # d logits / dz = scale / T, and the soft-capping slope 1 - tanh**2 per element.
+            g_lp, g_ent = g_lp_all[rows] * dz, g_ent_all[rows] * dz
             # s = z - m, e = exp(s), p = e / S, log p = s - log S:
             # G = p (b log p + c) = e (b / S * s + (c - b log S) / S), plus g_lp / T at the target.
             inv_sum = total[rows].reciprocal()
@@ -246,15 +285,25 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
             shift = row_max[rows].unsqueeze(1)
             gh = gh_all[rows] if need_h else None
             for j in range(0, plan.real_rows, plan.vocab_tile):
-                w_c = weight[j : min(j + plan.vocab_tile, plan.real_rows)].to(cdtype)
-                r, w = h_mm.shape[0], w_c.shape[0]
-                z = torch.mm(h_mm, w_c.T, out=buf[: r * w].view(r, w)).sub_(shift)
-                g = torch.exp(z, out=scratch[: r * w].view(r, w))
+                z, w_c = _logits(h_mm, weight, bias, j, plan, cdtype, buf, pre, None)
+                r, w = z.shape
+                e = scratch[: r * w].view(r, w)
+                if post is None:
+                    s = z.sub_(shift)
+                else:  # z keeps tanh for the slope; s = post * tanh - m beside it (or in e)
+                    z.tanh_()
+                    s = shifted_buf[: r * w].view(r, w) if capped else e
+                    s = _row_affine(z, -row_max[rows], post, s)
+                g = torch.exp(s, out=e)
                 if plan.with_entropy:
-                    g.mul_(torch.addcmul(c, z, b, out=z))
+                    g.mul_(torch.addcmul(c, s, b, out=s))
                 else:
                     g.mul_(c)
                 _scatter_tile(g, t - j, g_lp)
+                if post is not None:  # z holds tanh: the soft-capping slope 1 - tanh**2
+                    g.mul_(_cap_slope_(z))
+                if need_b:
+                    grad_b[j : j + w] += g.sum(dim=0)
                 if need_h:
                     gh.addmm_(g, w_c)
                 if need_w:
@@ -268,7 +317,8 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
         else:
             grad_h = hidden.new_zeros(hidden.shape)
             grad_h.index_copy_(0, rows_idx, gh_all.to(hidden.dtype))
-    return grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+    grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+    return grad_h, grad_w, _cast(grad_b, bias.dtype if need_b else None)
 
 
 def _is_dtensor(t) -> bool:
@@ -319,6 +369,24 @@ def _shard_of(weight, group, vocab_start, vocab_size):
     return weight, group, vocab_start, vocab_size
 
 
+def _local_bias(bias, weight):
+    """The local ``[V_local]`` bias: a DTensor bias must share the DTensor weight's mesh and
+    ``Shard(0)`` layout (its ``to_local()`` is differentiable); a plain one goes with a plain
+    weight."""
+    if not _is_dtensor(bias) and not _is_dtensor(weight):
+        return bias
+    if bias is None:
+        return None
+    if not (_is_dtensor(bias) and _is_dtensor(weight)) or (
+        bias.device_mesh != weight.device_mesh or bias.placements != weight.placements
+    ):
+        raise ValueError(
+            "bias must be a DTensor on the weight's mesh with the weight's placements (Shard(0)) "
+            "when the weight is a DTensor, and a plain tensor when it is not"
+        )
+    return bias.to_local()
+
+
 def _not_int(x) -> bool:
     return isinstance(x, bool) or not isinstance(x, int)
 
@@ -336,6 +404,9 @@ def vocab_parallel_linear_logprob(
     chunk_size: int | None = None,
     ignore_index: int = -100,
     validate: bool = True,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head whose vocabulary is split over a TP group.
 
@@ -361,6 +432,10 @@ def vocab_parallel_linear_logprob(
         temperature, with_entropy, chunk_size, ignore_index, validate: as in
             ``fused_linear_logprob`` (``validate=True`` checks targets against ``vocab_size``,
             with one host sync per call; ``chunk_size`` tiles the local shard).
+        bias: None, or this rank's ``[V_local]`` slice of the lm-head bias (a ``Shard(0)``
+            DTensor on the weight's mesh when the weight is one); its gradient stays local.
+        logit_scale, softcap: as in ``fused_linear_logprob`` (elementwise on the logits, so
+            each rank applies them to its own columns).
 
     Returns:
         ``(logprobs [...], entropy [...] | None)``, identical on every rank, float32 (float64
@@ -380,6 +455,7 @@ def vocab_parallel_linear_logprob(
             raise ValueError(f"{name} must be a plain (replicated) tensor, not a DTensor")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    bias = _local_bias(bias, weight)
     weight, group, vocab_start, vocab_size = _shard_of(weight, group, vocab_start, vocab_size)
     # Shapes, dtypes, devices, flags, temperature form: the single-device checks (no sync). The
     # value checks below are against the whole vocabulary, not the shard.
@@ -389,6 +465,9 @@ def vocab_parallel_linear_logprob(
     temp, _ = check_linear_logprob_inputs(
         hidden=hidden,
         weight=weight.new_empty((1, weight.shape[1])) if empty else weight,
+        bias=bias.new_empty(1) if empty and isinstance(bias, torch.Tensor) else bias,
+        logit_scale=logit_scale,
+        softcap=softcap,
         targets=targets,
         temperature=temperature,
         with_entropy=with_entropy,
@@ -423,9 +502,11 @@ def vocab_parallel_linear_logprob(
         vocab_tile=vocab_tile,
         with_entropy=with_entropy,
         inv_temperature=1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0,
+        scale=float(logit_scale),
+        softcap=None if softcap is None else float(softcap),
     )
     out = _VocabParallelLinearLogProb.apply(
-        hidden_2d, weight, flat_targets, rows_idx, row_mask, inv_t, plan
+        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
     )
     if not with_entropy:
         return out.view(targets.shape), None

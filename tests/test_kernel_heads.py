@@ -15,7 +15,12 @@ import pytest
 import torch
 from kernel_utils import assert_close, shrink_tiles
 
-from microrl.kernels import fused_linear_logprob, linear_logprob, reference_linear_logprob
+from microrl.kernels import (
+    _tiles,
+    fused_linear_logprob,
+    linear_logprob,
+    reference_linear_logprob,
+)
 
 H, V = 24, 61  # V is not a multiple of the forced tile width
 # Logits are ~N(0, 1.2**2) before the transform: a cap of 2 bends many of them (tanh slope down
@@ -285,9 +290,12 @@ def test_native_16_bit_matmul_path_with_transforms(monkeypatch):
     scale applied to the float32 tile. Backward feeds the matmuls G rounded to bf16, so hidden and
     weight gradients get one bf16 ulp of the largest entry on top (as in test_kernel_precision);
     the bias gradient sums the float32 G and keeps the tight bound."""
-    monkeypatch.setattr(
-        linear_logprob, "_mm_fp32", lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
-    )
+
+    def emulated(a, b, out):
+        return torch.mm(a.float(), b.float(), out=out)
+
+    monkeypatch.setattr(linear_logprob, "_mm_fp32", emulated)
+    monkeypatch.setattr(_tiles, "_mm_fp32", emulated)  # the logits tile's matmul
     monkeypatch.setattr(linear_logprob, "_use_native16", lambda h, w: h.dtype == w.dtype)
     shrink_tiles(monkeypatch, 21)
     hidden, weight, bias, targets = make((3, 5), dtype=torch.bfloat16)

@@ -14,7 +14,12 @@ import torch
 from kernel_utils import assert_close, assert_outputs_close, run, shrink_tiles
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from microrl.kernels import fused_linear_logprob, linear_logprob, reference_linear_logprob
+from microrl.kernels import (
+    _tiles,
+    fused_linear_logprob,
+    linear_logprob,
+    reference_linear_logprob,
+)
 
 H, V, N = 256, 500, 48
 FNS = [fused_linear_logprob, reference_linear_logprob]
@@ -148,6 +153,7 @@ def test_native_16_bit_matmul_path(tiles, monkeypatch):
         return torch.mm(a.float(), b.float(), out=out)
 
     monkeypatch.setattr(linear_logprob, "_mm_fp32", emulated)
+    monkeypatch.setattr(_tiles, "_mm_fp32", emulated)  # the logits tile's matmul
     monkeypatch.setattr(linear_logprob, "_use_native16", lambda h, w: h.dtype == w.dtype)
     hidden, weight, targets, grads = make(torch.bfloat16)
     for temperature in (1.0, 0.6, torch.rand(N, generator=torch.Generator().manual_seed(2)) + 0.5):

@@ -65,6 +65,9 @@ class Case:
     tiles: bool = False  # force several vocabulary tiles per shard
     need_h: bool = True
     need_w: bool = True
+    bias: bool = False  # an lm-head bias, sharded like the weight (padding entries NaN)
+    logit_scale: float = 1.0
+    softcap: float | None = None
 
 
 # The 2-rank cases: even and uneven splits, a padded embedding, a rank with no real row, every
@@ -92,6 +95,21 @@ CASES = [
     ),
     Case("frozen_weight", vocab=37, shard_rows=19, need_w=False),
     Case("frozen_hidden", vocab=37, shard_rows=19, need_h=False, temperature="token"),
+    # Head transforms: elementwise on the logits, so each rank applies them to its columns.
+    Case("bias", vocab=37, shard_rows=19, bias=True, temperature="token", ignore=True),
+    Case("scale_softcap", vocab=37, shard_rows=19, bias=True, logit_scale=1.7, softcap=2.5),
+    Case(
+        "softcap_tiles_f32",
+        vocab=300,
+        shard_rows=150,
+        hidden=8,
+        dtype=torch.float32,
+        chunk_size=4,
+        tiles=True,
+        softcap=3.0,
+        temperature="row",
+    ),
+    Case("softcap_no_entropy", vocab=37, shard_rows=19, softcap=2.0, with_entropy=False),
 ]
 
 
@@ -122,7 +140,13 @@ def make_inputs(case: Case, world: int, seed: int = 0):
         with_entropy=case.with_entropy,
         chunk_size=case.chunk_size,
         validate=case.validate,
+        logit_scale=case.logit_scale,
+        softcap=case.softcap,
     )
+    if case.bias:  # [world * shard_rows], like the weight; a bias of width 1 (a logit unit)
+        bias = torch.randn(world * case.shard_rows, generator=g, dtype=torch.float64)
+        bias[case.vocab :] = torch.nan
+        kwargs["bias"] = bias.to(case.dtype)
     return hidden.to(case.dtype), weight.to(case.dtype), targets, kwargs
 
 
@@ -142,31 +166,53 @@ def upstream(mix: str, dtype: torch.dtype, seed: int = 1):
 
 
 def run_kernel(fn, hidden, weight, targets, mix, case, *, fresh_weight=True, **kwargs):
-    """Fresh leaves, ``fn``, backward of the mix's loss: ``(lp, ent, hidden.grad, weight.grad)``.
-    ``fresh_weight=False``: ``weight`` is a leaf already (a DTensor), used as it is."""
+    """Fresh leaves, ``fn``, backward of the mix's loss: ``(lp, ent, hidden.grad, weight.grad,
+    bias.grad)`` (the last None without a bias). ``fresh_weight=False``: ``weight`` (and a bias)
+    are leaves already (DTensors), used as they are."""
     h = hidden.detach().clone().requires_grad_(case.need_h)
     w = weight.detach().clone().requires_grad_(case.need_w) if fresh_weight else weight
-    lp, ent = fn(h, w, targets, **kwargs)
+    b = kwargs.pop("bias", None)
+    if b is not None and fresh_weight:
+        b = b.detach().clone().requires_grad_()
+    lp, ent = fn(h, w, targets, bias=b, **kwargs)
     g_lp, g_ent = upstream(mix, case.dtype)
     terms = [(lp * g_lp).sum()] if g_lp is not None else []
     if g_ent is not None and ent is not None:
         terms.append((ent * g_ent).sum())
     sum(terms).backward()
-    return lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad
+    grad_b = None if b is None else b.grad
+    return lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad, grad_b
 
 
 def reference(case: Case, hidden, weight, targets, mix, kwargs):
-    """The single-device kernel on the real rows of the whole weight."""
+    """The single-device kernel on the real rows of the whole weight (and bias)."""
+    kwargs = _with_bias(kwargs, slice(0, case.vocab))
     return run_kernel(
         fused_linear_logprob, hidden, weight[: case.vocab], targets, mix, case, **kwargs
     )
 
 
+def _with_bias(kwargs: dict, rows: slice) -> dict:
+    """``kwargs`` with the bias (if any) cut to ``rows``."""
+    if kwargs.get("bias") is None:
+        return kwargs
+    return {**kwargs, "bias": kwargs["bias"][rows]}
+
+
 def assert_matches(case: Case, got, want, what: str) -> None:
+    """Values and the hidden / weight gradients; the bias gradients too when both runs have one
+    (the 5th entry, gathered and cut to the real vocabulary by the caller)."""
     cdtype = torch.float64 if case.dtype == torch.float64 else torch.float32
     assert_outputs_close(
-        got, want, values=VALUE_TOL[cdtype], grad_atol=GRAD_ATOL[cdtype], name=what
+        got[:4], want[:4], values=VALUE_TOL[cdtype], grad_atol=GRAD_ATOL[cdtype], name=what
     )
+    if len(got) > 4 and got[4] is not None:
+        assert want[4] is not None, f"{what}: a bias gradient without a reference"
+        scale = want[4].double().abs().max().item()
+        eps = torch.finfo(got[4].dtype).eps
+        assert_close(
+            got[4], want[4], atol=GRAD_ATOL[cdtype] * scale, rtol=eps, name=f"{what} bias.grad"
+        )
 
 
 @contextlib.contextmanager
@@ -211,39 +257,45 @@ def check_case(case: Case, mix: str, rank: int, world: int, group, log: bool = F
     also check the collectives of the kernel's forward and backward (``expected_comm``)."""
     hidden, weight, targets, kwargs = make_inputs(case, world)
     start = rank * case.shard_rows
-    shard = weight[start : start + case.shard_rows]
+    rows = slice(start, start + case.shard_rows)
     with comm_log() if log else contextlib.nullcontext([]) as calls:
         got = run_kernel(
             vocab_parallel_linear_logprob,
             hidden,
-            shard,
+            weight[rows],
             targets,
             mix,
             case,
             group=group,
             vocab_start=start,
             vocab_size=case.vocab,
-            **kwargs,
+            **_with_bias(kwargs, rows),
         )
     if log:
         assert calls == expected_comm(case, targets), (case.name, mix, calls)
     want = reference(case, hidden, weight, targets, mix, kwargs)
-    grad_w = got[3]
-    if grad_w is not None:
-        # Padding rows never enter the softmax: exactly zero gradient (their weights are NaN).
-        assert (grad_w[max(0, case.vocab - start) :] == 0).all(), f"{case.name}: padding grad"
-        if world > 1:
-            parts = [torch.empty_like(grad_w) for _ in range(world)]
-            dist.all_gather(parts, grad_w.contiguous())
-            grad_w = torch.cat(parts)
-        grad_w = grad_w[: case.vocab]
-    assert_matches(case, (*got[:3], grad_w), want, f"{case.name}[{mix}]")
+    grad_w, grad_b = (_gathered(g, case, start, world) for g in got[3:5])
+    assert_matches(case, (*got[:3], grad_w, grad_b), want, f"{case.name}[{mix}]")
+    assert (got[4] is not None) == case.bias, f"{case.name}[{mix}]: bias .grad presence"
     # No branch dropped: a loss on one output still moves both inputs.
     for grad, need in ((got[2], case.need_h), (got[3], case.need_w)):
         assert (grad is not None) == need, f"{case.name}[{mix}]: .grad presence"
     for grad in (got[2], grad_w):
         if grad is not None:
             assert grad.abs().max() > 1e-3, f"{case.name}[{mix}]: gradient vanished"
+
+
+def _gathered(grad, case: Case, start: int, world: int):
+    """A shard's gradient (weight or bias) gathered over the ranks and cut to the real rows;
+    padding rows never enter the softmax: their gradient is exactly zero (their values NaN)."""
+    if grad is None:
+        return None
+    assert (grad[max(0, case.vocab - start) :] == 0).all(), f"{case.name}: padding grad"
+    if world > 1:
+        parts = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(parts, grad.contiguous())
+        grad = torch.cat(parts)
+    return grad[: case.vocab]
 
 
 # ============================================================================ single process
@@ -452,12 +504,22 @@ def check_dtensor(rank: int, variant: str) -> None:
 
     rows, vocab_size, local_rows = DTENSOR[variant]
     vocab = vocab_size or rows
-    case = Case("dtensor", vocab=vocab, shard_rows=rows, temperature="token", ignore=True)
+    # The uneven split also carries a Shard(0) bias and soft-capping (Gemma-style heads).
+    transforms = dict(bias=True, softcap=2.0) if variant == "uneven" else {}
+    case = Case(
+        "dtensor", vocab=vocab, shard_rows=rows, temperature="token", ignore=True, **transforms
+    )
     hidden, weight, targets, kwargs = make_inputs(case, 1)
     mesh = init_device_mesh("cpu", (2,))
     leaf = distribute_tensor(weight[:rows].clone(), mesh, [Shard(0)]).requires_grad_()
     assert leaf.to_local().shape[0] == local_rows[rank]
     extra = {} if vocab_size is None else dict(vocab_size=vocab_size)
+    if case.bias:
+        bias = kwargs["bias"][:rows].clone()
+        extra["bias"] = distribute_tensor(bias, mesh, [Shard(0)]).requires_grad_()
+        with pytest.raises(ValueError, match="bias must be a DTensor"):
+            vocab_parallel_linear_logprob(hidden, leaf, targets, bias=bias)
+    plain = {"bias": kwargs.pop("bias")} if case.bias else {}
     got = run_kernel(
         vocab_parallel_linear_logprob, hidden, leaf, targets, "both", case, fresh_weight=False,
         **extra, **kwargs,
@@ -465,8 +527,12 @@ def check_dtensor(rank: int, variant: str) -> None:
     assert tuple(got[3].placements) == (Shard(0),)
     grad_w = got[3].full_tensor()
     assert (grad_w[vocab:] == 0).all()
-    want = reference(case, hidden, weight, targets, "both", kwargs)
-    assert_matches(case, (*got[:3], grad_w[:vocab]), want, f"dtensor[{variant}]")
+    grad_b = None
+    if case.bias:
+        assert tuple(got[4].placements) == (Shard(0),)
+        grad_b = got[4].full_tensor()[:vocab]
+    want = reference(case, hidden, weight, targets, "both", {**kwargs, **plain})
+    assert_matches(case, (*got[:3], grad_w[:vocab], grad_b), want, f"dtensor[{variant}]")
 
 
 def main(out: str) -> None:
