@@ -283,11 +283,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def _vocab_parallel_head(loss_fn: GroupLossFn | None):
     """:func:`microrl.kernels.vocab_parallel_linear_logprob` (the weight a ``Shard(0)`` DTensor
-    over the tp ranks, hidden replicated) with the fused head's call signature. The tensor-parallel
-    set-up refused a bias, scale or soft-cap. With ``loss_fn`` the loss runs on the outputs as
-    one group of rows (the fused loss path's result, through the kernel's own backward)."""
+    over the tp ranks, hidden replicated; a bias a ``Shard(0)`` DTensor too) with the fused head's
+    call signature. With ``loss_fn`` the loss runs on the outputs as one group of rows (the fused
+    loss path's result, through the kernel's own backward)."""
 
-    def head(hidden, weight, targets, *, bias, logit_scale, softcap, **kwargs):
+    def head(hidden, weight, targets, **kwargs):
         from microrl.kernels import vocab_parallel_linear_logprob
 
         logprobs, entropy = vocab_parallel_linear_logprob(hidden, weight, targets, **kwargs)

@@ -7,27 +7,31 @@ the ``N // t`` data-parallel groups see different shares. What :func:`paralleliz
 ``tp`` mesh dimension (the layout is docs/engine.md, "Tensor parallelism"):
 
 * every decoder layer, after the model's own ``config.base_model_tp_plan`` (transformers'
-  names): ``q/k/v_proj``, ``gate/up_proj`` column-wise (``ColwiseParallel``: weight and bias
-  ``Shard(0)``, each rank computes its heads / its slice of the MLP), ``o_proj`` and
-  ``down_proj`` row-wise (``RowwiseParallel``: weight ``Shard(1)``, the partial outputs summed by
-  one all-reduce). Attention then runs on ``num_heads / t`` local heads: the supported families
-  reshape with ``view(..., -1, head_dim)``, so no config is edited;
-* the input embedding vocab-parallel (``RowwiseParallel``: ``Shard(0)``, masked lookup, one
+  names): ``q/k/v_proj``, ``gate/up_proj`` column-wise (weight and bias ``Shard(0)``: each rank
+  computes its heads / its slice of the MLP), ``o_proj`` and ``down_proj`` row-wise (weight
+  ``Shard(1)``, bias ``Replicate()``: the partial outputs summed by one all-reduce). Attention
+  then runs on ``num_heads / t`` local heads: the supported families reshape with
+  ``view(..., -1, head_dim)``, so no config is edited;
+* the input embedding vocab-parallel (``Shard(0)``: masked lookup of this rank's rows, one
   all-reduce), and the lm head ``Shard(0)`` over the vocabulary: the engine's policy head reads
   the weight as a ``DTensor`` and calls :func:`microrl.kernels.vocab_parallel_linear_logprob`
   with the replicated final hidden state (logits never gathered); called as a module
-  (``generate``) it all-gathers the logits (``ColwiseParallel(output_layouts=Replicate())``).
-  A tied embedding and head share one ``Shard(0)`` parameter;
+  (``generate``) it all-gathers the logits. A tied embedding and head share one ``Shard(0)``
+  parameter;
 * LoRA adapters follow their base layer (peft's ``lora_A`` / ``lora_B`` are plain
   ``nn.Linear``): of a column-wise layer, ``lora_B`` is column-wise (``[out / t, r]`` per rank)
   and ``lora_A`` replicated; of a row-wise layer, ``lora_A`` is row-wise (``[r, in / t]``, its
   ``[.., r]`` output summed by an all-reduce) and ``lora_B`` replicated. Adapter dropout is
   refused (its mask would differ between the ranks of a group);
 * every other parameter (norms, a critic's value head, replicated adapter halves) becomes a
-  ``Replicate()`` DTensor used through input/output hooks, so every parameter is a DTensor on
-  the same mesh and gradient clipping, the optimizer and checkpoints handle them as one set.
-  Qwen3's per-head ``q_norm`` / ``k_norm`` take head-sharded inputs: their weight gradients are
-  partial sums, all-reduced as they accumulate.
+  ``Replicate()`` DTensor, so every parameter is a DTensor on the same mesh and gradient
+  clipping, the optimizer and checkpoints handle them as one set. Qwen3's per-head ``q_norm`` /
+  ``k_norm`` take head-sharded inputs: their weight gradients are partial sums, summed over the
+  group in the backward.
+
+The layers compute on plain local tensors (:mod:`microrl.engine.tp_layers`, Megatron-style
+``f``/``g`` collectives): ``param.to_local()`` is the only DTensor operation in a forward, so a
+new micro-batch width costs no sharding propagation and no op pays DTensor dispatch.
 
 Hidden states between layers are replicated on the tp ranks (no sequence parallelism), so the
 engine's loop, micro-batching, packing and losses see ordinary tensors; only the data-parallel
@@ -44,12 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from microrl.engine import tp_layers
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -64,7 +65,7 @@ __all__ = [
 # whose base_model_tp_plan is only colwise/rowwise Linear layers; each is tested against one
 # process (tests/test_tensor_parallel.py).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_STYLES = ("colwise", "rowwise")
 # transformers' style of Qwen3's per-head q_norm / k_norm: replicated weights applied to
 # [.., heads / t, head_dim] slices (inputs sharded on dim -2), gradients summed over the ranks.
 _HEAD_SHARDED = "replicated_with_grad_allreduce"
@@ -184,12 +185,12 @@ def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     starts from tp rank 0's weights (``distribute_tensor`` scatters / broadcasts from it).
     """
     tp = mesh["tp"]
+    group = tp.get_group()
     configs = (getattr(sub, "config", None) for sub in module.modules())
     plan = check_supported(next((c for c in configs if hasattr(c, "model_type")), None), tp.size())
     base = _base_model(module)
     lm = _causal_lm(module)
     head = lm.get_output_embeddings() if lm is not None else None
-    _check_head(module, head)
     embedding = base.get_input_embeddings()
     tied = head is not None and head.weight is embedding.weight
     head_sharded = set()
@@ -199,34 +200,43 @@ def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
                 head_sharded.add(id(layer.get_submodule(path)))
             else:
                 _parallelize_linear(layer.get_submodule(path), tp, style)
-    if type(embedding) is nn.Embedding:
-        parallelize_module(embedding, tp, RowwiseParallel(input_layouts=Replicate()))
-        if embedding.weight.requires_grad:  # DTensor's lookup backward gives a full [V, H]
-            embedding.weight.register_post_accumulate_grad_hook(_match_grad_placements)
+    if type(embedding) is not nn.Embedding:
+        raise ValueError(
+            f"tensor parallelism needs an nn.Embedding input embedding, got {type(embedding).__name__}"
+        )
+    _distribute(embedding, "weight", tp, Shard(0))
+    tp_layers.install_vocab_embedding(embedding, group, _vocab_start(embedding.weight, tp))
     if head is not None:
         # Shard(0) over the vocabulary; a call of the module itself gathers the logits.
-        parallelize_module(head, tp, ColwiseParallel(output_layouts=Replicate()))
         if tied:
             head.weight = embedding.weight
+        _distribute(head, "weight", tp, Shard(0))
+        _distribute(head, "bias", tp, Shard(0))
+        tp_layers.install_gathered_head(head, group, _vocab_start(head.weight, tp))
     for sub in module.modules():
-        if any(not isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
-            _replicate(sub, tp, head_sharded=id(sub) in head_sharded)
+        plain = [n for n, p in sub.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        for name in plain:
+            _distribute(sub, name, tp, Replicate())
+        if plain:
+            tp_layers.install_local_params(sub, group, partial_grads=id(sub) in head_sharded)
     setattr(module, _MESH_ATTR, mesh)
     return module
 
 
-def _check_head(module: nn.Module, head: nn.Module | None) -> None:
-    """The vocab-parallel kernel computes ``log_softmax(h @ W.T / T)``: no bias, scale, softcap."""
-    transform = getattr(module, "logit_transform", None)
-    if head is None or not getattr(module, "plain_head", False):
+def _distribute(module: nn.Module, name: str, tp: DeviceMesh, placement) -> None:
+    """Replace the plain parameter ``module.<name>`` (if any) by a DTensor with ``placement``,
+    from tp rank 0's values, keeping ``requires_grad``."""
+    param = module._parameters.get(name)
+    if param is None or isinstance(param, DTensor):
         return
-    if head.bias is not None or (
-        transform is not None and (transform.scale != 1.0 or transform.softcap is not None)
-    ):
-        raise ValueError(
-            "tensor_parallel_size > 1: the vocab-parallel lm head supports no bias, logit scale "
-            "or soft-capping"
-        )
+    dparam = distribute_tensor(param.detach(), tp, [placement])
+    module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+
+def _vocab_start(weight: DTensor, tp: DeviceMesh) -> int:
+    """Global row index of this rank's first row of a ``Shard(0)`` DTensor (torch.chunk's split)."""
+    rows = weight.shape[0]
+    return min(tp.get_local_rank() * -(-rows // tp.size()), rows)
 
 
 def _lora_parts(layer: nn.Module) -> tuple[nn.Module, list[nn.Linear], list[nn.Linear]]:
@@ -248,50 +258,19 @@ def _parallelize_linear(layer: nn.Module, tp: DeviceMesh, style: str) -> None:
     base, lora_a, lora_b = _lora_parts(layer)
     if type(base) is not nn.Linear:
         raise ValueError(f"tensor parallelism needs nn.Linear layers, got {type(base).__name__}")
-    parallelize_module(base, tp, _STYLES[style]())
     # Column-wise base: B produces this rank's output slice from the replicated A x.
     # Row-wise base: A consumes this rank's input slice (partial [.., r] summed), B replicated.
-    for linear in lora_b if style == "colwise" else lora_a:
-        parallelize_module(linear, tp, _STYLES[style]())
+    for linear in [base, *(lora_b if style == "colwise" else lora_a)]:
+        _shard_linear(linear, tp, style)
 
 
-def _replicate(module: nn.Module, tp: DeviceMesh, *, head_sharded: bool) -> None:
-    """Make ``module``'s own plain parameters ``Replicate()`` DTensors; its tensor inputs are
-    wrapped as DTensors (replicated, or sharded over heads) and its outputs unwrapped."""
-    placement = Shard(-2) if head_sharded else Replicate()
-
-    def partition(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
-        if sub is not module:
-            return
-        for pname, param in list(sub.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                continue
-            dparam = nn.Parameter(
-                distribute_tensor(param.detach(), mesh, [Replicate()]),
-                requires_grad=param.requires_grad,
-            )
-            sub.register_parameter(pname, dparam)
-            if head_sharded and dparam.requires_grad:
-                dparam.register_post_accumulate_grad_hook(_match_grad_placements)
-
-    def inputs(sub: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-        return tuple(
-            DTensor.from_local(a, mesh, [placement], run_check=False)
-            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-            else a
-            for a in args
-        )
-
-    def outputs(sub: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-        return out.to_local() if isinstance(out, DTensor) else out
-
-    distribute_module(module, tp, partition, inputs, outputs)
-
-
-def _match_grad_placements(param: nn.Parameter) -> None:
-    """Give an accumulated gradient its parameter's layout: partial sums of a replicated weight
-    used on head-sharded inputs are all-reduced; the replicated ``[V, H]`` gradient of a
-    vocab-sharded embedding keeps only this rank's rows (a local slice, no communication)."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        param.grad = grad.redistribute(placements=param.placements)
+def _shard_linear(linear: nn.Linear, tp: DeviceMesh, style: str) -> None:
+    group = tp.get_group()
+    if style == "colwise":  # weight [out, in] and bias [out] split over the output features
+        _distribute(linear, "weight", tp, Shard(0))
+        _distribute(linear, "bias", tp, Shard(0))
+        tp_layers.install_colwise(linear, group)
+    else:  # weight split over the input features, bias added once after the sum
+        _distribute(linear, "weight", tp, Shard(1))
+        _distribute(linear, "bias", tp, Replicate())
+        tp_layers.install_rowwise(linear, group)

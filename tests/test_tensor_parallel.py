@@ -44,9 +44,9 @@ ADAM = OptimConfig(name="adamw", lr=1e-2, grad_clip=0.5)
 PROMPTS = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
 GREEDY = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
 SHARDS = ([0, 1, 2, 3, 4], [5, 6])  # dp x tp: the rows of each data-parallel index
-# TP checks: uneven rows, but every micro-batch of 2 rows is 12 wide. DTensor caches its sharding
-# decisions per operator and shape (a new width costs seconds on a CPU): one width keeps it fast.
-TP_LENGTHS = (12, 5, 12, 3, 12, 7)
+# TP checks: uneven rows whose micro-batches of 2 rows are 12, 9, 10 and 4 wide (compacted): the
+# layers run on local tensors, so a new width costs no DTensor sharding propagation.
+TP_LENGTHS = (12, 5, 9, 3, 7, 10, 4)
 # The 4-process check costs about 50 s on a 2-core machine (4 processes on 2 cores): opt-in.
 FOUR_PROCESSES = os.environ.get("MICRORL_TEST_DP_TP") == "1"
 
@@ -72,6 +72,7 @@ def test_tp2_engine_equals_one_process(tmp_path):
         "actor[tied,adamw,clip]",
         "actor[llama,lora]",
         "actor[qwen3]",
+        "actor[llama,head_bias]",
         "critic",
         "inference_and_reference",
         "generate",
@@ -143,6 +144,17 @@ def _llama(seed: int = 0) -> LlamaForCausalLM:
         max_position_embeddings=64,
     )
     return LlamaForCausalLM(config)
+
+
+def _llama_head_bias(seed: int = 0) -> LlamaForCausalLM:
+    """Llama with a biased lm head (Phi-style): the bias is vocab-sharded with the weight."""
+    model = _llama(seed)
+    head = torch.nn.Linear(32, VOCAB, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.copy_(torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)))
+    model.lm_head = head
+    return model
 
 
 def _qwen3(seed: int = 0):
@@ -227,6 +239,8 @@ def _cases():
     )
     yield "actor[llama,lora]", _llama, "actor", actor_config(**lora4), 1
     yield "actor[qwen3]", _qwen3, "actor", actor_config(), 1
+    entropy = actor_config(compute_entropy=True)
+    yield "actor[llama,head_bias]", _llama_head_bias, "actor", entropy, 1
     critic = dict(micro_batch_size=2, optim=OptimConfig(name="sgd", lr=1.0, grad_clip=None))
     yield "critic", tiny_model, "critic", CriticConfig(**critic), 1
 

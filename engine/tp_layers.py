@@ -1,0 +1,183 @@
+"""Tensor-parallel layers that compute on local shards; the parameters stay ``DTensor``s.
+
+:func:`microrl.engine.tensor_parallel.parallelize` shards each parameter as a ``DTensor`` on the
+``tp`` mesh (so FSDP2, gradient clipping, the optimizer and checkpoints see one consistent set)
+and then installs the forwards below, which read ``param.to_local()`` and place the
+communication themselves, Megatron-LM style (Shoeybi et al. 2019, "Megatron-LM", section 3):
+
+* ``f`` (:class:`CopyToGroup`): identity forward, ``all_reduce(SUM)`` backward, in front of a
+  column-parallel layer whose input is replicated;
+* ``g`` (:class:`ReduceFromGroup`): ``all_reduce(SUM)`` forward, identity backward, after a
+  row-parallel layer (or a vocab-parallel embedding) whose outputs are partial sums.
+
+Why not DTensor's own ``parallelize_module`` styles: they run every op of the layer as a DTensor
+op, and DTensor propagates shardings per input shape, so each new micro-batch width paid seconds
+of planning on a CPU (and every op pays Python dispatch on a GPU). Here the layers see only plain
+tensors; the one DTensor operation per parameter and call is ``to_local()``, whose backward hands
+the gradient back as a ``DTensor`` with the parameter's placement.
+
+Every tp rank must call each layer with the same (replicated) input, except a row-parallel
+layer, which takes this rank's slice of the last dimension.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "CopyToGroup",
+    "ReduceFromGroup",
+    "install_colwise",
+    "install_gathered_head",
+    "install_local_params",
+    "install_rowwise",
+    "install_vocab_embedding",
+]
+
+
+class CopyToGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group``: the input is replicated
+    and each rank's use of it contributes only part of its gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromGroup(torch.autograd.Function):
+    """``all_reduce(SUM)`` forward of partial sums; the backward passes the (replicated)
+    gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather ``[..., V_local]`` slices of torch.chunk-sized shards into ``[..., V]``; the
+    backward keeps this rank's slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, start: int, size: int):
+        chunk = -(-size // dist.get_world_size(group))
+        padded = F.pad(x, (0, chunk - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, padded, group=group)
+        ctx.span = start, x.shape[-1]
+        return torch.cat(parts, dim=-1)[..., :size]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start, width = ctx.span
+        return grad[..., start : start + width], None, None, None
+
+
+def _local(param: torch.Tensor | None) -> torch.Tensor | None:
+    return None if param is None else param.to_local()
+
+
+def _colwise_forward(self: nn.Linear, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+    # [..., in] replicated -> [..., out / t]: this rank's output features.
+    return F.linear(CopyToGroup.apply(x, group), _local(self.weight), _local(self.bias))
+
+
+def _rowwise_forward(self: nn.Linear, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+    # [..., in / t] this rank's input features -> [..., out] replicated; the (replicated) bias is
+    # added once, after the sum.
+    out = ReduceFromGroup.apply(F.linear(x, _local(self.weight)), group)
+    return out if self.bias is None else out + _local(self.bias)
+
+
+def install_colwise(linear: nn.Linear, group: dist.ProcessGroup) -> None:
+    """``linear`` (weight and bias ``Shard(0)`` DTensors) computes its output slice."""
+    linear.forward = partial(_colwise_forward, linear, group)
+
+
+def install_rowwise(linear: nn.Linear, group: dist.ProcessGroup) -> None:
+    """``linear`` (weight ``Shard(1)``, bias ``Replicate()``) sums its partial outputs."""
+    linear.forward = partial(_rowwise_forward, linear, group)
+
+
+def install_gathered_head(linear: nn.Linear, group: dist.ProcessGroup, start: int) -> None:
+    """The vocab-sharded lm head (``Shard(0)``) called as a module (``generate``): the local
+    logits, all-gathered into the full ``[..., V]``. Training never calls it: the engine's head
+    reads the weight shard and runs the vocab-parallel kernel, which never gathers logits."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        local = _colwise_forward(linear, group, x)
+        return _GatherLastDim.apply(local, group, start, linear.weight.shape[0])
+
+    linear.forward = forward
+
+
+def install_vocab_embedding(embedding: nn.Embedding, group: dist.ProcessGroup, start: int) -> None:
+    """The vocab-sharded embedding (``Shard(0)``): each rank looks up the ids of its rows, zeros
+    the rest and the partial embeddings are summed. The weight gradient is this rank's rows only
+    (no ``[V, H]`` gradient is ever formed)."""
+    for name in ("max_norm", "sparse", "scale_grad_by_freq"):
+        if getattr(embedding, name):
+            raise ValueError(f"tensor parallelism: the input embedding's {name} is not supported")
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        weight = embedding.weight.to_local()
+        local = ids - start
+        inside = (local >= 0) & (local < weight.shape[0])
+        pad = embedding.padding_idx
+        pad = pad - start if pad is not None and 0 <= pad - start < weight.shape[0] else None
+        out = F.embedding(torch.where(inside, local, 0), weight, pad)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        return ReduceFromGroup.apply(out, group)
+
+    embedding.forward = forward
+
+
+def install_local_params(
+    module: nn.Module, group: dist.ProcessGroup, *, partial_grads: bool = False
+) -> None:
+    """Run ``module``'s own forward on the local tensors of its (replicated) DTensor parameters.
+
+    A forward pre-hook shadows each such parameter with ``param.to_local()`` for the duration of
+    the call (an instance attribute wins over ``nn.Module.__getattr__``'s parameter lookup); the
+    hook after the call removes the shadows, also when the forward raises. ``partial_grads``: the
+    module computes on this rank's slice of heads (Qwen3's ``q_norm`` / ``k_norm``), so its
+    weight gradient is a partial sum, summed over the group by :class:`CopyToGroup`.
+    """
+    names = [
+        name
+        for name, p in module.named_parameters(recurse=False)
+        if hasattr(p, "to_local") and p is not None
+    ]
+
+    def shadow(mod: nn.Module, args: Any) -> None:
+        for name in names:
+            local = mod._parameters[name].to_local()
+            if partial_grads and local.requires_grad:
+                local = CopyToGroup.apply(local, group)
+            mod.__dict__[name] = local
+
+    def unshadow(mod: nn.Module, args: Any, output: Any) -> None:
+        for name in names:
+            mod.__dict__.pop(name, None)
+
+    if names:
+        module.register_forward_pre_hook(shadow)
+        module.register_forward_hook(unshadow, always_call=True)
