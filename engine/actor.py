@@ -103,7 +103,7 @@ class ActorEngine(Engine):
         return job.loss, _combine(job.metrics), output
 
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
-        blocker = fused_head_blocker(causal_lm)
+        blocker = self._from_rank0(lambda: fused_head_blocker(causal_lm))
         fused = self.config.use_fused_kernel and blocker is None
         if blocker is not None:
             logger.warning("lm head is not plain (%s): the model's own head, eager path", blocker)

@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import distributed, packing, setup, tensor_parallel
+from microrl.engine import distributed, materialize, packing, setup, tensor_parallel
 from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
@@ -106,7 +106,13 @@ class Engine:
         if self.device_mesh is not None:
             self.dp_group = self.device_mesh["dp"].get_group()
         self.global_step = 0
-        causal_lm = setup.load_causal_lm(model).to(self.device)
+        # A checkpoint path under torchrun: rank 0 reads it, the others build on meta, and every
+        # rank materialises only its shards once sharded (engine/materialize.py).
+        self._rank0_loading = isinstance(model, (str, os.PathLike)) and distributed.is_distributed()
+        if self._rank0_loading:
+            causal_lm = materialize.load_on_rank0(setup.checkpoint_dir(model))
+        else:
+            causal_lm = setup.load_causal_lm(model).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
         if config.disable_dropout:  # before LoRA: the adapters' own dropout is the user's choice
             zeroed = setup.disable_dropout(causal_lm)
@@ -126,8 +132,13 @@ class Engine:
         self._varlen_attention = config.pack_sequences and enable_varlen_attention(causal_lm)
         #: the transformers model (with LoRA layers injected), e.g. for ``generate``.
         self.model = causal_lm
+        module = self._build_module(causal_lm)
+        full_state = materialize.take_full_state(module) if self._rank0_loading else None
         #: the trained nn.Module: the role's wrapper, possibly sharded.
-        self.module = self._wrap_model(self._build_module(causal_lm))
+        self.module = self._wrap_model(module)
+        if full_state is not None:
+            materialize.load_full_state(self.module, full_state, self.device)
+            distributed.finish_sharding(self.module)
         # Sequence-level roles opt in to the last real token's index by naming the parameter;
         # roles that forward **kwargs to the transformers model never receive it.
         self._passes_last_index = "last_index" in inspect.signature(self._head_forward).parameters
@@ -185,6 +196,13 @@ class Engine:
         if self.dp_group is None:
             return module
         return distributed.shard_model(module)
+
+    def _from_rank0(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` (a set-up decision that needs real weights, e.g. a numerical probe); under
+        rank-0 loading only rank 0 has them: its result, shared with every rank."""
+        if not self._rank0_loading:
+            return compute()
+        return materialize.share_from_rank0(compute() if dist.get_rank() == 0 else None)
 
     def _agree_num_micro_batches(self, n: int) -> int:
         """The micro-batch count every DP rank will run (the max over ranks); ``n`` locally."""

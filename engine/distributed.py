@@ -48,6 +48,7 @@ __all__ = [
     "dp_rank",
     "dp_world_size",
     "find_shard_units",
+    "finish_sharding",
     "gathered",
     "init_distributed",
     "is_distributed",
@@ -237,7 +238,9 @@ def shard_model(
             f"found no decoder layers to shard in {type(module).__name__} (no _no_split_modules "
             "and no ModuleList named 'layers'); pass a transformers model or its wrapper"
         )
-    broadcast_from_rank0(module, group=mesh.get_group())
+    on_meta = any(p.is_meta for p in module.parameters())  # rank-0 loading fills it afterwards
+    if not on_meta:
+        broadcast_from_rank0(module, group=mesh.get_group())
     for unit in units:
         fully_shard(unit, **kwargs)
     for embedding in _untied_input_embeddings(module):
@@ -250,9 +253,17 @@ def shard_model(
     fully_shard(module, **{**kwargs, "reshard_after_forward": False})
     # Before FSDP's post-forward hook (prepend): it hooks the pre-backward all-gather on outputs.
     module.register_forward_hook(_copy_grad_outputs, prepend=True)
-    _init_root_state(module)
     setattr(module, _RESHARD_ATTR, reshard_after_forward)
+    if not on_meta:
+        _init_root_state(module)
     return module
+
+
+def finish_sharding(module: nn.Module) -> None:
+    """After a meta-device module sharded by :func:`shard_model` got its values
+    (engine/materialize.py): make it the FSDP root, as ``shard_model`` does for a real one."""
+    if isinstance(module, FSDPModule):
+        _init_root_state(module)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from microrl.configs.engine import EngineConfig, LoraConfig
 __all__ = [
     "apply_lora",
     "autocast_context",
+    "checkpoint_dir",
     "disable_dropout",
     "enable_gradient_checkpointing",
     "load_causal_lm",
@@ -90,18 +91,27 @@ def autocast_context(config: EngineConfig, device: torch.device) -> Any:
 def load_causal_lm(model: nn.Module | str | os.PathLike) -> nn.Module:
     """A transformers ``PreTrainedModel`` as given, or loaded in fp32 from a local checkpoint path."""
     if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        if not os.path.isdir(path):
-            raise ValueError(f"model path {path!r} is not a local checkpoint directory")
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(checkpoint_dir(model), dtype=torch.float32)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model must be a transformers PreTrainedModel or a checkpoint path, got "
             f"{type(model).__name__}"
         )
     return model
+
+
+def checkpoint_dir(model: str | os.PathLike) -> str:
+    """``model`` as a path string, checked to be a local directory.
+
+    Raises:
+        ValueError: naming the path when it is not a directory (no hub download happens here).
+    """
+    path = os.fspath(model)
+    if not os.path.isdir(path):
+        raise ValueError(f"model path {path!r} is not a local checkpoint directory")
+    return path
 
 
 def disable_dropout(model: nn.Module) -> list[str]:

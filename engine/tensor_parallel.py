@@ -229,7 +229,10 @@ def _distribute(module: nn.Module, name: str, tp: DeviceMesh, placement) -> None
     param = module._parameters.get(name)
     if param is None or isinstance(param, DTensor):
         return
-    dparam = distribute_tensor(param.detach(), tp, [placement])
+    # A meta parameter (rank-0 loading, engine/materialize.py) is sliced without communication;
+    # its values come later.
+    source = None if param.is_meta else 0
+    dparam = distribute_tensor(param.detach(), tp, [placement], src_data_rank=source)
     module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
 
 

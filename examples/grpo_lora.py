@@ -68,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
 
     t_setup = time.perf_counter()
-    tokenizer, model = prepare_base_model(
+    tokenizer, base_path = prepare_base_model(
         cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
     task = make_task(cfg.task, tokenizer)  # addition, word_problems or a file (docs/tasks.md)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
-    engine = ActorEngine(model, cfg.actor)
+    engine = ActorEngine(base_path, cfg.actor)  # under torchrun only rank 0 reads it
     # A different stream per rank: Python's for the prompts, torch's for sampling and shuffles.
     rng = random.Random(cfg.train.seed * 1000 + dist_info.rank)
     torch.manual_seed(cfg.train.seed * 1000 + dist_info.rank)

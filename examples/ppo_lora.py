@@ -53,7 +53,6 @@ from microrl.run import (
     start_tracking,
 )
 from microrl.tasks import make_task
-from microrl.tasks.toy_model import load_pretrained
 from microrl.tasks.warm_start import prepare_base_model
 
 
@@ -68,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
 
     t_setup = time.perf_counter()
-    tokenizer, model = prepare_base_model(
+    tokenizer, base_path = prepare_base_model(
         cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
     task = make_task(cfg.task, tokenizer)  # addition, word_problems or a file (docs/tasks.md)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
-    actor = ActorEngine(model, cfg.actor)
-    critic = CriticEngine(load_pretrained(cfg.model.path)[1], cfg.critic)  # its own copy
+    actor = ActorEngine(base_path, cfg.actor)  # under torchrun only rank 0 reads the checkpoint
+    critic = CriticEngine(base_path, cfg.critic)  # its own copy
     engines = {"actor": actor, "critic": critic}
     rng = random.Random(cfg.train.seed * 1000 + dist_info.rank)
     torch.manual_seed(cfg.train.seed * 1000 + dist_info.rank)

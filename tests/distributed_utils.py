@@ -140,3 +140,69 @@ def assert_metrics_close(ref: dict, got: dict, what: str) -> None:
     assert ref.keys() == got.keys(), (what, ref.keys(), got.keys())
     for key, value in ref.items():
         assert abs(value - got[key]) <= 1e-5 * max(1.0, abs(value)), (what, key, value, got[key])
+
+
+def check_rank0_loading(tmp: Path, **overrides) -> None:
+    """An engine built from a checkpoint path under torchrun (engine/materialize.py) equals the
+    engine built from the same weights as an ``nn.Module`` on every rank: the same parameters and
+    buffers (rotary frequencies are non-persistent), the same training step. Only global rank 0
+    loads the checkpoint (the others build on meta, recorded by a spy), and what LoRA and a
+    critic's value head initialise on rank 0 is what every rank ends up with (the ranks are seeded
+    differently, so a rank that kept its own initialisation would differ)."""
+    import torch.distributed as dist
+
+    from microrl.configs.engine import CriticConfig
+    from microrl.engine import ActorEngine, CriticEngine, materialize
+
+    rank = dist.get_rank()
+    paths = {tie: tmp / f"rank0_loading_base_tie{int(tie)}" for tie in (False, True)}
+    if rank == 0:
+        for tie, path in paths.items():
+            tiny_model(tie=tie).save_pretrained(path)
+    dist.barrier()
+    built_on: list[str] = []
+    initial: list[dict] = []
+    real_load, real_take = materialize.load_on_rank0, materialize.take_full_state
+
+    def load_spy(model_path):
+        model = real_load(model_path)
+        built_on.append(next(model.parameters()).device.type)
+        return model
+
+    def take_spy(module):
+        state = real_take(module)
+        copy = {name: t.clone() for name, t in state.state_dict.items()}  # loading mutates it
+        initial.append(materialize.share_from_rank0(copy or None))
+        return state
+
+    materialize.load_on_rank0, materialize.take_full_state = load_spy, take_spy
+    try:
+        torch.manual_seed(100 + rank)
+        loaded = {tie: ActorEngine(path, actor_config(**overrides)) for tie, path in paths.items()}
+        lora = ActorEngine(paths[False], actor_config(lora=4, **overrides))
+        critic = CriticEngine(paths[False], CriticConfig(micro_batch_size=2, **overrides))
+    finally:
+        materialize.load_on_rank0, materialize.take_full_state = real_load, real_take
+    assert built_on == ["cpu" if rank == 0 else "meta"] * 4, built_on
+    for engine, state in zip((*loaded.values(), lora, critic), initial, strict=True):
+        for name, param in full_params(engine).items():
+            assert torch.equal(param, state[name]), f"rank-0 loading: {name} is not rank 0's"
+    batch = make_batch()
+    for tie, engine in loaded.items():
+        model = engine.model
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert tied == tie, f"rank-0 loading: tie_word_embeddings={tie} but tied={tied}"
+        reference = ActorEngine(tiny_model(tie=tie), actor_config(**overrides))
+        want, got = full_params(reference), full_params(engine)
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(want[name], got[name]), f"rank-0 loading: {name}"
+        for want_buf, got_buf in zip(reference.model.buffers(), model.buffers(), strict=True):
+            assert torch.equal(full_tensor(want_buf), full_tensor(got_buf)), "a buffer differs"
+        loss = reference.train_batch(batch)["loss"], engine.train_batch(batch)["loss"]
+        assert abs(loss[0] - loss[1]) <= 1e-6, loss
+        want, got = full_params(reference), full_params(engine)
+        for name in want:
+            assert_max_close(got[name], want[name], f"rank-0 loading, a step: {name}", 1e-6)
+    for engine in (lora, critic):
+        assert torch.isfinite(torch.tensor(engine.train_batch(batch)["loss"]))

@@ -24,6 +24,7 @@ from distributed_utils import (
     actor_config,
     assert_max_close,
     assert_metrics_close,
+    check_rank0_loading,
     full_params,
     full_tensor,
     hf_logprobs,
@@ -78,6 +79,7 @@ def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
         "critic_dp_invariance",
         "export_roundtrip_under_fsdp",
         "generate_then_train_under_fsdp",
+        "rank0_loading",
     ]
     assert sorted(passed) == sorted(expected)
 
@@ -397,6 +399,8 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         assert_max_close(hf_logprobs(full, batch)[mask], expected[mask], "merged export", 2e-5)
     dist.barrier()
     passed.append("export_roundtrip_under_fsdp")
+    check_rank0_loading(tmp)
+    passed.append("rank0_loading")
     return passed
 
 

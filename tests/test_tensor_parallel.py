@@ -26,6 +26,7 @@ from distributed_utils import (
     actor_config,
     assert_max_close,
     assert_metrics_close,
+    check_rank0_loading,
     full_params,
     full_tensor,
     hf_logprobs,
@@ -79,6 +80,7 @@ def test_tp2_engine_equals_one_process(tmp_path):
         "export",
         "checkpoint_resume_exact",
         "refusals",
+        "rank0_loading",
     ]
     assert sorted(passed) == sorted(expected)
     # The TP=2 checkpoint in one process, TP=1: DCP reassembles the shards (a warning says that
@@ -101,7 +103,8 @@ def test_tp2_engine_equals_one_process(tmp_path):
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     """4 processes (dp=2 x tp=2, FSDP2 over dp): full fine-tune, LoRA with packing, critic."""
     passed = _run(tmp_path, 4, "dp_tp")
-    assert sorted(passed) == sorted(["dp_tp[full]", "dp_tp[lora]", "dp_tp[critic]"])
+    expected = ["dp_tp[full]", "dp_tp[lora]", "dp_tp[critic]", "dp_tp[rank0_loading]"]
+    assert sorted(passed) == sorted(expected)
 
 
 def test_config_and_single_process_refusals():
@@ -363,6 +366,8 @@ def scenario_tp(rank: int, tmp: Path) -> list[str]:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide .* \(2\)"):
         ActorEngine(tiny_model(), actor_config(tensor_parallel_size=4))
     passed.append("refusals")
+    check_rank0_loading(tmp, tensor_parallel_size=2)
+    passed.append("rank0_loading")
     return passed
 
 
@@ -401,6 +406,8 @@ def scenario_dp_tp(rank: int, tmp: Path) -> list[str]:
         for n, p in full_params(engine).items():
             assert_max_close(p - before[n], ref_delta[n], f"{name} {n}", 1e-5)
         passed.append(name)
+    check_rank0_loading(tmp, tensor_parallel_size=2)  # global rank 0 loads for the 2-D mesh
+    passed.append("dp_tp[rank0_loading]")
     return passed
 
 

@@ -26,7 +26,7 @@ from transformers import (
 
 from microrl.configs.examples import ModelConfig
 
-__all__ = ["build_model", "build_tokenizer", "is_checkpoint", "load_pretrained"]
+__all__ = ["build_model", "build_tokenizer", "is_checkpoint", "load_pretrained", "load_tokenizer"]
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -92,6 +92,13 @@ def is_checkpoint(path: str | Path) -> bool:
 
 def load_pretrained(path: str | Path) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """Tokenizer and causal LM from a local checkpoint (float32, eval mode); never downloads."""
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return tokenizer, model.eval()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local checkpoint, left-padding, with a pad token; never downloads."""
     if not is_checkpoint(path):
         raise ValueError(f"model.path {str(path)!r} is not a local transformers checkpoint")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -103,5 +110,4 @@ def load_pretrained(path: str | Path) -> tuple[PreTrainedTokenizerBase, PreTrain
                 "(the rollouts need an eos token to end responses)"
             )
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    return tokenizer, model.eval()
+    return tokenizer

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.examples import ModelConfig, TaskConfig
@@ -26,7 +26,7 @@ from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
 from microrl.tasks.base import Task
 from microrl.tasks.factory import BUILT_IN_TASKS, make_task
-from microrl.tasks.toy_model import build_model, build_tokenizer, is_checkpoint, load_pretrained
+from microrl.tasks.toy_model import build_model, build_tokenizer, is_checkpoint, load_tokenizer
 
 __all__ = ["prepare_base_model"]
 
@@ -40,8 +40,10 @@ def prepare_base_model(
     dist_info: Dist,
     max_new_tokens: int,
     log: Callable[[str], None] = print,
-) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
-    """Tokenizer and model at ``cfg.path``, warm-starting and saving them there first if needed.
+) -> tuple[PreTrainedTokenizerBase, str]:
+    """Tokenizer and checkpoint path ``cfg.path``, warm-starting and saving a model there first if
+    needed. The engines load the path themselves: under torchrun only rank 0 reads it
+    (microrl/engine/materialize.py).
 
     Only a task with a ``toy_alphabet`` gets a model built for it; for any other (a
     ``task.name=dataset`` file), an empty ``model.path`` is a ``ValueError``.
@@ -56,7 +58,7 @@ def prepare_base_model(
                 "give model.path a local checkpoint (docs/tasks.md)"
             )
         _warm_start(cfg, task, dist_info, max_new_tokens, log)
-    return load_pretrained(cfg.path)
+    return load_tokenizer(cfg.path), cfg.path
 
 
 def _warm_start(

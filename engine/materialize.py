@@ -1,0 +1,122 @@
+"""Rank-0 loading: a distributed engine reads its checkpoint once, never a full model per rank.
+
+A model given as a checkpoint path to an engine under ``torchrun`` (data parallel, tensor
+parallel, or both) is set up like this, so that no rank other than global rank 0 ever holds the
+whole model, and no rank holds it on its accelerator:
+
+1. global rank 0 loads the checkpoint on the CPU; every other rank builds the same architecture
+   on the ``meta`` device (no memory) from the checkpoint's config (:func:`load_on_rank0`);
+2. every rank prepares the model identically (dropout off, LoRA, checkpointing, the role's
+   wrapper: a critic's value head, the policy head's probe, run on rank 0 and shared);
+3. rank 0 takes the full state out of its model (:func:`take_full_state`: every parameter and
+   buffer, LoRA and value-head initialisations included) and turns the model into ``meta`` too;
+4. the meta model is sharded (tensor-parallel DTensors with no communication, FSDP2 units) and
+   materialised on the device as shards only (``to_empty``), then filled from rank 0
+   (:func:`load_full_state`): ``set_model_state_dict(..., broadcast_from_rank0=True)`` broadcasts
+   one full tensor at a time and each rank keeps its slice; buffers (also the non-persistent ones
+   such as rotary frequencies, absent from state dicts) are broadcast as they are.
+
+The result equals loading the model on every rank and sharding it (tested in
+``tests/test_tensor_parallel.py`` and ``tests/test_distributed.py``). A model passed as an
+``nn.Module`` was already built by the caller on every rank and is sharded as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "FullState",
+    "is_meta",
+    "load_full_state",
+    "load_on_rank0",
+    "share_from_rank0",
+    "take_full_state",
+]
+
+
+@dataclass
+class FullState:
+    """Rank 0's full (unsharded, CPU) tensors; empty on every other rank."""
+
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def is_meta(module: nn.Module) -> bool:
+    """True when ``module``'s parameters live on the meta device (built without memory)."""
+    return any(p.is_meta for p in module.parameters())
+
+
+def load_on_rank0(path: str | os.PathLike) -> nn.Module:
+    """The checkpoint's causal LM, fp32: loaded on the CPU on global rank 0, built on ``meta``
+    elsewhere (the same modules and generation config, no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = os.fspath(path)
+    if dist.get_rank() == 0:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+def share_from_rank0(value):
+    """``value`` as global rank 0 computed it (a picklable object), on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@torch.no_grad()
+def take_full_state(module: nn.Module) -> FullState:
+    """Rank 0: the module's full tensors, then the module itself on ``meta``; other ranks: their
+    module is meta already. Call before sharding."""
+    if dist.get_rank() != 0:
+        return FullState()
+    state = FullState(
+        state_dict=dict(module.state_dict()),  # detached tensors: they keep their storage
+        buffers={name: b.clone() for name, b in module.named_buffers()},
+    )
+    _to_meta(module)
+    return state
+
+
+def _to_meta(module: nn.Module) -> None:
+    """Every parameter and buffer of ``module`` on ``meta``, in place, keeping shared ones shared
+    (``module.to("meta")`` would give a tied embedding and lm head two new parameters)."""
+    memo: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in memo:
+                    meta = torch.empty_like(tensor, device="meta")
+                    if isinstance(tensor, nn.Parameter):
+                        meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                    memo[id(tensor)] = meta
+                table[name] = memo[id(tensor)]
+
+
+@torch.no_grad()
+def load_full_state(module: nn.Module, state: FullState, device: torch.device) -> None:
+    """Allocate the sharded ``module``'s local tensors on ``device`` and fill them from rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    module.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    set_model_state_dict(module, state.state_dict, options=options)
+    for name, buffer in module.named_buffers():
+        local = buffer.to_local() if hasattr(buffer, "to_local") else buffer
+        if dist.get_rank() == 0:
+            local.copy_(state.buffers[name])
+        dist.broadcast(local, src=0)
