@@ -1,7 +1,7 @@
 """Data parallelism on 2 gloo ranks: DP invariance, sharded fused head, gradient sync, resume.
 
-Each pytest function launches this same file under ``torchrun`` (``python -m
-torch.distributed.run``) with a *scenario* name; the ranks run every check of the scenario, write
+Each pytest function launches this same file on gloo ranks (``distributed_utils.launch``: the
+environment torchrun gives its workers, without the launcher process) with a *scenario* name; the ranks run every check of the scenario, write
 the names of the checks that passed, and the test asserts that all of them did (a scenario that
 silently ran nothing fails). References are computed in the same processes *before* the process
 group exists (an unsharded engine on the whole mini-batch), so no file has to cross processes,

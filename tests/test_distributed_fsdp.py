@@ -9,7 +9,7 @@
   in place).
 * The root (final norm, lm head) is all-gathered once per micro-batch, not again in backward.
 
-Same harness as ``test_distributed.py``: each pytest function launches this file under torchrun
+Same harness as ``test_distributed.py``: each pytest function launches this file on 2 ranks
 with a scenario name; the ranks write the names of the checks that passed.
 """
 

@@ -1,6 +1,6 @@
 """The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports.
 
-Like tests/test_distributed.py, the pytest function launches this file under ``torchrun`` and the
+Like tests/test_distributed.py, the pytest function launches this file on 2 ranks (``distributed_utils.launch``) and the
 ranks report the checks that passed. References are computed in the same processes before the
 process group exists (an unsharded engine on the whole mini-batch).
 """

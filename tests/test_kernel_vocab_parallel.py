@@ -7,7 +7,7 @@ gradient (the ranks' shard gradients concatenated), under each mix of upstream g
 random, one of them an explicit zero, and one output left out of the loss entirely (autograd
 then hands the Function no gradient for it, the case slime's kernel dropped).
 
-The 2-rank checks follow tests/test_whiten_distributed.py: one ``torchrun`` launch of this file
+The 2-rank checks follow tests/test_whiten_distributed.py: one launch of this file
 with 2 gloo ranks runs every check and writes the names of those that passed; the pytest functions
 assert on them. Single-process tests cover argument errors, ``group=None``, a real process group
 of one rank, and that the comparison itself catches a dropped gradient branch.

@@ -1,6 +1,6 @@
 """The vllm rollout backend under torchrun: every rank owns a vLLM engine beside its FSDP2 shard.
 
-One ``torchrun`` launch of this file with 2 gloo ranks: for a LoRA and a full fine-tune engine
+One launch of this file (``distributed_utils.launch``) with 2 gloo ranks: for a LoRA and a full fine-tune engine
 (sharded by FSDP2), each rank samples its own prompts with its own vLLM engine, trains one step
 on them (a collective update), syncs (the adapter written once and loaded by every rank; the full
 weights all-gathered on every rank), and checks vLLM's log-probs against the engine's before and

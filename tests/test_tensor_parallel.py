@@ -1,11 +1,11 @@
 """Tensor parallelism (engine/tensor_parallel.py) against one process, on gloo ranks.
 
-As in tests/test_distributed.py, each pytest function launches this file under ``torchrun`` with
+As in tests/test_distributed.py, each pytest function launches this file on gloo ranks with
 a *scenario*; the ranks run every check, write the names of those that passed, and the test
 asserts the list. References are single-process engines built in the same processes before the
 process group exists. ``tp`` runs 2 ranks (tensor_parallel_size=2, no data parallelism);
 ``dp_tp`` runs 4 ranks (2 data-parallel x 2 tensor-parallel, FSDP2 over the dp dimension), the
-costlier one (about 50 s on a 2-core machine: 4 processes on 2 cores), run only with
+costlier one (36-42 s measured on a 2-core machine: 4 processes on 2 cores), run only with
 ``MICRORL_TEST_DP_TP=1``.
 """
 
@@ -48,7 +48,7 @@ SHARDS = ([0, 1, 2, 3, 4], [5, 6])  # dp x tp: the rows of each data-parallel in
 # TP checks: uneven rows whose micro-batches of 2 rows are 12, 9, 10 and 4 wide (compacted): the
 # layers run on local tensors, so a new width costs no DTensor sharding propagation.
 TP_LENGTHS = (12, 5, 9, 3, 7, 10, 4)
-# The 4-process check costs about 50 s on a 2-core machine (4 processes on 2 cores): opt-in.
+# The 4-process check costs about 40 s on a 2-core machine (4 processes on 2 cores): opt-in.
 FOUR_PROCESSES = os.environ.get("MICRORL_TEST_DP_TP") == "1"
 
 
@@ -99,7 +99,7 @@ def test_tp2_engine_equals_one_process(tmp_path):
         assert torch.equal(value, got[key]), key
 
 
-@pytest.mark.skipif(not FOUR_PROCESSES, reason="4 processes, ~50 s: MICRORL_TEST_DP_TP=1")
+@pytest.mark.skipif(not FOUR_PROCESSES, reason="4 processes, ~40 s: MICRORL_TEST_DP_TP=1")
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     """4 processes (dp=2 x tp=2, FSDP2 over dp): full fine-tune, LoRA with packing, critic."""
     passed = _run(tmp_path, 4, "dp_tp")

@@ -1,6 +1,6 @@
 """Batch statistics over data-parallel ranks: ``whiten(group=...)``, the PPO recipe, GRPO groups.
 
-The 2-rank checks follow tests/test_distributed.py: one ``torchrun`` launch of this file with 2
+The 2-rank checks follow tests/test_distributed.py: one launch of this file with 2
 gloo ranks runs every check and writes the names of those that passed; the pytest functions
 assert on them. Single-process references are computed in the same processes before the process
 group exists, so nothing crosses processes but the collectives under test.
