@@ -96,23 +96,15 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 240) -> str:
     ``tests/test_examples.py`` runs an example under ``torchrun`` itself. When a rank fails, the
     others are stopped at once (they would wait in a collective until the group's timeout).
     """
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-    )
+    env = rank_env(nproc)
     with tempfile.TemporaryDirectory() as logs:
         procs = []
         for rank in range(nproc):
             log = open(Path(logs) / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            this_rank = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
             cmd = [sys.executable, str(script), *args]
             procs.append(
-                (subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=log, stderr=log), log)
+                (subprocess.Popen(cmd, cwd=REPO, env=this_rank, stdout=log, stderr=log), log)
             )
         failed = _wait_all([p for p, _ in procs], timeout)
         output = ""
@@ -147,6 +139,20 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> str | None:
     if why is None and any(p.returncode for p in procs):
         why = f"failed (exit codes {[p.returncode for p in procs]})"
     return why
+
+
+def rank_env(nproc: int) -> dict[str, str]:
+    """The environment torchrun gives its workers (rank variables apart: ``RANK``, ``LOCAL_RANK``),
+    on a free local port, one thread per rank, warnings off."""
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+    )
 
 
 def free_port() -> int:

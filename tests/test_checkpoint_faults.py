@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed_utils import REPO, launch
+from distributed_utils import REPO, launch, rank_env
 
 from microrl.engine import agreement
 from microrl.engine import checkpoint as ckpt
@@ -103,24 +102,11 @@ def test_a_fault_reported_by_one_rank_fails_every_rank_at_once(tmp_path, monkeyp
         assert r["recovered"] == {"step": 3, "values": [3.0]}, r["recovered"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_killed_or_hung_rank_is_named_within_the_timeout(tmp_path, fault):
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE="2",
-    )
+    env = rank_env(2)
     env.pop(agreement.TIMEOUT_ENV, None)
     procs, logs = [], []
     try:
