@@ -110,7 +110,7 @@ class Engine:
         # rank materialises only its shards once sharded (engine/materialize.py).
         self._rank0_loading = isinstance(model, (str, os.PathLike)) and distributed.is_distributed()
         if self._rank0_loading:
-            causal_lm = materialize.load_on_rank0(setup.checkpoint_dir(model))
+            causal_lm = materialize.load_on_rank0(model)
         else:
             causal_lm = setup.load_causal_lm(model).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings

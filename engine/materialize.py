@@ -5,7 +5,8 @@ parallel, or both) is set up like this, so that no rank other than global rank 0
 whole model, and no rank holds it on its accelerator:
 
 1. global rank 0 loads the checkpoint on the CPU; every other rank builds the same architecture
-   on the ``meta`` device (no memory) from the checkpoint's config (:func:`load_on_rank0`);
+   on the ``meta`` device (no memory) from rank 0's config, sent to it (:func:`load_on_rank0`:
+   only rank 0 reads the path);
 2. every rank prepares the model identically (dropout off, LoRA, checkpointing, the role's
    wrapper: a critic's value head, the policy head's probe, run on rank 0 and shared);
 3. rank 0 takes the full state out of its model (:func:`take_full_state`: every parameter and
@@ -55,17 +56,34 @@ def is_meta(module: nn.Module) -> bool:
 
 def load_on_rank0(path: str | os.PathLike) -> nn.Module:
     """The checkpoint's causal LM, fp32: loaded on the CPU on global rank 0, built on ``meta``
-    elsewhere (the same modules and generation config, no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    elsewhere from rank 0's config and generation config (shared by a broadcast, so the other
+    ranks never read the path: on a multi-node run it need not exist on their file systems).
 
-    path = os.fspath(path)
+    Raises:
+        ValueError: on every rank, when rank 0 cannot load the path (naming it and rank 0's
+            error), instead of rank 0 failing alone while the others wait in a collective.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from microrl.engine.setup import checkpoint_dir
+
+    model, found = None, None
     if dist.get_rank() == 0:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(path), dtype=torch.float32)
+            found = (model.config, model.generation_config)
+        except Exception as error:  # shared with the other ranks, then re-raised
+            share_from_rank0(f"{type(error).__name__}: {error}")
+            raise
+    found = share_from_rank0(found)
+    if isinstance(found, str):
+        raise ValueError(f"model path {os.fspath(path)!r}: rank 0 could not load it ({found})")
+    if model is not None:
+        return model
+    config, generation_config = found
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.generation_config = generation_config
     return model
 
 

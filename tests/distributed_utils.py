@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from tensordict import TensorDict
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -231,15 +232,23 @@ def check_rank0_loading(tmp: Path, **overrides) -> None:
         initial.append(materialize.share_from_rank0(copy or None))
         return state
 
+    # Only rank 0 reads the path: elsewhere it may not exist (a node without the shared disk).
+    elsewhere = tmp / "not_on_this_node"
     materialize.load_on_rank0, materialize.take_full_state = load_spy, take_spy
     try:
         torch.manual_seed(100 + rank)
-        loaded = {tie: ActorEngine(path, actor_config(**overrides)) for tie, path in paths.items()}
+        loaded = {
+            tie: ActorEngine(path if rank == 0 else elsewhere, actor_config(**overrides))
+            for tie, path in paths.items()
+        }
         lora = ActorEngine(paths[False], actor_config(lora=4, **overrides))
         critic = CriticEngine(paths[False], CriticConfig(micro_batch_size=2, **overrides))
     finally:
         materialize.load_on_rank0, materialize.take_full_state = real_load, real_take
     assert built_on == ["cpu" if rank == 0 else "meta"] * 4, built_on
+    # A path rank 0 cannot load fails on every rank at once, naming it (no rank left waiting).
+    with pytest.raises(ValueError, match="not_a_checkpoint"):
+        ActorEngine(tmp / "not_a_checkpoint", actor_config(**overrides))
     for engine, state in zip((*loaded.values(), lora, critic), initial, strict=True):
         for name, param in full_params(engine).items():
             assert torch.equal(param, state[name]), f"rank-0 loading: {name} is not rank 0's"
