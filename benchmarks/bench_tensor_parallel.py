@@ -94,6 +94,7 @@ def measure(tp: int, args) -> dict[str, float]:
     config = ActorConfig(
         micro_batch_size=4,
         tensor_parallel_size=tp,
+        fuse_loss=not args.unfused_loss,
         optim=OptimConfig(name="adamw", lr=1e-4),
     )
     engine = ActorEngine(_model(args.hidden, args.layers, args.vocab), config)
@@ -127,6 +128,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument(
+        "--unfused-loss", action="store_true", help="kernel, then the loss (fuse_loss=False)"
+    )
     args = parser.parse_args()
     world = os.environ.pop("WORLD_SIZE", None)  # the TP=1 baseline: no process group yet
     one = measure(1, args)
@@ -135,7 +139,8 @@ def main() -> None:
     os.environ["WORLD_SIZE"] = world
     two = measure(2, args)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"Qwen2 hidden={args.hidden} layers={args.layers} vocab={args.vocab}, AdamW fp32")
+        loss = "kernel + loss" if args.unfused_loss else "fused loss"
+        print(f"Qwen2 hidden={args.hidden} layers={args.layers} vocab={args.vocab}, AdamW, {loss}")
         print(f"{'per rank':<24}{'TP=1':>12}{'TP=2':>12}{'ratio':>8}")
         for key in one:
             unit, scale = ("s", 1.0) if key.endswith("_s") else ("MiB", 2.0**20)

@@ -11,7 +11,8 @@ It launches this file under torchrun twice, one CPU thread per rank:
   (the last padded when V is odd).
 
 Each step is forward + backward (gradients to hidden and weight) of
-``sum(g1 * logprobs) + sum(g2 * entropy)``, float32, ``--steps`` timed steps after a warm-up;
+``sum(g1 * logprobs) + sum(g2 * entropy)``, float32 (``vocab_parallel_linear_loss``: the same
+loss run inside the head, its gradients formed in forward on kept tiles), ``--steps`` timed steps after a warm-up;
 the table shows the median step time (wall, and the process CPU time: steadier on a shared
 machine), the maximum over ranks. Every ``dist.all_reduce`` the kernel issues is recorded: its
 bytes per call, forward (statistics) and backward (the hidden gradient), against the
@@ -37,7 +38,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from microrl.kernels import fused_linear_logprob, vocab_parallel_linear_logprob
+    from microrl.kernels import (
+        fused_linear_logprob,
+        vocab_parallel_linear_logprob,
+        vocab_parallel_linear_loss,
+    )
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -73,6 +78,20 @@ def worker(args: argparse.Namespace) -> None:
             w = weight.clone().requires_grad_()
             phase = "forward"
             lp, ent = fused_linear_logprob(hh, w, targets, validate=False)
+        elif kind == "vocab_parallel_loss":  # the same loss inside the head, gradients in forward
+            w = shard.clone().requires_grad_()
+            phase = "forward"
+
+            def loss_fn(start, end, lp, ent):
+                return (lp * g1[start:end]).sum() + (ent * g2[start:end]).sum(), None
+
+            out = vocab_parallel_linear_loss(
+                hh, w, targets, loss_fn, group=group, vocab_start=rank * rows, vocab_size=v,
+                with_entropy=True, validate=False,
+            )  # fmt: skip
+            phase = "backward"
+            out.loss.backward()
+            return
         else:
             w = shard.clone().requires_grad_()
             phase = "forward"
@@ -82,7 +101,8 @@ def worker(args: argparse.Namespace) -> None:
         phase = "backward"
         ((lp * g1).sum() + (ent * g2).sum()).backward()
 
-    kinds = ["fused", "vocab_parallel"] if world == 1 else ["vocab_parallel"]
+    kinds = ["vocab_parallel", "vocab_parallel_loss"]
+    kinds = ["fused", *kinds] if world == 1 else kinds
     result = {}
     for kind in kinds:
         step(kind)  # warm-up
@@ -157,7 +177,9 @@ def main() -> None:
     rows = [
         ("TP=1, fused_linear_logprob", one["fused"]),
         ("TP=1, vocab_parallel (group=None)", one["vocab_parallel"]),
-        ("TP=2, vocab_parallel (max over ranks)", _max_over_ranks(two)),
+        ("TP=2, vocab_parallel (max over ranks)", _max_over_ranks(two, "vocab_parallel")),
+        ("TP=1, vocab_parallel_linear_loss (group=None)", one["vocab_parallel_loss"]),
+        ("TP=2, vocab_parallel_linear_loss", _max_over_ranks(two, "vocab_parallel_loss")),
     ]
     for name, r in rows:
         print(
@@ -170,8 +192,8 @@ def main() -> None:
     print(f"forward bytes per token per rank: {fwd / n:.0f} (4 floats of 4 bytes: max, S, A, z_t)")
 
 
-def _max_over_ranks(results: list[dict]) -> dict:
-    per = [r["vocab_parallel"] for r in results]
+def _max_over_ranks(results: list[dict], kind: str) -> dict:
+    per = [r[kind] for r in results]
     return {key: max(p[key] for p in per) for key in per[0]}
 
 

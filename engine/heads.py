@@ -247,7 +247,7 @@ class PolicyModel(nn.Module):
                     raise ValueError("loss_fn needs the fused head (use_fused_kernel=True)")
                 head = _fused_loss_head(loss_fn, loss_segments)
             if _is_dtensor(weight):  # tensor parallel (engine/tensor_parallel.py): Shard(0)
-                head = _vocab_parallel_head(loss_fn)
+                head = _vocab_parallel_head(loss_fn, loss_segments)
             return head(
                 hidden,
                 weight,
@@ -281,22 +281,23 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def _vocab_parallel_head(loss_fn: GroupLossFn | None):
+def _vocab_parallel_head(loss_fn: GroupLossFn | None, segments: list[int] | None):
     """:func:`microrl.kernels.vocab_parallel_linear_logprob` (the weight a ``Shard(0)`` DTensor
     over the tp ranks, hidden replicated; a bias a ``Shard(0)`` DTensor too) with the fused head's
-    call signature. With ``loss_fn`` the loss runs on the outputs as one group of rows (the fused
-    loss path's result, through the kernel's own backward)."""
+    call signature; with ``loss_fn``, :func:`~microrl.kernels.vocab_parallel_loss.
+    vocab_parallel_linear_loss` (the fused loss path on the shard, returning
+    ``(logprobs, entropy, loss)``)."""
 
     def head(hidden, weight, targets, **kwargs):
         from microrl.kernels import vocab_parallel_linear_logprob
+        from microrl.kernels.vocab_parallel_loss import vocab_parallel_linear_loss
 
-        logprobs, entropy = vocab_parallel_linear_logprob(hidden, weight, targets, **kwargs)
         if loss_fn is None:
-            return logprobs, entropy
-        n = logprobs.numel()
-        flat_entropy = None if entropy is None else entropy.reshape(-1)
-        loss, _ = loss_fn(0, n, logprobs.reshape(-1), flat_entropy)
-        return logprobs.detach(), None if entropy is None else entropy.detach(), loss
+            return vocab_parallel_linear_logprob(hidden, weight, targets, **kwargs)
+        out = vocab_parallel_linear_loss(
+            hidden, weight, targets, loss_fn, segments=segments, **kwargs
+        )
+        return out.logprobs, out.entropy, out.loss
 
     return head
 

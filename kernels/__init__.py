@@ -4,13 +4,16 @@
 entropy without materialising the ``[N, V]`` logits, with float32 logits whatever the input
 dtypes; ``reference_linear_logprob`` is its eager, obviously-correct definition (tests and
 benchmarks compare against it); ``fused_linear_loss`` runs a loss of those log-probs inside the
-head and forms its gradients in forward. Their contract is in ``docs/kernels.md``.
+head and forms its gradients in forward; ``vocab_parallel_linear_logprob`` and
+``vocab_parallel_linear_loss`` are the same two with the vocabulary split over tensor-parallel
+ranks. Their contract is in ``docs/kernels.md``.
 """
 
 from .fused_loss import FusedLossOutput, fused_linear_loss
 from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
 from .reference import reference_linear_logprob
 from .vocab_parallel import vocab_parallel_linear_logprob
+from .vocab_parallel_loss import vocab_parallel_linear_loss
 
 __all__ = [
     "WORKING_TILE_ELEMENTS",
@@ -19,4 +22,5 @@ __all__ = [
     "fused_linear_loss",
     "reference_linear_logprob",
     "vocab_parallel_linear_logprob",
+    "vocab_parallel_linear_loss",
 ]

@@ -94,13 +94,14 @@ class _Spec:
     need: tuple[bool, bool, bool]  # gradient to hidden, weight, bias
     loss_fn: GroupLossFn
     aux: list = field(default_factory=list)
+    run: Callable | None = None  # the forward's loop; None: _run (kernels/vocab_parallel_loss.py)
 
 
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
         with no_autocast(hidden.device.type):
-            loss, logprob, entropy, grads = _run(
+            loss, logprob, entropy, grads = (spec.run or _run)(
                 hidden, weight, bias, targets, row_mask, inv_t, spec
             )
         ctx.save_for_backward(*(g for g in grads if g is not None))

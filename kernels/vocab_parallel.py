@@ -127,9 +127,15 @@ def _logits(h_mm, weight, bias, j, plan: _Plan, cdtype, buf, pre, post):
     return (z if post is None else _softcap_(z, post)), w_c
 
 
-def _local_stats(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan, cdtype):
+def _local_stats(
+    hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan, cdtype, kept=None
+):
     """Per processed row, the statistics of this shard's real rows: max ``m``, ``S``, ``A`` (or
-    None) and the target logit (0 where the target is not in this shard)."""
+    None) and the target logit (0 where the target is not in this shard).
+
+    ``kept``: None, or ``(tiles, maxes, count)``: the first ``count`` tiles in loop order are left
+    in buffers of their own, holding ``z - m_tile``, appended to ``tiles`` with their row maxes
+    ``m_tile`` to ``maxes`` (what the single-device backward reuses instead of recomputing)."""
     m = hidden.shape[0] if rows_idx is None else rows_idx.numel()
     row_max = hidden.new_full((m,), -math.inf, dtype=cdtype)
     row_sum = hidden.new_zeros(m, dtype=cdtype)
@@ -148,10 +154,16 @@ def _local_stats(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan:
         picked = target_logit[rows]
         stats = None
         for j in range(0, plan.real_rows, plan.vocab_tile):
-            z, _ = _logits(h_mm, weight, bias, j, plan, cdtype, buf, pre, post)
+            out = buf
+            if kept is not None and len(kept[0]) < kept[2]:
+                out = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
+            z, _ = _logits(h_mm, weight, bias, j, plan, cdtype, out, pre, post)
             _gather_tile(z, t - j, picked)
             tile = _tile_stats(z, scratch, plan.with_entropy)
             stats = tile if stats is None else _merge(stats, tile)
+            if out is not buf:
+                kept[0].append(out)
+                kept[1].append(tile[0])
         row_max[rows], row_sum[rows] = stats[0], stats[1]
         if plan.with_entropy:
             row_a[rows] = stats[2]
@@ -450,6 +462,51 @@ def vocab_parallel_linear_logprob(
         TypeError / ValueError: as ``fused_linear_logprob``, and for a bad ``group``,
             ``vocab_start``, ``vocab_size`` or DTensor layout, and a DTensor ``hidden``/``targets``.
     """
+    inputs = checked_inputs(
+        hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
+        chunk_size, ignore_index, validate, bias, logit_scale, softcap,
+    )  # fmt: skip
+    hidden_2d, weight, bias, flat_targets, valid, temp, inv_t, count = inputs[:8]
+    group, vocab_start, vocab_size = inputs[8:]
+    num_rows = valid.numel()
+    rows_idx, row_mask = None, None
+    if count is None:  # no sync: every row, the ignored ones masked inside
+        row_mask = valid
+        if inv_t is not None:
+            inv_t = torch.where(valid, inv_t, 1.0)
+    elif count < num_rows:  # compact the non-ignored rows (the count came with the one sync)
+        rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
+        num_rows = count
+    configured = chunk_size or _DEFAULT_ROWS
+    real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    vocab_tile = max(1, min(real_rows, max(_MIN_VOCAB_TILE, _TILE_ELEMENTS // configured)))
+    plan = _Plan(
+        group=group,
+        vocab_start=vocab_start,
+        real_rows=real_rows,
+        rows=max(1, min(configured, num_rows)),
+        vocab_tile=vocab_tile,
+        with_entropy=with_entropy,
+        inv_temperature=1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0,
+        scale=float(logit_scale),
+        softcap=None if softcap is None else float(softcap),
+    )
+    out = _VocabParallelLinearLogProb.apply(
+        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
+    )
+    if not with_entropy:
+        return out.view(targets.shape), None
+    logprobs, entropy = out
+    return logprobs.view(targets.shape), entropy.view(targets.shape)
+
+
+def checked_inputs(
+    hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
+    chunk_size, ignore_index, validate, bias, logit_scale, softcap,
+):  # fmt: skip
+    """The public functions' checks and flattening: ``(hidden [N, H], local weight, local bias,
+    targets [N] (ignored ones 0), valid [N], temperature, 1/T [N] or None, non-ignored count
+    (None without ``validate``), group, vocab_start, vocab_size)``."""
     for name, t in (("hidden", hidden), ("targets", targets)):
         if _is_dtensor(t):
             raise ValueError(f"{name} must be a plain (replicated) tensor, not a DTensor")
@@ -482,36 +539,10 @@ def vocab_parallel_linear_logprob(
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = torch.where(valid, targets.reshape(-1).long(), 0)
     inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
-    num_rows = valid.numel()
-    rows_idx, row_mask = None, None
-    if count is None:  # no sync: every row, the ignored ones masked inside
-        row_mask = valid
-        if inv_t is not None:
-            inv_t = torch.where(valid, inv_t, 1.0)
-    elif count < num_rows:  # compact the non-ignored rows (the count came with the one sync)
-        rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
-        num_rows = count
-    configured = chunk_size or _DEFAULT_ROWS
-    real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
-    vocab_tile = max(1, min(real_rows, max(_MIN_VOCAB_TILE, _TILE_ELEMENTS // configured)))
-    plan = _Plan(
-        group=group,
-        vocab_start=vocab_start,
-        real_rows=real_rows,
-        rows=max(1, min(configured, num_rows)),
-        vocab_tile=vocab_tile,
-        with_entropy=with_entropy,
-        inv_temperature=1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0,
-        scale=float(logit_scale),
-        softcap=None if softcap is None else float(softcap),
-    )
-    out = _VocabParallelLinearLogProb.apply(
-        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
-    )
-    if not with_entropy:
-        return out.view(targets.shape), None
-    logprobs, entropy = out
-    return logprobs.view(targets.shape), entropy.view(targets.shape)
+    return (
+        hidden_2d, weight, bias, flat_targets, valid, temp, inv_t, count, group, vocab_start,
+        vocab_size,
+    )  # fmt: skip
 
 
 def _validate_values(targets, valid, temp, vocab_size, ignore_index) -> int:

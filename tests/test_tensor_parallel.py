@@ -81,6 +81,7 @@ def test_tp2_engine_equals_one_process(tmp_path):
         "checkpoint_resume_exact",
         "refusals",
         "rank0_loading",
+        "fused_loss_in_the_vocab_parallel_head",
     ]
     assert sorted(passed) == sorted(expected)
     # The TP=2 checkpoint in one process, TP=1: DCP reassembles the shards (a warning says that
@@ -299,6 +300,22 @@ def scenario_tp(rank: int, tmp: Path) -> list[str]:
         assert engine.device_mesh is not None and engine.device_mesh["dp"].size() == 1
         _compare(name, refs[name], _steps(engine, batch, steps))
         passed.append(name)
+
+    # ---- the default loss runs inside the vocab-parallel head (the fused loss path), once per
+    # micro-batch: the comparisons above then cover it
+    from microrl.kernels import vocab_parallel_loss
+
+    calls, real = [], vocab_parallel_loss.vocab_parallel_linear_loss
+    vocab_parallel_loss.vocab_parallel_linear_loss = lambda *a, **k: (
+        calls.append(1) or real(*a, **k)
+    )
+    try:
+        engine = ActorEngine(tiny_model(), actor_config(tensor_parallel_size=2))
+        engine.forward_backward_batch(batch)
+    finally:
+        vocab_parallel_loss.vocab_parallel_linear_loss = real
+    assert len(calls) == 4, calls  # 7 rows in micro-batches of 2
+    passed.append("fused_loss_in_the_vocab_parallel_head")
 
     # ---- the layout: Shard(0) lm head read by the vocab-parallel kernel, adapters as documented
     from safetensors.torch import save_file
