@@ -84,16 +84,11 @@ def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
     assert sorted(passed) == sorted(expected)
 
 
-def test_resume_is_exact_on_two_ranks_and_on_one_and_reshards(tmp_path):
+def test_resume_is_exact_on_two_ranks_and_reshards_to_one(tmp_path):
     assert _run(tmp_path, 2, "resume_save") == ["saved"]
     assert _run(tmp_path, 2, "resume_load") == ["resumed_exactly"]
-    # One launch loads the 2-rank checkpoint on 1 rank, then starts a 1-rank run and saves it;
-    # a fresh process resumes that one.
-    assert _run(tmp_path, 1, "reshard_load_then_save") == [
-        "resharded_to_one_rank",
-        "saved",
-    ]
-    assert _run(tmp_path / "one", 1, "resume_load") == ["resumed_exactly"]
+    # The 2-rank checkpoint on 1 rank (exact resume in one process: tests/test_checkpoint.py).
+    assert _run(tmp_path, 1, "reshard_load") == ["resharded_to_one_rank"]
 
 
 def test_single_process_is_a_no_op_and_bad_input_is_named():
@@ -495,12 +490,6 @@ def scenario_reshard_load(rank: int, tmp: Path) -> list[str]:
             engine.load_checkpoint(tmp / f"ckpt{i}")
     _assert_matches(engines, tmp / "at_save.safetensors", "2-rank checkpoint on 1 rank", rank)
     return ["resharded_to_one_rank"]
-
-
-def scenario_reshard_load_then_save(rank: int, tmp: Path) -> list[str]:
-    passed = scenario_reshard_load(rank, tmp)
-    (tmp / "one" / "out").mkdir(parents=True)
-    return passed + scenario_resume_save(rank, tmp / "one")
 
 
 def main(scenario: str, tmp: str) -> None:
