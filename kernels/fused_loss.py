@@ -158,11 +158,7 @@ def _run(hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
         plan = _group_plan(spec.plan, end - start, any_grad)
         out, saved = _forward(h, weight, bias, t, None, mask, inv, plan)
         lp, ent = out if plan.with_entropy else (out, None)
-        logprob[rows] = lp
-        if ent is not None:
-            entropy[rows] = ent
-        loss, g_lp, g_ent = _group_loss(spec, start, end, lp, ent)
-        losses.append(loss)
+        g_lp, g_ent = _record_group(spec, start, end, (lp, ent), (logprob, entropy), losses)
         if not any_grad:
             continue
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows
@@ -185,6 +181,18 @@ def _run(hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
             grad_b += gb.to(cdtype)
     total = torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
     return total, logprob, entropy, (grad_h, grad_w, grad_b)
+
+
+def _record_group(spec: _Spec, start: int, end: int, values, outputs, losses: list):
+    """Store a group's ``(log-probs, entropy)`` into the ``outputs`` buffers, run its loss (kept
+    in ``losses``) and return the upstream gradients (None where the loss does not use them)."""
+    (lp, ent), (logprob, entropy) = values, outputs
+    logprob[start:end] = lp
+    if ent is not None:
+        entropy[start:end] = ent
+    loss, g_lp, g_ent = _group_loss(spec, start, end, lp, ent)
+    losses.append(loss)
+    return g_lp, g_ent
 
 
 def _group_loss(spec: _Spec, start: int, end: int, lp: torch.Tensor, ent: torch.Tensor | None):

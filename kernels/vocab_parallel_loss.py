@@ -38,10 +38,10 @@ from .fused_loss import (
     _budget,
     _check_segments,
     _FusedLinearLoss,
-    _group_loss,
     _group_plan,
     _GroupPlan,
     _groups,
+    _record_group,
     _Spec,
 )
 from .linear_logprob import _backward, _compute_dtype, _plan
@@ -85,11 +85,7 @@ def _run_sharded(shard: _Shard, hidden, weight, bias, targets, row_mask, inv_t, 
         lp = _zero_unkept(shifted - log_sum, mask)
         ent_all = log_sum - a / total if a is not None else None
         ent = None if ent_all is None else _zero_unkept(ent_all, mask)
-        logprob[rows] = lp
-        if ent is not None:
-            entropy[rows] = ent
-        loss, g_lp, g_ent = _group_loss(spec, start, end, lp, ent)
-        losses.append(loss)
+        g_lp, g_ent = _record_group(spec, start, end, (lp, ent), (logprob, entropy), losses)
         if not any_grad:
             continue
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows
