@@ -242,6 +242,16 @@ class _GroupPlan(_Plan):
     vocab: int = 0
 
 
+def _loss_plan(base: _Plan, vocab: int, chunk_size: int | None) -> _GroupPlan:
+    """``base`` with the rows of the tallest group: its kept tiles and the gradient pass's
+    working tiles fit the budget."""
+    tiles = -(-vocab // base.vocab_tile)
+    working = 3 if base.softcap is not None and base.with_entropy else 2
+    rows = max(1, min(chunk_size or 1024, _budget() // (base.vocab_tile * (tiles + working))))
+    values = {f.name: getattr(base, f.name) for f in fields(base)}
+    return _GroupPlan(**{**values, "rows": rows}, vocab=vocab)
+
+
 def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
     """Consecutive segments merged greedily while the group has at most ``rows`` rows (a longer
     segment is a group on its own)."""
@@ -340,13 +350,8 @@ def fused_linear_loss(
         max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), native16,
         hidden_size, float(logit_scale), None if softcap is None else float(softcap),
     )  # fmt: skip
-    # The tallest group: its kept tiles and the gradient pass's working tiles fit the budget.
-    tiles = -(-vocab // base.vocab_tile)
-    working = 3 if softcap is not None and with_entropy else 2
-    rows = max(1, min(chunk_size or 1024, _budget() // (base.vocab_tile * (tiles + working))))
-    values = {f.name: getattr(base, f.name) for f in fields(base)}
-    plan = _GroupPlan(**{**values, "rows": rows}, vocab=vocab)
-    spec = _Spec(_groups(bounds, rows), plan, need, loss_fn)
+    plan = _loss_plan(base, vocab, chunk_size)
+    spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn)
     out = _FusedLinearLoss.apply(hidden_2d, weight, bias, flat_targets, valid, inv_t, spec)
     loss, logprob = out[0], out[1]
     entropy = out[2].view(targets.shape) if with_entropy else None

@@ -24,7 +24,7 @@ gradient. Contract: ``docs/kernels.md`` ("Vocab-parallel").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -35,12 +35,11 @@ from ._tiles import _zero_unkept
 from .fused_loss import (
     FusedLossOutput,
     GroupLossFn,
-    _budget,
     _check_segments,
     _FusedLinearLoss,
     _group_plan,
-    _GroupPlan,
     _groups,
+    _loss_plan,
     _record_group,
     _Spec,
 )
@@ -193,13 +192,9 @@ def vocab_parallel_linear_loss(
         max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), False,
         hidden_2d.shape[1], scale, cap,
     )  # fmt: skip
-    tiles = -(-vocab // base.vocab_tile)
-    working = 3 if cap is not None and with_entropy else 2
-    rows = max(1, min(chunk_size or 1024, _budget() // (base.vocab_tile * (tiles + working))))
-    values = {f.name: getattr(base, f.name) for f in fields(base)}
-    plan = _GroupPlan(**{**values, "rows": rows}, vocab=vocab)
+    plan = _loss_plan(base, vocab, chunk_size)
     run = partial(_run_sharded, _Shard(group, vocab_start, real))
-    spec = _Spec(_groups(bounds, rows), plan, need, loss_fn, run=run)
+    spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn, run=run)
     out = _FusedLinearLoss.apply(hidden_2d, local_w, local_b, flat_targets, valid, inv_t, spec)
     loss, logprob = out[0], out[1]
     entropy = out[2].view(targets.shape) if with_entropy else None
