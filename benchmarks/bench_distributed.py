@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from microrl.configs.engine import ActorConfig, LoraConfig, OptimConfig
     from microrl.engine import ActorEngine
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     D.init_distributed()
 

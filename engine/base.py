@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import distributed, materialize, packing, setup, tensor_parallel
+from microrl.engine import packing, setup
 from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
@@ -53,6 +53,7 @@ from microrl.engine.optim import (
     clip_and_check,
 )
 from microrl.engine.outputs import align_outputs, check_loss_result, last_token_index
+from microrl.engine.parallel import distributed, materialize, tensor_parallel
 from microrl.engine.validation import GROUP_KEY, check_batch
 from microrl.losses.aggregation import LossDenominators, global_denominators
 from microrl.losses.metrics import Metric, reduce_metrics
@@ -107,7 +108,7 @@ class Engine:
             self.dp_group = self.device_mesh["dp"].get_group()
         self.global_step = 0
         # A checkpoint path under torchrun: rank 0 reads it, the others build on meta, and every
-        # rank materialises only its shards once sharded (engine/materialize.py).
+        # rank materialises only its shards once sharded (engine/parallel/materialize.py).
         self._rank0_loading = isinstance(model, (str, os.PathLike)) and distributed.is_distributed()
         if self._rank0_loading:
             causal_lm = materialize.load_on_rank0(model)

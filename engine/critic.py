@@ -23,7 +23,7 @@ class CriticEngine(Engine):
     ``t`` (computed from the hidden state of token ``t - 1``), the baseline of the action
     ``input_ids[b, t]``; 0 where there is no prediction (first real token, padding).
     The causal LM's lm head is dropped: the value head replaces it (``Linear(H, 1)``, trainable
-    also under LoRA). ``microrl.engine.export.export_merged_model(engine.module, path)`` writes a
+    also under LoRA). ``microrl.engine.checkpoint.export.export_merged_model(engine.module, path)`` writes a
     ``*ForTokenClassification`` model (``num_labels=1``, the value head as its ``score``) whose
     ``logits[b, j, 0]`` is ``values[b, j + 1]``.
     """

@@ -246,7 +246,9 @@ class PolicyModel(nn.Module):
                 if not self.fused:
                     raise ValueError("loss_fn needs the fused head (use_fused_kernel=True)")
                 head = _fused_loss_head(loss_fn, loss_segments)
-            if _is_dtensor(weight):  # tensor parallel (engine/tensor_parallel.py): Shard(0)
+            if _is_dtensor(
+                weight
+            ):  # tensor parallel (engine/parallel/tensor_parallel.py): Shard(0)
                 head = _vocab_parallel_head(loss_fn, loss_segments)
             return head(
                 hidden,
@@ -339,7 +341,7 @@ class ValueModel(nn.Module):
     ``bias``: whether the head has a bias (the critic's does; a Bradley-Terry reward model's does
     not: its loss only sees score differences, so a bias would get no gradient, and transformers'
     ``*ForSequenceClassification`` heads have none). ``sequence_level``: what the module
-    computes, which also decides the export (microrl.engine.export): False, a value per position
+    computes, which also decides the export (microrl.engine.checkpoint.export): False, a value per position
     (exported as ``*ForTokenClassification``); True, one score per sequence from the hidden
     state of its last real token, given ``last_index`` (exported as
     ``*ForSequenceClassification``).

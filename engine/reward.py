@@ -36,7 +36,7 @@ class RewardModelEngine(Engine):
 
     Config: any :class:`~microrl.configs.EngineConfig` (``loss_agg_mode`` and ``seq_len_norm``
     do not apply: the loss is a mean over pairs). ``config.seed`` seeds the score head.
-    ``microrl.engine.export.export_merged_model(engine.module, path)`` writes a
+    ``microrl.engine.checkpoint.export.export_merged_model(engine.module, path)`` writes a
     ``*ForSequenceClassification`` model (``num_labels=1``) that transformers loads with the
     trained head; ``export_peft_adapter`` the matching adapter (task type ``SEQ_CLS``).
     """

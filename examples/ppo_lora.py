@@ -36,7 +36,7 @@ from tensordict import TensorDict
 
 from microrl.configs.examples import PPOExampleConfig
 from microrl.engine import ActorEngine, CriticEngine
-from microrl.engine.distributed import dp_group
+from microrl.engine.parallel.distributed import dp_group
 from microrl.engine.rollout import SamplingParams, make_rollout
 from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
 from microrl.run import (

@@ -60,7 +60,6 @@ from .ratio import LOG_RATIO_CLAMP, SurrogateOutput, clamped_log_ratio
 from .reinforce import reinforce_surrogate
 from .reinforce_pp import reinforce_pp_advantages
 from .sft import sft_loss
-from .tis import truncated_is_weights
 from .tokens import broadcast_to_tokens, scores_to_token_rewards
 from .value import value_loss
 from .whiten import WHITEN_EPS, whiten
@@ -108,7 +107,6 @@ __all__ = [
     "rollout_correction",
     "scores_to_token_rewards",
     "sft_loss",
-    "truncated_is_weights",
     "value_loss",
     "whiten",
 ]

@@ -207,7 +207,7 @@ def rollout_correction(
     ratio = torch.exp(delta)  # finite: delta is clamped
     metrics: dict[str, Metric] = {}
     if tis_cap is not None:
-        weights = ratio.clamp(max=tis_cap)  # truncated_is_weights (tis.py) on the clean inputs
+        weights = ratio.clamp(max=tis_cap)  # truncated IS weights
         metrics["tis_weight_mean"] = Metric(masked_partial_mean(weights, mask, denominators))
         capped = (weights >= tis_cap).to(weights.dtype)
         metrics["tis_clipfrac"] = Metric(masked_partial_mean(capped, mask, denominators))

@@ -28,7 +28,7 @@ def whiten(
     is added back (only the scale changes). Fewer than two tokens: variance 0.
 
     Data parallelism: with ``group=None`` the statistics are those of *this* batch only. Pass the
-    data-parallel process group (``microrl.engine.distributed.dp_group()``) and they are those
+    data-parallel process group (``microrl.engine.parallel.distributed.dp_group()``) and they are those
     of the mini-batch over all ranks of ``group``, each rank passing its own rows (any number,
     also 0; ``T`` may differ between ranks): the result on each rank equals its rows of
     ``whiten`` applied to the concatenation of all ranks' rows in one process. It is a

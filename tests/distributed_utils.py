@@ -200,7 +200,7 @@ def assert_metrics_close(ref: dict, got: dict, what: str) -> None:
 
 
 def check_rank0_loading(tmp: Path, **overrides) -> None:
-    """An engine built from a checkpoint path under torchrun (engine/materialize.py) equals the
+    """An engine built from a checkpoint path under torchrun (engine/parallel/materialize.py) equals the
     engine built from the same weights as an ``nn.Module`` on every rank: the same parameters and
     buffers (rotary frequencies are non-persistent), the same training step. Only global rank 0
     loads the checkpoint (the others build on meta, recorded by a spy), and what LoRA and a
@@ -209,7 +209,8 @@ def check_rank0_loading(tmp: Path, **overrides) -> None:
     import torch.distributed as dist
 
     from microrl.configs.engine import CriticConfig
-    from microrl.engine import ActorEngine, CriticEngine, materialize
+    from microrl.engine import ActorEngine, CriticEngine
+    from microrl.engine.parallel import materialize
 
     rank = dist.get_rank()
     paths = {tie: tmp / f"rank0_loading_base_tie{int(tie)}" for tie in (False, True)}

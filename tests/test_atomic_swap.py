@@ -1,6 +1,6 @@
 """The directory swap of checkpoints and exports survives a kill at every one of its steps.
 
-A child process runs :func:`microrl.engine.atomic_io.replace_dir` and dies with ``os._exit`` just
+A child process runs :func:`microrl.engine.checkpoint.atomic_io.replace_dir` and dies with ``os._exit`` just
 before its k-th file-system operation (or halfway through a directory deletion); the parent then
 checks that a complete copy is still there, that :func:`recover_swap` puts it back in place (the
 previous version if the new one was not yet renamed into place, else the new one), and that the
@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch import nn
 
-from microrl.engine import checkpoint as ckpt
-from microrl.engine.atomic_io import recover_swap, replace_dir, staging_paths
+from microrl.engine.checkpoint import save_load as ckpt
+from microrl.engine.checkpoint.atomic_io import recover_swap, replace_dir, staging_paths
 
 ROOT = Path(__file__).resolve().parents[1]
-ATOMIC_IO = ROOT / "engine" / "atomic_io.py"
+ATOMIC_IO = ROOT / "engine" / "checkpoint" / "atomic_io.py"
 
 # Wraps os.rename and shutil.rmtree as atomic_io sees them: before operation KILL_AT (counted
 # from 0) the process dies; "midway" first deletes half the files of the tree being removed.
@@ -192,7 +192,8 @@ CHECKPOINT_CHILD = KILL_HOOK + textwrap.dedent(
     import sys
     import torch
     from torch import nn
-    from microrl.engine import atomic_io, checkpoint
+    from microrl.engine import checkpoint
+    from microrl.engine.checkpoint import atomic_io
 
     path, kill_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     model = nn.Linear(3, 2)

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from microrl.configs.engine import LoraConfig, OptimConfig
 from microrl.engine import ActorEngine, CriticEngine
-from microrl.engine import checkpoint as ckpt
 from microrl.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from microrl.engine.export import export_merged_model, export_peft_adapter
+from microrl.engine.checkpoint import save_load as ckpt
+from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 
 ADAM = OptimConfig(
     name="adamw",

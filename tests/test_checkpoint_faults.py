@@ -31,9 +31,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed_utils import REPO, launch, rank_env
 
-from microrl.engine import agreement
-from microrl.engine import checkpoint as ckpt
-from microrl.engine.atomic_io import staging_paths
+from microrl.engine.checkpoint import agreement
+from microrl.engine.checkpoint import save_load as ckpt
+from microrl.engine.checkpoint.atomic_io import staging_paths
 
 HERE = Path(__file__).resolve()
 # Faults a rank *reports* must reach the others at once: the agreement timeout is long, the
@@ -146,7 +146,7 @@ def test_a_killed_or_hung_rank_is_named_within_the_timeout(tmp_path, fault):
 
 
 def test_replace_dir_moves_the_previous_directory_back_when_the_swap_fails(tmp_path, monkeypatch):
-    from microrl.engine import atomic_io
+    from microrl.engine.checkpoint import atomic_io
 
     target, tmp, old = tmp_path / "ckpt", tmp_path / ".ckpt.tmp", tmp_path / ".ckpt.old"
     target.mkdir()
@@ -344,7 +344,7 @@ def scenario_crash(rank: int, tmp: Path, fault: str) -> dict:
 def main(scenario: str, tmp: str, *args: str) -> None:
     import torch.distributed as dist
 
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     D.init_distributed()
     rank = dist.get_rank()
@@ -380,7 +380,7 @@ def test_the_private_default_store_accessor_still_exists(tmp_path):
     """Pin: the checkpoint agreements use ``torch.distributed.distributed_c10d._get_default_store``
     (private; torch has no public accessor for the rendezvous store in 2.9-2.13). It is reachable
     by every rank without a collective, which is what lets a rank name the ranks that never
-    answered. If torch renames or removes it, this test fails and engine/checkpoint.py must move
+    answered. If torch renames or removes it, this test fails and engine/checkpoint/save_load.py must move
     to its replacement (or to a TCPStore client of its own)."""
     proc = subprocess.run(
         [sys.executable, "-c", _STORE_PIN, str(tmp_path / "store")],

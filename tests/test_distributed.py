@@ -93,7 +93,7 @@ def test_resume_is_exact_on_two_ranks_and_reshards_to_one(tmp_path):
 
 def test_single_process_is_a_no_op_and_bad_input_is_named():
 
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     assert D.init_distributed() is None and D.dp_group() is None  # plain python: no group
     assert D.agree_num_micro_batches(3) == 3
@@ -113,7 +113,7 @@ def test_shard_units_are_the_decoder_layers_also_under_peft_and_wrappers():
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     model = tiny_model()
     layers = list(model.model.layers)
@@ -128,7 +128,7 @@ def test_shard_units_are_the_decoder_layers_also_under_peft_and_wrappers():
 
 
 def test_placeholder_row_stands_in_for_an_empty_share():
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     empty = make_batch()[:0]
     empty["temperature"] = torch.ones(0)  # a per-row temperature must stay valid (> 0)
@@ -166,7 +166,7 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     from torch.distributed.tensor import DTensor
 
     from microrl.engine import ActorEngine, CriticEngine
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     batch = make_batch()
     mine = batch[SHARDS[rank]]
@@ -373,7 +373,7 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from microrl.engine.export import export_merged_model, export_peft_adapter
+    from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 
     engine = ActorEngine(tiny_model(), actor_config(lora=4, optim=ADAM))
     engine.train_batch(mine)
@@ -495,7 +495,7 @@ def scenario_reshard_load(rank: int, tmp: Path) -> list[str]:
 def main(scenario: str, tmp: str) -> None:
     import torch.distributed as dist
 
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     tmp_path = Path(tmp)
     rank = int(os.environ.get("RANK", "0"))

@@ -58,7 +58,7 @@ def test_root_is_public_its_outputs_are_not_views_and_it_is_gathered_once(tmp_pa
 
 
 def test_copy_grad_outputs_replaces_views_only_where_gradients_flow():
-    from microrl.engine.distributed import _copy_grad_outputs
+    from microrl.engine.parallel.distributed import _copy_grad_outputs
 
     leaf = torch.randn(6, 1, requires_grad=True)
     view = leaf.squeeze(-1)
@@ -153,7 +153,7 @@ def scenario_fsdp(rank: int) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     batch = make_batch()
     mine = batch[SHARDS[rank]]

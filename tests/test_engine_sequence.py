@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from microrl.configs import CriticConfig, EngineConfig, LoraConfig, OptimConfig
 from microrl.engine import CriticEngine, Engine, RewardModelEngine
-from microrl.engine.export import export_merged_model, export_peft_adapter
+from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 from microrl.engine.heads import ValueModel, decoder_body
 from microrl.engine.microbatch import micro_batch_cost, plan_micro_batches
 from microrl.losses import Metric

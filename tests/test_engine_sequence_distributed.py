@@ -69,8 +69,8 @@ def main(tmp: str) -> None:
 
     from microrl.configs import EngineConfig, LoraConfig, OptimConfig
     from microrl.engine import RewardModelEngine
-    from microrl.engine import distributed as D
-    from microrl.engine.export import export_merged_model
+    from microrl.engine.checkpoint.export import export_merged_model
+    from microrl.engine.parallel import distributed as D
 
     rank = int(os.environ.get("RANK", "0"))
     batch = pair_batch()

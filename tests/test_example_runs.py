@@ -79,7 +79,7 @@ def test_help_values_parse_back_to_the_defaults() -> None:
 
 
 # ----------------------------------------------------------------------------- refusing, resuming
-@pytest.mark.parametrize("where", ["checkpoint", ".checkpoint.old", "checkpoint.old"])
+@pytest.mark.parametrize("where", ["checkpoint", ".checkpoint.old"])
 def test_a_run_refuses_an_output_dir_holding_a_checkpoint(
     tmp_path: Path, where, capsys, monkeypatch
 ) -> None:

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/tensor_parallel.py) against one process, on gloo ranks.
+"""Tensor parallelism (engine/parallel/tensor_parallel.py) against one process, on gloo ranks.
 
 As in tests/test_distributed.py, each pytest function launches this file on gloo ranks with
 a *scenario*; the ranks run every check, write the names of those that passed, and the test
@@ -123,7 +123,7 @@ def test_config_and_single_process_refusals():
 def test_family_and_divisibility_checks():
     from transformers import GPT2Config, Qwen2Config
 
-    from microrl.engine.tensor_parallel import check_supported
+    from microrl.engine.parallel.tensor_parallel import check_supported
 
     with pytest.raises(ValueError, match="model family 'gpt2' is not supported"):
         check_supported(GPT2Config(), 2)
@@ -278,7 +278,7 @@ def scenario_tp(rank: int, tmp: Path) -> list[str]:
     from torch.distributed.tensor import DTensor
 
     from microrl.engine import ActorEngine
-    from microrl.engine.export import export_merged_model, export_peft_adapter
+    from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 
     batch = make_batch(TP_LENGTHS)
     mask = batch["attention_mask"].bool()

@@ -246,7 +246,7 @@ def _ppo_run(rows: slice):
 def check_ppo(rank: int) -> list[str]:
     import torch.distributed as dist
 
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     ref_batch, ref_actor, ref_critic = single_process(lambda: _ppo_run(slice(0, 8)))
     batch, actor_delta, critic_delta = _ppo_run(HALVES[rank])
@@ -290,7 +290,7 @@ def check_ppo(rank: int) -> list[str]:
 def main(tmp: str) -> None:
     import torch.distributed as dist
 
-    from microrl.engine import distributed as D
+    from microrl.engine.parallel import distributed as D
 
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from microrl.engine.base import Engine
-from microrl.engine.distributed import gathered
+from microrl.engine.parallel.distributed import gathered
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 
 __all__ = ["HFRollout"]

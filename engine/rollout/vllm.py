@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from microrl.configs.rollout import VLLMConfig
-from microrl.engine.export import _locate_base, export_merged_model, export_peft_adapter
+from microrl.engine.checkpoint.export import _locate_base, export_merged_model, export_peft_adapter
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 
 __all__ = ["INSTALL_HINT", "VLLMRollout"]

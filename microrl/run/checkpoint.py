@@ -2,7 +2,7 @@
 
 :func:`save_run` / :func:`load_run` write and restore the engines' checkpoints, the loop state (step,
 Python and torch RNG of each rank) and the config, under ``<output.dir>/checkpoint``, swapped in by
-:func:`microrl.engine.atomic_io.replace_dir`: killed at any point, a complete copy survives, and
+:func:`microrl.engine.checkpoint.atomic_io.replace_dir`: killed at any point, a complete copy survives, and
 :func:`find_run_checkpoint` / :func:`recover_run_checkpoint` find and restore it (docs/checkpoints.md).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from microrl.configs.loader import config_to_yaml
-from microrl.engine.atomic_io import (
+from microrl.engine.checkpoint.atomic_io import (
     fsync_dir,
     recover_swap,
     replace_dir,
@@ -50,8 +50,6 @@ RUN_OUTPUTS = (
     "curves.png",
     "config.yaml",
 )
-# Names of the swap directories before they were hidden (.checkpoint.old): still recovered.
-LEGACY_STAGING = (f"{CHECKPOINT_DIR}.tmp", f"{CHECKPOINT_DIR}.old")
 
 
 def _is_complete_run(directory: Path) -> bool:
@@ -69,18 +67,12 @@ def find_run_checkpoint(out_dir: str | Path) -> Path | None:
         return final
     if tmp.is_dir() and _is_complete_run(tmp):
         return tmp
-    for candidate in (old, Path(out_dir) / LEGACY_STAGING[1]):
-        if candidate.is_dir():
-            return candidate
-    return None
+    return old if old.is_dir() else None
 
 
 def recover_run_checkpoint(out_dir: str | Path) -> None:
     final = Path(out_dir) / CHECKPOINT_DIR
     recover_swap(final, _is_complete_run)
-    legacy_old = Path(out_dir) / LEGACY_STAGING[1]  # the swap of earlier versions
-    if not final.exists() and legacy_old.is_dir():
-        legacy_old.rename(final)
 
 
 def _rank_state_path(directory: Path, rank: int) -> Path:
@@ -99,7 +91,7 @@ def save_run(
     """Write ``<out_dir>/checkpoint``: each engine's checkpoint, the loop state, the config.
 
     Everything goes to ``.checkpoint.tmp`` first, ``run.json`` last (the completion marker), and
-    replaces the previous checkpoint by the swap of :func:`~microrl.engine.atomic_io.replace_dir`:
+    replaces the previous checkpoint by the swap of :func:`~microrl.engine.checkpoint.atomic_io.replace_dir`:
     a process killed at any point leaves the previous checkpoint or the new one, never neither;
     the next save or ``--resume`` puts the newest complete one in place.
     """

@@ -30,10 +30,9 @@ from microrl.configs.loader import (
     load_config,
     override_value,
 )
-from microrl.engine.atomic_io import staging_paths
+from microrl.engine.checkpoint.atomic_io import staging_paths
 from microrl.run.checkpoint import (
     CHECKPOINT_DIR,
-    LEGACY_STAGING,
     RUN_OUTPUTS,
     SAVED_CONFIG,
     find_run_checkpoint,
@@ -179,7 +178,7 @@ def prepare_output(config: Any, args: argparse.Namespace, dist_info: Dist) -> No
         out = Path(config.output.dir)
         if args.overwrite:
             removed = []
-            for name in RUN_OUTPUTS + LEGACY_STAGING:
+            for name in RUN_OUTPUTS:
                 for path in (out / name, *staging_paths(out / name)):
                     if path.is_dir():
                         shutil.rmtree(path)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from microrl.configs.loader import config_to_yaml
-from microrl.engine.export import export_peft_adapter
+from microrl.engine.checkpoint.export import export_peft_adapter
 from microrl.engine.rollout import RolloutBackend, SamplingParams
 from microrl.run.checkpoint import save_run
 from microrl.run.dist import Dist

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.examples import ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
-from microrl.engine.export import export_merged_model
+from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.rollout import HFRollout, sft_batch
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
@@ -43,7 +43,7 @@ def prepare_base_model(
 ) -> tuple[PreTrainedTokenizerBase, str]:
     """Tokenizer and checkpoint path ``cfg.path``, warm-starting and saving a model there first if
     needed. The engines load the path themselves: under torchrun only rank 0 reads it
-    (microrl/engine/materialize.py).
+    (microrl/engine/parallel/materialize.py).
 
     Only a task with a ``toy_alphabet`` gets a model built for it; for any other (a
     ``task.name=dataset`` file), an empty ``model.path`` is a ``ValueError``.

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from microrl.engine.agreement import rank_agreement
-from microrl.engine.atomic_io import refuse_foreign_dir, replace_dir, staging_paths
+from microrl.engine.checkpoint.agreement import rank_agreement
+from microrl.engine.checkpoint.atomic_io import refuse_foreign_dir, replace_dir, staging_paths
 from microrl.engine.heads import ValueModel
 
 __all__ = [

@@ -261,7 +261,7 @@ def shard_model(
 
 def finish_sharding(module: nn.Module) -> None:
     """After a meta-device module sharded by :func:`shard_model` got its values
-    (engine/materialize.py): make it the FSDP root, as ``shard_model`` does for a real one."""
+    (engine/parallel/materialize.py): make it the FSDP root, as ``shard_model`` does for a real one."""
     if isinstance(module, FSDPModule):
         _init_root_state(module)
 

@@ -1,6 +1,6 @@
 """Tensor-parallel layers that compute on local shards; the parameters stay ``DTensor``s.
 
-:func:`microrl.engine.tensor_parallel.parallelize` shards each parameter as a ``DTensor`` on the
+:func:`microrl.engine.parallel.tensor_parallel.parallelize` shards each parameter as a ``DTensor`` on the
 ``tp`` mesh (so FSDP2, gradient clipping, the optimizer and checkpoints see one consistent set)
 and then installs the forwards below, which read ``param.to_local()`` and place the
 communication themselves, Megatron-LM style (Shoeybi et al. 2019, "Megatron-LM", section 3):

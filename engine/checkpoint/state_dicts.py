@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
 )
 
-from microrl.engine.atomic_io import to_jsonable
+from microrl.engine.checkpoint.atomic_io import to_jsonable
 
 __all__ = ["drop_aliases", "join_optimizer_state", "split_state", "tensor_specs"]
 

@@ -25,7 +25,7 @@ run on a side gloo group created once per timeout value (``new_group`` is collec
 created at the start of the first multi-rank save or load, on every rank): its timeout is
 ``timeout_s``, so a rank that hangs or dies inside DCP blocks the others for ``timeout_s`` at most
 instead of the default group's timeout (30 minutes under
-:func:`microrl.engine.distributed.init_distributed`; a NCCL collective may wait even longer), and
+:func:`microrl.engine.parallel.distributed.init_distributed`; a NCCL collective may wait even longer), and
 DCP only exchanges small plan objects there, whatever the default backend (NCCL included). The
 store is torch's private ``_get_default_store()`` (no public accessor), so the default group must
 have one (any ``init_method``; not MPI); ``tests/test_checkpoint_faults.py`` pins it, so a torch

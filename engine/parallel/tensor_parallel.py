@@ -29,7 +29,7 @@ the ``N // t`` data-parallel groups see different shares. What :func:`paralleliz
   ``k_norm`` take head-sharded inputs: their weight gradients are partial sums, summed over the
   group in the backward.
 
-The layers compute on plain local tensors (:mod:`microrl.engine.tp_layers`, Megatron-style
+The layers compute on plain local tensors (:mod:`microrl.engine.parallel.tp_layers`, Megatron-style
 ``f``/``g`` collectives): ``param.to_local()`` is the only DTensor operation in a forward, so a
 new micro-batch width costs no sharding propagation and no op pays DTensor dispatch.
 
@@ -37,7 +37,7 @@ Hidden states between layers are replicated on the tp ranks (no sequence paralle
 engine's loop, micro-batching, packing and losses see ordinary tensors; only the data-parallel
 dimension reduces loss denominators and metrics (the engine's ``dp_group`` is the mesh's ``dp``
 group). With ``N > t`` the module is then sharded by FSDP2 over the ``dp`` dimension
-(:func:`microrl.engine.distributed.shard_model`), giving 2-D ``(dp, tp)`` parameters.
+(:func:`microrl.engine.parallel.distributed.shard_model`), giving 2-D ``(dp, tp)`` parameters.
 """
 
 from __future__ import annotations
@@ -50,14 +50,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from microrl.engine import tp_layers
+from microrl.engine.parallel import tp_layers
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "check_supported",
     "init_mesh",
     "parallelize",
-    "tp_mesh",
     "wrap",
 ]
 
@@ -101,11 +100,6 @@ def init_mesh(tensor_parallel_size: int, device: torch.device) -> DeviceMesh | N
         (world // tensor_parallel_size, tensor_parallel_size),
         mesh_dim_names=("dp", "tp"),
     )
-
-
-def tp_mesh(module: nn.Module) -> DeviceMesh | None:
-    """The ``(dp, tp)`` mesh of a module :func:`parallelize` prepared, else None."""
-    return getattr(module, _MESH_ATTR, None)
 
 
 def _base_model(module: nn.Module) -> nn.Module:
@@ -170,7 +164,7 @@ def check_supported(config: Any, tensor_parallel_size: int) -> dict[str, str]:
 
 def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """:func:`parallelize` over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` when it has > 1 rank."""
-    from microrl.engine import distributed
+    from microrl.engine.parallel import distributed
 
     parallelize(module, mesh)
     if mesh["dp"].size() == 1:
@@ -229,7 +223,7 @@ def _distribute(module: nn.Module, name: str, tp: DeviceMesh, placement) -> None
     param = module._parameters.get(name)
     if param is None or isinstance(param, DTensor):
         return
-    # A meta parameter (rank-0 loading, engine/materialize.py) is sliced without communication;
+    # A meta parameter (rank-0 loading, engine/parallel/materialize.py) is sliced without communication;
     # its values come later.
     source = None if param.is_meta else 0
     dparam = distribute_tensor(param.detach(), tp, [placement], src_data_rank=source)

@@ -18,13 +18,13 @@ Atomicity: all ranks write into ``.<name>.tmp`` next to the target; once every r
 success rank 0 writes the manifest, fsyncs, and renames the temporary directory into place (the
 previous checkpoint is moved aside to ``.<name>.old`` first and deleted only after the rename). An
 error or crash before the rename leaves the previous checkpoint untouched; a kill between the two
-renames is repaired by the next save or load (:func:`microrl.engine.atomic_io.recover_swap`: the
+renames is repaired by the next save or load (:func:`microrl.engine.checkpoint.atomic_io.recover_swap`: the
 new copy if its manifest is there, else the previous one); a directory without a valid manifest is
 refused on load.
 
 A failure on one rank fails every rank, within a bounded time (``timeout_s``): a multi-rank save
 runs in phases (prepare, write, finalise; load: check, restore), each ending with an *agreement*
-of the ranks on its outcome instead of a bare barrier (:mod:`microrl.engine.agreement` says how).
+of the ranks on its outcome instead of a bare barrier (:mod:`microrl.engine.checkpoint.agreement` says how).
 A rank whose own part failed re-raises its exception, every other rank raises
 :class:`CheckpointAbortedError` naming the failed ranks, and the previous checkpoint is never
 touched: it is replaced only in the last phase, after every rank agreed that all files are written.
@@ -56,13 +56,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from microrl.engine.agreement import (
+from microrl.engine.checkpoint.agreement import (
     CheckpointAbortedError,
     RankSync,
     phase,
     resolve_timeout,
 )
-from microrl.engine.atomic_io import (
+from microrl.engine.checkpoint.atomic_io import (
     fsync_dir,
     recover_swap,
     refuse_foreign_dir,
@@ -71,8 +71,8 @@ from microrl.engine.atomic_io import (
     to_jsonable,
     write_json,
 )
-from microrl.engine.rng import rng_state, set_rng_state
-from microrl.engine.state_dicts import join_optimizer_state, split_state, tensor_specs
+from microrl.engine.checkpoint.rng import rng_state, set_rng_state
+from microrl.engine.checkpoint.state_dicts import join_optimizer_state, split_state, tensor_specs
 
 __all__ = [
     "CheckpointAbortedError",
