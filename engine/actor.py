@@ -10,14 +10,12 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import ActorConfig
-from microrl.engine import packing
-from microrl.engine.alignment import next_token_targets
 from microrl.engine.base import Engine, LossFn
-from microrl.engine.heads import PolicyModel, fused_head_blocker
-from microrl.engine.outputs import align_outputs, check_loss_result
+from microrl.engine.group_loss import GroupLoss
+from microrl.engine.models import PolicyModel, fused_head_blocker
 from microrl.losses import MISMATCH_METRICS, mismatch_metrics, policy_loss, sft_loss
 from microrl.losses.aggregation import LossDenominators
-from microrl.losses.metrics import Metric, Reduce
+from microrl.losses.metrics import Metric
 
 __all__ = ["ActorEngine"]
 
@@ -29,8 +27,8 @@ class ActorEngine(Engine):
 
     The head runs through :func:`microrl.kernels.fused_linear_logprob` when that is exact for the
     model: a linear lm head, with a bias, logit scaling and final-logit soft-capping when the model
-    has them (Phi, Cohere, Granite, Gemma 2/3: :func:`~microrl.engine.heads.logit_transform`), and
-    nothing else the probe of :func:`~microrl.engine.heads.fused_head_blocker` detects; otherwise, or with
+    has them (Phi, Cohere, Granite, Gemma 2/3: :func:`~microrl.engine.models.logit_transform`), and
+    nothing else the probe of :func:`~microrl.engine.models.fused_head_blocker` detects; otherwise, or with
     ``config.use_fused_kernel=False``, through the model's own forward and an fp32 log-softmax.
     :attr:`uses_fused_kernel` tells which, and the choice is logged.
 
@@ -58,7 +56,6 @@ class ActorEngine(Engine):
     config: ActorConfig
     config_class = ActorConfig
     loss_keys = ("loss_mask", "old_logprobs", "advantages")
-    _fused_job: _FusedLossJob | None = None  # set for the duration of one fused micro-batch
 
     def __init__(self, model: nn.Module | str | os.PathLike, config: ActorConfig) -> None:
         if isinstance(config, ActorConfig) and config.policy_loss.kl_coef > 0:
@@ -82,26 +79,6 @@ class ActorEngine(Engine):
             getattr(loss_fn, "__func__", None) in builtin
         )
 
-    def _forward_compact(self, micro, lengths, loss_fn, denominators, *, training):
-        # The one place every pass (forward_backward_batch, train_batch, forward_step) calls the
-        # loss: a loss that does not report the mismatch metrics gets them here.
-        wrapped = _with_mismatch_metrics(loss_fn)
-        if loss_fn is None or not self.fuses_loss(loss_fn, training=training):
-            return super()._forward_compact(
-                micro, lengths, wrapped, denominators, training=training
-            )
-        # Fused: the head calls the loss per group of whole sequences (_head_forward reads the
-        # job); the loop's own loss call is skipped (loss_fn=None) and the job's result returned.
-        job = _FusedLossJob(micro, lengths, wrapped, denominators, self.config.pack_sequences)
-        self._fused_job = job
-        try:
-            _, _, output = super()._forward_compact(
-                micro, lengths, None, denominators, training=training
-            )
-        finally:
-            self._fused_job = None
-        return job.loss, _combine(job.metrics), output
-
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
         blocker = self._from_rank0(lambda: fused_head_blocker(causal_lm))
         fused = self.config.use_fused_kernel and blocker is None
@@ -120,7 +97,7 @@ class ActorEngine(Engine):
             trusted_targets=True,
         )
 
-    def _head_forward(
+    def _model_forward(
         self,
         input_ids,
         position_ids,
@@ -129,14 +106,18 @@ class ActorEngine(Engine):
         *,
         training,
         temperature=None,
+        group_loss: GroupLoss | None = None,
         **model_kwargs,
     ):
         with_entropy = (
             not training or self.config.compute_entropy or self.config.policy_loss.entropy_coef > 0
         )
-        job = self._fused_job
-        if job is not None:  # the loss runs inside the head (fused loss path)
-            model_kwargs = {**model_kwargs, "loss_fn": job, "loss_segments": job.segments}
+        if group_loss is not None:  # the loss runs inside the head (fused loss path)
+            model_kwargs = {
+                **model_kwargs,
+                "loss_fn": group_loss,
+                "loss_segments": group_loss.segments,
+            }
         logprobs, *extra = self.module(
             input_ids,
             position_ids,
@@ -147,8 +128,8 @@ class ActorEngine(Engine):
             **model_kwargs,
         )
         entropy = extra[0]
-        if job is not None:
-            job.loss = extra[1]
+        if group_loss is not None:
+            group_loss.loss = extra[1]
         out = {"logprobs": logprobs}
         if entropy is not None:
             out["entropy"] = entropy
@@ -179,6 +160,24 @@ class ActorEngine(Engine):
             validate=False,  # the engine checked the batch once at its boundary
         )
 
+    def _call_loss(self, loss_fn, output, micro_batch, denominators):
+        """Every loss also reports the ``mismatch/*`` metrics when the micro-batch carries
+        ``rollout_logprobs`` and the loss did not report them itself (the default loss does)."""
+        loss, metrics = super()._call_loss(loss_fn, output, micro_batch, denominators)
+        keys = micro_batch.keys()
+        if "rollout_logprobs" not in keys or any(name in metrics for name in MISMATCH_METRICS):
+            return loss, metrics
+        rollout = micro_batch["rollout_logprobs"]
+        train = micro_batch["old_logprobs"] if "old_logprobs" in keys else output["logprobs"]
+        mismatch = mismatch_metrics(
+            train.detach().to(rollout.dtype),
+            rollout,
+            micro_batch["loss_mask"],
+            denominators,
+            validate=False,  # check_batch validated both keys on the loss tokens
+        )
+        return loss, {**metrics, **mismatch}
+
     def sft_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
     ) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -195,114 +194,3 @@ class ActorEngine(Engine):
             self.config.loss_agg_mode,
             validate=False,
         )
-
-
-def _with_mismatch_metrics(loss_fn: LossFn | None) -> LossFn | None:
-    """A custom ``loss_fn`` that also reports the ``mismatch/*`` metrics when the micro-batch
-    carries ``rollout_logprobs`` and the loss did not report them itself (the default loss,
-    ``policy_loss``, does). ``None`` (the default loss) is returned as is."""
-    if loss_fn is None:
-        return None
-
-    def loss_with_mismatch(
-        output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
-    ) -> tuple[torch.Tensor, dict[str, Metric]]:
-        loss, metrics = check_loss_result(loss_fn(output, micro_batch, denominators))
-        keys = micro_batch.keys()
-        if "rollout_logprobs" in keys and not any(name in metrics for name in MISMATCH_METRICS):
-            rollout = micro_batch["rollout_logprobs"]
-            train = micro_batch["old_logprobs"] if "old_logprobs" in keys else output["logprobs"]
-            metrics = {
-                **metrics,
-                **mismatch_metrics(
-                    train.detach().to(rollout.dtype),
-                    rollout,
-                    micro_batch["loss_mask"],
-                    denominators,
-                    validate=False,  # check_batch validated both keys on the loss tokens
-                ),
-            }
-        return loss, metrics
-
-    return loss_with_mismatch
-
-
-class _FusedLossJob:
-    """The engine's loss on one row group of the fused loss path.
-
-    Called by :func:`microrl.kernels.fused_linear_loss` with the predicting-position log-probs
-    (and entropy) of the flattened head rows ``[start, end)``, which are whole rows of the
-    compact micro-batch (``segments``: row boundaries, padded ``[b, L]`` or packed ``[1, N]``).
-    It aligns them to tokens exactly as the loop does (:func:`align_outputs`) and calls the loss
-    on those rows of the micro-batch with the mini-batch's denominators: every built-in loss is a
-    sum over rows, so the group losses add up to the micro-batch's loss, and their metrics
-    (``SUM`` partials, ``MIN``/``MAX``) combine to its metrics (:func:`_combine`).
-    """
-
-    def __init__(
-        self,
-        micro: TensorDict,
-        lengths: list[int],
-        loss_fn: LossFn,
-        denominators: LossDenominators,
-        packed: bool,
-    ) -> None:
-        self.micro, self.loss_fn, self.denominators, self.packed = (
-            micro,
-            loss_fn,
-            denominators,
-            packed,
-        )
-        self.valid = micro["attention_mask"]
-        _, self.has_next = next_token_targets(micro["input_ids"], self.valid)
-        rows, width = self.valid.shape
-        bounds = [0]
-        for r in range(rows):
-            bounds.append(bounds[-1] + (lengths[r] if packed else width))
-        self.segments = bounds
-        self.row_of = {bound: r for r, bound in enumerate(bounds)}
-        self.metrics: list[dict[str, Metric]] = []
-        self.loss: torch.Tensor | None = None
-
-    def __call__(
-        self, start: int, end: int, logprobs: torch.Tensor, entropy: torch.Tensor | None
-    ) -> tuple[torch.Tensor, None]:
-        r0, r1 = self.row_of[start], self.row_of[end]
-        valid, has_next = self.valid[r0:r1], self.has_next[r0:r1]
-        raw = (
-            {"logprobs": logprobs}
-            if entropy is None
-            else {"logprobs": logprobs, "entropy": entropy}
-        )
-        if self.packed:
-            index = packing.packed_index(valid, end - start)
-            shape = (1, end - start)
-            unpack = lambda v: packing.unpack(v, index, valid)  # noqa: E731
-        else:
-            shape, unpack = (r1 - r0, valid.shape[1]), None
-        raw = {key: value.view(shape) for key, value in raw.items()}
-        aligned = align_outputs(raw, r1 - r0, shape, has_next, unpack, "ActorEngine")
-        output = TensorDict(aligned, batch_size=[r1 - r0], device=logprobs.device)
-        loss, metrics = check_loss_result(
-            self.loss_fn(output, self.micro[r0:r1], self.denominators)
-        )
-        self.metrics.append(metrics)
-        return loss, None
-
-
-def _combine(per_group: list[dict[str, Metric]]) -> dict[str, Metric]:
-    """The metrics of a micro-batch from those of its row groups: ``SUM`` partials add up,
-    ``MIN``/``MAX`` take the extreme (on device, no sync)."""
-    if len(per_group) == 1:
-        return per_group[0]
-    names = list(per_group[0])
-    out = {}
-    for name in names:
-        kind = per_group[0][name].reduce
-        values = torch.stack([group[name].value.reshape(()) for group in per_group])
-        if kind is Reduce.SUM:
-            value = values.sum()
-        else:
-            value = values.min() if kind is Reduce.MIN else values.max()
-        out[name] = Metric(value, kind)
-    return out

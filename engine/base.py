@@ -3,14 +3,14 @@
 A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`,
 :class:`~microrl.engine.RewardModelEngine`, or a user's own) overrides three things only:
 :meth:`Engine._build_module` (the ``nn.Module`` that is differentiated),
-:meth:`Engine._head_forward` (one call of it) and :meth:`Engine.default_loss` (with
+:meth:`Engine._model_forward` (one call of it) and :meth:`Engine.default_loss` (with
 :attr:`Engine.loss_keys`, :attr:`Engine.row_keys` and :attr:`Engine.count_key`). The loop --
 validation, global denominators, micro-batching (whole groups of rows), packing, token
 alignment, backward, metrics, optimizer step -- is written once, here.
 
 Outputs of a role are per-position ``[b, L]`` (token-aligned by the loop) or per-row ``[b]`` (one
 value per sequence, e.g. a reward model's score at the last real token; the loop only restores
-the caller's row order). A role whose :meth:`Engine._head_forward` declares a ``last_index``
+the caller's row order). A role whose :meth:`Engine._model_forward` declares a ``last_index``
 parameter gets the flat index of each sequence's last real token (docs/engine.md).
 
 Hook points for distributed training and checkpoints: :attr:`dp_group`, :meth:`_wrap_model`,
@@ -39,7 +39,9 @@ from microrl.engine.alignment import (
     predicting_temperature,
 )
 from microrl.engine.attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
+from microrl.engine.group_loss import GroupLoss
 from microrl.engine.microbatch import (
+    MicroBatch,
     compact_rows,
     plan_micro_batches,
     scatter_outputs,
@@ -142,17 +144,17 @@ class Engine:
             distributed.finish_sharding(self.module)
         # Sequence-level roles opt in to the last real token's index by naming the parameter;
         # roles that forward **kwargs to the transformers model never receive it.
-        self._passes_last_index = "last_index" in inspect.signature(self._head_forward).parameters
+        self._passes_last_index = "last_index" in inspect.signature(self._model_forward).parameters
         self.optimizer = build_optimizer(self._trainable_params(), config.optim)
         self.lr_scheduler = build_scheduler(self.optimizer, config.optim)
         self.last_step_metrics: dict[str, Metric] = {}
 
     # ----------------------------------------------------------------- role hooks (override)
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
-        """The role's ``nn.Module`` around the causal LM; :meth:`_head_forward` calls it once."""
+        """The role's ``nn.Module`` around the causal LM; :meth:`_model_forward` calls it once."""
         raise NotImplementedError
 
-    def _head_forward(
+    def _model_forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
@@ -179,7 +181,7 @@ class Engine:
         An override that declares a ``last_index`` parameter also gets ``last_index`` ``[b]``:
         the index of each sequence's last real token in ``input_ids.flatten()`` (row-major;
         ``row * L + length - 1`` padded, ``cumsum(lengths) - 1`` packed), for per-row outputs
-        such as a score at the last token (:func:`microrl.engine.heads.gather_last`).
+        such as a score at the last token (:func:`microrl.engine.models.gather_last`).
         """
         raise NotImplementedError
 
@@ -188,6 +190,13 @@ class Engine:
     ) -> tuple[torch.Tensor, dict[str, Metric]]:
         """The role's configured loss (used when ``loss_fn`` is None)."""
         raise NotImplementedError
+
+    def fuses_loss(self, loss_fn: LossFn | None, *, training: bool = True) -> bool:
+        """Whether a pass with ``loss_fn`` (None: :meth:`default_loss`) runs its loss inside the
+        module, one group of whole sequences at a time (the fused loss path, docs/engine.md).
+        A role that returns True gets a :class:`~microrl.engine.group_loss.GroupLoss` as
+        :meth:`_model_forward`'s ``group_loss`` and leaves the loss in ``group_loss.loss``."""
+        return False
 
     # ----------------------------------------------------------------- hooks for distributed
     def _wrap_model(self, module: nn.Module) -> nn.Module:
@@ -242,56 +251,36 @@ class Engine:
     ) -> tuple[dict[str, Any], LossDenominators | None]:
         """:meth:`forward_backward_batch` and the global denominators it used (None without a
         loss), which tell :meth:`train_batch` whether the mini-batch had any loss token."""
-        keys = self._required_keys(loss_fn, forward_only)
         # Data parallel: a rank whose share is empty still runs the agreed micro-batches (FSDP's
         # collectives), on a one-token placeholder row that contributes nothing.
         placeholder = self.dp_group is not None and distributed.is_empty_batch(batch)
         if placeholder:
             batch = distributed.placeholder_row(batch)
-        batch = check_batch(
-            batch,
-            required=keys,
-            vocab_size=self.vocab_size,
-            device=self.device,
-            row_keys=self.row_keys,
-        )
-        if not placeholder:
-            self._check_role_batch(batch)
-        with_loss = all(k in batch for k in self._loss_inputs(loss_fn))
-        loss_fn = loss_fn or self.default_loss
+        batch = self._checked(batch, loss_fn, forward_only, role_checks=not placeholder)
+        with_loss = self._has_loss_inputs(batch, loss_fn)
         starts, lengths = span_starts_and_lengths(batch["attention_mask"])
-        host_groups = None
-        if GROUP_KEY in batch:  # lengths and group ids in one read
-            host_lengths, host_groups = torch.stack(
-                [lengths, batch[GROUP_KEY].to(lengths.dtype)]
-            ).tolist()
-        else:
-            host_lengths = lengths.tolist()  # the one sync that planning needs
-        denominators = None
-        if with_loss:
-            # docs/losses.md: counted over the whole mini-batch (and all ranks) first.
-            denominators = global_denominators(
-                self._count_mask(batch), seq_len_norm=self.config.seq_len_norm, group=self.dp_group
-            )
+        host_lengths, host_groups = _host_lengths_and_groups(batch, lengths)
+        # docs/losses.md: counted over the whole mini-batch (and all ranks) first.
+        denominators = self._denominators(batch) if with_loss else None
         plan = self._plan(host_lengths, host_groups)
         shape = tuple(batch["input_ids"].shape)
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
-        with self._mode(training=not forward_only), self._grad(forward_only):
+        # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
+        with self._mode(training=not forward_only):
             for index, rows in enumerate(plan):
                 real = bool(rows) and not placeholder
                 if not real:  # keeps the collective count equal across ranks; contributes 0
                     rows = [0]
                 width = max(host_lengths[r] for r in rows)
-                micro = compact_rows(batch, rows, starts, lengths, width)
-                if not real and with_loss:
-                    micro[self.count_key] = torch.zeros_like(micro[self.count_key])
-                loss, step_metrics, output = self._forward_compact(
-                    micro,
+                micro = MicroBatch(
+                    compact_rows(batch, rows, starts, lengths, width),
                     [host_lengths[r] for r in rows],
-                    loss_fn if with_loss else None,
-                    denominators,
-                    training=not forward_only,
+                )
+                if not real and with_loss:
+                    micro.data[self.count_key] = torch.zeros_like(micro.data[self.count_key])
+                loss, output = self.forward_step(
+                    micro, loss_fn, forward_only, denominators=denominators
                 )
                 if loss is not None:
                     if not forward_only:
@@ -299,7 +288,7 @@ class Engine:
                         distributed.set_gradient_sync(self.module, index == len(plan) - 1)
                         loss.backward()
                     losses.append(loss.detach() / denominators.grad_scale)
-                    metrics.append(step_metrics)
+                    metrics.append(self.last_step_metrics)
                 if real:
                     scatter_outputs(output, rows, starts, lengths, outputs, shape)
         if not forward_only and with_loss and self.config.check_grad_flow:
@@ -319,7 +308,7 @@ class Engine:
 
     def forward_step(
         self,
-        micro_batch: TensorDict | Mapping[str, torch.Tensor],
+        micro_batch: MicroBatch | TensorDict | Mapping[str, torch.Tensor],
         loss_fn: LossFn | None = None,
         forward_only: bool = False,
         *,
@@ -327,44 +316,60 @@ class Engine:
     ) -> tuple[torch.Tensor | None, TensorDict]:
         """One micro-batch: forward, loss (when its inputs are present), detached outputs.
 
-        The returned loss still holds the graph (the caller runs ``backward``); the returned
-        outputs do not. Train mode for a gradient pass, eval mode for ``forward_only`` (the
-        module's mode is restored after). ``denominators`` default to the counts of this micro-batch alone, i.e. it
-        is then treated as a whole mini-batch; inside a mini-batch pass the global ones.
-        Metrics of the step are left in :attr:`last_step_metrics`.
+        The body of :meth:`forward_backward_batch`'s loop, which passes each planned
+        :class:`~microrl.engine.microbatch.MicroBatch` (compact, validated) with the mini-batch's
+        global ``denominators`` and runs ``backward`` on the loss. Called directly with a
+        ``[b, T]`` batch, the rows are validated and run as one micro-batch; ``denominators``
+        then default to their own counts, i.e. the rows are treated as a whole mini-batch.
+
+        Returns ``(loss, output)``: ``loss`` a 0-d tensor *with* its graph (the caller runs
+        ``backward``), or None without the loss's inputs; ``output`` detached, token-aligned, in
+        the layout of ``micro_batch`` (its compact ``[b, L]`` for a ``MicroBatch``, else the
+        caller's ``[b, T]``). Train mode for a gradient pass, eval mode for ``forward_only``, the
+        module's mode restored after. The step's metrics are left in :attr:`last_step_metrics`.
         """
-        keys = self._required_keys(loss_fn, forward_only)
-        batch = check_batch(
-            micro_batch,
-            required=keys,
-            vocab_size=self.vocab_size,
-            device=self.device,
-            row_keys=self.row_keys,
-        )
-        self._check_role_batch(batch)
-        with_loss = all(k in batch for k in self._loss_inputs(loss_fn))
-        starts, lengths = span_starts_and_lengths(batch["attention_mask"])
-        rows = list(range(batch.batch_size[0]))
-        host_lengths = lengths.tolist()
-        micro = compact_rows(batch, rows, starts, lengths, max(host_lengths))
+        planned = isinstance(micro_batch, MicroBatch)
+        if planned:
+            micro = micro_batch
+        else:
+            batch = self._checked(micro_batch, loss_fn, forward_only, role_checks=True)
+            starts, lengths = span_starts_and_lengths(batch["attention_mask"])
+            host_lengths = lengths.tolist()
+            rows = range(batch.batch_size[0])
+            micro = MicroBatch(
+                compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
+            )
+        data, training = micro.data, not forward_only
+        with_loss = self._has_loss_inputs(data, loss_fn)
         if with_loss and denominators is None:
-            denominators = global_denominators(
-                self._count_mask(batch), seq_len_norm=self.config.seq_len_norm, group=self.dp_group
+            denominators = self._denominators(data)
+        compute_loss = self._loss_callable(loss_fn or self.default_loss, denominators)
+        group_loss = None
+        if with_loss and self.fuses_loss(loss_fn, training=training):
+            group_loss = GroupLoss(
+                data, micro.lengths, compute_loss, packed=self.config.pack_sequences
             )
-        # As in the batch loop: train mode for a gradient pass, eval mode (no dropout) for a
-        # forward-only one (old/ref log-probs); the caller's mode is restored afterwards.
-        with self._mode(training=not forward_only), self._grad(forward_only):
-            loss, metrics, output = self._forward_compact(
-                micro,
-                host_lengths,
-                (loss_fn or self.default_loss) if with_loss else None,
-                denominators,
-                training=not forward_only,
+        args, kwargs, position_shape, unpack = self._model_inputs(micro, group_loss)
+        with self._mode(training=training), self._grad(forward_only):
+            with setup.autocast_context(self.config, self.device):
+                raw = self._model_forward(*args, training=training, **kwargs)
+            _, has_next = next_token_targets(data["input_ids"], data["attention_mask"])
+            aligned = align_outputs(
+                raw, len(micro.lengths), position_shape, has_next, unpack, type(self).__name__
             )
-        shape = tuple(batch["input_ids"].shape)
-        full: dict[str, torch.Tensor] = {}
-        scatter_outputs(output, rows, starts, lengths, full, shape)
+            output = TensorDict(aligned, batch_size=[len(micro.lengths)], device=self.device)
+            loss, metrics = None, {}
+            if group_loss is not None:  # the loss ran inside the head, one group at a time
+                loss, metrics = group_loss.loss, group_loss.metrics()
+            elif with_loss:
+                loss, metrics = compute_loss(output, data)
         self.last_step_metrics = metrics
+        output = output.detach()
+        if planned:
+            return loss, output
+        full: dict[str, torch.Tensor] = {}
+        shape = tuple(batch["input_ids"].shape)
+        scatter_outputs(output, rows, starts, lengths, full, shape)
         return loss, TensorDict(full, batch_size=[shape[0]], device=self.device)
 
     def infer_batch(self, batch: TensorDict | Mapping[str, torch.Tensor]) -> TensorDict:
@@ -507,8 +512,36 @@ class Engine:
         """Role-specific value checks after :func:`check_batch` (e.g. a reward model's pairs);
         raises ``ValueError``. Runs once per public call, outside the micro-batch loop."""
 
-    def _required_keys(self, loss_fn: LossFn | None, forward_only: bool) -> tuple[str, ...]:
-        return () if forward_only else self._loss_inputs(loss_fn)
+    def _checked(
+        self,
+        batch: TensorDict | Mapping[str, torch.Tensor],
+        loss_fn: LossFn | None,
+        forward_only: bool,
+        *,
+        role_checks: bool,
+    ) -> TensorDict:
+        """The batch validated at the public boundary (:func:`check_batch`, then the role's own
+        value checks unless ``role_checks`` is False, for a data-parallel placeholder row)."""
+        required = () if forward_only else self._loss_inputs(loss_fn)
+        batch = check_batch(
+            batch,
+            required=required,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            row_keys=self.row_keys,
+        )
+        if role_checks:
+            self._check_role_batch(batch)
+        return batch
+
+    def _has_loss_inputs(self, batch: TensorDict, loss_fn: LossFn | None) -> bool:
+        return all(key in batch for key in self._loss_inputs(loss_fn))
+
+    def _denominators(self, batch: TensorDict) -> LossDenominators:
+        """The loss's global denominators: ``batch``'s counts summed over the data-parallel ranks."""
+        return global_denominators(
+            self._count_mask(batch), seq_len_norm=self.config.seq_len_norm, group=self.dp_group
+        )
 
     def _trainable_params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -526,57 +559,54 @@ class Engine:
             plan = plan_micro_batches(lengths, **kwargs, min_micro_batches=agreed)
         return plan
 
-    def _forward_compact(
-        self,
-        micro: TensorDict,
-        lengths: list[int],
-        loss_fn: LossFn | None,
-        denominators: LossDenominators | None,
-        *,
-        training: bool,
-    ) -> tuple[torch.Tensor | None, dict[str, Metric], TensorDict]:
-        """Forward a compact right-padded ``[b, L]`` micro-batch; token-align the per-position
-        outputs (per-row ``[b]`` outputs stay as they are); loss.
-
-        ``lengths``: the rows' real-token counts, on the host (no sync in the micro-batch loop).
-        """
-        valid = micro["attention_mask"]
-        ids, positions = micro["input_ids"], micro["position_ids"]
+    def _model_inputs(
+        self, micro: MicroBatch, group_loss: GroupLoss | None
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], tuple[int, ...], Callable | None]:
+        """What :meth:`_model_forward` gets for a micro-batch: positional ``(input_ids,
+        position_ids, attention_mask, targets)`` (packed into ``[1, N]`` under
+        ``pack_sequences``), keyword arguments, the shape the per-position outputs come back in,
+        and how to unpack them (None when padded)."""
+        data = micro.data
+        valid, ids, positions = data["attention_mask"], data["input_ids"], data["position_ids"]
         targets, has_next = next_token_targets(ids, valid)
-        model_kwargs, role_kwargs = {}, {}
+        kwargs: dict[str, Any] = {}
         if self._passes_last_index:
-            role_kwargs["last_index"] = last_token_index(valid, packed=self.config.pack_sequences)
+            kwargs["last_index"] = last_token_index(valid, packed=self.config.pack_sequences)
         temperature = None
-        if "temperature" in micro:
-            temperature = predicting_temperature(micro["temperature"], has_next)
-        if self.config.pack_sequences:
-            index = packing.packed_index(valid, sum(lengths))
-            inputs = (packing.pack(ids, index), packing.pack(positions, index), None)
-            packed_targets = packing.pack(targets, index)
-            if temperature is not None:
-                temperature = packing.pack(temperature, index)
-            if self._varlen_attention:
-                model_kwargs[PACKED_LENGTHS_KWARG] = tuple(lengths)
-        else:
-            inputs, packed_targets = (ids, positions, valid.long()), targets
-        with setup.autocast_context(self.config, self.device):
-            raw = self._head_forward(
-                *inputs,
-                packed_targets,
-                training=training,
-                temperature=temperature,
-                **role_kwargs,
-                **model_kwargs,
-            )
-        unpack = (lambda v: packing.unpack(v, index, valid)) if self.config.pack_sequences else None
-        aligned = align_outputs(
-            raw, ids.shape[0], tuple(inputs[0].shape), has_next, unpack, type(self).__name__
-        )
-        output = TensorDict(aligned, batch_size=[ids.shape[0]], device=ids.device)
-        loss, metrics = None, {}
-        if loss_fn is not None:
-            loss, metrics = check_loss_result(loss_fn(output, micro, denominators))
-        return loss, metrics, output.detach()
+        if "temperature" in data:
+            temperature = predicting_temperature(data["temperature"], has_next)
+        if group_loss is not None:
+            kwargs["group_loss"] = group_loss
+        if not self.config.pack_sequences:
+            args = (ids, positions, valid.long(), targets)
+            return args, {**kwargs, "temperature": temperature}, tuple(ids.shape), None
+        index = packing.packed_index(valid, sum(micro.lengths))
+        args = (packing.pack(ids, index), packing.pack(positions, index), None)
+        args = (*args, packing.pack(targets, index))
+        if temperature is not None:
+            temperature = packing.pack(temperature, index)
+        if self._varlen_attention:
+            kwargs[PACKED_LENGTHS_KWARG] = tuple(micro.lengths)
+        unpack = lambda v: packing.unpack(v, index, valid)  # noqa: E731
+        return args, {**kwargs, "temperature": temperature}, tuple(args[0].shape), unpack
+
+    def _loss_callable(
+        self, loss_fn: LossFn, denominators: LossDenominators | None
+    ) -> Callable[[TensorDict, TensorDict], tuple[torch.Tensor, dict[str, Metric]]]:
+        """``loss(output, rows)``: ``loss_fn`` on rows of the micro-batch with the mini-batch's
+        denominators, its result checked once (:meth:`_call_loss`)."""
+        return lambda output, rows: self._call_loss(loss_fn, output, rows, denominators)
+
+    def _call_loss(
+        self,
+        loss_fn: LossFn,
+        output: TensorDict,
+        micro_batch: TensorDict,
+        denominators: LossDenominators,
+    ) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """The one call of a loss: its result checked (:func:`check_loss_result`). A role adds
+        metrics every loss reports here (the actor's ``mismatch/*``)."""
+        return check_loss_result(loss_fn(output, micro_batch, denominators))
 
     @contextmanager
     def _mode(self, *, training: bool) -> Iterator[None]:
@@ -591,3 +621,14 @@ class Engine:
     @staticmethod
     def _grad(forward_only: bool) -> Any:
         return torch.no_grad() if forward_only else nullcontext()
+
+
+def _host_lengths_and_groups(
+    batch: TensorDict, lengths: torch.Tensor
+) -> tuple[list[int], list[int] | None]:
+    """The rows' lengths (and group ids, when the batch has them) on the host, in one read: the
+    one sync that planning needs."""
+    if GROUP_KEY not in batch:
+        return lengths.tolist(), None
+    host_lengths, host_groups = torch.stack([lengths, batch[GROUP_KEY].to(lengths.dtype)]).tolist()
+    return host_lengths, host_groups

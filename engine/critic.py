@@ -8,7 +8,7 @@ from torch import nn
 
 from microrl.configs.engine import CriticConfig
 from microrl.engine.base import Engine
-from microrl.engine.heads import ValueModel, decoder_body
+from microrl.engine.models import ValueModel, decoder_body
 from microrl.losses import value_loss
 from microrl.losses.aggregation import LossDenominators
 from microrl.losses.metrics import Metric
@@ -36,7 +36,7 @@ class CriticEngine(Engine):
         hidden_size = causal_lm.get_input_embeddings().embedding_dim
         return ValueModel(decoder_body(causal_lm), hidden_size, seed=self.config.seed)
 
-    def _head_forward(
+    def _model_forward(
         self,
         input_ids,
         position_ids,

@@ -25,11 +25,13 @@ to ``[B]``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
 
 __all__ = [
+    "MicroBatch",
     "compact_rows",
     "micro_batch_cost",
     "plan_micro_batches",
@@ -37,6 +39,19 @@ __all__ = [
     "scatter_rows",
     "span_starts_and_lengths",
 ]
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch as the engine's loop plans it (:meth:`Engine.forward_step` also takes one).
+
+    ``data``: validated, compact and right-padded ``[b, L]`` (:func:`compact_rows`), ``L`` the
+    longest row. ``lengths``: the rows' real-token counts on the host, so the forward needs no
+    device-to-host sync (packing, varlen attention, the fused loss's row groups).
+    """
+
+    data: TensorDict
+    lengths: list[int]
 
 
 def micro_batch_cost(lengths: Sequence[int], *, packed: bool) -> int:

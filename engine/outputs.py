@@ -1,6 +1,6 @@
 """A role's outputs and its loss's result at the loop's boundary (see docs/engine.md).
 
-A role's ``_head_forward`` returns per-position ``[b, L]`` tensors (aligned to the *predicting*
+A role's ``_model_forward`` returns per-position ``[b, L]`` tensors (aligned to the *predicting*
 position, or packed ``[1, N]``) and/or per-row ``[b]`` tensors; :func:`align_outputs` brings the
 former to token alignment and leaves the latter in row order. :func:`check_loss_result` checks
 what a ``loss_fn`` returned, at the boundary, instead of failing later inside backward or the
@@ -51,7 +51,7 @@ def align_outputs(
             continue
         if tuple(value.shape) != position_shape:
             raise ValueError(
-                f"{role}._head_forward output {key!r} has shape {tuple(value.shape)}: expected "
+                f"{role}._model_forward output {key!r} has shape {tuple(value.shape)}: expected "
                 f"per-position {position_shape} (the shape of its input_ids) or per-row "
                 f"[{num_rows}]"
             )

@@ -24,7 +24,7 @@ from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine.base import Engine
-from microrl.engine.heads import ValueModel, decoder_body
+from microrl.engine.models import ValueModel, decoder_body
 from microrl.losses.aggregation import LossDenominators
 from microrl.losses.metrics import Metric
 
@@ -56,7 +56,7 @@ class RewardModelEngine(Engine):
             sequence_level=True,
         )
 
-    def _head_forward(
+    def _model_forward(
         self,
         input_ids,
         position_ids,

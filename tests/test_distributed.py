@@ -224,7 +224,7 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
     head = engine.model.get_output_embeddings().weight
     assert isinstance(head, DTensor) and head.to_local().shape[0] < head.shape[0]
     seen = []
-    import microrl.engine.heads as heads
+    import microrl.engine.models as heads
     import microrl.kernels as kernels
 
     real = kernels.fused_linear_logprob

@@ -15,7 +15,7 @@ from engine_utils import HIDDEN, VOCAB, make_batch, reference_logprobs, tiny_mod
 
 from microrl.configs import ActorConfig
 from microrl.engine import ActorEngine
-from microrl.engine.heads import LogitTransform, PolicyModel, fused_head_blocker, logit_transform
+from microrl.engine.models import LogitTransform, PolicyModel, fused_head_blocker, logit_transform
 
 ATOL = 2e-5  # fp32 model, fp64 reference: rounding of a 2-layer hidden-32 model
 COMMON = dict(

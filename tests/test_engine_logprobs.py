@@ -11,7 +11,7 @@ from torch import nn
 
 from microrl.configs import ActorConfig, CriticConfig
 from microrl.engine import ActorEngine, CriticEngine
-from microrl.engine.heads import decoder_body
+from microrl.engine.models import decoder_body
 
 ATOL = 2e-5  # fp32 model, fp64 reference: rounding of a 2-layer hidden-32 model
 

@@ -25,8 +25,8 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 from microrl.configs import CriticConfig, EngineConfig, LoraConfig, OptimConfig
 from microrl.engine import CriticEngine, Engine, RewardModelEngine
 from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
-from microrl.engine.heads import ValueModel, decoder_body
 from microrl.engine.microbatch import micro_batch_cost, plan_micro_batches
+from microrl.engine.models import ValueModel, decoder_body
 from microrl.losses import Metric
 
 _SYNCS_FILE = test_engine_syncs.__file__
@@ -96,7 +96,7 @@ def test_changing_only_the_last_token_changes_the_score() -> None:
 
 def test_a_head_output_of_another_shape_is_named() -> None:
     class Bad(RewardModelEngine):
-        def _head_forward(self, input_ids, position_ids, attention_mask, targets, **kwargs):
+        def _model_forward(self, input_ids, position_ids, attention_mask, targets, **kwargs):
             return {"scores": torch.zeros(3, device=input_ids.device)}
 
     engine = Bad(tiny_model(), EngineConfig(micro_batch_size=8))
@@ -117,7 +117,7 @@ class SequenceRegressor(Engine):
         hidden = causal_lm.get_input_embeddings().embedding_dim
         return ValueModel(decoder_body(causal_lm), hidden, sequence_level=True)
 
-    def _head_forward(
+    def _model_forward(
         self,
         input_ids,
         position_ids,

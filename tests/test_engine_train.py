@@ -176,7 +176,7 @@ class FrozenBodyReward(Engine):
 
         return Head(causal_lm.get_decoder())
 
-    def _head_forward(self, input_ids, position_ids, attention_mask, targets, *, training, **kw):
+    def _model_forward(self, input_ids, position_ids, attention_mask, targets, *, training, **kw):
         return {"reward": self.module(input_ids, position_ids, attention_mask)}
 
     def default_loss(self, output, micro_batch, denominators):

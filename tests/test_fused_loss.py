@@ -22,7 +22,7 @@ import torch
 from engine_utils import assert_close_dicts, grads_of, make_batch, tiny_model
 
 from microrl.configs import ActorConfig, LoraConfig, PolicyLossConfig
-from microrl.engine import ActorEngine, heads
+from microrl.engine import ActorEngine, models
 from microrl.kernels import fused_linear_loss
 
 GRAD_RTOL, GRAD_ATOL = 1e-9, 1e-12  # float64 gradients: reassociation noise only
@@ -269,9 +269,9 @@ def test_engine_fused_equals_unfused_lora_checkpointing_packed(name) -> None:
 
 def test_engine_uses_the_fused_path_only_where_it_applies(monkeypatch) -> None:
     calls = []
-    real = heads.fused_linear_loss
+    real = models.fused_linear_loss
     monkeypatch.setattr(
-        heads, "fused_linear_loss", lambda *a, **k: calls.append(1) or real(*a, **k)
+        models, "fused_linear_loss", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     engine = ActorEngine(tiny_model(seed=2), ActorConfig(micro_batch_size=3))
     batch = make_batch(6, 12, seed=3)

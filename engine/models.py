@@ -328,7 +328,7 @@ def eager_logprob(
 def gather_last(values: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
     """Each sequence's entry at its last real token: ``[b, L, ...]`` (or packed ``[1, N, ...]``)
     and ``last_index [b]`` (flat indices into the first two dimensions, as the engine passes to
-    ``_head_forward``) -> ``[b, ...]``. Differentiable; no host sync."""
+    ``_model_forward``) -> ``[b, ...]``. Differentiable; no host sync."""
     return values.flatten(0, 1).index_select(0, last_index)
 
 
