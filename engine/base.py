@@ -212,7 +212,7 @@ class Engine:
         rank-0 loading only rank 0 has them: its result, shared with every rank."""
         if not self._rank0_loading:
             return compute()
-        return materialize.share_from_rank0(compute() if dist.get_rank() == 0 else None)
+        return materialize.share_from_rank0(compute() if distributed.rank() == 0 else None)
 
     def _agree_num_micro_batches(self, n: int) -> int:
         """The micro-batch count every DP rank will run (the max over ranks); ``n`` locally."""

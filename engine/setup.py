@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from microrl.configs.engine import EngineConfig, LoraConfig
+from microrl.engine.parallel import distributed
 
 __all__ = [
     "apply_lora",
@@ -24,8 +25,9 @@ __all__ = [
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    """The engine's device: ``device="auto"`` is the current CUDA device when there is one, else
-    the CPU; an explicit one must exist on this machine.
+    """The engine's device: ``device="auto"`` is this rank's GPU when there is one (``LOCAL_RANK``
+    under torchrun: :func:`~microrl.engine.parallel.distributed.local_cuda_index`), else the
+    CPU; an explicit one must exist on this machine.
 
     Checked here, at construction, because torch only fails at the first allocation, deep inside
     (``AssertionError: Torch not compiled with CUDA enabled``), without naming the setting.
@@ -34,11 +36,8 @@ def resolve_device(config: EngineConfig) -> torch.device:
         ValueError: naming ``device``: not a device string, or a device this machine lacks.
     """
     if config.device == "auto":
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else (torch.device("cpu"))
-        )
+        index = distributed.local_cuda_index()
+        return torch.device("cpu") if index is None else torch.device("cuda", index)
     try:
         device = torch.device(config.device)
     except (RuntimeError, TypeError):

@@ -28,8 +28,8 @@ instead of the default group's timeout (30 minutes under
 :func:`microrl.engine.parallel.distributed.init_distributed`; a NCCL collective may wait even longer), and
 DCP only exchanges small plan objects there, whatever the default backend (NCCL included). The
 store is torch's private ``_get_default_store()`` (no public accessor), so the default group must
-have one (any ``init_method``; not MPI); ``tests/test_checkpoint_faults.py`` pins it, so a torch
-release that drops it fails the suite instead of the first multi-rank save.
+have one (any ``init_method``; not MPI); ``tests/engine/test_checkpoint_faults.py`` pins it, so a
+torch release that drops it fails the suite instead of the first multi-rank save.
 
 Bounds: a rank that raises fails the others at once; one that is killed, after about
 ``timeout_s``; one that hangs inside DCP's collectives, after about ``2 * timeout_s`` (the
@@ -50,6 +50,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from microrl.engine.parallel import distributed
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
@@ -67,10 +69,6 @@ TIMEOUT_ENV = "MICRORL_CHECKPOINT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 _STORE_PREFIX = "microrl/checkpoint"
 _MAX_REASON = 400  # characters of one rank's error text in an agreement's message
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class CheckpointAbortedError(RuntimeError):
@@ -224,5 +222,5 @@ def rank_agreement(what: str, timeout_s: float | None = None) -> contextlib.Abst
     process. Used around single-writer steps (rank 0 writes, the others wait) such as exports,
     where a bare barrier would leave the other ranks blocked when the writer fails."""
     timeout = resolve_timeout(timeout_s)
-    sync = RankSync(what, timeout) if _world() > 1 else None
+    sync = RankSync(what, timeout) if distributed.world_size() > 1 else None
     return phase(sync, "write")

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.hf_storage import (
@@ -73,6 +72,7 @@ from microrl.engine.checkpoint.atomic_io import (
 )
 from microrl.engine.checkpoint.rng import rng_state, set_rng_state
 from microrl.engine.checkpoint.state_dicts import join_optimizer_state, split_state, tensor_specs
+from microrl.engine.parallel import distributed
 
 __all__ = [
     "CheckpointAbortedError",
@@ -106,14 +106,6 @@ class CheckpointInfo:
     step: int
     world_size: int
     config: dict[str, Any] | None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @contextlib.contextmanager
@@ -169,7 +161,7 @@ def save_checkpoint(
     timeout_s = resolve_timeout(timeout_s)
     target = Path(path).absolute()
     tmp, old = staging_paths(target)
-    rank, world = _rank(), _world()
+    rank, world = distributed.rank(), distributed.world_size()
     sync = RankSync(f"checkpoint save of {target}", timeout_s) if world > 1 else None
     try:
         with phase(sync, "prepare"):
@@ -362,7 +354,7 @@ def load_checkpoint(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     timeout_s = resolve_timeout(timeout_s)
     root = Path(path).absolute()
-    world = _world()
+    world = distributed.world_size()
     sync = RankSync(f"checkpoint load of {root}", timeout_s) if world > 1 else None
     with phase(sync, "check"):
         manifest = read_manifest(root)
@@ -424,12 +416,14 @@ def load_checkpoint(
         if scheduler is not None:
             scheduler.load_state_dict(manifest["scheduler"])
         if rng and manifest["rng"]:
-            if manifest["world_size"] == _world():
-                state = json.loads((root / RNG_DIR / f"rank_{_rank():05d}.json").read_text())
+            if manifest["world_size"] == distributed.world_size():
+                state = json.loads(
+                    (root / RNG_DIR / f"rank_{distributed.rank():05d}.json").read_text()
+                )
                 set_rng_state(state)
-            elif _rank() == 0:
+            elif distributed.rank() == 0:
                 warnings.warn(
-                    f"{root} was saved on {manifest['world_size']} ranks and loads on {_world()}: "
+                    f"{root} was saved on {manifest['world_size']} ranks and loads on {distributed.world_size()}: "
                     "RNG states not restored",
                     stacklevel=2,
                 )

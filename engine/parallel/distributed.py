@@ -28,7 +28,9 @@ ranks and scales by the world size, because FSDP *averages* gradients over ranks
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,6 +45,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __all__ = [
     "agree_num_micro_batches",
+    "barrier",
     "default_mp_policy",
     "dp_group",
     "dp_rank",
@@ -53,9 +56,13 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "is_empty_batch",
+    "local_cuda_index",
     "placeholder_row",
+    "rank",
     "set_gradient_sync",
     "shard_model",
+    "shutdown",
+    "world_size",
 ]
 
 # Container names under which transformers models keep their decoder blocks; only used when a model
@@ -75,6 +82,22 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def rank() -> int:
+    """This process's global rank (0 when torch.distributed is not initialised)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op in a single process."""
+    if is_distributed():
+        dist.barrier()
+
+
 def dp_group() -> dist.ProcessGroup | None:
     """The data-parallel group (the default group), or ``None`` in a single process."""
     return dist.group.WORLD if is_distributed() else None
@@ -90,15 +113,33 @@ def dp_rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group) if is_distributed() else 0
 
 
+def local_cuda_index() -> int | None:
+    """The GPU this rank owns: ``LOCAL_RANK`` under torchrun (when this process sees that many
+    GPUs, else the current one: a launcher that gives each rank one visible GPU), the current
+    GPU otherwise; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and int(local) < torch.cuda.device_count():
+        return int(local)
+    return torch.cuda.current_device()
+
+
 def init_distributed(
     backend: str | None = None, *, timeout: timedelta = _DEFAULT_TIMEOUT
 ) -> dist.ProcessGroup | None:
     """Return the DP process group: the initialised one, or one started from torchrun's environment.
 
+    The one place a process joins the ranks (the engine and ``microrl.run.Dist.init`` both call
+    it). First, on CUDA, the rank takes its own GPU (:func:`local_cuda_index`), also when the
+    caller initialised the group without doing so: an NCCL group created on the current device
+    would otherwise put every rank on GPU 0.
+
     * A process group already initialised by the caller is used as is.
     * Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the default group is initialised
-      with ``backend`` (default: ``nccl`` on CUDA, ``gloo`` on CPU), and each rank takes the GPU
-      ``LOCAL_RANK``. Multi-node runs need nothing else: torchrun sets the rendezvous variables.
+      with ``backend`` (default: ``nccl`` on CUDA, ``gloo`` on CPU) and ``timeout``, and torn down
+      at interpreter exit (:func:`shutdown`). Multi-node runs need nothing else: torchrun sets the
+      rendezvous variables.
     * Otherwise (a plain ``python`` process, or torchrun with one process) it returns ``None`` and
       the engine runs unsharded.
     """
@@ -106,16 +147,34 @@ def init_distributed(
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if not dist.is_available():
         return None
+    cuda_index = local_cuda_index()
+    if cuda_index is not None:
+        torch.cuda.set_device(cuda_index)
     if not dist.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
-            backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout
+            backend or ("nccl" if cuda_index is not None else "gloo"), timeout=timeout
         )
+        # A group left alive at exit can abort a rank ("terminate called without an active
+        # exception") while its peers still talk: end it once every rank is done.
+        atexit.register(shutdown)
     return dp_group()
+
+
+def shutdown() -> None:
+    """Wait for every rank, then destroy the default process group; a no-op without one.
+
+    Registered at exit when :func:`init_distributed` created the group, so a script that never
+    calls it still exits cleanly; calling it earlier (``Dist.close()``) is fine. A process
+    leaving on an uncaught exception skips it: its peers may be inside another collective, which
+    a barrier would pair with, and the launcher stops them anyway."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if getattr(sys, "last_value", None) is not None:  # set when an uncaught exception was printed
+        return
+    barrier()
+    dist.destroy_process_group()
 
 
 def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:

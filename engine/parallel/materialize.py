@@ -18,8 +18,8 @@ whole model, and no rank holds it on its accelerator:
    such as rotary frequencies, absent from state dicts) are broadcast as they are.
 
 The result equals loading the model on every rank and sharding it (tested in
-``tests/test_tensor_parallel.py`` and ``tests/test_distributed.py``). A model passed as an
-``nn.Module`` was already built by the caller on every rank and is sharded as it is.
+``tests/engine/test_tensor_parallel.py`` and ``tests/engine/test_distributed.py``). A model passed
+as an ``nn.Module`` was already built by the caller on every rank and is sharded as it is.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from microrl.engine.parallel import distributed
 
 __all__ = [
     "FullState",
@@ -68,7 +70,7 @@ def load_on_rank0(path: str | os.PathLike) -> nn.Module:
     from microrl.engine.setup import checkpoint_dir
 
     model, found = None, None
-    if dist.get_rank() == 0:
+    if distributed.rank() == 0:
         try:
             model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(path), dtype=torch.float32)
             found = (model.config, model.generation_config)
@@ -98,7 +100,7 @@ def share_from_rank0(value):
 def take_full_state(module: nn.Module) -> FullState:
     """Rank 0: the module's full tensors, then the module itself on ``meta``; other ranks: their
     module is meta already. Call before sharding."""
-    if dist.get_rank() != 0:
+    if distributed.rank() != 0:
         return FullState()
     state = FullState(
         state_dict=dict(module.state_dict()),  # detached tensors: they keep their storage
@@ -135,6 +137,6 @@ def load_full_state(module: nn.Module, state: FullState, device: torch.device) -
     set_model_state_dict(module, state.state_dict, options=options)
     for name, buffer in module.named_buffers():
         local = buffer.to_local() if hasattr(buffer, "to_local") else buffer
-        if dist.get_rank() == 0:
+        if distributed.rank() == 0:
             local.copy_(state.buffers[name])
         dist.broadcast(local, src=0)

@@ -8,11 +8,11 @@ attention, no continuous batching), which is why the ``vllm`` backend exists (do
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from microrl.engine.base import Engine
+from microrl.engine.parallel import distributed
 from microrl.engine.parallel.distributed import gathered
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 
@@ -118,7 +118,7 @@ class HFRollout(RolloutBackend):
                     attention_mask=mask,
                     generation_config=config,
                     logits_processor=LogitsProcessorList([recorder]),
-                    synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
+                    synced_gpus=distributed.is_distributed(),
                 )
         finally:
             self.model.train(was_training)

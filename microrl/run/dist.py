@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from microrl.engine.parallel import distributed
 
 __all__ = ["Dist", "StopOnInterrupt", "per_rank"]
 
@@ -43,12 +44,11 @@ class Dist:
 
     @classmethod
     def init(cls) -> Dist:
-        """Join the process group when launched by ``torchrun`` (gloo on CPU, nccl on GPU)."""
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls()
+        """Join the process group when launched by ``torchrun`` (gloo on CPU, nccl on GPU, each
+        rank on its own GPU): :func:`microrl.engine.parallel.distributed.init_distributed`, the
+        one initialiser the engine uses too."""
+        distributed.init_distributed()
+        return cls(distributed.rank(), distributed.world_size())
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's contiguous slice of ``items`` (sizes differ by at most 1)."""
@@ -68,12 +68,11 @@ class Dist:
         return self.sum([float(flag)])[0] > 0
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
+        distributed.barrier()
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Wait for every rank and end the process group (also done at exit)."""
+        distributed.shutdown()
 
 
 class StopOnInterrupt:

@@ -1,0 +1,93 @@
+"""Every way into the ranks puts rank ``LOCAL_RANK`` on GPU ``LOCAL_RANK``.
+
+Simulated torchrun on 4 GPUs (this is rank 3) with CUDA and the process group monkeypatched: the
+examples' ``Dist.init()`` then the engine's initialiser, the engine's initialiser alone, and a
+group the caller initialised without choosing a device must all select ``cuda:3``. Before one
+initialiser owned this, ``Dist.init()`` created the NCCL group on the current device and the
+engine, finding the group initialised, skipped ``set_device``: every rank ran on GPU 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from microrl.configs import EngineConfig
+from microrl.engine import setup
+from microrl.engine.parallel import distributed
+from microrl.run import Dist
+
+LOCAL_RANK, WORLD, GPUS = 3, 4, 4
+
+
+class FakeCudaAndGroup:
+    """CUDA with ``GPUS`` devices and a process group, as torchrun's rank ``LOCAL_RANK`` sees them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, visible: int, initialized: bool):
+        self.current, self.initialized, self.backends = 0, initialized, []
+        for key, value in dict(
+            RANK=LOCAL_RANK, LOCAL_RANK=LOCAL_RANK, WORLD_SIZE=WORLD, LOCAL_WORLD_SIZE=WORLD
+        ).items():
+            monkeypatch.setenv(key, str(value))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "set_device", self._set_device)
+        monkeypatch.setattr(dist, "is_initialized", lambda: self.initialized)
+        monkeypatch.setattr(dist, "init_process_group", self._init_process_group)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: LOCAL_RANK)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
+        # The real teardown would run at the test process's exit.
+        monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
+
+    def _set_device(self, index) -> None:
+        self.current = int(index)
+
+    def _init_process_group(self, backend, **kwargs) -> None:
+        # NCCL binds the group to the current device when it is created: record which.
+        self.backends.append((backend, self.current))
+        self.initialized = True
+
+
+def _engine_device() -> torch.device:
+    """What ``Engine.__init__`` does first: join the ranks, then resolve ``device="auto"``."""
+    distributed.init_distributed()
+    return setup.resolve_device(EngineConfig())
+
+
+def test_the_examples_entry_point_puts_each_rank_on_its_own_gpu(monkeypatch) -> None:
+    fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
+    info = Dist.init()
+    assert (info.rank, info.world_size) == (LOCAL_RANK, WORLD)
+    assert fake.backends == [("nccl", LOCAL_RANK)], "the NCCL group was created on another GPU"
+    assert _engine_device() == torch.device("cuda", LOCAL_RANK)
+    assert fake.current == LOCAL_RANK and len(fake.backends) == 1
+
+
+def test_the_engine_alone_puts_each_rank_on_its_own_gpu(monkeypatch) -> None:
+    fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
+    assert _engine_device() == torch.device("cuda", LOCAL_RANK)
+    assert fake.backends == [("nccl", LOCAL_RANK)] and fake.current == LOCAL_RANK
+
+
+def test_a_group_initialised_by_the_caller_still_gets_its_own_gpu(monkeypatch) -> None:
+    fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=True)
+    assert _engine_device() == torch.device("cuda", LOCAL_RANK)
+    assert fake.backends == [] and fake.current == LOCAL_RANK
+
+
+def test_one_visible_gpu_per_rank_uses_that_gpu(monkeypatch) -> None:
+    # A launcher that sets CUDA_VISIBLE_DEVICES per rank: LOCAL_RANK 3 sees one GPU, index 0.
+    fake = FakeCudaAndGroup(monkeypatch, visible=1, initialized=False)
+    assert _engine_device() == torch.device("cuda", 0)
+    assert fake.backends == [("nccl", 0)]
+
+
+def test_a_single_process_on_the_cpu_has_no_group(monkeypatch) -> None:
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.init_distributed() is None
+    assert setup.resolve_device(EngineConfig()) == torch.device("cpu")
+    assert Dist.init() == Dist()
