@@ -21,8 +21,8 @@ PPO: ``scores_to_token_rewards`` -> ``gae_advantages`` (-> ``whiten``) for the a
 ``value_loss`` on the returns for the critic. One algorithm per module: ``ppo``, ``gspo``,
 ``cispo``, ``reinforce`` (surrogates), ``kl``, ``entropy``, ``tis`` and ``mismatch`` (rollout/trainer
 mismatch metrics and corrections), ``value``, ``sft``, ``gae``,
-``group`` (GRPO, RLOO), ``reinforce_pp``, ``whiten``; ``policy`` dispatches by
-:class:`PolicyLossType`.
+``group`` (GRPO, RLOO; ``check_whole_groups`` before them under data parallelism),
+``reinforce_pp``, ``whiten``; ``policy`` dispatches by :class:`PolicyLossType`.
 """
 
 from .aggregation import (
@@ -33,13 +33,14 @@ from .aggregation import (
     masked_partial_mean,
 )
 from .cispo import cispo_surrogate
-from .config import KLEstimator, PolicyLossConfig, PolicyLossType
+from .config import KL_IS_ESTIMATORS, KLEstimator, PolicyLossConfig, PolicyLossType
 from .entropy import entropy_bonus
 from .gae import gae_advantages
 from .group import (
     GROUP_STD_EPS,
     GroupAdvantageInfo,
     GroupStats,
+    check_whole_groups,
     group_stats,
     grpo_advantages,
     rloo_advantages,
@@ -56,7 +57,13 @@ from .mismatch import (
 )
 from .policy import POLICY_SURROGATES, Surrogate, policy_loss
 from .ppo import ppo_surrogate
-from .ratio import LOG_RATIO_CLAMP, SurrogateOutput, clamped_log_ratio
+from .ratio import (
+    LOG_RATIO_CLAMP,
+    SurrogateOutput,
+    clamped_log_ratio,
+    importance_ratio,
+    sequence_log_ratio,
+)
 from .reinforce import reinforce_surrogate
 from .reinforce_pp import reinforce_pp_advantages
 from .sft import sft_loss
@@ -67,6 +74,7 @@ from .whiten import WHITEN_EPS, whiten
 __all__ = [
     "GROUP_STD_EPS",
     "K3_MAX",
+    "KL_IS_ESTIMATORS",
     "KL_LOG_RATIO_CLAMP",
     "LOG_RATIO_CLAMP",
     "MISMATCH_METRICS",
@@ -86,6 +94,7 @@ __all__ = [
     "SurrogateOutput",
     "aggregate",
     "broadcast_to_tokens",
+    "check_whole_groups",
     "cispo_surrogate",
     "clamped_log_ratio",
     "entropy_bonus",
@@ -94,6 +103,7 @@ __all__ = [
     "group_stats",
     "grpo_advantages",
     "gspo_surrogate",
+    "importance_ratio",
     "kl_penalty",
     "masked_partial_mean",
     "mismatch_log_ratio",
@@ -106,6 +116,7 @@ __all__ = [
     "rloo_advantages",
     "rollout_correction",
     "scores_to_token_rewards",
+    "sequence_log_ratio",
     "sft_loss",
     "value_loss",
     "whiten",

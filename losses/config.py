@@ -8,7 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["KLEstimator", "PolicyLossConfig", "PolicyLossType", "check_ratio_band"]
+__all__ = [
+    "KL_IS_ESTIMATORS",
+    "KLEstimator",
+    "PolicyLossConfig",
+    "PolicyLossType",
+    "check_ratio_band",
+]
 
 
 class PolicyLossType(str, Enum):
@@ -31,24 +37,63 @@ class KLEstimator(str, Enum):
     K3_ST = "k3+"  # value of k3, gradient of k2 (straight-through)
 
 
+# Estimators whose expectation under pi is KL(pi || ref) itself, so that under samples of pi_old
+# E[(pi / pi_old) * k] = KL and, with the ratio not detached, its gradient is the KL gradient. The
+# k2-gradient ones (k2, k1+, k3+) are right only on-policy: a non-detached ratio would bias them.
+KL_IS_ESTIMATORS = (KLEstimator.K1, KLEstimator.K3)
+
+
 @dataclass
 class PolicyLossConfig:
     """Surrogate, clip ranges and coefficients of :func:`microrl.losses.policy_loss`; validated on
-    construction and again on every call (``ValueError`` naming the ``policy_loss.<field>``)."""
+    construction and again on every call (``ValueError`` naming the ``policy_loss.<field>``).
 
-    name: PolicyLossType = PolicyLossType.PPO
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    # Dual clip (Ye et al. 2020) for negative advantages; None disables it. Must be > 1.
-    clip_ratio_c: float | None = 3.0
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = KLEstimator.K3
-    entropy_coef: float = 0.0
+    Each field's one-line ``--help`` text is its ``metadata["help"]``, as in
+    :mod:`microrl.configs.fields`, spelled with ``dataclasses.field`` since ``microrl.losses``
+    sits below ``microrl.configs`` and imports nothing from it.
+    """
+
+    name: PolicyLossType = dataclasses.field(
+        default=PolicyLossType.PPO,
+        metadata={"help": "surrogate: ppo, grpo, gspo, cispo or reinforce"},
+    )
+    clip_ratio_low: float = dataclasses.field(
+        default=0.2, metadata={"help": "ratio clip below: 1 - clip_ratio_low"}
+    )
+    clip_ratio_high: float = dataclasses.field(
+        default=0.2, metadata={"help": "ratio clip above: 1 + clip_ratio_high"}
+    )
+    # Dual clip (Ye et al. 2020); must be > 1.
+    clip_ratio_c: float | None = dataclasses.field(
+        default=3.0, metadata={"help": "dual-clip bound for negative advantages (null: off)"}
+    )
+    kl_coef: float = dataclasses.field(
+        default=0.0,
+        metadata={"help": "weight of the KL penalty to the reference (adapter-off) policy"},
+    )
+    kl_estimator: KLEstimator = dataclasses.field(
+        default=KLEstimator.K3, metadata={"help": "KL estimator: k1, k2, k3, k1+ or k3+"}
+    )
+    # Importance-sampling-corrected KL (DeepSeek-V3.2's "unbiased KL estimate"; TRL's
+    # use_bias_correction_kl): the per-token KL times the unclipped, non-detached ratio pi/pi_old
+    # (GSPO: the sequence ratio). Only k1 and k3, see
+    # docs/losses.md#importance-sampling-corrected-kl-kl_is_correction.
+    kl_is_correction: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "multiply the k1/k3 KL by the ratio pi/pi_old (DeepSeek-V3.2 unbiased KL)"
+        },
+    )
+    entropy_coef: float = dataclasses.field(
+        default=0.0, metadata={"help": "weight of the entropy bonus"}
+    )
     # Rollout/trainer mismatch corrections (docs/losses.md#rollouttrainer-mismatch), all on the
     # ratio r = pi_old / pi_rollout of the batch's old_logprobs and rollout_logprobs; each None
     # disables it, and any of them set makes rollout_logprobs a required batch key.
     # Truncated importance sampling: the pg term weighted by min(r, tis_cap) (Yao et al. 2025).
-    tis_cap: float | None = None
+    tis_cap: float | None = dataclasses.field(
+        default=None, metadata={"help": "truncated importance-sampling cap (null: off)"}
+    )
     # IcePop token masking: weight 0 on tokens whose r lies outside [low, high] (Ling Team 2025).
     token_ratio_band: tuple[float, float] | None = dataclasses.field(
         default=None,
@@ -73,12 +118,30 @@ class PolicyLossConfig:
             )
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("policy_loss.kl_coef and policy_loss.entropy_coef must be >= 0")
+        if not isinstance(self.kl_is_correction, bool):
+            raise ValueError(
+                "policy_loss.kl_is_correction must be a bool (true or false), "
+                f"got {self.kl_is_correction!r}"
+            )
+        if self.kl_is_correction and self.kl_estimator not in KL_IS_ESTIMATORS:
+            allowed = " or ".join(repr(e.value) for e in KL_IS_ESTIMATORS)
+            raise ValueError(
+                "policy_loss.kl_is_correction needs policy_loss.kl_estimator "
+                f"{allowed}, got {self.kl_estimator.value!r}: the ratio is not detached, so with "
+                "a k2-gradient estimator it would bias the KL gradient"
+            )
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"policy_loss.tis_cap must be > 0 or None, got {self.tis_cap}")
         self.token_ratio_band = check_ratio_band(
             self.token_ratio_band, "policy_loss.token_ratio_band"
         )
         self.seq_ratio_band = check_ratio_band(self.seq_ratio_band, "policy_loss.seq_ratio_band")
+
+    @property
+    def sequence_level_ratio(self) -> bool:
+        """Whether the surrogate's importance ratio is per sequence (GSPO); the KL correction
+        (``kl_is_correction``) then uses the same sequence ratio."""
+        return self.name is PolicyLossType.GSPO
 
     @property
     def corrects_mismatch(self) -> bool:

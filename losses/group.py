@@ -24,6 +24,7 @@ __all__ = [
     "GROUP_STD_EPS",
     "GroupAdvantageInfo",
     "GroupStats",
+    "check_whole_groups",
     "group_stats",
     "grpo_advantages",
     "rloo_advantages",
@@ -168,6 +169,26 @@ def rloo_advantages(
     advantages = (scores.detach().double() - stats.mean) * n / (n - 1).clamp_min(1)
     advantages = torch.where(stats.zero_spread, 0.0, advantages)
     return advantages.to(_out_dtype(scores)), _info(stats)
+
+
+def check_whole_groups(group_ids: torch.Tensor, group_size: int) -> None:
+    """Raise ``ValueError`` unless every group in ``group_ids [B]`` has exactly ``group_size`` rows
+    on this rank.
+
+    ``grpo_advantages`` sees only this rank's rows, so its group mean and std are the true ones
+    only when no group spans ranks. Sharding prompts over ranks (each rank samples all
+    ``group_size`` responses of its prompts) guarantees that; a group split over ranks, or cut
+    short, leaves fewer rows here, which this local check (no collective) catches.
+    """
+    ids, counts = torch.unique(group_ids, return_counts=True)
+    bad = (counts != group_size).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(f"group {ids[i].item()} has {counts[i].item()}" for i in bad[:3])
+        raise ValueError(
+            "GRPO groups must not span ranks: every group needs all its "
+            f"group_size={group_size} rows on one rank, but here {shown} "
+            "(shard prompts over ranks, never the rows of a rollout)"
+        )
 
 
 def _out_dtype(scores: torch.Tensor) -> torch.dtype:

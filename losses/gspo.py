@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .config import PolicyLossConfig
-from .ratio import SurrogateOutput, clamped_log_ratio
+from .ratio import SurrogateOutput, sequence_log_ratio
 
 __all__ = ["gspo_surrogate"]
 
@@ -34,10 +34,7 @@ def gspo_surrogate(
 
     A row without loss tokens gets ratio 1 (and contributes nothing once aggregated).
     """
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(mask, clamped_log_ratio(logprobs, old_logprobs), zero)
-    n_tokens = mask.sum(dim=1, keepdim=True).clamp_min(1)
-    seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / n_tokens  # [B, 1], in the clamp range
+    seq_log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)  # [B, 1], in the clamp range
     # Straight-through: value sg[seq_log_ratio], gradient d logprobs_t (token-level GSPO).
     token_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
     ratio = torch.exp(token_log_ratio)

@@ -9,6 +9,10 @@ Divergence", 2020), with ``log_r = log pi - log ref``:
 * ``k3 = exp(-log_r) - 1 + log_r``: unbiased, non-negative, low variance (GRPO's choice).
 * ``k1+`` / ``k3+``: straight-through: the *value* of k1 / k3 (what is reported and added to the
   loss) with the *gradient* of k2.
+
+``policy_loss`` can importance-weight k1 / k3 by ``pi / pi_old`` (``kl_is_correction``,
+DeepSeek-V3.2's unbiased KL estimate), see
+docs/losses.md#importance-sampling-corrected-kl-kl_is_correction.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from .kl import kl_penalty
 from .metrics import Metric, Reduce
 from .mismatch import mismatch_metrics, rollout_correction
 from .ppo import ppo_surrogate
-from .ratio import SurrogateOutput
+from .ratio import SurrogateOutput, importance_ratio
 from .reinforce import reinforce_surrogate
 
 __all__ = ["POLICY_SURROGATES", "Surrogate", "policy_loss"]
@@ -60,7 +60,9 @@ def policy_loss(
     configured ``loss_agg_mode`` over the mini-batch's global denominators (times ``grad_scale``),
     ``pg`` the per-token surrogate of ``config.name`` and ``w`` the rollout/trainer mismatch
     correction (:func:`~microrl.losses.rollout_correction`: truncated IS, token and sequence
-    masking; 1 without any). Summed over micro-batches and ranks it is the mini-batch loss.
+    masking; 1 without any). With ``config.kl_is_correction`` the per-token ``kl`` is multiplied
+    by the non-detached ratio ``pi / pi_old`` (per sequence for GSPO) before ``agg``. Summed over
+    micro-batches and ranks it is the mini-batch loss.
 
     Args:
         logprobs: ``[B, T]`` log-probs of the taken tokens under the trained policy (with grad).
@@ -85,8 +87,10 @@ def policy_loss(
         ``pg_loss`` (the aggregated pg term, without ``grad_scale``), ``pg_clipfrac`` (=
         ``pg_clipfrac_lower + pg_clipfrac_upper``), ``pg_clipfrac_dual`` (when a dual clip is
         configured), ``ppo_kl`` (token mean of ``log pi_old - log pi``), ``ratio_min``,
-        ``ratio_max``; ``kl`` and ``kl_loss`` with ``ref_logprobs``, ``entropy`` with
-        ``entropy``; with ``rollout_logprobs`` the ``mismatch/*`` metrics
+        ``ratio_max``; ``kl`` (uncorrected) and ``kl_loss`` (the aggregated KL term) with
+        ``ref_logprobs``, and ``kl_is`` (token mean of the corrected KL) with
+        ``kl_is_correction`` too; ``entropy`` with ``entropy``; with ``rollout_logprobs``
+        the ``mismatch/*`` metrics
         (:func:`~microrl.losses.mismatch_metrics`) and those of the configured corrections
         (``tis_weight_mean``, ``tis_clipfrac``, ``mismatch/token_mask_frac``,
         ``mismatch/seq_mask_frac``). Fractions and means are token-weighted over the mini-batch.
@@ -144,8 +148,18 @@ def policy_loss(
 
     if "ref_logprobs" in clean:
         kl = kl_penalty(clean["logprobs"], clean["ref_logprobs"], config.kl_estimator)
-        kl_term = aggregate(kl, mask, mode, plain)
         metrics["kl"] = Metric(masked_partial_mean(kl, mask, denominators))
+        if config.kl_is_correction:
+            # DeepSeek-V3.2's unbiased KL: the tokens come from pi_old, so weight by pi / pi_old;
+            # the ratio is not detached, which makes the gradient the KL gradient under pi.
+            kl = kl * importance_ratio(
+                clean["logprobs"],
+                clean["old_logprobs"].detach(),
+                mask,
+                sequence_level=config.sequence_level_ratio,
+            )
+            metrics["kl_is"] = Metric(masked_partial_mean(kl, mask, denominators))
+        kl_term = aggregate(kl, mask, mode, plain)
         metrics["kl_loss"] = Metric(kl_term.detach().float())
         if config.kl_coef > 0:
             total = total + config.kl_coef * kl_term

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LOG_RATIO_CLAMP", "SurrogateOutput", "clamped_log_ratio"]
+__all__ = [
+    "LOG_RATIO_CLAMP",
+    "SurrogateOutput",
+    "clamped_log_ratio",
+    "importance_ratio",
+    "sequence_log_ratio",
+]
 
 # log(pi / pi_old) is clamped to [-20, 20] before ``exp``. exp(20) ~ 4.9e8 is finite in float32 and
 # bfloat16 (max ~3.4e38), and a ratio that far from 1 is clipped by every surrogate anyway, so the
@@ -18,6 +24,44 @@ LOG_RATIO_CLAMP = 20.0
 def clamped_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     """``clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)``, ``[B, T]``."""
     return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def sequence_log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``[B, 1]`` length-normalised sequence log-ratio ``mean_{t in mask} clamped log(pi/pi_old)``
+    (GSPO's ``log s_i``), with gradient into every loss token of the row.
+
+    ``mask`` is ``[B, T]`` bool; masked positions are removed with ``torch.where`` first. A row
+    without loss tokens gets 0. A row is never split across micro-batches, so this is exact.
+    """
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(mask, clamped_log_ratio(logprobs, old_logprobs), zero)
+    n_tokens = mask.sum(dim=1, keepdim=True).clamp_min(1)
+    return log_ratio.sum(dim=1, keepdim=True) / n_tokens  # in the clamp range
+
+
+def importance_ratio(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    sequence_level: bool = False,
+) -> torch.Tensor:
+    """``[B, T]`` importance ratio ``pi / pi_old``, *not* detached and not clipped.
+
+    Per token ``exp(clamped log(pi/pi_old))``, or with ``sequence_level`` the row's
+    ``exp(sequence_log_ratio)`` on each of its tokens (GSPO's ``s_i``; its gradient reaches every
+    loss token of the row). Masked positions hold 1 and get no gradient. ``mask`` is ``[B, T]``
+    bool; ``old_logprobs`` should be detached (its gradient is not meant to be used).
+    """
+    if sequence_level:
+        log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask).expand_as(logprobs)
+    else:
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        log_ratio = torch.where(mask, clamped_log_ratio(logprobs, old_logprobs), zero)
+    one = torch.ones((), dtype=logprobs.dtype, device=logprobs.device)
+    return torch.where(mask, torch.exp(log_ratio), one)
 
 
 @dataclass(frozen=True)
