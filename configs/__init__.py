@@ -1,4 +1,11 @@
-"""Typed configuration for microrl engines and examples."""
+"""Typed configuration for microrl engines and runs.
+
+:mod:`~microrl.configs.engine` (the engines), :mod:`~microrl.configs.rollout` (the rollout
+backends), :mod:`~microrl.configs.run` (a run's model, task, rollout, loop and output sections),
+:mod:`~microrl.configs.fields` (a field with its ``--help`` text, a range check) and
+:mod:`~microrl.configs.loader` (YAML and overrides); :mod:`~microrl.configs.examples` holds the
+examples' top-level configs, which the library never imports.
+"""
 
 from microrl.configs.engine import ActorConfig, CriticConfig, EngineConfig, LoraConfig, OptimConfig
 from microrl.configs.loader import config_to_yaml, load_config

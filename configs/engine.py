@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from microrl.configs.fields import config_field
 from microrl.losses.aggregation import AggMode
 from microrl.losses.config import PolicyLossConfig
 
@@ -30,16 +31,18 @@ class Schedule(str, Enum):
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # "adamw" or "sgd"
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0  # max global grad norm; None disables clipping
-    warmup_steps: int = 0
-    schedule: Schedule = Schedule.CONSTANT
-    total_steps: int | None = None  # needed by cosine / linear decay
-    min_lr_ratio: float = 0.0
+    name: str = config_field("adamw", "optimizer: adamw or sgd")
+    lr: float = config_field(1e-5, "learning rate (after warm-up)")
+    betas: tuple[float, float] = config_field((0.9, 0.999), "AdamW betas")
+    eps: float = config_field(1e-8, "AdamW epsilon")
+    weight_decay: float = config_field(0.0, "decoupled weight decay")
+    grad_clip: float | None = config_field(1.0, "max global gradient norm (null: no clipping)")
+    warmup_steps: int = config_field(0, "optimizer steps of linear learning-rate warm-up")
+    schedule: Schedule = config_field(
+        Schedule.CONSTANT, "learning-rate schedule after warm-up: constant, cosine or linear"
+    )
+    total_steps: int | None = config_field(None, "optimizer steps the cosine/linear decay spans")
+    min_lr_ratio: float = config_field(0.0, "floor of the decay, as a fraction of lr")
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.schedule)
@@ -75,11 +78,13 @@ class LoraConfig:
     engine leaves it alone (with ``dropout > 0`` the training forward is stochastic again).
     """
 
-    rank: int = 0  # 0 disables LoRA (full fine-tune)
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = config_field(0, "LoRA rank (0: train every parameter)")
+    alpha: float = config_field(16.0, "LoRA scaling numerator (scale = alpha / rank)")
+    dropout: float = config_field(0.0, "dropout on the LoRA adapters' input")
     # str | list[str] | None; typed Any because OmegaConf < 2.4 rejects a union with a list.
-    target_modules: Any = None
+    target_modules: Any = config_field(
+        None, "layers that get an adapter (null: every linear layer but the head)"
+    )
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -115,34 +120,54 @@ class EngineConfig:
 
     # Micro-batching: a fixed number of rows, or a strict token budget (set one; with neither,
     # micro_batch_size defaults to DEFAULT_MICRO_BATCH_SIZE).
-    micro_batch_size: int | None = None
-    max_tokens_per_micro_batch: int | None = None
-    loss_agg_mode: AggMode = AggMode.TOKEN_MEAN
-    seq_len_norm: float | None = None  # L of seq-mean-token-sum-norm
-    use_fused_kernel: bool = True
-    kernel_chunk_size: int | None = None
-    gradient_checkpointing: bool = False
-    pack_sequences: bool = False
-    # Gradient-flow audit after backward: False (off), "warn" (log a warning) or "error" (raise);
-    # True means "warn".
-    check_grad_flow: bool | str = False
-    dtype: str = (
-        "auto"  # "auto": float32 on CPU, bfloat16 autocast on CUDA; or "float32" / "bfloat16"
+    micro_batch_size: int | None = config_field(
+        None, "rows per forward/backward pass (exclusive with the token budget)"
     )
-    # "auto" (the current CUDA device when there is one, else the CPU), or a torch device string
-    # ("cpu", "cuda", "cuda:1", ...); one that is not available here fails at engine construction.
-    device: str = "auto"
-    seed: int = 0
+    max_tokens_per_micro_batch: int | None = config_field(
+        None, "token budget per micro-batch instead of a row count"
+    )
+    loss_agg_mode: AggMode = config_field(
+        AggMode.TOKEN_MEAN,
+        "loss normalisation (token-mean, seq-mean-token-mean, ...; docs/losses.md)",
+    )
+    seq_len_norm: float | None = config_field(None, "the constant L of seq-mean-token-sum-norm")
+    use_fused_kernel: bool = config_field(
+        True, "fused chunked lm-head log-probs (false: the eager fp32 head)"
+    )
+    kernel_chunk_size: int | None = config_field(
+        None, "rows per fused-kernel chunk (null: the kernel picks)"
+    )
+    gradient_checkpointing: bool = config_field(
+        False, "recompute decoder activations in backward (less memory)"
+    )
+    pack_sequences: bool = config_field(
+        False, "run each micro-batch as one packed row without padding"
+    )
+    # Audited after backward: "warn" logs a warning, "error" raises, True means "warn".
+    check_grad_flow: bool | str = config_field(
+        False, "name trainable parameters left without a gradient: false, warn, error"
+    )
+    dtype: str = config_field(
+        "auto", "auto (float32 on CPU, bf16 autocast on CUDA), float32 or bfloat16"
+    )
+    # A device that is not available here fails at engine construction.
+    device: str = config_field(
+        "auto", "auto (CUDA if present, else CPU) or a torch device such as cuda:1"
+    )
+    seed: int = config_field(0, "seed of the engine's own initialisation (the critic's value head)")
     # Zero every dropout probability of the model (nn.Dropout modules and the float rates that
     # attention implementations read, e.g. Qwen2's attention_dropout) when the engine is built.
     # RL ratios exp(logp - old_logp) need the training forward to be the same function as the
     # rollout / old-log-prob forward (eval mode): with dropout the first on-policy ratio is not 1,
     # and clipping, KL and importance weights measure dropout noise. TRL and verl do the same.
     # LoRA's own lora.dropout is an explicit choice and is kept.
-    disable_dropout: bool = True
-    # Tensor parallelism: ranks per tensor-parallel group (1: none). Under torchrun it must
-    # divide the number of processes; the rest is data parallelism (docs/engine.md).
-    tensor_parallel_size: int = 1
+    disable_dropout: bool = config_field(
+        True, "zero the model's dropout so training passes match the rollout"
+    )
+    # Under torchrun it must divide the number of processes; the rest is data parallelism.
+    tensor_parallel_size: int = config_field(
+        1, "ranks per tensor-parallel group (1: none; docs/engine.md)"
+    )
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -199,21 +224,22 @@ class EngineConfig:
 
 @dataclass
 class ActorConfig(EngineConfig):
-    temperature: float = 1.0
+    temperature: float = config_field(1.0, "sampling temperature, also applied in the loss")
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     # Per-token entropy in training passes too (``output["entropy"]`` for a custom loss_fn, with
     # its gradient; the built-in loss then also reports the ``entropy`` metric). Off, a training
     # pass computes it only when policy_loss.entropy_coef > 0, as it adds work over the vocabulary
     # for every token, forward and backward. Inference (infer_batch) always returns it.
-    compute_entropy: bool = False
+    compute_entropy: bool = config_field(
+        False, "per-token entropy in training passes too (costs a vocab pass)"
+    )
     # Fused policy-loss path (docs/engine.md): with the fused head, a training pass of the
     # built-in loss (loss_fn=None) or of engine.sft_loss runs the loss inside the head and forms
     # the head's gradients in forward (no logits recompute in backward); custom losses and
     # forward-only passes use the kernel + loss path. Same loss, metrics and gradients to fp32
     # rounding; False always uses the kernel + loss path.
-    fuse_loss: bool = field(
-        default=True,
-        metadata={"help": "loss inside the fused head, gradients formed in forward (faster)"},
+    fuse_loss: bool = config_field(
+        True, "loss inside the fused head, gradients formed in forward (faster)"
     )
 
     def __post_init__(self) -> None:
@@ -224,7 +250,9 @@ class ActorConfig(EngineConfig):
 
 @dataclass
 class CriticConfig(EngineConfig):
-    cliprange_value: float | None = 0.2  # None disables value clipping
+    cliprange_value: float | None = config_field(
+        0.2, "value clipping around the old values (null: none)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -162,33 +162,19 @@ def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _field_help(cls: type, name: str, extra: Mapping[type, Mapping[str, str]]) -> str:
-    field = {f.name: f for f in dataclasses.fields(cls)}[name]
-    if field.metadata.get("help"):
-        return field.metadata["help"]
-    for klass in cls.__mro__:
-        if name in extra.get(klass, {}):
-            return extra[klass][name]
-    return ""
-
-
-def describe_config(
-    config: Any, extra_help: Mapping[type, Mapping[str, str]] | None = None, prefix: str = ""
-) -> list[tuple[str, str, str]]:
+def describe_config(config: Any, prefix: str = "") -> list[tuple[str, str, str]]:
     """``(key.sub, value as YAML, one-line description)`` of every leaf of a config instance.
 
-    A description is the field's ``metadata["help"]``, else ``extra_help[cls][name]`` for the
-    field's dataclass or a base class (for dataclasses defined elsewhere); ``""`` when neither.
+    A description is the field's ``metadata["help"]`` (:func:`microrl.configs.fields.config_field`),
+    ``""`` when it has none.
     """
-    extra_help = extra_help or {}
     rows = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
-            rows += describe_config(value, extra_help, f"{prefix}{f.name}.")
+            rows += describe_config(value, f"{prefix}{f.name}.")
         else:
-            help_text = _field_help(type(config), f.name, extra_help)
-            rows.append((prefix + f.name, format_value(value), help_text))
+            rows.append((prefix + f.name, format_value(value), f.metadata.get("help", "")))
     return rows
 
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from microrl.configs.fields import config_field
 
 __all__ = ["ROLLOUT_BACKENDS", "VLLMConfig"]
 
 ROLLOUT_BACKENDS = ("hf", "vllm")
-
-
-def _key(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -24,14 +21,16 @@ class VLLMConfig:
     cache gets a fixed size there (``kv_cache_memory_mb``).
     """
 
-    gpu_memory_utilization: float = _key(0.3, "fraction of device memory vLLM may use (GPU)")
-    kv_cache_memory_mb: int = _key(
+    gpu_memory_utilization: float = config_field(
+        0.3, "fraction of device memory vLLM may use (GPU)"
+    )
+    kv_cache_memory_mb: int = config_field(
         0, "KV cache size in MiB; 0: vLLM sizes it on a GPU, 256 MiB on a CPU"
     )
-    dtype: str = _key("auto", "vLLM's compute dtype; auto: the trained model's dtype")
-    enforce_eager: bool | None = _key(None, "no CUDA graphs; null: eager on CPU only")
-    max_model_len: int = _key(0, "longest prompt + response; 0: the model's maximum")
-    seed: int = _key(0, "vLLM's sampling seed (each rank adds its rank)")
+    dtype: str = config_field("auto", "vLLM's compute dtype; auto: the trained model's dtype")
+    enforce_eager: bool | None = config_field(None, "no CUDA graphs; null: eager on CPU only")
+    max_model_len: int = config_field(0, "longest prompt + response; 0: the model's maximum")
+    seed: int = config_field(0, "vLLM's sampling seed (each rank adds its rank)")
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -22,7 +22,7 @@ of the ratio. Only a LoRA adapter trains; the base model with the adapter switch
 reference policy whose KL is reported (and penalised when ``actor.policy_loss.kl_coef > 0``).
 
 Each step below: 1 sample -> 2 score -> 3 old/ref log-probs -> 4 advantages -> 5 update -> 6 log.
-The base model is warm-started with supervised steps the first time (microrl/tasks/warm_start.py).
+The base model is warm-started with supervised steps the first time (microrl/run/base_model.py).
 Sampling is ``rollout.backend``: ``hf`` (transformers ``generate`` on the trained model) or ``vllm``
 (a colocated vLLM engine, synced after the updates; docs/rollouts.md).
 """
@@ -37,24 +37,23 @@ import torch
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import SamplingParams, make_rollout
-from microrl.losses import broadcast_to_tokens, grpo_advantages
+from microrl.engine.rollout import SamplingParams, make_rollout_backend
+from microrl.losses import broadcast_to_tokens, check_whole_groups, grpo_advantages
 from microrl.run import (
     Dist,
     StopOnInterrupt,
-    check_whole_groups,
     evaluator,
     finish,
     load_run,
     mean_metrics,
     parse_cli,
     per_rank,
+    prepare_base_model,
     prepare_output,
     save_run,
     start_tracking,
 )
 from microrl.tasks import make_task
-from microrl.tasks.warm_start import prepare_base_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         start_step = load_run(cfg.output.dir, {"actor": engine}, rng=rng, dist_info=dist_info)
         log(f"resumed from {cfg.output.dir}/checkpoint at step {start_step}")
-    sampler = make_rollout(cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm)
+    sampler = make_rollout_backend(cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm)
     sampling = SamplingParams(
         num_samples=cfg.rollout.group_size,
         temperature=cfg.actor.temperature,

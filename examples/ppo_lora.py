@@ -37,7 +37,7 @@ from tensordict import TensorDict
 from microrl.configs.examples import PPOExampleConfig
 from microrl.engine import ActorEngine, CriticEngine
 from microrl.engine.parallel.distributed import dp_group
-from microrl.engine.rollout import SamplingParams, make_rollout
+from microrl.engine.rollout import SamplingParams, make_rollout_backend
 from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
 from microrl.run import (
     Dist,
@@ -48,12 +48,12 @@ from microrl.run import (
     mean_metrics,
     parse_cli,
     per_rank,
+    prepare_base_model,
     prepare_output,
     save_run,
     start_tracking,
 )
 from microrl.tasks import make_task
-from microrl.tasks.warm_start import prepare_base_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         start_step = load_run(cfg.output.dir, engines, rng=rng, dist_info=dist_info)
         log(f"resumed from {cfg.output.dir}/checkpoint at step {start_step}")
-    sampler = make_rollout(cfg.rollout.backend, actor, tokenizer, vllm=cfg.rollout.vllm)
+    sampler = make_rollout_backend(cfg.rollout.backend, actor, tokenizer, vllm=cfg.rollout.vllm)
     sampling = SamplingParams(
         num_samples=cfg.rollout.group_size,
         temperature=cfg.actor.temperature,
@@ -171,7 +171,7 @@ def estimate_advantages(
 
     Everything here is per row except the whitening, whose mean and variance are those of the
     whole rollout over all data-parallel ranks: N ranks, each with its share of the rows, get the
-    advantages one process would compute on all of them (tests/test_whiten_distributed.py).
+    advantages one process would compute on all of them (tests/losses/test_whiten_distributed.py).
     """
     mask = batch["loss_mask"]
     # 3. Old log-probs (ratio anchor), reference log-probs (KL), old values (baseline).

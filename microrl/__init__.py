@@ -40,7 +40,7 @@ _API = {
     "VLLMRollout": "microrl.engine.rollout",
     "Rollout": "microrl.engine.rollout",
     "SamplingParams": "microrl.engine.rollout",
-    "make_rollout": "microrl.engine.rollout",
+    "make_rollout_backend": "microrl.engine.rollout",
     "fused_linear_logprob": "microrl.kernels",
 }
 

@@ -8,7 +8,7 @@ holds two full copies on the accelerator), then rank 0 writes. Every rank must c
 * :func:`export_merged_model` writes what ``AutoModelForCausalLM.from_pretrained(path)`` loads:
   the base weights with each LoRA update ``W + scaling * B @ A`` folded in.
 
-A critic or a reward model (a :class:`~microrl.engine.heads.ValueModel`: decoder body plus a
+A critic or a reward model (a :class:`~microrl.engine.models.ValueModel`: decoder body plus a
 ``Linear(H, 1)`` head) is not a causal LM: it exports as the architecture's transformers
 classifier with ``num_labels=1`` and the trained head as its ``score`` layer --
 ``*ForTokenClassification`` for a critic (a value per position; the head's bias is kept), and
@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from microrl.engine.checkpoint.agreement import rank_agreement
 from microrl.engine.checkpoint.atomic_io import refuse_foreign_dir, replace_dir, staging_paths
-from microrl.engine.heads import ValueModel
+from microrl.engine.models import ValueModel
+from microrl.engine.parallel import distributed
 
 __all__ = [
     "ClassifierTarget",
@@ -43,21 +43,18 @@ __all__ = [
     "export_merged_model",
     "export_peft_adapter",
     "full_state_dict",
+    "locate_base_model",
     "merged_state_dict",
 ]
 
 _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped transformers model
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict of ``model`` on the CPU on rank 0 (``{}`` on the other ranks)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
-    return {k: v.detach() for k, v in state.items()} if _rank() == 0 else {}
+    return {k: v.detach() for k, v in state.items()} if distributed.rank() == 0 else {}
 
 
 def _find(model: nn.Module, cls: type) -> tuple[str, nn.Module] | None:
@@ -81,7 +78,7 @@ def _write_atomically(path: str | os.PathLike, write) -> Path:
     target = Path(path).absolute()
     refuse_foreign_dir(target, _is_export, "a model export")
     with rank_agreement(f"export to {target}"):
-        if _rank() == 0:
+        if distributed.rank() == 0:
             tmp, old = staging_paths(target)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -94,8 +91,14 @@ def _write_atomically(path: str | os.PathLike, write) -> Path:
     return target
 
 
-def _locate_base(model: nn.Module) -> tuple[str, nn.Module]:
-    """The outermost transformers ``PreTrainedModel`` inside ``model`` and its name prefix."""
+def locate_base_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(prefix, base)``: the outermost transformers ``PreTrainedModel`` inside ``model`` (e.g.
+    ``engine.module``, plain, peft-wrapped or FSDP2-sharded) and the prefix of its parameter
+    names in ``model``'s state dict (``"causal_lm."`` in an actor's module; ``""`` when ``model``
+    is it).
+
+    Raises ``ValueError`` when ``model`` holds no transformers model.
+    """
     from transformers import PreTrainedModel
 
     found = _find(model, PreTrainedModel)
@@ -128,7 +131,7 @@ def export_peft_adapter(
     found = _find(model, ValueModel)
     if found is not None:
         return _export_classifier_adapter(model, path, peft_model, found[0], found[1])
-    prefix, base = _locate_base(model)
+    prefix, base = locate_base_model(model)
     if base is not peft_model.get_base_model():
         raise ValueError("peft_model does not wrap the transformers model inside model")
     state = {
@@ -195,16 +198,16 @@ def export_merged_model(
     ``AutoModelForCausalLM.from_pretrained(path)`` loads it. Without LoRA it is the fine-tuned
     model itself; the weights keep their training dtype. ``merge_lora=False`` writes the base
     model under the adapters instead (their updates left out). A critic or a reward model (a
-    :class:`~microrl.engine.heads.ValueModel` inside ``model``) is written as a transformers
+    :class:`~microrl.engine.models.ValueModel` inside ``model``) is written as a transformers
     classifier instead (see :func:`classifier_target`): ``AutoModelForTokenClassification`` /
     ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it with the trained head.
     """
     found = _find(model, ValueModel)
     if found is not None:
         return _export_classifier(model, path, found[0], found[1])
-    prefix, base = _locate_base(model)
+    prefix, base = locate_base_model(model)
     state = _sub_state(full_state_dict(model), prefix)
-    if _rank() == 0:
+    if distributed.rank() == 0:
         state = merged_state_dict(base, state) if merge_lora else base_state_dict(state)
 
     def write(tmp: Path) -> None:

@@ -8,7 +8,7 @@ batch with ``rollout_logprobs``, the decoded texts and the group id of each row.
 """
 
 from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
-from microrl.engine.rollout.factory import BACKENDS, make_rollout
+from microrl.engine.rollout.factory import BACKENDS, make_rollout_backend
 from microrl.engine.rollout.hf import HFRollout
 from microrl.engine.rollout.layout import Samples, build_rollout, sft_batch
 
@@ -20,7 +20,7 @@ __all__ = [
     "Samples",
     "SamplingParams",
     "build_rollout",
-    "make_rollout",
+    "make_rollout_backend",
     "sft_batch",
 ]
 

@@ -6,12 +6,12 @@ from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 from microrl.engine.rollout.base import RolloutBackend
 from microrl.engine.rollout.hf import HFRollout
 
-__all__ = ["BACKENDS", "make_rollout"]
+__all__ = ["BACKENDS", "make_rollout_backend"]
 
 BACKENDS = ROLLOUT_BACKENDS
 
 
-def make_rollout(
+def make_rollout_backend(
     backend: str, engine, tokenizer, *, vllm: VLLMConfig | None = None
 ) -> RolloutBackend:
     """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.

@@ -32,7 +32,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from microrl.configs.rollout import VLLMConfig
-from microrl.engine.checkpoint.export import _locate_base, export_merged_model, export_peft_adapter
+from microrl.engine.checkpoint.export import (
+    export_merged_model,
+    export_peft_adapter,
+    locate_base_model,
+)
+from microrl.engine.parallel import distributed
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 
 __all__ = ["INSTALL_HINT", "VLLMRollout"]
@@ -57,15 +62,6 @@ def _import_vllm():
     except ImportError as err:
         raise ImportError(INSTALL_HINT) from err
     return vllm
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _check_cpu_head_dim(model_config) -> None:
@@ -114,7 +110,7 @@ class VLLMRollout(RolloutBackend):
         self.engine = engine
         self.config = config
         self.is_lora = engine.peft_model is not None
-        _, base = _locate_base(engine.module)
+        _, base = locate_base_model(engine.module)
         self.device = next(engine.module.parameters()).device
         if self.device.type == "cpu":
             _check_cpu_head_dim(base.config)
@@ -128,8 +124,8 @@ class VLLMRollout(RolloutBackend):
         self.sync(engine)
 
     def _shared_tempdir(self) -> str:
-        path = [tempfile.mkdtemp(prefix="microrl-vllm-") if _rank() == 0 else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        path = [tempfile.mkdtemp(prefix="microrl-vllm-") if distributed.rank() == 0 else None]
+        if distributed.is_distributed():
             dist.broadcast_object_list(path, src=0)
         return path[0]
 
@@ -144,7 +140,7 @@ class VLLMRollout(RolloutBackend):
             "model": str(base_dir),
             "skip_tokenizer_init": True,
             "dtype": dtype,
-            "seed": cfg.seed + _rank(),
+            "seed": cfg.seed + distributed.rank(),
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "enforce_eager": on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
             "logprobs_mode": "processed_logprobs",
@@ -157,7 +153,7 @@ class VLLMRollout(RolloutBackend):
         if self.is_lora:
             peft_config = self.engine.peft_model.peft_config["default"]
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(peft_config.r), max_loras=1)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed.is_distributed():
             kwargs["distributed_executor_backend"] = "external_launcher"
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
@@ -198,14 +194,14 @@ class VLLMRollout(RolloutBackend):
         self._lora_request = request
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
-        _barrier()  # every rank has loaded the new adapter before the old one is deleted
-        if previous is not None and _rank() == 0:
+        distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
+        if previous is not None and distributed.rank() == 0:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def _sync_full(self, engine) -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
         state = get_model_state_dict(engine.module, options=options)
-        prefix, _ = _locate_base(engine.module)
+        prefix, _ = locate_base_model(engine.module)
         weights = ((k[len(prefix) :], v.detach()) for k, v in state.items() if k.startswith(prefix))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -276,7 +272,7 @@ class VLLMRollout(RolloutBackend):
             with _keep_default_group(self._trainer_group), contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             del llm
-        if self._own_workdir and _rank() == 0:
+        if self._own_workdir and distributed.rank() == 0:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -2,27 +2,23 @@
 
 :mod:`~microrl.run.cli` (command line, ``--resume``/``--overwrite``), :mod:`~microrl.run.dist`
 (ranks, Ctrl-C), :mod:`~microrl.run.checkpoint` (run checkpoints that survive a kill),
-:mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot) and
-:mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step).
+:mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot),
+:mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step) and
+:mod:`~microrl.run.base_model` (the base model RL starts from: a local checkpoint, or the toy model
+of :mod:`~microrl.run.toy_model` warm-started once).
 """
 
+from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
 from microrl.run.cli import parse_cli, prepare_output
 from microrl.run.dist import Dist, StopOnInterrupt, per_rank
-from microrl.run.session import (
-    check_whole_groups,
-    evaluate_accuracy,
-    evaluator,
-    finish,
-    start_tracking,
-)
+from microrl.run.session import evaluate_accuracy, evaluator, finish, start_tracking
 from microrl.run.tracking import Tracker, mean_metrics, plot_metrics, read_metrics
 
 __all__ = [
     "Dist",
     "StopOnInterrupt",
     "Tracker",
-    "check_whole_groups",
     "evaluate_accuracy",
     "evaluator",
     "find_run_checkpoint",
@@ -32,6 +28,7 @@ __all__ = [
     "parse_cli",
     "per_rank",
     "plot_metrics",
+    "prepare_base_model",
     "prepare_output",
     "read_metrics",
     "save_run",

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import microrl.configs
-from microrl.configs.examples import EXTERNAL_HELP
 from microrl.configs.loader import (
     config_changes,
     config_to_yaml,
@@ -49,7 +48,7 @@ _HELP_WIDTH = 44  # column of the descriptions in --help
 
 def _help_epilog(defaults: Any, source: str) -> str:
     lines = [f"config keys (override as key.sub=value), with the defaults of {source}:"]
-    for key, value, help_text in describe_config(defaults, EXTERNAL_HELP):
+    for key, value, help_text in describe_config(defaults):
         entry = f"  {key}={value}"
         lines.append(f"{entry.ljust(_HELP_WIDTH)}  {help_text}")
     return "\n".join(lines)

@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from microrl.configs.loader import config_to_yaml
 from microrl.engine.checkpoint.export import export_peft_adapter
 from microrl.engine.rollout import RolloutBackend, SamplingParams
@@ -21,27 +19,7 @@ from microrl.run.dist import Dist
 from microrl.run.tracking import Tracker
 from microrl.tasks import Problem, Task
 
-__all__ = ["check_whole_groups", "evaluate_accuracy", "evaluator", "finish", "start_tracking"]
-
-
-def check_whole_groups(group_ids: torch.Tensor, group_size: int) -> None:
-    """Raise ``ValueError`` unless every group in ``group_ids [B]`` has exactly ``group_size`` rows
-    on this rank.
-
-    ``grpo_advantages`` sees only this rank's rows, so its group mean and std are the true ones
-    only when no group spans ranks. The examples guarantee that by sharding prompts (each rank
-    samples all ``group_size`` responses of its prompts); a group split over ranks, or cut short,
-    leaves fewer rows here, which this local check (no collective) catches.
-    """
-    ids, counts = torch.unique(group_ids, return_counts=True)
-    bad = (counts != group_size).nonzero().flatten().tolist()
-    if bad:
-        shown = ", ".join(f"group {ids[i].item()} has {counts[i].item()}" for i in bad[:3])
-        raise ValueError(
-            "GRPO groups must not span ranks: every group needs all its "
-            f"rollout.group_size={group_size} rows on one rank, but here {shown} "
-            "(shard prompts over ranks, never the rows of a rollout)"
-        )
+__all__ = ["evaluate_accuracy", "evaluator", "finish", "start_tracking"]
 
 
 def evaluate_accuracy(

@@ -4,8 +4,8 @@
 section: :class:`AdditionTask` (the main job's test bed), :class:`WordProblemTask` (generated
 arithmetic word problems, a numeric-answer reward) or :class:`DatasetTask` (the user's JSONL or
 Parquet prompt file, scored by reward functions given by import path, :mod:`microrl.tasks.rewards`).
-The toy tokenizer and model of the examples (:mod:`microrl.tasks.toy_model`) and their supervised
-warm start (:mod:`microrl.tasks.warm_start`) are imported from their modules, on use.
+A task knows nothing of the model that learns it: the toy model of the examples and its supervised
+warm start are part of a run (:mod:`microrl.run.toy_model`, :mod:`microrl.run.base_model`).
 """
 
 from microrl.tasks.addition import AdditionTask, exact_match_reward, parse_answer

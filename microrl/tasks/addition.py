@@ -44,7 +44,7 @@ class AdditionTask:
 
     solved_threshold = 1.0  # exact match: a response is right (1.0) or wrong (0.0)
     # The characters of its prompts and answers: the toy model can be built and warm-started for
-    # it (microrl.tasks.warm_start; the toy tokenizer already has them all).
+    # it (microrl.run.base_model; the toy tokenizer already has them all).
     toy_alphabet = "0123456789+="
 
     def __init__(self, max_operand: int = 99, eval_size: int = 200, seed: int = 0) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from microrl.configs.examples import TaskConfig
+from microrl.configs.run import TaskConfig
 from microrl.tasks.addition import AdditionTask
 from microrl.tasks.base import Task
 from microrl.tasks.dataset import DatasetTask

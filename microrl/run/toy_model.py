@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from microrl.configs.examples import ModelConfig
+from microrl.configs.run import ModelConfig
 
 __all__ = ["build_model", "build_tokenizer", "is_checkpoint", "load_pretrained", "load_tokenizer"]
 

@@ -2,7 +2,7 @@
 
 When ``model.path`` holds no checkpoint and the task is one the toy model can learn (a task with a
 ``toy_alphabet``: the built-in ``addition`` and ``word_problems``), a fresh model is built
-(:mod:`microrl.tasks.toy_model`, its character tokenizer extended by the task's alphabet) and trained
+(:mod:`microrl.run.toy_model`, its character tokenizer extended by the task's alphabet) and trained
 with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
 accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
 RL visible room to improve. The result (model + tokenizer) is saved to ``model.path`` and reused by
@@ -18,15 +18,15 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
-from microrl.configs.examples import ModelConfig, TaskConfig
+from microrl.configs.run import ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.rollout import HFRollout, sft_batch
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
+from microrl.run.toy_model import build_model, build_tokenizer, is_checkpoint, load_tokenizer
 from microrl.tasks.base import Task
 from microrl.tasks.factory import BUILT_IN_TASKS, make_task
-from microrl.tasks.toy_model import build_model, build_tokenizer, is_checkpoint, load_tokenizer
 
 __all__ = ["prepare_base_model"]
 
