@@ -5,6 +5,8 @@
     python benchmarks/bench_kernel.py --quick            # small shapes, a few minutes
     python benchmarks/bench_kernel.py --quick --impls eager,microrl --heads bias,softcap,all
                                                          # + lm-head transforms vs the plain head
+    python benchmarks/bench_kernel.py --device cuda --dtypes bfloat16 --reps 10
+                                                         # on a GPU: eager, microrl and Liger
 
 Each measurement is forward + backward (gradients to hidden and weight) of
 ``sum(g1 * logprobs) + sum(g2 * entropy)`` with ``hidden`` and ``weight`` in the given dtype (the
@@ -22,11 +24,21 @@ memory nor allocator state leaks between them. Reported per implementation, case
   throughput, measured in the same run on the forward GEMM shape [N, H] @ [H, V] (float32 for
   every dtype: that is the matmul the head runs on a CPU).
 
+``--device cuda`` runs the same measurements on the current GPU: wall time between
+``torch.cuda.synchronize()`` calls, and extra peak memory from ``torch.cuda.max_memory_allocated``
+(reset before each step) minus the allocated bytes before it minus the gradient buffers. The
+matmul probe there runs in the input dtype (on CUDA the head multiplies 16-bit inputs with
+float32 accumulation and output), and the default implementations are eager, microrl and Liger.
+
 Peers (benchmark-only, not project dependencies; skipped when not importable):
 TRL ``ChunkedLogProbFunction`` (torch path on CPU, TRL trainer's vocabulary chunk 32768), verl
 ``FusedLinearForPPO`` (torch backend, its default 512-row chunks; loaded from its file because
 ``verl/__init__`` needs ray), cut-cross-entropy ``impl="torch_compile"`` (log-probs only, no entropy;
-its compile time is excluded by a warm-up step).
+its compile time is excluded by a warm-up step); on CUDA only: Liger-Kernel's Triton
+``LigerFusedLinearCrossEntropyFunction`` (``liger_fused_linear_cross_entropy``,
+``reduction="none"``: the per-token loss is ``-logprob``, and its backward recomputes the logit
+chunks with the per-token upstream gradient; no entropy; its logits are in the input dtype, so
+bf16 ones for bf16 inputs, where microrl's are float32).
 
 ``--heads bias,softcap,all`` also times ``microrl`` and ``eager`` with lm-head transforms (named
 ``impl:head``): an lm-head bias (Phi; its gradient included), Gemma 2's final-logit soft-capping
@@ -48,9 +60,11 @@ import sys
 import time
 
 IMPLS = ("eager", "microrl", "trl", "verl", "cce")
+# Liger's kernels are Triton, GPU only: it is a default peer on CUDA, not on a CPU.
+CUDA_IMPLS = ("eager", "microrl", "liger")
 # x N*H*V: 6 when the logits are kept for backward (eager, cce's compiled full logits), 8 when
 # backward recomputes them; microrl keeps its first tiles, see _flops.
-FLOPS_FACTOR = {"eager": 6, "microrl": 8, "trl": 8, "verl": 8, "cce": 6}
+FLOPS_FACTOR = {"eager": 6, "microrl": 8, "trl": 8, "verl": 8, "cce": 6, "liger": 8}
 DEFAULT_CASES = "2048x1024x32768,1024x1024x32768,512x1024x151936,256x1024x151936"
 QUICK_CASES = "512x256x8192,256x256x8192"
 DTYPES = ("float32", "bfloat16")
@@ -81,7 +95,7 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _load(impl: str):
+def _load(impl: str, device: str = "cpu"):
     """Return ``fn(hidden, weight, targets) -> (logprobs, entropy | None)`` for one implementation."""
     import torch
 
@@ -119,6 +133,17 @@ def _load(impl: str):
             return -linear_cross_entropy(h, w, t, impl="torch_compile", reduction="none"), None
 
         return cce
+    if impl == "liger":
+        if not device.startswith("cuda"):
+            raise ValueError("liger needs --device cuda (its kernels are Triton, GPU only)")
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger(h, w, t):
+            # reduction="none": a per-token loss, so the upstream gradient is per token as for
+            # the others (mean/sum would let Liger compute the gradients during forward).
+            return -liger_fused_linear_cross_entropy(h, w, t, reduction="none"), None
+
+        return liger
     if impl == "matmul":
 
         def matmul(h, w, t):
@@ -129,22 +154,36 @@ def _load(impl: str):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int, dtype: str) -> dict:
+def _probe_dtype(device: str, dtype: str) -> str:
+    """The matmul probe's dtype: what the head's GEMM runs in (float32 on a CPU, which upcasts;
+    the input dtype on CUDA, which multiplies 16-bit inputs with float32 accumulation)."""
+    return dtype if device.startswith("cuda") else "float32"
+
+
+def worker(
+    impl: str, n: int, h: int, v: int, reps: int, threads: int, dtype: str, device: str = "cpu"
+) -> dict:
     import torch
 
     torch.set_num_threads(threads)
+    cuda = device.startswith("cuda")
     base_impl, _, head = impl.partition(":")
-    fn = _load(base_impl)
-    g = torch.Generator().manual_seed(0)
-    dt = getattr(torch, dtype) if impl != "matmul" else torch.float32
-    hidden = torch.randn(n, h, generator=g).to(dt).requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * h**-0.5).to(dt).requires_grad_()  # logits ~ N(0, 1)
-    targets = torch.randint(0, v, (n,), generator=g)
-    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    fn = _load(base_impl, device)
+    # On CUDA the inputs are drawn there: a [151936, 4096] weight drawn on the CPU takes seconds.
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = getattr(torch, dtype if impl != "matmul" else _probe_dtype(device, dtype))
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    hidden = draw(n, h).to(dt).requires_grad_()
+    weight = (draw(v, h) * h**-0.5).to(dt).requires_grad_()  # logits ~ N(0, 1)
+    targets = torch.randint(0, v, (n,), generator=g, device=device)
+    g_lp, g_ent = draw(n), draw(n)
     kwargs = dict(HEADS[head]) if head else {}
     bias = None
     if kwargs.pop("bias", False):
-        bias = torch.randn(v, generator=g).to(dt).requires_grad_()
+        bias = draw(v).to(dt).requires_grad_()
         kwargs["bias"] = bias
 
     def step():
@@ -156,29 +195,37 @@ def worker(impl: str, n: int, h: int, v: int, reps: int, threads: int, dtype: st
             loss = loss + (entropy * g_ent).sum()
         loss.backward()
 
-    step()  # warm-up: library init, torch.compile for cce
+    step()  # warm-up: library init, torch.compile for cce, Triton compilation for liger
     times, cpu, extras = [], [], []
-    grad_bytes = (n * h + v * h) * dt.itemsize if impl != "matmul" else n * v * 4
+    grad_bytes = (n * h + v * h) * dt.itemsize if impl != "matmul" else n * v * dt.itemsize
     grad_bytes += v * dt.itemsize if bias is not None else 0
     for _ in range(reps):
         hidden.grad = weight.grad = None
         if bias is not None:
             bias.grad = None
         _trim()
-        base = _status_kib("VmRSS")
-        _reset_peak()
+        if cuda:  # the step's kernels are asynchronous: time and measure between syncs
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            base = _status_kib("VmRSS") * 1024
+            _reset_peak()
         start, start_cpu = time.perf_counter(), time.process_time()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-        extras.append((_status_kib("VmHWM") - base) * 1024 - grad_bytes)
+        peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
+        extras.append(peak - base - grad_bytes)
     return {"impl": impl, "times": times, "cpu": cpu, "extra_bytes": max(extras)}
 
 
-def _run_worker(impl, case, reps, threads, timeout, dtype):
+def _run_worker(impl, case, reps, threads, timeout, dtype, device="cpu"):
     n, h, v = case
     cmd = [sys.executable, __file__, "--worker", impl, "--case", f"{n}x{h}x{v}"]
-    cmd += ["--reps", str(reps), "--threads", str(threads), "--dtypes", dtype]
+    cmd += ["--reps", str(reps), "--threads", str(threads), "--dtypes", dtype, "--device", device]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -192,7 +239,12 @@ def _run_worker(impl, case, reps, threads, timeout, dtype):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=None, help=f"NxHxV,... (default {DEFAULT_CASES})")
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument(
+        "--impls",
+        default=None,
+        help=f"comma-separated (default {','.join(IMPLS)}; on CUDA {','.join(CUDA_IMPLS)})",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the current GPU")
     parser.add_argument(
         "--heads",
         default="",
@@ -211,7 +263,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         n, h, v = (int(x) for x in args.case.split("x"))
-        print(json.dumps(worker(args.worker, n, h, v, args.reps, args.threads, args.dtypes)))
+        result = worker(args.worker, n, h, v, args.reps, args.threads, args.dtypes, args.device)
+        print(json.dumps(result))
         return
     if args.from_json:
         with open(args.from_json) as f:
@@ -221,6 +274,8 @@ def main() -> None:
         args.cases = args.cases or QUICK_CASES
         args.rounds = 1
     cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or DEFAULT_CASES).split(",")]
+    if args.impls is None:
+        args.impls = ",".join(CUDA_IMPLS if args.device.startswith("cuda") else IMPLS)
     impls = args.impls.split(",")
     heads = [x for x in args.heads.split(",") if x]
     if unknown := set(heads) - set(HEADS):
@@ -231,7 +286,9 @@ def main() -> None:
         per = {impl: {"times": [], "cpu": [], "extra_bytes": 0} for impl in ["matmul", *impls]}
         for _ in range(args.rounds):
             for impl in ["matmul", *impls]:
-                r = _run_worker(impl, case, args.reps, args.threads, args.timeout, dtype)
+                r = _run_worker(
+                    impl, case, args.reps, args.threads, args.timeout, dtype, args.device
+                )
                 if "error" in r:
                     per[impl]["error"] = r["error"]
                     continue
@@ -282,9 +339,16 @@ def _paired(a: list[list[float]], b: list[list[float]]) -> float:
     return statistics.median(pairs) if pairs else float("nan")
 
 
+def _seconds(t: float) -> str:
+    """Two decimals, as the CPU tables have; four below 0.1 s (a GPU step takes milliseconds)."""
+    return f"{t:.2f}" if t >= 0.1 else f"{t:.4f}"
+
+
 def _table(results: dict, args) -> str:
+    device = getattr(args, "device", "cpu")
     lines = [
-        f"torch.set_num_threads({args.threads}), reps={args.reps} x rounds={args.rounds}",
+        f"device {device}, torch.set_num_threads({args.threads}), "
+        f"reps={args.reps} x rounds={args.rounds}",
         "",
         "| N x H x V | dtype | impl | median s | vs eager | CPU s | extra peak MiB | vs eager "
         "| GFLOP/s | of matmul |",
@@ -312,10 +376,11 @@ def _table(results: dict, args) -> str:
             mib = r["extra_bytes"] / 2**20
             mem = f"{r['extra_bytes'] / m_eager:.1%}" if m_eager else ""
             lines.append(
-                f"| {case} | {impl} | {t:.2f} | {vs_eager:.2f}x | {cpu:.1f} | {mib:.0f} | {mem} "
+                f"| {case} | {impl} | {_seconds(t)} | {vs_eager:.2f}x | {cpu:.1f} | {mib:.0f} | {mem} "
                 f"| {_flops(impl, n, h, v) / t / 1e9:.0f} | {of_matmul:.0%} |"
             )
-        lines.append(f"| {case} | (fp32 matmul probe) | | | | | | {roof:.0f} | 100% |")
+        probe = _probe_dtype(device, dtype or "float32")
+        lines.append(f"| {case} | ({probe} matmul probe) | | | | | | {roof:.0f} | 100% |")
     heads = [
         (key, impl, r, per[impl.partition(":")[0]])
         for key, per in results.items()
@@ -332,7 +397,9 @@ def _table(results: dict, args) -> str:
             shape, _, dtype = key.partition(":")
             ratio = _paired(_rounds(r, args.reps), _rounds(plain, args.reps))
             t = statistics.median(r["times"])
-            lines.append(f"| {shape} | {dtype or 'float32'} | {impl} | {t:.2f} | {ratio:.2f}x |")
+            lines.append(
+                f"| {shape} | {dtype or 'float32'} | {impl} | {_seconds(t)} | {ratio:.2f}x |"
+            )
     return "\n".join(lines)
 
 
