@@ -160,23 +160,21 @@ class ActorEngine(Engine):
             validate=False,  # the engine checked the batch once at its boundary
         )
 
-    def _call_loss(self, loss_fn, output, micro_batch, denominators):
-        """Every loss also reports the ``mismatch/*`` metrics when the micro-batch carries
-        ``rollout_logprobs`` and the loss did not report them itself (the default loss does)."""
-        loss, metrics = super()._call_loss(loss_fn, output, micro_batch, denominators)
+    def _role_metrics(self, output, micro_batch, denominators, metrics):
+        """The ``mismatch/*`` metrics, for every loss that did not report them itself (the
+        default loss does), whenever the micro-batch carries ``rollout_logprobs``."""
         keys = micro_batch.keys()
         if "rollout_logprobs" not in keys or any(name in metrics for name in MISMATCH_METRICS):
-            return loss, metrics
+            return {}
         rollout = micro_batch["rollout_logprobs"]
         train = micro_batch["old_logprobs"] if "old_logprobs" in keys else output["logprobs"]
-        mismatch = mismatch_metrics(
+        return mismatch_metrics(
             train.detach().to(rollout.dtype),
             rollout,
             micro_batch["loss_mask"],
             denominators,
             validate=False,  # check_batch validated both keys on the loss tokens
         )
-        return loss, {**metrics, **mismatch}
 
     def sft_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators

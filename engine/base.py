@@ -1,12 +1,18 @@
 """The micro-batched training loop every engine role shares (docs/engine.md).
 
+:meth:`Engine.forward_backward_batch` validates the mini-batch, counts its global loss
+denominators once, plans the micro-batches, and runs each one through the public
+:meth:`Engine.forward_step` (forward, loss, detached outputs) followed by ``backward``; then it
+aggregates the metrics and restores the caller's row order. :meth:`Engine.train_batch` adds the
+optimizer step.
+
 A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`,
-:class:`~microrl.engine.RewardModelEngine`, or a user's own) overrides three things only:
+:class:`~microrl.engine.RewardModelEngine`, or a user's own) overrides
 :meth:`Engine._build_module` (the ``nn.Module`` that is differentiated),
 :meth:`Engine._model_forward` (one call of it) and :meth:`Engine.default_loss` (with
-:attr:`Engine.loss_keys`, :attr:`Engine.row_keys` and :attr:`Engine.count_key`). The loop --
-validation, global denominators, micro-batching (whole groups of rows), packing, token
-alignment, backward, metrics, optimizer step -- is written once, here.
+:attr:`Engine.loss_keys`, :attr:`Engine.row_keys` and :attr:`Engine.count_key`); optionally
+:meth:`Engine.fuses_loss` (the loss runs inside the module) and :meth:`Engine._role_metrics`.
+The loop itself is written once, here.
 
 Outputs of a role are per-position ``[b, L]`` (token-aligned by the loop) or per-row ``[b]`` (one
 value per sequence, e.g. a reward model's score at the last real token; the loop only restores
@@ -25,6 +31,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -343,7 +350,10 @@ class Engine:
         with_loss = self._has_loss_inputs(data, loss_fn)
         if with_loss and denominators is None:
             denominators = self._denominators(data)
-        compute_loss = self._loss_callable(loss_fn or self.default_loss, denominators)
+        # loss(output, rows): on rows of the micro-batch, with the mini-batch's denominators.
+        compute_loss = partial(
+            self._call_loss, loss_fn or self.default_loss, denominators=denominators
+        )
         group_loss = None
         if with_loss and self.fuses_loss(loss_fn, training=training):
             group_loss = GroupLoss(
@@ -590,13 +600,6 @@ class Engine:
         unpack = lambda v: packing.unpack(v, index, valid)  # noqa: E731
         return args, {**kwargs, "temperature": temperature}, tuple(args[0].shape), unpack
 
-    def _loss_callable(
-        self, loss_fn: LossFn, denominators: LossDenominators | None
-    ) -> Callable[[TensorDict, TensorDict], tuple[torch.Tensor, dict[str, Metric]]]:
-        """``loss(output, rows)``: ``loss_fn`` on rows of the micro-batch with the mini-batch's
-        denominators, its result checked once (:meth:`_call_loss`)."""
-        return lambda output, rows: self._call_loss(loss_fn, output, rows, denominators)
-
     def _call_loss(
         self,
         loss_fn: LossFn,
@@ -604,9 +607,20 @@ class Engine:
         micro_batch: TensorDict,
         denominators: LossDenominators,
     ) -> tuple[torch.Tensor, dict[str, Metric]]:
-        """The one call of a loss: its result checked (:func:`check_loss_result`). A role adds
-        metrics every loss reports here (the actor's ``mismatch/*``)."""
-        return check_loss_result(loss_fn(output, micro_batch, denominators))
+        """The one call of a loss: its result checked (:func:`check_loss_result`), plus the
+        metrics the role adds to every loss (:meth:`_role_metrics`)."""
+        loss, metrics = check_loss_result(loss_fn(output, micro_batch, denominators))
+        return loss, {**metrics, **self._role_metrics(output, micro_batch, denominators, metrics)}
+
+    def _role_metrics(
+        self,
+        output: TensorDict,
+        micro_batch: TensorDict,
+        denominators: LossDenominators,
+        metrics: dict[str, Metric],
+    ) -> dict[str, Metric]:
+        """Metrics a role reports with every loss, given what the loss reported (none here)."""
+        return {}
 
     @contextmanager
     def _mode(self, *, training: bool) -> Iterator[None]:
