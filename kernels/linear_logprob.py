@@ -18,10 +18,9 @@ more): a quarter for the two working tiles, a fifth with the kept ones. Within i
 is as tall as the configured height allows, and what is left keeps tiles for backward. The row
 chunk is therefore the one N-dependent choice, and only for small problems, where it sets how
 many tiles there are: every tile costs a dozen elementwise ops and matmuls, each an OpenMP region
-whose barrier costs up to a scheduler slice on a busy CPU (~8 ms measured at load 4 with 2
-threads, whatever the op's size), so eight short chunks of a small problem ran 1.3-2x eager's
-time where two run at 0.8x (512 x 256 x 8192). Which rows share a matmul changes only BLAS
-blocking, not a row's arithmetic. Tiny problems get a 1 MiB floor instead (below allocator noise:
+whose barrier costs up to a scheduler slice on a busy CPU whatever the op's size, so a few tall
+chunks beat many short ones on small problems (figures in benchmarks/README.md, "Kernel design
+measurements"). Which rows share a matmul changes only BLAS blocking, not a row's arithmetic. Tiny problems get a 1 MiB floor instead (below allocator noise:
 under a few hundred rows at V=1000, for instance, the floor exceeds the fractions).
 
 All arithmetic is in the compute dtype, float32 (float64 when an input is float64): the logits
@@ -120,12 +119,12 @@ __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 
 # Elements of the largest [rows, vocab_tile] logits tile: 2**23 float32 = 32 MiB. Why not
 # cache-sized tiles: every elementwise op is one OpenMP region whose barrier costs up to a
-# scheduler slice on a busy CPU; 2 MiB tiles meant ~2000 regions per step and ran 2-3x slower
-# there, 32 MiB tiles ~120.
+# scheduler slice on a busy CPU, and cache-sized tiles mean ~16x more regions per step
+# (benchmarks/README.md, "Kernel design measurements").
 WORKING_TILE_ELEMENTS = 8 * 1024 * 1024
 # Default rows per chunk: W is streamed once per chunk and per pass, so taller chunks amortise
-# it over more tokens (measured ~4% faster than 512 on this CPU). With the working tile it sets
-# the vocabulary tile: WORKING_TILE_ELEMENTS // 1024 = 8192 columns.
+# it over more tokens. With the working tile it sets the vocabulary tile:
+# WORKING_TILE_ELEMENTS // 1024 = 8192 columns.
 _DEFAULT_ROWS = 1024
 # Narrowest vocabulary tile when a caller asks for very tall chunks: thinner matmuls lose speed.
 _MIN_VOCAB_TILE = 128
