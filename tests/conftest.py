@@ -1,4 +1,16 @@
-"""Shared fixtures.
+"""The tests mirror the packages: tests/engine/ tests microrl.engine, tests/kernels/
+microrl.kernels, and so on (each folder's conftest.py says what it covers); ``test_imports.py``
+here tests the top-level package (its API, the direction of its imports) and the CI command.
+
+Without ``__init__.py`` files, pytest puts each test's folder and this one on ``sys.path``: test
+module and helper names are unique across folders. A helper one folder uses lives in it
+(``kernel_utils``, ``loss_utils``); those several folders use live here: ``engine_utils`` (tiny
+models, batches, references: engine, kernels, losses), ``distributed_utils`` (gloo rank launches:
+engine, kernels, losses, rollout; benchmarks/bench_tensor_parallel.py), ``example_utils`` (tiny
+recipe overrides, an example as a module: examples, run, tasks, losses). A file launched on
+ranks puts tests/ on ``sys.path`` itself.
+
+Shared fixtures (engine, kernels, losses).
 
 ``intra_op_threads`` runs a test once with 1 and once with 2 intra-op threads, whatever the
 machine's core count, so tests of results that must not depend on how work is split (micro-batches,

@@ -94,8 +94,9 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 240) -> str:
     The ranks are started directly with torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` on a free port), which is all the engine reads:
     it saves the launcher process (a torch import, ~3 s per launch on a CI machine).
-    ``tests/test_examples.py`` runs an example under ``torchrun`` itself. When a rank fails, the
-    others are stopped at once (they would wait in a collective until the group's timeout).
+    ``tests/examples/test_examples.py`` runs an example under ``torchrun`` itself. When a rank
+    fails, the others are stopped at once (they would wait in a collective until the group's
+    timeout).
     """
     env = rank_env(nproc)
     with tempfile.TemporaryDirectory() as logs:

@@ -1,4 +1,8 @@
-"""Tiny models, batches and slow obviously-correct references for the engine tests."""
+"""Tiny models, batches and slow obviously-correct references for the engine tests.
+
+Shared: the engine tests (tests/engine/), and the engine-level tests of the fused loss
+(tests/kernels/test_fused_loss.py) and of the rollout mismatch (tests/losses/test_mismatch.py).
+"""
 
 from __future__ import annotations
 
@@ -76,6 +80,23 @@ def make_batch(
         old_values=torch.randn(batch_size, seq_len, generator=gen, dtype=dtype),
         returns=torch.randn(batch_size, seq_len, generator=gen, dtype=dtype),
         batch_size=[batch_size],
+    )
+
+
+def pair_batch(n_pairs: int = 4, seq_len: int = 12, *, padding: str = "mixed", seed: int = 0):
+    """``2 * n_pairs`` rows of random lengths, the pairs shuffled over the batch (a pair's rows
+    are rarely adjacent; the chosen one is sometimes first, sometimes second)."""
+    batch = make_batch(2 * n_pairs, seq_len, padding=padding, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    perm = torch.randperm(2 * n_pairs, generator=gen)
+    group = torch.arange(n_pairs).repeat_interleave(2)[perm]
+    chosen = torch.tensor([True, False] * n_pairs)[perm]
+    return TensorDict(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        group=group,
+        chosen=chosen,
+        batch_size=[2 * n_pairs],
     )
 
 

@@ -1,7 +1,12 @@
-"""The kernels and losses are importable on their own: no transformers, peft or accelerate."""
+"""The kernels and losses are importable on their own: no transformers, peft or accelerate; and
+the library's imports point one way: never to the example configs, no cycle between packages."""
 
+import ast
+import itertools
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -19,8 +24,6 @@ def test_light_packages_do_not_import_heavy_dependencies(package: str) -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     ci_lines = (root / ".ci" / "run").read_text().splitlines()
     command = ci_lines[ci_lines.index("# README: tests") + 1]
@@ -35,11 +38,11 @@ def test_top_level_api() -> None:
         f"assert not [m for m in {HEAVY!r} if m in sys.modules], 'import microrl is not lazy'\n"
         "from importlib.metadata import version\n"
         "assert microrl.__version__ == version('microrl'), microrl.__version__\n"
-        "from microrl import ActorEngine, CriticEngine, ActorConfig, SamplingParams, make_rollout\n"
+        "from microrl import ActorEngine, CriticEngine, ActorConfig, SamplingParams, make_rollout_backend\n"
         "import microrl.engine, microrl.configs, microrl.engine.rollout\n"
         "assert ActorEngine is microrl.engine.ActorEngine and CriticEngine is microrl.engine.CriticEngine\n"
         "assert ActorConfig is microrl.configs.ActorConfig\n"
-        "assert make_rollout is microrl.engine.rollout.make_rollout\n"
+        "assert make_rollout_backend is microrl.engine.rollout.make_rollout_backend\n"
         "for name in microrl.__all__:\n"
         "    assert getattr(microrl, name) is not None, name\n"
         "try:\n"
@@ -50,3 +53,103 @@ def test_top_level_api() -> None:
         "    raise AssertionError('unknown names must raise AttributeError')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+# ----------------------------------------------------------------------------- import direction
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+# Source directory -> the package it installs as (pyproject.toml's package-dir).
+SOURCE_DIRS = {
+    "microrl": "microrl",
+    "engine": "microrl.engine",
+    "kernels": "microrl.kernels",
+    "losses": "microrl.losses",
+    "configs": "microrl.configs",
+}
+EXAMPLE_CONFIGS = "microrl.configs.examples"
+
+
+def _library_modules() -> dict[str, set[str]]:
+    """Module name -> every name it imports, read with ``ast``: imports inside functions and
+    relative ones count; ``from pkg import x`` counts ``pkg`` and ``pkg.x`` (x may be a module)."""
+    modules = {}
+    for directory, package in SOURCE_DIRS.items():
+        for path in sorted((ROOT / directory).rglob("*.py")):
+            parts = [*package.split("."), *path.relative_to(ROOT / directory).with_suffix("").parts]
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            names = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name for alias in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:  # relative to this module's package
+                        anchor = parts if is_package else parts[:-1]
+                        anchor = anchor[: len(anchor) - node.level + 1]
+                        base = ".".join([*anchor, *([node.module] if node.module else [])])
+                    names.add(base)
+                    names.update(f"{base}.{alias.name}" for alias in node.names)
+            modules[".".join(parts)] = names
+    return modules
+
+
+def _package(name: str) -> str | None:
+    """``microrl.<package>`` that ``name`` lies in, or ``None`` outside microrl's subpackages."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "microrl" and len(parts) > 1 else None
+
+
+def test_the_library_never_imports_the_example_configs() -> None:
+    modules = _library_modules()
+    assert EXAMPLE_CONFIGS in modules and len(modules) > 50, sorted(modules)  # the scan finds them
+    offenders = {
+        module: sorted(
+            n for n in names if n == EXAMPLE_CONFIGS or n.startswith(f"{EXAMPLE_CONFIGS}.")
+        )
+        for module, names in modules.items()
+        if module != EXAMPLE_CONFIGS
+    }
+    offenders = {module: names for module, names in offenders.items() if names}
+    assert not offenders, f"library modules importing the example configs: {offenders}"
+
+
+def test_packages_import_one_way() -> None:
+    """No cycle between microrl's packages (run -> tasks, never tasks -> run; ...)."""
+    modules = _library_modules()
+    edges: dict[str, dict[str, list[str]]] = {}  # package -> package it imports -> by which modules
+    for module, names in modules.items():
+        source = _package(module)
+        for name in names:
+            target = _package(name)
+            if source and target and target != source and target in modules:
+                edges.setdefault(source, {}).setdefault(target, []).append(module)
+    assert "microrl.tasks" in edges.get("microrl.run", {})  # the scan sees run -> tasks
+    back = edges.get("microrl.tasks", {}).get("microrl.run")
+    assert not back, f"microrl.tasks imports microrl.run in {sorted(set(back))}"
+
+    def cycle_from(package: str, path: list[str]) -> list[str] | None:
+        for target in sorted(edges.get(package, {})):
+            if target in path:
+                return [*path[path.index(target) :], target]
+            found = cycle_from(target, [*path, target])
+            if found:
+                return found
+        return None
+
+    for package in sorted(edges):
+        cycle = cycle_from(package, [package])
+        if cycle:
+            pairs = itertools.pairwise(cycle)
+            where = "; ".join(f"{a} -> {b} in {sorted(set(edges[a][b]))}" for a, b in pairs)
+            raise AssertionError(f"import cycle {' -> '.join(cycle)}: {where}")
+
+
+@pytest.mark.parametrize("category", [FutureWarning, DeprecationWarning])
+def test_a_deprecation_raised_from_a_microrl_module_fails_the_suite(category) -> None:
+    # pyproject.toml's filterwarnings: a deprecated API called from microrl's own code is an
+    # error in the tests; the same warning from a third-party module is not.
+    with pytest.raises(category):
+        warnings.warn_explicit("old API", category, "base.py", 1, module="microrl.engine.base")
+    with warnings.catch_warnings(record=True):
+        warnings.warn_explicit("old API", category, "x.py", 1, module="transformers.x")

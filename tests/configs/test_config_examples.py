@@ -11,7 +11,7 @@ from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.loader import config_to_yaml, load_config
 from microrl.losses import AggMode
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXAMPLES = [(GRPOExampleConfig, "grpo_lora.yaml"), (PPOExampleConfig, "ppo_lora.yaml")]
 
 

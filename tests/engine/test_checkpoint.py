@@ -1,7 +1,7 @@
-"""Checkpoints (single process): exact resume, atomicity, refusal of bad directories, exports.
+"""Checkpoints (single process): exact resume, atomicity, refusal of bad directories.
 
 The multi-rank variants (sharded save/load, resharding, a fresh process resuming) live in
-``test_distributed.py``.
+``test_distributed.py``, the exports (merged model, PEFT adapter) in ``test_export.py``.
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ import random
 import numpy as np
 import pytest
 import torch
-from distributed_utils import actor_config, hf_logprobs, make_batch, tiny_model
-from peft import PeftModel
+from distributed_utils import actor_config, make_batch, tiny_model
 from torch.distributed.checkpoint.api import CheckpointException
-from transformers import AutoModelForCausalLM
 
 from microrl.configs.engine import LoraConfig, OptimConfig
 from microrl.engine import ActorEngine, CriticEngine
 from microrl.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from microrl.engine.checkpoint import save_load as ckpt
-from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
+from microrl.engine.checkpoint.export import export_merged_model
 
 ADAM = OptimConfig(
     name="adamw",
@@ -252,32 +250,6 @@ def test_critic_roundtrip(tmp_path):
     with pytest.warns(UserWarning, match="seed"):
         fresh.load_checkpoint(tmp_path / "ckpt")
     _assert_same(_snapshot(engine), _snapshot(fresh))
-
-
-@pytest.mark.parametrize("lora", [0, 4])
-def test_exports_give_the_engine_logprobs(tmp_path, lora):
-    engine = _engine(lora)
-    for seed in range(2):  # LoRA B moves away from zero: the merge is not trivial
-        engine.train_batch(make_batch(seed=seed))
-    batch = make_batch(seed=11)
-    expected = engine.infer_batch(batch)["logprobs"]
-    mask = batch["attention_mask"].bool()
-
-    merged = AutoModelForCausalLM.from_pretrained(
-        export_merged_model(engine.module, tmp_path / "m")
-    )
-    torch.testing.assert_close(hf_logprobs(merged, batch)[mask], expected[mask], atol=2e-5, rtol=0)
-    if lora:
-        path = export_peft_adapter(
-            engine.module, tmp_path / "adapter", peft_model=engine.peft_model
-        )
-        adapter = PeftModel.from_pretrained(tiny_model(0), path).eval()
-        torch.testing.assert_close(
-            hf_logprobs(adapter, batch)[mask], expected[mask], atol=2e-5, rtol=0
-        )
-    else:
-        with pytest.raises(ValueError, match="no PeftModel"):
-            export_peft_adapter(engine.module, tmp_path / "adapter")
 
 
 def test_a_learning_rate_changed_on_resume_takes_effect(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 from distributed_utils import (
     actor_config,
     assert_max_close,
@@ -87,7 +87,7 @@ def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
 def test_resume_is_exact_on_two_ranks_and_reshards_to_one(tmp_path):
     assert _run(tmp_path, 2, "resume_save") == ["saved"]
     assert _run(tmp_path, 2, "resume_load") == ["resumed_exactly"]
-    # The 2-rank checkpoint on 1 rank (exact resume in one process: tests/test_checkpoint.py).
+    # The 2-rank checkpoint on 1 rank (exact resume in one process: test_checkpoint.py).
     assert _run(tmp_path, 1, "reshard_load") == ["resharded_to_one_rank"]
 
 
@@ -369,11 +369,8 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         assert_max_close(p - before[n], ref_delta[n], f"train after generate {n}")
     passed.append("generate_then_train_under_fsdp")
 
-    # ---- exports gathered from the sharded model
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
+    # ---- exports gathered from the sharded model (the checks: test_export.py)
+    from test_export import check_lm_exports
 
     engine = ActorEngine(tiny_model(), actor_config(lora=4, optim=ADAM))
     engine.train_batch(mine)
@@ -385,13 +382,7 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         reference[mask], hf_logprobs(tiny_model(), batch)[mask], "disable_adapter", 2e-5
     )
     assert (reference - expected)[mask].abs().max() > 1e-4, "the adapter did not train"
-    adapter = export_peft_adapter(engine.module, tmp / "adapter", peft_model=engine.peft_model)
-    merged = export_merged_model(engine.module, tmp / "merged")
-    if rank == 0:
-        loaded = PeftModel.from_pretrained(tiny_model(), adapter).eval()
-        assert_max_close(hf_logprobs(loaded, batch)[mask], expected[mask], "PEFT export", 2e-5)
-        full = AutoModelForCausalLM.from_pretrained(merged)
-        assert_max_close(hf_logprobs(full, batch)[mask], expected[mask], "merged export", 2e-5)
+    check_lm_exports(engine, batch, expected, tmp, rank=rank)
     dist.barrier()
     passed.append("export_roundtrip_under_fsdp")
     check_rank0_loading(tmp)

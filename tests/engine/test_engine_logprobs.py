@@ -76,7 +76,7 @@ def test_packed_equals_padded_including_gradients() -> None:
 
 
 def test_lm_head_with_bias_takes_the_fused_path(caplog) -> None:
-    """The kernel adds the bias (tests/test_engine_heads.py: every family with a head transform)."""
+    """The kernel adds the bias (test_engine_heads.py: every family with a head transform)."""
     model = tiny_model("qwen2")
     head = nn.Linear(HIDDEN, VOCAB, bias=True)
     nn.init.normal_(head.bias, std=1.0)

@@ -1,10 +1,10 @@
-"""Sequence-level roles: per-row outputs and inputs, group planning, the reward model, exports.
+"""Sequence-level roles: per-row outputs and inputs, group planning, the reward model.
 
 docs/engine.md#sequence-level-roles: a role may return one value per sequence (``[b]``) computed
 from the hidden state of each sequence's last real token (``last_index``), take per-row ``[B]``
 batch keys, and count its denominators from a per-row key; rows sharing a ``group`` id are
-planned into one micro-batch. ``RewardModelEngine`` is such a role (Bradley-Terry on pairs), and
-critics / reward models export as transformers token / sequence classifiers.
+planned into one micro-batch. ``RewardModelEngine`` is such a role (Bradley-Terry on pairs). How
+critics and reward models export as transformers token / sequence classifiers: test_export.py.
 """
 
 from __future__ import annotations
@@ -16,38 +16,18 @@ from pathlib import Path
 import pytest
 import test_engine_syncs
 import torch
-from engine_utils import VOCAB, assert_close_dicts, grads_of, make_batch, tiny_model
-from peft import PeftModel
+from engine_utils import VOCAB, assert_close_dicts, grads_of, make_batch, pair_batch, tiny_model
 from tensordict import TensorDict
 from test_engine_syncs import _ENGINE_DIR, _TORCH_DIR, _EngineSyncs
-from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-from microrl.configs import CriticConfig, EngineConfig, LoraConfig, OptimConfig
+from microrl.configs import CriticConfig, EngineConfig, OptimConfig
 from microrl.engine import CriticEngine, Engine, RewardModelEngine
-from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 from microrl.engine.microbatch import micro_batch_cost, plan_micro_batches
 from microrl.engine.models import ValueModel, decoder_body
 from microrl.losses import Metric
 
 _SYNCS_FILE = test_engine_syncs.__file__
 SCORE_ATOL = 1e-5  # fp32: the same row through different layouts / row counts (GEMM blocking)
-
-
-def pair_batch(n_pairs: int = 4, seq_len: int = 12, *, padding: str = "mixed", seed: int = 0):
-    """``2 * n_pairs`` rows of random lengths, the pairs shuffled over the batch (a pair's rows
-    are rarely adjacent; the chosen one is sometimes first, sometimes second)."""
-    batch = make_batch(2 * n_pairs, seq_len, padding=padding, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    perm = torch.randperm(2 * n_pairs, generator=gen)
-    group = torch.arange(n_pairs).repeat_interleave(2)[perm]
-    chosen = torch.tensor([True, False] * n_pairs)[perm]
-    return TensorDict(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        group=group,
-        chosen=chosen,
-        batch_size=[2 * n_pairs],
-    )
 
 
 @torch.no_grad()
@@ -390,7 +370,7 @@ def test_a_pair_over_the_token_budget_is_an_error() -> None:
 
 
 class _Syncs(_EngineSyncs):
-    """tests/test_engine_syncs.py's probe, also skipping this file's frames (the tolist hook)."""
+    """test_engine_syncs.py's probe, also skipping this file's frames (the tolist hook)."""
 
     def record(self) -> None:
         frames = [
@@ -426,96 +406,11 @@ def test_reward_model_syncs_do_not_grow_with_micro_batches(monkeypatch) -> None:
     assert three == one, f"syncs per micro-batch from engine code: {dict(three - one)}"
 
 
-# ----------------------------------------------------------------- exports
-def _trained(engine_cls, config, batch_fn, steps=2):
-    engine = engine_cls(tiny_model(seed=0), config)
-    for seed in range(steps):  # LoRA B moves away from zero: the merge is not trivial
-        engine.train_batch(batch_fn(seed))
-    return engine
-
-
-@pytest.mark.parametrize("lora", [0, 4])
-def test_reward_model_exports_load_as_sequence_classifiers(tmp_path, lora) -> None:
-    config = EngineConfig(
-        micro_batch_size=4, optim=OptimConfig(lr=1e-2), lora=LoraConfig(rank=lora, alpha=8.0)
-    )
-    engine = _trained(RewardModelEngine, config, lambda s: pair_batch(3, 10, seed=20 + s))
-    batch = pair_batch(3, 10, seed=30)
-    expected = engine.infer_batch(batch)["scores"]
-
-    def hf_scores(model):
-        out = []
-        for b in range(batch.batch_size[0]):  # no pad token in the config: one row at a time
-            cols = batch["attention_mask"][b].nonzero().squeeze(1)
-            with torch.no_grad():
-                out.append(model(input_ids=batch["input_ids"][b, cols][None]).logits[0, 0])
-        return torch.stack(out)
-
-    merged = AutoModelForSequenceClassification.from_pretrained(
-        export_merged_model(engine.module, tmp_path / "merged")
-    ).eval()
-    assert type(merged).__name__ == "Qwen2ForSequenceClassification"
-    torch.testing.assert_close(hf_scores(merged), expected, atol=SCORE_ATOL, rtol=0)
-    if lora:
-        tiny_model(seed=0).save_pretrained(tmp_path / "base")
-        base = AutoModelForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=1)
-        path = export_peft_adapter(
-            engine.module, tmp_path / "adapter", peft_model=engine.peft_model
-        )
-        adapter = PeftModel.from_pretrained(base, path).eval()
-        torch.testing.assert_close(hf_scores(adapter), expected, atol=SCORE_ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("lora", [0, 4])
-def test_critic_exports_load_as_token_classifiers(tmp_path, lora) -> None:
-    config = CriticConfig(
-        micro_batch_size=3, optim=OptimConfig(lr=1e-2), lora=LoraConfig(rank=lora, alpha=8.0)
-    )
-    engine = _trained(CriticEngine, config, lambda s: make_batch(seed=40 + s))
-    batch = make_batch(seed=50)
-    expected = engine.infer_batch(batch)["values"]
-    mask = batch["attention_mask"]
-
-    def hf_values(model):  # token-aligned: values[b, t] comes from position t - 1
-        out = torch.zeros_like(expected)
-        for b in range(batch.batch_size[0]):
-            cols = mask[b].nonzero().squeeze(1)
-            with torch.no_grad():
-                logits = model(input_ids=batch["input_ids"][b, cols][None]).logits[0, :, 0]
-            out[b, cols[1:]] = logits[:-1]
-        return out
-
-    merged = AutoModelForTokenClassification.from_pretrained(
-        export_merged_model(engine.module, tmp_path / "merged")
-    ).eval()
-    assert type(merged).__name__ == "Qwen2ForTokenClassification"
-    assert merged.score.bias is not None
-    torch.testing.assert_close(hf_values(merged), expected, atol=SCORE_ATOL, rtol=0)
-    if lora:
-        tiny_model(seed=0).save_pretrained(tmp_path / "base")
-        base = AutoModelForTokenClassification.from_pretrained(tmp_path / "base", num_labels=1)
-        path = export_peft_adapter(
-            engine.module, tmp_path / "adapter", peft_model=engine.peft_model
-        )
-        adapter = PeftModel.from_pretrained(base, path).eval()
-        torch.testing.assert_close(hf_values(adapter), expected, atol=SCORE_ATOL, rtol=0)
-
-
-def test_an_export_the_classifier_cannot_hold_is_refused(tmp_path) -> None:
-    """A head whose bias the transformers classifier lacks: a clear error, not a random head."""
-    engine = RewardModelEngine(tiny_model(seed=0), EngineConfig())
-    head = engine.module.value_head
-    engine.module.value_head = torch.nn.Linear(head.in_features, 1)  # with a bias
-    with pytest.raises(ValueError, match=r"the trained head has a bias, .*score has none"):
-        export_merged_model(engine.module, tmp_path / "m")
-    assert not (tmp_path / "m").exists()
-
-
 def test_the_docs_reward_model_example_runs() -> None:
     """The subclassing example of docs/engine.md (a pairwise reward model) runs as written."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "(Engine)" in b]
     assert len(blocks) == 1
     exec(compile(blocks[0], "docs/engine.md example", "exec"), {"__name__": "docs_example"})

@@ -1,8 +1,9 @@
 """The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports.
 
-Like tests/test_distributed.py, the pytest function launches this file on 2 ranks (``distributed_utils.launch``) and the
-ranks report the checks that passed. References are computed in the same processes before the
-process group exists (an unsharded engine on the whole mini-batch).
+Like test_distributed.py, the pytest function launches this file on 2 ranks
+(``distributed_utils.launch``) and the ranks report the checks that passed. References are
+computed in the same processes before the process group exists (an unsharded engine on the whole
+mini-batch).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 from distributed_utils import (
     assert_max_close,
     assert_metrics_close,
@@ -64,12 +65,11 @@ def test_reward_model_under_data_parallelism(tmp_path):
 
 def main(tmp: str) -> None:
     import torch.distributed as dist
+    from test_export import check_sequence_classifier_export
     from torch.distributed.fsdp import FSDPModule
-    from transformers import AutoModelForSequenceClassification
 
     from microrl.configs import EngineConfig, LoraConfig, OptimConfig
     from microrl.engine import RewardModelEngine
-    from microrl.engine.checkpoint.export import export_merged_model
     from microrl.engine.parallel import distributed as D
 
     rank = int(os.environ.get("RANK", "0"))
@@ -115,14 +115,7 @@ def main(tmp: str) -> None:
 
     # ---- the merged export is gathered from the shards and loads as a sequence classifier
     expected = engine.infer_batch(batch)["scores"]
-    path = export_merged_model(engine.module, Path(tmp) / "merged")
-    if rank == 0:
-        model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-        for b in range(8):
-            cols = batch["attention_mask"][b].nonzero().squeeze(1)
-            with torch.no_grad():
-                got = model(input_ids=batch["input_ids"][b, cols][None]).logits[0, 0]
-            assert_max_close(got, expected[b], f"exported score of row {b}", atol=1e-5)
+    check_sequence_classifier_export(engine, batch, expected, Path(tmp) / "merged", rank=rank)
     passed.append("export_under_fsdp")
 
     dist.barrier()

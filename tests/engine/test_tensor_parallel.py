@@ -1,12 +1,11 @@
 """Tensor parallelism (engine/parallel/tensor_parallel.py) against one process, on gloo ranks.
 
-As in tests/test_distributed.py, each pytest function launches this file on gloo ranks with
+As in tests/engine/test_distributed.py, each pytest function launches this file on gloo ranks with
 a *scenario*; the ranks run every check, write the names of those that passed, and the test
 asserts the list. References are single-process engines built in the same processes before the
 process group exists. ``tp`` runs 2 ranks (tensor_parallel_size=2, no data parallelism);
 ``dp_tp`` runs 4 ranks (2 data-parallel x 2 tensor-parallel, FSDP2 over the dp dimension), the
-costlier one (36-42 s measured on a 2-core machine: 4 processes on 2 cores), run only with
-``MICRORL_TEST_DP_TP=1``.
+costlier one (4 processes on 2 cores), run by default like every test.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 from distributed_utils import (
     VOCAB,
     actor_config,
@@ -48,8 +47,6 @@ SHARDS = ([0, 1, 2, 3, 4], [5, 6])  # dp x tp: the rows of each data-parallel in
 # TP checks: uneven rows whose micro-batches of 2 rows are 12, 9, 10 and 4 wide (compacted): the
 # layers run on local tensors, so a new width costs no DTensor sharding propagation.
 TP_LENGTHS = (12, 5, 9, 3, 7, 10, 4)
-# The 4-process check costs about 40 s on a 2-core machine (4 processes on 2 cores): opt-in.
-FOUR_PROCESSES = os.environ.get("MICRORL_TEST_DP_TP") == "1"
 
 
 # ============================================================================ pytest side
@@ -100,7 +97,7 @@ def test_tp2_engine_equals_one_process(tmp_path):
         assert torch.equal(value, got[key]), key
 
 
-@pytest.mark.skipif(not FOUR_PROCESSES, reason="4 processes, ~40 s: MICRORL_TEST_DP_TP=1")
+@pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     """4 processes (dp=2 x tp=2, FSDP2 over dp): full fine-tune, LoRA with packing, critic."""
     passed = _run(tmp_path, 4, "dp_tp")
@@ -275,10 +272,10 @@ def _state(engine) -> dict[str, torch.Tensor]:
 
 def scenario_tp(rank: int, tmp: Path) -> list[str]:
     import torch.distributed as dist
+    from test_export import check_lm_exports
     from torch.distributed.tensor import DTensor
 
     from microrl.engine import ActorEngine
-    from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 
     batch = make_batch(TP_LENGTHS)
     mask = batch["attention_mask"].bool()
@@ -347,17 +344,8 @@ def scenario_tp(rank: int, tmp: Path) -> list[str]:
     assert torch.equal(sequences, refs["generate"]), "generation differs under TP"
     passed.append("generate")
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    adapter = export_peft_adapter(engine.module, tmp / "adapter", peft_model=engine.peft_model)
-    merged = export_merged_model(engine.module, tmp / "merged")
-    if rank == 0:
-        expected = refs["infer"]["logprobs"]
-        loaded = PeftModel.from_pretrained(tiny_model(), adapter).eval()
-        assert_max_close(hf_logprobs(loaded, batch)[mask], expected[mask], "PEFT export", 2e-5)
-        full = AutoModelForCausalLM.from_pretrained(merged)
-        assert_max_close(hf_logprobs(full, batch)[mask], expected[mask], "merged export", 2e-5)
+    # ---- exports gathered from the shards (the checks: test_export.py)
+    check_lm_exports(engine, batch, refs["infer"]["logprobs"], tmp, rank=rank)
     dist.barrier()
     passed.append("export")
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from example_utils import TINY_RL
 
-from microrl.configs.examples import ModelConfig
+from microrl.configs.run import ModelConfig
 from microrl.run import read_metrics
-from microrl.tasks.toy_model import build_model, build_tokenizer
+from microrl.run.toy_model import build_model, build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 MY_REWARD = '''\
 """The user's reward: 1 when the answer is right (the last number counts)."""

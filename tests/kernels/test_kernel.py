@@ -259,7 +259,11 @@ def test_extreme_logits_stay_finite(tiles, offset):
     to hidden and weight shifts every logit of a row by ``offset``; 'spread' instead scales the
     logits to a range of +-1e4. float32 holds a logit near 3e4 only to 2e-3, so log p (and p) carry
     that absolute error in any implementation; the bias column's weight gradient multiplies it by
-    3e4 again. Hence the bound is relative to the eager float32 error on the same inputs.
+    3e4 again. Hence the bound: the eager float32 error on the same inputs, or what float32 allows
+    at all, one ulp of the largest logit times the gradient's factor (``max|W|`` for
+    ``hidden.grad``, ``max|h|`` for ``weight.grad``), whichever is larger: which of two correct
+    float32 implementations lands nearer depends on the CPU's BLAS blocking (seen on AMD EPYC:
+    eager 3x nearer than the bound, the kernel 3.7x).
     """
     hidden, weight, targets = make((2, 5), dtype=torch.float64, scale=1.0)
     ones = torch.ones(2, 5, 1, dtype=torch.float64)
@@ -271,15 +275,20 @@ def test_extreme_logits_stay_finite(tiles, offset):
     h32, w32 = big_h.detach().float().requires_grad_(), big_w.detach().float().requires_grad_()
     got = run(fused_linear_logprob, h32, w32, targets, chunk_size=3)
     eager = run(reference_linear_logprob, h32, w32, targets)
-    for name, g, e, t in zip(
-        ("logprobs", "entropy", "hidden.grad", "weight.grad"), got, eager, truth, strict=True
-    ):
+    ulp = eps * logit_scale  # float32's absolute resolution of the largest logit
+    factors = (0.0, 0.0, big_w.abs().max().item(), big_h.abs().max().item())
+    names = ("logprobs", "entropy", "hidden.grad", "weight.grad")
+    for name, g, e, t, factor in zip(names, got, eager, truth, factors, strict=True):
         eager_error = (e.double() - t).abs().max().item()
         # Values: the target logit and the row max come from differently-blocked matmuls than the
         # eager ones, so they may round differently by one float32 ulp of the largest logit.
-        # Gradients: within 1.5x the eager float32 error (plus 1e-6 of their scale).
-        floor = eps * logit_scale if "grad" not in name else 1e-6 * t.abs().max().item()
-        assert_close(g, t, atol=1.5 * eager_error + floor, rtol=0.0, name=f"{offset} {name}")
+        # Gradients: within 1.5x the eager float32 error (plus 1e-6 of their scale), or within
+        # one ulp of the largest logit carried through the gradient's factor.
+        if "grad" in name:
+            atol = max(1.5 * eager_error + 1e-6 * t.abs().max().item(), ulp * factor)
+        else:
+            atol = 1.5 * eager_error + ulp
+        assert_close(g, t, atol=atol, rtol=0.0, name=f"{offset} {name}")
 
 
 def test_extra_memory_is_bounded_by_the_tile_not_n(monkeypatch):

@@ -2,12 +2,12 @@
 
 The reference is the single-device ``fused_linear_logprob`` on the whole (unpadded) weight, run in
 the same process on the same inputs; it is itself tested against the eager definition
-(tests/test_kernel.py). Every case compares log-probs, entropy, the hidden gradient and the weight
+(test_kernel.py). Every case compares log-probs, entropy, the hidden gradient and the weight
 gradient (the ranks' shard gradients concatenated), under each mix of upstream gradients: both
 random, one of them an explicit zero, and one output left out of the loss entirely (autograd
 then hands the Function no gradient for it, the case slime's kernel dropped).
 
-The 2-rank checks follow tests/test_whiten_distributed.py: one launch of this file
+The 2-rank checks follow tests/losses/test_whiten_distributed.py: one launch of this file
 with 2 gloo ranks runs every check and writes the names of those that passed; the pytest functions
 assert on them. Single-process tests cover argument errors, ``group=None``, a real process group
 of one rank, and that the comparison itself catches a dropped gradient branch.
@@ -15,7 +15,7 @@ of one rank, and that the comparison itself catches a dropped gradient branch.
 Tolerances, per compute dtype (the kernel and the reference compute the same function; only the
 summation order differs: the tiles, the per-rank parts merged at the joint max, the hidden gradient
 summed over ranks): float64 values within 1e-10 (observed ~1e-15), float32 values within 2e-5 as
-in tests/kernel_utils.TOLERANCES (observed < 1e-6); gradients within one ulp of their dtype
+in tests/kernels/kernel_utils.TOLERANCES (observed < 1e-6); gradients within one ulp of their dtype
 relative plus 1e-5 (float32; 1e-12 for float64) of the gradient's largest entry near zero, where
 the sum over the vocabulary cancels (kernel_utils.assert_outputs_close). bfloat16 inputs give
 bfloat16 gradients, each rounded once from float32: within one bf16 ulp.

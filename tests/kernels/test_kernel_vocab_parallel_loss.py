@@ -2,8 +2,8 @@
 
 The reference is the single-device ``fused_linear_loss`` on the whole (unpadded) weight, in the
 same process, on the same inputs (itself tested against the kernel + loss path in
-tests/test_fused_loss.py). Compared: the loss, log-probs, entropy, and the hidden, weight and bias
-gradients (shards gathered), for the splits and head variants of tests/test_kernel_vocab_parallel.py
+test_fused_loss.py). Compared: the loss, log-probs, entropy, and the hidden, weight and bias
+gradients (shards gathered), for the splits and head variants of test_kernel_vocab_parallel.py
 (even, uneven, padding-only rank, bias + scale + soft-capping, several tiles with groups that do
 not fit the tile budget, frozen weight). The loss is a per-sequence function of log-probs and
 entropy (a GRPO-like weighted sum), so groups follow the sequence boundaries. Tolerances as in

@@ -1,6 +1,6 @@
 """Batch statistics over data-parallel ranks: ``whiten(group=...)``, the PPO recipe, GRPO groups.
 
-The 2-rank checks follow tests/test_distributed.py: one launch of this file with 2
+The 2-rank checks follow tests/engine/test_distributed.py: one launch of this file with 2
 gloo ranks runs every check and writes the names of those that passed; the pytest functions
 assert on them. Single-process references are computed in the same processes before the process
 group exists, so nothing crosses processes but the collectives under test.
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))  # tests/, for the ranks
 from distributed_utils import launch, make_batch, single_process, tiny_model  # noqa: E402
 
-from microrl.losses import grpo_advantages, whiten  # noqa: E402
+from microrl.losses import check_whole_groups, grpo_advantages, whiten  # noqa: E402
 
 # The PPO rollout: 8 rows of uneven lengths, rows 0-3 on rank 0 and 4-7 on rank 1 (contiguous
 # halves, as Dist.shard splits), 16 vs 15 loss tokens. The scores differ between the halves
@@ -45,7 +45,8 @@ PPO_OVERRIDES = [
     "critic.optim.lr=0.5",
 ]
 ADV_ATOL = 1e-5  # fp32 log-probs and values of FSDP vs unsharded forwards (equal here), then / std
-PARAM_ATOL = 2e-6  # fp32 gradients summed over ranks in another order (as test_distributed.py)
+# fp32 gradients summed over ranks in another order (as tests/engine/test_distributed.py)
+PARAM_ATOL = 2e-6
 WHITEN_ATOL = 1e-12  # x max(1, |values|): float64 sums, only their order differs (~1e-16)
 
 
@@ -99,13 +100,13 @@ def test_grpo_groups_are_whole_on_each_rank_and_match_the_global_advantages():
     per-rank group statistics are the global ones."""
     import random
 
-    from microrl.configs.examples import GRPOExampleConfig, ModelConfig
+    from microrl.configs.examples import GRPOExampleConfig
     from microrl.configs.loader import load_config
+    from microrl.configs.run import ModelConfig
     from microrl.engine import ActorEngine
     from microrl.engine.rollout import HFRollout, SamplingParams
-    from microrl.run import check_whole_groups
+    from microrl.run.toy_model import build_model, build_tokenizer
     from microrl.tasks import AdditionTask
-    from microrl.tasks.toy_model import build_model, build_tokenizer
 
     cfg = load_config(
         GRPOExampleConfig,
@@ -136,8 +137,6 @@ def test_grpo_groups_are_whole_on_each_rank_and_match_the_global_advantages():
 
 
 def test_grpo_group_spanning_ranks_is_an_error():
-    from microrl.run import check_whole_groups
-
     # 3 prompts x 2 samples split by rows over 2 ranks: prompt 1's rows land on both.
     ids = torch.arange(3).repeat_interleave(2)
     with pytest.raises(ValueError, match=r"groups must not span ranks.*group 1 has 1"):

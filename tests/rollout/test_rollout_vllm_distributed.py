@@ -11,7 +11,6 @@ measured; the pytest function asserts on it.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,24 +18,15 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))  # tests/, for the ranks
 from distributed_utils import launch  # noqa: E402
 
-# As in tests/test_rollout_vllm.py: measured <= 5e-7 between vLLM's CPU kernels and the engine.
+# As in test_rollout_vllm.py: measured <= 5e-7 between vLLM's CPU kernels and the engine.
 LOGPROB_ATOL = 1e-4
-
-
-# About 45 s on a 2-core machine (two vLLM engines per rank start and sync): kept out of the
-# default run for the CI time budget, like the 4-process DP x TP test; the single-process vLLM
-# tests (tests/test_rollout_vllm.py) run by default.
-TWO_RANK_VLLM = os.environ.get("MICRORL_TEST_VLLM_DP") == "1"
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.skipif(
-    not TWO_RANK_VLLM, reason="2 ranks x 2 vLLM engines, ~45 s: MICRORL_TEST_VLLM_DP=1"
-)
 def test_two_ranks_sample_and_sync_their_own_vllm(tmp_path):
     launch(2, HERE, str(tmp_path), timeout=420)
     for rank in (0, 1):
@@ -59,11 +49,11 @@ def _check(mode: str, lora_rank: int, rank: int, workdir: Path) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from microrl.configs import ActorConfig, LoraConfig, OptimConfig
-    from microrl.configs.examples import ModelConfig
     from microrl.configs.rollout import VLLMConfig
+    from microrl.configs.run import ModelConfig
     from microrl.engine import ActorEngine
     from microrl.engine.rollout import SamplingParams, VLLMRollout
-    from microrl.tasks.toy_model import build_model, build_tokenizer
+    from microrl.run.toy_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model_config = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)

@@ -5,7 +5,8 @@
 - a checkpoint an interrupted swap left in ``.checkpoint.old`` is found, restored and resumed;
 - ``--overwrite`` deletes the previous run's outputs, and nothing else;
 - with stdout not a terminal, one short plain line every ``output.log_every`` steps;
-- ``--help`` shows ``null`` for empty defaults and a description for every key.
+- ``--help`` lists the options, shows ``null`` for empty defaults and a description for every
+  key; an unknown key is a usage error (exit code 2).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from pathlib import Path
 import pytest
 from example_utils import TINY_MODEL, TINY_RL, load_example
 
-from microrl.configs.examples import EXTERNAL_HELP, GRPOExampleConfig, PPOExampleConfig
+from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.loader import config_to_yaml, describe_config, load_config
 from microrl.run import Dist, Tracker, parse_cli, prepare_output, read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 TINY = [*TINY_MODEL, *TINY_RL, "output.tensorboard=false", "output.plot=false"]
@@ -56,7 +57,7 @@ def test_help_prints_null_and_a_description_for_every_key(schema, name, capsys) 
         match = re.fullmatch(r"  ([\w.]+)=(.*?)\s{2,}(\S.*)", line)
         assert match, f"not 'key=value  description': {line!r}"
         entries[match.group(1)] = (match.group(2), match.group(3))
-    keys = [key for key, _, _ in describe_config(load_config(schema), EXTERNAL_HELP)]
+    keys = [key for key, _, _ in describe_config(load_config(schema))]
     assert list(entries) == keys  # every key, each with a non-empty description
     assert entries["actor.optim.total_steps"][0] == "null"
     assert entries["actor.lora.target_modules"][0] == "null"
@@ -67,15 +68,34 @@ def test_help_prints_null_and_a_description_for_every_key(schema, name, capsys) 
 
 def test_every_config_key_has_a_description() -> None:
     for schema, _ in SCHEMAS:
-        missing = [k for k, _, h in describe_config(schema(), EXTERNAL_HELP) if not h.strip()]
+        missing = [k for k, _, h in describe_config(schema()) if not h.strip()]
         assert not missing, missing
 
 
 def test_help_values_parse_back_to_the_defaults() -> None:
     # What --help shows is what an override accepts: `key=value` of every row gives the defaults.
     cfg = load_config(GRPOExampleConfig)
-    rows = describe_config(cfg, EXTERNAL_HELP)
+    rows = describe_config(cfg)
     assert load_config(GRPOExampleConfig, None, [f"{k}={v}" for k, v, _ in rows]) == cfg
+
+
+def test_help_lists_the_options(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_cli(GRPOExampleConfig, "grpo_lora.yaml", "GRPO", ["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for option in (
+        "--config",
+        "--resume",
+        "key.sub=value",
+        "actor.optim.lr=",
+        "rollout.group_size=",
+    ):
+        assert option in text
+    with pytest.raises(SystemExit) as info:
+        parse_cli(GRPOExampleConfig, "grpo_lora.yaml", "GRPO", ["train.stepz=3"])
+    assert info.value.code == 2
+    assert "train.stepz" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- refusing, resuming

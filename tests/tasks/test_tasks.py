@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from microrl.configs.examples import GRPOExampleConfig, ModelConfig, TaskConfig
+from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import load_config
+from microrl.configs.run import ModelConfig, TaskConfig
+from microrl.run.toy_model import SPECIAL_TOKENS, build_tokenizer
 from microrl.tasks import (
     AdditionTask,
     DatasetTask,
@@ -34,7 +36,6 @@ from microrl.tasks import (
     resolve_reward_fn,
 )
 from microrl.tasks.rewards import exact_match, numeric_match, parse_number
-from microrl.tasks.toy_model import SPECIAL_TOKENS, build_tokenizer
 from microrl.tasks.word_problems import WORD_ALPHABET
 
 ROWS = [{"question": f"{a}+{a + 1}=", "solution": 2 * a + 1} for a in range(30)]
@@ -336,7 +337,7 @@ def test_word_problems_are_deterministic_held_out_and_scored_by_the_last_number(
 
 
 def test_no_warm_start_for_a_dataset_task(tmp_path: Path) -> None:
-    from microrl.tasks.warm_start import prepare_base_model
+    from microrl.run.base_model import prepare_base_model
 
     cfg = TaskConfig(
         name="dataset",
@@ -354,7 +355,7 @@ def test_the_grpo_recipe_trains_on_word_problems(tmp_path: Path) -> None:
     from example_utils import TINY_MODEL, TINY_RL, load_example
 
     from microrl.run import read_metrics
-    from microrl.tasks.toy_model import load_pretrained
+    from microrl.run.toy_model import load_pretrained
 
     base, out = tmp_path / "base", tmp_path / "out"
     args = [

@@ -1,0 +1,7 @@
+"""Tests of ``microrl.kernels`` (kernels/): ``fused_linear_logprob`` against its eager reference
+(shapes, dtypes and the fp32 head, head transforms, ``validate=False``, seed-bug regressions), the
+fused loss path (``fused_linear_loss``, and the engine's ``fuse_loss`` against the unfused path),
+and the vocab-parallel kernels on 2 gloo ranks.
+
+Helper: ``kernel_utils`` (tolerances per dtype, comparisons, forced vocabulary tiles), here.
+"""

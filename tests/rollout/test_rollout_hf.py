@@ -1,0 +1,77 @@
+"""The transformers rollout backend (engine/rollout/hf.py, the layout of engine/rollout/layout.py).
+
+A rollout batch is token-aligned (the loss covers each response up to its first ``<eos>``, never the
+prompt or the padding; ``sft_batch`` lays out prompt + answer the same way), and ``HFRollout``
+samples from the distribution the engine scores: the first on-policy ratio is 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from microrl.configs.run import ModelConfig
+from microrl.engine.rollout import HFRollout, SamplingParams, sft_batch
+from microrl.run.toy_model import build_model, build_tokenizer
+
+
+def test_rollout_layout_is_token_aligned() -> None:
+    tok = build_tokenizer()
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
+    )
+    torch.manual_seed(0)
+    params = SamplingParams(num_samples=3, max_new_tokens=4)
+    rollout = HFRollout(model, tok).generate(["1+2=", "34+56="], params)
+    batch = rollout.batch
+    assert batch.batch_size == torch.Size([6]) and rollout.group_ids.tolist() == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        1,
+    ]
+    prompt_width = tok(["1+2=", "34+56="], padding=True, return_tensors="pt")["input_ids"].shape[1]
+    assert prompt_width < batch["input_ids"].shape[1] <= prompt_width + 4
+    mask, attention, ids = batch["loss_mask"], batch["attention_mask"], batch["input_ids"]
+    assert not mask[:, :prompt_width].any()
+    assert (mask <= attention).all()
+    for row in range(6):
+        response = ids[row, prompt_width:][mask[row, prompt_width:]]
+        eos = (response == tok.eos_token_id).nonzero()
+        # the loss covers the response up to and including its first <eos>, nothing after
+        assert eos.numel() <= 1 and (eos.numel() == 0 or eos.item() == len(response) - 1)
+        assert rollout.texts[row] == tok.decode(response, skip_special_tokens=True)
+    sft = sft_batch(tok, ["1+2="], ["3"])
+    assert sft["input_ids"][0].tolist() == tok("1+2=")["input_ids"] + tok(
+        "3", add_special_tokens=False
+    )["input_ids"] + [tok.eos_token_id]
+    assert sft["loss_mask"][0].tolist() == [False] * 5 + [True, True]
+
+
+def test_sampling_distribution_is_the_one_the_engine_scores() -> None:
+    """Log-probs of the sampled tokens under ``generate`` equal the engine's: ratio 1 at step 1."""
+    from microrl.configs import ActorConfig, LoraConfig
+    from microrl.engine import ActorEngine
+
+    tok = build_tokenizer()
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
+    )
+    engine = ActorEngine(model, ActorConfig(temperature=0.7, lora=LoraConfig(rank=2)))
+    torch.manual_seed(0)
+    params = SamplingParams(num_samples=2, temperature=0.7, max_new_tokens=4)
+    rollout = HFRollout(engine, tok).generate(["1+2=", "34+56="], params)
+    batch = rollout.batch
+    logprobs = engine.infer_batch(batch)["logprobs"]
+    # Reference: the model's own logits at the sampling temperature, token-aligned.
+    with torch.no_grad():
+        am = batch["attention_mask"].long()
+        logits = engine.model(
+            input_ids=batch["input_ids"],
+            attention_mask=am,
+            position_ids=(am.cumsum(-1) - 1).clamp(min=0),
+        ).logits
+    ref = (logits[:, :-1] / 0.7).log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    mask = batch["loss_mask"][:, 1:]
+    torch.testing.assert_close(logprobs[:, 1:][mask], ref[mask], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,3 @@
+"""Tests of ``microrl.tasks`` (microrl/tasks/): the addition task, prompt-file datasets, reward
+functions by import path, the word problems.
+"""
