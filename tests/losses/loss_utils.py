@@ -1,4 +1,5 @@
-"""Shared batch and helpers of the loss tests (test_losses.py, test_losses_errors.py)."""
+"""Shared batch and helpers of the loss tests (test_losses.py, test_losses_errors.py,
+test_kl_is_correction.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ from microrl.losses import LossDenominators, global_denominators
 SEQ_LEN_NORM = 16.0
 
 
-def make_batch(dtype: torch.dtype, seed: int = 0, batch: int = 5, length: int = 11) -> dict:
+def make_batch(
+    dtype: torch.dtype,
+    seed: int = 0,
+    batch: int = 5,
+    length: int = 11,
+    spans: list[tuple[int, int]] | None = None,
+) -> dict:
     """Rows of very different lengths (one of length 1, one all-masked), mixed padding sides,
-    NaN/inf at every masked position."""
+    NaN/inf at every masked position. ``spans``: each row's ``[start, stop)`` of loss tokens
+    (cycled over the rows); the default mixes both padding sides."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.zeros(batch, length, dtype=torch.bool)
-    spans = [(2, length), (0, 1), (5, 9), (0, 0), (1, length - 1)]
+    spans = spans or [(2, length), (0, 1), (5, 9), (0, 0), (1, length - 1)]
     for b in range(batch):
         start, stop = spans[b % len(spans)]
         mask[b, start:stop] = True

@@ -21,6 +21,9 @@ import dataclasses
 
 import pytest
 import torch
+from engine_utils import VOCAB, tiny_model
+from loss_utils import leaf
+from loss_utils import make_batch as shared_batch
 from tensordict import TensorDict
 
 from microrl.configs import ActorConfig
@@ -49,30 +52,8 @@ LOG_R_CLAMP, K3_CAP = 20.0, 10.0
 
 
 def make_batch(seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
-    """Float64 values (cast to ``dtype``) with NaN, inf or -inf at every masked position."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, (start, stop) in enumerate(SPANS):
-        mask[b, start:stop] = True
-
-    def rand(scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(B, T, generator=g, dtype=torch.float64) * scale
-
-    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    data = {
-        "logprobs": lp,
-        "old_logprobs": lp + rand(0.3),  # ratios ~ [0.4, 2.5]
-        "advantages": rand(),
-        "ref_logprobs": lp + rand(0.5),
-    }
-    poison = [float("nan"), float("inf"), float("-inf"), float("nan")]
-    out = {k: v.masked_fill(~mask, poison[i]).to(dtype) for i, (k, v) in enumerate(data.items())}
-    out["loss_mask"] = mask
-    return out
-
-
-def leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone().requires_grad_(True)
+    """The loss tests' batch on these rows: NaN, inf or -inf at every masked position."""
+    return shared_batch(dtype, seed, batch=B, length=T, spans=SPANS)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -368,7 +349,6 @@ def test_config_file_and_overrides() -> None:
 
 
 # ----------------------------------------------------------------------------- engine level
-VOCAB = 128
 ENGINE_LOSSES = {
     "grpo-k3": dict(policy_loss=PolicyLossConfig(name="grpo", kl_coef=0.1, kl_is_correction=True)),
     "gspo-k3-seq-mean": dict(
@@ -400,24 +380,6 @@ GRAD_RTOL, GRAD_ATOL = 1e-9, 1e-12
 RTOL, ATOL = 2e-6, 1e-7
 
 
-def tiny_model(dtype=torch.float64):
-    """A 2-layer, hidden-32, vocab-128 Qwen2 built from a config (no download)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(2)
-    config = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return Qwen2ForCausalLM(config).to(dtype)
-
-
 def engine_batch(dtype=torch.float64) -> TensorDict:
     """6 rows of 12 tokens, left/right/two-sided padding; the last half of each row trains.
     Old log-probs near the model's own (~ -4.85 for V=128) so the ratios straddle 1."""
@@ -447,7 +409,7 @@ def engine_batch(dtype=torch.float64) -> TensorDict:
 
 def engine_run(name, fuse, split):
     config = ActorConfig(fuse_loss=fuse, use_fused_kernel=True, **ENGINE_LOSSES[name], **split)
-    engine = ActorEngine(tiny_model(), config)
+    engine = ActorEngine(tiny_model(seed=2, dtype=torch.float64), config)
     assert engine.uses_fused_kernel and engine.fuses_loss(None) is fuse
     result = engine.forward_backward_batch(engine_batch())
     grads = {
@@ -488,7 +450,9 @@ def test_engine_kl_term_is_the_corrected_one() -> None:
     on = engine_run("grpo-k3", True, split)[0]
     off_losses = dict(policy_loss=PolicyLossConfig(name="grpo", kl_coef=0.1))
     config = ActorConfig(fuse_loss=True, **off_losses, **split)
-    off = ActorEngine(tiny_model(), config).forward_backward_batch(engine_batch())
+    off = ActorEngine(tiny_model(seed=2, dtype=torch.float64), config).forward_backward_batch(
+        engine_batch()
+    )
     assert "kl_is" not in off["metrics"]
     assert on["metrics"]["kl"] == pytest.approx(off["metrics"]["kl"], rel=1e-6)
     assert on["metrics"]["pg_loss"] == pytest.approx(off["metrics"]["pg_loss"], rel=1e-6)
