@@ -49,6 +49,7 @@ RUN_OUTPUTS = (
     "metrics.jsonl",
     "curves.png",
     "config.yaml",
+    "trackers.json",  # the W&B / MLflow run ids that --resume continues (not their local runs)
 )
 
 

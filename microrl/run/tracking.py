@@ -1,24 +1,40 @@
 """What a user sees: a tqdm bar with live reward/accuracy on a terminal, or one short plain line
 every ``log_every`` steps in a log file (cluster jobs, ``> log``, pipes); metrics as JSON lines and
-TensorBoard scalars; and a PNG of the curves at the end. Only the main rank writes anything.
+in the experiment trackers named (TensorBoard, Weights & Biases, MLflow; docs/tracking.md); and a
+PNG of the curves at the end. Only the main rank writes anything.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Protocol, TextIO
 
 from tqdm.auto import tqdm
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "Tracker", "mean_metrics", "plot_metrics", "read_metrics"]
+from microrl.configs.run import TRACKER_NAMES, TRACKERS_INSTALL
+
+__all__ = [
+    "METRICS_FILE",
+    "PLOT_FILE",
+    "TRACKER_RUNS_FILE",
+    "Tracker",
+    "mean_metrics",
+    "plot_metrics",
+    "read_metrics",
+]
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
+# The W&B and MLflow run ids of the run in output.dir: --resume continues those runs.
+TRACKER_RUNS_FILE = "trackers.json"
 # The curves worth a panel each, in reading order; absent keys are skipped.
 PLOT_PANELS: tuple[tuple[str, ...], ...] = (
     ("reward", "eval/accuracy"),
@@ -57,9 +73,20 @@ class Tracker:
     on; otherwise one plain line every ``log_every`` steps and at the last step (``0``: none),
     short enough for any log viewer.
 
+    Every record also goes to each of ``trackers`` (``tensorboard``, ``wandb``, ``mlflow``);
+    W&B and MLflow get ``config`` (a nested dict: W&B's run config, MLflow's params under
+    flattened ``a.b`` keys) at the start, ``curves.png`` at :meth:`close`, and run in ``project``
+    (W&B project, MLflow experiment) under the name of ``out_dir``. ``tensorboard=False`` leaves
+    TensorBoard out whatever ``trackers`` says (the switch from before ``trackers``).
+
     On resume (``start_step > 0``) the JSONL lines of steps after ``start_step`` are dropped: they
     belong to the interrupted run's unsaved tail and would otherwise appear twice. A fresh run
-    (``start_step == 0``) starts the file empty.
+    (``start_step == 0``) starts the file empty. The W&B and MLflow runs are continued on resume
+    (their ids are kept in ``out_dir/trackers.json``); a fresh run opens new ones.
+
+    Raises:
+        ValueError: an unknown tracker name.
+        ImportError: a tracker's library is not installed (the message gives the install command).
     """
 
     def __init__(
@@ -69,7 +96,10 @@ class Tracker:
         total_steps: int,
         start_step: int = 0,
         enabled: bool = True,
+        trackers: Iterable[str] = ("tensorboard",),
         tensorboard: bool = True,
+        config: Mapping[str, Any] | None = None,
+        project: str = "microrl",
         progress: bool = True,
         log_every: int = 10,
         stream: TextIO | None = None,
@@ -78,7 +108,9 @@ class Tracker:
         self.out_dir = Path(out_dir)
         self.metrics_path = self.out_dir / METRICS_FILE
         self._bar = None
-        self._writer = None
+        self._backends: dict[str, _Backend] = {}
+        self.locations: list[str] = []  # where the trackers write: tensorboard/, a W&B URL, ...
+        self._last_step = start_step
         self._last_eval: float | None = None
         self._stream = stream if stream is not None else sys.stdout
         self._total = total_steps
@@ -86,18 +118,22 @@ class Tracker:
         self._t0 = time.perf_counter()
         self._window: list[Mapping[str, float | None]] = []
         self._log_every = 0
+        names = [n for n in dict.fromkeys(trackers) if tensorboard or n != "tensorboard"]
+        unknown = [n for n in names if n not in _BACKENDS]
+        if unknown:
+            raise ValueError(
+                f"output.trackers: unknown tracker {', '.join(unknown)}; known: "
+                f"{', '.join(_BACKENDS)}"
+            )
         if not enabled:
             return
+        for name in names:  # every library first: a missing one fails before anything is opened
+            _BACKENDS[name].load()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         kept = [m for m in read_metrics(self.metrics_path) if m.get("step", 0) <= start_step]
         kept = kept if start_step > 0 else []
         self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(
-                log_dir=str(self.out_dir / "tensorboard"), purge_step=start_step + 1
-            )
+        self._open_backends(names, start_step, config or {}, project)
         if progress and _is_terminal(self._stream):
             self._bar = tqdm(
                 total=total_steps,
@@ -117,10 +153,10 @@ class Tracker:
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._writer is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._writer.add_scalar(key, value, step)
+        values = {k: v for k, v in record.items() if k != "step" and v is not None}
+        for backend in self._backends.values():
+            backend.log(step, values)
+        self._last_step = step
         if "eval/accuracy" in record and record["eval/accuracy"] is not None:
             self._last_eval = record["eval/accuracy"]
         if self._bar is not None:
@@ -135,6 +171,25 @@ class Tracker:
             if step % self._log_every == 0 or step == self._total:
                 print(self._line(step), file=self._stream, flush=True)
                 self._window = []
+
+    def _open_backends(
+        self, names: list[str], start_step: int, config: Mapping[str, Any], project: str
+    ) -> None:
+        """Open each tracker, continuing on resume the runs whose ids ``trackers.json`` holds."""
+        runs_path = self.out_dir / TRACKER_RUNS_FILE
+        run_ids = (
+            json.loads(runs_path.read_text()) if start_step > 0 and runs_path.is_file() else {}
+        )
+        for name in names:
+            start = _Start(self.out_dir, start_step, run_ids.get(name), config, project)
+            self._backends[name] = backend = _BACKENDS[name](start)
+            if backend.run_id is not None:
+                run_ids[name] = backend.run_id
+        if run_ids:
+            runs_path.write_text(json.dumps(run_ids, indent=1) + "\n")
+        elif runs_path.exists():  # a previous run's, on a fresh start: never to be continued
+            runs_path.unlink()
+        self.locations = [backend.location for backend in self._backends.values()]
 
     def _line(self, step: int) -> str:
         """``step 20/300  0:00:16 (eta 0:03:44)  reward 0.41  accuracy 0.658  kl 0.25 ...``"""
@@ -165,11 +220,168 @@ class Tracker:
             return None
         if self._bar is not None:
             self._bar.close()
-        if self._writer is not None:
-            self._writer.close()
-        if plot:
-            return plot_metrics(self.metrics_path, self.out_dir / PLOT_FILE)
-        return None
+        png = plot_metrics(self.metrics_path, self.out_dir / PLOT_FILE) if plot else None
+        for backend in self._backends.values():
+            if png is not None:
+                backend.log_image(png, self._last_step)
+            backend.close()
+        self._backends = {}
+        return png
+
+
+# ----------------------------------------------------------------------------- trackers
+@dataclass(frozen=True)
+class _Start:
+    """What a tracker is opened with."""
+
+    out_dir: Path
+    start_step: int
+    run_id: str | None  # the run to continue (resume), or None for a new one
+    config: Mapping[str, Any]
+    project: str
+
+
+class _Backend(Protocol):
+    run_id: str | None  # None: nothing to continue on resume (TensorBoard: the directory is it)
+    location: str
+
+    @staticmethod
+    def load() -> Any: ...
+    def log(self, step: int, values: Mapping[str, float]) -> None: ...
+    def log_image(self, path: Path, step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _import_tracker(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"output.trackers names {module}, which is not installed: {TRACKERS_INSTALL}"
+        ) from err
+
+
+class _TensorBoard:
+    """Scalars under ``out_dir/tensorboard``; a resumed run drops the events after its step."""
+
+    run_id = None
+    location = "tensorboard/"
+
+    @staticmethod
+    def load() -> Any:
+        from torch.utils.tensorboard import SummaryWriter  # a dependency of microrl
+
+        return SummaryWriter
+
+    def __init__(self, start: _Start) -> None:
+        self._writer = self.load()(
+            log_dir=str(start.out_dir / "tensorboard"), purge_step=start.start_step + 1
+        )
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        for key, value in values.items():
+            self._writer.add_scalar(key, value, step)
+
+    def log_image(self, path: Path, step: int) -> None:
+        pass  # TensorBoard draws the curves itself
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _WandB:
+    """A W&B run; ``WANDB_MODE`` (online, offline, disabled) and the other ``WANDB_*``
+    variables apply as usual; its local files go to ``out_dir/wandb`` unless ``WANDB_DIR`` is set.
+    """
+
+    @staticmethod
+    def load() -> Any:
+        return _import_tracker("wandb")
+
+    def __init__(self, start: _Start) -> None:
+        self._wandb = self.load()
+        self._run = self._wandb.init(
+            project=start.project,
+            name=start.out_dir.name,
+            config=dict(start.config),
+            id=start.run_id,
+            resume="allow" if start.run_id else None,
+            dir=None if os.environ.get("WANDB_DIR") else str(start.out_dir),
+        )
+        self.run_id: str | None = self._run.id
+        self.location = (
+            "W&B (WANDB_MODE=disabled)"
+            if self._run.disabled
+            else self._run.url or f"W&B run {self._run.id} ({Path(self._run.dir).parent})"
+        )
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        # A resumed online run ignores steps it already has (an unsaved tail logged before a kill).
+        self._run.log(dict(values), step=step)
+
+    def log_image(self, path: Path, step: int) -> None:
+        self._run.log({"curves": self._wandb.Image(str(path))}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MLflow:
+    """An MLflow run at ``MLFLOW_TRACKING_URI``, else in a file store at ``out_dir/mlruns``."""
+
+    @staticmethod
+    def load() -> Any:
+        return _import_tracker("mlflow")
+
+    def __init__(self, start: _Start) -> None:
+        self._mlflow = mlflow = self.load()
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3 opens a file store only when asked to (it prefers a database, which needs
+            # the full mlflow package); a local store beside the run needs nothing more.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((start.out_dir / "mlruns").resolve().as_uri())
+        if start.run_id is None:
+            mlflow.set_experiment(start.project)
+            run = mlflow.start_run(run_name=start.out_dir.name)
+        else:
+            run = mlflow.start_run(run_id=start.run_id)
+        self.run_id: str | None = run.info.run_id
+        self.location = f"MLflow run {run.info.run_id} ({mlflow.get_tracking_uri()})"
+        # Params cannot change once logged: a resumed run adds only new keys; the artifact
+        # config.yaml is the latest config.
+        params = {k: v for k, v in _flat_params(start.config).items() if k not in run.data.params}
+        if params:
+            mlflow.log_params(params)
+        if start.config:
+            mlflow.log_dict(dict(start.config), "config.yaml")
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self._mlflow.log_metrics(dict(values), step=step)
+
+    def log_image(self, path: Path, step: int) -> None:
+        self._mlflow.log_artifact(str(path))
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def _flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"train": {"steps": 300}}`` -> ``{"train.steps": "300"}``; values as JSON (``null``)."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out.update(_flat_params(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+_BACKENDS: dict[str, type[_Backend]] = {
+    "tensorboard": _TensorBoard,
+    "wandb": _WandB,
+    "mlflow": _MLflow,
+}
+assert tuple(_BACKENDS) == TRACKER_NAMES  # the config's names (output.trackers) are these
 
 
 def _is_terminal(stream: TextIO) -> bool:
