@@ -76,6 +76,9 @@ _RESHARD_ATTR = "_microrl_reshard_after_forward"
 # uses the same so a hung rank fails loudly instead of waiting forever.
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
+# The exit barrier of the last shutdown(), kept referenced until the interpreter is torn down.
+_exit_barrier: dist.Work | None = None
+
 
 def is_distributed() -> bool:
     """Whether torch.distributed is initialised with more than one rank."""
@@ -156,8 +159,7 @@ def init_distributed(
         dist.init_process_group(
             backend or ("nccl" if cuda_index is not None else "gloo"), timeout=timeout
         )
-        # A group left alive at exit can abort a rank ("terminate called without an active
-        # exception") while its peers still talk: end it once every rank is done.
+        # End it at exit while the interpreter is alive (shutdown keeps gloo's threads off the GIL).
         atexit.register(shutdown)
     return dp_group()
 
@@ -173,7 +175,13 @@ def shutdown() -> None:
         return
     if getattr(sys, "last_value", None) is not None:  # set when an uncaught exception was printed
         return
-    barrier()
+    global _exit_barrier
+    if is_distributed():
+        # Kept, not dropped: a gloo worker thread releasing the last reference would free the
+        # finished works the barrier waited on, and their tensors' Python objects need the GIL,
+        # which kills that thread (std::terminate) once the interpreter is finalizing.
+        _exit_barrier = dist.barrier(async_op=True)
+        _exit_barrier.wait()
     dist.destroy_process_group()
 
 
