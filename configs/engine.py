@@ -16,11 +16,21 @@ from microrl.configs.fields import config_field
 from microrl.losses.aggregation import AggMode
 from microrl.losses.config import PolicyLossConfig
 
-__all__ = ["ActorConfig", "CriticConfig", "EngineConfig", "LoraConfig", "OptimConfig"]
+__all__ = [
+    "BASE_DTYPES",
+    "ActorConfig",
+    "CriticConfig",
+    "EngineConfig",
+    "LoraConfig",
+    "OptimConfig",
+]
 
 
 # Rows per micro-batch when neither micro-batching mode is configured.
 DEFAULT_MICRO_BATCH_SIZE = 4
+
+# EngineConfig.base_dtype -> the dtype the model's frozen base weights are stored in.
+BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Schedule(str, Enum):
@@ -33,7 +43,7 @@ class Schedule(str, Enum):
 class OptimConfig:
     name: str = config_field("adamw", "optimizer: adamw or sgd")
     lr: float = config_field(1e-5, "learning rate (after warm-up)")
-    betas: tuple[float, float] = config_field((0.9, 0.999), "AdamW betas")
+    betas: tuple[float, float] = config_field((0.9, 0.999), "AdamW betas: two floats in [0, 1)")
     eps: float = config_field(1e-8, "AdamW epsilon")
     weight_decay: float = config_field(0.0, "decoupled weight decay")
     grad_clip: float | None = config_field(1.0, "max global gradient norm (null: no clipping)")
@@ -51,6 +61,8 @@ class OptimConfig:
             raise ValueError(f"optim.name must be 'adamw' or 'sgd', got {self.name!r}")
         if not self.lr >= 0:
             raise ValueError(f"optim.lr must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two floats in [0, 1), got {list(self.betas)}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"optim.grad_clip must be > 0 or None, got {self.grad_clip}")
         if self.warmup_steps < 0:
@@ -150,6 +162,11 @@ class EngineConfig:
     dtype: str = config_field(
         "auto", "auto (float32 on CPU, bf16 autocast on CUDA), float32 or bfloat16"
     )
+    # Storage, not compute: a 16-bit base halves the frozen weights' bytes (LoRA only: a full
+    # fine-tune needs fp32 master weights). Adapters, heads and optimizer state stay float32.
+    base_dtype: str = config_field(
+        "float32", "dtype of the frozen base weights under LoRA: float32, bfloat16 or float16"
+    )
     # A device that is not available here fails at engine construction.
     device: str = config_field(
         "auto", "auto (CUDA if present, else CPU) or a torch device such as cuda:1"
@@ -210,6 +227,16 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(
+                f"base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}"
+            )
+        if self.base_dtype != "float32" and not self.lora.rank:
+            raise ValueError(
+                f"base_dtype={self.base_dtype!r} needs LoRA (lora.rank > 0): a full fine-tune "
+                "trains the base weights, which need float32 master weights (AdamW updates "
+                "below a 16-bit weight's resolution would be lost); use base_dtype='float32'"
+            )
         if self.device != "auto":
             try:
                 if not isinstance(self.device, str):

@@ -119,10 +119,13 @@ class Engine:
         # A checkpoint path under torchrun: rank 0 reads it, the others build on meta, and every
         # rank materialises only its shards once sharded (engine/parallel/materialize.py).
         self._rank0_loading = isinstance(model, (str, os.PathLike)) and distributed.is_distributed()
+        # The frozen base's storage dtype (config.base_dtype), set before the model reaches the
+        # device, so a 16-bit base never sits there in fp32.
+        base_dtype = setup.base_dtype(config)
         if self._rank0_loading:
-            causal_lm = materialize.load_on_rank0(model)
+            causal_lm = materialize.load_on_rank0(model, base_dtype)
         else:
-            causal_lm = setup.load_causal_lm(model).to(self.device)
+            causal_lm = setup.load_causal_lm(model, base_dtype).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
         if config.disable_dropout:  # before LoRA: the adapters' own dropout is the user's choice
             zeroed = setup.disable_dropout(causal_lm)

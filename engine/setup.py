@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from microrl.configs.engine import EngineConfig, LoraConfig
+from microrl.configs.engine import BASE_DTYPES, EngineConfig, LoraConfig
 from microrl.engine.parallel import distributed
 
 __all__ = [
     "apply_lora",
     "autocast_context",
+    "base_dtype",
+    "cast_base_weights",
     "checkpoint_dir",
     "disable_dropout",
     "enable_gradient_checkpointing",
@@ -87,18 +89,48 @@ def autocast_context(config: EngineConfig, device: torch.device) -> Any:
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def load_causal_lm(model: nn.Module | str | os.PathLike) -> nn.Module:
-    """A transformers ``PreTrainedModel`` as given, or loaded in fp32 from a local checkpoint path."""
+def base_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype the frozen base weights are stored in (``config.base_dtype``)."""
+    return BASE_DTYPES[config.base_dtype]
+
+
+def load_causal_lm(
+    model: nn.Module | str | os.PathLike, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """A transformers ``PreTrainedModel``, or one loaded from a local checkpoint path.
+
+    ``dtype``: the base weights' storage dtype (:func:`base_dtype`). A path is loaded straight
+    into it (``from_pretrained(..., dtype=dtype)``: a 16-bit base never exists in fp32 here); a
+    model object keeps its own dtype for float32 (fp64 models of exactness tests stay fp64) and
+    has its parameters cast for a 16-bit dtype (:func:`cast_base_weights`).
+    """
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(checkpoint_dir(model), dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(checkpoint_dir(model), dtype=dtype)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model must be a transformers PreTrainedModel or a checkpoint path, got "
             f"{type(model).__name__}"
         )
+    if dtype.itemsize < 4:
+        cast_base_weights(model, dtype)
     return model
+
+
+@torch.no_grad()
+def cast_base_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every floating-point parameter of ``model`` in ``dtype``, in place, before LoRA.
+
+    Parameters only, as ``from_pretrained(dtype=...)`` does: buffers keep their dtype (rotary
+    ``inv_freq`` stays fp32, so positions are not rounded). LoRA comes after and peft stores the
+    adapters in fp32 (``autocast_adapter_dtype``); the role's new heads are fp32 too, so only the
+    frozen base is 16-bit. Tied weights stay tied (``param.data`` is replaced, the shared
+    ``Parameter`` object is kept).
+    """
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def checkpoint_dir(model: str | os.PathLike) -> str:
@@ -172,7 +204,9 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, nn.Modu
 
     Returns ``(model, peft_model)``: ``model`` is the same causal LM object with adapter layers
     injected (its base weights frozen by peft), ``peft_model`` the ``PeftModel`` that owns the
-    adapters (``disable_adapter()``, ``save_pretrained()``), or ``None`` without LoRA.
+    adapters (``disable_adapter()``, ``save_pretrained()``), or ``None`` without LoRA. The
+    adapters are float32 whatever the base's dtype (``autocast_adapter_dtype``: over a 16-bit
+    base, peft initialises them, rounds them to the base's dtype and stores them in float32).
 
     Raises:
         ValueError: naming ``lora.target_modules`` when its names select no (or not every) layer.
@@ -206,7 +240,7 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, nn.Modu
         # GPT-2's Conv1D stores its weight transposed; peft notices and adapts correctly.
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
         try:
-            peft_model = peft.get_peft_model(model, lora)
+            peft_model = peft.get_peft_model(model, lora, autocast_adapter_dtype=True)
         except ValueError as err:  # e.g. a regular expression that matches nothing
             raise ValueError(
                 f"lora.target_modules={targets!r} could not be applied to "

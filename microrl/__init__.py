@@ -41,6 +41,8 @@ _API = {
     "Rollout": "microrl.engine.rollout",
     "SamplingParams": "microrl.engine.rollout",
     "make_rollout_backend": "microrl.engine.rollout",
+    "MemoryEstimate": "microrl.engine",
+    "estimate_memory": "microrl.engine",
     "fused_linear_logprob": "microrl.kernels",
 }
 

@@ -56,10 +56,11 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def load_on_rank0(path: str | os.PathLike) -> nn.Module:
-    """The checkpoint's causal LM, fp32: loaded on the CPU on global rank 0, built on ``meta``
-    elsewhere from rank 0's config and generation config (shared by a broadcast, so the other
-    ranks never read the path: on a multi-node run it need not exist on their file systems).
+def load_on_rank0(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The checkpoint's causal LM in ``dtype`` (the engine's ``base_dtype``, fp32 by default):
+    loaded on the CPU on global rank 0, built on ``meta`` elsewhere from rank 0's config and
+    generation config (shared by a broadcast, so the other ranks never read the path: on a
+    multi-node run it need not exist on their file systems).
 
     Raises:
         ValueError: on every rank, when rank 0 cannot load the path (naming it and rank 0's
@@ -72,7 +73,7 @@ def load_on_rank0(path: str | os.PathLike) -> nn.Module:
     model, found = None, None
     if distributed.rank() == 0:
         try:
-            model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(path), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(path), dtype=dtype)
             found = (model.config, model.generation_config)
         except Exception as error:  # shared with the other ranks, then re-raised
             share_from_rank0(f"{type(error).__name__}: {error}")
@@ -84,7 +85,7 @@ def load_on_rank0(path: str | os.PathLike) -> nn.Module:
         return model
     config, generation_config = found
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = generation_config
     return model
 

@@ -1,0 +1,471 @@
+"""How many bytes an engine needs per device, before building it: :func:`estimate_memory`.
+
+Parameters, gradients and optimizer state are counted exactly: the model is built from its
+transformers config on the ``meta`` device (no memory, no download) and prepared as the engine
+prepares it (``base_dtype``, LoRA through :func:`microrl.engine.setup.apply_lora`, a critic's
+value head), so every tensor's shape and dtype is the engine's. Activations follow a per-layer
+model of the tensors autograd saves in a Llama/Qwen decoder layer (docs/gpu.md, "The activation
+model"), checked against measured live bytes on the CPU (tests/engine/test_memory_estimate.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from microrl.configs.engine import EngineConfig
+from microrl.engine import setup
+from microrl.kernels import WORKING_TILE_ELEMENTS
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+GiB = 1024**3
+
+# The fused kernel's tile budget: at most four full working tiles of float32 (docs/kernels.md,
+# "Memory and chunk_size"); rows per chunk when kernel_chunk_size is unset.
+_KERNEL_TILES = 4
+_KERNEL_ROWS = 1024
+# Per-token bytes outside the model: the micro-batch's ids, positions, masks, targets, loss
+# inputs and fp32 outputs in the compact layout (about eight 8-byte values).
+_BATCH_BYTES_PER_TOKEN = 64
+# The eager fp32 head (use_fused_kernel=False) holds about five [N, V] float32 buffers at its
+# peak (docs/kernels.md).
+_EAGER_HEAD_BUFFERS = 5
+# The linear layers of a Llama/Qwen decoder layer, by role (the activation model's layout).
+_ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
+_MLP_INPUTS = ("gate_proj", "up_proj")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device of one engine's training step (:func:`estimate_memory`).
+
+    Persistent: ``weights`` (the frozen parameters, in ``base_dtype``), ``trainable_params``
+    (fp32: adapters and heads under LoRA, every parameter in a full fine-tune),
+    ``gradients`` (fp32) and ``optimizer_state`` (AdamW: two fp32 moments per element and a
+    step per tensor). Parameters and optimizer state are sharded over the FSDP ranks; the
+    gradients are not: the engine reduces them once per mini-batch, so each rank accumulates
+    full-size gradients until the last micro-batch's backward.
+
+    Per micro-batch: ``activations`` (what autograd keeps for the token budget, at their
+    largest: every layer's saved tensors, or with gradient checkpointing the layer inputs plus
+    one recomputed layer), ``head_buffers`` (the lm head's logits tiles), ``autocast_copies``
+    (the bf16 copies autocast caches of trainable weights during the forward),
+    ``backward_gradients`` (the activation gradients in flight in one layer's backward).
+    ``compute_peak`` is the larger of the forward at the head (activations, head buffers,
+    autocast copies) and the backward (activations, gradients in flight) -- with
+    checkpointing the two phases hold different activations, so the rows can add up to more.
+    ``fsdp_buffers``: the gathered full weights of the units being computed;
+    ``optimizer_transient``: AdamW's temporary copy during its step (after the backward, so
+    only the larger of it and ``compute_peak`` counts); ``vllm``: vLLM's reserved share.
+
+    ``total`` = persistent + ``fsdp_buffers`` + ``vllm`` + max(``compute_peak``,
+    ``optimizer_transient``). Not counted: the CUDA context and allocator fragmentation (often
+    0.5-2 GiB), and nothing measured it on a GPU (docs/gpu.md).
+    """
+
+    weights: int
+    trainable_params: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    head_buffers: int
+    autocast_copies: int
+    backward_gradients: int
+    compute_peak: int
+    fsdp_buffers: int
+    optimizer_transient: int
+    vllm: int
+    total: int
+    # What the numbers were computed for.
+    num_params: int
+    num_trainable: int
+    tokens: int
+    world_size: int
+    peak_phase: str  # "forward at the head", "backward" or "optimizer step"
+    device_memory: int | None = None
+
+    @property
+    def persistent(self) -> int:
+        """Bytes that live for the whole run: parameters, gradients, optimizer state."""
+        return self.weights + self.trainable_params + self.gradients + self.optimizer_state
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether ``total`` fits the given device memory (None when none was given)."""
+        return None if self.device_memory is None else self.total <= self.device_memory
+
+    def __str__(self) -> str:
+        rows = [
+            ("weights (frozen)", self.weights),
+            ("trainable params (fp32)", self.trainable_params),
+            ("gradients (fp32)", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            (f"activations ({self.tokens} tokens)", self.activations),
+            ("lm-head buffers", self.head_buffers),
+            ("autocast weight copies", self.autocast_copies),
+            ("gradients in flight", self.backward_gradients),
+            ("= forward/backward peak", self.compute_peak),
+            ("FSDP gathered weights", self.fsdp_buffers),
+            ("optimizer-step transient", self.optimizer_transient),
+            ("vLLM share", self.vllm),
+            (f"total (peak: {self.peak_phase})", self.total),
+        ]
+        width = max(len(name) for name, _ in rows) + 2
+        lines = [
+            f"{self.num_params / 1e9:.3g}B params, {self.num_trainable / 1e6:.4g}M trainable, "
+            f"{self.tokens} tokens per micro-batch, {self.world_size} rank(s); per device:"
+        ]
+        lines += [f"  {name:<{width}}{_gib(value):>11}" for name, value in rows]
+        if self.device_memory is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"  {verdict} in {_gib(self.device_memory).strip()}")
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def estimate_memory(
+    model_config: Any,
+    config: EngineConfig | None = None,
+    *,
+    tokens_per_micro_batch: int | None = None,
+    world_size: int = 1,
+    device: str = "cuda",
+    value_head: bool = False,
+    vllm_gpu_memory_utilization: float | None = None,
+    device_memory: int | None = None,
+) -> MemoryEstimate:
+    """The bytes one device needs to train ``model_config``'s model with ``config``.
+
+    Args:
+        model_config: a transformers ``PretrainedConfig`` of a causal LM (e.g.
+            ``AutoConfig.from_pretrained(model_id)``, or one built from known shapes).
+        config: the engine config (default ``EngineConfig()``): LoRA rank and targets,
+            ``base_dtype``, ``dtype`` (autocast), optimizer, ``gradient_checkpointing``,
+            ``use_fused_kernel``, ``kernel_chunk_size`` and the token budget
+            ``max_tokens_per_micro_batch``.
+        tokens_per_micro_batch: tokens of one micro-batch (padded rows x longest row, or packed
+            tokens); default ``config.max_tokens_per_micro_batch``, required without it.
+        world_size: FSDP data-parallel ranks; parameters and optimizer state are sharded
+            over them, each rank runs its own micro-batches.
+        device: ``"cuda"`` or ``"cpu"``: resolves ``dtype="auto"`` (bf16 autocast on CUDA) and
+            the FSDP mixed precision (bf16 compute on CUDA).
+        value_head: a critic's ``Linear(H, 1)`` head instead of the lm head (no logits).
+        vllm_gpu_memory_utilization: vLLM's colocated share of ``device_memory``.
+        device_memory: bytes of one device (needed for the vLLM share; then also tells
+            whether the total fits).
+
+    Raises:
+        ValueError: naming the argument: no token budget, ``world_size < 1``, a vLLM share
+            without ``device_memory`` or outside (0, 1].
+    """
+    config = EngineConfig() if config is None else config
+    tokens = tokens_per_micro_batch or config.max_tokens_per_micro_batch
+    if not tokens or tokens < 1:
+        raise ValueError(
+            "tokens_per_micro_batch must be >= 1 (or set config.max_tokens_per_micro_batch), "
+            f"got {tokens_per_micro_batch!r}"
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    vllm = 0
+    if vllm_gpu_memory_utilization is not None:
+        if not 0 < vllm_gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"vllm_gpu_memory_utilization must be in (0, 1], got {vllm_gpu_memory_utilization}"
+            )
+        if device_memory is None:
+            raise ValueError("vllm_gpu_memory_utilization needs device_memory (bytes)")
+        vllm = int(vllm_gpu_memory_utilization * device_memory)
+
+    model = _meta_model(model_config, config, value_head)
+    params = _ParamBytes.count(model, world_size)
+    shape = _Shape.of(model_config)
+    autocast = config.dtype == "bfloat16" or (config.dtype == "auto" and device == "cuda")
+    # FSDP2 on CUDA gathers parameters in bf16 (engine/parallel/distributed.py).
+    fsdp_bf16 = world_size > 1 and device == "cuda"
+    numerics = _Numerics.of(config, autocast, fsdp_bf16)
+    adapted = _adapted_roles(model, config)
+    per_layer = _layer_bytes_per_token(shape, numerics, adapted, config.lora.rank)
+    other = _other_bytes_per_token(shape, numerics)
+    if config.gradient_checkpointing:  # each layer keeps its input; backward recomputes one
+        kept = tokens * (shape.layers * shape.hidden * numerics.stream + other)
+        forward, backward = kept, kept + tokens * per_layer
+    else:
+        forward = backward = tokens * (shape.layers * per_layer + other)
+    head = 0
+    if not value_head:
+        head = _head_bytes(shape, numerics, config, tokens, device)
+        # A trainable head's weight gradient is formed in the fused head's forward (fp32).
+        head += 4 * params.trainable_head_numel
+    # Autocast caches the bf16 cast of each weight that requires grad for the whole forward.
+    copies = 2 * params.trainable_linear_numel if autocast and not fsdp_bf16 else 0
+    # Plus, when weights train, one weight gradient before it is added into ``.grad``.
+    in_flight = tokens * _backward_bytes_per_token(shape, numerics) + 4 * params.largest_weight
+    phases = {"forward at the head": forward + head + copies, "backward": backward + in_flight}
+    compute_phase = max(phases, key=phases.get)
+    gathered = 0
+    if world_size > 1:
+        # In the gather dtype: the root unit (final norm and head), unsharded for the whole
+        # step, plus the decoder layer being computed and the next one (prefetch).
+        gather_size = 2 if fsdp_bf16 else params.base_itemsize
+        gathered = (params.root_numel + 2 * params.layer_numel) * gather_size
+    # AdamW (foreach) holds one fp32 temporary per trainable element during its step.
+    step = params.trainable_numel_per_rank * 4 if config.optim.name == "adamw" else 0
+    peak_phase = compute_phase if phases[compute_phase] >= step else "optimizer step"
+    persistent = params.frozen + params.trainable + params.gradients + params.optimizer
+    return MemoryEstimate(
+        weights=params.frozen,
+        trainable_params=params.trainable,
+        gradients=params.gradients,
+        optimizer_state=params.optimizer,
+        activations=max(forward, backward),
+        head_buffers=head,
+        autocast_copies=copies,
+        backward_gradients=in_flight,
+        compute_peak=phases[compute_phase],
+        fsdp_buffers=gathered,
+        optimizer_transient=step,
+        vllm=vllm,
+        total=persistent + gathered + vllm + max(phases[compute_phase], step),
+        num_params=params.num_params,
+        num_trainable=params.num_trainable,
+        tokens=tokens,
+        world_size=world_size,
+        peak_phase=peak_phase,
+        device_memory=device_memory,
+    )
+
+
+# ------------------------------------------------------------------------------ parameters
+def _meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.Module:
+    """The model as the engine prepares it, on ``meta``: base dtype, LoRA, a value head."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=setup.base_dtype(config))
+    model, _ = setup.apply_lora(model, config.lora)
+    if value_head:  # the critic's Linear(H, 1) head, fp32 and trainable (engine/models.py)
+        hidden = model.config.get_text_config().hidden_size
+        model.add_module("value_head", nn.Linear(hidden, 1, device="meta", dtype=torch.float32))
+    return model
+
+
+@dataclass(frozen=True)
+class _ParamBytes:
+    frozen: int
+    trainable: int
+    gradients: int
+    optimizer: int
+    num_params: int
+    num_trainable: int
+    trainable_numel_per_rank: int
+    trainable_linear_numel: int  # weights of trainable linear layers but the head (autocast)
+    trainable_head_numel: int  # the output head's weight when it trains
+    largest_weight: int  # elements of the largest trainable weight of a decoder layer
+    layer_numel: int  # the largest decoder layer, adapters included
+    root_numel: int  # FSDP's root unit: the output head and the final norm
+    base_itemsize: int
+
+    @staticmethod
+    def count(model: nn.Module, world_size: int) -> _ParamBytes:
+        """Bytes per rank: each tensor sharded on dim 0 (FSDP2 pads it to a multiple of the
+        world size); AdamW holds two fp32 moments per element and a 0-d fp32 step per tensor."""
+        frozen = trainable = trainable_numel = n_params = n_trainable = n_tensors = 0
+        itemsize = 4
+        for p in model.parameters():
+            numel = _shard_numel(p, world_size)
+            n_params += p.numel()
+            if p.requires_grad:
+                trainable += numel * p.element_size()
+                trainable_numel += numel
+                n_trainable += p.numel()
+                n_tensors += 1
+            else:
+                frozen += numel * p.element_size()
+                itemsize = p.element_size()
+        # Full-size gradients (fp32, like the trainable parameters) on every rank.
+        gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        optimizer = 8 * trainable_numel + 4 * n_tensors
+        layers = _decoder_layers(model)
+        head = model.get_output_embeddings()
+        norm = getattr(model.get_decoder(), "norm", None)
+        return _ParamBytes(
+            frozen=frozen,
+            trainable=trainable,
+            gradients=gradients,
+            optimizer=optimizer,
+            num_params=n_params,
+            num_trainable=n_trainable,
+            trainable_numel_per_rank=trainable_numel,
+            trainable_linear_numel=sum(
+                p.numel()
+                for m in model.modules()
+                if isinstance(m, nn.Linear) and m is not head
+                for p in m.parameters(recurse=False)
+                if p.requires_grad and p.dim() == 2
+            ),
+            trainable_head_numel=sum(p.numel() for p in _params(head) if p.requires_grad),
+            largest_weight=max(
+                (p.numel() for layer in layers for p in layer.parameters() if p.requires_grad),
+                default=0,
+            ),
+            layer_numel=max((_numel(layer) for layer in layers), default=0),
+            root_numel=_numel(head) + _numel(norm),
+            base_itemsize=itemsize,
+        )
+
+
+def _shard_numel(p: torch.Tensor, world_size: int) -> int:
+    if world_size == 1 or p.dim() == 0:
+        return p.numel()
+    return math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0])
+
+
+def _params(module: nn.Module | None) -> list[nn.Parameter]:
+    return [] if module is None else list(module.parameters())
+
+
+def _numel(module: nn.Module | None) -> int:
+    return sum(p.numel() for p in _params(module))
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and "Layer" in type(module[0]).__name__
+        ):
+            return list(module)
+    return []
+
+
+# ------------------------------------------------------------------------------ activations
+@dataclass(frozen=True)
+class _Shape:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    vocab: int
+
+    @staticmethod
+    def of(model_config: Any) -> _Shape:
+        text = model_config.get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return _Shape(
+            hidden=text.hidden_size,
+            intermediate=text.intermediate_size,
+            heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            layers=text.num_hidden_layers,
+            vocab=text.vocab_size,
+        )
+
+
+@dataclass(frozen=True)
+class _Numerics:
+    """Bytes per element of the tensors a layer keeps, by where they come from."""
+
+    stream: int  # the residual stream (embedding output + residual adds)
+    act: int  # linear and attention outputs
+    saved_input: int  # a trainable layer's own copy of its input (adapter input)
+    copies: bool  # each trainable layer keeps its own cast copy of its input
+    full: bool  # a full fine-tune (norm weights train too)
+
+    @staticmethod
+    def of(config: EngineConfig, autocast: bool, fsdp_bf16: bool) -> _Numerics:
+        base = setup.base_dtype(config).itemsize
+        full = not config.lora.rank
+        if fsdp_bf16:  # every parameter gathered in bf16: all bf16, no casts, inputs shared
+            return _Numerics(stream=2, act=2, saved_input=2, copies=False, full=full)
+        if autocast:  # linear outputs bf16; each linear casts its own input to bf16
+            return _Numerics(stream=base, act=2, saved_input=2, copies=True, full=full)
+        # No autocast: the base computes in its own dtype; a 16-bit input is cast to the fp32
+        # adapters (peft) once per adapted layer, an fp32 one is shared.
+        return _Numerics(
+            stream=base,
+            act=base,
+            saved_input=base if full else 4,
+            copies=not full and base < 4,
+            full=full,
+        )
+
+
+def _adapted_roles(model: nn.Module, config: EngineConfig) -> set[str]:
+    """Which linear layers of a decoder layer train (keep their input): all of them in a full
+    fine-tune, the adapted ones under LoRA."""
+    layers = _decoder_layers(model)
+    if not layers:
+        return set()
+    trains = (lambda m: hasattr(m, "lora_A")) if config.lora.rank else _is_linear
+    return {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules() if trains(m)}
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+def _layer_bytes_per_token(shape: _Shape, num: _Numerics, adapted: set[str], rank: int) -> int:
+    """Bytes autograd keeps per token in one decoder layer (docs/gpu.md, "The activation model")."""
+    h, i = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    total = 2 * h * 4 + 2 * 4  # the two RMSNorms: their input upcast to fp32, 1/rms per token
+    if num.full:  # the norms' weights train: each keeps its normalised input
+        total += 2 * h * num.stream
+    # Inputs of the trainable linear layers: one shared tensor per group, or a copy per layer.
+    for group, width in ((_ATTENTION_INPUTS, h), (_MLP_INPUTS, h)):
+        count = sum(name in adapted for name in group)
+        if count:
+            total += (count if num.copies else 1) * width * num.saved_input
+    total += ("o_proj" in adapted) * q * num.saved_input
+    total += ("down_proj" in adapted) * i * num.saved_input
+    # Attention (SDPA / flash): rotated q and k, v, the output, and a logsumexp per head.
+    total += (2 * q + 2 * kv) * num.act + shape.heads * 4
+    # Gated MLP: the gate (SiLU's input), SiLU's output and the up projection (the product's
+    # factors).
+    total += 3 * i * num.act
+    if rank:  # each adapter's low-rank activation (lora_B's input)
+        total += len(adapted) * rank * num.saved_input
+    return total
+
+
+def _backward_bytes_per_token(shape: _Shape, num: _Numerics) -> int:
+    """Activation gradients in flight in one layer's backward: the layer output's gradient and
+    one MLP-wide gradient, in the wider of the activations' and the adapter inputs' dtypes."""
+    return shape.hidden * num.stream + shape.intermediate * max(num.act, num.saved_input)
+
+
+def _other_bytes_per_token(shape: _Shape, num: _Numerics) -> int:
+    """Outside the layers: the final norm, the final hidden state the head keeps and its
+    gradient formed in forward, rotary cos/sin, and the micro-batch's own tensors."""
+    h = shape.hidden
+    return h * 4 + 2 * h * num.stream + 2 * shape.head_dim * num.act + _BATCH_BYTES_PER_TOKEN
+
+
+def _head_bytes(
+    shape: _Shape, num: _Numerics, config: EngineConfig, tokens: int, device: str
+) -> int:
+    """The lm head's buffers: the fused kernel's float32 logits tiles (all of the logits when
+    they fit its budget of four full tiles, plus two working tiles) and, for a 16-bit weight on a
+    CPU, a float32 copy of one vocabulary tile; the eager head's [N, V] float32 buffers."""
+    if not config.use_fused_kernel:
+        return _EAGER_HEAD_BUFFERS * tokens * shape.vocab * 4
+    chunk = config.kernel_chunk_size or _KERNEL_ROWS
+    vocab_tile = min(shape.vocab, max(128, WORKING_TILE_ELEMENTS // chunk))
+    working = 2 * min(chunk, tokens) * vocab_tile
+    tiles = min(_KERNEL_TILES * WORKING_TILE_ELEMENTS, tokens * shape.vocab + working)
+    upcast = vocab_tile * shape.hidden * 4 if (num.stream < 4 and device != "cuda") else 0
+    return tiles * 4 + upcast

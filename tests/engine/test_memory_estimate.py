@@ -1,0 +1,175 @@
+"""``microrl.estimate_memory`` against what an engine really holds on the CPU.
+
+Parameters, gradients and optimizer state must match to the byte (the estimate builds the same
+model on ``meta``). The forward/backward peak must lie within 30% of the live bytes measured
+over one ``forward_backward_batch`` (``benchmarks/live_bytes.py``: every tensor the call
+allocates, gradients already allocated), for two token budgets, with and without gradient
+checkpointing, LoRA and a full fine-tune, fp32 and bf16 bases, with and without autocast.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import microrl
+from microrl.configs import ActorConfig, CriticConfig, LoraConfig
+from microrl.engine import ActorEngine, CriticEngine
+from microrl.engine.memory import MemoryEstimate, estimate_memory
+
+
+def _benchmark_module(name: str):
+    """A module of benchmarks/ (not a package), loaded from its file."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LiveBytes = _benchmark_module("live_bytes").LiveBytes
+ACTIVATION_TOLERANCE = 0.30  # the documented accuracy of the activation model (docs/gpu.md)
+
+
+def _model_config(vocab: int = 1024, intermediate: int = 352) -> Qwen2Config:
+    return Qwen2Config(
+        hidden_size=128,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
+def _batch(rows: int, width: int, vocab: int) -> TensorDict:
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(rows, width, dtype=torch.bool)
+    loss_mask = mask.clone()
+    loss_mask[:, : width // 2] = False
+    return TensorDict(
+        input_ids=torch.randint(0, vocab, (rows, width), generator=gen),
+        attention_mask=mask,
+        loss_mask=loss_mask,
+        advantages=torch.randn(rows, width, generator=gen),
+        old_logprobs=-torch.rand(rows, width, generator=gen) - 6,
+        old_values=torch.randn(rows, width, generator=gen),
+        returns=torch.randn(rows, width, generator=gen),
+        batch_size=[rows],
+    )
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _measure(engine, batch: TensorDict) -> dict[str, int]:
+    """Bytes the engine holds after a step, and the live-bytes peak of a forward/backward."""
+    engine.train_batch(batch)  # optimizer state exists from here on
+    engine.forward_backward_batch(batch)  # and gradients
+    params = {id(p): p for p in [*engine.model.parameters(), *engine.module.parameters()]}
+    params = list(params.values())
+    state = engine.optimizer.state.values()
+    held = {
+        "weights": _nbytes(p for p in params if not p.requires_grad),
+        "trainable_params": _nbytes(p for p in params if p.requires_grad),
+        "gradients": _nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state": _nbytes(t for s in state for t in s.values() if torch.is_tensor(t)),
+    }
+    gc.collect()
+    with LiveBytes() as live:
+        engine.forward_backward_batch(batch)
+    return {**held, "peak": live.peak}
+
+
+CASES = [  # (lora rank, gradient checkpointing, base dtype, dtype)
+    (8, False, "float32", "float32"),
+    (8, True, "float32", "float32"),
+    (8, False, "bfloat16", "float32"),
+    (8, True, "bfloat16", "bfloat16"),
+    (0, False, "float32", "bfloat16"),
+    (0, True, "float32", "float32"),
+]
+
+
+@pytest.mark.parametrize(("lora", "checkpointing", "base_dtype", "dtype"), CASES)
+@pytest.mark.parametrize("rows", [1, 4], ids=["256-tokens", "1024-tokens"])
+def test_estimate_matches_the_engine(lora, checkpointing, base_dtype, dtype, rows) -> None:
+    model_config, width = _model_config(), 256
+    config = ActorConfig(
+        max_tokens_per_micro_batch=rows * width,
+        lora=LoraConfig(rank=lora),
+        gradient_checkpointing=checkpointing,
+        base_dtype=base_dtype,
+        dtype=dtype,
+    )
+    torch.manual_seed(0)
+    engine = ActorEngine(Qwen2ForCausalLM(model_config), config)
+    measured = _measure(engine, _batch(rows, width, model_config.vocab_size))
+    estimate = estimate_memory(model_config, config, device="cpu")
+    for key in ("weights", "trainable_params", "gradients", "optimizer_state"):
+        assert getattr(estimate, key) == measured[key], key
+    ratio = estimate.compute_peak / measured["peak"]
+    assert abs(ratio - 1) <= ACTIVATION_TOLERANCE, (
+        f"forward/backward peak: estimated {estimate.compute_peak / 2**20:.2f} MiB, "
+        f"measured {measured['peak'] / 2**20:.2f} MiB (ratio {ratio:.2f})"
+    )
+
+
+def test_critic_estimate_counts_its_value_head_exactly() -> None:
+    model_config = _model_config()
+    config = CriticConfig(max_tokens_per_micro_batch=512, lora=LoraConfig(rank=4))
+    torch.manual_seed(0)
+    engine = CriticEngine(Qwen2ForCausalLM(model_config), config)
+    measured = _measure(engine, _batch(2, 256, model_config.vocab_size))
+    estimate = estimate_memory(model_config, config, device="cpu", value_head=True)
+    for key in ("weights", "trainable_params", "gradients", "optimizer_state"):
+        assert getattr(estimate, key) == measured[key], key
+    assert estimate.head_buffers == 0
+
+
+def test_sharding_vllm_share_table_and_errors() -> None:
+    model_config = _model_config()
+    config = ActorConfig(max_tokens_per_micro_batch=1024, lora=LoraConfig(rank=8))
+    one = estimate_memory(model_config, config, device="cpu")
+    two = estimate_memory(model_config, config, device="cpu", world_size=2)
+    # Dim-0 shards: every tensor here has an even first dimension, so exactly half.
+    assert two.weights * 2 == one.weights and two.gradients == one.gradients
+    assert two.fsdp_buffers > 0 == one.fsdp_buffers
+    shared = estimate_memory(
+        model_config,
+        config,
+        device="cpu",
+        vllm_gpu_memory_utilization=0.25,
+        device_memory=8 * 2**30,
+    )
+    assert shared.vllm == 2 * 2**30 and shared.total == one.total + shared.vllm
+    assert shared.fits is True and one.fits is None
+    table = str(shared)
+    for label in ("weights", "optimizer state", "activations (1024 tokens)", "vLLM", "total"):
+        assert label in table
+    assert isinstance(microrl.estimate_memory(model_config, config), MemoryEstimate)
+    with pytest.raises(ValueError, match="tokens_per_micro_batch"):
+        estimate_memory(model_config, ActorConfig(lora=LoraConfig(rank=8)))
+    with pytest.raises(ValueError, match="device_memory"):
+        estimate_memory(model_config, config, vllm_gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="world_size"):
+        estimate_memory(model_config, config, world_size=0)
+
+
+def test_16_bit_base_halves_the_weights_and_keeps_the_trained_state() -> None:
+    model_config = _model_config()
+    kwargs = {"max_tokens_per_micro_batch": 1024, "lora": LoraConfig(rank=8)}
+    full = estimate_memory(model_config, ActorConfig(**kwargs))
+    half = estimate_memory(model_config, ActorConfig(base_dtype="bfloat16", **kwargs))
+    assert half.weights * 2 == full.weights
+    for key in ("trainable_params", "gradients", "optimizer_state"):
+        assert getattr(half, key) == getattr(full, key), key

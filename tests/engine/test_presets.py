@@ -1,0 +1,68 @@
+"""The GPU presets (configs/presets/*.yaml) load through the GRPO recipe's config loader.
+
+Each must be a valid ``GRPOExampleConfig`` (so ``--config`` accepts it), set a Hub model, a
+16-bit frozen base under LoRA and a token budget, name its launch command and the memory table,
+and come in an ``hf`` and a ``vllm`` variant. ``benchmarks/memory_table.py`` computes their
+memory (docs/gpu.md); here, that it runs on a preset and that the presets fit the 80 GiB GPU
+the table assumes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from microrl.configs.examples import GRPOExampleConfig
+from microrl.configs.loader import load_config
+
+PRESETS = Path(__file__).resolve().parents[2] / "configs" / "presets"
+FILES = sorted(PRESETS.glob("*.yaml"))
+MODELS = ("0.5B", "1.5B", "7B")
+GiB = 2**30
+
+
+def _memory_table():
+    path = PRESETS.parents[1] / "benchmarks" / "memory_table.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_memory_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_model_has_an_hf_and_a_vllm_preset() -> None:
+    names = {f.stem for f in FILES}
+    for size in MODELS:
+        base = f"qwen2.5-{size.lower()}-instruct"
+        assert {base, f"{base}-vllm"} <= names, names
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_preset_loads_into_the_grpo_config(path: Path) -> None:
+    cfg = load_config(GRPOExampleConfig, path)
+    assert isinstance(cfg, GRPOExampleConfig)
+    assert cfg.model.path.startswith("Qwen/Qwen2.5-") and cfg.model.path.endswith("-Instruct")
+    assert cfg.actor.lora.rank > 0 and cfg.actor.base_dtype == "bfloat16"
+    assert cfg.actor.micro_batch_size is None and cfg.actor.max_tokens_per_micro_batch > 0
+    assert cfg.rollout.backend == ("vllm" if path.stem.endswith("-vllm") else "hf")
+    text = path.read_text()
+    assert f"--config configs/presets/{path.name}" in text
+    assert "torchrun --nproc_per_node 8" in text and "docs/gpu.md" in text
+    # The 8-GPU overrides the header documents keep the config valid.
+    overrides = ["rollout.prompts_per_step=128", "train.mini_batch_size=256"]
+    assert overrides[0] in text and overrides[1] in text
+    load_config(GRPOExampleConfig, path, overrides)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-instruct", "qwen2.5-7b-instruct-vllm"])
+def test_memory_table_estimate_of_a_preset_fits_its_gpu(name: str) -> None:
+    table = _memory_table()
+    assert {f"Qwen/Qwen2.5-{size}-Instruct" for size in MODELS} == set(table.QWEN25)
+    estimate = table.preset_estimate(PRESETS / f"{name}.yaml", 1, 80 * GiB)
+    assert (
+        estimate.fits
+        and estimate.tokens
+        == load_config(GRPOExampleConfig, PRESETS / f"{name}.yaml").actor.max_tokens_per_micro_batch
+    )
+    assert (estimate.vllm > 0) == name.endswith("-vllm")
