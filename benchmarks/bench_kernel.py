@@ -7,6 +7,8 @@
                                                          # + lm-head transforms vs the plain head
     python benchmarks/bench_kernel.py --device cuda --dtypes bfloat16 --reps 10
                                                          # on a GPU: eager, microrl and Liger
+    python benchmarks/bench_kernel.py --rss --dtypes float32 --impls eager,microrl \
+        --cases 256x896x151936                           # memory with the .grad buffers existing
 
 Each measurement is forward + backward (gradients to hidden and weight) of
 ``sum(g1 * logprobs) + sum(g2 * entropy)`` with ``hidden`` and ``weight`` in the given dtype (the
@@ -19,6 +21,12 @@ memory nor allocator state leaks between them. Reported per implementation, case
 * extra peak memory: peak RSS (VmHWM, reset before each step) minus the RSS before the step
   (inputs, library state) minus the gradient buffers the step must return ((N*H + V*H) times
   the dtype's size);
+* with ``--rss`` instead (the issue-23 measurement, a training loop's steady state): a warm-up
+  step creates the ``.grad`` buffers, then the peak RSS over ``--reps`` (default 3) calls that
+  accumulate into them, minus the RSS before them, minus one ``[V, H]`` weight-gradient buffer
+  in the weight's dtype (the new gradient that autograd adds into ``weight.grad``; the ``[N, H]``
+  one is counted); the memory reported is the best (lowest) of the rounds' fresh processes,
+  since allocator slack varies between processes; times as above;
 * achieved GFLOP/s with the implementation's own FLOP count (8*N*H*V when the backward recomputes
   the logits, 6*N*H*V when it keeps them) and its fraction of this machine's float32 matmul
   throughput, measured in the same run on the forward GEMM shape [N, H] @ [H, V] (float32 for
@@ -161,7 +169,15 @@ def _probe_dtype(device: str, dtype: str) -> str:
 
 
 def worker(
-    impl: str, n: int, h: int, v: int, reps: int, threads: int, dtype: str, device: str = "cpu"
+    impl: str,
+    n: int,
+    h: int,
+    v: int,
+    reps: int,
+    threads: int,
+    dtype: str,
+    device: str = "cpu",
+    rss: bool = False,
 ) -> dict:
     import torch
 
@@ -196,6 +212,9 @@ def worker(
         loss.backward()
 
     step()  # warm-up: library init, torch.compile for cce, Triton compilation for liger
+    if rss:
+        new_grad = (v * h + (v if bias is not None else 0)) * dt.itemsize
+        return _worker_rss(impl, step, reps, new_grad)
     times, cpu, extras = [], [], []
     grad_bytes = (n * h + v * h) * dt.itemsize if impl != "matmul" else n * v * dt.itemsize
     grad_bytes += v * dt.itemsize if bias is not None else 0
@@ -222,10 +241,30 @@ def worker(
     return {"impl": impl, "times": times, "cpu": cpu, "extra_bytes": max(extras)}
 
 
-def _run_worker(impl, case, reps, threads, timeout, dtype, device="cpu"):
+def _worker_rss(impl: str, step, calls: int, new_grad_bytes: int) -> dict:
+    """``--rss``: the warm-up step left the ``.grad`` buffers in place; peak RSS over ``calls``
+    steps accumulating into them, minus the RSS before them and the new gradient buffers that
+    autograd adds into ``.grad`` (``new_grad_bytes``: the ``[V, H]`` one and a bias's)."""
+    if impl == "matmul":
+        new_grad_bytes = 0
+    _trim()
+    base = _status_kib("VmRSS") * 1024
+    _reset_peak()
+    times, cpu = [], []
+    for _ in range(calls):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    extra = _status_kib("VmHWM") * 1024 - base - new_grad_bytes
+    return {"impl": impl, "times": times, "cpu": cpu, "extra_bytes": extra}
+
+
+def _run_worker(impl, case, reps, threads, timeout, dtype, device="cpu", rss=False):
     n, h, v = case
     cmd = [sys.executable, __file__, "--worker", impl, "--case", f"{n}x{h}x{v}"]
     cmd += ["--reps", str(reps), "--threads", str(threads), "--dtypes", dtype, "--device", device]
+    cmd += ["--rss"] if rss else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -251,19 +290,33 @@ def main() -> None:
         help=f"also time microrl/eager with lm-head transforms: {','.join(HEADS)}",
     )
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="input dtypes, comma-separated")
-    parser.add_argument("--reps", type=int, default=2, help="timed steps per subprocess")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed steps per subprocess (2; 3 with --rss)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of subprocesses")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
     parser.add_argument("--quick", action="store_true", help="small shapes, one round")
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--from-json", default=None, help="only print the table of saved results")
+    parser.add_argument(
+        "--rss",
+        action="store_true",
+        help="CPU: memory with the .grad buffers existing (peak RSS over the steps less one [V, H]"
+        " gradient; best of the rounds' processes)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.reps is None:
+        args.reps = 3 if args.rss else 2
+    if args.rss and args.device != "cpu":
+        parser.error("--rss measures the resident set of CPU runs")
     if args.worker:
         n, h, v = (int(x) for x in args.case.split("x"))
-        result = worker(args.worker, n, h, v, args.reps, args.threads, args.dtypes, args.device)
+        result = worker(
+            args.worker, n, h, v, args.reps, args.threads, args.dtypes, args.device, args.rss
+        )
         print(json.dumps(result))
         return
     if args.from_json:
@@ -283,11 +336,13 @@ def main() -> None:
     impls += [f"{i}:{x}" for x in heads for i in ("microrl", "eager") if i in impls]
     results = {}
     for case, dtype in [(c, d) for c in cases for d in args.dtypes.split(",")]:
-        per = {impl: {"times": [], "cpu": [], "extra_bytes": 0} for impl in ["matmul", *impls]}
+        per = {impl: {"times": [], "cpu": [], "extra_bytes": None} for impl in ["matmul", *impls]}
+        # Peak of the steps: the worst process; with --rss the best one (allocator slack varies).
+        pick = min if args.rss else max
         for _ in range(args.rounds):
             for impl in ["matmul", *impls]:
                 r = _run_worker(
-                    impl, case, args.reps, args.threads, args.timeout, dtype, args.device
+                    impl, case, args.reps, args.threads, args.timeout, dtype, args.device, args.rss
                 )
                 if "error" in r:
                     per[impl]["error"] = r["error"]
@@ -295,9 +350,13 @@ def main() -> None:
                 per[impl]["times"] += r["times"]
                 per[impl]["cpu"] += r["cpu"]
                 per[impl].setdefault("rounds", []).append(r["times"])
-                per[impl]["extra_bytes"] = max(per[impl]["extra_bytes"], r["extra_bytes"])
+                old, new = per[impl]["extra_bytes"], r["extra_bytes"]
+                per[impl]["extra_bytes"] = new if old is None else pick(old, new)
                 times = [round(t, 2) for t in r["times"]]
-                print(f"  {case} {dtype} {impl}: {times} s", file=sys.stderr)
+                mib = r["extra_bytes"] / 2**20
+                print(f"  {case} {dtype} {impl}: {times} s, {mib:.1f} MiB", file=sys.stderr)
+        for r in per.values():  # no successful process: 0, as before --rss existed
+            r["extra_bytes"] = r["extra_bytes"] or 0
         results["x".join(map(str, case)) + f":{dtype}"] = per
     if args.json:
         with open(args.json, "w") as f:
@@ -346,9 +405,10 @@ def _seconds(t: float) -> str:
 
 def _table(results: dict, args) -> str:
     device = getattr(args, "device", "cpu")
+    mode = ", --rss: .grad buffers existing, best process's memory" if args.rss else ""
     lines = [
         f"device {device}, torch.set_num_threads({args.threads}), "
-        f"reps={args.reps} x rounds={args.rounds}",
+        f"reps={args.reps} x rounds={args.rounds}{mode}",
         "",
         "| N x H x V | dtype | impl | median s | vs eager | CPU s | extra peak MiB | vs eager "
         "| GFLOP/s | of matmul |",

@@ -8,7 +8,8 @@ and the vocabulary in tiles of ``vocab_tile`` columns: the working set is one ``
 vocab_tile]`` logits tile plus one scratch tile of the same size, and the forward keeps
 ``kept_tiles`` tiles for backward. The vocabulary tiles depend on V and the configured chunk
 height only, never on N (``_plan``), so a row meets the same tile boundaries and merge order in
-any batch.
+any batch. All of a call's tile buffers are one allocation (``_tile_block``), which forward
+fills and backward reuses: not a tensor per tile, which fragmented glibc's heap.
 
 Memory and speed (``_plan``, ``_buffer_budget``): the tile buffers get a budget of at most four
 full 32 MiB tiles, which keeps the memory of large problems flat in N, and for small problems a
@@ -137,8 +138,9 @@ _BUFFER_TILES = 4
 #   _EAGER_BUFFERS [N, V] buffers (autograd of matmul, log_softmax, gather and entropy holds five
 #   at its peak; three without a backward) less the gradient buffers, which exist at eager's other
 #   peak, the weight-gradient matmul, where it holds one [N, V] buffer. The kept tiles leave the
-#   rest of the quarter to allocator slack (a freed heap-sized tile is not always reused: one
-#   tile measured) and row copies;
+#   rest of the quarter to the [N, H] hidden gradient, row copies and allocator noise: 0.19x of
+#   eager's measured extra at 256 x 896 x 151936 (40 MiB of tiles in one block per call,
+#   _tile_block; a tensor per tile measured one or two tiles of heap slack on top);
 _EAGER_BUFFERS, _EAGER_FORWARD_BUFFERS, _WORKING_SHARE, _TOTAL_SHARE = 5, 3, 4, 5
 # * but never below this floor (1 MiB in float32): tiny problems would become op-overhead bound.
 _MIN_BUFFER_ELEMENTS = 256 * 1024
@@ -253,7 +255,10 @@ class _FusedLinearLogProb(torch.autograd.Function):
         # marks the non-ignored rows, which rows_idx=None then mixes with ignored ones) or None;
         # inv_t [N] or None. Shapes were flattened outside, under autograd, by the public wrapper.
         with no_autocast(hidden.device.type):
-            out, saved = _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan)
+            backward = any(ctx.needs_input_grad[:3])
+            out, saved = _forward(
+                hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan, backward
+            )
         ctx.save_for_backward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, *saved)
         ctx.plan = plan
         ctx.num_kept = (len(saved) - 3) // 2
@@ -275,7 +280,11 @@ def _compute_dtype(hidden, weight, bias) -> torch.dtype:
     return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
 
 
-def _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan):
+def _forward(
+    hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan, backward: bool = False
+):
+    # backward: a backward will run (the autograd Function: an input needs a gradient), so the
+    # working tiles are saved for it even when no tile is kept (kept tiles imply one).
     cdtype = _compute_dtype(hidden, weight, bias)
     bias_c = None if bias is None else bias.to(cdtype)
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -286,10 +295,15 @@ def _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Pl
     max_all = hidden.new_empty(m, dtype=cdtype)
     sum_all = hidden.new_empty(m, dtype=cdtype)
     ent_all = hidden.new_empty(m, dtype=cdtype) if plan.with_entropy else None
-    size = plan.rows * plan.vocab_tile
-    scratch, wbuf = _buffers(hidden, weight, plan, cdtype)
-    buf = None  # the working tile, allocated when a tile is not kept
-    kept, kept_max = [], []  # flat buffers holding z - m_tile, and m_tile, in loop order
+    # One allocation for the call's tile buffers (_tile_block): the working tiles, which backward
+    # reuses (as many as it needs), and the kept tiles.
+    backward = backward or plan.kept_tiles > 0
+    tiles = -(-m // plan.rows) * -(-vocab // plan.vocab_tile)
+    working = _working_tiles(plan, tiles > plan.kept_tiles) if backward else 2
+    block, wbuf, work = _tile_block(hidden, weight, plan, cdtype, working, plan.kept_tiles)
+    scratch, buf = work[0], work[1]  # buf: the working tile, for the tiles not kept
+    kept_tiles = work[working:]  # flat views of the block, filled with z - m_tile in loop order
+    kept, kept_max = [], []
     for start in range(0, m, plan.rows):
         rows = slice(start, min(start + plan.rows, m))
         idx = None if rows_idx is None else rows_idx[rows]
@@ -303,12 +317,9 @@ def _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Pl
         stats = None
         for j in range(0, vocab, plan.vocab_tile):
             keep = len(kept) < plan.kept_tiles
+            out = kept_tiles[len(kept)] if keep else buf
             if keep:
-                out = hidden.new_empty(size, dtype=cdtype)
                 kept.append(out)
-            else:
-                buf = hidden.new_empty(size, dtype=cdtype) if buf is None else buf
-                out = buf
             w_tile = weight[j : j + plan.vocab_tile]
             w_mm = w_tile if plan.native16 else _as_compute(w_tile, wbuf)
             b_tile = None if bias_c is None else bias_c[j : j + plan.vocab_tile]
@@ -329,7 +340,9 @@ def _forward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Pl
             ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
             _put(entropy, rows, idx, _zero_unkept(ent_all[rows], real))
     out = (logprob, entropy) if plan.with_entropy else logprob
-    return out, (max_all, sum_all, ent_all, *kept, *kept_max)
+    # saved: (max, sum, entropy, *kept, *kept_max[, block]), so (len - 3) // 2 tiles are kept; the
+    # block, when a backward will run, gives it its working tiles.
+    return out, (max_all, sum_all, ent_all, *kept, *kept_max, *([block] if backward else []))
 
 
 def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, grad_w_acc=None):
@@ -337,7 +350,8 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, gr
     # as is, not cast), for a caller that runs this once per row group (kernels/fused_loss.py).
     hidden, weight, bias, targets, rows_idx, row_mask, inv_t = saved[:7]
     max_all, sum_all, ent_all = saved[7:10]
-    kept, kept_max = saved[10 : 10 + num_kept], saved[10 + num_kept :]
+    kept, kept_max = saved[10 : 10 + num_kept], saved[10 + num_kept : 10 + 2 * num_kept]
+    block = saved[10 + 2 * num_kept] if len(saved) > 10 + 2 * num_kept else None  # forward's
     need_h, need_w, need_b = need
     need_b = need_b and bias is not None
     cdtype = _compute_dtype(hidden, weight, bias)
@@ -369,9 +383,17 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, gr
         g_ent_all = _zero_unkept(g_ent_all, row_mask)
     use_entropy = plan.with_entropy  # no all-zero skip: finding out would be a host sync
     size = plan.rows * plan.vocab_tile
-    scratch, wbuf = _buffers(hidden, weight, plan, cdtype)
-    buf = hidden.new_empty(size, dtype=cdtype)
-    shifted_buf = None  # soft-capping with entropy: s = z - m next to tanh, allocated when needed
+    tiles = -(-m // plan.rows) * -(-weight.shape[0] // plan.vocab_tile)
+    working = _working_tiles(plan, tiles > num_kept)
+    if block is None:  # forward's block is gone (a direct caller's): one block for backward's
+        _, wbuf, work = _tile_block(hidden, weight, plan, cdtype, working, 0)
+    else:  # forward's block: its working tiles (and upcast buffer) are free again. Through
+        # .data, a tensor with a version counter of its own: writing there does not mark the saved
+        # kept tiles modified, so a retained graph can run backward again.
+        wbuf, work = _block_views(block.data, weight, plan, cdtype, working)
+    scratch, buf = work[0], work[1]
+    # Soft-capping with entropy: s = z - m goes next to tanh in a third working tile.
+    shifted_buf = work[2] if working == 3 else None
     low_buf = hidden.new_empty(size) if plan.native16 else None
     if direct_w and wbuf is None:  # native16: no upcast buffer to reuse for the tile
         wbuf = weight.new_empty(plan.vocab_tile * weight.shape[1], dtype=cdtype)
@@ -435,8 +457,6 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, gr
                     g = torch.exp(s, out=e)
                 else:  # z keeps tanh for the slope; s = post * tanh - m goes next to it
                     z.tanh_()
-                    if use_entropy and shifted_buf is None:
-                        shifted_buf = hidden.new_empty(size, dtype=cdtype)
                     s = shifted_buf[: r * w].view(r, w) if use_entropy else e
                     g = torch.exp(_row_affine(z, -max_all[rows], post, s), out=e)
                 if use_entropy:
@@ -467,13 +487,43 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, gr
     return grad_h, grad_w, _cast(grad_b, bias.dtype if need_b else None)
 
 
-def _buffers(hidden: torch.Tensor, weight: torch.Tensor, plan: _Plan, cdtype: torch.dtype):
-    """The scratch tile (compute dtype; the working tile is allocated where needed) and, for a
-    weight not in the compute dtype (and not ``native16``), room for one upcast weight tile."""
-    scratch = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
+def _working_tiles(plan: _Plan, recompute: bool) -> int:
+    """Working tiles of a backward (``recompute``: some tile is not kept): the logits tile and its
+    scratch, and a third one for soft-capping with entropy on a recomputed tile (``s = z - m``
+    next to ``tanh``). ``_plan`` budgets for as many."""
+    return 3 if recompute and plan.softcap is not None and plan.with_entropy else 2
+
+
+def _upcast_elements(weight: torch.Tensor, plan: _Plan, cdtype: torch.dtype) -> int:
+    """Room for one upcast weight tile: a weight not in the compute dtype (and not ``native16``)."""
     upcast = weight.dtype != cdtype and not plan.native16
-    wbuf = weight.new_empty(plan.vocab_tile * weight.shape[1], dtype=cdtype) if upcast else None
-    return scratch, wbuf
+    return plan.vocab_tile * weight.shape[1] if upcast else 0
+
+
+def _tile_block(hidden, weight, plan: _Plan, cdtype, working: int, kept: int):
+    """A phase's tile buffers in one compute-dtype allocation: the upcast weight buffer (if any),
+    then ``working + kept`` flat tiles of ``rows * vocab_tile`` elements.
+
+    One block, not a tensor per tile: glibc serves a request from mmap only above its mmap
+    threshold, which it raises (up to 32 MiB) to the size of each mmapped chunk freed. Tiles under
+    32 MiB (short row chunks) then come from the heap, where a freed tile stays resident and
+    the interleaved allocations of a step fragment it: one or two tiles of peak RSS beyond the
+    live buffers at 256 x 896 x 151936 (benchmarks/README.md, issue 23). One block, allocated
+    once and held until backward is done, leaves no freed tile for the step's other allocations
+    to split: the peak RSS is the live buffers. Returns ``(block, wbuf or None, [tiles])``."""
+    upcast = _upcast_elements(weight, plan, cdtype)
+    size = plan.rows * plan.vocab_tile
+    block = hidden.new_empty(upcast + (working + kept) * size, dtype=cdtype)
+    wbuf, tiles = _block_views(block, weight, plan, cdtype, working + kept)
+    return block, wbuf, tiles
+
+
+def _block_views(block: torch.Tensor, weight, plan: _Plan, cdtype, count: int):
+    """The upcast weight buffer (or None) and the first ``count`` tiles of a ``_tile_block``."""
+    upcast = _upcast_elements(weight, plan, cdtype)
+    size = plan.rows * plan.vocab_tile
+    tiles = [block[upcast + k * size : upcast + (k + 1) * size] for k in range(count)]
+    return (block[:upcast] if upcast else None), tiles
 
 
 def _addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool) -> None:
@@ -543,9 +593,10 @@ def fused_linear_logprob(
         chunk_size: rows per chunk (at most; small problems may use fewer); ``None`` uses 1024.
             It sets the vocabulary tile, ``WORKING_TILE_ELEMENTS // chunk_size`` columns (at least
             128, at most V), independently of the row count. Extra memory: compute-dtype tile
-            buffers (two working tiles and the tiles kept from forward for backward) within four
-            full tiles (4 x 32 MiB in float32 by default) whatever N, and within a quarter of the
-            materialised computation's extra memory for small problems (module docstring), plus
+            buffers (two working tiles and the tiles kept from forward for backward, one block
+            held from forward to the end of backward) within four full tiles (4 x 32 MiB in
+            float32 by default) whatever N, and within a quarter of the materialised
+            computation's extra memory for small problems (module docstring), plus
             ``[rows, H]`` row copies and O(N) statistics. A weight not in the compute dtype also
             gets a ``[vocab_tile, H]`` upcast buffer and, when it requires grad and there is more
             than one row chunk, a compute-dtype ``[V, H]`` gradient accumulator.

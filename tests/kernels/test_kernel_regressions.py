@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_utils import assert_close, run, shrink_tiles
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from microrl.kernels import (
     WORKING_TILE_ELEMENTS,
@@ -211,6 +213,77 @@ def test_plans_of_the_benchmark_grid(shape, rows, kept):
     n, hidden_size, vocab = shape
     plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, hidden_size)
     assert (plan.rows, plan.vocab_tile, plan.kept_tiles) == (rows, min(vocab, 8192), kept)
+    # The call's one tile block (test_tile_buffers_are_one_block_per_call) and the [N, H] hidden
+    # gradient, both live at the kernel's peak, within the budget's share of eager's modelled
+    # extra memory (five [N, V] buffers less the gradients): a fifth with kept tiles, a quarter
+    # for the working tiles alone, or the floor. At 256 x 896 x 151936 (issue 23): 40 MiB of
+    # tiles and 0.9 MiB against 222 MiB, measured 0.19x of eager (benchmarks/README.md).
+    tiles = -(-n // plan.rows) * -(-vocab // plan.vocab_tile)
+    working = linear_logprob._working_tiles(plan, tiles > plan.kept_tiles)
+    block = (working + plan.kept_tiles) * plan.rows * plan.vocab_tile
+    eager = max(5 * n * vocab - (n + vocab) * hidden_size, n * vocab)
+    share = eager // (5 if plan.kept_tiles else 4)
+    assert block + n * hidden_size <= max(share, linear_logprob._MIN_BUFFER_ELEMENTS)
+
+
+class _FreshStorages(TorchDispatchMode):
+    """Elements of every storage an op creates (an output on none of its inputs' storages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = tree_leaves((args, kwargs or {}))
+        known = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in known:
+                self.sizes.append(t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("kept", [None, 0, 1000], ids=["planned", "recompute-all", "keep-all"])
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_tile_buffers_are_one_block_per_call(monkeypatch, kept, softcap):
+    """Issue 23: a call allocates its tile buffers once, one block (working tiles and kept ones)
+    that forward fills and backward reuses; no other allocation is tile-sized. A tensor per tile,
+    freed and allocated again between the phases, cost one or two tiles of peak RSS beyond the
+    live buffers at 256 x 896 x 151936 (glibc serves such tiles from its heap once its mmap
+    threshold has risen, and fragments it). Also with the .grad buffers existing (a second call)
+    and when a retained graph runs backward twice."""
+    import dataclasses
+
+    shrink_tiles(monkeypatch, 60)  # chunk_size=6: 10-column tiles, 12 rows -> 2 chunks x 5 tiles
+    n, hidden_size, vocab, tile = 12, 4, 50, 60
+    if kept is not None:
+        original = linear_logprob._plan
+        monkeypatch.setattr(
+            linear_logprob,
+            "_plan",
+            lambda *a: dataclasses.replace(original(*a), kept_tiles=min(kept, 10)),
+        )
+    plan = linear_logprob._plan(
+        n, vocab, 6, True, 1.0, (True, True), False, hidden_size, 1.0, softcap
+    )
+    assert (plan.rows, plan.vocab_tile) == (6, 10) and n * hidden_size < tile
+    working = 3 if softcap is not None and plan.kept_tiles < 10 else 2
+    g = torch.Generator().manual_seed(23)
+    hidden = torch.randn(n, hidden_size, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=g, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    grads = []
+    for _ in range(2):  # the second call accumulates into the existing .grad buffers
+        with _FreshStorages() as mode:
+            lp, ent = fused_linear_logprob(hidden, weight, targets, chunk_size=6, softcap=softcap)
+            (lp.sum() + ent.sum()).backward(retain_graph=True)
+            (lp.sum() + ent.sum()).backward()  # the saved tiles are intact for a second backward
+        large = [size for size in mode.sizes if size >= tile and size != vocab * hidden_size]
+        assert large == [(working + plan.kept_tiles) * tile], (plan, mode.sizes)
+        grads.append((hidden.grad.clone(), weight.grad.clone()))
+    # Four identical backwards in all: the reused block never leaked one call into the next.
+    for got, first in zip(grads[1], grads[0], strict=True):
+        assert_close(got, 2 * first, atol=1e-5, rtol=1e-5, name="accumulated")
 
 
 def test_plan_without_gradients_keeps_nothing_and_models_a_forward():
