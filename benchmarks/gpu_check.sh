@@ -223,8 +223,8 @@ step_main_job() {
     # model.path in the temp folder too: the base model is warm-started there (on CUDA) and
     # nothing is written into the repository.
     "$PYTHON" examples/grpo_lora.py actor.device=cuda train.steps="${GPU_CHECK_STEPS:-50}" \
-        output.dir="$out/grpo_lora" model.path="$out/base/tiny-adder" output.progress=false \
-        output.log_every=5 2>&1 | tee "$out/run.log"
+        output.dir="$out/grpo_lora" model.path="$out/base/tiny-adder" model.build_toy=true \
+        output.progress=false output.log_every=5 2>&1 | tee "$out/run.log"
     rc=${PIPESTATUS[0]}
     # "held-out greedy accuracy: 0.318 (step 0) -> 0.386 (step 50) in 30s of RL"
     sed -n 's/^held-out greedy accuracy: /KEY: held-out accuracy /p' "$out/run.log"

@@ -21,20 +21,37 @@ __all__ = ["GAEConfig", "GRPOExampleConfig", "PPOExampleConfig"]
 
 def _grpo_actor() -> ActorConfig:
     return ActorConfig(
-        micro_batch_size=32,
+        micro_batch_size=128,
         temperature=1.0,
-        optim=OptimConfig(lr=1e-3, grad_clip=1.0),
+        optim=OptimConfig(lr=2e-3, grad_clip=1.0),
         lora=LoraConfig(rank=8, alpha=16.0),
         policy_loss=PolicyLossConfig(name="grpo", kl_coef=0.0),
     )
 
 
-def _check_lora_batches(actor: ActorConfig, rollout: RolloutConfig, train: LoopConfig) -> None:
+def _grpo_rollout() -> RolloutConfig:
+    return RolloutConfig(prompts_per_step=128, group_size=8)
+
+
+def _grpo_train() -> LoopConfig:
+    return LoopConfig(ppo_epochs=1, mini_batch_size=256)
+
+
+def _check_actor_and_batches(actor: ActorConfig, rollout: RolloutConfig, train: LoopConfig) -> None:
     require(
         actor.lora.rank >= 1,
         "actor.lora.rank",
         ">= 1 (the reference policy is the base model with the adapter disabled)",
         actor.lora.rank,
+    )
+    # vLLM samples with its own kernels from a synced copy of the weights: its log-probs are not
+    # the trainer's (docs/losses.md#bypass-mode-bypass_mode), so the old pass must recompute them.
+    require(
+        not actor.policy_loss.bypass_mode or rollout.backend == "hf",
+        "actor.policy_loss.bypass_mode",
+        "false with rollout.backend=vllm (vLLM's log-probs are not the trainer's: the bypass "
+        "needs rollout.backend=hf, which samples the trained model itself)",
+        actor.policy_loss.bypass_mode,
     )
     rollout_size = rollout.prompts_per_step * rollout.group_size
     require(
@@ -51,9 +68,9 @@ class GRPOExampleConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = field(default_factory=_grpo_rollout)
     actor: ActorConfig = field(default_factory=_grpo_actor)
-    train: LoopConfig = field(default_factory=LoopConfig)
+    train: LoopConfig = field(default_factory=_grpo_train)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
@@ -63,7 +80,7 @@ class GRPOExampleConfig:
             ">= 2 for GRPO",
             self.rollout.group_size,
         )
-        _check_lora_batches(self.actor, self.rollout, self.train)
+        _check_actor_and_batches(self.actor, self.rollout, self.train)
 
 
 @dataclass
@@ -122,4 +139,4 @@ class PPOExampleConfig:
     output: OutputConfig = field(default_factory=_ppo_output)
 
     def __post_init__(self) -> None:
-        _check_lora_batches(self.actor, self.rollout, self.train)
+        _check_actor_and_batches(self.actor, self.rollout, self.train)

@@ -2,7 +2,10 @@
 
 OmegaConf structured configs do the merging, YAML typing and type checking; the dataclasses'
 ``__post_init__`` checks the ranges. Every failure comes out as one ``ValueError`` whose message
-names the offending key, whichever layer caught it::
+names the offending key by its full path (``actor.optim.betas``), whichever layer caught it: a
+merge error OmegaConf raises without a key is traced to the leaf that causes it, and a range error
+of a nested section's ``__post_init__`` is prefixed with where the section sits. A single value
+given to a list key is a one-element list (``task.rewards=my_reward:score``)::
 
     cfg = load_config(GRPOExampleConfig, "configs/grpo_lora.yaml", ["actor.optim.lr=1e-3"])
 """
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
+import typing
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -32,11 +37,122 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _omegaconf_error(err: OmegaConfBaseException, source: str) -> ValueError:
-    key = getattr(err, "full_key", None) or "<root>"
-    # OmegaConf appends its own "full_key / object_type" lines; the first line is the message.
+def _omegaconf_error(
+    err: Exception, source: str, key: str | None = None, schema: type | None = None
+) -> ValueError:
+    key = key or getattr(err, "full_key", None) or "<root>"
+    # OmegaConf appends its own "full_key / object_type" lines; the first line is the message,
+    # whose placeholders it leaves unfilled when it raises without the node.
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return ValueError(f"invalid config key '{key}' ({source}): {message}")
+    message = message.replace("Value '$VALUE' of type '$VALUE_TYPE'", "a value")
+    expected = _expected(schema, key) if schema is not None else ""
+    return ValueError(f"invalid config key '{key}' ({source}): {message}{expected}")
+
+
+def _expected(schema: type, key: str) -> str:
+    """``"; it takes <what> (<help>)"`` for a schema field, ``""`` for an unknown key."""
+    found = _schema_field(schema, re.sub(r"\[\d+\]$", "", key))
+    if found is None:
+        return ""
+    hint, f = found
+    help_text = f.metadata.get("help", "") if f is not None else ""
+    return f"; it takes {_describe_type(hint)}" + (f" ({help_text})" if help_text else "")
+
+
+def _schema_field(schema: type, key: str) -> tuple[Any, dataclasses.Field | None] | None:
+    """The resolved type hint and the field of the dotted ``key`` in ``schema``, or None."""
+    hint: Any = schema
+    f = None
+    for name in key.split("."):
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            return None
+        fields = {x.name: x for x in dataclasses.fields(hint)}
+        if name not in fields:
+            return None
+        f, hint = fields[name], typing.get_type_hints(hint)[name]
+    return hint, f
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string"}
+_PLURALS = {bool: "booleans", int: "integers", float: "floats", str: "strings"}
+
+
+def _describe_type(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        others = [a for a in args if a is not type(None)]
+        text = " or ".join(_describe_type(a) for a in others)
+        return f"{text} or null" if len(others) < len(args) else text
+    if origin is list:
+        return f"a list of {_PLURALS.get(args[0], 'values') if args else 'values'}, written [a,b]"
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        what = _PLURALS.get(args[0], "values") if len(set(args)) == 1 else "values"
+        return f"{len(args)} {what}, written [a,b]"
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return "a section: set its keys one by one (key.sub=value)"
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return "one of " + ", ".join(str(m.value) for m in hint)
+    return _TYPE_NAMES.get(hint, "a value")
+
+
+def _leaves(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """``(key path, value)`` of every leaf of a plain nested dict (a list is a leaf)."""
+    if not isinstance(node, dict) or (prefix and not node):
+        return [(prefix, node)]
+    return [leaf for k, v in node.items() for leaf in _leaves(v, (*prefix, str(k)))]
+
+
+def _nested(path: tuple[str, ...], value: Any) -> dict:
+    for name in reversed(path):
+        value = {name: value}
+    return value
+
+
+def _lists_from_scalars(schema: type, layer: DictConfig) -> DictConfig:
+    """``layer`` with a single value given to a list key made a one-element list."""
+    tree = OmegaConf.to_container(layer, resolve=False)
+    changed = False
+    for path, value in _leaves(tree):
+        if value is None or isinstance(value, (list, dict)):
+            continue
+        found = _schema_field(schema, ".".join(path))
+        if found is not None and typing.get_origin(found[0]) is list:
+            node = tree
+            for name in path[:-1]:
+                node = node[name]
+            node[path[-1]] = [value]
+            changed = True
+    return OmegaConf.create(tree) if changed else layer
+
+
+def _merge(schema: type, cfg: DictConfig, layer: DictConfig, source: str) -> DictConfig:
+    layer = _lists_from_scalars(schema, layer)
+    try:
+        return OmegaConf.merge(cfg, layer)
+    # OmegaConf raises a bare TypeError for some container mismatches (a dict for a list).
+    except (OmegaConfBaseException, TypeError) as err:
+        key = getattr(err, "full_key", None)
+        if not key:  # raised without its key (a tuple's length, a section given a value)
+            key, err = _failing_leaf(schema, cfg, layer, err)
+        raise _omegaconf_error(err, source, key, schema) from None
+
+
+def _failing_leaf(
+    schema: type, cfg: DictConfig, layer: DictConfig, err: Exception
+) -> tuple[str | None, Exception]:
+    """The key of the first leaf of ``layer`` that fails to merge alone (the field it lies in,
+    for a dict given to a list), and that merge's own error."""
+    for path, value in _leaves(OmegaConf.to_container(layer, resolve=False)):
+        try:
+            OmegaConf.merge(cfg, OmegaConf.create(_nested(path, value)))
+        except (OmegaConfBaseException, TypeError) as leaf_err:
+            for n in range(1, len(path) + 1):
+                found = _schema_field(schema, ".".join(path[:n]))
+                if found is not None and not dataclasses.is_dataclass(found[0]):
+                    path = path[:n]
+                    break
+            return ".".join(path), leaf_err
+    return None, err
 
 
 def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
@@ -78,47 +194,54 @@ def load_config(
             raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     layers.append(("command-line override", _parse_overrides(overrides)))
     for source, layer in layers:
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except OmegaConfBaseException as err:
-            raise _omegaconf_error(err, source) from None
+        cfg = _merge(schema, cfg, layer, source)
     return _instantiate(cfg)
 
 
 def _instantiate(cfg: DictConfig) -> Any:
-    # Build each top-level section alone first so a range error raised by a nested dataclass's
-    # __post_init__ (which only knows its own field names) can be prefixed with its section.
-    for name in cfg:
-        section = cfg[name]
-        if not OmegaConf.is_dict(section):
-            continue
+    # Build the sections bottom-up, so a range error raised by a nested dataclass's
+    # __post_init__ (which knows only its own names, "optim.lr") is caught at the deepest section
+    # that raises it, whose path completes the key ("actor.optim" + "optim.lr").
+    built = None
+    for path, section in _sections(cfg):  # the root last
         try:
-            OmegaConf.to_object(section)
+            built = OmegaConf.to_object(section)
         except OmegaConfBaseException as err:
             raise _omegaconf_error(err, "values") from None
         except (ValueError, TypeError) as err:
-            raise _range_error(err, section=str(name)) from None
-    try:
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as err:
-        raise _omegaconf_error(err, "values") from None
-    except (ValueError, TypeError) as err:
-        raise _range_error(err, section=None) from None
+            raise _range_error(err, path) from None
+    return built
 
 
-# "lora.rank must be >= 0, got -1" -> the key is "lora.rank" (relative to the section).
+def _sections(node: DictConfig, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every dict node under ``node``, children before their parent (``node`` itself last)."""
+    out = []
+    for name in node:
+        child = node[name]
+        if OmegaConf.is_dict(child):
+            out += _sections(child, (*path, str(name)))
+    return [*out, (path, node)]
+
+
+# "optim.lr must be >= 0, got -1" -> the key the message starts with is "optim.lr".
 _LEADING_KEY = re.compile(r"^([A-Za-z_][\w.]*) must ")
 
 
-def _range_error(err: Exception, section: str | None) -> ValueError:
+def _range_error(err: Exception, section: tuple[str, ...]) -> ValueError:
+    """The error of ``section``'s ``__post_init__``, naming the key by its full path: the key the
+    message starts with, its first names overlapping the end of the section's path."""
     message = str(err)
     match = _LEADING_KEY.match(message)
     if match is None:
-        where = f"section '{section}'" if section else "config"
+        where = f"section '{'.'.join(section)}'" if section else "config"
         return ValueError(f"invalid {where}: {message}")
-    key = match.group(1)
-    if section and not key.startswith(f"{section}."):
-        key = f"{section}.{key}"
+    names = match.group(1).split(".")
+    overlap = next(
+        n
+        for n in range(min(len(section), len(names)), -1, -1)
+        if section[len(section) - n :] == tuple(names[:n])
+    )
+    key = ".".join([*section, *names[overlap:]])
     return ValueError(f"invalid config key '{key}': {message}")
 
 

@@ -31,6 +31,9 @@ class VLLMConfig:
     enforce_eager: bool | None = config_field(None, "no CUDA graphs; null: eager on CPU only")
     max_model_len: int = config_field(0, "longest prompt + response; 0: the model's maximum")
     seed: int = config_field(0, "vLLM's sampling seed (each rank adds its rank)")
+    verbose: bool = config_field(
+        False, "vLLM's own INFO/WARNING logs and load bar (false: errors only)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

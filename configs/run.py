@@ -9,6 +9,7 @@ message that names the key.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from microrl.configs.fields import config_field, require
@@ -16,6 +17,9 @@ from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 
 __all__ = [
     "TASK_NAMES",
+    "TOY_MODEL_PATHS",
+    "TRACKERS_INSTALL",
+    "TRACKER_NAMES",
     "LoopConfig",
     "ModelConfig",
     "OutputConfig",
@@ -29,16 +33,18 @@ __all__ = [
 class WarmStartConfig:
     """Supervised warm start of a freshly built base model (only when ``model.path`` is empty).
 
-    It trains until the greedy accuracy on 200 training prompts (the held-out ones are kept for
-    RL) reaches ``target_accuracy`` or ``max_steps`` pass: a partly trained base leaves RL
-    visible room to improve.
+    It trains until the greedy accuracy on 500 training prompts (the held-out ones are kept for
+    RL), checked every ``eval_every`` steps, reaches ``target_accuracy`` (or ``max_steps`` pass): a
+    partly trained base leaves RL visible room to improve. Checked often, the stop lands just above
+    the target wherever rounding puts the toy model's sudden jump in accuracy, which a fixed step
+    count would not (microrl/run/base_model.py).
     """
 
-    max_steps: int = config_field(600, "most supervised warm-start steps")
+    max_steps: int = config_field(3000, "most supervised warm-start steps (a safety cap)")
     batch_size: int = config_field(64, "warm-start prompts per step, across all processes")
     lr: float = config_field(3e-3, "warm-start learning rate (AdamW, full fine-tune)")
     target_accuracy: float = config_field(0.3, "stop warm-starting at this greedy accuracy")
-    eval_every: int = config_field(50, "measure the warm-start accuracy every N steps")
+    eval_every: int = config_field(10, "check the warm-start accuracy every N steps")
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_size", "eval_every"):
@@ -57,12 +63,21 @@ class ModelConfig:
     """Where the base model lives and, when it must be built, its size.
 
     ``path`` holding a transformers checkpoint (``config.json`` + tokenizer) is loaded as is, and
-    the size fields are ignored. Otherwise a tiny Llama-architecture model is built, warm-started and
-    saved there (:mod:`microrl.run.toy_model`).
+    the size fields are ignored. A toy model (a tiny Llama-architecture decoder,
+    :mod:`microrl.run.toy_model`) is built, warm-started and saved there only at one of the
+    examples' own :data:`TOY_MODEL_PATHS` or with ``build_toy``; any other ``path`` that is not a
+    local directory is a Hugging Face Hub id, downloaded (:mod:`microrl.run.base_model`).
     """
 
     path: str = config_field(
-        "outputs/base/tiny-adder", "base model: loaded, or built, warm-started and saved here"
+        "outputs/base/tiny-adder",
+        "base model: a local checkpoint, a Hugging Face Hub id (downloaded), or where the toy "
+        "model is built and saved",
+    )
+    build_toy: bool = config_field(
+        False,
+        "build and warm-start the toy model at model.path if it holds no checkpoint (always "
+        "on at outputs/base/tiny-adder and outputs/base/tiny-words)",
     )
     hidden_size: int = config_field(64, "width of a newly built base model")
     intermediate_size: int = config_field(256, "MLP width of a newly built base model")
@@ -88,6 +103,10 @@ class ModelConfig:
         )
 
 
+# Where the examples build their toy base models without being asked (model.build_toy): the
+# default model.path (addition) and the word problems' (docs/tasks.md).
+TOY_MODEL_PATHS = ("outputs/base/tiny-adder", "outputs/base/tiny-words")
+
 # The tasks a recipe can train on (microrl.tasks.make_task builds them; docs/tasks.md).
 TASK_NAMES = ("addition", "word_problems", "dataset")
 
@@ -97,9 +116,10 @@ class TaskConfig:
     """The prompts, held-out prompts and reward of the run (docs/tasks.md).
 
     ``addition`` (``a+b=`` with ``0 <= a, b <= max_operand``) and ``word_problems`` are generated;
-    ``dataset`` reads ``train_file`` (JSONL/Parquet, ``prompt_field`` and ``answer_field`` per
-    row) and scores with the ``rewards`` functions (``module:function`` import paths, summed with
-    ``reward_weights``). ``eval_size`` prompts are held out and never trained on.
+    ``dataset`` reads ``train_file`` (JSONL/Parquet, or a Hugging Face Hub dataset name;
+    ``prompt_field`` and ``answer_field`` per row) and scores with the ``rewards`` functions
+    (``module:function`` import paths, summed with ``reward_weights``), which get the rows' other
+    fields too. ``eval_size`` prompts are held out and never trained on.
     """
 
     name: str = config_field(
@@ -115,11 +135,16 @@ class TaskConfig:
         0, "seed of the held-out split (and of the word problems' names and items)"
     )
     train_file: str | None = config_field(
-        None, "dataset: the training prompts, a .jsonl or .parquet file"
+        None, "dataset: the training prompts, a .jsonl or .parquet file or a Hub dataset name"
     )
     eval_file: str | None = config_field(
-        None, "dataset: held-out prompts file (null: eval_size rows held out of train_file)"
+        None, "dataset: held-out prompts file or Hub name (null: eval_size rows of train_file)"
     )
+    dataset_config: str | None = config_field(
+        None, "dataset: the config (subset) of a Hub dataset, e.g. main for openai/gsm8k"
+    )
+    train_split: str = config_field("train", "dataset: the split of a Hub train_file")
+    eval_split: str = config_field("test", "dataset: the split of a Hub eval_file")
     prompt_field: str = config_field("prompt", "dataset: the field of a row holding the prompt")
     answer_field: str = config_field("answer", "dataset: the field holding the reference answer")
     chat_template: bool = config_field(
@@ -159,7 +184,7 @@ class TaskConfig:
         require(
             not is_dataset or bool(self.train_file),
             "task.train_file",
-            "a .jsonl or .parquet file of prompts for task.name=dataset",
+            "a .jsonl or .parquet file or a Hub dataset name for task.name=dataset",
             self.train_file,
         )
         require(
@@ -215,6 +240,13 @@ class LoopConfig:
     eval_every: int = config_field(
         25, "held-out greedy accuracy every N steps (and at the last step)"
     )
+    # The reference pass (adapter off) costs a forward over the rollout; with kl_coef = 0 only
+    # this metric needs it.
+    kl_metric_every: int = config_field(
+        25,
+        "report the KL to the reference every N steps and at the last (0: never); "
+        "every step when actor.policy_loss.kl_coef > 0",
+    )
     seed: int = config_field(0, "seed of the LoRA initialisation, prompt order and sampling")
     # The tiny model's matrices are too small to gain from intra-op threads, and extra threads
     # spin badly on a busy or small CPU.
@@ -224,24 +256,80 @@ class LoopConfig:
         for key in ("steps", "ppo_epochs", "mini_batch_size", "eval_every"):
             require(getattr(self, key) >= 1, f"train.{key}", ">= 1", getattr(self, key))
         require(self.num_threads >= 0, "train.num_threads", ">= 0", self.num_threads)
+        require(self.kl_metric_every >= 0, "train.kl_metric_every", ">= 0", self.kl_metric_every)
+
+    def kl_due(self, step: int, kl_coef: float) -> bool:
+        """Whether step ``step`` needs the reference log-probs: a KL penalty, or the KL metric."""
+        every = self.kl_metric_every
+        return kl_coef > 0 or (every > 0 and (step % every == 0 or step == self.steps))
+
+
+# The experiment trackers a run can log to (microrl.run.tracking; docs/tracking.md), each also the
+# name of the module it imports; wandb and mlflow come with the extra below.
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
+TRACKERS_INSTALL = 'pip install "microrl[trackers]"'
 
 
 @dataclass
 class OutputConfig:
-    """What a run writes into ``dir`` (metrics, TensorBoard, curves, adapter, checkpoint) and
-    what it prints while it trains."""
+    """What a run writes into ``dir`` (metrics, sampled completions, tracker logs, curves, adapter,
+    optionally the merged model, checkpoint) and what it prints while it trains."""
 
     dir: str = config_field(
         "outputs/grpo_lora",
         "where the run writes (holding a checkpoint: --resume or --overwrite)",
     )
     save_every: int = config_field(0, "checkpoint every N steps (0: only at the end and on Ctrl-C)")
-    tensorboard: bool = config_field(True, "write TensorBoard scalars to output.dir/tensorboard")
+    trackers: list[str] = config_field(
+        ["tensorboard"],
+        "experiment trackers getting every step's metrics: tensorboard, wandb, mlflow "
+        "(docs/tracking.md)",
+    )
+    project: str = config_field("microrl", "wandb: the W&B project; mlflow: the experiment")
+    tensorboard: bool = config_field(
+        True, "false: no TensorBoard, whatever output.trackers says (the older switch)"
+    )
     plot: bool = config_field(True, "draw output.dir/curves.png at the end")
     progress: bool = config_field(True, "a live progress bar when stdout is a terminal")
     log_every: int = config_field(10, "without the bar: a plain line every N steps (0: none)")
+    log_samples_every: int = config_field(
+        10,
+        "log output.log_samples completions (prompt, response, reward) every N steps and at the "
+        "last, to output.dir/samples.jsonl and the trackers (0: never)",
+    )
+    log_samples: int = config_field(
+        4, "completions per logged step: the first response of each prompt (rank 0's), in order"
+    )
+    export_merged: bool = config_field(
+        False,
+        "at the end also write output.dir/merged: the LoRA merged into the base, a plain "
+        "transformers checkpoint with its tokenizer (serve with vLLM or transformers, no peft)",
+    )
 
     def __post_init__(self) -> None:
         require(bool(self.dir), "output.dir", "a non-empty path", self.dir)
         require(self.save_every >= 0, "output.save_every", ">= 0", self.save_every)
         require(self.log_every >= 0, "output.log_every", ">= 0", self.log_every)
+        require(
+            self.log_samples_every >= 0,
+            "output.log_samples_every",
+            ">= 0",
+            self.log_samples_every,
+        )
+        require(self.log_samples >= 1, "output.log_samples", ">= 1", self.log_samples)
+        require(
+            all(name in TRACKER_NAMES for name in self.trackers)
+            and len(set(self.trackers)) == len(self.trackers),
+            "output.trackers",
+            f"a list of distinct names among {', '.join(TRACKER_NAMES)}",
+            self.trackers,
+        )
+        # Checked here, at startup: a missing library must not wait for the model to be built.
+        missing = [name for name in self.trackers if importlib.util.find_spec(name) is None]
+        require(
+            not missing,
+            "output.trackers",
+            f"installed trackers ({', '.join(missing)}: {TRACKERS_INSTALL})",
+            self.trackers,
+        )
+        require(bool(self.project), "output.project", "a non-empty name", self.project)

@@ -43,7 +43,8 @@ class ActorEngine(Engine):
     Rollout/trainer mismatch: whenever the batch carries ``rollout_logprobs``, every pass with a
     loss reports the ``mismatch/*`` metrics (docs/losses.md#rollouttrainer-mismatch) comparing
     them with ``old_logprobs`` (the trainer's log-probs at the sampling weights), or, for a
-    custom ``loss_fn`` on a batch without ``old_logprobs``, with the current ``logprobs``. The
+    custom ``loss_fn`` on a batch without ``old_logprobs`` and with ``policy_loss.bypass_mode``
+    (where ``rollout_logprobs`` are the old log-probs), with the current ``logprobs``. The
     default loss also applies the corrections configured in ``config.policy_loss``.
 
     Fused loss path (``config.fuse_loss``, docs/engine.md): a training pass of the built-in loss
@@ -62,6 +63,12 @@ class ActorEngine(Engine):
             self.loss_keys = (*type(self).loss_keys, "ref_logprobs")
         if isinstance(config, ActorConfig) and config.policy_loss.corrects_mismatch:
             self.loss_keys = (*self.loss_keys, "rollout_logprobs")
+        if isinstance(config, ActorConfig) and config.policy_loss.bypass_mode:
+            # The sampler's log-probs are the ratio's anchor: no old_logprobs needed.
+            self.loss_keys = (
+                *(key for key in self.loss_keys if key != "old_logprobs"),
+                "rollout_logprobs",
+            )
         super().__init__(model, config)
 
     def fuses_loss(self, loss_fn: LossFn | None, *, training: bool = True) -> bool:
@@ -141,12 +148,15 @@ class ActorEngine(Engine):
         """``policy_loss`` per ``config.policy_loss`` (surrogate + KL + entropy bonus).
 
         ``ref_logprobs`` (and ``rollout_logprobs``) are used whenever the batch carries them (the
-        ``kl`` metric is then reported even with ``kl_coef = 0``).
+        ``kl`` metric is then reported even with ``kl_coef = 0``). With
+        ``policy_loss.bypass_mode`` the ``rollout_logprobs`` are the old log-probs (a batch's
+        ``old_logprobs`` are then not read).
         """
         keys = micro_batch.keys()
+        bypass = self.config.policy_loss.bypass_mode
         return policy_loss(
             output["logprobs"],
-            micro_batch["old_logprobs"],
+            None if bypass else micro_batch["old_logprobs"],
             micro_batch["advantages"],
             micro_batch["loss_mask"],
             denominators,

@@ -152,8 +152,10 @@ def _probe_logits(
     try:
         device = head.weight.device
         ids = torch.arange(_PROBE_TOKENS, device=device).unsqueeze(0) % head.out_features
-        logits = causal_lm(input_ids=ids, use_cache=False).logits.float()
-        hidden = body(input_ids=ids, use_cache=False).last_hidden_state
+        # No padding here, but GPT-2-style models warn about pad-like ids without a mask.
+        mask = torch.ones_like(ids)
+        logits = causal_lm(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        hidden = body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         direct = transform.apply(F.linear(hidden, head.weight, head.bias).float())
     finally:
         causal_lm.train(was_training)

@@ -1,16 +1,22 @@
-"""GRPO + LoRA: teach a tiny Qwen2 to add, rewarded only by whether its answer is right.
+"""GRPO + LoRA: teach a tiny Llama-architecture model to add, rewarded only by a right answer.
 
-Launch (CPU by default; the config is configs/grpo_lora.yaml, any key can be overridden):
+Launch (CPU by default; the config is configs/grpo_lora.yaml, any key can be overridden; each run
+writes to its own output.dir):
 
-    python examples/grpo_lora.py
+    python examples/grpo_lora.py                           # writes outputs/grpo_lora
     python examples/grpo_lora.py train.steps=100 actor.optim.lr=1e-3 output.dir=outputs/try
-    torchrun --nproc_per_node 2 examples/grpo_lora.py      # data parallel, FSDP2 (gloo on CPU)
+    torchrun --nproc_per_node 2 examples/grpo_lora.py output.dir=outputs/grpo_2ranks
+                                                  # data parallel, FSDP2 (gloo on CPU)
     python examples/grpo_lora.py --resume                  # continue after Ctrl-C or a finished run
-    python examples/grpo_lora.py rollout.backend=vllm       # sample with vLLM (docs/rollouts.md)
-    python examples/grpo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=[my:score]
-                                                  # your data and reward (docs/tasks.md)
+    python examples/grpo_lora.py rollout.backend=vllm output.dir=outputs/grpo_vllm
+                                                  # sample with vLLM (docs/rollouts.md)
+    python examples/grpo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
+        output.dir=outputs/my_data                # your data and reward (docs/tasks.md)
+    python examples/grpo_lora.py model.path=Qwen/Qwen2.5-0.5B-Instruct task.name=dataset ...
+                                                  # a Hugging Face Hub model, downloaded
     python examples/grpo_lora.py --overwrite               # start again over a previous run
     python examples/grpo_lora.py --help                    # every option, its default, its meaning
+    python examples/grpo_lora.py --debug ...               # an error with its full traceback
 
 What GRPO does (Shao et al. 2024, "DeepSeekMath"): for each prompt, sample a *group* of responses
 from the current policy and score them (1 if the sum is right, else 0). A response's advantage is
@@ -19,7 +25,9 @@ pushed up, worse -> pushed down; a group that is all right or all wrong teaches 
 value network is needed. The update is PPO's clipped surrogate on these advantages, run for a few
 epochs over mini-batches of the rollout, with the log-probs of the sampling policy as the anchor
 of the ratio. Only a LoRA adapter trains; the base model with the adapter switched off is the
-reference policy whose KL is reported (and penalised when ``actor.policy_loss.kl_coef > 0``).
+reference policy whose KL is reported every ``train.kl_metric_every`` steps (and penalised, on
+every step, when ``actor.policy_loss.kl_coef > 0``). ``actor.policy_loss.bypass_mode=true`` takes
+the sampler's log-probs as the anchor instead of recomputing them (docs/losses.md).
 
 Each step below: 1 sample -> 2 score -> 3 old/ref log-probs -> 4 advantages -> 5 update -> 6 log.
 The base model is warm-started with supervised steps the first time (microrl/run/base_model.py).
@@ -50,6 +58,7 @@ from microrl.run import (
     per_rank,
     prepare_base_model,
     prepare_output,
+    sample_rows,
     save_run,
     start_tracking,
 )
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
     with StopOnInterrupt(dist_info) as stop:
-        for step in range(start_step + 1, cfg.train.steps + 1):
+        for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
             # 1. Sample a group of responses per prompt from the current policy (the loss's
             #    temperature, plain ancestral sampling); the batch carries the sampler's
@@ -102,12 +111,17 @@ def main(argv: list[str] | None = None) -> int:
             # 2. Score: exact match of the answer text only.
             answered = [problems[i] for i in rollout.group_ids.tolist()]
             scores = torch.tensor(task.score(rollout.texts, answered))
-            # 3. Log-probs of the sampling policy (the ratio's anchor) and of the reference
-            #    (the base model: the same engine with the LoRA adapter switched off).
-            old = engine.infer_batch(batch)
-            batch["old_logprobs"] = old["logprobs"]
-            with engine.disable_adapter():
-                batch["ref_logprobs"] = engine.infer_batch(batch)["logprobs"]
+            # 3. Log-probs of the sampling policy (the ratio's anchor), recomputed by the engine
+            #    unless actor.policy_loss.bypass_mode takes the sampler's own (hf: the very
+            #    weights that sampled); and of the reference (the base model: the same engine
+            #    with the LoRA adapter off), only when the KL is penalised or reported this step.
+            old = None
+            if not cfg.actor.policy_loss.bypass_mode:
+                old = engine.infer_batch(batch)
+                batch["old_logprobs"] = old["logprobs"]
+            if cfg.train.kl_due(step, cfg.actor.policy_loss.kl_coef):
+                with engine.disable_adapter():
+                    batch["ref_logprobs"] = engine.infer_batch(batch)["logprobs"]
             # 4. Group-normalised advantages, spread onto the response tokens. A group is one
             #    prompt's rows, all sampled on this rank, so its statistics are complete here.
             check_whole_groups(rollout.group_ids, cfg.rollout.group_size)
@@ -122,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             is_eval_step = step % cfg.train.eval_every == 0 or step == cfg.train.steps
             if step % cfg.rollout.sync_every == 0 or is_eval_step:
                 sampler.sync(engine)  # vllm: load the new weights; hf samples the live model
-            # 6. Metrics (summed over ranks where they are counts), eval, checkpoint.
+            # 6. Metrics (summed over ranks where they are counts), eval, checkpoint. The
+            #    entropy comes from the old log-prob pass (none with the bypass), kl from the
+            #    updates of a step with reference log-probs.
             reward_sum, n_rows, n_tokens, entropy_sum, n_response = dist_info.sum(
                 [
                     scores.sum().item(),
                     len(scores),
                     batch["attention_mask"].sum().item(),
-                    (old["entropy"] * batch["loss_mask"]).sum().item(),
+                    0.0 if old is None else (old["entropy"] * batch["loss_mask"]).sum().item(),
                     batch["loss_mask"].sum().item(),
                 ]
             )
@@ -136,14 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             metrics = {
                 "reward": reward_sum / n_rows,
                 **mean_metrics(updates),
-                "entropy": entropy_sum / max(n_response, 1.0),
                 "response_tokens": n_response / n_rows,
                 "tokens_per_s": n_tokens / step_time,
                 "step_time": step_time,
             }
+            if old is not None:
+                metrics["entropy"] = entropy_sum / max(n_response, 1.0)
+            else:  # bypass: only the first update ran at the weights that sampled (docs/losses.md)
+                metrics.update({k: v for k, v in updates[0].items() if k.startswith("mismatch/")})
             if is_eval_step:
                 metrics["eval/accuracy"] = evaluate()
             tracker.log(step, metrics)
+            # A few completions every output.log_samples_every steps (samples.jsonl, trackers).
+            tracker.log_samples(step, sample_rows(rollout, problems, scores))
             if stop.should_stop():
                 interrupted = True
                 break
@@ -170,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         first_accuracy=first_accuracy,
         last_metrics=metrics,
         train_time=time.perf_counter() - t_train,
+        tokenizer=tokenizer,  # saved beside the merged model (output.export_merged)
     )
 
 

@@ -2,13 +2,14 @@
 
 Launch (CPU by default; the config is configs/ppo_lora.yaml, any key can be overridden):
 
-    python examples/ppo_lora.py
-    python examples/ppo_lora.py train.steps=100 actor.policy_loss.kl_coef=0.05
-    torchrun --nproc_per_node 2 examples/ppo_lora.py
+    python examples/ppo_lora.py                            # writes outputs/ppo_lora
+    python examples/ppo_lora.py train.steps=100 actor.policy_loss.kl_coef=0.05 output.dir=outputs/kl
+    torchrun --nproc_per_node 2 examples/ppo_lora.py output.dir=outputs/ppo_2ranks
     python examples/ppo_lora.py --resume                   # continue it (saved config + overrides)
-    python examples/ppo_lora.py rollout.backend=vllm       # sample with vLLM (docs/rollouts.md)
-    python examples/ppo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=[my:score]
-                                                  # your data and reward (docs/tasks.md)
+    python examples/ppo_lora.py rollout.backend=vllm output.dir=outputs/ppo_vllm
+                                                  # sample with vLLM (docs/rollouts.md)
+    python examples/ppo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
+        output.dir=outputs/my_data_ppo            # your data and reward (docs/tasks.md)
 
 What PPO does (Schulman et al. 2017, as used for RLHF by Ouyang et al. 2022): sample responses,
 score them, and put the score on the *last* response token as the reward. A critic predicts, at
@@ -50,6 +51,7 @@ from microrl.run import (
     per_rank,
     prepare_base_model,
     prepare_output,
+    sample_rows,
     save_run,
     start_tracking,
 )
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
     with StopOnInterrupt(dist_info) as stop:
-        for step in range(start_step + 1, cfg.train.steps + 1):
+        for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
             # 1. Sample responses from the current policy (the loss's temperature); the batch
             #    carries the sampler's rollout_logprobs (the engine reports the mismatch/*).
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             answered = [problems[i] for i in rollout.group_ids.tolist()]
             scores = torch.tensor(task.score(rollout.texts, answered))
             # 3-4. Old/ref log-probs and old values; GAE advantages whitened over all ranks.
-            old = estimate_advantages(actor, critic, batch, scores, cfg)
+            with_ref = cfg.train.kl_due(step, cfg.actor.policy_loss.kl_coef)
+            old = estimate_advantages(actor, critic, batch, scores, cfg, with_ref=with_ref)
             # 5. PPO epochs over shuffled mini-batches: one actor and one critic step each.
             actor_updates, critic_updates = ppo_update(
                 actor, critic, batch, cfg, mini_batch_per_rank
@@ -111,13 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             is_eval_step = step % cfg.train.eval_every == 0 or step == cfg.train.steps
             if step % cfg.rollout.sync_every == 0 or is_eval_step:
                 sampler.sync(actor)  # vllm: load the new weights; hf samples the live model
-            # 6. Metrics (counts summed over ranks), eval, checkpoint.
+            # 6. Metrics (counts summed over ranks), eval, checkpoint. The entropy comes from
+            #    the old log-prob pass (none with the bypass).
             reward_sum, n_rows, n_tokens, entropy_sum, n_response = dist_info.sum(
                 [
                     scores.sum().item(),
                     len(scores),
                     batch["attention_mask"].sum().item(),
-                    (old["entropy"] * mask).sum().item(),
+                    0.0 if old is None else (old["entropy"] * mask).sum().item(),
                     mask.sum().item(),
                 ]
             )
@@ -126,14 +130,21 @@ def main(argv: list[str] | None = None) -> int:
                 "reward": reward_sum / n_rows,
                 **mean_metrics(actor_updates),
                 **mean_metrics(critic_updates, prefix="critic/"),
-                "entropy": entropy_sum / max(n_response, 1.0),
                 "response_tokens": n_response / n_rows,
                 "tokens_per_s": n_tokens / step_time,
                 "step_time": step_time,
             }
+            if old is not None:
+                metrics["entropy"] = entropy_sum / max(n_response, 1.0)
+            else:  # bypass: only the first update ran at the weights that sampled (docs/losses.md)
+                metrics.update(
+                    {k: v for k, v in actor_updates[0].items() if k.startswith("mismatch/")}
+                )
             if is_eval_step:
                 metrics["eval/accuracy"] = evaluate()
             tracker.log(step, metrics)
+            # A few completions every output.log_samples_every steps (samples.jsonl, trackers).
+            tracker.log_samples(step, sample_rows(rollout, problems, scores))
             if stop.should_stop():
                 interrupted = True
                 break
@@ -155,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         first_accuracy=first_accuracy,
         last_metrics=metrics,
         train_time=time.perf_counter() - t_train,
+        tokenizer=tokenizer,  # saved beside the merged model (output.export_merged)
     )
 
 
@@ -164,10 +176,14 @@ def estimate_advantages(
     batch: TensorDict,
     scores: torch.Tensor,
     cfg: PPOExampleConfig,
-) -> TensorDict:
+    *,
+    with_ref: bool = True,
+) -> TensorDict | None:
     """Steps 3-4 on this rank's rollout ``batch`` (``[B, T]``, scores ``[B]``), in place: adds
-    ``old_logprobs``, ``ref_logprobs``, ``old_values``, ``advantages`` and ``returns``; returns
-    the actor's inference outputs (their entropy is logged).
+    ``old_logprobs`` (unless ``actor.policy_loss.bypass_mode`` anchors the ratio on the
+    sampler's ``rollout_logprobs``), ``ref_logprobs`` (when ``with_ref``: a KL penalty or the KL
+    metric), ``old_values``, ``advantages`` and ``returns``; returns the actor's inference
+    outputs (their entropy is logged), or None with the bypass.
 
     Everything here is per row except the whitening, whose mean and variance are those of the
     whole rollout over all data-parallel ranks: N ranks, each with its share of the rows, get the
@@ -175,10 +191,13 @@ def estimate_advantages(
     """
     mask = batch["loss_mask"]
     # 3. Old log-probs (ratio anchor), reference log-probs (KL), old values (baseline).
-    old = actor.infer_batch(batch)
-    batch["old_logprobs"] = old["logprobs"]
-    with actor.disable_adapter():
-        batch["ref_logprobs"] = actor.infer_batch(batch)["logprobs"]
+    old = None
+    if not cfg.actor.policy_loss.bypass_mode:
+        old = actor.infer_batch(batch)
+        batch["old_logprobs"] = old["logprobs"]
+    if with_ref:
+        with actor.disable_adapter():
+            batch["ref_logprobs"] = actor.infer_batch(batch)["logprobs"]
     batch["old_values"] = critic.infer_batch(batch)["values"]
     # 4. The score is the reward of the last response token; GAE over the response tokens, then
     #    whitening over the loss tokens of every rank (a collective; no group in one process).

@@ -105,6 +105,15 @@ class PolicyLossConfig:
         default=None,
         metadata={"help": "zero pg weight on rows whose geometric-mean ratio is outside the band"},
     )
+    # Bypass mode (verl's rollout_correction.bypass_mode): the sampler's rollout_logprobs are the
+    # ratio's anchor pi_old, so nothing recomputes old_logprobs. Exact only when the sampler ran
+    # the trained weights with the trainer's numerics (docs/losses.md#bypass-mode-bypass_mode).
+    bypass_mode: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "use the sampler's rollout_logprobs as old_logprobs (no old log-prob pass)"
+        },
+    )
 
     def __post_init__(self) -> None:
         self.name = _parse(PolicyLossType, self.name, "name")
@@ -136,6 +145,16 @@ class PolicyLossConfig:
             self.token_ratio_band, "policy_loss.token_ratio_band"
         )
         self.seq_ratio_band = check_ratio_band(self.seq_ratio_band, "policy_loss.seq_ratio_band")
+        if not isinstance(self.bypass_mode, bool):
+            raise ValueError(
+                f"policy_loss.bypass_mode must be a bool (true or false), got {self.bypass_mode!r}"
+            )
+        if self.bypass_mode and self.corrects_mismatch:
+            raise ValueError(
+                "policy_loss.bypass_mode cannot be combined with a mismatch correction (tis_cap, "
+                "token_ratio_band, seq_ratio_band): they weight by pi_old / pi_rollout, which the "
+                "bypass makes 1"
+            )
 
     @property
     def sequence_level_ratio(self) -> bool:

@@ -42,7 +42,7 @@ POLICY_SURROGATES: dict[PolicyLossType, Surrogate] = {
 
 def policy_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     denominators: LossDenominators,
@@ -66,7 +66,8 @@ def policy_loss(
 
     Args:
         logprobs: ``[B, T]`` log-probs of the taken tokens under the trained policy (with grad).
-        old_logprobs: ``[B, T]`` behaviour-policy log-probs (gradient ignored).
+        old_logprobs: ``[B, T]`` behaviour-policy log-probs (gradient ignored); ``None`` with
+            ``config.bypass_mode``, where ``rollout_logprobs`` take their place.
         advantages: ``[B, T]`` per-token advantages (a per-sequence ``[B]`` advantage is spread
             with :func:`microrl.losses.broadcast_to_tokens`).
         loss_mask: ``[B, T]`` bool/int/float; nonzero marks a trained token.
@@ -78,8 +79,9 @@ def policy_loss(
         entropy: ``[B, T]`` per-token entropy (with grad); required iff ``entropy_coef > 0``.
         rollout_logprobs: ``[B, T]`` log-probs the rollout backend sampled the tokens with;
             required iff a mismatch correction is configured (``tis_cap``,
-            ``token_ratio_band``, ``seq_ratio_band``); whenever given, the ``mismatch/*``
-            metrics compare it with ``old_logprobs``.
+            ``token_ratio_band``, ``seq_ratio_band``) or ``bypass_mode`` is on; whenever given,
+            the ``mismatch/*`` metrics compare it with ``old_logprobs`` (with ``bypass_mode``:
+            with the detached ``logprobs``, see docs/losses.md#bypass-mode-bypass_mode).
         validate: check that every unmasked input value is finite (one host sync per call).
 
     Returns:
@@ -100,6 +102,20 @@ def policy_loss(
     config.__post_init__()  # re-validate: the dataclass is mutable (cheap, no tensors involved)
     denominators = check_denominators(denominators)
     mode = check_agg_mode(agg_mode, denominators)
+    if config.bypass_mode:
+        # The sampler's log-probs are the behaviour policy itself (verl's bypass mode).
+        if old_logprobs is not None:
+            raise ValueError(
+                "old_logprobs must be None with policy_loss.bypass_mode: rollout_logprobs are "
+                "the behaviour log-probs"
+            )
+        if rollout_logprobs is None:
+            raise ValueError("rollout_logprobs is required because policy_loss.bypass_mode is on")
+        old_logprobs = rollout_logprobs
+    elif old_logprobs is None:
+        raise ValueError(
+            "old_logprobs is required (or policy_loss.bypass_mode, to use rollout_logprobs)"
+        )
     inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
     _require(inputs, "ref_logprobs", ref_logprobs, config.kl_coef > 0, "policy_loss.kl_coef > 0")
     _require(inputs, "entropy", entropy, config.entropy_coef > 0, "policy_loss.entropy_coef > 0")
@@ -124,7 +140,19 @@ def policy_loss(
     )
     pg = out.loss
     metrics: dict[str, Metric] = {}
-    if "rollout_logprobs" in clean:
+    if "rollout_logprobs" in clean and config.bypass_mode:
+        # pi_old is mu itself, so the gap is measured against this pass: exactly the
+        # trainer/sampler gap on an update at the sampling weights, plus the drift after it.
+        metrics.update(
+            mismatch_metrics(
+                clean["logprobs"].detach(),
+                clean["rollout_logprobs"],
+                mask,
+                denominators,
+                validate=False,
+            )
+        )
+    elif "rollout_logprobs" in clean:
         # The mismatch between the trainer's behaviour log-probs and the rollout backend's
         # (docs/losses.md#rollouttrainer-mismatch), and its corrections on the pg term.
         behaviour = (clean["old_logprobs"], clean["rollout_logprobs"], mask, denominators)

@@ -6,6 +6,7 @@ TINY_MODEL = [
     "model.intermediate_size=64",
     "model.num_layers=1",
     "model.num_heads=2",
+    "model.build_toy=true",  # a toy base model at the test's own model.path
     "model.warm_start.max_steps=2",
     "model.warm_start.eval_every=2",
     "model.warm_start.batch_size=16",

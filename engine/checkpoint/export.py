@@ -191,7 +191,7 @@ def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def export_merged_model(
-    model: nn.Module, path: str | os.PathLike, *, merge_lora: bool = True
+    model: nn.Module, path: str | os.PathLike, *, merge_lora: bool = True, tokenizer: Any = None
 ) -> Path:
     """Write the trained transformers model inside ``model`` in its own format, LoRA merged in.
 
@@ -201,10 +201,12 @@ def export_merged_model(
     :class:`~microrl.engine.models.ValueModel` inside ``model``) is written as a transformers
     classifier instead (see :func:`classifier_target`): ``AutoModelForTokenClassification`` /
     ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it with the trained head.
+    A ``tokenizer`` given is saved beside the weights (``save_pretrained``), in the same atomic
+    write, so the directory serves on its own (vLLM, transformers).
     """
     found = _find(model, ValueModel)
     if found is not None:
-        return _export_classifier(model, path, found[0], found[1])
+        return _export_classifier(model, path, found[0], found[1], tokenizer)
     prefix, base = locate_base_model(model)
     state = _sub_state(full_state_dict(model), prefix)
     if distributed.rank() == 0:
@@ -212,6 +214,8 @@ def export_merged_model(
 
     def write(tmp: Path) -> None:
         base.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
 
     return _write_atomically(path, write)
 
@@ -302,7 +306,11 @@ def _head_state(
 
 
 def _export_classifier(
-    model: nn.Module, path: str | os.PathLike, value_prefix: str, value_model: ValueModel
+    model: nn.Module,
+    path: str | os.PathLike,
+    value_prefix: str,
+    value_model: ValueModel,
+    tokenizer: Any = None,
 ) -> Path:
     """:func:`export_merged_model` of a critic / reward model (see :func:`classifier_target`)."""
     from safetensors.torch import save_file
@@ -324,6 +332,8 @@ def _export_classifier(
         target.config.save_pretrained(str(tmp))
         tensors = {k: v.contiguous() for k, v in out.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
 
     return _write_atomically(path, write)
 

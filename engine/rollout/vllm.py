@@ -20,10 +20,12 @@ metrics (docs/losses.md); install notes for GPU and CPU are in docs/rollouts.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,7 @@ from microrl.engine.checkpoint.export import (
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 
-__all__ = ["INSTALL_HINT", "VLLMRollout"]
+__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
@@ -52,13 +54,43 @@ INSTALL_HINT = (
 CPU_KV_CACHE_MB = 256
 
 
+# A level the user set for vLLM before this process started wins over ours.
+_USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
+
+
+def set_vllm_log_level(verbose: bool) -> str:
+    """vLLM's log level: ``INFO`` when ``verbose`` (its default), else ``ERROR``: its ~30 start-up
+    lines would bury the run's own. Read by vLLM when it is imported (the environment variable)
+    and applied to its logger should it be imported already; a ``VLLM_LOGGING_LEVEL`` set before
+    this process started wins. Returns the level."""
+    level = _USER_LOG_LEVEL or ("INFO" if verbose else "ERROR")
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    logging.getLogger("vllm").setLevel(level.upper())
+    return level
+
+
+@contextlib.contextmanager
+def _without_vllm_deprecations():
+    """vLLM 0.32 on torch 2.13 touches deprecated torch APIs as it loads its model code
+    (TorchScript's ``script_method``) and starts (its Triton dispatcher reads
+    ``torch.distributed.reduce_op``): warnings for vLLM's authors, not for the trainer's user;
+    only these two are silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op`", FutureWarning)
+        warnings.filterwarnings("ignore", r"`torch\.jit\.script_method`", DeprecationWarning)
+        yield
+
+
 def _import_vllm():
     # In-process engine: weight syncs pass tensors to it directly (see the module docstring).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # On a CPU, do not pin this process's threads (the trainer's too) to cores.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     try:
-        import vllm
+        with _without_vllm_deprecations():
+            import vllm
+
+            _ = vllm.LLM  # a lazy import: the model code loads here, under the filter
     except ImportError as err:
         raise ImportError(INSTALL_HINT) from err
     return vllm
@@ -104,6 +136,7 @@ class VLLMRollout(RolloutBackend):
         config = config or VLLMConfig()
         if not isinstance(config, VLLMConfig):
             raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
+        set_vllm_log_level(config.verbose)
         vllm = _import_vllm()
         if not hasattr(engine, "module") or not hasattr(engine, "peft_model"):
             raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
@@ -145,6 +178,7 @@ class VLLMRollout(RolloutBackend):
             "enforce_eager": on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
             "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm",  # our SamplingParams only, not the model's defaults
+            "use_tqdm_on_load": cfg.verbose,
         }
         if kv_mb:
             kwargs["kv_cache_memory_bytes"] = kv_mb * 1024 * 1024
@@ -165,7 +199,7 @@ class VLLMRollout(RolloutBackend):
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-            with torch.random.fork_rng(devices=cuda):
+            with torch.random.fork_rng(devices=cuda), _without_vllm_deprecations():
                 return vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads

@@ -4,19 +4,26 @@
 (ranks, Ctrl-C), :mod:`~microrl.run.checkpoint` (run checkpoints that survive a kill),
 :mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot),
 :mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step) and
-:mod:`~microrl.run.base_model` (the base model RL starts from: a local checkpoint, or the toy model
-of :mod:`~microrl.run.toy_model` warm-started once).
+:mod:`~microrl.run.base_model` (the base model RL starts from: a local checkpoint, a Hugging Face
+Hub model, or the toy model of :mod:`~microrl.run.toy_model` warm-started once).
 """
 
 from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
 from microrl.run.cli import parse_cli, prepare_output
-from microrl.run.dist import Dist, StopOnInterrupt, per_rank
-from microrl.run.session import evaluate_accuracy, evaluator, finish, start_tracking
+from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
+from microrl.run.session import (
+    evaluate_accuracy,
+    evaluator,
+    finish,
+    sample_rows,
+    start_tracking,
+)
 from microrl.run.tracking import Tracker, mean_metrics, plot_metrics, read_metrics
 
 __all__ = [
     "Dist",
+    "StepFailed",
     "StopOnInterrupt",
     "Tracker",
     "evaluate_accuracy",
@@ -31,6 +38,7 @@ __all__ = [
     "prepare_base_model",
     "prepare_output",
     "read_metrics",
+    "sample_rows",
     "save_run",
     "start_tracking",
 ]

@@ -1,16 +1,25 @@
-"""The base model RL starts from: a local checkpoint, or a tiny model warm-started here once.
+"""The base model RL starts from: a local checkpoint, a Hub model, or a toy model built once.
 
-When ``model.path`` holds no checkpoint and the task is one the toy model can learn (a task with a
-``toy_alphabet``: the built-in ``addition`` and ``word_problems``), a fresh model is built
-(:mod:`microrl.run.toy_model`, its character tokenizer extended by the task's alphabet) and trained
+``model.path`` that is not a local directory but a Hugging Face Hub id is downloaded into the
+Hugging Face cache, and its snapshot directory is the checkpoint. When ``model.path`` is one of
+the examples' own toy-model paths (or ``model.build_toy`` is set), holds no checkpoint, and the
+task is one the toy model can learn (a task with a ``toy_alphabet``: the built-in ``addition``
+and ``word_problems``), a fresh model is built (:mod:`microrl.run.toy_model`, its character
+tokenizer extended by the task's alphabet) and trained
 with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
 accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
-RL visible room to improve. The result (model + tokenizer) is saved to ``model.path`` and reused by
-every later run, including the other example.
+RL visible room to improve. The toy model learns addition in a sudden jump whose step moves by
+hundreds with the last bit of rounding (another CPU, or a 1e-6 perturbation of the initial weights,
+turns 0.3 at step 600 into 0.6), so a fixed step count would give any base from 0.15 to 0.65; the
+accuracy is therefore checked often (every ``warm_start.eval_every`` steps, on
+:data:`WARM_START_EVAL_PROMPTS` prompts) and the stop lands within a few hundredths above the
+target wherever the jump comes. The result (model + tokenizer) is saved to ``model.path`` and
+reused by every later run, including the other example.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -18,10 +27,11 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
-from microrl.configs.run import ModelConfig, TaskConfig
+from microrl.configs.run import TOY_MODEL_PATHS, ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.rollout import HFRollout, sft_batch
+from microrl.hub import download_hint, download_model, first_line, is_hub_name
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
 from microrl.run.toy_model import build_model, build_tokenizer, is_checkpoint, load_tokenizer
@@ -30,8 +40,11 @@ from microrl.tasks.factory import BUILT_IN_TASKS, make_task
 
 __all__ = ["prepare_base_model"]
 
-# Warm-start accuracy is measured on this many *training* prompts: the held-out set is kept for RL.
-WARM_START_EVAL_PROMPTS = 200
+# Warm-start accuracy is measured on this many *training* prompts (the held-out set is kept for RL):
+# enough that its noise (about 0.02) stays below the step of the accuracy between two checks.
+WARM_START_EVAL_PROMPTS = 500
+# Of the checks, the warm start logs one every this many steps (and the last).
+WARM_START_LOG_EVERY = 100
 
 
 def prepare_base_model(
@@ -41,24 +54,64 @@ def prepare_base_model(
     max_new_tokens: int,
     log: Callable[[str], None] = print,
 ) -> tuple[PreTrainedTokenizerBase, str]:
-    """Tokenizer and checkpoint path ``cfg.path``, warm-starting and saving a model there first if
-    needed. The engines load the path themselves: under torchrun only rank 0 reads it
-    (microrl/engine/parallel/materialize.py).
+    """Tokenizer and local checkpoint directory of the base model ``cfg.path`` names:
 
-    Only a task with a ``toy_alphabet`` gets a model built for it; for any other (a
-    ``task.name=dataset`` file), an empty ``model.path`` is a ``ValueError``.
+    - a local transformers checkpoint: as it is;
+    - one of the examples' :data:`TOY_MODEL_PATHS`, or any path with ``model.build_toy``: the toy
+      model built, warm-started and saved there first (only for a task with a ``toy_alphabet``;
+      for any other, such as a ``task.name=dataset`` file, a ``ValueError``);
+    - a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``; :func:`microrl.hub.is_hub_name`):
+      its snapshot in the Hugging Face cache, downloaded by rank 0 first.
+
+    Anything else (a missing local path, a failed download) is a one-line ``ValueError`` that
+    says how to get the model. The engines load the returned directory themselves: under
+    torchrun only rank 0 reads it (microrl/engine/parallel/materialize.py).
     """
-    if not is_checkpoint(cfg.path):
+    path = cfg.path
+    if is_checkpoint(path):
+        return load_tokenizer(path), path
+    if cfg.build_toy or os.path.normpath(path) in TOY_MODEL_PATHS:
         task = make_task(task_cfg) if task_cfg.name in BUILT_IN_TASKS else None
         if getattr(task, "toy_alphabet", None) is None:
             raise ValueError(
-                f"model.path={cfg.path!r} holds no transformers checkpoint (config.json and a "
-                "tokenizer), and a base model is built and warm-started here only for the "
+                f"model.path={path!r} holds no transformers checkpoint (config.json and a "
+                "tokenizer), and a toy base model is built and warm-started only for the "
                 f"built-in tasks ({', '.join(BUILT_IN_TASKS)}): for task.name={task_cfg.name} "
-                "give model.path a local checkpoint (docs/tasks.md)"
+                "give model.path a local checkpoint or a Hugging Face Hub id (docs/tasks.md)"
             )
         _warm_start(cfg, task, dist_info, max_new_tokens, log)
-    return load_tokenizer(cfg.path), cfg.path
+        return load_tokenizer(path), path
+    if is_hub_name(path):
+        path = _download(path, dist_info, log)
+        return load_tokenizer(path), path
+    what = "holds no transformers checkpoint (config.json and a tokenizer)"
+    raise ValueError(
+        f"model.path={path!r} {what if os.path.isdir(path) else 'does not exist'}: give a local "
+        "checkpoint directory, a Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct), or "
+        "model.build_toy=true to build a toy model there; to download a Hub model into it: "
+        f"`hf download <org/name> --local-dir {path}`"
+    )
+
+
+def _download(repo_id: str, dist_info: Dist, log: Callable[[str], None]) -> str:
+    """Rank 0 downloads first; the other ranks then find the files in the cache (or, on another
+    node without a shared cache, download their own copy)."""
+    local, error = None, None
+    if dist_info.is_main:
+        log(f"model.path={repo_id} is not a local directory: loading it from the Hugging Face Hub")
+        try:
+            local = download_model(repo_id)
+        except Exception as err:  # network, unknown or gated repository, disk: all one line
+            error = err
+    if dist_info.any(error is not None):
+        reason = first_line(error) if error is not None else "see rank 0"
+        raise ValueError(
+            f"model.path={repo_id!r} is not a local directory, and downloading it from the "
+            f"Hugging Face Hub failed ({reason}); download it with {download_hint(repo_id)} "
+            f"(`huggingface-cli download` on older hubs) and give model.path=models/"
+            f"{repo_id.split('/')[-1]}"
+        )
+    return local if local is not None else download_model(repo_id)
 
 
 def _warm_start(
@@ -81,7 +134,8 @@ def _warm_start(
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"no checkpoint at {cfg.path}: warm-starting a {n_params / 1e3:.0f}k-parameter {type(model).__name__} "
-        f"with supervised steps until {ws.target_accuracy:.0%} accuracy (<= {ws.max_steps} steps)"
+        f"with supervised steps until {ws.target_accuracy:.0%} greedy accuracy (checked every "
+        f"{ws.eval_every} steps, <= {ws.max_steps} steps)"
     )
     if ws.batch_size % dist_info.world_size:
         raise ValueError(
@@ -109,12 +163,19 @@ def _warm_start(
         metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
         if step % ws.eval_every == 0 or step == ws.max_steps:
             accuracy = evaluate_accuracy(sampler, task, check, dist_info, max_new_tokens)
-            log(
-                f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
-                f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"
-            )
-            if accuracy >= ws.target_accuracy:
+            reached = accuracy >= ws.target_accuracy
+            if reached or step % WARM_START_LOG_EVERY == 0 or step == ws.max_steps:
+                log(
+                    f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
+                    f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"
+                )
+            if reached:
                 break
+    else:
+        log(
+            f"  the warm start stopped at model.warm_start.max_steps={ws.max_steps} below "
+            f"model.warm_start.target_accuracy={ws.target_accuracy}: a weaker base than intended"
+        )
     export_merged_model(engine.module, cfg.path)
     if dist_info.is_main:
         tokenizer.save_pretrained(cfg.path)  # last: a checkpoint counts as complete only with it

@@ -45,8 +45,10 @@ RUN_FORMAT = "microrl-example-run"
 RUN_OUTPUTS = (
     CHECKPOINT_DIR,
     "adapter",
+    "merged",  # output.export_merged: the LoRA merged into the base model
     "tensorboard",
     "metrics.jsonl",
+    "samples.jsonl",  # output.log_samples_every: sampled completions
     "curves.png",
     "config.yaml",
     "trackers.json",  # the W&B / MLflow run ids that --resume continues (not their local runs)

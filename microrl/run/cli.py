@@ -1,10 +1,13 @@
-"""The command line of a training script: ``--config``, ``--resume``, ``--overwrite``, ``--help``.
+"""The command line of a training script: ``--config``, ``--resume``, ``--overwrite``, ``--debug``.
 
 - :func:`parse_cli`: ``--config``, ``--resume``, ``--overwrite`` and positional ``key.sub=value``
   overrides, loaded into the script's typed config (``--help`` lists every key with its default
   and a one-line description). A run never silently replaces another: an ``output.dir`` holding a
   checkpoint needs ``--resume`` (continue it, from its saved config plus the overrides given) or
-  ``--overwrite`` (delete its outputs and start again).
+  ``--overwrite`` (delete its outputs and start again). A bad key or value, or a refused
+  ``output.dir``, is one line on stderr (rank 0 under ``torchrun``) and exit code 2 on every rank;
+  an error while the script runs is one line too (what failed, at which step), the traceback only
+  with ``--debug``.
 - :func:`prepare_output`: after the processes have started, rank 0 restores a checkpoint an
   interrupted swap left aside (``--resume``) or deletes the previous run's outputs
   (``--overwrite``).
@@ -30,6 +33,7 @@ from microrl.configs.loader import (
     override_value,
 )
 from microrl.engine.checkpoint.atomic_io import staging_paths
+from microrl.hub import first_line
 from microrl.run.checkpoint import (
     CHECKPOINT_DIR,
     RUN_OUTPUTS,
@@ -37,7 +41,7 @@ from microrl.run.checkpoint import (
     find_run_checkpoint,
     recover_run_checkpoint,
 )
-from microrl.run.dist import Dist
+from microrl.run.dist import Dist, StepFailed
 
 __all__ = ["CONFIG_DIR", "parse_cli", "prepare_output"]
 
@@ -103,7 +107,14 @@ def parse_cli(
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="an error prints its full traceback (default: one line, what failed and where)",
+    )
     args = parser.parse_args(argv)
+    if not args.debug:
+        sys.excepthook = _one_line_error
     # The examples print their own progress; transformers' per-file load/save bars are noise here.
     from transformers.utils import logging as hf_logging
 
@@ -123,9 +134,11 @@ def parse_cli(
             if not (args.overwrite or args.print_config):
                 _refuse_previous_run(config.output.dir)
     except ValueError as err:
-        if _env_rank() != 0:  # every rank reached the same verdict; one prints it
-            raise SystemExit(2) from None
-        parser.error(str(err))
+        # One line, without argparse's usage block (the key is named): every rank reached the
+        # same verdict, and rank 0 prints it.
+        if _env_rank() == 0:
+            sys.stderr.write(f"{parser.prog}: error: {err}\n")
+        raise SystemExit(2) from None
     if args.print_config:
         print(config_to_yaml(config), end="")
         raise SystemExit(0)
@@ -134,6 +147,19 @@ def parse_cli(
 
 def _env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def _one_line_error(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` of a script run without ``--debug``: an uncaught exception is one line
+    on stderr (what failed, at which step, its message; the rank under ``torchrun``)."""
+    if isinstance(exc, KeyboardInterrupt):
+        line = "aborted by a second Ctrl-C: nothing saved after the last checkpoint"
+    elif isinstance(exc, StepFailed):
+        line = f"error at step {exc.step}: {first_line(exc.error)}"
+    else:
+        line = f"error: {first_line(exc)}"
+    who = f"[rank {_env_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    sys.stderr.write(f"{who}{line} (--debug prints the traceback)\n")
 
 
 def _refuse_previous_run(out_dir: str) -> None:

@@ -2,13 +2,16 @@
 
 - :class:`Dist`: rank and world size, the same code under ``python`` and ``torchrun``.
 - :class:`StopOnInterrupt`: Ctrl-C asks the loop to stop at the next step boundary, the same step on
-  every rank, so the checkpoint written then is consistent; a second Ctrl-C aborts at once.
+  every rank, so the checkpoint written then is consistent; a second Ctrl-C aborts at once. An
+  exception raised in the loop leaves it as :class:`StepFailed`, naming the step.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,7 +20,9 @@ import torch.distributed as dist
 
 from microrl.engine.parallel import distributed
 
-__all__ = ["Dist", "StopOnInterrupt", "per_rank"]
+__all__ = ["Dist", "StepFailed", "StopOnInterrupt", "per_rank"]
+
+STOP_MESSAGE = "stopping after this step; Ctrl-C again to abort without saving"
 
 T = TypeVar("T")
 
@@ -75,28 +80,54 @@ class Dist:
         distributed.shutdown()
 
 
-class StopOnInterrupt:
-    """Context manager turning the first SIGINT (Ctrl-C) into a polite stop request.
+class StepFailed(RuntimeError):
+    """An exception raised during RL step ``step``; the original is its ``__cause__``."""
 
-    The loop calls :meth:`should_stop` at each step boundary; under ``torchrun`` the flag is
-    OR-reduced over ranks, so every rank stops after the same step and saves together.
+    def __init__(self, step: int, error: BaseException) -> None:
+        super().__init__(f"step {step}: {type(error).__name__}: {error}")
+        self.step = step
+        self.error = error
+
+
+class StopOnInterrupt:
+    """Context manager around the step loop, turning the first SIGINT (Ctrl-C) into a polite stop
+    request.
+
+    The loop runs over :meth:`steps` and calls :meth:`should_stop` at each step boundary; under
+    ``torchrun`` the flag is OR-reduced over ranks, so every rank stops after the same step and
+    saves together. The first Ctrl-C says so on rank 0; a second one aborts at once. An exception
+    raised in the loop leaves the block as :class:`StepFailed`, naming the step it was in.
     """
 
     def __init__(self, dist_info: Dist) -> None:
         self.dist = dist_info
         self.requested = False
+        self.step: int | None = None  # the step running, for StepFailed
         self._previous: Any = None
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = True
         signal.signal(signal.SIGINT, self._previous)  # a second Ctrl-C aborts immediately
+        if self.dist.is_main:
+            # os.write, not print: a handler that prints while the interrupted code is inside a
+            # print to the same stream raises "reentrant call".
+            lead = "\n" if sys.stderr.isatty() else ""  # off the progress bar's line
+            os.write(sys.stderr.fileno(), f"{lead}{STOP_MESSAGE}\n".encode())
 
     def __enter__(self) -> StopOnInterrupt:
         self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
         signal.signal(signal.SIGINT, self._previous)
+        if isinstance(exc, Exception) and self.step is not None and not isinstance(exc, StepFailed):
+            raise StepFailed(self.step, exc) from exc
+
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """``range(start, stop)``, remembering the step that runs (an error names it)."""
+        for step in range(start, stop):
+            self.step = step
+            yield step
 
     def should_stop(self) -> bool:
         return self.dist.any(self.requested)

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import yaml
+
 from microrl.configs.loader import config_to_yaml
-from microrl.engine.checkpoint.export import export_peft_adapter
-from microrl.engine.rollout import RolloutBackend, SamplingParams
+from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
+from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams
 from microrl.run.checkpoint import save_run
 from microrl.run.dist import Dist
 from microrl.run.tracking import Tracker
 from microrl.tasks import Problem, Task
 
-__all__ = ["evaluate_accuracy", "evaluator", "finish", "start_tracking"]
+__all__ = ["evaluate_accuracy", "evaluator", "finish", "sample_rows", "start_tracking"]
 
 
 def evaluate_accuracy(
@@ -50,18 +52,25 @@ def evaluator(
 def start_tracking(
     cfg: Any, dist_info: Dist, start_step: int, evaluate: Callable[[], float], t_setup: float
 ) -> tuple[Tracker, float]:
-    """Open the tracker (rank 0 writes), save the config, and measure the starting accuracy."""
+    """Open the tracker and its experiment trackers (rank 0 writes), save the config, and
+    measure the starting accuracy."""
+    config_text = config_to_yaml(cfg)
     tracker = Tracker(
         cfg.output.dir,
         total_steps=cfg.train.steps,
         start_step=start_step,
         enabled=dist_info.is_main,
+        trackers=cfg.output.trackers,
         tensorboard=cfg.output.tensorboard,
+        config=yaml.safe_load(config_text),
+        project=cfg.output.project,
         progress=cfg.output.progress,
         log_every=cfg.output.log_every,
+        samples_every=cfg.output.log_samples_every,
+        samples_per_step=cfg.output.log_samples,
     )
     if dist_info.is_main:
-        (tracker.out_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        (tracker.out_dir / "config.yaml").write_text(config_text)
     accuracy = evaluate()
     tracker.write(
         f"held-out greedy accuracy at step {start_step}: {accuracy:.3f} "
@@ -70,6 +79,28 @@ def start_tracking(
     if start_step == 0:
         tracker.log(0, {"eval/accuracy": accuracy})
     return tracker, accuracy
+
+
+def sample_rows(
+    rollout: Rollout, problems: Sequence[Problem], scores: Sequence[float]
+) -> Iterator[dict[str, Any]]:
+    """The rows of ``rollout`` in the order :meth:`Tracker.log_samples` shows them: the first
+    response of each prompt, prompts in sampling order, then the second of each, and so on; a
+    row is ``{"group", "reward", "prompt", "response"}`` (``group``: the prompt's index in
+    ``problems``, this rank's). Lazy: nothing is computed on a step that logs no samples."""
+    group_ids = rollout.group_ids.tolist()
+    nth, seen = [], {}  # nth[i]: row i is its prompt's nth response
+    for group in group_ids:
+        nth.append(seen.get(group, 0))
+        seen[group] = nth[-1] + 1
+    for i in sorted(range(len(group_ids)), key=lambda i: (nth[i], group_ids[i])):
+        group = group_ids[i]
+        yield {
+            "group": group,
+            "reward": float(scores[i]),
+            "prompt": problems[group].prompt,
+            "response": rollout.texts[i],
+        }
 
 
 def finish(
@@ -85,9 +116,11 @@ def finish(
     first_accuracy: float,
     last_metrics: Mapping[str, float],
     train_time: float,
+    tokenizer: Any = None,
 ) -> int:
     """Checkpoint; then either stop for ``--resume`` (exit code 130) or export the actor's LoRA
-    adapter, plot, and print the summary (exit code 0)."""
+    adapter (and with ``output.export_merged`` the merged model, ``tokenizer`` beside it), plot,
+    and print the summary (exit code 0)."""
     log = print if dist_info.is_main else (lambda *_: None)
     path = save_run(cfg.output.dir, engines, step=step, rng=rng, dist_info=dist_info, config=cfg)
     if interrupted:
@@ -97,14 +130,19 @@ def finish(
         return 130
     actor = engines["actor"]
     export_peft_adapter(actor.module, f"{cfg.output.dir}/adapter", peft_model=actor.peft_model)
+    if cfg.output.export_merged:  # every rank takes part in gathering the weights
+        export_merged_model(actor.module, f"{cfg.output.dir}/merged", tokenizer=tokenizer)
     final_accuracy = last_metrics.get("eval/accuracy", first_accuracy)
     plot = tracker.close(plot=cfg.output.plot)
+    tracked = "".join(f"{where}, " for where in tracker.locations)
+    samples = "samples.jsonl, " if tracker.samples_path.is_file() else ""
+    merged = "merged/ (LoRA merged in, transformers format), " if cfg.output.export_merged else ""
     log(
         f"\nheld-out greedy accuracy: {first_accuracy:.3f} (step {start_step}) -> "
         f"{final_accuracy:.3f} (step {step}) in {train_time:.0f}s of RL\n"
-        f"outputs in {cfg.output.dir}/: metrics.jsonl, tensorboard/, "
+        f"outputs in {cfg.output.dir}/: metrics.jsonl, {samples}{tracked}"
         f"{plot.name if plot else 'no plot'}, adapter/ (the actor's LoRA adapter, PEFT format), "
-        "checkpoint/ (--resume)"
+        f"{merged}checkpoint/ (--resume)"
     )
     dist_info.close()
     return 0

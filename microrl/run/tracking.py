@@ -1,19 +1,23 @@
 """What a user sees: a tqdm bar with live reward/accuracy on a terminal, or one short plain line
 every ``log_every`` steps in a log file (cluster jobs, ``> log``, pipes); metrics as JSON lines and
-in the experiment trackers named (TensorBoard, Weights & Biases, MLflow; docs/tracking.md); and a
-PNG of the curves at the end. Only the main rank writes anything.
+in the experiment trackers named (TensorBoard, Weights & Biases, MLflow; docs/tracking.md); a few
+sampled completions every ``samples_every`` steps; and a PNG of the curves at the end. Only the
+main rank writes anything.
 """
 
 from __future__ import annotations
 
+import html
 import importlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -24,6 +28,7 @@ from microrl.configs.run import TRACKER_NAMES, TRACKERS_INSTALL
 __all__ = [
     "METRICS_FILE",
     "PLOT_FILE",
+    "SAMPLES_FILE",
     "TRACKER_RUNS_FILE",
     "Tracker",
     "mean_metrics",
@@ -33,6 +38,7 @@ __all__ = [
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
+SAMPLES_FILE = "samples.jsonl"  # the completions of Tracker.log_samples, one JSON line per row
 # The W&B and MLflow run ids of the run in output.dir: --resume continues those runs.
 TRACKER_RUNS_FILE = "trackers.json"
 # The curves worth a panel each, in reading order; absent keys are skipped.
@@ -79,9 +85,13 @@ class Tracker:
     (W&B project, MLflow experiment) under the name of ``out_dir``. ``tensorboard=False`` leaves
     TensorBoard out whatever ``trackers`` says (the switch from before ``trackers``).
 
+    :meth:`log_samples` shows what the model writes: every ``samples_every`` steps and at the
+    last (``0``: never), ``samples_per_step`` rows go to ``samples.jsonl`` and to each tracker as a
+    table.
+
     On resume (``start_step > 0``) the JSONL lines of steps after ``start_step`` are dropped: they
     belong to the interrupted run's unsaved tail and would otherwise appear twice. A fresh run
-    (``start_step == 0``) starts the file empty. The W&B and MLflow runs are continued on resume
+    (``start_step == 0``) starts the files empty. The W&B and MLflow runs are continued on resume
     (their ids are kept in ``out_dir/trackers.json``); a fresh run opens new ones.
 
     Raises:
@@ -102,16 +112,22 @@ class Tracker:
         project: str = "microrl",
         progress: bool = True,
         log_every: int = 10,
+        samples_every: int = 0,
+        samples_per_step: int = 4,
         stream: TextIO | None = None,
     ) -> None:
         self.enabled = enabled
         self.out_dir = Path(out_dir)
         self.metrics_path = self.out_dir / METRICS_FILE
+        self.samples_path = self.out_dir / SAMPLES_FILE
+        self._samples_every = samples_every
+        self._samples_per_step = samples_per_step
         self._bar = None
         self._backends: dict[str, _Backend] = {}
         self.locations: list[str] = []  # where the trackers write: tensorboard/, a W&B URL, ...
         self._last_step = start_step
         self._last_eval: float | None = None
+        self._last_kl: float | None = None  # measured only every train.kl_metric_every steps
         self._stream = stream if stream is not None else sys.stdout
         self._total = total_steps
         self._start_step = start_step
@@ -133,6 +149,10 @@ class Tracker:
         kept = [m for m in read_metrics(self.metrics_path) if m.get("step", 0) <= start_step]
         kept = kept if start_step > 0 else []
         self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        if self.samples_path.exists():  # created by the first log_samples, kept like the metrics
+            kept = [r for r in read_metrics(self.samples_path) if r["step"] <= start_step]
+            kept = kept if start_step > 0 else []
+            self.samples_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._open_backends(names, start_step, config or {}, project)
         if progress and _is_terminal(self._stream):
             self._bar = tqdm(
@@ -159,8 +179,11 @@ class Tracker:
         self._last_step = step
         if "eval/accuracy" in record and record["eval/accuracy"] is not None:
             self._last_eval = record["eval/accuracy"]
+        if record.get("kl") is not None:
+            self._last_kl = record["kl"]
         if self._bar is not None:
-            latest = {**record, "eval/accuracy": self._last_eval}  # the last eval, every step
+            # The last eval and the last KL measured, on every step.
+            latest = {**record, "eval/accuracy": self._last_eval, "kl": self._last_kl}
             shown = {k: latest[k] for k in BAR_KEYS if latest.get(k) is not None}
             self._bar.set_postfix(
                 {k.removeprefix("eval/"): f"{v:.3g}" for k, v in shown.items()}, refresh=False
@@ -171,6 +194,30 @@ class Tracker:
             if step % self._log_every == 0 or step == self._total:
                 print(self._line(step), file=self._stream, flush=True)
                 self._window = []
+
+    def log_samples(self, step: int, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Record the first ``samples_per_step`` of ``rows`` (e.g. ``prompt``, ``response``,
+        ``reward``, ``group``) when ``step`` is due: a multiple of ``samples_every`` or the last.
+
+        ``rows`` is read only on those steps (a generator costs nothing on the others). Each row
+        is a line of ``samples.jsonl`` with ``step`` first, and a row of the trackers' table
+        (TensorBoard: a Markdown table under the tag ``samples``; W&B: a ``wandb.Table``;
+        MLflow: the artifact ``samples/step_<step>.json``).
+        """
+        every = self._samples_every
+        if not (self.enabled and every and (step % every == 0 or step == self._total)):
+            return
+        records = [
+            {"step": step, **{k: _json_value(v) for k, v in row.items()}}
+            for row in islice(rows, self._samples_per_step)
+        ]
+        if not records:
+            return
+        with self.samples_path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        table = [{k: v for k, v in r.items() if k != "step"} for r in records]
+        for backend in self._backends.values():
+            backend.log_samples(step, table)
 
     def _open_backends(
         self, names: list[str], start_step: int, config: Mapping[str, Any], project: str
@@ -249,6 +296,7 @@ class _Backend(Protocol):
     def load() -> Any: ...
     def log(self, step: int, values: Mapping[str, float]) -> None: ...
     def log_image(self, path: Path, step: int) -> None: ...
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -284,6 +332,10 @@ class _TensorBoard:
 
     def log_image(self, path: Path, step: int) -> None:
         pass  # TensorBoard draws the curves itself
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            self._writer.add_text("samples", _markdown_table(rows), step)
 
     def close(self) -> None:
         self._writer.close()
@@ -321,6 +373,10 @@ class _WandB:
 
     def log_image(self, path: Path, step: int) -> None:
         self._run.log({"curves": self._wandb.Image(str(path))}, step=step)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        columns, data = _columns(rows)
+        self._run.log({"samples": self._wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self._run.finish()
@@ -361,8 +417,39 @@ class _MLflow:
     def log_image(self, path: Path, step: int) -> None:
         self._mlflow.log_artifact(str(path))
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        # mlflow.log_table's layout, without the pandas it needs (not in mlflow-skinny).
+        columns, data = _columns(rows)
+        self._mlflow.log_dict({"columns": columns, "data": data}, f"samples/step_{step:06d}.json")
+
     def close(self) -> None:
         self._mlflow.end_run()
+
+
+def _columns(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """Column names (every key, in first-seen order) and a list of values per row."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return columns, [[row.get(k) for k in columns] for row in rows]
+
+
+# Markdown's punctuation, backslash-escaped in a text cell so that it shows as written.
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|])")
+
+
+def _markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table (TensorBoard's text tab) showing the text as the model wrote
+    it: HTML (``<think>``, which TensorBoard would drop) and Markdown escaped, newlines as
+    ``<br>``."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        text = html.escape("" if value is None else str(value), quote=False)
+        return _MARKDOWN_PUNCTUATION.sub(r"\\\1", text).replace("\n", "<br>")
+
+    columns, data = _columns(rows)
+    lines = [columns, ["---"] * len(columns), *([cell(v) for v in row] for row in data)]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def _flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -397,6 +484,14 @@ def _clock(seconds: float) -> str:
 def _finite_or_none(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def _json_value(value: Any) -> Any:
+    """A sample's value for JSON: strings and ints as they are, other numbers (a tensor's
+    scalar) as floats, non-finite ones as null."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    return _finite_or_none(value)
 
 
 def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> Path:

@@ -12,7 +12,13 @@ from microrl.tasks.addition import AdditionTask, exact_match_reward, parse_answe
 from microrl.tasks.base import Problem, Task
 from microrl.tasks.dataset import DatasetTask
 from microrl.tasks.factory import BUILT_IN_TASKS, make_task
-from microrl.tasks.rewards import Reward, RewardedTask, load_reward, resolve_reward_fn
+from microrl.tasks.rewards import (
+    Reward,
+    RewardedTask,
+    RewardError,
+    load_reward,
+    resolve_reward_fn,
+)
 from microrl.tasks.word_problems import WordProblemTask
 
 __all__ = [
@@ -21,6 +27,7 @@ __all__ = [
     "DatasetTask",
     "Problem",
     "Reward",
+    "RewardError",
     "RewardedTask",
     "Task",
     "WordProblemTask",

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Problem", "Task"]
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt and the reference answer its reward compares against."""
+    """One prompt and the reference answer its reward compares against; a dataset row's other
+    columns (``columns``: name -> value) go to the reward functions too, by name."""
 
     prompt: str  # the text the policy continues, e.g. "12+7="
     answer: str  # the reference answer, e.g. "19"
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @runtime_checkable

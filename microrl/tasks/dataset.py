@@ -1,9 +1,14 @@
-"""A task from the user's own prompt file: JSONL or Parquet rows with a prompt and an answer.
+"""A task from the user's own prompts: JSONL or Parquet rows (or a Hub dataset) with a prompt and
+an answer.
 
-Each row of the file holds a prompt and its reference answer in the configured fields (other
-fields are ignored)::
+Each row of the file holds a prompt and its reference answer in the configured fields; its other
+fields go to the reward functions as keyword arguments named after them (as TRL does)::
 
     {"prompt": "Tom has 3 apples and gets 4 more. How many apples now?", "answer": "7"}
+
+``train_file`` (and ``eval_file``) may instead name a dataset on the Hugging Face Hub
+(``org/name``, not a local path): it is loaded with ``datasets.load_dataset(name, config,
+split=...)``.
 
 The held-out prompts of the greedy accuracy are ``eval_file``'s first ``eval_size`` rows, or, with
 no ``eval_file``, ``eval_size`` rows held out of ``train_file`` by a seeded shuffle (never trained
@@ -21,33 +26,66 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from microrl.hub import download_hint, first_line, is_hub_name
 from microrl.tasks.base import Problem
-from microrl.tasks.rewards import Reward, RewardFn
+from microrl.tasks.rewards import Reward, RewardFn, score_problems
 
 __all__ = ["DatasetTask", "read_rows"]
+
+Row = tuple[Any, str, dict[str, Any]]  # prompt, answer as text, the other columns
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def read_rows(path: str | Path, key: str = "task.train_file") -> Any:
-    """The rows of a ``.jsonl``/``.json``/``.parquet`` file as a ``datasets.Dataset``; a missing or
-    unreadable file is a ``ValueError`` naming ``key``."""
+def read_rows(
+    path: str | Path,
+    key: str = "task.train_file",
+    *,
+    config: str | None = None,
+    split: str = "train",
+) -> Any:
+    """The rows of a ``.jsonl``/``.json``/``.parquet`` file, or of split ``split`` of a Hugging
+    Face Hub dataset (``config`` its subset), as a ``datasets.Dataset``; a missing or unreadable
+    file or dataset is a ``ValueError`` naming ``key``."""
+    name = str(path)
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"{key}={str(path)!r} does not exist")
-    builder = _BUILDERS.get(path.suffix.lower())
-    if builder is None:
-        raise ValueError(
-            f"{key}={str(path)!r} must be a .jsonl, .json or .parquet file, got {path.suffix!r}"
-        )
+    if path.is_file():
+        builder = _BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(
+                f"{key}={str(path)!r} must be a .jsonl, .json or .parquet file, got {path.suffix!r}"
+            )
+        return _load_dataset(key, str(path), builder, data_files=str(path), split="train")
+    if path.suffix.lower() not in _BUILDERS and is_hub_name(name):
+        return _load_dataset(key, name, name, name=config, split=split)
+    raise ValueError(
+        f"{key}={name!r} does not exist (a local .jsonl, .json or .parquet file, or a "
+        "Hugging Face Hub dataset name)"
+    )
+
+
+def _load_dataset(key: str, shown: str, path: str, **kwargs: Any) -> Any:
+    """``datasets.load_dataset(path, **kwargs)``: a file's builder (``json``, ``parquet``) with
+    ``data_files``, or a Hub dataset's name; an error names ``key``."""
     import datasets  # imported on use: it is a heavy import the built-in tasks do not need
 
     was_disabled = datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # one file's "Generating train split" bar is noise here
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(path, **kwargs)
     except Exception as err:
-        raise ValueError(f"{key}={str(path)!r} could not be read as {builder}: {err}") from err
+        if "data_files" in kwargs:
+            what, hint = f"could not be read as {path}", ""
+        else:
+            what = (
+                f"could not be loaded from the Hugging Face Hub (config {kwargs['name']!r}, split "
+                f"{kwargs['split']!r})"
+            )
+            hint = (
+                "; check the name, task.dataset_config and the split, or download it with "
+                f"{download_hint(shown, 'dataset')} and give its files"
+            )
+        raise ValueError(f"{key}={shown!r} {what}: {first_line(err)}{hint}") from err
     finally:
         if not was_disabled:
             datasets.enable_progress_bars()
@@ -62,13 +100,17 @@ def _column(rows: Any, field: str, key: str, path: str) -> list:
 
 
 class DatasetTask:
-    """Prompts and answers from a file, scored by ``reward(completions, answers, prompts)``.
+    """Prompts and answers from a file, scored by ``reward(completions, answers, prompts,
+    **other_columns)``.
 
     Args:
-        train_file: ``.jsonl``, ``.json`` or ``.parquet`` file of training rows.
+        train_file: ``.jsonl``, ``.json`` or ``.parquet`` file of training rows, or the name of
+            a Hugging Face Hub dataset.
         reward: a :class:`~microrl.tasks.rewards.Reward` (import paths, weights), or one reward
-            function ``fn(completions, answers=..., prompts=...) -> list[float]``.
+            function ``fn(completions, answers=..., prompts=..., **columns) -> list[float]``.
         eval_file: the held-out rows; ``None`` holds ``eval_size`` rows out of ``train_file``.
+        dataset_config, train_split, eval_split: a Hub dataset's config (subset) and the splits
+            of ``train_file`` and ``eval_file`` (files have one split: theirs).
         eval_size: held-out prompts (of ``eval_file``: its first ``eval_size`` rows, or all).
         seed: seed of the held-out split.
         prompt_field, answer_field: the fields of a row that hold the prompt and the answer.
@@ -90,6 +132,9 @@ class DatasetTask:
         chat_template: bool = False,
         tokenizer: Any = None,
         solved_threshold: float = 1.0,
+        dataset_config: str | None = None,
+        train_split: str = "train",
+        eval_split: str = "test",
     ) -> None:
         if eval_size < 1:
             raise ValueError(f"task.eval_size must be >= 1, got {eval_size}")
@@ -111,7 +156,8 @@ class DatasetTask:
         )
         self._strip_prefix = bos if adds_bos else None
         self._fields = (prompt_field, answer_field)
-        train = self._load(train_file, "task.train_file")
+        self._dataset_config = dataset_config
+        train = self._load(train_file, "task.train_file", train_split)
         if eval_file is None:
             if not eval_size < len(train):
                 raise ValueError(
@@ -125,11 +171,11 @@ class DatasetTask:
             self._train = [train[i] for i in order[eval_size:]]
         else:
             self._train = train
-            self._eval = self._load(eval_file, "task.eval_file")[:eval_size]
+            self._eval = self._load(eval_file, "task.eval_file", eval_split)[:eval_size]
         self.problem(self._train[0])  # a chat template that fails, fails now
 
-    def _load(self, path: str | Path, key: str) -> list[tuple[Any, str]]:
-        rows = read_rows(path, key)
+    def _load(self, path: str | Path, key: str, split: str) -> list[Row]:
+        rows = read_rows(path, key, config=self._dataset_config, split=split)
         if len(rows) == 0:
             raise ValueError(f"{key}={str(path)!r} has no rows")
         prompt_field, answer_field = self._fields
@@ -152,11 +198,17 @@ class DatasetTask:
                     f"task.answer_field={answer_field!r}: row {i} of {path} holds {answer!r:.60}, "
                     "not a text or a number"
                 )
-        return [(p, str(a)) for p, a in zip(prompts, answers, strict=True)]
+        others = [c for c in rows.column_names if c != prompt_field]
+        columns = [
+            dict(zip(others, values, strict=True))
+            for values in zip(*(rows[c] for c in others), strict=True)
+        ]
+        return [(p, str(a), c) for p, a, c in zip(prompts, answers, columns, strict=True)]
 
-    def problem(self, row: tuple[Any, str]) -> Problem:
-        """A row as the policy sees it: the prompt (through the chat template when on)."""
-        prompt, answer = row
+    def problem(self, row: Row) -> Problem:
+        """A row as the policy sees it: the prompt (through the chat template when on) and the
+        row's other columns."""
+        prompt, answer, columns = row
         if self._tokenizer is not None:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             prompt = self._tokenizer.apply_chat_template(
@@ -164,7 +216,7 @@ class DatasetTask:
             )
             if self._strip_prefix:
                 prompt = prompt.removeprefix(self._strip_prefix)
-        return Problem(prompt=prompt, answer=answer)
+        return Problem(prompt=prompt, answer=answer, columns=columns)
 
     @property
     def num_train(self) -> int:
@@ -180,6 +232,4 @@ class DatasetTask:
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
         if len(responses) != len(problems):
             raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
-        return list(
-            self.reward(responses, [p.answer for p in problems], [p.prompt for p in problems])
-        )
+        return score_problems(self.reward, responses, problems)

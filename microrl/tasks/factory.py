@@ -46,6 +46,9 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             chat_template=cfg.chat_template,
             tokenizer=tokenizer,
             solved_threshold=cfg.solved_threshold,
+            dataset_config=cfg.dataset_config,
+            train_split=cfg.train_split,
+            eval_split=cfg.eval_split,
         )
     else:
         task = BUILT_IN_TASKS[cfg.name](cfg.max_operand, cfg.eval_size, cfg.seed)

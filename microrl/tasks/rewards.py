@@ -2,14 +2,18 @@
 
 A reward function scores a batch of completions against their reference answers::
 
-    def score(completions: list[str], answers: list[str], prompts: list[str]) -> list[float]:
+    def score(completions: list[str], answers: list[str], prompts: list[str], **kwargs):
         ...  # one finite float per completion, in order
 
 ``completions`` are the decoded response texts (special tokens removed), ``answers`` the
 reference answers of the rows (as text) and ``prompts`` the prompts that were sampled from (after
-any chat template). The completions come positionally, ``answers`` and ``prompts`` by keyword and
-only if the function declares them (or ``**kwargs``), so ``def score(completions, answers)`` is
-enough. The function may return a list, a tuple, a 1-d numpy array or tensor.
+any chat template). As in TRL, the other columns of a dataset row come as keyword arguments
+named after them, one value per completion (``answer=[...]``, ``difficulty=[...]``; the prompt's
+column is ``prompts``). A function gets the keywords it declares, or all with ``**kwargs``, so
+``def score(completions, answers)`` is enough, and TRL's ``def reward(prompts, completions,
+**kwargs)`` works as is. ``completions`` is passed by keyword when the function has a parameter of
+that name, else as the first argument. The function may return a list, a tuple, a 1-d numpy
+array or tensor; an exception it raises comes out as a :class:`RewardError` naming it.
 
 A config names each function as ``module:function`` (``module`` importable from an installed
 package or from the working directory) or ``path/to/file.py:function`` (relative to the working
@@ -35,6 +39,7 @@ from microrl.tasks.base import Problem, Task
 
 __all__ = [
     "Reward",
+    "RewardError",
     "RewardFn",
     "RewardedTask",
     "exact_match",
@@ -42,9 +47,19 @@ __all__ = [
     "numeric_match",
     "parse_number",
     "resolve_reward_fn",
+    "score_problems",
 ]
 
 RewardFn = Callable[..., Sequence[float]]
+
+# The keywords every call offers; a dataset column of one of these names is not passed.
+_GIVEN = ("completions", "answers", "prompts")
+
+
+class RewardError(RuntimeError):
+    """A reward function raised: the message names its config entry and the original error (the
+    ``__cause__``)."""
+
 
 # A number as people write it: optional sign, digits with optional thousands commas, optional
 # decimals ("1,234.5", "-7", "3.").
@@ -148,22 +163,41 @@ def resolve_reward_fn(spec_text: str, key: str = "task.rewards") -> RewardFn:
     return fn
 
 
-def _keyword_names(fn: RewardFn, key: str, spec_text: str) -> tuple[str, ...]:
-    """The keywords among ``answers``/``prompts`` that ``fn`` accepts; checks it takes a batch."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: pass everything
-        return ("answers", "prompts")
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        raise TypeError(
-            f"{key}={spec_text!r}: a reward function takes the completions as its first "
-            "argument: fn(completions, answers, prompts) -> list[float]"
+@dataclass(frozen=True)
+class _Signature:
+    """How a reward function is called: which keywords it takes."""
+
+    completions_by_keyword: bool  # a parameter named "completions"
+    any_keyword: bool  # **kwargs
+    names: frozenset[str]  # the parameters a keyword can fill
+    required: frozenset[str]  # those without a default (the completions aside)
+
+    @classmethod
+    def of(cls, fn: RewardFn, key: str, spec_text: str) -> _Signature:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: answers and prompts
+            return cls(False, False, frozenset({"answers", "prompts"}), frozenset())
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        by_keyword = "completions" in names
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not (by_keyword or positional or any(p.kind is p.VAR_POSITIONAL for p in params)):
+            raise TypeError(
+                f"{key}={spec_text!r}: a reward function takes the completions as its first "
+                "argument: fn(completions, answers, prompts) -> list[float]"
+            )
+        first = None if by_keyword or not positional else positional[0].name
+        required = {
+            p.name
+            for p in params
+            if p.name in names and p.default is p.empty and p.name not in ("completions", first)
+        }
+        return cls(
+            by_keyword,
+            any(p.kind is p.VAR_KEYWORD for p in params),
+            frozenset(names - {"completions", first}),
+            frozenset(required),
         )
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return ("answers", "prompts")
-    names = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
-    return tuple(n for n in ("answers", "prompts") if n in names)
 
 
 @dataclass(frozen=True)
@@ -171,16 +205,40 @@ class _Term:
     fn: RewardFn
     weight: float
     path: str
-    keywords: tuple[str, ...]
+    signature: _Signature
     key: str
+
+    def __call__(self, completions: list[str], given: dict[str, list]) -> object:
+        sig = self.signature
+        kwargs = {k: v for k, v in given.items() if sig.any_keyword or k in sig.names}
+        missing = sorted(sig.required - set(kwargs))
+        if missing:
+            columns = [k for k in given if k not in _GIVEN]
+            raise ValueError(
+                f"{self.key}={self.path!r} takes {', '.join(map(repr, missing))}, which is "
+                "neither answers, prompts nor a column of the rows (their other columns: "
+                f"{', '.join(columns) or 'none'})"
+            )
+        try:
+            if sig.completions_by_keyword:
+                return self.fn(completions=completions, **kwargs)
+            return self.fn(completions, **kwargs)
+        except Exception as err:
+            message = str(err).strip().splitlines()
+            raise RewardError(
+                f"{self.key}={self.path!r} raised {type(err).__name__}"
+                + (f": {message[0]}" if message else "")
+            ) from err
 
 
 class Reward:
     """The weighted sum of reward functions, called on a batch of completions.
 
-    ``reward(completions, answers, prompts)`` calls each function once on the whole batch and
-    returns ``sum_i weight_i * fn_i(...)`` per row; a function that returns the wrong number of
-    values, a non-number or a non-finite value raises an error naming its config key.
+    ``reward(completions, answers, prompts, **columns)`` calls each function once on the whole
+    batch (with the keywords it takes: ``answers``, ``prompts`` and the rows' other ``columns``,
+    one value per completion each) and returns ``sum_i weight_i * fn_i(...)`` per row; a function
+    that raises (:class:`RewardError`) or returns the wrong number of values, a non-number or a
+    non-finite value is an error naming its config key.
     """
 
     def __init__(
@@ -205,22 +263,28 @@ class Reward:
             term_key = f"{key}[{i}]"
             path = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
             fn = resolve_reward_fn(fn, term_key) if isinstance(fn, str) else fn
-            keywords = _keyword_names(fn, term_key, path)
-            self.terms.append(_Term(fn, float(weight), path, keywords, term_key))
+            signature = _Signature.of(fn, term_key, path)
+            self.terms.append(_Term(fn, float(weight), path, signature, term_key))
 
     def __call__(
-        self, completions: Sequence[str], answers: Sequence[str], prompts: Sequence[str]
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        prompts: Sequence[str],
+        **columns: Sequence[object],
     ) -> list[float]:
         n = len(completions)
-        if len(answers) != n or len(prompts) != n:
+        lengths = [len(answers), len(prompts), *(len(v) for v in columns.values())]
+        if any(length != n for length in lengths):
             raise ValueError(
-                f"got {n} completions for {len(answers)} answers and {len(prompts)} prompts"
+                f"got {n} completions for {len(answers)} answers, {len(prompts)} prompts and "
+                f"columns of {sorted({len(v) for v in columns.values()})} values"
             )
         totals = [0.0] * n
-        given = {"answers": list(answers), "prompts": list(prompts)}
+        given = {k: list(v) for k, v in columns.items() if k not in _GIVEN}
+        given.update(answers=list(answers), prompts=list(prompts))
         for term in self.terms:
-            values = term.fn(list(completions), **{k: given[k] for k in term.keywords})
-            values = _check_values(values, n, term)
+            values = _check_values(term(list(completions), given), n, term)
             totals = [t + term.weight * v for t, v in zip(totals, values, strict=True)]
         return totals
 
@@ -281,4 +345,13 @@ class RewardedTask:
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
         if len(responses) != len(problems):
             raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
-        return self.reward(responses, [p.answer for p in problems], [p.prompt for p in problems])
+        return score_problems(self.reward, responses, problems)
+
+
+def score_problems(
+    reward: Reward, responses: Sequence[str], problems: Sequence[Problem]
+) -> list[float]:
+    """``reward`` on ``responses`` to ``problems``: their answers, prompts and columns."""
+    names = dict.fromkeys(name for p in problems for name in p.columns)
+    columns = {name: [p.columns.get(name) for p in problems] for name in names}
+    return reward(responses, [p.answer for p in problems], [p.prompt for p in problems], **columns)

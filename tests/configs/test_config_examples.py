@@ -84,6 +84,7 @@ def test_saved_yaml_round_trips(tmp_path: Path) -> None:
         ("gae.lam=1.5", "gae.lam"),
         ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
         ("model.warm_start.target_accuracy=2", "model.warm_start.target_accuracy"),
+        ("train.kl_metric_every=-1", "train.kl_metric_every"),
         ("task.eval_size=0", "task.eval_size"),
         # cross-field
         ("train.mini_batch_size=7", "train.mini_batch_size"),
@@ -95,6 +96,15 @@ def test_invalid_values_raise_value_error_naming_the_key(override: str, key: str
     with pytest.raises(ValueError, match=key.replace(".", r"\.")) as info:
         load_config(schema, None, [override])
     assert "Traceback" not in str(info.value)
+
+
+@pytest.mark.parametrize("schema", [GRPOExampleConfig, PPOExampleConfig])
+def test_the_bypass_is_refused_with_vllm(schema) -> None:
+    """vLLM's log-probs are not the trainer's: the old log-prob pass cannot be skipped."""
+    bypass = "actor.policy_loss.bypass_mode=true"
+    with pytest.raises(ValueError, match=r"actor\.policy_loss\.bypass_mode .*rollout\.backend=hf"):
+        load_config(schema, None, ["rollout.backend=vllm", bypass])
+    assert load_config(schema, None, [bypass]).actor.policy_loss.bypass_mode
 
 
 def test_grpo_needs_groups() -> None:
@@ -123,3 +133,39 @@ def test_bad_files(tmp_path: Path) -> None:
     assert "unknown.yaml" in str(info.value)
     with pytest.raises(TypeError, match="dataclass"):
         load_config(dict, None)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [
+        # OmegaConf's merge raises these without a key: traced to the leaf.
+        ("actor.optim.betas=[0.9]", "actor.optim.betas", "two floats in [0, 1)"),
+        ("critic.optim.betas=[0.9,0.99,0.1]", "critic.optim.betas", "2 floats, written [a,b]"),
+        ("actor.optim.betas=[a,b]", "actor.optim.betas", "could not be converted to Float"),
+        ("actor.optim=3", "actor.optim", "a section"),
+        ("model=3", "model", "a section"),
+        ("task.rewards={a: 1}", "task.rewards", "a list of strings, written [a,b]"),
+        ("task.rewards=null", "task.rewards", "a list of strings, written [a,b]"),
+        # __post_init__ of a section two levels down, which knows only its own names.
+        ("critic.optim.betas=[0.9,1.5]", "critic.optim.betas", "two floats in [0, 1)"),
+        ("critic.optim.lr=-1", "critic.optim.lr", ">= 0"),
+        ("critic.lora.dropout=1", "critic.lora.dropout", "[0, 1)"),
+        ("rollout.vllm.gpu_memory_utilization=2", "rollout.vllm.gpu_memory_utilization", "(0, 1]"),
+        ("model.warm_start.lr=0", "model.warm_start.lr", "> 0"),
+        ("actor.policy_loss.clip_ratio_low=-1", "actor.policy_loss.clip_ratio_low", "> 0"),
+    ],
+)
+def test_nested_errors_name_the_full_key_and_what_it_takes(override, key, expected) -> None:
+    with pytest.raises(ValueError) as info:
+        load_config(PPOExampleConfig, CONFIGS / "ppo_lora.yaml", [override])
+    message = str(info.value)
+    assert f"invalid config key '{key}'" in message, message
+    assert expected in message and "<root>" not in message and "$VALUE" not in message, message
+    assert "\n" not in message
+
+
+def test_a_files_nested_error_names_the_key_and_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("actor:\n  optim:\n    betas: [0.9]\n")
+    with pytest.raises(ValueError, match=r"'actor\.optim\.betas' \(file .*mine\.yaml\)"):
+        load_config(GRPOExampleConfig, path)

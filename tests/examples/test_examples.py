@@ -29,7 +29,7 @@ EXAMPLES = ROOT / "examples"
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny warm-started base model, built once by the GRPO example's own warm-start path."""
-    return tmp_path_factory.mktemp("base") / "qwen2-adder"
+    return tmp_path_factory.mktemp("base") / "tiny-adder"
 
 
 def _run_in_process(module: str, args: list[str]) -> int:
@@ -44,7 +44,6 @@ def _check_outputs(out: Path, last_step: int) -> list[dict]:
     for key in (
         "reward",
         "loss",
-        "kl",
         "entropy",
         "clipfrac",
         "grad_norm",
@@ -53,6 +52,7 @@ def _check_outputs(out: Path, last_step: int) -> list[dict]:
     ):
         assert all(key in r for r in records[1:]), key
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[-1]
+    assert "kl" in records[-1]  # train.kl_metric_every: due at the last step too
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((out / "tensorboard").iterdir())
     return records
@@ -89,6 +89,50 @@ def test_ppo_runs_and_writes_outputs(base_model: Path, tmp_path: Path) -> None:
     assert all("critic/vf_loss" in r for r in records[1:])
     _load_adapter(base_model, out / "adapter")
     assert (out / "checkpoint" / "critic").is_dir()
+
+
+def test_grpo_runs_the_reference_and_old_passes_only_when_needed(
+    base_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """With ``kl_coef = 0`` the reference pass (adapter off) runs only on the steps that report
+    the KL (``train.kl_metric_every`` and the last step), and ``policy_loss.bypass_mode`` drops
+    the old log-prob pass: with neither, an RL step runs no inference pass at all."""
+    from microrl.engine import ActorEngine
+
+    calls = {"infer": 0, "ref": 0}
+    infer, disable = ActorEngine.infer_batch, ActorEngine.disable_adapter
+
+    def counting_infer(self, batch):
+        calls["infer"] += self.peft_model is not None  # not the warm start's full fine-tune
+        return infer(self, batch)
+
+    def counting_disable(self):
+        calls["ref"] += 1
+        return disable(self)
+
+    monkeypatch.setattr(ActorEngine, "infer_batch", counting_infer)
+    monkeypatch.setattr(ActorEngine, "disable_adapter", counting_disable)
+    common = [*TINY_MODEL, *TINY_RL, f"model.path={base_model}", "train.steps=3"]
+    common += ["output.plot=false", "output.tensorboard=false"]
+    out = tmp_path / "kl_every_2"
+    args = [*common, f"output.dir={out}", "train.kl_metric_every=2"]
+    assert _run_in_process("grpo_lora", args) == 0
+    assert calls == {"infer": 3 + 2, "ref": 2}  # an old pass per step; ref at steps 2 and 3
+    records = read_metrics(out / "metrics.jsonl")
+    assert [("kl" in r, "entropy" in r) for r in records[1:]] == [
+        (False, True),
+        (True, True),
+        (True, True),
+    ]
+
+    calls.update(infer=0, ref=0)
+    out = tmp_path / "bypass"
+    args = [*common, f"output.dir={out}", "train.kl_metric_every=0"]
+    assert _run_in_process("grpo_lora", [*args, "actor.policy_loss.bypass_mode=true"]) == 0
+    assert calls == {"infer": 0, "ref": 0}
+    records = read_metrics(out / "metrics.jsonl")
+    assert not any("kl" in r or "entropy" in r for r in records)
+    assert all("mismatch/abs_diff_max" in r and "loss" in r for r in records[1:])
 
 
 def test_ctrl_c_saves_a_checkpoint_that_resume_continues(

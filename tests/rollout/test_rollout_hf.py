@@ -7,6 +7,9 @@ samples from the distribution the engine scores: the first on-policy ratio is 1.
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
 from microrl.configs.run import ModelConfig
@@ -75,3 +78,62 @@ def test_sampling_distribution_is_the_one_the_engine_scores() -> None:
     ref = (logits[:, :-1] / 0.7).log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     mask = batch["loss_mask"][:, 1:]
     torch.testing.assert_close(logprobs[:, 1:][mask], ref[mask], atol=1e-5, rtol=1e-5)
+
+
+# Measured max |rollout_logprobs - engine logprobs| of HF's sampled tokens: a few 1e-6 on the toy
+# models (generate's KV-cached forward rounds differently from the engine's full-sequence pass);
+# the bound leaves a margin. docs/losses.md#bypass-mode-bypass_mode.
+HF_LOGPROB_ATOL = 5e-5
+
+
+def test_bypass_step_equals_the_recomputed_step() -> None:
+    """``policy_loss.bypass_mode`` anchors the ratio on HF's ``rollout_logprobs`` instead of the
+    engine's recomputed ``old_logprobs``: the same model at the same weights, so the step's loss
+    and gradients equal the recomputed step's to the log-probs' fp32 difference."""
+    from microrl.configs import ActorConfig, LoraConfig
+    from microrl.engine import ActorEngine
+    from microrl.losses import PolicyLossConfig
+
+    tok = build_tokenizer()
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
+    )
+
+    def engine(bypass: bool) -> ActorEngine:
+        torch.manual_seed(0)  # the same LoRA initialisation in both
+        config = ActorConfig(
+            micro_batch_size=4,
+            temperature=0.7,
+            lora=LoraConfig(rank=4),
+            policy_loss=PolicyLossConfig(name="grpo", bypass_mode=bypass),
+        )
+        built = ActorEngine(copy.deepcopy(model), config)
+        with torch.no_grad():  # a non-trivial adapter: the policy is not the base model
+            generator = torch.Generator().manual_seed(1)
+            for name, param in built.module.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        return built
+
+    recompute, bypass = engine(False), engine(True)
+    torch.manual_seed(0)
+    params = SamplingParams(num_samples=4, temperature=0.7, max_new_tokens=4)
+    rollout = HFRollout(recompute, tok).generate(["1+2=", "34+56=", "7+8=", "99+9="], params)
+    batch, mask = rollout.batch, rollout.batch["loss_mask"]
+    batch["advantages"] = torch.randn(mask.shape) * mask
+    old = recompute.infer_batch(batch)["logprobs"]
+    worst = (old - batch["rollout_logprobs"])[mask].abs().max().item()
+    assert worst <= HF_LOGPROB_ATOL, f"max |rollout - engine| log-prob {worst:.3g}"
+
+    expected = recompute.forward_backward_batch(batch.update({"old_logprobs": old}))
+    got = bypass.forward_backward_batch(batch.exclude("old_logprobs"))
+    assert abs(got["loss"] - expected["loss"]) <= HF_LOGPROB_ATOL * 1e-2 + 1e-7
+    grads = {n: p.grad for n, p in bypass.module.named_parameters() if p.requires_grad}
+    for name, param in recompute.module.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(grads[name], param.grad, atol=1e-6, rtol=1e-4)
+    # The mismatch metrics compare the sampler with the current pass, at the sampling weights
+    # here: the same gap the recomputed old log-probs show.
+    for key in ("mismatch/abs_diff_mean", "mismatch/abs_diff_max"):
+        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-6)
+    assert got["metrics"]["mismatch/abs_diff_max"] == pytest.approx(worst, abs=1e-6)

@@ -179,10 +179,17 @@ def test_resume_restores_a_checkpoint_left_aside_by_a_killed_swap(tmp_path: Path
 def test_overwrite_deletes_the_previous_runs_outputs_and_nothing_else(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _saved_run(out, [])
-    for name in ("adapter", "tensorboard", ".checkpoint.old", ".checkpoint.tmp", ".adapter.tmp"):
+    for name in (
+        "adapter",
+        "merged",
+        "tensorboard",
+        ".checkpoint.old",
+        ".checkpoint.tmp",
+        ".adapter.tmp",
+    ):
         (out / name).mkdir()
         (out / name / "file").write_text("x")
-    for name in ("metrics.jsonl", "curves.png", "config.yaml", "notes.txt"):
+    for name in ("metrics.jsonl", "samples.jsonl", "curves.png", "config.yaml", "notes.txt"):
         (out / name).write_text("x")
     (out / "mine").mkdir()
     cfg, args = _parse(["--overwrite", f"output.dir={out}"])

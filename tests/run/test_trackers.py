@@ -195,6 +195,45 @@ def test_mlflow_gets_params_metrics_and_curves_and_resume_continues_the_run(tmp_
     assert artifacts == {"curves.png", "config.yaml"}
 
 
+# ----------------------------------------------------------------------------- samples
+def test_wandb_and_mlflow_get_the_sampled_completions_as_tables(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    tracker = Tracker(
+        out,
+        total_steps=2,
+        trackers=["wandb", "mlflow"],
+        progress=False,
+        log_every=0,
+        samples_every=1,
+        samples_per_step=2,
+    )
+    for step in (1, 2):
+        tracker.log(step, _metrics(step))
+        rows = [
+            {"group": g, "reward": 0.5 * g, "prompt": "1+2=", "response": "3"} for g in range(3)
+        ]
+        tracker.log_samples(step, rows)
+    tracker.close(plot=False)
+    columns = ["group", "reward", "prompt", "response"]
+    data = [[0, 0.0, "1+2=", "3"], [1, 0.5, "1+2=", "3"]]
+
+    (run,) = _wandb_runs(out, 1)
+    rows = {row["_step"]: row for row in run["history"]}
+    for step in (1, 2):  # a wandb.Table under the key samples, beside the step's metrics
+        assert rows[step]["samples/_type"] == "table-file" and "reward" in rows[step]
+        table = json.loads(
+            next(out.glob(f"wandb/*/files/{rows[step]['samples/path']}")).read_text()
+        )
+        assert table["columns"] == columns and table["data"] == data
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=(out / "mlruns").as_uri())
+    run_id = json.loads((out / TRACKER_RUNS_FILE).read_text())["mlflow"]
+    artifacts = {a.path for a in client.list_artifacts(run_id, "samples")}
+    assert artifacts == {"samples/step_000001.json", "samples/step_000002.json"}
+    local = client.download_artifacts(run_id, "samples/step_000002.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == {"columns": columns, "data": data}
+
+
 # ----------------------------------------------------------------------------- ranks, names, errors
 def test_only_the_main_rank_opens_trackers(tmp_path: Path, monkeypatch) -> None:
     # Not even imported: a rank without the libraries would not fail either.

@@ -16,6 +16,7 @@ import math
 import random
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from microrl.tasks import (
     DatasetTask,
     Problem,
     RewardedTask,
+    RewardError,
     Task,
     WordProblemTask,
     load_reward,
@@ -227,6 +229,124 @@ def test_reward_overrides_parse_as_lists() -> None:
     assert cfg.task.reward_weights == [1.0, 0.1]
 
 
+def test_a_single_reward_needs_no_brackets(tmp_path: Path) -> None:
+    # key=value for a list key is a one-element list, on the command line and in a file.
+    cfg = load_config(
+        GRPOExampleConfig,
+        None,
+        ["task.rewards=my_reward:score", "task.reward_weights=0.5"],
+    )
+    assert cfg.task.rewards == ["my_reward:score"] and cfg.task.reward_weights == [0.5]
+    path = tmp_path / "task.yaml"
+    path.write_text("task:\n  rewards: rewards/format.py:short\n")
+    assert load_config(GRPOExampleConfig, path).task.rewards == ["rewards/format.py:short"]
+    # Anything else that is not a list names the key and the list syntax.
+    for bad in ("task.rewards={a: 1}", "task.rewards=null"):
+        with pytest.raises(ValueError, match=r"'task\.rewards'.*written \[a,b\]") as info:
+            load_config(GRPOExampleConfig, None, [bad])
+        assert "AnyNode" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- the row's columns
+ROW_REWARDS = """
+def by_difficulty(completions, difficulty, **kwargs):
+    return [float(d) for d in difficulty]
+
+
+def trl_style(prompts, completions, answer, **kwargs):
+    # TRL's signature: every argument by keyword, the answer column under its own name, raw.
+    assert all(isinstance(a, int) for a in answer) and "difficulty" in kwargs
+    return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]
+
+
+def old_style(completions, answers):
+    return [float(c.strip() == a) for c, a in zip(completions, answers)]
+
+
+def needs_a_column(completions, source):
+    return [0.0] * len(completions)
+
+
+def boom(completions, **kwargs):
+    return [1 / 0]
+"""
+
+
+def test_rewards_get_the_rows_other_columns_by_name(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "row_rewards.py").write_text(ROW_REWARDS)
+    rows = [{"prompt": f"{a}+1=", "answer": a + 1, "difficulty": a % 3} for a in range(12)]
+    _jsonl(tmp_path / "rows.jsonl", rows)
+    cfg = TaskConfig(
+        name="dataset",
+        train_file="rows.jsonl",
+        eval_size=4,
+        rewards=[
+            "row_rewards.py:by_difficulty",
+            "row_rewards.py:trl_style",
+            "row_rewards.py:old_style",
+        ],
+        reward_weights=[1.0, 10.0, 100.0],
+    )
+    task = make_task(cfg)
+    problems = task.sample(random.Random(0), 6)
+    assert all(p.columns["difficulty"] == int(p.prompt.split("+")[0]) % 3 for p in problems)
+    responses = [p.answer if i % 2 else "wrong" for i, p in enumerate(problems)]
+    expected = [p.columns["difficulty"] + 110.0 * (i % 2) for i, p in enumerate(problems)]
+    assert task.score(responses, problems) == expected
+    # A parameter no column fills names the entry and the columns there are.
+    task = make_task(replace(cfg, rewards=["row_rewards.py:needs_a_column"], reward_weights=[]))
+    with pytest.raises(ValueError, match=r"task\.rewards\[0\].*'source'.*answer, difficulty"):
+        task.score(["1"], task.eval_problems()[:1])
+    # A reward that raises is named, with the exception it raised.
+    task = make_task(replace(cfg, rewards=["row_rewards.py:boom"], reward_weights=[]))
+    with pytest.raises(RewardError) as info:
+        task.score(["1"], task.eval_problems()[:1])
+    assert str(info.value) == (
+        "task.rewards[0]='row_rewards.py:boom' raised ZeroDivisionError: division by zero"
+    )
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_a_hub_dataset_name_is_loaded_with_datasets(tmp_path: Path, monkeypatch) -> None:
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        if path == "missing/dataset":
+            raise FileNotFoundError("Dataset 'missing/dataset' doesn't exist on the Hub\nmore")
+        rows = [{"question": f"q{i} {split}", "answer": str(i), "level": i} for i in range(10)]
+        return datasets.Dataset.from_list(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = TaskConfig(
+        name="dataset",
+        train_file="openai/gsm8k",
+        eval_file="openai/gsm8k",
+        dataset_config="main",
+        eval_size=3,
+        prompt_field="question",
+        rewards=["microrl.tasks.rewards:numeric_match"],
+    )
+    task = make_task(cfg)
+    assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+    assert [p.prompt for p in task.eval_problems()] == ["q0 test", "q1 test", "q2 test"]
+    assert task.eval_problems()[1].columns == {"answer": "1", "level": 1}
+    with pytest.raises(ValueError) as info:
+        make_task(replace(cfg, train_file="missing/dataset", eval_file=None))
+    message = str(info.value)
+    assert message.startswith("task.train_file='missing/dataset' could not be loaded from")
+    assert "FileNotFoundError" in message and "\n" not in message
+    assert "hf download missing/dataset --repo-type dataset" in message
+    # A local-looking name is never sent to the Hub.
+    with pytest.raises(ValueError, match=r"task\.train_file='\./gsm8k' does not exist"):
+        make_task(replace(cfg, train_file="./gsm8k", eval_file=None))
+    assert len(calls) == 3
+
+
 # ----------------------------------------------------------------------------- rewards
 def test_rewards_resolve_from_a_module_and_a_file_and_sum_with_weights(
     reward_module: str, tmp_path: Path
@@ -346,7 +466,7 @@ def test_no_warm_start_for_a_dataset_task(tmp_path: Path) -> None:
         rewards=["microrl.tasks.rewards:exact_match"],
     )
     with pytest.raises(ValueError, match=r"model\.path=.*give model\.path a local checkpoint"):
-        prepare_base_model(ModelConfig(path=str(tmp_path / "empty")), cfg, None, 4)
+        prepare_base_model(ModelConfig(path=str(tmp_path / "empty"), build_toy=True), cfg, None, 4)
 
 
 @pytest.mark.slow
