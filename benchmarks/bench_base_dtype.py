@@ -30,19 +30,23 @@ from microrl.engine import ActorEngine, estimate_memory
 MiB = 2**20
 
 
-def _live_bytes():
-    path = Path(__file__).with_name("live_bytes.py")
-    spec = importlib.util.spec_from_file_location("live_bytes", path)
+def _sibling(name: str):
+    """A module of benchmarks/ by file (this directory is not a package)."""
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.LiveBytes
+    return module
+
+
+def _live_bytes():
+    return _sibling("live_bytes").LiveBytes
 
 
 def model_config(qwen25: bool) -> Qwen2Config:
-    if qwen25:  # https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct/blob/main/config.json
-        shapes = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
-        shapes.update(num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
-        return Qwen2Config(tie_word_embeddings=True, max_position_embeddings=4096, **shapes)
+    if qwen25:  # the shapes memory_table.py takes from the model card
+        shapes = _sibling("memory_table").QWEN25["Qwen/Qwen2.5-0.5B-Instruct"]
+        return Qwen2Config(max_position_embeddings=4096, **shapes)
     return Qwen2Config(
         hidden_size=512,
         intermediate_size=1408,
