@@ -223,8 +223,8 @@ def check_rank0_loading(tmp: Path, **overrides) -> None:
     initial: list[dict] = []
     real_load, real_take = materialize.load_on_rank0, materialize.take_full_state
 
-    def load_spy(model_path):
-        model = real_load(model_path)
+    def load_spy(model_path, *args, **kwargs):
+        model = real_load(model_path, *args, **kwargs)
         built_on.append(next(model.parameters()).device.type)
         return model
 
