@@ -137,7 +137,7 @@ def test_resume_takes_the_saved_config_and_applies_only_the_overrides(
         ],
     )
     cfg, args = _parse(["--resume", f"output.dir={out}", "train.steps=400"])
-    assert cfg.actor.optim.lr == 5e-4 and cfg.rollout.group_size == 4  # not the YAML's 1e-3, 8
+    assert cfg.actor.optim.lr == 5e-4 and cfg.rollout.group_size == 4  # not the YAML's 2e-3, 8
     assert cfg.train.steps == 400
     assert args.resume_changes == [("train.steps", "300", "400")]
     prepare_output(cfg, args, Dist())
@@ -277,12 +277,12 @@ def test_a_run_killed_between_the_renames_of_its_last_save_resumes(
     resume = ["--resume", f"output.dir={out}", "train.steps=3", "actor.optim.lr=5e-4"]
     assert grpo_lora.main(resume) == 0
     text = capsys.readouterr().out
-    assert "changed by the command line: actor.optim.lr 0.001 -> 0.0005, train.steps 2 -> 3" in text
+    assert "changed by the command line: actor.optim.lr 0.002 -> 0.0005, train.steps 2 -> 3" in text
     assert "resumed from" in text and "at step 2" in text
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     # The optimizer steps with the learning rate the config says, not the checkpoint's.
-    assert records[2]["lr"] == 1e-3 and records[3]["lr"] == 5e-4
+    assert records[2]["lr"] == 2e-3 and records[3]["lr"] == 5e-4
     assert (out / "checkpoint" / "run.json").is_file() and not (out / ".checkpoint.old").exists()
 
 
