@@ -97,7 +97,7 @@ class GAEConfig:
 
 def _ppo_actor() -> ActorConfig:
     return ActorConfig(
-        micro_batch_size=32,
+        micro_batch_size=128,
         temperature=1.0,
         optim=OptimConfig(lr=2e-3, grad_clip=1.0),
         lora=LoraConfig(rank=8, alpha=16.0),
@@ -107,18 +107,18 @@ def _ppo_actor() -> ActorConfig:
 
 def _ppo_critic() -> CriticConfig:
     return CriticConfig(
-        micro_batch_size=32,
+        micro_batch_size=128,
         optim=OptimConfig(lr=3e-3, grad_clip=1.0),
         lora=LoraConfig(rank=8, alpha=16.0),
     )
 
 
 def _ppo_rollout() -> RolloutConfig:
-    return RolloutConfig(prompts_per_step=64, group_size=2)
+    return RolloutConfig(prompts_per_step=256, group_size=2)
 
 
 def _ppo_train() -> LoopConfig:
-    return LoopConfig(mini_batch_size=64)
+    return LoopConfig(steps=200, ppo_epochs=1, mini_batch_size=128)
 
 
 def _ppo_output() -> OutputConfig:

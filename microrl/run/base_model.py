@@ -9,12 +9,11 @@ tokenizer extended by the task's alphabet) and trained
 with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
 accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
 RL visible room to improve. The toy model learns addition in a sudden jump whose step moves by
-hundreds with the last bit of rounding (another CPU, or a 1e-6 perturbation of the initial weights,
-turns 0.3 at step 600 into 0.6), so a fixed step count would give any base from 0.15 to 0.65; the
-accuracy is therefore checked often (every ``warm_start.eval_every`` steps, on
-:data:`WARM_START_EVAL_PROMPTS` prompts) and the stop lands within a few hundredths above the
-target wherever the jump comes. The result (model + tokenizer) is saved to ``model.path`` and
-reused by every later run, including the other example.
+hundreds with the last bits of rounding (another CPU, a tiny perturbation of the initial weights),
+so a fixed step count would land anywhere on the jump; the accuracy is therefore checked often
+(every ``warm_start.eval_every`` steps, on :data:`WARM_START_EVAL_PROMPTS` prompts) and the stop
+lands just above the target wherever the jump comes. The result (model + tokenizer) is saved to
+``model.path`` and reused by every later run, including the other example.
 """
 
 from __future__ import annotations
