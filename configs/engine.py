@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from microrl.configs.fields import config_field
+from microrl.configs.fields import config_field, require
 from microrl.losses.aggregation import AggMode
 from microrl.losses.config import PolicyLossConfig
 
@@ -268,11 +268,26 @@ class ActorConfig(EngineConfig):
     fuse_loss: bool = config_field(
         True, "loss inside the fused head, gradients formed in forward (faster)"
     )
+    # DAPO (Yu et al. 2025): a response cut at max_new_tokens (no <eos>) is not trained on. The
+    # engine zeroes the loss_mask of the rows the batch's per-row `truncated` key marks before
+    # it counts the mini-batch's denominators, so every loss path sees only the kept tokens and
+    # the normalisation is exact under any split
+    # (docs/losses.md#truncated-responses-mask_truncated).
+    mask_truncated: bool = config_field(
+        False,
+        "no loss on responses cut at max_new_tokens (the batch's truncated rows; DAPO)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (self.temperature > 0 and self.temperature != float("inf")):
             raise ValueError(f"temperature must be a finite float > 0, got {self.temperature}")
+        require(
+            isinstance(self.mask_truncated, bool),
+            "mask_truncated",
+            "a bool (true or false)",
+            self.mask_truncated,
+        )
 
 
 @dataclass

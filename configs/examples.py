@@ -62,6 +62,17 @@ def _check_actor_and_batches(actor: ActorConfig, rollout: RolloutConfig, train: 
     )
 
 
+def _check_overlong(task: TaskConfig, rollout: RolloutConfig) -> None:
+    # DAPO's soft overlong penalty ramps over the last task.overlong_buffer tokens before
+    # rollout.max_new_tokens: the ramp must start after the first token.
+    require(
+        task.overlong_buffer < rollout.max_new_tokens,
+        "task.overlong_buffer",
+        f"below rollout.max_new_tokens = {rollout.max_new_tokens} (0: off)",
+        task.overlong_buffer,
+    )
+
+
 @dataclass
 class GRPOExampleConfig:
     """``examples/grpo_lora.py`` (defaults: ``configs/grpo_lora.yaml``)."""
@@ -81,6 +92,7 @@ class GRPOExampleConfig:
             self.rollout.group_size,
         )
         _check_actor_and_batches(self.actor, self.rollout, self.train)
+        _check_overlong(self.task, self.rollout)
 
 
 @dataclass
@@ -140,3 +152,13 @@ class PPOExampleConfig:
 
     def __post_init__(self) -> None:
         _check_actor_and_batches(self.actor, self.rollout, self.train)
+        _check_overlong(self.task, self.rollout)
+        # A group whose rewards are all equal still has GAE advantages under PPO's critic:
+        # filtering groups by their reward spread is a GRPO rule (examples/grpo_lora.py).
+        require(
+            not self.rollout.dynamic_sampling,
+            "rollout.dynamic_sampling",
+            "false for PPO (dynamic sampling keeps groups whose rewards differ, which only "
+            "group-relative advantages need: use examples/grpo_lora.py)",
+            self.rollout.dynamic_sampling,
+        )

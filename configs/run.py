@@ -108,7 +108,9 @@ class ModelConfig:
 TOY_MODEL_PATHS = ("outputs/base/tiny-adder", "outputs/base/tiny-words")
 
 # The tasks a recipe can train on (microrl.tasks.make_task builds them; docs/tasks.md).
-TASK_NAMES = ("addition", "word_problems", "dataset")
+TASK_NAMES = ("addition", "word_problems", "dataset", "hinted_addition", "env")
+# Tasks that read task.train_file / task.eval_file.
+_FILE_TASKS = ("dataset", "env")
 
 
 @dataclass
@@ -119,11 +121,15 @@ class TaskConfig:
     ``dataset`` reads ``train_file`` (JSONL/Parquet, or a Hugging Face Hub dataset name;
     ``prompt_field`` and ``answer_field`` per row) and scores with the ``rewards`` functions
     (``module:function`` import paths, summed with ``reward_weights``), which get the rows' other
-    fields too. ``eval_size`` prompts are held out and never trained on.
+    fields too. ``eval_size`` prompts are held out and never trained on. Multi-turn:
+    ``hinted_addition`` (addition as a guessing game with hints) and ``env`` (``train_file``'s
+    prompts played against the environments ``env`` builds) run episodes
+    (:mod:`microrl.tasks.environments`).
     """
 
     name: str = config_field(
-        "addition", "the task: addition, word_problems or dataset (docs/tasks.md)"
+        "addition",
+        "the task: addition, word_problems, dataset, hinted_addition or env (docs/tasks.md)",
     )
     max_operand: int = config_field(
         99, "built-in tasks' largest number: addition a+b= with 0 <= a, b <= it; word problems"
@@ -159,7 +165,22 @@ class TaskConfig:
         [], "a weight per entry of task.rewards (empty: 1.0 each)"
     )
     solved_threshold: float = config_field(
-        1.0, "with task.rewards: a held-out response is solved at a reward >= this"
+        1.0, "with task.rewards or task.name=env: a held-out row is solved at a reward >= this"
+    )
+    env: str | None = config_field(
+        None,
+        "env: the environment factory, module:function or file.py:function, called with a "
+        "microrl.tasks.Problem per row (docs/tasks.md#multi-turn-tasks)",
+    )
+    # DAPO's soft overlong punishment (Yu et al. 2025), added to each row's reward by the recipes
+    # (microrl.tasks.overlong_penalty); the held-out accuracy keeps the task's own score.
+    overlong_buffer: int = config_field(
+        0,
+        "DAPO's soft overlong penalty: the last N tokens before rollout.max_new_tokens cost "
+        "reward linearly (0: off; docs/tasks.md#overlong-penalty)",
+    )
+    overlong_penalty: float = config_field(
+        1.0, "the overlong penalty at rollout.max_new_tokens (with task.overlong_buffer > 0)"
     )
 
     def __post_init__(self) -> None:
@@ -174,18 +195,25 @@ class TaskConfig:
                 self.eval_size,
             )
         is_dataset = self.name == "dataset"
+        reads_files = self.name in _FILE_TASKS
         for key in ("train_file", "eval_file"):
             require(
-                is_dataset or getattr(self, key) is None,
+                reads_files or getattr(self, key) is None,
                 f"task.{key}",
-                "null unless task.name=dataset (set task.name=dataset to train on a file)",
+                "null unless task.name=dataset or env (set task.name=dataset to train on a file)",
                 getattr(self, key),
             )
         require(
-            not is_dataset or bool(self.train_file),
+            not reads_files or bool(self.train_file),
             "task.train_file",
-            "a .jsonl or .parquet file or a Hub dataset name for task.name=dataset",
+            f"a .jsonl or .parquet file or a Hub dataset name for task.name={self.name}",
             self.train_file,
+        )
+        require(
+            (self.name == "env") == bool(self.env),
+            "task.env",
+            "an environment factory (module:function) for task.name=env, and null otherwise",
+            self.env,
         )
         require(
             not is_dataset or bool(self.rewards),
@@ -200,6 +228,13 @@ class TaskConfig:
             f"empty or one weight per entry of task.rewards ({len(self.rewards)})",
             self.reward_weights,
         )
+        require(self.overlong_buffer >= 0, "task.overlong_buffer", ">= 0", self.overlong_buffer)
+        require(
+            0 <= self.overlong_penalty < float("inf"),
+            "task.overlong_penalty",
+            "a finite float >= 0",
+            self.overlong_penalty,
+        )
 
 
 @dataclass
@@ -212,6 +247,27 @@ class RolloutConfig:
     max_new_tokens: int = config_field(4, "longest response, in tokens (<eos> included)")
     backend: str = config_field("hf", "hf (transformers generate) or vllm (docs/rollouts.md)")
     sync_every: int = config_field(1, "vllm: load the trained weights into vLLM every N steps")
+    max_turns: int = config_field(
+        4, "multi-turn tasks: most model turns per episode (more: cut, marked truncated)"
+    )
+    max_episode_tokens: int = config_field(
+        1024,
+        "multi-turn tasks: most tokens of an episode after its prompt, turns and observations",
+    )
+    skip_env_errors: bool = config_field(
+        False,
+        "multi-turn tasks: drop the rows whose environment raised (counted) instead of stopping",
+    )
+    dynamic_sampling: bool = config_field(
+        False,
+        "GRPO: sample fresh prompts until prompts_per_step groups have rewards that differ "
+        "(DAPO; docs/recipes.md#dapos-knobs)",
+    )
+    max_sampling_rounds: int = config_field(
+        4,
+        "dynamic_sampling: most sampling rounds per step; then short ranks top up with the last "
+        "round's equal-reward groups",
+    )
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
@@ -227,6 +283,25 @@ class RolloutConfig:
         )
         require(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        require(self.max_turns >= 1, "rollout.max_turns", ">= 1", self.max_turns)
+        require(
+            self.max_episode_tokens >= 1,
+            "rollout.max_episode_tokens",
+            ">= 1",
+            self.max_episode_tokens,
+        )
+        require(
+            isinstance(self.dynamic_sampling, bool),
+            "rollout.dynamic_sampling",
+            "a bool (true or false)",
+            self.dynamic_sampling,
+        )
+        require(
+            self.max_sampling_rounds >= 1,
+            "rollout.max_sampling_rounds",
+            ">= 1",
+            self.max_sampling_rounds,
+        )
 
 
 @dataclass

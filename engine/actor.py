@@ -17,9 +17,13 @@ from microrl.losses import MISMATCH_METRICS, mismatch_metrics, policy_loss, sft_
 from microrl.losses.aggregation import LossDenominators
 from microrl.losses.metrics import Metric
 
-__all__ = ["ActorEngine"]
+__all__ = ["TRUNCATED_KEY", "ActorEngine", "mask_truncated_rows"]
 
 logger = logging.getLogger(__name__)
+
+#: The per-row ``[B]`` bool key marking responses cut at ``max_new_tokens`` (no ``<eos>``), set
+#: by :func:`microrl.engine.rollout.layout.build_rollout` (docs/batch.md).
+TRUNCATED_KEY = "truncated"
 
 
 class ActorEngine(Engine):
@@ -52,6 +56,14 @@ class ActorEngine(Engine):
     per group of whole sequences, with :func:`microrl.kernels.fused_linear_loss`, which forms
     the head's gradients in forward; custom losses take the kernel + loss path. Loss, metrics
     and gradients are the same to fp32 rounding. :meth:`fuses_loss` tells which path a loss takes.
+
+    Truncated responses (``config.mask_truncated``, DAPO): the ``loss_mask`` of the rows the
+    batch's per-row ``truncated`` key marks (responses cut at ``max_new_tokens``) is zeroed where
+    the batch enters the engine, before the mini-batch's global denominators are counted, so
+    every loss (built-in or custom, fused or not) sees only the kept tokens and the
+    normalisation counts only them, exact under any split
+    (docs/losses.md#truncated-responses-mask_truncated). A training pass on a batch without
+    ``truncated`` is a ``ValueError`` naming ``actor.mask_truncated``.
     """
 
     config: ActorConfig
@@ -85,6 +97,16 @@ class ActorEngine(Engine):
         return getattr(loss_fn, "__self__", None) is self and (
             getattr(loss_fn, "__func__", None) in builtin
         )
+
+    def _checked(self, batch, loss_fn, forward_only, *, role_checks):
+        """The validated batch (:meth:`Engine._checked`), with ``config.mask_truncated`` also
+        the ``loss_mask`` of its ``truncated`` rows zeroed: the one place every pass goes
+        through before the denominators are counted (:meth:`forward_backward_batch`,
+        :meth:`train_batch`, :meth:`forward_step` on a plain batch)."""
+        batch = super()._checked(batch, loss_fn, forward_only, role_checks=role_checks)
+        if self.config.mask_truncated:
+            batch = mask_truncated_rows(batch, required=not forward_only)
+        return batch
 
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
         blocker = self._from_rank0(lambda: fused_head_blocker(causal_lm))
@@ -202,3 +224,34 @@ class ActorEngine(Engine):
             self.config.loss_agg_mode,
             validate=False,
         )
+
+
+def mask_truncated_rows(batch: TensorDict, *, required: bool = True) -> TensorDict:
+    """``batch`` (validated, the engine's own shallow copy) with its ``loss_mask`` entry replaced
+    by one that is 0 on the rows its ``truncated`` ``[B]`` key marks (a new tensor: the caller's
+    mask is left alone); no host sync.
+
+    ``required``: a batch without ``truncated`` is a ``ValueError`` naming
+    ``actor.mask_truncated`` (a training pass); otherwise it is returned unchanged (a
+    forward-only pass needs only ``input_ids``).
+    """
+    if TRUNCATED_KEY not in batch:
+        if not required:
+            return batch
+        raise ValueError(
+            f"actor.mask_truncated is on, but the batch has no {TRUNCATED_KEY!r} key: a per-row "
+            "bool tensor [B], True for a response cut at max_new_tokens (build_rollout sets "
+            "it); add it, or set actor.mask_truncated=false to train on such responses"
+        )
+    flags = batch[TRUNCATED_KEY]
+    rows = batch.batch_size[0]
+    if tuple(flags.shape) != (rows,) or flags.is_floating_point() or flags.is_complex():
+        raise ValueError(
+            f"{TRUNCATED_KEY!r} must be a bool (or 0/1 integer) tensor [B] = ({rows},) for "
+            f"actor.mask_truncated, got {flags.dtype} {tuple(flags.shape)}"
+        )
+    if "loss_mask" in batch:
+        mask = batch["loss_mask"]
+        zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        batch["loss_mask"] = torch.where(flags.to(torch.bool)[:, None], zero, mask)
+    return batch

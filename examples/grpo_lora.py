@@ -27,7 +27,10 @@ epochs over mini-batches of the rollout, with the log-probs of the sampling poli
 of the ratio. Only a LoRA adapter trains; the base model with the adapter switched off is the
 reference policy whose KL is reported every ``train.kl_metric_every`` steps (and penalised, on
 every step, when ``actor.policy_loss.kl_coef > 0``). ``actor.policy_loss.bypass_mode=true`` takes
-the sampler's log-probs as the anchor instead of recomputing them (docs/losses.md).
+the sampler's log-probs as the anchor instead of recomputing them (docs/losses.md). DAPO's
+knobs (docs/recipes.md#dapos-knobs): ``rollout.dynamic_sampling=true`` samples more prompts until
+every group's rewards differ, ``task.overlong_buffer=N`` adds the soft overlong penalty to the
+reward, ``actor.mask_truncated=true`` trains on no response cut at ``rollout.max_new_tokens``.
 
 Each step below: 1 sample -> 2 score -> 3 old/ref log-probs -> 4 advantages -> 5 update -> 6 log.
 The base model is warm-started with supervised steps the first time (microrl/run/base_model.py).
@@ -50,6 +53,7 @@ from microrl.losses import broadcast_to_tokens, check_whole_groups, grpo_advanta
 from microrl.run import (
     Dist,
     StopOnInterrupt,
+    dynamic_sample,
     evaluator,
     finish,
     load_run,
@@ -62,7 +66,7 @@ from microrl.run import (
     save_run,
     start_tracking,
 )
-from microrl.tasks import make_task
+from microrl.tasks import make_task, overlong_penalty
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
     evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens)
+
+    def overlong(rollout):  # DAPO's soft overlong penalty per row; 0 with task.overlong_buffer=0
+        lengths = rollout.batch["loss_mask"].sum(1)  # response tokens, <eos> included
+        limit, buffer = cfg.rollout.max_new_tokens, cfg.task.overlong_buffer
+        return overlong_penalty(lengths, limit, buffer, cfg.task.overlong_penalty)
+
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, t_setup)
 
     step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
@@ -105,12 +115,19 @@ def main(argv: list[str] | None = None) -> int:
             # 1. Sample a group of responses per prompt from the current policy (the loss's
             #    temperature, plain ancestral sampling); the batch carries the sampler's
             #    rollout_logprobs, which the engine compares with its own (mismatch/* metrics).
-            problems = task.sample(rng, prompts_per_rank)
-            rollout = sampler.generate([p.prompt for p in problems], sampling)
+            if cfg.rollout.dynamic_sampling:  # 1-2 until the groups' rewards differ (DAPO)
+                problems, rollout, scores, sampled = dynamic_sample(
+                    task, sampler, sampling, rng, prompts_per_rank, dist_info,
+                    max_rounds=cfg.rollout.max_sampling_rounds, shaping=overlong,
+                )  # fmt: skip
+            else:
+                problems = task.sample(rng, prompts_per_rank)
+                rollout = sampler.generate([p.prompt for p in problems], sampling)
+                # 2. Score: exact match of the answer text only.
+                answered = [problems[i] for i in rollout.group_ids.tolist()]
+                scores = torch.tensor(task.score(rollout.texts, answered))
             batch = rollout.batch
-            # 2. Score: exact match of the answer text only.
-            answered = [problems[i] for i in rollout.group_ids.tolist()]
-            scores = torch.tensor(task.score(rollout.texts, answered))
+            penalty = overlong(rollout)  # the reward trained on is scores + penalty
             # 3. Log-probs of the sampling policy (the ratio's anchor), recomputed by the engine
             #    unless actor.policy_loss.bypass_mode takes the sampler's own (hf: the very
             #    weights that sampled); and of the reference (the base model: the same engine
@@ -125,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             # 4. Group-normalised advantages, spread onto the response tokens. A group is one
             #    prompt's rows, all sampled on this rank, so its statistics are complete here.
             check_whole_groups(rollout.group_ids, cfg.rollout.group_size)
-            advantages, _ = grpo_advantages(scores, rollout.group_ids)
+            advantages, _ = grpo_advantages(scores + penalty, rollout.group_ids)
             batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch
             #    into micro-batches and normalises the loss over the whole mini-batch.
@@ -139,23 +156,31 @@ def main(argv: list[str] | None = None) -> int:
             # 6. Metrics (summed over ranks where they are counts), eval, checkpoint. The
             #    entropy comes from the old log-prob pass (none with the bypass), kl from the
             #    updates of a step with reference log-probs.
-            reward_sum, n_rows, n_tokens, entropy_sum, n_response = dist_info.sum(
+            sums = dist_info.sum(
                 [
                     scores.sum().item(),
                     len(scores),
                     batch["attention_mask"].sum().item(),
                     0.0 if old is None else (old["entropy"] * batch["loss_mask"]).sum().item(),
                     batch["loss_mask"].sum().item(),
+                    penalty.sum().item(),
+                    batch["truncated"].sum().item(),
                 ]
             )
+            reward_sum, n_rows, n_tokens, entropy_sum, n_response, penalty_sum, n_cut = sums
             step_time = time.perf_counter() - t0
             metrics = {
                 "reward": reward_sum / n_rows,
                 **mean_metrics(updates),
                 "response_tokens": n_response / n_rows,
+                "truncated_frac": n_cut / n_rows,  # responses cut at max_new_tokens
                 "tokens_per_s": n_tokens / step_time,
                 "step_time": step_time,
             }
+            if cfg.task.overlong_buffer:
+                metrics["reward/overlong_penalty"] = penalty_sum / n_rows
+            if cfg.rollout.dynamic_sampling:
+                metrics.update(sampled)
             if old is not None:
                 metrics["entropy"] = entropy_sum / max(n_response, 1.0)
             else:  # bypass: only the first update ran at the weights that sampled (docs/losses.md)

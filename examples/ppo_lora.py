@@ -55,7 +55,7 @@ from microrl.run import (
     save_run,
     start_tracking,
 )
-from microrl.tasks import make_task
+from microrl.tasks import make_task, overlong_penalty
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,9 +104,17 @@ def main(argv: list[str] | None = None) -> int:
             # 2. Score the answer text (the reward of the last response token, in step 4).
             answered = [problems[i] for i in rollout.group_ids.tolist()]
             scores = torch.tensor(task.score(rollout.texts, answered))
+            # DAPO's soft overlong penalty (0 with task.overlong_buffer=0): reward = score + it.
+            penalty = overlong_penalty(
+                mask.sum(1),  # response tokens, <eos> included
+                cfg.rollout.max_new_tokens,
+                cfg.task.overlong_buffer,
+                cfg.task.overlong_penalty,
+            )
+            rewards = scores + penalty
             # 3-4. Old/ref log-probs and old values; GAE advantages whitened over all ranks.
             with_ref = cfg.train.kl_due(step, cfg.actor.policy_loss.kl_coef)
-            old = estimate_advantages(actor, critic, batch, scores, cfg, with_ref=with_ref)
+            old = estimate_advantages(actor, critic, batch, rewards, cfg, with_ref=with_ref)
             # 5. PPO epochs over shuffled mini-batches: one actor and one critic step each.
             actor_updates, critic_updates = ppo_update(
                 actor, critic, batch, cfg, mini_batch_per_rank
@@ -116,24 +124,30 @@ def main(argv: list[str] | None = None) -> int:
                 sampler.sync(actor)  # vllm: load the new weights; hf samples the live model
             # 6. Metrics (counts summed over ranks), eval, checkpoint. The entropy comes from
             #    the old log-prob pass (none with the bypass).
-            reward_sum, n_rows, n_tokens, entropy_sum, n_response = dist_info.sum(
+            sums = dist_info.sum(
                 [
                     scores.sum().item(),
                     len(scores),
                     batch["attention_mask"].sum().item(),
                     0.0 if old is None else (old["entropy"] * mask).sum().item(),
                     mask.sum().item(),
+                    penalty.sum().item(),
+                    batch["truncated"].sum().item(),
                 ]
             )
+            reward_sum, n_rows, n_tokens, entropy_sum, n_response, penalty_sum, n_cut = sums
             step_time = time.perf_counter() - t0
             metrics = {
                 "reward": reward_sum / n_rows,
                 **mean_metrics(actor_updates),
                 **mean_metrics(critic_updates, prefix="critic/"),
                 "response_tokens": n_response / n_rows,
+                "truncated_frac": n_cut / n_rows,  # responses cut at max_new_tokens
                 "tokens_per_s": n_tokens / step_time,
                 "step_time": step_time,
             }
+            if cfg.task.overlong_buffer:
+                metrics["reward/overlong_penalty"] = penalty_sum / n_rows
             if old is not None:
                 metrics["entropy"] = entropy_sum / max(n_response, 1.0)
             else:  # bypass: only the first update ran at the weights that sampled (docs/losses.md)

@@ -57,6 +57,7 @@ __all__ = [
     "is_distributed",
     "is_empty_batch",
     "local_cuda_index",
+    "max_over_ranks",
     "placeholder_row",
     "rank",
     "set_gradient_sync",
@@ -455,11 +456,16 @@ def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | N
     """
     if not isinstance(num_micro_batches, int) or num_micro_batches < 0:
         raise ValueError(f"num_micro_batches must be an int >= 0, got {num_micro_batches!r}")
+    return max_over_ranks(num_micro_batches, group)
+
+
+def max_over_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The largest ``value`` over the ranks of ``group`` (``value`` itself without a group)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return num_micro_batches
+        return value
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    count = torch.tensor([num_micro_batches], dtype=torch.int64, device=device)
+    count = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
 

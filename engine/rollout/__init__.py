@@ -11,6 +11,7 @@ from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
 from microrl.engine.rollout.factory import BACKENDS, make_rollout_backend
 from microrl.engine.rollout.hf import HFRollout
 from microrl.engine.rollout.layout import Samples, build_rollout, sft_batch
+from microrl.engine.rollout.merge import merge_rollouts, select_groups
 
 __all__ = [
     "BACKENDS",
@@ -21,6 +22,8 @@ __all__ = [
     "SamplingParams",
     "build_rollout",
     "make_rollout_backend",
+    "merge_rollouts",
+    "select_groups",
     "sft_batch",
 ]
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from microrl.engine.rollout.episodes import episode_batch, play_episodes
 from microrl.engine.rollout.layout import Samples, build_rollout
 
 __all__ = ["Rollout", "RolloutBackend", "Samples", "SamplingParams"]
@@ -66,13 +68,23 @@ class Rollout:
     ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, then the response, right-padded after
     its first ``<eos>``), ``attention_mask``, ``loss_mask`` (the response tokens up to and including
     the first ``<eos>``) and ``rollout_logprobs`` (float32, the sampler's log-prob of each response
-    token, 0 off the response). ``texts``: each response decoded, special tokens removed.
+    token, 0 off the response), and the per-row ``truncated`` ``[B]`` (bool: the response was cut
+    at ``max_new_tokens`` without an ``<eos>``; ``actor.mask_truncated`` drops such rows from the
+    loss). ``texts``: each response decoded, special tokens removed.
     ``group_ids`` ``[B]`` int64: the index of the prompt a row answers (a GRPO group).
+
+    From :meth:`RolloutBackend.run_episodes`, a row is a whole multi-turn trajectory
+    (``loss_mask`` on the sampled turns only), ``texts`` are the trajectories after the prompt
+    with their special tokens, and ``rewards`` ``[B]`` float32 (each episode's per-turn rewards
+    summed), ``num_turns`` ``[B]`` int64 and the ``episodes/*`` ``metrics`` are set.
     """
 
     batch: TensorDict
     texts: list[str]
     group_ids: torch.Tensor
+    rewards: torch.Tensor | None = None
+    num_turns: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutBackend(ABC):
@@ -112,6 +124,61 @@ class RolloutBackend(ABC):
         texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
         group_ids = torch.arange(len(prompt_ids)).repeat_interleave(params.num_samples)
         return Rollout(batch=batch, texts=texts, group_ids=group_ids)
+
+    def run_episodes(
+        self,
+        prompts: Sequence[Any],
+        make_env: Callable[[int], Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+    ) -> Rollout:
+        """Play ``params.num_samples`` multi-turn episodes per prompt against environments.
+
+        ``make_env(i)`` builds a fresh environment for a row answering ``prompts[i]`` (one per
+        row: a group's episodes do not share state); each gets ``env.init(prompts[i])`` and then,
+        after every model turn, ``env.step(turn_text)`` (skyrl-gym's text-environment API,
+        :class:`~microrl.engine.rollout.episodes.TextEnv`). An episode ends when the environment
+        says ``done``, after ``max_turns`` model turns, or when its tokens after the prompt
+        (turns and observations) reach ``max_tokens``; the last two mark it ``truncated``. A
+        turn is at most ``params.max_new_tokens`` tokens and ends at ``<eos>``.
+
+        Token in, token out: the batch holds exactly the sampled ids and their log-probs; only
+        observations are tokenized (docs/rollouts.md#multi-turn-episodes). An environment that
+        raises stops with an :class:`~microrl.engine.rollout.episodes.EpisodeError` naming the
+        row and turn and carrying its traceback; with ``skip_env_errors`` its row is dropped
+        instead (``metrics["episodes/env_errors"]`` counts them; ``group_ids`` keeps the
+        prompts of the rows left). Under ``torchrun`` it is collective: every rank calls it.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list (texts or chat messages)")
+        if not callable(make_env):
+            raise TypeError(f"make_env must be callable (index -> env), got {make_env!r}")
+        for name, value in (("max_turns", max_turns), ("max_tokens", max_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        episodes = play_episodes(
+            self,
+            prompts,
+            make_env,
+            params,
+            max_turns=max_turns,
+            max_tokens=max_tokens,
+            skip_env_errors=skip_env_errors,
+        )
+        trajectories = episodes.trajectories
+        return Rollout(
+            batch=episode_batch(trajectories, self.tokenizer.pad_token_id),
+            texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories],
+            group_ids=torch.tensor(episodes.group_ids, dtype=torch.long),
+            rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            num_turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),
+            metrics=episodes.metrics,
+        )
 
     def sync(self, engine) -> None:  # noqa: B027 - a backend that reads the live model has none
         """Load ``engine``'s current weights into the backend (after optimizer steps)."""

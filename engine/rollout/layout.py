@@ -37,7 +37,8 @@ def build_rollout(
 
     ``prompt_ids`` has one entry per prompt; row ``i`` of ``samples`` answers prompt
     ``i // num_samples``. A response is cut after its first ``eos_token_id``: what a backend
-    generated past it (HF keeps stepping finished rows in a batch) is padding.
+    generated past it (HF keeps stepping finished rows in a batch) is padding. A response
+    without ``eos_token_id`` was cut by ``max_new_tokens``: ``truncated`` ``[B]`` (bool) marks it.
     """
     rows = len(samples.token_ids)
     if rows != len(prompt_ids) * num_samples or len(samples.logprobs) != rows:
@@ -45,13 +46,14 @@ def build_rollout(
             f"a backend returned {rows} responses and {len(samples.logprobs)} log-prob lists for "
             f"{len(prompt_ids)} prompts x num_samples={num_samples}"
         )
-    responses, logprobs = [], []
+    responses, logprobs, truncated = [], [], []
     for ids, lps in zip(samples.token_ids, samples.logprobs, strict=True):
         if len(ids) != len(lps):
             raise ValueError(f"a response has {len(ids)} tokens but {len(lps)} log-probs")
         end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
         responses.append(list(ids[:end]))
         logprobs.append(list(lps[:end]))
+        truncated.append(eos_token_id not in ids)
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(1, max(len(r) for r in responses))
     shape = (rows, prompt_width + response_width)
@@ -76,6 +78,7 @@ def build_rollout(
             "attention_mask": attention,
             "loss_mask": loss_mask,
             "rollout_logprobs": rollout_logprobs,
+            "truncated": torch.tensor(truncated, dtype=torch.bool),
         },
         batch_size=[rows],
     )

@@ -248,19 +248,24 @@ class VLLMRollout(RolloutBackend):
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
         # vLLM refuses n > 1 with greedy decoding: the copies are separate requests then.
         copies = params.num_samples if params.greedy else 1
-        sampling = VSamplingParams(
-            n=1 if params.greedy else params.num_samples,
-            temperature=0.0 if params.greedy else params.temperature,
-            top_k=params.top_k if params.top_k > 0 else -1,
-            top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            # vLLM runs without a tokenizer (ids in, ids out), so it is told where to stop.
-            stop_token_ids=[self.tokenizer.eos_token_id],
-            seed=seed,
-            detokenize=False,
-        )
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
+        # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
+        # of a group in a multi-turn episode) and one seed would draw the very same tokens.
+        sampling = [
+            VSamplingParams(
+                n=1 if params.greedy else params.num_samples,
+                temperature=0.0 if params.greedy else params.temperature,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                # vLLM runs without a tokenizer (ids in, ids out), so it is told where to stop.
+                stop_token_ids=[self.tokenizer.eos_token_id],
+                seed=(seed + i) % (2**31 - 1),
+                detokenize=False,
+            )
+            for i in range(len(requests))
+        ]
         outputs = self.llm.generate(
             requests, sampling, lora_request=self._lora_request, use_tqdm=False
         )

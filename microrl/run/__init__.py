@@ -3,7 +3,9 @@
 :mod:`~microrl.run.cli` (command line, ``--resume``/``--overwrite``), :mod:`~microrl.run.dist`
 (ranks, Ctrl-C), :mod:`~microrl.run.checkpoint` (run checkpoints that survive a kill),
 :mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot),
-:mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step) and
+:mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step),
+:mod:`~microrl.run.dynamic_sampling` (DAPO's dynamic sampling: groups whose rewards differ),
+:mod:`~microrl.run.sampling` (sample or play episodes, and score, for any task) and
 :mod:`~microrl.run.base_model` (the base model RL starts from: a local checkpoint, a Hugging Face
 Hub model, or the toy model of :mod:`~microrl.run.toy_model` warm-started once).
 """
@@ -12,6 +14,8 @@ from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
 from microrl.run.cli import parse_cli, prepare_output
 from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
+from microrl.run.dynamic_sampling import DynamicSample, dynamic_sample
+from microrl.run.sampling import sample_and_score
 from microrl.run.session import (
     evaluate_accuracy,
     evaluator,
@@ -23,9 +27,11 @@ from microrl.run.tracking import Tracker, mean_metrics, plot_metrics, read_metri
 
 __all__ = [
     "Dist",
+    "DynamicSample",
     "StepFailed",
     "StopOnInterrupt",
     "Tracker",
+    "dynamic_sample",
     "evaluate_accuracy",
     "evaluator",
     "find_run_checkpoint",
@@ -38,6 +44,7 @@ __all__ = [
     "prepare_base_model",
     "prepare_output",
     "read_metrics",
+    "sample_and_score",
     "sample_rows",
     "save_run",
     "start_tracking",

@@ -113,6 +113,17 @@ def _download(repo_id: str, dist_info: Dist, log: Callable[[str], None]) -> str:
     return local if local is not None else download_model(repo_id)
 
 
+class _SingleTurn:
+    """A task's prompts, answers and reward without its environments (``make_env``): the warm
+    start teaches and checks one-turn answers, so ``hinted_addition`` starts from the very base
+    model ``addition`` builds."""
+
+    def __init__(self, task: Task) -> None:
+        self.solved_threshold = task.solved_threshold
+        self.toy_alphabet = task.toy_alphabet
+        self.sample, self.eval_problems, self.score = task.sample, task.eval_problems, task.score
+
+
 def _warm_start(
     cfg: ModelConfig,
     task: Task,
@@ -121,6 +132,7 @@ def _warm_start(
     log: Callable[[str], None],
 ) -> None:
     ws = cfg.warm_start
+    task = _SingleTurn(task)  # a multi-turn task's base learns its prompts' answers in one turn
     tokenizer = build_tokenizer(task.toy_alphabet)
     longest = max(len(tokenizer(p.prompt)["input_ids"]) for p in task.eval_problems())
     if longest + max_new_tokens > cfg.max_positions:

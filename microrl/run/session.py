@@ -14,10 +14,12 @@ from typing import Any
 import yaml
 
 from microrl.configs.loader import config_to_yaml
+from microrl.configs.run import RolloutConfig
 from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams
 from microrl.run.checkpoint import save_run
 from microrl.run.dist import Dist
+from microrl.run.sampling import sample_and_score
 from microrl.run.tracking import Tracker
 from microrl.tasks import Problem, Task
 
@@ -30,23 +32,28 @@ def evaluate_accuracy(
     problems: Sequence[Problem],
     dist_info: Dist,
     max_new_tokens: int,
+    limits: RolloutConfig | None = None,
 ) -> float:
     """Greedy accuracy (reward >= ``task.solved_threshold``) over every rank's share of
-    ``problems``, summed over ranks."""
+    ``problems``, summed over ranks; a multi-turn task's greedy episodes are played under
+    ``limits`` (a row whose environment raised, with ``rollout.skip_env_errors``, is unsolved)."""
     greedy = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
-    result = rollout.generate([p.prompt for p in problems], greedy)
-    scores = task.score(result.texts, problems)
-    solved = sum(1.0 for s in scores if s >= task.solved_threshold)
+    _, scores = sample_and_score(rollout, task, problems, greedy, limits)
+    solved = float((scores >= task.solved_threshold).sum())
     correct, total = dist_info.sum([solved, len(problems)])
     return correct / max(total, 1.0)
 
 
 def evaluator(
-    rollout: RolloutBackend, task: Task, dist_info: Dist, max_new_tokens: int
+    rollout: RolloutBackend,
+    task: Task,
+    dist_info: Dist,
+    max_new_tokens: int,
+    limits: RolloutConfig | None = None,
 ) -> Callable[[], float]:
     """Greedy held-out accuracy of the policy, each rank scoring its share of the problems."""
     problems = dist_info.shard(task.eval_problems())
-    return lambda: evaluate_accuracy(rollout, task, problems, dist_info, max_new_tokens)
+    return lambda: evaluate_accuracy(rollout, task, problems, dist_info, max_new_tokens, limits)
 
 
 def start_tracking(

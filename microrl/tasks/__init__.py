@@ -3,7 +3,8 @@
 :class:`Task` is what a recipe needs; :func:`make_task` builds one from the ``task`` config
 section: :class:`AdditionTask` (the main job's test bed), :class:`WordProblemTask` (generated
 arithmetic word problems, a numeric-answer reward) or :class:`DatasetTask` (the user's JSONL or
-Parquet prompt file, scored by reward functions given by import path, :mod:`microrl.tasks.rewards`).
+Parquet prompt file, scored by reward functions given by import path, :mod:`microrl.tasks.rewards`),
+or a multi-turn task played against environments (:mod:`microrl.tasks.environments`).
 A task knows nothing of the model that learns it: the toy model of the examples and its supervised
 warm start are part of a run (:mod:`microrl.run.toy_model`, :mod:`microrl.run.base_model`).
 """
@@ -11,7 +12,9 @@ warm start are part of a run (:mod:`microrl.run.toy_model`, :mod:`microrl.run.ba
 from microrl.tasks.addition import AdditionTask, exact_match_reward, parse_answer
 from microrl.tasks.base import Problem, Task
 from microrl.tasks.dataset import DatasetTask
+from microrl.tasks.environments import EnvTask, HintedAdditionTask, HintEnv, is_episode_task
 from microrl.tasks.factory import BUILT_IN_TASKS, make_task
+from microrl.tasks.overlong import overlong_penalty
 from microrl.tasks.rewards import (
     Reward,
     RewardedTask,
@@ -25,6 +28,9 @@ __all__ = [
     "BUILT_IN_TASKS",
     "AdditionTask",
     "DatasetTask",
+    "EnvTask",
+    "HintEnv",
+    "HintedAdditionTask",
     "Problem",
     "Reward",
     "RewardError",
@@ -32,8 +38,10 @@ __all__ = [
     "Task",
     "WordProblemTask",
     "exact_match_reward",
+    "is_episode_task",
     "load_reward",
     "make_task",
+    "overlong_penalty",
     "parse_answer",
     "resolve_reward_fn",
 ]

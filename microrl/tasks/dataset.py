@@ -107,7 +107,8 @@ class DatasetTask:
         train_file: ``.jsonl``, ``.json`` or ``.parquet`` file of training rows, or the name of
             a Hugging Face Hub dataset.
         reward: a :class:`~microrl.tasks.rewards.Reward` (import paths, weights), or one reward
-            function ``fn(completions, answers=..., prompts=..., **columns) -> list[float]``.
+            function ``fn(completions, answers=..., prompts=..., **columns) -> list[float]``;
+            ``None`` for prompts scored elsewhere (an environment's rewards, ``task.name=env``).
         eval_file: the held-out rows; ``None`` holds ``eval_size`` rows out of ``train_file``.
         dataset_config, train_split, eval_split: a Hub dataset's config (subset) and the splits
             of ``train_file`` and ``eval_file`` (files have one split: theirs).
@@ -122,7 +123,7 @@ class DatasetTask:
     def __init__(
         self,
         train_file: str | Path,
-        reward: Reward | RewardFn,
+        reward: Reward | RewardFn | None,
         *,
         eval_file: str | Path | None = None,
         eval_size: int = 200,
@@ -145,7 +146,7 @@ class DatasetTask:
                 "tokenizer_config.json or chat_template.jinja defines one)"
             )
         # A plain function gets the keyword handling and checks of a configured reward.
-        self.reward = reward if isinstance(reward, Reward) else Reward([reward])
+        self.reward = reward if reward is None or isinstance(reward, Reward) else Reward([reward])
         self.solved_threshold = solved_threshold
         self._tokenizer = tokenizer if chat_template else None
         # A template that writes the BOS token itself, for a tokenizer that adds one too (Llama's),
@@ -232,4 +233,6 @@ class DatasetTask:
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
         if len(responses) != len(problems):
             raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
+        if self.reward is None:
+            raise TypeError("this DatasetTask has no reward: its prompts are scored elsewhere")
         return score_problems(self.reward, responses, problems)

@@ -1,8 +1,9 @@
 """The task a recipe trains on, from its ``task`` config section (docs/tasks.md).
 
-``task.name`` picks one of :data:`BUILT_IN_TASKS` (generated prompts with their own reward) or
-``dataset`` (the user's prompt file, scored by the reward functions in ``task.rewards``). Reward
-functions given for a built-in task replace its own reward.
+``task.name`` picks one of :data:`BUILT_IN_TASKS` (generated prompts with their own reward),
+``dataset`` (the user's prompt file, scored by the reward functions in ``task.rewards``) or
+``env`` (the prompt file played against the environments of ``task.env``). Reward functions
+given for a built-in task replace its own reward.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from microrl.configs.run import TaskConfig
 from microrl.tasks.addition import AdditionTask
 from microrl.tasks.base import Task
 from microrl.tasks.dataset import DatasetTask
-from microrl.tasks.rewards import RewardedTask, load_reward
+from microrl.tasks.environments import EnvTask, HintedAdditionTask
+from microrl.tasks.rewards import RewardedTask, load_reward, resolve_reward_fn
 from microrl.tasks.word_problems import WordProblemTask
 
 __all__ = ["BUILT_IN_TASKS", "check_tokenizer_covers", "make_task"]
@@ -22,6 +24,7 @@ __all__ = ["BUILT_IN_TASKS", "check_tokenizer_covers", "make_task"]
 BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask]] = {
     "addition": AdditionTask,
     "word_problems": WordProblemTask,
+    "hinted_addition": HintedAdditionTask,
 }
 # Held-out prompts whose tokenization is checked against the tokenizer's unknown token.
 _CHECKED_PROMPTS = 64
@@ -34,10 +37,10 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
     Raises ``ValueError``/``TypeError`` naming the ``task.*`` key of a bad file, field, reward
     path or size.
     """
-    if cfg.name == "dataset":
+    if cfg.name in ("dataset", "env"):
         task: Task = DatasetTask(
             cfg.train_file,
-            load_reward(cfg.rewards, cfg.reward_weights),
+            load_reward(cfg.rewards, cfg.reward_weights) if cfg.name == "dataset" else None,
             eval_file=cfg.eval_file,
             eval_size=cfg.eval_size,
             seed=cfg.seed,
@@ -50,6 +53,8 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             train_split=cfg.train_split,
             eval_split=cfg.eval_split,
         )
+        if cfg.name == "env":  # the prompts played against the environments task.env builds
+            task = EnvTask(task, resolve_reward_fn(cfg.env, "task.env"), cfg.solved_threshold)
     else:
         task = BUILT_IN_TASKS[cfg.name](cfg.max_operand, cfg.eval_size, cfg.seed)
         if cfg.rewards:

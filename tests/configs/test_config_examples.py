@@ -86,9 +86,14 @@ def test_saved_yaml_round_trips(tmp_path: Path) -> None:
         ("model.warm_start.target_accuracy=2", "model.warm_start.target_accuracy"),
         ("train.kl_metric_every=-1", "train.kl_metric_every"),
         ("task.eval_size=0", "task.eval_size"),
+        ("task.overlong_buffer=-1", "task.overlong_buffer"),
+        ("task.overlong_penalty=-0.5", "task.overlong_penalty"),
+        ("rollout.max_sampling_rounds=0", "rollout.max_sampling_rounds"),
+        ("actor.mask_truncated=maybe", "actor.mask_truncated"),
         # cross-field
         ("train.mini_batch_size=7", "train.mini_batch_size"),
         ("actor.lora.rank=0", "actor.lora.rank"),
+        ("task.overlong_buffer=4", "task.overlong_buffer"),  # not below max_new_tokens=4
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_key(override: str, key: str) -> None:
@@ -105,6 +110,23 @@ def test_the_bypass_is_refused_with_vllm(schema) -> None:
     with pytest.raises(ValueError, match=r"actor\.policy_loss\.bypass_mode .*rollout\.backend=hf"):
         load_config(schema, None, ["rollout.backend=vllm", bypass])
     assert load_config(schema, None, [bypass]).actor.policy_loss.bypass_mode
+
+
+@pytest.mark.parametrize("schema", [GRPOExampleConfig, PPOExampleConfig])
+def test_dapos_knobs_are_off_by_default_and_ppo_refuses_dynamic_sampling(schema) -> None:
+    cfg = load_config(schema, None, [])
+    assert not cfg.rollout.dynamic_sampling and cfg.rollout.max_sampling_rounds == 4
+    assert cfg.task.overlong_buffer == 0 and cfg.task.overlong_penalty == 1.0
+    assert not cfg.actor.mask_truncated
+    knobs = ["task.overlong_buffer=3", "actor.mask_truncated=true", "rollout.max_new_tokens=8"]
+    cfg = load_config(schema, None, knobs)
+    assert cfg.task.overlong_buffer == 3 and cfg.actor.mask_truncated is True
+    dynamic = ["rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2"]
+    if schema is GRPOExampleConfig:
+        assert load_config(schema, None, dynamic).rollout.dynamic_sampling is True
+    else:
+        with pytest.raises(ValueError, match=r"rollout\.dynamic_sampling .*false for PPO"):
+            load_config(schema, None, dynamic)
 
 
 def test_grpo_needs_groups() -> None:

@@ -180,3 +180,116 @@ def test_grpo_runs_under_torchrun_on_two_ranks(base_model: Path, tmp_path: Path)
     for rank in (0, 1):  # each rank saved its own loop state (prompt stream, RNG)
         assert (out / "checkpoint" / f"loop_state_rank{rank}.pt").is_file()
     _load_adapter(base_model, out / "adapter")
+
+
+# ----------------------------------------------------------------------------- DAPO's knobs
+DAPO = [
+    "rollout.dynamic_sampling=true",
+    "rollout.max_sampling_rounds=2",
+    "task.overlong_buffer=2",
+    "actor.mask_truncated=true",
+    "output.plot=false",
+    "output.tensorboard=false",
+]
+
+
+def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
+    base_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """With dynamic sampling the advantages come from the kept groups' task scores plus DAPO's
+    overlong penalty of their responses (max_new_tokens 4, buffer 2: 0, 0, -0.5, -1 for 1-4
+    tokens); the step logs the penalty's mean and the dynamic sampling counts."""
+    from microrl.tasks import overlong_penalty
+
+    grpo = load_example("grpo_lora")
+    sampled, rewards, trained = [], [], []
+    real_sample, real_advantages = grpo.dynamic_sample, grpo.grpo_advantages
+    real_train = grpo.ActorEngine.train_batch
+
+    def spy_sample(*args, **kwargs):
+        sampled.append(real_sample(*args, **kwargs))
+        return sampled[-1]
+
+    def spy_advantages(scores, group_ids, **kwargs):
+        rewards.append(scores)
+        return real_advantages(scores, group_ids, **kwargs)
+
+    def spy_train(self, batch, loss_fn=None):
+        if self.peft_model is not None:  # not the warm start's full fine-tune
+            trained.append("truncated" in batch)
+        return real_train(self, batch, loss_fn)
+
+    monkeypatch.setattr(grpo, "dynamic_sample", spy_sample)
+    monkeypatch.setattr(grpo, "grpo_advantages", spy_advantages)
+    monkeypatch.setattr(grpo.ActorEngine, "train_batch", spy_train)
+    out = tmp_path / "dapo"
+    args = [*TINY_MODEL, *TINY_RL, *DAPO, f"model.path={base_model}", f"output.dir={out}"]
+    assert _run_in_process("grpo_lora", [*args, "train.steps=2"]) == 0
+    assert len(sampled) == len(rewards) == 2 and trained and all(trained)
+    records = read_metrics(out / "metrics.jsonl")[1:]
+    for (problems, rollout, scores, metrics), reward, record in zip(
+        sampled, rewards, records, strict=True
+    ):
+        assert len(problems) == 4 and rollout.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+        penalty = overlong_penalty(rollout.batch["loss_mask"].sum(1), 4, 2, 1.0)
+        assert torch.equal(reward, scores + penalty)
+        assert record["reward"] == pytest.approx(scores.mean().item())
+        assert record["reward/overlong_penalty"] == pytest.approx(penalty.mean().item())
+        truncated = rollout.batch["truncated"].float().mean().item()
+        assert record["truncated_frac"] == pytest.approx(truncated)
+        for key, value in metrics.items():
+            assert record[key] == value, key
+        assert 1 <= record["dynamic_sampling/rounds"] <= 2
+        assert record["dynamic_sampling/groups_filled"] <= 4
+
+
+def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path: Path, monkeypatch):
+    from microrl.tasks import overlong_penalty
+
+    ppo = load_example("ppo_lora")
+    seen = []
+    real = ppo.estimate_advantages
+
+    def spy(actor, critic, batch, scores, cfg, **kwargs):
+        seen.append((batch["loss_mask"].sum(1), scores.clone()))
+        return real(actor, critic, batch, scores, cfg, **kwargs)
+
+    monkeypatch.setattr(ppo, "estimate_advantages", spy)
+    out = tmp_path / "ppo_overlong"
+    args = [*TINY_MODEL, *TINY_RL, *DAPO[2:], f"model.path={base_model}", f"output.dir={out}"]
+    assert _run_in_process("ppo_lora", [*args, "train.steps=2"]) == 0
+    records = read_metrics(out / "metrics.jsonl")[1:]
+    for (lengths, rewards), record in zip(seen, records, strict=True):
+        penalty = overlong_penalty(lengths, 4, 2, 1.0)
+        task_scores = rewards - penalty
+        assert set(task_scores.tolist()) <= {0.0, 1.0}  # the addition task's own scores
+        assert record["reward"] == pytest.approx(task_scores.mean().item())
+        assert record["reward/overlong_penalty"] == pytest.approx(penalty.mean().item())
+        assert "truncated_frac" in record and "dynamic_sampling/rounds" not in record
+
+
+@pytest.mark.distributed
+def test_grpo_dynamic_sampling_under_torchrun(base_model: Path, tmp_path: Path) -> None:
+    """Both ranks sample as many rounds as the neediest one needs (the hf sampler generates
+    collectively over FSDP2 shards): the run neither hangs nor changes the batch size."""
+    out = tmp_path / "dp_dapo"
+    args = [*TINY_MODEL, *TINY_RL, *DAPO, f"model.path={base_model}", f"output.dir={out}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [
+            *cmd,
+            str(EXAMPLES / "grpo_lora.py"),
+            *args,
+            "train.steps=2",
+            "rollout.max_sampling_rounds=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = read_metrics(out / "metrics.jsonl")[1:]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert 1 <= record["dynamic_sampling/rounds"] <= 3
+        assert "reward/overlong_penalty" in record and "loss" in record

@@ -121,6 +121,35 @@ def test_greedy_layout_equals_hf(lora_setup, tokenizer):
     assert torch.equal(from_vllm.group_ids, from_hf.group_ids)
 
 
+def test_episodes_on_vllm_are_token_in_token_out(lora_setup, tokenizer):
+    """The hinted-addition game played by vLLM: the engine scores each sampled turn at vLLM's
+    log-probs (observations as context), greedy episodes equal the hf backend's, and the rows of
+    a group, one request each with the same context, still draw different tokens."""
+    from microrl.tasks import HintedAdditionTask, Problem
+
+    engine, rollout = lora_setup
+    task = HintedAdditionTask(99, 10)
+    problems = [Problem("1+2=", "3"), Problem("35+7=", "42")]
+    make_env = lambda i: task.make_env(problems[i])  # noqa: E731
+    prompts = [p.prompt for p in problems]
+    sampled = rollout.run_episodes(
+        prompts, make_env, SamplingParams(num_samples=6, max_new_tokens=4, seed=5),
+        max_turns=3, max_tokens=14,
+    )  # fmt: skip
+    batch = sampled.batch
+    assert sampled.num_turns.max() > 1
+    _assert_close(batch["rollout_logprobs"], _engine_logprobs(engine, batch), batch["loss_mask"])
+    assert len({tuple(row.tolist()) for row in batch["input_ids"][:6]}) > 1
+    greedy = SamplingParams(greedy=True, max_new_tokens=4)
+    from_vllm = rollout.run_episodes(prompts, make_env, greedy, max_turns=3, max_tokens=14)
+    from_hf = HFRollout(engine, tokenizer).run_episodes(
+        prompts, make_env, greedy, max_turns=3, max_tokens=14
+    )
+    for key in ("input_ids", "loss_mask", "truncated"):
+        assert torch.equal(from_vllm.batch[key], from_hf.batch[key]), key
+    assert torch.equal(from_vllm.rewards, from_hf.rewards)
+
+
 def test_lora_sync_follows_the_engine(lora_setup, tokenizer):
     engine, rollout = lora_setup
     batch = rollout.generate(PROMPTS, SamplingParams(num_samples=4, max_new_tokens=5, seed=2)).batch
