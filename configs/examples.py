@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 from microrl.configs.engine import ActorConfig, CriticConfig, LoraConfig, OptimConfig
 from microrl.configs.fields import config_field, require
-from microrl.configs.run import LoopConfig, ModelConfig, OutputConfig, RolloutConfig, TaskConfig
+from microrl.configs.run import (
+    EPISODE_TASK_NAMES,
+    LoopConfig,
+    ModelConfig,
+    OutputConfig,
+    RolloutConfig,
+    TaskConfig,
+)
 from microrl.losses.config import PolicyLossConfig
 
 __all__ = ["GAEConfig", "GRPOExampleConfig", "PPOExampleConfig"]
@@ -69,6 +76,15 @@ def _check_overlong(task: TaskConfig, rollout: RolloutConfig) -> None:
         task.overlong_buffer < rollout.max_new_tokens,
         "task.overlong_buffer",
         f"below rollout.max_new_tokens = {rollout.max_new_tokens} (0: off)",
+        task.overlong_buffer,
+    )
+    # An episode's response is several turns of up to max_new_tokens each, with observations
+    # between them: DAPO's per-response length rule has no single limit to ramp towards.
+    require(
+        task.overlong_buffer == 0 or task.name not in EPISODE_TASK_NAMES,
+        "task.overlong_buffer",
+        f"0 for a multi-turn task (task.name={task.name}; rollout.max_episode_tokens bounds "
+        "an episode)",
         task.overlong_buffer,
     )
 
@@ -161,4 +177,11 @@ class PPOExampleConfig:
             "false for PPO (dynamic sampling keeps groups whose rewards differ, which only "
             "group-relative advantages need: use examples/grpo_lora.py)",
             self.rollout.dynamic_sampling,
+        )
+        require(
+            self.task.name not in EPISODE_TASK_NAMES,
+            "task.name",
+            "a single-turn task for PPO (multi-turn tasks train with examples/grpo_lora.py, "
+            "whose group baseline needs no value of the observation tokens)",
+            self.task.name,
         )

@@ -16,6 +16,7 @@ from microrl.configs.fields import config_field, require
 from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 
 __all__ = [
+    "EPISODE_TASK_NAMES",
     "TASK_NAMES",
     "TOY_MODEL_PATHS",
     "TRACKERS_INSTALL",
@@ -109,6 +110,8 @@ TOY_MODEL_PATHS = ("outputs/base/tiny-adder", "outputs/base/tiny-words")
 
 # The tasks a recipe can train on (microrl.tasks.make_task builds them; docs/tasks.md).
 TASK_NAMES = ("addition", "word_problems", "dataset", "hinted_addition", "env")
+# Multi-turn tasks, played as episodes against environments (microrl.tasks.environments).
+EPISODE_TASK_NAMES = ("hinted_addition", "env")
 # Tasks that read task.train_file / task.eval_file.
 _FILE_TASKS = ("dataset", "env")
 

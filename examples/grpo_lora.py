@@ -54,6 +54,7 @@ from microrl.run import (
     Dist,
     StopOnInterrupt,
     dynamic_sample,
+    episode_metrics,
     evaluator,
     finish,
     load_run,
@@ -62,11 +63,13 @@ from microrl.run import (
     per_rank,
     prepare_base_model,
     prepare_output,
+    sample_and_score,
     sample_rows,
     save_run,
     start_tracking,
+    whole_groups,
 )
-from microrl.tasks import make_task, overlong_penalty
+from microrl.tasks import is_episode_task, make_task, overlong_penalty
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,12 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     log = print if dist_info.is_main else (lambda *_: None)
     prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", dist_info)
     mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
+    mini_batches = prompts_per_rank * cfg.rollout.group_size // mini_batch_per_rank
 
     t_setup = time.perf_counter()
     tokenizer, base_path = prepare_base_model(
         cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
-    task = make_task(cfg.task, tokenizer)  # addition, word_problems or a file (docs/tasks.md)
+    # addition, word_problems, a file, or a multi-turn task played against environments
+    task = make_task(cfg.task, tokenizer)  # (docs/tasks.md)
+    episodes = is_episode_task(task)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     engine = ActorEngine(base_path, cfg.actor)  # under torchrun only rank 0 reads it
     # A different stream per rank: Python's for the prompts, torch's for sampling and shuffles.
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=cfg.actor.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
-    evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens)
+    evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens, cfg.rollout)
 
     def overlong(rollout):  # DAPO's soft overlong penalty per row; 0 with task.overlong_buffer=0
         lengths = rollout.batch["loss_mask"].sum(1)  # response tokens, <eos> included
@@ -115,17 +121,22 @@ def main(argv: list[str] | None = None) -> int:
             # 1. Sample a group of responses per prompt from the current policy (the loss's
             #    temperature, plain ancestral sampling); the batch carries the sampler's
             #    rollout_logprobs, which the engine compares with its own (mismatch/* metrics).
+            #    A multi-turn task plays whole episodes instead (docs/rollouts.md).
             if cfg.rollout.dynamic_sampling:  # 1-2 until the groups' rewards differ (DAPO)
                 problems, rollout, scores, sampled = dynamic_sample(
                     task, sampler, sampling, rng, prompts_per_rank, dist_info,
                     max_rounds=cfg.rollout.max_sampling_rounds, shaping=overlong,
+                    limits=cfg.rollout,
                 )  # fmt: skip
             else:
                 problems = task.sample(rng, prompts_per_rank)
-                rollout = sampler.generate([p.prompt for p in problems], sampling)
-                # 2. Score: exact match of the answer text only.
-                answered = [problems[i] for i in rollout.group_ids.tolist()]
-                scores = torch.tensor(task.score(rollout.texts, answered))
+                # 2. Score: the task's reward (addition: exact match of the answer text only;
+                #    episodes: the environments' rewards, summed over the turns).
+                rollout, scores = sample_and_score(sampler, task, problems, sampling, cfg.rollout)
+            if cfg.rollout.skip_env_errors:  # rows of failed episodes are gone: whole groups
+                rollout, scores, problems = whole_groups(
+                    rollout, scores, problems, cfg.rollout.group_size
+                )
             batch = rollout.batch
             penalty = overlong(rollout)  # the reward trained on is scores + penalty
             # 3. Log-probs of the sampling policy (the ratio's anchor), recomputed by the engine
@@ -146,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch
             #    into micro-batches and normalises the loss over the whole mini-batch.
+            #    As many mini-batches on every rank, also when failed episodes left fewer rows.
             updates = []
             for _ in range(cfg.train.ppo_epochs):
-                for rows in torch.randperm(batch.batch_size[0]).split(mini_batch_per_rank):
+                for rows in torch.randperm(batch.batch_size[0]).tensor_split(mini_batches):
                     updates.append(engine.train_batch(batch[rows]))
             is_eval_step = step % cfg.train.eval_every == 0 or step == cfg.train.steps
             if step % cfg.rollout.sync_every == 0 or is_eval_step:
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics["reward/overlong_penalty"] = penalty_sum / n_rows
             if cfg.rollout.dynamic_sampling:
                 metrics.update(sampled)
+            if episodes:
+                metrics.update(episode_metrics(rollout, dist_info))
             if old is not None:
                 metrics["entropy"] = entropy_sum / max(n_response, 1.0)
             else:  # bypass: only the first update ran at the weights that sampled (docs/losses.md)

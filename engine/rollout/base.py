@@ -76,7 +76,9 @@ class Rollout:
     From :meth:`RolloutBackend.run_episodes`, a row is a whole multi-turn trajectory
     (``loss_mask`` on the sampled turns only), ``texts`` are the trajectories after the prompt
     with their special tokens, and ``rewards`` ``[B]`` float32 (each episode's per-turn rewards
-    summed), ``num_turns`` ``[B]`` int64 and the ``episodes/*`` ``metrics`` are set.
+    summed), ``num_turns`` ``[B]`` int64 and ``metrics`` (``episodes/env_time_s``: seconds in
+    the environments; ``episodes/env_errors``: rows dropped by ``skip_env_errors``) are set.
+    ``metrics`` hold sums only, so merged rollouts add them up.
     """
 
     batch: TensorDict

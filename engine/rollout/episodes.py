@@ -348,13 +348,8 @@ class _Player:
                 f"every one of the {len(rows)} episodes failed in its environment "
                 "(rollout.skip_env_errors drops failed rows, but none is left)"
             )
-        turns = [r.trajectory.turns for r in kept]
-        metrics = {
-            "episodes/turns_mean": sum(turns) / len(turns),
-            "episodes/truncated_frac": sum(r.trajectory.truncated for r in kept) / len(kept),
-            "episodes/env_time_s": self.env_time,
-            "episodes/env_errors": float(self.errors),
-        }
+        # Additive only (merged rollouts sum them); per-row turns and cuts are in the rollout.
+        metrics = {"episodes/env_time_s": self.env_time, "episodes/env_errors": float(self.errors)}
         return Episodes([r.trajectory for r in kept], [r.prompt_index for r in kept], metrics)
 
 

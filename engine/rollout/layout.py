@@ -54,24 +54,36 @@ def build_rollout(
         responses.append(list(ids[:end]))
         logprobs.append(list(lps[:end]))
         truncated.append(eos_token_id not in ids)
+    # One tensor per column family, built from padded lists (a per-row loop of small tensor
+    # copies cost ~20 ms for 1024 rows, a few percent of a toy step).
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(1, max(len(r) for r in responses))
-    shape = (rows, prompt_width + response_width)
-    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
-    attention = torch.zeros(shape, dtype=torch.bool)
-    loss_mask = torch.zeros(shape, dtype=torch.bool)
-    rollout_logprobs = torch.zeros(shape, dtype=torch.float32)
-    for row, (response, lps) in enumerate(zip(responses, logprobs, strict=True)):
-        prompt = prompt_ids[row // num_samples]
-        start = prompt_width - len(prompt)  # prompts are left-padded, responses right-padded
-        input_ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
-        attention[row, start:prompt_width] = True
-        stop = prompt_width + len(response)
-        if response:
-            input_ids[row, prompt_width:stop] = torch.tensor(response, dtype=torch.long)
-            rollout_logprobs[row, prompt_width:stop] = torch.tensor(lps, dtype=torch.float32)
-        attention[row, prompt_width:stop] = True
-        loss_mask[row, prompt_width:stop] = True
+    prompts = torch.tensor([[pad_token_id] * (prompt_width - len(p)) + list(p) for p in prompt_ids])
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
+    lengths = torch.tensor([len(r) for r in responses])
+    pad = [pad_token_id] * response_width
+    zeros = [0.0] * response_width
+    input_ids = torch.cat(
+        [
+            prompts.repeat_interleave(num_samples, dim=0),
+            torch.tensor([r + pad[len(r) :] for r in responses], dtype=torch.long),
+        ],
+        dim=1,
+    )
+    columns = torch.arange(response_width)
+    loss_mask = torch.cat(
+        [torch.zeros(rows, prompt_width, dtype=torch.bool), columns < lengths[:, None]], dim=1
+    )
+    in_prompt = torch.arange(prompt_width) >= prompt_width - prompt_lengths[:, None]
+    attention = loss_mask.clone()
+    attention[:, :prompt_width] = in_prompt.repeat_interleave(num_samples, dim=0)
+    rollout_logprobs = torch.cat(
+        [
+            torch.zeros(rows, prompt_width),
+            torch.tensor([lp + zeros[len(lp) :] for lp in logprobs], dtype=torch.float32),
+        ],
+        dim=1,
+    )
     return TensorDict(
         {
             "input_ids": input_ids,

@@ -21,7 +21,7 @@ from microrl.engine.rollout.base import Rollout
 __all__ = ["merge_rollouts", "select_groups"]
 
 # Fields of every Rollout that are not per-row tensors handled generically.
-_LAYOUT_FIELDS = ("batch", "texts", "group_ids")
+_LAYOUT_FIELDS = ("batch", "texts", "group_ids", "metrics")
 
 
 def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rollout:
@@ -49,6 +49,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rol
         batch=rollout.batch[rows],
         texts=[rollout.texts[i] for i in rows.tolist()],
         group_ids=group_ids.to(torch.long),
+        metrics=dict(rollout.metrics),  # what sampling cost (env time, errors) stays spent
         **extra,
     )
 
@@ -63,8 +64,8 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     concatenated. A part's prompts end where its first response (``loss_mask``) column starts.
     ``texts`` are concatenated; ``group_ids`` are renumbered contiguously: each part's ids in
     ascending order, after the groups of the parts before it. Per-row tensor fields of
-    :class:`Rollout` (set on every part or on none) are concatenated; other fields keep their
-    defaults.
+    :class:`Rollout` (set on every part or on none) are concatenated, ``metrics`` (sums) added
+    up key by key.
 
     ``ValueError`` when there is no part, when the parts' batches have different keys, or when
     a part is not in the rollout layout (a row whose prompt does not reach the response column).
@@ -113,10 +114,15 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
             extra[f.name] = torch.cat(values)
         elif any(per_row):
             raise ValueError(f"Rollout.{f.name} is set on some of the rollouts only")
+    metrics: dict[str, float] = {}
+    for part in rollouts:  # sums (env seconds, errors): they add up over the parts
+        for key, value in part.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
     return Rollout(
         batch=batch,
         texts=[text for part in rollouts for text in part.texts],
         group_ids=torch.cat(group_ids),
+        metrics=metrics,
         **extra,
     )
 

@@ -15,7 +15,7 @@ from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
 from microrl.run.cli import parse_cli, prepare_output
 from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
 from microrl.run.dynamic_sampling import DynamicSample, dynamic_sample
-from microrl.run.sampling import sample_and_score
+from microrl.run.sampling import episode_metrics, sample_and_score, whole_groups
 from microrl.run.session import (
     evaluate_accuracy,
     evaluator,
@@ -32,6 +32,7 @@ __all__ = [
     "StopOnInterrupt",
     "Tracker",
     "dynamic_sample",
+    "episode_metrics",
     "evaluate_accuracy",
     "evaluator",
     "find_run_checkpoint",
@@ -48,4 +49,5 @@ __all__ = [
     "sample_rows",
     "save_run",
     "start_tracking",
+    "whole_groups",
 ]

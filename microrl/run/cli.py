@@ -33,6 +33,7 @@ from microrl.configs.loader import (
     override_value,
 )
 from microrl.engine.checkpoint.atomic_io import staging_paths
+from microrl.engine.rollout.episodes import EpisodeError
 from microrl.hub import first_line
 from microrl.run.checkpoint import (
     CHECKPOINT_DIR,
@@ -154,6 +155,11 @@ def _one_line_error(exc_type: type[BaseException], exc: BaseException, tb: Any) 
     on stderr (what failed, at which step, its message; the rank under ``torchrun``)."""
     if isinstance(exc, KeyboardInterrupt):
         line = "aborted by a second Ctrl-C: nothing saved after the last checkpoint"
+    elif isinstance(exc, StepFailed) and isinstance(exc.error, EpisodeError):
+        # The user's environment failed: its traceback is the part to read, so it is shown.
+        line = f"error at step {exc.step}: {exc.error}\n"
+    elif isinstance(exc, EpisodeError):  # in an evaluation
+        line = f"error: {exc}\n"
     elif isinstance(exc, StepFailed):
         line = f"error at step {exc.step}: {first_line(exc.error)}"
     else:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from microrl.configs.run import RolloutConfig
 from microrl.engine.rollout import (
     Rollout,
     RolloutBackend,
@@ -28,6 +29,7 @@ from microrl.engine.rollout import (
 )
 from microrl.losses import group_stats
 from microrl.run.dist import Dist
+from microrl.run.sampling import sample_and_score
 from microrl.tasks import Problem, Task
 
 __all__ = ["DynamicSample", "dynamic_sample"]
@@ -56,15 +58,16 @@ def dynamic_sample(
     max_rounds: int,
     shaping: Callable[[Rollout], torch.Tensor] | None = None,
     sample: Callable[[list[Problem]], tuple[Rollout, torch.Tensor]] | None = None,
+    limits: RolloutConfig | None = None,
 ) -> DynamicSample:
     """Sample rounds of ``n_prompts`` fresh prompts (``params.num_samples`` responses each) until
     this rank holds ``n_prompts`` groups whose rewards are not all equal, on every rank, or
     ``max_rounds`` rounds ran.
 
     A round is ``sample(problems) -> (rollout, scores [B])``; by default
-    ``sampler.generate`` on the prompts and ``task.score`` on the responses (as
-    ``examples/grpo_lora.py`` samples without dynamic sampling). Row ``i`` of a round's rollout
-    answers ``problems[rollout.group_ids[i]]``.
+    :func:`~microrl.run.sampling.sample_and_score` (``generate`` and the task's reward, or a
+    multi-turn task's episodes under ``limits``), as ``examples/grpo_lora.py`` samples without
+    dynamic sampling. Row ``i`` of a round's rollout answers ``problems[rollout.group_ids[i]]``.
 
     The reward of a row is its task score plus ``shaping(rollout)`` (e.g. the overlong penalty,
     a per-row ``[B]`` term), so a group is kept exactly when the advantages computed from that
@@ -102,9 +105,7 @@ def dynamic_sample(
     for round_number in range(1, max_rounds + 1):
         problems = task.sample(rng, n_prompts)
         if sample is None:
-            rollout = sampler.generate([p.prompt for p in problems], params)
-            answered = [problems[i] for i in rollout.group_ids.tolist()]
-            scores = torch.tensor(task.score(rollout.texts, answered))
+            rollout, scores = sample_and_score(sampler, task, problems, params, limits)
         else:
             rollout, scores = sample(problems)
         rewards = scores if shaping is None else scores + shaping(rollout)

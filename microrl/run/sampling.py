@@ -15,10 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams
+from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
+from microrl.run.dist import Dist
 from microrl.tasks import Problem, Task, is_episode_task
 
-__all__ = ["sample_and_score"]
+__all__ = ["episode_metrics", "sample_and_score", "whole_groups"]
 
 
 def sample_and_score(
@@ -49,3 +50,46 @@ def sample_and_score(
         skip_env_errors=limits.skip_env_errors,
     )
     return rollout, rollout.rewards
+
+
+def whole_groups(
+    rollout: Rollout, scores: torch.Tensor, problems: Sequence[Problem], group_size: int
+) -> tuple[Rollout, torch.Tensor, list[Problem]]:
+    """The groups of ``rollout`` that still have all ``group_size`` rows, their scores and
+    problems; as given when none is missing.
+
+    Rows go missing only when ``rollout.skip_env_errors`` dropped episodes whose environment
+    raised: a group's advantages need all of its rows. ``ValueError`` when no group is whole.
+    """
+    counts = torch.bincount(rollout.group_ids, minlength=len(problems))
+    whole = (counts == group_size).nonzero().squeeze(1)
+    if len(whole) == len(problems):
+        return rollout, scores, list(problems)
+    if len(whole) == 0:
+        raise ValueError(
+            "every group lost a row to an environment error (rollout.skip_env_errors): "
+            "nothing is left to train on this step"
+        )
+    rows = torch.isin(rollout.group_ids, whole)
+    return select_groups(rollout, whole), scores[rows], [problems[g] for g in whole.tolist()]
+
+
+def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
+    """``episodes/*`` of a multi-turn rollout over every rank: turns per episode, the fraction
+    cut (``truncated``), seconds in the environments (summed over ranks) and rows dropped."""
+    turns, rows, cut = dist_info.sum(
+        [
+            float(rollout.num_turns.sum()),
+            float(len(rollout.num_turns)),
+            float(rollout.batch["truncated"].sum()),
+        ]
+    )
+    env_time, errors = dist_info.sum(
+        [rollout.metrics.get(k, 0.0) for k in ("episodes/env_time_s", "episodes/env_errors")]
+    )
+    return {
+        "episodes/turns_mean": turns / rows,
+        "episodes/truncated_frac": cut / rows,
+        "episodes/env_time_s": env_time,
+        "episodes/env_errors": errors,
+    }

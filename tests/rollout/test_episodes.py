@@ -119,7 +119,7 @@ def test_token_in_token_out_keeps_the_sampled_ids_where_re_encoding_would_not():
     assert envs[0].actions == ["12", "1"] and envs[0].closed
     assert rollout.rewards.tolist() == [1.25] and rollout.num_turns.tolist() == [2]
     assert batch["truncated"].tolist() == [False]
-    assert rollout.metrics["episodes/turns_mean"] == 2.0
+    assert rollout.metrics == {"episodes/env_time_s": pytest.approx(0, abs=1), "episodes/env_errors": 0}
 
 
 def test_layout_groups_stops_and_truncation():
@@ -161,7 +161,6 @@ def test_layout_groups_stops_and_truncation():
     assert not batch["attention_mask"][3, width + 6 :].any()
     # prompts are left-padded to one column, trajectories right-padded
     assert batch["attention_mask"][0].tolist()[:width] == [False] + [True] * (width - 1)
-    assert rollout.metrics["episodes/truncated_frac"] == 0.75
     assert [p.max_new_tokens for _, p in backend.calls] == [3, 3, 3]
 
 

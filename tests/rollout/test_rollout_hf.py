@@ -137,3 +137,38 @@ def test_bypass_step_equals_the_recomputed_step() -> None:
     for key in ("mismatch/abs_diff_mean", "mismatch/abs_diff_max"):
         assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-6)
     assert got["metrics"]["mismatch/abs_diff_max"] == pytest.approx(worst, abs=1e-6)
+
+
+def test_build_rollout_equals_a_row_by_row_layout() -> None:
+    """The vectorised layout against the obvious per-row one: uneven prompts, responses cut at
+    their first <eos>, responses without one (truncated), an empty response."""
+    from microrl.engine.rollout import Samples, build_rollout
+
+    gen = torch.Generator().manual_seed(0)
+    eos, pad = 2, 0
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    token_ids = [torch.randint(3, 9, (int(n),), generator=gen).tolist() for n in [4, 1, 6, 3, 5, 2]]
+    token_ids[0][1] = eos  # cut after position 1; the rest is padding
+    token_ids[2][5] = eos
+    token_ids[4] = [eos, 4, eos]
+    token_ids[5] = []
+    logprobs = [(-torch.rand(len(t), generator=gen)).tolist() for t in token_ids]
+    batch = build_rollout(
+        prompts, Samples(token_ids, logprobs), num_samples=2, eos_token_id=eos, pad_token_id=pad
+    )
+    kept = [t[: t.index(eos) + 1] if eos in t else t for t in token_ids]
+    width = 5 + max(len(k) for k in kept)
+    for row, (response, lps) in enumerate(zip(kept, logprobs, strict=True)):
+        prompt = prompts[row // 2]
+        ids = [pad] * (5 - len(prompt)) + prompt + response
+        ids += [pad] * (width - len(ids))
+        assert batch["input_ids"][row].tolist() == ids
+        attention = [0] * (5 - len(prompt)) + [1] * (len(prompt) + len(response))
+        assert batch["attention_mask"][row].tolist() == attention + [0] * (width - len(attention))
+        loss = [0] * 5 + [1] * len(response)
+        assert batch["loss_mask"][row].tolist() == loss + [0] * (width - len(loss))
+        expected = [0.0] * 5 + lps[: len(response)]
+        expected += [0.0] * (width - len(expected))
+        assert batch["rollout_logprobs"][row].tolist() == pytest.approx(expected)
+    assert batch["truncated"].tolist() == [eos not in t for t in token_ids]
+    assert batch["attention_mask"].dtype == batch["loss_mask"].dtype == torch.bool
