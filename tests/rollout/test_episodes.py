@@ -119,7 +119,10 @@ def test_token_in_token_out_keeps_the_sampled_ids_where_re_encoding_would_not():
     assert envs[0].actions == ["12", "1"] and envs[0].closed
     assert rollout.rewards.tolist() == [1.25] and rollout.num_turns.tolist() == [2]
     assert batch["truncated"].tolist() == [False]
-    assert rollout.metrics == {"episodes/env_time_s": pytest.approx(0, abs=1), "episodes/env_errors": 0}
+    assert rollout.metrics == {
+        "episodes/env_time_s": pytest.approx(0, abs=1),
+        "episodes/env_errors": 0,
+    }
 
 
 def test_layout_groups_stops_and_truncation():
