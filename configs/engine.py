@@ -53,6 +53,12 @@ class OptimConfig:
     )
     total_steps: int | None = config_field(None, "optimizer steps the cosine/linear decay spans")
     min_lr_ratio: float = config_field(0.0, "floor of the decay, as a fraction of lr")
+    # FSDP2's CPUOffloadPolicy (docs/distributed.md): parameter shards, gradients and optimizer
+    # state in host memory, the optimizer step on the CPU. In one process the engine shards with
+    # FSDP2 over a single rank for it.
+    cpu_offload: bool = config_field(
+        False, "parameters, gradients and optimizer state in host memory (FSDP2 CPU offload)"
+    )
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.schedule)
@@ -69,6 +75,12 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.schedule is not Schedule.CONSTANT and not (self.total_steps or 0) > 0:
             raise ValueError(f"optim.total_steps must be > 0 for schedule {self.schedule.value!r}")
+        require(
+            isinstance(self.cpu_offload, bool),
+            "optim.cpu_offload",
+            "a bool (true or false)",
+            self.cpu_offload,
+        )
 
 
 @dataclass
@@ -155,6 +167,11 @@ class EngineConfig:
     pack_sequences: bool = config_field(
         False, "run each micro-batch as one packed row without padding"
     )
+    # Saved activations to host memory between forward and backward (engine/offload.py; with
+    # gradient checkpointing only the layer boundaries). Training passes only.
+    activation_offload: bool = config_field(
+        False, "tensors saved for backward go to host memory until the backward needs them"
+    )
     # Audited after backward: "warn" logs a warning, "error" raises, True means "warn".
     check_grad_flow: bool | str = config_field(
         False, "name trainable parameters left without a gradient: false, warn, error"
@@ -184,6 +201,11 @@ class EngineConfig:
     # Under torchrun it must divide the number of processes; the rest is data parallelism.
     tensor_parallel_size: int = config_field(
         1, "ranks per tensor-parallel group (1: none; docs/engine.md)"
+    )
+    # Ulysses: the ranks of a group split every micro-batch's tokens (docs/distributed.md). Under
+    # torchrun it must divide the number of processes; the rest is data parallelism.
+    sequence_parallel_size: int = config_field(
+        1, "ranks that split each micro-batch's tokens (Ulysses; 1: none; docs/distributed.md)"
     )
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -219,6 +241,35 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
+            )
+        if isinstance(self.sequence_parallel_size, bool) or not (
+            isinstance(self.sequence_parallel_size, int) and self.sequence_parallel_size >= 1
+        ):
+            raise ValueError(
+                f"sequence_parallel_size must be an int >= 1, got {self.sequence_parallel_size!r}"
+            )
+        if self.sequence_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} and "
+                f"tensor_parallel_size={self.tensor_parallel_size} cannot be combined yet: "
+                "set one of them to 1"
+            )
+        require(
+            isinstance(self.activation_offload, bool),
+            "activation_offload",
+            "a bool (true or false)",
+            self.activation_offload,
+        )
+        if self.optim.cpu_offload and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "optim.cpu_offload and tensor_parallel_size > 1 cannot be combined (CPU offload "
+                "is FSDP2's, over data-parallel ranks only): set optim.cpu_offload=false or "
+                f"tensor_parallel_size=1 (got {self.tensor_parallel_size})"
+            )
+        if self.optim.cpu_offload and getattr(self, "sequence_parallel_size", 1) > 1:
+            raise ValueError(
+                "optim.cpu_offload and sequence_parallel_size > 1 cannot be combined yet: set "
+                "optim.cpu_offload=false or sequence_parallel_size=1"
             )
         if self.tensor_parallel_size > 1 and self.lora.rank and self.lora.dropout > 0:
             raise ValueError(

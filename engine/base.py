@@ -54,6 +54,7 @@ from microrl.engine.microbatch import (
     scatter_outputs,
     span_starts_and_lengths,
 )
+from microrl.engine.offload import ActivationOffload, OffloadStats
 from microrl.engine.optim import (
     apply_optim_config,
     audit_grad_flow,
@@ -62,7 +63,13 @@ from microrl.engine.optim import (
     clip_and_check,
 )
 from microrl.engine.outputs import align_outputs, check_loss_result, last_token_index
-from microrl.engine.parallel import distributed, materialize, tensor_parallel
+from microrl.engine.parallel import (
+    cpu_offload,
+    distributed,
+    materialize,
+    sequence_parallel,
+    tensor_parallel,
+)
 from microrl.engine.validation import GROUP_KEY, check_batch
 from microrl.losses.aggregation import LossDenominators, global_denominators
 from microrl.losses.metrics import Metric, reduce_metrics
@@ -113,6 +120,14 @@ class Engine:
         #: the ``("dp", "tp")`` device mesh under tensor parallelism (docs/engine.md), else None;
         #: then only its ``dp`` dimension reduces denominators and metrics.
         self.device_mesh = tensor_parallel.init_mesh(config.tensor_parallel_size, self.device)
+        #: the sequence-parallel group (``sequence_parallel_size > 1``: its ranks split every
+        #: micro-batch's tokens, docs/distributed.md) of the ``("dp", "sp")`` mesh, else None.
+        self.sp_group: dist.ProcessGroup | None = None
+        if config.sequence_parallel_size > 1:
+            self.device_mesh = sequence_parallel.init_mesh(
+                config.sequence_parallel_size, self.device
+            )
+            self.sp_group = self.device_mesh["sp"].get_group()
         if self.device_mesh is not None:
             self.dp_group = self.device_mesh["dp"].get_group()
         self.global_step = 0
@@ -158,6 +173,8 @@ class Engine:
         self.optimizer = build_optimizer(self._trainable_params(), config.optim)
         self.lr_scheduler = build_scheduler(self.optimizer, config.optim)
         self.last_step_metrics: dict[str, Metric] = {}
+        #: what activation offload moved in the last training ``forward_step`` (None when off).
+        self.last_offload_stats: OffloadStats | None = None
 
     # ----------------------------------------------------------------- role hooks (override)
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
@@ -211,11 +228,16 @@ class Engine:
     # ----------------------------------------------------------------- hooks for distributed
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         """Shard/wrap the role module after LoRA and checkpointing; unchanged when not distributed."""
+        if self.sp_group is not None:
+            return sequence_parallel.wrap(module, self.device_mesh)
         if self.device_mesh is not None:
             return tensor_parallel.wrap(module, self.device_mesh)
+        offload = cpu_offload.offload_policy(self.device) if self.config.optim.cpu_offload else None
         if self.dp_group is None:
-            return module
-        return distributed.shard_model(module)
+            if offload is None:
+                return module
+            cpu_offload.single_process_group(self.device)  # FSDP2 over one rank, for the policy
+        return distributed.shard_model(module, offload_policy=offload)
 
     def _from_rank0(self, compute: Callable[[], Any]) -> Any:
         """``compute()`` (a set-up decision that needs real weights, e.g. a numerical probe); under
@@ -363,9 +385,21 @@ class Engine:
                 data, micro.lengths, compute_loss, packed=self.config.pack_sequences
             )
         args, kwargs, position_shape, unpack = self._model_inputs(micro, group_loss)
-        with self._mode(training=training), self._grad(forward_only):
+        shard = None
+        if self.sp_group is not None:  # this rank's 1/s of the tokens; outputs gathered back
+            packed = micro.lengths if self.config.pack_sequences else None
+            args, kwargs, shard = sequence_parallel.shard_model_inputs(
+                args, kwargs, self.sp_group, packed
+            )
+        # Saved activations to host memory (config.activation_offload): training forwards only.
+        offload = None
+        if training and self.config.activation_offload:
+            offload = ActivationOffload([*self.module.parameters(), *self.module.buffers()])
+        with self._mode(training=training), self._grad(forward_only), offload or nullcontext():
             with setup.autocast_context(self.config, self.device):
                 raw = self._model_forward(*args, training=training, **kwargs)
+            if shard is not None:
+                raw = shard.gather_outputs(raw, type(self).__name__)
             _, has_next = next_token_targets(data["input_ids"], data["attention_mask"])
             aligned = align_outputs(
                 raw, len(micro.lengths), position_shape, has_next, unpack, type(self).__name__
@@ -376,6 +410,11 @@ class Engine:
                 loss, metrics = group_loss.loss, group_loss.metrics()
             elif with_loss:
                 loss, metrics = compute_loss(output, data)
+        if offload is not None:
+            self.last_offload_stats = offload.stats
+            if metrics:  # host bytes offloaded, summed over micro-batches and ranks
+                bytes_ = torch.full((), float(offload.stats.bytes), device=self.device)
+                metrics = {**metrics, "offload/bytes": Metric(bytes_)}
         self.last_step_metrics = metrics
         output = output.detach()
         if planned:
@@ -545,6 +584,8 @@ class Engine:
         )
         if role_checks:
             self._check_role_batch(batch)
+        if self.sp_group is not None:
+            sequence_parallel.check_same_batch(batch, self.sp_group)
         return batch
 
     def _has_loss_inputs(self, batch: TensorDict, loss_fn: LossFn | None) -> bool:
@@ -552,9 +593,14 @@ class Engine:
 
     def _denominators(self, batch: TensorDict) -> LossDenominators:
         """The loss's global denominators: ``batch``'s counts summed over the data-parallel ranks."""
-        return global_denominators(
+        denominators = global_denominators(
             self._count_mask(batch), seq_len_norm=self.config.seq_len_norm, group=self.dp_group
         )
+        if self.sp_group is not None:  # FSDP averages over dp x sp ranks, the counts are dp's
+            denominators = sequence_parallel.scale_denominators(
+                denominators, self.config.sequence_parallel_size
+            )
+        return denominators
 
     def _trainable_params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]

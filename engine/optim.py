@@ -17,6 +17,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "clip_and_check",
+    "clip_host_shards",
     "grad_flow_report",
     "lr_factor",
 ]
@@ -93,12 +94,46 @@ def clip_and_check(params: list[nn.Parameter], max_norm: float | None) -> torch.
     """Global grad norm (clipping to ``max_norm`` when set); a 0-d tensor, possibly non-finite.
 
     ``clip_grad_norm_`` reduces over DTensor shards too, so this is the global norm under FSDP.
+    Gradient shards offloaded to the host (``optim.cpu_offload``) on a mesh of another device
+    (NCCL cannot reduce host tensors) go through :func:`clip_host_shards` instead.
     """
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return torch.zeros(())
     limit = float("inf") if max_norm is None else max_norm
+    if any(_is_offloaded(p.grad) for p in with_grad):
+        return clip_host_shards(with_grad, limit)
     return torch.nn.utils.clip_grad_norm_(with_grad, limit, error_if_nonfinite=False)
+
+
+def _is_offloaded(grad: torch.Tensor) -> bool:
+    """A DTensor gradient shard in host memory on a mesh of an accelerator (FSDP2 CPU offload)."""
+    mesh = getattr(grad, "device_mesh", None)
+    return mesh is not None and grad.device.type != mesh.device_type
+
+
+@torch.no_grad()
+def clip_host_shards(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """:func:`clip_and_check` for FSDP2 ``DTensor`` gradient shards (a 1-D mesh) wherever they
+    live: the norm of each rank's shards is computed where they are, the squares are summed over
+    the ranks with one all-reduce of a scalar on the mesh's device, and the shards are scaled in
+    place as ``clip_grad_norm_`` scales them (``min(max_norm / (norm + 1e-6), 1)``). Returns the
+    global norm (a 0-d host tensor; nan/inf when non-finite)."""
+    grads = [p.grad.to_local() for p in params]
+    nonempty = [g for g in grads if g.numel()]
+    norms = torch._foreach_norm(nonempty, 2.0) if nonempty else []
+    local = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+    mesh = params[0].grad.device_mesh
+    device = mesh.device_type
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    squares = local.float().square().to(device)
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    total = squares.sqrt().to(local.device)
+    if math.isfinite(max_norm) and nonempty:
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(nonempty, scale.to(nonempty[0].dtype))
+    return total
 
 
 def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
@@ -123,10 +158,21 @@ def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
         )
         group = _shard_group(g for _, g in with_grad)
         if group is not None:
-            dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)
+            norms = _all_reduce_max(norms, group)
         zero = (norms == 0).tolist()
         dead += [name for (name, _), is_zero in zip(with_grad, zero, strict=True) if is_zero]
     return dead
+
+
+def _all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``values`` maximised over ``group``, reduced on the group's device (offloaded gradient
+    shards are host tensors; NCCL reduces device tensors only)."""
+    if dist.get_backend(group) == "nccl" and values.device.type != "cuda":
+        reduced = values.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        return reduced.to(values.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
 
 
 def _shard_group(grads) -> dist.ProcessGroup | None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 __all__ = [
     "agree_num_micro_batches",
@@ -261,6 +261,7 @@ def shard_model(
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | Literal["auto"] | None = "auto",
     reshard_after_forward: bool = True,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard ``module`` with FSDP2 over ``mesh``: each decoder layer a unit, then the root.
 
@@ -284,6 +285,8 @@ def shard_model(
         mp_policy: FSDP2 mixed precision; ``"auto"`` = :func:`default_mp_policy` for the device.
         reshard_after_forward: free each layer's gathered weights after its forward (saves memory,
             costs a second all-gather in backward).
+        offload_policy: FSDP2's ``CPUOffloadPolicy`` for ``optim.cpu_offload``
+            (engine/parallel/cpu_offload.py); None keeps everything on the device.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -298,6 +301,8 @@ def shard_model(
         raise ValueError(f"mesh must be a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
     policy = default_mp_policy(mesh.device_type) if mp_policy == "auto" else mp_policy
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
     if policy is not None:
         kwargs["mp_policy"] = policy
     units = find_shard_units(module)

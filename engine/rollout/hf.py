@@ -73,10 +73,12 @@ class HFRollout(RolloutBackend):
             )
         self.model = model
         self._gather_root = engine.module if isinstance(engine, Engine) else model
+        # The engine's compute device: under optim.cpu_offload its parameters live on the host.
+        self._device = engine.device if isinstance(engine, Engine) else None
 
     @torch.no_grad()
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
-        device = next(self.model.parameters()).device
+        device = self._device or next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)

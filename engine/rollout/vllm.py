@@ -144,7 +144,8 @@ class VLLMRollout(RolloutBackend):
         self.config = config
         self.is_lora = engine.peft_model is not None
         _, base = locate_base_model(engine.module)
-        self.device = next(engine.module.parameters()).device
+        # The engine's compute device (under optim.cpu_offload its parameters live on the host).
+        self.device = getattr(engine, "device", None) or next(engine.module.parameters()).device
         if self.device.type == "cpu":
             _check_cpu_head_dim(base.config)
         self._own_workdir = workdir is None

@@ -1,0 +1,308 @@
+"""Activation offload: the tensors autograd saves for backward live in host memory in between.
+
+:class:`ActivationOffload` is a :class:`torch.autograd.graph.saved_tensors_hooks` context: every
+tensor an operation saves for its backward inside the block goes through its pack hook, which
+copies it to host memory, and comes back through the unpack hook when the backward needs it. The
+device copy is then free as soon as the forward no longer uses it, so a micro-batch's activation
+memory on the device is about what one layer's forward and backward hold, not the whole graph.
+The engine enters it around the training forward of every micro-batch when
+``EngineConfig.activation_offload`` is on (docs/distributed.md, "Activation offload"); inference
+passes (``forward_only``, ``infer_batch``) save nothing and never enter it.
+
+What is offloaded (the rule; anything that is not offloaded is kept as autograd would keep it):
+
+* tensors that are not plain strided ``torch.Tensor`` objects (sparse, nested, ``DTensor`` and
+  other subclasses) are kept;
+* tensors smaller than ``min_bytes`` (:data:`MIN_OFFLOAD_BYTES`, 1 MiB, by default) are kept:
+  the copies would cost more in latency than they save;
+* parameters and buffers are kept: an ``nn.Parameter`` (also FSDP2's gathered parameters), a
+  view of one (``weight.t()``, which ``F.linear`` saves), and any tensor sharing the storage of
+  one of the module's parameters or buffers (the ``params`` given at construction). Their memory
+  is not freed by copying them (the module holds it), and FSDP2 frees and refills its gathered
+  weights itself;
+* autocast's copies of the weights are kept too: a bf16 copy of a trainable weight (its autograd
+  history is one cast of a parameter) and, for a frozen weight, a tensor with no autograd history
+  shaped like one of the parameters. A copy of this kind is per layer, not per token, and
+  offloading it would move the model's weights to the host and back on every micro-batch;
+* a tensor saved again by another operation (the same tensor, unchanged since) reuses its copy;
+* everything else is copied to host memory: on CUDA into pinned memory, on a side stream; on a
+  CPU device into a separate host buffer (the same bytes, nothing saved: the hook mechanics run
+  as on a GPU, which is how the tests check them); on any other device with a blocking copy.
+
+Gradient checkpointing (non-reentrant, as the engine enables it) composes: inside a checkpointed
+decoder layer the checkpoint's own hooks take precedence (the innermost hooks win) and keep
+placeholders only, while the layer's inputs, which the checkpoint saves with the *outer* hooks before it
+runs the layer, are offloaded. The recomputation in backward runs outside this block (the engine
+leaves it before ``backward``), so recomputed activations stay on the device for the one layer
+that needs them. With checkpointing only the layer boundaries (and the tensors saved outside the
+layers: final norm, head) are offloaded.
+
+CUDA streams: a device-to-host copy is issued on a side stream after it waits for the compute
+stream (the tensor is complete), and the device tensor is kept referenced until the copy's event
+has completed (at most :data:`MAX_IN_FLIGHT` copies in flight; beyond that the compute stream
+waits for the oldest), so the caching allocator cannot hand its memory out while it is read. On
+leaving the block the compute stream waits for the side stream. In backward, unpacking a tensor
+also prefetches the next :data:`PREFETCH` offloaded tensors (in reverse order of saving: the order
+backward needs them) on the side stream into buffers allocated on the compute stream; the compute
+stream waits for a tensor's copy event before it uses it, and at the end of the backward for the
+side stream. The host buffer is referenced by the graph until the tensor is unpacked and its node
+released. A kept tensor modified in place after it was saved is an error on unpack, as without
+the hooks (its version counter is compared); an offloaded tensor is a copy taken when it was
+saved, so the backward sees the saved value.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["MAX_IN_FLIGHT", "MIN_OFFLOAD_BYTES", "PREFETCH", "ActivationOffload", "OffloadStats"]
+
+#: Saved tensors smaller than this many bytes stay on the device.
+MIN_OFFLOAD_BYTES = 1 << 20
+#: CUDA: device-to-host copies in flight before the compute stream waits for the oldest.
+MAX_IN_FLIGHT = 4
+#: CUDA: offloaded tensors copied back ahead of the one the backward asks for.
+PREFETCH = 2
+
+# One side stream per CUDA device, shared by every block (copies on it are ordered).
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@dataclass
+class OffloadStats:
+    """What a block offloaded: ``tensors`` and ``bytes`` copied to host memory (each tensor once:
+    ``shared`` counts the later saves of a tensor already copied, which reuse its copy), and the
+    saved tensors kept on the device because they were small (``kept_small``) or parameters,
+    buffers or weight copies (``kept_params``). ``records`` holds ``(shape, dtype, bytes)`` of
+    each copied tensor when the block was built with ``record=True``."""
+
+    tensors: int = 0
+    bytes: int = 0
+    shared: int = 0
+    kept_small: int = 0
+    kept_params: int = 0
+    records: list[tuple[tuple[int, ...], torch.dtype, int]] = field(default_factory=list)
+
+    def add(self, other: OffloadStats) -> None:
+        """Accumulate ``other`` into this one (records included)."""
+        self.tensors += other.tensors
+        self.bytes += other.bytes
+        self.shared += other.shared
+        self.kept_small += other.kept_small
+        self.kept_params += other.kept_params
+        self.records.extend(other.records)
+
+
+class _Kept:
+    """A saved tensor left where it is: a detached alias (no reference cycle through its
+    ``grad_fn``) and its version, to refuse an in-place change as autograd would."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+
+class _Offloaded:
+    """A saved tensor's host copy, the device it returns to, its saving order (``index``) and,
+    on CUDA, its copy back (``fetched``) with the event recorded when that copy is done."""
+
+    __slots__ = ("device", "fetched", "host", "index", "ready")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, index: int) -> None:
+        self.host = host
+        self.device = device
+        self.index = index
+        self.fetched: torch.Tensor | None = None  # the device copy (prefetched or unpacked)
+        self.ready: torch.cuda.Event | None = None  # host-to-device copy done
+
+
+class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors of the forward inside the block go to host memory (module docstring).
+
+    Args:
+        params: the module's parameters and buffers (``DTensor`` shards are fine): a saved
+            tensor sharing their storage is kept on the device.
+        min_bytes: saved tensors smaller than this stay on the device (None:
+            :data:`MIN_OFFLOAD_BYTES`, read when the block is built).
+        record: keep ``(shape, dtype, bytes)`` of every offloaded tensor in ``stats.records``.
+
+    ``stats`` (:class:`OffloadStats`) counts what the block's forward offloaded. One instance
+    serves one forward (and its backward): build a new one per micro-batch.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] = (),
+        *,
+        min_bytes: int | None = None,
+        record: bool = False,
+    ) -> None:
+        self.min_bytes = MIN_OFFLOAD_BYTES if min_bytes is None else int(min_bytes)
+        if self.min_bytes < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        self.record = record
+        self.stats = OffloadStats()
+        self._storages: set[int] = set()
+        self._shapes: set[tuple[int, ...]] = set()
+        for tensor in params:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if local.device.type != "meta" and local.numel():
+                self._storages.add(local.untyped_storage().data_ptr())
+            if isinstance(tensor, nn.Parameter) and tensor.dim() >= 2:
+                self._shapes.add(tuple(tensor.shape))
+                self._shapes.add(tuple(reversed(tensor.shape)))
+        # CUDA bookkeeping: copies in flight (tensor kept alive, event), offloaded tensors by
+        # index (for prefetching in backward), whether the end-of-backward wait is queued.
+        self._in_flight: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
+        self._pending: dict[int, _Offloaded] = {}
+        # Tensors copied so far, by id: a tensor saved by several operations is copied once
+        # (the weak reference and the version tell that it is still the same, unchanged tensor).
+        self._copied: dict[int, tuple[weakref.ref, int, _Offloaded]] = {}
+        self._count = 0
+        self._cleanup_queued = False
+        super().__init__(self._pack, self._unpack)
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if self._in_flight:  # every copy must land before the compute stream reuses memory
+            stream = _side_stream(self._in_flight[0][0].device)
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self._in_flight.clear()
+
+    # ------------------------------------------------------------------ pack (forward)
+    def _pack(self, tensor: torch.Tensor) -> _Kept | _Offloaded:
+        if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
+            if isinstance(tensor, nn.Parameter):
+                self.stats.kept_params += 1
+            return _Kept(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < self.min_bytes or tensor.device.type == "meta":
+            self.stats.kept_small += 1
+            return _Kept(tensor)
+        if self._is_weight(tensor):
+            self.stats.kept_params += 1
+            return _Kept(tensor)
+        earlier = self._copied.get(id(tensor))
+        if earlier is not None and earlier[0]() is tensor and earlier[1] == tensor._version:
+            self.stats.shared += 1
+            return earlier[2]
+        self.stats.tensors += 1
+        self.stats.bytes += nbytes
+        if self.record:
+            self.stats.records.append((tuple(tensor.shape), tensor.dtype, nbytes))
+        self._count += 1
+        if tensor.device.type == "cuda":
+            packed = self._pack_cuda(tensor, self._count)
+        else:
+            host = torch.empty_like(tensor, device="cpu")
+            host.copy_(tensor)  # a CPU tensor: a separate buffer; another device: a blocking copy
+            packed = _Offloaded(host, tensor.device, self._count)
+        self._copied[id(tensor)] = (weakref.ref(tensor), tensor._version, packed)
+        return packed
+
+    def _is_weight(self, tensor: torch.Tensor) -> bool:
+        """A parameter or buffer, a view of one, or autocast's copy of a weight (the rule of the
+        module docstring)."""
+        base = tensor._base if tensor._base is not None else tensor
+        if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
+            return True
+        if tensor.untyped_storage().data_ptr() in self._storages:
+            return True
+        grad_fn = base.grad_fn
+        if grad_fn is None:  # no autograd history: a frozen weight's cast has a weight's shape
+            return not base.requires_grad and tuple(base.shape) in self._shapes
+        if grad_fn.name() != "ToCopyBackward0":
+            return False
+        source = grad_fn.next_functions[0][0] if grad_fn.next_functions else None
+        return isinstance(getattr(source, "variable", None), nn.Parameter)
+
+    def _pack_cuda(self, tensor: torch.Tensor, index: int) -> _Offloaded:
+        compute = torch.cuda.current_stream(tensor.device)
+        side = _side_stream(tensor.device)
+        # Drop the copies that have landed; past the limit, the compute stream waits for the
+        # oldest (its memory may then be reused: any later kernel runs after that copy).
+        while self._in_flight and self._in_flight[0][1].query():
+            self._in_flight.popleft()
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            compute.wait_event(self._in_flight.popleft()[1])
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        side.wait_stream(compute)  # the tensor is complete before it is read
+        with torch.cuda.stream(side):
+            host.copy_(tensor, non_blocking=True)
+            copied = side.record_event()
+        self._in_flight.append((tensor, copied))  # alive until the copy has read it
+        packed = _Offloaded(host, tensor.device, index)
+        self._pending[index] = packed
+        return packed
+
+    # ------------------------------------------------------------------ unpack (backward)
+    def _unpack(self, packed: _Kept | _Offloaded) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            if packed.tensor._version != packed.version:
+                raise RuntimeError(
+                    "a tensor saved for backward was modified in place after it was saved "
+                    f"(version {packed.version} -> {packed.tensor._version}; activation offload)"
+                )
+            return packed.tensor
+        if packed.device.type == "cpu":
+            return packed.host
+        if packed.device.type != "cuda":
+            return packed.host.to(packed.device)
+        return self._unpack_cuda(packed)
+
+    def _unpack_cuda(self, packed: _Offloaded) -> torch.Tensor:
+        compute = torch.cuda.current_stream(packed.device)
+        self._queue_end_of_backward(packed.device)
+        if packed.fetched is None:
+            self._fetch(packed, compute)
+        self._pending.pop(packed.index, None)
+        # Prefetch the tensors saved just before this one: the backward needs them next.
+        earlier = sorted((i for i in self._pending if i < packed.index), reverse=True)
+        for index in earlier[:PREFETCH]:
+            if self._pending[index].fetched is None:
+                self._fetch(self._pending[index], compute)
+        compute.wait_event(packed.ready)  # the copy has landed before the compute reads it
+        return packed.fetched
+
+    def _fetch(self, packed: _Offloaded, compute: torch.cuda.Stream) -> None:
+        """Host-to-device copy on the side stream, into memory allocated on the compute stream
+        (freed there later, after the compute stream waited for this copy)."""
+        side = _side_stream(packed.device)
+        fetched = torch.empty_like(packed.host, device=packed.device)
+        side.wait_stream(compute)  # the memory's previous users on the compute stream are done
+        with torch.cuda.stream(side):
+            fetched.copy_(packed.host, non_blocking=True)  # after the device-to-host copy
+            packed.ready = side.record_event()
+        packed.fetched = fetched
+
+    def _queue_end_of_backward(self, device: torch.device) -> None:
+        """At the end of the backward the compute stream waits for the side stream (a prefetched
+        tensor never unpacked must not be freed under its copy)."""
+        if self._cleanup_queued:
+            return
+        side = _side_stream(device)
+
+        def wait() -> None:
+            torch.cuda.current_stream(device).wait_stream(side)
+            self._cleanup_queued = False
+
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(wait)
+            self._cleanup_queued = True
+        except RuntimeError:  # unpacked outside a backward (e.g. grad_fn._saved_self)
+            wait()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream

@@ -1,0 +1,365 @@
+"""Sequence parallelism (Ulysses): each rank of an sp group holds 1/s of every micro-batch's tokens.
+
+``EngineConfig.sequence_parallel_size = s > 1`` under ``torchrun`` with ``N`` processes (``s``
+divides ``N``) builds a ``("dp", "sp")`` device mesh of ``(N // s, s)`` ranks
+(:func:`init_mesh`); consecutive ranks form an sp group. **The ``s`` ranks of an sp group pass
+the same mini-batch** (shard it by ``engine.device_mesh["dp"].get_local_rank()``; checked,
+:func:`check_same_batch`), plan the same micro-batches, and split each one:
+
+* :func:`shard_model_inputs`: the micro-batch's token dimension (the width of padded ``[b, L]``
+  rows, or the packed ``[1, N]`` token stream) is padded to a multiple of ``s`` and cut into
+  ``s`` equal slices, one per rank (:class:`SequenceShard`), so every rank holds ``1/s`` of
+  the tokens whatever the lengths: no rank idles on short sequences, and a packed sequence may
+  span two slices. Position ids are the tokens' *global* positions (RoPE is applied locally);
+* the layers run on the local tokens; attention gathers the sequence with all-to-alls
+  (:mod:`microrl.engine.parallel.ulysses_attention`); the fused kernel (and the fused loss)
+  run on the local tokens' hidden states;
+* :meth:`SequenceShard.gather_outputs`: the per-position outputs (log-probs, entropy, values)
+  are all-gathered over the group into the micro-batch's full layout, so the loss, its metrics
+  and the returned outputs are those of the whole micro-batch, identical on the ``s`` ranks.
+  The gather's backward keeps this rank's slice of the (replicated) gradient: each rank's
+  parameter gradients come from its own tokens, and their sum over the group is the full
+  gradient. The fused loss path does the same inside the head (:class:`ShardedGroupLoss`).
+
+Exactness: the loss denominators count the mini-batch once (they are reduced over ``dp``
+only: the ranks of an sp group hold the same rows), FSDP2 shards the model over all ``dp x sp``
+ranks and *averages* their gradients, so every partial loss carries ``grad_scale = dp * sp``
+(:func:`scale_denominators`). Metrics are reduced over ``dp`` as they are already the whole
+micro-batch's on every sp rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from microrl.engine.alignment import IGNORE_INDEX
+from microrl.engine.attention import PACKED_LENGTHS_KWARG
+from microrl.engine.parallel import distributed
+from microrl.engine.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES
+from microrl.engine.parallel.tp_layers import ReduceFromGroup
+from microrl.engine.parallel.ulysses_attention import (
+    SHARD_KWARG,
+    check_heads,
+    enable_ulysses_attention,
+)
+from microrl.losses.aggregation import LossDenominators
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SequenceShard",
+    "ShardedGroupLoss",
+    "check_same_batch",
+    "check_supported",
+    "init_mesh",
+    "scale_denominators",
+    "shard_model_inputs",
+    "split_sequence",
+    "wrap",
+]
+
+
+def init_mesh(sequence_parallel_size: int, device: torch.device) -> DeviceMesh | None:
+    """The ``("dp", "sp")`` mesh of ``(world // s, s)`` ranks, or None for ``s == 1``.
+
+    Raises:
+        ValueError: naming ``sequence_parallel_size``: a single process, or a size that does not
+            divide the number of processes.
+    """
+    if sequence_parallel_size == 1:
+        return None
+    if not distributed.is_distributed():
+        raise ValueError(
+            f"sequence_parallel_size={sequence_parallel_size} needs {sequence_parallel_size} "
+            "processes (or a multiple) under torchrun; this is a single process"
+        )
+    world = dist.get_world_size()
+    if world % sequence_parallel_size:
+        raise ValueError(
+            f"sequence_parallel_size={sequence_parallel_size} must divide the number of "
+            f"processes ({world})"
+        )
+    return init_device_mesh(
+        device.type,
+        (world // sequence_parallel_size, sequence_parallel_size),
+        mesh_dim_names=("dp", "sp"),
+    )
+
+
+def check_supported(config: Any, size: int) -> None:
+    """Whether Ulysses attention is tested for this model config with ``size`` ranks.
+
+    Raises:
+        ValueError: naming ``sequence_parallel_size``: a family other than Qwen2, Qwen3 and
+            Llama, sliding-window attention, or attention heads ``size`` does not divide.
+    """
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"sequence_parallel_size={size}: model family {family!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    ):
+        raise ValueError(
+            f"sequence_parallel_size={size} does not support sliding-window attention "
+            f"({family} with use_sliding_window)"
+        )
+    heads = config.num_attention_heads
+    check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size)
+
+
+def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Switch the transformers model inside ``module`` to Ulysses attention and shard ``module``
+    with FSDP2 over all ``dp x sp`` ranks (the engine's default data-parallel sharding)."""
+    size = mesh["sp"].size()
+    model = next((m for m in module.modules() if hasattr(m, "set_attn_implementation")), None)
+    if model is None:
+        raise TypeError(f"found no transformers model inside {type(module).__name__}")
+    check_supported(model.config, size)
+    enable_ulysses_attention(model, size)
+    return distributed.shard_model(module)
+
+
+def padded_width(width: int, size: int) -> int:
+    """``width`` rounded up to a multiple of ``size``."""
+    return -(-width // size) * size
+
+
+def split_sequence(x: torch.Tensor, size: int, rank: int, fill: float | int) -> torch.Tensor:
+    """Rank ``rank``'s slice of dimension 1 of ``x`` ``[b, W, ...]``: ``x`` padded with ``fill``
+    to ``padded_width(W, size)`` columns, then cut into ``size`` equal slices: ``[b, W', ...]``
+    with ``W' = ceil(W / size)``."""
+    width = x.shape[1]
+    pad = padded_width(width, size) - width
+    if pad:
+        shape = (x.shape[0], pad, *x.shape[2:])
+        x = torch.cat([x, x.new_full(shape, fill)], dim=1)
+    local = x.shape[1] // size
+    return x[:, rank * local : (rank + 1) * local]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather ``[b, W', ...]`` slices into ``[b, W, ...]``; the backward keeps this rank's
+    slice of the gradient, which every rank of the group holds whole (the loss downstream is
+    computed identically on each)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, rank: int, width: int):
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.args = size, rank, x.shape[1]
+        return torch.cat(parts, dim=1)[:, :width]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size, rank, local = ctx.args
+        pad = local * size - grad.shape[1]
+        if pad:
+            grad = F.pad(grad, (0, 0) * (grad.dim() - 2) + (0, pad))
+        return grad[:, rank * local : (rank + 1) * local].contiguous(), None, None, None
+
+
+@dataclasses.dataclass(eq=False)
+class SequenceShard:
+    """One micro-batch's split over an sp group: this rank's slice of its token dimension.
+
+    Attributes:
+        group, size, rank: the sp group, its size ``s`` and this rank's index in it.
+        rows: the micro-batch's rows ``b`` (its sequences).
+        width: the token dimension of the model inputs: ``L`` of padded ``[b, L]`` rows, ``N``
+            of a packed ``[1, N]`` row; padded to :attr:`padded` and split into ``s`` slices of
+            :attr:`local` tokens.
+        attention_lengths: what attention runs per sequence over the gathered dimension: the
+            packed sequences' lengths (and the padding tail), or the padded width for rows.
+        last_local: ``[b]`` bool, whether each sequence's last real token is on this rank (set
+            when the role takes ``last_index``).
+        attention_calls: counted by the attention wrapper (a check that the role passed the
+            shard to the transformers model).
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    rows: int
+    width: int
+    attention_lengths: tuple[int, ...]
+    last_local: torch.Tensor | None = None
+    attention_calls: int = 0
+
+    @property
+    def padded(self) -> int:
+        return padded_width(self.width, self.size)
+
+    @property
+    def local(self) -> int:
+        return self.padded // self.size
+
+    def split(self, x: torch.Tensor, fill: float | int) -> torch.Tensor:
+        """This rank's ``[b, W', ...]`` slice of ``x`` ``[b, W, ...]``."""
+        return split_sequence(x, self.size, self.rank, fill)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b, W', ...]`` per rank -> ``[b, W, ...]`` on every rank, differentiable."""
+        return _GatherSequence.apply(x, self.group, self.rank, self.width)
+
+    def localize_last_index(self, last_index: torch.Tensor) -> torch.Tensor:
+        """Flat indices into the full ``[b, W]`` inputs -> into this rank's ``[b, W']`` slice
+        (row ``r``'s own first local token where the last token is on another rank); sets
+        :attr:`last_local`."""
+        row, col = last_index // self.width, last_index % self.width
+        self.last_local = col // self.local == self.rank
+        local_col = torch.where(self.last_local, col % self.local, 0)
+        return row * self.local + local_col
+
+    def gather_outputs(self, raw: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
+        """A role's raw outputs on this rank's slice -> the whole micro-batch's, on every rank:
+        per-position ``[b, W']`` all-gathered into ``[b, W]``; per-row ``[b]`` values (computed
+        at each sequence's last real token, on the rank that holds it) summed over the group
+        with the other ranks' entries zeroed."""
+        if self.attention_calls == 0:
+            raise RuntimeError(
+                f"sequence_parallel_size={self.size}: {role}._model_forward did not pass its "
+                "**model_kwargs on to the transformers model, so attention never saw the "
+                "sequence shard (it would have attended to this rank's tokens only)"
+            )
+        out = {}
+        for key, value in raw.items():
+            if value.dim() >= 2 and value.shape[1] == self.local:
+                out[key] = self.gather(value)
+            elif value.dim() == 1 and self.last_local is not None:
+                zero = torch.zeros((), dtype=value.dtype, device=value.device)
+                out[key] = ReduceFromGroup.apply(
+                    torch.where(self.last_local, value, zero), self.group
+                )
+            else:
+                raise ValueError(
+                    f"sequence_parallel_size={self.size}: {role}._model_forward output {key!r} "
+                    f"has shape {tuple(value.shape)}: expected per-position [.., {self.local}] "
+                    "(this rank's tokens) or, from a role that takes last_index, per-row "
+                    f"[{self.rows}]"
+                )
+        return out
+
+
+class ShardedGroupLoss:
+    """The engine's :class:`~microrl.engine.group_loss.GroupLoss` for a head that sees this
+    rank's tokens only: one group of all local rows (``segments = [0, n]``), whose log-probs
+    (and entropy) are gathered over the sp group into the micro-batch's full layout before the
+    loss runs on every row, so a per-sequence loss sees whole sequences. The gather's backward
+    hands the kernel this rank's slice of ``dL/dlogp``: the head's gradients then come from the
+    local tokens only, as on the kernel + loss path."""
+
+    def __init__(self, inner: Any, shard: SequenceShard, local_shape: tuple[int, int]) -> None:
+        self.inner, self.shard, self.local_shape = inner, shard, local_shape
+        self.segments = [0, local_shape[0] * local_shape[1]]
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        return self.inner.loss
+
+    @loss.setter
+    def loss(self, value: torch.Tensor | None) -> None:
+        self.inner.loss = value
+
+    def metrics(self) -> dict:
+        return self.inner.metrics()
+
+    def __call__(self, start: int, end: int, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+        if (start, end) != tuple(self.segments):
+            raise RuntimeError(f"the fused loss split this rank's rows ({start}, {end})")
+        full = self.inner.segments[-1]
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:
+            return self.shard.gather(t.view(self.local_shape)).reshape(-1)[:full]
+
+        return self.inner(
+            0, full, gathered(logprobs), None if entropy is None else gathered(entropy)
+        )
+
+
+def shard_model_inputs(
+    args: tuple[torch.Tensor, ...],
+    kwargs: dict[str, Any],
+    group: dist.ProcessGroup,
+    packed_lengths: list[int] | None,
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], SequenceShard]:
+    """The engine's model inputs for one micro-batch -> this rank's slice of them.
+
+    ``args``: ``(input_ids, position_ids, attention_mask, targets)``, ``[b, L]`` padded rows or a
+    packed ``[1, N]`` row (``packed_lengths``: its sequences' lengths). Every per-token tensor
+    (also a ``temperature`` ``[b, L]``) is split along the token dimension; ``attention_mask``
+    becomes a prepared 4-D placeholder, which transformers' mask builders return as it is (the
+    Ulysses attention masks per row or per packed sequence itself, so no mask of the local
+    length is ever built); ``last_index`` is localised; a fused-loss ``group_loss`` is wrapped
+    (:class:`ShardedGroupLoss`); the shard itself rides along as a model keyword argument.
+    """
+    ids, positions, _, targets = args
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    width = ids.shape[1]
+    if packed_lengths is not None:
+        tail = padded_width(width, size) - width
+        lengths = (*packed_lengths, tail) if tail else tuple(packed_lengths)
+        rows = len(packed_lengths)
+    else:
+        lengths, rows = (padded_width(width, size),), ids.shape[0]
+    shard = SequenceShard(group, size, rank, rows, width, lengths)
+    mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=ids.device)
+    local_args = (shard.split(ids, 0), shard.split(positions, 0), mask)
+    local_args = (*local_args, shard.split(targets, IGNORE_INDEX))
+    kwargs = dict(kwargs)
+    kwargs.pop(PACKED_LENGTHS_KWARG, None)
+    if isinstance(kwargs.get("temperature"), torch.Tensor):
+        kwargs["temperature"] = shard.split(kwargs["temperature"], 1.0)
+    if kwargs.get("last_index") is not None:
+        kwargs["last_index"] = shard.localize_last_index(kwargs["last_index"])
+    if kwargs.get("group_loss") is not None:
+        local_shape = tuple(local_args[0].shape)
+        kwargs["group_loss"] = ShardedGroupLoss(kwargs["group_loss"], shard, local_shape)
+    kwargs[SHARD_KWARG] = shard
+    return local_args, kwargs, shard
+
+
+def scale_denominators(denominators: LossDenominators, size: int) -> LossDenominators:
+    """``denominators`` (counted once over the dp ranks) with ``grad_scale`` times ``size``:
+    FSDP2 averages gradients over all ``dp x sp`` ranks, and the ``sp`` ranks' gradients are
+    parts of one sum (each rank's tokens), not copies."""
+    return dataclasses.replace(denominators, grad_scale=denominators.grad_scale * size)
+
+
+def check_same_batch(batch: TensorDict, group: dist.ProcessGroup) -> None:
+    """Raise ``ValueError`` unless every rank of the sp group passed the same mini-batch.
+
+    One all-gather of a 4-number fingerprint (shape and position-weighted sums of
+    ``input_ids`` and ``attention_mask``) and one host read, once per engine call: a data
+    loader that shards by global rank instead of by dp rank would otherwise train on a silent
+    mixture of different rows' tokens.
+    """
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    weight = torch.arange(1, ids.numel() + 1, device=ids.device).view_as(ids)
+    fingerprint = torch.stack(
+        [
+            torch.tensor(ids.shape[0], device=ids.device),
+            torch.tensor(ids.shape[1], device=ids.device),
+            (ids * weight).sum(),
+            (mask.to(torch.int64) * weight).sum(),
+        ]
+    )
+    parts = [torch.empty_like(fingerprint) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, fingerprint, group=group)
+    if not bool((torch.stack(parts) == fingerprint).all()):
+        raise ValueError(
+            "the ranks of a sequence-parallel group (sequence_parallel_size > 1) must pass the "
+            "same mini-batch: shard the data by engine.device_mesh['dp'].get_local_rank(), not "
+            "by the global rank"
+        )

@@ -1,0 +1,222 @@
+"""Ulysses attention: all-to-alls around the model's own attention under sequence parallelism.
+
+Under ``EngineConfig.sequence_parallel_size = s`` every rank of a sequence-parallel (sp) group
+holds ``1/s`` of a micro-batch's tokens (:mod:`microrl.engine.parallel.sequence_parallel`). All
+the layers but attention work token by token, so they run on the local tokens unchanged (RoPE
+included: the local tokens carry their *global* position ids). Attention needs every token of a
+sequence, so around it (Jacobs et al. 2023, "DeepSpeed Ulysses"):
+
+1. one all-to-all per query/key/value gathers the sequence and scatters the heads: each rank
+   goes from all ``H`` heads of ``S/s`` tokens to ``H/s`` heads of all ``S`` tokens (in
+   transformers' attention layout ``[b, H, S/s, D] -> [b, H/s, S, D]``);
+2. the model's own attention function (SDPA or eager) runs on those heads over the whole
+   sequence: causal per padded row, or per packed sequence (block-diagonal) through
+   :func:`microrl.engine.attention._varlen_attention`, so packed sequence boundaries hold also
+   where a sequence spans two ranks' shards;
+3. one all-to-all brings the output back: ``[b, S, H/s, D] -> [b, S/s, H, D]``.
+
+Each all-to-all moves ``1/s`` of its tensor off the rank and back; its backward is the inverse
+all-to-all. Key/value heads (GQA) fewer than, or not divisible by, ``s`` are replicated first
+(:func:`kv_head_repeats`): with ``H % s == 0`` (checked, :func:`check_heads`) and
+``H % Hkv == 0`` (every GQA model), ``lcm(Hkv, s)`` divides ``H``, so every rank's query heads
+find their key/value heads on the same rank.
+
+It is installed through transformers' public ``AttentionInterface`` (no model class is patched):
+:func:`enable_ulysses_attention` registers ``microrl_ulysses_<base>`` and switches the model to
+it. The engine passes the micro-batch's :class:`~microrl.engine.parallel.sequence_parallel.
+SequenceShard` as a model keyword argument (it reaches every attention call, also the recompute
+of a checkpointed layer); a call without it (``generate``, the lm-head probe) is exactly the
+base implementation, with transformers' own mask.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from microrl.engine.attention import PACKED_LENGTHS_KWARG, _varlen_attention
+
+if TYPE_CHECKING:
+    from microrl.engine.parallel.sequence_parallel import SequenceShard
+
+__all__ = [
+    "BASES",
+    "SHARD_KWARG",
+    "all_to_all",
+    "check_heads",
+    "enable_ulysses_attention",
+    "join_chunks",
+    "kv_head_repeats",
+    "split_chunks",
+    "ulysses_attention",
+]
+
+#: The model keyword argument that carries the micro-batch's ``SequenceShard`` to attention.
+SHARD_KWARG = "microrl_sequence_shard"
+#: Attention implementations the Ulysses wrapper runs (flash-attention is not supported yet).
+BASES = ("sdpa", "eager")
+_PREFIX = "microrl_ulysses_"
+_VARLEN_PREFIX = "microrl_varlen_"
+
+
+def base_implementation(name: str | None) -> str | None:
+    """The plain implementation under a microrl wrapper name (``microrl_varlen_sdpa`` -> ``sdpa``)."""
+    for prefix in (_PREFIX, _VARLEN_PREFIX):
+        if name is not None and name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
+    """Whether ``size`` ranks can split the heads: ``num_heads % size == 0``.
+
+    Key/value heads need no check of their own: they are replicated (:func:`kv_head_repeats`).
+
+    Raises:
+        ValueError: naming ``sequence_parallel_size`` when the heads do not divide.
+    """
+    if num_heads % size or num_heads % num_kv_heads:
+        raise ValueError(
+            f"sequence_parallel_size={size} must divide the model's num_attention_heads "
+            f"({num_heads}; num_key_value_heads={num_kv_heads}): Ulysses attention gives each "
+            "rank num_attention_heads / sequence_parallel_size heads"
+        )
+
+
+def kv_head_repeats(num_kv_heads: int, size: int) -> int:
+    """How many copies of each key/value head make their count divisible by ``size``:
+    ``size / gcd(num_kv_heads, size)`` (1 when ``size`` divides it already)."""
+    return size // math.gcd(num_kv_heads, size)
+
+
+def split_chunks(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """``x`` cut into ``size`` equal chunks along ``dim``, stacked as ``[size, ...]``: chunk ``j``
+    is what an all-to-all sends to rank ``j`` (``x.shape[dim]`` must divide by ``size``)."""
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of {tuple(x.shape)} does not divide by {size}")
+    return torch.stack(x.chunk(size, dim=dim)).contiguous()
+
+
+def join_chunks(chunks: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`split_chunks` on what an all-to-all received (``[size, ...]``, chunk
+    ``p`` from rank ``p``): the chunks concatenated along ``dim`` in rank order."""
+    return torch.cat(chunks.unbind(0), dim=dim)
+
+
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int):
+    size = dist.get_world_size(group)
+    send = split_chunks(x, size, scatter)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return join_chunks(received, gather)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Scatter ``scatter`` over the group and gather ``gather``; the backward is the inverse
+    exchange (the gradient of the chunk received from rank ``p`` goes back to rank ``p``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int):
+        ctx.args = group, scatter, gather
+        return _exchange(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group, scatter, gather = ctx.args
+        return _exchange(grad.contiguous(), group, gather, scatter), None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
+) -> torch.Tensor:
+    """Differentiable all-to-all over ``group``: ``x`` is cut into ``s`` chunks along
+    ``scatter_dim`` (chunk ``j`` to rank ``j``) and the ``s`` chunks received are concatenated
+    along ``gather_dim`` in rank order. ``[b, H, S/s, D]`` with ``(1, 2)`` -> ``[b, H/s, S, D]``."""
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def enable_ulysses_attention(model: nn.Module, size: int) -> str:
+    """Switch ``model`` (a transformers ``PreTrainedModel``) to the Ulysses wrapper of its
+    attention implementation; returns the base implementation.
+
+    Raises:
+        ValueError: naming ``sequence_parallel_size``: an implementation other than SDPA or
+            eager (flash-attention, flex, ...), or heads that ``size`` ranks cannot split.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    config = model.config
+    current = getattr(config, "_attn_implementation", None)
+    base = base_implementation(current)
+    if base not in BASES:
+        raise ValueError(
+            f"sequence_parallel_size={size} supports the {' and '.join(BASES)} attention "
+            f"implementations, got {current!r}; load the model with attn_implementation='sdpa'"
+        )
+    heads = config.num_attention_heads
+    check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size)
+    name = f"{_PREFIX}{base}"
+    AttentionInterface.register(name, partial(ulysses_attention, base=base))
+    # Without a shard (generate, a probe) the base's mask; with one, the engine passes a prepared
+    # placeholder mask, so no [S/s, S/s] mask is ever built (the wrapper masks itself).
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    if current != name:
+        model.set_attn_implementation(name)
+    return base
+
+
+def ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    base: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``base`` attention over the whole sequence from this rank's tokens.
+
+    ``query`` ``[b, H, S/s, D]``, ``key``/``value`` ``[b, Hkv, S/s, D]`` (transformers' layout;
+    this rank's tokens, RoPE applied) -> ``[b, S/s, H, D]``, this rank's tokens with every head.
+    Without a shard in ``kwargs`` it is the ``base`` implementation itself (with per-sequence
+    attention when the engine passes packed lengths).
+    """
+    shard: SequenceShard | None = kwargs.pop(SHARD_KWARG, None)
+    if shard is None:
+        return _varlen_attention(module, query, key, value, attention_mask, base=base, **kwargs)
+    shard.attention_calls += 1
+    kwargs.pop(PACKED_LENGTHS_KWARG, None)
+    group, size = shard.group, shard.size
+    repeats = kv_head_repeats(key.shape[1], size)
+    if repeats > 1:  # [b, Hkv, ..] -> [b, Hkv * r, ..]: head j becomes heads j*r .. j*r + r - 1
+        key = key.repeat_interleave(repeats, dim=1)
+        value = value.repeat_interleave(repeats, dim=1)
+    # [b, H, S/s, D] -> [b, H/s, S, D]: every token of the sequence, this rank's heads.
+    query, key, value = (all_to_all(t, group, 1, 2) for t in (query, key, value))
+    groups = query.shape[1] // key.shape[1]  # query heads per key/value head on this rank
+    previous = getattr(module, "num_key_value_groups", None)
+    if previous is not None and previous != groups:  # read by repeat_kv in SDPA and eager
+        module.num_key_value_groups = groups
+    try:
+        out, _ = _varlen_attention(
+            module,
+            query,
+            key,
+            value,
+            None,
+            base=base,
+            **{PACKED_LENGTHS_KWARG: shard.attention_lengths},
+            **kwargs,
+        )
+    finally:
+        if previous is not None:
+            module.num_key_value_groups = previous
+    # [b, S, H/s, D] -> [b, S/s, H, D]: this rank's tokens, every head.
+    return all_to_all(out, group, 1, 2), None

@@ -1,0 +1,476 @@
+"""Ulysses sequence parallelism (engine/parallel/sequence_parallel.py) against one process.
+
+As in tests/engine/test_tensor_parallel.py, each pytest function launches this file on gloo
+ranks with a *scenario*; the ranks run every check, write the names of those that passed (and
+the largest differences they measured), and the test asserts the list. References are
+single-process engines built in the same processes before the process group exists. ``sp``
+runs 2 ranks (sequence_parallel_size=2, no data parallelism); ``dp_sp`` runs 4 ranks (2
+data-parallel x 2 sequence-parallel, FSDP2 over all four), the costlier one.
+
+Every comparison covers the loss, every metric, the grad norm, every full gradient and the
+parameters after each of two optimizer steps, with the tolerances of the TP tests. The
+mini-batch has uneven lengths and a one-token row that forms a micro-batch of its own (shorter
+than the group: one rank holds padding only); packed micro-batches put a sequence across the
+boundary of the two ranks' slices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
+from distributed_utils import (
+    VOCAB,
+    actor_config,
+    assert_metrics_close,
+    check_rank0_loading,
+    full_params,
+    full_tensor,
+    hf_logprobs,
+    launch,
+    make_batch,
+    single_process,
+    tiny_model,
+)
+
+from microrl.configs.engine import CriticConfig, EngineConfig, LoraConfig, OptimConfig
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+HERE = Path(__file__).resolve()
+ADAM = OptimConfig(name="adamw", lr=1e-2, grad_clip=0.5)
+SGD = OptimConfig(name="sgd", lr=1.0, grad_clip=None)
+# Micro-batches of 2 rows: widths 12, 9, 5 (odd: padded to a multiple of 2) and the one-token
+# row alone (width 1 < sequence_parallel_size).
+SP_LENGTHS = (12, 5, 9, 1, 7, 10, 4)
+SHARDS = ([0, 1, 2, 3, 4], [5, 6])  # dp x sp: the rows of each data-parallel index
+PROMPTS = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+PROMPT_MASK = torch.ones_like(PROMPTS)
+PROMPT_MASK[1, :2] = 0  # left padding
+GREEDY = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+STEPS = 2
+
+
+# ============================================================================ pytest side
+
+
+def _run(tmp_path: Path, nproc: int, scenario: str) -> list[str]:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    launch(nproc, HERE, scenario, str(tmp_path), timeout=540)
+    passed = [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(nproc)]
+    assert all(p == passed[0] for p in passed), passed
+    return passed[0]
+
+
+def test_sp2_engine_equals_one_process(tmp_path):
+    passed = _run(tmp_path, 2, "sp")
+    expected = [
+        "actor[full]",
+        "actor[lora]",
+        "actor[lora,packed,grad_ckpt,budget]",
+        "actor[eager,kernel+loss,temperature,adamw]",
+        "actor[llama,mqa,lora,grad_ckpt]",
+        "actor[qwen3,packed,tied]",
+        "critic",
+        "critic[lora,packed,grad_ckpt]",
+        "reward_model[lora]",
+        "reward_model[packed]",
+        "local_tokens_and_fused_loss",
+        "inference_and_reference",
+        "generate",
+        "checkpoint_resume_exact",
+        "same_batch_check",
+        "refusals",
+        "rank0_loading",
+    ]
+    assert sorted(passed) == sorted(expected)
+
+
+def test_dp2_x_sp2_on_four_processes_equals_one_process(tmp_path):
+    """4 processes (dp=2 x sp=2, FSDP2 over all four): full fine-tune, LoRA with packing, critic,
+    and a dp index whose share is empty ([0, T] on both of its sp ranks)."""
+    passed = _run(tmp_path, 4, "dp_sp")
+    expected = ["dp_sp[critic]", "dp_sp[empty_share]", "dp_sp[full]", "dp_sp[lora,packed]"]
+    assert sorted(passed) == expected
+
+
+# ============================================================================ rank side
+
+
+def _llama_mqa(seed: int = 0) -> LlamaForCausalLM:
+    """One key/value head for 4 query heads: replicated to 2 so that each rank gets one."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _qwen3_tied(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def _eager():
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def _pair_batch():
+    from test_engine_sequence_distributed import pair_batch
+
+    return pair_batch()
+
+
+def _temperature_batch():
+    batch = make_batch(SP_LENGTHS)
+    batch["temperature"] = torch.linspace(0.7, 1.3, len(SP_LENGTHS))
+    return batch
+
+
+def _cases():
+    """``(name, model, role, config, batch)``: every case runs two optimizer steps (LoRA's A
+    gets its first non-zero gradient in the second, B starting at 0)."""
+    lora = dict(lora=4)
+    packed = dict(pack_sequences=True, gradient_checkpointing=True)
+    batch = lambda: make_batch(SP_LENGTHS)  # noqa: E731
+    yield "actor[full]", tiny_model, "actor", actor_config(check_grad_flow="error"), batch
+    yield "actor[lora]", tiny_model, "actor", actor_config(**lora), batch
+    yield (
+        "actor[lora,packed,grad_ckpt,budget]",
+        tiny_model,
+        "actor",
+        actor_config(
+            **lora,
+            **packed,
+            micro_batch_size=None,
+            max_tokens_per_micro_batch=24,
+            loss_agg_mode="seq-mean-token-mean",
+        ),
+        batch,
+    )
+    yield (
+        "actor[eager,kernel+loss,temperature,adamw]",
+        _eager,
+        "actor",
+        actor_config(fuse_loss=False, compute_entropy=True, optim=ADAM),
+        _temperature_batch,
+    )
+    yield (
+        "actor[llama,mqa,lora,grad_ckpt]",
+        _llama_mqa,
+        "actor",
+        actor_config(**lora, gradient_checkpointing=True),
+        batch,
+    )
+    yield "actor[qwen3,packed,tied]", _qwen3_tied, "actor", actor_config(**packed), batch
+    critic = dict(micro_batch_size=2, optim=SGD)
+    yield "critic", tiny_model, "critic", CriticConfig(**critic), batch
+    # lr 0.1 for the value-head roles with LoRA: at lr 1 their first step magnifies fp32 rounding
+    # in the second step's gradients past the tolerance (2e-6 to 5e-6 relative), in one process
+    # too: micro_batch_size=1 (critic) or 4 (reward model) against 2 moves them as much.
+    value_roles = dict(micro_batch_size=2, optim=replace(SGD, lr=0.1))
+    yield (
+        "critic[lora,packed,grad_ckpt]",
+        tiny_model,
+        "critic",
+        CriticConfig(**value_roles, **packed, lora=LoraConfig(rank=4, alpha=8.0)),
+        batch,
+    )
+    rm = value_roles
+    yield (
+        "reward_model[lora]",
+        tiny_model,
+        "reward",
+        EngineConfig(**rm, lora=LoraConfig(rank=4, alpha=8.0)),
+        _pair_batch,
+    )
+    yield "reward_model[packed]", tiny_model, "reward", EngineConfig(**rm, **packed), _pair_batch
+
+
+def _engine(role: str, build, config, sp: int = 1):
+    from microrl.engine import ActorEngine, CriticEngine, RewardModelEngine
+
+    cls = {"actor": ActorEngine, "critic": CriticEngine, "reward": RewardModelEngine}[role]
+    return cls(build(), replace(config, sequence_parallel_size=sp))
+
+
+def _grads(engine) -> dict[str, torch.Tensor]:
+    return {
+        n: full_tensor(p.grad).clone()
+        for n, p in engine.module.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _steps(engine, batch, steps: int = STEPS) -> list:
+    """Per step: loss, metrics, grad norm, every gradient (before the step), outputs, and the
+    parameters after it."""
+    record = []
+    for _ in range(steps):
+        engine.optimizer.zero_grad(set_to_none=True)
+        result = engine.forward_backward_batch(batch)
+        grads = _grads(engine)
+        grad_norm = engine.optimizer_step()
+        outputs = {k: v.clone() for k, v in result["model_output"].items()}
+        record.append(
+            (result["loss"], result["metrics"], grad_norm, grads, full_params(engine), outputs)
+        )
+    return record
+
+
+def _compare(name: str, ref: list, got: list, worst: dict) -> None:
+    """The TP tests' tolerances; ``worst`` keeps the largest differences seen, by kind."""
+
+    def note(kind: str, value: float) -> None:
+        case = worst.setdefault(name, {})
+        case[kind] = max(case.get(kind, 0.0), value)
+
+    for step, (r, g) in enumerate(zip(ref, got, strict=True)):
+        what = f"{name} step {step}"
+        assert abs(r[0] - g[0]) <= 1e-5 * max(1.0, abs(r[0])), (what, r[0], g[0])
+        note("loss", abs(r[0] - g[0]))
+        assert_metrics_close(r[1], g[1], what)
+        for key, value in r[1].items():
+            if value == value:  # NaN: a MIN/MAX metric without a value, checked equal above
+                note("metric", abs(value - g[1][key]))
+        assert abs(r[2] - g[2]) <= 1e-5 * max(1.0, r[2]), (what, "grad_norm", r[2], g[2])
+        note("grad_norm", abs(r[2] - g[2]))
+        assert r[3].keys() == g[3].keys(), (what, r[3].keys() ^ g[3].keys())
+        for n in r[3]:  # fp32 sums over the ranks' tokens in another order: relative 1e-6
+            scale = max(1.0, r[3][n].abs().max().item())
+            err = (g[3][n] - r[3][n]).abs().max().item() if r[3][n].numel() else 0.0
+            assert err <= 1e-6 * scale, f"{what} grad {n}: max |diff| = {err:.3g}"
+            note("grad", err / scale)
+        for n in r[4]:
+            err = (g[4][n] - r[4][n]).abs().max().item()
+            assert err <= 1e-5, f"{what} param {n}: max |diff| = {err:.3g}"
+            note("param", err)
+        assert r[5].keys() == g[5].keys(), (what, r[5].keys(), g[5].keys())
+        for key in r[5]:
+            assert g[5][key].shape == r[5][key].shape, (what, key, g[5][key].shape)
+            err = (g[5][key] - r[5][key]).abs().max().item() if r[5][key].numel() else 0.0
+            assert err <= 1e-5, f"{what} output {key}: max |diff| = {err:.3g}"
+            note("output", err)
+
+
+def _write(tmp: Path, name: str, value) -> None:
+    (tmp / "out" / name).write_text(json.dumps(value, indent=1, sort_keys=True))
+
+
+def scenario_sp(rank: int, tmp: Path) -> list[str]:
+    import torch.distributed as dist
+
+    from microrl.engine import ActorEngine
+    from microrl.engine.parallel import distributed as D
+
+    batch = make_batch(SP_LENGTHS)
+    mask = batch["attention_mask"].bool()
+    resume = actor_config(lora=4, optim=ADAM, pack_sequences=True)
+
+    def references():
+        refs = {}
+        for name, build, role, config, data in _cases():
+            refs[name] = _steps(_engine(role, build, config), data())
+        engine = ActorEngine(tiny_model(), actor_config(lora=4))
+        engine.train_batch(batch)
+        refs["infer"] = engine.infer_batch(batch)
+        with engine.disable_adapter():
+            refs["reference"] = engine.infer_batch(batch)["logprobs"]
+        refs["generate"] = engine.model.generate(
+            input_ids=PROMPTS, attention_mask=PROMPT_MASK, generation_config=GREEDY
+        )
+        return refs
+
+    refs = single_process(references)
+    passed, worst = [], {}
+    for name, build, role, config, data in _cases():
+        engine = _engine(role, build, config, sp=2)
+        assert engine.device_mesh["sp"].size() == 2 and engine.device_mesh["dp"].size() == 1
+        _compare(name, refs[name], _steps(engine, data()), worst)
+        passed.append(name)
+
+    # ---- each rank embeds 1/2 of every micro-batch's tokens (the width padded to even), and
+    # the default loss runs inside the fused head on them, once per micro-batch
+    from microrl.engine import models
+
+    real_loss = models.fused_linear_loss
+    seen, calls = [], []
+    models.fused_linear_loss = lambda *a, **k: calls.append(1) or real_loss(*a, **k)
+    try:
+        for pack, widths in ((False, [(2, 6), (2, 5), (2, 3), (1, 1)]), (True, [11, 8, 5, 1])):
+            seen.clear()
+            calls.clear()
+            config = actor_config(pack_sequences=pack, sequence_parallel_size=2)
+            engine = ActorEngine(tiny_model(), config)
+            embedding = engine.model.get_input_embeddings()
+            hook = embedding.register_forward_pre_hook(
+                lambda _, args: seen.append(tuple(args[0].shape))
+            )
+            engine.forward_backward_batch(batch)
+            hook.remove()
+            assert seen == [(1, w) if pack else w for w in widths], seen
+            assert len(calls) == 4, calls
+    finally:
+        models.fused_linear_loss = real_loss
+    passed.append("local_tokens_and_fused_loss")
+
+    # ---- inference and the reference policy (LoRA off): gathered outputs in the caller's layout
+    engine = ActorEngine(tiny_model(), actor_config(lora=4, sequence_parallel_size=2))
+    engine.train_batch(batch)
+    outputs = engine.infer_batch(batch)
+    assert outputs["logprobs"].shape == batch["input_ids"].shape
+    for key in ("logprobs", "entropy"):
+        err = (outputs[key] - refs["infer"][key]).abs().max().item()
+        assert err <= 1e-5, (key, err)
+        worst.setdefault("infer_batch", {})[key] = err
+    with engine.disable_adapter():
+        reference = engine.infer_batch(batch)["logprobs"]
+    assert (reference - refs["reference"]).abs().max() <= 1e-5
+    assert (reference[mask] - hf_logprobs(tiny_model(), batch)[mask]).abs().max() <= 2e-5
+    passed.append("inference_and_reference")
+
+    # ---- generate (no shard: the base attention with transformers' mask), left-padded prompts
+    with D.gathered(engine.module):
+        sequences = engine.model.generate(
+            input_ids=PROMPTS, attention_mask=PROMPT_MASK, generation_config=GREEDY
+        )
+    assert torch.equal(sequences, refs["generate"]), "generation differs under SP"
+    passed.append("generate")
+
+    # ---- checkpoints: resume on the same layout exactly
+    engine = ActorEngine(tiny_model(), replace(resume, sequence_parallel_size=2))
+    engine.train_batch(batch)
+    engine.save_checkpoint(tmp / "ckpt")
+    engine.train_batch(make_batch(seed=11))
+    uninterrupted = full_params(engine)
+    torch.manual_seed(999)
+    resumed = ActorEngine(tiny_model(), replace(resume, sequence_parallel_size=2))
+    resumed.load_checkpoint(tmp / "ckpt")
+    resumed.train_batch(make_batch(seed=11))
+    for key, value in full_params(resumed).items():
+        assert torch.equal(value, uninterrupted[key]), f"resume: {key} differs"
+    passed.append("checkpoint_resume_exact")
+
+    # ---- the ranks of an sp group must pass the same mini-batch
+    engine = ActorEngine(tiny_model(), actor_config(sequence_parallel_size=2))
+    with pytest.raises(ValueError, match="must pass the same mini-batch"):
+        engine.forward_backward_batch(make_batch(SP_LENGTHS, seed=1 + rank))
+    passed.append("same_batch_check")
+
+    # ---- refusals that need a process group
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="model family 'gpt2' is not supported"):
+        ActorEngine(gpt2, actor_config(sequence_parallel_size=2))
+    odd = Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=24,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            vocab_size=VOCAB,
+        )
+    )
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 must divide .*\(3"):
+        ActorEngine(odd, actor_config(sequence_parallel_size=2))
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=4 must divide .* \(2\)"):
+        ActorEngine(tiny_model(), actor_config(sequence_parallel_size=4))
+    passed.append("refusals")
+
+    check_rank0_loading(tmp, sequence_parallel_size=2)
+    passed.append("rank0_loading")
+    dist.barrier()
+    if rank == 0:
+        _write(tmp, "sp_worst.json", worst)
+    return passed
+
+
+def _dp_sp_cases():
+    yield "dp_sp[full]", "actor", actor_config(check_grad_flow="error")
+    yield "dp_sp[lora,packed]", "actor", actor_config(lora=4, pack_sequences=True)
+    yield "dp_sp[critic]", "critic", CriticConfig(micro_batch_size=2, optim=SGD)
+
+
+def scenario_dp_sp(rank: int, tmp: Path) -> list[str]:
+    """dp = rank // 2 (the mesh's rows): both sp ranks of a dp index get the same rows; dp index
+    1 has fewer rows, so it runs empty micro-batches."""
+    batch = make_batch(SP_LENGTHS)
+
+    empty = actor_config(lora=4)  # dp index 1 passes [0, T]: placeholder micro-batches
+
+    def references():
+        refs = {
+            name: _steps(_engine(role, tiny_model, config), batch)
+            for name, role, config in _dp_sp_cases()
+        }
+        refs["empty"] = _steps(_engine("actor", tiny_model, empty), batch[SHARDS[0]])
+        return refs
+
+    refs = single_process(references)
+    passed, worst = [], {}
+    for name, role, config in _dp_sp_cases():
+        engine = _engine(role, tiny_model, config, sp=2)
+        dp = engine.device_mesh["dp"]
+        assert dp.size() == 2 and dp.get_local_rank() == rank // 2
+        got = _steps(engine, batch[SHARDS[dp.get_local_rank()]])
+        # This rank's outputs are its dp share's rows of the whole mini-batch's.
+        ref = [(*r[:5], {k: v[SHARDS[rank // 2]] for k, v in r[5].items()}) for r in refs[name]]
+        _compare(name, ref, got, worst)
+        passed.append(name)
+    engine = _engine("actor", tiny_model, empty, sp=2)
+    mine = batch[SHARDS[0]] if rank < 2 else batch[:0]
+    ref = [(*r[:5], {k: v[: len(mine)] for k, v in r[5].items()}) for r in refs["empty"]]
+    _compare("dp_sp[empty_share]", ref, _steps(engine, mine), worst)
+    passed.append("dp_sp[empty_share]")
+    if rank == 0:
+        _write(tmp, "dp_sp_worst.json", worst)
+    return passed
+
+
+def main(scenario: str, tmp: str) -> None:
+    import torch.distributed as dist
+
+    tmp_path = Path(tmp)
+    rank = int(os.environ.get("RANK", "0"))
+    passed = globals()[f"scenario_{scenario}"](rank, tmp_path)
+    if dist.is_initialized():
+        dist.barrier()
+    (tmp_path / "out" / f"{scenario}_rank{rank}.json").write_text(json.dumps(passed))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
