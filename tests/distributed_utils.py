@@ -273,3 +273,33 @@ def check_rank0_loading(tmp: Path, **overrides) -> None:
             assert_max_close(got[name], want[name], f"rank-0 loading, a step: {name}", 1e-6)
     for engine in (lora, critic):
         assert torch.isfinite(torch.tensor(engine.train_batch(batch)["loss"]))
+
+
+def run_scenario(tmp_path: Path, nproc: int, script: Path, scenario: str, timeout: float = 240):
+    """Launch ``script scenario tmp_path`` on ``nproc`` ranks (:func:`scenario_main` on their
+    side) and return the names of the checks every rank passed (asserted equal on all ranks)."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    launch(nproc, script, scenario, str(tmp_path), timeout=timeout)
+    passed = [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(nproc)]
+    assert all(p == passed[0] for p in passed), passed
+    return passed[0]
+
+
+def scenario_main(namespace: dict, scenario: str, tmp: str) -> None:
+    """A rank's side of :func:`run_scenario`: run ``scenario_<name>(rank, tmp_path)`` from the
+    script's ``namespace``, write the checks it passed, and end the process group."""
+    import json
+
+    import torch.distributed as dist
+
+    tmp_path = Path(tmp)
+    rank = int(os.environ.get("RANK", "0"))
+    passed = namespace[f"scenario_{scenario}"](rank, tmp_path)
+    if dist.is_initialized():
+        dist.barrier()
+    (tmp_path / "out" / f"{scenario}_rank{rank}.json").write_text(json.dumps(passed))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -10,7 +10,6 @@ except for the resume checks, where a fresh launch must reproduce the first one'
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,8 +27,9 @@ from distributed_utils import (
     full_params,
     full_tensor,
     hf_logprobs,
-    launch,
     make_batch,
+    run_scenario,
+    scenario_main,
     single_process,
     tiny_model,
 )
@@ -57,12 +57,7 @@ ADAM = OptimConfig(
 
 
 def _run(tmp_path: Path, nproc: int, scenario: str) -> list[str]:
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    launch(nproc, HERE, scenario, str(tmp_path))
-    passed = [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(nproc)]
-    assert all(p == passed[0] for p in passed), passed
-    return passed[0]
+    return run_scenario(tmp_path, nproc, HERE, scenario)
 
 
 def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
@@ -484,18 +479,7 @@ def scenario_reshard_load(rank: int, tmp: Path) -> list[str]:
 
 
 def main(scenario: str, tmp: str) -> None:
-    import torch.distributed as dist
-
-    from microrl.engine.parallel import distributed as D
-
-    tmp_path = Path(tmp)
-    rank = int(os.environ.get("RANK", "0"))
-    passed = globals()[f"scenario_{scenario}"](rank, tmp_path)
-    if D.is_distributed():
-        dist.barrier()
-    (tmp_path / "out" / f"{scenario}_rank{rank}.json").write_text(json.dumps(passed))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    scenario_main(globals(), scenario, tmp)
 
 
 if __name__ == "__main__":

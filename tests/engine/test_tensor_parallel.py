@@ -10,8 +10,6 @@ costlier one (4 processes on 2 cores), run by default like every test.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,8 +27,9 @@ from distributed_utils import (
     full_params,
     full_tensor,
     hf_logprobs,
-    launch,
     make_batch,
+    run_scenario,
+    scenario_main,
     single_process,
     tiny_model,
 )
@@ -53,12 +52,7 @@ TP_LENGTHS = (12, 5, 9, 3, 7, 10, 4)
 
 
 def _run(tmp_path: Path, nproc: int, scenario: str) -> list[str]:
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    launch(nproc, HERE, scenario, str(tmp_path), timeout=300)
-    passed = [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(nproc)]
-    assert all(p == passed[0] for p in passed), passed
-    return passed[0]
+    return run_scenario(tmp_path, nproc, HERE, scenario, timeout=300)
 
 
 def test_tp2_engine_equals_one_process(tmp_path):
@@ -417,16 +411,7 @@ def scenario_dp_tp(rank: int, tmp: Path) -> list[str]:
 
 
 def main(scenario: str, tmp: str) -> None:
-    import torch.distributed as dist
-
-    tmp_path = Path(tmp)
-    rank = int(os.environ.get("RANK", "0"))
-    passed = globals()[f"scenario_{scenario}"](rank, tmp_path)
-    if dist.is_initialized():
-        dist.barrier()
-    (tmp_path / "out" / f"{scenario}_rank{rank}.json").write_text(json.dumps(passed))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    scenario_main(globals(), scenario, tmp)
 
 
 if __name__ == "__main__":
