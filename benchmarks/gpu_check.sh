@@ -14,6 +14,9 @@
 #   tests-engine  tests/engine/test_engine_train.py: the engines default to device=auto and dtype=auto,
 #                 so on this machine they train on CUDA under bf16 autocast
 #   tests-cuda    the other test files that mention cuda (whole files: their CUDA branches)
+#   bench-long    benchmarks/bench_long.py --device cuda --only offload: activation offload's
+#                 pinned copies on a side stream, peak device memory and time of a 16k-token
+#                 micro-batch with and without it, gradient checkpointing off and on
 #   tests-vllm    tests/rollout/test_rollout_vllm.py (vLLM rollout, weight sync, scoring), when vllm imports
 # Each step runs under its own `timeout`, a failing step does not stop the next, and the run ends
 # with one table (step, status, seconds, key figure); the exit status is 1 if any step failed.
@@ -245,6 +248,15 @@ step_tests_cuda() {
     run_pytest "${files[@]}"
 }
 
+step_bench_long() {
+    # Activation offload on CUDA (pinned host copies on a side stream, prefetch in backward): the
+    # allocator's peak and the time of one 16384-token micro-batch with and without it (its key
+    # line: "offload at 16384 tokens: checkpointing off: A -> B MiB, time Rx; ..."). The CPU run
+    # of the same script models these device bytes (benchmarks/README.md, "Long sequences").
+    "$PYTHON" benchmarks/bench_long.py --device cuda --only offload --lengths 16384 \
+        --hidden 1024 --layers 8 --heads 16 --kv-heads 8 --vocab 32768 --reps 3
+}
+
 step_tests_vllm() {
     if ! "$PYTHON" -c 'import vllm' >/dev/null 2>&1; then
         echo "KEY: vllm is not installed here (pip install -e '.[vllm]')"
@@ -362,7 +374,8 @@ main() {
     echo "GPU check on $GPU_NAME with $PYTHON, budget $BUDGET_S s"
 
     run_step setup 180 step_setup
-    local later=(kernel-cuda main-job bench-kernel tests-engine tests-cuda tests-vllm) name
+    local later=(kernel-cuda main-job bench-kernel tests-engine tests-cuda bench-long tests-vllm)
+    local name
     if [[ ${STEP_STATUS[0]} != pass ]]; then
         # Every later step imports microrl: skip them rather than fail each the same way.
         for name in "${later[@]}"; do skip_step "$name" "needs setup"; done
@@ -372,6 +385,7 @@ main() {
         run_step bench-kernel 180 step_bench_kernel
         run_step tests-engine 150 step_tests_engine
         run_step tests-cuda 120 step_tests_cuda
+        run_step bench-long 150 step_bench_long
         run_step tests-vllm 180 step_tests_vllm
     fi
     print_summary

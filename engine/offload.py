@@ -172,6 +172,12 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        # The forward is over: no later save can reuse a copy. From here on only the graph holds
+        # the copies, so each one is freed (on CUDA with the device tensor it was unpacked into)
+        # when the backward releases the last node that saved it. Kept here, they would live
+        # until Python's cycle collector reclaims this block (its hooks are bound methods of it):
+        # past the backward, where they would all be alive at once.
+        self._copied.clear()
         if self._in_flight:  # every copy must land before the compute stream reuses memory
             stream = _side_stream(self._in_flight[0][0].device)
             torch.cuda.current_stream(stream.device).wait_stream(stream)
