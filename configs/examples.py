@@ -37,7 +37,8 @@ def _grpo_actor() -> ActorConfig:
 
 
 def _grpo_rollout() -> RolloutConfig:
-    return RolloutConfig(prompts_per_step=128, group_size=8)
+    # max_episode_tokens: the toy model's 32 positions (multi-turn tasks)
+    return RolloutConfig(prompts_per_step=128, group_size=8, max_episode_tokens=24)
 
 
 def _grpo_train() -> LoopConfig:
@@ -109,6 +110,23 @@ class GRPOExampleConfig:
         )
         _check_actor_and_batches(self.actor, self.rollout, self.train)
         _check_overlong(self.task, self.rollout)
+        # Asynchronous RL samples a step's prompts before the rewards of the steps before are in:
+        # dynamic sampling decides further rounds from rewards; the bypass would anchor the ratio
+        # on a stale policy's log-probs (docs/rollouts.md#asynchronous-rl).
+        k = self.rollout.max_staleness
+        require(
+            k == 0 or not self.rollout.dynamic_sampling,
+            "rollout.dynamic_sampling",
+            f"false with rollout.max_staleness={k} (not yet supported together)",
+            self.rollout.dynamic_sampling,
+        )
+        require(
+            k == 0 or not self.actor.policy_loss.bypass_mode,
+            "actor.policy_loss.bypass_mode",
+            f"false with rollout.max_staleness={k} (the old log-probs must be the trainer's "
+            "recomputed ones, the proximal policy; the sampler's are a stale behaviour policy)",
+            self.actor.policy_loss.bypass_mode,
+        )
 
 
 @dataclass
@@ -177,6 +195,13 @@ class PPOExampleConfig:
             "false for PPO (dynamic sampling keeps groups whose rewards differ, which only "
             "group-relative advantages need: use examples/grpo_lora.py)",
             self.rollout.dynamic_sampling,
+        )
+        require(
+            self.rollout.max_staleness == 0,
+            "rollout.max_staleness",
+            "0 for PPO (asynchronous RL is not yet supported by examples/ppo_lora.py: use "
+            "examples/grpo_lora.py)",
+            self.rollout.max_staleness,
         )
         require(
             self.task.name not in EPISODE_TASK_NAMES,

@@ -271,9 +271,44 @@ class RolloutConfig:
         "dynamic_sampling: most sampling rounds per step; then short ranks top up with the last "
         "round's equal-reward groups",
     )
+    # Asynchronous RL (docs/rollouts.md#asynchronous-rl): a worker process samples the next
+    # steps while the trainer trains, at most max_staleness policy versions behind.
+    max_staleness: int = config_field(
+        0,
+        "asynchronous RL (hf): sample up to N steps ahead in a worker process, with weights at "
+        "most N versions old (0: the synchronous loop)",
+    )
+    sync_check_tol: float | None = config_field(
+        None,
+        "max_staleness > 0: largest probe log-prob difference a weight sync may show "
+        "(null: 1e-4 for a float32 engine, 5e-2 for 16-bit)",
+    )
+    worker_timeout_s: float = config_field(
+        600.0, "max_staleness > 0: longest wait for the rollout worker before an error"
+    )
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
+        require(
+            isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+            "rollout.max_staleness",
+            "an int >= 0",
+            self.max_staleness,
+        )
+        require(
+            self.max_staleness == 0 or self.backend == "hf",
+            "rollout.max_staleness",
+            f"0 with rollout.backend={self.backend} (asynchronous RL is not yet supported on "
+            "the vllm backend: use rollout.backend=hf)",
+            self.max_staleness,
+        )
+        require(
+            self.sync_check_tol is None or self.sync_check_tol > 0,
+            "rollout.sync_check_tol",
+            "> 0 or null",
+            self.sync_check_tol,
+        )
+        require(self.worker_timeout_s > 0, "rollout.worker_timeout_s", "> 0", self.worker_timeout_s)
         require(
             self.backend in ROLLOUT_BACKENDS,
             "rollout.backend",

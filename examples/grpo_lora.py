@@ -10,6 +10,8 @@ writes to its own output.dir):
     python examples/grpo_lora.py --resume                  # continue after Ctrl-C or a finished run
     python examples/grpo_lora.py rollout.backend=vllm output.dir=outputs/grpo_vllm
                                                   # sample with vLLM (docs/rollouts.md)
+    python examples/grpo_lora.py rollout.max_staleness=1 output.dir=outputs/grpo_async
+                                                  # asynchronous: a worker samples a step ahead
     python examples/grpo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
         output.dir=outputs/my_data                # your data and reward (docs/tasks.md)
     python examples/grpo_lora.py model.path=Qwen/Qwen2.5-0.5B-Instruct task.name=dataset ...
@@ -35,7 +37,11 @@ reward, ``actor.mask_truncated=true`` trains on no response cut at ``rollout.max
 Each step below: 1 sample -> 2 score -> 3 old/ref log-probs -> 4 advantages -> 5 update -> 6 log.
 The base model is warm-started with supervised steps the first time (microrl/run/base_model.py).
 Sampling is ``rollout.backend``: ``hf`` (transformers ``generate`` on the trained model) or ``vllm``
-(a colocated vLLM engine, synced after the updates; docs/rollouts.md).
+(a colocated vLLM engine, synced after the updates; docs/rollouts.md). With
+``rollout.max_staleness=k > 0`` (``hf``) a worker process samples the next steps' rollouts while
+this one trains, with weights at most k steps old, pushed and checked after every step; the old
+log-probs (3 below) are then the trainer's own, the proximal policy, and the sampler's the
+behaviour policy (``actor.policy_loss.decoupled_is_cap``; docs/rollouts.md#asynchronous-rl).
 """
 
 from __future__ import annotations
@@ -48,11 +54,12 @@ import torch
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import SamplingParams, make_rollout_backend
+from microrl.engine.rollout import HFRollout, SamplingParams, make_rollout_backend
 from microrl.losses import broadcast_to_tokens, check_whole_groups, grpo_advantages
 from microrl.run import (
     Dist,
     StopOnInterrupt,
+    close_on_exit,
     dynamic_sample,
     episode_metrics,
     evaluator,
@@ -63,10 +70,13 @@ from microrl.run import (
     per_rank,
     prepare_base_model,
     prepare_output,
+    resumed_rollouts,
     sample_and_score,
     sample_rows,
     save_run,
+    start_prefetcher,
     start_tracking,
+    warn_if_uncorrected,
     whole_groups,
 )
 from microrl.tasks import is_episode_task, make_task, overlong_penalty
@@ -95,16 +105,32 @@ def main(argv: list[str] | None = None) -> int:
     # A different stream per rank: Python's for the prompts, torch's for sampling and shuffles.
     rng = random.Random(cfg.train.seed * 1000 + dist_info.rank)
     torch.manual_seed(cfg.train.seed * 1000 + dist_info.rank)
-    start_step = 0
+    start_step, restored = 0, {}
     if args.resume:
-        start_step = load_run(cfg.output.dir, {"actor": engine}, rng=rng, dist_info=dist_info)
+        start_step = load_run(
+            cfg.output.dir, {"actor": engine}, rng=rng, dist_info=dist_info, extra_state=restored
+        )
         log(f"resumed from {cfg.output.dir}/checkpoint at step {start_step}")
-    sampler = make_rollout_backend(cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm)
     sampling = SamplingParams(
         num_samples=cfg.rollout.group_size,
         temperature=cfg.actor.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
+    ahead = resumed_rollouts(restored, cfg.rollout.max_staleness)  # a checkpoint's, if any
+    prefetch = None  # rollout.max_staleness > 0: a worker process samples the next steps
+    if cfg.rollout.max_staleness:
+        prefetch = start_prefetcher(
+            engine, tokenizer, task, sampling, rng, prompts_per_rank, rollout=cfg.rollout,
+            task_name=cfg.task.name, last_step=cfg.train.steps, start_step=start_step,
+            num_threads=cfg.train.num_threads, state=ahead,
+        )  # fmt: skip
+        if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
+            warn_if_uncorrected(cfg.actor.policy_loss, cfg.rollout.max_staleness)
+        sampler = HFRollout(engine, tokenizer)  # evaluation: the trainer's current weights
+    else:
+        sampler = make_rollout_backend(
+            cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm
+        )
     evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens, cfg.rollout)
 
     def overlong(rollout):  # DAPO's soft overlong penalty per row; 0 with task.overlong_buffer=0
@@ -114,15 +140,17 @@ def main(argv: list[str] | None = None) -> int:
 
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, t_setup)
 
-    step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
-    with StopOnInterrupt(dist_info) as stop:
+    step, t_train, interrupted, metrics, extra = start_step, time.perf_counter(), False, {}, None
+    with close_on_exit(sampler, prefetch), StopOnInterrupt(dist_info) as stop:
         for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
             # 1. Sample a group of responses per prompt from the current policy (the loss's
             #    temperature, plain ancestral sampling); the batch carries the sampler's
             #    rollout_logprobs, which the engine compares with its own (mismatch/* metrics).
             #    A multi-turn task plays whole episodes instead (docs/rollouts.md).
-            if cfg.rollout.dynamic_sampling:  # 1-2 until the groups' rewards differ (DAPO)
+            if prefetch is not None:  # 1-2 sampled ahead by the worker (rollout.max_staleness)
+                problems, rollout, scores = prefetch.take(step)
+            elif cfg.rollout.dynamic_sampling:  # 1-2 until the groups' rewards differ (DAPO)
                 problems, rollout, scores, sampled = dynamic_sample(
                     task, sampler, sampling, rng, prompts_per_rank, dist_info,
                     max_rounds=cfg.rollout.max_sampling_rounds, shaping=overlong,
@@ -163,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                 for rows in torch.randperm(batch.batch_size[0]).tensor_split(mini_batches):
                     updates.append(engine.train_batch(batch[rows]))
             is_eval_step = step % cfg.train.eval_every == 0 or step == cfg.train.steps
-            if step % cfg.rollout.sync_every == 0 or is_eval_step:
+            if prefetch is not None:  # push (and check) the new weights; sample a step further
+                prefetch.sync(engine)
+            elif step % cfg.rollout.sync_every == 0 or is_eval_step:
                 sampler.sync(engine)  # vllm: load the new weights; hf samples the live model
             # 6. Metrics (summed over ranks where they are counts), eval, checkpoint. The
             #    entropy comes from the old log-prob pass (none with the bypass), kl from the
@@ -195,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics.update(sampled)
             if episodes:
                 metrics.update(episode_metrics(rollout, dist_info))
+            if prefetch is not None:  # staleness/*, sync/probe_* (docs/rollouts.md)
+                metrics.update(prefetch.metrics(step, rollout, dist_info))
             if old is not None:
                 metrics["entropy"] = entropy_sum / max(n_response, 1.0)
             else:  # bypass: only the first update ran at the weights that sampled (docs/losses.md)
@@ -215,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                     rng=rng,
                     dist_info=dist_info,
                     config=cfg,
+                    extra_state=prefetch and prefetch.extra_state(),
                 )
+        extra = prefetch and prefetch.extra_state()  # the rollouts sampled ahead, for --resume
 
-    sampler.close()
     return finish(
         cfg,
         {"actor": engine},
@@ -231,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         last_metrics=metrics,
         train_time=time.perf_counter() - t_train,
         tokenizer=tokenizer,  # saved beside the merged model (output.export_merged)
+        extra_state=extra,
     )
 
 

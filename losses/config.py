@@ -105,6 +105,17 @@ class PolicyLossConfig:
         default=None,
         metadata={"help": "zero pg weight on rows whose geometric-mean ratio is outside the band"},
     )
+    # AReaL's decoupled objective for asynchronous RL (Fu et al. 2025, arXiv 2505.24298): the PPO
+    # ratio is pi / pi_prox with pi_prox = old_logprobs (recomputed by the trainer), and the pg term
+    # is weighted by the detached behaviour weight w = pi_prox / pi_behav (rollout_logprobs); tokens
+    # with w above the cap get weight 0 (AReaL's behav_imp_weight_cap). inf: uncapped.
+    decoupled_is_cap: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "AReaL's decoupled objective: pg weight pi_old/pi_rollout, 0 above this cap "
+            "(> 1; inf: uncapped; null: off)"
+        },
+    )
     # Bypass mode (verl's rollout_correction.bypass_mode): the sampler's rollout_logprobs are the
     # ratio's anchor pi_old, so nothing recomputes old_logprobs. Exact only when the sampler ran
     # the trained weights with the trainer's numerics (docs/losses.md#bypass-mode-bypass_mode).
@@ -141,6 +152,18 @@ class PolicyLossConfig:
             )
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"policy_loss.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.decoupled_is_cap is not None:
+            cap = self.decoupled_is_cap
+            if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 1:
+                raise ValueError(
+                    f"policy_loss.decoupled_is_cap must be > 1 (inf: uncapped) or None, got {cap!r}"
+                )
+            if self.tis_cap is not None:
+                raise ValueError(
+                    "policy_loss.decoupled_is_cap and policy_loss.tis_cap both weight the pg term "
+                    "by pi_old / pi_rollout (the decoupled objective drops tokens above its cap, "
+                    "TIS truncates them): set one of them"
+                )
         self.token_ratio_band = check_ratio_band(
             self.token_ratio_band, "policy_loss.token_ratio_band"
         )
@@ -152,8 +175,8 @@ class PolicyLossConfig:
         if self.bypass_mode and self.corrects_mismatch:
             raise ValueError(
                 "policy_loss.bypass_mode cannot be combined with a mismatch correction (tis_cap, "
-                "token_ratio_band, seq_ratio_band): they weight by pi_old / pi_rollout, which the "
-                "bypass makes 1"
+                "token_ratio_band, seq_ratio_band, decoupled_is_cap): they weight by "
+                "pi_old / pi_rollout, which the bypass makes 1"
             )
 
     @property
@@ -164,12 +187,13 @@ class PolicyLossConfig:
 
     @property
     def corrects_mismatch(self) -> bool:
-        """Whether a rollout/trainer mismatch correction is on (then ``rollout_logprobs`` is
-        required by the policy loss)."""
+        """Whether a rollout/trainer mismatch correction (or the decoupled objective) is on
+        (then ``rollout_logprobs`` is required by the policy loss)."""
         return (
             self.tis_cap is not None
             or self.token_ratio_band is not None
             or self.seq_ratio_band is not None
+            or self.decoupled_is_cap is not None
         )
 
 

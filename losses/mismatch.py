@@ -26,7 +26,13 @@ Corrections (a detached weight on each token's policy-gradient loss, all on the 
 * sequence masking: 0 on every token of a row whose geometric-mean ratio
   ``exp(mean_t delta)`` lies outside ``[low, high]`` (the geometric "Geo-RS/Geo-Mask" variant of
   sequence-level masked IS, Liu et al. 2025, "When Speed Kills Stability: Demystifying RL
-  Collapse from the Training-Inference Mismatch").
+  Collapse from the Training-Inference Mismatch");
+* AReaL's decoupled objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+  Learning System for Language Reasoning", arXiv 2505.24298): the behaviour weight ``r`` itself,
+  0 where ``r`` exceeds the cap (its ``behav_imp_weight_cap``). With ``old_logprobs`` recomputed
+  by the trainer at the current weights (the proximal policy) and ``rollout_logprobs`` from a
+  stale sampler (asynchronous RL), the PPO ratio ``pi / pi_prox`` clips around the proximal
+  policy and ``r = pi_prox / mu`` corrects for the policy that drew the tokens.
 
 Masked tokens keep counting in the global denominators (weight 0, as in IcePop's objective and
 as a TIS weight of 0): the corrections never change a denominator, so they stay exact under any
@@ -136,15 +142,17 @@ class RolloutCorrection:
 
     Attributes:
         weights: ``[B, T]`` detached weight of each token's policy-gradient loss: the truncated
-            IS weight (1 without ``tis_cap``) times 0 where a mask removes the token; 0 off the
-            loss mask.
+            IS weight (or the decoupled weight; 1 without ``tis_cap`` and ``decoupled_cap``)
+            times 0 where a mask removes the token; 0 off the loss mask.
         token_masked: ``[B, T]`` bool, loss tokens outside ``token_band``, or None without it.
         seq_masked: ``[B]`` bool, rows with loss tokens whose geometric-mean ratio lies outside
             ``seq_band``, or None without it.
         metrics: ``tis_weight_mean``, ``tis_clipfrac`` (with ``tis_cap``),
             ``mismatch/token_mask_frac`` (with ``token_band``: the fraction of loss tokens it
             removes), ``mismatch/seq_mask_frac`` (with ``seq_band``: the fraction of sequences
-            it removes, over the mini-batch's ``n_seqs``).
+            it removes, over the mini-batch's ``n_seqs``), ``decoupled_is_weight_mean`` and
+            ``decoupled_is_capped_frac`` (with ``decoupled_cap``: the mean weight after the cap,
+            the fraction of loss tokens the cap drops).
     """
 
     weights: torch.Tensor
@@ -162,6 +170,7 @@ def rollout_correction(
     tis_cap: float | None = None,
     token_band: tuple[float, float] | None = None,
     seq_band: tuple[float, float] | None = None,
+    decoupled_cap: float | None = None,
     validate: bool = True,
 ) -> RolloutCorrection:
     """Per-token weights that correct the rollout/trainer mismatch of this micro-batch.
@@ -169,6 +178,7 @@ def rollout_correction(
     With ``r = exp(clamp(old_logprobs - rollout_logprobs))`` per loss token::
 
         weights = min(r, tis_cap)                         (1 without tis_cap)
+                  or r * [r <= decoupled_cap]             (decoupled_cap: AReaL)
                 * [low_t <= r <= high_t]                  (token_band: IcePop)
                 * [low_s <= exp(mean_t log r) <= high_s]  (seq_band: geometric-mean masking)
 
@@ -189,12 +199,18 @@ def rollout_correction(
         loss_mask: ``[B, T]``.
         denominators: the mini-batch's :class:`LossDenominators` (for the metrics).
         tis_cap: truncated IS cap ``> 0``, or None.
+        decoupled_cap: AReaL's behaviour-weight cap ``> 1`` (``inf``: uncapped), or None; not
+            together with ``tis_cap`` (both weight by ``r``).
         token_band, seq_band: ``(low, high)`` with ``0 <= low < high``, or None.
         validate: check the inputs are finite on loss tokens (one host sync).
     """
     denominators = check_denominators(denominators)
     if tis_cap is not None and not tis_cap > 0:
         raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap}")
+    if decoupled_cap is not None and not decoupled_cap > 1:
+        raise ValueError(f"decoupled_cap must be > 1 or None, got {decoupled_cap}")
+    if decoupled_cap is not None and tis_cap is not None:
+        raise ValueError("tis_cap and decoupled_cap both weight by r: give one of them")
     token_band = check_ratio_band(token_band, "token_band")
     seq_band = check_ratio_band(seq_band, "seq_band")
     mask = check_token_inputs(
@@ -211,6 +227,17 @@ def rollout_correction(
         metrics["tis_weight_mean"] = Metric(masked_partial_mean(weights, mask, denominators))
         capped = (weights >= tis_cap).to(weights.dtype)
         metrics["tis_clipfrac"] = Metric(masked_partial_mean(capped, mask, denominators))
+    elif decoupled_cap is not None:
+        # AReaL's behaviour weight: r itself, 0 on tokens whose r exceeds the cap (dropped, not
+        # truncated: a token that stale says little about the current policy).
+        over = mask & (ratio > decoupled_cap)
+        weights = torch.where(over, zero, ratio)
+        metrics["decoupled_is_weight_mean"] = Metric(
+            masked_partial_mean(weights, mask, denominators)
+        )
+        metrics["decoupled_is_capped_frac"] = Metric(
+            masked_partial_mean(over.to(delta.dtype), mask, denominators)
+        )
     else:
         weights = torch.ones_like(delta)
     keep = mask

@@ -60,7 +60,7 @@ def policy_loss(
     configured ``loss_agg_mode`` over the mini-batch's global denominators (times ``grad_scale``),
     ``pg`` the per-token surrogate of ``config.name`` and ``w`` the rollout/trainer mismatch
     correction (:func:`~microrl.losses.rollout_correction`: truncated IS, token and sequence
-    masking; 1 without any). With ``config.kl_is_correction`` the per-token ``kl`` is multiplied
+    masking, AReaL's decoupled behaviour weight; 1 without any). With ``config.kl_is_correction`` the per-token ``kl`` is multiplied
     by the non-detached ratio ``pi / pi_old`` (per sequence for GSPO) before ``agg``. Summed over
     micro-batches and ranks it is the mini-batch loss.
 
@@ -79,7 +79,8 @@ def policy_loss(
         entropy: ``[B, T]`` per-token entropy (with grad); required iff ``entropy_coef > 0``.
         rollout_logprobs: ``[B, T]`` log-probs the rollout backend sampled the tokens with;
             required iff a mismatch correction is configured (``tis_cap``,
-            ``token_ratio_band``, ``seq_ratio_band``) or ``bypass_mode`` is on; whenever given,
+            ``token_ratio_band``, ``seq_ratio_band``, ``decoupled_is_cap``) or ``bypass_mode``
+            is on; whenever given,
             the ``mismatch/*`` metrics compare it with ``old_logprobs`` (with ``bypass_mode``:
             with the detached ``logprobs``, see docs/losses.md#bypass-mode-bypass_mode).
         validate: check that every unmasked input value is finite (one host sync per call).
@@ -95,7 +96,7 @@ def policy_loss(
         the ``mismatch/*`` metrics
         (:func:`~microrl.losses.mismatch_metrics`) and those of the configured corrections
         (``tis_weight_mean``, ``tis_clipfrac``, ``mismatch/token_mask_frac``,
-        ``mismatch/seq_mask_frac``). Fractions and means are token-weighted over the mini-batch.
+        ``mismatch/seq_mask_frac``, ``decoupled_is_weight_mean``, ``decoupled_is_capped_frac``). Fractions and means are token-weighted over the mini-batch.
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
@@ -125,7 +126,7 @@ def policy_loss(
         rollout_logprobs,
         config.corrects_mismatch,
         "a rollout/trainer mismatch correction is configured "
-        "(policy_loss.tis_cap, token_ratio_band or seq_ratio_band)",
+        "(policy_loss.tis_cap, token_ratio_band, seq_ratio_band or decoupled_is_cap)",
     )
     mask = check_token_inputs(loss_mask, inputs, validate=validate)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
@@ -163,6 +164,7 @@ def policy_loss(
                 tis_cap=config.tis_cap,
                 token_band=config.token_ratio_band,
                 seq_band=config.seq_ratio_band,
+                decoupled_cap=config.decoupled_is_cap,
                 validate=False,
             )
             pg = pg * correction.weights.to(pg.dtype)

@@ -5,6 +5,8 @@ One interface, :class:`RolloutBackend`, two backends: ``hf`` (:class:`HFRollout`
 a colocated ``vllm.LLM`` whose weights are synced from the engine after optimizer steps; the
 optional ``vllm`` extra). Both return the same :class:`Rollout`: a token-aligned ``[B, T]``
 batch with ``rollout_logprobs``, the decoded texts and the group id of each row.
+:class:`AsyncRollout` runs the ``hf`` backend in a worker process for asynchronous RL (jobs
+submitted now, collected later, weights pushed and verified; docs/rollouts.md).
 """
 
 from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
@@ -15,6 +17,7 @@ from microrl.engine.rollout.merge import merge_rollouts, select_groups
 
 __all__ = [
     "BACKENDS",
+    "AsyncRollout",
     "HFRollout",
     "Rollout",
     "RolloutBackend",
@@ -29,6 +32,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == "AsyncRollout":  # imported on use: torch.multiprocessing, a worker process
+        from microrl.engine.rollout.async_rollout import AsyncRollout
+
+        return AsyncRollout
     if name == "VLLMRollout":  # imported on use: vllm is an optional dependency
         from microrl.engine.rollout.vllm import VLLMRollout
 

@@ -5,17 +5,26 @@
 :mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot),
 :mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step),
 :mod:`~microrl.run.dynamic_sampling` (DAPO's dynamic sampling: groups whose rewards differ),
-:mod:`~microrl.run.sampling` (sample or play episodes, and score, for any task) and
+:mod:`~microrl.run.sampling` (sample or play episodes, and score, for any task),
+:mod:`~microrl.run.async_rollouts` (asynchronous RL: rollouts sampled ahead by a worker under
+``rollout.max_staleness``) and
 :mod:`~microrl.run.base_model` (the base model RL starts from: a local checkpoint, a Hugging Face
 Hub model, or the toy model of :mod:`~microrl.run.toy_model` warm-started once).
 """
 
+from microrl.run.async_rollouts import (
+    RolloutPrefetcher,
+    close_on_exit,
+    resumed_rollouts,
+    start_prefetcher,
+    warn_if_uncorrected,
+)
 from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
 from microrl.run.cli import parse_cli, prepare_output
 from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
 from microrl.run.dynamic_sampling import DynamicSample, dynamic_sample
-from microrl.run.sampling import episode_metrics, sample_and_score, whole_groups
+from microrl.run.sampling import episode_metrics, sample_and_score, score_rollout, whole_groups
 from microrl.run.session import (
     evaluate_accuracy,
     evaluator,
@@ -28,9 +37,11 @@ from microrl.run.tracking import Tracker, mean_metrics, plot_metrics, read_metri
 __all__ = [
     "Dist",
     "DynamicSample",
+    "RolloutPrefetcher",
     "StepFailed",
     "StopOnInterrupt",
     "Tracker",
+    "close_on_exit",
     "dynamic_sample",
     "episode_metrics",
     "evaluate_accuracy",
@@ -45,9 +56,13 @@ __all__ = [
     "prepare_base_model",
     "prepare_output",
     "read_metrics",
+    "resumed_rollouts",
     "sample_and_score",
     "sample_rows",
     "save_run",
+    "score_rollout",
+    "start_prefetcher",
     "start_tracking",
+    "warn_if_uncorrected",
     "whole_groups",
 ]

@@ -90,8 +90,14 @@ def save_run(
     rng: random.Random,
     dist_info: Dist,
     config: Any,
+    extra_state: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``<out_dir>/checkpoint``: each engine's checkpoint, the loop state, the config.
+
+    ``extra_state``: more of this rank's loop state, saved beside its RNG states and given back
+    by :func:`load_run` (tensors, strings, numbers, lists and dicts of them: it is read with
+    ``weights_only=True``), e.g. the rollouts an asynchronous run sampled ahead
+    (:meth:`microrl.run.async_rollouts.RolloutPrefetcher.state_dict`).
 
     Everything goes to ``.checkpoint.tmp`` first, ``run.json`` last (the completion marker), and
     replaces the previous checkpoint by the swap of :func:`~microrl.engine.checkpoint.atomic_io.replace_dir`:
@@ -112,6 +118,8 @@ def save_run(
         "python_rng": _to_lists(rng.getstate()),
         "torch_rng": torch.get_rng_state(),
     }
+    if extra_state is not None:
+        state["extra"] = dict(extra_state)
     state_path = _rank_state_path(tmp, dist_info.rank)
     torch.save(state, state_path)
     _fsync_file(state_path)
@@ -138,9 +146,17 @@ def _fsync_file(path: Path) -> None:
 
 
 def load_run(
-    out_dir: str | Path, engines: Mapping[str, Any], *, rng: random.Random, dist_info: Dist
+    out_dir: str | Path,
+    engines: Mapping[str, Any],
+    *,
+    rng: random.Random,
+    dist_info: Dist,
+    extra_state: dict[str, Any] | None = None,
 ) -> int:
-    """Restore what :func:`save_run` wrote; returns the step to continue after."""
+    """Restore what :func:`save_run` wrote; returns the step to continue after.
+
+    ``extra_state``: a dict that receives the ``extra_state`` this rank saved (nothing when it
+    saved none)."""
     if dist_info.is_main:
         recover_run_checkpoint(out_dir)
     dist_info.barrier()
@@ -164,6 +180,8 @@ def load_run(
     state = torch.load(state_path, weights_only=True)
     rng.setstate(_to_tuples(state["python_rng"]))
     torch.set_rng_state(state["torch_rng"])
+    if extra_state is not None:
+        extra_state.update(state.get("extra", {}))
     return int(state["step"])
 
 

@@ -19,7 +19,7 @@ from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams, sele
 from microrl.run.dist import Dist
 from microrl.tasks import Problem, Task, is_episode_task
 
-__all__ = ["episode_metrics", "sample_and_score", "whole_groups"]
+__all__ = ["episode_metrics", "sample_and_score", "score_rollout", "whole_groups"]
 
 
 def sample_and_score(
@@ -38,8 +38,7 @@ def sample_and_score(
     prompts = [p.prompt for p in problems]
     if not is_episode_task(task):
         rollout = sampler.generate(prompts, params)
-        answered = [problems[i] for i in rollout.group_ids.tolist()]
-        return rollout, torch.tensor(task.score(rollout.texts, answered), dtype=torch.float32)
+        return rollout, score_rollout(task, problems, rollout)
     limits = limits or RolloutConfig()
     rollout = sampler.run_episodes(
         prompts,
@@ -50,6 +49,16 @@ def sample_and_score(
         skip_env_errors=limits.skip_env_errors,
     )
     return rollout, rollout.rewards
+
+
+def score_rollout(task: Task, problems: Sequence[Problem], rollout: Rollout) -> torch.Tensor:
+    """Each row's reward ``[B]`` float32: the task's score of its text against the problem it
+    answers (row ``i`` answers ``problems[rollout.group_ids[i]]``), or, for episodes, the
+    environments' summed rewards the rollout carries."""
+    if rollout.rewards is not None:
+        return rollout.rewards
+    answered = [problems[i] for i in rollout.group_ids.tolist()]
+    return torch.tensor(task.score(rollout.texts, answered), dtype=torch.float32)
 
 
 def whole_groups(

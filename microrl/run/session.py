@@ -124,12 +124,22 @@ def finish(
     last_metrics: Mapping[str, float],
     train_time: float,
     tokenizer: Any = None,
+    extra_state: Mapping[str, Any] | None = None,
 ) -> int:
-    """Checkpoint; then either stop for ``--resume`` (exit code 130) or export the actor's LoRA
-    adapter (and with ``output.export_merged`` the merged model, ``tokenizer`` beside it), plot,
-    and print the summary (exit code 0)."""
+    """Checkpoint (with ``extra_state``: :func:`~microrl.run.checkpoint.save_run`); then either
+    stop for ``--resume`` (exit code 130) or export the actor's LoRA adapter (and with
+    ``output.export_merged`` the merged model, ``tokenizer`` beside it), plot, and print the
+    summary (exit code 0)."""
     log = print if dist_info.is_main else (lambda *_: None)
-    path = save_run(cfg.output.dir, engines, step=step, rng=rng, dist_info=dist_info, config=cfg)
+    path = save_run(
+        cfg.output.dir,
+        engines,
+        step=step,
+        rng=rng,
+        dist_info=dist_info,
+        config=cfg,
+        extra_state=extra_state,
+    )
     if interrupted:
         tracker.close(plot=cfg.output.plot)
         log(f"\ninterrupted after step {step}: checkpoint in {path}; continue with --resume")

@@ -1,0 +1,552 @@
+"""Asynchronous ``hf`` rollouts: a generation worker process that samples while the trainer trains.
+
+:class:`AsyncRollout` spawns one worker (:mod:`microrl.engine.rollout.async_worker`) that holds
+its own copy of the policy and samples with the ``hf`` backend's code path. The trainer
+*submits* jobs (prompts to sample, or multi-turn episodes to play) and *collects* their
+rollouts later; in between it trains. Jobs run one after the other in submission order, and a
+weight push (:meth:`AsyncRollout.sync`) is queued between them like a job, so the policy version
+each job samples is known when it is submitted: the version pushed last before it. Every rollout
+carries it, per row, as the batch key ``policy_version`` (int64 ``[B]``).
+
+Versions count optimizer-step rounds: ``version`` at construction (the recipe's start step), one
+more per :meth:`~AsyncRollout.sync`. The first push sends every tensor of the model (the worker
+builds the architecture from its config, randomly initialised); later pushes send what the
+optimizer changes (the LoRA adapters of a LoRA engine, every weight of a full fine-tune),
+gathered from FSDP2 shards as the ``vllm`` backend gathers them, one flat buffer per dtype
+broadcast over a private gloo group (never torch's default group).
+
+**Every push is verified.** The worker scores a fixed probe batch (:func:`build_probe`) with the
+weights it received and returns the log-probs and a checksum per tensor; the trainer compares
+them with its own (``engine.infer_batch`` at the same version, and the tensors it pushed).
+``sync_stats[version]`` holds ``sync/probe_kl`` (mean k3 estimator of the two log-prob sets) and
+``sync/probe_abs_diff_max``; a difference above ``sync_check_tol``, or a tensor whose checksum
+differs, raises :class:`SyncCheckError` naming the version and the tensors.
+
+No wait is unbounded: every wait for the worker polls its liveness and gives up after
+``timeout_s`` with an error naming the worker; :meth:`~AsyncRollout.close` (also at exit, and
+on a trainer exception) stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from microrl.engine.base import Engine
+from microrl.engine.checkpoint.export import locate_base_model
+from microrl.engine.parallel import distributed
+from microrl.engine.rollout.async_worker import (
+    WorkerSpec,
+    checksums_differ,
+    dumps,
+    loads,
+    tensor_checksums,
+    tensor_family,
+    worker_main,
+)
+from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.layout import build_rollout
+
+__all__ = [
+    "FP32_SYNC_CHECK_TOL",
+    "LOW_PRECISION_SYNC_CHECK_TOL",
+    "POLICY_VERSION_KEY",
+    "AsyncRollout",
+    "Job",
+    "SyncCheckError",
+    "WorkerError",
+    "build_probe",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The per-row ``[B]`` int64 batch key holding the policy version a row was sampled with.
+POLICY_VERSION_KEY = "policy_version"
+#: Default ``sync_check_tol`` of a float32 engine: the worker's plain forward and the engine's
+#: pass (fused head, other batch shapes) differ by fp32 rounding, a few 1e-6 on the toy model;
+#: one optimizer step moves the probe's log-probs by ~1e-3, 10x above this.
+FP32_SYNC_CHECK_TOL = 1e-4
+#: Default ``sync_check_tol`` of a 16-bit engine (a bf16/fp16 base or bf16 autocast): logits
+#: rounded to 8 mantissa bits differ by ~1e-2 between kernels; the per-tensor checksums still
+#: catch any stale tensor exactly.
+LOW_PRECISION_SYNC_CHECK_TOL = 5e-2
+# Rows and length of the probe batch.
+_PROBE_ROWS, _PROBE_LEN = 4, 16
+
+
+class WorkerError(RuntimeError):
+    """The worker failed, died, or did not answer in time."""
+
+
+class SyncCheckError(RuntimeError):
+    """A weight push whose probe log-probs or tensor checksums differ from the trainer's."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A submitted job: its id and the policy version it samples."""
+
+    id: int
+    version: int
+    kind: str
+
+
+def build_probe(vocab_size: int, max_positions: int, tokenizer, *, seed: int = 0) -> TensorDict:
+    """The fixed probe batch of a sync check: a few rows of random tokens (never ``<eos>`` or
+    padding) with prompts of different lengths, in the rollout layout (``input_ids``,
+    ``attention_mask``, ``loss_mask`` on the "response")."""
+    gen = torch.Generator().manual_seed(seed)
+    specials = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in specials])
+    length = max(_PROBE_ROWS + 2, min(_PROBE_LEN, max_positions))
+    prompts, responses = [], []
+    for row in range(_PROBE_ROWS):  # prompts of 1, 2, ... tokens: left padding of every width
+        draw = allowed[torch.randint(len(allowed), (length,), generator=gen)].tolist()
+        prompts.append(draw[: row + 1])
+        responses.append(draw[row + 1 : row + 1 + length - _PROBE_ROWS])
+    samples = Samples(token_ids=responses, logprobs=[[0.0] * len(r) for r in responses])
+    batch = build_rollout(
+        prompts,
+        samples,
+        num_samples=1,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return batch.select("input_ids", "attention_mask", "loss_mask")
+
+
+class AsyncRollout(RolloutBackend):
+    """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
+
+    Args:
+        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its weights
+            now are pushed as ``version``.
+        tokenizer: its tokenizer (picklable: it is sent to the worker).
+        version: the policy version of the engine's current weights (the recipe: its step).
+        env_maker: for multi-turn tasks, ``problem -> environment`` (picklable by reference:
+            a task's ``make_env``); :meth:`submit_episodes` needs it.
+        timeout_s: the longest wait for the worker (start, a job, a sync) before
+            :class:`WorkerError`.
+        sync_check_tol: the largest probe log-prob difference a sync may show; None: by the
+            engine's precision (:data:`FP32_SYNC_CHECK_TOL`, :data:`LOW_PRECISION_SYNC_CHECK_TOL`).
+        num_threads: the worker's torch threads (0: torch's default).
+        name: how errors name the worker.
+
+    Under ``torchrun`` each rank owns one (its own worker); :meth:`sync` is collective.
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        version: int = 0,
+        env_maker: Callable[[Any], Any] | None = None,
+        timeout_s: float = 600.0,
+        sync_check_tol: float | None = None,
+        num_threads: int = 1,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(tokenizer)
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if sync_check_tol is not None and not sync_check_tol > 0:
+            raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
+        self.engine = engine
+        self.name = name or (
+            f"the rollout worker of rank {distributed.rank()}"
+            if distributed.is_distributed()
+            else "the rollout worker"
+        )
+        self.timeout_s = float(timeout_s)
+        self.sync_check_tol = sync_check_tol or _default_tol(engine)
+        self.version = int(version)
+        #: ``sync/probe_kl`` and ``sync/probe_abs_diff_max`` of each verified push, by version.
+        self.sync_stats: dict[int, dict[str, float]] = {}
+        #: The worker's seconds per job and per weight load (+ probe), in the order they ran,
+        #: and its CPU seconds per job (less than the wall time: it waited for a core).
+        self.job_seconds: list[float] = []
+        self.job_cpu_seconds: list[float] = []
+        self.sync_seconds: list[float] = []
+        self._prefix, base = locate_base_model(engine.module)
+        self.probe = build_probe(
+            engine.vocab_size,
+            getattr(base.config, "max_position_embeddings", _PROBE_LEN),
+            tokenizer,
+        )
+        self._expected: dict[int, tuple[torch.Tensor, dict[str, tuple[float, ...]]]] = {}
+        self._done: dict[int, tuple[int, Any]] = {}
+        self._jobs = itertools.count()
+        self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
+        self._closed = False
+        self.process = None
+        self._has_env_maker = env_maker is not None
+        env_bytes = None
+        if env_maker is not None:
+            try:
+                env_bytes = dumps(env_maker)
+            except (pickle.PicklingError, TypeError, AttributeError) as err:
+                raise ValueError(
+                    "env_maker cannot be sent to the rollout worker process (it must be "
+                    f"picklable, e.g. a task's make_env): {err}"
+                ) from err
+        threads = torch.get_num_threads() + (num_threads or torch.get_num_threads())
+        if threads > (os.cpu_count() or 1):
+            logger.warning(
+                "the trainer's %d torch threads and %s's %s take %d threads on %d cores: "
+                "OpenMP threads spinning on oversubscribed cores can slow both processes many "
+                "times over (torch.set_num_threads; train.num_threads in the recipes)",
+                torch.get_num_threads(),
+                self.name,
+                num_threads or "default",
+                threads,
+                os.cpu_count() or 1,
+            )
+        self._start(engine, base, tokenizer, env_bytes, num_threads)
+
+    # ----------------------------------------------------------------- start and stop
+    def _start(self, engine, base, tokenizer, env_bytes, num_threads) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._store = TCPStore(
+            "127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout
+        )
+        device = engine.device  # the compute device (parameters may be offloaded to the host)
+        spec = WorkerSpec(
+            name=self.name,
+            model_config=base.config,
+            lora=engine.config.lora,
+            tokenizer=tokenizer,
+            temperature=float(engine.config.temperature),
+            probe={k: v.cpu() for k, v in self.probe.items()},
+            store_port=self._store.port,
+            timeout_s=self.timeout_s,
+            num_threads=num_threads,
+            device="cpu" if device.type == "cpu" else str(device),
+            env_maker=env_bytes,
+        )
+        ctx = mp.get_context("spawn")
+        self._commands = ctx.Queue()
+        self._results = ctx.Queue()
+        self.process = ctx.Process(
+            target=worker_main,
+            args=(spec, self._commands, self._results),
+            name="microrl-rollout-worker",
+            daemon=True,  # never outlives the trainer
+        )
+        self.process.start()
+        self._finalizer = weakref.finalize(
+            self, _stop_worker, self.process, self._commands, self._results
+        )
+        try:
+            self._wait_for("hello", "it to start")
+            self._group = ProcessGroupGloo(
+                PrefixStore("microrl-rollout", self._store), 0, 2, timeout
+            )
+            full = self._gather(engine, trainable_only=False)
+            trainable = self._gather(engine, trainable_only=True)
+            self._layouts = {
+                "full": [(n, tuple(t.shape), t.dtype) for n, t in full.items()],
+                "trainable": [(n, tuple(t.shape), t.dtype) for n, t in trainable.items()],
+            }
+            self._commands.put(("layout", self._layouts))
+            self._wait_for("ready", "it to check the model's tensors")
+            self._push(engine, full, "full")
+            self._wait_for_sync(self.version)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the worker (a ``close`` command, then terminate/kill if it does not exit) and
+        release the group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:  # first: a live worker still takes a push in flight
+            finalizer()
+        group = getattr(self, "_group", None)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.abort()  # a push to a worker that died must not block the exit
+        self._pending_works.clear()
+
+    def __enter__(self) -> AsyncRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- weights
+    def _gather(self, engine, *, trainable_only: bool) -> dict[str, torch.Tensor]:
+        """The causal LM's full tensors (FSDP2 shards all-gathered on every rank, as the vllm
+        backend's sync does), on the CPU, by their names in the causal LM."""
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=False, ignore_frozen_params=trainable_only
+        )
+        state = get_model_state_dict(engine.module, options=options)
+        prefix = self._prefix
+        return {
+            k[len(prefix) :]: v.detach().cpu() for k, v in state.items() if k.startswith(prefix)
+        }
+
+    def sync(self, engine=None) -> None:
+        """Push the engine's current weights as the next version (``version + 1``); jobs
+        submitted from now on sample them. Returns at once: the worker loads them after the jobs
+        before; the check of this push runs when its answer arrives (:meth:`collect`,
+        :meth:`poll`). Collective under ``torchrun`` (the weights are gathered)."""
+        self._check_open()
+        engine = engine or self.engine
+        state = self._gather(engine, trainable_only=True)
+        self.version += 1
+        self._push(engine, state, "trainable")
+
+    def _push(self, engine, state: dict[str, torch.Tensor], layout: str) -> None:
+        entries = self._layouts[layout]
+        if [(n, tuple(t.shape), t.dtype) for n, t in state.items()] != entries:
+            raise RuntimeError(
+                f"the engine's {layout} tensors changed since {self.name} started (names, "
+                "shapes or dtypes): a worker copies a fixed set"
+            )
+        expected_probe = engine.infer_batch(self.probe)["logprobs"].float().cpu()
+        self._expected[self.version] = (expected_probe, tensor_checksums(state.items()))
+        self._commands.put(("weights", self.version, layout))
+        self._broadcast(state, entries)
+
+    def _broadcast(self, state: dict[str, torch.Tensor], entries) -> None:
+        """One flat buffer per dtype, broadcast asynchronously (the worker receives it when it
+        reaches the ``weights`` command): the trainer does not wait for the worker here."""
+        self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
+        dtypes: list[torch.dtype] = []
+        for _, _, dtype in entries:
+            if dtype not in dtypes:
+                dtypes.append(dtype)
+        for dtype in dtypes:
+            flat = torch.cat([state[n].reshape(-1) for n, _, d in entries if d == dtype])
+            work = self._group.broadcast(flat, 0)
+            self._pending_works.append((work, [flat]))
+
+    # ----------------------------------------------------------------- jobs
+    def _submit(self, kind: str, args: tuple, params: SamplingParams) -> Job:
+        self._check_open()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # The worker seeds each job: from params.seed, else from torch's generator here, so a
+        # run that checkpoints torch's RNG state resumes with the very samples it would draw.
+        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
+        job = Job(next(self._jobs), self.version, kind)
+        self._commands.put((kind, job.id, seed, args))
+        return job
+
+    def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
+        """Queue sampling ``params.num_samples`` responses per prompt (as :meth:`generate`);
+        returns the :class:`Job`, whose rollout :meth:`collect` returns."""
+        return self._submit("generate", (self._encode(prompts), params), params)
+
+    def submit_episodes(
+        self,
+        problems: Sequence[Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+    ) -> Job:
+        """Queue the multi-turn episodes of ``problems`` (as :meth:`run_episodes`, each row's
+        environment ``env_maker(problem)``, built in the worker)."""
+        if not self._has_env_maker:
+            raise ValueError("submit_episodes needs the env_maker given to AsyncRollout")
+        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
+        return self._submit("episodes", (list(problems), params, limits), params)
+
+    def collect(self, job: Job) -> Rollout:
+        """The rollout of ``job`` (waiting for it); its batch carries ``policy_version``."""
+        self._check_open()
+        while job.id not in self._done:
+            self._receive(f"the rollout of job {job.id} (policy version {job.version})")
+        version, payload = self._done.pop(job.id)
+        if version != job.version:  # the queue's order is the versions' contract
+            raise WorkerError(
+                f"{self.name} sampled job {job.id} with policy version {version}, but "
+                f"version {job.version} was the last pushed before it"
+            )
+        if job.kind == "sample":
+            return payload
+        rows = len(payload["texts"])
+        batch = TensorDict(payload["batch"], batch_size=[rows])
+        batch[POLICY_VERSION_KEY] = torch.full((rows,), version, dtype=torch.long)
+        return Rollout(
+            batch=batch,
+            texts=payload["texts"],
+            group_ids=payload["group_ids"],
+            rewards=payload["rewards"],
+            num_turns=payload["num_turns"],
+            metrics=payload["metrics"],
+        )
+
+    def poll(self) -> None:
+        """Handle what the worker has sent so far (checks of finished syncs; errors) without
+        waiting."""
+        self._check_open()
+        while True:
+            try:
+                message = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(message)
+
+    def generate(self, prompts, params: SamplingParams) -> Rollout:
+        """Sample now, at the latest pushed version (submit + collect)."""
+        return self.collect(self.submit(prompts, params))
+
+    def run_episodes(self, prompts, make_env, params, **limits) -> Rollout:
+        """Not here: see :meth:`submit_episodes` (a ``make_env`` closure cannot reach the
+        worker process)."""
+        raise TypeError(
+            "AsyncRollout plays episodes in its worker process, where a make_env closure cannot "
+            "go: use submit_episodes(problems, ...) with the env_maker given at construction"
+        )
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self.collect(self._submit("sample", (prompt_ids, params), params))
+
+    # ----------------------------------------------------------------- messages
+    def _wait_for(self, kind: str, what: str) -> None:
+        while True:
+            message = self._next_message(what)
+            if message[0] == kind:
+                return
+            self._handle(message)
+
+    def _wait_for_sync(self, version: int) -> None:
+        while version not in self.sync_stats:
+            self._receive(f"the check of the weights of policy version {version}")
+
+    def _receive(self, what: str) -> None:
+        self._handle(self._next_message(what))
+
+    def _next_message(self, what: str):
+        """The worker's next message; :class:`WorkerError` when it died or sent nothing for
+        ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                pass
+            if not self.process.is_alive():
+                with contextlib.suppress(queue.Empty):  # its last words, if it had time
+                    message = self._results.get(timeout=1.0)
+                    if message[0] == "error":
+                        self._handle(message)
+                    return message
+                raise WorkerError(
+                    f"{self.name} (pid {self.process.pid}) died with exit code "
+                    f"{self.process.exitcode} while the trainer waited for {what}"
+                )
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"{self.name} (pid {self.process.pid}) sent nothing for {self.timeout_s:.0f} "
+                    f"s while the trainer waited for {what} (timeout_s; "
+                    "rollout.worker_timeout_s in the recipes)"
+                )
+
+    def _handle(self, message) -> None:
+        kind = message[0]
+        if kind == "done":
+            _, job, version, payload, (seconds, cpu_seconds) = message
+            self._done[job] = (version, loads(payload))
+            self.job_seconds.append(seconds)
+            self.job_cpu_seconds.append(cpu_seconds)
+        elif kind == "synced":
+            _, version, probe, sums, seconds = message
+            self.sync_seconds.append(seconds)
+            self._verify(version, loads(probe), sums)
+        elif kind == "job_error":
+            raise loads(message[2])
+        elif kind == "error":
+            raise WorkerError(f"{self.name} failed:\n{message[1]}")
+        elif kind in ("hello", "ready"):
+            raise WorkerError(f"{self.name} sent an unexpected {kind!r}")
+
+    def _verify(self, version: int, probe: torch.Tensor, sums: dict) -> None:
+        expected_probe, expected_sums = self._expected.pop(version)
+        mask = self.probe["loss_mask"].cpu()
+        delta = (expected_probe.double() - probe.double())[mask]
+        kl = float((torch.expm1(delta) - delta).mean())
+        abs_max = float(delta.abs().max())
+        self.sync_stats[version] = {"sync/probe_kl": kl, "sync/probe_abs_diff_max": abs_max}
+        differ = [n for n in expected_sums if checksums_differ(expected_sums[n], sums.get(n))]
+        if differ or not abs_max <= self.sync_check_tol:
+            tensors = (
+                "tensors that differ: "
+                + ", ".join(f"{tensor_family(n)} ({n})" for n in differ[:6])
+                + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+                if differ
+                else "every tensor's checksum agrees: the forwards differ (dtype, kernels); "
+                "raise the tolerance if that is expected"
+            )
+            raise SyncCheckError(
+                f"the weight sync of policy version {version} (the weights after step {version}) "
+                f"to {self.name} failed its check: probe log-probs differ by up to {abs_max:.3g} "
+                f"(tolerance {self.sync_check_tol:g}, rollout.sync_check_tol; k3 KL {kl:.3g}); "
+                f"{tensors}"
+            )
+
+    # ----------------------------------------------------------------- helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerError(f"{self.name} is closed")
+
+
+def _default_tol(engine) -> float:
+    from microrl.engine import setup
+
+    config = engine.config
+    autocast = config.dtype == "bfloat16" or (
+        config.dtype == "auto" and engine.device.type == "cuda"
+    )
+    full_precision = setup.base_dtype(config).itemsize >= 4 and not autocast
+    return FP32_SYNC_CHECK_TOL if full_precision else LOW_PRECISION_SYNC_CHECK_TOL
+
+
+def _stop_worker(process: multiprocessing.Process, commands, results) -> None:
+    """Ask the worker to exit (it answers between jobs), then terminate, then kill; close the
+    queues."""
+    if process.is_alive():
+        with contextlib.suppress(Exception):
+            commands.put(("close",))
+        process.join(timeout=3)  # an idle worker exits at once; a busy one is stopped
+    if process.is_alive():
+        process.terminate()
+        with contextlib.suppress(OSError):  # a stopped (SIGSTOP) process gets the SIGTERM now
+            os.kill(process.pid, signal.SIGCONT)
+        process.join(timeout=5)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=5)
+    for q in (commands, results):
+        with contextlib.suppress(Exception):
+            q.cancel_join_thread()
+            q.close()

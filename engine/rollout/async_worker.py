@@ -1,0 +1,351 @@
+"""The generation worker process of the asynchronous ``hf`` rollout (docs/rollouts.md#asynchronous-rl).
+
+:class:`~microrl.engine.rollout.async_rollout.AsyncRollout` spawns it (``torch.multiprocessing``,
+``spawn``). It builds the trainer's model from its config (the LoRA structure included), holds
+its own copy of the weights and samples with :class:`~microrl.engine.rollout.HFRollout`'s code
+path (``generate``, ``run_episodes``, the shared layout), one job after the other, in the order
+the trainer sends them.
+
+Weights arrive over a private gloo group of two ranks (the trainer 0, the worker 1) built from a
+``TCPStore`` and ``ProcessGroupGloo`` objects used directly: it is never registered as torch's
+default group, so the trainer's data-parallel group is untouched. Everything else travels on two
+queues, as tuples whose first item names the message:
+
+trainer -> worker
+    ``("layout", layouts)``: once, the ``name -> (shape, dtype)`` of each push layout
+    (``"full"``: every tensor of the model; ``"trainable"``: what the optimizer changes).
+    ``("weights", version, layout)``: receive that layout's tensors (one flat buffer per dtype,
+    broadcast from the trainer), load them, score the probe batch, reply ``synced``.
+    ``("generate" | "episodes" | "sample", job, seed, args)``: a job, sampled under
+    ``torch.manual_seed(seed)`` (the trainer draws the seed, so a run is reproducible).
+    ``("close",)``.
+worker -> trainer
+    ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs, checksums,
+    seconds)``, ``("done", job, version, payload, (seconds, cpu_seconds))``,
+    ``("job_error", job, error)``,
+    ``("error", traceback)`` (fatal: the worker exits).
+
+Payloads are pickled to bytes here (no shared-memory tensor handles cross the queues). The worker
+ignores SIGINT (a Ctrl-C stops the trainer, which then closes the worker) and exits when the
+trainer process is gone.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import re
+import signal
+import time
+import traceback
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "WorkerSpec",
+    "dumps",
+    "loads",
+    "score_probe",
+    "tensor_checksums",
+    "tensor_family",
+    "worker_main",
+]
+
+# torchrun's variables: the worker is not a data-parallel rank and must never join that group.
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+# How often a worker waiting for a command checks that the trainer is still alive.
+_POLL_S = 1.0
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its copy of the policy (pickled to the spawned process)."""
+
+    name: str
+    model_config: Any  # the trainer's transformers config
+    lora: Any  # the engine's LoraConfig (rank 0: none)
+    tokenizer: Any
+    temperature: float
+    probe: dict[str, torch.Tensor]
+    store_port: int
+    timeout_s: float
+    num_threads: int = 1
+    device: str = "cpu"
+    env_maker: bytes | None = None  # pickled callable: Problem -> environment (multi-turn tasks)
+    store_host: str = "127.0.0.1"
+
+
+def dumps(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)  # only ever the other side of this pair's own queue
+
+
+def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
+    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64: two copies of a tensor
+    agree on all three to rounding, a stale or wrong one does not (:func:`checksums_differ`)."""
+    out = {}
+    for name, tensor in named:
+        x = tensor.detach().double()
+        out[name] = (float(x.sum()), float((x * x).sum()), float(x.abs().sum()))
+    return out
+
+
+def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
+    """Whether two :func:`tensor_checksums` entries come from different tensors: beyond the
+    float64 rounding of summing the same values (relative 1e-9 of the sums of magnitudes)."""
+    if a is None or b is None:
+        return True
+    (sum_a, squares_a, magnitude_a), (sum_b, squares_b, magnitude_b) = a, b
+    # The sum of magnitudes bounds the rounding error of the sum (and of itself).
+    return (
+        abs(sum_a - sum_b) > 1e-9 * magnitude_a
+        or abs(squares_a - squares_b) > 1e-9 * squares_a
+        or abs(magnitude_a - magnitude_b) > 1e-9 * magnitude_a
+    )
+
+
+def tensor_family(name: str) -> str:
+    """A parameter name as a reader names it: ``model.layers.1.self_attn.q_proj.lora_A.default.
+    weight`` -> ``lora_A of layer 1 self_attn.q_proj``; others without the ``.weight``."""
+    match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.(.+)$", name)
+    where, rest = (f"layer {match.group(1)} ", match.group(2)) if match else ("", name)
+    parts = rest.split(".")
+    lora = next((p for p in parts if p.startswith("lora_")), None)
+    skip = {"default", "base_layer", "weight"}
+    module = ".".join(p for p in parts if p not in skip and not p.startswith("lora_"))
+    if lora is not None:
+        return f"{lora} of {where}{module}"
+    return f"{where}{module}".strip() or name
+
+
+@torch.no_grad()
+def score_probe(model: torch.nn.Module, probe: Mapping[str, torch.Tensor], temperature: float):
+    """The model's log-probs of the probe rows' tokens, token-aligned ``[B, T]`` float32 (column
+    ``t``: the log-prob of token ``t`` given the ones before; 0 off ``loss_mask``), at
+    ``temperature``, from one plain forward (left padding handled by the position ids)."""
+    device = next(model.parameters()).device
+    ids = probe["input_ids"].to(device)
+    attention = probe["attention_mask"].to(device)
+    positions = (attention.long().cumsum(1) - 1).clamp_min(0)
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    finally:
+        model.train(was_training)
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    taken = logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=device)
+    out[:, 1:] = taken
+    return torch.where(probe["loss_mask"].to(device), out, 0.0).cpu()
+
+
+def _build_model(spec: WorkerSpec) -> torch.nn.Module:
+    """The trainer's architecture with its LoRA structure, randomly initialised: the first
+    (``full``) push overwrites every tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from microrl.engine.setup import apply_lora
+
+    config = copy.deepcopy(spec.model_config)
+    attention = getattr(config, "_attn_implementation", None)
+    if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
+        config._attn_implementation = attention.removeprefix("microrl_varlen_")
+    model = AutoModelForCausalLM.from_config(config)
+    model, _ = apply_lora(model, spec.lora)
+    return model.to(spec.device).eval()
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, commands, results) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        from microrl.engine.rollout.hf import HFRollout
+
+        self.spec, self.commands, self.results = spec, commands, results
+        if spec.num_threads > 0:
+            torch.set_num_threads(spec.num_threads)
+        self.model = _build_model(spec)
+        self.sampler = HFRollout(self.model, spec.tokenizer)
+        self.env_maker = None
+        if spec.env_maker is not None:
+            try:
+                self.env_maker = loads(spec.env_maker)
+            except Exception as err:
+                raise RuntimeError(
+                    f"{spec.name} could not load the task's environment factory ({err!r}): a "
+                    "multi-turn task sampled in a worker process needs a factory importable by "
+                    "its module path"
+                ) from err
+        self.tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        self.tensors.update(self.model.named_buffers(remove_duplicate=False))
+        self.layouts: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
+        self.version: int | None = None
+        self.parent = multiprocessing.parent_process()
+        results.put(("hello", os.getpid()))
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+        self.group = ProcessGroupGloo(PrefixStore("microrl-rollout", store), 1, 2, timeout)
+
+    def run(self) -> None:
+        while True:
+            try:
+                command = self.commands.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self.parent is not None and not self.parent.is_alive():
+                    return  # the trainer is gone: nobody will read what this worker makes
+                continue
+            kind = command[0]
+            if kind == "close":
+                return
+            if kind == "layout":
+                self._set_layouts(command[1])
+                self.results.put(("ready",))
+            elif kind == "weights":
+                self._receive(command[1], command[2])
+            elif kind in ("generate", "episodes", "sample"):
+                self._job(kind, *command[1:])
+            else:
+                raise ValueError(f"{self.spec.name}: unknown command {kind!r}")
+
+    def _set_layouts(self, layouts: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]]):
+        problems = []
+        for entries in layouts.values():
+            for name, shape, dtype in entries:
+                tensor = self.tensors.get(name)
+                if tensor is None:
+                    problems.append(f"{name} (missing here)")
+                elif tuple(tensor.shape) != tuple(shape):
+                    problems.append(f"{name} (shape {tuple(tensor.shape)} here, {shape} pushed)")
+                elif tensor.dtype != dtype:
+                    tensor.data = tensor.data.to(dtype)  # the trainer's storage dtype
+        if problems:
+            raise ValueError(
+                f"{self.spec.name} built a model whose tensors differ from the trainer's: "
+                + ", ".join(problems[:8])
+            )
+        self.layouts = layouts
+
+    @torch.no_grad()
+    def _receive(self, version: int, layout: str) -> None:
+        start = time.perf_counter()
+        entries = self.layouts[layout]
+        for dtype in _dtype_order(entries):
+            group = [(n, s) for n, s, d in entries if d == dtype]
+            flat = torch.empty(sum(_numel(s) for _, s in group), dtype=dtype)
+            self.group.broadcast(flat, 0).wait()
+            offset = 0
+            for name, shape in group:
+                size = _numel(shape)
+                self.tensors[name].copy_(flat[offset : offset + size].view(shape))
+                offset += size
+        self.version = version
+        probe = score_probe(self.model, self.spec.probe, self.spec.temperature)
+        sums = tensor_checksums((n, self.tensors[n]) for n, _, _ in entries)
+        seconds = time.perf_counter() - start
+        self.results.put(("synced", version, dumps(probe), sums, seconds))
+
+    def _job(self, kind: str, job: int, seed: int, args: tuple) -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        torch.manual_seed(seed)
+        try:
+            if kind == "generate":
+                prompts, params = args
+                result = rollout_payload(self.sampler.generate(prompts, params))
+            elif kind == "sample":
+                prompt_ids, params = args
+                result = self.sampler._sample(prompt_ids, params)
+            else:
+                problems, params, limits = args
+                maker = self.env_maker
+                if maker is None:
+                    raise ValueError(f"{self.spec.name} was started without an env_maker")
+                result = rollout_payload(
+                    self.sampler.run_episodes(
+                        [p.prompt for p in problems],
+                        lambda i: maker(problems[i]),
+                        params,
+                        **limits,
+                    )
+                )
+        except Exception as err:
+            self.results.put(("job_error", job, _pickled_error(err)))
+            return
+        seconds = (time.perf_counter() - start, time.process_time() - cpu)
+        self.results.put(("done", job, self.version, dumps(result), seconds))
+
+
+def rollout_payload(rollout) -> dict[str, Any]:
+    """A :class:`~microrl.engine.rollout.Rollout` as plain picklable parts."""
+    return {
+        "batch": {key: value for key, value in rollout.batch.items()},
+        "texts": rollout.texts,
+        "group_ids": rollout.group_ids,
+        "rewards": rollout.rewards,
+        "num_turns": rollout.num_turns,
+        "metrics": dict(rollout.metrics),
+    }
+
+
+def _pickled_error(err: Exception) -> bytes:
+    """The exception itself when it survives a round trip through pickle, else a RuntimeError
+    carrying its type, message and traceback."""
+    text = "".join(traceback.format_exception(err))
+    try:
+        data = dumps(err)
+        loads(data)
+        return data
+    except Exception:
+        return dumps(RuntimeError(f"{type(err).__name__}: {err}\n{text}"))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _dtype_order(entries) -> list[torch.dtype]:
+    """The dtypes of a layout in first-seen order: one flat buffer (one broadcast) each."""
+    seen: list[torch.dtype] = []
+    for _, _, dtype in entries:
+        if dtype not in seen:
+            seen.append(dtype)
+    return seen
+
+
+def worker_main(spec: WorkerSpec, commands, results) -> None:
+    """The spawned process's entry point (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    for var in _LAUNCHER_VARS:
+        os.environ.pop(var, None)
+    try:
+        _Worker(spec, commands, results).run()
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        results.close()
+        results.join_thread()

@@ -1,0 +1,376 @@
+"""Asynchronous RL in a recipe: the next steps' rollouts, sampled ahead under a staleness bound.
+
+A :class:`RolloutPrefetcher` drives an :class:`~microrl.engine.rollout.AsyncRollout` worker with
+the recipe's own prompt stream (``task.sample(rng, n)`` in the trainer process, step after
+step, so ``rollout.max_staleness=k`` trains on the same prompts in the same order as ``k=0``).
+Its schedule is fixed: once the weights after step ``u`` are pushed (version ``u``), the jobs of
+every step ``t <= u + 1 + k`` are submitted. The worker runs jobs and pushes in that order, so
+the rollout trained at step ``t`` is sampled with version ``max(start, t - 1 - k)`` exactly: its
+staleness ``(t - 1) - version`` (the trainer is at version ``t - 1`` when step ``t`` trains)
+lies in ``[0, k]``, and is checked before anything trains on it. The worker waits for new
+weights rather than run further ahead; no sample is ever dropped.
+
+Checkpoints (:meth:`RolloutPrefetcher.state_dict`, saved with the run) hold the rollouts sampled
+but not yet trained on (their problems, batches and versions; jobs still running are waited for
+first) and the next step to sample; the Python RNG the run saves is the prompt stream's position
+after them. A resumed run trains on exactly the prompts, and samples, it would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from microrl.configs.run import RolloutConfig
+from microrl.engine.parallel import distributed
+from microrl.engine.rollout import Rollout, SamplingParams
+from microrl.engine.rollout.async_rollout import POLICY_VERSION_KEY, AsyncRollout, Job
+from microrl.run.dist import Dist
+from microrl.run.sampling import score_rollout
+from microrl.tasks import Problem, Task, is_episode_task
+
+__all__ = [
+    "ROLLOUT_BUFFER_KEY",
+    "RolloutPrefetcher",
+    "close_on_exit",
+    "resumed_rollouts",
+    "start_prefetcher",
+    "warn_if_uncorrected",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The key of the rollouts sampled ahead in a run checkpoint's loop state (``extra_state``).
+ROLLOUT_BUFFER_KEY = "rollout_buffer"
+#: The policy-loss keys that correct for the behaviour policy (docs/rollouts.md#asynchronous-rl).
+CORRECTIONS = ("tis_cap", "token_ratio_band", "seq_ratio_band", "decoupled_is_cap")
+
+
+@dataclass
+class _Ahead:
+    """A step's rollout sampled (or being sampled) ahead."""
+
+    step: int
+    problems: list[Problem]
+    version: int
+    job: Job | None = None
+    rollout: Rollout | None = None
+
+
+class RolloutPrefetcher:
+    """Samples the rollouts of steps ``start + 1 .. last_step`` ahead of the trainer, at most
+    ``max_staleness`` policy versions behind it (see the module docstring).
+
+    Args:
+        sampler: the worker; its ``version`` is the trainer's step now (``start``).
+        task: the task (its ``sample`` draws the prompts; its ``score``, or the episodes'
+            rewards, scores the rows).
+        params: sampling parameters of every job.
+        rng: the recipe's prompt stream (``random.Random``), drawn here in step order.
+        prompts_per_step: prompts per step (this rank's share).
+        max_staleness: ``k >= 1``.
+        last_step: the run's last step: nothing is sampled past it.
+        limits: the episode limits of a multi-turn task.
+        state: a :meth:`state_dict` from a checkpoint (the rollouts it holds are trained first).
+    """
+
+    def __init__(
+        self,
+        sampler: AsyncRollout,
+        task: Task,
+        params: SamplingParams,
+        rng: random.Random,
+        prompts_per_step: int,
+        *,
+        max_staleness: int,
+        last_step: int,
+        limits: RolloutConfig | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(max_staleness, int) or max_staleness < 1:
+            raise ValueError(f"max_staleness must be an int >= 1, got {max_staleness!r}")
+        self.sampler = sampler
+        self.task = task
+        self.params = params
+        self.rng = rng
+        self.prompts_per_step = prompts_per_step
+        self.max_staleness = max_staleness
+        self.last_step = last_step
+        self.limits = limits or RolloutConfig()
+        self.episodes = is_episode_task(task)
+        self.start = sampler.version
+        self._ahead: deque[_Ahead] = deque()
+        self._next_step = self.start + 1
+        self._reported = self.start - 1  # the newest version whose sync check was reported
+        self._checks: dict[int, dict[str, float]] = {}  # checks a checkpoint carried over
+        if state is not None:
+            self._restore(state)
+        self.fill()
+
+    # ----------------------------------------------------------------- the schedule
+    def fill(self) -> None:
+        """Submit the jobs of every step up to ``version + 1 + max_staleness`` (and
+        ``last_step``), drawing their prompts now, in step order."""
+        horizon = min(self.last_step, self.sampler.version + 1 + self.max_staleness)
+        while self._next_step <= horizon:
+            problems = self.task.sample(self.rng, self.prompts_per_step)
+            if self.episodes:
+                job = self.sampler.submit_episodes(
+                    problems,
+                    self.params,
+                    max_turns=self.limits.max_turns,
+                    max_tokens=self.limits.max_episode_tokens,
+                    skip_env_errors=self.limits.skip_env_errors,
+                )
+            else:
+                job = self.sampler.submit([p.prompt for p in problems], self.params)
+            self._ahead.append(_Ahead(self._next_step, problems, job.version, job=job))
+            self._next_step += 1
+
+    def sync(self, engine) -> None:
+        """After step ``u``'s updates: push the weights (version ``u``) when a step still to be
+        sampled needs them, and submit the step that becomes allowed. Collective under
+        ``torchrun``."""
+        if self._next_step <= self.last_step:
+            self.sampler.sync(engine)
+            self.fill()
+        self.sampler.poll()  # a failed check of an earlier push surfaces now
+
+    def take(self, step: int) -> tuple[list[Problem], Rollout, torch.Tensor]:
+        """Step ``step``'s problems, rollout (with ``policy_version`` per row) and rewards."""
+        if not self._ahead or self._ahead[0].step != step:
+            have = [a.step for a in self._ahead]
+            raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps {have})")
+        ahead = self._ahead.popleft()
+        rollout = self._collect(ahead)
+        staleness = (step - 1) - rollout.batch[POLICY_VERSION_KEY]
+        worst = int(staleness.max()) if len(staleness) else 0
+        if int(staleness.min()) < 0 or worst > self.max_staleness:  # never by construction
+            raise RuntimeError(
+                f"step {step}: a rollout sampled with policy version "
+                f"{int(rollout.batch[POLICY_VERSION_KEY].min())} is {worst} versions stale, "
+                f"beyond rollout.max_staleness={self.max_staleness}: refusing to train on it"
+            )
+        return ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
+
+    def _collect(self, ahead: _Ahead) -> Rollout:
+        if ahead.rollout is None:
+            ahead.rollout = self.sampler.collect(ahead.job)
+            ahead.job = None
+        return ahead.rollout
+
+    def close(self) -> None:
+        """Stop the worker."""
+        self.sampler.close()
+
+    # ----------------------------------------------------------------- metrics
+    def metrics(self, step: int, rollout: Rollout, dist_info: Dist) -> dict[str, float]:
+        """``staleness/mean`` and ``staleness/max`` (trainer version ``step - 1`` minus each
+        trained row's version, over every rank) and the checks of the pushes this rollout's
+        version completed: ``sync/probe_kl``, ``sync/probe_abs_diff_max`` (the largest of them
+        when several complete at once; none before a step's version has a new push)."""
+        staleness = ((step - 1) - rollout.batch[POLICY_VERSION_KEY]).double()
+        rows, total = dist_info.sum([float(len(staleness)), float(staleness.sum())])
+        worst = distributed.max_over_ranks(int(staleness.max()) if len(staleness) else 0)
+        metrics = {"staleness/mean": total / max(rows, 1.0), "staleness/max": float(worst)}
+        version = int(rollout.batch[POLICY_VERSION_KEY].max()) if len(staleness) else -1
+        stats = {**self._checks, **self.sampler.sync_stats}
+        checked = [v for v in sorted(stats) if self._reported < v <= version]
+        if checked:
+            self._reported = checked[-1]
+            for name in ("sync/probe_kl", "sync/probe_abs_diff_max"):
+                metrics[name] = max(stats[v][name] for v in checked)
+        return metrics
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The rollouts sampled ahead (waiting for running jobs first), for the run checkpoint:
+        tensors, strings and numbers only (``torch.load(weights_only=True)``)."""
+        items = []
+        for ahead in self._ahead:
+            rollout = self._collect(ahead)
+            items.append(
+                {
+                    "step": ahead.step,
+                    "version": ahead.version,
+                    "problems": [_problem_to_json(p) for p in ahead.problems],
+                    "rollout": {
+                        "batch": dict(rollout.batch.items()),
+                        "texts": list(rollout.texts),
+                        "group_ids": rollout.group_ids,
+                        "rewards": rollout.rewards,
+                        "num_turns": rollout.num_turns,
+                        "metrics": dict(rollout.metrics),
+                    },
+                }
+            )
+        # Pushes checked but not reported yet: the steps after the checkpoint report them.
+        stats = {**self._checks, **self.sampler.sync_stats}
+        checks = {str(v): dict(stats[v]) for v in sorted(stats) if v > self._reported}
+        return {
+            "max_staleness": self.max_staleness,
+            "next_step": self._next_step,
+            "items": items,
+            "sync_checks": checks,
+            "reported": self._reported,
+        }
+
+    def extra_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` as the ``extra_state`` of :func:`~microrl.run.save_run`
+        (:func:`resumed_rollouts` reads it back)."""
+        return {ROLLOUT_BUFFER_KEY: self.state_dict()}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        items = state["items"]
+        expected = list(range(self.start + 1, self.start + 1 + len(items)))
+        if [item["step"] for item in items] != expected:
+            raise ValueError(
+                f"the checkpoint's rollouts sampled ahead are for steps "
+                f"{[item['step'] for item in items]}, not the steps after {self.start}"
+            )
+        for item in items:
+            staleness = (item["step"] - 1) - item["version"]
+            if staleness > self.max_staleness:
+                raise ValueError(
+                    f"rollout.max_staleness={self.max_staleness} is below the staleness of the "
+                    f"rollout of step {item['step']} the checkpoint holds ({staleness} versions): "
+                    f"resume with rollout.max_staleness >= {staleness}"
+                )
+            saved = item["rollout"]
+            rows = len(saved["texts"])
+            rollout = Rollout(
+                batch=TensorDict(saved["batch"], batch_size=[rows]),
+                texts=list(saved["texts"]),
+                group_ids=saved["group_ids"],
+                rewards=saved["rewards"],
+                num_turns=saved["num_turns"],
+                metrics=dict(saved["metrics"]),
+            )
+            problems = [_problem_from_json(p) for p in item["problems"]]
+            self._ahead.append(_Ahead(item["step"], problems, item["version"], rollout=rollout))
+        self._next_step = max(int(state["next_step"]), self.start + 1 + len(items))
+        self._checks = {int(v): dict(s) for v, s in state.get("sync_checks", {}).items()}
+        self._reported = int(state.get("reported", self.start - 1))
+
+
+def _problem_to_json(problem: Problem) -> str:
+    try:
+        return json.dumps(
+            {"prompt": problem.prompt, "answer": problem.answer, "columns": dict(problem.columns)}
+        )
+    except TypeError as err:
+        raise ValueError(
+            "a checkpoint of a run with rollout.max_staleness > 0 holds the problems of the "
+            f"rollouts sampled ahead as JSON, and this task's rows are not ({err})"
+        ) from err
+
+
+def _problem_from_json(text: str) -> Problem:
+    return Problem(**json.loads(text))
+
+
+def warn_if_uncorrected(policy_loss: Any, max_staleness: int) -> bool:
+    """Log once (a warning) when ``max_staleness > 0`` trains without any behaviour-policy
+    correction, naming the ones there are; True when it warned."""
+    if max_staleness < 1 or any(getattr(policy_loss, key, None) is not None for key in CORRECTIONS):
+        return False
+    logger.warning(
+        "rollout.max_staleness=%d trains on rollouts up to %d policy versions old without a "
+        "behaviour-policy correction; the policy loss offers actor.policy_loss.decoupled_is_cap "
+        "(AReaL's decoupled objective), tis_cap (truncated IS), token_ratio_band (IcePop) and "
+        "seq_ratio_band (sequence masking), docs/rollouts.md#asynchronous-rl",
+        max_staleness,
+        max_staleness,
+    )
+    return True
+
+
+def start_prefetcher(
+    engine,
+    tokenizer,
+    task: Task,
+    params: SamplingParams,
+    rng: random.Random,
+    prompts_per_step: int,
+    *,
+    rollout: RolloutConfig,
+    task_name: str,
+    last_step: int,
+    start_step: int,
+    num_threads: int = 1,
+    state: dict[str, Any] | None = None,
+) -> RolloutPrefetcher:
+    """The recipes' asynchronous sampling: an :class:`AsyncRollout` worker holding the weights of
+    step ``start_step`` and a :class:`RolloutPrefetcher` over it (``rollout.max_staleness``,
+    ``rollout.worker_timeout_s``, ``rollout.sync_check_tol``). A multi-turn task's environments
+    are built in the worker: a task whose ``make_env`` cannot reach it is a ``ValueError``
+    naming ``task.name``."""
+    env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
+    try:
+        sampler = AsyncRollout(
+            engine,
+            tokenizer,
+            version=start_step,
+            env_maker=env_maker,
+            timeout_s=rollout.worker_timeout_s,
+            sync_check_tol=rollout.sync_check_tol,
+            num_threads=num_threads,
+        )
+    except Exception as err:
+        if env_maker is None:
+            raise
+        raise ValueError(
+            f"task.name={task_name} with rollout.max_staleness={rollout.max_staleness}: the "
+            f"environments must be built in the rollout worker process, which failed: {err}"
+        ) from err
+    try:
+        return RolloutPrefetcher(
+            sampler,
+            task,
+            params,
+            rng,
+            prompts_per_step,
+            max_staleness=rollout.max_staleness,
+            last_step=last_step,
+            limits=rollout,
+            state=state,
+        )
+    except BaseException:
+        sampler.close()
+        raise
+
+
+def resumed_rollouts(extra_state: dict[str, Any], max_staleness: int) -> dict[str, Any] | None:
+    """The rollouts sampled ahead that a resumed run's checkpoint holds (``extra_state`` from
+    :func:`~microrl.run.load_run`), or None. A checkpoint holding some, resumed with
+    ``max_staleness=0``, is a ``ValueError``: their prompts are already drawn from the prompt
+    stream, and a synchronous run would skip them."""
+    state = extra_state.get(ROLLOUT_BUFFER_KEY)
+    if state is not None and state["items"] and max_staleness == 0:
+        needed = max(1, *((item["step"] - 1) - item["version"] for item in state["items"]))
+        raise ValueError(
+            f"rollout.max_staleness=0, but the checkpoint holds {len(state['items'])} rollouts "
+            f"sampled ahead by a run with rollout.max_staleness={state['max_staleness']}: "
+            f"resume with rollout.max_staleness >= {needed} so that they are trained on"
+        )
+    return state
+
+
+@contextlib.contextmanager
+def close_on_exit(*closables: Any) -> Iterator[None]:
+    """Close each of ``closables`` that is not None when the block exits, also on an error."""
+    try:
+        yield
+    finally:
+        for closable in closables:
+            if closable is not None:
+                closable.close()

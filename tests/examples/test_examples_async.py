@@ -1,0 +1,141 @@
+"""The GRPO recipe with ``rollout.max_staleness`` (asynchronous RL, docs/rollouts.md).
+
+- ``max_staleness=0`` given explicitly is the synchronous loop: metrics.jsonl equal to a run
+  with the default, key for key (timings aside), and no staleness or sync metrics.
+- ``max_staleness=1`` trains on the same prompts in the same order, reports ``staleness/*``
+  every step (at most 1, and 1 once under way) and ``sync/probe_*`` for every push, within the
+  float32 tolerance; the recomputed old log-probs differ from the stale sampler's (the
+  ``mismatch/*`` metrics show the lag), and the decoupled objective reports its weights.
+- A multi-turn task is played in the worker.
+- Under ``torchrun`` every rank has its own worker (2 gloo ranks, FSDP2-sharded weights
+  gathered for each push).
+The resume of an asynchronous run: tests/examples/test_examples_async_resume.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from example_utils import TINY_MODEL, TINY_RL, load_example
+
+from microrl.run import read_metrics, sample_rows
+
+TIMINGS = ("tokens_per_s", "step_time")
+# A reward that differs within every group from the first step on (the response's length), so
+# the tiny, barely warm-started policy moves every step and staleness shows in the metrics.
+REWARD = "def length(completions):\n    return [len(c) / 4 for c in completions]\n"
+
+
+@pytest.fixture(scope="module")
+def common(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("async")
+    (root / "length_reward.py").write_text(REWARD)
+    return [
+        *TINY_MODEL,
+        *TINY_RL,
+        f"model.path={root / 'base'}",
+        f"task.rewards=[{root / 'length_reward.py'}:length]",
+        "output.plot=false",
+        "output.tensorboard=false",
+        "train.steps=4",
+    ]
+
+
+def _run(args: list[str], monkeypatch) -> tuple[list[list[str]], list[dict]]:
+    """Run the recipe in process; the prompts each step trained on, and its metrics."""
+    grpo = load_example("grpo_lora")
+    trained: list[list[str]] = []
+
+    def record(rollout, problems, scores):
+        trained.append([p.prompt for p in problems])
+        return sample_rows(rollout, problems, scores)
+
+    monkeypatch.setattr(grpo, "sample_rows", record)
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))
+    assert grpo.main(args) == 0
+    assert not multiprocessing.active_children()  # the worker is gone
+    return trained, read_metrics(Path(out) / "metrics.jsonl")
+
+
+def _without_timings(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+def test_k0_is_the_synchronous_loop_and_k1_trains_the_same_prompts_ahead(
+    common, tmp_path: Path, monkeypatch
+) -> None:
+    prompts, default = _run([*common, f"output.dir={tmp_path / 'default'}"], monkeypatch)
+    explicit_args = [*common, f"output.dir={tmp_path / 'k0'}", "rollout.max_staleness=0"]
+    prompts_k0, explicit = _run(explicit_args, monkeypatch)
+    assert prompts_k0 == prompts
+    assert _without_timings(explicit) == _without_timings(default)
+    assert not any(k.startswith(("staleness/", "sync/")) for r in default for k in r)
+
+    async_args = [
+        *common,
+        f"output.dir={tmp_path / 'k1'}",
+        "rollout.max_staleness=1",
+        "actor.policy_loss.decoupled_is_cap=5.0",
+    ]
+    prompts_k1, records = _run(async_args, monkeypatch)
+    assert prompts_k1 == prompts  # the same prompt stream, in the same order
+    steps = records[1:]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1, 1]
+    assert [r["staleness/mean"] for r in steps] == [0, 1, 1, 1]
+    # Pushes: the base weights (checked at step 1) and those after steps 1 and 2 (the last
+    # ones step 4 trains on); each checked once, at the first step that trains on it.
+    checked = [r["step"] for r in steps if "sync/probe_kl" in r]
+    assert checked == [1, 3, 4]
+    for r in steps:
+        if "sync/probe_kl" in r:
+            assert r["sync/probe_abs_diff_max"] < 1e-4 and 0 <= r["sync/probe_kl"] < 1e-8
+        assert r["decoupled_is_weight_mean"] > 0 and "decoupled_is_capped_frac" in r
+    # The old log-probs are the trainer's at the current weights: a step-old sampler's differ
+    # by the update (the synchronous run's only by float32 rounding).
+    assert max(r["mismatch/abs_diff_max"] for r in _without_timings(default)[1:]) < 1e-4
+    assert all(r["mismatch/abs_diff_max"] > 1e-4 for r in steps[1:])
+
+
+def test_a_multi_turn_task_is_played_in_the_worker(common, tmp_path: Path, monkeypatch) -> None:
+    args = [
+        *[a for a in common if not a.startswith(("task.rewards", "train.steps"))],
+        "task.name=hinted_addition",
+        "rollout.max_turns=3",
+        "rollout.max_episode_tokens=14",
+        "rollout.max_staleness=1",
+        "train.steps=2",
+        f"output.dir={tmp_path / 'episodes'}",
+    ]
+    _, records = _run(args, monkeypatch)
+    for r in records[1:]:
+        assert r["episodes/turns_mean"] >= 1 and "staleness/max" in r
+    assert records[-1]["staleness/max"] == 1
+
+
+@pytest.mark.distributed
+def test_every_rank_has_its_worker_under_torchrun(common, tmp_path: Path) -> None:
+    out = tmp_path / "dp"
+    args = [*common, f"output.dir={out}", "rollout.max_staleness=1"]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
+    example = Path(__file__).resolve().parents[2] / "examples" / "grpo_lora.py"
+    result = subprocess.run(
+        [*launch, str(example), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.count("without a behaviour-policy correction") == 1  # rank 0 only
+    steps = read_metrics(out / "metrics.jsonl")[1:]
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1, 1]
+    assert [r["step"] for r in steps if "sync/probe_kl" in r] == [1, 3, 4]
+    assert all(r["sync/probe_abs_diff_max"] < 1e-4 for r in steps if "sync/probe_kl" in r)

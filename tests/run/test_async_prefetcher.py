@@ -1,0 +1,219 @@
+"""The schedule of asynchronous RL (microrl/run/async_rollouts.py), against a stand-in worker.
+
+``RolloutPrefetcher`` submits the job of step ``t`` right after the weights of step
+``t - 1 - k`` are pushed: each rollout is exactly ``k`` versions stale once the run is under way
+(fewer at its start), never more (checked before training); the prompts are the recipe's stream
+in step order, the same as a synchronous run's; nothing is dropped; a checkpoint holds the
+rollouts sampled ahead and a restored prefetcher continues exactly as an uninterrupted one.
+Also the config's errors for settings asynchronous RL does not support. The real worker process
+is tested in tests/rollout/test_async_rollout.py, the recipe in tests/examples/.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
+from microrl.configs.loader import load_config
+from microrl.configs.run import RolloutConfig
+from microrl.engine.rollout import Rollout, SamplingParams
+from microrl.engine.rollout.async_rollout import POLICY_VERSION_KEY, Job
+from microrl.losses import PolicyLossConfig
+from microrl.run import Dist, RolloutPrefetcher, resumed_rollouts, warn_if_uncorrected
+from microrl.tasks import AdditionTask
+
+PARAMS = SamplingParams(num_samples=2, max_new_tokens=3)
+
+
+class FakeWorker:
+    """What RolloutPrefetcher uses of AsyncRollout: jobs run in submission order, each at the
+    version pushed last before it; a rollout's texts are its prompts' answers (reward 1)."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.sync_stats = {version: {"sync/probe_kl": 0.0, "sync/probe_abs_diff_max": 0.0}}
+        self.log: list[tuple] = []  # ("sync", version) and ("submit", job id, version, prompts)
+        self.jobs: dict[int, tuple[int, list[str]]] = {}
+
+    def submit(self, prompts, params) -> Job:
+        job = Job(len(self.log), self.version, "generate")
+        self.jobs[job.id] = (self.version, list(prompts))
+        self.log.append(("submit", job.id, self.version, list(prompts)))
+        return job
+
+    def sync(self, engine) -> None:
+        self.version += 1
+        self.sync_stats[self.version] = {"sync/probe_kl": 1e-9, "sync/probe_abs_diff_max": 1e-6}
+        self.log.append(("sync", self.version))
+
+    def poll(self) -> None:
+        pass
+
+    def collect(self, job: Job) -> Rollout:
+        version, prompts = self.jobs.pop(job.id)
+        rows = len(prompts) * PARAMS.num_samples
+        answers = [str(eval(p.rstrip("="))) for p in prompts for _ in range(PARAMS.num_samples)]
+        batch = TensorDict(
+            {
+                "input_ids": torch.ones(rows, 4, dtype=torch.long),
+                "loss_mask": torch.ones(rows, 4, dtype=torch.bool),
+                POLICY_VERSION_KEY: torch.full((rows,), version, dtype=torch.long),
+            },
+            batch_size=[rows],
+        )
+        group_ids = torch.arange(len(prompts)).repeat_interleave(PARAMS.num_samples)
+        return Rollout(batch=batch, texts=answers, group_ids=group_ids)
+
+    def close(self) -> None:
+        pass
+
+
+def _run(k: int, steps: int, *, start: int = 0, state=None, stop_after: int | None = None):
+    """The recipe's loop over the prefetcher: take, (train), sync; returns the prompts trained
+    per step, the staleness metrics, the worker and the prefetcher."""
+    worker = FakeWorker(start)
+    rng = random.Random(7)
+    if state is not None:
+        rng.setstate(state["rng"])
+    prefetch = RolloutPrefetcher(
+        worker,
+        AdditionTask(9, 8),
+        PARAMS,
+        rng,
+        3,
+        max_staleness=k,
+        last_step=steps,
+        state=state and state["ahead"],
+    )
+    trained, metrics = {}, {}
+    for step in range(start + 1, steps + 1):
+        problems, rollout, scores = prefetch.take(step)
+        assert scores.tolist() == [1.0] * len(scores)  # scored against the right problems
+        trained[step] = [p.prompt for p in problems]
+        metrics[step] = prefetch.metrics(step, rollout, Dist())
+        prefetch.sync(engine=None)
+        if step == stop_after:
+            return trained, metrics, {"ahead": prefetch.state_dict(), "rng": rng.getstate()}
+    return trained, metrics, worker
+
+
+def _sync_prompts(steps: int) -> dict[int, list[str]]:
+    """The synchronous recipe's prompt stream: step by step from the same seed."""
+    rng, task = random.Random(7), AdditionTask(9, 8)
+    return {s: [p.prompt for p in task.sample(rng, 3)] for s in range(1, steps + 1)}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_each_step_trains_its_prompts_at_the_staleness_bound(k) -> None:
+    steps = 7
+    trained, metrics, worker = _run(k, steps)
+    assert trained == _sync_prompts(steps)  # the same prompts, in the same order as k = 0
+    for step in range(1, steps + 1):
+        # The job of step t is sampled with the weights after step max(0, t - 1 - k).
+        assert metrics[step]["staleness/max"] == metrics[step]["staleness/mean"]
+        assert metrics[step]["staleness/max"] == min(k, step - 1)
+    # Every push but the tail's is followed by exactly one submitted job: paced, not dropped.
+    kinds = [entry[0] for entry in worker.log]
+    assert kinds[: k + 1] == ["submit"] * (k + 1)
+    submits = [e for e in worker.log if e[0] == "submit"]
+    assert [e[2] for e in submits] == [max(0, t - 1 - k) for t in range(1, steps + 1)]
+    assert len(submits) == steps  # nothing sampled past the last step
+    assert [e[1] for e in worker.log if e[0] == "sync"] == list(range(1, steps - k))
+    # Each push's check is reported once, at the first step trained on its version.
+    reported = [s for s in metrics if "sync/probe_kl" in metrics[s]]
+    assert reported == [1, *range(k + 2, steps + 1)]
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 5])
+def test_a_restored_prefetcher_continues_exactly(stop_after) -> None:
+    k, steps = 2, 7
+    full, full_metrics, _ = _run(k, steps)
+    first, _, state = _run(k, steps, stop_after=stop_after)
+    # The checkpoint holds the rollouts sampled ahead, only plain types and tensors.
+    ahead = state["ahead"]
+    assert [item["step"] for item in ahead["items"]] == list(
+        range(stop_after + 1, min(steps, stop_after + 1 + k) + 1)
+    )
+    buffer = io.BytesIO()
+    torch.save(ahead, buffer)
+    buffer.seek(0)
+    state["ahead"] = torch.load(buffer, weights_only=True)  # as load_run reads it
+    second, metrics, _ = _run(k, steps, start=stop_after, state=state)
+    assert {**first, **second} == full  # every step's prompts trained exactly once, in order
+    for step in second:
+        assert metrics[step]["staleness/max"] == full_metrics[step]["staleness/max"]
+
+
+def test_a_checkpoint_with_rollouts_ahead_needs_a_staleness_bound_that_holds_them() -> None:
+    _, _, state = _run(2, 7, stop_after=3)
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=1 is below .* >= 2"):
+        _run(1, 7, start=3, state=state)
+    with pytest.raises(ValueError, match=r"max_staleness=0, but the checkpoint holds 3 .* >= 2 "):
+        resumed_rollouts({"rollout_buffer": state["ahead"]}, 0)
+    assert resumed_rollouts({}, 0) is None
+
+
+def test_a_rollout_beyond_the_bound_is_never_trained_on() -> None:
+    worker = FakeWorker()
+    prefetch = RolloutPrefetcher(
+        worker, AdditionTask(9, 8), PARAMS, random.Random(0), 2, max_staleness=1, last_step=5
+    )
+    prefetch.take(1)
+    worker.version = -1  # as if step 2's job had been sampled before the base weights
+    prefetch._ahead[0].job = worker.submit(["1+1="], PARAMS)
+    with pytest.raises(RuntimeError, match=r"step 2: .* 2 versions stale, beyond "):
+        prefetch.take(2)
+
+
+def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert warn_if_uncorrected(PolicyLossConfig(), 1)
+        assert not warn_if_uncorrected(PolicyLossConfig(decoupled_is_cap=2.0), 1)
+        assert not warn_if_uncorrected(PolicyLossConfig(), 0)
+    (record,) = caplog.records
+    for key in ("decoupled_is_cap", "tis_cap", "token_ratio_band", "seq_ratio_band"):
+        assert key in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    ("schema", "overrides", "message"),
+    [
+        (GRPOExampleConfig, ["rollout.max_staleness=-1"], "rollout.max_staleness must be an int"),
+        (
+            GRPOExampleConfig,
+            ["rollout.max_staleness=1", "rollout.backend=vllm"],
+            "rollout.max_staleness must be 0 with rollout.backend=vllm .*not yet supported",
+        ),
+        (
+            GRPOExampleConfig,
+            ["rollout.max_staleness=1", "rollout.dynamic_sampling=true"],
+            "rollout.dynamic_sampling must be false with rollout.max_staleness=1",
+        ),
+        (
+            GRPOExampleConfig,
+            ["rollout.max_staleness=2", "actor.policy_loss.bypass_mode=true"],
+            "bypass_mode must be false with rollout.max_staleness=2",
+        ),
+        (
+            PPOExampleConfig,
+            ["rollout.max_staleness=1"],
+            "rollout.max_staleness must be 0 for PPO .*not yet supported",
+        ),
+        (GRPOExampleConfig, ["rollout.sync_check_tol=0"], "rollout.sync_check_tol must be > 0"),
+        (GRPOExampleConfig, ["rollout.worker_timeout_s=0"], "rollout.worker_timeout_s must be"),
+    ],
+)
+def test_unsupported_settings_name_the_keys(schema, overrides, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(schema, None, overrides)
+
+
+def test_defaults_are_the_synchronous_loop() -> None:
+    assert RolloutConfig().max_staleness == 0
+    assert load_config(GRPOExampleConfig).rollout.max_staleness == 0
