@@ -127,6 +127,13 @@ class GRPOExampleConfig:
             "recomputed ones, the proximal policy; the sampler's are a stale behaviour policy)",
             self.actor.policy_loss.bypass_mode,
         )
+        require(
+            k == 0 or self.actor.sequence_parallel_size == 1,
+            "actor.sequence_parallel_size",
+            f"1 with rollout.max_staleness={k} (a generation worker per sp group is not yet "
+            "supported)",
+            self.actor.sequence_parallel_size,
+        )
 
 
 @dataclass
@@ -203,6 +210,15 @@ class PPOExampleConfig:
             "examples/grpo_lora.py)",
             self.rollout.max_staleness,
         )
+        for role in ("actor", "critic"):
+            size = getattr(self, role).sequence_parallel_size
+            require(
+                size == 1,
+                f"{role}.sequence_parallel_size",
+                "1 for PPO (sequence parallelism runs in examples/grpo_lora.py; PPO's two "
+                "engines would need one sp layout: not yet supported)",
+                size,
+            )
         require(
             self.task.name not in EPISODE_TASK_NAMES,
             "task.name",

@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     log = print if dist_info.is_main else (lambda *_: None)
-    prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", dist_info)
-    mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
+    # Under sequence parallelism an sp group's processes are one data rank: the same prompts.
+    data = dist_info.for_sequence_parallel(cfg.actor.sequence_parallel_size)
+    prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", data)
+    mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", data)
     mini_batches = prompts_per_rank * cfg.rollout.group_size // mini_batch_per_rank
 
     t_setup = time.perf_counter()
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     # addition, word_problems, a file, or a multi-turn task played against environments
     task = make_task(cfg.task, tokenizer)  # (docs/tasks.md)
     episodes = is_episode_task(task)
+    dist_info = data  # from here on (the base model is built by every process as its own rank)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     engine = ActorEngine(base_path, cfg.actor)  # under torchrun only rank 0 reads it
     # A different stream per rank: Python's for the prompts, torch's for sampling and shuffles.

@@ -120,7 +120,7 @@ def save_run(
     }
     if extra_state is not None:
         state["extra"] = dict(extra_state)
-    state_path = _rank_state_path(tmp, dist_info.rank)
+    state_path = _rank_state_path(tmp, dist_info.process)
     torch.save(state, state_path)
     _fsync_file(state_path)
     dist_info.barrier()
@@ -169,10 +169,10 @@ def load_run(
                 f"--resume: {directory} was saved by {marker['world_size']} processes; resume "
                 f"it with the same number (this run has {dist_info.world_size})"
             )
-    state_path = _rank_state_path(directory, dist_info.rank)
+    state_path = _rank_state_path(directory, dist_info.process)
     if not state_path.is_file():
         raise FileNotFoundError(
-            f"--resume: no checkpoint for rank {dist_info.rank} in {directory} "
+            f"--resume: no checkpoint for rank {dist_info.process} in {directory} "
             "(was it written with the same number of processes?)"
         )
     for name, engine in engines.items():

@@ -38,14 +38,38 @@ def per_rank(total: int, key: str, dist_info: Dist) -> int:
 
 @dataclass(frozen=True)
 class Dist:
-    """This process's place among the data-parallel ranks (1 rank under plain ``python``)."""
+    """This process's place among the data-parallel ranks (1 rank under plain ``python``).
+
+    ``rank`` and ``world_size`` count *data* ranks, the ones that sample their own prompts.
+    Under sequence parallelism the ``replicas`` processes of an sp group are one data rank: they
+    sample the same prompts with the same seeds and pass the engine the same mini-batch, whose
+    tokens they split (docs/distributed.md). ``process`` is this process's own rank.
+    """
 
     rank: int = 0
     world_size: int = 1
+    replicas: int = 1
+    process_rank: int | None = None
+
+    @property
+    def process(self) -> int:
+        """This process's rank among all processes (what is written per process uses it)."""
+        return self.rank if self.process_rank is None else self.process_rank
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.process == 0
+
+    def for_sequence_parallel(self, size: int, key: str = "actor.sequence_parallel_size") -> Dist:
+        """The data ranks when each ``size`` consecutive processes form an sp group (``self``
+        for 1); a ``ValueError`` naming ``key`` when ``size`` does not divide the processes."""
+        if size == 1:
+            return self
+        if self.replicas != 1 or self.world_size % size:
+            raise ValueError(
+                f"{key}={size} must divide the number of processes ({self.world_size})"
+            )
+        return Dist(self.rank // size, self.world_size // size, size, self.rank)
 
     @classmethod
     def init(cls) -> Dist:
@@ -63,11 +87,12 @@ class Dist:
         return list(items[start:stop])
 
     def sum(self, values: Sequence[float]) -> list[float]:
-        """Element-wise sum over ranks (float64, so counts stay exact)."""
+        """Element-wise sum over data ranks (float64, so counts stay exact); the replicas of a
+        data rank hold the same values and count once."""
         tensor = torch.tensor(list(values), dtype=torch.float64)
-        if self.world_size > 1:
+        if self.world_size * self.replicas > 1:
             dist.all_reduce(tensor)
-        return tensor.tolist()
+        return (tensor / self.replicas).tolist()
 
     def any(self, flag: bool) -> bool:
         return self.sum([float(flag)])[0] > 0

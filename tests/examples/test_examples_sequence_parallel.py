@@ -1,0 +1,65 @@
+"""The GRPO recipe under Ulysses sequence parallelism: 2 processes that are one data rank.
+
+``torchrun --nproc_per_node 2 examples/grpo_lora.py actor.sequence_parallel_size=2`` samples
+the prompts of one data rank on both processes (the same seeds), passes the engine the same
+mini-batch and splits its tokens: it must train like the single-process run (the same prompts,
+rewards and, to float32 rounding, losses), write its outputs once, and refuse what it cannot do.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from example_utils import TINY_MODEL, TINY_RL, load_example
+
+from microrl.configs.engine import ActorConfig, LoraConfig
+from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
+from microrl.configs.run import RolloutConfig
+from microrl.run import Dist, read_metrics
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+QUIET = ["output.plot=false", "output.tensorboard=false", "train.steps=2"]
+
+
+def test_grpo_under_sequence_parallelism_trains_like_one_process(tmp_path: Path) -> None:
+    base = tmp_path / "base" / "tiny-adder"
+    args = [*TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base}"]
+    one = tmp_path / "one"
+    assert load_example("grpo_lora").main([*args, f"output.dir={one}"]) == 0
+    sp = tmp_path / "sp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*cmd, str(ROOT / "examples" / "grpo_lora.py"), *args, f"output.dir={sp}",
+         "actor.sequence_parallel_size=2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("held-out greedy accuracy:") == 1  # one data rank, one writer
+    ref, got = read_metrics(one / "metrics.jsonl"), read_metrics(sp / "metrics.jsonl")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    assert got[0]["eval/accuracy"] == ref[0]["eval/accuracy"]
+    assert got[1]["reward"] == ref[1]["reward"]  # the same prompts and samples
+    assert got[1]["loss"] == pytest.approx(ref[1]["loss"], abs=1e-5)
+    for process in (0, 1):  # each process keeps its own loop state
+        assert (sp / "checkpoint" / f"loop_state_rank{process}.pt").is_file()
+
+
+def test_sequence_parallel_data_ranks_and_refusals() -> None:
+    view = Dist(rank=3, world_size=4).for_sequence_parallel(2)
+    assert (view.rank, view.world_size, view.replicas, view.process) == (1, 2, 2, 3)
+    assert not view.is_main and Dist(rank=1, world_size=4).for_sequence_parallel(2).rank == 0
+    assert Dist().for_sequence_parallel(1) == Dist()
+    with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size=2 must divide"):
+        Dist(rank=0, world_size=3).for_sequence_parallel(2)
+    with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size"):
+        GRPOExampleConfig(
+            actor=ActorConfig(sequence_parallel_size=2, lora=LoraConfig(rank=8)),
+            rollout=RolloutConfig(max_staleness=1),
+        )
+    with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size"):
+        PPOExampleConfig(actor=ActorConfig(sequence_parallel_size=2, lora=LoraConfig(rank=8)))
