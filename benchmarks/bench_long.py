@@ -82,13 +82,12 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # live_bytes
 sys.path.insert(0, str(HERE.parent / "tests"))  # distributed_utils (the rank launcher)
 
-from live_bytes import LiveBytes, _key  # noqa: E402
+from live_bytes import LiveBytes, _key, new_storages  # noqa: E402
 
 MIB = 2.0**20
 BASE_LENGTH = 256  # tokens of the warm-up micro-batch every engine runs when it is built
@@ -159,13 +158,7 @@ class DeviceBytes(LiveBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_key(t) for t in tree_leaves((args, kwargs))}
-        seen = set()
-        for t in tree_leaves(out):
-            key = _key(t)
-            if key is None or key in inputs or key in seen:
-                continue
-            seen.add(key)
+        for key, t in new_storages(args, kwargs, out):
             if t.device.type != self.device_type:
                 continue  # CUDA: a host tensor (pinned copies, the batch before it moves)
             storage = t.untyped_storage()

@@ -26,14 +26,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_key(t) for t in tree_leaves((args, kwargs))}
-        seen = set()
-        for t in tree_leaves(out):
-            key = _key(t)
-            if key is None or key in inputs or key in seen:
-                continue
+        for _, t in new_storages(args, kwargs, out):
             storage = t.untyped_storage()
-            seen.add(key)
             self._add(storage.nbytes())
             weakref.finalize(storage, self._add, -storage.nbytes())
         return out
@@ -52,3 +46,16 @@ def _key(t) -> int | None:
         return storage.data_ptr() if storage.nbytes() else None
     except RuntimeError:  # a storage released in place (FSDP2 frees unsharded parameters so)
         return None
+
+
+def new_storages(args, kwargs, out):
+    """``(key, tensor)`` of each output of an operator whose storage is new: not one of its
+    arguments' (views, in-place and ``out=`` results) and not yielded before."""
+    inputs = {_key(t) for t in tree_leaves((args, kwargs))}
+    seen = set()
+    for t in tree_leaves(out):
+        key = _key(t)
+        if key is None or key in inputs or key in seen:
+            continue
+        seen.add(key)
+        yield key, t

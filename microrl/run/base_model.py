@@ -64,7 +64,7 @@ def prepare_base_model(
 
     Anything else (a missing local path, a failed download) is a one-line ``ValueError`` that
     says how to get the model. The engines load the returned directory themselves: under
-    torchrun only rank 0 reads it (microrl/engine/parallel/materialize.py).
+    torchrun only rank 0 reads it (engine/parallel/materialize.py).
     """
     path = cfg.path
     if is_checkpoint(path):
