@@ -6,7 +6,9 @@ a colocated ``vllm.LLM`` whose weights are synced from the engine after optimize
 optional ``vllm`` extra). Both return the same :class:`Rollout`: a token-aligned ``[B, T]``
 batch with ``rollout_logprobs``, the decoded texts and the group id of each row.
 :class:`AsyncRollout` runs the ``hf`` backend in a worker process for asynchronous RL (jobs
-submitted now, collected later, weights pushed and verified; docs/rollouts.md).
+submitted now, collected later, weights pushed and verified; docs/rollouts.md);
+:class:`AsyncRolloutPool` runs several, each sampling a part of every job
+(:func:`make_async_rollout` picks one of the two by ``num_workers``).
 """
 
 from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
@@ -18,12 +20,14 @@ from microrl.engine.rollout.merge import merge_rollouts, select_groups
 __all__ = [
     "BACKENDS",
     "AsyncRollout",
+    "AsyncRolloutPool",
     "HFRollout",
     "Rollout",
     "RolloutBackend",
     "Samples",
     "SamplingParams",
     "build_rollout",
+    "make_async_rollout",
     "make_rollout_backend",
     "merge_rollouts",
     "select_groups",
@@ -36,6 +40,10 @@ def __getattr__(name: str):
         from microrl.engine.rollout.async_rollout import AsyncRollout
 
         return AsyncRollout
+    if name in ("AsyncRolloutPool", "make_async_rollout"):  # imported on use, as AsyncRollout
+        from microrl.engine.rollout import async_pool
+
+        return getattr(async_pool, name)
     if name == "VLLMRollout":  # imported on use: vllm is an optional dependency
         from microrl.engine.rollout.vllm import VLLMRollout
 

@@ -148,6 +148,10 @@ class AsyncRollout(RolloutBackend):
             engine's precision (:data:`FP32_SYNC_CHECK_TOL`, :data:`LOW_PRECISION_SYNC_CHECK_TOL`).
         num_threads: the worker's torch threads (0: torch's default).
         name: how errors name the worker.
+        wait: False: spawn the worker and return at once; :meth:`wait_started` completes the
+            start (the first push and its check). A pool spawns its workers together this way.
+        check_threads: warn when the trainer's and the worker's threads oversubscribe the
+            cores (a pool checks all its workers together instead).
 
     Under ``torchrun`` each rank owns one (its own worker); :meth:`sync` is collective.
     """
@@ -163,6 +167,8 @@ class AsyncRollout(RolloutBackend):
         sync_check_tol: float | None = None,
         num_threads: int = 1,
         name: str | None = None,
+        wait: bool = True,
+        check_threads: bool = True,
     ) -> None:
         super().__init__(tokenizer)
         if not isinstance(engine, Engine):
@@ -178,7 +184,7 @@ class AsyncRollout(RolloutBackend):
             else "the rollout worker"
         )
         self.timeout_s = float(timeout_s)
-        self.sync_check_tol = sync_check_tol or _default_tol(engine)
+        self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
         self.version = int(version)
         #: ``sync/probe_kl`` and ``sync/probe_abs_diff_max`` of each verified push, by version.
         self.sync_stats: dict[int, dict[str, float]] = {}
@@ -194,7 +200,7 @@ class AsyncRollout(RolloutBackend):
             tokenizer,
         )
         self._expected: dict[int, tuple[torch.Tensor, dict[str, tuple[float, ...]]]] = {}
-        self._done: dict[int, tuple[int, Any]] = {}
+        self._done: dict[int, tuple[int, Any, tuple[float, float]]] = {}
         self._jobs = itertools.count()
         self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
         self._closed = False
@@ -209,23 +215,15 @@ class AsyncRollout(RolloutBackend):
                     "env_maker cannot be sent to the rollout worker process (it must be "
                     f"picklable, e.g. a task's make_env): {err}"
                 ) from err
-        threads = torch.get_num_threads() + (num_threads or torch.get_num_threads())
-        if threads > (os.cpu_count() or 1):
-            logger.warning(
-                "the trainer's %d torch threads and %s's %s take %d threads on %d cores: "
-                "OpenMP threads spinning on oversubscribed cores can slow both processes many "
-                "times over (torch.set_num_threads; train.num_threads in the recipes)",
-                torch.get_num_threads(),
-                self.name,
-                num_threads or "default",
-                threads,
-                os.cpu_count() or 1,
-            )
-        self._start(engine, base, tokenizer, env_bytes, num_threads)
+        if check_threads:
+            warn_if_oversubscribed(self.name, [num_threads])
+        self._spawn(engine, base, tokenizer, env_bytes, num_threads)
+        if wait:
+            self.wait_started()
 
     # ----------------------------------------------------------------- start and stop
-    def _start(self, engine, base, tokenizer, env_bytes, num_threads) -> None:
-        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+    def _spawn(self, engine, base, tokenizer, env_bytes, num_threads) -> None:
+        from torch.distributed import TCPStore
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self._store = TCPStore(
@@ -258,7 +256,16 @@ class AsyncRollout(RolloutBackend):
         self._finalizer = weakref.finalize(
             self, _stop_worker, self.process, self._commands, self._results
         )
+
+    def wait_started(self) -> None:
+        """Complete the start of a worker spawned with ``wait=False``: wait for it, push the
+        engine's weights (version ``version``) and check them; closes the worker on failure."""
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        engine = self.engine
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
+            self._check_open()
             self._wait_for("hello", "it to start")
             self._group = ProcessGroupGloo(
                 PrefixStore("microrl-rollout", self._store), 0, 2, timeout
@@ -272,7 +279,10 @@ class AsyncRollout(RolloutBackend):
             self._commands.put(("layout", self._layouts))
             self._wait_for("ready", "it to check the model's tensors")
             self._push(engine, full, "full")
+            del full
             self._wait_for_sync(self.version)
+            # The worker holds the weights: the full push's buffers can go.
+            self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
         except BaseException:
             self.close()
             raise
@@ -300,16 +310,7 @@ class AsyncRollout(RolloutBackend):
 
     # ----------------------------------------------------------------- weights
     def _gather(self, engine, *, trainable_only: bool) -> dict[str, torch.Tensor]:
-        """The causal LM's full tensors (FSDP2 shards all-gathered on every rank, as the vllm
-        backend's sync does), on the CPU, by their names in the causal LM."""
-        options = StateDictOptions(
-            full_state_dict=True, cpu_offload=False, ignore_frozen_params=trainable_only
-        )
-        state = get_model_state_dict(engine.module, options=options)
-        prefix = self._prefix
-        return {
-            k[len(prefix) :]: v.detach().cpu() for k, v in state.items() if k.startswith(prefix)
-        }
+        return gather_weights(engine.module, self._prefix, trainable_only=trainable_only)
 
     def sync(self, engine=None) -> None:
         """Push the engine's current weights as the next version (``version + 1``); jobs
@@ -318,19 +319,30 @@ class AsyncRollout(RolloutBackend):
         :meth:`poll`). Collective under ``torchrun`` (the weights are gathered)."""
         self._check_open()
         engine = engine or self.engine
-        state = self._gather(engine, trainable_only=True)
-        self.version += 1
-        self._push(engine, state, "trainable")
+        self._push_next(engine, self._gather(engine, trainable_only=True))
 
-    def _push(self, engine, state: dict[str, torch.Tensor], layout: str) -> None:
+    def _push_next(self, engine, state: dict[str, torch.Tensor], expected=None) -> None:
+        """Push ``state`` (the trainable tensors, gathered) as version ``version + 1``;
+        ``expected``: its :meth:`_expected_of` when the caller computed it (a pool: once for
+        all its workers)."""
+        self._check_open()
+        self.version += 1
+        self._push(engine, state, "trainable", expected)
+
+    def _expected_of(self, engine, state: dict[str, torch.Tensor]):
+        """What the worker must answer to a push of ``state``: the engine's probe log-probs
+        now and the tensors' checksums."""
+        expected_probe = engine.infer_batch(self.probe)["logprobs"].float().cpu()
+        return expected_probe, tensor_checksums(state.items())
+
+    def _push(self, engine, state: dict[str, torch.Tensor], layout: str, expected=None) -> None:
         entries = self._layouts[layout]
         if [(n, tuple(t.shape), t.dtype) for n, t in state.items()] != entries:
             raise RuntimeError(
                 f"the engine's {layout} tensors changed since {self.name} started (names, "
                 "shapes or dtypes): a worker copies a fixed set"
             )
-        expected_probe = engine.infer_batch(self.probe)["logprobs"].float().cpu()
-        self._expected[self.version] = (expected_probe, tensor_checksums(state.items()))
+        self._expected[self.version] = expected or self._expected_of(engine, state)
         self._commands.put(("weights", self.version, layout))
         self._broadcast(state, entries)
 
@@ -348,13 +360,17 @@ class AsyncRollout(RolloutBackend):
             self._pending_works.append((work, [flat]))
 
     # ----------------------------------------------------------------- jobs
-    def _submit(self, kind: str, args: tuple, params: SamplingParams) -> Job:
+    def _submit(
+        self, kind: str, args: tuple, params: SamplingParams, seed: int | None = None
+    ) -> Job:
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         # The worker seeds each job: from params.seed, else from torch's generator here, so a
-        # run that checkpoints torch's RNG state resumes with the very samples it would draw.
-        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
+        # run that checkpoints torch's RNG state resumes with the very samples it would draw
+        # (``seed``: a pool's part seed, drawn the same way).
+        if seed is None:
+            seed = draw_seed(params)
         job = Job(next(self._jobs), self.version, kind)
         self._commands.put((kind, job.id, seed, args))
         return job
@@ -382,21 +398,25 @@ class AsyncRollout(RolloutBackend):
 
     def collect(self, job: Job) -> Rollout:
         """The rollout of ``job`` (waiting for it); its batch carries ``policy_version``."""
+        return self._collect(job)[0]
+
+    def _collect(self, job: Job) -> tuple[Any, tuple[float, float]]:
+        """:meth:`collect`, and the worker's wall and CPU seconds for the job."""
         self._check_open()
         while job.id not in self._done:
             self._receive(f"the rollout of job {job.id} (policy version {job.version})")
-        version, payload = self._done.pop(job.id)
+        version, payload, seconds = self._done.pop(job.id)
         if version != job.version:  # the queue's order is the versions' contract
             raise WorkerError(
                 f"{self.name} sampled job {job.id} with policy version {version}, but "
                 f"version {job.version} was the last pushed before it"
             )
         if job.kind == "sample":
-            return payload
+            return payload, seconds
         rows = len(payload["texts"])
         batch = TensorDict(payload["batch"], batch_size=[rows])
         batch[POLICY_VERSION_KEY] = torch.full((rows,), version, dtype=torch.long)
-        return Rollout(
+        rollout = Rollout(
             batch=batch,
             texts=payload["texts"],
             group_ids=payload["group_ids"],
@@ -404,6 +424,7 @@ class AsyncRollout(RolloutBackend):
             num_turns=payload["num_turns"],
             metrics=payload["metrics"],
         )
+        return rollout, seconds
 
     def poll(self) -> None:
         """Handle what the worker has sent so far (checks of finished syncs; errors) without
@@ -476,7 +497,7 @@ class AsyncRollout(RolloutBackend):
         kind = message[0]
         if kind == "done":
             _, job, version, payload, (seconds, cpu_seconds) = message
-            self._done[job] = (version, loads(payload))
+            self._done[job] = (version, loads(payload), (seconds, cpu_seconds))
             self.job_seconds.append(seconds)
             self.job_cpu_seconds.append(cpu_seconds)
         elif kind == "synced":
@@ -492,11 +513,9 @@ class AsyncRollout(RolloutBackend):
 
     def _verify(self, version: int, probe: torch.Tensor, sums: dict) -> None:
         expected_probe, expected_sums = self._expected.pop(version)
-        mask = self.probe["loss_mask"].cpu()
-        delta = (expected_probe.double() - probe.double())[mask]
-        kl = float((torch.expm1(delta) - delta).mean())
-        abs_max = float(delta.abs().max())
-        self.sync_stats[version] = {"sync/probe_kl": kl, "sync/probe_abs_diff_max": abs_max}
+        stats = probe_stats(expected_probe, probe, self.probe["loss_mask"].cpu())
+        self.sync_stats[version] = stats
+        kl, abs_max = stats["sync/probe_kl"], stats["sync/probe_abs_diff_max"]
         differ = [n for n in expected_sums if checksums_differ(expected_sums[n], sums.get(n))]
         if differ or not abs_max <= self.sync_check_tol:
             tensors = (
@@ -520,7 +539,59 @@ class AsyncRollout(RolloutBackend):
             raise WorkerError(f"{self.name} is closed")
 
 
-def _default_tol(engine) -> float:
+def draw_seed(params: SamplingParams) -> int:
+    """A job's seed: ``params.seed``, else drawn from torch's default generator (so a run that
+    checkpoints torch's RNG state draws the same seeds when resumed)."""
+    return params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
+
+
+def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
+    """Log a warning when the trainer's torch threads and the workers' (``worker_threads``, 0:
+    torch's default) exceed the cores; True when it warned."""
+    trainer = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    threads = trainer + sum(n or trainer for n in worker_threads)
+    if threads <= cores:
+        return False
+    logger.warning(
+        "the trainer's %d torch threads and the torch threads of %s (%s) take %d threads on "
+        "%d cores: "
+        "OpenMP threads spinning on oversubscribed cores can slow both processes many "
+        "times over (torch.set_num_threads; train.num_threads in the recipes)",
+        trainer,
+        names,
+        " + ".join(str(n or "default") for n in worker_threads),
+        threads,
+        cores,
+    )
+    return True
+
+
+def gather_weights(module, prefix: str, *, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The causal LM's full tensors (FSDP2 shards all-gathered on every rank, as the vllm
+    backend's sync does), on the CPU, by their names in the causal LM (``prefix``: its path in
+    ``module``, :func:`~microrl.engine.checkpoint.export.locate_base_model`). Collective under
+    ``torchrun``."""
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=False, ignore_frozen_params=trainable_only
+    )
+    state = get_model_state_dict(module, options=options)
+    return {k[len(prefix) :]: v.detach().cpu() for k, v in state.items() if k.startswith(prefix)}
+
+
+def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor) -> dict:
+    """``sync/probe_kl`` (the mean k3 estimator of KL(trainer || sampler) over the probe's
+    tokens, from the two log-prob sets ``[B, T]``) and ``sync/probe_abs_diff_max``."""
+    delta = (expected.double() - actual.double())[mask]
+    return {
+        "sync/probe_kl": float((torch.expm1(delta) - delta).mean()),
+        "sync/probe_abs_diff_max": float(delta.abs().max()),
+    }
+
+
+def default_sync_check_tol(engine) -> float:
+    """The default ``sync_check_tol`` of ``engine``'s precision (:data:`FP32_SYNC_CHECK_TOL`,
+    :data:`LOW_PRECISION_SYNC_CHECK_TOL`)."""
     from microrl.engine import setup
 
     config = engine.config

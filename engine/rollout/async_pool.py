@@ -1,0 +1,421 @@
+"""Several asynchronous ``hf`` generation workers behind one trainer (``rollout.num_workers``).
+
+:class:`AsyncRolloutPool` runs ``num_workers`` :class:`~microrl.engine.rollout.AsyncRollout`
+workers (one process each) behind the interface the recipes' prefetcher drives
+(:class:`~microrl.run.async_rollouts.RolloutPrefetcher`): ``version``, :meth:`~AsyncRolloutPool.
+submit`, :meth:`~AsyncRolloutPool.submit_episodes`, :meth:`~AsyncRolloutPool.collect`,
+:meth:`~AsyncRolloutPool.sync`, :meth:`~AsyncRolloutPool.poll`, ``sync_stats``.
+
+**Jobs.** A job's prompts (or problems) are cut into ``num_workers`` contiguous chunks of whole
+prompts, as even as possible (the first ones one prompt longer; :func:`split_sizes`), so the
+``num_samples`` rows of a prompt (a GRPO group) are always sampled by one worker. Each chunk is
+a job of its own worker (a worker whose chunk is empty gets none); the workers sample their
+chunks at the same time, and :meth:`~AsyncRolloutPool.collect` lays the parts out again as one
+rollout in the caller's order (:func:`~microrl.engine.rollout.merge_rollouts`: one batch as wide
+as the longest prompt plus the longest response), row ``i`` answering prompt ``group_ids[i]``
+of the job, as from one worker.
+
+**Seeds.** One seed is drawn per job exactly as :class:`AsyncRollout` draws it (``params.seed``,
+else torch's default generator), and each part's seed derives from it (:func:`part_seeds`: the
+first part samples with that seed itself). A run that checkpoints torch's RNG state resumes with
+the very samples it would have drawn, for the same ``num_workers``. With ``params.seed`` set,
+part ``i`` samples with ``params.seed`` replaced by its part seed (so two chunks never share
+their random draws).
+
+**Weights.** :meth:`~AsyncRolloutPool.sync` gathers the engine's weights once and pushes them to
+every worker as the same version; each worker checks its push with its own probe
+(:class:`~microrl.engine.rollout.async_rollout.SyncCheckError` names the worker), and
+``sync_stats[version]`` holds the largest ``sync/probe_kl`` and ``sync/probe_abs_diff_max`` of
+the workers once every one has checked it.
+
+**Start and stop.** The workers are spawned together, then connected and given their first
+weights one after the other (a worker builds its model while the ones before it are served).
+:meth:`~AsyncRolloutPool.close` stops every worker; a failed start closes those started.
+
+``num_workers=1`` is a plain :class:`AsyncRollout`: :func:`make_async_rollout` returns one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from microrl.engine.parallel import distributed
+from microrl.engine.rollout.async_rollout import (
+    AsyncRollout,
+    Job,
+    SyncCheckError,
+    WorkerError,
+    draw_seed,
+    gather_weights,
+    warn_if_oversubscribed,
+)
+from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.episodes import EpisodeError
+from microrl.engine.rollout.merge import merge_rollouts
+
+__all__ = [
+    "AsyncRolloutPool",
+    "Part",
+    "PoolJob",
+    "check_num_workers",
+    "make_async_rollout",
+    "part_seeds",
+    "split_sizes",
+]
+
+_SEED_RANGE = 2**31 - 1  # AsyncRollout's seed draws: [0, 2**31 - 1)
+# The start of the message of the EpisodeError a worker raises when every episode of its part
+# failed under skip_env_errors (microrl.engine.rollout.episodes._Player.finish): in a pool that
+# part is only dropped, as its rows would be from one worker, unless every part's are.
+_ALL_EPISODES_FAILED = "every one of the "
+
+
+def check_num_workers(num_workers: Any) -> int:
+    """``num_workers``, or a ``ValueError`` naming it when it is not an int >= 1."""
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise ValueError(
+            f"num_workers (rollout.num_workers) must be an int >= 1, got {num_workers!r}"
+        )
+    return num_workers
+
+
+def split_sizes(items: int, parts: int) -> list[int]:
+    """The sizes of ``parts`` contiguous chunks of ``items`` whole items, as even as possible
+    (the first ``items % parts`` one longer; 0 for parts beyond the items)."""
+    base, extra = divmod(items, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def part_seeds(seed: int, parts: int) -> list[int]:
+    """The seeds of a job's ``parts`` parts from the job's ``seed``: ``seed`` itself for the
+    first, then draws of a generator seeded with it (reproducible, distinct with overwhelming
+    probability)."""
+    if parts <= 1:
+        return [seed][:parts]
+    generator = torch.Generator().manual_seed(seed)
+    return [seed, *torch.randint(_SEED_RANGE, (parts - 1,), generator=generator).tolist()]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of a pool job: the worker (index) sampling it, its job there, and the range of
+    the pool job's prompts it holds (``start``, ``size``)."""
+
+    worker: int
+    job: Job
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class PoolJob(Job):
+    """A job of an :class:`AsyncRolloutPool`: ``id``, ``version`` and ``kind`` as a
+    :class:`Job`'s, and its :class:`Part` on each worker that samples some of it."""
+
+    parts: tuple[Part, ...] = ()
+    num_samples: int = 1
+    skip_env_errors: bool = False
+
+
+class AsyncRolloutPool(RolloutBackend):
+    """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together
+    (see the module docstring).
+
+    Args:
+        engine, tokenizer, version, env_maker, timeout_s, sync_check_tol, num_threads: as
+            :class:`AsyncRollout`'s, for every worker (``num_threads`` each).
+        num_workers: the worker processes (``rollout.num_workers``), >= 1.
+        name: how errors name the workers (each ``"<name> <i> of <num_workers>"``).
+
+    Under ``torchrun`` each rank owns a pool; :meth:`sync` is collective (once per pool).
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        num_workers: int,
+        version: int = 0,
+        env_maker: Callable[[Any], Any] | None = None,
+        timeout_s: float = 600.0,
+        sync_check_tol: float | None = None,
+        num_threads: int = 1,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(tokenizer)
+        count = check_num_workers(num_workers)
+        self.engine = engine
+        rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
+        base = name or "the rollout worker"
+        #: How errors name the pool.
+        self.name = f"the {count} rollout workers{rank}" if name is None else f"{name} 1-{count}"
+        self.version = int(version)
+        self._has_env_maker = env_maker is not None
+        self._jobs = itertools.count()
+        self._closed = False
+        #: Per collected job (in collect order): the wall seconds of its slowest part (the
+        #: parts run at once) and the CPU seconds of all its parts.
+        self.job_seconds: list[float] = []
+        self.job_cpu_seconds: list[float] = []
+        warn_if_oversubscribed(self.name, [num_threads] * count)
+        #: The workers, in the order of the chunks they sample.
+        self.workers: list[AsyncRollout] = []
+        try:
+            for index in range(count):  # spawned together: each builds its model meanwhile
+                self.workers.append(
+                    AsyncRollout(
+                        engine,
+                        tokenizer,
+                        version=version,
+                        env_maker=env_maker,
+                        timeout_s=timeout_s,
+                        sync_check_tol=sync_check_tol,
+                        num_threads=num_threads,
+                        name=f"{base} {index + 1} of {count}{rank if name is None else ''}",
+                        wait=False,
+                        check_threads=False,
+                    )
+                )
+            for worker in self.workers:
+                worker.wait_started()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- state
+    @property
+    def processes(self) -> list:
+        """The workers' processes."""
+        return [worker.process for worker in self.workers]
+
+    @property
+    def sync_check_tol(self) -> float:
+        return self.workers[0].sync_check_tol
+
+    @property
+    def sync_stats(self) -> dict[int, dict[str, float]]:
+        """``sync/probe_kl`` and ``sync/probe_abs_diff_max`` of each push every worker has
+        checked, by version: the largest of the workers'."""
+        stats = [worker.sync_stats for worker in self.workers]
+        checked = [v for v in sorted(stats[0]) if all(v in s for s in stats[1:])]
+        keys = ("sync/probe_kl", "sync/probe_abs_diff_max")
+        return {v: {k: max(s[v][k] for s in stats) for k in keys} for v in checked}
+
+    @property
+    def sync_seconds(self) -> list[float]:
+        """Per push every worker has loaded (in version order): the slowest worker's seconds
+        to load it and score the probe."""
+        loaded = zip(*(w.sync_seconds for w in self.workers), strict=False)  # shortest: by all
+        return [max(seconds) for seconds in loaded]
+
+    # ----------------------------------------------------------------- start and stop
+    def close(self) -> None:
+        """Stop every worker (all asked at once, then each closed); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self.workers:  # an idle worker exits as soon as it reads this
+            commands = getattr(worker, "_commands", None)
+            if commands is not None and worker.process is not None and worker.process.is_alive():
+                with contextlib.suppress(Exception):
+                    commands.put(("close",))
+        for worker in self.workers:
+            worker.close()
+
+    def __enter__(self) -> AsyncRolloutPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- weights
+    def sync(self, engine=None) -> None:
+        """Push the engine's current weights to every worker as the next version
+        (``version + 1``): gathered once, checked by each worker (see :meth:`AsyncRollout.sync`).
+        Returns at once. Collective under ``torchrun``."""
+        self._check_open()
+        engine = engine or self.engine
+        first = self.workers[0]
+        state = gather_weights(engine.module, first._prefix, trainable_only=True)
+        expected = first._expected_of(engine, state)  # the same probe in every worker
+        self.version += 1
+        for worker in self.workers:
+            worker._push_next(engine, state, expected)
+
+    def poll(self) -> None:
+        """Handle what every worker has sent so far (checks of finished syncs; errors)."""
+        self._check_open()
+        for worker in self.workers:
+            worker.poll()
+
+    # ----------------------------------------------------------------- jobs
+    def submit(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+    ) -> PoolJob:
+        """Queue sampling ``params.num_samples`` responses per prompt, the prompts split over
+        the workers; returns the :class:`PoolJob`, whose rollout :meth:`collect` returns."""
+        self._check_open()
+        _check_params(params)
+        return self._split("generate", self._encode(prompts), params, lambda c, p: (c, p))
+
+    def submit_episodes(
+        self,
+        problems: Sequence[Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+    ) -> PoolJob:
+        """Queue the multi-turn episodes of ``problems``, split over the workers (as
+        :meth:`AsyncRollout.submit_episodes`). With ``skip_env_errors`` a part whose every
+        episode failed is dropped like its rows (``episodes/env_errors`` counts them)."""
+        self._check_open()
+        if not self._has_env_maker:
+            raise ValueError("submit_episodes needs the env_maker given to AsyncRolloutPool")
+        _check_params(params)
+        problems = list(problems)
+        if not problems:
+            raise ValueError("problems must be a non-empty list")
+        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
+        return self._split(
+            "episodes", problems, params, lambda c, p: (c, p, limits), skip_env_errors
+        )
+
+    def _split(
+        self, kind: str, items: list, params: SamplingParams, args, skip_env_errors=False
+    ) -> PoolJob:
+        seeds = part_seeds(draw_seed(params), len(self.workers))
+        parts, start = [], 0
+        for index, size in enumerate(split_sizes(len(items), len(self.workers))):
+            if size == 0:
+                break  # the sizes do not increase: no worker after this one has prompts
+            part_params = params if params.seed is None else _with_seed(params, seeds[index])
+            chunk = items[start : start + size]
+            job = self.workers[index]._submit(
+                kind, args(chunk, part_params), part_params, seed=seeds[index]
+            )
+            parts.append(Part(index, job, start, size))
+            start += size
+        return PoolJob(
+            next(self._jobs),
+            self.version,
+            kind,
+            parts=tuple(parts),
+            num_samples=params.num_samples,
+            skip_env_errors=skip_env_errors,
+        )
+
+    def collect(self, job: PoolJob) -> Rollout:
+        """The rollout of ``job`` (waiting for each of its parts), its rows in the order of
+        the job's prompts; its batch carries ``policy_version``."""
+        self._check_open()
+        if not isinstance(job, PoolJob):
+            raise TypeError(f"job must be a PoolJob of this pool, got {type(job).__name__}")
+        results, dropped, error = [], [], None
+        for part in job.parts:  # every part, even after an error: none is left behind
+            worker = self.workers[part.worker]
+            try:
+                results.append((part, *worker._collect(part.job)))
+            except EpisodeError as err:
+                if job.skip_env_errors and str(err).startswith(_ALL_EPISODES_FAILED):
+                    dropped.append(part)
+                elif error is None:
+                    error = _located(err, worker, part)
+            except Exception as err:
+                if error is None:
+                    error = _located(err, worker, part)
+        if error is not None:
+            raise error
+        for worker in self.workers:  # the checks of workers without a part surface now too
+            worker.poll()
+        self.job_seconds.append(max((s[0] for _, _, s in results), default=0.0))
+        self.job_cpu_seconds.append(sum(s[1] for _, _, s in results))
+        if job.kind == "sample":
+            return Samples(
+                token_ids=[ids for _, samples, _ in results for ids in samples.token_ids],
+                logprobs=[lps for _, samples, _ in results for lps in samples.logprobs],
+            )
+        if not results:
+            rows = sum(part.size for part in dropped) * job.num_samples
+            raise EpisodeError(
+                f"every one of the {rows} episodes failed in its environment "
+                "(rollout.skip_env_errors drops failed rows, but none is left)"
+            )
+        rollouts = [rollout for _, rollout, _ in results]
+        merged = (
+            rollouts[0]
+            if len(rollouts) == 1
+            else merge_rollouts(rollouts, pad_token_id=self.tokenizer.pad_token_id)
+        )
+        metrics = dict(merged.metrics)
+        if dropped:
+            errors = sum(part.size for part in dropped) * job.num_samples
+            metrics["episodes/env_errors"] = metrics.get("episodes/env_errors", 0.0) + errors
+        # Each part's group ids index its chunk: shifted to index the job's prompts (a prompt
+        # whose every row was dropped keeps its gap, as from one worker).
+        group_ids = torch.cat([rollout.group_ids + part.start for part, rollout, _ in results])
+        return dataclasses.replace(merged, group_ids=group_ids, metrics=metrics)
+
+    def generate(self, prompts, params: SamplingParams) -> Rollout:
+        """Sample now, at the latest pushed version (submit + collect)."""
+        return self.collect(self.submit(prompts, params))
+
+    def run_episodes(self, prompts, make_env, params, **limits) -> Rollout:
+        """Not here: see :meth:`submit_episodes` (a ``make_env`` closure cannot reach the
+        worker processes)."""
+        raise TypeError(
+            "AsyncRolloutPool plays episodes in its worker processes, where a make_env closure "
+            "cannot go: use submit_episodes(problems, ...) with the env_maker given at "
+            "construction"
+        )
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        self._check_open()
+        _check_params(params)
+        return self.collect(self._split("sample", prompt_ids, params, lambda c, p: (c, p)))
+
+    # ----------------------------------------------------------------- helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerError(f"{self.name} are closed")
+
+
+def make_async_rollout(
+    engine, tokenizer, *, num_workers: int = 1, **kwargs: Any
+) -> AsyncRollout | AsyncRolloutPool:
+    """The asynchronous ``hf`` sampler of ``num_workers`` worker processes: an
+    :class:`AsyncRollout` for one, an :class:`AsyncRolloutPool` for more (``kwargs``: their
+    common arguments). ``ValueError`` naming ``num_workers`` when it is not an int >= 1."""
+    if check_num_workers(num_workers) == 1:
+        return AsyncRollout(engine, tokenizer, **kwargs)
+    return AsyncRolloutPool(engine, tokenizer, num_workers=num_workers, **kwargs)
+
+
+def _check_params(params: Any) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return params if params.seed == seed else dataclasses.replace(params, seed=seed)
+
+
+def _located(err: Exception, worker: AsyncRollout, part: Part) -> Exception:
+    """``err`` of a part's job, with a note saying which worker and prompts it came from
+    (its row and prompt indices count within the part). A worker's own errors (a failed
+    check, a dead or hung worker) name it already."""
+    if not isinstance(err, WorkerError | SyncCheckError):
+        err.add_note(
+            f"(from {worker.name}, sampling prompts {part.start}..{part.start + part.size - 1} "
+            f"of the job: its row and prompt indices count from prompt {part.start})"
+        )
+    return err
