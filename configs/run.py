@@ -275,8 +275,8 @@ class RolloutConfig:
     # steps while the trainer trains, at most max_staleness policy versions behind.
     max_staleness: int = config_field(
         0,
-        "asynchronous RL (hf): sample up to N steps ahead in a worker process, with weights at "
-        "most N versions old (0: the synchronous loop)",
+        "asynchronous RL: sample up to N steps ahead in worker processes (hf) or vLLM servers "
+        "(vllm), with weights at most N versions old (0: the synchronous loop)",
     )
     sync_check_tol: float | None = config_field(
         None,
@@ -285,6 +285,20 @@ class RolloutConfig:
     )
     worker_timeout_s: float = config_field(
         600.0, "max_staleness > 0: longest wait for the rollout worker before an error"
+    )
+    num_workers: int = config_field(
+        1,
+        "max_staleness > 0: generation processes per trainer process (hf: worker processes; "
+        "vllm: local vllm serve processes), each sampling its share of a step's prompts",
+    )
+    server_url: str = config_field(
+        "",
+        "max_staleness > 0, vllm: comma-separated URLs of vllm serve servers the user started "
+        "(docs/rollouts.md#vllm-servers); empty: microrl starts num_workers on localhost",
+    )
+    server_api_key: str = config_field(
+        "",
+        "server_url: vLLM's API key (--api-key); empty: the VLLM_API_KEY environment variable",
     )
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -296,11 +310,33 @@ class RolloutConfig:
             self.max_staleness,
         )
         require(
-            self.max_staleness == 0 or self.backend == "hf",
-            "rollout.max_staleness",
-            f"0 with rollout.backend={self.backend} (asynchronous RL is not yet supported on "
-            "the vllm backend: use rollout.backend=hf)",
-            self.max_staleness,
+            isinstance(self.num_workers, int) and self.num_workers >= 1,
+            "rollout.num_workers",
+            "an int >= 1",
+            self.num_workers,
+        )
+        require(
+            not self.server_url or self.backend == "vllm",
+            "rollout.server_url",
+            f"empty with rollout.backend={self.backend} (vLLM servers sample for the vllm "
+            "backend only)",
+            self.server_url,
+        )
+        require(
+            not self.server_url or self.max_staleness >= 1,
+            "rollout.server_url",
+            "empty with rollout.max_staleness=0 (the synchronous loop samples with a colocated "
+            "vLLM engine; servers serve asynchronous RL)",
+            self.server_url,
+        )
+        require(
+            not self.server_url
+            or all(
+                u.strip().startswith(("http://", "https://")) for u in self.server_url.split(",")
+            ),
+            "rollout.server_url",
+            "comma-separated http:// or https:// URLs",
+            self.server_url,
         )
         require(
             self.sync_check_tol is None or self.sync_check_tol > 0,

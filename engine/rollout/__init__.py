@@ -8,7 +8,9 @@ batch with ``rollout_logprobs``, the decoded texts and the group id of each row.
 :class:`AsyncRollout` runs the ``hf`` backend in a worker process for asynchronous RL (jobs
 submitted now, collected later, weights pushed and verified; docs/rollouts.md);
 :class:`AsyncRolloutPool` runs several, each sampling a part of every job
-(:func:`make_async_rollout` picks one of the two by ``num_workers``).
+(:func:`make_async_rollout` picks one of the two by ``num_workers``);
+:class:`VLLMServerRollout` is the same for the ``vllm`` backend, sampling on ``vllm serve``
+servers (docs/rollouts.md#vllm-servers).
 """
 
 from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
@@ -44,6 +46,10 @@ def __getattr__(name: str):
         from microrl.engine.rollout import async_pool
 
         return getattr(async_pool, name)
+    if name == "VLLMServerRollout":  # imported on use, as VLLMRollout
+        from microrl.engine.rollout.vllm_server import VLLMServerRollout
+
+        return VLLMServerRollout
     if name == "VLLMRollout":  # imported on use: vllm is an optional dependency
         from microrl.engine.rollout.vllm import VLLMRollout
 

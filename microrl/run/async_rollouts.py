@@ -33,7 +33,9 @@ from tensordict import TensorDict
 from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
+from microrl.engine.rollout.async_pool import make_async_rollout
 from microrl.engine.rollout.async_rollout import POLICY_VERSION_KEY, AsyncRollout, Job
+from microrl.engine.rollout.vllm_server import VLLMServerRollout
 from microrl.run.dist import Dist
 from microrl.run.sampling import score_rollout
 from microrl.tasks import Problem, Task, is_episode_task
@@ -309,29 +311,36 @@ def start_prefetcher(
     num_threads: int = 1,
     state: dict[str, Any] | None = None,
 ) -> RolloutPrefetcher:
-    """The recipes' asynchronous sampling: an :class:`AsyncRollout` worker holding the weights of
-    step ``start_step`` and a :class:`RolloutPrefetcher` over it (``rollout.max_staleness``,
-    ``rollout.worker_timeout_s``, ``rollout.sync_check_tol``). A multi-turn task's environments
-    are built in the worker: a task whose ``make_env`` cannot reach it is a ``ValueError``
-    naming ``task.name``."""
+    """The recipes' asynchronous sampling: the samplers of ``rollout.backend`` holding the
+    weights of step ``start_step`` and a :class:`RolloutPrefetcher` over them
+    (``rollout.max_staleness``, ``rollout.worker_timeout_s``, ``rollout.sync_check_tol``).
+
+    ``hf``: ``rollout.num_workers`` worker processes (:func:`make_async_rollout`); a multi-turn
+    task's environments are built in the workers, and a task whose ``make_env`` cannot reach
+    them is a ``ValueError`` naming ``task.name``. ``vllm``: a :class:`VLLMServerRollout` on
+    ``rollout.num_workers`` local ``vllm serve`` processes, or on the servers of
+    ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``); environments
+    step in the trainer process."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
-    try:
-        sampler = AsyncRollout(
+    if rollout.backend == "vllm":  # vLLM servers; environments step in this process
+        urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
+        sampler = VLLMServerRollout(
             engine,
             tokenizer,
+            rollout.vllm,
             version=start_step,
+            urls=urls,
+            api_key=rollout.server_api_key or None,
+            num_workers=rollout.num_workers,
             env_maker=env_maker,
             timeout_s=rollout.worker_timeout_s,
             sync_check_tol=rollout.sync_check_tol,
             num_threads=num_threads,
         )
-    except Exception as err:
-        if env_maker is None:
-            raise
-        raise ValueError(
-            f"task.name={task_name} with rollout.max_staleness={rollout.max_staleness}: the "
-            f"environments must be built in the rollout worker process, which failed: {err}"
-        ) from err
+    else:
+        sampler = _start_hf_workers(
+            engine, tokenizer, rollout, task_name, env_maker, start_step, num_threads
+        )
     try:
         return RolloutPrefetcher(
             sampler,
@@ -347,6 +356,28 @@ def start_prefetcher(
     except BaseException:
         sampler.close()
         raise
+
+
+def _start_hf_workers(engine, tokenizer, rollout, task_name, env_maker, start_step, num_threads):
+    """``rollout.num_workers`` ``hf`` worker processes holding the weights of ``start_step``."""
+    try:
+        return make_async_rollout(
+            engine,
+            tokenizer,
+            num_workers=rollout.num_workers,
+            version=start_step,
+            env_maker=env_maker,
+            timeout_s=rollout.worker_timeout_s,
+            sync_check_tol=rollout.sync_check_tol,
+            num_threads=num_threads,
+        )
+    except Exception as err:
+        if env_maker is None:
+            raise
+        raise ValueError(
+            f"task.name={task_name} with rollout.max_staleness={rollout.max_staleness}: the "
+            f"environments must be built in the rollout worker process, which failed: {err}"
+        ) from err
 
 
 def resumed_rollouts(extra_state: dict[str, Any], max_staleness: int) -> dict[str, Any] | None:

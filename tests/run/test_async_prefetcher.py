@@ -187,9 +187,20 @@ def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(capl
         (GRPOExampleConfig, ["rollout.max_staleness=-1"], "rollout.max_staleness must be an int"),
         (
             GRPOExampleConfig,
-            ["rollout.max_staleness=1", "rollout.backend=vllm"],
-            "rollout.max_staleness must be 0 with rollout.backend=vllm .*not yet supported",
+            ["rollout.server_url=http://localhost:8000", "rollout.max_staleness=1"],
+            "rollout.server_url must be empty with rollout.backend=hf",
         ),
+        (
+            GRPOExampleConfig,
+            ["rollout.backend=vllm", "rollout.server_url=http://localhost:8000"],
+            "rollout.server_url must be empty with rollout.max_staleness=0",
+        ),
+        (
+            GRPOExampleConfig,
+            ["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.server_url=localhost"],
+            "rollout.server_url must be comma-separated http:// or https:// URLs",
+        ),
+        (GRPOExampleConfig, ["rollout.num_workers=0"], "rollout.num_workers must be an int >= 1"),
         (
             GRPOExampleConfig,
             ["rollout.max_staleness=1", "rollout.dynamic_sampling=true"],
@@ -200,10 +211,20 @@ def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(capl
             ["rollout.max_staleness=2", "actor.policy_loss.bypass_mode=true"],
             "bypass_mode must be false with rollout.max_staleness=2",
         ),
+        (PPOExampleConfig, ["rollout.max_staleness=-1"], "rollout.max_staleness must be an int"),
         (
             PPOExampleConfig,
-            ["rollout.max_staleness=1"],
-            "rollout.max_staleness must be 0 for PPO .*not yet supported",
+            ["rollout.max_staleness=1", "actor.policy_loss.bypass_mode=true"],
+            "bypass_mode must be false with rollout.max_staleness=1",
+        ),
+        (
+            PPOExampleConfig,
+            [
+                "rollout.max_staleness=1",
+                "actor.sequence_parallel_size=2",
+                "critic.sequence_parallel_size=2",
+            ],
+            "actor.sequence_parallel_size must be 1 with rollout.max_staleness=1",
         ),
         (GRPOExampleConfig, ["rollout.sync_check_tol=0"], "rollout.sync_check_tol must be > 0"),
         (GRPOExampleConfig, ["rollout.worker_timeout_s=0"], "rollout.worker_timeout_s must be"),
@@ -217,3 +238,6 @@ def test_unsupported_settings_name_the_keys(schema, overrides, message) -> None:
 def test_defaults_are_the_synchronous_loop() -> None:
     assert RolloutConfig().max_staleness == 0
     assert load_config(GRPOExampleConfig).rollout.max_staleness == 0
+    assert load_config(PPOExampleConfig).rollout.max_staleness == 0
+    ppo = load_config(PPOExampleConfig, None, ["rollout.max_staleness=2"])  # both recipes take k
+    assert ppo.rollout.max_staleness == 2

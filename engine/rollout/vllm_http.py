@@ -1,0 +1,145 @@
+"""A minimal, authenticated JSON client for a ``vllm serve`` server (docs/rollouts.md#vllm-servers).
+
+Standard library only (``urllib``): the trainer needs no HTTP package beyond what it has. Every
+request carries ``Authorization: Bearer <key>`` when a key is set, on every route: vLLM's
+``--api-key`` guards its ``/v1``, ``/v2`` and ``/inference`` routes, and sending the key to the
+others costs nothing. A refused key is a :class:`ServerAuthError` naming where the key came from;
+any other failure a :class:`ServerError` naming the server, the route and the server's own
+message: nothing fails quietly or hangs (every request has a timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["API_KEY_ENV", "ServerAuthError", "ServerClient", "ServerError", "resolve_api_key"]
+
+#: The environment variable vLLM's server reads its key from, and so does this client.
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+class ServerError(RuntimeError):
+    """A vLLM server failed a request, could not be reached, or sent something unreadable."""
+
+
+class ServerAuthError(ServerError):
+    """A vLLM server refused the API key (HTTP 401)."""
+
+
+def resolve_api_key(api_key: str | None) -> tuple[str | None, str]:
+    """The key to send and where it came from: ``api_key`` when set, else ``$VLLM_API_KEY``,
+    else none."""
+    if api_key:
+        return api_key, "rollout.server_api_key"
+    if os.environ.get(API_KEY_ENV):
+        return os.environ[API_KEY_ENV], f"the {API_KEY_ENV} environment variable"
+    return None, "no key (rollout.server_api_key and VLLM_API_KEY are unset)"
+
+
+class ServerClient:
+    """JSON requests to one server.
+
+    Args:
+        url: the server's base URL (``http://host:port``).
+        api_key: sent as a bearer token; None: ``$VLLM_API_KEY`` if set (:func:`resolve_api_key`).
+        timeout_s: the longest wait for one answer.
+        explain: what to add to an error's message (a local server's log tail), or None.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 600.0,
+        explain: Callable[[], str] | None = None,
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http:// or https:// URL, got {url!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.url = url.rstrip("/")
+        self.api_key, self.key_source = resolve_api_key(api_key)
+        self.timeout_s = float(timeout_s)
+        self.explain = explain
+
+    def post(self, route: str, body: dict[str, Any] | None = None, **query: Any) -> Any:
+        """POST ``body`` as JSON to ``route`` (``?key=value`` from ``query``); the decoded
+        answer (the text of a route that answers in plain text)."""
+        return self._request("POST", route, body, query)
+
+    def get(self, route: str) -> Any:
+        """GET ``route``; the decoded answer."""
+        return self._request("GET", route, None, {})
+
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now (no retry, a short timeout)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _request(self, method: str, route: str, body, query: dict[str, Any]) -> Any:
+        url = f"{self.url}/{route.lstrip('/')}"
+        if query:
+            url += "?" + "&".join(f"{k}={_query_value(v)}" for k, v in query.items())
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as err:
+            message = _error_message(err)
+            if err.code == 401:
+                raise ServerAuthError(
+                    f"the vLLM server at {self.url} refused the API key ({self.key_source}) on "
+                    f"/{route.lstrip('/')}: HTTP 401 {message}. Set rollout.server_api_key (or "
+                    f"{API_KEY_ENV}) to the server's --api-key"
+                ) from None
+            raise ServerError(
+                f"the vLLM server at {self.url} failed {method} /{route.lstrip('/')}: HTTP "
+                f"{err.code} {message}{self._explained()}"
+            ) from None
+        except (OSError, urllib.error.URLError) as err:
+            raise ServerError(
+                f"the vLLM server at {self.url} did not answer {method} /{route.lstrip('/')} "
+                f"(timeout {self.timeout_s:.0f} s): {err}{self._explained()}"
+            ) from err
+        try:
+            return json.loads(raw) if raw else None
+        except json.JSONDecodeError:  # some routes answer in plain text (LoRA loading)
+            return raw.decode(errors="replace")
+
+    def _explained(self) -> str:
+        return f"\n{self.explain()}" if self.explain is not None else ""
+
+
+def _query_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _error_message(err: urllib.error.HTTPError) -> str:
+    """The server's own words: vLLM answers ``{"error": {"message": ...}}``, ``{"error": "..."}``
+    or FastAPI's ``{"detail": ...}``."""
+    try:
+        raw = err.read()
+        payload = json.loads(raw)
+    except Exception:  # not JSON (a proxy's page): its first bytes
+        return repr(raw[:200]) if "raw" in locals() else err.reason
+    error = (
+        payload.get("error", payload.get("detail", payload))
+        if isinstance(payload, dict)
+        else payload
+    )
+    if isinstance(error, dict):
+        error = error.get("message", error)
+    return str(error)

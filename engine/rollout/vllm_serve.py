@@ -1,0 +1,206 @@
+"""A ``vllm serve`` process started and owned by the trainer (docs/rollouts.md#vllm-servers).
+
+:class:`LocalVLLMServer` runs vLLM's own OpenAI-compatible server (``AsyncLLM`` behind it) on
+``127.0.0.1`` with a fresh random API key, for the asynchronous ``vllm`` backend when no
+``rollout.server_url`` is given. The command is the one the docs give users who start servers
+themselves, so both modes exercise the same server. It is never reachable from another machine,
+and it is stopped (its whole process group: the API server and its engine-core process) when
+the trainer closes it or exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+from microrl.engine.rollout.vllm_http import ServerClient, ServerError
+
+__all__ = ["LocalVLLMServer", "serve_command"]
+
+
+def serve_command(
+    model_dir: str,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    dtype: str = "float32",
+    max_model_len: int = 0,
+    kv_cache_mb: int = 0,
+    gpu_memory_utilization: float = 0.3,
+    enforce_eager: bool = False,
+    seed: int = 0,
+    lora_rank: int = 0,
+    max_loras: int = 1,
+    weight_transfer: str | None = None,
+) -> list[str]:
+    """The ``vllm serve`` arguments of a rollout server (without the API key, which travels in
+    the ``VLLM_API_KEY`` environment variable, not on a command line ``ps`` shows).
+
+    ``--skip-tokenizer-init`` and ``--enable-scale-out``: the trainer sends token ids and reads
+    token ids (``/inference/v1/generate``); ``--logprobs-mode processed_logprobs``: the sampled
+    tokens' log-probs at the sampling temperature, the distribution the loss scores. LoRA
+    (``lora_rank > 0``) enables runtime adapter loading; full weights (``weight_transfer``)
+    enable vLLM's weight-transfer engine of that backend, and prefix caching is off then: a
+    cached block computed with old weights must not serve a request of the new ones.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--enable-scale-out",
+        "--dtype",
+        dtype,
+        "--seed",
+        str(seed),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+    ]
+    if enforce_eager:
+        command.append("--enforce-eager")
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    if kv_cache_mb:
+        command += ["--kv-cache-memory-bytes", str(kv_cache_mb * 1024 * 1024)]
+    if lora_rank:
+        command += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
+        command += ["--max-loras", str(max_loras)]
+    if weight_transfer:
+        command += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+        command.append("--no-enable-prefix-caching")
+    return command
+
+
+class LocalVLLMServer:
+    """A ``vllm serve`` subprocess on localhost, up and answering when the constructor returns.
+
+    Args:
+        command: :func:`serve_command`'s arguments, without ``--port`` (a free port is chosen).
+        full_weights: also mount vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``: weight transfer,
+            pause/resume); LoRA-only servers need none of them.
+        num_threads: the server's OpenMP threads on a CPU (0: vLLM's default).
+        timeout_s: the longest wait for it to answer ``/health``.
+        name: how errors name it.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        full_weights: bool,
+        num_threads: int = 1,
+        timeout_s: float = 600.0,
+        name: str = "the local vLLM server",
+        **options,
+    ) -> None:
+        self.name = name
+        self.api_key = secrets.token_urlsafe(32)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.update(
+            VLLM_API_KEY=self.api_key,
+            VLLM_CPU_OMP_THREADS_BIND="nobind",  # never pin the trainer's cores
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        )
+        if full_weights:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if num_threads:
+            env["OMP_NUM_THREADS"] = str(num_threads)
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(var, None)  # torchrun's: the server is no rank of the trainer's group
+        self.command = serve_command(model_dir, port=self.port, **options)
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
+            prefix="microrl-vllm-serve-", suffix=".log", delete=False
+        )
+        self.log_path = Path(self._log.name)
+        self.process = subprocess.Popen(
+            self.command,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: close() stops the engine core too
+        )
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._log, self.log_path)
+        self.client = ServerClient(
+            self.url,
+            self.api_key,
+            timeout_s=timeout_s,
+            explain=lambda: f"{self.name}'s log ends ({self.log_path}):\n{self.log_tail()}",
+        )
+        try:
+            self._wait_until_up(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_until_up(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.client.healthy():
+            if self.process.poll() is not None:
+                raise ServerError(
+                    f"{self.name} exited with code {self.process.returncode} while starting; "
+                    f"the end of its log ({self.log_path}):\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"{self.name} did not answer /health within {timeout_s:.0f} s "
+                    f"(rollout.worker_timeout_s); the end of its log:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines of the server's log."""
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "(no log)"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL) and remove its log."""
+        self._finalizer()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen, log, log_path: Path) -> None:
+    if process.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=wait)
+                break
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)  # an engine core left behind by its parent
+    with contextlib.suppress(OSError):
+        log.close()
+        log_path.unlink()

@@ -1,0 +1,546 @@
+"""Asynchronous ``vllm`` rollouts: vLLM servers sample while the trainer trains.
+
+:class:`VLLMServerRollout` is the ``vllm`` counterpart of
+:class:`~microrl.engine.rollout.AsyncRollout`, with the same job interface (``submit`` /
+``submit_episodes`` now, ``collect`` later, ``sync`` after optimizer steps, per-row
+``policy_version``), so :class:`~microrl.run.async_rollouts.RolloutPrefetcher` drives either.
+Generation runs in ``vllm serve`` processes (vLLM's ``AsyncLLM`` behind its HTTP server): either
+``num_workers`` servers this class starts on localhost (:class:`LocalVLLMServer`), or servers
+the user started elsewhere (``urls``; docs/rollouts.md#vllm-servers). Requests are token ids in,
+token ids and log-probs out (``/inference/v1/generate``), so the batch layout is the shared one
+(:func:`~microrl.engine.rollout.layout.build_rollout`).
+
+Weights, by vLLM's own machinery:
+
+- **LoRA**: every version is a new adapter, written in PEFT's format and loaded under a new name
+  (``/v1/load_lora_adapter``); a job's requests name the adapter of its version, so a row's
+  version is exact and a sync never waits for running jobs. Adapters no pending job uses are
+  unloaded at the next sync. The server must see the adapter directory (a shared file system
+  for remote servers).
+- **Full weights**: vLLM's weight-transfer API (``/init_weight_transfer_engine``,
+  ``/update_weights``): its ``nccl`` engine on GPUs, the ``gloo`` engine microrl registers as a
+  vLLM plugin on CPUs (:mod:`microrl.engine.rollout.vllm_transfer`). A push is an in-flight
+  update: ``/pause?mode=keep`` freezes the running requests, the new weights load, ``/resume``
+  continues them; each response reports the weight versions of its token spans, kept per row
+  as ``policy_version`` (first token) and ``policy_version_last`` (last token).
+
+Every push is verified as the ``hf`` worker's are: the server scores the probe batch
+(:func:`~microrl.engine.rollout.async_rollout.build_probe`) at the new version, and a log-prob
+difference above ``sync_check_tol`` raises :class:`SyncCheckError` naming the version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from microrl.configs.rollout import VLLMConfig
+from microrl.engine.base import Engine
+from microrl.engine.checkpoint.export import (
+    export_merged_model,
+    export_peft_adapter,
+    locate_base_model,
+)
+from microrl.engine.parallel import distributed
+from microrl.engine.rollout.async_rollout import (
+    POLICY_VERSION_KEY,
+    Job,
+    SyncCheckError,
+    WorkerError,
+    build_probe,
+    default_sync_check_tol,
+    gather_weights,
+    probe_stats,
+)
+from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.vllm_http import ServerClient, ServerError
+
+__all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout"]
+
+#: The per-row ``[B]`` int64 batch key: the policy version of a row's last sampled token.
+POLICY_VERSION_LAST_KEY = "policy_version_last"
+# Concurrent HTTP requests per server: enough to fill vLLM's continuous batch.
+_REQUESTS_PER_SERVER = 64
+
+
+class VLLMServerRollout(RolloutBackend):
+    """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
+
+    Args:
+        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
+            weights are version ``version``.
+        tokenizer: its tokenizer.
+        config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts.
+        version: the policy version of the engine's current weights (the recipe: its step).
+        urls: servers the user started (``rollout.server_url``); under ``torchrun`` rank ``r``
+            uses every ``world_size``-th one from the ``r``-th. Empty: start ``num_workers``.
+        api_key: their ``--api-key`` (None: ``$VLLM_API_KEY``).
+        num_workers: local servers to start (without ``urls``).
+        env_maker: for multi-turn tasks, ``problem -> environment`` (run in this process).
+        timeout_s: the longest wait for a server (start, one request, a push).
+        sync_check_tol: as :class:`~microrl.engine.rollout.AsyncRollout`'s.
+        num_threads: each local server's CPU threads.
+        workdir: where the base model and the adapters are written (the servers must see it).
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        config: VLLMConfig | None = None,
+        *,
+        version: int = 0,
+        urls: Sequence[str] = (),
+        api_key: str | None = None,
+        num_workers: int = 1,
+        env_maker: Callable[[Any], Any] | None = None,
+        timeout_s: float = 600.0,
+        sync_check_tol: float | None = None,
+        num_threads: int = 1,
+        workdir: str | None = None,
+    ) -> None:
+        super().__init__(tokenizer)
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if sync_check_tol is not None and not sync_check_tol > 0:
+            raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
+        self.engine, self.config = engine, config or VLLMConfig()
+        self.version = int(version)
+        self.timeout_s = float(timeout_s)
+        self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
+        self.is_lora = engine.peft_model is not None
+        self.env_maker = env_maker
+        self.sync_stats: dict[int, dict[str, float]] = {}
+        self.job_seconds: list[float] = []
+        self.sync_seconds: list[float] = []
+        self._prefix, base = locate_base_model(engine.module)
+        self.probe = build_probe(
+            engine.vocab_size, getattr(base.config, "max_position_embeddings", 16), tokenizer
+        )
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="microrl-vllm-servers-"))
+        self._jobs = itertools.count()
+        self._futures: dict[int, tuple[Job, Future]] = {}
+        self._syncs: dict[int, Future] = {}  # version -> its load (and check)
+        self._loaded: list[int] = []  # adapter versions loaded on the servers
+        self._context = threading.local()
+        self._servers, self._pushers = [], []
+        self._closed = False
+        self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
+        self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-sync")
+        try:
+            self.clients = self._connect(base, list(urls), api_key, num_workers, num_threads)
+            self._requests = ThreadPoolExecutor(
+                _REQUESTS_PER_SERVER * len(self.clients), thread_name_prefix="microrl-vllm-req"
+            )
+            if not self.is_lora:
+                self._start_weight_transfer()
+            self._submit_sync(engine, first=True).result()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- servers
+    def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
+        rank, world = distributed.rank(), distributed.world_size()
+        if urls:
+            mine = urls[rank::world]
+            if not mine:
+                raise ValueError(
+                    f"rollout.server_url lists {len(urls)} servers for {world} trainer "
+                    "processes: each process needs its own (at least one per process)"
+                )
+            clients = [ServerClient(u.strip(), api_key, timeout_s=self.timeout_s) for u in mine]
+            for client in clients:
+                client.get("v1/models")  # reachable, and the key is accepted: fail at start
+            return clients
+        from microrl.engine.rollout.vllm import _lora_rank
+        from microrl.engine.rollout.vllm_serve import LocalVLLMServer
+
+        model_dir = self.workdir / "base"
+        export_merged_model(self.engine.module, model_dir, merge_lora=False)
+        cfg, on_cpu = self.config, self.engine.device.type == "cpu"
+        dtype = cfg.dtype if cfg.dtype != "auto" else str(next(base.parameters()).dtype)[6:]
+        options = dict(
+            dtype=dtype,
+            max_model_len=cfg.max_model_len,
+            kv_cache_mb=cfg.kv_cache_memory_mb or (256 if on_cpu else 0),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+            lora_rank=_lora_rank(self.engine.config.lora.rank) if self.is_lora else 0,
+            max_loras=4,
+            weight_transfer=None if self.is_lora else _transfer_backend(self.engine),
+        )
+
+        def start(i: int) -> LocalVLLMServer:
+            return LocalVLLMServer(
+                str(model_dir),
+                full_weights=not self.is_lora,
+                num_threads=num_threads,
+                timeout_s=self.timeout_s,
+                name=f"local vLLM server {i} of rank {rank}",
+                seed=cfg.seed + rank * num_workers + i,
+                **options,
+            )
+
+        with ThreadPoolExecutor(num_workers) as pool:  # start side by side (~20 s each on a CPU)
+            futures = [pool.submit(start, i) for i in range(num_workers)]
+            for future in futures:
+                with contextlib.suppress(Exception):
+                    self._servers.append(future.result())
+            for future in futures:
+                future.result()  # the first failure, after every server is kept for close()
+        return [server.client for server in self._servers]
+
+    def _start_weight_transfer(self) -> None:
+        from microrl.engine.rollout.vllm_transfer import WeightPusher
+
+        backend = _transfer_backend(self.engine)
+        for client in self.clients:
+            pusher = WeightPusher(backend, client.post, timeout_s=self.timeout_s)
+            self._pushers.append(pusher)
+            pusher.start()
+
+    def close(self) -> None:
+        """Stop the local servers, release the transfer groups, remove the work directory;
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in (self._job_thread, self._sync_thread, getattr(self, "_requests", None)):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        for pusher in self._pushers:
+            with contextlib.suppress(Exception):
+                pusher.close()
+        if not self._servers:  # the user's servers outlive this trainer: take our adapters back
+            for client, version in itertools.product(getattr(self, "clients", ()), self._loaded):
+                with contextlib.suppress(Exception):
+                    client.post("v1/unload_lora_adapter", {"lora_name": _adapter(version)})
+        for server in self._servers:
+            server.close()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> VLLMServerRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- weights
+    def sync(self, engine=None) -> None:
+        """Load the engine's current weights as the next version (``version + 1``); jobs
+        submitted from now on sample them. Returns once the weights are taken (exported or
+        gathered); the load and its check run in the background and surface in :meth:`poll` /
+        :meth:`collect`. Collective under ``torchrun``."""
+        self._check_open()
+        self.poll()
+        self.version += 1
+        self._submit_sync(engine or self.engine)
+
+    def _submit_sync(self, engine, *, first: bool = False) -> Future:
+        version = self.version
+        expected = _untempered_logprobs(engine, self.probe)
+        if self.is_lora:
+            path = self.workdir / f"adapter-{version}"
+            export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+            in_use = {job.version for job, _ in self._futures.values()}
+            load = lambda: self._load_adapter(version, path, in_use)  # noqa: E731
+        else:
+            state = gather_weights(engine.module, self._prefix, trainable_only=False)
+            load = lambda: self._push_full(version, state, pause=not first)  # noqa: E731
+        loaded = self._sync_thread.submit(self._timed, load)
+        # The check scores the probe with prompt log-probs. LoRA: on the job thread, between
+        # jobs, alone on the servers (vLLM 0.32's CPU LoRA logits path fails a batch mixing
+        # prompt log-probs with other requests); it names its adapter, so a later load cannot
+        # interfere. Full weights: at once, before another push changes them.
+        thread = self._job_thread if self.is_lora else self._sync_thread
+        future = thread.submit(self._check, version, loaded, expected)
+        self._syncs[version] = future
+        return future
+
+    def _timed(self, load: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        load()
+        self.sync_seconds.append(time.perf_counter() - start)
+
+    def _check(self, version: int, loaded: Future, expected: torch.Tensor) -> None:
+        loaded.result()
+        mask = self.probe["loss_mask"]
+        for i, client in enumerate(self.clients):
+            stats = probe_stats(expected, self._score_probe(client, version), mask)
+            previous = self.sync_stats.get(version, {})
+            self.sync_stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
+            if not stats["sync/probe_abs_diff_max"] <= self.sync_check_tol:
+                family = "the LoRA adapter" if self.is_lora else "the full weights"
+                raise SyncCheckError(
+                    f"the weight sync of policy version {version} (the weights after step "
+                    f"{version}) to the vLLM server at {client.url} (server {i}) failed its "
+                    f"check: probe log-probs differ by up to "
+                    f"{stats['sync/probe_abs_diff_max']:.3g} (tolerance {self.sync_check_tol:g}, "
+                    f"rollout.sync_check_tol; k3 KL {stats['sync/probe_kl']:.3g}); pushed: "
+                    f"{family}"
+                )
+
+    def _load_adapter(self, version: int, path: Path, in_use: set[int]) -> None:
+        for client in self.clients:
+            client.post(
+                "v1/load_lora_adapter", {"lora_name": _adapter(version), "lora_path": str(path)}
+            )
+        stale = [v for v in self._loaded if v not in in_use]
+        self._loaded = [v for v in self._loaded if v in in_use] + [version]
+        for old in stale:
+            for client in self.clients:
+                client.post("v1/unload_lora_adapter", {"lora_name": _adapter(old)})
+            shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
+
+    def _push_full(self, version: int, state: dict[str, torch.Tensor], *, pause: bool) -> None:
+        for client, pusher in zip(self.clients, self._pushers, strict=True):
+            if pause:  # in flight: running requests freeze, then continue on the new weights
+                client.post("pause", mode="keep")
+            try:
+                pusher.push(state.items(), version)
+            finally:
+                if pause:
+                    client.post("resume")
+
+    def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
+        """The server's log-probs of the probe rows, ``[B, T]`` like the engine's (0 off
+        ``loss_mask``), at temperature 1: vLLM's prompt log-probs are the model's raw ones."""
+        ids, mask = self.probe["input_ids"], self.probe["attention_mask"].bool()
+        out = torch.zeros(ids.shape, dtype=torch.float32)
+        for b in range(ids.shape[0]):
+            row = ids[b][mask[b]].tolist()
+            body = {
+                "token_ids": row,
+                "sampling_params": {
+                    "max_tokens": 1,
+                    "prompt_logprobs": 0,
+                    "detokenize": False,
+                },
+            }
+            if self.is_lora:
+                body["model"] = _adapter(version)
+            scored = client.post("inference/v1/generate", body)["prompt_logprobs"][1:]
+            values = [step[str(t)]["logprob"] for step, t in zip(scored, row[1:], strict=True)]
+            out[b, mask[b].nonzero().squeeze(1)[1:]] = torch.tensor(values)
+        return torch.where(self.probe["loss_mask"], out, 0.0)
+
+    # ----------------------------------------------------------------- jobs
+    def _submit(self, run: Callable[[], Any], kind: str, params: SamplingParams) -> Job:
+        self._check_open()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # Seeds from params.seed, else torch's generator here: a resumed run draws the same.
+        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
+        job = Job(next(self._jobs), self.version, kind)
+        waits_for = self._syncs.get(job.version)
+        future = self._job_thread.submit(self._run_job, job, seed, waits_for, run)
+        self._futures[job.id] = (job, future)
+        return job
+
+    def _run_job(self, job: Job, seed: int, waits_for: Future | None, run) -> Rollout:
+        if waits_for is not None:
+            waits_for.result()  # the job's version is loaded (and checked) first
+        start = time.perf_counter()
+        self._context.job, self._context.seed, self._context.versions = job, seed, []
+        try:
+            rollout = run()
+        finally:
+            self._context.job = None
+        if isinstance(rollout, Samples):  # a bare _sample call
+            return rollout
+        versions = torch.tensor(self._context.versions, dtype=torch.long).reshape(-1, 2)
+        if len(versions) != rollout.batch.batch_size[0]:  # episodes: each row spans the job's
+            span = (
+                (int(versions[:, 0].min()), int(versions[:, 1].max()))
+                if len(versions)
+                else (
+                    job.version,
+                    job.version,
+                )
+            )
+            versions = torch.tensor([span] * rollout.batch.batch_size[0], dtype=torch.long)
+        rollout.batch[POLICY_VERSION_KEY] = versions[:, 0].reshape(-1)
+        rollout.batch[POLICY_VERSION_LAST_KEY] = versions[:, 1].reshape(-1)
+        self.job_seconds.append(time.perf_counter() - start)
+        return rollout
+
+    def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
+        """Queue sampling ``params.num_samples`` responses per prompt; returns the :class:`Job`."""
+        prompt_ids = self._encode(prompts)
+        return self._submit(
+            lambda: RolloutBackend.generate(self, prompt_ids, params), "generate", params
+        )
+
+    def submit_episodes(
+        self,
+        problems: Sequence[Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+    ) -> Job:
+        """Queue the multi-turn episodes of ``problems`` (environments ``env_maker(problem)``,
+        stepped in this process while the servers sample)."""
+        maker = self.env_maker
+        if maker is None:
+            raise ValueError("submit_episodes needs the env_maker given to VLLMServerRollout")
+        problems = list(problems)
+        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
+        run = lambda: RolloutBackend.run_episodes(  # noqa: E731
+            self, [p.prompt for p in problems], lambda i: maker(problems[i]), params, **limits
+        )
+        return self._submit(run, "episodes", params)
+
+    def collect(self, job: Job) -> Rollout:
+        """The rollout of ``job`` (waiting for it, at most ``timeout_s`` while no server has
+        died); its batch carries ``policy_version`` and ``policy_version_last``."""
+        self._check_open()
+        if job.id not in self._futures:
+            raise ValueError(f"job {job.id} was not submitted here or was collected already")
+        _, future = self._futures[job.id]
+        deadline = time.monotonic() + self.timeout_s
+        while not future.done():
+            self._check_servers(f"the rollout of job {job.id} (policy version {job.version})")
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"the vLLM servers did not finish job {job.id} within {self.timeout_s:.0f} s "
+                    "(rollout.worker_timeout_s)"
+                )
+            with contextlib.suppress(TimeoutError):
+                future.result(timeout=0.5)
+        del self._futures[job.id]
+        return future.result()
+
+    def poll(self) -> None:
+        """Raise the error of a finished load or check, if any, without waiting."""
+        self._check_open()
+        for version, future in list(self._syncs.items()):
+            if future.done():
+                future.result()
+                if version < self.version:
+                    del self._syncs[version]
+
+    def generate(self, prompts, params: SamplingParams) -> Rollout:
+        """Sample now, at the latest version (submit + collect)."""
+        return self.collect(self.submit(prompts, params))
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
+        if job is None:  # outside a job (run_episodes on the main thread): one of its own
+            return self.collect(
+                self._submit(lambda: self._sample(prompt_ids, params), "sample", params)
+            )
+        copies = params.num_samples if params.greedy else 1  # vLLM refuses n > 1 when greedy
+        requests = [(ids, c) for ids in prompt_ids for c in range(copies)]
+        self._context.seed = seed + len(requests)  # the next call of an episode: fresh seeds
+        futures = [
+            self._requests.submit(self._request, i, ids, params, seed + i, job.version)
+            for i, (ids, _) in enumerate(requests)
+        ]
+        token_ids, logprobs = [], []
+        for future in futures:
+            for ids, lps, versions in future.result():
+                token_ids.append(ids)
+                logprobs.append(lps)
+                self._context.versions.extend(versions)
+        return Samples(token_ids=token_ids, logprobs=logprobs)
+
+    def _request(self, i: int, ids: list[int], params: SamplingParams, seed: int, version: int):
+        client = self.clients[i % len(self.clients)]
+        body = {
+            "token_ids": ids,
+            "sampling_params": {
+                "n": 1 if params.greedy else params.num_samples,
+                "temperature": 0.0 if params.greedy else params.temperature,
+                "top_k": params.top_k if params.top_k > 0 else -1,
+                "top_p": params.top_p,
+                "max_tokens": params.max_new_tokens,
+                "logprobs": 0,
+                "stop_token_ids": [self.tokenizer.eos_token_id],
+                "seed": seed % (2**31 - 1),
+                "detokenize": False,
+            },
+        }
+        if self.is_lora:
+            body["model"] = _adapter(version)
+        choices = sorted(
+            client.post("inference/v1/generate", body)["choices"], key=lambda c: c["index"]
+        )
+        out = []
+        for choice in choices:
+            tokens = list(choice["token_ids"])
+            lps = [step["logprob"] for step in (choice.get("logprobs") or {}).get("content", [])]
+            if len(lps) != len(tokens):
+                raise ServerError(
+                    f"the vLLM server at {client.url} returned {len(tokens)} tokens but "
+                    f"{len(lps)} log-probs"
+                )
+            if self.is_lora:
+                versions = (version, version)
+            else:
+                spans = choice.get("weight_versions") or [{"version": str(version)}]
+                versions = (
+                    _version(spans[0]["version"], client),
+                    _version(spans[-1]["version"], client),
+                )
+            out.append((tokens, lps, versions))
+        return out
+
+    # ----------------------------------------------------------------- helpers
+    def _check_servers(self, what: str) -> None:
+        for server in self._servers:
+            if not server.alive():
+                raise WorkerError(
+                    f"{server.name} died (exit code {server.process.returncode}) while the "
+                    f"trainer waited for {what}; the end of its log:\n{server.log_tail()}"
+                )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerError("the vLLM server rollout is closed")
+
+
+def _untempered_logprobs(engine, batch) -> torch.Tensor:
+    """The engine's log-probs of ``batch`` at temperature 1 (what vLLM's prompt log-probs are),
+    ``[B, T]`` float32 on the CPU."""
+    temperature = engine.config.temperature
+    engine.config.temperature = 1.0
+    try:
+        return engine.infer_batch(batch)["logprobs"].float().cpu()
+    finally:
+        engine.config.temperature = temperature
+
+
+def _adapter(version: int) -> str:
+    return f"microrl-v{version}"
+
+
+def _version(label: str, client: ServerClient) -> int:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise ServerError(
+            f"the vLLM server at {client.url} reports weight version {label!r}: not one microrl "
+            "pushed (another trainer or a restart changed its weights?)"
+        ) from None
+
+
+def _transfer_backend(engine) -> str:
+    """vLLM's ``nccl`` transfer engine on GPUs; the ``gloo`` fallback on a CPU."""
+    return "nccl" if engine.device.type == "cuda" else "gloo"

