@@ -266,11 +266,6 @@ class EngineConfig:
                 "is FSDP2's, over data-parallel ranks only): set optim.cpu_offload=false or "
                 f"tensor_parallel_size=1 (got {self.tensor_parallel_size})"
             )
-        if self.optim.cpu_offload and getattr(self, "sequence_parallel_size", 1) > 1:
-            raise ValueError(
-                "optim.cpu_offload and sequence_parallel_size > 1 cannot be combined yet: set "
-                "optim.cpu_offload=false or sequence_parallel_size=1"
-            )
         if self.tensor_parallel_size > 1 and self.lora.rank and self.lora.dropout > 0:
             raise ValueError(
                 "lora.dropout must be 0 when tensor_parallel_size > 1 (each rank of a "

@@ -228,11 +228,11 @@ class Engine:
     # ----------------------------------------------------------------- hooks for distributed
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         """Shard/wrap the role module after LoRA and checkpointing; unchanged when not distributed."""
-        if self.sp_group is not None:
-            return sequence_parallel.wrap(module, self.device_mesh)
+        offload = cpu_offload.offload_policy(self.device) if self.config.optim.cpu_offload else None
+        if self.sp_group is not None:  # FSDP2 over the dp x sp ranks, with the policy if set
+            return sequence_parallel.wrap(module, self.device_mesh, offload_policy=offload)
         if self.device_mesh is not None:
             return tensor_parallel.wrap(module, self.device_mesh)
-        offload = cpu_offload.offload_policy(self.device) if self.config.optim.cpu_offload else None
         if self.dp_group is None:
             if offload is None:
                 return module

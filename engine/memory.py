@@ -6,6 +6,14 @@ prepares it (``base_dtype``, LoRA through :func:`microrl.engine.setup.apply_lora
 value head), so every tensor's shape and dtype is the engine's. Activations follow a per-layer
 model of the tensors autograd saves in a Llama/Qwen decoder layer (docs/gpu.md, "The activation
 model"), checked against measured live bytes on the CPU (tests/engine/test_memory_estimate.py).
+
+The offloads move bytes from the device to host memory, and the estimate reports both:
+``optim.cpu_offload`` puts the parameter shards, their gradients and the optimizer state on the
+host (the device keeps FSDP2's gathered weights and the gradients while micro-batches
+accumulate); ``activation_offload`` copies the saved tensors of at least
+:data:`microrl.engine.offload.MIN_OFFLOAD_BYTES` to the host (with gradient checkpointing only
+the layer inputs), and the device keeps the smaller ones plus the few tensors whose copies are
+in flight or back for the backward (docs/gpu.md, "Offloads").
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import setup
+from microrl.engine import offload, setup
 from microrl.kernels import WORKING_TILE_ELEMENTS
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -35,6 +43,9 @@ _BATCH_BYTES_PER_TOKEN = 64
 # The eager fp32 head (use_fused_kernel=False) holds about five [N, V] float32 buffers at its
 # peak (docs/kernels.md).
 _EAGER_HEAD_BUFFERS = 5
+# Per-token bytes of the tensors a policy loss saves (log-probs, ratios, advantages, clipping
+# masks: about eight float32 values and three masks); activation offload copies them.
+_LOSS_SAVED_BYTES_PER_TOKEN = 36
 # The linear layers of a Llama/Qwen decoder layer, by role (the activation model's layout).
 _ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
 _MLP_INPUTS = ("gate_proj", "up_proj")
@@ -64,8 +75,18 @@ class MemoryEstimate:
     only the larger of it and ``compute_peak`` counts); ``vllm``: vLLM's reserved share.
 
     ``total`` = persistent + ``fsdp_buffers`` + ``vllm`` + max(``compute_peak``,
-    ``optimizer_transient``). Not counted: the CUDA context and allocator fragmentation (often
-    0.5-2 GiB), and nothing measured it on a GPU (docs/gpu.md).
+    ``optimizer_transient``): the device's bytes. Not counted: the CUDA context and allocator
+    fragmentation (often 0.5-2 GiB), and nothing measured it on a GPU (docs/gpu.md).
+
+    Host memory, 0 without the offloads: with ``optim.cpu_offload`` the parameter shards
+    (``host_params``: frozen and trainable), the reduced gradient shards (``host_gradients``)
+    and the optimizer state (``host_optimizer_state``) live there instead of on the device
+    (``weights``, ``trainable_params`` and ``optimizer_state`` are then 0, and the optimizer's
+    step transient is the host's; ``gradients`` stays: the device accumulates full-size
+    gradients over a mini-batch's micro-batches); with ``activation_offload``,
+    ``host_activations`` is what a micro-batch's forward copies there (``activations`` is then
+    what stays on the device). ``host_total`` = the host parameters, gradients and optimizer
+    state + max(``host_activations``, the optimizer step's transient).
     """
 
     weights: int
@@ -88,6 +109,12 @@ class MemoryEstimate:
     world_size: int
     peak_phase: str  # "forward at the head", "backward" or "optimizer step"
     device_memory: int | None = None
+    # Host memory (the offloads; 0 without them).
+    host_params: int = 0
+    host_gradients: int = 0
+    host_optimizer_state: int = 0
+    host_activations: int = 0
+    host_total: int = 0
 
     @property
     def persistent(self) -> int:
@@ -115,6 +142,14 @@ class MemoryEstimate:
             ("vLLM share", self.vllm),
             (f"total (peak: {self.peak_phase})", self.total),
         ]
+        if self.host_total:
+            rows += [
+                ("host: parameters", self.host_params),
+                ("host: gradients", self.host_gradients),
+                ("host: optimizer state", self.host_optimizer_state),
+                ("host: activations", self.host_activations),
+                ("host: total", self.host_total),
+            ]
         width = max(len(name) for name, _ in rows) + 2
         lines = [
             f"{self.num_params / 1e9:.3g}B params, {self.num_trainable / 1e6:.4g}M trainable, "
@@ -148,13 +183,14 @@ def estimate_memory(
         model_config: a transformers ``PretrainedConfig`` of a causal LM (e.g.
             ``AutoConfig.from_pretrained(model_id)``, or one built from known shapes).
         config: the engine config (default ``EngineConfig()``): LoRA rank and targets,
-            ``base_dtype``, ``dtype`` (autocast), optimizer, ``gradient_checkpointing``,
-            ``use_fused_kernel``, ``kernel_chunk_size`` and the token budget
-            ``max_tokens_per_micro_batch``.
+            ``base_dtype``, ``dtype`` (autocast), optimizer (``optim.cpu_offload`` too),
+            ``gradient_checkpointing``, ``activation_offload``, ``use_fused_kernel``,
+            ``kernel_chunk_size`` and the token budget ``max_tokens_per_micro_batch``.
         tokens_per_micro_batch: tokens of one micro-batch (padded rows x longest row, or packed
             tokens); default ``config.max_tokens_per_micro_batch``, required without it.
         world_size: FSDP data-parallel ranks; parameters and optimizer state are sharded
-            over them, each rank runs its own micro-batches.
+            over them, each rank runs its own micro-batches. With ``optim.cpu_offload`` the
+            engine shards with FSDP2 also in one process (over one rank).
         device: ``"cuda"`` or ``"cpu"``: resolves ``dtype="auto"`` (bf16 autocast on CUDA) and
             the FSDP mixed precision (bf16 compute on CUDA).
         value_head: a critic's ``Linear(H, 1)`` head instead of the lm head (no logits).
@@ -189,16 +225,25 @@ def estimate_memory(
     params = _ParamBytes.count(model, world_size)
     shape = _Shape.of(model_config)
     autocast = config.dtype == "bfloat16" or (config.dtype == "auto" and device == "cuda")
+    # FSDP2 shards over the ranks, and over one rank in one process for optim.cpu_offload.
+    cpu_offload = config.optim.cpu_offload
+    sharded = world_size > 1 or cpu_offload
     # FSDP2 on CUDA gathers parameters in bf16 (engine/parallel/distributed.py).
-    fsdp_bf16 = world_size > 1 and device == "cuda"
+    fsdp_bf16 = sharded and device == "cuda"
     numerics = _Numerics.of(config, autocast, fsdp_bf16)
     adapted = _adapted_roles(model, config)
     per_layer = _layer_bytes_per_token(shape, numerics, adapted, config.lora.rank)
-    other = _other_bytes_per_token(shape, numerics)
-    if config.gradient_checkpointing:  # each layer keeps its input; backward recomputes one
+    host_activations = 0
+    if config.activation_offload:
+        forward, backward, host_activations = _offloaded_activations(
+            shape, numerics, adapted, config, tokens, per_layer
+        )
+    elif config.gradient_checkpointing:  # each layer keeps its input; backward recomputes one
+        other = _other_bytes_per_token(shape, numerics)
         kept = tokens * (shape.layers * shape.hidden * numerics.stream + other)
         forward, backward = kept, kept + tokens * per_layer
     else:
+        other = _other_bytes_per_token(shape, numerics)
         forward = backward = tokens * (shape.layers * per_layer + other)
     head = 0
     if not value_head:
@@ -212,20 +257,37 @@ def estimate_memory(
     phases = {"forward at the head": forward + head + copies, "backward": backward + in_flight}
     compute_phase = max(phases, key=phases.get)
     gathered = 0
-    if world_size > 1:
+    if sharded:
         # In the gather dtype: the root unit (final norm and head), unsharded for the whole
         # step, plus the decoder layer being computed and the next one (prefetch).
         gather_size = 2 if fsdp_bf16 else params.base_itemsize
         gathered = (params.root_numel + 2 * params.layer_numel) * gather_size
-    # AdamW (foreach) holds one fp32 temporary per trainable element during its step.
+    # AdamW (foreach) holds one fp32 temporary per trainable element during its step: on the
+    # host with optim.cpu_offload (the optimizer steps there).
     step = params.trainable_numel_per_rank * 4 if config.optim.name == "adamw" else 0
+    host_step = step if cpu_offload else 0
+    step -= host_step
     peak_phase = compute_phase if phases[compute_phase] >= step else "optimizer step"
-    persistent = params.frozen + params.trainable + params.gradients + params.optimizer
+    # optim.cpu_offload: the parameter shards, their gradients and the optimizer state on the
+    # host; the device accumulates full-size gradients over the micro-batches (FSDP2 reduces
+    # and offloads them after the last one).
+    if cpu_offload:
+        host = {
+            "host_params": params.frozen + params.trainable,
+            "host_gradients": params.trainable,  # this rank's fp32 shards
+            "host_optimizer_state": params.optimizer,
+        }
+        weights = trainable = optimizer = 0
+    else:
+        host = dict.fromkeys(("host_params", "host_gradients", "host_optimizer_state"), 0)
+        weights, trainable, optimizer = params.frozen, params.trainable, params.optimizer
+    host_total = sum(host.values()) + max(host_activations, host_step)
+    persistent = weights + trainable + params.gradients + optimizer
     return MemoryEstimate(
-        weights=params.frozen,
-        trainable_params=params.trainable,
+        weights=weights,
+        trainable_params=trainable,
         gradients=params.gradients,
-        optimizer_state=params.optimizer,
+        optimizer_state=optimizer,
         activations=max(forward, backward),
         head_buffers=head,
         autocast_copies=copies,
@@ -241,6 +303,9 @@ def estimate_memory(
         world_size=world_size,
         peak_phase=peak_phase,
         device_memory=device_memory,
+        **host,
+        host_activations=host_activations,
+        host_total=host_total,
     )
 
 
@@ -420,26 +485,87 @@ def _is_linear(module: nn.Module) -> bool:
 
 def _layer_bytes_per_token(shape: _Shape, num: _Numerics, adapted: set[str], rank: int) -> int:
     """Bytes autograd keeps per token in one decoder layer (docs/gpu.md, "The activation model")."""
+    return sum(_layer_tensors(shape, num, adapted, rank))
+
+
+def _layer_tensors(
+    shape: _Shape, num: _Numerics, adapted: set[str], rank: int, *, own_inputs: bool = False
+) -> list[int]:
+    """Per-token bytes of each tensor autograd keeps in one decoder layer.
+
+    ``own_inputs``: every trainable linear layer's input is a tensor of its own, also where the
+    layers of a group share one (activation offload copies each layer's saved view of it)."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    total = 2 * h * 4 + 2 * 4  # the two RMSNorms: their input upcast to fp32, 1/rms per token
+    tensors = [h * 4, h * 4, 4, 4]  # the two RMSNorms: their input upcast to fp32, 1/rms per token
     if num.full:  # the norms' weights train: each keeps its normalised input
-        total += 2 * h * num.stream
+        tensors += [h * num.stream] * 2
     # Inputs of the trainable linear layers: one shared tensor per group, or a copy per layer.
     for group, width in ((_ATTENTION_INPUTS, h), (_MLP_INPUTS, h)):
         count = sum(name in adapted for name in group)
         if count:
-            total += (count if num.copies else 1) * width * num.saved_input
-    total += ("o_proj" in adapted) * q * num.saved_input
-    total += ("down_proj" in adapted) * i * num.saved_input
+            tensors += [width * num.saved_input] * (count if num.copies or own_inputs else 1)
+    if "o_proj" in adapted:
+        tensors.append(q * num.saved_input)
+    if "down_proj" in adapted:
+        tensors.append(i * num.saved_input)
     # Attention (SDPA / flash): rotated q and k, v, the output, and a logsumexp per head.
-    total += (2 * q + 2 * kv) * num.act + shape.heads * 4
+    tensors += [q * num.act, kv * num.act, kv * num.act, q * num.act, shape.heads * 4]
     # Gated MLP: the gate (SiLU's input), SiLU's output and the up projection (the product's
     # factors).
-    total += 3 * i * num.act
+    tensors += [i * num.act] * 3
     if rank:  # each adapter's low-rank activation (lora_B's input)
-        total += len(adapted) * rank * num.saved_input
-    return total
+        tensors += [rank * num.saved_input] * len(adapted)
+    return tensors
+
+
+def _offloaded_activations(
+    shape: _Shape,
+    num: _Numerics,
+    adapted: set[str],
+    config: EngineConfig,
+    tokens: int,
+    per_layer: int,
+) -> tuple[int, int, int]:
+    """``(forward, backward, host)`` bytes of a micro-batch's saved tensors under
+    ``activation_offload`` (docs/gpu.md, "Offloads").
+
+    A saved tensor of at least :data:`~microrl.engine.offload.MIN_OFFLOAD_BYTES` is copied to the
+    host; the smaller ones stay on the device. Without checkpointing that is every tensor of the
+    activation model, each layer's saved views of a shared input and of the rotary cos/sin
+    copied on their own; with checkpointing, each layer's input (the checkpoint saves it).
+    Outside the layers the final norm's input and ``1/rms`` (and its normalised input when its
+    weight trains) and the loss's tensors are copied; the final hidden state, its gradient
+    formed in the fused head's forward, rotary cos/sin and the batch's tensors are not saved
+    tensors and stay. The device also holds the largest copies: ``offload.MAX_IN_FLIGHT`` in
+    flight in the forward, and in the backward the one unpacked and the ``offload.PREFETCH``
+    fetched ahead; with checkpointing, one recomputed layer."""
+    h, min_bytes = shape.hidden, offload.MIN_OFFLOAD_BYTES
+    if config.gradient_checkpointing:
+        layer = copied = [h * num.stream]
+    else:  # each copied view of a shared tensor is a copy of its own
+        layer = _layer_tensors(shape, num, adapted, config.lora.rank)
+        copied = _layer_tensors(shape, num, adapted, config.lora.rank, own_inputs=True)
+        copied += [shape.head_dim * num.stream] * 2  # each layer's views of rotary cos and sin
+    outside = [h * 4, 4, _LOSS_SAVED_BYTES_PER_TOKEN]
+    if num.full:  # the final norm's weight trains: it keeps its normalised input too
+        outside.append(h * num.stream)
+
+    def moves(per_token: int) -> bool:
+        return tokens * per_token >= min_bytes
+
+    moved = [b for b in copied if moves(b)]
+    host = tokens * (shape.layers * sum(moved) + sum(b for b in outside if moves(b)))
+    # What stays is what the model without offload keeps, less what moved: the same tensors,
+    # sharing storage as they do without the hooks (nothing moves: the same bytes).
+    kept = shape.layers * sum(b for b in layer if not moves(b)) + _other_bytes_per_token(shape, num)
+    kept -= h * 4 if moves(h * 4) else 0  # the final norm's fp32 input
+    largest = sorted(moved * shape.layers, reverse=True)
+    forward = tokens * (kept + sum(largest[: offload.MAX_IN_FLIGHT]))
+    backward = tokens * (kept + sum(largest[: 1 + offload.PREFETCH]))
+    if config.gradient_checkpointing:
+        backward += tokens * per_layer
+    return forward, backward, host
 
 
 def _backward_bytes_per_token(shape: _Shape, num: _Numerics) -> int:

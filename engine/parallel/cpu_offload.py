@@ -25,6 +25,11 @@ In a single process the engine does not shard (:func:`microrl.engine.parallel.di
 .init_distributed` starts no group): with ``optim.cpu_offload`` it shards with FSDP2 over one rank
 instead, in a process group of one started here (:func:`single_process_group`), and keeps the
 single-process semantics everywhere else (no data-parallel group, denominators, metrics).
+
+Under sequence parallelism the policy goes to the same FSDP2 sharding over all ``dp x sp`` ranks
+(:func:`microrl.engine.parallel.sequence_parallel.wrap`): the sequence split moves activations
+only. Tensor parallelism's weight shards are DTensors of its own, outside FSDP2's policy: the
+config refuses ``optim.cpu_offload`` with ``tensor_parallel_size > 1``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ Exactness: the loss denominators count the mini-batch once (they are reduced ove
 only: the ranks of an sp group hold the same rows), FSDP2 shards the model over all ``dp x sp``
 ranks and *averages* their gradients, so every partial loss carries ``grad_scale = dp * sp``
 (:func:`scale_denominators`). Metrics are reduced over ``dp`` as they are already the whole
-micro-batch's on every sp rank.
+micro-batch's on every sp rank. ``optim.cpu_offload`` passes FSDP2's ``CPUOffloadPolicy`` to
+that same sharding (:func:`wrap`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from microrl.engine.alignment import IGNORE_INDEX
 from microrl.engine.attention import PACKED_LENGTHS_KWARG
@@ -118,16 +120,23 @@ def check_supported(config: Any, size: int) -> None:
     check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size)
 
 
-def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def wrap(
+    module: nn.Module, mesh: DeviceMesh, *, offload_policy: OffloadPolicy | None = None
+) -> nn.Module:
     """Switch the transformers model inside ``module`` to Ulysses attention and shard ``module``
-    with FSDP2 over all ``dp x sp`` ranks (the engine's default data-parallel sharding)."""
+    with FSDP2 over all ``dp x sp`` ranks (the engine's default data-parallel sharding).
+
+    ``offload_policy``: FSDP2's ``CPUOffloadPolicy`` for ``optim.cpu_offload``
+    (engine/parallel/cpu_offload.py). The parameters are sharded over the same flat ``dp x sp``
+    ranks as without it, so it changes where the shards, their gradients and the optimizer
+    state live, nothing that the sequence split touches (that is activations only)."""
     size = mesh["sp"].size()
     model = next((m for m in module.modules() if hasattr(m, "set_attn_implementation")), None)
     if model is None:
         raise TypeError(f"found no transformers model inside {type(module).__name__}")
     check_supported(model.config, size)
     enable_ulysses_attention(model, size)
-    return distributed.shard_model(module)
+    return distributed.shard_model(module, offload_policy=offload_policy)
 
 
 def padded_width(width: int, size: int) -> int:

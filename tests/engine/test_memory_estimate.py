@@ -5,6 +5,13 @@ model on ``meta``). The forward/backward peak must lie within 30% of the live by
 over one ``forward_backward_batch`` (``benchmarks/live_bytes.py``: every tensor the call
 allocates, gradients already allocated), for two token budgets, with and without gradient
 checkpointing, LoRA and a full fine-tune, fp32 and bf16 bases, with and without autocast.
+
+The offloads, on the same cases: ``activation_offload`` with every saved tensor offloaded
+(``MIN_OFFLOAD_BYTES = 0``) and with the small ones kept (256 KiB), its device peak against
+``benchmarks/bench_long.py``'s ``DeviceBytes`` (which models on the CPU what a GPU holds: the host
+copies apart, those in flight or fetched back counted) and its host bytes against the copies held
+there at once; ``optim.cpu_offload`` in one process (FSDP2 over one rank), its host parameters,
+gradients and optimizer state to the byte, its device peak (FSDP2's gathered weights included).
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from tensordict import TensorDict
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import microrl
-from microrl.configs import ActorConfig, CriticConfig, LoraConfig
-from microrl.engine import ActorEngine, CriticEngine
+from microrl.configs import ActorConfig, CriticConfig, LoraConfig, OptimConfig
+from microrl.engine import ActorEngine, CriticEngine, offload
 from microrl.engine.memory import MemoryEstimate, estimate_memory
 
 
@@ -34,6 +41,7 @@ def _benchmark_module(name: str):
 
 
 LiveBytes = _benchmark_module("live_bytes").LiveBytes
+bench_long = _benchmark_module("bench_long")
 ACTIVATION_TOLERANCE = 0.30  # the documented accuracy of the activation model (docs/gpu.md)
 
 
@@ -173,3 +181,143 @@ def test_16_bit_base_halves_the_weights_and_keeps_the_trained_state() -> None:
     assert half.weights * 2 == full.weights
     for key in ("trainable_params", "gradients", "optimizer_state"):
         assert getattr(half, key) == getattr(full, key), key
+
+
+# ------------------------------------------------------------------------------ the offloads
+def _local_nbytes(tensors) -> int:
+    return _nbytes(t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+
+
+def _measure_device(engine, batch: TensorDict) -> tuple[dict[str, int], object]:
+    """Bytes the engine holds after a step (each tensor's local shard), and a ``DeviceBytes``
+    counter of a forward/backward: the device peak with activation offload's copies in flight
+    (``peak_in_flight``), the host copies' peak (``host_peak``), FSDP2's gathered weights."""
+    engine.train_batch(batch)
+    engine.forward_backward_batch(batch)
+    params = list({id(p): p for p in engine.module.parameters()}.values())
+    state = engine.optimizer.state.values()
+    held = {
+        "params": _local_nbytes(params),
+        "gradients": _local_nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state": _local_nbytes(
+            t for s in state for t in s.values() if torch.is_tensor(t)
+        ),
+    }
+    gc.collect()
+    counter = bench_long.DeviceBytes(engine.device)
+    with bench_long.modelled_offload(counter), counter:
+        engine.forward_backward_batch(batch)
+    return held, counter
+
+
+def _assert_close(estimated: int, measured: int, what: str) -> None:
+    if estimated == measured == 0:
+        return
+    ratio = estimated / max(measured, 1)
+    assert abs(ratio - 1) <= ACTIVATION_TOLERANCE, (
+        f"{what}: estimated {estimated / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB "
+        f"(ratio {ratio:.2f})"
+    )
+
+
+@pytest.mark.parametrize(("lora", "checkpointing", "base_dtype", "dtype"), CASES)
+def test_activation_offload_estimate(lora, checkpointing, base_dtype, dtype, monkeypatch) -> None:
+    """Device: what stays (tensors under the threshold, what is never saved) and the copies in
+    flight; host: the copies, at their most at once (the end of the forward). A 256 KiB
+    threshold at 1024 tokens moves the [1024, >= 128] fp32 tensors (and the bf16 ones of the
+    MLP) and keeps the LoRA rank's, 1/rms and the logsumexp; test_cpu_offload_estimate offloads
+    every saved tensor (threshold 0)."""
+    # The engine's and the estimate's threshold.
+    monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 256 << 10)
+    model_config, rows, width = _model_config(), 4, 256
+    kwargs = dict(
+        max_tokens_per_micro_batch=rows * width,
+        lora=LoraConfig(rank=lora),
+        gradient_checkpointing=checkpointing,
+        base_dtype=base_dtype,
+        dtype=dtype,
+    )
+    config = ActorConfig(**kwargs, activation_offload=True)
+    torch.manual_seed(0)
+    engine = ActorEngine(Qwen2ForCausalLM(model_config), config)
+    _, counter = _measure_device(engine, _batch(rows, width, model_config.vocab_size))
+    estimate = estimate_memory(model_config, config, device="cpu")
+    plain = estimate_memory(model_config, ActorConfig(**kwargs), device="cpu")
+    _assert_close(estimate.compute_peak, counter.peak_in_flight, "device peak")
+    _assert_close(estimate.host_activations, counter.host_peak, "host copies")
+    assert engine.last_offload_stats.bytes > 0 and estimate.host_activations > 0
+    assert estimate.activations < plain.activations
+    assert estimate.host_total == estimate.host_activations
+    assert estimate.persistent == plain.persistent and estimate.host_params == 0
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """``optim.cpu_offload`` in one process starts a process group of one rank: ended after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_process")
+@pytest.mark.parametrize(
+    ("lora", "checkpointing", "base_dtype", "dtype"), [CASES[i] for i in (0, 3, 4, 5)]
+)
+def test_cpu_offload_estimate(lora, checkpointing, base_dtype, dtype, monkeypatch) -> None:
+    """Host: the parameter shards, gradient shards and optimizer state, to the byte; device: no
+    parameter or optimizer state, the forward/backward peak with FSDP2's gathered weights. The
+    checkpointed cases offload their activations too (both offloads at once)."""
+    monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)
+    model_config, rows, width = _model_config(), 4, 256
+    kwargs = dict(
+        max_tokens_per_micro_batch=rows * width,
+        lora=LoraConfig(rank=lora),
+        gradient_checkpointing=checkpointing,
+        activation_offload=checkpointing,
+        base_dtype=base_dtype,
+        dtype=dtype,
+    )
+    config = ActorConfig(**kwargs, optim=OptimConfig(cpu_offload=True))
+    torch.manual_seed(0)
+    engine = ActorEngine(Qwen2ForCausalLM(model_config), config)
+    held, counter = _measure_device(engine, _batch(rows, width, model_config.vocab_size))
+    estimate = estimate_memory(model_config, config, device="cpu")
+    plain = estimate_memory(model_config, ActorConfig(**kwargs), device="cpu")
+    assert estimate.host_params == held["params"] == plain.weights + plain.trainable_params
+    assert estimate.host_gradients == held["gradients"]
+    assert estimate.host_optimizer_state == held["optimizer_state"] == plain.optimizer_state
+    assert estimate.weights == estimate.trainable_params == estimate.optimizer_state == 0
+    assert estimate.gradients == plain.gradients  # full size while micro-batches accumulate
+    assert estimate.optimizer_transient == 0 and estimate.fsdp_buffers > 0
+    _assert_close(estimate.compute_peak + estimate.fsdp_buffers, counter.peak_in_flight, "device")
+    _assert_close(estimate.host_activations, counter.host_peak, "host copies")
+    host = estimate.host_params + estimate.host_gradients + estimate.host_optimizer_state
+    assert estimate.host_total == host + max(estimate.host_activations, plain.optimizer_transient)
+
+
+def test_offloads_in_the_table_and_over_ranks() -> None:
+    model_config = _model_config()
+    config = ActorConfig(max_tokens_per_micro_batch=1024, lora=LoraConfig(rank=8))
+    both = ActorConfig(
+        max_tokens_per_micro_batch=1024,
+        lora=LoraConfig(rank=8),
+        activation_offload=True,
+        optim=OptimConfig(cpu_offload=True),
+    )
+    # 8192 tokens: the MLP's bf16 activations pass offload's 1 MiB threshold
+    plain = estimate_memory(model_config, config, world_size=2, tokens_per_micro_batch=8192)
+    off = estimate_memory(model_config, both, world_size=2, tokens_per_micro_batch=8192)
+    assert off.host_params == plain.weights + plain.trainable_params  # this rank's shards
+    assert off.host_optimizer_state == plain.optimizer_state and off.host_activations > 0
+    assert off.total < plain.total and plain.host_total == 0
+    table = str(off)
+    for label in ("host: parameters", "host: optimizer state", "host: activations", "host: total"):
+        assert label in table
+    assert "host:" not in str(plain)

@@ -12,13 +12,20 @@ parameters after each of two optimizer steps, with the tolerances of the TP test
 mini-batch has uneven lengths and a one-token row that forms a micro-batch of its own (shorter
 than the group: one rank holds padding only); packed micro-batches put a sequence across the
 boundary of the two ranks' slices.
+
+``optim.cpu_offload`` (FSDP2's ``CPUOffloadPolicy`` on the dp x sp sharding) is compared with
+the same references: on the CPU its copies are no-ops, so a run with it must agree with one
+process exactly as the run without it does; a checkpoint saved with it on resumes exactly with
+it off and vice versa.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import warnings
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -83,6 +90,9 @@ def test_sp2_engine_equals_one_process(tmp_path):
         "inference_and_reference",
         "generate",
         "checkpoint_resume_exact",
+        "actor[lora,cpu_offload]",
+        "critic[cpu_offload]",
+        "cpu_offload_resume_across_the_switch",
         "same_batch_check",
         "refusals",
         "rank0_loading",
@@ -91,10 +101,17 @@ def test_sp2_engine_equals_one_process(tmp_path):
 
 
 def test_dp2_x_sp2_on_four_processes_equals_one_process(tmp_path):
-    """4 processes (dp=2 x sp=2, FSDP2 over all four): full fine-tune, LoRA with packing, critic,
-    and a dp index whose share is empty ([0, T] on both of its sp ranks)."""
+    """4 processes (dp=2 x sp=2, FSDP2 over all four): full fine-tune, LoRA with packing (also
+    with optim.cpu_offload), critic, and a dp index whose share is empty ([0, T] on both of its
+    sp ranks)."""
     passed = _run(tmp_path, 4, "dp_sp")
-    expected = ["dp_sp[critic]", "dp_sp[empty_share]", "dp_sp[full]", "dp_sp[lora,packed]"]
+    expected = [
+        "dp_sp[critic]",
+        "dp_sp[empty_share]",
+        "dp_sp[full]",
+        "dp_sp[lora,packed,cpu_offload]",
+        "dp_sp[lora,packed]",
+    ]
     assert sorted(passed) == expected
 
 
@@ -278,6 +295,36 @@ def _compare(name: str, ref: list, got: list, worst: dict) -> None:
             note("output", err)
 
 
+def _offloaded(config):
+    """``config`` with ``optim.cpu_offload`` on."""
+    return replace(config, optim=replace(config.optim, cpu_offload=True))
+
+
+def _offload_policies(build):
+    """``build()`` and the ``offload_policy`` each FSDP2 unit it shards got."""
+    from microrl.engine.parallel import distributed as D
+
+    policies, real = [], D.fully_shard
+
+    def spy(module, **kwargs):
+        policies.append(kwargs.get("offload_policy"))
+        return real(module, **kwargs)
+
+    D.fully_shard = spy
+    try:
+        return build(), policies
+    finally:
+        D.fully_shard = real
+
+
+def _check_offloaded(engine, policies) -> None:
+    """Every FSDP2 unit got the policy (no pinning on the CPU); the shards are host tensors."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    assert policies and all(p == CPUOffloadPolicy(pin_memory=False) for p in policies), policies
+    assert all(p.to_local().device.type == "cpu" for p in engine.module.parameters())
+
+
 def _write(tmp: Path, name: str, value) -> None:
     (tmp / "out" / name).write_text(json.dumps(value, indent=1, sort_keys=True))
 
@@ -376,6 +423,40 @@ def scenario_sp(rank: int, tmp: Path) -> list[str]:
         assert torch.equal(value, uninterrupted[key]), f"resume: {key} differs"
     passed.append("checkpoint_resume_exact")
 
+    # ---- optim.cpu_offload over the dp x sp ranks: the references are the runs without it
+    cases = {name: case for name, *case in _cases()}
+    for name, offloaded in (
+        ("actor[lora]", "actor[lora,cpu_offload]"),
+        ("critic", "critic[cpu_offload]"),
+    ):
+        build, role, config, data = cases[name]
+        engine, policies = _offload_policies(partial(_engine, role, build, _offloaded(config), 2))
+        _check_offloaded(engine, policies)
+        _compare(offloaded, refs[name], _steps(engine, data()), worst)
+        passed.append(offloaded)
+
+    # ---- resume across the switch: saved with offload on, loaded with it off, and vice versa
+    def sp_engine(offload: bool):
+        config = replace(resume, sequence_parallel_size=2)
+        return ActorEngine(tiny_model(), _offloaded(config) if offload else config)
+
+    for saved_with in (True, False):
+        engine = sp_engine(saved_with)
+        engine.train_batch(batch)
+        engine.save_checkpoint(tmp / f"ckpt_offload{int(saved_with)}")
+        engine.train_batch(make_batch(seed=11))
+        uninterrupted = full_params(engine)
+        torch.manual_seed(1234 + rank)  # another LoRA initialisation: the checkpoint restores it
+        resumed = sp_engine(not saved_with)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.load_checkpoint(tmp / f"ckpt_offload{int(saved_with)}")
+        assert any("optim.cpu_offload" in str(w.message) for w in caught), caught
+        resumed.train_batch(make_batch(seed=11))
+        for key, value in full_params(resumed).items():
+            assert torch.equal(value, uninterrupted[key]), f"saved with {saved_with}: {key}"
+    passed.append("cpu_offload_resume_across_the_switch")
+
     # ---- the ranks of an sp group must pass the same mini-batch
     engine = ActorEngine(tiny_model(), actor_config(sequence_parallel_size=2))
     with pytest.raises(ValueError, match="must pass the same mini-batch"):
@@ -444,6 +525,13 @@ def scenario_dp_sp(rank: int, tmp: Path) -> list[str]:
         ref = [(*r[:5], {k: v[SHARDS[rank // 2]] for k, v in r[5].items()}) for r in refs[name]]
         _compare(name, ref, got, worst)
         passed.append(name)
+        if name == "dp_sp[lora,packed]":  # optim.cpu_offload over the four ranks
+            build = partial(_engine, role, tiny_model, _offloaded(config), 2)
+            engine, policies = _offload_policies(build)
+            _check_offloaded(engine, policies)
+            got = _steps(engine, batch[SHARDS[dp.get_local_rank()]])
+            _compare("dp_sp[lora,packed,cpu_offload]", ref, got, worst)
+            passed.append("dp_sp[lora,packed,cpu_offload]")
     engine = _engine("actor", tiny_model, empty, sp=2)
     mine = batch[SHARDS[0]] if rank < 2 else batch[:0]
     ref = [(*r[:5], {k: v[: len(mine)] for k, v in r[5].items()}) for r in refs["empty"]]

@@ -1,9 +1,11 @@
-"""The GRPO recipe under Ulysses sequence parallelism: 2 processes that are one data rank.
+"""The GRPO and PPO recipes under Ulysses sequence parallelism: 2 processes that are one data rank.
 
 ``torchrun --nproc_per_node 2 examples/grpo_lora.py actor.sequence_parallel_size=2`` samples
 the prompts of one data rank on both processes (the same seeds), passes the engine the same
 mini-batch and splits its tokens: it must train like the single-process run (the same prompts,
 rewards and, to float32 rounding, losses), write its outputs once, and refuse what it cannot do.
+``examples/ppo_lora.py`` does the same with ``actor.`` and ``critic.sequence_parallel_size=2``
+(both engines split the tokens; the advantages are whitened over the data ranks only).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 from example_utils import TINY_MODEL, TINY_RL, load_example
 
-from microrl.configs.engine import ActorConfig, LoraConfig
+from microrl.configs.engine import ActorConfig, CriticConfig, LoraConfig
 from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.run import RolloutConfig
 from microrl.run import Dist, read_metrics
@@ -26,19 +28,30 @@ ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["output.plot=false", "output.tensorboard=false", "train.steps=2"]
 
 
-def test_grpo_under_sequence_parallelism_trains_like_one_process(tmp_path: Path) -> None:
-    base = tmp_path / "base" / "tiny-adder"
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny base model, warm-started by the first recipe run that needs it."""
+    return tmp_path_factory.mktemp("base") / "tiny-adder"
+
+
+def _torchrun(example: str, args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*cmd, str(ROOT / "examples" / f"{example}.py"), *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_grpo_under_sequence_parallelism_trains_like_one_process(
+    base: Path, tmp_path: Path
+) -> None:
     args = [*TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base}"]
     one = tmp_path / "one"
     assert load_example("grpo_lora").main([*args, f"output.dir={one}"]) == 0
     sp = tmp_path / "sp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    result = subprocess.run(
-        [*cmd, str(ROOT / "examples" / "grpo_lora.py"), *args, f"output.dir={sp}",
-         "actor.sequence_parallel_size=2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _torchrun("grpo_lora", [*args, f"output.dir={sp}", "actor.sequence_parallel_size=2"])
     assert result.stdout.count("held-out greedy accuracy:") == 1  # one data rank, one writer
     ref, got = read_metrics(one / "metrics.jsonl"), read_metrics(sp / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1, 2]
@@ -46,6 +59,28 @@ def test_grpo_under_sequence_parallelism_trains_like_one_process(tmp_path: Path)
     assert got[1]["reward"] == ref[1]["reward"]  # the same prompts and samples
     assert got[1]["loss"] == pytest.approx(ref[1]["loss"], abs=1e-5)
     for process in (0, 1):  # each process keeps its own loop state
+        assert (sp / "checkpoint" / f"loop_state_rank{process}.pt").is_file()
+
+
+def test_ppo_under_sequence_parallelism_trains_like_one_process(base: Path, tmp_path: Path) -> None:
+    """Actor and critic both split the tokens; the GAE advantages are whitened over the data
+    ranks (one process per sp group), so the first update is the single process's: the same
+    rewards, and the actor's and the critic's losses to float32 rounding."""
+    args = [*TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base}", "critic.micro_batch_size=2"]
+    one = tmp_path / "one"
+    assert load_example("ppo_lora").main([*args, f"output.dir={one}"]) == 0
+    sp = tmp_path / "sp"
+    sizes = ["actor.sequence_parallel_size=2", "critic.sequence_parallel_size=2"]
+    result = _torchrun("ppo_lora", [*args, f"output.dir={sp}", *sizes])
+    assert result.stdout.count("held-out greedy accuracy:") == 1  # one data rank, one writer
+    ref, got = read_metrics(one / "metrics.jsonl"), read_metrics(sp / "metrics.jsonl")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    assert got[0]["eval/accuracy"] == ref[0]["eval/accuracy"]
+    assert got[1]["reward"] == ref[1]["reward"]  # the same prompts and samples
+    for key in ("loss", "critic/loss", "critic/vf_loss", "kl"):
+        assert got[1][key] == pytest.approx(ref[1][key], abs=1e-5), key
+    assert (sp / "checkpoint" / "critic").is_dir()
+    for process in (0, 1):
         assert (sp / "checkpoint" / f"loop_state_rank{process}.pt").is_file()
 
 
@@ -61,5 +96,12 @@ def test_sequence_parallel_data_ranks_and_refusals() -> None:
             actor=ActorConfig(sequence_parallel_size=2, lora=LoraConfig(rank=8)),
             rollout=RolloutConfig(max_staleness=1),
         )
-    with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size"):
-        PPOExampleConfig(actor=ActorConfig(sequence_parallel_size=2, lora=LoraConfig(rank=8)))
+    # PPO: one sp layout for both engines (an sp group is one data rank of both)
+    lora = LoraConfig(rank=8)
+    with pytest.raises(ValueError, match=r"critic\.sequence_parallel_size.*actor\.sequence_"):
+        PPOExampleConfig(actor=ActorConfig(sequence_parallel_size=2, lora=lora))
+    ppo = PPOExampleConfig(
+        actor=ActorConfig(sequence_parallel_size=2, lora=lora),
+        critic=CriticConfig(sequence_parallel_size=2, lora=lora),
+    )
+    assert ppo.critic.sequence_parallel_size == 2
