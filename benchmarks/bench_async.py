@@ -2,8 +2,9 @@
 
     python benchmarks/bench_async.py
     python benchmarks/bench_async.py --new-tokens 64 --prompts 8 --rounds 5
+    python benchmarks/bench_async.py --backend vllm
 
-A generation-heavy GRPO step on the ``hf`` backend, on the CPU, one torch thread per process:
+A generation-heavy GRPO step on the ``hf`` backend (``--backend vllm``: vLLM), on the CPU, one torch thread per process:
 a random Llama (``--hidden``, ``--layers``, vocabulary ``--vocab``; nothing downloaded) with a
 LoRA adapter samples ``--group`` responses of exactly ``--new-tokens`` tokens (the tokenizer's
 EOS id lies one past the model's vocabulary: never sampled) to each of ``--prompts`` random
@@ -12,10 +13,11 @@ log-probs are recomputed; ``--epochs`` passes of mini-batch updates follow. The 
 prompts x 4 samples x 96 tokens) make generation about as long as the rest of the step, the
 configuration where overlapping the two gains most.
 
-k = 0 is the synchronous loop (sample with ``HFRollout`` in the trainer process, then train);
-k >= 1 runs the same steps with the library's :class:`~microrl.run.RolloutPrefetcher` over an
-:class:`~microrl.engine.rollout.AsyncRollout` worker process (weights pushed and checked every
-step), the same prompt stream. Each k starts from the same weights; after ``--warmup`` steps,
+k = 0 is the synchronous loop (sample with ``HFRollout`` in the trainer process, or a colocated
+``vllm.LLM`` synced every step, then train); k >= 1 runs the same steps with the library's
+:class:`~microrl.run.RolloutPrefetcher` over an :class:`~microrl.engine.rollout.AsyncRollout`
+worker process, or a :class:`~microrl.engine.rollout.VLLMServerRollout` on a local ``vllm
+serve`` (weights pushed and checked every step), the same prompt stream. Each k starts from the same weights; after ``--warmup`` steps,
 ``--steps`` steps are timed; the ks run in turn ``--rounds`` times and the fastest round of each
 is reported (on a shared machine other jobs only ever slow a round down; every round is printed). For k = 0 the step splits into
 generation ``G`` and the rest ``T`` (scoring, old log-probs, updates): two processes can at best
@@ -104,6 +106,30 @@ def _train(engine: ActorEngine, rollout, scores, args) -> None:
             engine.train_batch(batch[part])
 
 
+def _vllm_config():
+    from microrl.configs.rollout import VLLMConfig
+
+    return VLLMConfig(kv_cache_memory_mb=256)
+
+
+def _synchronous_sampler(engine, tokenizer, args):
+    """k = 0: ``HFRollout`` on the trained model, or a colocated ``vllm.LLM``."""
+    if args.backend == "hf":
+        return HFRollout(engine, tokenizer)
+    from microrl.engine.rollout.vllm import VLLMRollout
+
+    return VLLMRollout(engine, tokenizer, _vllm_config())
+
+
+def _asynchronous_sampler(engine, tokenizer, args):
+    """k >= 1: an ``hf`` worker process, or a local ``vllm serve`` (one CPU thread each)."""
+    if args.backend == "hf":
+        return AsyncRollout(engine, tokenizer, version=0, num_threads=1)
+    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+
+    return VLLMServerRollout(engine, tokenizer, _vllm_config(), version=0, num_threads=1)
+
+
 def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
     """One k: ``--warmup`` steps, then ``--steps`` timed ones; per-step means of the phases."""
     torch.manual_seed(0)
@@ -113,7 +139,7 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
     waits, gens, rests, starts, cpu_starts = [], [], [], [], []
     worker_job = worker_cpu = worker_sync = 0.0
     if k == 0:
-        sampler = HFRollout(engine, tokenizer)
+        sampler = _synchronous_sampler(engine, tokenizer, args)
         for _ in range(total):
             starts.append(time.perf_counter())
             cpu_starts.append(time.process_time())
@@ -122,10 +148,12 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
             scores = score_rollout(task, problems, rollout)
             gens.append(time.perf_counter() - starts[-1])
             _train(engine, rollout, scores, args)
+            sampler.sync(engine)  # vllm: load the new weights (hf samples the live model)
             rests.append(time.perf_counter() - starts[-1] - gens[-1])
         end, cpu_end = time.perf_counter(), time.process_time()
+        sampler.close()
     else:
-        worker = AsyncRollout(engine, tokenizer, version=0, num_threads=1)
+        worker = _asynchronous_sampler(engine, tokenizer, args)
         prefetch = RolloutPrefetcher(
             worker, task, params, rng, args.prompts, max_staleness=k, last_step=total
         )
@@ -142,7 +170,9 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
             end, cpu_end = time.perf_counter(), time.process_time()
             jobs, syncs = worker.job_seconds[args.warmup :], worker.sync_seconds[args.warmup :]
             worker_job = sum(jobs) / max(len(jobs), 1)
-            worker_cpu = sum(worker.job_cpu_seconds[args.warmup :]) / max(len(jobs), 1)
+            # The hf worker's CPU seconds per job (vLLM servers' are other processes').
+            cpu = getattr(worker, "job_cpu_seconds", [float("nan")] * total)
+            worker_cpu = sum(cpu[args.warmup :]) / max(len(jobs), 1)
             worker_sync = sum(syncs) / max(len(syncs), 1)
         finally:
             prefetch.close()
@@ -187,6 +217,12 @@ def main() -> None:
         "--rounds", type=int, default=3, help="k = 0, 1, 2 run in turn this often; the fastest"
     )
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--backend",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: HFRollout / an AsyncRollout worker; vllm: a colocated vllm.LLM / a vllm serve",
+    )
     args = parser.parse_args()
     if args.new_tokens < 64:
         parser.error("--new-tokens must be >= 64 (a generation-heavy step)")
@@ -197,7 +233,9 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer = _tokenizer(args.vocab)
     config = LlamaConfig(
-        vocab_size=args.vocab,
+        # vLLM refuses a stop token outside the vocabulary: there the EOS id is in it, sampled
+        # about once in --vocab tokens (a few responses end early, alike for every k).
+        vocab_size=args.vocab + (args.backend == "vllm"),
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers,
@@ -210,7 +248,8 @@ def main() -> None:
     task = RandomPromptTask(args.vocab, args.prompt_len)
     params = SamplingParams(num_samples=args.group, max_new_tokens=args.new_tokens)
     print(
-        f"Llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, LoRA 8; "
+        f"{args.backend} backend; Llama hidden {args.hidden} x {args.layers} layers, vocab "
+        f"{args.vocab}, LoRA 8; "
         f"{args.prompts} prompts x {args.group} samples x {args.new_tokens} new tokens, "
         f"{args.epochs} epoch(s) of mini-batches of {args.mini_batch}; {args.warmup} warm-up + "
         f"{args.steps} timed steps, fastest of {args.rounds} rounds; 1 torch thread per process; "

@@ -90,6 +90,26 @@ def _check_overlong(task: TaskConfig, rollout: RolloutConfig) -> None:
     )
 
 
+def _check_async(actor: ActorConfig, rollout: RolloutConfig) -> None:
+    # Both recipes' rules for rollout.max_staleness = k > 0 (docs/rollouts.md#asynchronous-rl):
+    # the trainer recomputes the old log-probs (the proximal policy the ratio is anchored on; the
+    # bypass would anchor it on a stale policy's), and one worker samples for each data rank.
+    k = rollout.max_staleness
+    require(
+        k == 0 or not actor.policy_loss.bypass_mode,
+        "actor.policy_loss.bypass_mode",
+        f"false with rollout.max_staleness={k} (the old log-probs must be the trainer's "
+        "recomputed ones, the proximal policy; the sampler's are a stale behaviour policy)",
+        actor.policy_loss.bypass_mode,
+    )
+    require(
+        k == 0 or actor.sequence_parallel_size == 1,
+        "actor.sequence_parallel_size",
+        f"1 with rollout.max_staleness={k} (a generation worker per sp group is not yet supported)",
+        actor.sequence_parallel_size,
+    )
+
+
 @dataclass
 class GRPOExampleConfig:
     """``examples/grpo_lora.py`` (defaults: ``configs/grpo_lora.yaml``)."""
@@ -111,8 +131,7 @@ class GRPOExampleConfig:
         _check_actor_and_batches(self.actor, self.rollout, self.train)
         _check_overlong(self.task, self.rollout)
         # Asynchronous RL samples a step's prompts before the rewards of the steps before are in:
-        # dynamic sampling decides further rounds from rewards; the bypass would anchor the ratio
-        # on a stale policy's log-probs (docs/rollouts.md#asynchronous-rl).
+        # dynamic sampling decides further rounds from rewards (docs/rollouts.md#asynchronous-rl).
         k = self.rollout.max_staleness
         require(
             k == 0 or not self.rollout.dynamic_sampling,
@@ -120,20 +139,7 @@ class GRPOExampleConfig:
             f"false with rollout.max_staleness={k} (not yet supported together)",
             self.rollout.dynamic_sampling,
         )
-        require(
-            k == 0 or not self.actor.policy_loss.bypass_mode,
-            "actor.policy_loss.bypass_mode",
-            f"false with rollout.max_staleness={k} (the old log-probs must be the trainer's "
-            "recomputed ones, the proximal policy; the sampler's are a stale behaviour policy)",
-            self.actor.policy_loss.bypass_mode,
-        )
-        require(
-            k == 0 or self.actor.sequence_parallel_size == 1,
-            "actor.sequence_parallel_size",
-            f"1 with rollout.max_staleness={k} (a generation worker per sp group is not yet "
-            "supported)",
-            self.actor.sequence_parallel_size,
-        )
+        _check_async(self.actor, self.rollout)
 
 
 @dataclass
@@ -203,22 +209,19 @@ class PPOExampleConfig:
             "group-relative advantages need: use examples/grpo_lora.py)",
             self.rollout.dynamic_sampling,
         )
+        _check_async(self.actor, self.rollout)
+        # Under sequence parallelism an sp group's processes are one data rank: they sample the
+        # same prompts and pass both engines the same mini-batches. With two sizes the processes
+        # one engine needs to hold the same rows would be separate data ranks of the other,
+        # which would count those rows twice: one layout for both engines.
+        sizes = self.actor.sequence_parallel_size, self.critic.sequence_parallel_size
         require(
-            self.rollout.max_staleness == 0,
-            "rollout.max_staleness",
-            "0 for PPO (asynchronous RL is not yet supported by examples/ppo_lora.py: use "
-            "examples/grpo_lora.py)",
-            self.rollout.max_staleness,
+            sizes[0] == sizes[1],
+            "critic.sequence_parallel_size",
+            f"equal to actor.sequence_parallel_size = {sizes[0]} for PPO (an sp group's "
+            "processes are one data rank, which both engines must share)",
+            sizes[1],
         )
-        for role in ("actor", "critic"):
-            size = getattr(self, role).sequence_parallel_size
-            require(
-                size == 1,
-                f"{role}.sequence_parallel_size",
-                "1 for PPO (sequence parallelism runs in examples/grpo_lora.py; PPO's two "
-                "engines would need one sp layout: not yet supported)",
-                size,
-            )
         require(
             self.task.name not in EPISODE_TASK_NAMES,
             "task.name",

@@ -54,7 +54,7 @@ import torch
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import HFRollout, SamplingParams, make_rollout_backend
+from microrl.engine.rollout import SamplingParams
 from microrl.losses import broadcast_to_tokens, check_whole_groups, grpo_advantages
 from microrl.run import (
     Dist,
@@ -70,13 +70,11 @@ from microrl.run import (
     per_rank,
     prepare_base_model,
     prepare_output,
-    resumed_rollouts,
     sample_and_score,
     sample_rows,
     save_run,
-    start_prefetcher,
+    start_sampling,
     start_tracking,
-    warn_if_uncorrected,
     whole_groups,
 )
 from microrl.tasks import is_episode_task, make_task, overlong_penalty
@@ -119,21 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         temperature=cfg.actor.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
-    ahead = resumed_rollouts(restored, cfg.rollout.max_staleness)  # a checkpoint's, if any
-    prefetch = None  # rollout.max_staleness > 0: a worker process samples the next steps
-    if cfg.rollout.max_staleness:
-        prefetch = start_prefetcher(
-            engine, tokenizer, task, sampling, rng, prompts_per_rank, rollout=cfg.rollout,
-            task_name=cfg.task.name, last_step=cfg.train.steps, start_step=start_step,
-            num_threads=cfg.train.num_threads, state=ahead,
-        )  # fmt: skip
-        if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
-            warn_if_uncorrected(cfg.actor.policy_loss, cfg.rollout.max_staleness)
-        sampler = HFRollout(engine, tokenizer)  # evaluation: the trainer's current weights
-    else:
-        sampler = make_rollout_backend(
-            cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm
-        )
+    # rollout.backend's sampler; with rollout.max_staleness > 0 (prefetch) a worker process
+    # samples the next steps (and a checkpoint's rollouts sampled ahead come first) while the
+    # sampler, the trainer's current weights, only evaluates.
+    sampler, prefetch = start_sampling(
+        cfg, engine, tokenizer, task, sampling, rng, prompts_per_rank,
+        start_step=start_step, restored=restored, dist_info=dist_info,
+    )  # fmt: skip
     evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens, cfg.rollout)
 
     def overlong(rollout):  # DAPO's soft overlong penalty per row; 0 with task.overlong_buffer=0

@@ -5,9 +5,13 @@ Launch (CPU by default; the config is configs/ppo_lora.yaml, any key can be over
     python examples/ppo_lora.py                            # writes outputs/ppo_lora
     python examples/ppo_lora.py train.steps=100 actor.policy_loss.kl_coef=0.05 output.dir=outputs/kl
     torchrun --nproc_per_node 2 examples/ppo_lora.py output.dir=outputs/ppo_2ranks
+    torchrun --nproc_per_node 2 examples/ppo_lora.py actor.sequence_parallel_size=2 \\
+        critic.sequence_parallel_size=2 output.dir=outputs/ppo_sp  # Ulysses: both split tokens
     python examples/ppo_lora.py --resume                   # continue it (saved config + overrides)
     python examples/ppo_lora.py rollout.backend=vllm output.dir=outputs/ppo_vllm
                                                   # sample with vLLM (docs/rollouts.md)
+    python examples/ppo_lora.py rollout.max_staleness=1 output.dir=outputs/ppo_async
+                                                  # asynchronous: a worker samples a step ahead
     python examples/ppo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
         output.dir=outputs/my_data_ppo            # your data and reward (docs/tasks.md)
 
@@ -21,7 +25,17 @@ model with the LoRA adapter switched off), which keeps it from drifting to degen
 and critic are two engines, each a LoRA on its own copy of the base model (the critic's lm head
 replaced by a value head). Under torchrun each rank samples its own prompts, and the whitening
 statistics are those of the whole rollout over all ranks, so the update is the one a single
-process would make on the same rollout.
+process would make on the same rollout. Under sequence parallelism (``actor.`` and
+``critic.sequence_parallel_size``, equal) the processes of an sp group are one data rank: they
+sample the same prompts and both engines split each micro-batch's tokens between them
+(docs/distributed.md).
+
+With ``rollout.max_staleness=k > 0`` (``hf``) a worker process samples the next steps' rollouts
+while this one trains, with the actor's weights at most k steps old, pushed and checked after
+every step. The old log-probs and the critic's values (3 below) are still computed here, on the
+collected rollout at the current weights: the old log-probs are the proximal policy the ratio is
+anchored on, the sampler's the behaviour policy (``actor.policy_loss.decoupled_is_cap``;
+docs/rollouts.md#asynchronous-rl).
 
 Each step: 1 sample -> 2 score -> 3 old/ref log-probs and values -> 4 GAE -> 5 update both -> 6 log.
 """
@@ -38,11 +52,12 @@ from tensordict import TensorDict
 from microrl.configs.examples import PPOExampleConfig
 from microrl.engine import ActorEngine, CriticEngine
 from microrl.engine.parallel.distributed import dp_group
-from microrl.engine.rollout import SamplingParams, make_rollout_backend
+from microrl.engine.rollout import SamplingParams
 from microrl.losses import gae_advantages, scores_to_token_rewards, whiten
 from microrl.run import (
     Dist,
     StopOnInterrupt,
+    close_on_exit,
     evaluator,
     finish,
     load_run,
@@ -53,6 +68,7 @@ from microrl.run import (
     prepare_output,
     sample_rows,
     save_run,
+    start_sampling,
     start_tracking,
 )
 from microrl.tasks import make_task, overlong_penalty
@@ -65,45 +81,62 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     log = print if dist_info.is_main else (lambda *_: None)
-    prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", dist_info)
-    mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", dist_info)
+    # Under sequence parallelism an sp group's processes are one data rank: the same prompts
+    # (actor and critic share the layout: configs/examples.py checks the sizes are equal).
+    data = dist_info.for_sequence_parallel(cfg.actor.sequence_parallel_size)
+    prompts_per_rank = per_rank(cfg.rollout.prompts_per_step, "rollout.prompts_per_step", data)
+    mini_batch_per_rank = per_rank(cfg.train.mini_batch_size, "train.mini_batch_size", data)
 
     t_setup = time.perf_counter()
     tokenizer, base_path = prepare_base_model(
         cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
     task = make_task(cfg.task, tokenizer)  # addition, word_problems or a file (docs/tasks.md)
+    dist_info = data  # from here on (the base model is built by every process as its own rank)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     actor = ActorEngine(base_path, cfg.actor)  # under torchrun only rank 0 reads the checkpoint
     critic = CriticEngine(base_path, cfg.critic)  # its own copy
     engines = {"actor": actor, "critic": critic}
     rng = random.Random(cfg.train.seed * 1000 + dist_info.rank)
     torch.manual_seed(cfg.train.seed * 1000 + dist_info.rank)
-    start_step = 0
+    start_step, restored = 0, {}
     if args.resume:
-        start_step = load_run(cfg.output.dir, engines, rng=rng, dist_info=dist_info)
+        start_step = load_run(
+            cfg.output.dir, engines, rng=rng, dist_info=dist_info, extra_state=restored
+        )
         log(f"resumed from {cfg.output.dir}/checkpoint at step {start_step}")
-    sampler = make_rollout_backend(cfg.rollout.backend, actor, tokenizer, vllm=cfg.rollout.vllm)
     sampling = SamplingParams(
         num_samples=cfg.rollout.group_size,
         temperature=cfg.actor.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
+    # rollout.backend's sampler; with rollout.max_staleness > 0 (prefetch) a worker process
+    # samples the next steps with the actor's pushed weights (a checkpoint's rollouts sampled
+    # ahead come first) while the sampler, the trainer's current weights, only evaluates.
+    sampler, prefetch = start_sampling(
+        cfg, actor, tokenizer, task, sampling, rng, prompts_per_rank,
+        start_step=start_step, restored=restored, dist_info=dist_info,
+    )  # fmt: skip
     evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens)
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, t_setup)
 
-    step, t_train, interrupted, metrics = start_step, time.perf_counter(), False, {}
-    with StopOnInterrupt(dist_info) as stop:
+    step, t_train, interrupted, metrics, extra = start_step, time.perf_counter(), False, {}, None
+    with close_on_exit(sampler, prefetch), StopOnInterrupt(dist_info) as stop:
         for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
             # 1. Sample responses from the current policy (the loss's temperature); the batch
             #    carries the sampler's rollout_logprobs (the engine reports the mismatch/*).
-            problems = task.sample(rng, prompts_per_rank)
-            rollout = sampler.generate([p.prompt for p in problems], sampling)
+            if prefetch is not None:  # 1-2 sampled ahead by the worker (rollout.max_staleness):
+                # rows of a policy up to k steps old, their rollout_logprobs the behaviour
+                # policy; the old log-probs and values (3) are the trainer's, computed now.
+                problems, rollout, scores = prefetch.take(step)
+            else:
+                problems = task.sample(rng, prompts_per_rank)
+                rollout = sampler.generate([p.prompt for p in problems], sampling)
+                # 2. Score the answer text (the reward of the last response token, in step 4).
+                answered = [problems[i] for i in rollout.group_ids.tolist()]
+                scores = torch.tensor(task.score(rollout.texts, answered))
             batch, mask = rollout.batch, rollout.batch["loss_mask"]
-            # 2. Score the answer text (the reward of the last response token, in step 4).
-            answered = [problems[i] for i in rollout.group_ids.tolist()]
-            scores = torch.tensor(task.score(rollout.texts, answered))
             # DAPO's soft overlong penalty (0 with task.overlong_buffer=0): reward = score + it.
             penalty = overlong_penalty(
                 mask.sum(1),  # response tokens, <eos> included
@@ -120,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 actor, critic, batch, cfg, mini_batch_per_rank
             )
             is_eval_step = step % cfg.train.eval_every == 0 or step == cfg.train.steps
-            if step % cfg.rollout.sync_every == 0 or is_eval_step:
+            if prefetch is not None:  # push (and check) the new weights; sample a step further
+                prefetch.sync(actor)
+            elif step % cfg.rollout.sync_every == 0 or is_eval_step:
                 sampler.sync(actor)  # vllm: load the new weights; hf samples the live model
             # 6. Metrics (counts summed over ranks), eval, checkpoint. The entropy comes from
             #    the old log-prob pass (none with the bypass).
@@ -148,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             if cfg.task.overlong_buffer:
                 metrics["reward/overlong_penalty"] = penalty_sum / n_rows
+            if prefetch is not None:  # staleness/*, sync/probe_* (docs/rollouts.md)
+                metrics.update(prefetch.metrics(step, rollout, dist_info))
             if old is not None:
                 metrics["entropy"] = entropy_sum / max(n_response, 1.0)
             else:  # bypass: only the first update ran at the weights that sampled (docs/losses.md)
@@ -164,10 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if cfg.output.save_every and step % cfg.output.save_every == 0:
                 save_run(
-                    cfg.output.dir, engines, step=step, rng=rng, dist_info=dist_info, config=cfg
+                    cfg.output.dir,
+                    engines,
+                    step=step,
+                    rng=rng,
+                    dist_info=dist_info,
+                    config=cfg,
+                    extra_state=prefetch and prefetch.extra_state(),
                 )
+        extra = prefetch and prefetch.extra_state()  # the rollouts sampled ahead, for --resume
 
-    sampler.close()
     return finish(
         cfg,
         engines,
@@ -181,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         last_metrics=metrics,
         train_time=time.perf_counter() - t_train,
         tokenizer=tokenizer,  # saved beside the merged model (output.export_merged)
+        extra_state=extra,
     )
 
 
@@ -219,7 +263,10 @@ def estimate_advantages(
     advantages, returns = gae_advantages(
         rewards, batch["old_values"], mask, gamma=cfg.gae.gamma, lam=cfg.gae.lam
     )
-    batch["advantages"] = whiten(advantages, mask, group=dp_group())
+    # Under sequence parallelism the data ranks' group: one process of each sp group (the
+    # processes of a group hold the same rows, which must count once).
+    group = actor.dp_group if cfg.actor.sequence_parallel_size > 1 else dp_group()
+    batch["advantages"] = whiten(advantages, mask, group=group)
     batch["returns"] = returns
     return old
 

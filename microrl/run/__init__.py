@@ -3,7 +3,7 @@
 :mod:`~microrl.run.cli` (command line, ``--resume``/``--overwrite``), :mod:`~microrl.run.dist`
 (ranks, Ctrl-C), :mod:`~microrl.run.checkpoint` (run checkpoints that survive a kill),
 :mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot),
-:mod:`~microrl.run.session` (evaluation, tracking and shutdown around the RL step),
+:mod:`~microrl.run.session` (samplers, evaluation, tracking and shutdown around the RL step),
 :mod:`~microrl.run.dynamic_sampling` (DAPO's dynamic sampling: groups whose rewards differ),
 :mod:`~microrl.run.sampling` (sample or play episodes, and score, for any task),
 :mod:`~microrl.run.async_rollouts` (asynchronous RL: rollouts sampled ahead by a worker under
@@ -30,6 +30,7 @@ from microrl.run.session import (
     evaluator,
     finish,
     sample_rows,
+    start_sampling,
     start_tracking,
 )
 from microrl.run.tracking import Tracker, mean_metrics, plot_metrics, read_metrics
@@ -62,6 +63,7 @@ __all__ = [
     "save_run",
     "score_rollout",
     "start_prefetcher",
+    "start_sampling",
     "start_tracking",
     "warn_if_uncorrected",
     "whole_groups",

@@ -16,14 +16,84 @@ import yaml
 from microrl.configs.loader import config_to_yaml
 from microrl.configs.run import RolloutConfig
 from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
-from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams
+from microrl.engine.rollout import (
+    HFRollout,
+    Rollout,
+    RolloutBackend,
+    SamplingParams,
+    make_rollout_backend,
+)
+from microrl.run.async_rollouts import (
+    RolloutPrefetcher,
+    resumed_rollouts,
+    start_prefetcher,
+    warn_if_uncorrected,
+)
 from microrl.run.checkpoint import save_run
 from microrl.run.dist import Dist
 from microrl.run.sampling import sample_and_score
 from microrl.run.tracking import Tracker
 from microrl.tasks import Problem, Task
 
-__all__ = ["evaluate_accuracy", "evaluator", "finish", "sample_rows", "start_tracking"]
+__all__ = [
+    "evaluate_accuracy",
+    "evaluator",
+    "finish",
+    "sample_rows",
+    "start_sampling",
+    "start_tracking",
+]
+
+
+def start_sampling(
+    cfg: Any,
+    engine: Any,
+    tokenizer: Any,
+    task: Task,
+    params: SamplingParams,
+    rng: random.Random,
+    prompts_per_step: int,
+    *,
+    start_step: int,
+    restored: Mapping[str, Any],
+    dist_info: Dist,
+) -> tuple[RolloutBackend, RolloutPrefetcher | None]:
+    """The recipe's samplers for its ``rollout`` section: ``(sampler, prefetch)``.
+
+    ``rollout.max_staleness=0``: the ``rollout.backend`` sampler (it samples every step's
+    rollout and evaluates) and None. ``k > 0``: an ``HFRollout`` of the trainer's current
+    weights (it evaluates) and a :class:`~microrl.run.RolloutPrefetcher` whose worker samples the
+    steps ahead with ``engine``'s pushed weights, drawing the prompts from ``rng``
+    (``prompts_per_step`` each, this rank's share, up to ``train.steps``), holding first the
+    rollouts a resumed checkpoint carried (``restored``: :func:`~microrl.run.load_run`'s
+    ``extra_state``); rank 0 warns once when ``actor.policy_loss`` sets no behaviour-policy
+    correction. A checkpoint holding rollouts sampled ahead, resumed with a smaller
+    ``max_staleness``, is a ``ValueError``. ``cfg``: a recipe config (its ``rollout``,
+    ``task.name``, ``train.steps``, ``train.num_threads`` and ``actor.policy_loss``)."""
+    k = cfg.rollout.max_staleness
+    ahead = resumed_rollouts(restored, k)  # a checkpoint's, if any
+    if not k:
+        sampler = make_rollout_backend(
+            cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm
+        )
+        return sampler, None
+    prefetch = start_prefetcher(
+        engine,
+        tokenizer,
+        task,
+        params,
+        rng,
+        prompts_per_step,
+        rollout=cfg.rollout,
+        task_name=cfg.task.name,
+        last_step=cfg.train.steps,
+        start_step=start_step,
+        num_threads=cfg.train.num_threads,
+        state=ahead,
+    )
+    if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
+        warn_if_uncorrected(cfg.actor.policy_loss, k)
+    return HFRollout(engine, tokenizer), prefetch
 
 
 def evaluate_accuracy(

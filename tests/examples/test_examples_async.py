@@ -9,6 +9,8 @@
 - A multi-turn task is played in the worker.
 - Under ``torchrun`` every rank has its own worker (2 gloo ranks, FSDP2-sharded weights
   gathered for each push).
+- The PPO recipe takes ``max_staleness=1`` the same way: the same prompts as its synchronous
+  run, ``staleness/*`` and ``sync/probe_*`` as GRPO's, the critic trained on the stale rows.
 The resume of an asynchronous run: tests/examples/test_examples_async_resume.py.
 """
 
@@ -45,18 +47,20 @@ def common(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     ]
 
 
-def _run(args: list[str], monkeypatch) -> tuple[list[list[str]], list[dict]]:
+def _run(
+    args: list[str], monkeypatch, recipe: str = "grpo_lora"
+) -> tuple[list[list[str]], list[dict]]:
     """Run the recipe in process; the prompts each step trained on, and its metrics."""
-    grpo = load_example("grpo_lora")
+    module = load_example(recipe)
     trained: list[list[str]] = []
 
     def record(rollout, problems, scores):
         trained.append([p.prompt for p in problems])
         return sample_rows(rollout, problems, scores)
 
-    monkeypatch.setattr(grpo, "sample_rows", record)
+    monkeypatch.setattr(module, "sample_rows", record)
     out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))
-    assert grpo.main(args) == 0
+    assert module.main(args) == 0
     assert not multiprocessing.active_children()  # the worker is gone
     return trained, read_metrics(Path(out) / "metrics.jsonl")
 
@@ -115,6 +119,29 @@ def test_a_multi_turn_task_is_played_in_the_worker(common, tmp_path: Path, monke
     for r in records[1:]:
         assert r["episodes/turns_mean"] >= 1 and "staleness/max" in r
     assert records[-1]["staleness/max"] == 1
+
+
+def test_ppo_samples_ahead_like_grpo(common, tmp_path: Path, monkeypatch) -> None:
+    args = [*[a for a in common if not a.startswith("train.steps")], "train.steps=3"]
+    prompts, sync = _run([*args, f"output.dir={tmp_path / 'ppo_k0'}"], monkeypatch, "ppo_lora")
+    async_args = [
+        *args,
+        f"output.dir={tmp_path / 'ppo_k1'}",
+        "rollout.max_staleness=1",
+        "actor.policy_loss.decoupled_is_cap=5.0",
+    ]
+    prompts_k1, records = _run(async_args, monkeypatch, "ppo_lora")
+    assert prompts_k1 == prompts  # the same prompt stream, in the same order
+    steps = records[1:]
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1]
+    assert [r["step"] for r in steps if "sync/probe_kl" in r] == [1, 3]  # base, after step 1
+    for r in steps:
+        if "sync/probe_kl" in r:
+            assert r["sync/probe_abs_diff_max"] < 1e-4 and 0 <= r["sync/probe_kl"] < 1e-8
+        assert r["decoupled_is_weight_mean"] > 0 and "critic/vf_loss" in r
+    assert not any(k.startswith(("staleness/", "sync/")) for r in sync for k in r)
+    assert all(r["mismatch/abs_diff_max"] > 1e-4 for r in steps[1:])  # the lag shows
+    assert "eval/accuracy" in records[-1]
 
 
 @pytest.mark.distributed

@@ -1,4 +1,5 @@
-"""An asynchronous GRPO run (``rollout.max_staleness=1``) loses nothing when killed or stopped.
+"""An asynchronous run (``rollout.max_staleness=1``) loses nothing when killed or stopped, with
+either recipe (GRPO; PPO, whose checkpoint also holds the critic).
 
 The run checkpoint holds the rollouts sampled ahead and the prompt stream's position after them.
 One run is killed at step 3 (an error: nothing saved since step 2), resumed, stopped by Ctrl-C
@@ -14,6 +15,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from example_utils import TINY_MODEL, TINY_RL, load_example
 
@@ -28,9 +30,9 @@ class Killed(RuntimeError):
     pass
 
 
-def _run(args: list[str], monkeypatch, *, kill_at=None, interrupt_at=None):
+def _run(args: list[str], monkeypatch, recipe: str, *, kill_at=None, interrupt_at=None):
     """Run the recipe in process; the prompts of each step it trained, and its exit code."""
-    grpo = load_example("grpo_lora")
+    module = load_example(recipe)
     trained: list[list[str]] = []
 
     def record(rollout, problems, scores):  # called once per step, after its update
@@ -41,9 +43,9 @@ def _run(args: list[str], monkeypatch, *, kill_at=None, interrupt_at=None):
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: stop after this step
         return sample_rows(rollout, problems, scores)
 
-    monkeypatch.setattr(grpo, "sample_rows", record)
+    monkeypatch.setattr(module, "sample_rows", record)
     try:
-        code = grpo.main(args)
+        code = module.main(args)
     except StepFailed as err:
         assert isinstance(err.error, Killed)
         code = None
@@ -57,8 +59,9 @@ def _by_step(out: Path) -> dict[int, dict]:
     return {s: {k: v for k, v in r.items() if k not in TIMINGS} for s, r in records.items()}
 
 
+@pytest.mark.parametrize("recipe", ["grpo_lora", "ppo_lora"])
 def test_kill_and_resume_trains_every_prompt_group_exactly_once(
-    tmp_path: Path, monkeypatch
+    recipe: str, tmp_path: Path, monkeypatch
 ) -> None:
     (tmp_path / "length_reward.py").write_text(REWARD)
     common = [
@@ -72,23 +75,23 @@ def test_kill_and_resume_trains_every_prompt_group_exactly_once(
         "output.tensorboard=false",
         f"train.steps={STEPS}",
     ]
-    full, code = _run([*common, f"output.dir={tmp_path / 'full'}"], monkeypatch)
+    full, code = _run([*common, f"output.dir={tmp_path / 'full'}"], monkeypatch, recipe)
     assert code == 0 and len(full) == STEPS
 
     out = tmp_path / "interrupted"
     args = [*common, f"output.dir={out}"]
-    first, code = _run(args, monkeypatch, kill_at=3)
+    first, code = _run(args, monkeypatch, recipe, kill_at=3)
     assert code is None and len(first) == 3  # step 3 trained, but only step 2 was saved
     state = torch.load(out / "checkpoint" / "loop_state_rank0.pt", weights_only=True)
     assert state["step"] == 2
     ahead = state["extra"]["rollout_buffer"]["items"]
     assert [(item["step"], item["version"]) for item in ahead] == [(3, 1), (4, 2)]
-    second, code = _run([*args, "--resume"], monkeypatch, interrupt_at=3)
+    second, code = _run([*args, "--resume"], monkeypatch, recipe, interrupt_at=3)
     assert code == 130 and len(second) == 3  # steps 3, 4, 5; saved at 5
     state = torch.load(out / "checkpoint" / "loop_state_rank0.pt", weights_only=True)
     assert state["step"] == 5
     assert [item["step"] for item in state["extra"]["rollout_buffer"]["items"]] == [6]
-    third, code = _run([*args, "--resume"], monkeypatch)
+    third, code = _run([*args, "--resume"], monkeypatch, recipe)
     assert code == 0 and len(third) == 1
 
     # Steps 1-2 of the killed run (step 3 was lost with it), then every resumed step.
