@@ -25,7 +25,7 @@ from pathlib import Path
 
 from microrl.engine.rollout.vllm_http import ServerClient, ServerError
 
-__all__ = ["LocalVLLMServer", "serve_command"]
+__all__ = ["LocalVLLMServer", "serve_command", "server_env"]
 
 
 def serve_command(
@@ -42,6 +42,7 @@ def serve_command(
     lora_rank: int = 0,
     max_loras: int = 1,
     weight_transfer: str | None = None,
+    cpu: bool = False,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a rollout server (without the API key, which travels in
     the ``VLLM_API_KEY`` environment variable, not on a command line ``ps`` shows).
@@ -76,6 +77,11 @@ def serve_command(
         "--gpu-memory-utilization",
         str(gpu_memory_utilization),
     ]
+    if cpu:
+        # The model runs in the engine-core process (with server_env's
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's default on a CPU adds a worker process the
+        # engine core busy-waits for, a second core burnt (1.0 against 0.65 CPU-s per job).
+        command += ["--distributed-executor-backend", "uni"]
     if enforce_eager:
         command.append("--enforce-eager")
     if max_model_len:
@@ -91,16 +97,48 @@ def serve_command(
     return command
 
 
+def server_env(
+    api_key: str, *, full_weights: bool, num_threads: int, cpu: bool = False
+) -> dict[str, str]:
+    """The environment of a local server: this process's, with the API key (never on the
+    command line), unpinned CPU threads, runtime LoRA loading, and vLLM's RL routes
+    (``VLLM_SERVER_DEV_MODE``) only for full weights; never vLLM's insecure pickle
+    serialization, and none of torchrun's variables (the server is no rank of the trainer's
+    group)."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_API_KEY=api_key,
+        VLLM_CPU_OMP_THREADS_BIND="nobind",  # never pin the trainer's cores
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    )
+    if full_weights:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    else:
+        env.pop("VLLM_SERVER_DEV_MODE", None)
+    if num_threads:
+        env["OMP_NUM_THREADS"] = str(num_threads)
+    # CPU: the model in the engine-core process (serve_command's cpu); else vLLM's default, not
+    # the trainer's "0" (set in this process by the colocated vllm backend).
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cpu else "1"
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    return env
+
+
 class LocalVLLMServer:
     """A ``vllm serve`` subprocess on localhost, up and answering when the constructor returns.
 
     Args:
-        command: :func:`serve_command`'s arguments, without ``--port`` (a free port is chosen).
+        model_dir: the model to serve (the trainer's base model, exported).
         full_weights: also mount vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``: weight transfer,
             pause/resume); LoRA-only servers need none of them.
         num_threads: the server's OpenMP threads on a CPU (0: vLLM's default).
         timeout_s: the longest wait for it to answer ``/health``.
         name: how errors name it.
+        api_key: its ``--api-key``; None: a fresh random one.
+        options: :func:`serve_command`'s keyword arguments but ``port`` (a free one is chosen).
     """
 
     def __init__(
@@ -111,25 +149,19 @@ class LocalVLLMServer:
         num_threads: int = 1,
         timeout_s: float = 600.0,
         name: str = "the local vLLM server",
+        api_key: str | None = None,
         **options,
     ) -> None:
         self.name = name
-        self.api_key = secrets.token_urlsafe(32)
+        self.api_key = api_key or secrets.token_urlsafe(32)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        env.update(
-            VLLM_API_KEY=self.api_key,
-            VLLM_CPU_OMP_THREADS_BIND="nobind",  # never pin the trainer's cores
-            VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
-            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        env = server_env(
+            self.api_key,
+            full_weights=full_weights,
+            num_threads=num_threads,
+            cpu=options.get("cpu", False),
         )
-        if full_weights:
-            env["VLLM_SERVER_DEV_MODE"] = "1"
-        if num_threads:
-            env["OMP_NUM_THREADS"] = str(num_threads)
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(var, None)  # torchrun's: the server is no rank of the trainer's group
         self.command = serve_command(model_dir, port=self.port, **options)
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             prefix="microrl-vllm-serve-", suffix=".log", delete=False

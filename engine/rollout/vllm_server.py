@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import secrets
 import shutil
 import tempfile
 import threading
@@ -63,7 +64,14 @@ from microrl.engine.rollout.async_rollout import (
     probe_stats,
 )
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
-from microrl.engine.rollout.vllm_http import ServerClient, ServerError
+from microrl.engine.rollout.vllm_http import ServerClient
+from microrl.engine.rollout.vllm_requests import (
+    GENERATE_ROUTE,
+    generate_body,
+    parse_samples,
+    probe_body,
+    prompt_logprobs,
+)
 
 __all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout"]
 
@@ -130,10 +138,12 @@ class VLLMServerRollout(RolloutBackend):
             engine.vocab_size, getattr(base.config, "max_position_embeddings", 16), tokenizer
         )
         self._own_workdir = workdir is None
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="microrl-vllm-servers-"))
+        self.workdir = Path(workdir or _shared_tempdir())
         self._jobs = itertools.count()
+        self._run_id = secrets.token_hex(4)
         self._futures: dict[int, tuple[Job, Future]] = {}
-        self._syncs: dict[int, Future] = {}  # version -> its load (and check)
+        self._syncs: dict[int, Future] = {}  # version -> its check (after its load)
+        self._loads: dict[int, Future] = {}  # version -> its load
         self._loaded: list[int] = []  # adapter versions loaded on the servers
         self._context = threading.local()
         self._servers, self._pushers = [], []
@@ -156,6 +166,9 @@ class VLLMServerRollout(RolloutBackend):
     def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
         rank, world = distributed.rank(), distributed.world_size()
         if urls:
+            # Each rank its own servers: a full fine-tune's pushes would overwrite each other's,
+            # and vLLM 0.32's CPU LoRA path fails a batch mixing one rank's probe (prompt
+            # log-probs) with another's samples.
             mine = urls[rank::world]
             if not mine:
                 raise ValueError(
@@ -182,6 +195,7 @@ class VLLMServerRollout(RolloutBackend):
             lora_rank=_lora_rank(self.engine.config.lora.rank) if self.is_lora else 0,
             max_loras=4,
             weight_transfer=None if self.is_lora else _transfer_backend(self.engine),
+            cpu=on_cpu,
         )
 
         def start(i: int) -> LocalVLLMServer:
@@ -228,10 +242,10 @@ class VLLMServerRollout(RolloutBackend):
         if not self._servers:  # the user's servers outlive this trainer: take our adapters back
             for client, version in itertools.product(getattr(self, "clients", ()), self._loaded):
                 with contextlib.suppress(Exception):
-                    client.post("v1/unload_lora_adapter", {"lora_name": _adapter(version)})
+                    client.post("v1/unload_lora_adapter", {"lora_name": self._adapter(version)})
         for server in self._servers:
             server.close()
-        if self._own_workdir:
+        if self._own_workdir and distributed.rank() == 0:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> VLLMServerRollout:
@@ -255,6 +269,12 @@ class VLLMServerRollout(RolloutBackend):
         version = self.version
         expected = _untempered_logprobs(engine, self.probe)
         if self.is_lora:
+            # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
+            # this rank's previous load is done, the collective export below means every rank's
+            # is, so no rank can still be about to read a directory rank 0 deletes.
+            previous = self._loads.get(version - 1)
+            if previous is not None:
+                previous.result()
             path = self.workdir / f"adapter-{version}"
             export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
             in_use = {job.version for job, _ in self._futures.values()}
@@ -262,7 +282,8 @@ class VLLMServerRollout(RolloutBackend):
         else:
             state = gather_weights(engine.module, self._prefix, trainable_only=False)
             load = lambda: self._push_full(version, state, pause=not first)  # noqa: E731
-        loaded = self._sync_thread.submit(self._timed, load)
+        loaded = self._loads[version] = self._sync_thread.submit(self._timed, load)
+        self._loads.pop(version - 2, None)
         # The check scores the probe with prompt log-probs. LoRA: on the job thread, between
         # jobs, alone on the servers (vLLM 0.32's CPU LoRA logits path fails a batch mixing
         # prompt log-probs with other requests); it names its adapter, so a later load cannot
@@ -298,14 +319,16 @@ class VLLMServerRollout(RolloutBackend):
     def _load_adapter(self, version: int, path: Path, in_use: set[int]) -> None:
         for client in self.clients:
             client.post(
-                "v1/load_lora_adapter", {"lora_name": _adapter(version), "lora_path": str(path)}
+                "v1/load_lora_adapter",
+                {"lora_name": self._adapter(version), "lora_path": str(path)},
             )
         stale = [v for v in self._loaded if v not in in_use]
         self._loaded = [v for v in self._loaded if v in in_use] + [version]
         for old in stale:
             for client in self.clients:
-                client.post("v1/unload_lora_adapter", {"lora_name": _adapter(old)})
-            shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
+                client.post("v1/unload_lora_adapter", {"lora_name": self._adapter(old)})
+            if distributed.rank() == 0:  # every rank loaded it (see _submit_sync)
+                shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
 
     def _push_full(self, version: int, state: dict[str, torch.Tensor], *, pause: bool) -> None:
         for client, pusher in zip(self.clients, self._pushers, strict=True):
@@ -322,20 +345,10 @@ class VLLMServerRollout(RolloutBackend):
         ``loss_mask``), at temperature 1: vLLM's prompt log-probs are the model's raw ones."""
         ids, mask = self.probe["input_ids"], self.probe["attention_mask"].bool()
         out = torch.zeros(ids.shape, dtype=torch.float32)
+        adapter = self._adapter(version) if self.is_lora else None
         for b in range(ids.shape[0]):
             row = ids[b][mask[b]].tolist()
-            body = {
-                "token_ids": row,
-                "sampling_params": {
-                    "max_tokens": 1,
-                    "prompt_logprobs": 0,
-                    "detokenize": False,
-                },
-            }
-            if self.is_lora:
-                body["model"] = _adapter(version)
-            scored = client.post("inference/v1/generate", body)["prompt_logprobs"][1:]
-            values = [step[str(t)]["logprob"] for step, t in zip(scored, row[1:], strict=True)]
+            values = prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(row, adapter)), row)
             out[b, mask[b].nonzero().squeeze(1)[1:]] = torch.tensor(values)
         return torch.where(self.probe["loss_mask"], out, 0.0)
 
@@ -463,46 +476,21 @@ class VLLMServerRollout(RolloutBackend):
 
     def _request(self, i: int, ids: list[int], params: SamplingParams, seed: int, version: int):
         client = self.clients[i % len(self.clients)]
-        body = {
-            "token_ids": ids,
-            "sampling_params": {
-                "n": 1 if params.greedy else params.num_samples,
-                "temperature": 0.0 if params.greedy else params.temperature,
-                "top_k": params.top_k if params.top_k > 0 else -1,
-                "top_p": params.top_p,
-                "max_tokens": params.max_new_tokens,
-                "logprobs": 0,
-                "stop_token_ids": [self.tokenizer.eos_token_id],
-                "seed": seed % (2**31 - 1),
-                "detokenize": False,
-            },
-        }
-        if self.is_lora:
-            body["model"] = _adapter(version)
-        choices = sorted(
-            client.post("inference/v1/generate", body)["choices"], key=lambda c: c["index"]
+        adapter = self._adapter(version) if self.is_lora else None
+        body = generate_body(
+            ids, params, seed=seed, eos_token_id=self.tokenizer.eos_token_id, adapter=adapter
         )
-        out = []
-        for choice in choices:
-            tokens = list(choice["token_ids"])
-            lps = [step["logprob"] for step in (choice.get("logprobs") or {}).get("content", [])]
-            if len(lps) != len(tokens):
-                raise ServerError(
-                    f"the vLLM server at {client.url} returned {len(tokens)} tokens but "
-                    f"{len(lps)} log-probs"
-                )
-            if self.is_lora:
-                versions = (version, version)
-            else:
-                spans = choice.get("weight_versions") or [{"version": str(version)}]
-                versions = (
-                    _version(spans[0]["version"], client),
-                    _version(spans[-1]["version"], client),
-                )
-            out.append((tokens, lps, versions))
-        return out
+        response = client.post(GENERATE_ROUTE, body)
+        # LoRA: every token comes from the request's adapter; full weights: from the spans.
+        return parse_samples(response, url=client.url, version=version if self.is_lora else None)
 
     # ----------------------------------------------------------------- helpers
+    def _adapter(self, version: int) -> str:
+        """The served name of a version's adapter: unique to this run and rank, so trainers
+        and ranks sharing a server, or a resumed run meeting its crashed predecessor's adapters,
+        never collide."""
+        return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}"
+
     def _check_servers(self, what: str) -> None:
         for server in self._servers:
             if not server.alive():
@@ -527,18 +515,12 @@ def _untempered_logprobs(engine, batch) -> torch.Tensor:
         engine.config.temperature = temperature
 
 
-def _adapter(version: int) -> str:
-    return f"microrl-v{version}"
-
-
-def _version(label: str, client: ServerClient) -> int:
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        raise ServerError(
-            f"the vLLM server at {client.url} reports weight version {label!r}: not one microrl "
-            "pushed (another trainer or a restart changed its weights?)"
-        ) from None
+def _shared_tempdir() -> str:
+    """A fresh temporary directory, rank 0's on every rank (the exports rank 0 writes)."""
+    path = [tempfile.mkdtemp(prefix="microrl-vllm-servers-") if distributed.rank() == 0 else None]
+    if distributed.is_distributed():
+        torch.distributed.broadcast_object_list(path, src=0)
+    return path[0]
 
 
 def _transfer_backend(engine) -> str:

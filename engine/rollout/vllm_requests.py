@@ -1,0 +1,105 @@
+"""The wire format of a rollout on a ``vllm serve`` server (docs/rollouts.md#vllm-servers).
+
+Token ids in, token ids out: vLLM's ``/inference/v1/generate`` (``--enable-scale-out``) takes a
+prompt's ids and vLLM's own ``SamplingParams`` as JSON and answers every sample's ids, the
+sampled tokens' log-probs and the weight version of each span of tokens. Pure functions, so the
+format is tested without a server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from microrl.engine.rollout.base import SamplingParams
+from microrl.engine.rollout.vllm_http import ServerError
+
+__all__ = ["GENERATE_ROUTE", "generate_body", "parse_samples", "probe_body", "prompt_logprobs"]
+
+#: vLLM's token-in, token-out route.
+GENERATE_ROUTE = "inference/v1/generate"
+
+
+def generate_body(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    seed: int,
+    eos_token_id: int,
+    adapter: str | None,
+) -> dict[str, Any]:
+    """One prompt's request: ``params.num_samples`` samples (one when greedy: vLLM refuses
+    ``n > 1`` without randomness, the caller sends copies), stopped at ``<eos>`` (the server has
+    no tokenizer to know it), the sampled token's log-prob only, ``adapter`` the LoRA adapter's
+    name (None: the served weights)."""
+    body: dict[str, Any] = {
+        "token_ids": list(prompt_ids),
+        "sampling_params": {
+            "n": 1 if params.greedy else params.num_samples,
+            "temperature": 0.0 if params.greedy else params.temperature,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "top_p": params.top_p,
+            "max_tokens": params.max_new_tokens,
+            "logprobs": 0,
+            "stop_token_ids": [eos_token_id],
+            "seed": seed % (2**31 - 1),
+            "detokenize": False,
+        },
+    }
+    if adapter is not None:
+        body["model"] = adapter
+    return body
+
+
+def parse_samples(
+    response: dict[str, Any], *, url: str, version: int | None
+) -> list[tuple[list[int], list[float], tuple[int, int]]]:
+    """Each sample of a response, in order: its token ids (``<eos>`` included when sampled),
+    their log-probs, and the policy versions of its first and last token. ``version``: the
+    version every token has (a LoRA adapter's); None: read from the response's weight-version
+    spans (labels microrl set when it pushed the weights)."""
+    samples = []
+    for choice in sorted(response["choices"], key=lambda c: c["index"]):
+        tokens = list(choice["token_ids"])
+        logprobs = [step["logprob"] for step in (choice.get("logprobs") or {}).get("content", [])]
+        if len(logprobs) != len(tokens):
+            raise ServerError(
+                f"the vLLM server at {url} returned {len(tokens)} tokens but {len(logprobs)} "
+                "log-probs"
+            )
+        if version is not None:
+            versions = (version, version)
+        else:
+            spans = choice.get("weight_versions") or []
+            if not spans:
+                raise ServerError(f"the vLLM server at {url} reports no weight versions")
+            versions = (_version(spans[0]["version"], url), _version(spans[-1]["version"], url))
+        samples.append((tokens, logprobs, versions))
+    return samples
+
+
+def probe_body(row: list[int], adapter: str | None) -> dict[str, Any]:
+    """A request for the log-probs of ``row``'s tokens (vLLM's prompt log-probs: at temperature
+    1, whatever the sampling temperature)."""
+    body: dict[str, Any] = {
+        "token_ids": list(row),
+        "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False},
+    }
+    if adapter is not None:
+        body["model"] = adapter
+    return body
+
+
+def prompt_logprobs(response: dict[str, Any], row: list[int]) -> list[float]:
+    """The log-probs of ``row[1:]`` from a :func:`probe_body` response."""
+    steps = response["prompt_logprobs"][1:]  # the first token has no prediction (null)
+    return [step[str(t)]["logprob"] for step, t in zip(steps, row[1:], strict=True)]
+
+
+def _version(label: str, url: str) -> int:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise ServerError(
+            f"the vLLM server at {url} reports weight version {label!r}: not one microrl pushed "
+            "(another trainer or a restart changed its weights?)"
+        ) from None
