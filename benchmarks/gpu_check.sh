@@ -14,6 +14,8 @@
 #   tests-engine  tests/engine/test_engine_train.py: the engines default to device=auto and dtype=auto,
 #                 so on this machine they train on CUDA under bf16 autocast
 #   tests-cuda    the other test files that mention cuda (whole files: their CUDA branches)
+#   sp-flash      Ulysses sequence parallelism on the real flash_attention_2 kernel, when
+#                 flash_attn imports: tests/engine/test_sequence_parallel_flash.py -k cuda
 #   bench-long    benchmarks/bench_long.py --device cuda --only offload: activation offload's
 #                 pinned copies on a side stream, peak device memory and time of a 16k-token
 #                 micro-batch with and without it, gradient checkpointing off and on
@@ -237,15 +239,29 @@ step_main_job() {
 step_tests_cuda() {
     local files=()
     # Whole files: a test's CUDA branch need not carry "cuda" in its name. This checker's own
-    # test and the vLLM file (its own step) are left out.
+    # test, the vLLM file and the flash-attention SP file (their own steps) are left out.
     mapfile -t files < <(grep -rl --include='test_*.py' cuda tests |
-        grep -v -e '^tests/benchmarks/' -e 'vllm' | sort)
+        grep -v -e '^tests/benchmarks/' -e 'vllm' -e 'test_sequence_parallel_flash' | sort)
     if ((${#files[@]} == 0)); then
         echo "KEY: no test file mentions cuda"
         return "$SKIP_RC"
     fi
     echo "test files that mention cuda: ${files[*]}"
     run_pytest "${files[@]}"
+}
+
+step_sp_flash() {
+    # Ulysses attention's flash-attention path (engine/parallel/ulysses_attention.py) on the real
+    # kernel: one varlen call per layer, cu_seq_lens from the micro-batch's packed lengths. On the
+    # CPU the same file runs it on 2 gloo ranks with a plain-torch stand-in for the kernel; here
+    # only its CUDA test: one rank (the all-to-alls are copies: two ranks need two GPUs), the
+    # attention against each sequence's own (forward and backward) where one sequence for the
+    # whole row differs, and a packed forward against transformers' own flash path on that row.
+    if ! "$PYTHON" -c 'import flash_attn' >/dev/null 2>&1; then
+        echo "KEY: flash_attn is not installed here (pip install flash-attn)"
+        return "$SKIP_RC"
+    fi
+    run_pytest tests/engine/test_sequence_parallel_flash.py -k cuda -rs
 }
 
 step_bench_long() {
@@ -374,7 +390,7 @@ main() {
     echo "GPU check on $GPU_NAME with $PYTHON, budget $BUDGET_S s"
 
     run_step setup 180 step_setup
-    local later=(kernel-cuda main-job bench-kernel tests-engine tests-cuda bench-long tests-vllm)
+    local later=(kernel-cuda main-job bench-kernel tests-engine tests-cuda sp-flash bench-long tests-vllm)
     local name
     if [[ ${STEP_STATUS[0]} != pass ]]; then
         # Every later step imports microrl: skip them rather than fail each the same way.
@@ -385,6 +401,7 @@ main() {
         run_step bench-kernel 180 step_bench_kernel
         run_step tests-engine 150 step_tests_engine
         run_step tests-cuda 120 step_tests_cuda
+        run_step sp-flash 90 step_sp_flash
         run_step bench-long 150 step_bench_long
         run_step tests-vllm 180 step_tests_vllm
     fi

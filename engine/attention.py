@@ -31,8 +31,10 @@ _BASES = ("sdpa", "eager")
 def enable_varlen_attention(model: nn.Module) -> bool:
     """Switch ``model`` to the varlen variant of its SDPA/eager attention; False if not applicable.
 
-    Not applicable (and nothing changes) for flash-attention (it has its own varlen path through
-    packed position ids) or other implementations.
+    Not applicable (and nothing changes) for flash-attention (it has its own varlen path:
+    transformers derives ``cu_seq_lens`` from the packed position ids; under sequence parallelism
+    the Ulysses wrapper passes it the same boundaries from the micro-batch's lengths,
+    :mod:`microrl.engine.parallel.ulysses_attention`) or other implementations.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface

@@ -195,6 +195,9 @@ class SequenceShard:
             when the role takes ``last_index``).
         attention_calls: counted by the attention wrapper (a check that the role passed the
             shard to the transformers model).
+        flash_varlen: flash-attention's varlen arguments over the gathered dimension
+            (``cu_seq_lens_q`` ..., from :attr:`attention_lengths`), built by the micro-batch's
+            first attention call and reused by the others (one host-to-device copy).
     """
 
     group: dist.ProcessGroup
@@ -205,6 +208,7 @@ class SequenceShard:
     attention_lengths: tuple[int, ...]
     last_local: torch.Tensor | None = None
     attention_calls: int = 0
+    flash_varlen: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def padded(self) -> int:

@@ -9,24 +9,32 @@ sequence, so around it (Jacobs et al. 2023, "DeepSpeed Ulysses"):
 1. one all-to-all per query/key/value gathers the sequence and scatters the heads: each rank
    goes from all ``H`` heads of ``S/s`` tokens to ``H/s`` heads of all ``S`` tokens (in
    transformers' attention layout ``[b, H, S/s, D] -> [b, H/s, S, D]``);
-2. the model's own attention function (SDPA or eager) runs on those heads over the whole
-   sequence: causal per padded row, or per packed sequence (block-diagonal) through
-   :func:`microrl.engine.attention._varlen_attention`, so packed sequence boundaries hold also
-   where a sequence spans two ranks' shards;
+2. the model's own attention function runs on those heads over the whole sequence: causal per
+   padded row, or per packed sequence (block-diagonal), so packed sequence boundaries hold also
+   where a sequence spans two ranks' shards. SDPA and eager run once per sequence through
+   :func:`microrl.engine.attention._varlen_attention`; flash-attention (:func:`is_flash`) runs
+   once over the gathered rows, on its varlen path: transformers' flash function gets
+   ``cu_seq_lens_q/k`` and ``max_length_q/k`` built from the shard's lengths
+   (:func:`flash_varlen_kwargs`), so the kernel itself keeps the sequences apart, as it does
+   for a packed row in one process (where transformers derives the same boundaries from the
+   restarting position ids);
 3. one all-to-all brings the output back: ``[b, S, H/s, D] -> [b, S/s, H, D]``.
 
 Each all-to-all moves ``1/s`` of its tensor off the rank and back; its backward is the inverse
 all-to-all. Key/value heads (GQA) fewer than, or not divisible by, ``s`` are replicated first
 (:func:`kv_head_repeats`): with ``H % s == 0`` (checked, :func:`check_heads`) and
 ``H % Hkv == 0`` (every GQA model), ``lcm(Hkv, s)`` divides ``H``, so every rank's query heads
-find their key/value heads on the same rank.
+find their key/value heads on the same rank (SDPA and eager repeat them per query head with the
+rank's ``num_key_value_groups``; flash-attention pairs them itself, query head ``i`` with
+key/value head ``i // groups``, the same pairing).
 
 It is installed through transformers' public ``AttentionInterface`` (no model class is patched):
-:func:`enable_ulysses_attention` registers ``microrl_ulysses_<base>`` and switches the model to
-it. The engine passes the micro-batch's :class:`~microrl.engine.parallel.sequence_parallel.
-SequenceShard` as a model keyword argument (it reaches every attention call, also the recompute
-of a checkpointed layer); a call without it (``generate``, the lm-head probe) is exactly the
-base implementation, with transformers' own mask.
+:func:`enable_ulysses_attention` registers ``microrl_ulysses_<base>`` (:func:`wrapper_name`) and
+switches the model to it. The engine passes the micro-batch's
+:class:`~microrl.engine.parallel.sequence_parallel.SequenceShard` as a model keyword argument (it
+reaches every attention call, also the recompute of a checkpointed layer); a call without it
+(``generate``, the lm-head probe) is exactly the base implementation, with transformers' own
+mask.
 """
 
 from __future__ import annotations
@@ -50,22 +58,53 @@ __all__ = [
     "all_to_all",
     "check_heads",
     "enable_ulysses_attention",
+    "flash_varlen_kwargs",
+    "is_flash",
     "join_chunks",
     "kv_head_repeats",
     "split_chunks",
     "ulysses_attention",
+    "wrapper_name",
 ]
 
 #: The model keyword argument that carries the micro-batch's ``SequenceShard`` to attention.
 SHARD_KWARG = "microrl_sequence_shard"
-#: Attention implementations the Ulysses wrapper runs (flash-attention is not supported yet).
-BASES = ("sdpa", "eager")
+#: Attention implementations the Ulysses wrapper runs; besides these, any other that transformers
+#: runs through its flash-attention function (:func:`is_flash`: a hub kernel such as
+#: ``kernels-community/flash-attn2``, which ``flash_attention_2`` becomes without flash_attn).
+BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 _PREFIX = "microrl_ulysses_"
 _VARLEN_PREFIX = "microrl_varlen_"
+#: Registered wrapper name -> its base implementation (a flash base's name is rewritten).
+_WRAPPED: dict[str, str] = {}
+
+
+def is_flash(base: str | None) -> bool:
+    """Whether transformers runs ``base`` through its flash-attention function
+    (``transformers.integrations.flash_attention.flash_attention_forward``): ``flash_attention_2``,
+    ``_3``, ``_4`` and the hub kernels that have a varlen function. Its varlen path takes
+    ``cu_seq_lens_q/k`` and ``max_length_q/k`` (:func:`flash_varlen_kwargs`)."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return base is not None and ALL_ATTENTION_FUNCTIONS.get(base) is flash_attention_forward
+
+
+def wrapper_name(base: str) -> str:
+    """The name the Ulysses wrapper of ``base`` is registered under: ``microrl_ulysses_<base>``,
+    for flash-attention with "flash" written "fa" and "/" written "--"
+    (``flash_attention_2`` -> ``microrl_ulysses_fa_attention_2``). transformers takes an
+    implementation whose name contains "flash" for a flash-attention it must import by that
+    name, and an ``org/repo`` name for a hub kernel to download."""
+    if not is_flash(base):
+        return f"{_PREFIX}{base}"
+    return _PREFIX + base.replace("flash", "fa").replace("/", "--")
 
 
 def base_implementation(name: str | None) -> str | None:
     """The plain implementation under a microrl wrapper name (``microrl_varlen_sdpa`` -> ``sdpa``)."""
+    if name in _WRAPPED:
+        return _WRAPPED[name]
     for prefix in (_PREFIX, _VARLEN_PREFIX):
         if name is not None and name.startswith(prefix):
             return name[len(prefix) :]
@@ -145,8 +184,9 @@ def enable_ulysses_attention(model: nn.Module, size: int) -> str:
     attention implementation; returns the base implementation.
 
     Raises:
-        ValueError: naming ``sequence_parallel_size``: an implementation other than SDPA or
-            eager (flash-attention, flex, ...), or heads that ``size`` ranks cannot split.
+        ValueError: naming ``sequence_parallel_size``: an implementation other than SDPA, eager
+            or flash-attention (:func:`is_flash`; flex, ...), or heads that ``size`` ranks
+            cannot split.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -154,14 +194,16 @@ def enable_ulysses_attention(model: nn.Module, size: int) -> str:
     config = model.config
     current = getattr(config, "_attn_implementation", None)
     base = base_implementation(current)
-    if base not in BASES:
+    if base not in ("sdpa", "eager") and not is_flash(base):
         raise ValueError(
-            f"sequence_parallel_size={size} supports the {' and '.join(BASES)} attention "
-            f"implementations, got {current!r}; load the model with attn_implementation='sdpa'"
+            f"sequence_parallel_size={size} supports the sdpa, eager and flash-attention "
+            f"({', '.join(BASES[2:])}) attention implementations, got {current!r}; load the "
+            "model with attn_implementation='sdpa' or 'flash_attention_2'"
         )
     heads = config.num_attention_heads
     check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size)
-    name = f"{_PREFIX}{base}"
+    name = wrapper_name(base)
+    _WRAPPED[name] = base
     AttentionInterface.register(name, partial(ulysses_attention, base=base))
     # Without a shard (generate, a probe) the base's mask; with one, the engine passes a prepared
     # placeholder mask, so no [S/s, S/s] mask is ever built (the wrapper masks itself).
@@ -189,10 +231,16 @@ def ulysses_attention(
     attention when the engine passes packed lengths).
     """
     shard: SequenceShard | None = kwargs.pop(SHARD_KWARG, None)
+    flash = is_flash(base)
     if shard is None:
+        if flash:
+            return _flash_attention(module, query, key, value, attention_mask, base=base, **kwargs)
         return _varlen_attention(module, query, key, value, attention_mask, base=base, **kwargs)
     shard.attention_calls += 1
     kwargs.pop(PACKED_LENGTHS_KWARG, None)
+    # This rank's slice of the position ids, which describe no gathered sequence: the sequences
+    # are the shard's (flash-attention would otherwise look for packed rows in them).
+    kwargs.pop("position_ids", None)
     group, size = shard.group, shard.size
     repeats = kv_head_repeats(key.shape[1], size)
     if repeats > 1:  # [b, Hkv, ..] -> [b, Hkv * r, ..]: head j becomes heads j*r .. j*r + r - 1
@@ -200,6 +248,15 @@ def ulysses_attention(
         value = value.repeat_interleave(repeats, dim=1)
     # [b, H, S/s, D] -> [b, H/s, S, D]: every token of the sequence, this rank's heads.
     query, key, value = (all_to_all(t, group, 1, 2) for t in (query, key, value))
+    if flash:  # one call over the gathered rows; the kernel keeps the sequences apart
+        if shard.flash_varlen is None:  # once per micro-batch, not once per layer
+            shard.flash_varlen = flash_varlen_kwargs(
+                shard.attention_lengths, query.shape[0], query.device
+            )
+        out, _ = _flash_attention(
+            module, query, key, value, None, base=base, **{**kwargs, **shard.flash_varlen}
+        )
+        return all_to_all(out, group, 1, 2), None
     groups = query.shape[1] // key.shape[1]  # query heads per key/value head on this rank
     previous = getattr(module, "num_key_value_groups", None)
     if previous is not None and previous != groups:  # read by repeat_kv in SDPA and eager
@@ -220,3 +277,63 @@ def ulysses_attention(
             module.num_key_value_groups = previous
     # [b, S, H/s, D] -> [b, S/s, H, D]: this rank's tokens, every head.
     return all_to_all(out, group, 1, 2), None
+
+
+def flash_varlen_kwargs(
+    lengths: tuple[int, ...], rows: int, device: torch.device | str
+) -> dict[str, Any]:
+    """transformers' flash-attention varlen arguments for ``rows`` rows that each hold sequences
+    of ``lengths`` (their sum is the row's width): ``cu_seq_lens_q`` = ``cu_seq_lens_k``, the
+    int32 offsets of every sequence in the flattened ``[rows * width]`` tokens (``0``, the
+    running sums, ``rows * width``), and ``max_length_q`` = ``max_length_k``, the longest, as a
+    host int (no device read).
+
+    A packed row is one row of its sequences' lengths (the padding tail is a sequence of its own,
+    attending to itself only); padded rows are ``b`` rows of one sequence each, the padded width:
+    causal over the row, which is what their real tokens, at the front, see in one process
+    (there flash-attention unpads them by the attention mask).
+    """
+    offsets, end = [0], 0
+    for _ in range(rows):
+        for length in lengths:
+            end += length
+            offsets.append(end)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    longest = max(lengths)
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
+
+class _ReadThrough:
+    """``target`` with some attributes replaced; every other attribute is read from ``target``."""
+
+    def __init__(self, target: Any, **replaced: Any) -> None:
+        vars(self).update(replaced, _target=target)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(vars(self)["_target"], name)
+
+
+def _flash_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    base: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' flash-attention function for ``base`` (``[b, H, S, D]`` in,
+    ``[b, S, H, D]`` out). It picks its kernel by ``module.config._attn_implementation``, which
+    names the Ulysses wrapper here: it gets ``module`` with a config that names ``base``
+    (everything else read through: ``is_causal``, ``layer_idx``, the weights' dtype)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = _ReadThrough(module.config, _attn_implementation=base)
+    attend = ALL_ATTENTION_FUNCTIONS[base]
+    return attend(_ReadThrough(module, config=config), query, key, value, attention_mask, **kwargs)

@@ -193,7 +193,7 @@ def test_model_refusals():
     check_supported(Qwen2Config(num_attention_heads=4, num_key_value_heads=1), 4)
     model = tiny_model()
     model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="supports the sdpa and eager attention"):
+    with pytest.raises(ValueError, match="supports the sdpa, eager and flash-attention"):
         enable_ulysses_attention(model, 2)
 
 
