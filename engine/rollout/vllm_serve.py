@@ -42,6 +42,7 @@ def serve_command(
     lora_rank: int = 0,
     max_loras: int = 1,
     weight_transfer: str | None = None,
+    cpu: bool = False,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a rollout server (without the API key, which travels in
     the ``VLLM_API_KEY`` environment variable, not on a command line ``ps`` shows).
@@ -76,6 +77,11 @@ def serve_command(
         "--gpu-memory-utilization",
         str(gpu_memory_utilization),
     ]
+    if cpu:
+        # The model runs in the engine-core process (with server_env's
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's default on a CPU adds a worker process the
+        # engine core busy-waits for, a second core burnt (1.0 against 0.65 CPU-s per job).
+        command += ["--distributed-executor-backend", "uni"]
     if enforce_eager:
         command.append("--enforce-eager")
     if max_model_len:
@@ -91,7 +97,9 @@ def serve_command(
     return command
 
 
-def server_env(api_key: str, *, full_weights: bool, num_threads: int) -> dict[str, str]:
+def server_env(
+    api_key: str, *, full_weights: bool, num_threads: int, cpu: bool = False
+) -> dict[str, str]:
     """The environment of a local server: this process's, with the API key (never on the
     command line), unpinned CPU threads, runtime LoRA loading, and vLLM's RL routes
     (``VLLM_SERVER_DEV_MODE``) only for full weights; never vLLM's insecure pickle
@@ -110,8 +118,9 @@ def server_env(api_key: str, *, full_weights: bool, num_threads: int) -> dict[st
         env.pop("VLLM_SERVER_DEV_MODE", None)
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
-    # vLLM's default, not the trainer's "0" (set in this process by the colocated vllm backend).
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    # CPU: the model in the engine-core process (serve_command's cpu); else vLLM's default, not
+    # the trainer's "0" (set in this process by the colocated vllm backend).
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cpu else "1"
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
@@ -147,7 +156,12 @@ class LocalVLLMServer:
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = server_env(self.api_key, full_weights=full_weights, num_threads=num_threads)
+        env = server_env(
+            self.api_key,
+            full_weights=full_weights,
+            num_threads=num_threads,
+            cpu=options.get("cpu", False),
+        )
         self.command = serve_command(model_dir, port=self.port, **options)
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             prefix="microrl-vllm-serve-", suffix=".log", delete=False

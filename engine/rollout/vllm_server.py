@@ -195,6 +195,7 @@ class VLLMServerRollout(RolloutBackend):
             lora_rank=_lora_rank(self.engine.config.lora.rank) if self.is_lora else 0,
             max_loras=4,
             weight_transfer=None if self.is_lora else _transfer_backend(self.engine),
+            cpu=on_cpu,
         )
 
         def start(i: int) -> LocalVLLMServer:

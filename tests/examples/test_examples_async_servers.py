@@ -108,7 +108,7 @@ def test_two_ranks_on_servers_the_user_started(common, synchronous, tmp_path):
     from microrl.engine.rollout.vllm_serve import LocalVLLMServer
 
     base = next(a.split("=", 1)[1] for a in common if a.startswith("model.path="))
-    options = dict(lora_rank=8, max_loras=4, max_model_len=32, kv_cache_mb=256)
+    options = dict(lora_rank=8, max_loras=4, max_model_len=32, kv_cache_mb=256, cpu=True)
     with ThreadPoolExecutor(2) as pool:  # side by side (~20 s each)
         starts = [
             pool.submit(LocalVLLMServer, base, full_weights=False, api_key="shared-key", **options)

@@ -88,6 +88,10 @@ def test_the_local_server_command_and_environment(monkeypatch):
     assert "k3y" not in " ".join(command)  # the key travels in the environment only
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert "--enable-lora" in command and "--weight-transfer-config" not in command
-    assert lora["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # vLLM's default, not the trainer's
+    assert lora["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # a GPU server keeps vLLM's default
+    assert "uni" not in command
+    on_cpu = server_env("k3y", full_weights=False, num_threads=1, cpu=True)
+    assert on_cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "uni" in serve_command("/m", port=1, cpu=True)  # the model in the engine core
     full = serve_command("/m", port=8123, weight_transfer="gloo")
     assert '{"backend": "gloo"}' in full and "--no-enable-prefix-caching" in full
