@@ -41,3 +41,45 @@ def load_example(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# A reward that differs within every group from the first step on (the response's length), so
+# the tiny, barely warm-started policy moves every step and a lag shows in the metrics.
+LENGTH_REWARD = "def length(completions):\n    return [len(c) / 4 for c in completions]\n"
+
+
+def async_run_args(root, model: list[str] = TINY_MODEL) -> list[str]:
+    """The asynchronous-RL tests' runs: ``model``'s overrides, ``TINY_RL``, a base model and the
+    length reward under ``root``, 4 steps, no plots."""
+    (root / "length_reward.py").write_text(LENGTH_REWARD)
+    return [
+        *model,
+        *TINY_RL,
+        f"model.path={root / 'base'}",
+        f"task.rewards=[{root / 'length_reward.py'}:length]",
+        "output.plot=false",
+        "output.tensorboard=false",
+        "train.steps=4",
+    ]
+
+
+def run_recorded(args: list[str], monkeypatch, recipe: str = "grpo_lora"):
+    """Run ``recipe`` in process with ``args``: the prompts each step trained on, and its
+    ``metrics.jsonl`` records; no worker process is left behind."""
+    import multiprocessing
+    from pathlib import Path
+
+    from microrl.run import read_metrics, sample_rows
+
+    module = load_example(recipe)
+    trained: list[list[str]] = []
+
+    def record(rollout, problems, scores):
+        trained.append([p.prompt for p in problems])
+        return sample_rows(rollout, problems, scores)
+
+    monkeypatch.setattr(module, "sample_rows", record)
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))
+    assert module.main(args) == 0
+    assert not multiprocessing.active_children()  # the workers are gone
+    return trained, read_metrics(Path(out) / "metrics.jsonl")

@@ -16,53 +16,25 @@ The resume of an asynchronous run: tests/examples/test_examples_async_resume.py.
 
 from __future__ import annotations
 
-import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from example_utils import TINY_MODEL, TINY_RL, load_example
+from example_utils import async_run_args, run_recorded
 
-from microrl.run import read_metrics, sample_rows
+from microrl.run import read_metrics
 
 TIMINGS = ("tokens_per_s", "step_time")
-# A reward that differs within every group from the first step on (the response's length), so
-# the tiny, barely warm-started policy moves every step and staleness shows in the metrics.
-REWARD = "def length(completions):\n    return [len(c) / 4 for c in completions]\n"
 
 
 @pytest.fixture(scope="module")
 def common(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    root = tmp_path_factory.mktemp("async")
-    (root / "length_reward.py").write_text(REWARD)
-    return [
-        *TINY_MODEL,
-        *TINY_RL,
-        f"model.path={root / 'base'}",
-        f"task.rewards=[{root / 'length_reward.py'}:length]",
-        "output.plot=false",
-        "output.tensorboard=false",
-        "train.steps=4",
-    ]
+    return async_run_args(tmp_path_factory.mktemp("async"))
 
 
-def _run(
-    args: list[str], monkeypatch, recipe: str = "grpo_lora"
-) -> tuple[list[list[str]], list[dict]]:
-    """Run the recipe in process; the prompts each step trained on, and its metrics."""
-    module = load_example(recipe)
-    trained: list[list[str]] = []
-
-    def record(rollout, problems, scores):
-        trained.append([p.prompt for p in problems])
-        return sample_rows(rollout, problems, scores)
-
-    monkeypatch.setattr(module, "sample_rows", record)
-    out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))
-    assert module.main(args) == 0
-    assert not multiprocessing.active_children()  # the worker is gone
-    return trained, read_metrics(Path(out) / "metrics.jsonl")
+def _run(args: list[str], monkeypatch, recipe: str = "grpo_lora"):
+    return run_recorded(args, monkeypatch, recipe)
 
 
 def _without_timings(records: list[dict]) -> list[dict]:

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from example_utils import TINY_MODEL, TINY_RL, load_example
+from example_utils import async_run_args, load_example
 
 from microrl.run import StepFailed, read_metrics, sample_rows
 
 TIMINGS = ("tokens_per_s", "step_time")
-REWARD = "def length(completions):\n    return [len(c) / 4 for c in completions]\n"
 STEPS = 6
 
 
@@ -63,18 +62,8 @@ def _by_step(out: Path) -> dict[int, dict]:
 def test_kill_and_resume_trains_every_prompt_group_exactly_once(
     recipe: str, tmp_path: Path, monkeypatch
 ) -> None:
-    (tmp_path / "length_reward.py").write_text(REWARD)
-    common = [
-        *TINY_MODEL,
-        *TINY_RL,
-        f"model.path={tmp_path / 'base'}",
-        f"task.rewards=[{tmp_path / 'length_reward.py'}:length]",
-        "rollout.max_staleness=1",
-        "output.save_every=2",
-        "output.plot=false",
-        "output.tensorboard=false",
-        f"train.steps={STEPS}",
-    ]
+    steps = [a for a in async_run_args(tmp_path) if not a.startswith("train.steps=")]
+    common = [*steps, "rollout.max_staleness=1", "output.save_every=2", f"train.steps={STEPS}"]
     full, code = _run([*common, f"output.dir={tmp_path / 'full'}"], monkeypatch, recipe)
     assert code == 0 and len(full) == STEPS
 

@@ -9,7 +9,6 @@ Both train on the prompts of the synchronous run, in the same order, and report
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -17,46 +16,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from example_utils import TINY_MODEL, TINY_RL, load_example
+from example_utils import TINY_MODEL, async_run_args, run_recorded
 
-from microrl.run import read_metrics, sample_rows
+from microrl.run import read_metrics
 
 # head_dim 32: the smallest head size vLLM's CPU attention supports.
 MODEL = [a for a in TINY_MODEL if not a.startswith("model.hidden_size")]
 MODEL += ["model.hidden_size=64"]
-# A reward that differs within every group from the first step on (the response's length), so
-# the policy moves every step and the lag shows in the metrics.
-REWARD = "def length(completions):\n    return [len(c) / 4 for c in completions]\n"
 
 
 @pytest.fixture(scope="module")
 def common(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    root = tmp_path_factory.mktemp("async_servers")
-    (root / "length_reward.py").write_text(REWARD)
-    return [
-        *MODEL,
-        *TINY_RL,
-        f"model.path={root / 'base'}",
-        f"task.rewards=[{root / 'length_reward.py'}:length]",
-        "output.plot=false",
-        "output.tensorboard=false",
-        "train.steps=4",
-    ]
+    return async_run_args(tmp_path_factory.mktemp("async_servers"), MODEL)
 
 
-def _run(args: list[str], monkeypatch) -> tuple[list[list[str]], list[dict]]:
-    module = load_example("grpo_lora")
-    trained: list[list[str]] = []
-
-    def record(rollout, problems, scores):
-        trained.append([p.prompt for p in problems])
-        return sample_rows(rollout, problems, scores)
-
-    monkeypatch.setattr(module, "sample_rows", record)
-    out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))
-    assert module.main(args) == 0
-    assert not multiprocessing.active_children()  # the workers are gone
-    return trained, read_metrics(Path(out) / "metrics.jsonl")
+def _run(args: list[str], monkeypatch):
+    return run_recorded(args, monkeypatch)
 
 
 @pytest.fixture(scope="module")
