@@ -132,7 +132,11 @@ class StopOnInterrupt:
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = True
-        signal.signal(signal.SIGINT, self._previous)  # a second Ctrl-C aborts immediately
+        # A second Ctrl-C aborts immediately: the previous handler, or Python's own where there
+        # was none to call (a process started with SIGINT ignored, as `nohup cmd &` starts it:
+        # this handler took the first, so the second must not be ignored either).
+        previous = self._previous if callable(self._previous) else signal.default_int_handler
+        signal.signal(signal.SIGINT, previous)
         if self.dist.is_main:
             # os.write, not print: a handler that prints while the interrupted code is inside a
             # print to the same stream raises "reentrant call".

@@ -44,9 +44,12 @@ with StopOnInterrupt(Dist()) as stop:
 """
 
 
-def _start_loop(step_seconds: float, cwd: Path) -> subprocess.Popen:
+def _start_loop(step_seconds: float, cwd: Path, *, sigint_ignored: bool = False):
+    # sigint_ignored: started as `nohup cmd &` starts it, with SIGINT ignored.
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     loop = subprocess.Popen(
         [sys.executable, "-c", LOOP, str(step_seconds)],
+        preexec_fn=ignore,
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -67,8 +70,10 @@ def test_the_first_ctrl_c_says_it_stops_after_this_step(tmp_path: Path) -> None:
     assert STOP_MESSAGE == "stopping after this step; Ctrl-C again to abort without saving"
 
 
-def test_a_second_ctrl_c_aborts_in_one_line(tmp_path: Path) -> None:
-    loop = _start_loop(60.0, tmp_path)  # a long step: the second Ctrl-C comes inside it
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_a_second_ctrl_c_aborts_in_one_line(tmp_path: Path, sigint_ignored: bool) -> None:
+    # A long step: the second Ctrl-C comes inside it.
+    loop = _start_loop(60.0, tmp_path, sigint_ignored=sigint_ignored)
     loop.send_signal(signal.SIGINT)
     # The second only once the first was handled: two signals arriving before Python's handler
     # runs (a loaded machine) are handled once.
