@@ -515,9 +515,8 @@ class AsyncRollout(RolloutBackend):
         expected_probe, expected_sums = self._expected.pop(version)
         stats = probe_stats(expected_probe, probe, self.probe["loss_mask"].cpu())
         self.sync_stats[version] = stats
-        kl, abs_max = stats["sync/probe_kl"], stats["sync/probe_abs_diff_max"]
         differ = [n for n in expected_sums if checksums_differ(expected_sums[n], sums.get(n))]
-        if differ or not abs_max <= self.sync_check_tol:
+        if differ or not stats["sync/probe_abs_diff_max"] <= self.sync_check_tol:
             tensors = (
                 "tensors that differ: "
                 + ", ".join(f"{tensor_family(n)} ({n})" for n in differ[:6])
@@ -526,17 +525,26 @@ class AsyncRollout(RolloutBackend):
                 else "every tensor's checksum agrees: the forwards differ (dtype, kernels); "
                 "raise the tolerance if that is expected"
             )
-            raise SyncCheckError(
-                f"the weight sync of policy version {version} (the weights after step {version}) "
-                f"to {self.name} failed its check: probe log-probs differ by up to {abs_max:.3g} "
-                f"(tolerance {self.sync_check_tol:g}, rollout.sync_check_tol; k3 KL {kl:.3g}); "
-                f"{tensors}"
-            )
+            raise sync_check_error(version, self.name, stats, self.sync_check_tol, tensors)
 
     # ----------------------------------------------------------------- helpers
     def _check_open(self) -> None:
         if self._closed:
             raise WorkerError(f"{self.name} is closed")
+
+
+def sync_check_error(
+    version: int, target: str, stats: dict[str, float], tol: float, detail: str
+) -> SyncCheckError:
+    """The error of a push to ``target`` whose probe (``stats``, :func:`probe_stats`) or tensors
+    failed the check: it names the version, the step whose weights they are, the difference
+    against ``tol`` (``rollout.sync_check_tol``) and ``detail`` (what differs, or was pushed)."""
+    return SyncCheckError(
+        f"the weight sync of policy version {version} (the weights after step {version}) to "
+        f"{target} failed its check: probe log-probs differ by up to "
+        f"{stats['sync/probe_abs_diff_max']:.3g} (tolerance {tol:g}, rollout.sync_check_tol; "
+        f"k3 KL {stats['sync/probe_kl']:.3g}); {detail}"
+    )
 
 
 def draw_seed(params: SamplingParams) -> int:

@@ -56,12 +56,13 @@ from microrl.engine.parallel import distributed
 from microrl.engine.rollout.async_rollout import (
     POLICY_VERSION_KEY,
     Job,
-    SyncCheckError,
     WorkerError,
     build_probe,
     default_sync_check_tol,
+    draw_seed,
     gather_weights,
     probe_stats,
+    sync_check_error,
 )
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.engine.rollout.vllm_http import ServerClient
@@ -306,14 +307,10 @@ class VLLMServerRollout(RolloutBackend):
             previous = self.sync_stats.get(version, {})
             self.sync_stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
             if not stats["sync/probe_abs_diff_max"] <= self.sync_check_tol:
-                family = "the LoRA adapter" if self.is_lora else "the full weights"
-                raise SyncCheckError(
-                    f"the weight sync of policy version {version} (the weights after step "
-                    f"{version}) to the vLLM server at {client.url} (server {i}) failed its "
-                    f"check: probe log-probs differ by up to "
-                    f"{stats['sync/probe_abs_diff_max']:.3g} (tolerance {self.sync_check_tol:g}, "
-                    f"rollout.sync_check_tol; k3 KL {stats['sync/probe_kl']:.3g}); pushed: "
-                    f"{family}"
+                pushed = "the LoRA adapter" if self.is_lora else "the full weights"
+                target = f"the vLLM server at {client.url} (server {i})"
+                raise sync_check_error(
+                    version, target, stats, self.sync_check_tol, f"pushed: {pushed}"
                 )
 
     def _load_adapter(self, version: int, path: Path, in_use: set[int]) -> None:
@@ -357,8 +354,7 @@ class VLLMServerRollout(RolloutBackend):
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        # Seeds from params.seed, else torch's generator here: a resumed run draws the same.
-        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
+        seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
         job = Job(next(self._jobs), self.version, kind)
         waits_for = self._syncs.get(job.version)
         future = self._job_thread.submit(self._run_job, job, seed, waits_for, run)
