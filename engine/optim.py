@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from microrl.configs.engine import OptimConfig, Schedule
+from microrl.engine.parallel import distributed
 
 __all__ = [
     "audit_grad_flow",
@@ -158,21 +159,11 @@ def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
         )
         group = _shard_group(g for _, g in with_grad)
         if group is not None:
-            norms = _all_reduce_max(norms, group)
+            # Offloaded gradient shards are host tensors: reduced where the group can.
+            norms = distributed.all_reduce(norms, dist.ReduceOp.MAX, group)
         zero = (norms == 0).tolist()
         dead += [name for (name, _), is_zero in zip(with_grad, zero, strict=True) if is_zero]
     return dead
-
-
-def _all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``values`` maximised over ``group``, reduced on the group's device (offloaded gradient
-    shards are host tensors; NCCL reduces device tensors only)."""
-    if dist.get_backend(group) == "nccl" and values.device.type != "cuda":
-        reduced = values.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-        return reduced.to(values.device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return values
 
 
 def _shard_group(grads) -> dist.ProcessGroup | None:

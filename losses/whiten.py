@@ -77,12 +77,14 @@ def _check_group(group: object) -> None:
 
 
 def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum ``tensor`` (float64) over ``group``; unchanged without one. NCCL reduces on the current
-    GPU, so a CPU tensor travels there and back (a few numbers)."""
+    """Sum ``tensor`` (float64) over ``group``; unchanged without one. A group with no backend
+    for the tensor's device (NCCL alone) reduces on the current GPU: a CPU tensor travels there
+    and back (a few numbers)."""
     if group is None:
         return tensor
     device = tensor.device
-    if device.type != "cuda" and dist.get_backend(group) == "nccl":
+    backends = dist.BackendConfig(dist.get_backend(group)).get_device_backend_map()
+    if device.type not in backends and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     buffer = tensor.to(device)
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)

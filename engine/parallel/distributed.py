@@ -45,7 +45,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 __all__ = [
     "agree_num_micro_batches",
+    "all_reduce",
     "barrier",
+    "collective_device",
+    "default_backend",
     "default_mp_policy",
     "dp_group",
     "dp_rank",
@@ -118,15 +121,30 @@ def dp_rank(group: dist.ProcessGroup | None = None) -> int:
 
 
 def local_cuda_index() -> int | None:
-    """The GPU this rank owns: ``LOCAL_RANK`` under torchrun (when this process sees that many
-    GPUs, else the current one: a launcher that gives each rank one visible GPU), the current
-    GPU otherwise; None without CUDA."""
+    """The GPU this rank owns: ``LOCAL_RANK`` under torchrun, or the one GPU this process sees (a
+    launcher that gives each rank its own, e.g. SLURM's ``--gpus-per-task=1``), the current GPU
+    outside torchrun; None without CUDA.
+
+    Raises:
+        ValueError: torchrun started more processes on this node (``LOCAL_WORLD_SIZE``) than it
+            has visible GPUs: two ranks would share a GPU (NCCL then fails, or they run slowly).
+    """
     if not torch.cuda.is_available():
         return None
     local = os.environ.get("LOCAL_RANK")
-    if local is not None and int(local) < torch.cuda.device_count():
-        return int(local)
-    return torch.cuda.current_device()
+    if local is None:
+        return torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", int(local) + 1))
+    if count == 1:
+        return 0  # each rank sees its own GPU; NCCL refuses two ranks on one ("Duplicate GPU")
+    if per_node > count:
+        raise ValueError(
+            f"torchrun started {per_node} processes on this node (--nproc_per_node) but only "
+            f"{count} GPUs are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+            "start at most one process per GPU"
+        )
+    return int(local)
 
 
 def init_distributed(
@@ -141,7 +159,7 @@ def init_distributed(
 
     * A process group already initialised by the caller is used as is.
     * Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the default group is initialised
-      with ``backend`` (default: ``nccl`` on CUDA, ``gloo`` on CPU) and ``timeout``, and torn down
+      with ``backend`` (default: :func:`default_backend`) and ``timeout``, and torn down
       at interpreter exit (:func:`shutdown`). Multi-node runs need nothing else: torchrun sets the
       rendezvous variables.
     * Otherwise (a plain ``python`` process, or torchrun with one process) it returns ``None`` and
@@ -157,12 +175,44 @@ def init_distributed(
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
-        dist.init_process_group(
-            backend or ("nccl" if cuda_index is not None else "gloo"), timeout=timeout
-        )
+        dist.init_process_group(backend or default_backend(cuda_index), timeout=timeout)
         # End it at exit while the interpreter is alive (shutdown keeps gloo's threads off the GIL).
         atexit.register(shutdown)
     return dp_group()
+
+
+def default_backend(cuda_index: int | None) -> str:
+    """The default group's backends: ``"cpu:gloo,cuda:nccl"`` on GPUs, so a collective takes
+    a host tensor (a metric, a count) as well as a device one; ``"gloo"`` on CPUs."""
+    return "gloo" if cuda_index is None else "cpu:gloo,cuda:nccl"
+
+
+def collective_device(device: torch.device | str, group: dist.ProcessGroup | None = None):
+    """Where a collective on ``group`` takes a tensor that lives on ``device``: there, when the
+    group has a backend for its type (the default group has one for both), else this rank's GPU
+    (a group whose one backend is NCCL, created by a caller)."""
+    device = torch.device(device)
+    if not (dist.is_available() and dist.is_initialized()):
+        return device
+    backends = dist.BackendConfig(dist.get_backend(group)).get_device_backend_map()
+    if device.type in backends or not torch.cuda.is_available():
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``tensor`` reduced over ``group`` (itself without a process group), on ``tensor``'s
+    device; it travels to :func:`collective_device` and back when the group needs that."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    device = collective_device(tensor.device, group)
+    buffer = tensor.to(device)
+    dist.all_reduce(buffer, op=op, group=group)
+    return buffer.to(tensor.device)
 
 
 def shutdown() -> None:
@@ -466,13 +516,8 @@ def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | N
 
 def max_over_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:
     """The largest ``value`` over the ranks of ``group`` (``value`` itself without a group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    count = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    return int(count.item())
+    count = torch.tensor([value], dtype=torch.int64)
+    return int(all_reduce(count, dist.ReduceOp.MAX, group).item())
 
 
 def is_empty_batch(batch: Mapping[str, torch.Tensor]) -> bool:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from microrl.engine.parallel import distributed
 
@@ -91,7 +90,7 @@ class Dist:
         data rank hold the same values and count once."""
         tensor = torch.tensor(list(values), dtype=torch.float64)
         if self.world_size * self.replicas > 1:
-            dist.all_reduce(tensor)
+            tensor = distributed.all_reduce(tensor)  # on a group that takes host tensors
         return (tensor / self.replicas).tolist()
 
     def any(self, flag: bool) -> bool:
