@@ -27,9 +27,10 @@ __all__ = [
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    """The engine's device: ``device="auto"`` is this rank's GPU when there is one (``LOCAL_RANK``
-    under torchrun: :func:`~microrl.engine.parallel.distributed.local_cuda_index`), else the
-    CPU; an explicit one must exist on this machine.
+    """The engine's device, always with an index on a GPU: ``device="auto"`` is this rank's GPU
+    when there is one (``LOCAL_RANK`` under torchrun:
+    :func:`~microrl.engine.parallel.distributed.local_cuda_index`), else the CPU; ``"cuda"`` is
+    this rank's GPU; an explicit one must exist on this machine.
 
     Checked here, at construction, because torch only fails at the first allocation, deep inside
     (``AssertionError: Torch not compiled with CUDA enabled``), without naming the setting.
@@ -40,6 +41,10 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         index = distributed.local_cuda_index()
         return torch.device("cpu") if index is None else torch.device("cuda", index)
+    if config.device == "cuda" and torch.cuda.is_available():
+        # This rank's own GPU, by index: a bare "cuda" means the current device, which a
+        # process that never set one (a spawned worker, vLLM) reads as GPU 0.
+        return torch.device("cuda", distributed.local_cuda_index())
     try:
         device = torch.device(config.device)
     except (RuntimeError, TypeError):

@@ -184,6 +184,10 @@ class _Worker:
         from microrl.engine.rollout.hf import HFRollout
 
         self.spec, self.commands, self.results = spec, commands, results
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            # Its GPU explicitly: a spawned process's current device is GPU 0 on every rank.
+            torch.cuda.set_device(device)
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         self.model = _build_model(spec)
@@ -292,6 +296,9 @@ class _Worker:
         except Exception as err:
             self.results.put(("job_error", job, _pickled_error(err)))
             return
+        finally:
+            if torch.device(self.spec.device).type == "cuda":
+                torch.cuda.empty_cache()  # the KV cache of generate: back to the trainer's GPU
         seconds = (time.perf_counter() - start, time.process_time() - cpu)
         self.results.put(("done", job, self.version, dumps(result), seconds))
 

@@ -1,13 +1,20 @@
-"""Every way into the ranks puts rank ``LOCAL_RANK`` on GPU ``LOCAL_RANK``.
+"""Every way into the ranks puts rank ``LOCAL_RANK`` on GPU ``LOCAL_RANK``, with a default group
+that takes host tensors too.
 
 Simulated torchrun on 4 GPUs (this is rank 3) with CUDA and the process group monkeypatched: the
 examples' ``Dist.init()`` then the engine's initialiser, the engine's initialiser alone, and a
 group the caller initialised without choosing a device must all select ``cuda:3``. Before one
 initialiser owned this, ``Dist.init()`` created the NCCL group on the current device and the
-engine, finding the group initialised, skipped ``set_device``: every rank ran on GPU 0.
+engine, finding the group initialised, skipped ``set_device``: every rank ran on GPU 0. The group
+is created with ``cpu:gloo,cuda:nccl``: with NCCL alone the recipes' host-side sums failed ("No
+backend type associated with device type cpu"). ``device="cuda"`` is rank 3's GPU too, by index
+(a bare "cuda" is GPU 0 in a spawned worker), and a rank with no GPU of its own is refused, as is
+a hf generation worker left on the current device.
 """
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -19,6 +26,7 @@ from microrl.engine.parallel import distributed
 from microrl.run import Dist
 
 LOCAL_RANK, WORLD, GPUS = 3, 4, 4
+BACKEND = "cpu:gloo,cuda:nccl"
 
 
 class FakeCudaAndGroup:
@@ -41,8 +49,8 @@ class FakeCudaAndGroup:
         # The real teardown would run at the test process's exit.
         monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
 
-    def _set_device(self, index) -> None:
-        self.current = int(index)
+    def _set_device(self, device) -> None:
+        self.current = device.index if isinstance(device, torch.device) else int(device)
 
     def _init_process_group(self, backend, **kwargs) -> None:
         # NCCL binds the group to the current device when it is created: record which.
@@ -60,7 +68,7 @@ def test_the_examples_entry_point_puts_each_rank_on_its_own_gpu(monkeypatch) -> 
     fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
     info = Dist.init()
     assert (info.rank, info.world_size) == (LOCAL_RANK, WORLD)
-    assert fake.backends == [("nccl", LOCAL_RANK)], "the NCCL group was created on another GPU"
+    assert fake.backends == [(BACKEND, LOCAL_RANK)], "the NCCL group was created on another GPU"
     assert _engine_device() == torch.device("cuda", LOCAL_RANK)
     assert fake.current == LOCAL_RANK and len(fake.backends) == 1
 
@@ -68,7 +76,7 @@ def test_the_examples_entry_point_puts_each_rank_on_its_own_gpu(monkeypatch) -> 
 def test_the_engine_alone_puts_each_rank_on_its_own_gpu(monkeypatch) -> None:
     fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
     assert _engine_device() == torch.device("cuda", LOCAL_RANK)
-    assert fake.backends == [("nccl", LOCAL_RANK)] and fake.current == LOCAL_RANK
+    assert fake.backends == [(BACKEND, LOCAL_RANK)] and fake.current == LOCAL_RANK
 
 
 def test_a_group_initialised_by_the_caller_still_gets_its_own_gpu(monkeypatch) -> None:
@@ -81,7 +89,7 @@ def test_one_visible_gpu_per_rank_uses_that_gpu(monkeypatch) -> None:
     # A launcher that sets CUDA_VISIBLE_DEVICES per rank: LOCAL_RANK 3 sees one GPU, index 0.
     fake = FakeCudaAndGroup(monkeypatch, visible=1, initialized=False)
     assert _engine_device() == torch.device("cuda", 0)
-    assert fake.backends == [("nccl", 0)]
+    assert fake.backends == [(BACKEND, 0)]
 
 
 def test_a_single_process_on_the_cpu_has_no_group(monkeypatch) -> None:
@@ -91,3 +99,55 @@ def test_a_single_process_on_the_cpu_has_no_group(monkeypatch) -> None:
     assert distributed.init_distributed() is None
     assert setup.resolve_device(EngineConfig()) == torch.device("cpu")
     assert Dist.init() == Dist()
+
+
+def test_a_bare_cuda_device_is_this_ranks_gpu(monkeypatch) -> None:
+    FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
+    distributed.init_distributed()
+    assert setup.resolve_device(EngineConfig(device="cuda")) == torch.device("cuda", LOCAL_RANK)
+    assert setup.resolve_device(EngineConfig(device="cuda:1")) == torch.device("cuda", 1)
+
+
+def test_more_processes_on_a_node_than_gpus_is_refused(monkeypatch) -> None:
+    # torchrun --nproc_per_node 4 on a node with 2 GPUs: rank 3 would have shared GPU 0.
+    FakeCudaAndGroup(monkeypatch, visible=2, initialized=False)
+    with pytest.raises(ValueError, match=r"4 processes on this node .* only 2 GPUs"):
+        distributed.init_distributed()
+    monkeypatch.setenv("LOCAL_RANK", "1")  # every rank of the node refuses, not only the last
+    with pytest.raises(ValueError, match="start at most one process per GPU"):
+        setup.resolve_device(EngineConfig())
+
+
+def test_the_hf_generation_worker_takes_its_gpu_before_building_its_model(monkeypatch) -> None:
+    from microrl.engine.rollout import async_worker
+
+    fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
+    built_on: list[int] = []
+
+    def build(spec):
+        built_on.append(fake.current)
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(async_worker, "_build_model", build)
+    spec = async_worker.WorkerSpec(
+        name="w", model_config=None, lora=None, tokenizer=None, temperature=1.0, probe={},
+        store_port=0, timeout_s=1.0, num_threads=0, device=f"cuda:{LOCAL_RANK}",
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="built"):
+        async_worker._Worker(spec, None, None)
+    assert built_on == [LOCAL_RANK]  # a spawned process starts on GPU 0
+
+
+def test_the_hf_generation_worker_empties_the_cache_after_each_job(monkeypatch) -> None:
+    from microrl.engine.rollout import async_worker
+
+    FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    worker = object.__new__(async_worker._Worker)
+    worker.spec = types.SimpleNamespace(device="cuda:3", name="w")
+    worker.results = types.SimpleNamespace(put=lambda message: None)
+    worker.version = 1
+    worker.sampler = types.SimpleNamespace(_sample=lambda ids, params: [ids])
+    worker._job("sample", 0, 0, ([[1]], None))
+    assert emptied == [True]  # its KV cache is the trainer's memory between jobs
