@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                 rollout, scores, problems = whole_groups(
                     rollout, scores, problems, cfg.rollout.group_size
                 )
+            # Built on the host, moved to the engine's device once: from here on every tensor
+            # is the engine's (docs/batch.md#devices).
+            rollout, scores = rollout.to(engine.device), scores.to(engine.device)
             batch = rollout.batch
             penalty = overlong(rollout)  # the reward trained on is scores + penalty
             # 3. Log-probs of the sampling policy (the ratio's anchor), recomputed by the engine

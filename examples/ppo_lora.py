@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 # 2. Score the answer text (the reward of the last response token, in step 4).
                 answered = [problems[i] for i in rollout.group_ids.tolist()]
                 scores = torch.tensor(task.score(rollout.texts, answered))
+            # Built on the host, moved to the engines' device once (docs/batch.md#devices).
+            rollout, scores = rollout.to(actor.device), scores.to(actor.device)
             batch, mask = rollout.batch, rollout.batch["loss_mask"]
             # DAPO's soft overlong penalty (0 with task.overlong_buffer=0): reward = score + it.
             penalty = overlong_penalty(

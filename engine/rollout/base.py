@@ -88,6 +88,21 @@ class Rollout:
     num_turns: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """This rollout with its tensors on ``device`` (texts and metrics as they are).
+
+        Backends build rollouts on the host; a recipe moves each to ``engine.device`` once, right
+        after sampling, so nothing mixes host and device tensors afterwards (docs/batch.md)."""
+        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Rollout(
+            batch=self.batch.to(device),
+            texts=self.texts,
+            group_ids=self.group_ids.to(device),
+            rewards=moved(self.rewards),
+            num_turns=moved(self.num_turns),
+            metrics=self.metrics,
+        )
+
 
 class RolloutBackend(ABC):
     """Samples responses to prompts from the current policy.
