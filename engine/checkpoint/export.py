@@ -50,9 +50,13 @@ __all__ = [
 _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped transformers model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict of ``model`` on the CPU on rank 0 (``{}`` on the other ranks)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of ``model`` on the CPU on rank 0 (``{}`` on the other ranks);
+    ``trainable_only``: the parameters that train alone (an adapter: the frozen base, most of
+    the bytes, is neither gathered nor copied)."""
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
+    )
     state = get_model_state_dict(model, options=options)
     return {k: v.detach() for k, v in state.items()} if distributed.rank() == 0 else {}
 
@@ -134,9 +138,8 @@ def export_peft_adapter(
     prefix, base = locate_base_model(model)
     if base is not peft_model.get_base_model():
         raise ValueError("peft_model does not wrap the transformers model inside model")
-    state = {
-        _PEFT_BASE_PREFIX + k: v for k, v in _sub_state(full_state_dict(model), prefix).items()
-    }
+    trained = full_state_dict(model, trainable_only=True)  # every rank takes part
+    state = {_PEFT_BASE_PREFIX + k: v for k, v in _sub_state(trained, prefix).items()}
 
     def write(tmp: Path) -> None:
         peft_model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
@@ -372,7 +375,8 @@ def _export_classifier_adapter(
     peft_config = copy.deepcopy(peft_model.peft_config[adapter])
     peft_config.task_type = target.task_type
     peft_config.modules_to_save = [target.head_name]
-    state = full_state_dict(model)  # every rank takes part; rank 0 gets the tensors
+    # The adapters and the head: every rank takes part; rank 0 gets the tensors.
+    state = full_state_dict(model, trainable_only=True)
 
     def write(tmp: Path) -> None:  # rank 0, inside the ranks' agreement: a failure reaches all
         body = _sub_state(state, value_prefix + "body.")
