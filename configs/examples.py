@@ -46,10 +46,14 @@ def _grpo_train() -> LoopConfig:
 
 
 def _check_actor_and_batches(actor: ActorConfig, rollout: RolloutConfig, train: LoopConfig) -> None:
+    # The reference policy is the base model with the adapter disabled: a full fine-tune
+    # (rank 0) has none, so it trains without the KL (as DAPO does) and reports none.
     require(
-        actor.lora.rank >= 1,
+        actor.lora.rank >= 1 or (actor.policy_loss.kl_coef == 0 and train.kl_metric_every == 0),
         "actor.lora.rank",
-        ">= 1 (the reference policy is the base model with the adapter disabled)",
+        ">= 1 while the KL to the reference is penalised or reported (the reference is the base "
+        "model with the adapter disabled); a full fine-tune (0) needs "
+        "actor.policy_loss.kl_coef=0 and train.kl_metric_every=0",
         actor.lora.rank,
     )
     # vLLM samples with its own kernels from a synced copy of the weights: its log-probs are not

@@ -45,6 +45,7 @@ RUN_FORMAT = "microrl-example-run"
 RUN_OUTPUTS = (
     CHECKPOINT_DIR,
     "adapter",
+    "model",  # a full fine-tune's trained model (actor.lora.rank=0)
     "merged",  # output.export_merged: the LoRA merged into the base model
     "tensorboard",
     "metrics.jsonl",

@@ -198,8 +198,8 @@ def finish(
 ) -> int:
     """Checkpoint (with ``extra_state``: :func:`~microrl.run.checkpoint.save_run`); then either
     stop for ``--resume`` (exit code 130) or export the actor's LoRA adapter (and with
-    ``output.export_merged`` the merged model, ``tokenizer`` beside it), plot, and print the
-    summary (exit code 0)."""
+    ``output.export_merged`` the merged model, ``tokenizer`` beside it) or, in a full fine-tune,
+    the trained model, plot, and print the summary (exit code 0)."""
     log = print if dist_info.is_main else (lambda *_: None)
     path = save_run(
         cfg.output.dir,
@@ -216,20 +216,26 @@ def finish(
         dist_info.close()
         return 130
     actor = engines["actor"]
-    export_peft_adapter(actor.module, f"{cfg.output.dir}/adapter", peft_model=actor.peft_model)
-    if cfg.output.export_merged:  # every rank takes part in gathering the weights
+    # Every rank takes part in gathering the weights.
+    merge = cfg.output.export_merged and actor.peft_model is not None
+    if actor.peft_model is None:  # a full fine-tune: the trained model itself
+        export_merged_model(actor.module, f"{cfg.output.dir}/model", tokenizer=tokenizer)
+        trained = "model/ (the trained model, transformers format), "
+    else:
+        export_peft_adapter(actor.module, f"{cfg.output.dir}/adapter", peft_model=actor.peft_model)
+        trained = "adapter/ (the actor's LoRA adapter, PEFT format), "
+    if merge:
         export_merged_model(actor.module, f"{cfg.output.dir}/merged", tokenizer=tokenizer)
+        trained += "merged/ (LoRA merged in, transformers format), "
     final_accuracy = last_metrics.get("eval/accuracy", first_accuracy)
     plot = tracker.close(plot=cfg.output.plot)
     tracked = "".join(f"{where}, " for where in tracker.locations)
     samples = "samples.jsonl, " if tracker.samples_path.is_file() else ""
-    merged = "merged/ (LoRA merged in, transformers format), " if cfg.output.export_merged else ""
     log(
         f"\nheld-out greedy accuracy: {first_accuracy:.3f} (step {start_step}) -> "
         f"{final_accuracy:.3f} (step {step}) in {train_time:.0f}s of RL\n"
         f"outputs in {cfg.output.dir}/: metrics.jsonl, {samples}{tracked}"
-        f"{plot.name if plot else 'no plot'}, adapter/ (the actor's LoRA adapter, PEFT format), "
-        f"{merged}checkpoint/ (--resume)"
+        f"{plot.name if plot else 'no plot'}, {trained}checkpoint/ (--resume)"
     )
     dist_info.close()
     return 0

@@ -104,6 +104,15 @@ def test_invalid_values_raise_value_error_naming_the_key(override: str, key: str
 
 
 @pytest.mark.parametrize("schema", [GRPOExampleConfig, PPOExampleConfig])
+def test_a_full_fine_tune_trains_without_the_kl(schema) -> None:
+    """No adapter, no adapter-off reference: a full fine-tune runs with the KL off, only."""
+    full = ["actor.lora.rank=0", "train.kl_metric_every=0", "actor.policy_loss.kl_coef=0"]
+    assert load_config(schema, None, full).actor.lora.rank == 0
+    with pytest.raises(ValueError, match=r"kl_coef=0 and train\.kl_metric_every=0"):
+        load_config(schema, None, [*full, "actor.policy_loss.kl_coef=0.1"])
+
+
+@pytest.mark.parametrize("schema", [GRPOExampleConfig, PPOExampleConfig])
 def test_the_bypass_is_refused_with_vllm(schema) -> None:
     """vLLM's log-probs are not the trainer's: the old log-prob pass cannot be skipped."""
     bypass = "actor.policy_loss.bypass_mode=true"

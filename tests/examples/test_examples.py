@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from example_utils import TINY_MODEL, TINY_RL, load_example
+from example_utils import LENGTH_REWARD, TINY_MODEL, TINY_RL, load_example
 
 from microrl.run import read_metrics
 from microrl.run.toy_model import is_checkpoint, load_pretrained
@@ -164,6 +164,26 @@ def test_ctrl_c_saves_a_checkpoint_that_resume_continues(
     assert _run_in_process("grpo_lora", [*args, f"train.steps={saved + 1}", "--resume"]) == 0
     assert f"at step {saved}" in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(saved + 2))
+
+
+def test_grpo_full_fine_tune_exports_the_trained_model(base_model: Path, tmp_path: Path) -> None:
+    """actor.lora.rank=0: every weight trains (no KL, no reference), and the run exports the
+    trained model itself, which transformers loads, with weights moved from the base's."""
+    out = tmp_path / "full"
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)  # differs within every group
+    args = [*TINY_MODEL, *TINY_RL, f"model.path={base_model}", f"output.dir={out}"]
+    full = [
+        "actor.lora.rank=0",
+        "train.kl_metric_every=0",
+        f"task.rewards=[{tmp_path / 'length_reward.py'}:length]",
+    ]
+    assert _run_in_process("grpo_lora", [*args, *full, "train.steps=2", "output.plot=false"]) == 0
+    assert not (out / "adapter").exists() and is_checkpoint(out / "model")
+    _, trained = load_pretrained(out / "model")
+    _, base = load_pretrained(base_model)
+    pairs = zip(trained.parameters(), base.parameters(), strict=True)
+    moved = [not torch.equal(a, b) for a, b in pairs]
+    assert all(moved), "a full fine-tune left weights untouched"
 
 
 @pytest.mark.distributed
