@@ -128,6 +128,7 @@ def _check_visible(directory: Path, what: str, advice: str) -> None:
     views = gather_with_hosts(_reads(directory / f"{_MARKER_PREFIX}{token}", token))
     if marker is not None:
         marker.unlink(missing_ok=True)
+    distributed.barrier()  # the marker is gone on return, on every rank
     blind = [(rank, host) for rank, (seen, host) in enumerate(views) if not seen]
     if blind:
         raise ValueError(

@@ -26,10 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 from distributed_utils import run_scenario, scenario_main
 
-from microrl.configs import EngineConfig
-from microrl.engine import setup
 from microrl.engine.parallel import distributed, nodes
-from microrl.run import Dist
 
 HERE = Path(__file__).resolve()
 
@@ -68,6 +65,10 @@ def test_a_second_nodes_rank_takes_its_nodes_gpu(
 ) -> None:
     """torchrun on the second node: ``RANK`` counts over the nodes, ``LOCAL_RANK`` within this
     one; the GPU index is the local rank (a global one would not exist on an 8-GPU node)."""
+    from microrl.configs import EngineConfig
+    from microrl.engine import setup
+    from microrl.run import Dist
+
     env = dict(
         RANK=rank,
         LOCAL_RANK=local_rank,
@@ -104,7 +105,8 @@ def scenario_shared(rank: int, tmp: Path) -> list[str]:
 
     one = tmp / "shared" / "out"
     nodes.check_shared_dir(one, "output.dir")
-    assert one.is_dir() and not list(one.iterdir())  # made by rank 0; the marker is gone
+    # Made by rank 0; its marker is gone when the check returns, on every rank.
+    assert one.is_dir() and not list(one.iterdir())
     passed.append("one_directory_passes")
 
     own = tmp / f"disk{rank}" / "out"
