@@ -24,7 +24,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
+from microrl.engine.parallel.nodes import shared_tempdir
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 
 __all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
@@ -158,10 +158,8 @@ class VLLMRollout(RolloutBackend):
         self.sync(engine)
 
     def _shared_tempdir(self) -> str:
-        path = [tempfile.mkdtemp(prefix="microrl-vllm-") if distributed.rank() == 0 else None]
-        if distributed.is_distributed():
-            dist.broadcast_object_list(path, src=0)
-        return path[0]
+        # Rank 0 writes the exports every rank's engine reads: checked visible on every node.
+        return shared_tempdir("microrl-vllm-")
 
     def _start(self, vllm, base_dir: Path, base):
         cfg = self.config

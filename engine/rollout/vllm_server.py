@@ -35,7 +35,6 @@ import contextlib
 import itertools
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +52,7 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
+from microrl.engine.parallel.nodes import shared_tempdir
 from microrl.engine.rollout.async_rollout import (
     POLICY_VERSION_KEY,
     Job,
@@ -512,11 +512,9 @@ def _untempered_logprobs(engine, batch) -> torch.Tensor:
 
 
 def _shared_tempdir() -> str:
-    """A fresh temporary directory, rank 0's on every rank (the exports rank 0 writes)."""
-    path = [tempfile.mkdtemp(prefix="microrl-vllm-servers-") if distributed.rank() == 0 else None]
-    if distributed.is_distributed():
-        torch.distributed.broadcast_object_list(path, src=0)
-    return path[0]
+    """A fresh temporary directory, rank 0's on every rank (the exports rank 0 writes), checked
+    visible on every node (:func:`~microrl.engine.parallel.nodes.shared_tempdir`)."""
+    return shared_tempdir("microrl-vllm-servers-")
 
 
 def _transfer_backend(engine) -> str:

@@ -29,6 +29,7 @@ from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.run import TOY_MODEL_PATHS, ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
+from microrl.engine.parallel.nodes import SEVERAL_NODES_DOC, gather_with_hosts, list_ranks
 from microrl.engine.rollout import HFRollout, sft_batch
 from microrl.hub import download_hint, download_model, first_line, is_hub_name
 from microrl.run.dist import Dist
@@ -67,7 +68,9 @@ def prepare_base_model(
     torchrun only rank 0 reads it (engine/parallel/materialize.py).
     """
     path = cfg.path
-    if is_checkpoint(path):
+    found = is_checkpoint(path)
+    _check_same_on_every_node(path, found, "holds a checkpoint (config.json and a tokenizer)")
+    if found:
         return load_tokenizer(path), path
     if cfg.build_toy or os.path.normpath(path) in TOY_MODEL_PATHS:
         task = make_task(task_cfg) if task_cfg.name in BUILT_IN_TASKS else None
@@ -79,6 +82,7 @@ def prepare_base_model(
                 "give model.path a local checkpoint or a Hugging Face Hub id (docs/tasks.md)"
             )
         _warm_start(cfg, task, dist_info, max_new_tokens, log)
+        _check_same_on_every_node(path, is_checkpoint(path), "holds the base model rank 0 built")
         return load_tokenizer(path), path
     if is_hub_name(path):
         path = _download(path, dist_info, log)
@@ -89,6 +93,22 @@ def prepare_base_model(
         "checkpoint directory, a Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct), or "
         "model.build_toy=true to build a toy model there; to download a Hub model into it: "
         f"`hf download <org/name> --local-dir {path}`"
+    )
+
+
+def _check_same_on_every_node(path: str, found: bool, what: str) -> None:
+    """Collective: a ``ValueError`` on every rank when ``path`` holds a checkpoint for some
+    ranks only (another node's disk), rather than those ranks failing alone, or building a toy
+    model the others skip, while the rest wait in a collective."""
+    views = gather_with_hosts(found)
+    if all(seen == views[0][0] for seen, _ in views):
+        return
+    have = [(rank, host) for rank, (seen, host) in enumerate(views) if seen]
+    lack = [(rank, host) for rank, (seen, host) in enumerate(views) if not seen]
+    raise ValueError(
+        f"model.path={path!r} {what} for {list_ranks(have)}, but not for {list_ranks(lack)}: "
+        "across nodes it must be on a file system every node mounts, or copied to the same "
+        f"path on every node ({SEVERAL_NODES_DOC})"
     )
 
 

@@ -33,6 +33,7 @@ from microrl.configs.loader import (
     override_value,
 )
 from microrl.engine.checkpoint.atomic_io import staging_paths
+from microrl.engine.parallel.nodes import check_shared_dir
 from microrl.engine.rollout.episodes import EpisodeError
 from microrl.hub import first_line
 from microrl.run.checkpoint import (
@@ -204,7 +205,12 @@ def prepare_output(config: Any, args: argparse.Namespace, dist_info: Dist) -> No
     them at the start, rather than when the new run first saves, keeps a directory from ever
     mixing the two runs (a later ``--resume`` would continue the old checkpoint with the new
     metrics); ``--overwrite`` is the explicit request for it.
+
+    First, every rank checks that it sees the ``output.dir`` rank 0 sees (a ``ValueError`` on
+    every rank otherwise): across nodes it must be on a shared file system, since every rank
+    writes its share of the checkpoint there (docs/distributed.md#several-nodes).
     """
+    check_shared_dir(config.output.dir, "output.dir")
     if dist_info.is_main:
         out = Path(config.output.dir)
         if args.overwrite:
