@@ -180,6 +180,11 @@ class VLLMServerRollout(RolloutBackend):
     # ----------------------------------------------------------------- servers
     def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
         rank, world = distributed.rank(), distributed.world_size()
+        if urls and (self.config.gpus or self.config.tensor_parallel_size != 1):
+            raise ValueError(
+                "rollout.vllm.gpus and rollout.vllm.tensor_parallel_size place the servers "
+                "microrl starts; servers of rollout.server_url take their GPUs themselves"
+            )
         if urls:
             # Each rank its own servers: a full fine-tune's pushes would overwrite each other's,
             # and vLLM 0.32's CPU LoRA path fails a batch mixing one rank's probe (prompt
@@ -236,7 +241,10 @@ class VLLMServerRollout(RolloutBackend):
                 **options,
             )
 
-        with ThreadPoolExecutor(num_workers) as pool:  # start side by side (~20 s each on a CPU)
+        # Side by side (~20 s each on a CPU); one after the other where they share a GPU, whose
+        # free memory each vLLM measures as it starts.
+        shared = gpus is not None and len({tuple(g) for g in gpus}) < len(gpus)
+        with ThreadPoolExecutor(1 if shared else num_workers) as pool:
             futures = [pool.submit(start, i) for i in range(num_workers)]
             for future in futures:
                 with contextlib.suppress(Exception):
@@ -260,7 +268,8 @@ class VLLMServerRollout(RolloutBackend):
                 timeout_s=self.timeout_s,
             )
             self._pushers.append(pusher)
-            pusher.start()
+            with _on_gpu(self.engine.device):
+                pusher.start()
 
     def close(self) -> None:
         """Stop the local servers, release the transfer groups, remove the work directory;
@@ -378,7 +387,8 @@ class VLLMServerRollout(RolloutBackend):
             if pause:  # in flight: running requests freeze, then continue on the new weights
                 client.post("pause", mode="keep")
             try:
-                pusher.push(weights, version)
+                with _on_gpu(engine.device):
+                    pusher.push(weights, version)
             finally:
                 if pause:
                     client.post("resume")
@@ -567,6 +577,14 @@ def _shared_tempdir() -> str:
     if distributed.is_distributed():
         torch.distributed.broadcast_object_list(path, src=0)
     return path[0]
+
+
+def _on_gpu(device: torch.device):
+    """The engine's GPU as the current device (vLLM's trainer engines use the current one);
+    nothing to do on a CPU or when it is current already."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _done() -> Future:

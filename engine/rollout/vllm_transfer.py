@@ -33,7 +33,13 @@ on both ends of that:
   the route and the server's message. ``backend="nccl"`` (a GPU trainer and GPU servers) drives
   vLLM's own ``NCCLTrainerWeightTransferEngine`` through vLLM's trainer factory (packed, from the
   current CUDA device); ``backend="gloo"`` drives ``GlooTrainerWeightTransferEngine`` from this
-  module, for CPU tensors, where vLLM's NCCL engines cannot run (a CPU machine, vLLM's CPU build).
+  module, for CPU tensors, where vLLM's NCCL engines cannot run (a CPU machine, vLLM's CPU build);
+  ``backend=IPC_BACKEND`` drives vLLM's CUDA-IPC trainer engine for a server on this process's
+  own GPU, its handles sent as JSON (:mod:`microrl.engine.rollout.vllm_ipc`, registered by
+  ``register()`` with ``gloo``). ``push`` takes the pairs as a list, or as a lazy stream with
+  ``metadata()`` (vLLM's ``WeightSource`` protocol, e.g.
+  :class:`~microrl.engine.rollout.full_weights.FullWeights`) whose tensors are produced one at a
+  time as the transfer reaches them.
 
 Wire protocol (both backends; the trainer is rank 0 of a group of ``world_size`` = 1 + the
 server's workers, TP x PP x DP, the workers at ``rank_offset`` 1 upwards):
@@ -551,7 +557,8 @@ class WeightPusher:
     """Pushes full weights from this process into a ``vllm serve`` process's workers.
 
     ``backend`` is the server's ``--weight-transfer-config`` backend: ``"nccl"`` (CUDA tensors
-    on this process's current device; vLLM's own trainer engine) or ``"gloo"`` (CPU tensors;
+    on this process's current device; vLLM's own trainer engine), :data:`IPC_BACKEND` (the same,
+    for a server on that very GPU; vLLM's IPC trainer engine) or ``"gloo"`` (CPU tensors;
     ``GlooTrainerWeightTransferEngine``). ``post(route, json_body)`` POSTs to the server
     (``route`` like ``"/update_weights"``; ``json_body`` a dict or None) and raises on an HTTP
     error, naming the route and the server's message; it may return anything. ``world_size``
@@ -645,9 +652,12 @@ class WeightPusher:
         and make ``version`` the server's weight version.
 
         Give the whole model as a checkpoint holds it, tied weights under each name (e.g.
-        ``model.state_dict().items()``; the module docstring says why). Names the server's model does not have, or tensors it cannot load, raise the server's
-        ``/update_weights`` error naming the first one. Tensors must be on the backend's device
-        (gloo: CPU; nccl: the current CUDA device).
+        ``model.state_dict().items()``; the module docstring says why). Names the server's model
+        does not have, or tensors it cannot load, raise the server's ``/update_weights`` error
+        naming the first one. Tensors must be on the backend's device (gloo: CPU; nccl and IPC:
+        the current CUDA device). ``named_tensors`` with a ``metadata()`` method (``(name, dtype,
+        shape)`` of each pair, in order) is iterated lazily, each pair checked against it as it
+        comes, so the caller can produce one tensor at a time (:class:`~microrl.engine.rollout.full_weights.FullWeights`).
         """
         if self._engine is None:
             raise RuntimeError("WeightPusher.push(): call start() first")

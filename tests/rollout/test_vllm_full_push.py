@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import socket
+import warnings
 import weakref
 from types import SimpleNamespace
 from typing import ClassVar
@@ -392,3 +393,26 @@ def test_the_ipc_engine_is_registered_with_gloo(monkeypatch):
     )
     engine.send_weights()
     assert sent == [2 << 30]
+
+
+def test_the_workers_of_a_users_server_come_from_its_server_info():
+    """The transfer group of a server the user started counts its TP x PP x DP workers, read
+    from ``/server_info?config_format=json``, serialised here as vLLM's route does."""
+    import pydantic
+
+    from microrl.engine.rollout.vllm_server import _workers
+
+    with warnings.catch_warnings():  # torch 2.13 deprecations vLLM triggers as it imports
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.config import ParallelConfig, VllmConfig
+
+    config = VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    )
+    dumped = pydantic.TypeAdapter(VllmConfig).dump_python(config, mode="json", fallback=str)
+    answer = json.loads(json.dumps({"vllm_config": dumped}))
+    client = SimpleNamespace(url="http://h:8000", get=lambda route: answer)
+    assert _workers(client) == 4
+    broken = SimpleNamespace(url="http://h:8000", get=lambda route: {"vllm_config": "text"})
+    with pytest.raises(ValueError, match=r"http://h:8000 answered /server_info without"):
+        _workers(broken)
