@@ -338,6 +338,28 @@ class RolloutConfig:
             "comma-separated http:// or https:// URLs",
             self.server_url,
         )
+        # Server placement applies to the servers microrl starts, and only those exist with
+        # max_staleness >= 1 (the synchronous loop's vLLM runs in the trainer process).
+        local_servers = self.backend == "vllm" and self.max_staleness >= 1 and not self.server_url
+        for key, value, default in (
+            ("gpus", self.vllm.gpus, ""),
+            ("tensor_parallel_size", self.vllm.tensor_parallel_size, 1),
+        ):
+            require(
+                value == default or local_servers,
+                f"rollout.vllm.{key}",
+                f"{default!r} unless microrl starts vLLM servers (rollout.backend=vllm, "
+                "rollout.max_staleness >= 1, no rollout.server_url: a server you start takes "
+                "its GPUs and --tensor-parallel-size itself)",
+                value,
+            )
+        require(
+            self.vllm.tensor_parallel_size == 1 or self.vllm.gpus,
+            "rollout.vllm.tensor_parallel_size",
+            "1 without rollout.vllm.gpus (a server beside its trainer process takes that "
+            "process's one GPU; list dedicated GPUs in rollout.vllm.gpus)",
+            self.vllm.tensor_parallel_size,
+        )
         require(
             self.sync_check_tol is None or self.sync_check_tol > 0,
             "rollout.sync_check_tol",

@@ -47,7 +47,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from tensordict import TensorDict
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import locate_base_model
@@ -62,6 +61,7 @@ from microrl.engine.rollout.async_worker import (
     worker_main,
 )
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.layout import build_rollout
 
 __all__ = [
@@ -579,12 +579,8 @@ def gather_weights(module, prefix: str, *, trainable_only: bool) -> dict[str, to
     """The causal LM's full tensors (FSDP2 shards all-gathered on every rank, as the vllm
     backend's sync does), on the CPU, by their names in the causal LM (``prefix``: its path in
     ``module``, :func:`~microrl.engine.checkpoint.export.locate_base_model`). Collective under
-    ``torchrun``."""
-    options = StateDictOptions(
-        full_state_dict=True, cpu_offload=False, ignore_frozen_params=trainable_only
-    )
-    state = get_model_state_dict(module, options=options)
-    return {k[len(prefix) :]: v.detach().cpu() for k, v in state.items() if k.startswith(prefix)}
+    ``torchrun``; one full tensor at a time on a GPU (:func:`gather_full_weights`)."""
+    return gather_full_weights(module, prefix, trainable_only=trainable_only)
 
 
 def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor) -> dict:

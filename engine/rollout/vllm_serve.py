@@ -43,6 +43,7 @@ def serve_command(
     max_loras: int = 1,
     weight_transfer: str | None = None,
     cpu: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a rollout server (without the API key, which travels in
     the ``VLLM_API_KEY`` environment variable, not on a command line ``ps`` shows).
@@ -53,6 +54,8 @@ def serve_command(
     (``lora_rank > 0``) enables runtime adapter loading; full weights (``weight_transfer``)
     enable vLLM's weight-transfer engine of that backend, and prefix caching is off then: a
     cached block computed with old weights must not serve a request of the new ones.
+    ``tensor_parallel_size > 1`` splits the model over that many GPUs (those of the server's
+    ``CUDA_VISIBLE_DEVICES``, :func:`server_env`).
     """
     command = [
         sys.executable,
@@ -82,6 +85,8 @@ def serve_command(
         # VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's default on a CPU adds a worker process the
         # engine core busy-waits for, a second core burnt (1.0 against 0.65 CPU-s per job).
         command += ["--distributed-executor-backend", "uni"]
+    if tensor_parallel_size > 1:
+        command += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if enforce_eager:
         command.append("--enforce-eager")
     if max_model_len:
@@ -98,13 +103,20 @@ def serve_command(
 
 
 def server_env(
-    api_key: str, *, full_weights: bool, num_threads: int, cpu: bool = False
+    api_key: str,
+    *,
+    full_weights: bool,
+    num_threads: int,
+    cpu: bool = False,
+    cuda_visible_devices: str | None = None,
 ) -> dict[str, str]:
     """The environment of a local server: this process's, with the API key (never on the
     command line), unpinned CPU threads, runtime LoRA loading, and vLLM's RL routes
     (``VLLM_SERVER_DEV_MODE``) only for full weights; never vLLM's insecure pickle
     serialization, and none of torchrun's variables (the server is no rank of the trainer's
-    group)."""
+    group). ``cuda_visible_devices`` (physical ids,
+    :func:`~microrl.engine.rollout.vllm_placement.cuda_visible_devices`) are the server's GPUs:
+    without it a GPU server would start on the first GPU it sees, whichever rank started it."""
     env = dict(os.environ)
     env.update(
         VLLM_API_KEY=api_key,
@@ -121,6 +133,8 @@ def server_env(
     # CPU: the model in the engine-core process (serve_command's cpu); else vLLM's default, not
     # the trainer's "0" (set in this process by the colocated vllm backend).
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cpu else "1"
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
@@ -138,6 +152,7 @@ class LocalVLLMServer:
         timeout_s: the longest wait for it to answer ``/health``.
         name: how errors name it.
         api_key: its ``--api-key``; None: a fresh random one.
+        cuda_visible_devices: its GPUs (:func:`server_env`); None: this process's (a CPU).
         options: :func:`serve_command`'s keyword arguments but ``port`` (a free one is chosen).
     """
 
@@ -150,6 +165,7 @@ class LocalVLLMServer:
         timeout_s: float = 600.0,
         name: str = "the local vLLM server",
         api_key: str | None = None,
+        cuda_visible_devices: str | None = None,
         **options,
     ) -> None:
         self.name = name
@@ -161,6 +177,7 @@ class LocalVLLMServer:
             full_weights=full_weights,
             num_threads=num_threads,
             cpu=options.get("cpu", False),
+            cuda_visible_devices=cuda_visible_devices,
         )
         self.command = serve_command(model_dir, port=self.port, **options)
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)

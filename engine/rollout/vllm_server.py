@@ -18,11 +18,16 @@ Weights, by vLLM's own machinery:
   unloaded at the next sync. The server must see the adapter directory (a shared file system
   for remote servers).
 - **Full weights**: vLLM's weight-transfer API (``/init_weight_transfer_engine``,
-  ``/update_weights``): its ``nccl`` engine on GPUs, the ``gloo`` engine microrl registers as a
-  vLLM plugin on CPUs (:mod:`microrl.engine.rollout.vllm_transfer`). A push is an in-flight
-  update: ``/pause?mode=keep`` freezes the running requests, the new weights load, ``/resume``
-  continues them; each response reports the weight versions of its token spans, kept per row
-  as ``policy_version`` (first token) and ``policy_version_last`` (last token).
+  ``/update_weights``): its ``nccl`` engine for servers on other GPUs, its CUDA-IPC engine
+  (JSON-encoded, :mod:`microrl.engine.rollout.vllm_ipc`) for a server on the trainer's own GPU,
+  the ``gloo`` engine microrl registers as a vLLM plugin on CPUs
+  (:mod:`microrl.engine.rollout.vllm_transfer`); :mod:`~microrl.engine.rollout.vllm_placement`
+  chooses. The tensors stream one at a time from the live parameters (FSDP2 shards gathered
+  one by one, :class:`~microrl.engine.rollout.full_weights.FullWeights`), so ``sync`` returns
+  once the push is done. A push is an in-flight update: ``/pause?mode=keep`` freezes the
+  running requests, the new weights load, ``/resume`` continues them; each response reports the
+  weight versions of its token spans, kept per row as ``policy_version`` (first token) and
+  ``policy_version_last`` (last token).
 
 Every push is verified as the ``hf`` worker's are: the server scores the probe batch
 (:func:`~microrl.engine.rollout.async_rollout.build_probe`) at the new version, and a log-prob
@@ -60,12 +65,18 @@ from microrl.engine.rollout.async_rollout import (
     build_probe,
     default_sync_check_tol,
     draw_seed,
-    gather_weights,
     probe_stats,
     sync_check_error,
 )
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.full_weights import FullWeights
 from microrl.engine.rollout.vllm_http import ServerClient
+from microrl.engine.rollout.vllm_placement import (
+    cuda_visible_devices,
+    server_gpus,
+    trainer_address,
+    transfer_backend,
+)
 from microrl.engine.rollout.vllm_requests import (
     GENERATE_ROUTE,
     generate_body,
@@ -89,7 +100,8 @@ class VLLMServerRollout(RolloutBackend):
         engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
             weights are version ``version``.
         tokenizer: its tokenizer.
-        config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts.
+        config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts
+            (their GPUs: ``gpus``, ``tensor_parallel_size``), and ``trainer_address``.
         version: the policy version of the engine's current weights (the recipe: its step).
         urls: servers the user started (``rollout.server_url``); under ``torchrun`` rank ``r``
             uses every ``world_size``-th one from the ``r``-th. Empty: start ``num_workers``.
@@ -148,6 +160,8 @@ class VLLMServerRollout(RolloutBackend):
         self._loaded: list[int] = []  # adapter versions loaded on the servers
         self._context = threading.local()
         self._servers, self._pushers = [], []
+        self._server_gpus: list[list[int]] | None = None  # cuda:N of each local server
+        self._pushes_per_sync = num_workers  # the most servers any rank pushes to
         self._closed = False
         self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
         self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-sync")
@@ -166,6 +180,11 @@ class VLLMServerRollout(RolloutBackend):
     # ----------------------------------------------------------------- servers
     def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
         rank, world = distributed.rank(), distributed.world_size()
+        if urls and (self.config.gpus or self.config.tensor_parallel_size != 1):
+            raise ValueError(
+                "rollout.vllm.gpus and rollout.vllm.tensor_parallel_size place the servers "
+                "microrl starts; servers of rollout.server_url take their GPUs themselves"
+            )
         if urls:
             # Each rank its own servers: a full fine-tune's pushes would overwrite each other's,
             # and vLLM 0.32's CPU LoRA path fails a batch mixing one rank's probe (prompt
@@ -176,6 +195,7 @@ class VLLMServerRollout(RolloutBackend):
                     f"rollout.server_url lists {len(urls)} servers for {world} trainer "
                     "processes: each process needs its own (at least one per process)"
                 )
+            self._pushes_per_sync = -(-len(urls) // world)
             clients = [ServerClient(u.strip(), api_key, timeout_s=self.timeout_s) for u in mine]
             for client in clients:
                 client.get("v1/models")  # reachable, and the key is accepted: fail at start
@@ -183,9 +203,18 @@ class VLLMServerRollout(RolloutBackend):
         from microrl.engine.rollout.vllm import _lora_rank
         from microrl.engine.rollout.vllm_serve import LocalVLLMServer
 
+        cfg = self.config
+        # Each server its GPUs (checked before anything starts): without CUDA_VISIBLE_DEVICES
+        # every server of every rank would start on the first GPU.
+        gpus = self._server_gpus = server_gpus(
+            self.engine.device,
+            num_workers=num_workers,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpus=cfg.gpus,
+        )
         model_dir = self.workdir / "base"
         export_merged_model(self.engine.module, model_dir, merge_lora=False)
-        cfg, on_cpu = self.config, self.engine.device.type == "cpu"
+        on_cpu = self.engine.device.type == "cpu"
         dtype = cfg.dtype if cfg.dtype != "auto" else str(next(base.parameters()).dtype)[6:]
         options = dict(
             dtype=dtype,
@@ -195,8 +224,9 @@ class VLLMServerRollout(RolloutBackend):
             enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
             lora_rank=_lora_rank(self.engine.config.lora.rank) if self.is_lora else 0,
             max_loras=4,
-            weight_transfer=None if self.is_lora else _transfer_backend(self.engine),
+            weight_transfer=None if self.is_lora else transfer_backend(self.engine.device, gpus),
             cpu=on_cpu,
+            tensor_parallel_size=cfg.tensor_parallel_size,
         )
 
         def start(i: int) -> LocalVLLMServer:
@@ -207,10 +237,14 @@ class VLLMServerRollout(RolloutBackend):
                 timeout_s=self.timeout_s,
                 name=f"local vLLM server {i} of rank {rank}",
                 seed=cfg.seed + rank * num_workers + i,
+                cuda_visible_devices=None if gpus is None else cuda_visible_devices(gpus[i]),
                 **options,
             )
 
-        with ThreadPoolExecutor(num_workers) as pool:  # start side by side (~20 s each on a CPU)
+        # Side by side (~20 s each on a CPU); one after the other where they share a GPU, whose
+        # free memory each vLLM measures as it starts.
+        shared = gpus is not None and len({tuple(g) for g in gpus}) < len(gpus)
+        with ThreadPoolExecutor(1 if shared else num_workers) as pool:
             futures = [pool.submit(start, i) for i in range(num_workers)]
             for future in futures:
                 with contextlib.suppress(Exception):
@@ -222,11 +256,20 @@ class VLLMServerRollout(RolloutBackend):
     def _start_weight_transfer(self) -> None:
         from microrl.engine.rollout.vllm_transfer import WeightPusher
 
-        backend = _transfer_backend(self.engine)
+        backend = transfer_backend(self.engine.device, self._server_gpus)
         for client in self.clients:
-            pusher = WeightPusher(backend, client.post, timeout_s=self.timeout_s)
+            # The transfer group: this process and the server's workers (its TP x PP x DP).
+            workers = self.config.tensor_parallel_size if self._servers else _workers(client)
+            pusher = WeightPusher(
+                backend,
+                client.post,
+                world_size=1 + workers,
+                master_address=trainer_address(client.url, self.config.trainer_address),
+                timeout_s=self.timeout_s,
+            )
             self._pushers.append(pusher)
-            pusher.start()
+            with _on_gpu(self.engine.device):
+                pusher.start()
 
     def close(self) -> None:
         """Stop the local servers, release the transfer groups, remove the work directory;
@@ -258,9 +301,10 @@ class VLLMServerRollout(RolloutBackend):
     # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
         """Load the engine's current weights as the next version (``version + 1``); jobs
-        submitted from now on sample them. Returns once the weights are taken (exported or
-        gathered); the load and its check run in the background and surface in :meth:`poll` /
-        :meth:`collect`. Collective under ``torchrun``."""
+        submitted from now on sample them. Returns once the weights are taken: a LoRA adapter
+        exported (its load runs in the background), full weights pushed (streamed from the
+        parameters). The check runs in the background; it and the load surface in
+        :meth:`poll` / :meth:`collect`. Collective under ``torchrun``."""
         self._check_open()
         self.poll()
         self.version += 1
@@ -280,10 +324,17 @@ class VLLMServerRollout(RolloutBackend):
             export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
             in_use = {job.version for job, _ in self._futures.values()}
             load = lambda: self._load_adapter(version, path, in_use)  # noqa: E731
+            loaded = self._sync_thread.submit(self._timed, load)
         else:
-            state = gather_weights(engine.module, self._prefix, trainable_only=False)
-            load = lambda: self._push_full(version, state, pause=not first)  # noqa: E731
-        loaded = self._loads[version] = self._sync_thread.submit(self._timed, load)
+            # Streamed from the live parameters on this thread, before the optimizer changes
+            # them (collective under torchrun: each rank gathers the shards in step), after the
+            # previous version's check is done (it scores the probe on the servers' weights).
+            previous = self._syncs.get(version - 1)
+            if previous is not None:
+                previous.result()
+            self._timed(lambda: self._push_full(version, engine, pause=not first))
+            loaded = _done()
+        self._loads[version] = loaded
         self._loads.pop(version - 2, None)
         # The check scores the probe with prompt log-probs. LoRA: on the job thread, between
         # jobs, alone on the servers (vLLM 0.32's CPU LoRA logits path fails a batch mixing
@@ -327,15 +378,24 @@ class VLLMServerRollout(RolloutBackend):
             if distributed.rank() == 0:  # every rank loaded it (see _submit_sync)
                 shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
 
-    def _push_full(self, version: int, state: dict[str, torch.Tensor], *, pause: bool) -> None:
+    def _push_full(self, version: int, engine, *, pause: bool) -> None:
+        """Push ``engine``'s weights to every server, one full tensor at a time: on the
+        trainer's GPU for NCCL and IPC, CPU tensors for gloo."""
+        on_gpu = self._pushers and self._pushers[0].backend != "gloo"
+        weights = FullWeights(engine.module, self._prefix, device=None if on_gpu else "cpu")
         for client, pusher in zip(self.clients, self._pushers, strict=True):
             if pause:  # in flight: running requests freeze, then continue on the new weights
                 client.post("pause", mode="keep")
             try:
-                pusher.push(state.items(), version)
+                with _on_gpu(engine.device):
+                    pusher.push(weights, version)
             finally:
                 if pause:
                     client.post("resume")
+        # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
+        for _ in range(self._pushes_per_sync - len(self._pushers)):
+            for _ in weights:
+                pass
 
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
         """The server's log-probs of the probe rows, ``[B, T]`` like the engine's (0 off
@@ -517,6 +577,33 @@ def _shared_tempdir() -> str:
     return shared_tempdir("microrl-vllm-servers-")
 
 
-def _transfer_backend(engine) -> str:
-    """vLLM's ``nccl`` transfer engine on GPUs; the ``gloo`` fallback on a CPU."""
-    return "nccl" if engine.device.type == "cuda" else "gloo"
+def _on_gpu(device: torch.device):
+    """The engine's GPU as the current device (vLLM's trainer engines use the current one);
+    nothing to do on a CPU or when it is current already."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
+
+def _workers(client: ServerClient) -> int:
+    """The workers of a server the user started (tensor x pipeline x data parallel), from its
+    ``/server_info`` (a route of ``VLLM_SERVER_DEV_MODE``, which full weights need anyway)."""
+    info = client.get("server_info?config_format=json")
+    try:
+        parallel = info["vllm_config"]["parallel_config"]
+        sizes = [int(parallel.get(key, 1)) for key in _PARALLEL_SIZES]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"the vLLM server at {client.url} answered /server_info without its parallel "
+            f"sizes ({type(err).__name__}: {err})"
+        ) from err
+    return sizes[0] * sizes[1] * sizes[2]
+
+
+_PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")

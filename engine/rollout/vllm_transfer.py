@@ -33,7 +33,13 @@ on both ends of that:
   the route and the server's message. ``backend="nccl"`` (a GPU trainer and GPU servers) drives
   vLLM's own ``NCCLTrainerWeightTransferEngine`` through vLLM's trainer factory (packed, from the
   current CUDA device); ``backend="gloo"`` drives ``GlooTrainerWeightTransferEngine`` from this
-  module, for CPU tensors, where vLLM's NCCL engines cannot run (a CPU machine, vLLM's CPU build).
+  module, for CPU tensors, where vLLM's NCCL engines cannot run (a CPU machine, vLLM's CPU build);
+  ``backend=IPC_BACKEND`` drives vLLM's CUDA-IPC trainer engine for a server on this process's
+  own GPU, its handles sent as JSON (:mod:`microrl.engine.rollout.vllm_ipc`, registered by
+  ``register()`` with ``gloo``). ``push`` takes the pairs as a list, or as a lazy stream with
+  ``metadata()`` (vLLM's ``WeightSource`` protocol, e.g.
+  :class:`~microrl.engine.rollout.full_weights.FullWeights`) whose tensors are produced one at a
+  time as the transfer reaches them.
 
 Wire protocol (both backends; the trainer is rank 0 of a group of ``world_size`` = 1 + the
 server's workers, TP x PP x DP, the workers at ``rank_offset`` 1 upwards):
@@ -86,7 +92,7 @@ import ipaddress
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -95,7 +101,10 @@ if TYPE_CHECKING:
     import torch
 
 
-BACKENDS = ("gloo", "nccl")
+#: The backend of microrl's CUDA-IPC engine, for a server on the trainer's own GPU
+#: (:mod:`microrl.engine.rollout.vllm_ipc`).
+IPC_BACKEND = "microrl_ipc"
+BACKENDS = ("gloo", "nccl", IPC_BACKEND)
 DEFAULT_TIMEOUT_S = 300.0
 _GRACE_S = 2.0  # how long a failed server call waits for this side's half of the group op
 
@@ -107,7 +116,14 @@ _VLLM_CLASSES = (
     "GlooTrainerInitInfo",
     "GlooTrainerWeightTransferEngine",
 )
-__all__ = ["BACKENDS", "DEFAULT_TIMEOUT_S", "WeightPusher", "register", *_VLLM_CLASSES]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TIMEOUT_S",
+    "IPC_BACKEND",
+    "WeightPusher",
+    "register",
+    *_VLLM_CLASSES,
+]
 
 
 def register() -> None:
@@ -123,13 +139,16 @@ def register() -> None:
         )
     except ImportError:
         return
-    for factory, class_name in (
-        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
+    ipc = "microrl.engine.rollout.vllm_ipc"
+    for factory, name, module, class_name in (
+        (WeightTransferEngineFactory, "gloo", __name__, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "gloo", __name__, "GlooTrainerWeightTransferEngine"),
+        (WeightTransferEngineFactory, IPC_BACKEND, ipc, "JsonIPCWeightTransferEngine"),
+        (WeightTransferTrainerFactory, IPC_BACKEND, ipc, "JsonIPCTrainerWeightTransferEngine"),
     ):
         # ValueError: registered already (by an earlier call in this process).
         with contextlib.suppress(ValueError):
-            factory.register_engine("gloo", __name__, class_name)
+            factory.register_engine(name, module, class_name)
 
 
 def __getattr__(name: str) -> Any:
@@ -475,21 +494,24 @@ def _vllm_classes() -> dict[str, type]:
 
 
 def _weight_source_class() -> type:
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.base import WeightSource
 
-    class _ListSource(WeightSource):
-        """The tensors of the current push, in the order given (metadata and iteration agree)."""
+    class _PushSource(WeightSource):
+        """The tensors of the current push: its declared metadata (vLLM ``ParamMeta``s) and a
+        fresh pass over its pairs on each iteration (checked against the metadata as they come,
+        so a lazy stream is never materialised)."""
 
         def __init__(self) -> None:
-            self.pairs: list[tuple[str, torch.Tensor]] = []
+            self.meta: list[Any] = []
+            self.iterate: Callable[[], Iterator[tuple[str, torch.Tensor]]] = lambda: iter(())
 
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.pairs]
+        def metadata(self) -> list[Any]:
+            return self.meta
 
         def __iter__(self):
-            return iter(self.pairs)
+            return self.iterate()
 
-    return _ListSource
+    return _PushSource
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -507,6 +529,13 @@ class _PostClient:
         self.post("/start_weight_update", None)
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        from microrl.engine.rollout.vllm_ipc import encode_update_info
+
+        # CUDA IPC handles as JSON, never pickled (microrl.engine.rollout.vllm_ipc).
+        if isinstance(update_info, list):
+            update_info = [encode_update_info(info) for info in update_info]
+        else:
+            update_info = encode_update_info(update_info)
         self.post("/update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -528,7 +557,8 @@ class WeightPusher:
     """Pushes full weights from this process into a ``vllm serve`` process's workers.
 
     ``backend`` is the server's ``--weight-transfer-config`` backend: ``"nccl"`` (CUDA tensors
-    on this process's current device; vLLM's own trainer engine) or ``"gloo"`` (CPU tensors;
+    on this process's current device; vLLM's own trainer engine), :data:`IPC_BACKEND` (the same,
+    for a server on that very GPU; vLLM's IPC trainer engine) or ``"gloo"`` (CPU tensors;
     ``GlooTrainerWeightTransferEngine``). ``post(route, json_body)`` POSTs to the server
     (``route`` like ``"/update_weights"``; ``json_body`` a dict or None) and raises on an HTTP
     error, naming the route and the server's message; it may return anything. ``world_size``
@@ -586,6 +616,10 @@ class WeightPusher:
             port = self.master_port or _free_port(self.master_address)
             return NCCLTrainerInitInfo(self.master_address, port, self.world_size, rank=0)
         register()
+        if self.backend == IPC_BACKEND:
+            from microrl.engine.rollout.vllm_ipc import JsonIPCTrainerInitInfo
+
+            return JsonIPCTrainerInitInfo(rank=0)
         return _vllm_classes()["GlooTrainerInitInfo"](
             self.master_address, self.master_port, self.world_size, self.timeout_s, rank=0
         )
@@ -594,14 +628,15 @@ class WeightPusher:
         """Join the server's workers in a new transfer group (``/init_weight_transfer_engine``)."""
         if self._engine is not None:
             raise RuntimeError("WeightPusher.start(): started already")
-        if self.backend == "nccl":
+        if self.backend != "gloo":
             import torch
 
             if not torch.cuda.is_available():
                 raise RuntimeError(
-                    "WeightPusher backend 'nccl' needs a CUDA device in this process (vLLM's "
-                    "NCCL transfer engine); on a CPU, serve with --weight-transfer-config "
-                    "'{\"backend\":\"gloo\"}' and push with backend='gloo'"
+                    f"WeightPusher backend {self.backend!r} needs a CUDA device in this process "
+                    "(vLLM's NCCL and IPC transfer engines); on a CPU, serve with "
+                    '--weight-transfer-config \'{"backend":"gloo"}\' and push with '
+                    "backend='gloo'"
                 )
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -617,9 +652,12 @@ class WeightPusher:
         and make ``version`` the server's weight version.
 
         Give the whole model as a checkpoint holds it, tied weights under each name (e.g.
-        ``model.state_dict().items()``; the module docstring says why). Names the server's model does not have, or tensors it cannot load, raise the server's
-        ``/update_weights`` error naming the first one. Tensors must be on the backend's device
-        (gloo: CPU; nccl: the current CUDA device).
+        ``model.state_dict().items()``; the module docstring says why). Names the server's model
+        does not have, or tensors it cannot load, raise the server's ``/update_weights`` error
+        naming the first one. Tensors must be on the backend's device (gloo: CPU; nccl and IPC:
+        the current CUDA device). ``named_tensors`` with a ``metadata()`` method (``(name, dtype,
+        shape)`` of each pair, in order) is iterated lazily, each pair checked against it as it
+        comes, so the caller can produce one tensor at a time (:class:`~microrl.engine.rollout.full_weights.FullWeights`).
         """
         if self._engine is None:
             raise RuntimeError("WeightPusher.push(): call start() first")
@@ -630,8 +668,15 @@ class WeightPusher:
             )
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {version!r}")
-        pairs = self._checked(named_tensors)
-        self._source.pairs = pairs
+        if callable(getattr(named_tensors, "metadata", None)):  # lazy: one tensor at a time
+            self._source.meta = self._checked_metadata(named_tensors.metadata())
+            self._source.iterate = lambda: self._checked_stream(named_tensors)
+        else:
+            pairs = self._checked(named_tensors)
+            self._source.meta = self._checked_metadata(
+                [(name, t.dtype, tuple(t.shape)) for name, t in pairs]
+            )
+            self._source.iterate = lambda: iter(pairs)
         self._client.version = str(version)
         try:
             self._engine.send_weights()
@@ -643,7 +688,8 @@ class WeightPusher:
                 self._broken = f"{type(err).__name__}: {err}"
             raise
         finally:
-            self._source.pairs = []  # hold no references to the caller's tensors
+            # Hold no references to the caller's tensors.
+            self._source.meta, self._source.iterate = [], lambda: iter(())
         self.version = version
 
     def close(self) -> None:
@@ -668,9 +714,6 @@ class WeightPusher:
 
     # -- input checks
     def _checked(self, named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        import torch
-
-        device = "cpu" if self.backend == "gloo" else "cuda"
         pairs: list[tuple[str, Any]] = []
         seen: set[str] = set()
         for item in named_tensors:
@@ -682,16 +725,67 @@ class WeightPusher:
             if name in seen:
                 raise ValueError(f"push(): weight {name!r} appears twice")
             seen.add(name)
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(
-                    f"push(): weight {name!r} is a {type(tensor).__name__}, not a tensor"
-                )
-            if tensor.device.type != device:
-                raise ValueError(
-                    f"push(): weight {name!r} is on {tensor.device}; the {self.backend} backend "
-                    f"sends {device} tensors"
-                )
-            pairs.append((name, tensor.detach()))
+            pairs.append((name, self._checked_tensor(name, tensor)))
         if not pairs:
             raise ValueError("push(): no weights given")
         return pairs
+
+    def _checked_tensor(self, name: str, tensor: Any) -> Any:
+        import torch
+
+        device = "cpu" if self.backend == "gloo" else "cuda"
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"push(): weight {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.device.type != device:
+            raise ValueError(
+                f"push(): weight {name!r} is on {tensor.device}; the {self.backend} backend "
+                f"sends {device} tensors"
+            )
+        return tensor.detach()
+
+    @staticmethod
+    def _checked_metadata(entries: Iterable[Any]) -> list[Any]:
+        """vLLM ``ParamMeta``s of ``(name, dtype, shape)`` entries (or objects with those
+        attributes): non-empty, each name once."""
+        import torch
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        meta, seen = [], set()
+        for entry in entries:
+            name, dtype, shape = (
+                (entry.name, entry.dtype, entry.shape) if hasattr(entry, "name") else entry
+            )
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
+            if name in seen:
+                raise ValueError(f"push(): weight {name!r} appears twice")
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"push(): weight {name!r} has dtype {dtype!r}, not a torch.dtype")
+            seen.add(name)
+            meta.append(ParamMeta(name, dtype, tuple(int(s) for s in shape)))
+        if not meta:
+            raise ValueError("push(): no weights given")
+        return meta
+
+    def _checked_stream(self, stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``stream``'s pairs, each checked against the metadata declared for this push as it
+        comes (the workers sized their buffers from it) and on the backend's device."""
+        meta, count = self._source.meta, 0
+        for name, tensor in stream:
+            tensor = self._checked_tensor(name, tensor)
+            expected = meta[count] if count < len(meta) else None
+            if expected is None or (name, tensor.dtype, tuple(tensor.shape)) != (
+                expected.name,
+                expected.dtype,
+                expected.shape,
+            ):
+                raise ValueError(
+                    f"push(): the stream yielded {name!r} {tensor.dtype} "
+                    f"{tuple(tensor.shape)} where its metadata() declared "
+                    f"{'nothing more' if expected is None else expected}"
+                )
+            count += 1
+            yield name, tensor
+            del tensor
+        if count != len(meta):
+            raise ValueError(f"push(): the stream yielded {count} of {len(meta)} weights")
