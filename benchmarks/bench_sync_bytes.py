@@ -27,7 +27,7 @@ from microrl.engine import ActorEngine
 from microrl.engine.checkpoint import export
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_table import PRESETS, preset_estimate  # noqa: E402
+from memory_table import PRESETS, preset_estimate
 
 
 def gathered_bytes(run) -> tuple[int, float]:
