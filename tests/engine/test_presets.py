@@ -46,6 +46,9 @@ def test_preset_loads_into_the_grpo_config(path: Path) -> None:
     assert cfg.actor.lora.rank > 0 and cfg.actor.base_dtype == "bfloat16"
     assert cfg.actor.micro_batch_size is None and cfg.actor.max_tokens_per_micro_batch > 0
     assert cfg.rollout.backend == ("vllm" if path.stem.endswith("-vllm") else "hf")
+    # The toy recipe's one CPU thread would starve a GPU run's host-side work (tokenizing,
+    # gathering weights for a sync, checkpoints): torch's default.
+    assert cfg.train.num_threads == 0
     text = path.read_text()
     assert f"--config configs/presets/{path.name}" in text
     assert "torchrun --nproc_per_node 8" in text and "docs/gpu.md" in text
