@@ -259,15 +259,29 @@ class _FusedLinearLogProb(torch.autograd.Function):
             out, saved = _forward(
                 hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan, backward
             )
-        ctx.save_for_backward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, *saved)
         ctx.plan = plan
-        ctx.num_kept = (len(saved) - 3) // 2
+        ctx.num_kept = num_kept = (len(saved) - 3) // 2
+        # The kept tiles are views of the tile block saved after them: saved once, as the block
+        # (a saved-tensor hook such as activation offload would copy each of them twice), and
+        # rebuilt from it in backward by their place in it.
+        kept = saved[3 : 3 + num_kept]
+        base = saved[-1].storage_offset() if num_kept else 0
+        ctx.kept_views = [(t.shape, t.stride(), t.storage_offset() - base) for t in kept]
+        rest = (*saved[:3], *saved[3 + num_kept :])
+        ctx.save_for_backward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, *rest)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
         saved = ctx.saved_tensors
+        if ctx.num_kept:
+            block = saved[-1]
+            kept = [
+                block.as_strided(*view[:2], block.storage_offset() + view[2])
+                for view in ctx.kept_views
+            ]
+            saved = (*saved[:10], *kept, *saved[10:])
         need = ctx.needs_input_grad[:3]
         with no_autocast(saved[0].device.type):
             grad_h, grad_w, grad_b = _backward(

@@ -16,6 +16,7 @@ mean a saved tensor came back changed or was taken at the wrong time.
 
 from __future__ import annotations
 
+import itertools
 from contextlib import nullcontext
 
 import pytest
@@ -309,6 +310,40 @@ def test_what_the_hooks_keep_and_copy():
         c.sum().backward()
     with pytest.raises(ValueError, match="min_bytes"):
         ActivationOffload(min_bytes=-1)
+
+
+def test_the_fused_heads_saved_tensors_do_not_overlap():
+    """The fused head keeps logit tiles for backward, views of its tile block: saved beside the
+    block, each of their bytes was offloaded twice. Every byte is saved once, gradients equal."""
+    from microrl.kernels import fused_linear_logprob
+
+    torch.manual_seed(0)
+    hidden = torch.randn(48, 32, requires_grad=True)
+    weight = torch.randn(300, 32, requires_grad=True)
+    targets = torch.randint(0, 300, (48,))
+    spans: list[tuple[int, int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            spans.append((start, start + extent * t.element_size()))
+        return t
+
+    def run(hooks):
+        hidden.grad = weight.grad = None
+        with hooks:
+            logprob, entropy = fused_linear_logprob(hidden, weight, targets, chunk_size=16)
+        (logprob.sum() + 0.5 * entropy.sum()).backward()
+        return hidden.grad.clone(), weight.grad.clone()
+
+    expected = run(nullcontext())
+    got = run(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    spans.sort()
+    overlaps = [(a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
+    assert len(spans) > 8 and not overlaps, overlaps  # the block and its kept tiles are saved
+    offloaded = run(ActivationOffload(min_bytes=0))
+    assert all(torch.equal(a, b) for a, b in zip((*got, *offloaded), expected * 2, strict=True))
 
 
 def test_config_key_and_validation():
