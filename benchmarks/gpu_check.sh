@@ -15,6 +15,10 @@
 #   setup-vllm          vLLM if it imports, else its CUDA build if pip finds one for this torch
 #   recipe-vllm         rollout.backend=vllm: vLLM in process, the adapter synced every step
 #   recipe-vllm-servers rollout.backend=vllm rollout.max_staleness=1: a `vllm serve` per rank
+#   recipe-vllm-full    a full fine-tune (actor.lora.rank=0, no KL) with vLLM in process: the
+#                       whole model streamed into reload_weights after every step
+#   recipe-servers-full the same on a `vllm serve` beside the trainer: full-weight pushes through
+#                       vLLM's IPC engine (CUDA IPC handles), each checked by the sync probe
 #   recipe-vllm-2gpu    vLLM in process on 2 GPUs
 #   recipe-async-hf     rollout.max_staleness=1: an hf worker process samples a step ahead
 #   tests-vllm          tests/rollout/test_rollout_vllm.py: LoRA and full-weight syncs in bf16
@@ -23,8 +27,6 @@
 #   sp-flash            Ulysses attention on the real flash_attention_2 kernel, when it imports
 #   bench-kernel        benchmarks/bench_kernel.py --device cuda (eager, microrl, Liger)
 #   bench-long          benchmarks/bench_long.py --device cuda --only offload
-# A full fine-tune runs in tests-vllm only: both recipes refuse actor.lora.rank=0 (their reference
-# policy is the base model with the adapter off).
 #
 # Test files not run here, although they mention CUDA, because their assertions hold on a CPU only:
 # the engines default to device=auto and dtype=auto, which on CUDA is bf16 autocast.
@@ -297,6 +299,17 @@ step_recipe_vllm() {
 
 step_recipe_vllm_servers() {
     short vllm_recipe recipe-vllm-servers 1 rollout.max_staleness=1
+}
+
+# A full fine-tune: every weight trains; no reference policy (the adapter-off base), so no KL.
+FULL=(actor.lora.rank=0 train.kl_metric_every=0 actor.optim.lr=1e-4)
+
+step_recipe_vllm_full() {
+    short vllm_recipe recipe-vllm-full 1 "${FULL[@]}"
+}
+
+step_recipe_servers_full() {
+    short vllm_recipe recipe-servers-full 1 rollout.max_staleness=1 "${FULL[@]}"
 }
 
 step_recipe_vllm_2gpu() {
@@ -682,8 +695,8 @@ main() {
         # Every later step imports microrl: skip them rather than fail each the same way.
         local name
         for name in recipe-hf recipe-hf-2gpu setup-vllm recipe-vllm recipe-vllm-servers \
-            recipe-vllm-2gpu recipe-async-hf tests-vllm kernel-cuda tests-cuda sp-flash \
-            bench-kernel bench-long; do
+            recipe-vllm-full recipe-servers-full recipe-vllm-2gpu recipe-async-hf tests-vllm \
+            kernel-cuda tests-cuda sp-flash bench-kernel bench-long; do
             skip_step "$name" "needs setup"
         done
     else
@@ -695,6 +708,8 @@ main() {
         [[ $(status_of setup-vllm) == pass ]] || no_vllm="vllm does not import (setup-vllm)"
         run_or_skip "$no_vllm" recipe-vllm 150 step_recipe_vllm
         run_or_skip "$no_vllm" recipe-vllm-servers 180 step_recipe_vllm_servers
+        run_or_skip "$no_vllm" recipe-vllm-full 150 step_recipe_vllm_full
+        run_or_skip "$no_vllm" recipe-servers-full 180 step_recipe_servers_full
         run_or_skip "${one_gpu:-$no_vllm}" recipe-vllm-2gpu 180 step_recipe_vllm_2gpu
         run_step recipe-async-hf 150 step_recipe_async_hf
         run_or_skip "$no_vllm" tests-vllm 180 step_tests_vllm

@@ -171,6 +171,8 @@ ORDER = [
     "setup-vllm",
     "recipe-vllm",
     "recipe-vllm-servers",
+    "recipe-vllm-full",
+    "recipe-servers-full",
     "recipe-vllm-2gpu",
     "recipe-async-hf",
     "tests-vllm",
@@ -202,6 +204,7 @@ def test_gpu_check_runs_the_steps_in_order_behind_their_gates(tmp_path, gpus, vl
     gated = {"recipe-hf-2gpu", "recipe-vllm-2gpu"} if gpus < 2 else set()
     if vllm == "no":
         gated |= {"recipe-vllm", "recipe-vllm-servers", "recipe-vllm-2gpu", "tests-vllm"}
+        gated |= {"recipe-vllm-full", "recipe-servers-full"}
     for name, step in steps.items():
         if name in gated:
             assert step["status"] == "skip" and step["seconds"] == 0, step
