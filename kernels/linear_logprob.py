@@ -263,10 +263,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
         ctx.num_kept = num_kept = (len(saved) - 3) // 2
         # The kept tiles are views of the tile block saved after them: saved once, as the block
         # (a saved-tensor hook such as activation offload would copy each of them twice), and
-        # rebuilt from it in backward by their place in it.
-        kept = saved[3 : 3 + num_kept]
-        base = saved[-1].storage_offset() if num_kept else 0
-        ctx.kept_views = [(t.shape, t.stride(), t.storage_offset() - base) for t in kept]
+        # rebuilt from it in backward (_kept_tiles).
         rest = (*saved[:3], *saved[3 + num_kept :])
         ctx.save_for_backward(hidden, weight, bias, targets, rows_idx, row_mask, inv_t, *rest)
         return out
@@ -276,11 +273,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
         saved = ctx.saved_tensors
         if ctx.num_kept:
-            block = saved[-1]
-            kept = [
-                block.as_strided(*view[:2], block.storage_offset() + view[2])
-                for view in ctx.kept_views
-            ]
+            kept = _kept_tiles(saved[-1], ctx.plan, ctx.num_kept)
             saved = (*saved[:10], *kept, *saved[10:])
         need = ctx.needs_input_grad[:3]
         with no_autocast(saved[0].device.type):
@@ -530,6 +523,14 @@ def _tile_block(hidden, weight, plan: _Plan, cdtype, working: int, kept: int):
     block = hidden.new_empty(upcast + (working + kept) * size, dtype=cdtype)
     wbuf, tiles = _block_views(block, weight, plan, cdtype, working + kept)
     return block, wbuf, tiles
+
+
+def _kept_tiles(block: torch.Tensor, plan: _Plan, count: int) -> tuple[torch.Tensor, ...]:
+    """The first ``count`` kept tiles of a forward's ``_tile_block``: its last ``kept_tiles``
+    tiles are the kept ones, filled in loop order."""
+    size = plan.rows * plan.vocab_tile
+    start = block.numel() - plan.kept_tiles * size
+    return block[start : start + count * size].view(count, size).unbind()
 
 
 def _block_views(block: torch.Tensor, weight, plan: _Plan, cdtype, count: int):
