@@ -80,8 +80,8 @@ class MemoryEstimate:
     holds its persistent bytes alone: ``total`` = max(persistent + ``vllm``, persistent +
     ``fsdp_buffers`` + max(``compute_peak``, ``optimizer_transient``)), and ``peak_phase`` says
     which (``"sampling"``). Not counted: the CUDA context and allocator fragmentation (often
-    0.5-2 GiB), vLLM's small allocations that stay through its sleep (CUDA graphs, runtime
-    buffers), and nothing measured it on a GPU (docs/gpu.md).
+    0.5-2 GiB), what vLLM allocates outside its sleep-mode pool (it stays through a sleep), and
+    nothing measured it on a GPU (docs/gpu.md).
 
     Host memory, 0 without the offloads: with ``optim.cpu_offload`` the parameter shards
     (``host_params``: frozen and trainable), the reduced gradient shards (``host_gradients``)

@@ -54,6 +54,9 @@ from microrl.engine.rollout.vllm_args import (
     IN_PROCESS_OWNED,
     OWNED,
     cpu_scheduler_args,
+    environ,
+    gpu_index,
+    placement,
     resolve_dtype,
     user_engine_args,
 )
@@ -224,7 +227,7 @@ class VLLMRollout(RolloutBackend):
 
     def _start(self, vllm, base_dir: Path):
         kwargs = self._engine_args(vllm, base_dir)
-        executor, env = _placement(self.device)
+        executor, env = placement(self.device)
         kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
@@ -234,13 +237,13 @@ class VLLMRollout(RolloutBackend):
         # vLLM seeds the process's global generators (Python, NumPy, torch) with its own seed;
         # the trainer's streams (prompts, shuffles, a resumed run's RNG state) must not change.
         python_state, numpy_state = random.getstate(), np.random.get_state()
-        cuda = [_gpu_index(self.device)] if self.device.type == "cuda" else []
+        cuda = [gpu_index(self.device)] if self.device.type == "cuda" else []
         try:
             if cuda:
                 torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
             with (
                 torch.random.fork_rng(devices=cuda),
-                _environ(env),
+                environ(env),
                 _without_vllm_deprecations(),
             ):
                 return vllm.LLM(**kwargs)
@@ -468,47 +471,6 @@ def _persistent_buffers(module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buffer in child.named_buffers(recurse=False):
             if buffer is not None and name not in child._non_persistent_buffers_set:
                 yield (f"{module_name}.{name}" if module_name else name), buffer
-
-
-def _placement(device: torch.device) -> tuple[dict, dict[str, str]]:
-    """vLLM's executor and the environment it starts in, so that it runs on ``device``.
-
-    vLLM's in-process executor (``uni``) takes GPU 0 whatever the current device; its
-    ``external_launcher`` takes GPU ``LOCAL_RANK``. Under ``torchrun`` (the trainer's group
-    exists) every rank uses the launcher with ``LOCAL_RANK`` set to its engine's GPU; one
-    process on ``cuda:N``, N > 0, does too, as a group of one (``RANK=0``, ``WORLD_SIZE=1``
-    and a free local port, only while vLLM starts)."""
-    on_gpu = device.type == "cuda"
-    index = _gpu_index(device) if on_gpu else 0
-    env = {"LOCAL_RANK": str(index)} if on_gpu else {}
-    if distributed.is_distributed():
-        return {"distributed_executor_backend": "external_launcher"}, env
-    if on_gpu and index != 0:
-        from microrl.engine.rollout.vllm_serve import _free_port
-
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        return {"distributed_executor_backend": "external_launcher"}, env
-    return {}, {}
-
-
-def _gpu_index(device: torch.device) -> int:
-    """The index of a CUDA ``device`` (the current one for a bare ``cuda``)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@contextlib.contextmanager
-def _environ(env: dict[str, str]):
-    """``env`` set in ``os.environ`` for the block, the previous values put back after it."""
-    previous = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _llm_args(vllm) -> set[str]:

@@ -8,14 +8,22 @@ Both integrations start the same vLLM engine, one as ``vllm.LLM(**kwargs)`` and 
 - :func:`user_engine_args`: ``rollout.vllm.engine_kwargs``, refused where a key is one microrl
   must own (:data:`OWNED`, :data:`TYPED_KEYS`);
 - :func:`cli_flags`: keyword arguments as ``vllm serve`` flags, as vLLM's own ``--config`` YAML
-  loader writes them.
+  loader writes them;
+- :func:`placement`: the executor and environment that start the in-process engine on the
+  engine's GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import torch
+
+from microrl.engine.parallel import distributed
 
 __all__ = [
     "CPU_OWNED",
@@ -25,6 +33,9 @@ __all__ = [
     "TYPED_KEYS",
     "cli_flags",
     "cpu_scheduler_args",
+    "environ",
+    "gpu_index",
+    "placement",
     "resolve_dtype",
     "user_engine_args",
 ]
@@ -144,3 +155,44 @@ def cli_flags(kwargs: Mapping[str, Any]) -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
+
+
+def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
+    """vLLM's executor and the environment it starts in, so that it runs on ``device``.
+
+    vLLM's in-process executor (``uni``) takes GPU 0 whatever the current device; its
+    ``external_launcher`` takes GPU ``LOCAL_RANK``. Under ``torchrun`` (the trainer's group
+    exists) every rank uses the launcher with ``LOCAL_RANK`` set to its engine's GPU; one
+    process on ``cuda:N``, N > 0, does too, as a group of one (``RANK=0``, ``WORLD_SIZE=1``
+    and a free local port, only while vLLM starts)."""
+    on_gpu = device.type == "cuda"
+    index = gpu_index(device) if on_gpu else 0
+    env = {"LOCAL_RANK": str(index)} if on_gpu else {}
+    if distributed.is_distributed():
+        return {"distributed_executor_backend": "external_launcher"}, env
+    if on_gpu and index != 0:
+        from microrl.engine.rollout.vllm_serve import _free_port  # (it imports this module)
+
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        return {"distributed_executor_backend": "external_launcher"}, env
+    return {}, {}
+
+
+def gpu_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]):
+    """``env`` set in ``os.environ`` for the block, the previous values put back after it."""
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
