@@ -5,7 +5,9 @@
 ``rollout.server_url`` is given. The command is the one the docs give users who start servers
 themselves, so both modes exercise the same server. It is never reachable from another machine,
 and it is stopped (its whole process group: the API server and its engine-core process) when
-the trainer closes it or exits.
+the trainer closes it or exits. Its log is kept under the run's ``log_dir`` (or in a temporary
+file kept only when it failed), and an error about it carries the traceback its engine core
+logged (:func:`engine_traceback`): vLLM's own HTTP answer names no cause.
 """
 
 from __future__ import annotations

@@ -113,6 +113,7 @@ class FakeCuda:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    vllm_backend._import_vllm()  # the real one, loaded as the backend loads it (its warnings off)
     monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(FakeLLM, "on_weight", None)
     monkeypatch.setattr(FakeLLM, "on_start", None)
