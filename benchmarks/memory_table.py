@@ -71,6 +71,7 @@ def preset_estimate(path: Path, world_size: int, gpu_memory: int) -> MemoryEstim
         device="cuda",
         vllm_gpu_memory_utilization=vllm,
         device_memory=gpu_memory,
+        vllm_sleep_level=cfg.rollout.vllm.sleep_level if vllm else 0,
     )
 
 

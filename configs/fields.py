@@ -16,11 +16,12 @@ __all__ = ["config_field", "require"]
 def config_field(default: Any, help: str) -> Any:
     """A dataclass field with default ``default`` and the one-line ``--help`` text ``help``.
 
-    A list default is copied for each instance (a dataclass cannot share a mutable default).
+    A list or dict default is copied for each instance (a dataclass cannot share a mutable
+    default).
     """
-    if isinstance(default, list):
-        items = list(default)
-        return field(default_factory=lambda: list(items), metadata={"help": help})
+    if isinstance(default, (list, dict)):
+        kind, items = type(default), default.copy()
+        return field(default_factory=lambda: kind(items), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 

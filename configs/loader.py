@@ -83,6 +83,8 @@ def _describe_type(hint: Any) -> str:
         others = [a for a in args if a is not type(None)]
         text = " or ".join(_describe_type(a) for a in others)
         return f"{text} or null" if len(others) < len(args) else text
+    if origin is dict:
+        return "a mapping, written {key: value}, or one key at a time (key.name=value)"
     if origin is list:
         return f"a list of {_PLURALS.get(args[0], 'values') if args else 'values'}, written [a,b]"
     if origin is tuple and args and args[-1] is not Ellipsis:

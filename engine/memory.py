@@ -75,8 +75,13 @@ class MemoryEstimate:
     only the larger of it and ``compute_peak`` counts); ``vllm``: vLLM's reserved share.
 
     ``total`` = persistent + ``fsdp_buffers`` + ``vllm`` + max(``compute_peak``,
-    ``optimizer_transient``): the device's bytes. Not counted: the CUDA context and allocator
-    fragmentation (often 0.5-2 GiB), and nothing measured it on a GPU (docs/gpu.md).
+    ``optimizer_transient``): the device's bytes. With vLLM's sleep mode
+    (``vllm_sleep_level`` 1 or 2) vLLM holds its share only while it samples, when the trainer
+    holds its persistent bytes alone: ``total`` = max(persistent + ``vllm``, persistent +
+    ``fsdp_buffers`` + max(``compute_peak``, ``optimizer_transient``)), and ``peak_phase`` says
+    which (``"sampling"``). Not counted: the CUDA context and allocator fragmentation (often
+    0.5-2 GiB), what vLLM allocates outside its sleep-mode pool (it stays through a sleep), and
+    nothing measured it on a GPU (docs/gpu.md).
 
     Host memory, 0 without the offloads: with ``optim.cpu_offload`` the parameter shards
     (``host_params``: frozen and trainable), the reduced gradient shards (``host_gradients``)
@@ -85,8 +90,10 @@ class MemoryEstimate:
     step transient is the host's; ``gradients`` stays: the device accumulates full-size
     gradients over a mini-batch's micro-batches); with ``activation_offload``,
     ``host_activations`` is what a micro-batch's forward copies there (``activations`` is then
-    what stays on the device). ``host_total`` = the host parameters, gradients and optimizer
-    state + max(``host_activations``, the optimizer step's transient).
+    what stays on the device); with sleep level 1, ``host_vllm_weights`` is vLLM's copy of the
+    weights offloaded there while the trainer trains (level 2 discards it). ``host_total`` = the
+    host parameters, gradients and optimizer state + ``host_vllm_weights`` +
+    max(``host_activations``, the optimizer step's transient).
     """
 
     weights: int
@@ -115,6 +122,8 @@ class MemoryEstimate:
     host_optimizer_state: int = 0
     host_activations: int = 0
     host_total: int = 0
+    vllm_sleep_level: int = 0
+    host_vllm_weights: int = 0
 
     @property
     def persistent(self) -> int:
@@ -139,7 +148,10 @@ class MemoryEstimate:
             ("= forward/backward peak", self.compute_peak),
             ("FSDP gathered weights", self.fsdp_buffers),
             ("optimizer-step transient", self.optimizer_transient),
-            ("vLLM share", self.vllm),
+            (
+                "vLLM share" + (" (asleep while training)" if self.vllm_sleep_level else ""),
+                self.vllm,
+            ),
             (f"total (peak: {self.peak_phase})", self.total),
         ]
         if self.host_total:
@@ -148,6 +160,7 @@ class MemoryEstimate:
                 ("host: gradients", self.host_gradients),
                 ("host: optimizer state", self.host_optimizer_state),
                 ("host: activations", self.host_activations),
+                ("host: vLLM weights (asleep)", self.host_vllm_weights),
                 ("host: total", self.host_total),
             ]
         width = max(len(name) for name, _ in rows) + 2
@@ -176,6 +189,7 @@ def estimate_memory(
     value_head: bool = False,
     vllm_gpu_memory_utilization: float | None = None,
     device_memory: int | None = None,
+    vllm_sleep_level: int = 0,
 ) -> MemoryEstimate:
     """The bytes one device needs to train ``model_config``'s model with ``config``.
 
@@ -197,6 +211,9 @@ def estimate_memory(
         vllm_gpu_memory_utilization: vLLM's colocated share of ``device_memory``.
         device_memory: bytes of one device (needed for the vLLM share; then also tells
             whether the total fits).
+        vllm_sleep_level: ``rollout.vllm.sleep_level``: 0, vLLM holds its share throughout;
+            1 or 2, only while it samples (1 offloads its weights, in the trainer's compute
+            dtype, to the host).
 
     Raises:
         ValueError: naming the argument: no token budget, ``world_size < 1``, a vLLM share
@@ -220,6 +237,8 @@ def estimate_memory(
         if device_memory is None:
             raise ValueError("vllm_gpu_memory_utilization needs device_memory (bytes)")
         vllm = int(vllm_gpu_memory_utilization * device_memory)
+    if vllm_sleep_level not in (0, 1, 2):
+        raise ValueError(f"vllm_sleep_level must be 0, 1 or 2, got {vllm_sleep_level!r}")
 
     model = _meta_model(model_config, config, value_head)
     params = _ParamBytes.count(model, world_size)
@@ -281,8 +300,20 @@ def estimate_memory(
     else:
         host = dict.fromkeys(("host_params", "host_gradients", "host_optimizer_state"), 0)
         weights, trainable, optimizer = params.frozen, params.trainable, params.optimizer
-    host_total = sum(host.values()) + max(host_activations, host_step)
+    # Sleep level 1: vLLM's weights wait in host memory, in its dtype (bf16 where the trainer
+    # autocasts, else the base's storage dtype; docs/rollouts.md#sleep-mode).
+    host_vllm = 0
+    if vllm and vllm_sleep_level == 1:
+        host_vllm = params.base_numel * (2 if autocast else params.base_itemsize)
+    host_total = sum(host.values()) + host_vllm + max(host_activations, host_step)
     persistent = weights + trainable + params.gradients + optimizer
+    training = persistent + gathered + max(phases[compute_phase], step)
+    if vllm and vllm_sleep_level:  # vLLM's share only while it samples, the trainer idle
+        total = max(training, persistent + vllm)
+        if persistent + vllm > training:
+            peak_phase = "sampling"
+    else:
+        total = training + vllm
     return MemoryEstimate(
         weights=weights,
         trainable_params=trainable,
@@ -296,7 +327,7 @@ def estimate_memory(
         fsdp_buffers=gathered,
         optimizer_transient=step,
         vllm=vllm,
-        total=persistent + gathered + vllm + max(phases[compute_phase], step),
+        total=total,
         num_params=params.num_params,
         num_trainable=params.num_trainable,
         tokens=tokens,
@@ -306,6 +337,8 @@ def estimate_memory(
         **host,
         host_activations=host_activations,
         host_total=host_total,
+        vllm_sleep_level=vllm_sleep_level,
+        host_vllm_weights=host_vllm,
     )
 
 
@@ -338,6 +371,7 @@ class _ParamBytes:
     layer_numel: int  # the largest decoder layer, adapters included
     root_numel: int  # FSDP's root unit: the output head and the final norm
     base_itemsize: int
+    base_numel: int  # the causal LM's own elements (no adapters): what vLLM holds
 
     @staticmethod
     def count(model: nn.Module, world_size: int) -> _ParamBytes:
@@ -385,6 +419,7 @@ class _ParamBytes:
             layer_numel=max((_numel(layer) for layer in layers), default=0),
             root_numel=_numel(head) + _numel(norm),
             base_itemsize=itemsize,
+            base_numel=sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
         )
 
 

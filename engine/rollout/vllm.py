@@ -7,8 +7,12 @@ vLLM keeps its own copy of the weights, so it must be told about every update
   adapter as a ``LoRARequest``. A sync exports the adapter in PEFT's format (atomically, into a
   new directory) and registers it under a new id, dropping the previous one: ids never repeat, so
   vLLM can never serve a cached, stale adapter.
-- Full fine-tunes: a sync gathers the full weights (FSDP2 shards included) and reloads them into
-  the running engine in place (vLLM's ``reload_weights``), no restart.
+- Full fine-tunes: a sync streams the full weights into the running engine in place (vLLM's
+  ``reload_weights``), no restart: one parameter at a time is gathered (FSDP2 shards), cast to
+  vLLM's dtype, loaded and dropped, so a sync never holds a second copy of the model.
+
+With ``rollout.vllm.sleep_level`` (GPU only) the engine sleeps between sampling calls (vLLM's sleep
+mode: KV cache freed, weights offloaded or discarded), so the trainer gets its memory back.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights pass as tensors,
 not through a pipe, and no worker processes need a ``__main__`` guard. The sampled tokens'
@@ -20,17 +24,21 @@ metrics (docs/losses.md); install notes for GPU and CPU are in docs/rollouts.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
+import itertools
 import logging
 import os
 import random
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine.checkpoint.export import (
@@ -40,9 +48,20 @@ from microrl.engine.checkpoint.export import (
 )
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
-from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.vllm_args import (
+    CPU_OWNED,
+    IN_PROCESS_OWNED,
+    OWNED,
+    cpu_scheduler_args,
+    environ,
+    gpu_index,
+    placement,
+    resolve_dtype,
+    user_engine_args,
+)
 
-__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
+__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level", "stream_weights"]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
@@ -126,7 +145,9 @@ class VLLMRollout(RolloutBackend):
 
     Raises:
         ImportError: vLLM is not installed (the message gives the install command).
-        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size).
+        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size),
+            ``rollout.vllm.sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns
+            or vLLM does not know.
     """
 
     def __init__(
@@ -148,30 +169,38 @@ class VLLMRollout(RolloutBackend):
         self.device = getattr(engine, "device", None) or next(engine.module.parameters()).device
         if self.device.type == "cpu":
             _check_cpu_head_dim(base.config)
+            if config.sleep_level:
+                raise ValueError(
+                    f"rollout.vllm.sleep_level={config.sleep_level} needs a GPU: vLLM's CPU "
+                    "build has no sleep mode; set rollout.vllm.sleep_level=0"
+                )
+        self.dtype = resolve_dtype(config.dtype, engine, base)
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or self._shared_tempdir())
         self._version = 0
         self._lora_request = None
+        # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
+        self._asleep = self._weights_asleep = self._weights_lost = False
+        self._sampling = 0  # nested sampling calls (an episode's turns): sleep after the outer
         base_dir = self.workdir / "base"
         export_merged_model(engine.module, base_dir, merge_lora=False)
-        self.llm = self._start(vllm, base_dir, base)
+        self.llm = self._start(vllm, base_dir)
         self.sync(engine)
 
     def _shared_tempdir(self) -> str:
         # Rank 0 writes the exports every rank's engine reads: checked visible on every node.
         return shared_tempdir("microrl-vllm-")
 
-    def _start(self, vllm, base_dir: Path, base):
+    def _engine_args(self, vllm, base_dir: Path) -> dict:
+        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``
+        (docs/rollouts.md#vllm-engine-arguments)."""
         cfg = self.config
         on_cpu = self.device.type == "cpu"
         kv_mb = cfg.kv_cache_memory_mb or (CPU_KV_CACHE_MB if on_cpu else 0)
-        dtype = cfg.dtype
-        if dtype == "auto":
-            dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
         kwargs = {
             "model": str(base_dir),
             "skip_tokenizer_init": True,
-            "dtype": dtype,
+            "dtype": self.dtype,
             "seed": cfg.seed + distributed.rank(),
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "enforce_eager": on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
@@ -186,8 +215,18 @@ class VLLMRollout(RolloutBackend):
         if self.is_lora:
             peft_config = self.engine.peft_model.peft_config["default"]
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(peft_config.r), max_loras=1)
-        if distributed.is_distributed():
-            kwargs["distributed_executor_backend"] = "external_launcher"
+        if cfg.sleep_level:
+            kwargs["enable_sleep_mode"] = True
+        if on_cpu:
+            kwargs.update(cpu_scheduler_args())
+        owned = {**OWNED, **IN_PROCESS_OWNED, **(CPU_OWNED if on_cpu else {})}
+        kwargs.update(user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm)))
+        return kwargs
+
+    def _start(self, vllm, base_dir: Path):
+        kwargs = self._engine_args(vllm, base_dir)
+        executor, env = placement(self.device)
+        kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
         # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer
@@ -196,21 +235,32 @@ class VLLMRollout(RolloutBackend):
         # vLLM seeds the process's global generators (Python, NumPy, torch) with its own seed;
         # the trainer's streams (prompts, shuffles, a resumed run's RNG state) must not change.
         python_state, numpy_state = random.getstate(), np.random.get_state()
+        cuda = [gpu_index(self.device)] if self.device.type == "cuda" else []
         try:
-            cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-            with torch.random.fork_rng(devices=cuda), _without_vllm_deprecations():
+            if cuda:
+                torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
+            with (
+                torch.random.fork_rng(devices=cuda),
+                environ(env),
+                _without_vllm_deprecations(),
+            ):
                 return vllm.LLM(**kwargs)
         finally:
+            if cuda:  # vLLM's worker selects its own device; the trainer's stays current
+                torch.cuda.set_device(cuda[0])
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
             random.setstate(python_state)
             np.random.set_state(numpy_state)
 
+    # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
         """Load the engine's current weights into vLLM. Collective under ``torchrun``: every rank
-        calls it (the weights are gathered across ranks)."""
+        calls it (the weights are gathered across ranks). With sleep mode the engine's weights
+        wake for it (its KV cache stays asleep until the next sampling call)."""
         engine = engine or self.engine
         self._version += 1
+        self._wake_weights()
         if self.is_lora:
             self._sync_adapter(engine)
         else:
@@ -219,6 +269,8 @@ class VLLMRollout(RolloutBackend):
     def _sync_adapter(self, engine) -> None:
         from vllm.lora.request import LoRARequest
 
+        if self._weights_lost:  # sleep level 2 discarded the base: it is read back from disk
+            self._reload_base()
         path = self.workdir / f"adapter-{self._version}"
         export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
         previous = self._lora_request
@@ -232,12 +284,68 @@ class VLLMRollout(RolloutBackend):
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def _sync_full(self, engine) -> None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        state = get_model_state_dict(engine.module, options=options)
         prefix, _ = locate_base_model(engine.module)
-        weights = ((k[len(prefix) :], v.detach()) for k, v in state.items() if k.startswith(prefix))
+        dtype = getattr(torch, self.dtype)
+        weights = stream_weights(engine.module, prefix, dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._weights_lost = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def _reload_base(self) -> None:
+        """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
+        no weights reads the model's own path); vLLM drops its adapters with it."""
+        self.llm.collective_rpc("reload_weights")
+        self._weights_lost = False
+
+    # ----------------------------------------------------------------- sleep mode
+    def _sleep(self) -> None:
+        """Free vLLM's memory while the trainer trains (``rollout.vllm.sleep_level``)."""
+        level = self.config.sleep_level
+        if not level or self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = self._weights_asleep = True
+        self._weights_lost = level == 2
+
+    def _wake_weights(self) -> None:
+        if self._weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+
+    def _wake(self) -> None:
+        """Everything back before sampling: the weights (reloaded when level 2 discarded them
+        and no sync has reloaded them since), then the KV cache."""
+        if not self._asleep:
+            return
+        self._wake_weights()
+        if self._weights_lost:
+            if self.is_lora:
+                self._reload_base()
+            else:  # collective under torchrun, as sampling is: every rank samples its share
+                self._sync_full(self.engine)
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """The engine awake for one sampling call, asleep again after the outermost one."""
+        if self._sampling == 0:
+            self._wake()
+        self._sampling += 1
+        try:
+            yield
+        finally:
+            self._sampling -= 1
+            if self._sampling == 0:
+                self._sleep()
+
+    def generate(self, prompts, params: SamplingParams) -> Rollout:
+        with self._awake():
+            return super().generate(prompts, params)
+
+    def run_episodes(self, prompts, make_env, params: SamplingParams, **limits) -> Rollout:
+        with self._awake():
+            return super().run_episodes(prompts, make_env, params, **limits)
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         from vllm import SamplingParams as VSamplingParams
@@ -290,13 +398,14 @@ class VLLMRollout(RolloutBackend):
         # LoRA logits path indexes the prompt positions of a batch with one entry per request
         # (an einsum shape error): one request per call sidesteps it.
         batches = [[r] for r in requests] if self._lora_request is not None else [requests]
-        outputs = [
-            out
-            for batch in batches
-            for out in self.llm.generate(
-                batch, sampling, lora_request=self._lora_request, use_tqdm=False
-            )
-        ]
+        with self._awake():
+            outputs = [
+                out
+                for batch in batches
+                for out in self.llm.generate(
+                    batch, sampling, lora_request=self._lora_request, use_tqdm=False
+                )
+            ]
         scored = []
         for ids, output in zip(sequences, outputs, strict=True):
             steps = output.prompt_logprobs[1:]  # the first token has no prediction (None)
@@ -329,6 +438,45 @@ def _keep_default_group(keep: bool):
         yield
     finally:
         dist.destroy_process_group = original
+
+
+def stream_weights(module, prefix: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` of the causal LM at ``prefix`` in ``module``, one at a time:
+    each parameter (and persistent buffer) gathered (an FSDP2 or tensor-parallel ``DTensor``:
+    ``full_tensor()``, on its mesh's device), cast to ``dtype``, yielded, and dropped before the
+    next is gathered, so a consumer that loads and drops each holds one extra tensor at a time.
+    Collective under ``torchrun``: every rank iterates it to the end, in the same order."""
+    # Every name a checkpoint has, tied weights under each of theirs (vLLM loads a tied lm head
+    # by its own name), as ``state_dict()`` lists them.
+    params = module.named_parameters(remove_duplicate=False)
+    tensors = itertools.chain(params, _persistent_buffers(module))
+    for name, tensor in tensors:
+        if not name.startswith(prefix):
+            continue
+        full = tensor.detach()
+        if isinstance(full, DTensor):
+            if full.device.type != full.device_mesh.device_type:  # a host shard (cpu_offload)
+                full = full.to(full.device_mesh.device_type)
+            full = full.full_tensor()
+        full = full.to(dtype)  # the gathered tensor in another dtype is dropped here
+        yield name[len(prefix) :], full
+        del full  # before the next one is gathered
+
+
+def _persistent_buffers(module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (a causal LM's rotary tables are not among them)."""
+    for module_name, child in module.named_modules():
+        for name, buffer in child.named_buffers(recurse=False):
+            if buffer is not None and name not in child._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def _llm_args(vllm) -> set[str]:
+    """The keyword arguments ``vllm.LLM`` takes: its own and those of vLLM's ``EngineArgs``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    own = inspect.signature(vllm.LLM.__init__).parameters
+    return {f.name for f in dataclasses.fields(EngineArgs)} | set(own) - {"self", "kwargs"}
 
 
 def _lora_rank(rank: int) -> int:

@@ -5,7 +5,9 @@
 ``rollout.server_url`` is given. The command is the one the docs give users who start servers
 themselves, so both modes exercise the same server. It is never reachable from another machine,
 and it is stopped (its whole process group: the API server and its engine-core process) when
-the trainer closes it or exits.
+the trainer closes it or exits. Its log is kept under the run's ``log_dir`` (or in a temporary
+file kept only when it failed), and an error about it carries the traceback its engine core
+logged (:func:`engine_traceback`): vLLM's own HTTP answer names no cause.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -21,11 +24,14 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from microrl.engine.rollout.vllm_args import cli_flags, cpu_scheduler_args
 from microrl.engine.rollout.vllm_http import ServerClient, ServerError
 
-__all__ = ["LocalVLLMServer", "serve_command", "server_env"]
+__all__ = ["LocalVLLMServer", "engine_traceback", "serve_command", "server_env"]
 
 
 def serve_command(
@@ -44,6 +50,7 @@ def serve_command(
     weight_transfer: str | None = None,
     cpu: bool = False,
     tensor_parallel_size: int = 1,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a rollout server (without the API key, which travels in
     the ``VLLM_API_KEY`` environment variable, not on a command line ``ps`` shows).
@@ -55,7 +62,10 @@ def serve_command(
     enable vLLM's weight-transfer engine of that backend, and prefix caching is off then: a
     cached block computed with old weights must not serve a request of the new ones.
     ``tensor_parallel_size > 1`` splits the model over that many GPUs (those of the server's
-    ``CUDA_VISIBLE_DEVICES``, :func:`server_env`).
+    ``CUDA_VISIBLE_DEVICES``, :func:`server_env`). On a CPU, no chunked prefill
+    (:func:`~microrl.engine.rollout.vllm_args.cpu_scheduler_args`).
+    ``engine_args`` (``rollout.vllm.engine_kwargs``, checked by the caller) come last as flags:
+    where one sets what a default above set, argparse keeps the last.
     """
     command = [
         sys.executable,
@@ -85,6 +95,7 @@ def serve_command(
         # VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's default on a CPU adds a worker process the
         # engine core busy-waits for, a second core burnt (1.0 against 0.65 CPU-s per job).
         command += ["--distributed-executor-backend", "uni"]
+        command += cli_flags(cpu_scheduler_args())
     if tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if enforce_eager:
@@ -99,7 +110,7 @@ def serve_command(
     if weight_transfer:
         command += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
         command.append("--no-enable-prefix-caching")
-    return command
+    return command + cli_flags(engine_args or {})
 
 
 def server_env(
@@ -150,9 +161,11 @@ class LocalVLLMServer:
             pause/resume); LoRA-only servers need none of them.
         num_threads: the server's OpenMP threads on a CPU (0: vLLM's default).
         timeout_s: the longest wait for it to answer ``/health``.
-        name: how errors name it.
+        name: how errors name it, and its log file's name.
         api_key: its ``--api-key``; None: a fresh random one.
         cuda_visible_devices: its GPUs (:func:`server_env`); None: this process's (a CPU).
+        log_dir: where its log is written (``<log_dir>/<name>.log``, appended to, kept); None:
+            a temporary file, removed at :meth:`close` unless the server failed.
         options: :func:`serve_command`'s keyword arguments but ``port`` (a free one is chosen).
     """
 
@@ -166,6 +179,7 @@ class LocalVLLMServer:
         name: str = "the local vLLM server",
         api_key: str | None = None,
         cuda_visible_devices: str | None = None,
+        log_dir: str | os.PathLike | None = None,
         **options,
     ) -> None:
         self.name = name
@@ -180,10 +194,9 @@ class LocalVLLMServer:
             cuda_visible_devices=cuda_visible_devices,
         )
         self.command = serve_command(model_dir, port=self.port, **options)
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
-            prefix="microrl-vllm-serve-", suffix=".log", delete=False
-        )
-        self.log_path = Path(self._log.name)
+        self._log, self.log_path = _open_log(log_dir, name, self.command)
+        # Whether close() keeps the log: always in log_dir; a temporary one once the server failed.
+        self._keep_log = [log_dir is not None]
         self.process = subprocess.Popen(
             self.command,
             env=env,
@@ -192,12 +205,11 @@ class LocalVLLMServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: close() stops the engine core too
         )
-        self._finalizer = weakref.finalize(self, _stop, self.process, self._log, self.log_path)
+        self._finalizer = weakref.finalize(
+            self, _stop, self.process, self._log, self.log_path, self._keep_log
+        )
         self.client = ServerClient(
-            self.url,
-            self.api_key,
-            timeout_s=timeout_s,
-            explain=lambda: f"{self.name}'s log ends ({self.log_path}):\n{self.log_tail()}",
+            self.url, self.api_key, timeout_s=timeout_s, explain=self.diagnosis
         )
         try:
             self._wait_until_up(timeout_s)
@@ -211,12 +223,12 @@ class LocalVLLMServer:
             if self.process.poll() is not None:
                 raise ServerError(
                     f"{self.name} exited with code {self.process.returncode} while starting; "
-                    f"the end of its log ({self.log_path}):\n{self.log_tail()}"
+                    f"{self.diagnosis()}"
                 )
             if time.monotonic() > deadline:
                 raise ServerError(
                     f"{self.name} did not answer /health within {timeout_s:.0f} s "
-                    f"(rollout.worker_timeout_s); the end of its log:\n{self.log_tail()}"
+                    f"(rollout.worker_timeout_s); {self.diagnosis()}"
                 )
             time.sleep(0.5)
 
@@ -226,12 +238,76 @@ class LocalVLLMServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return "(no log)"
 
+    def diagnosis(self) -> str:
+        """What an error about this server adds: the engine core's own traceback from its log
+        (:func:`engine_traceback`), else the log's last lines; the log is kept from now on."""
+        self._keep_log[0] = True
+        with contextlib.suppress(OSError):
+            trace = engine_traceback(self.log_path.read_text(errors="replace"))
+            if trace:
+                return f"{self.name} failed with this traceback (log: {self.log_path}):\n{trace}"
+        return f"{self.name}'s log ends ({self.log_path}):\n{self.log_tail()}"
+
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def close(self) -> None:
-        """Stop the server's process group (SIGTERM, then SIGKILL) and remove its log."""
+        """Stop the server's process group (SIGTERM, then SIGKILL); remove its log if it is a
+        temporary one and the server did not fail."""
         self._finalizer()
+
+
+# A line vLLM logs: "(EngineCore pid=7) ERROR 12-03 17:54:19 [core.py:1512] <text>"; the head
+# before <text> is the same on every line of one record (one traceback).
+_TRACEBACK = "Traceback (most recent call last):"
+_MAX_TRACEBACK_LINES = 40
+
+
+def engine_traceback(log: str) -> str | None:
+    """The last error traceback in a ``vllm serve`` log, without vLLM's line heads: the engine
+    core's when it logged one (a server answering ``HTTP 500 EngineCore encountered an issue``
+    logged the cause there), else the last one logged at ``ERROR`` or printed bare (a crash at
+    start-up); None without one. Long tracebacks keep their first line and last lines."""
+    lines = log.splitlines()
+    starts = []
+    for i, line in enumerate(lines):
+        head, found, _ = line.partition(_TRACEBACK)
+        if found and (not head.strip() or " ERROR " in head):
+            starts.append((i, head))
+    if not starts:
+        return None
+    engine = [(i, head) for i, head in starts if "EngineCore" in head]
+    start, head = (engine or starts)[-1]
+    trace = [_TRACEBACK]
+    for line in lines[start + 1 :]:
+        if head.strip():  # a logged record: its lines share the head
+            if not line.startswith(head):
+                break
+            trace.append(line[len(head) :])
+        else:  # printed bare: frames are indented, the exception line ends it
+            trace.append(line)
+            if line and not line[0].isspace():
+                break
+    if len(trace) > _MAX_TRACEBACK_LINES:
+        trace = [trace[0], "  ...", *trace[-(_MAX_TRACEBACK_LINES - 2) :]]
+    return "\n".join(trace)
+
+
+def _open_log(log_dir, name: str, command: list[str]):
+    """The server's log file, open for appending, and its path: ``<log_dir>/<name>.log`` (a
+    resumed run's server appends to its predecessor's), or a temporary file."""
+    if log_dir is None:
+        log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
+            prefix="microrl-vllm-serve-", suffix=".log", delete=False
+        )
+        return log, Path(log.name)
+    path = Path(log_dir) / (re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() + ".log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.open("ab")
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    log.write(f"=== microrl: {name} started {started}: {' '.join(command)}\n".encode())
+    log.flush()
+    return log, path
 
 
 def _free_port() -> int:
@@ -240,8 +316,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _stop(process: subprocess.Popen, log, log_path: Path) -> None:
-    if process.poll() is None:
+def _stop(process: subprocess.Popen, log, log_path: Path, keep_log: list[bool]) -> None:
+    if process.poll() is not None:  # it died before it was stopped: a failure
+        keep_log[0] = True
+    else:
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, sig)
@@ -252,4 +330,5 @@ def _stop(process: subprocess.Popen, log, log_path: Path) -> None:
         os.killpg(process.pid, signal.SIGKILL)  # an engine core left behind by its parent
     with contextlib.suppress(OSError):
         log.close()
-        log_path.unlink()
+        if not keep_log[0]:
+            log_path.unlink()

@@ -70,6 +70,13 @@ from microrl.engine.rollout.async_rollout import (
 )
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.vllm_args import (
+    CPU_OWNED,
+    OWNED,
+    SERVER_OWNED,
+    resolve_dtype,
+    user_engine_args,
+)
 from microrl.engine.rollout.vllm_http import ServerClient
 from microrl.engine.rollout.vllm_placement import (
     cuda_visible_devices,
@@ -112,6 +119,8 @@ class VLLMServerRollout(RolloutBackend):
         sync_check_tol: as :class:`~microrl.engine.rollout.AsyncRollout`'s.
         num_threads: each local server's CPU threads.
         workdir: where the base model and the adapters are written (the servers must see it).
+        log_dir: where each local server's log is kept (the recipes: ``<output.dir>/vllm-servers``);
+            None: temporary files, kept only when a server fails (errors name them).
     """
 
     def __init__(
@@ -129,6 +138,7 @@ class VLLMServerRollout(RolloutBackend):
         sync_check_tol: float | None = None,
         num_threads: int = 1,
         workdir: str | None = None,
+        log_dir: str | None = None,
     ) -> None:
         super().__init__(tokenizer)
         if not isinstance(engine, Engine):
@@ -138,6 +148,12 @@ class VLLMServerRollout(RolloutBackend):
         if sync_check_tol is not None and not sync_check_tol > 0:
             raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         self.engine, self.config = engine, config or VLLMConfig()
+        if self.config.sleep_level:
+            raise ValueError(
+                "rollout.vllm.sleep_level must be 0 for vLLM servers (rollout.max_staleness > 0): "
+                "they sample while the trainer trains; sleep mode is the in-process engine's"
+            )
+        self.log_dir = log_dir
         self.version = int(version)
         self.timeout_s = float(timeout_s)
         self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
@@ -185,6 +201,11 @@ class VLLMServerRollout(RolloutBackend):
                 "rollout.vllm.gpus and rollout.vllm.tensor_parallel_size place the servers "
                 "microrl starts; servers of rollout.server_url take their GPUs themselves"
             )
+        if urls and self.config.engine_kwargs:
+            raise ValueError(
+                "rollout.vllm.engine_kwargs configures the servers microrl starts; servers you "
+                "started (rollout.server_url) take vLLM's flags on their own command line"
+            )
         if urls:
             # Each rank its own servers: a full fine-tune's pushes would overwrite each other's,
             # and vLLM 0.32's CPU LoRA path fails a batch mixing one rank's probe (prompt
@@ -215,9 +236,11 @@ class VLLMServerRollout(RolloutBackend):
         model_dir = self.workdir / "base"
         export_merged_model(self.engine.module, model_dir, merge_lora=False)
         on_cpu = self.engine.device.type == "cpu"
-        dtype = cfg.dtype if cfg.dtype != "auto" else str(next(base.parameters()).dtype)[6:]
+        owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if on_cpu else {})}
+        if not self.is_lora:  # a cached block computed with old weights must not serve new ones
+            owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
         options = dict(
-            dtype=dtype,
+            dtype=resolve_dtype(cfg.dtype, self.engine, base),
             max_model_len=cfg.max_model_len,
             kv_cache_mb=cfg.kv_cache_memory_mb or (256 if on_cpu else 0),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -227,6 +250,7 @@ class VLLMServerRollout(RolloutBackend):
             weight_transfer=None if self.is_lora else transfer_backend(self.engine.device, gpus),
             cpu=on_cpu,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            engine_args=user_engine_args(cfg.engine_kwargs, owned=owned),
         )
 
         def start(i: int) -> LocalVLLMServer:
@@ -236,6 +260,7 @@ class VLLMServerRollout(RolloutBackend):
                 num_threads=num_threads,
                 timeout_s=self.timeout_s,
                 name=f"local vLLM server {i} of rank {rank}",
+                log_dir=self.log_dir,
                 seed=cfg.seed + rank * num_workers + i,
                 cuda_visible_devices=None if gpus is None else cuda_visible_devices(gpus[i]),
                 **options,
@@ -552,7 +577,7 @@ class VLLMServerRollout(RolloutBackend):
             if not server.alive():
                 raise WorkerError(
                     f"{server.name} died (exit code {server.process.returncode}) while the "
-                    f"trainer waited for {what}; the end of its log:\n{server.log_tail()}"
+                    f"trainer waited for {what}; {server.diagnosis()}"
                 )
 
     def _check_open(self) -> None:

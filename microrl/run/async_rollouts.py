@@ -310,6 +310,7 @@ def start_prefetcher(
     start_step: int,
     num_threads: int = 1,
     state: dict[str, Any] | None = None,
+    log_dir: str | None = None,
 ) -> RolloutPrefetcher:
     """The recipes' asynchronous sampling: the samplers of ``rollout.backend`` holding the
     weights of step ``start_step`` and a :class:`RolloutPrefetcher` over them
@@ -320,7 +321,8 @@ def start_prefetcher(
     them is a ``ValueError`` naming ``task.name``. ``vllm``: a :class:`VLLMServerRollout` on
     ``rollout.num_workers`` local ``vllm serve`` processes, or on the servers of
     ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``); environments
-    step in the trainer process."""
+    step in the trainer process; ``log_dir``: where the local servers' logs are kept (None:
+    temporary files, kept when a server fails)."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
     if rollout.backend == "vllm":  # vLLM servers; environments step in this process
         urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
@@ -336,6 +338,7 @@ def start_prefetcher(
             timeout_s=rollout.worker_timeout_s,
             sync_check_tol=rollout.sync_check_tol,
             num_threads=num_threads,
+            log_dir=log_dir,
         )
     else:
         sampler = _start_hf_workers(

@@ -31,6 +31,7 @@ from microrl.run.dist import Dist
 __all__ = [
     "CHECKPOINT_DIR",
     "RUN_OUTPUTS",
+    "VLLM_SERVER_LOGS",
     "find_run_checkpoint",
     "load_run",
     "recover_run_checkpoint",
@@ -41,6 +42,8 @@ CHECKPOINT_DIR = "checkpoint"
 RUN_MARKER = "run.json"  # written last into a run checkpoint: its completion marker
 SAVED_CONFIG = "config.yaml"
 RUN_FORMAT = "microrl-example-run"
+# The local vLLM servers' logs (rollout.backend=vllm, max_staleness > 0), under output.dir.
+VLLM_SERVER_LOGS = "vllm-servers"
 # What a run writes into output.dir: what --overwrite deletes (and nothing else there).
 RUN_OUTPUTS = (
     CHECKPOINT_DIR,
@@ -53,6 +56,7 @@ RUN_OUTPUTS = (
     "curves.png",
     "config.yaml",
     "trackers.json",  # the W&B / MLflow run ids that --resume continues (not their local runs)
+    VLLM_SERVER_LOGS,
 )
 
 

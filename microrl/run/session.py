@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -29,7 +30,7 @@ from microrl.run.async_rollouts import (
     start_prefetcher,
     warn_if_uncorrected,
 )
-from microrl.run.checkpoint import save_run
+from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
 from microrl.run.dist import Dist
 from microrl.run.sampling import sample_and_score
 from microrl.run.tracking import Tracker
@@ -90,6 +91,7 @@ def start_sampling(
         start_step=start_step,
         num_threads=cfg.train.num_threads,
         state=ahead,
+        log_dir=str(Path(cfg.output.dir) / VLLM_SERVER_LOGS),
     )
     if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
         warn_if_uncorrected(cfg.actor.policy_loss, k)

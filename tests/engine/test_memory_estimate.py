@@ -173,6 +173,33 @@ def test_sharding_vllm_share_table_and_errors() -> None:
         estimate_memory(model_config, config, world_size=0)
 
 
+def test_vllm_sleep_mode_holds_its_share_only_while_sampling() -> None:
+    """``rollout.vllm.sleep_level``: vLLM's share and the training step no longer add up; the
+    device needs the larger of sampling (persistent + share) and training; level 1 keeps vLLM's
+    weights (bf16 on CUDA) in host memory."""
+    model_config = _model_config()
+    config = ActorConfig(max_tokens_per_micro_batch=1024, lora=LoraConfig(rank=8))
+    share = dict(vllm_gpu_memory_utilization=0.25, device_memory=8 * 2**30)
+    awake = estimate_memory(model_config, config, **share)
+    training = awake.total - awake.vllm
+    for level in (1, 2):
+        asleep = estimate_memory(model_config, config, vllm_sleep_level=level, **share)
+        assert asleep.vllm == awake.vllm == 2 * 2**30
+        assert asleep.total == max(training, asleep.persistent + asleep.vllm) < awake.total
+        assert asleep.peak_phase == "sampling"  # a 2 GiB share against a tiny model's step
+        assert "vLLM share (asleep while training)" in str(asleep)
+    with torch.device("meta"):
+        base = sum(p.numel() for p in Qwen2ForCausalLM(model_config).parameters())
+    level1 = estimate_memory(model_config, config, vllm_sleep_level=1, **share)
+    assert level1.host_vllm_weights == 2 * base  # vLLM computes in bf16 on CUDA
+    assert level1.host_total == awake.host_total + level1.host_vllm_weights
+    assert estimate_memory(model_config, config, vllm_sleep_level=2, **share).host_total == 0
+    big = ActorConfig(max_tokens_per_micro_batch=2**20, lora=LoraConfig(rank=8))
+    assert estimate_memory(model_config, big, vllm_sleep_level=2, **share).peak_phase != "sampling"
+    with pytest.raises(ValueError, match="vllm_sleep_level"):
+        estimate_memory(model_config, config, vllm_sleep_level=3, **share)
+
+
 def test_16_bit_base_halves_the_weights_and_keeps_the_trained_state() -> None:
     model_config = _model_config()
     kwargs = {"max_tokens_per_micro_batch": 1024, "lora": LoraConfig(rank=8)}

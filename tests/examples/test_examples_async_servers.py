@@ -72,6 +72,9 @@ def test_vllm_servers_sample_ahead(common, synchronous, tmp_path, monkeypatch):
     prompts, records = _run(args, monkeypatch)
     assert prompts == synchronous
     _check_async(records)
+    # The local server's log is kept with the run (docs/rollouts.md#vllm-servers).
+    log = tmp_path / "vllm-servers" / "local-vllm-server-0-of-rank-0.log"
+    assert "=== microrl: local vLLM server 0 of rank 0 started" in log.read_text()
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ only (two bf16 implementations may break a near-tie between the top two tokens d
 
 from __future__ import annotations
 
+import random
 import sys
 
 import pytest
@@ -41,15 +42,26 @@ NO_GREEDY_ON_CUDA = pytest.mark.skipif(
     reason="greedy tokens of two bf16 implementations may differ at a near-tie (CPU: float32)",
 )
 PROMPTS = ["1+2=", "35+7=", "9+99="]
+MAX_LEN = 1024
 
 
 def _model(tokenizer, seed: int = 0):
     from microrl.configs.run import ModelConfig
     from microrl.run.toy_model import build_model
 
-    # head_dim 32: the smallest head size vLLM's CPU attention supports.
-    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=seed)
+    # head_dim 32: the smallest head size vLLM's CPU attention supports; prompts of hundreds of
+    # tokens (test_long_prompts_*).
+    cfg = ModelConfig(
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=seed,
+        max_positions=MAX_LEN,
+    )  # fmt: skip
     return build_model(cfg, tokenizer)
+
+
+def long_prompts(count: int, length: int, seed: int = 0) -> list[str]:
+    """``count`` different prompts of ``length`` characters (``length + 1`` tokens with <bos>)."""
+    gen = random.Random(seed)
+    return ["".join(gen.choice("0123456789+=") for _ in range(length)) for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +83,7 @@ def _vllm_config() -> VLLMConfig:
     """A fixed 256 MiB KV cache and eager mode: what a CPU gets anyway; on a GPU, two engines in
     this process need no memory profiling and start without compiling."""
     return VLLMConfig(
-        max_model_len=32, kv_cache_memory_mb=256, enforce_eager=True, dtype=VLLM_DTYPE
+        max_model_len=MAX_LEN, kv_cache_memory_mb=256, enforce_eager=True, dtype=VLLM_DTYPE
     )
 
 
@@ -202,6 +214,42 @@ def test_greedy_episodes_equal_hf(lora_setup, tokenizer):
     for key in ("input_ids", "loss_mask", "truncated"):
         assert torch.equal(from_vllm.batch[key], from_hf.batch[key]), key
     assert torch.equal(from_vllm.rewards, from_hf.rewards)
+
+
+def test_long_prompts_over_the_token_budget(lora_setup):
+    """vLLM's CPU build split a step's prompts at its token budget (4096 tokens for vllm.LLM)
+    and then crashed rewinding the seeded generators (``CPU Generator does not use offset``):
+    9 prompts of 501 tokens, every request seeded, sample at the engine's log-probs and again
+    the same."""
+    engine, rollout = lora_setup
+    prompts = long_prompts(9, 500)
+    params = SamplingParams(num_samples=2, max_new_tokens=4, seed=7)
+    first = rollout.generate(prompts, params)
+    assert first.batch["input_ids"].shape[1] > 500
+    mask = first.batch["loss_mask"]
+    _assert_close(first.batch["rollout_logprobs"], _engine_logprobs(engine, first.batch), mask)
+    again = rollout.generate(prompts, params)  # seeded: the same samples
+    assert torch.equal(again.batch["input_ids"], first.batch["input_ids"])
+
+
+def test_long_prompts_in_multi_turn_episodes(lora_setup):
+    """Every turn of 9 episodes re-sends a context of ~500 tokens: over the budget each turn."""
+
+    class Echo:
+        def init(self, prompt):
+            return prompt, {}
+
+        def step(self, action):
+            return {"observations": [{"role": "user", "content": "= 1"}], "done": False}
+
+    engine, rollout = lora_setup
+    out = rollout.run_episodes(
+        long_prompts(9, 480, seed=1), lambda i: Echo(), SamplingParams(max_new_tokens=3, seed=3),
+        max_turns=2, max_tokens=20,
+    )  # fmt: skip
+    assert out.num_turns.tolist() == [2] * 9
+    batch = out.batch
+    _assert_close(batch["rollout_logprobs"], _engine_logprobs(engine, batch), batch["loss_mask"])
 
 
 def test_lora_sync_follows_the_engine(lora_setup, tokenizer):

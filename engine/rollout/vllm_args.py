@@ -1,0 +1,198 @@
+"""vLLM's engine arguments: the rules the in-process engine and the local servers share.
+
+Both integrations start the same vLLM engine, one as ``vllm.LLM(**kwargs)`` and one as
+``vllm serve --flags``, and decide the same things the same way (docs/rollouts.md#vllm-engine-arguments):
+
+- :func:`resolve_dtype`: what ``rollout.vllm.dtype=auto`` means (the trainer's compute dtype);
+- :func:`cpu_scheduler_args`: what vLLM's CPU build needs to sample long seeded prompts;
+- :func:`user_engine_args`: ``rollout.vllm.engine_kwargs``, refused where a key is one microrl
+  must own (:data:`OWNED`, :data:`TYPED_KEYS`);
+- :func:`cli_flags`: keyword arguments as ``vllm serve`` flags, as vLLM's own ``--config`` YAML
+  loader writes them;
+- :func:`placement`: the executor and environment that start the in-process engine on the
+  engine's GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from microrl.engine.parallel import distributed
+
+__all__ = [
+    "CPU_OWNED",
+    "IN_PROCESS_OWNED",
+    "OWNED",
+    "SERVER_OWNED",
+    "TYPED_KEYS",
+    "cli_flags",
+    "cpu_scheduler_args",
+    "environ",
+    "gpu_index",
+    "placement",
+    "resolve_dtype",
+    "user_engine_args",
+]
+
+#: Engine arguments microrl sets itself in both integrations, and why a user value cannot win.
+OWNED: dict[str, str] = {
+    "model": "vLLM serves microrl's own export of the trained model",
+    "skip_tokenizer_init": "microrl sends and reads token ids, never text",
+    "logprobs_mode": "the loss scores the log-probs of the sampling distribution "
+    "(processed_logprobs)",
+    "generation_config": "sampling follows microrl's SamplingParams only, not the model's "
+    "generation_config.json",
+    "enable_lora": "set from the engine: adapters for a LoRA engine, full weights otherwise",
+    "enable_sleep_mode": "set from rollout.vllm.sleep_level",
+}
+#: Owned by the in-process engine only: its weights are synced as tensors in this process.
+IN_PROCESS_OWNED: dict[str, str] = {
+    "distributed_executor_backend": "the in-process engine runs in the trainer's process "
+    "(external_launcher under torchrun or on cuda:N, else uni)",
+}
+#: Owned by the local servers only.
+SERVER_OWNED: dict[str, str] = {
+    "host": "local servers listen on 127.0.0.1 only",
+    "port": "microrl picks a free port",
+    "api_key": "microrl makes a fresh key per server (VLLM_API_KEY)",
+    "enable_scale_out": "microrl samples through /inference/v1/generate",
+    "weight_transfer_config": "full weights are pushed over microrl's chosen transfer backend",
+}
+#: Owned on a CPU: a prompt split across scheduler steps (chunked prefill) crashes vLLM's CPU
+#: sampler on a seeded request (docs/rollouts.md#long-prompts-on-a-cpu).
+CPU_OWNED: dict[str, str] = {
+    key: "vLLM's CPU build cannot sample a seeded prompt that is split across scheduler steps, "
+    "so microrl turns chunked prefill off on a CPU"
+    for key in ("enable_chunked_prefill", "long_prefill_token_threshold")
+}
+#: Engine arguments that have their own ``rollout.vllm`` key: set there, not twice.
+TYPED_KEYS: dict[str, str] = {
+    "dtype": "dtype",
+    "seed": "seed",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "enforce_eager": "enforce_eager",
+    "max_model_len": "max_model_len",
+    "kv_cache_memory_bytes": "kv_cache_memory_mb",
+}
+_KEY = "rollout.vllm.engine_kwargs"
+
+
+def resolve_dtype(requested: str, engine, base) -> str:
+    """vLLM's compute dtype: ``requested`` unless it is ``auto``; ``auto`` is what the trainer
+    computes in: ``bfloat16`` on CUDA, where the engine autocasts to bf16 (``actor.dtype`` auto
+    or bfloat16), else the storage dtype of ``base``'s weights (float32 on a CPU). A float32
+    vLLM on a GPU would hold twice the weights of its memory share (30.5 GB for a 7B)."""
+    if requested != "auto":
+        return requested
+    if engine.device.type == "cuda" and engine.config.dtype in ("auto", "bfloat16"):
+        return "bfloat16"
+    return str(next(base.parameters()).dtype).removeprefix("torch.")
+
+
+def cpu_scheduler_args() -> dict[str, Any]:
+    """The scheduler arguments of vLLM on a CPU: no chunked prefill.
+
+    vLLM 0.32 splits a step's prompts at its token budget (``max_num_batched_tokens``, 2048 for
+    ``vllm serve`` and 4096 for ``vllm.LLM`` on a CPU) and, for a request whose prompt is only
+    partly computed, rewinds its seeded generator (``gpu_model_runner._bookkeeping_sync``:
+    ``gen.set_offset``), which a CPU generator refuses (``CPU Generator does not use offset``).
+    Without chunked prefill a prompt is scheduled whole or waits for the next step, and vLLM
+    raises its budget to at least ``max_model_len``, so every prompt fits in one step; the
+    requests keep their seeds, so seeded sampling stays reproducible."""
+    return {"enable_chunked_prefill": False}
+
+
+def user_engine_args(
+    engine_kwargs: Mapping[str, Any], *, owned: Mapping[str, str], valid: Iterable[str] = ()
+) -> dict[str, Any]:
+    """``rollout.vllm.engine_kwargs`` with dashes in names made underscores, checked.
+
+    Raises:
+        ValueError: naming ``rollout.vllm.engine_kwargs.<key>``: a key in ``owned`` (and why
+            microrl owns it), one with its own ``rollout.vllm`` key (:data:`TYPED_KEYS`), or,
+            when ``valid`` names vLLM's arguments, one that is not among them.
+    """
+    valid = set(valid)
+    args = {}
+    for name, value in engine_kwargs.items():
+        key = str(name).replace("-", "_")
+        if key in owned:
+            raise ValueError(f"{_KEY}.{key} cannot be set: microrl owns it ({owned[key]})")
+        if key in TYPED_KEYS:
+            raise ValueError(
+                f"{_KEY}.{key} cannot be set: use rollout.vllm.{TYPED_KEYS[key]} instead"
+            )
+        if valid and key not in valid:
+            raise ValueError(
+                f"{_KEY}.{key} is not an argument of vllm.LLM (vLLM's EngineArgs); see "
+                "`vllm serve --help` for the engine arguments"
+            )
+        args[key] = value
+    return args
+
+
+def cli_flags(kwargs: Mapping[str, Any]) -> list[str]:
+    """``vllm serve`` flags of keyword arguments: ``max_num_seqs=64`` -> ``--max-num-seqs 64``;
+    a bool is ``--flag`` or ``--no-flag``, a list its items after the flag, a dict its JSON
+    (vLLM parses JSON for its config-valued arguments), None leaves vLLM's default."""
+    flags: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
+    """vLLM's executor and the environment it starts in, so that it runs on ``device``.
+
+    vLLM's in-process executor (``uni``) takes GPU 0 whatever the current device; its
+    ``external_launcher`` takes GPU ``LOCAL_RANK``. Under ``torchrun`` (the trainer's group
+    exists) every rank uses the launcher with ``LOCAL_RANK`` set to its engine's GPU; one
+    process on ``cuda:N``, N > 0, does too, as a group of one (``RANK=0``, ``WORLD_SIZE=1``
+    and a free local port, only while vLLM starts)."""
+    on_gpu = device.type == "cuda"
+    index = gpu_index(device) if on_gpu else 0
+    env = {"LOCAL_RANK": str(index)} if on_gpu else {}
+    if distributed.is_distributed():
+        return {"distributed_executor_backend": "external_launcher"}, env
+    if on_gpu and index != 0:
+        from microrl.engine.rollout.vllm_serve import _free_port  # (it imports this module)
+
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        return {"distributed_executor_backend": "external_launcher"}, env
+    return {}, {}
+
+
+def gpu_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]):
+    """``env`` set in ``os.environ`` for the block, the previous values put back after it."""
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
