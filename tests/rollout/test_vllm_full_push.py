@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import socket
 import warnings
 import weakref
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from route_utils import route_only_socket
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
@@ -132,31 +132,6 @@ def _on_fake_gpu(engine, monkeypatch, mode) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
-def _route_only_socket() -> SimpleNamespace:
-    """``vllm_placement``'s socket module: UDP sockets that only tell the route's local address
-    (10.1.2.3)."""
-
-    class UDPSocket:
-        def __init__(self, family, kind):
-            assert kind == socket.SOCK_DGRAM
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-        def connect(self, target):
-            pass
-
-        def getsockname(self):
-            return ("10.1.2.3", 40000)
-
-    return SimpleNamespace(
-        socket=UDPSocket, getaddrinfo=socket.getaddrinfo, SOCK_DGRAM=socket.SOCK_DGRAM
-    )
-
-
 def test_a_gpu_push_streams_cuda_tensors_to_a_remote_server(tokenizer, monkeypatch, transfer):
     """To a server on another node: NCCL, from the trainer's GPU (no CPU copy), with the
     trainer's address on the route to it and the server's TP workers in the group."""
@@ -167,7 +142,7 @@ def test_a_gpu_push_streams_cuda_tensors_to_a_remote_server(tokenizer, monkeypat
 
     engine = _engine(tokenizer)
     _on_fake_gpu(engine, monkeypatch, FakeTensorMode(allow_non_fake_inputs=True))
-    monkeypatch.setattr(vllm_placement, "socket", _route_only_socket())
+    monkeypatch.setattr(vllm_placement, "socket", route_only_socket())
     monkeypatch.setattr(vllm_transfer, "_free_port", lambda address: 29500)
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): nothing is sent to it (stub client, socket).
     rollout = VLLMServerRollout(

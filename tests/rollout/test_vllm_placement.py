@@ -8,15 +8,14 @@ server got a ``CUDA_VISIBLE_DEVICES``: every server of every rank started on GPU
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import tempfile
 from concurrent.futures import Future
 from types import SimpleNamespace
-from typing import ClassVar
 
 import pytest
 import torch
+from route_utils import ROUTE_ADDRESS, UDPSocket, route_only_socket
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
@@ -228,44 +227,17 @@ def test_config_errors_name_the_keys():
 
 
 # ----------------------------------------------------------------------------- trainer address
-class _UDPSocket:
-    """A UDP socket that records the route it is asked for and sends nothing."""
-
-    targets: ClassVar[list] = []
-
-    def __init__(self, family, kind):
-        assert kind == socket.SOCK_DGRAM
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def connect(self, target):
-        self.targets.append(target)
-
-    def getsockname(self):
-        return ("10.1.2.3", 40000)
-
-    def send(self, *args):  # pragma: no cover - would be a bug
-        raise AssertionError("trainer_address must not send anything")
-
-
 def test_the_trainer_address_is_the_route_to_the_server(monkeypatch):
     from microrl.engine.rollout import vllm_placement
     from microrl.engine.rollout.vllm_placement import trainer_address
 
-    fake_socket = SimpleNamespace(
-        socket=_UDPSocket, getaddrinfo=socket.getaddrinfo, SOCK_DGRAM=socket.SOCK_DGRAM
-    )
-    monkeypatch.setattr(vllm_placement, "socket", fake_socket)  # this module's sockets only
-    _UDPSocket.targets = []
+    # This module's sockets only.
+    monkeypatch.setattr(vllm_placement, "socket", route_only_socket())
     assert trainer_address("http://127.0.0.1:8000") == "127.0.0.1"
     assert trainer_address("http://localhost:8000/") == "127.0.0.1"
-    assert _UDPSocket.targets == []  # a local server needs no route
+    assert UDPSocket.targets == []  # a local server needs no route
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): only the target of the (recorded) connect.
-    assert trainer_address("http://192.0.2.10:8000") == "10.1.2.3"
-    assert _UDPSocket.targets == [("192.0.2.10", 8000)]
+    assert trainer_address("http://192.0.2.10:8000") == ROUTE_ADDRESS
+    assert UDPSocket.targets == [("192.0.2.10", 8000)]
     assert trainer_address("http://192.0.2.10:8000", "10.9.9.9") == "10.9.9.9"  # the key wins
-    assert len(_UDPSocket.targets) == 1
+    assert len(UDPSocket.targets) == 1
