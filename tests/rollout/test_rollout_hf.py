@@ -259,8 +259,6 @@ def test_seeded_sampling_leaves_the_cuda_generators_unchanged(monkeypatch) -> No
     """A seeded ``generate`` restores the caller's generators: on a CUDA engine the CPU's and its
     device's (``fork_rng(devices=[device])``), seeding no other device's; on a CPU engine it
     never touches CUDA's (``torch.manual_seed`` would reseed every GPU's generator)."""
-    from microrl.engine.rollout.hf import seeded
-
     tok = build_tokenizer()
     model = build_model(
         ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
@@ -273,6 +271,8 @@ def test_seeded_sampling_leaves_the_cuda_generators_unchanged(monkeypatch) -> No
     assert torch.equal(torch.random.get_rng_state(), cpu_state)
     again = HFRollout(model, tok).generate(["1+2="], params)
     assert torch.equal(first.batch["input_ids"], again.batch["input_ids"])
+
+    from microrl.engine.rollout.hf import seeded
 
     fake.forked.clear()
     with seeded(5, torch.device("cuda", 1)):
