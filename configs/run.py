@@ -280,8 +280,9 @@ class RolloutConfig:
     )
     sync_check_tol: float | None = config_field(
         None,
-        "max_staleness > 0: largest probe log-prob difference a weight sync may show "
-        "(null: 1e-4 for a float32 engine, 5e-2 for 16-bit)",
+        "max_staleness > 0: largest mean |trainer - sampler| probe log-prob difference "
+        "(sync/probe_abs_diff_mean) a weight sync may show (null: 5e-5 for a float32 engine, "
+        "0.25 for 16-bit)",
     )
     worker_timeout_s: float = config_field(
         600.0, "max_staleness > 0: longest wait for the rollout worker before an error"

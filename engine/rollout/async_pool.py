@@ -25,8 +25,8 @@ their random draws).
 **Weights.** :meth:`~AsyncRolloutPool.sync` gathers the engine's weights once and pushes them to
 every worker as the same version; each worker checks its push with its own probe
 (:class:`~microrl.engine.rollout.async_rollout.SyncCheckError` names the worker), and
-``sync_stats[version]`` holds the largest ``sync/probe_kl`` and ``sync/probe_abs_diff_max`` of
-the workers once every one has checked it.
+``sync_stats[version]`` holds the largest of each probe statistic (``sync/probe_*``) of the
+workers once every one has checked it.
 
 **Start and stop.** The workers are spawned together, then connected and given their first
 weights one after the other (a worker builds its model while the ones before it are served).
@@ -202,12 +202,12 @@ class AsyncRolloutPool(RolloutBackend):
 
     @property
     def sync_stats(self) -> dict[int, dict[str, float]]:
-        """``sync/probe_kl`` and ``sync/probe_abs_diff_max`` of each push every worker has
-        checked, by version: the largest of the workers'."""
+        """The probe statistics of each push every worker has checked (``sync/probe_kl``,
+        ``sync/probe_abs_diff_max``, ``sync/probe_abs_diff_mean``), by version: the largest
+        of the workers'."""
         stats = [worker.sync_stats for worker in self.workers]
         checked = [v for v in sorted(stats[0]) if all(v in s for s in stats[1:])]
-        keys = ("sync/probe_kl", "sync/probe_abs_diff_max")
-        return {v: {k: max(s[v][k] for s in stats) for k in keys} for v in checked}
+        return {v: {k: max(s[v][k] for s in stats) for k in stats[0][v]} for v in checked}
 
     @property
     def sync_seconds(self) -> list[float]:

@@ -50,6 +50,7 @@ import torch
 
 __all__ = [
     "WorkerSpec",
+    "build_sampler",
     "dumps",
     "loads",
     "score_probe",
@@ -91,6 +92,10 @@ class WorkerSpec:
     device: str = "cpu"
     env_maker: bytes | None = None  # pickled callable: Problem -> environment (multi-turn tasks)
     store_host: str = "127.0.0.1"
+    # The engine's precision, so the worker samples what the trainer trains: the frozen base's
+    # storage dtype (engine.config.base_dtype) and the autocast dtype of its forwards (None: none).
+    base_dtype: torch.dtype = torch.float32
+    autocast_dtype: torch.dtype | None = None
 
 
 def dumps(value: Any) -> bytes:
@@ -140,10 +145,18 @@ def tensor_family(name: str) -> str:
 
 
 @torch.no_grad()
-def score_probe(model: torch.nn.Module, probe: Mapping[str, torch.Tensor], temperature: float):
+def score_probe(
+    model: torch.nn.Module,
+    probe: Mapping[str, torch.Tensor],
+    temperature: float,
+    autocast_dtype: torch.dtype | None = None,
+):
     """The model's log-probs of the probe rows' tokens, token-aligned ``[B, T]`` float32 (column
     ``t``: the log-prob of token ``t`` given the ones before; 0 off ``loss_mask``), at
-    ``temperature``, from one plain forward (left padding handled by the position ids)."""
+    ``temperature``, from one plain forward (left padding handled by the position ids) under
+    autocast to ``autocast_dtype`` (None: none), as the worker samples."""
+    from microrl.engine.rollout.hf import autocast
+
     device = next(model.parameters()).device
     ids = probe["input_ids"].to(device)
     attention = probe["attention_mask"].to(device)
@@ -151,7 +164,8 @@ def score_probe(model: torch.nn.Module, probe: Mapping[str, torch.Tensor], tempe
     was_training = model.training
     model.eval()
     try:
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        with autocast(device, autocast_dtype):
+            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
     finally:
         model.train(was_training)
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
@@ -163,7 +177,8 @@ def score_probe(model: torch.nn.Module, probe: Mapping[str, torch.Tensor], tempe
 
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     """The trainer's architecture with its LoRA structure, randomly initialised: the first
-    (``full``) push overwrites every tensor."""
+    (``full``) push overwrites every tensor. Built in the base's storage dtype (parameters
+    only, as the engine stores them; the adapters fp32), never in fp32 first."""
     from transformers import AutoModelForCausalLM
 
     from microrl.engine.setup import apply_lora
@@ -172,16 +187,22 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     attention = getattr(config, "_attn_implementation", None)
     if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
         config._attn_implementation = attention.removeprefix("microrl_varlen_")
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=spec.base_dtype)
     model, _ = apply_lora(model, spec.lora)
     return model.to(spec.device).eval()
+
+
+def build_sampler(spec: WorkerSpec):
+    """The worker's :class:`~microrl.engine.rollout.HFRollout` over its model
+    (:func:`_build_model`), sampling at the engine's precision (``spec.autocast_dtype``)."""
+    from microrl.engine.rollout.hf import HFRollout
+
+    return HFRollout(_build_model(spec), spec.tokenizer, autocast_dtype=spec.autocast_dtype)
 
 
 class _Worker:
     def __init__(self, spec: WorkerSpec, commands, results) -> None:
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
-        from microrl.engine.rollout.hf import HFRollout
 
         self.spec, self.commands, self.results = spec, commands, results
         device = torch.device(spec.device)
@@ -190,8 +211,8 @@ class _Worker:
             torch.cuda.set_device(device)
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
-        self.model = _build_model(spec)
-        self.sampler = HFRollout(self.model, spec.tokenizer)
+        self.sampler = build_sampler(spec)
+        self.model = self.sampler.model
         self.env_maker = None
         if spec.env_maker is not None:
             try:
@@ -265,7 +286,9 @@ class _Worker:
                 self.tensors[name].copy_(flat[offset : offset + size].view(shape))
                 offset += size
         self.version = version
-        probe = score_probe(self.model, self.spec.probe, self.spec.temperature)
+        probe = score_probe(
+            self.model, self.spec.probe, self.spec.temperature, self.spec.autocast_dtype
+        )
         sums = tensor_checksums((n, self.tensors[n]) for n, _, _ in entries)
         seconds = time.perf_counter() - start
         self.results.put(("synced", version, dumps(probe), sums, seconds))

@@ -7,16 +7,21 @@ attention, no continuous batching), which is why the ``vllm`` backend exists (do
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from microrl.engine import setup
 from microrl.engine.base import Engine
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.distributed import gathered
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 
-__all__ = ["HFRollout"]
+__all__ = ["HFRollout", "engine_autocast_dtype", "seeded"]
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -49,6 +54,35 @@ class _LogprobRecorder(LogitsProcessor):
         return torch.stack(self.steps, dim=1)  # [B, steps]
 
 
+def engine_autocast_dtype(engine: Engine) -> torch.dtype | None:
+    """The dtype ``engine``'s forwards autocast to (None: none): what a sampler of its policy
+    runs under to sample at the trainer's precision."""
+    context = setup.autocast_context(engine.config, engine.device)
+    return context.fast_dtype if isinstance(context, torch.autocast) else None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Autocast to ``dtype`` on ``device``'s type (None: a no-op context)."""
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+@contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Run the block on generators seeded with ``seed`` (None: unchanged) and restore the
+    caller's after it: the CPU generator and, on CUDA, ``device``'s, which sampling there
+    draws from (``torch.random.fork_rng``); other devices' generators are not touched."""
+    if seed is None:
+        yield
+        return
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.default_generator.manual_seed(seed)
+        for each in cuda:
+            with torch.cuda.device(each):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
 class HFRollout(RolloutBackend):
     """Samples with ``model.generate`` from the engine's live model (or any causal LM).
 
@@ -56,6 +90,13 @@ class HFRollout(RolloutBackend):
         engine: an :class:`~microrl.engine.ActorEngine` (its ``model`` is sampled, its ``module``
             gathered under FSDP2), or a transformers causal LM.
         tokenizer: its tokenizer (``eos_token_id`` and ``pad_token_id`` set).
+        autocast_dtype: for a bare causal LM, the dtype ``generate`` autocasts to (None: none);
+            an engine's is its own (:func:`engine_autocast_dtype`).
+
+    ``generate`` runs at the trainer's precision: under the engine's autocast (bf16 on CUDA by
+    default), so the samples come from the distribution the engine trains, not from an fp32
+    forward beside a bf16 trainer. A seeded call (``params.seed``) leaves the caller's
+    generators as they were, the engine's CUDA device's included.
 
     Under data parallelism ``generate`` runs with ``synced_gpus=True``: a rank whose rows all ended
     keeps stepping until every rank is done, so all ranks run the same number of forwards, which
@@ -64,17 +105,30 @@ class HFRollout(RolloutBackend):
     for, truncate the sampling but not these log-probs).
     """
 
-    def __init__(self, engine, tokenizer) -> None:
+    def __init__(self, engine, tokenizer, *, autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__(tokenizer)
-        model = engine.model if isinstance(engine, Engine) else engine
+        is_engine = isinstance(engine, Engine)
+        model = engine.model if is_engine else engine
         if not isinstance(model, nn.Module) or not hasattr(model, "generate"):
             raise TypeError(
                 f"engine must be an engine or a transformers causal LM, got {type(engine).__name__}"
             )
+        if is_engine and autocast_dtype is not None:
+            raise ValueError(
+                "autocast_dtype is for a bare causal LM: an engine samples at its own precision "
+                "(its config's dtype)"
+            )
+        if autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"autocast_dtype must be None, bfloat16 or float16, got {autocast_dtype}"
+            )
         self.model = model
-        self._gather_root = engine.module if isinstance(engine, Engine) else model
+        self._gather_root = engine.module if is_engine else model
         # The engine's compute device: under optim.cpu_offload its parameters live on the host.
-        self._device = engine.device if isinstance(engine, Engine) else None
+        self._device = engine.device if is_engine else None
+        #: The autocast dtype ``generate`` runs under: the engine's (the trainer's precision, so
+        #: the samples come from the distribution it trains), else ``autocast_dtype``.
+        self.autocast_dtype = engine_autocast_dtype(engine) if is_engine else autocast_dtype
 
     @torch.no_grad()
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
@@ -107,14 +161,14 @@ class HFRollout(RolloutBackend):
             **sampling,
         )
         recorder = _LogprobRecorder(params.temperature)
-        generator_state = None
-        if params.seed is not None:
-            generator_state = torch.random.get_rng_state()
-            torch.manual_seed(params.seed)
         was_training = self.model.training
         self.model.eval()
         try:
-            with gathered(self._gather_root):
+            with (
+                gathered(self._gather_root),
+                seeded(params.seed, device),
+                autocast(device, self.autocast_dtype),
+            ):
                 sequences = self.model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -124,8 +178,6 @@ class HFRollout(RolloutBackend):
                 )
         finally:
             self.model.train(was_training)
-            if generator_state is not None:
-                torch.random.set_rng_state(generator_state)
         response = sequences[:, width:]
         logprobs = recorder.finish(response[:, -1])
         return Samples(token_ids=response.cpu().tolist(), logprobs=logprobs.tolist())

@@ -30,8 +30,8 @@ Weights, by vLLM's own machinery:
   ``policy_version_last`` (last token).
 
 Every push is verified as the ``hf`` worker's are: the server scores the probe batch
-(:func:`~microrl.engine.rollout.async_rollout.build_probe`) at the new version, and a log-prob
-difference above ``sync_check_tol`` raises :class:`SyncCheckError` naming the version.
+(:func:`~microrl.engine.rollout.async_rollout.build_probe`) at the new version, and a mean
+log-prob difference above ``sync_check_tol`` raises :class:`SyncCheckError` naming the version.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from microrl.engine.rollout.async_rollout import (
     draw_seed,
     probe_stats,
     sync_check_error,
+    sync_check_fails,
 )
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.engine.rollout.full_weights import FullWeights
@@ -382,7 +383,7 @@ class VLLMServerRollout(RolloutBackend):
             stats = probe_stats(expected, self._score_probe(client, version), mask)
             previous = self.sync_stats.get(version, {})
             self.sync_stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
-            if not stats["sync/probe_abs_diff_max"] <= self.sync_check_tol:
+            if sync_check_fails(stats, self.sync_check_tol):
                 pushed = "the LoRA adapter" if self.is_lora else "the full weights"
                 target = f"the vLLM server at {client.url} (server {i})"
                 raise sync_check_error(

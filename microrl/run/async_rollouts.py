@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 ROLLOUT_BUFFER_KEY = "rollout_buffer"
 #: The policy-loss keys that correct for the behaviour policy (docs/rollouts.md#asynchronous-rl).
 CORRECTIONS = ("tis_cap", "token_ratio_band", "seq_ratio_band", "decoupled_is_cap")
+# The probe statistics of a push's check, reported once per push (docs/rollouts.md).
+_PROBE_METRICS = ("sync/probe_kl", "sync/probe_abs_diff_max", "sync/probe_abs_diff_mean")
 
 
 @dataclass
@@ -178,8 +180,9 @@ class RolloutPrefetcher:
     def metrics(self, step: int, rollout: Rollout, dist_info: Dist) -> dict[str, float]:
         """``staleness/mean`` and ``staleness/max`` (trainer version ``step - 1`` minus each
         trained row's version, over every rank) and the checks of the pushes this rollout's
-        version completed: ``sync/probe_kl``, ``sync/probe_abs_diff_max`` (the largest of them
-        when several complete at once; none before a step's version has a new push)."""
+        version completed: ``sync/probe_kl``, ``sync/probe_abs_diff_max`` and
+        ``sync/probe_abs_diff_mean`` (the statistic ``rollout.sync_check_tol`` bounds; the largest
+        of each when several complete at once; none before a step's version has a new push)."""
         staleness = ((step - 1) - rollout.batch[POLICY_VERSION_KEY]).double()
         rows, total = dist_info.sum([float(len(staleness)), float(staleness.sum())])
         worst = distributed.max_over_ranks(int(staleness.max()) if len(staleness) else 0)
@@ -189,8 +192,10 @@ class RolloutPrefetcher:
         checked = [v for v in sorted(stats) if self._reported < v <= version]
         if checked:
             self._reported = checked[-1]
-            for name in ("sync/probe_kl", "sync/probe_abs_diff_max"):
-                metrics[name] = max(stats[v][name] for v in checked)
+            for name in _PROBE_METRICS:  # (a check restored from an older run may lack one)
+                values = [stats[v][name] for v in checked if name in stats[v]]
+                if values:
+                    metrics[name] = max(values)
         return metrics
 
     # ----------------------------------------------------------------- checkpoints

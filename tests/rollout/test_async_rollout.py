@@ -15,10 +15,12 @@
 from __future__ import annotations
 
 import copy
+import math
 import multiprocessing
 import os
 import signal
 import time
+import types
 
 import pytest
 import torch
@@ -29,10 +31,16 @@ from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import HFRollout, SamplingParams
 from microrl.engine.rollout.async_rollout import (
+    FP32_SYNC_CHECK_TOL,
+    LOW_PRECISION_SYNC_CHECK_TOL,
     POLICY_VERSION_KEY,
+    SYNC_CHECK_STAT,
     AsyncRollout,
     SyncCheckError,
     WorkerError,
+    build_probe,
+    default_sync_check_tol,
+    probe_stats,
 )
 from microrl.losses import broadcast_to_tokens
 from microrl.run.toy_model import build_model, build_tokenizer
@@ -205,3 +213,182 @@ def test_episodes_are_played_in_the_worker() -> None:
         with pytest.raises(WorkerError, match=r"rollout worker \(pid \d+\) died with exit code -9"):
             worker.generate(PROMPTS, SEEDED)
     assert worker.process not in multiprocessing.active_children()
+
+
+# ----------------------------------------------------------------- the check's statistic
+def test_probe_stats_equal_a_float64_hand_computation() -> None:
+    gen = torch.Generator().manual_seed(0)
+    expected = -10 * torch.rand(4, 16, generator=gen)
+    actual = expected + 0.3 * torch.randn(4, 16, generator=gen)
+    mask = torch.rand(4, 16, generator=gen) < 0.7
+    pairs = [
+        (float(e), float(a))
+        for e, a, m in zip(expected.flatten(), actual.flatten(), mask.flatten(), strict=True)
+        if m
+    ]
+    diffs = [e - a for e, a in pairs]
+    stats = probe_stats(expected, actual, mask)
+    assert stats[SYNC_CHECK_STAT] == pytest.approx(sum(abs(d) for d in diffs) / len(diffs), 1e-12)
+    assert stats["sync/probe_abs_diff_max"] == pytest.approx(max(abs(d) for d in diffs), 1e-12)
+    k3 = sum(math.exp(d) - 1 - d for d in diffs) / len(diffs)
+    assert stats["sync/probe_kl"] == pytest.approx(k3, 1e-12)
+    assert SYNC_CHECK_STAT == "sync/probe_abs_diff_mean"
+
+
+def _probe_logprobs(probe, logits: torch.Tensor) -> torch.Tensor:
+    """Token-aligned log-probs ``[B, T]`` of the probe's tokens under ``logits`` ``[B, T, V]``."""
+    ids = probe["input_ids"]
+    out = torch.zeros(ids.shape, dtype=torch.float64)
+    out[:, 1:] = logits[:, :-1].double().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.where(probe["loss_mask"], out, 0.0)
+
+
+def _bare_worker(tol: float, expected: torch.Tensor, probe) -> AsyncRollout:
+    """An AsyncRollout with no process, holding what ``_verify`` reads: one push (version 1)
+    of one tensor, whose checksum the worker matches."""
+    worker = AsyncRollout.__new__(AsyncRollout)
+    worker.name, worker.probe, worker.sync_check_tol, worker.sync_stats = (
+        "the worker",
+        probe,
+        tol,
+        {},
+    )
+    worker._expected = {1: (expected, {"w": (1.0, 2.0, 3.0)})}
+    return worker
+
+
+def test_bf16_rounding_passes_the_low_precision_check_and_a_stale_sampler_fails_it() -> None:
+    """The sampler's logits rounded to bf16 (|logit| up to ~25, rounded by up to 0.06) against
+    the trainer's float32 ones: many tokens differ by a few 1e-2, the largest by more than the
+    old 5e-2 bound on the max; the check bounds their mean and passes. A sampler whose weights
+    are far behind (a push that did not land) still fails, naming the statistic."""
+    tok = build_tokenizer()
+    probe = build_probe(512, 64, tok)
+    gen = torch.Generator().manual_seed(0)
+    # Largest logit ~21 per position, as a trained LM's: bf16 rounds it by up to 0.0625.
+    logits = 7 * torch.randn(*probe["input_ids"].shape, 512, generator=gen)
+    expected = _probe_logprobs(probe, logits).float()
+    rounded = _probe_logprobs(probe, logits.bfloat16().float()).float()
+    worker = _bare_worker(LOW_PRECISION_SYNC_CHECK_TOL, expected, probe)
+    push = worker._expected[1]
+    worker._verify(1, rounded, {"w": (1.0, 2.0, 3.0)})
+    stats = worker.sync_stats[1]
+    assert stats["sync/probe_abs_diff_max"] > 5e-2  # the old check (max <= 5e-2) failed here
+    assert 1e-2 < stats[SYNC_CHECK_STAT] < LOW_PRECISION_SYNC_CHECK_TOL / 4
+    # The worst bf16 sampler measured (bf16 weights, 16 layers; benchmarks/README.md): mean
+    # |d| 0.1.
+    noise = torch.randn(expected.shape, generator=gen)
+    noise = noise * 0.1 / noise[probe["loss_mask"]].abs().mean()
+    worker._expected[2] = push
+    worker._verify(2, expected + noise, {"w": (1.0, 2.0, 3.0)})
+    # A sampler far behind: the trainer's policy moved ~0.3 nats per token since.
+    behind = _probe_logprobs(probe, logits + 0.5 * torch.randn(logits.shape, generator=gen))
+    worker._expected[3] = push
+    with pytest.raises(SyncCheckError) as info:
+        worker._verify(3, behind.float(), {"w": (1.0, 2.0, 3.0)})
+    message = str(info.value)
+    assert f"on average ({SYNC_CHECK_STAT}, the mean |difference|" in message
+    assert f"tolerance {LOW_PRECISION_SYNC_CHECK_TOL:g}, rollout.sync_check_tol" in message
+    assert "every tensor's checksum agrees" in message
+    assert worker.sync_stats[3][SYNC_CHECK_STAT] > LOW_PRECISION_SYNC_CHECK_TOL
+
+
+def test_default_tolerances_follow_the_engine_precision() -> None:
+    tok = build_tokenizer()
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
+    )
+    for dtype, base, tol in [
+        ("float32", "float32", FP32_SYNC_CHECK_TOL),
+        ("auto", "float32", FP32_SYNC_CHECK_TOL),  # no autocast on a CPU
+        ("bfloat16", "float32", LOW_PRECISION_SYNC_CHECK_TOL),
+        ("float32", "bfloat16", LOW_PRECISION_SYNC_CHECK_TOL),
+    ]:
+        config = ActorConfig(dtype=dtype, base_dtype=base, lora=LoraConfig(rank=2))
+        engine = ActorEngine(copy.deepcopy(model), config)
+        assert default_sync_check_tol(engine) == tol, (dtype, base)
+
+
+# ----------------------------------------------------------------- the worker's precision
+def test_the_worker_spec_carries_the_engine_precision(monkeypatch) -> None:
+    """The spec carries the engine's base dtype and autocast; the worker builds its model with
+    the base in that dtype (never fp32 first; the adapters fp32, as the engine's) and samples
+    and scores the probe under that autocast. A float32 engine's worker runs neither."""
+    from microrl.engine.rollout import async_rollout
+    from microrl.engine.rollout.async_worker import build_sampler, score_probe
+
+    specs = []
+
+    class NoProcess:  # records the spec the worker would get
+        pid, exitcode = 0, None
+
+        def __init__(self, target, args, **kwargs) -> None:
+            specs.append(args[0])
+
+        def start(self) -> None:
+            pass
+
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self, timeout=None) -> None:
+            pass
+
+    spawn = multiprocessing.get_context("spawn")
+    context = types.SimpleNamespace(Queue=spawn.Queue, Process=NoProcess)
+    monkeypatch.setattr(async_rollout.mp, "get_context", lambda method: context)
+    tok = build_tokenizer()
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
+    )
+    for dtype, base in [("bfloat16", "bfloat16"), ("float32", "float32")]:
+        config = ActorConfig(dtype=dtype, base_dtype=base, lora=LoraConfig(rank=2))
+        engine = ActorEngine(copy.deepcopy(model), config)
+        AsyncRollout(engine, tok, wait=False, check_threads=False).close()
+    low, full = specs
+    assert (low.base_dtype, low.autocast_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (full.base_dtype, full.autocast_dtype) == (torch.float32, None)
+
+    sampler = build_sampler(low)
+    dtypes = {n: p.dtype for n, p in sampler.model.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.self_attn.q_proj.lora_A.default.weight"] == torch.float32
+    seen = []
+    sampler.model.register_forward_pre_hook(
+        lambda module, args: seen.append(torch.is_autocast_enabled("cpu"))
+    )
+    score_probe(sampler.model, low.probe, 1.0, low.autocast_dtype)
+    sampler.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1))
+    assert len(seen) >= 3 and all(seen)  # the probe and each generated token's forward
+    plain = build_sampler(full)
+    assert plain.autocast_dtype is None
+    assert {p.dtype for p in plain.model.parameters()} == {torch.float32}
+
+
+def test_a_bf16_engine_worker_samples_and_checks_at_bf16() -> None:
+    """End to end, a full fine-tune under bf16 autocast: the worker samples what the engine's
+    own ``HFRollout`` samples (both under the engine's autocast), its log-probs are bf16's (not
+    an fp32 forward's), and its pushes pass the 16-bit check."""
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2), tok
+    )
+    engine = ActorEngine(model, ActorConfig(dtype="bfloat16", micro_batch_size=16))
+    with AsyncRollout(engine, tok) as worker:
+        assert worker.sync_check_tol == LOW_PRECISION_SYNC_CHECK_TOL
+        rollout = worker.generate(PROMPTS, SEEDED)
+        _same(rollout, HFRollout(engine, tok).generate(PROMPTS, SEEDED))
+        stats = worker.sync_stats[0]
+        assert 0 < stats[SYNC_CHECK_STAT] < LOW_PRECISION_SYNC_CHECK_TOL / 10
+    batch = rollout.batch
+    with torch.no_grad():  # an fp32 forward of the same tokens
+        am = batch["attention_mask"].long()
+        logits = engine.model(
+            input_ids=batch["input_ids"],
+            attention_mask=am,
+            position_ids=(am.cumsum(-1) - 1).clamp(min=0),
+        ).logits.float()
+    fp32 = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    mask = batch["loss_mask"][:, 1:]
+    assert (fp32 - batch["rollout_logprobs"][:, 1:])[mask].abs().max() > 1e-3

@@ -172,3 +172,115 @@ def test_build_rollout_equals_a_row_by_row_layout() -> None:
         assert batch["rollout_logprobs"][row].tolist() == pytest.approx(expected)
     assert batch["truncated"].tolist() == [eos not in t for t in token_ids]
     assert batch["attention_mask"].dtype == batch["loss_mask"].dtype == torch.bool
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_generate_samples_at_the_engine_precision(dtype, monkeypatch) -> None:
+    """``generate`` runs under the engine's autocast (bf16 here, as on CUDA by default), so the
+    sampler's precision is the trainer's; a float32 engine samples without autocast."""
+    from microrl.configs import ActorConfig
+    from microrl.engine import ActorEngine
+
+    tok = build_tokenizer()
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
+    )
+    engine = ActorEngine(model, ActorConfig(dtype=dtype))
+    seen = []
+    generate = engine.model.generate
+
+    def spying(*args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "generate", spying)
+    rollout = HFRollout(engine, tok).generate(["1+2="], SamplingParams(max_new_tokens=3, seed=1))
+    assert rollout.batch["rollout_logprobs"].dtype == torch.float32
+    expected = (True, torch.bfloat16) if dtype == "bfloat16" else (False, torch.bfloat16)
+    assert seen == [expected]
+    assert not torch.is_autocast_enabled("cpu")  # left as it was
+    with pytest.raises(ValueError, match="autocast_dtype is for a bare causal LM"):
+        HFRollout(engine, tok, autocast_dtype=torch.bfloat16)
+
+
+class _FakeCudaGenerators:
+    """Per-device CUDA generator states, standing in for torch.cuda's seeding functions on a
+    CPU-only build: which devices were seeded, forked and restored."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.states = {0: "state 0", 1: "state 1"}
+        self.current = 0
+        self.forked: list[list] = []
+        cuda = torch.cuda
+        monkeypatch.setattr(
+            cuda, "get_rng_state", lambda device="cuda": self.states[self._index(device)]
+        )
+        monkeypatch.setattr(cuda, "set_rng_state", self._set)
+        monkeypatch.setattr(cuda, "manual_seed", self._seed)
+        monkeypatch.setattr(cuda, "manual_seed_all", self._seed_all)
+        monkeypatch.setattr(cuda, "device", self._device)
+        fork_rng = torch.random.fork_rng
+
+        def recording_fork_rng(devices=None, *args, **kwargs):
+            devices = None if devices is None else list(devices)
+            self.forked.append(devices)
+            return fork_rng(devices, *args, **kwargs)
+
+        monkeypatch.setattr(torch.random, "fork_rng", recording_fork_rng)
+
+    def _index(self, device) -> int:
+        device = torch.device(device) if not isinstance(device, int) else device
+        return device if isinstance(device, int) else (device.index or self.current)
+
+    def _set(self, state, device="cuda") -> None:
+        self.states[self._index(device)] = state
+
+    def _seed(self, seed) -> None:
+        self.states[self.current] = f"seeded {seed}"
+
+    def _seed_all(self, seed) -> None:
+        self.states = {d: f"seeded {seed}" for d in self.states}
+
+    def _device(self, device):
+        import contextlib
+
+        @contextlib.contextmanager
+        def current():
+            previous, self.current = self.current, self._index(device)
+            try:
+                yield
+            finally:
+                self.current = previous
+
+        return current()
+
+
+def test_seeded_sampling_leaves_the_cuda_generators_unchanged(monkeypatch) -> None:
+    """A seeded ``generate`` restores the caller's generators: on a CUDA engine the CPU's and its
+    device's (``fork_rng(devices=[device])``), seeding no other device's; on a CPU engine it
+    never touches CUDA's (``torch.manual_seed`` would reseed every GPU's generator)."""
+    tok = build_tokenizer()
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
+    )
+    fake = _FakeCudaGenerators(monkeypatch)
+    params = SamplingParams(num_samples=2, max_new_tokens=3, seed=3)
+    cpu_state = torch.random.get_rng_state()
+    first = HFRollout(model, tok).generate(["1+2="], params)
+    assert fake.states == {0: "state 0", 1: "state 1"}
+    assert torch.equal(torch.random.get_rng_state(), cpu_state)
+    again = HFRollout(model, tok).generate(["1+2="], params)
+    assert torch.equal(first.batch["input_ids"], again.batch["input_ids"])
+
+    from microrl.engine.rollout.hf import seeded
+
+    fake.forked.clear()
+    with seeded(5, torch.device("cuda", 1)):
+        assert fake.states == {0: "state 0", 1: "seeded 5"}  # the engine's device only
+        torch.rand(3)
+    assert fake.forked == [[torch.device("cuda", 1)]]
+    assert fake.states == {0: "state 0", 1: "state 1"}
+    assert torch.equal(torch.random.get_rng_state(), cpu_state)
+    with seeded(None, torch.device("cuda", 1)):  # unseeded: nothing forked
+        pass
+    assert fake.forked == [[torch.device("cuda", 1)]]

@@ -193,6 +193,48 @@ def test_the_server_rollout_refuses_settings_it_cannot_apply(keyed_server, token
         VLLMServerRollout(engine, tokenizer, config)
 
 
+# ----------------------------------------------------------------- the probe check (no vLLM)
+def test_the_servers_check_bounds_the_mean_difference_not_one_tokens(monkeypatch):
+    """A server's probe is its only check (no checksums): bf16-like rounding of many tokens,
+    the largest above the old 5e-2 bound on the max, passes the 16-bit default; a server far
+    behind fails, naming the server and the statistic."""
+    from concurrent.futures import Future
+
+    from microrl.engine.rollout.async_rollout import LOW_PRECISION_SYNC_CHECK_TOL, build_probe
+    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.run.toy_model import build_tokenizer
+
+    rollout = VLLMServerRollout.__new__(VLLMServerRollout)  # no servers: _check's inputs only
+    rollout.probe = build_probe(512, 64, build_tokenizer())
+    rollout.sync_check_tol, rollout.sync_stats, rollout.is_lora = (
+        LOW_PRECISION_SYNC_CHECK_TOL,
+        {},
+        True,
+    )
+    rollout.clients = [ServerClient("http://127.0.0.1:1"), ServerClient("http://127.0.0.1:2")]
+    mask = rollout.probe["loss_mask"]
+    gen = torch.Generator().manual_seed(0)
+    expected = torch.where(mask, -10 * torch.rand(mask.shape, generator=gen), 0.0)
+    rounding = torch.where(mask, 0.06 * (2 * torch.rand(mask.shape, generator=gen) - 1), 0.0)
+    rounding[1, -1] = 0.07  # one token's rounding above the old bound
+    answers = {}
+    monkeypatch.setattr(VLLMServerRollout, "_score_probe", lambda self, c, v: answers[c.url])
+    loaded = Future()
+    loaded.set_result(None)
+    for client in rollout.clients:
+        answers[client.url] = expected + rounding
+    rollout._check(1, loaded, expected)
+    assert rollout.sync_stats[1]["sync/probe_abs_diff_max"] == pytest.approx(0.07, abs=1e-6)
+    assert rollout.sync_stats[1]["sync/probe_abs_diff_mean"] < 0.04
+    answers["http://127.0.0.1:2"] = expected + torch.where(mask, 0.5, 0.0)  # far behind
+    with pytest.raises(SyncCheckError) as info:
+        rollout._check(2, loaded, expected)
+    message = str(info.value)
+    assert "to the vLLM server at http://127.0.0.1:2 (server 1) failed its check" in message
+    assert "differ by 0.5 on average (sync/probe_abs_diff_mean" in message
+    assert "pushed: the LoRA adapter" in message
+
+
 # ----------------------------------------------------------------- real servers
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -49,7 +49,11 @@ class FakeWorker:
 
     def sync(self, engine) -> None:
         self.version += 1
-        self.sync_stats[self.version] = {"sync/probe_kl": 1e-9, "sync/probe_abs_diff_max": 1e-6}
+        self.sync_stats[self.version] = {
+            "sync/probe_kl": 1e-9,
+            "sync/probe_abs_diff_max": 1e-6 * self.version,
+            "sync/probe_abs_diff_mean": 1e-7 * self.version,
+        }
         self.log.append(("sync", self.version))
 
     def poll(self) -> None:
@@ -128,6 +132,12 @@ def test_each_step_trains_its_prompts_at_the_staleness_bound(k) -> None:
     # Each push's check is reported once, at the first step trained on its version.
     reported = [s for s in metrics if "sync/probe_kl" in metrics[s]]
     assert reported == [1, *range(k + 2, steps + 1)]
+    # ... with the statistic the check bounds (the base's check of the fake carries none).
+    for step in reported[1:]:
+        version = step - 1 - k
+        assert metrics[step]["sync/probe_abs_diff_max"] == pytest.approx(1e-6 * version)
+        assert metrics[step]["sync/probe_abs_diff_mean"] == pytest.approx(1e-7 * version)
+    assert "sync/probe_abs_diff_mean" not in metrics[1]
 
 
 @pytest.mark.parametrize("stop_after", [1, 3, 5])
