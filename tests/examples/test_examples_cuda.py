@@ -70,6 +70,22 @@ def test_multi_turn_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
     assert "episodes/turns_mean" in read_metrics(tmp_path / "episodes" / "metrics.jsonl")[-1]
 
 
+def test_asynchronous_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
+    """rollout.max_staleness=1: the prefetched host rollouts, the staleness metrics and each
+    push's probe check on the trainer's GPU. The simulation reaches no other process: the hf
+    worker samples on the CPU, where the real one takes the trainer's GPU."""
+    from microrl.engine.rollout import async_rollout
+
+    spec = async_rollout.WorkerSpec
+    monkeypatch.setattr(async_rollout, "WorkerSpec", lambda **kw: spec(**{**kw, "device": "cpu"}))
+    args = _args(base_model, tmp_path / "async", "actor.device=cuda", "rollout.max_staleness=1")
+    with simulated_cuda(monkeypatch):
+        assert load_example("grpo_lora").main(args) == 0
+    records = read_metrics(tmp_path / "async" / "metrics.jsonl")
+    assert records[-1]["staleness/max"] == 1
+    assert any("sync/probe_abs_diff_mean" in r for r in records), records
+
+
 def test_ppo_on_a_gpu_keeps_every_tensor_on_it(base_model, tmp_path, monkeypatch) -> None:
     """GAE over the critic's device values and the rollout's rewards, the whitening, the
     entropy metric: all on the GPU."""
