@@ -8,10 +8,13 @@ a collective refuses a host tensor on a group asked for NCCL alone.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-import torch.distributed as dist
-from device_utils import check_collectives, simulated_cuda
+from device_utils import simulated_cuda
 from tensordict import TensorDict
 
 MIX = "Expected all tensors to be on the same device"
@@ -54,22 +57,39 @@ def test_models_train_and_tensordicts_move_on_a_simulated_gpu(monkeypatch) -> No
         assert batch["a"].half().device.type == "cuda"  # a dtype change stays on the GPU
 
 
-def test_a_collective_refuses_host_tensors_on_a_group_asked_for_nccl(monkeypatch) -> None:
-    from microrl.engine.parallel import distributed
+# Its own process: a default group another test left (FSDP2 over one rank) would be in the way.
+NCCL_GROUP = """
+import sys
 
-    with simulated_cuda(monkeypatch) as sim:
-        asked = check_collectives(monkeypatch, sim)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            assert asked == ["nccl"] and dist.get_backend() == "nccl"
-            with pytest.raises(
-                RuntimeError, match="No backend type associated with device type cpu"
-            ):
-                dist.all_reduce(torch.ones(2, dtype=torch.float64))
-            dist.all_reduce(torch.ones(2, device="cuda"))
-            # microrl's reduction takes a host tensor to this rank's GPU and back.
-            assert distributed.collective_device("cpu") == torch.device("cuda", 0)
-            reduced = distributed.all_reduce(torch.ones(2, dtype=torch.float64))
-            assert reduced.device.type == "cpu" and reduced.tolist() == [1.0, 1.0]
-        finally:
-            dist.destroy_process_group()
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, sys.argv[1])
+from device_utils import check_collectives, simulated_cuda
+
+from microrl.engine.parallel import distributed
+
+monkeypatch = pytest.MonkeyPatch()
+with simulated_cuda(monkeypatch) as sim:
+    asked = check_collectives(monkeypatch, sim)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    assert asked == ["nccl"] and dist.get_backend() == "nccl"
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))
+    dist.all_reduce(torch.ones(2, device="cuda"))
+    # microrl's reduction takes a host tensor to this rank's GPU and back.
+    assert distributed.collective_device("cpu") == torch.device("cuda", 0)
+    reduced = distributed.all_reduce(torch.ones(2, dtype=torch.float64))
+    assert reduced.device.type == "cpu" and reduced.tolist() == [1.0, 1.0]
+    dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_a_collective_refuses_host_tensors_on_a_group_asked_for_nccl() -> None:
+    tests = Path(__file__).resolve().parent
+    result = subprocess.run(
+        [sys.executable, "-c", NCCL_GROUP, str(tests)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
