@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ import torch
 
 from microrl.configs.rollout import parse_gpu_list
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.vllm_transfer import IPC_BACKEND
+from microrl.engine.rollout.vllm_transfer import IPC_BACKEND, is_loopback
 
 __all__ = [
     "IPC_BACKEND",
@@ -140,7 +139,7 @@ def trainer_address(server_url: str, configured: str = "") -> str:
     host = parts.hostname
     if not host:
         raise ValueError(f"rollout.server_url: no host in {server_url!r}")
-    if _is_loopback(host):
+    if is_loopback(host):
         return "127.0.0.1"
     try:
         family, _, _, _, target = socket.getaddrinfo(
@@ -154,15 +153,6 @@ def trainer_address(server_url: str, configured: str = "") -> str:
             f"cannot find this host's address on the route to the vLLM server at {server_url} "
             f"({err}); set rollout.vllm.trainer_address to an address of this host it reaches"
         ) from err
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _local_rank_and_world() -> tuple[int, int]:

@@ -121,6 +121,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "IPC_BACKEND",
     "WeightPusher",
+    "is_loopback",
     "register",
     *_VLLM_CLASSES,
 ]
@@ -190,12 +191,13 @@ def _gloo_device(address: str) -> Any:
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     if interface:
         return ProcessGroupGloo.create_device(interface=interface.split(",")[0])
-    if _is_loopback(address):
+    if is_loopback(address):
         return ProcessGroupGloo.create_device(hostname=address)
     return ProcessGroupGloo.create_default_device()
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (a host name or IP) is this machine's loopback."""
     if address == "localhost":
         return True
     try:
