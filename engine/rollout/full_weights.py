@@ -31,6 +31,8 @@ class FullWeights:
             tied ones under each of their names as a checkpoint holds them.
         device: where each full tensor is handed over (``"cpu"``: a CPU copy, what gloo
             sends); None: where it was gathered (the trainer's GPU under NCCL).
+        dtype: the dtype each is handed over in (the sampler's: a bf16 vLLM takes half the
+            bytes of the trainer's fp32 master weights); None: its own.
 
     Iterating is collective under ``torchrun`` when the model is sharded: every rank must
     iterate the same passes in the same order. Pair ``i`` is valid until pair ``i + 1`` is
@@ -44,10 +46,12 @@ class FullWeights:
         *,
         trainable_only: bool = False,
         device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.module, self.prefix = module, prefix
         self.trainable_only = trainable_only
         self.device = None if device is None else torch.device(device)
+        self.dtype = dtype
 
     def _sharded(self) -> dict[str, torch.Tensor]:
         """The state dict as the ranks hold it (shards as DTensors: nothing gathered or copied)."""
@@ -60,13 +64,14 @@ class FullWeights:
 
     def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, full shape)`` of every pair iteration yields, in order; no gather."""
-        return [(name, v.dtype, tuple(v.shape)) for name, v in self._sharded().items()]
+        state = self._sharded().items()
+        return [(name, self.dtype or v.dtype, tuple(v.shape)) for name, v in state]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, value in self._sharded().items():
             full = materialize(value)
-            if self.device is not None:
-                full = full.to(self.device)
+            if self.device is not None or self.dtype is not None:
+                full = full.to(device=self.device, dtype=self.dtype)
             yield name, full
             del full  # before the next gather: one full tensor at a time
 

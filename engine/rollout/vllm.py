@@ -26,19 +26,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import logging
 import os
 import random
 import shutil
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine.checkpoint.export import (
@@ -49,6 +46,7 @@ from microrl.engine.checkpoint.export import (
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.full_weights import FullWeights
 from microrl.engine.rollout.vllm_args import (
     CPU_OWNED,
     IN_PROCESS_OWNED,
@@ -61,7 +59,7 @@ from microrl.engine.rollout.vllm_args import (
     user_engine_args,
 )
 
-__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level", "stream_weights"]
+__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
@@ -285,8 +283,8 @@ class VLLMRollout(RolloutBackend):
 
     def _sync_full(self, engine) -> None:
         prefix, _ = locate_base_model(engine.module)
-        dtype = getattr(torch, self.dtype)
-        weights = stream_weights(engine.module, prefix, dtype)
+        # One full tensor at a time, in vLLM's dtype (never the whole model on the GPU).
+        weights = FullWeights(engine.module, prefix, dtype=getattr(torch, self.dtype))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self._weights_lost = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -438,37 +436,6 @@ def _keep_default_group(keep: bool):
         yield
     finally:
         dist.destroy_process_group = original
-
-
-def stream_weights(module, prefix: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` of the causal LM at ``prefix`` in ``module``, one at a time:
-    each parameter (and persistent buffer) gathered (an FSDP2 or tensor-parallel ``DTensor``:
-    ``full_tensor()``, on its mesh's device), cast to ``dtype``, yielded, and dropped before the
-    next is gathered, so a consumer that loads and drops each holds one extra tensor at a time.
-    Collective under ``torchrun``: every rank iterates it to the end, in the same order."""
-    # Every name a checkpoint has, tied weights under each of theirs (vLLM loads a tied lm head
-    # by its own name), as ``state_dict()`` lists them.
-    params = module.named_parameters(remove_duplicate=False)
-    tensors = itertools.chain(params, _persistent_buffers(module))
-    for name, tensor in tensors:
-        if not name.startswith(prefix):
-            continue
-        full = tensor.detach()
-        if isinstance(full, DTensor):
-            if full.device.type != full.device_mesh.device_type:  # a host shard (cpu_offload)
-                full = full.to(full.device_mesh.device_type)
-            full = full.full_tensor()
-        full = full.to(dtype)  # the gathered tensor in another dtype is dropped here
-        yield name[len(prefix) :], full
-        del full  # before the next one is gathered
-
-
-def _persistent_buffers(module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The buffers a checkpoint holds (a causal LM's rotary tables are not among them)."""
-    for module_name, child in module.named_modules():
-        for name, buffer in child.named_buffers(recurse=False):
-            if buffer is not None and name not in child._non_persistent_buffers_set:
-                yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
 def _llm_args(vllm) -> set[str]:

@@ -178,6 +178,9 @@ class VLLMServerRollout(RolloutBackend):
         self._context = threading.local()
         self._servers, self._pushers = [], []
         self._server_gpus: list[list[int]] | None = None  # cuda:N of each local server
+        # The dtype full-weight pushes travel in: the local servers' (a bf16 server takes half
+        # the bytes of fp32 master weights); None, the trainer's, for servers the user started.
+        self._push_dtype: torch.dtype | None = None
         self._pushes_per_sync = num_workers  # the most servers any rank pushes to
         self._closed = False
         self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
@@ -240,8 +243,10 @@ class VLLMServerRollout(RolloutBackend):
         owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if on_cpu else {})}
         if not self.is_lora:  # a cached block computed with old weights must not serve new ones
             owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
+        dtype = resolve_dtype(cfg.dtype, self.engine, base)
+        self._push_dtype = getattr(torch, dtype)
         options = dict(
-            dtype=resolve_dtype(cfg.dtype, self.engine, base),
+            dtype=dtype,
             max_model_len=cfg.max_model_len,
             kv_cache_mb=cfg.kv_cache_memory_mb or (256 if on_cpu else 0),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -408,7 +413,12 @@ class VLLMServerRollout(RolloutBackend):
         """Push ``engine``'s weights to every server, one full tensor at a time: on the
         trainer's GPU for NCCL and IPC, CPU tensors for gloo."""
         on_gpu = self._pushers and self._pushers[0].backend != "gloo"
-        weights = FullWeights(engine.module, self._prefix, device=None if on_gpu else "cpu")
+        weights = FullWeights(
+            engine.module,
+            self._prefix,
+            device=None if on_gpu else "cpu",
+            dtype=self._push_dtype,
+        )
         for client, pusher in zip(self.clients, self._pushers, strict=True):
             if pause:  # in flight: running requests freeze, then continue on the new weights
                 client.post("pause", mode="keep")

@@ -52,6 +52,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.init_infos, self.pushed, self.alive_before = [], [], []
+        self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []  # (declared, pushed) per pair
 
     def engine(self, cls, init_info, *, client, source=None):
         self.init_infos.append(init_info)
@@ -59,9 +60,10 @@ class Recorder:
 
         class Engine:
             def send_weights(self):
-                source.metadata()  # what vLLM's engines read first
+                declared = iter(source.metadata())  # what vLLM's engines read first
                 refs = []
                 for name, tensor in source:  # then the pairs, one after the other
+                    recorder.dtypes.append((next(declared).dtype, tensor.dtype))
                     recorder.alive_before.append(sum(r() is not None for r in refs))
                     recorder.pushed.append((name, tensor.device.type, tensor))
                     refs.append(weakref.ref(tensor))
@@ -158,7 +160,20 @@ def test_a_gpu_push_streams_cuda_tensors_to_a_remote_server(tokenizer, monkeypat
     assert StubClient.posts.count("pause") == StubClient.posts.count("resume") == 1
 
 
-def test_a_push_gathers_one_sharded_tensor_at_a_time(tokenizer, monkeypatch, transfer):
+@pytest.fixture
+def own_process_group():
+    """The one-rank group a CPU-offload engine starts for FSDP2 (kept until exit by design),
+    ended after the test: later tests expect a process without one."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_push_gathers_one_sharded_tensor_at_a_time(
+    tokenizer, monkeypatch, transfer, own_process_group
+):
     """An FSDP2-sharded trainer (one rank, CPU offload): every tensor is all-gathered only when
     the transfer reaches it and gone before the next arrives, never the whole model at once;
     the values are the model's full state dict."""
@@ -219,6 +234,8 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
     assert [i.backend for i in transfer.init_infos] == ["microrl_ipc", "nccl"]
     assert transfer.init_infos[1].world_size == 3  # the trainer and the server's 2 TP workers
     assert {device for _, device, _ in transfer.pushed} == {"cuda"}
+    # In the servers' dtype (bf16 where the trainer autocasts): half the fp32 master weights.
+    assert set(transfer.dtypes) == {(torch.bfloat16, torch.bfloat16)}, set(transfer.dtypes)
 
 
 # ----------------------------------------------------------------------------- the pusher
