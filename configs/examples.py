@@ -95,7 +95,7 @@ def _check_overlong(task: TaskConfig, rollout: RolloutConfig) -> None:
 
 
 def _check_async(actor: ActorConfig, rollout: RolloutConfig) -> None:
-    # Both recipes' rules for rollout.max_staleness = k > 0 (docs/rollouts.md#asynchronous-rl):
+    # Both recipes' rules for rollout.max_staleness = k > 0 (docs/async.md):
     # the trainer recomputes the old log-probs (the proximal policy the ratio is anchored on; the
     # bypass would anchor it on a stale policy's), and one worker samples for each data rank.
     k = rollout.max_staleness
@@ -135,7 +135,7 @@ class GRPOExampleConfig:
         _check_actor_and_batches(self.actor, self.rollout, self.train)
         _check_overlong(self.task, self.rollout)
         # Asynchronous RL samples a step's prompts before the rewards of the steps before are in:
-        # dynamic sampling decides further rounds from rewards (docs/rollouts.md#asynchronous-rl).
+        # dynamic sampling decides further rounds from rewards (docs/async.md).
         k = self.rollout.max_staleness
         require(
             k == 0 or not self.rollout.dynamic_sampling,

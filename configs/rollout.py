@@ -21,7 +21,7 @@ class VLLMConfig:
     all (weights and KV cache), so on a GPU shared with training it must leave room for the
     trainer; on a CPU vLLM reads it as a fraction of the machine's memory, which is why the KV
     cache gets a fixed size there (``kv_cache_memory_mb``). ``gpus``, ``tensor_parallel_size``
-    and ``trainer_address`` place the servers and reach them (docs/rollouts.md#vllm-servers);
+    and ``trainer_address`` place the servers and reach them (docs/async.md#vllm-servers);
     ``engine_kwargs`` passes any other vLLM engine argument through
     (docs/rollouts.md#vllm-engine-arguments); ``sleep_level`` frees the in-process engine's
     memory while the trainer trains (docs/rollouts.md#sleep-mode).

@@ -271,7 +271,7 @@ class RolloutConfig:
         "dynamic_sampling: most sampling rounds per step; then short ranks top up with the last "
         "round's equal-reward groups",
     )
-    # Asynchronous RL (docs/rollouts.md#asynchronous-rl): a worker process samples the next
+    # Asynchronous RL (docs/async.md): a worker process samples the next
     # steps while the trainer trains, at most max_staleness policy versions behind.
     max_staleness: int = config_field(
         0,
@@ -295,7 +295,7 @@ class RolloutConfig:
     server_url: str = config_field(
         "",
         "max_staleness > 0, vllm: comma-separated URLs of vllm serve servers the user started "
-        "(docs/rollouts.md#vllm-servers); empty: microrl starts num_workers on localhost",
+        "(docs/async.md#vllm-servers); empty: microrl starts num_workers on localhost",
     )
     server_api_key: str = config_field(
         "",

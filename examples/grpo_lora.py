@@ -41,7 +41,7 @@ Sampling is ``rollout.backend``: ``hf`` (transformers ``generate`` on the traine
 ``rollout.max_staleness=k > 0`` (``hf``) a worker process samples the next steps' rollouts while
 this one trains, with weights at most k steps old, pushed and checked after every step; the old
 log-probs (3 below) are then the trainer's own, the proximal policy, and the sampler's the
-behaviour policy (``actor.policy_loss.decoupled_is_cap``; docs/rollouts.md#asynchronous-rl).
+behaviour policy (``actor.policy_loss.decoupled_is_cap``; docs/async.md).
 """
 
 from __future__ import annotations

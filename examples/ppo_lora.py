@@ -35,7 +35,7 @@ while this one trains, with the actor's weights at most k steps old, pushed and 
 every step. The old log-probs and the critic's values (3 below) are still computed here, on the
 collected rollout at the current weights: the old log-probs are the proximal policy the ratio is
 anchored on, the sampler's the behaviour policy (``actor.policy_loss.decoupled_is_cap``;
-docs/rollouts.md#asynchronous-rl).
+docs/async.md).
 
 Each step: 1 sample -> 2 score -> 3 old/ref log-probs and values -> 4 GAE -> 5 update both -> 6 log.
 """

@@ -6,9 +6,7 @@ from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 from microrl.engine.rollout.base import RolloutBackend
 from microrl.engine.rollout.hf import HFRollout
 
-__all__ = ["BACKENDS", "make_rollout_backend"]
-
-BACKENDS = ROLLOUT_BACKENDS
+__all__ = ["make_rollout_backend"]
 
 
 def make_rollout_backend(
@@ -26,4 +24,6 @@ def make_rollout_backend(
         from microrl.engine.rollout.vllm import VLLMRollout
 
         return VLLMRollout(engine, tokenizer, vllm or VLLMConfig())
-    raise ValueError(f"rollout.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    raise ValueError(
+        f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got {backend!r}"
+    )

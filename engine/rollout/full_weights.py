@@ -1,4 +1,4 @@
-"""A trained model's full tensors, gathered one at a time (docs/rollouts.md#vllm-servers).
+"""A trained model's full tensors, gathered one at a time (docs/async.md#vllm-servers).
 
 :class:`FullWeights` is what a weight push reads: the causal LM's tensors by their checkpoint
 names, each FSDP2/tensor-parallel ``DTensor`` all-gathered (``full_tensor()``, on every rank)

@@ -2,7 +2,7 @@
 
 A row is ``[left-padded prompt | response, right-padded]``, with ``loss_mask`` on the response:
 exactly the layout the engine scores, so the log-probs it computes refer to the very tokens that
-were sampled (:func:`build_rollout`) or taught (:func:`sft_batch`).
+were sampled (:func:`build_rollout`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-__all__ = ["Samples", "build_rollout", "sft_batch"]
+__all__ = ["Samples", "build_rollout"]
 
 
 @dataclass
@@ -93,30 +93,4 @@ def build_rollout(
             "truncated": torch.tensor(truncated, dtype=torch.bool),
         },
         batch_size=[rows],
-    )
-
-
-def sft_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> TensorDict:
-    """Teacher-forcing rows ``prompt + answer + <eos>``, loss on ``answer + <eos>`` (``[B, T]``)."""
-    if len(prompts) != len(answers) or not prompts:
-        raise ValueError(
-            f"need as many answers as prompts (>0), got {len(prompts)}, {len(answers)}"
-        )
-    rows, masks = [], []
-    for prompt, answer in zip(prompts, answers, strict=True):
-        p = tokenizer(prompt)["input_ids"]
-        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(p + a)
-        masks.append([0] * len(p) + [1] * len(a))
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    # Right padding here: the engine takes any padding, and nothing is generated from these rows.
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    attention = torch.tensor(
-        [[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool
-    )
-    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
-    return TensorDict(
-        {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask},
-        batch_size=[len(rows)],
     )

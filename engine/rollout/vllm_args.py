@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -171,11 +172,16 @@ def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
     if distributed.is_distributed():
         return {"distributed_executor_backend": "external_launcher"}, env
     if on_gpu and index != 0:
-        from microrl.engine.rollout.vllm_serve import _free_port  # (it imports this module)
-
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         return {"distributed_executor_backend": "external_launcher"}, env
     return {}, {}
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def gpu_index(device: torch.device) -> int:

@@ -2,7 +2,7 @@
 # vLLM servers for microrl's trainers on one node: one `vllm serve` per GPU, each on its own GPU
 # and port. examples/slurm/grpo_lora.sbatch runs it on every server node (srun, one task per
 # node) when VLLM_NODES > 0; it runs until the job step is stopped. The arguments are the ones
-# microrl gives its own servers for a LoRA run (docs/rollouts.md#vllm-servers).
+# microrl gives its own servers for a LoRA run (docs/async.md#vllm-servers).
 #
 # From the environment: MODEL (the trainers' model.path), GPUS_PER_NODE, VLLM_PORT, LORA_RANK,
 # MAX_MODEL_LEN, OUTPUT_DIR (the logs go to OUTPUT_DIR/vllm/), VLLM_API_KEY (vLLM reads it).
@@ -11,7 +11,7 @@ set -euo pipefail
 : "${OUTPUT_DIR:?}" "${VLLM_API_KEY:?the servers API key (the trainers send the same)}"
 
 # EDIT: this node's address on the private network the trainers reach (never a public one:
-# vLLM's API key does not guard its weight-update routes; docs/rollouts.md#vllm-servers).
+# vLLM's API key does not guard its weight-update routes; docs/async.md#vllm-servers).
 HOST=${SLURMD_NODENAME:-$(hostname)}
 export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True  # /v1/load_lora_adapter: a new adapter every sync
 mkdir -p "$OUTPUT_DIR/vllm"

@@ -6,24 +6,24 @@
 :mod:`~microrl.run.session` (samplers, evaluation, tracking and shutdown around the RL step),
 :mod:`~microrl.run.dynamic_sampling` (DAPO's dynamic sampling: groups whose rewards differ),
 :mod:`~microrl.run.sampling` (sample or play episodes, and score, for any task),
-:mod:`~microrl.run.async_rollouts` (asynchronous RL: rollouts sampled ahead by a worker under
+:mod:`~microrl.run.prefetcher` (asynchronous RL: rollouts sampled ahead by a worker under
 ``rollout.max_staleness``) and
 :mod:`~microrl.run.base_model` (the base model RL starts from: a local checkpoint, a Hugging Face
 Hub model, or the toy model of :mod:`~microrl.run.toy_model` warm-started once).
 """
 
-from microrl.run.async_rollouts import (
+from microrl.run.base_model import prepare_base_model
+from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
+from microrl.run.cli import parse_cli, prepare_output
+from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
+from microrl.run.dynamic_sampling import DynamicSample, dynamic_sample
+from microrl.run.prefetcher import (
     RolloutPrefetcher,
     close_on_exit,
     resumed_rollouts,
     start_prefetcher,
     warn_if_uncorrected,
 )
-from microrl.run.base_model import prepare_base_model
-from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
-from microrl.run.cli import parse_cli, prepare_output
-from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
-from microrl.run.dynamic_sampling import DynamicSample, dynamic_sample
 from microrl.run.sampling import episode_metrics, sample_and_score, score_rollout, whole_groups
 from microrl.run.session import (
     evaluate_accuracy,

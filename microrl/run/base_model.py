@@ -21,8 +21,10 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import torch
+from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
@@ -30,7 +32,7 @@ from microrl.configs.run import TOY_MODEL_PATHS, ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.parallel.nodes import SEVERAL_NODES_DOC, gather_with_hosts, list_ranks
-from microrl.engine.rollout import HFRollout, sft_batch
+from microrl.engine.rollout import HFRollout
 from microrl.hub import download_hint, download_model, first_line, is_hub_name
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
@@ -213,4 +215,30 @@ def _warm_start(
     dist_info.barrier()
     log(
         f"saved the base model to {cfg.path} ({time.perf_counter() - start:.0f}s, accuracy {accuracy:.3f})"
+    )
+
+
+def sft_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> TensorDict:
+    """Teacher-forcing rows ``prompt + answer + <eos>``, loss on ``answer + <eos>`` (``[B, T]``)."""
+    if len(prompts) != len(answers) or not prompts:
+        raise ValueError(
+            f"need as many answers as prompts (>0), got {len(prompts)}, {len(answers)}"
+        )
+    rows, masks = [], []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        p = tokenizer(prompt)["input_ids"]
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p + a)
+        masks.append([0] * len(p) + [1] * len(a))
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    # Right padding here: the engine takes any padding, and nothing is generated from these rows.
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    attention = torch.tensor(
+        [[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool
+    )
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
+    return TensorDict(
+        {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask},
+        batch_size=[len(rows)],
     )

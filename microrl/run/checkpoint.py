@@ -102,7 +102,7 @@ def save_run(
     ``extra_state``: more of this rank's loop state, saved beside its RNG states and given back
     by :func:`load_run` (tensors, strings, numbers, lists and dicts of them: it is read with
     ``weights_only=True``), e.g. the rollouts an asynchronous run sampled ahead
-    (:meth:`microrl.run.async_rollouts.RolloutPrefetcher.state_dict`).
+    (:meth:`microrl.run.prefetcher.RolloutPrefetcher.state_dict`).
 
     Everything goes to ``.checkpoint.tmp`` first, ``run.json`` last (the completion marker), and
     replaces the previous checkpoint by the swap of :func:`~microrl.engine.checkpoint.atomic_io.replace_dir`:

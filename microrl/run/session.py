@@ -24,14 +24,14 @@ from microrl.engine.rollout import (
     SamplingParams,
     make_rollout_backend,
 )
-from microrl.run.async_rollouts import (
+from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
+from microrl.run.dist import Dist
+from microrl.run.prefetcher import (
     RolloutPrefetcher,
     resumed_rollouts,
     start_prefetcher,
     warn_if_uncorrected,
 )
-from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
-from microrl.run.dist import Dist
 from microrl.run.sampling import sample_and_score
 from microrl.run.tracking import Tracker
 from microrl.tasks import Problem, Task

@@ -119,7 +119,7 @@ def test_more_processes_on_a_node_than_gpus_is_refused(monkeypatch) -> None:
 
 
 def test_the_hf_generation_worker_takes_its_gpu_before_building_its_model(monkeypatch) -> None:
-    from microrl.engine.rollout import async_worker
+    from microrl.remote.worker import main as worker_main_module
 
     fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
     built_on: list[int] = []
@@ -128,23 +128,23 @@ def test_the_hf_generation_worker_takes_its_gpu_before_building_its_model(monkey
         built_on.append(fake.current)
         raise RuntimeError("built")
 
-    monkeypatch.setattr(async_worker, "_build_model", build)
-    spec = async_worker.WorkerSpec(
+    monkeypatch.setattr(worker_main_module, "_build_model", build)
+    spec = worker_main_module.WorkerSpec(
         name="w", model_config=None, lora=None, tokenizer=None, temperature=1.0, probe={},
         store_port=0, timeout_s=1.0, num_threads=0, device=f"cuda:{LOCAL_RANK}",
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="built"):
-        async_worker._Worker(spec, None, None)
+        worker_main_module._Worker(spec, None, None)
     assert built_on == [LOCAL_RANK]  # a spawned process starts on GPU 0
 
 
 def test_the_hf_generation_worker_empties_the_cache_after_each_job(monkeypatch) -> None:
-    from microrl.engine.rollout import async_worker
+    from microrl.remote.worker import main as worker_main_module
 
     FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
     emptied: list[bool] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    worker = object.__new__(async_worker._Worker)
+    worker = object.__new__(worker_main_module._Worker)
     worker.spec = types.SimpleNamespace(device="cuda:3", name="w")
     worker.results = types.SimpleNamespace(put=lambda message: None)
     worker.version = 1

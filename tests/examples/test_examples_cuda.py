@@ -74,10 +74,10 @@ def test_asynchronous_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
     """rollout.max_staleness=1: the prefetched host rollouts, the staleness metrics and each
     push's probe check on the trainer's GPU. The simulation reaches no other process: the hf
     worker samples on the CPU, where the real one takes the trainer's GPU."""
-    from microrl.engine.rollout import async_rollout
+    from microrl.remote.trainer import hf_worker
 
-    spec = async_rollout.WorkerSpec
-    monkeypatch.setattr(async_rollout, "WorkerSpec", lambda **kw: spec(**{**kw, "device": "cpu"}))
+    spec = hf_worker.WorkerSpec
+    monkeypatch.setattr(hf_worker, "WorkerSpec", lambda **kw: spec(**{**kw, "device": "cpu"}))
     args = _args(base_model, tmp_path / "async", "actor.device=cuda", "rollout.max_staleness=1")
     with simulated_cuda(monkeypatch):
         assert load_example("grpo_lora").main(args) == 0

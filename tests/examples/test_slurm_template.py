@@ -143,7 +143,7 @@ def test_vllm_servers_on_their_own_nodes(tmp_path: Path) -> None:
             assert argv[:2] == ["serve", cfg.model.path], argv
             assert argv[argv.index("--host") + 1] == node
             assert argv[argv.index("--port") + 1] == str(8000 + gpu)
-            # microrl's flags for a LoRA server (docs/rollouts.md#vllm-servers)
+            # microrl's flags for a LoRA server (docs/async.md#vllm-servers)
             for flag in ("--skip-tokenizer-init", "--enable-scale-out", "--enable-lora"):
                 assert flag in argv, flag
             assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"

@@ -1,7 +1,7 @@
 """The transformers rollout backend (engine/rollout/hf.py, the layout of engine/rollout/layout.py).
 
 A rollout batch is token-aligned (the loss covers each response up to its first ``<eos>``, never the
-prompt or the padding; ``sft_batch`` lays out prompt + answer the same way), and ``HFRollout``
+prompt or the padding), and ``HFRollout``
 samples from the distribution the engine scores: the first on-policy ratio is 1.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from microrl.configs.run import ModelConfig
-from microrl.engine.rollout import HFRollout, SamplingParams, sft_batch
+from microrl.engine.rollout import HFRollout, SamplingParams
 from microrl.run.toy_model import build_model, build_tokenizer
 
 
@@ -45,11 +45,6 @@ def test_rollout_layout_is_token_aligned() -> None:
         # the loss covers the response up to and including its first <eos>, nothing after
         assert eos.numel() <= 1 and (eos.numel() == 0 or eos.item() == len(response) - 1)
         assert rollout.texts[row] == tok.decode(response, skip_special_tokens=True)
-    sft = sft_batch(tok, ["1+2="], ["3"])
-    assert sft["input_ids"][0].tolist() == tok("1+2=")["input_ids"] + tok(
-        "3", add_special_tokens=False
-    )["input_ids"] + [tok.eos_token_id]
-    assert sft["loss_mask"][0].tolist() == [False] * 5 + [True, True]
 
 
 def test_sampling_distribution_is_the_one_the_engine_scores() -> None:

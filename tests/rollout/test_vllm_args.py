@@ -23,7 +23,7 @@ from microrl.engine.rollout.vllm_args import (
     resolve_dtype,
     user_engine_args,
 )
-from microrl.engine.rollout.vllm_serve import serve_command
+from microrl.remote.trainer.vllm_launch import serve_command
 
 
 def _engine(device: str, dtype: str = "auto"):

@@ -42,3 +42,19 @@ def test_the_warm_start_stops_at_the_first_check_reaching_the_target(
     assert len(steps) == checks
     assert any(stop in line for line in lines), lines
     assert is_checkpoint(tmp_path / "base")
+
+
+def test_the_warm_start_batch_is_prompt_answer_eos_with_the_loss_on_the_answer() -> None:
+    from microrl.run.toy_model import build_tokenizer
+
+    tok = build_tokenizer()
+    sft = base_model_module.sft_batch(tok, ["1+2=", "34+56="], ["3", "90"])
+    prompt, answer = tok("1+2=")["input_ids"], tok("3", add_special_tokens=False)["input_ids"]
+    row = prompt + answer + [tok.eos_token_id]
+    assert sft["input_ids"][0, : len(row)].tolist() == row
+    assert sft["loss_mask"][0].tolist()[: len(row)] == [False] * len(prompt) + [True] * (
+        len(answer) + 1
+    )
+    assert not sft["loss_mask"][0, len(row) :].any()  # right padding is no loss
+    with pytest.raises(ValueError, match="as many answers as prompts"):
+        base_model_module.sft_batch(tok, ["1+2="], [])

@@ -35,7 +35,7 @@ on both ends of that:
   current CUDA device); ``backend="gloo"`` drives ``GlooTrainerWeightTransferEngine`` from this
   module, for CPU tensors, where vLLM's NCCL engines cannot run (a CPU machine, vLLM's CPU build);
   ``backend=IPC_BACKEND`` drives vLLM's CUDA-IPC trainer engine for a server on this process's
-  own GPU, its handles sent as JSON (:mod:`microrl.engine.rollout.vllm_ipc`, registered by
+  own GPU, its handles sent as JSON (:mod:`microrl.remote.vllm_plugin.ipc`, registered by
   ``register()`` with ``gloo``). ``push`` takes the pairs as a list, or as a lazy stream with
   ``metadata()`` (vLLM's ``WeightSource`` protocol, e.g.
   :class:`~microrl.engine.rollout.full_weights.FullWeights`) whose tensors are produced one at a
@@ -102,7 +102,7 @@ if TYPE_CHECKING:
 
 
 #: The backend of microrl's CUDA-IPC engine, for a server on the trainer's own GPU
-#: (:mod:`microrl.engine.rollout.vllm_ipc`).
+#: (:mod:`microrl.remote.vllm_plugin.ipc`).
 IPC_BACKEND = "microrl_ipc"
 BACKENDS = ("gloo", "nccl", IPC_BACKEND)
 DEFAULT_TIMEOUT_S = 300.0
@@ -140,7 +140,7 @@ def register() -> None:
         )
     except ImportError:
         return
-    ipc = "microrl.engine.rollout.vllm_ipc"
+    ipc = "microrl.remote.vllm_plugin.ipc"
     for factory, name, module, class_name in (
         (WeightTransferEngineFactory, "gloo", __name__, "GlooWeightTransferEngine"),
         (WeightTransferTrainerFactory, "gloo", __name__, "GlooTrainerWeightTransferEngine"),
@@ -531,9 +531,9 @@ class _PostClient:
         self.post("/start_weight_update", None)
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        from microrl.engine.rollout.vllm_ipc import encode_update_info
+        from microrl.remote.vllm_plugin.ipc import encode_update_info
 
-        # CUDA IPC handles as JSON, never pickled (microrl.engine.rollout.vllm_ipc).
+        # CUDA IPC handles as JSON, never pickled (microrl.remote.vllm_plugin.ipc).
         if isinstance(update_info, list):
             update_info = [encode_update_info(info) for info in update_info]
         else:
@@ -619,7 +619,7 @@ class WeightPusher:
             return NCCLTrainerInitInfo(self.master_address, port, self.world_size, rank=0)
         register()
         if self.backend == IPC_BACKEND:
-            from microrl.engine.rollout.vllm_ipc import JsonIPCTrainerInitInfo
+            from microrl.remote.vllm_plugin.ipc import JsonIPCTrainerInitInfo
 
             return JsonIPCTrainerInitInfo(rank=0)
         return _vllm_classes()["GlooTrainerInitInfo"](

@@ -108,14 +108,14 @@ def transfer(monkeypatch):
     their load; servers the user started are :class:`StubClient` s."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from microrl.engine.rollout import vllm_server
+    from microrl.remote.trainer import vllm_servers
 
     recorder = Recorder()
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", classmethod(recorder.engine))
     monkeypatch.setattr(
-        vllm_server.VLLMServerRollout, "_check", lambda self, v, loaded, e: loaded.result()
+        vllm_servers.VLLMServerRollout, "_check", lambda self, v, loaded, e: loaded.result()
     )
-    monkeypatch.setattr(vllm_server, "ServerClient", StubClient)
+    monkeypatch.setattr(vllm_servers, "ServerClient", StubClient)
     StubClient.posts = []
     return recorder
 
@@ -139,13 +139,14 @@ def test_a_gpu_push_streams_cuda_tensors_to_a_remote_server(tokenizer, monkeypat
     trainer's address on the route to it and the server's TP workers in the group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from microrl.engine.rollout import vllm_placement, vllm_transfer
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer import vllm_placement
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
+    from microrl.remote.vllm_plugin import transfer as plugin_transfer
 
     engine = _engine(tokenizer)
     _on_fake_gpu(engine, monkeypatch, FakeTensorMode(allow_non_fake_inputs=True))
     monkeypatch.setattr(vllm_placement, "socket", route_only_socket())
-    monkeypatch.setattr(vllm_transfer, "_free_port", lambda address: 29500)
+    monkeypatch.setattr(plugin_transfer, "_free_port", lambda address: 29500)
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): nothing is sent to it (stub client, socket).
     rollout = VLLMServerRollout(
         engine, tokenizer, urls=["http://192.0.2.10:8000"], version=3, sync_check_tol=1e-4
@@ -180,8 +181,8 @@ def test_a_push_gathers_one_sharded_tensor_at_a_time(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from microrl.engine.rollout.async_rollout import gather_weights
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.hf_worker import gather_weights
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
     engine = _engine(tokenizer, cpu_offload=True)
     assert all(isinstance(p, DTensor) for p in engine.module.parameters())
@@ -208,7 +209,7 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
     pushed to through it, from the GPU. Dedicated GPUs keep NCCL."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from microrl.engine.rollout import vllm_serve, vllm_server
+    from microrl.remote.trainer import vllm_launch, vllm_servers
 
     started = []
 
@@ -220,14 +221,14 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
         def close(self):
             pass
 
-    monkeypatch.setattr(vllm_serve, "LocalVLLMServer", Server)
-    monkeypatch.setattr(vllm_server, "export_merged_model", lambda *a, **k: None)
+    monkeypatch.setattr(vllm_launch, "LocalVLLMServer", Server)
+    monkeypatch.setattr(vllm_servers, "export_merged_model", lambda *a, **k: None)
     engine = _engine(tokenizer)
     _on_fake_gpu(engine, monkeypatch, FakeTensorMode(allow_non_fake_inputs=True))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for config in (VLLMConfig(), VLLMConfig(gpus="2,3", tensor_parallel_size=2)):
-        vllm_server.VLLMServerRollout(engine, tokenizer, config, sync_check_tol=1e-4).close()
+        vllm_servers.VLLMServerRollout(engine, tokenizer, config, sync_check_tol=1e-4).close()
     colocated, dedicated = started
     assert (colocated["weight_transfer"], colocated["cuda_visible_devices"]) == ("microrl_ipc", "0")
     assert (dedicated["weight_transfer"], dedicated["cuda_visible_devices"]) == ("nccl", "2,3")
@@ -242,7 +243,7 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
 def test_the_pusher_checks_a_lazy_stream_as_it_comes(monkeypatch):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from microrl.engine.rollout.vllm_transfer import WeightPusher
+    from microrl.remote.vllm_plugin.transfer import WeightPusher
 
     recorder = Recorder()
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", classmethod(recorder.engine))
@@ -301,11 +302,11 @@ def test_ipc_handles_travel_as_json_and_vllm_takes_them_without_pickle(monkeypat
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    from microrl.engine.rollout import vllm_ipc
-    from microrl.engine.rollout.vllm_transfer import _PostClient
+    from microrl.remote.vllm_plugin import ipc
+    from microrl.remote.vllm_plugin.transfer import _PostClient
 
     # The encoding names torch's arguments in order: a torch that changed them fails here.
-    assert list(inspect.signature(rebuild_cuda_tensor).parameters) == [n for n, _ in vllm_ipc._ARGS]
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters) == [n for n, _ in ipc._ARGS]
     info = {
         "names": ["w"],
         "dtype_names": ["bfloat16"],
@@ -320,19 +321,17 @@ def test_ipc_handles_travel_as_json_and_vllm_takes_them_without_pickle(monkeypat
     wire = json.loads(json.dumps(body))  # plain JSON: nothing pickled
     assert route == "/update_weights" and "ipc_handles" not in wire["update_info"]
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
-    parsed = IPCWeightTransferUpdateInfo(**vllm_ipc.decode_update_info(wire["update_info"]))
+    parsed = IPCWeightTransferUpdateInfo(**ipc.decode_update_info(wire["update_info"]))
     assert parsed.ipc_handles == {"GPU-uuid-0": _ipc_args()}
     assert isinstance(parsed.ipc_handles["GPU-uuid-0"][1], torch.Size)
-    listed = vllm_ipc.decode_handles(
-        json.loads(json.dumps(vllm_ipc.encode_handles([{"g": _ipc_args()}])))
-    )
+    listed = ipc.decode_handles(json.loads(json.dumps(ipc.encode_handles([{"g": _ipc_args()}]))))
     assert listed == [{"g": _ipc_args()}]
 
 
 def test_ipc_decoding_refuses_what_it_does_not_allow():
-    from microrl.engine.rollout import vllm_ipc
+    from microrl.remote.vllm_plugin import ipc
 
-    good = vllm_ipc.encode_handles({"g": _ipc_args()})["g"]
+    good = ipc.encode_handles({"g": _ipc_args()})["g"]
     for field, value, error in [
         ("tensor_cls", "os.system", "class 'os.system' is not allowed"),
         ("dtype", "nonsense", "unknown dtype"),
@@ -341,11 +340,11 @@ def test_ipc_decoding_refuses_what_it_does_not_allow():
         ("requires_grad", 0, "expected a bool"),
     ]:
         with pytest.raises(ValueError, match=error):
-            vllm_ipc.decode_handles({"g": {**good, field: value}})
+            ipc.decode_handles({"g": {**good, field: value}})
     with pytest.raises(ValueError, match="expected the fields"):
-        vllm_ipc.decode_handles({"g": {**good, "extra": 1}})
+        ipc.decode_handles({"g": {**good, "extra": 1}})
     with pytest.raises(ValueError, match="names class"):
-        vllm_ipc.encode_handles({"g": (SimpleNamespace, *_ipc_args()[1:])})
+        ipc.encode_handles({"g": (SimpleNamespace, *_ipc_args()[1:])})
 
 
 def test_the_ipc_engine_is_registered_with_gloo(monkeypatch):
@@ -358,18 +357,15 @@ def test_the_ipc_engine_is_registered_with_gloo(monkeypatch):
         IPCWeightTransferEngine,
     )
 
-    from microrl.engine.rollout import vllm_ipc, vllm_transfer
+    from microrl.remote.vllm_plugin import ipc, transfer
 
-    vllm_transfer.register()
-    backend = vllm_transfer.IPC_BACKEND
+    transfer.register()
+    backend = transfer.IPC_BACKEND
     worker = WeightTransferEngineFactory._registry[backend]()
     trainer = WeightTransferTrainerFactory._registry[backend]()
-    assert (
-        issubclass(worker, IPCWeightTransferEngine)
-        and worker is vllm_ipc.JsonIPCWeightTransferEngine
-    )
+    assert issubclass(worker, IPCWeightTransferEngine) and worker is ipc.JsonIPCWeightTransferEngine
     assert issubclass(trainer, IPCTrainerWeightTransferEngine)
-    info = vllm_ipc.JsonIPCTrainerInitInfo(rank=0)
+    info = ipc.JsonIPCTrainerInitInfo(rank=0)
     assert info.backend == backend and info.packed  # one reusable buffer, not the whole model
     # The buffer grows to the largest tensor of a push (vLLM refuses a larger one).
     source = SimpleNamespace(
@@ -392,7 +388,7 @@ def test_the_workers_of_a_users_server_come_from_its_server_info():
     from ``/server_info?config_format=json``, serialised here as vLLM's route does."""
     import pydantic
 
-    from microrl.engine.rollout.vllm_server import _workers
+    from microrl.remote.trainer.vllm_servers import _workers
 
     with warnings.catch_warnings():  # torch 2.13 deprecations vLLM triggers as it imports
         warnings.simplefilter("ignore", DeprecationWarning)

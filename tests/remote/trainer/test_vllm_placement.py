@@ -43,7 +43,7 @@ def lora_engine(tokenizer):
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
     """``(command, env)`` of every local server a rollout starts; nothing runs, no weights move."""
-    from microrl.engine.rollout import vllm_serve, vllm_server
+    from microrl.remote.trainer import vllm_launch, vllm_servers
 
     started = []
 
@@ -60,14 +60,14 @@ def recorded(monkeypatch, tmp_path):
     fake_subprocess = SimpleNamespace(
         Popen=popen, STDOUT=subprocess.STDOUT, DEVNULL=subprocess.DEVNULL
     )
-    monkeypatch.setattr(vllm_serve, "subprocess", fake_subprocess)
-    monkeypatch.setattr(vllm_serve, "_stop", lambda *args: None)
-    monkeypatch.setattr(vllm_serve.LocalVLLMServer, "_wait_until_up", lambda self, t: None)
+    monkeypatch.setattr(vllm_launch, "subprocess", fake_subprocess)
+    monkeypatch.setattr(vllm_launch, "_stop", lambda *args: None)
+    monkeypatch.setattr(vllm_launch.LocalVLLMServer, "_wait_until_up", lambda self, t: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the servers' log files
-    monkeypatch.setattr(vllm_server, "export_merged_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(vllm_servers, "export_merged_model", lambda *args, **kwargs: None)
     done: Future = Future()
     done.set_result(None)
-    monkeypatch.setattr(vllm_server.VLLMServerRollout, "_submit_sync", lambda *a, **k: done)
+    monkeypatch.setattr(vllm_servers.VLLMServerRollout, "_submit_sync", lambda *a, **k: done)
     return started
 
 
@@ -83,7 +83,7 @@ def fake_gpus(monkeypatch, *, count: int, local_rank: int, local_world: int) -> 
 
 def start(engine, tokenizer, tmp_path, monkeypatch, *, device: str, num_workers=1, **config):
     """The servers of a :class:`VLLMServerRollout` whose engine trains on ``device``."""
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
     monkeypatch.setattr(engine, "device", torch.device(device))
     rollout = VLLMServerRollout(
@@ -230,8 +230,8 @@ def test_config_errors_name_the_keys():
 
 # ----------------------------------------------------------------------------- trainer address
 def test_the_trainer_address_is_the_route_to_the_server(monkeypatch):
-    from microrl.engine.rollout import vllm_placement
-    from microrl.engine.rollout.vllm_placement import trainer_address
+    from microrl.remote.trainer import vllm_placement
+    from microrl.remote.trainer.vllm_placement import trainer_address
 
     # This module's sockets only.
     monkeypatch.setattr(vllm_placement, "socket", route_only_socket())

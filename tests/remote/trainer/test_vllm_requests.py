@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from microrl.engine.rollout import SamplingParams
-from microrl.engine.rollout.vllm_http import ServerError
-from microrl.engine.rollout.vllm_requests import (
+from microrl.remote.trainer.vllm_http import ServerError
+from microrl.remote.trainer.vllm_launch import serve_command, server_env
+from microrl.remote.trainer.vllm_requests import (
     generate_body,
     parse_samples,
     probe_body,
     prompt_logprobs,
 )
-from microrl.engine.rollout.vllm_serve import serve_command, server_env
 
 
 def _choice(index, tokens, versions=None):

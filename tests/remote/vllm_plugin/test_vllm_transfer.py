@@ -1,4 +1,4 @@
-"""microrl.engine.rollout.vllm_transfer: weights pushed into a real ``vllm serve`` over vLLM's
+"""microrl.remote.vllm_plugin.transfer: weights pushed into a real ``vllm serve`` over vLLM's
 weight-transfer API with the ``"gloo"`` engine (vLLM on the CPU), and the pusher's checks.
 
 One server per module (a toy Llama, ~20-40 s to start on a 2-core CPU); every server test starts
@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 import torch
 
-from microrl.engine.rollout.vllm_transfer import WeightPusher
+from microrl.remote.vllm_plugin.transfer import WeightPusher
 
 # vLLM's CPU kernels and the transformers float32 forward round differently (attention, GEMM
 # blocking, vLLM's packed GEMM weights): measured |Δ| <= 2.4e-7 on these log-probs of size ~3;
@@ -310,7 +310,7 @@ def test_a_failing_server_call_is_raised_at_once_and_a_silent_one_times_out():
     """The trainer's half of a collective waits on the server's; neither may hang the push."""
     import threading
 
-    from microrl.engine.rollout.vllm_transfer import _together
+    from microrl.remote.vllm_plugin.transfer import _together
 
     never = threading.Event()
 
@@ -333,23 +333,21 @@ def test_the_plugin_registers_gloo_idempotently_and_is_an_entry_point(monkeypatc
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from microrl.engine.rollout import vllm_transfer
+    from microrl.remote.vllm_plugin import transfer
 
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert (
-        plugins["microrl_gloo_weight_transfer"] == "microrl.engine.rollout.vllm_transfer:register"
-    )
-    vllm_transfer.register()
-    vllm_transfer.register()  # vLLM may load plugins more than once
+    assert plugins["microrl_gloo_weight_transfer"] == "microrl.remote.vllm_plugin.transfer:register"
+    transfer.register()
+    transfer.register()  # vLLM may load plugins more than once
     assert "gloo" in WeightTransferEngineFactory._registry
     engine_cls = WeightTransferEngineFactory._registry["gloo"]()
-    assert engine_cls is vllm_transfer.GlooWeightTransferEngine
+    assert engine_cls is transfer.GlooWeightTransferEngine
     assert issubclass(engine_cls, NCCLWeightTransferEngine)  # vLLM's lifecycle, another wire
     # Without vLLM the plugin is a no-op, and importing the module never needs it.
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.factory", None)
-    vllm_transfer.register()
+    transfer.register()
     code = (
-        "import sys; import microrl.engine.rollout.vllm_transfer as t\n"
+        "import sys; import microrl.remote.vllm_plugin.transfer as t\n"
         "assert 'vllm' not in sys.modules, 'imported vllm'\n"
         "sys.modules['vllm'] = None; t.register()\n"
     )

@@ -1,4 +1,4 @@
-"""Where ``vllm serve`` servers run and how full weights reach them (docs/rollouts.md#vllm-servers).
+"""Where ``vllm serve`` servers run and how full weights reach them (docs/async.md#vllm-servers).
 
 * :func:`server_gpus`: the GPUs of each local server, in this process's ``cuda:N`` numbering:
   the trainer process's own GPU (colocated, the default), or this process's share of a
@@ -22,7 +22,7 @@ import torch
 
 from microrl.configs.rollout import parse_gpu_list
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.vllm_transfer import IPC_BACKEND, is_loopback
+from microrl.remote.vllm_plugin.transfer import IPC_BACKEND, is_loopback
 
 __all__ = [
     "IPC_BACKEND",

@@ -1,6 +1,6 @@
 """Asynchronous ``hf`` rollouts: a generation worker process that samples while the trainer trains.
 
-:class:`AsyncRollout` spawns one worker (:mod:`microrl.engine.rollout.async_worker`) that holds
+:class:`AsyncRollout` spawns one worker (:mod:`microrl.remote.worker.main`) that holds
 its own copy of the policy and samples with the ``hf`` backend's code path. The trainer
 *submits* jobs (prompts to sample, or multi-turn episodes to play) and *collects* their
 rollouts later; in between it trains. Jobs run one after the other in submission order, and a
@@ -52,7 +52,11 @@ from microrl.engine import setup
 from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.async_worker import (
+from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.full_weights import gather_full_weights
+from microrl.engine.rollout.hf import engine_autocast_dtype
+from microrl.engine.rollout.layout import build_rollout
+from microrl.remote.worker.main import (
     WorkerSpec,
     checksums_differ,
     dumps,
@@ -61,10 +65,6 @@ from microrl.engine.rollout.async_worker import (
     tensor_family,
     worker_main,
 )
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
-from microrl.engine.rollout.full_weights import gather_full_weights
-from microrl.engine.rollout.hf import engine_autocast_dtype
-from microrl.engine.rollout.layout import build_rollout
 
 __all__ = [
     "FP32_SYNC_CHECK_TOL",

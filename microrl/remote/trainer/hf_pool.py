@@ -1,8 +1,8 @@
 """Several asynchronous ``hf`` generation workers behind one trainer (``rollout.num_workers``).
 
-:class:`AsyncRolloutPool` runs ``num_workers`` :class:`~microrl.engine.rollout.AsyncRollout`
+:class:`AsyncRolloutPool` runs ``num_workers`` :class:`~microrl.remote.AsyncRollout`
 workers (one process each) behind the interface the recipes' prefetcher drives
-(:class:`~microrl.run.async_rollouts.RolloutPrefetcher`): ``version``, :meth:`~AsyncRolloutPool.
+(:class:`~microrl.run.prefetcher.RolloutPrefetcher`): ``version``, :meth:`~AsyncRolloutPool.
 submit`, :meth:`~AsyncRolloutPool.submit_episodes`, :meth:`~AsyncRolloutPool.collect`,
 :meth:`~AsyncRolloutPool.sync`, :meth:`~AsyncRolloutPool.poll`, ``sync_stats``.
 
@@ -24,7 +24,7 @@ their random draws).
 
 **Weights.** :meth:`~AsyncRolloutPool.sync` gathers the engine's weights once and pushes them to
 every worker as the same version; each worker checks its push with its own probe
-(:class:`~microrl.engine.rollout.async_rollout.SyncCheckError` names the worker), and
+(:class:`~microrl.remote.trainer.hf_worker.SyncCheckError` names the worker), and
 ``sync_stats[version]`` holds the largest of each probe statistic (``sync/probe_*``) of the
 workers once every one has checked it.
 
@@ -47,7 +47,10 @@ from typing import Any
 import torch
 
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.async_rollout import (
+from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.episodes import EpisodeError
+from microrl.engine.rollout.merge import merge_rollouts
+from microrl.remote.trainer.hf_worker import (
     AsyncRollout,
     Job,
     SyncCheckError,
@@ -56,9 +59,6 @@ from microrl.engine.rollout.async_rollout import (
     gather_weights,
     warn_if_oversubscribed,
 )
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
-from microrl.engine.rollout.episodes import EpisodeError
-from microrl.engine.rollout.merge import merge_rollouts
 
 __all__ = [
     "AsyncRolloutPool",

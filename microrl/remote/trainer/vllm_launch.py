@@ -1,4 +1,4 @@
-"""A ``vllm serve`` process started and owned by the trainer (docs/rollouts.md#vllm-servers).
+"""A ``vllm serve`` process started and owned by the trainer (docs/async.md#vllm-servers).
 
 :class:`LocalVLLMServer` runs vLLM's own OpenAI-compatible server (``AsyncLLM`` behind it) on
 ``127.0.0.1`` with a fresh random API key, for the asynchronous ``vllm`` backend when no
@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from microrl.engine.rollout.vllm_args import cli_flags, cpu_scheduler_args
-from microrl.engine.rollout.vllm_http import ServerClient, ServerError
+from microrl.engine.rollout.vllm_args import cli_flags, cpu_scheduler_args, free_port
+from microrl.remote.trainer.vllm_http import ServerClient, ServerError
 
 __all__ = ["LocalVLLMServer", "engine_traceback", "serve_command", "server_env"]
 
@@ -126,7 +125,7 @@ def server_env(
     (``VLLM_SERVER_DEV_MODE``) only for full weights; never vLLM's insecure pickle
     serialization, and none of torchrun's variables (the server is no rank of the trainer's
     group). ``cuda_visible_devices`` (physical ids,
-    :func:`~microrl.engine.rollout.vllm_placement.cuda_visible_devices`) are the server's GPUs:
+    :func:`~microrl.remote.trainer.vllm_placement.cuda_visible_devices`) are the server's GPUs:
     without it a GPU server would start on the first GPU it sees, whichever rank started it."""
     env = dict(os.environ)
     env.update(
@@ -184,7 +183,7 @@ class LocalVLLMServer:
     ) -> None:
         self.name = name
         self.api_key = api_key or secrets.token_urlsafe(32)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = server_env(
             self.api_key,
@@ -308,12 +307,6 @@ def _open_log(log_dir, name: str, command: list[str]):
     log.write(f"=== microrl: {name} started {started}: {' '.join(command)}\n".encode())
     log.flush()
     return log, path
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stop(process: subprocess.Popen, log, log_path: Path, keep_log: list[bool]) -> None:

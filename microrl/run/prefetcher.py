@@ -1,6 +1,6 @@
 """Asynchronous RL in a recipe: the next steps' rollouts, sampled ahead under a staleness bound.
 
-A :class:`RolloutPrefetcher` drives an :class:`~microrl.engine.rollout.AsyncRollout` worker with
+A :class:`RolloutPrefetcher` drives an :class:`~microrl.remote.AsyncRollout` worker with
 the recipe's own prompt stream (``task.sample(rng, n)`` in the trainer process, step after
 step, so ``rollout.max_staleness=k`` trains on the same prompts in the same order as ``k=0``).
 Its schedule is fixed: once the weights after step ``u`` are pushed (version ``u``), the jobs of
@@ -33,9 +33,9 @@ from tensordict import TensorDict
 from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
-from microrl.engine.rollout.async_pool import make_async_rollout
-from microrl.engine.rollout.async_rollout import POLICY_VERSION_KEY, AsyncRollout, Job
-from microrl.engine.rollout.vllm_server import VLLMServerRollout
+from microrl.remote.trainer.hf_pool import make_async_rollout
+from microrl.remote.trainer.hf_worker import POLICY_VERSION_KEY, AsyncRollout, Job
+from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 from microrl.run.dist import Dist
 from microrl.run.sampling import score_rollout
 from microrl.tasks import Problem, Task, is_episode_task
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 #: The key of the rollouts sampled ahead in a run checkpoint's loop state (``extra_state``).
 ROLLOUT_BUFFER_KEY = "rollout_buffer"
-#: The policy-loss keys that correct for the behaviour policy (docs/rollouts.md#asynchronous-rl).
+#: The policy-loss keys that correct for the behaviour policy (docs/async.md).
 CORRECTIONS = ("tis_cap", "token_ratio_band", "seq_ratio_band", "decoupled_is_cap")
 # The probe statistics of a push's check, reported once per push (docs/rollouts.md).
 _PROBE_METRICS = ("sync/probe_kl", "sync/probe_abs_diff_max", "sync/probe_abs_diff_mean")
@@ -294,7 +294,7 @@ def warn_if_uncorrected(policy_loss: Any, max_staleness: int) -> bool:
         "rollout.max_staleness=%d trains on rollouts up to %d policy versions old without a "
         "behaviour-policy correction; the policy loss offers actor.policy_loss.decoupled_is_cap "
         "(AReaL's decoupled objective), tis_cap (truncated IS), token_ratio_band (IcePop) and "
-        "seq_ratio_band (sequence masking), docs/rollouts.md#asynchronous-rl",
+        "seq_ratio_band (sequence masking), docs/async.md",
         max_staleness,
         max_staleness,
     )

@@ -1,4 +1,4 @@
-"""Several asynchronous ``hf`` workers behind one trainer (engine/rollout/async_pool.py).
+"""Several asynchronous ``hf`` workers behind one trainer (microrl/remote/trainer/hf_pool.py).
 
 - A job's prompts are split into contiguous chunks of whole prompts, one per worker (an empty
   chunk: no job); the rollout comes back in the caller's order, each part exactly the
@@ -22,17 +22,17 @@ import os
 
 import pytest
 import torch
-from test_async_rollout import PROMPTS, SEEDED, _engine, _same, _update, picky_env
+from hf_worker_utils import PROMPTS, SEEDED, assert_same, make_engine, picky_env, update
 
 from microrl.engine.rollout import HFRollout, SamplingParams, merge_rollouts
-from microrl.engine.rollout import async_pool as pool_module
-from microrl.engine.rollout.async_pool import (
+from microrl.remote.trainer import hf_pool as pool_module
+from microrl.remote.trainer.hf_pool import (
     AsyncRolloutPool,
     make_async_rollout,
     part_seeds,
     split_sizes,
 )
-from microrl.engine.rollout.async_rollout import (
+from microrl.remote.trainer.hf_worker import (
     POLICY_VERSION_KEY,
     AsyncRollout,
     SyncCheckError,
@@ -58,7 +58,7 @@ def one_thread():
 def pool():
     """A LoRA engine and a pool of 2 workers, shared by the module (the last test breaks and
     closes it)."""
-    engine, tok = _engine(lora_rank=4)
+    engine, tok = make_engine(lora_rank=4)
     with AsyncRolloutPool(engine, tok, num_workers=2, env_maker=picky_env) as workers:
         yield engine, tok, workers
     assert not any(p.is_alive() for p in workers.processes)
@@ -104,7 +104,7 @@ def test_a_job_is_split_over_the_workers_in_order(pool) -> None:
     job = workers.submit(PROMPTS, SEEDED)  # 3 prompts over 2 workers: 2 + 1
     assert [(p.worker, p.start, p.size) for p in job.parts] == [(0, 0, 2), (1, 2, 1)]
     rollout = workers.collect(job)
-    _same(rollout, _expected(engine, tok, [PROMPTS[:2], PROMPTS[2:]], SEEDED))
+    assert_same(rollout, _expected(engine, tok, [PROMPTS[:2], PROMPTS[2:]], SEEDED))
     assert rollout.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # no group straddles
     _check_rows(rollout, tok, PROMPTS, version=0)
     # The sampler's log-probs are the engine's (float32: rounding only).
@@ -118,7 +118,7 @@ def test_a_job_is_split_over_the_workers_in_order(pool) -> None:
     job = workers.submit([PROMPTS[1]], SEEDED)
     assert [(p.worker, p.size) for p in job.parts] == [(0, 1)]
     single = workers.collect(job)
-    _same(single, HFRollout(engine, tok).generate([PROMPTS[1]], SEEDED))
+    assert_same(single, HFRollout(engine, tok).generate([PROMPTS[1]], SEEDED))
     assert single.group_ids.tolist() == [0, 0, 0]
     _check_rows(single, tok, [PROMPTS[1]], version=0)
 
@@ -132,9 +132,9 @@ def test_unseeded_jobs_draw_their_seed_from_torch(pool) -> None:
     first = workers.generate(PROMPTS, params)
     torch.manual_seed(123)
     again = workers.generate(PROMPTS, params)
-    _same(first, again)
+    assert_same(first, again)
     chunks = [PROMPTS[:2], PROMPTS[2:]]
-    _same(first, _expected(engine, tok, chunks, dataclasses.replace(params, seed=seed)))
+    assert_same(first, _expected(engine, tok, chunks, dataclasses.replace(params, seed=seed)))
 
 
 def test_episodes_are_split_over_the_workers(pool) -> None:
@@ -177,7 +177,7 @@ def test_episodes_are_split_over_the_workers(pool) -> None:
 def test_a_sync_reaches_every_worker(pool) -> None:
     engine, tok, workers = pool
     old = copy.deepcopy(engine.model)
-    _update(engine, tok)
+    update(engine, tok)
     stale = workers.submit(PROMPTS, SEEDED)  # queued before the push: the old weights
     workers.sync(engine)
     fresh = workers.submit(PROMPTS, SEEDED)
@@ -185,8 +185,8 @@ def test_a_sync_reaches_every_worker(pool) -> None:
     assert [w.version for w in workers.workers] == [1, 1]
     chunks = [PROMPTS[:2], PROMPTS[2:]]
     stale_rollout, fresh_rollout = workers.collect(stale), workers.collect(fresh)
-    _same(stale_rollout, _expected(old, tok, chunks, SEEDED))
-    _same(fresh_rollout, _expected(engine, tok, chunks, SEEDED))  # both workers: new weights
+    assert_same(stale_rollout, _expected(old, tok, chunks, SEEDED))
+    assert_same(fresh_rollout, _expected(engine, tok, chunks, SEEDED))  # both workers: new weights
     _check_rows(stale_rollout, tok, PROMPTS, version=0)
     _check_rows(fresh_rollout, tok, PROMPTS, version=1)
     for worker in workers.workers:  # each checked each push
@@ -202,7 +202,7 @@ def test_a_push_stale_on_one_worker_fails_naming_it_and_close_stops_all(pool, mo
     engine, tok, workers = pool
     name = "model.layers.1.self_attn.q_proj.lora_B.default.weight"
     before = dict(engine.model.named_parameters())[name].detach().clone()
-    _update(engine, tok)
+    update(engine, tok)
     broadcast = AsyncRollout._broadcast
     second = workers.workers[1]
 

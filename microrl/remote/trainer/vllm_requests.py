@@ -1,4 +1,4 @@
-"""The wire format of a rollout on a ``vllm serve`` server (docs/rollouts.md#vllm-servers).
+"""The wire format of a rollout on a ``vllm serve`` server (docs/async.md#vllm-servers).
 
 Token ids in, token ids out: vLLM's ``/inference/v1/generate`` (``--enable-scale-out``) takes a
 prompt's ids and vLLM's own ``SamplingParams`` as JSON and answers every sample's ids, the
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from microrl.engine.rollout.base import SamplingParams
-from microrl.engine.rollout.vllm_http import ServerError
+from microrl.remote.trainer.vllm_http import ServerError
 
 __all__ = ["GENERATE_ROUTE", "generate_body", "parse_samples", "probe_body", "prompt_logprobs"]
 

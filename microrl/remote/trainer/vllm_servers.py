@@ -1,12 +1,12 @@
 """Asynchronous ``vllm`` rollouts: vLLM servers sample while the trainer trains.
 
 :class:`VLLMServerRollout` is the ``vllm`` counterpart of
-:class:`~microrl.engine.rollout.AsyncRollout`, with the same job interface (``submit`` /
+:class:`~microrl.remote.AsyncRollout`, with the same job interface (``submit`` /
 ``submit_episodes`` now, ``collect`` later, ``sync`` after optimizer steps, per-row
-``policy_version``), so :class:`~microrl.run.async_rollouts.RolloutPrefetcher` drives either.
+``policy_version``), so :class:`~microrl.run.prefetcher.RolloutPrefetcher` drives either.
 Generation runs in ``vllm serve`` processes (vLLM's ``AsyncLLM`` behind its HTTP server): either
 ``num_workers`` servers this class starts on localhost (:class:`LocalVLLMServer`), or servers
-the user started elsewhere (``urls``; docs/rollouts.md#vllm-servers). Requests are token ids in,
+the user started elsewhere (``urls``; docs/async.md#vllm-servers). Requests are token ids in,
 token ids and log-probs out (``/inference/v1/generate``), so the batch layout is the shared one
 (:func:`~microrl.engine.rollout.layout.build_rollout`).
 
@@ -19,9 +19,9 @@ Weights, by vLLM's own machinery:
   for remote servers).
 - **Full weights**: vLLM's weight-transfer API (``/init_weight_transfer_engine``,
   ``/update_weights``): its ``nccl`` engine for servers on other GPUs, its CUDA-IPC engine
-  (JSON-encoded, :mod:`microrl.engine.rollout.vllm_ipc`) for a server on the trainer's own GPU,
+  (JSON-encoded, :mod:`microrl.remote.vllm_plugin.ipc`) for a server on the trainer's own GPU,
   the ``gloo`` engine microrl registers as a vLLM plugin on CPUs
-  (:mod:`microrl.engine.rollout.vllm_transfer`); :mod:`~microrl.engine.rollout.vllm_placement`
+  (:mod:`microrl.remote.vllm_plugin.transfer`); :mod:`~microrl.remote.trainer.vllm_placement`
   chooses. The tensors stream one at a time from the live parameters (FSDP2 shards gathered
   one by one, :class:`~microrl.engine.rollout.full_weights.FullWeights`), so ``sync`` returns
   once the push is done. A push is an in-flight update: ``/pause?mode=keep`` freezes the
@@ -30,7 +30,7 @@ Weights, by vLLM's own machinery:
   ``policy_version_last`` (last token).
 
 Every push is verified as the ``hf`` worker's are: the server scores the probe batch
-(:func:`~microrl.engine.rollout.async_rollout.build_probe`) at the new version, and a mean
+(:func:`~microrl.remote.trainer.hf_worker.build_probe`) at the new version, and a mean
 log-prob difference above ``sync_check_tol`` raises :class:`SyncCheckError` naming the version.
 """
 
@@ -58,7 +58,16 @@ from microrl.engine.checkpoint.export import (
 )
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
-from microrl.engine.rollout.async_rollout import (
+from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.vllm_args import (
+    CPU_OWNED,
+    OWNED,
+    SERVER_OWNED,
+    resolve_dtype,
+    user_engine_args,
+)
+from microrl.remote.trainer.hf_worker import (
     POLICY_VERSION_KEY,
     Job,
     WorkerError,
@@ -69,23 +78,14 @@ from microrl.engine.rollout.async_rollout import (
     sync_check_error,
     sync_check_fails,
 )
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
-from microrl.engine.rollout.full_weights import FullWeights
-from microrl.engine.rollout.vllm_args import (
-    CPU_OWNED,
-    OWNED,
-    SERVER_OWNED,
-    resolve_dtype,
-    user_engine_args,
-)
-from microrl.engine.rollout.vllm_http import ServerClient
-from microrl.engine.rollout.vllm_placement import (
+from microrl.remote.trainer.vllm_http import ServerClient
+from microrl.remote.trainer.vllm_placement import (
     cuda_visible_devices,
     server_gpus,
     trainer_address,
     transfer_backend,
 )
-from microrl.engine.rollout.vllm_requests import (
+from microrl.remote.trainer.vllm_requests import (
     GENERATE_ROUTE,
     generate_body,
     parse_samples,
@@ -117,7 +117,7 @@ class VLLMServerRollout(RolloutBackend):
         num_workers: local servers to start (without ``urls``).
         env_maker: for multi-turn tasks, ``problem -> environment`` (run in this process).
         timeout_s: the longest wait for a server (start, one request, a push).
-        sync_check_tol: as :class:`~microrl.engine.rollout.AsyncRollout`'s.
+        sync_check_tol: as :class:`~microrl.remote.AsyncRollout`'s.
         num_threads: each local server's CPU threads.
         workdir: where the base model and the adapters are written (the servers must see it).
         log_dir: where each local server's log is kept (the recipes: ``<output.dir>/vllm-servers``);
@@ -226,7 +226,7 @@ class VLLMServerRollout(RolloutBackend):
                 client.get("v1/models")  # reachable, and the key is accepted: fail at start
             return clients
         from microrl.engine.rollout.vllm import _lora_rank
-        from microrl.engine.rollout.vllm_serve import LocalVLLMServer
+        from microrl.remote.trainer.vllm_launch import LocalVLLMServer
 
         cfg = self.config
         # Each server its GPUs (checked before anything starts): without CUDA_VISIBLE_DEVICES
@@ -285,7 +285,7 @@ class VLLMServerRollout(RolloutBackend):
         return [server.client for server in self._servers]
 
     def _start_weight_transfer(self) -> None:
-        from microrl.engine.rollout.vllm_transfer import WeightPusher
+        from microrl.remote.vllm_plugin.transfer import WeightPusher
 
         backend = transfer_backend(self.engine.device, self._server_gpus)
         for client in self.clients:

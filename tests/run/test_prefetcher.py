@@ -1,4 +1,4 @@
-"""The schedule of asynchronous RL (microrl/run/async_rollouts.py), against a stand-in worker.
+"""The schedule of asynchronous RL (microrl/run/prefetcher.py), against a stand-in worker.
 
 ``RolloutPrefetcher`` submits the job of step ``t`` right after the weights of step
 ``t - 1 - k`` are pushed: each rollout is exactly ``k`` versions stale once the run is under way
@@ -6,7 +6,7 @@
 in step order, the same as a synchronous run's; nothing is dropped; a checkpoint holds the
 rollouts sampled ahead and a restored prefetcher continues exactly as an uninterrupted one.
 Also the config's errors for settings asynchronous RL does not support. The real worker process
-is tested in tests/rollout/test_async_rollout.py, the recipe in tests/examples/.
+is tested in tests/remote/trainer/test_hf_worker.py, the recipe in tests/examples/.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.loader import load_config
 from microrl.configs.run import RolloutConfig
 from microrl.engine.rollout import Rollout, SamplingParams
-from microrl.engine.rollout.async_rollout import POLICY_VERSION_KEY, Job
 from microrl.losses import PolicyLossConfig
+from microrl.remote.trainer.hf_worker import POLICY_VERSION_KEY, Job
 from microrl.run import Dist, RolloutPrefetcher, resumed_rollouts, warn_if_uncorrected
 from microrl.tasks import AdditionTask
 

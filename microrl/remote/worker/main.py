@@ -1,6 +1,6 @@
-"""The generation worker process of the asynchronous ``hf`` rollout (docs/rollouts.md#asynchronous-rl).
+"""The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
 
-:class:`~microrl.engine.rollout.async_rollout.AsyncRollout` spawns it (``torch.multiprocessing``,
+:class:`~microrl.remote.trainer.hf_worker.AsyncRollout` spawns it (``torch.multiprocessing``,
 ``spawn``). It builds the trainer's model from its config (the LoRA structure included), holds
 its own copy of the weights and samples with :class:`~microrl.engine.rollout.HFRollout`'s code
 path (``generate``, ``run_episodes``, the shared layout), one job after the other, in the order

@@ -1,13 +1,13 @@
 """Full weights into a ``vllm serve`` on the trainer's own GPU: vLLM's CUDA-IPC engine over JSON.
 
-A server beside its trainer process (the default placement, docs/rollouts.md#vllm-servers)
+A server beside its trainer process (the default placement, docs/async.md#vllm-servers)
 cannot join an NCCL group with it: NCCL refuses two ranks of one communicator on one GPU
 ("Duplicate GPU detected"). vLLM's ``ipc`` weight-transfer engine is made for this case: the
 trainer packs the tensors into one CUDA buffer and hands the server a CUDA IPC handle of it, and
 the server's worker maps the same memory and loads from it (vLLM's layerwise reload, as for
 NCCL). Over HTTP vLLM sends those handles pickled, which its server only reads with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: anyone reaching the route could then run code in it.
-The backend :data:`~microrl.engine.rollout.vllm_transfer.IPC_BACKEND` (a vLLM plugin, with
+The backend :data:`~microrl.remote.vllm_plugin.transfer.IPC_BACKEND` (a vLLM plugin, with
 ``gloo``) is vLLM's engine with the handles as plain JSON instead (:func:`encode_handles`: the
 arguments of torch's ``rebuild_cuda_tensor``, classes from a fixed list, bytes in base64), so
 the server never unpickles anything. Both ends are vLLM's classes; only the encoding of ``/update_weights`` is
@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from microrl.engine.rollout.vllm_transfer import IPC_BACKEND
+from microrl.remote.vllm_plugin.transfer import IPC_BACKEND
 
 __all__ = ["decode_update_info", "encode_handles", "encode_update_info"]
 

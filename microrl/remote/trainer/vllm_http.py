@@ -1,4 +1,4 @@
-"""A minimal, authenticated JSON client for a ``vllm serve`` server (docs/rollouts.md#vllm-servers).
+"""A minimal, authenticated JSON client for a ``vllm serve`` server (docs/async.md#vllm-servers).
 
 Standard library only (``urllib``): the trainer needs no HTTP package beyond what it has. Every
 request carries ``Authorization: Bearer <key>`` when a key is set, on every route: vLLM's

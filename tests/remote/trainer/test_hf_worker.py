@@ -1,4 +1,4 @@
-"""The asynchronous ``hf`` rollout: a worker process with its own weights (engine/rollout/async_*.py).
+"""The asynchronous ``hf`` rollout: a worker process with its own weights (microrl/remote/trainer/hf_worker.py, microrl/remote/worker/).
 
 - A job samples what ``HFRollout`` samples on the weights of the version pushed last before it
   (LoRA adapters, and a full fine-tune's every weight), and its rows carry that version; a job
@@ -25,12 +25,13 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from hf_worker_utils import PROMPTS, SEEDED, assert_same, make_engine, picky_env, update
 
-from microrl.configs import ActorConfig, LoraConfig, OptimConfig
+from microrl.configs import ActorConfig, LoraConfig
 from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import HFRollout, SamplingParams
-from microrl.engine.rollout.async_rollout import (
+from microrl.remote.trainer.hf_worker import (
     FP32_SYNC_CHECK_TOL,
     LOW_PRECISION_SYNC_CHECK_TOL,
     POLICY_VERSION_KEY,
@@ -42,11 +43,8 @@ from microrl.engine.rollout.async_rollout import (
     default_sync_check_tol,
     probe_stats,
 )
-from microrl.losses import broadcast_to_tokens
 from microrl.run.toy_model import build_model, build_tokenizer
-from microrl.tasks import AdditionTask, HintedAdditionTask
-
-PROMPTS = ["1+2=", "34+5=", "7+8="]
+from microrl.tasks import AdditionTask
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -59,44 +57,10 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
-SEEDED = SamplingParams(num_samples=3, max_new_tokens=4, seed=11)
-
-
-def _engine(lora_rank: int = 4) -> tuple[ActorEngine, object]:
-    torch.manual_seed(0)
-    tok = build_tokenizer()
-    model = build_model(
-        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2), tok
-    )
-    config = ActorConfig(
-        lora=LoraConfig(rank=lora_rank), micro_batch_size=16, optim=OptimConfig(lr=5e-2)
-    )
-    return ActorEngine(model, config), tok
-
-
-def _update(engine: ActorEngine, tok) -> None:
-    """One optimizer step on a rollout with random advantages: every trained tensor moves."""
-    rollout = HFRollout(engine, tok).generate(PROMPTS * 2, SamplingParams(num_samples=4))
-    batch = rollout.batch
-    batch["old_logprobs"] = engine.infer_batch(batch)["logprobs"]
-    advantages = torch.randn(batch.batch_size[0], generator=torch.Generator().manual_seed(1))
-    batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
-    engine.train_batch(batch)
-
-
-def _same(rollout, reference) -> None:
-    assert torch.equal(rollout.batch["input_ids"], reference.batch["input_ids"])
-    assert torch.equal(rollout.batch["loss_mask"], reference.batch["loss_mask"])
-    torch.testing.assert_close(
-        rollout.batch["rollout_logprobs"], reference.batch["rollout_logprobs"], rtol=0, atol=1e-5
-    )
-    assert rollout.texts == reference.texts
-
-
 @pytest.fixture(scope="module")
 def lora_worker():
     """A LoRA engine and its worker, shared by the next two tests (the second breaks it)."""
-    engine, tok = _engine(lora_rank=4)
+    engine, tok = make_engine(lora_rank=4)
     with AsyncRollout(engine, tok) as worker:
         yield engine, tok, worker
     assert not worker.process.is_alive()
@@ -105,17 +69,17 @@ def lora_worker():
 def _check_versions(engine, tok, worker) -> None:
     assert not dist.is_initialized()  # the pair's group is not torch's default group
     first = worker.generate(PROMPTS, SEEDED)
-    _same(first, HFRollout(engine, tok).generate(PROMPTS, SEEDED))
+    assert_same(first, HFRollout(engine, tok).generate(PROMPTS, SEEDED))
     assert first.batch[POLICY_VERSION_KEY].tolist() == [0] * 9
     old = copy.deepcopy(engine.model)
-    _update(engine, tok)
+    update(engine, tok)
     stale = worker.submit(PROMPTS, SEEDED)  # queued before the push: the old weights
     worker.sync(engine)
     fresh = worker.submit(PROMPTS, SEEDED)
     assert (stale.version, fresh.version, worker.version) == (0, 1, 1)
     stale_rollout, fresh_rollout = worker.collect(stale), worker.collect(fresh)
-    _same(stale_rollout, HFRollout(old, tok).generate(PROMPTS, SEEDED))
-    _same(fresh_rollout, HFRollout(engine, tok).generate(PROMPTS, SEEDED))
+    assert_same(stale_rollout, HFRollout(old, tok).generate(PROMPTS, SEEDED))
+    assert_same(fresh_rollout, HFRollout(engine, tok).generate(PROMPTS, SEEDED))
     assert fresh_rollout.batch[POLICY_VERSION_KEY].tolist() == [1] * 9
     # The update moved the policy: the stale rows' log-probs are not the current ones.
     now = engine.infer_batch(stale_rollout.batch)["logprobs"]
@@ -132,7 +96,7 @@ def test_lora_jobs_sample_the_version_pushed_before_them(lora_worker) -> None:
 
 
 def test_full_fine_tune_jobs_sample_the_version_pushed_before_them() -> None:
-    engine, tok = _engine(lora_rank=0)
+    engine, tok = make_engine(lora_rank=0)
     with AsyncRollout(engine, tok) as worker:
         _check_versions(engine, tok, worker)
     assert not worker.process.is_alive()
@@ -142,7 +106,7 @@ def test_a_push_that_leaves_a_tensor_stale_fails_its_check(lora_worker, monkeypa
     engine, tok, worker = lora_worker
     name = "model.layers.1.self_attn.q_proj.lora_B.default.weight"
     before = dict(engine.model.named_parameters())[name].detach().clone()
-    _update(engine, tok)
+    update(engine, tok)
     broadcast = AsyncRollout._broadcast
 
     def skipping_one(self, state, entries):  # the push "forgets" one tensor
@@ -162,7 +126,7 @@ def test_a_push_that_leaves_a_tensor_stale_fails_its_check(lora_worker, monkeypa
 
 
 def test_a_hung_worker_is_an_error_naming_it_and_close_never_hangs() -> None:
-    engine, tok = _engine()
+    engine, tok = make_engine()
     worker = AsyncRollout(engine, tok)
     worker.timeout_s = 3  # (after the start, which a loaded machine may make slow)
     pid = worker.process.pid
@@ -181,15 +145,8 @@ def test_a_hung_worker_is_an_error_naming_it_and_close_never_hangs() -> None:
         worker.submit(PROMPTS, SEEDED)
 
 
-def picky_env(problem):
-    """A picklable environment factory (by reference): hinted addition, but not for 9+..."""
-    if problem.prompt.startswith("9+"):
-        raise RuntimeError(f"no environment for {problem.prompt}")
-    return HintedAdditionTask(9, 8).make_env(problem)
-
-
 def test_episodes_are_played_in_the_worker() -> None:
-    engine, tok = _engine()
+    engine, tok = make_engine()
     with pytest.raises(ValueError, match="env_maker cannot be sent to the rollout worker"):
         AsyncRollout(engine, tok, env_maker=lambda problem: None)
     problems = [AdditionTask.make(1, 2), AdditionTask.make(3, 4)]
@@ -314,8 +271,8 @@ def test_the_worker_spec_carries_the_engine_precision(monkeypatch) -> None:
     """The spec carries the engine's base dtype and autocast; the worker builds its model with
     the base in that dtype (never fp32 first; the adapters fp32, as the engine's) and samples
     and scores the probe under that autocast. A float32 engine's worker runs neither."""
-    from microrl.engine.rollout import async_rollout
-    from microrl.engine.rollout.async_worker import build_sampler, score_probe
+    from microrl.remote.trainer import hf_worker
+    from microrl.remote.worker.main import build_sampler, score_probe
 
     specs = []
 
@@ -336,7 +293,7 @@ def test_the_worker_spec_carries_the_engine_precision(monkeypatch) -> None:
 
     spawn = multiprocessing.get_context("spawn")
     context = types.SimpleNamespace(Queue=spawn.Queue, Process=NoProcess)
-    monkeypatch.setattr(async_rollout.mp, "get_context", lambda method: context)
+    monkeypatch.setattr(hf_worker.mp, "get_context", lambda method: context)
     tok = build_tokenizer()
     model = build_model(
         ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
@@ -378,7 +335,7 @@ def test_a_bf16_engine_worker_samples_and_checks_at_bf16() -> None:
     with AsyncRollout(engine, tok) as worker:
         assert worker.sync_check_tol == LOW_PRECISION_SYNC_CHECK_TOL
         rollout = worker.generate(PROMPTS, SEEDED)
-        _same(rollout, HFRollout(engine, tok).generate(PROMPTS, SEEDED))
+        assert_same(rollout, HFRollout(engine, tok).generate(PROMPTS, SEEDED))
         stats = worker.sync_stats[0]
         assert 0 < stats[SYNC_CHECK_STAT] < LOW_PRECISION_SYNC_CHECK_TOL / 10
     batch = rollout.batch
