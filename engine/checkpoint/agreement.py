@@ -28,7 +28,7 @@ instead of the default group's timeout (30 minutes under
 :func:`microrl.engine.parallel.distributed.init_distributed`; a NCCL collective may wait even longer), and
 DCP only exchanges small plan objects there, whatever the default backend (NCCL included). The
 store is torch's private ``_get_default_store()`` (no public accessor), so the default group must
-have one (any ``init_method``; not MPI); ``tests/engine/test_checkpoint_faults.py`` pins it, so a
+have one (any ``init_method``; not MPI); ``tests/engine/checkpoint/test_checkpoint_faults.py`` pins it, so a
 torch release that drops it fails the suite instead of the first multi-rank save.
 
 Bounds: a rank that raises fails the others at once; one that is killed, after about

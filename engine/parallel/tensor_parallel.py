@@ -62,7 +62,7 @@ __all__ = [
 
 # Families whose attention reshapes with -1 heads (so local heads need no config change) and
 # whose base_model_tp_plan is only colwise/rowwise Linear layers; each is tested against one
-# process (tests/engine/test_tensor_parallel.py).
+# process (tests/engine/parallel/test_tensor_parallel.py).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _STYLES = ("colwise", "rowwise")
 # transformers' style of Qwen3's per-head q_norm / k_norm: replicated weights applied to
