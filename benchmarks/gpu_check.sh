@@ -30,9 +30,9 @@
 #
 # Test files not run here, although they mention CUDA, because their assertions hold on a CPU only:
 # the engines default to device=auto and dtype=auto, which on CUDA is bf16 autocast.
-#   tests/engine/test_cpu_offload.py        torch.equal of a run with FSDP2's offload against one
-#       without: exact where the offload copies are no-ops (CPU); on CUDA one run steps AdamW on
-#       the host, the other on the GPU.
+#   tests/engine/parallel/test_cpu_offload.py torch.equal of a run with FSDP2's offload against
+#       one without: exact where the offload copies are no-ops (CPU); on CUDA one run steps AdamW
+#       on the host, the other on the GPU.
 #   tests/engine/test_activation_offload.py torch.equal of whole engine runs, which on CUDA run
 #       under bf16 autocast through kernels torch does not promise to be bitwise reproducible
 #       (scaled_dot_product_attention); its CUDA test runs.
@@ -418,7 +418,7 @@ step_sp_flash() {
         echo "KEY: flash_attn is not installed here (pip install flash-attn)"
         return "$SKIP_RC"
     fi
-    run_pytest tests/engine/test_sequence_parallel_flash.py -k cuda -rs
+    run_pytest tests/engine/parallel/test_sequence_parallel_flash.py -k cuda -rs
 }
 
 step_bench_long() {

@@ -1,54 +1,13 @@
 """Activation offload: the tensors autograd saves for backward live in host memory in between.
 
-:class:`ActivationOffload` is a :class:`torch.autograd.graph.saved_tensors_hooks` context: every
-tensor an operation saves for its backward inside the block goes through its pack hook, which
-copies it to host memory, and comes back through the unpack hook when the backward needs it. The
-device copy is then free as soon as the forward no longer uses it, so a micro-batch's activation
-memory on the device is about what one layer's forward and backward hold, not the whole graph.
+A micro-batch's activation memory then stays about what one layer's forward and backward hold,
+not the whole graph: the longest sequences need that after checkpointing and sequence
+parallelism. :class:`ActivationOffload` is a ``saved_tensors_hooks`` context: its pack hook
+copies a saved tensor to the host, its unpack hook brings it back when the backward needs it.
 The engine enters it around the training forward of every micro-batch when
-``EngineConfig.activation_offload`` is on (docs/distributed.md, "Activation offload"); inference
-passes (``forward_only``, ``infer_batch``) save nothing and never enter it.
-
-What is offloaded (the rule; anything that is not offloaded is kept as autograd would keep it):
-
-* tensors that are not plain strided ``torch.Tensor`` objects (sparse, nested, ``DTensor`` and
-  other subclasses) are kept;
-* tensors smaller than ``min_bytes`` (:data:`MIN_OFFLOAD_BYTES`, 1 MiB, by default) are kept:
-  the copies would cost more in latency than they save;
-* parameters and buffers are kept: an ``nn.Parameter`` (also FSDP2's gathered parameters), a
-  view of one (``weight.t()``, which ``F.linear`` saves), and any tensor sharing the storage of
-  one of the module's parameters or buffers (the ``params`` given at construction). Their memory
-  is not freed by copying them (the module holds it), and FSDP2 frees and refills its gathered
-  weights itself;
-* autocast's copies of the weights are kept too: a bf16 copy of a trainable weight (its autograd
-  history is one cast of a parameter) and, for a frozen weight, a tensor with no autograd history
-  shaped like one of the parameters. A copy of this kind is per layer, not per token, and
-  offloading it would move the model's weights to the host and back on every micro-batch;
-* a tensor saved again by another operation (the same tensor, unchanged since) reuses its copy;
-* everything else is copied to host memory: on CUDA into pinned memory, on a side stream; on a
-  CPU device into a separate host buffer (the same bytes, nothing saved: the hook mechanics run
-  as on a GPU, which is how the tests check them); on any other device with a blocking copy.
-
-Gradient checkpointing (non-reentrant, as the engine enables it) composes: inside a checkpointed
-decoder layer the checkpoint's own hooks take precedence (the innermost hooks win) and keep
-placeholders only, while the layer's inputs, which the checkpoint saves with the *outer* hooks before it
-runs the layer, are offloaded. The recomputation in backward runs outside this block (the engine
-leaves it before ``backward``), so recomputed activations stay on the device for the one layer
-that needs them. With checkpointing only the layer boundaries (and the tensors saved outside the
-layers: final norm, head) are offloaded.
-
-CUDA streams: a device-to-host copy is issued on a side stream after it waits for the compute
-stream (the tensor is complete), and the device tensor is kept referenced until the copy's event
-has completed (at most :data:`MAX_IN_FLIGHT` copies in flight; beyond that the compute stream
-waits for the oldest), so the caching allocator cannot hand its memory out while it is read. On
-leaving the block the compute stream waits for the side stream. In backward, unpacking a tensor
-also prefetches the next :data:`PREFETCH` offloaded tensors (in reverse order of saving: the order
-backward needs them) on the side stream into buffers allocated on the compute stream; the compute
-stream waits for a tensor's copy event before it uses it, and at the end of the backward for the
-side stream. The host buffer is referenced by the graph until the tensor is unpacked and its node
-released. A kept tensor modified in place after it was saved is an error on unpack, as without
-the hooks (its version counter is compared); an offloaded tensor is a copy taken when it was
-saved, so the backward sees the saved value.
+``EngineConfig.activation_offload`` is on; inference passes save nothing and never enter it.
+What is offloaded, how it composes with gradient checkpointing and how the CUDA copies overlap
+are in docs/distributed.md, "Activation offload".
 """
 
 from __future__ import annotations
@@ -125,7 +84,7 @@ class _Offloaded:
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors of the forward inside the block go to host memory (module docstring).
+    """Saved tensors of the forward inside the block go to host memory (docs/distributed.md).
 
     Args:
         params: the module's parameters and buffers (``DTensor`` shards are fine): a saved
@@ -215,8 +174,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return packed
 
     def _is_weight(self, tensor: torch.Tensor) -> bool:
-        """A parameter or buffer, a view of one, or autocast's copy of a weight (the rule of the
-        module docstring)."""
+        """A parameter or buffer, a view of one, or autocast's copy of a weight (the rule of
+        docs/distributed.md, "How the hooks decide and copy")."""
         base = tensor._base if tensor._base is not None else tensor
         if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
             return True

@@ -1,39 +1,12 @@
 """Fused lm-head loss: ``hidden @ weight.T`` -> log-probs -> a loss, its gradients formed in forward.
 
-The contract is in ``docs/kernels.md`` ("The fused loss path"); this docstring says how it works.
-
-:func:`microrl.kernels.fused_linear_logprob` cannot form the logits' gradient in its forward: the
-upstream gradients of the log-probs and entropy are unknown until the caller's loss has run, so
-its backward recomputes the logits tiles forward did not keep (8·N·H·V flops with a trainable
-head, 6 with a frozen one, 7.5 and 5.5 at N=2048, V=32768 where two tiles are kept). When the loss
-is a function of the log-probs (and entropy) of *groups of rows* whose partial losses add up, as
-every loss of ``microrl.losses`` is per sequence under the global denominators (docs/losses.md),
-its gradient with respect to a group's log-probs is known as soon as that group's log-probs are.
-So :func:`fused_linear_loss` runs, per row group:
-
-1. the fused kernel's forward on the group's rows (same tiles, online statistics and head
-   transforms: ``linear_logprob._forward``), keeping the group's logits tiles (``z - m_tile``);
-2. the caller's ``loss_fn`` on the group's log-probs and entropy, detached leaves under
-   ``torch.enable_grad()``: the group's partial loss and ``dL/dlogp``, ``dL/dentropy`` by autograd
-   on ``[n]`` tensors (O(n) work);
-3. the kernel's backward with those upstream gradients (``linear_logprob._backward``) on the kept
-   tiles, so no logits tile is recomputed: ``grad_hidden`` rows of the group, and the group's
-   share of ``grad_weight`` (and ``grad_bias``) accumulated into compute-dtype buffers.
-
-Cost: ``2·N·H·V`` (logits) ``+ 2·N·H·V`` (hidden gradient) ``+ 2·N·H·V`` (weight gradient, only
-when the weight requires grad): 4 with a frozen head (LoRA), 6 with a trainable one. Memory: one
-group's logits (at most ``chunk_size`` rows, and at most the kernel's cap of four full 32 MiB
-tiles together with the two working tiles of the gradient pass), O(N) statistics, and the
-gradients themselves (``[N, H]``, ``[V, H]`` when the weight trains), which exist from this
-forward until backward. A group is the union of consecutive ``segments`` (e.g. whole sequences:
-a loss such as GSPO or a per-sequence mean needs all of a sequence's log-probs at once) that fits
-the budget; a single segment longer than that is one group processed in row chunks, and the tiles
-beyond the budget are recomputed in the gradient pass (exact, but back to up to 8·N·H·V there).
-
-The autograd Function's backward only scales the saved gradients by the upstream gradient of the
-loss (a scalar; 1 in a plain ``loss.backward()``). Outputs ``logprobs`` and ``entropy`` are
-detached. Numerics are those of the fused kernel (same tile boundaries and merge order), and the
-loss and its gradients equal the kernel + loss path to the rounding of the compute dtype.
+The plain fused kernel recomputes logits tiles in backward, because its upstream gradients are
+unknown until the caller's loss has run. A loss made of per-group terms (every
+``microrl.losses`` loss per sequence) gives each group's gradient as soon as that group's
+log-probs exist. So :func:`fused_linear_loss` runs the loss inside the head, group by group, and
+backward recomputes nothing: 4·N·H·V flops with a frozen head instead of up to 6. The contract
+is docs/kernels.md ("The fused loss path"); the steps are its section "How the fused loss is
+built".
 """
 
 from __future__ import annotations
@@ -301,8 +274,8 @@ def fused_linear_loss(
     Equivalent to ``lp, ent = fused_linear_logprob(hidden, weight, targets, ...)`` followed by
     ``sum(loss_fn(s, e, lp.flatten()[s:e], ent.flatten()[s:e])[0] for each group [s, e))`` and
     its backward, to the rounding of the compute dtype, but without recomputing any logits tile
-    in backward: 4·N·H·V flops with a frozen weight, 6·N·H·V with a trainable one (module
-    docstring; contract in ``docs/kernels.md``).
+    in backward: 4·N·H·V flops with a frozen weight, 6·N·H·V with a trainable one
+    (``docs/kernels.md``, "The fused loss path").
 
     Args:
         hidden, weight, targets, temperature, chunk_size, ignore_index, validate, bias,

@@ -1,91 +1,11 @@
 """Fused lm-head log-prob / entropy: ``hidden @ weight.T`` -> per-token log-prob and entropy.
 
-The contract (semantics, dtypes, memory, syncs, tolerances, errors) is in ``docs/kernels.md``;
-this docstring describes how the kernel meets it.
-
-The full ``[N, V]`` logits are never materialised. Rows are processed in chunks of ``rows`` tokens
-and the vocabulary in tiles of ``vocab_tile`` columns: the working set is one ``[rows,
-vocab_tile]`` logits tile plus one scratch tile of the same size, and the forward keeps
-``kept_tiles`` tiles for backward. The vocabulary tiles depend on V and the configured chunk
-height only, never on N (``_plan``), so a row meets the same tile boundaries and merge order in
-any batch. All of a call's tile buffers are one allocation (``_tile_block``), which forward
-fills and backward reuses: not a tensor per tile, which fragmented glibc's heap.
-
-Memory and speed (``_plan``, ``_buffer_budget``): the tile buffers get a budget of at most four
-full 32 MiB tiles, which keeps the memory of large problems flat in N, and for small problems a
-fraction of what the materialised computation holds beyond the gradients it returns (modelled as
-five ``[N, V]`` buffers less the gradients, at least one; the eager reference measures that or
-more): a quarter for the two working tiles, a fifth with the kept ones. Within it the row chunk
-is as tall as the configured height allows, and what is left keeps tiles for backward. The row
-chunk is therefore the one N-dependent choice, and only for small problems, where it sets how
-many tiles there are: every tile costs a dozen elementwise ops and matmuls, each an OpenMP region
-whose barrier costs up to a scheduler slice on a busy CPU whatever the op's size, so a few tall
-chunks beat many short ones on small problems (figures in benchmarks/README.md, "Kernel design
-measurements"). Which rows share a matmul changes only BLAS blocking, not a row's arithmetic. Tiny problems get a 1 MiB floor instead (below allocator noise:
-under a few hundred rows at V=1000, for instance, the floor exceeds the fractions).
-
-All arithmetic is in the compute dtype, float32 (float64 when an input is float64): the logits
-are never rounded to 16 bits. 16-bit (or mixed) inputs are upcast per row chunk (``[rows, H]``)
-and per weight tile (``[vocab_tile, H]``, one reused buffer), so every matmul is a float32 one,
-which on a CPU is also faster than a 16-bit one. On CUDA, when both inputs share one 16-bit dtype
-and ``torch.mm(..., out_dtype=torch.float32)`` is supported (probed once), the tile matmuls run
-on the 16-bit inputs with float32 accumulation and float32 output instead ("native16"), the
-temperature is applied to the float32 tile, and backward feeds the tensor cores the logit
-gradient rounded to the input dtype (float32 accumulation). Autocast is disabled inside.
-
-Forward, per row chunk: for each vocabulary tile, ``z = (h / T) @ W_tile.T``, the tile's
-logsumexp and entropy, merged into running per-row statistics with the max-rescaled (online)
-logsumexp, so every value stays finite for huge logits and for rows whose logits are all very
-negative. Statistics are kept as (max ``m``, ``S = sum exp(z - m)``), never as a rounded ``lse``:
-``z - m`` is exact near the max, which keeps float32 results for logits of size 1e4 as accurate
-as the eager reference. The target logit is gathered from its tile. Only O(N) statistics are
-saved for backward: per-row ``m``, ``S`` and entropy.
-
-Backward recomputes each logits tile (one more matmul) that forward did not keep: keeping all
-``[N, V]`` of them would cost 6*N*H*V flops instead of 8*N*H*V, but memory that grows with N.
-Upstream gradients are unknown in forward, so the gradient cannot be formed there either. The
-middle ground taken: the forward keeps as many tiles as the budget allows (as ``z - m_tile``),
-whose recompute backward then skips: two full tiles for large problems (7.5*N*H*V flops at
-N=2048, V=32768), three of nineteen at 256 x 896 x 151936, all of them when they fit. The extra
-matmul is paid back on a CPU by the elementwise work: about ten passes over each tile in all,
-against ~25 passes over full ``[N, V]`` buffers (plus page faults) in eager autograd. With ``z``
-the tempered logits, ``p = softmax(z)``, ``H`` the entropy and upstream gradients ``g_lp``,
-``g_H`` per row, the gradient with respect to the untempered logits is::
-
-    dL/dlogit_j = (g_lp * [j == target] - p_j * (g_lp + g_H * (log p_j + H))) / T
-
-(``dH/dz_j = -p_j (log p_j + H)``), computed on the tile in four elementwise passes (``z - m``,
-``exp``, the per-row affine factor, the product; three for a kept tile ``s_t = z - m_t``, whose
-shift to the row max is folded into per-row factors: ``exp(z - m) = exp(s_t) * exp(m_t - m)``;
-the ``[j == target]`` term is an O(rows) scatter) and followed by ``grad_hidden += G @ W_tile``
-and ``grad_weight[tile] += G.T @ h`` (compute-dtype accumulators, cast to each input's dtype once
-at the end; a float32 hidden gradient is accumulated in place, row chunk by row chunk), each
-skipped when ``ctx.needs_input_grad`` says that input does not need a gradient (a frozen weight
-gets no ``[V, H]`` buffer and no matmul). Upstream gradients stay materialised (a missing one
-arrives as zeros), so no branch can be dropped; with ``with_entropy`` the entropy passes always
-run (skipping them for an all-zero entropy gradient would need a host sync to find out).
-
-Head transforms (``bias``, ``logit_scale``, ``softcap``; ``_row_factors``): the final logits of a
-row are ``post * tanh(pre * z)`` with a cap ``c`` (``pre = scale / c``, ``post = c / T``) and
-``pre * z`` without (``pre = scale / T``), ``z = h @ W.T + b``. ``pre`` is folded into the rows
-as ``1 / T`` is without a transform, and the bias term ``pre * b`` is written into the tile that
-the matmul then accumulates onto (``addmm_``), so a bias costs one write per tile and no matmul.
-The cap costs a ``tanh`` and a per-row scaling per tile in forward. Backward's gradient with
-respect to ``z`` is the formula above with ``1 / T`` replaced by ``scale / T``, times the slope
-``1 - tanh**2`` per element (after the target scatter): a recomputed tile keeps ``tanh`` in the
-working tile and forms ``s = post * tanh - m`` in a third one (when the entropy's affine factor
-needs ``s`` after ``exp(s)``; ``_plan`` budgets for it), a kept tile recovers ``tanh`` as
-``(s_t + m_t) / post``. The bias gradient is the column sums of that gradient, accumulated in the
-compute dtype. Without transforms none of this runs: no extra pass.
-
-Ignored rows (``ignore_index``): with ``validate=True`` the one host sync of the input check also
-reads their count, and the non-ignored rows are compacted (``nonzero_static``): ignored rows are
-never read, their outputs and gradients are zero. When no row is ignored (the common case), and
-with ``validate=False``, the row chunks are views of the inputs and outputs, with no gather or
-scatter of rows. With ``validate=False`` (no host sync at all, for the engine's micro-batch loop)
-every row is processed and the ignored ones are masked with ``torch.where`` before any
-arithmetic: hidden row and temperature replaced (by 0 and 1), target by 0, upstream gradients and
-outputs by 0, so garbage (NaN/inf) there cannot leak anywhere.
+The full ``[N, V]`` logits are never materialised, so the head's memory stays flat in N. Rows go
+in chunks and the vocabulary in tiles; an online logsumexp merges the tiles' statistics, and the
+backward recomputes the tiles the forward did not keep. The contract (semantics, dtypes, memory,
+syncs, tolerances, errors) is docs/kernels.md; how this module meets it (the tile plan and its
+budget, dtypes, the gradient formula, head transforms, ignored rows) is its section "How the
+kernel is built".
 """
 
 from __future__ import annotations
@@ -611,7 +531,7 @@ def fused_linear_logprob(
             buffers (two working tiles and the tiles kept from forward for backward, one block
             held from forward to the end of backward) within four full tiles (4 x 32 MiB in
             float32 by default) whatever N, and within a quarter of the materialised
-            computation's extra memory for small problems (module docstring), plus
+            computation's extra memory for small problems (docs/kernels.md), plus
             ``[rows, H]`` row copies and O(N) statistics. A weight not in the compute dtype also
             gets a ``[vocab_tile, H]`` upcast buffer and, when it requires grad and there is more
             than one row chunk, a compute-dtype ``[V, H]`` gradient accumulator.
@@ -623,7 +543,7 @@ def fused_linear_logprob(
             against the vocabulary at the batch boundary. Only skip when every target is known to
             be in ``[0, V)`` or ``ignore_index`` and every temperature finite and > 0: otherwise
             the results are silently wrong (no error). It then computes every row, ignored ones
-            included (masked, see the module docstring): same results, more work when many
+            included (masked, docs/kernels.md): same results, more work when many
             positions are ignored.
         bias: ``[V]`` lm-head bias (Phi), any float dtype, or None; gets a gradient when it
             requires grad.

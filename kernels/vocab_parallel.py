@@ -1,53 +1,13 @@
 """Vocab-parallel fused lm-head log-prob / entropy: the vocabulary split over tensor-parallel ranks.
 
-Each rank of a tensor-parallel (TP) group holds a ``[V_local, H]`` shard of the lm-head weight,
-rows ``vocab_start .. vocab_start + V_local`` of the vocabulary, and the same (replicated)
-``hidden [..., H]``, ``targets`` and temperature as every other rank. The result is the
-single-device :func:`microrl.kernels.fused_linear_logprob` of the whole weight, on every rank, to
-the compute dtype's rounding. The contract is in ``docs/kernels.md`` ("Vocab-parallel").
-
-Forward. Each rank runs the single-device algorithm over the rows of its shard that lie inside the
-vocabulary (``global index < vocab_size``; the rest is padding, never read): row chunks, vocabulary
-tiles, fp32 (fp64) compute, and per row the online statistics of its part ``r`` of the
-vocabulary, a max ``m_r``, ``S_r = sum_j exp(z_j - m_r)`` and, for the entropy,
-``A_r = sum_j exp(z_j - m_r) (z_j - m_r)``, plus the target logit ``z_t`` on the rank whose shard
-holds the target. The parts are then combined exactly, as the single-device kernel merges its
-tiles, with two collectives of O(N) floats:
-
-1. ``m = max_r m_r`` (``all_reduce(MAX)`` of ``[N]``);
-2. each rank rescales its part to the joint max, ``d_r = m_r - m <= 0``, ``w_r = exp(d_r)``:
-   ``S'_r = w_r S_r``, ``A'_r = w_r (A_r + d_r S_r)``, and the owner of the target contributes
-   ``z_t - m`` (others 0); one ``all_reduce(SUM)`` of the stacked ``[3, N]`` (``[2, N]`` without
-   the entropy) gives ``S = sum S'_r``, ``A = sum A'_r`` and ``z_t - m``.
-
-Then ``log p(target) = (z_t - m) - log S`` and ``H = log S - A / S``: the same expressions, in the
-same max-shifted form, as on one device (nothing overflows for huge logits; ``z - m`` is exact near
-the max). Why the max goes first: summing unshifted ``exp(z)`` across ranks overflows, and summing
-per-rank logsumexps needs a second rescale that rounds more. A rank whose shard holds no real row
-contributes ``m_r = -inf``, ``S'_r = A'_r = 0``.
-
-Backward. With the global statistics (saved from forward: per row ``m``, ``S``, ``H``), the
-gradient with respect to a local logit is the single-device one,
-
-    dL/dlogit_j = (g_lp [j == target] - p_j (g_lp + g_H (log p_j + H))) / T,
-
-computed tile by tile on recomputed logits (the ``[N, V_local]`` logits are never kept). The weight
-gradient of the shard, ``G_local^T @ h``, is exact and stays local (padding rows get 0); the hidden
-gradient of the shard, ``G_local @ W_local``, is a partial sum and is summed over the group (one
-``all_reduce(SUM)`` of ``[N, H]``, only when ``hidden`` requires grad), so **every rank gets the
-full hidden gradient** and the caller adds no reduction of its own.
-
-Upstream gradients are always materialised: this Function never calls
-``ctx.set_materialize_grads(False)``, and a ``None`` upstream gradient (an output the loss does not
-use) counts as zeros. That is the bug this module exists to avoid: slime's vocab-parallel
-log-prob/entropy Function turned materialisation off and then dropped the branch whose gradient
-arrived as ``None``.
-
-Requirements on the caller (not checked: checking needs communication): every rank of ``group``
-calls with the same ``hidden``, ``targets``, temperature, ``ignore_index``, ``with_entropy``,
-``chunk_size``, ``validate`` and ``requires_grad`` flags; the shards are disjoint and cover
-``[0, vocab_size)``; every rank backpropagates the same upstream gradients (each computes the same
-loss from the replicated outputs). Ranks that disagree deadlock or get wrong numbers.
+Each rank of a tensor-parallel group holds a ``[V_local, H]`` shard of the lm-head weight and the
+same (replicated) ``hidden``, ``targets`` and temperature. Every rank gets the single-device
+:func:`microrl.kernels.fused_linear_logprob` of the whole weight, to the compute dtype's
+rounding, and no logits cross ranks: two collectives of O(N) statistics combine the shards. Both
+upstream gradients are always materialised, which is the bug this module exists to avoid
+(slime's Function dropped a branch whose gradient arrived as ``None``). The contract is
+docs/kernels.md ("Vocab-parallel"); the math is its section "How the vocab-parallel kernel is
+built".
 """
 
 from __future__ import annotations
@@ -426,7 +386,7 @@ def vocab_parallel_linear_logprob(
     compute dtype's rounding, where ``full_weight`` is the concatenation of the ranks' shards
     without their padding rows. The forward communicates O(N) statistics (per row: a max, then
     a sum, the entropy term and the target logit), never logits. Full contract:
-    ``docs/kernels.md`` ("Vocab-parallel"); the math is in the module docstring.
+    ``docs/kernels.md`` ("Vocab-parallel"); the math: its "How the vocab-parallel kernel is built".
 
     Args:
         hidden: ``[..., H]`` float tensor, the same (replicated) on every rank of the group.

@@ -18,11 +18,10 @@ A GRPO step, end to end::
     log = reduce_metrics(all_micro_batch_metrics)                  # Python floats, exact
 
 PPO: ``scores_to_token_rewards`` -> ``gae_advantages`` (-> ``whiten``) for the actor,
-``value_loss`` on the returns for the critic. One algorithm per module: ``ppo``, ``gspo``,
-``cispo``, ``reinforce`` (surrogates), ``kl``, ``entropy``, ``tis`` and ``mismatch`` (rollout/trainer
-mismatch metrics and corrections), ``value``, ``sft``, ``gae``,
-``group`` (GRPO, RLOO; ``check_whole_groups`` before them under data parallelism),
-``reinforce_pp``, ``whiten``; ``policy`` dispatches by :class:`PolicyLossType`.
+``value_loss`` for the critic. One algorithm per module: surrogates (``ppo``, ``gspo``, ``cispo``,
+``reinforce``), ``kl``, ``entropy``, ``value``, ``sft``, mismatch (``tis``, ``mismatch``),
+advantages (``gae``; ``group``: GRPO, RLOO, after ``check_whole_groups`` under data parallelism;
+``reinforce_pp``, ``whiten``). ``policy`` dispatches by :class:`PolicyLossType`.
 """
 
 from .aggregation import (

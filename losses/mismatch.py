@@ -1,42 +1,14 @@
 """Rollout/trainer log-prob mismatch: metrics and corrections (docs/losses.md).
 
 The rollout backend (vLLM, HF ``generate``) samples the tokens with its own kernels, precision and
-batch composition, so the log-probs it reports for them (``rollout_logprobs``, the behaviour
-policy ``mu`` that actually drew the tokens) differ from the trainer's recomputation of the same
-tokens at the same weights (``old_logprobs``, ``pi_old``). Per loss token::
-
-    delta = log pi_old - log mu        r = exp(delta) = pi_old / mu
-
-Metrics (token-weighted over the mini-batch's loss tokens, exact under any split):
-
-* ``mismatch/abs_diff_mean``: mean ``|delta|``; ``mismatch/abs_diff_max``: max ``|delta|`` (MAX).
-* ``mismatch/kl_k3``: mean ``r - 1 - delta``, the k3 estimator (Schulman, "Approximating KL
-  Divergence", 2020) of ``KL(mu || pi_old)``: the tokens are drawn from ``mu`` and
-  ``E_mu[r - 1] = 0``, so ``E_mu[k3] = E_mu[-delta] = E_mu[log mu - log pi_old]``. Each term is
-  ``>= 0``; it is 0 exactly when the two engines agree.
-* ``mismatch/mult_prob_error``: mean ``exp(|delta|)``, NeMo-RL's ``token_mult_prob_error``
-  (1 when the engines agree; 1.01 reads as "probabilities off by ~1% on average").
-
-Corrections (a detached weight on each token's policy-gradient loss, all on the same ratio ``r``):
-
-* truncated IS: ``min(r, tis_cap)`` (Yao et al. 2025, "Your Efficient RL Framework Secretly
-  Brings You Off-Policy RL Training"), in :mod:`microrl.losses.tis`;
-* token masking (IcePop): 0 where ``r`` lies outside ``[low, high]`` (Ling Team 2025, "Small
-  Leak Can Sink a Great Ship -- Boost RL Training on MoE with IcePop!");
-* sequence masking: 0 on every token of a row whose geometric-mean ratio
-  ``exp(mean_t delta)`` lies outside ``[low, high]`` (the geometric "Geo-RS/Geo-Mask" variant of
-  sequence-level masked IS, Liu et al. 2025, "When Speed Kills Stability: Demystifying RL
-  Collapse from the Training-Inference Mismatch");
-* AReaL's decoupled objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
-  Learning System for Language Reasoning", arXiv 2505.24298): the behaviour weight ``r`` itself,
-  0 where ``r`` exceeds the cap (its ``behav_imp_weight_cap``). With ``old_logprobs`` recomputed
-  by the trainer at the current weights (the proximal policy) and ``rollout_logprobs`` from a
-  stale sampler (asynchronous RL), the PPO ratio ``pi / pi_prox`` clips around the proximal
-  policy and ``r = pi_prox / mu`` corrects for the policy that drew the tokens.
-
-Masked tokens keep counting in the global denominators (weight 0, as in IcePop's objective and
-as a TIS weight of 0): the corrections never change a denominator, so they stay exact under any
-micro-batch split and rank count.
+batch composition. So the log-probs it reports (``rollout_logprobs``, the behaviour policy ``mu``)
+differ from the trainer's recomputation at the same weights (``old_logprobs``, ``pi_old``), and
+training is silently off-policy. Every quantity here is per loss token, on
+``r = exp(log pi_old - log mu)``: the metrics measure the gap, the corrections (truncated IS,
+token and sequence masking, AReaL's decoupled weight) reweight the policy-gradient loss by a
+detached weight. Masked tokens keep counting in the global denominators, so every correction
+stays exact under any micro-batch split and rank count. The metrics, the corrections and their
+references are in docs/losses.md, "Rollout/trainer mismatch".
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
-"""The tests mirror the packages: tests/engine/ tests microrl.engine, tests/kernels/
-microrl.kernels, and so on (each folder's conftest.py says what it covers); ``test_imports.py``
-here tests the top-level package (its API, the direction of its imports) and the CI command.
+"""The tests mirror the packages: tests/engine/ tests microrl.engine, tests/engine/parallel/
+microrl.engine.parallel, tests/kernels/ microrl.kernels, and so on (each folder's conftest.py says
+what it covers); ``test_imports.py`` here tests the top-level package (its API, the direction of
+its imports) and the CI command; ``test_layout.py`` checks this layout.
 
 Without ``__init__.py`` files, pytest puts each test's folder and this one on ``sys.path``: test
-module and helper names are unique across folders. A helper one folder uses lives in it
-(``kernel_utils``, ``loss_utils``); those several folders use live here: ``engine_utils`` (tiny
-models, batches, references: engine, kernels, losses), ``distributed_utils`` (gloo rank launches:
-engine, kernels, losses, rollout; benchmarks/bench_tensor_parallel.py), ``example_utils`` (tiny
-recipe overrides, an example as a module: examples, run, tasks, losses). A file launched on
-ranks puts tests/ on ``sys.path`` itself.
+module and helper names are unique across folders. A test module never imports another one: what
+tests share lives in a ``*_utils.py`` module. A helper one folder uses lives in it
+(``kernel_utils``, ``loss_utils``, ``sync_utils``); those several folders use live here:
+``engine_utils`` (tiny models, batches, references: engine, kernels, losses), ``distributed_utils``
+(gloo rank launches: engine, kernels, losses, rollout; benchmarks/bench_tensor_parallel.py),
+``export_utils`` (export checkers: engine and its subfolders), ``example_utils`` (tiny recipe
+overrides, an example as a module: examples, run, tasks, losses). A file launched on ranks puts
+tests/ on ``sys.path`` itself.
 
 Shared fixtures (engine, kernels, losses).
 

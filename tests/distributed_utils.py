@@ -63,6 +63,25 @@ def make_batch(lengths=LENGTHS, seq_len: int = 12, *, seed: int = 1) -> TensorDi
     )
 
 
+def pair_batch() -> TensorDict:
+    """4 pairs (ids 10..13) of rows of different lengths, left- and right-padded: the reward
+    model's mini-batch on ranks (test_engine_sequence_distributed.py, test_sequence_parallel.py)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = (9, 4, 7, 11, 3, 8, 6, 10)
+    ids = torch.randint(0, 128, (8, 12), generator=gen)
+    mask = torch.zeros(8, 12, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        start = 0 if b % 2 else 12 - n
+        mask[b, start : start + n] = True
+    return TensorDict(
+        input_ids=ids,
+        attention_mask=mask,
+        group=torch.tensor([10, 10, 11, 11, 12, 12, 13, 13]),
+        chosen=torch.tensor([True, False, False, True, True, False, False, True]),
+        batch_size=[8],
+    )
+
+
 def actor_config(*, lora: int = 0, fused: bool = True, **overrides) -> ActorConfig:
     kwargs = dict(
         micro_batch_size=2,

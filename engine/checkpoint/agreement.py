@@ -1,40 +1,11 @@
 """Agreements of the ranks on the outcome of a step, in bounded time, instead of bare barriers.
 
-A failure on one rank fails every rank, within a bounded time (``timeout_s``). A multi-rank save
-runs in phases (prepare, write, finalise; load: check, restore), and every phase ends with an
-*agreement* instead of a bare barrier: each rank catches the exception of its own part, posts
-"ok" or the error text under a key of its own in the process group's rendezvous store, and waits
-(at most ``timeout_s``) until every rank has posted. Then
-
-* every rank knows which ranks failed and why, so all of them raise: a rank whose own part failed
-  re-raises its exception (with a note naming all failed ranks), every other rank raises
-  :class:`CheckpointAbortedError` naming them (``failed_ranks``) and the reasons;
-* a rank that never posts (killed, out of memory, hung in I/O) is named after ``timeout_s`` as
-  the failed one, and the errors it provoked on the others (a connection closed by the peer) are
-  listed after it;
-* rank 0 deletes the temporary directory (a rank 0 that died leaves it to the next save, which
-  removes leftovers first); the previous checkpoint was never touched, since it is replaced only
-  in the last phase, after every rank agreed that all files are written.
-
-Why the store and not a collective: the store is reachable from each rank on its own (under
-torchrun its server lives in the elastic agent, not in a rank), so it can tell *which* rank is
-missing, which a timed-out or broken collective cannot (gloo only reports a closed connection; a
-NCCL collective waits for the group's timeout). Errors inside DCP's own collectives reach every rank
-through DCP's ``CheckpointException`` (it names the ranks whose write failed). Those collectives
-run on a side gloo group created once per timeout value (``new_group`` is collective, so it is
-created at the start of the first multi-rank save or load, on every rank): its timeout is
-``timeout_s``, so a rank that hangs or dies inside DCP blocks the others for ``timeout_s`` at most
-instead of the default group's timeout (30 minutes under
-:func:`microrl.engine.parallel.distributed.init_distributed`; a NCCL collective may wait even longer), and
-DCP only exchanges small plan objects there, whatever the default backend (NCCL included). The
-store is torch's private ``_get_default_store()`` (no public accessor), so the default group must
-have one (any ``init_method``; not MPI); ``tests/engine/test_checkpoint_faults.py`` pins it, so a
-torch release that drops it fails the suite instead of the first multi-rank save.
-
-Bounds: a rank that raises fails the others at once; one that is killed, after about
-``timeout_s``; one that hangs inside DCP's collectives, after about ``2 * timeout_s`` (the
-collective's timeout, then the agreement's). A single process runs none of this: no collective,
-no store access.
+A failure on one rank must fail every rank within ``timeout_s``, and name the failed rank: a bare
+barrier would hang until the group's timeout. Each rank posts "ok" or its error text in the
+process group's rendezvous store and waits for all the others. The store can tell *which* rank
+never posted, which a broken collective cannot. DCP's own collectives run on a side gloo group
+whose timeout is ``timeout_s``. The protocol, its bounds and why the store is used are in
+docs/checkpoints.md, "A failure on one rank".
 """
 
 from __future__ import annotations
@@ -135,8 +106,8 @@ def _blame(error: BaseException, rank: int) -> dict[str, str]:
 
 
 class RankSync:
-    """The agreements of one multi-rank operation (a save, a load, an export): see the module
-    docstring. ``what`` names it in error messages."""
+    """The agreements of one multi-rank operation (a save, a load, an export): see
+    docs/checkpoints.md, "A failure on one rank". ``what`` names it in error messages."""
 
     def __init__(self, what: str, timeout_s: float) -> None:
         self.what = what

@@ -1,34 +1,12 @@
 """Checkpoints that resume exactly, on 1 or N ranks, written atomically, loaded without pickle.
 
-Layout of a checkpoint directory::
-
-    manifest.json            written last: the completion marker, plus step, world size, tensor
-                             names/shapes/dtypes, file sizes, optimizer hyper-parameters, scheduler
-    config.json              the engine config (JSON, for people and for the mismatch check)
-    state/*.safetensors      model (trainable parameters only, by default) and optimizer tensors,
-                             one file per rank, written by torch.distributed.checkpoint (DCP)
-    rng/rank_00000.json      each rank's python / numpy / torch / CUDA RNG states
-
 Sharded tensors go through DCP with its safetensors storage, so a checkpoint saved on N ranks loads
 on M ranks (DCP reshards) and nothing is unpickled: DCP's default ``.metadata`` file is a pickle,
 the safetensors reader rebuilds the metadata from the files' JSON headers instead. Everything that
-is not a tensor is JSON.
-
-Atomicity: all ranks write into ``.<name>.tmp`` next to the target; once every rank has reported
-success rank 0 writes the manifest, fsyncs, and renames the temporary directory into place (the
-previous checkpoint is moved aside to ``.<name>.old`` first and deleted only after the rename). An
-error or crash before the rename leaves the previous checkpoint untouched; a kill between the two
-renames is repaired by the next save or load (:func:`microrl.engine.checkpoint.atomic_io.recover_swap`: the
-new copy if its manifest is there, else the previous one); a directory without a valid manifest is
-refused on load.
-
-A failure on one rank fails every rank, within a bounded time (``timeout_s``): a multi-rank save
-runs in phases (prepare, write, finalise; load: check, restore), each ending with an *agreement*
-of the ranks on its outcome instead of a bare barrier (:mod:`microrl.engine.checkpoint.agreement` says how).
-A rank whose own part failed re-raises its exception, every other rank raises
-:class:`CheckpointAbortedError` naming the failed ranks, and the previous checkpoint is never
-touched: it is replaced only in the last phase, after every rank agreed that all files are written.
-A single process runs none of this: no collective, no store access.
+is not a tensor is JSON. All ranks write into ``.<name>.tmp``, and rank 0 swaps it into place
+after every rank agreed (:mod:`microrl.engine.checkpoint.agreement`), so a crash never replaces a
+good checkpoint with a half-written one. The directory layout, the atomic swap and exact resume
+are in docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,21 @@
 """Data parallelism with FSDP2: process-group setup, sharding, gradient sync, empty shares.
 
-Launch any script that builds an engine with ``torchrun --nproc_per_node N script.py`` (multi-node:
-torchrun's own ``--nnodes``/``--rdzv-*`` flags); each rank passes its own share of the mini-batch.
-The engine stays one code path: with no process group every helper here is a no-op, so a single
-process and N ranks run the same loop. What changes under data parallelism:
+Launch any script that builds an engine with ``torchrun --nproc_per_node N script.py``; each rank
+passes its own share of the mini-batch. With no process group every helper here is a no-op, so a
+single process and N ranks run the same loop. What changes under data parallelism:
 
-* ``shard_model`` applies FSDP2 (``fully_shard``) to every decoder layer, the untied input
-  embedding, then the root. The root must be the module whose ``forward`` the engine calls (the
-  per-instance policy/value wrapper): its pre-forward hook all-gathers the root's own parameters
-  (final norm, ``lm_head``), so ``lm_head.weight`` read *inside* that forward is the full
-  ``[V, H]`` tensor the fused kernel needs; outside the forward it is a ``DTensor`` shard. The
-  root is gathered once per micro-batch: it stays gathered from its forward to the end of the
-  backward. Its outputs that need a gradient are copies, never views (FSDP2 warns about views).
-* ``set_gradient_sync`` turns the reduce-scatter off for all but the last micro-batch of a
-  mini-batch: gradients accumulate unsharded locally and are reduced once per optimizer step.
-* ``agree_num_micro_batches`` makes every rank run the same number of micro-batches (FSDP's
-  collectives run per forward/backward: a rank that stops early deadlocks the others), and
-  ``placeholder_row`` stands in for a rank's empty ``[0, T]`` share.
-* ``gathered`` gives full weights to calls that bypass the root's forward (``generate``).
-* Gradient clipping needs nothing: ``torch.nn.utils.clip_grad_norm_`` on the ``DTensor``
-  gradient shards reduces the norm over the ranks (the engine's ``optimizer_step`` is tested to
-  clip by the global norm).
+* :func:`shard_model` applies FSDP2 to every decoder layer, the untied input embedding, then the
+  root: the module whose ``forward`` the engine calls. Its pre-forward hook gathers the final
+  norm and ``lm_head``, so the fused kernel reads the full ``[V, H]`` weight inside that forward.
+  The root stays gathered from its forward to the end of the backward: once per micro-batch.
+* :func:`set_gradient_sync` turns the reduce-scatter off for all but the last micro-batch.
+* :func:`agree_num_micro_batches` and :func:`placeholder_row` make every rank run the same number
+  of micro-batches: FSDP's collectives run per forward and backward, so a rank that stops early
+  deadlocks the others.
+* :func:`gathered` gives full weights to calls that bypass the root's forward (``generate``).
 
-Losses need nothing from here: ``microrl.losses.global_denominators`` already sums the counts over
-ranks and scales by the world size, because FSDP *averages* gradients over ranks.
+Losses need nothing from here: ``microrl.losses.global_denominators`` already scales by the world
+size, because FSDP *averages* gradients over ranks. The contract is docs/engine.md, "Distributed".
 """
 
 from __future__ import annotations

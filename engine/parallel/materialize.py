@@ -18,8 +18,8 @@ whole model, and no rank holds it on its accelerator:
    such as rotary frequencies, absent from state dicts) are broadcast as they are.
 
 The result equals loading the model on every rank and sharding it (tested in
-``tests/engine/test_tensor_parallel.py`` and ``tests/engine/test_distributed.py``). A model passed
-as an ``nn.Module`` was already built by the caller on every rank and is sharded as it is.
+tests/engine/parallel/: ``test_tensor_parallel.py``, ``test_distributed.py``). A model passed as
+an ``nn.Module`` was already built by the caller on every rank and is sharded as it is.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Sequence parallelism (Ulysses): each rank of an sp group holds 1/s of every micro-batch's tokens.
 
-``EngineConfig.sequence_parallel_size = s > 1`` under ``torchrun`` with ``N`` processes (``s``
-divides ``N``) builds a ``("dp", "sp")`` device mesh of ``(N // s, s)`` ranks
-(:func:`init_mesh`); consecutive ranks form an sp group. **The ``s`` ranks of an sp group pass
-the same mini-batch** (shard it by ``engine.device_mesh["dp"].get_local_rank()``; checked,
-:func:`check_same_batch`), plan the same micro-batches, and split each one:
-
-* :func:`shard_model_inputs`: the micro-batch's token dimension (the width of padded ``[b, L]``
-  rows, or the packed ``[1, N]`` token stream) is padded to a multiple of ``s`` and cut into
-  ``s`` equal slices, one per rank (:class:`SequenceShard`), so every rank holds ``1/s`` of
-  the tokens whatever the lengths: no rank idles on short sequences, and a packed sequence may
-  span two slices. Position ids are the tokens' *global* positions (RoPE is applied locally);
-* the layers run on the local tokens; attention gathers the sequence with all-to-alls
-  (:mod:`microrl.engine.parallel.ulysses_attention`); the fused kernel (and the fused loss)
-  run on the local tokens' hidden states;
-* :meth:`SequenceShard.gather_outputs`: the per-position outputs (log-probs, entropy, values)
-  are all-gathered over the group into the micro-batch's full layout, so the loss, its metrics
-  and the returned outputs are those of the whole micro-batch, identical on the ``s`` ranks.
-  The gather's backward keeps this rank's slice of the (replicated) gradient: each rank's
-  parameter gradients come from its own tokens, and their sum over the group is the full
-  gradient. The fused loss path does the same inside the head (:class:`ShardedGroupLoss`).
-
-Exactness: the loss denominators count the mini-batch once (they are reduced over ``dp``
-only: the ranks of an sp group hold the same rows), FSDP2 shards the model over all ``dp x sp``
-ranks and *averages* their gradients, so every partial loss carries ``grad_scale = dp * sp``
-(:func:`scale_denominators`). Metrics are reduced over ``dp`` as they are already the whole
-micro-batch's on every sp rank. ``optim.cpu_offload`` passes FSDP2's ``CPUOffloadPolicy`` to
-that same sharding (:func:`wrap`).
+A token budget cannot split one sequence; splitting its tokens over ``s`` ranks can.
+``EngineConfig.sequence_parallel_size = s > 1`` builds a ``("dp", "sp")`` device mesh
+(:func:`init_mesh`). The ``s`` ranks of an sp group pass the same mini-batch (checked,
+:func:`check_same_batch`), and each takes an equal slice of every micro-batch's tokens
+(:func:`shard_model_inputs`, :class:`SequenceShard`). Attention gathers the sequence with
+all-to-alls (:mod:`microrl.engine.parallel.ulysses_attention`). The per-position outputs are
+all-gathered back (:meth:`SequenceShard.gather_outputs`), so the loss and metrics are the whole
+micro-batch's on every sp rank. FSDP2 averages gradients over all ``dp x sp`` ranks, so every
+partial loss carries ``grad_scale = dp * sp`` (:func:`scale_denominators`). The split, its
+exactness and its tests are in docs/distributed.md, "Sequence parallelism (Ulysses)".
 """
 
 from __future__ import annotations

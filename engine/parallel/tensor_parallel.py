@@ -1,43 +1,20 @@
 """Tensor parallelism (TP) with torch's DTensor plans, composed with FSDP2 on a 2-D mesh.
 
-``EngineConfig.tensor_parallel_size = t > 1`` under ``torchrun`` with ``N`` processes (``t``
-divides ``N``) builds a ``(dp, tp) = (N // t, t)`` device mesh (:func:`init_mesh`); the ``t``
-ranks of one tp group hold slices of the same model and see the *same* share of the mini-batch;
-the ``N // t`` data-parallel groups see different shares. What :func:`parallelize` shards, on the
-``tp`` mesh dimension (the layout is docs/engine.md, "Tensor parallelism"):
+For layers too large for one GPU. ``EngineConfig.tensor_parallel_size = t > 1`` builds a
+``(dp, tp) = (N // t, t)`` device mesh (:func:`init_mesh`); the ``t`` ranks of a tp group hold
+slices of the same model and see the *same* share of the mini-batch. :func:`parallelize` shards
+every decoder layer after the model's own ``config.base_model_tp_plan`` (column-wise
+``q/k/v/gate/up``, row-wise ``o/down``), the embedding and the lm head over the vocabulary (the
+head runs :func:`microrl.kernels.vocab_parallel_linear_logprob`: logits are never gathered), and
+LoRA adapters with their base layer. Every other parameter becomes a ``Replicate()`` DTensor, so
+clipping, the optimizer and checkpoints handle one set of DTensors on one mesh.
 
-* every decoder layer, after the model's own ``config.base_model_tp_plan`` (transformers'
-  names): ``q/k/v_proj``, ``gate/up_proj`` column-wise (weight and bias ``Shard(0)``: each rank
-  computes its heads / its slice of the MLP), ``o_proj`` and ``down_proj`` row-wise (weight
-  ``Shard(1)``, bias ``Replicate()``: the partial outputs summed by one all-reduce). Attention
-  then runs on ``num_heads / t`` local heads: the supported families reshape with
-  ``view(..., -1, head_dim)``, so no config is edited;
-* the input embedding vocab-parallel (``Shard(0)``: masked lookup of this rank's rows, one
-  all-reduce), and the lm head ``Shard(0)`` over the vocabulary: the engine's policy head reads
-  the weight as a ``DTensor`` and calls :func:`microrl.kernels.vocab_parallel_linear_logprob`
-  with the replicated final hidden state (logits never gathered); called as a module
-  (``generate``) it all-gathers the logits. A tied embedding and head share one ``Shard(0)``
-  parameter;
-* LoRA adapters follow their base layer (peft's ``lora_A`` / ``lora_B`` are plain
-  ``nn.Linear``): of a column-wise layer, ``lora_B`` is column-wise (``[out / t, r]`` per rank)
-  and ``lora_A`` replicated; of a row-wise layer, ``lora_A`` is row-wise (``[r, in / t]``, its
-  ``[.., r]`` output summed by an all-reduce) and ``lora_B`` replicated. Adapter dropout is
-  refused (its mask would differ between the ranks of a group);
-* every other parameter (norms, a critic's value head, replicated adapter halves) becomes a
-  ``Replicate()`` DTensor, so every parameter is a DTensor on the same mesh and gradient
-  clipping, the optimizer and checkpoints handle them as one set. Qwen3's per-head ``q_norm`` /
-  ``k_norm`` take head-sharded inputs: their weight gradients are partial sums, summed over the
-  group in the backward.
-
-The layers compute on plain local tensors (:mod:`microrl.engine.parallel.tp_layers`, Megatron-style
-``f``/``g`` collectives): ``param.to_local()`` is the only DTensor operation in a forward, so a
-new micro-batch width costs no sharding propagation and no op pays DTensor dispatch.
-
-Hidden states between layers are replicated on the tp ranks (no sequence parallelism), so the
-engine's loop, micro-batching, packing and losses see ordinary tensors; only the data-parallel
-dimension reduces loss denominators and metrics (the engine's ``dp_group`` is the mesh's ``dp``
-group). With ``N > t`` the module is then sharded by FSDP2 over the ``dp`` dimension
-(:func:`microrl.engine.parallel.distributed.shard_model`), giving 2-D ``(dp, tp)`` parameters.
+The layers compute on plain local tensors (:mod:`microrl.engine.parallel.tp_layers`,
+Megatron-style collectives): a new micro-batch width costs no sharding propagation. Hidden
+states between layers are replicated on the tp ranks, so the engine's loop and losses see
+ordinary tensors; denominators and metrics reduce over ``dp`` only. With ``N > t``, FSDP2 then
+shards over ``dp`` (:func:`microrl.engine.parallel.distributed.shard_model`). The layout table
+and the limits are in docs/engine.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -62,7 +39,7 @@ __all__ = [
 
 # Families whose attention reshapes with -1 heads (so local heads need no config change) and
 # whose base_model_tp_plan is only colwise/rowwise Linear layers; each is tested against one
-# process (tests/engine/test_tensor_parallel.py).
+# process (tests/engine/parallel/test_tensor_parallel.py).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _STYLES = ("colwise", "rowwise")
 # transformers' style of Qwen3's per-head q_norm / k_norm: replicated weights applied to

@@ -1,40 +1,21 @@
 """Ulysses attention: all-to-alls around the model's own attention under sequence parallelism.
 
-Under ``EngineConfig.sequence_parallel_size = s`` every rank of a sequence-parallel (sp) group
-holds ``1/s`` of a micro-batch's tokens (:mod:`microrl.engine.parallel.sequence_parallel`). All
-the layers but attention work token by token, so they run on the local tokens unchanged (RoPE
-included: the local tokens carry their *global* position ids). Attention needs every token of a
-sequence, so around it (Jacobs et al. 2023, "DeepSpeed Ulysses"):
-
-1. one all-to-all per query/key/value gathers the sequence and scatters the heads: each rank
-   goes from all ``H`` heads of ``S/s`` tokens to ``H/s`` heads of all ``S`` tokens (in
-   transformers' attention layout ``[b, H, S/s, D] -> [b, H/s, S, D]``);
-2. the model's own attention function runs on those heads over the whole sequence: causal per
-   padded row, or per packed sequence (block-diagonal), so packed sequence boundaries hold also
-   where a sequence spans two ranks' shards. SDPA and eager run once per sequence through
-   :func:`microrl.engine.attention._varlen_attention`; flash-attention (:func:`is_flash`) runs
-   once over the gathered rows, on its varlen path: transformers' flash function gets
-   ``cu_seq_lens_q/k`` and ``max_length_q/k`` built from the shard's lengths
-   (:func:`flash_varlen_kwargs`), so the kernel itself keeps the sequences apart, as it does
-   for a packed row in one process (where transformers derives the same boundaries from the
-   restarting position ids);
-3. one all-to-all brings the output back: ``[b, S, H/s, D] -> [b, S/s, H, D]``.
-
-Each all-to-all moves ``1/s`` of its tensor off the rank and back; its backward is the inverse
-all-to-all. Key/value heads (GQA) fewer than, or not divisible by, ``s`` are replicated first
-(:func:`kv_head_repeats`): with ``H % s == 0`` (checked, :func:`check_heads`) and
-``H % Hkv == 0`` (every GQA model), ``lcm(Hkv, s)`` divides ``H``, so every rank's query heads
-find their key/value heads on the same rank (SDPA and eager repeat them per query head with the
-rank's ``num_key_value_groups``; flash-attention pairs them itself, query head ``i`` with
-key/value head ``i // groups``, the same pairing).
+Every layer but attention is token-wise, so it runs on a rank's local tokens unchanged (they carry
+their *global* position ids). Attention needs every token of a sequence (Jacobs et al. 2023,
+"DeepSpeed Ulysses"): one all-to-all per query, key and value turns "all ``H`` heads of ``S/s``
+tokens" into "``H/s`` heads of all ``S`` tokens". The model's own attention function then runs
+per padded row or per packed sequence (flash-attention on its varlen path,
+:func:`flash_varlen_kwargs`), and one all-to-all brings the output back. Key/value heads are
+replicated first when ``s`` does not divide them (:func:`kv_head_repeats`). With ``H % s == 0``
+(:func:`check_heads`) and ``H % Hkv == 0``, ``lcm(Hkv, s)`` divides ``H``, so every rank's query
+heads find their key/value heads on the same rank.
 
 It is installed through transformers' public ``AttentionInterface`` (no model class is patched):
-:func:`enable_ulysses_attention` registers ``microrl_ulysses_<base>`` (:func:`wrapper_name`) and
-switches the model to it. The engine passes the micro-batch's
-:class:`~microrl.engine.parallel.sequence_parallel.SequenceShard` as a model keyword argument (it
-reaches every attention call, also the recompute of a checkpointed layer); a call without it
-(``generate``, the lm-head probe) is exactly the base implementation, with transformers' own
-mask.
+:func:`enable_ulysses_attention` registers ``microrl_ulysses_<base>``. The engine passes the
+micro-batch's :class:`~microrl.engine.parallel.sequence_parallel.SequenceShard` as a model keyword
+argument, which reaches every attention call, also the recompute of a checkpointed layer. A call
+without it (``generate``, the lm-head probe) is exactly the base implementation. The layout and
+the flash-attention boundaries are in docs/distributed.md, "Sequence parallelism (Ulysses)".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ micro-batch (counts and bytes; with gradient checkpointing only the decoder laye
 tensors saved outside the layers), what is kept (small tensors, parameters, views of them,
 autocast's weight copies), that loss, metrics, outputs and every gradient are unchanged, and that
 inference never enters the hooks. The 2-rank check under FSDP2 (gathered parameters are not
-offloaded) is in ``test_cpu_offload.py``.
+offloaded) is in tests/engine/parallel/test_cpu_offload.py.
 
 Tolerance: none. The hooks copy the saved bytes and give them back; every operation runs on the
 same values in the same order, so results are bitwise equal (``torch.equal``). A difference would

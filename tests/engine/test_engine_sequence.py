@@ -4,21 +4,20 @@ docs/engine.md#sequence-level-roles: a role may return one value per sequence (`
 from the hidden state of each sequence's last real token (``last_index``), take per-row ``[B]``
 batch keys, and count its denominators from a per-row key; rows sharing a ``group`` id are
 planned into one micro-batch. ``RewardModelEngine`` is such a role (Bradley-Terry on pairs). How
-critics and reward models export as transformers token / sequence classifiers: test_export.py.
+critics and reward models export as transformers token / sequence classifiers:
+tests/engine/checkpoint/test_export.py.
 """
 
 from __future__ import annotations
 
 import random
-import traceback
 from pathlib import Path
 
 import pytest
-import test_engine_syncs
 import torch
 from engine_utils import VOCAB, assert_close_dicts, grads_of, make_batch, pair_batch, tiny_model
+from sync_utils import ENGINE_DIR, count_syncs
 from tensordict import TensorDict
-from test_engine_syncs import _ENGINE_DIR, _TORCH_DIR, _EngineSyncs
 
 from microrl.configs import CriticConfig, EngineConfig, OptimConfig
 from microrl.engine import CriticEngine, Engine, RewardModelEngine
@@ -26,7 +25,6 @@ from microrl.engine.microbatch import micro_batch_cost, plan_micro_batches
 from microrl.engine.models import ValueModel, decoder_body
 from microrl.losses import Metric
 
-_SYNCS_FILE = test_engine_syncs.__file__
 SCORE_ATOL = 1e-5  # fp32: the same row through different layouts / row counts (GEMM blocking)
 
 
@@ -369,37 +367,13 @@ def test_a_pair_over_the_token_budget_is_an_error() -> None:
         engine.train_batch(batch)
 
 
-class _Syncs(_EngineSyncs):
-    """test_engine_syncs.py's probe, also skipping this file's frames (the tolist hook)."""
-
-    def record(self) -> None:
-        frames = [
-            f
-            for f in traceback.extract_stack()
-            if not f.filename.startswith(_TORCH_DIR) and f.filename not in (__file__, _SYNCS_FILE)
-        ]
-        if frames and frames[-1].filename.startswith(_ENGINE_DIR):
-            self.sites[f"{Path(frames[-1].filename).name}:{frames[-1].lineno}"] += 1
-
-
-def test_reward_model_syncs_do_not_grow_with_micro_batches(monkeypatch) -> None:
+def test_reward_model_syncs_do_not_grow_with_micro_batches() -> None:
     def count(mbs):
         engine = RewardModelEngine(tiny_model(), EngineConfig(micro_batch_size=mbs))
         batch = pair_batch(3, 10, seed=15)
-        active = []
-        tolist = torch.Tensor.tolist
-
-        def counted_tolist(tensor):
-            if active:
-                active[-1].record()
-            return tolist(tensor)
-
-        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-        with _Syncs() as mode:
-            active.append(mode)
+        with count_syncs(dirs=(ENGINE_DIR,)) as sites:
             engine.forward_backward_batch(batch)
-        active.clear()
-        return mode.sites
+        return sites
 
     one, three = count(6), count(2)
     assert any(site.startswith("reward.py") for site in one), "probe blind"

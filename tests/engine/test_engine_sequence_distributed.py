@@ -1,6 +1,6 @@
 """The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports.
 
-Like test_distributed.py, the pytest function launches this file on 2 ranks
+Like tests/engine/parallel/test_distributed.py, the pytest function launches this file on 2 ranks
 (``distributed_utils.launch``) and the ranks report the checks that passed. References are
 computed in the same processes before the process group exists (an unsharded engine on the whole
 mini-batch).
@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 from distributed_utils import (
@@ -23,6 +21,7 @@ from distributed_utils import (
     assert_metrics_close,
     full_params,
     launch,
+    pair_batch,
     single_process,
     tiny_model,
 )
@@ -33,24 +32,6 @@ HERE = Path(__file__).resolve()
 # Whole pairs per rank, uneven: with micro_batch_size=2 (one pair) rank 0 runs 3 micro-batches
 # and rank 1 one real and two empty ones (their `chosen` zeroed: no pair, no contribution).
 SHARDS = ([0, 1, 2, 3, 4, 5], [6, 7])
-
-
-def pair_batch() -> TensorDict:
-    """4 pairs (ids 10..13) of rows of different lengths, left- and right-padded."""
-    gen = torch.Generator().manual_seed(5)
-    lengths = (9, 4, 7, 11, 3, 8, 6, 10)
-    ids = torch.randint(0, 128, (8, 12), generator=gen)
-    mask = torch.zeros(8, 12, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        start = 0 if b % 2 else 12 - n
-        mask[b, start : start + n] = True
-    return TensorDict(
-        input_ids=ids,
-        attention_mask=mask,
-        group=torch.tensor([10, 10, 11, 11, 12, 12, 13, 13]),
-        chosen=torch.tensor([True, False, False, True, True, False, False, True]),
-        batch_size=[8],
-    )
 
 
 def test_reward_model_under_data_parallelism(tmp_path):
@@ -65,7 +46,7 @@ def test_reward_model_under_data_parallelism(tmp_path):
 
 def main(tmp: str) -> None:
     import torch.distributed as dist
-    from test_export import check_sequence_classifier_export
+    from export_utils import check_sequence_classifier_export
     from torch.distributed.fsdp import FSDPModule
 
     from microrl.configs import EngineConfig, LoraConfig, OptimConfig

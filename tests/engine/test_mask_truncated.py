@@ -4,7 +4,8 @@ The engine zeroes the ``loss_mask`` of the rows the batch's ``truncated`` key ma
 counts the mini-batch's denominators (engine/actor.py), so a masked batch must give exactly what
 the same batch with those rows' ``loss_mask`` zeroed by hand gives: loss, metrics and gradients,
 for every micro-batch split, on the fused and the kernel + loss paths and with a custom loss, and
-on 2 gloo ranks (this file's rank side, launched like tests/engine/test_distributed.py).
+on 2 gloo ranks (this file's rank side, launched as tests/engine/parallel/test_distributed.py
+launches its own).
 """
 
 from __future__ import annotations

@@ -3,5 +3,6 @@
 fused loss path (``fused_linear_loss``, and the engine's ``fuse_loss`` against the unfused path),
 and the vocab-parallel kernels on 2 gloo ranks.
 
-Helper: ``kernel_utils`` (tolerances per dtype, comparisons, forced vocabulary tiles), here.
+Helpers: ``kernel_utils`` (tolerances per dtype, comparisons, forced vocabulary tiles) and
+``vocab_parallel_utils`` (the vocab-parallel cases and their inputs), here.
 """

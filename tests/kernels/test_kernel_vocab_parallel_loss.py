@@ -26,7 +26,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 from kernel_utils import assert_close  # noqa: E402
-from test_kernel_vocab_parallel import GRAD_ATOL, VALUE_TOL, Case, make_inputs  # noqa: E402
+from vocab_parallel_utils import GRAD_ATOL, VALUE_TOL, Case, make_inputs  # noqa: E402
 
 from microrl.kernels import fused_linear_loss, fused_loss, linear_logprob  # noqa: E402
 from microrl.kernels.vocab_parallel_loss import vocab_parallel_linear_loss  # noqa: E402

@@ -1,7 +1,7 @@
 """Batch statistics over data-parallel ranks: ``whiten(group=...)``, the PPO recipe, GRPO groups.
 
-The 2-rank checks follow tests/engine/test_distributed.py: one launch of this file with 2
-gloo ranks runs every check and writes the names of those that passed; the pytest functions
+The 2-rank checks follow tests/engine/parallel/test_distributed.py: one launch of this file with
+2 gloo ranks runs every check and writes the names of those that passed; the pytest functions
 assert on them. Single-process references are computed in the same processes before the process
 group exists, so nothing crosses processes but the collectives under test.
 """
@@ -45,7 +45,7 @@ PPO_OVERRIDES = [
     "critic.optim.lr=0.5",
 ]
 ADV_ATOL = 1e-5  # fp32 log-probs and values of FSDP vs unsharded forwards (equal here), then / std
-# fp32 gradients summed over ranks in another order (as tests/engine/test_distributed.py)
+# fp32 gradients summed over ranks in another order (as tests/engine/parallel/test_distributed.py)
 PARAM_ATOL = 2e-6
 WHITEN_ATOL = 1e-12  # x max(1, |values|): float64 sums, only their order differs (~1e-16)
 

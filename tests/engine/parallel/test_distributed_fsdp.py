@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the ranks
 from distributed_utils import actor_config, launch, make_batch, single_process, tiny_model
 
 from microrl.configs.engine import CriticConfig, OptimConfig

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the ranks
 from distributed_utils import run_scenario, scenario_main
 
 from microrl.engine.parallel import distributed, nodes

@@ -9,26 +9,24 @@ and reproduces the engine's outputs.
   refused.
 
 Sharded engines gather their shards to export. Those checks run inside the multi-rank scenarios
-that train the sharded engines, with the checkers below: ``check_lm_exports`` in
-``test_distributed.py`` (FSDP2, ``export_roundtrip_under_fsdp``) and ``test_tensor_parallel.py``
-(TP=2, ``export``), ``check_sequence_classifier_export`` in
-``test_engine_sequence_distributed.py`` (a reward model under FSDP2, ``export_under_fsdp``). That
-an export never replaces a directory that is not one is checked with the checkpoints' refusal
-(``test_checkpoint.py``).
+that train the sharded engines, with the checkers of ``export_utils`` (tests/):
+``check_lm_exports`` in tests/engine/parallel/test_distributed.py (FSDP2,
+``export_roundtrip_under_fsdp``) and test_tensor_parallel.py (TP=2, ``export``),
+``check_sequence_classifier_export`` in tests/engine/test_engine_sequence_distributed.py (a reward
+model under FSDP2, ``export_under_fsdp``). That an export never replaces a directory that is not
+one is checked with the checkpoints' refusal (``test_checkpoint.py``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import distributed_utils
 import pytest
 import torch
+from checkpoint_utils import actor_engine
 from engine_utils import make_batch, pair_batch, tiny_model
+from export_utils import SCORE_ATOL, check_lm_exports, check_sequence_classifier_export, hf_scores
 from peft import PeftModel
-from test_checkpoint import _engine
 from transformers import (
-    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -37,72 +35,11 @@ from microrl.configs import CriticConfig, EngineConfig, LoraConfig, OptimConfig
 from microrl.engine import CriticEngine, RewardModelEngine
 from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
 
-LOGPROB_ATOL = 2e-5  # fp32: transformers' own forward and head against the engine's
-SCORE_ATOL = 1e-5  # fp32: transformers' classifier forward against the engine's value head
-
-
-# ----------------------------------------------------------------- checkers (also run on ranks)
-def check_lm_exports(engine, batch, expected: torch.Tensor, directory: Path, *, rank: int = 0):
-    """Export ``engine`` (built on ``distributed_utils.tiny_model()``) under ``directory``: its
-    PEFT adapter when it has LoRA, and the merged model. Rank 0 loads them with peft and
-    transformers and checks their log-probs of ``batch`` equal ``expected``. Every rank calls
-    it: a sharded engine gathers its shards collectively."""
-    mask = batch["attention_mask"].bool()
-    adapter = None
-    if engine.config.lora.rank:
-        adapter = export_peft_adapter(
-            engine.module, directory / "adapter", peft_model=engine.peft_model
-        )
-    merged = export_merged_model(engine.module, directory / "merged")
-    if rank != 0:
-        return
-    if adapter is not None:
-        loaded = PeftModel.from_pretrained(distributed_utils.tiny_model(), adapter).eval()
-        torch.testing.assert_close(
-            distributed_utils.hf_logprobs(loaded, batch)[mask],
-            expected[mask],
-            atol=LOGPROB_ATOL,
-            rtol=0,
-            msg=lambda m: f"PEFT export: {m}",
-        )
-    full = AutoModelForCausalLM.from_pretrained(merged)
-    torch.testing.assert_close(
-        distributed_utils.hf_logprobs(full, batch)[mask],
-        expected[mask],
-        atol=LOGPROB_ATOL,
-        rtol=0,
-        msg=lambda m: f"merged export: {m}",
-    )
-
-
-def hf_scores(model, batch) -> torch.Tensor:
-    """A transformers sequence classifier's score of each row of ``batch``."""
-    out = []
-    for b in range(batch.batch_size[0]):  # no pad token in the config: one row at a time
-        cols = batch["attention_mask"][b].nonzero().squeeze(1)
-        with torch.no_grad():
-            out.append(model(input_ids=batch["input_ids"][b, cols][None]).logits[0, 0])
-    return torch.stack(out)
-
-
-def check_sequence_classifier_export(
-    engine, batch, expected: torch.Tensor, path: Path, *, rank: int = 0
-) -> None:
-    """Export the merged reward model of ``engine`` to ``path``; rank 0 loads it as a transformers
-    sequence classifier and checks its scores of ``batch`` equal ``expected``. Every rank calls
-    it: a sharded engine gathers its shards collectively."""
-    path = export_merged_model(engine.module, path)
-    if rank != 0:
-        return
-    merged = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    assert type(merged).__name__ == "Qwen2ForSequenceClassification"
-    torch.testing.assert_close(hf_scores(merged, batch), expected, atol=SCORE_ATOL, rtol=0)
-
 
 # ----------------------------------------------------------------- causal LMs
 @pytest.mark.parametrize("lora", [0, 4])
 def test_exports_give_the_engine_logprobs(tmp_path, lora):
-    engine = _engine(lora)
+    engine = actor_engine(lora)
     for seed in range(2):  # LoRA B moves away from zero: the merge is not trivial
         engine.train_batch(distributed_utils.make_batch(seed=seed))
     batch = distributed_utils.make_batch(seed=11)
@@ -133,7 +70,7 @@ def test_an_adapter_export_gathers_only_what_trains(tmp_path, monkeypatch, role)
     15 GB per step. The adapters (and a critic's head) alone are gathered."""
     lora = LoraConfig(rank=4, alpha=8.0)
     if role == "actor":
-        engine = _engine(4)
+        engine = actor_engine(4)
     else:
         engine = CriticEngine(tiny_model(), CriticConfig(micro_batch_size=3, lora=lora))
     gathered = _gathered_elements(monkeypatch)

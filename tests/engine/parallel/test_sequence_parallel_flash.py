@@ -10,13 +10,14 @@ after checking its arguments; every call is recorded (:data:`CALLS`). The one-pr
 run on the same stand-in, through transformers' non-SP flash paths (boundaries from the packed
 position ids, padded rows unpadded by the attention mask).
 
-On 2 gloo ranks (``sp_flash``, the helpers of tests/engine/test_sequence_parallel.py, its
-tolerances): a packed actor with LoRA and checkpointing (a sequence across the ranks' slices,
-uneven lengths, a one-token micro-batch shorter than the group) and padded rows of a Llama with
-one key/value head (replicated to two), each exact against one process; every kernel call got
-the shard's ``cu_seqlens`` and longest length; and one sequence for the whole row (boundaries
-ignored) fails the same comparison. With CUDA and flash_attn (benchmarks/gpu_check.sh), the real
-kernel through the wrapper on one rank (:func:`test_real_flash_attention_2_on_cuda`).
+On 2 gloo ranks (``sp_flash``, with the helpers and tolerances of test_sequence_parallel.py in
+``sequence_parallel_utils``): a packed actor with LoRA and checkpointing (a sequence across the
+ranks' slices, uneven lengths, a one-token micro-batch shorter than the group) and padded rows of
+a Llama with one key/value head (replicated to two), each exact against one process; every
+kernel call got the shard's ``cu_seqlens`` and longest length; and one sequence for the whole row
+(boundaries ignored) fails the same comparison. With CUDA and flash_attn
+(benchmarks/gpu_check.sh), the real kernel through the wrapper on one rank
+(:func:`test_real_flash_attention_2_on_cuda`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the ranks
 from distributed_utils import (
     VOCAB,
     actor_config,
@@ -41,7 +42,14 @@ from distributed_utils import (
     single_process,
     tiny_model,
 )
-from test_sequence_parallel import SP_LENGTHS, _compare, _engine, _llama_mqa, _steps, _write
+from sequence_parallel_utils import (
+    SP_LENGTHS,
+    build_engine,
+    compare_steps,
+    llama_mqa,
+    run_steps,
+    write_json,
+)
 
 from microrl.engine.parallel import ulysses_attention as U
 from microrl.engine.parallel.sequence_parallel import SequenceShard
@@ -254,7 +262,7 @@ def _flash_cases():
     batch = lambda: make_batch(SP_LENGTHS)  # noqa: E731
     packed = actor_config(lora=4, pack_sequences=True, gradient_checkpointing=True)
     yield "actor[flash,lora,packed,grad_ckpt]", flash_model, packed, batch
-    mqa = lambda: flash_model(_llama_mqa)  # noqa: E731
+    mqa = lambda: flash_model(llama_mqa)  # noqa: E731
     yield "actor[flash,llama,mqa,padded]", mqa, actor_config(), batch
 
 
@@ -297,7 +305,7 @@ def scenario_sp_flash(rank: int, tmp: Path) -> list[str]:
         refs = {}
         for name, build, config, data in cases:
             CALLS.clear()
-            refs[name] = _steps(_engine("actor", build, config), data())
+            refs[name] = run_steps(build_engine("actor", build, config), data())
             # One process on the stand-in too: packed rows split by their position ids.
             assert CALLS, name
             if config.pack_sequences:
@@ -319,8 +327,8 @@ def scenario_sp_flash(rank: int, tmp: Path) -> list[str]:
         for name, build, config, data in cases:
             CALLS.clear()
             shards.clear()
-            engine = _engine("actor", build, config, sp=2)
-            _compare(name, refs[name], _steps(engine, data()), worst)
+            engine = build_engine("actor", build, config, sp=2)
+            compare_steps(name, refs[name], run_steps(engine, data()), worst)
             _check_calls(name, shards, config.pack_sequences)
             passed.append(name)
     finally:
@@ -331,14 +339,14 @@ def scenario_sp_flash(rank: int, tmp: Path) -> list[str]:
     real_kwargs = U.flash_varlen_kwargs
     U.flash_varlen_kwargs = lambda lengths, rows, device: real_kwargs((sum(lengths),), rows, device)
     try:
-        engine = _engine("actor", build, config, sp=2)
+        engine = build_engine("actor", build, config, sp=2)
         with pytest.raises(AssertionError, match=rf"{re.escape(name)} step 0"):
-            _compare(name, refs[name][:1], _steps(engine, data(), steps=1), {})
+            compare_steps(name, refs[name][:1], run_steps(engine, data(), steps=1), {})
     finally:
         U.flash_varlen_kwargs = real_kwargs
     passed.append("boundaries_matter")
     if rank == 0:
-        _write(tmp, "sp_flash_worst.json", worst)
+        write_json(tmp, "sp_flash_worst.json", worst)
     return passed
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from microrl.engine.checkpoint import save_load as ckpt
 from microrl.engine.checkpoint.atomic_io import recover_swap, replace_dir, staging_paths
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ATOMIC_IO = ROOT / "engine" / "checkpoint" / "atomic_io.py"
 
 # Wraps os.rename and shutil.rmtree as atomic_io sees them: before operation KILL_AT (counted

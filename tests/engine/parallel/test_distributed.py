@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the ranks
 from distributed_utils import (
     actor_config,
     assert_max_close,
@@ -82,7 +82,7 @@ def test_dp_invariance_sharded_head_and_gradient_sync(tmp_path):
 def test_resume_is_exact_on_two_ranks_and_reshards_to_one(tmp_path):
     assert _run(tmp_path, 2, "resume_save") == ["saved"]
     assert _run(tmp_path, 2, "resume_load") == ["resumed_exactly"]
-    # The 2-rank checkpoint on 1 rank (exact resume in one process: test_checkpoint.py).
+    # The 2-rank checkpoint on 1 rank (exact resume in one process: checkpoint/test_checkpoint.py).
     assert _run(tmp_path, 1, "reshard_load") == ["resharded_to_one_rank"]
 
 
@@ -364,8 +364,8 @@ def scenario_dp(rank: int, tmp: Path) -> list[str]:
         assert_max_close(p - before[n], ref_delta[n], f"train after generate {n}")
     passed.append("generate_then_train_under_fsdp")
 
-    # ---- exports gathered from the sharded model (the checks: test_export.py)
-    from test_export import check_lm_exports
+    # ---- exports gathered from the sharded model (the checks: export_utils.py)
+    from export_utils import check_lm_exports
 
     engine = ActorEngine(tiny_model(), actor_config(lora=4, optim=ADAM))
     engine.train_batch(mine)

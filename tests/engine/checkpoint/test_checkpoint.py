@@ -1,7 +1,8 @@
 """Checkpoints (single process): exact resume, atomicity, refusal of bad directories.
 
 The multi-rank variants (sharded save/load, resharding, a fresh process resuming) live in
-``test_distributed.py``, the exports (merged model, PEFT adapter) in ``test_export.py``.
+tests/engine/parallel/test_distributed.py, the exports (merged model, PEFT adapter) in
+``test_export.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from checkpoint_utils import ADAM, actor_engine
 from distributed_utils import actor_config, make_batch, tiny_model
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -21,24 +23,6 @@ from microrl.engine import ActorEngine, CriticEngine
 from microrl.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from microrl.engine.checkpoint import save_load as ckpt
 from microrl.engine.checkpoint.export import export_merged_model
-
-ADAM = OptimConfig(
-    name="adamw",
-    lr=1e-2,
-    warmup_steps=2,
-    schedule="cosine",
-    total_steps=8,
-    grad_clip=1.0,
-    weight_decay=0.01,
-)
-
-
-def _engine(lora: int = 4, *, seed: int = 0, **overrides) -> ActorEngine:
-    overrides.setdefault("optim", ADAM)
-    config = actor_config(lora=0, fused=False, **overrides)
-    if lora:
-        config.lora = LoraConfig(rank=lora, alpha=8.0, dropout=0.1)  # dropout: RNG matters
-    return ActorEngine(tiny_model(seed), config)
 
 
 def _snapshot(engine) -> dict:
@@ -67,7 +51,7 @@ def _assert_same(a: dict, b: dict) -> None:
 def test_resume_is_exact(tmp_path, lora):
     k, m = 2, 3
     batches = [make_batch(seed=s) for s in range(k + m)]
-    run = _engine(lora)
+    run = actor_engine(lora)
     for b in batches[:k]:
         run.train_batch(b)
     assert run.optimizer.state_dict()["state"], "optimizer state empty: the check would be vacuous"
@@ -78,7 +62,7 @@ def test_resume_is_exact(tmp_path, lora):
 
     torch.manual_seed(1234)  # a different RNG stream and LoRA init before the load
     random.seed(1234)
-    resumed = _engine(lora, seed=0)
+    resumed = actor_engine(lora, seed=0)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.global_step == k
     for b in batches[k:]:
@@ -87,7 +71,7 @@ def test_resume_is_exact(tmp_path, lora):
 
 
 def test_checkpoint_holds_only_json_and_safetensors_and_loads_without_pickle(tmp_path, monkeypatch):
-    engine = _engine(4)
+    engine = actor_engine(4)
     engine.train_batch(make_batch())
     engine.save_checkpoint(tmp_path / "ckpt")
     files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
@@ -108,7 +92,7 @@ def test_checkpoint_holds_only_json_and_safetensors_and_loads_without_pickle(tmp
         "load",
         lambda *a, **kw: real_load(*a, **kw) if kw.get("weights_only", True) else forbidden(),
     )
-    fresh = _engine(4)
+    fresh = actor_engine(4)
     fresh.load_checkpoint(tmp_path / "ckpt")
     for (name, a), (_, b) in zip(
         engine.module.named_parameters(), fresh.module.named_parameters(), strict=True
@@ -118,7 +102,7 @@ def test_checkpoint_holds_only_json_and_safetensors_and_loads_without_pickle(tmp
 
 @pytest.mark.parametrize("where", ["tensors", "manifest"])
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, where):
-    engine = _engine(4)
+    engine = actor_engine(4)
     engine.train_batch(make_batch())
     engine.save_checkpoint(tmp_path / "ckpt")
     before = _snapshot(engine)
@@ -141,13 +125,13 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, where):
         engine.save_checkpoint(tmp_path / "ckpt")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "temporary files left behind"
-    restored = _engine(4)
+    restored = actor_engine(4)
     restored.load_checkpoint(tmp_path / "ckpt")
     _assert_same(before, _snapshot(restored))
 
 
 def test_incomplete_or_missing_directory_is_refused(tmp_path):
-    engine = _engine(4)
+    engine = actor_engine(4)
     engine.save_checkpoint(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="does not exist"):
         engine.load_checkpoint(tmp_path / "nothing")
@@ -162,7 +146,7 @@ def test_incomplete_or_missing_directory_is_refused(tmp_path):
 
 
 def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
-    engine = _engine(4)
+    engine = actor_engine(4)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("precious")
     with pytest.raises(CheckpointError, match="refusing to replace"):
@@ -176,13 +160,13 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
 
 
 def test_mismatched_model_or_config_is_refused(tmp_path):
-    engine = _engine(4)
+    engine = actor_engine(4)
     engine.train_batch(make_batch())
     engine.save_checkpoint(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match=r"lora\.rank \(4 -> 8\)"):
-        _engine(8).load_checkpoint(tmp_path / "ckpt")
+        actor_engine(8).load_checkpoint(tmp_path / "ckpt")
     # Without the config check, the tensor shapes name the mismatch.
-    other = _engine(8)
+    other = actor_engine(8)
     untouched = {n: p.detach().clone() for n, p in other.module.named_parameters()}
     with pytest.raises(
         CheckpointError, match=r"shape/dtype differs: .*lora_A.*\[4, 32\].*\[8, 32\]"
@@ -191,14 +175,14 @@ def test_mismatched_model_or_config_is_refused(tmp_path):
     wider = ActorEngine(tiny_model(0, hidden=48), engine.config)
     with pytest.raises(CheckpointError, match=r"shape/dtype differs"):
         wider.load_checkpoint(tmp_path / "ckpt")
-    full = _engine(0)
+    full = actor_engine(0)
     with pytest.raises(CheckpointError, match=r"lora\.rank \(4 -> 0\)"):
         full.load_checkpoint(tmp_path / "ckpt")
     with pytest.raises(
         CheckpointError, match=r"not in the checkpoint: model\.causal_lm\.lm_head\.weight"
     ):
         load_checkpoint(tmp_path / "ckpt", model=full.module, optimizer=full.optimizer)
-    sgd = _engine(4, optim=OptimConfig(name="sgd", lr=1.0))
+    sgd = actor_engine(4, optim=OptimConfig(name="sgd", lr=1.0))
     with pytest.raises(CheckpointError, match="holds AdamW state, the optimizer is SGD"):
         load_checkpoint(tmp_path / "ckpt", model=sgd.module, optimizer=sgd.optimizer)
     # A refused load changed no parameter.
@@ -207,9 +191,9 @@ def test_mismatched_model_or_config_is_refused(tmp_path):
 
 
 def test_changed_hyperparameter_warns_but_loads(tmp_path):
-    engine = _engine(4)
+    engine = actor_engine(4)
     engine.save_checkpoint(tmp_path / "ckpt")
-    changed = _engine(4, seq_len_norm=None, temperature=0.7)
+    changed = actor_engine(4, seq_len_norm=None, temperature=0.7)
     with pytest.warns(UserWarning, match=r"temperature \(1\.0 -> 0\.7\)"):
         changed.load_checkpoint(tmp_path / "ckpt")
 
@@ -255,11 +239,11 @@ def test_critic_roundtrip(tmp_path):
 def test_a_learning_rate_changed_on_resume_takes_effect(tmp_path):
     """The config's optimizer settings win over the saved ones: a new lr given on resume is the
     one the optimizer (and the schedule) step with; moments still come from the checkpoint."""
-    run = _engine(0)
+    run = actor_engine(0)
     run.train_batch(make_batch(seed=0))
     run.save_checkpoint(tmp_path / "ckpt")
     lr = ADAM.lr / 4
-    resumed = _engine(0, optim=OptimConfig(name="adamw", lr=lr, weight_decay=0.01))
+    resumed = actor_engine(0, optim=OptimConfig(name="adamw", lr=lr, weight_decay=0.01))
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert all(g["lr"] == lr and g["weight_decay"] == 0.01 for g in resumed.optimizer.param_groups)
     assert resumed.lr_scheduler.base_lrs == [lr] * len(resumed.optimizer.param_groups)

@@ -1,6 +1,6 @@
 """Tensor parallelism (engine/parallel/tensor_parallel.py) against one process, on gloo ranks.
 
-As in tests/engine/test_distributed.py, each pytest function launches this file on gloo ranks with
+As in tests/engine/parallel/test_distributed.py, each pytest function launches this file on gloo ranks with
 a *scenario*; the ranks run every check, write the names of those that passed, and the test
 asserts the list. References are single-process engines built in the same processes before the
 process group exists. ``tp`` runs 2 ranks (tensor_parallel_size=2, no data parallelism);
@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the ranks
 from distributed_utils import (
     VOCAB,
     actor_config,
@@ -266,7 +266,7 @@ def _state(engine) -> dict[str, torch.Tensor]:
 
 def scenario_tp(rank: int, tmp: Path) -> list[str]:
     import torch.distributed as dist
-    from test_export import check_lm_exports
+    from export_utils import check_lm_exports
     from torch.distributed.tensor import DTensor
 
     from microrl.engine import ActorEngine
@@ -338,7 +338,7 @@ def scenario_tp(rank: int, tmp: Path) -> list[str]:
     assert torch.equal(sequences, refs["generate"]), "generation differs under TP"
     passed.append("generate")
 
-    # ---- exports gathered from the shards (the checks: test_export.py)
+    # ---- exports gathered from the shards (the checks: export_utils.py)
     check_lm_exports(engine, batch, refs["infer"]["logprobs"], tmp, rank=rank)
     dist.barrier()
     passed.append("export")

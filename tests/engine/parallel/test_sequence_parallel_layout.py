@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/
 from distributed_utils import actor_config, tiny_model
 
 from microrl.configs.engine import ActorConfig

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism (engine/parallel/sequence_parallel.py) against one process.
 
-As in tests/engine/test_tensor_parallel.py, each pytest function launches this file on gloo
+As in tests/engine/parallel/test_tensor_parallel.py, each pytest function launches this file on gloo
 ranks with a *scenario*; the ranks run every check, write the names of those that passed (and
 the largest differences they measured), and the test asserts the list. References are
 single-process engines built in the same processes before the process group exists. ``sp``
@@ -21,7 +21,6 @@ it off and vice versa.
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from dataclasses import replace
@@ -30,22 +29,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the ranks
 from distributed_utils import (
     VOCAB,
     actor_config,
-    assert_metrics_close,
     check_rank0_loading,
     full_params,
-    full_tensor,
     hf_logprobs,
     make_batch,
+    pair_batch,
     run_scenario,
     scenario_main,
     single_process,
     tiny_model,
+)
+from sequence_parallel_utils import (
+    SP_LENGTHS,
+    build_engine,
+    compare_steps,
+    llama_mqa,
+    run_steps,
+    write_json,
 )
 
 from microrl.configs.engine import CriticConfig, EngineConfig, LoraConfig, OptimConfig
@@ -55,15 +61,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = Path(__file__).resolve()
 ADAM = OptimConfig(name="adamw", lr=1e-2, grad_clip=0.5)
 SGD = OptimConfig(name="sgd", lr=1.0, grad_clip=None)
-# Micro-batches of 2 rows: widths 12, 9, 5 (odd: padded to a multiple of 2) and the one-token
-# row alone (width 1 < sequence_parallel_size).
-SP_LENGTHS = (12, 5, 9, 1, 7, 10, 4)
 SHARDS = ([0, 1, 2, 3, 4], [5, 6])  # dp x sp: the rows of each data-parallel index
 PROMPTS = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
 PROMPT_MASK = torch.ones_like(PROMPTS)
 PROMPT_MASK[1, :2] = 0  # left padding
 GREEDY = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
-STEPS = 2
 
 
 # ============================================================================ pytest side
@@ -118,21 +120,6 @@ def test_dp2_x_sp2_on_four_processes_equals_one_process(tmp_path):
 # ============================================================================ rank side
 
 
-def _llama_mqa(seed: int = 0) -> LlamaForCausalLM:
-    """One key/value head for 4 query heads: replicated to 2 so that each rank gets one."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
-
-
 def _qwen3_tied(seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -155,12 +142,6 @@ def _eager():
     model = tiny_model()
     model.set_attn_implementation("eager")
     return model
-
-
-def _pair_batch():
-    from test_engine_sequence_distributed import pair_batch
-
-    return pair_batch()
 
 
 def _temperature_batch():
@@ -199,7 +180,7 @@ def _cases():
     )
     yield (
         "actor[llama,mqa,lora,grad_ckpt]",
-        _llama_mqa,
+        llama_mqa,
         "actor",
         actor_config(**lora, gradient_checkpointing=True),
         batch,
@@ -224,75 +205,9 @@ def _cases():
         tiny_model,
         "reward",
         EngineConfig(**rm, lora=LoraConfig(rank=4, alpha=8.0)),
-        _pair_batch,
+        pair_batch,
     )
-    yield "reward_model[packed]", tiny_model, "reward", EngineConfig(**rm, **packed), _pair_batch
-
-
-def _engine(role: str, build, config, sp: int = 1):
-    from microrl.engine import ActorEngine, CriticEngine, RewardModelEngine
-
-    cls = {"actor": ActorEngine, "critic": CriticEngine, "reward": RewardModelEngine}[role]
-    return cls(build(), replace(config, sequence_parallel_size=sp))
-
-
-def _grads(engine) -> dict[str, torch.Tensor]:
-    return {
-        n: full_tensor(p.grad).clone()
-        for n, p in engine.module.named_parameters()
-        if p.grad is not None
-    }
-
-
-def _steps(engine, batch, steps: int = STEPS) -> list:
-    """Per step: loss, metrics, grad norm, every gradient (before the step), outputs, and the
-    parameters after it."""
-    record = []
-    for _ in range(steps):
-        engine.optimizer.zero_grad(set_to_none=True)
-        result = engine.forward_backward_batch(batch)
-        grads = _grads(engine)
-        grad_norm = engine.optimizer_step()
-        outputs = {k: v.clone() for k, v in result["model_output"].items()}
-        record.append(
-            (result["loss"], result["metrics"], grad_norm, grads, full_params(engine), outputs)
-        )
-    return record
-
-
-def _compare(name: str, ref: list, got: list, worst: dict) -> None:
-    """The TP tests' tolerances; ``worst`` keeps the largest differences seen, by kind."""
-
-    def note(kind: str, value: float) -> None:
-        case = worst.setdefault(name, {})
-        case[kind] = max(case.get(kind, 0.0), value)
-
-    for step, (r, g) in enumerate(zip(ref, got, strict=True)):
-        what = f"{name} step {step}"
-        assert abs(r[0] - g[0]) <= 1e-5 * max(1.0, abs(r[0])), (what, r[0], g[0])
-        note("loss", abs(r[0] - g[0]))
-        assert_metrics_close(r[1], g[1], what)
-        for key, value in r[1].items():
-            if value == value:  # NaN: a MIN/MAX metric without a value, checked equal above
-                note("metric", abs(value - g[1][key]))
-        assert abs(r[2] - g[2]) <= 1e-5 * max(1.0, r[2]), (what, "grad_norm", r[2], g[2])
-        note("grad_norm", abs(r[2] - g[2]))
-        assert r[3].keys() == g[3].keys(), (what, r[3].keys() ^ g[3].keys())
-        for n in r[3]:  # fp32 sums over the ranks' tokens in another order: relative 1e-6
-            scale = max(1.0, r[3][n].abs().max().item())
-            err = (g[3][n] - r[3][n]).abs().max().item() if r[3][n].numel() else 0.0
-            assert err <= 1e-6 * scale, f"{what} grad {n}: max |diff| = {err:.3g}"
-            note("grad", err / scale)
-        for n in r[4]:
-            err = (g[4][n] - r[4][n]).abs().max().item()
-            assert err <= 1e-5, f"{what} param {n}: max |diff| = {err:.3g}"
-            note("param", err)
-        assert r[5].keys() == g[5].keys(), (what, r[5].keys(), g[5].keys())
-        for key in r[5]:
-            assert g[5][key].shape == r[5][key].shape, (what, key, g[5][key].shape)
-            err = (g[5][key] - r[5][key]).abs().max().item() if r[5][key].numel() else 0.0
-            assert err <= 1e-5, f"{what} output {key}: max |diff| = {err:.3g}"
-            note("output", err)
+    yield "reward_model[packed]", tiny_model, "reward", EngineConfig(**rm, **packed), pair_batch
 
 
 def _offloaded(config):
@@ -325,10 +240,6 @@ def _check_offloaded(engine, policies) -> None:
     assert all(p.to_local().device.type == "cpu" for p in engine.module.parameters())
 
 
-def _write(tmp: Path, name: str, value) -> None:
-    (tmp / "out" / name).write_text(json.dumps(value, indent=1, sort_keys=True))
-
-
 def scenario_sp(rank: int, tmp: Path) -> list[str]:
     import torch.distributed as dist
 
@@ -342,7 +253,7 @@ def scenario_sp(rank: int, tmp: Path) -> list[str]:
     def references():
         refs = {}
         for name, build, role, config, data in _cases():
-            refs[name] = _steps(_engine(role, build, config), data())
+            refs[name] = run_steps(build_engine(role, build, config), data())
         engine = ActorEngine(tiny_model(), actor_config(lora=4))
         engine.train_batch(batch)
         refs["infer"] = engine.infer_batch(batch)
@@ -356,9 +267,9 @@ def scenario_sp(rank: int, tmp: Path) -> list[str]:
     refs = single_process(references)
     passed, worst = [], {}
     for name, build, role, config, data in _cases():
-        engine = _engine(role, build, config, sp=2)
+        engine = build_engine(role, build, config, sp=2)
         assert engine.device_mesh["sp"].size() == 2 and engine.device_mesh["dp"].size() == 1
-        _compare(name, refs[name], _steps(engine, data()), worst)
+        compare_steps(name, refs[name], run_steps(engine, data()), worst)
         passed.append(name)
 
     # ---- each rank embeds 1/2 of every micro-batch's tokens (the width padded to even), and
@@ -430,9 +341,11 @@ def scenario_sp(rank: int, tmp: Path) -> list[str]:
         ("critic", "critic[cpu_offload]"),
     ):
         build, role, config, data = cases[name]
-        engine, policies = _offload_policies(partial(_engine, role, build, _offloaded(config), 2))
+        engine, policies = _offload_policies(
+            partial(build_engine, role, build, _offloaded(config), 2)
+        )
         _check_offloaded(engine, policies)
-        _compare(offloaded, refs[name], _steps(engine, data()), worst)
+        compare_steps(offloaded, refs[name], run_steps(engine, data()), worst)
         passed.append(offloaded)
 
     # ---- resume across the switch: saved with offload on, loaded with it off, and vice versa
@@ -489,7 +402,7 @@ def scenario_sp(rank: int, tmp: Path) -> list[str]:
     passed.append("rank0_loading")
     dist.barrier()
     if rank == 0:
-        _write(tmp, "sp_worst.json", worst)
+        write_json(tmp, "sp_worst.json", worst)
     return passed
 
 
@@ -508,37 +421,37 @@ def scenario_dp_sp(rank: int, tmp: Path) -> list[str]:
 
     def references():
         refs = {
-            name: _steps(_engine(role, tiny_model, config), batch)
+            name: run_steps(build_engine(role, tiny_model, config), batch)
             for name, role, config in _dp_sp_cases()
         }
-        refs["empty"] = _steps(_engine("actor", tiny_model, empty), batch[SHARDS[0]])
+        refs["empty"] = run_steps(build_engine("actor", tiny_model, empty), batch[SHARDS[0]])
         return refs
 
     refs = single_process(references)
     passed, worst = [], {}
     for name, role, config in _dp_sp_cases():
-        engine = _engine(role, tiny_model, config, sp=2)
+        engine = build_engine(role, tiny_model, config, sp=2)
         dp = engine.device_mesh["dp"]
         assert dp.size() == 2 and dp.get_local_rank() == rank // 2
-        got = _steps(engine, batch[SHARDS[dp.get_local_rank()]])
+        got = run_steps(engine, batch[SHARDS[dp.get_local_rank()]])
         # This rank's outputs are its dp share's rows of the whole mini-batch's.
         ref = [(*r[:5], {k: v[SHARDS[rank // 2]] for k, v in r[5].items()}) for r in refs[name]]
-        _compare(name, ref, got, worst)
+        compare_steps(name, ref, got, worst)
         passed.append(name)
         if name == "dp_sp[lora,packed]":  # optim.cpu_offload over the four ranks
-            build = partial(_engine, role, tiny_model, _offloaded(config), 2)
+            build = partial(build_engine, role, tiny_model, _offloaded(config), 2)
             engine, policies = _offload_policies(build)
             _check_offloaded(engine, policies)
-            got = _steps(engine, batch[SHARDS[dp.get_local_rank()]])
-            _compare("dp_sp[lora,packed,cpu_offload]", ref, got, worst)
+            got = run_steps(engine, batch[SHARDS[dp.get_local_rank()]])
+            compare_steps("dp_sp[lora,packed,cpu_offload]", ref, got, worst)
             passed.append("dp_sp[lora,packed,cpu_offload]")
-    engine = _engine("actor", tiny_model, empty, sp=2)
+    engine = build_engine("actor", tiny_model, empty, sp=2)
     mine = batch[SHARDS[0]] if rank < 2 else batch[:0]
     ref = [(*r[:5], {k: v[: len(mine)] for k, v in r[5].items()}) for r in refs["empty"]]
-    _compare("dp_sp[empty_share]", ref, _steps(engine, mine), worst)
+    compare_steps("dp_sp[empty_share]", ref, run_steps(engine, mine), worst)
     passed.append("dp_sp[empty_share]")
     if rank == 0:
-        _write(tmp, "dp_sp_worst.json", worst)
+        write_json(tmp, "dp_sp_worst.json", worst)
     return passed
 
 
