@@ -21,7 +21,7 @@
 #                       vLLM's IPC engine (CUDA IPC handles), each checked by the sync probe
 #   recipe-vllm-2gpu    vLLM in process on 2 GPUs
 #   recipe-async-hf     rollout.max_staleness=1: an hf worker process samples a step ahead
-#   tests-vllm          tests/rollout/test_rollout_vllm.py: LoRA and full-weight syncs in bf16
+#   tests-vllm          tests/engine/rollout/test_rollout_vllm.py: LoRA and full-weight syncs in bf16
 #   kernel-cuda         fused_linear_logprob on CUDA tensors against the float64 reference
 #   tests-cuda          the tests written for CUDA (cuda_tests below)
 #   sp-flash            Ulysses attention on the real flash_attention_2 kernel, when it imports
@@ -323,7 +323,7 @@ step_recipe_async_hf() {
 step_tests_vllm() {
     # On CUDA its engines train under bf16 autocast and vLLM runs in bfloat16: the file's own
     # tolerance is then bf16's; greedy decoding is compared on CPUs only (its docstring).
-    run_pytest tests/rollout/test_rollout_vllm.py
+    run_pytest tests/engine/rollout/test_rollout_vllm.py
 }
 
 step_kernel_cuda() {

@@ -1,38 +1,6 @@
 """Several asynchronous ``hf`` generation workers behind one trainer (``rollout.num_workers``).
 
-:class:`AsyncRolloutPool` runs ``num_workers`` :class:`~microrl.remote.AsyncRollout`
-workers (one process each) behind the interface the recipes' prefetcher drives
-(:class:`~microrl.run.prefetcher.RolloutPrefetcher`): ``version``, :meth:`~AsyncRolloutPool.
-submit`, :meth:`~AsyncRolloutPool.submit_episodes`, :meth:`~AsyncRolloutPool.collect`,
-:meth:`~AsyncRolloutPool.sync`, :meth:`~AsyncRolloutPool.poll`, ``sync_stats``.
-
-**Jobs.** A job's prompts (or problems) are cut into ``num_workers`` contiguous chunks of whole
-prompts, as even as possible (the first ones one prompt longer; :func:`split_sizes`), so the
-``num_samples`` rows of a prompt (a GRPO group) are always sampled by one worker. Each chunk is
-a job of its own worker (a worker whose chunk is empty gets none); the workers sample their
-chunks at the same time, and :meth:`~AsyncRolloutPool.collect` lays the parts out again as one
-rollout in the caller's order (:func:`~microrl.engine.rollout.merge_rollouts`: one batch as wide
-as the longest prompt plus the longest response), row ``i`` answering prompt ``group_ids[i]``
-of the job, as from one worker.
-
-**Seeds.** One seed is drawn per job exactly as :class:`AsyncRollout` draws it (``params.seed``,
-else torch's default generator), and each part's seed derives from it (:func:`part_seeds`: the
-first part samples with that seed itself). A run that checkpoints torch's RNG state resumes with
-the very samples it would have drawn, for the same ``num_workers``. With ``params.seed`` set,
-part ``i`` samples with ``params.seed`` replaced by its part seed (so two chunks never share
-their random draws).
-
-**Weights.** :meth:`~AsyncRolloutPool.sync` gathers the engine's weights once and pushes them to
-every worker as the same version; each worker checks its push with its own probe
-(:class:`~microrl.remote.trainer.hf_worker.SyncCheckError` names the worker), and
-``sync_stats[version]`` holds the largest of each probe statistic (``sync/probe_*``) of the
-workers once every one has checked it.
-
-**Start and stop.** The workers are spawned together, then connected and given their first
-weights one after the other (a worker builds its model while the ones before it are served).
-:meth:`~AsyncRolloutPool.close` stops every worker; a failed start closes those started.
-
-``num_workers=1`` is a plain :class:`AsyncRollout`: :func:`make_async_rollout` returns one.
+How it works, in full: docs/async.md#the-pool-of-hf-workers.
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """Asynchronous ``hf`` rollouts: a generation worker process that samples while the trainer trains.
 
-:class:`AsyncRollout` spawns one worker (:mod:`microrl.remote.worker.main`) that holds
-its own copy of the policy and samples with the ``hf`` backend's code path. The trainer
-*submits* jobs (prompts to sample, or multi-turn episodes to play) and *collects* their
-rollouts later; in between it trains. Jobs run one after the other in submission order, and a
-weight push (:meth:`AsyncRollout.sync`) is queued between them like a job, so the policy version
-each job samples is known when it is submitted: the version pushed last before it. Every rollout
-carries it, per row, as the batch key ``policy_version`` (int64 ``[B]``).
-
-Versions count optimizer-step rounds: ``version`` at construction (the recipe's start step), one
-more per :meth:`~AsyncRollout.sync`. The first push sends every tensor of the model (the worker
-builds the architecture from its config, randomly initialised); later pushes send what the
-optimizer changes (the LoRA adapters of a LoRA engine, every weight of a full fine-tune),
-gathered from FSDP2 shards as the ``vllm`` backend gathers them, one flat buffer per dtype
-broadcast over a private gloo group (never torch's default group).
-
-**Every push is verified.** The worker scores a fixed probe batch (:func:`build_probe`) with the
-weights it received and returns the log-probs and a checksum per tensor; the trainer compares
-them with its own (``engine.infer_batch`` at the same version, and the tensors it pushed).
-``sync_stats[version]`` holds :func:`probe_stats` (mean and max |difference|, k3 KL); a mean
-difference above ``sync_check_tol`` (:data:`SYNC_CHECK_STAT`), or a tensor whose checksum differs,
-raises :class:`SyncCheckError` naming the version and the tensors.
-
-No wait is unbounded: every wait for the worker polls its liveness and gives up after
-``timeout_s`` with an error naming the worker; :meth:`~AsyncRollout.close` (also at exit, and
-on a trainer exception) stops it.
+How it works, in full: docs/async.md#the-hf-worker-versions-and-checks.
 """
 
 from __future__ import annotations

@@ -1,37 +1,6 @@
 """Asynchronous ``vllm`` rollouts: vLLM servers sample while the trainer trains.
 
-:class:`VLLMServerRollout` is the ``vllm`` counterpart of
-:class:`~microrl.remote.AsyncRollout`, with the same job interface (``submit`` /
-``submit_episodes`` now, ``collect`` later, ``sync`` after optimizer steps, per-row
-``policy_version``), so :class:`~microrl.run.prefetcher.RolloutPrefetcher` drives either.
-Generation runs in ``vllm serve`` processes (vLLM's ``AsyncLLM`` behind its HTTP server): either
-``num_workers`` servers this class starts on localhost (:class:`LocalVLLMServer`), or servers
-the user started elsewhere (``urls``; docs/async.md#vllm-servers). Requests are token ids in,
-token ids and log-probs out (``/inference/v1/generate``), so the batch layout is the shared one
-(:func:`~microrl.engine.rollout.layout.build_rollout`).
-
-Weights, by vLLM's own machinery:
-
-- **LoRA**: every version is a new adapter, written in PEFT's format and loaded under a new name
-  (``/v1/load_lora_adapter``); a job's requests name the adapter of its version, so a row's
-  version is exact and a sync never waits for running jobs. Adapters no pending job uses are
-  unloaded at the next sync. The server must see the adapter directory (a shared file system
-  for remote servers).
-- **Full weights**: vLLM's weight-transfer API (``/init_weight_transfer_engine``,
-  ``/update_weights``): its ``nccl`` engine for servers on other GPUs, its CUDA-IPC engine
-  (JSON-encoded, :mod:`microrl.remote.vllm_plugin.ipc`) for a server on the trainer's own GPU,
-  the ``gloo`` engine microrl registers as a vLLM plugin on CPUs
-  (:mod:`microrl.remote.vllm_plugin.transfer`); :mod:`~microrl.remote.trainer.vllm_placement`
-  chooses. The tensors stream one at a time from the live parameters (FSDP2 shards gathered
-  one by one, :class:`~microrl.engine.rollout.full_weights.FullWeights`), so ``sync`` returns
-  once the push is done. A push is an in-flight update: ``/pause?mode=keep`` freezes the
-  running requests, the new weights load, ``/resume`` continues them; each response reports the
-  weight versions of its token spans, kept per row as ``policy_version`` (first token) and
-  ``policy_version_last`` (last token).
-
-Every push is verified as the ``hf`` worker's are: the server scores the probe batch
-(:func:`~microrl.remote.trainer.hf_worker.build_probe`) at the new version, and a mean
-log-prob difference above ``sync_check_tol`` raises :class:`SyncCheckError` naming the version.
+How it works, in full: docs/async.md#the-vllm-server-sampler.
 """
 
 from __future__ import annotations

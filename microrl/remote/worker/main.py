@@ -1,33 +1,6 @@
 """The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
 
-:class:`~microrl.remote.trainer.hf_worker.AsyncRollout` spawns it (``torch.multiprocessing``,
-``spawn``). It builds the trainer's model from its config (the LoRA structure included), holds
-its own copy of the weights and samples with :class:`~microrl.engine.rollout.HFRollout`'s code
-path (``generate``, ``run_episodes``, the shared layout), one job after the other, in the order
-the trainer sends them.
-
-Weights arrive over a private gloo group of two ranks (the trainer 0, the worker 1) built from a
-``TCPStore`` and ``ProcessGroupGloo`` objects used directly: it is never registered as torch's
-default group, so the trainer's data-parallel group is untouched. Everything else travels on two
-queues, as tuples whose first item names the message:
-
-trainer -> worker
-    ``("layout", layouts)``: once, the ``name -> (shape, dtype)`` of each push layout
-    (``"full"``: every tensor of the model; ``"trainable"``: what the optimizer changes).
-    ``("weights", version, layout)``: receive that layout's tensors (one flat buffer per dtype,
-    broadcast from the trainer), load them, score the probe batch, reply ``synced``.
-    ``("generate" | "episodes" | "sample", job, seed, args)``: a job, sampled under
-    ``torch.manual_seed(seed)`` (the trainer draws the seed, so a run is reproducible).
-    ``("close",)``.
-worker -> trainer
-    ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs, checksums,
-    seconds)``, ``("done", job, version, payload, (seconds, cpu_seconds))``,
-    ``("job_error", job, error)``,
-    ``("error", traceback)`` (fatal: the worker exits).
-
-Payloads are pickled to bytes here (no shared-memory tensor handles cross the queues). The worker
-ignores SIGINT (a Ctrl-C stops the trainer, which then closes the worker) and exits when the
-trainer process is gone.
+How it works, in full: docs/async.md#the-hf-worker-process.
 """
 
 from __future__ import annotations

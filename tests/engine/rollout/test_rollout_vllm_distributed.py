@@ -18,7 +18,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parents[1]))  # tests/, for the ranks
+sys.path.insert(0, str(HERE.parents[2]))  # tests/, for the ranks
 from distributed_utils import launch  # noqa: E402
 
 # As in test_rollout_vllm.py: measured <= 5e-7 between vLLM's CPU kernels and the engine.
