@@ -277,14 +277,6 @@ class ShardedGroupLoss:
         self.inner, self.shard, self.local_shape = inner, shard, local_shape
         self.segments = [0, local_shape[0] * local_shape[1]]
 
-    @property
-    def loss(self) -> torch.Tensor | None:
-        return self.inner.loss
-
-    @loss.setter
-    def loss(self, value: torch.Tensor | None) -> None:
-        self.inner.loss = value
-
     def metrics(self) -> dict:
         return self.inner.metrics()
 
