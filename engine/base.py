@@ -46,7 +46,6 @@ from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
 )
-from microrl.engine.attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
 from microrl.engine.group_loss import GroupLoss
 from microrl.engine.microbatch import (
     MicroBatch,
@@ -78,6 +77,7 @@ from microrl.engine.parallel import (
     sequence_parallel,
     tensor_parallel,
 )
+from microrl.engine.parallel.varlen_attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
 from microrl.engine.validation import GROUP_KEY, check_batch
 from microrl.losses.aggregation import LossDenominators, global_denominators
 from microrl.losses.metrics import Metric, reduce_metrics
@@ -146,7 +146,7 @@ class Engine:
         # device, so a 16-bit base never sits there in fp32.
         base_dtype = setup.base_dtype(config)
         if self._rank0_loading:
-            causal_lm = materialize.load_on_rank0(model, base_dtype)
+            causal_lm = materialize.load_on_rank0(model, base_dtype, setup.load_causal_lm)
         else:
             causal_lm = setup.load_causal_lm(model, base_dtype).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings

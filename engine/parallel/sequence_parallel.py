@@ -43,8 +43,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from microrl.engine.alignment import IGNORE_INDEX
-from microrl.engine.attention import PACKED_LENGTHS_KWARG
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES
 from microrl.engine.parallel.tp_layers import ReduceFromGroup
@@ -53,6 +51,8 @@ from microrl.engine.parallel.ulysses_attention import (
     check_heads,
     enable_ulysses_attention,
 )
+from microrl.engine.parallel.varlen_attention import PACKED_LENGTHS_KWARG
+from microrl.kernels import IGNORE_INDEX
 from microrl.losses.aggregation import LossDenominators
 
 __all__ = [
