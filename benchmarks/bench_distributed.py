@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
             lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else LoraConfig(),
         ),
     )
-    rank, world = D.dp_rank(), D.dp_world_size()
+    rank, world = D.rank(), D.world_size()  # data parallel only: the global rank is the dp rank
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(args.min_len, args.max_len + 1, (args.batch,), generator=gen)
     seq = int(lengths.max())

@@ -13,6 +13,7 @@ from microrl.configs.engine import ActorConfig
 from microrl.engine.base import Engine, LossFn
 from microrl.engine.group_loss import GroupLoss
 from microrl.engine.models import PolicyModel, fused_head_blocker
+from microrl.engine.outputs import FUSED_LOSS_KEY
 from microrl.losses import MISMATCH_METRICS, mismatch_metrics, policy_loss, sft_loss
 from microrl.losses.aggregation import LossDenominators
 from microrl.losses.metrics import Metric
@@ -157,11 +158,11 @@ class ActorEngine(Engine):
             **model_kwargs,
         )
         entropy = extra[0]
-        if group_loss is not None:
-            group_loss.loss = extra[1]
         out = {"logprobs": logprobs}
         if entropy is not None:
             out["entropy"] = entropy
+        if group_loss is not None:  # the micro-batch's loss, from the head (with its graph)
+            out[FUSED_LOSS_KEY] = extra[1]
         return out
 
     def default_loss(

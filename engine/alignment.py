@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "next_token_targets", "predicting_temperature", "to_token_alignment"]
+from microrl.kernels import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # target of a position with no next token (the kernel's ignore_index)
+__all__ = ["IGNORE_INDEX", "next_token_targets", "predicting_temperature", "to_token_alignment"]
 
 
 def next_token_targets(

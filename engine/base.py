@@ -2,8 +2,9 @@
 
 :meth:`Engine.forward_backward_batch` validates the mini-batch, counts its global loss
 denominators once, plans the micro-batches, and runs each one through the public
-:meth:`Engine.forward_step` (forward, loss, detached outputs) followed by ``backward``; then it
-aggregates the metrics and restores the caller's row order. :meth:`Engine.train_batch` adds the
+:meth:`Engine.forward_step` (forward, loss, detached outputs, metrics: a
+:class:`~microrl.engine.outputs.StepResult`) followed by ``backward``; then it aggregates the
+metrics and restores the caller's row order. :meth:`Engine.train_batch` adds the
 optimizer step.
 
 A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`,
@@ -45,7 +46,6 @@ from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
 )
-from microrl.engine.attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
 from microrl.engine.group_loss import GroupLoss
 from microrl.engine.microbatch import (
     MicroBatch,
@@ -62,7 +62,14 @@ from microrl.engine.optim import (
     build_scheduler,
     clip_and_check,
 )
-from microrl.engine.outputs import align_outputs, check_loss_result, last_token_index
+from microrl.engine.outputs import (
+    StepResult,
+    align_outputs,
+    check_loss_result,
+    check_step_result,
+    last_token_index,
+    split_fused_loss,
+)
 from microrl.engine.parallel import (
     cpu_offload,
     distributed,
@@ -70,6 +77,7 @@ from microrl.engine.parallel import (
     sequence_parallel,
     tensor_parallel,
 )
+from microrl.engine.parallel.varlen_attention import PACKED_LENGTHS_KWARG, enable_varlen_attention
 from microrl.engine.validation import GROUP_KEY, check_batch
 from microrl.losses.aggregation import LossDenominators, global_denominators
 from microrl.losses.metrics import Metric, reduce_metrics
@@ -138,7 +146,7 @@ class Engine:
         # device, so a 16-bit base never sits there in fp32.
         base_dtype = setup.base_dtype(config)
         if self._rank0_loading:
-            causal_lm = materialize.load_on_rank0(model, base_dtype)
+            causal_lm = materialize.load_on_rank0(model, base_dtype, setup.load_causal_lm)
         else:
             causal_lm = setup.load_causal_lm(model, base_dtype).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
@@ -172,7 +180,6 @@ class Engine:
         self._passes_last_index = "last_index" in inspect.signature(self._model_forward).parameters
         self.optimizer = build_optimizer(self._trainable_params(), config.optim)
         self.lr_scheduler = build_scheduler(self.optimizer, config.optim)
-        self.last_step_metrics: dict[str, Metric] = {}
         #: what activation offload moved in the last training ``forward_step`` (None when off).
         self.last_offload_stats: OffloadStats | None = None
 
@@ -222,7 +229,8 @@ class Engine:
         """Whether a pass with ``loss_fn`` (None: :meth:`default_loss`) runs its loss inside the
         module, one group of whole sequences at a time (the fused loss path, docs/engine.md).
         A role that returns True gets a :class:`~microrl.engine.group_loss.GroupLoss` as
-        :meth:`_model_forward`'s ``group_loss`` and leaves the loss in ``group_loss.loss``."""
+        :meth:`_model_forward`'s ``group_loss`` and returns the micro-batch's loss (0-d, with its
+        graph) among its outputs under :data:`~microrl.engine.outputs.FUSED_LOSS_KEY`."""
         return False
 
     # ----------------------------------------------------------------- hooks for distributed
@@ -311,25 +319,26 @@ class Engine:
                 )
                 if not real and with_loss:
                     micro.data[self.count_key] = torch.zeros_like(micro.data[self.count_key])
-                loss, output = self.forward_step(
-                    micro, loss_fn, forward_only, denominators=denominators
+                step = check_step_result(
+                    self.forward_step(micro, loss_fn, forward_only, denominators=denominators),
+                    type(self).__name__,
                 )
-                if loss is not None:
+                if step.loss is not None:
                     if not forward_only:
                         # FSDP: reduce gradients over ranks once, after the last micro-batch.
                         distributed.set_gradient_sync(self.module, index == len(plan) - 1)
-                        loss.backward()
-                    losses.append(loss.detach() / denominators.grad_scale)
-                    metrics.append(self.last_step_metrics)
+                        step.loss.backward()
+                    losses.append(step.loss.detach() / denominators.grad_scale)
+                    metrics.append(step.metrics)
                 if real:
-                    scatter_outputs(output, rows, starts, lengths, outputs, shape)
+                    scatter_outputs(step.output, rows, starts, lengths, outputs, shape)
         if not forward_only and with_loss and self.config.check_grad_flow:
             audit_grad_flow(self.module, self._count_mask(batch), self.config.check_grad_flow)
         if losses:
             metrics.append({"loss": Metric(torch.stack(losses).sum())})
         reduced = reduce_metrics(metrics, group=self.dp_group)
         if placeholder:  # the caller's [0, T] / [0] shapes, with the keys a real share would have
-            outputs = {k: v.new_zeros((0, *shape[1 : v.dim()])) for k, v in output.items()}
+            outputs = {k: v.new_zeros((0, *shape[1 : v.dim()])) for k, v in step.output.items()}
             shape = (0, shape[1])
         result = {
             "model_output": TensorDict(outputs, batch_size=[shape[0]], device=self.device),
@@ -345,8 +354,8 @@ class Engine:
         forward_only: bool = False,
         *,
         denominators: LossDenominators | None = None,
-    ) -> tuple[torch.Tensor | None, TensorDict]:
-        """One micro-batch: forward, loss (when its inputs are present), detached outputs.
+    ) -> StepResult:
+        """One micro-batch: forward, loss (when its inputs are present), detached outputs, metrics.
 
         The body of :meth:`forward_backward_batch`'s loop, which passes each planned
         :class:`~microrl.engine.microbatch.MicroBatch` (compact, validated) with the mini-batch's
@@ -354,11 +363,13 @@ class Engine:
         ``[b, T]`` batch, the rows are validated and run as one micro-batch; ``denominators``
         then default to their own counts, i.e. the rows are treated as a whole mini-batch.
 
-        Returns ``(loss, output)``: ``loss`` a 0-d tensor *with* its graph (the caller runs
-        ``backward``), or None without the loss's inputs; ``output`` detached, token-aligned, in
-        the layout of ``micro_batch`` (its compact ``[b, L]`` for a ``MicroBatch``, else the
-        caller's ``[b, T]``). Train mode for a gradient pass, eval mode for ``forward_only``, the
-        module's mode restored after. The step's metrics are left in :attr:`last_step_metrics`.
+        Returns :class:`~microrl.engine.outputs.StepResult` ``(loss, output, metrics)``: ``loss``
+        a 0-d tensor *with* its graph (the caller runs ``backward``), or None without the loss's
+        inputs; ``output`` detached, token-aligned, in the layout of ``micro_batch`` (its compact
+        ``[b, L]`` for a ``MicroBatch``, else the caller's ``[b, T]``); ``metrics`` the loss's
+        detached ``Metric`` values (empty without a loss). An override must return the same
+        (checked by the loop: a ``TypeError`` otherwise). Train mode for a gradient pass, eval
+        mode for ``forward_only``, the module's mode restored after.
         """
         planned = isinstance(micro_batch, MicroBatch)
         if planned:
@@ -398,6 +409,8 @@ class Engine:
         with self._mode(training=training), self._grad(forward_only), offload or nullcontext():
             with setup.autocast_context(self.config, self.device):
                 raw = self._model_forward(*args, training=training, **kwargs)
+            if group_loss is not None:  # the loss ran inside the head, one group at a time
+                raw, fused_loss = split_fused_loss(raw, type(self).__name__)
             if shard is not None:
                 raw = shard.gather_outputs(raw, type(self).__name__)
             _, has_next = next_token_targets(data["input_ids"], data["attention_mask"])
@@ -406,8 +419,8 @@ class Engine:
             )
             output = TensorDict(aligned, batch_size=[len(micro.lengths)], device=self.device)
             loss, metrics = None, {}
-            if group_loss is not None:  # the loss ran inside the head, one group at a time
-                loss, metrics = group_loss.loss, group_loss.metrics()
+            if group_loss is not None:
+                loss, metrics = fused_loss, group_loss.metrics()
             elif with_loss:
                 loss, metrics = compute_loss(output, data)
         if offload is not None:
@@ -415,14 +428,15 @@ class Engine:
             if metrics:  # host bytes offloaded, summed over micro-batches and ranks
                 bytes_ = torch.full((), float(offload.stats.bytes), device=self.device)
                 metrics = {**metrics, "offload/bytes": Metric(bytes_)}
-        self.last_step_metrics = metrics
         output = output.detach()
         if planned:
-            return loss, output
+            return StepResult(loss, output, metrics)
         full: dict[str, torch.Tensor] = {}
         shape = tuple(batch["input_ids"].shape)
         scatter_outputs(output, rows, starts, lengths, full, shape)
-        return loss, TensorDict(full, batch_size=[shape[0]], device=self.device)
+        return StepResult(
+            loss, TensorDict(full, batch_size=[shape[0]], device=self.device), metrics
+        )
 
     def infer_batch(self, batch: TensorDict | Mapping[str, torch.Tensor]) -> TensorDict:
         """No grad, eval mode: the role's outputs ``[B, T]`` fp32 in the caller's row order."""

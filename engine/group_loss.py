@@ -38,7 +38,7 @@ class GroupLoss:
         packed: whether the head sees the rows packed into ``[1, N]``.
 
     :attr:`segments` are the row boundaries in the flattened head rows (what the kernel's groups
-    never split). After the forward, :attr:`loss` holds the micro-batch's loss, with its graph.
+    never split). The head returns the micro-batch's loss; :meth:`metrics` are its metrics.
     """
 
     def __init__(
@@ -54,7 +54,6 @@ class GroupLoss:
         self.segments = bounds
         self._row_of = {bound: r for r, bound in enumerate(bounds)}
         self._metrics: list[dict[str, Metric]] = []
-        self.loss: torch.Tensor | None = None
 
     def __call__(
         self, start: int, end: int, logprobs: torch.Tensor, entropy: torch.Tensor | None

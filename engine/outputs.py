@@ -1,22 +1,49 @@
-"""A role's outputs and its loss's result at the loop's boundary (see docs/engine.md).
+"""A role's outputs, its loss's result and a step's result at the loop's boundary (docs/engine.md).
 
 A role's ``_model_forward`` returns per-position ``[b, L]`` tensors (aligned to the *predicting*
 position, or packed ``[1, N]``) and/or per-row ``[b]`` tensors; :func:`align_outputs` brings the
-former to token alignment and leaves the latter in row order. :func:`check_loss_result` checks
-what a ``loss_fn`` returned, at the boundary, instead of failing later inside backward or the
-metric reduction.
+former to token alignment and leaves the latter in row order. On the fused loss path it also
+returns the loss under :data:`FUSED_LOSS_KEY` (:func:`split_fused_loss`). :func:`check_loss_result`
+and :func:`check_step_result` check what a ``loss_fn`` and a ``forward_step`` override returned,
+at the boundary, instead of failing later inside backward or the metric reduction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
+from tensordict import TensorDict
 
 from microrl.engine.alignment import to_token_alignment
 from microrl.losses.metrics import Metric
 
-__all__ = ["align_outputs", "check_loss_result", "last_token_index"]
+__all__ = [
+    "FUSED_LOSS_KEY",
+    "StepResult",
+    "align_outputs",
+    "check_loss_result",
+    "check_step_result",
+    "last_token_index",
+    "split_fused_loss",
+]
+
+#: The key under which ``_model_forward`` returns the micro-batch's loss on the fused loss path.
+FUSED_LOSS_KEY = "loss"
+
+
+class StepResult(NamedTuple):
+    """What ``Engine.forward_step`` returns for one micro-batch.
+
+    ``loss``: a 0-d tensor *with* its graph (the caller runs ``backward``), or None without the
+    loss's inputs. ``output``: the detached, token-aligned outputs. ``metrics``: the loss's
+    :class:`~microrl.losses.Metric` values, detached (empty without a loss).
+    """
+
+    loss: torch.Tensor | None
+    output: TensorDict
+    metrics: dict[str, Metric]
 
 
 def last_token_index(valid: torch.Tensor, *, packed: bool) -> torch.Tensor:
@@ -79,3 +106,45 @@ def check_loss_result(result: object) -> tuple[torch.Tensor, dict[str, Metric]]:
     # Detached here: a metric still holding its graph would pin every micro-batch's activations
     # until the end of the mini-batch (the list of metrics lives that long).
     return loss, {k: Metric(m.value.detach(), m.reduce) for k, m in metrics.items()}
+
+
+def split_fused_loss(
+    raw: Mapping[str, torch.Tensor], role: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A fused-loss ``_model_forward``'s result -> ``(outputs to align, the micro-batch's loss)``,
+    the loss taken from under :data:`FUSED_LOSS_KEY`; a ``TypeError`` naming the role without it."""
+    outputs = dict(raw)
+    loss = outputs.pop(FUSED_LOSS_KEY, None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        found = "nothing" if loss is None else getattr(loss, "shape", type(loss).__name__)
+        raise TypeError(
+            f"{role}._model_forward got a group_loss (its fuses_loss is True) and must return "
+            f"the micro-batch's loss as a 0-d tensor under {FUSED_LOSS_KEY!r}, got {found}"
+        )
+    return outputs, loss
+
+
+def check_step_result(result: object, role: str) -> StepResult:
+    """What a ``forward_step`` (an override's too) returned, as a :class:`StepResult`; a
+    ``TypeError`` naming the role and what was expected otherwise."""
+    expected = "StepResult(loss, output, metrics)"
+    if not (isinstance(result, tuple) and len(result) == 3):
+        size = f" of {len(result)}" if isinstance(result, tuple) else ""
+        raise TypeError(
+            f"{role}.forward_step must return {expected} (a 0-d tensor or None, a TensorDict, "
+            f"a dict[str, Metric]), got a {type(result).__name__}{size}"
+        )
+    loss, output, metrics = result
+    if loss is not None and not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        found = getattr(loss, "shape", type(loss).__name__)
+        raise TypeError(f"{role}.forward_step's loss must be a 0-d tensor or None, got {found}")
+    if not isinstance(output, TensorDict):
+        raise TypeError(
+            f"{role}.forward_step's output must be a TensorDict, got {type(output).__name__}"
+        )
+    if not isinstance(metrics, Mapping) or not all(isinstance(m, Metric) for m in metrics.values()):
+        raise TypeError(
+            f"{role}.forward_step's metrics must be a dict[str, Metric], got "
+            f"{type(metrics).__name__}"
+        )
+    return StepResult(loss, output, dict(metrics))

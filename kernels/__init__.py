@@ -6,9 +6,11 @@ dtypes; ``reference_linear_logprob`` is its eager, obviously-correct definition 
 benchmarks compare against it); ``fused_linear_loss`` runs a loss of those log-probs inside the
 head and forms its gradients in forward; ``vocab_parallel_linear_logprob`` and
 ``vocab_parallel_linear_loss`` are the same two with the vocabulary split over tensor-parallel
-ranks. Their contract is in ``docs/kernels.md``.
+ranks. ``IGNORE_INDEX`` (-100) is their default ``ignore_index``. Their contract is in
+``docs/kernels.md``.
 """
 
+from ._checks import IGNORE_INDEX
 from .fused_loss import FusedLossOutput, fused_linear_loss
 from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
 from .reference import reference_linear_logprob
@@ -16,6 +18,7 @@ from .vocab_parallel import vocab_parallel_linear_logprob
 from .vocab_parallel_loss import vocab_parallel_linear_loss
 
 __all__ = [
+    "IGNORE_INDEX",
     "WORKING_TILE_ELEMENTS",
     "FusedLossOutput",
     "fused_linear_logprob",

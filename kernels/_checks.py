@@ -13,7 +13,11 @@ import math
 
 import torch
 
-__all__ = ["check_linear_logprob_inputs", "compute_dtype", "no_autocast"]
+__all__ = ["IGNORE_INDEX", "check_linear_logprob_inputs", "compute_dtype", "no_autocast"]
+
+#: The default ``ignore_index``: the target id of a position with no prediction (the engine's
+#: next-token targets and the sequence-parallel padding use it too).
+IGNORE_INDEX = -100
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import check_linear_logprob_inputs, no_autocast
+from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, no_autocast
 from .linear_logprob import (
     _BUFFER_TILES,
     WORKING_TILE_ELEMENTS,
@@ -263,7 +263,7 @@ def fused_linear_loss(
     temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     validate: bool = True,
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
 from ._tiles import (
     _cap_slope_,
     _cast,
@@ -499,7 +499,7 @@ def fused_linear_logprob(
     temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = True,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     validate: bool = True,
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
 
 __all__ = ["reference_linear_logprob"]
 
@@ -24,7 +24,7 @@ def reference_linear_logprob(
     temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = True,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     validate: bool = True,
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,

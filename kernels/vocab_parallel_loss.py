@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import vocab_parallel as vp
+from ._checks import IGNORE_INDEX
 from ._tiles import _zero_unkept
 from .fused_loss import (
     FusedLossOutput,
@@ -139,7 +140,7 @@ def vocab_parallel_linear_loss(
     temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     validate: bool = True,
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,

@@ -43,8 +43,6 @@ __all__ = [
     "default_backend",
     "default_mp_policy",
     "dp_group",
-    "dp_rank",
-    "dp_world_size",
     "find_shard_units",
     "finish_sharding",
     "gathered",
@@ -100,16 +98,6 @@ def barrier() -> None:
 def dp_group() -> dist.ProcessGroup | None:
     """The data-parallel group (the default group), or ``None`` in a single process."""
     return dist.group.WORLD if is_distributed() else None
-
-
-def dp_world_size(group: dist.ProcessGroup | None = None) -> int:
-    """Number of data-parallel ranks (1 when torch.distributed is not initialised)."""
-    return dist.get_world_size(group) if is_distributed() else 1
-
-
-def dp_rank(group: dist.ProcessGroup | None = None) -> int:
-    """This process's data-parallel rank (0 when torch.distributed is not initialised)."""
-    return dist.get_rank(group) if is_distributed() else 0
 
 
 def local_cuda_index() -> int | None:

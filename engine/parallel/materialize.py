@@ -25,6 +25,7 @@ an ``nn.Module`` was already built by the caller on every rank and is sharded as
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,9 +57,14 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def load_on_rank0(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The checkpoint's causal LM in ``dtype`` (the engine's ``base_dtype``, fp32 by default):
-    loaded on the CPU on global rank 0, built on ``meta`` elsewhere from rank 0's config and
+def load_on_rank0(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    load: Callable[[str | os.PathLike, torch.dtype], nn.Module],
+) -> nn.Module:
+    """The checkpoint's causal LM in ``dtype`` (the engine's ``base_dtype``): ``load(path,
+    dtype)`` on the CPU on global rank 0 (the engine passes ``setup.load_causal_lm``, which
+    checks for a local directory), built on ``meta`` elsewhere from rank 0's config and
     generation config (shared by a broadcast, so the other ranks never read the path: on a
     multi-node run it need not exist on their file systems).
 
@@ -68,12 +74,10 @@ def load_on_rank0(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
     """
     from transformers import AutoModelForCausalLM
 
-    from microrl.engine.setup import checkpoint_dir
-
     model, found = None, None
     if distributed.rank() == 0:
         try:
-            model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(path), dtype=dtype)
+            model = load(path, dtype)
             found = (model.config, model.generation_config)
         except Exception as error:  # shared with the other ranks, then re-raised
             share_from_rank0(f"{type(error).__name__}: {error}")

@@ -26,8 +26,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from microrl.engine.alignment import IGNORE_INDEX
-from microrl.engine.attention import PACKED_LENGTHS_KWARG
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES
 from microrl.engine.parallel.tp_layers import ReduceFromGroup
@@ -36,6 +34,8 @@ from microrl.engine.parallel.ulysses_attention import (
     check_heads,
     enable_ulysses_attention,
 )
+from microrl.engine.parallel.varlen_attention import PACKED_LENGTHS_KWARG
+from microrl.kernels import IGNORE_INDEX
 from microrl.losses.aggregation import LossDenominators
 
 __all__ = [
@@ -259,14 +259,6 @@ class ShardedGroupLoss:
     def __init__(self, inner: Any, shard: SequenceShard, local_shape: tuple[int, int]) -> None:
         self.inner, self.shard, self.local_shape = inner, shard, local_shape
         self.segments = [0, local_shape[0] * local_shape[1]]
-
-    @property
-    def loss(self) -> torch.Tensor | None:
-        return self.inner.loss
-
-    @loss.setter
-    def loss(self, value: torch.Tensor | None) -> None:
-        self.inner.loss = value
 
     def metrics(self) -> dict:
         return self.inner.metrics()

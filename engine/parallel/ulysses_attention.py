@@ -28,7 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from microrl.engine.attention import PACKED_LENGTHS_KWARG, _varlen_attention
+from microrl.engine.parallel.varlen_attention import (
+    PACKED_LENGTHS_KWARG,
+    VARLEN_PREFIX,
+    varlen_attention,
+)
 
 if TYPE_CHECKING:
     from microrl.engine.parallel.sequence_parallel import SequenceShard
@@ -55,7 +59,6 @@ SHARD_KWARG = "microrl_sequence_shard"
 #: ``kernels-community/flash-attn2``, which ``flash_attention_2`` becomes without flash_attn).
 BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 _PREFIX = "microrl_ulysses_"
-_VARLEN_PREFIX = "microrl_varlen_"
 #: Registered wrapper name -> its base implementation (a flash base's name is rewritten).
 _WRAPPED: dict[str, str] = {}
 
@@ -86,7 +89,7 @@ def base_implementation(name: str | None) -> str | None:
     """The plain implementation under a microrl wrapper name (``microrl_varlen_sdpa`` -> ``sdpa``)."""
     if name in _WRAPPED:
         return _WRAPPED[name]
-    for prefix in (_PREFIX, _VARLEN_PREFIX):
+    for prefix in (_PREFIX, VARLEN_PREFIX):
         if name is not None and name.startswith(prefix):
             return name[len(prefix) :]
     return name
@@ -216,7 +219,7 @@ def ulysses_attention(
     if shard is None:
         if flash:
             return _flash_attention(module, query, key, value, attention_mask, base=base, **kwargs)
-        return _varlen_attention(module, query, key, value, attention_mask, base=base, **kwargs)
+        return varlen_attention(module, query, key, value, attention_mask, base=base, **kwargs)
     shard.attention_calls += 1
     kwargs.pop(PACKED_LENGTHS_KWARG, None)
     # This rank's slice of the position ids, which describe no gathered sequence: the sequences
@@ -243,7 +246,7 @@ def ulysses_attention(
     if previous is not None and previous != groups:  # read by repeat_kv in SDPA and eager
         module.num_key_value_groups = groups
     try:
-        out, _ = _varlen_attention(
+        out, _ = varlen_attention(
             module,
             query,
             key,

@@ -131,7 +131,7 @@ def _offloaded_per_layer_depth(engine, micro) -> tuple[list[tuple], int]:
 
     ActivationOffload._pack = spy
     try:
-        loss, _ = engine.forward_step(micro)
+        loss, _, _ = engine.forward_step(micro)
     finally:
         ActivationOffload._pack = real
     loss.backward()

@@ -165,6 +165,6 @@ def test_forward_step_with_global_denominators_sums_to_the_batch_loss() -> None:
         for i in range(0, B, 2)
     )
     assert total == pytest.approx(engine.forward_backward_batch(batch)["loss"], rel=RTOL)
-    loss, output = engine.forward_step(batch)  # alone: the micro-batch is the mini-batch
+    loss, output, _ = engine.forward_step(batch)  # alone: the micro-batch is the mini-batch
     assert loss.grad_fn is not None and output["logprobs"].grad_fn is None
     assert loss.item() == pytest.approx(total, rel=RTOL)

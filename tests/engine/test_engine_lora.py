@@ -87,7 +87,7 @@ def test_returned_outputs_and_saved_activations_hold_no_graph() -> None:
 
     # Control: forward_step's loss holds the graph, so what it saved is alive while it is held.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, output = engine.forward_step(batch[:2])
+        loss, output, _ = engine.forward_step(batch[:2])
     gc.collect()
     assert loss.grad_fn is not None and output["logprobs"].grad_fn is None
     assert sum(ref() is not None for ref in saved) > 0, "the control saw no saved activation"

@@ -55,7 +55,7 @@ def test_scores_are_the_head_at_the_last_real_token(padding: str, packed: bool) 
     assert scores.shape == (8,) and scores.dtype == torch.float32
     torch.testing.assert_close(scores, expected, atol=SCORE_ATOL, rtol=0)
     # forward_step: the rows as one micro-batch, the same per-row outputs in the caller's order
-    _, output = engine.forward_step(batch, forward_only=True)
+    _, output, _ = engine.forward_step(batch, forward_only=True)
     torch.testing.assert_close(output["scores"], expected, atol=SCORE_ATOL, rtol=0)
 
 

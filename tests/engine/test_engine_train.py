@@ -283,10 +283,10 @@ def test_custom_loss_metrics_are_detached() -> None:
 
     engine = _engine()
     batch = make_batch(4, 10, seed=33)
-    loss, _ = engine.forward_step(batch, loss_fn=loss_fn)
+    loss, _, metrics = engine.forward_step(batch, loss_fn=loss_fn)
     assert loss.grad_fn is not None
-    assert engine.last_step_metrics["nll"].value.grad_fn is None
-    assert engine.last_step_metrics["nll"].value.item() == pytest.approx(loss.item())
+    assert metrics["nll"].value.grad_fn is None
+    assert metrics["nll"].value.item() == pytest.approx(loss.item())
 
 
 def test_bad_configs_are_rejected() -> None:

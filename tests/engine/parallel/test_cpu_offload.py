@@ -317,7 +317,7 @@ def main(tmp: str) -> None:
     # FSDP's all-gather buffers) are kept, so each micro-batch offloads what one process does
     with_offload = ActorEngine(tiny_model(), act_config)
     without = ActorEngine(tiny_model(), actor_config(lora=4))
-    loss, _ = with_offload.forward_step(mine[0][:2])
+    loss, _, _ = with_offload.forward_step(mine[0][:2])
     loss.backward()
     stats = with_offload.last_offload_stats
     assert (stats.tensors, stats.bytes) == (refs["stats"].tensors, refs["stats"].bytes), stats

@@ -11,7 +11,9 @@ It registers, through transformers' public ``AttentionInterface`` / ``AttentionM
 own ``<base>`` attention function once per sequence when the forward carries
 ``packed_seq_lens`` (a tuple of sequence lengths), and is exactly ``<base>`` otherwise (padded
 batches, ``generate``). The model is switched to it per instance with
-``set_attn_implementation``.
+``set_attn_implementation``. The Ulysses wrapper of sequence parallelism runs the same
+per-sequence attention on the gathered sequences (:func:`varlen_attention`), which is why it
+lives in ``parallel/``, a leaf that the engine imports and that imports nothing back.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from functools import partial
 import torch
 from torch import nn
 
-__all__ = ["PACKED_LENGTHS_KWARG", "enable_varlen_attention"]
+__all__ = ["PACKED_LENGTHS_KWARG", "VARLEN_PREFIX", "enable_varlen_attention", "varlen_attention"]
 
+#: The model keyword argument that carries a packed row's sequence lengths to attention.
 PACKED_LENGTHS_KWARG = "packed_seq_lens"
+#: Prefix of the registered implementations (``microrl_varlen_sdpa``, ``microrl_varlen_eager``).
+VARLEN_PREFIX = "microrl_varlen_"
 _BASES = ("sdpa", "eager")
 
 
@@ -42,17 +47,17 @@ def enable_varlen_attention(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     base = getattr(config, "_attn_implementation", None)
     if base not in _BASES:
-        return base is not None and base.startswith("microrl_varlen_")
+        return base is not None and base.startswith(VARLEN_PREFIX)
     if base == "eager" and not any(_model_eager_attention(m) for m in model.modules()):
         return False  # a model without the usual per-file eager function: leave it alone
-    name = f"microrl_varlen_{base}"
-    AttentionInterface.register(name, partial(_varlen_attention, base=base))
+    name = f"{VARLEN_PREFIX}{base}"
+    AttentionInterface.register(name, partial(varlen_attention, base=base))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     model.set_attn_implementation(name)
     return True
 
 
-def _varlen_attention(
+def varlen_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -62,7 +67,9 @@ def _varlen_attention(
     base: str,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``query`` ``[1, heads, N, d]`` (key/value may have fewer heads) -> ``[1, N, heads, d]``."""
+    """The ``base`` attention once per sequence of ``kwargs[PACKED_LENGTHS_KWARG]``, or once
+    over the rows without it: ``query`` ``[1, heads, N, d]`` (key/value may have fewer heads)
+    -> ``[1, N, heads, d]``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # "eager" is not in the registry: each modeling file has its own ``eager_attention_forward``,
