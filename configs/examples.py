@@ -97,7 +97,7 @@ def _check_overlong(task: TaskConfig, rollout: RolloutConfig) -> None:
 def _check_async(actor: ActorConfig, rollout: RolloutConfig) -> None:
     # Both recipes' rules for rollout.max_staleness = k > 0 (docs/async.md):
     # the trainer recomputes the old log-probs (the proximal policy the ratio is anchored on; the
-    # bypass would anchor it on a stale policy's), and one worker samples for each data rank.
+    # bypass would anchor it on a stale policy's).
     k = rollout.max_staleness
     require(
         k == 0 or not actor.policy_loss.bypass_mode,
@@ -106,10 +106,12 @@ def _check_async(actor: ActorConfig, rollout: RolloutConfig) -> None:
         "recomputed ones, the proximal policy; the sampler's are a stale behaviour policy)",
         actor.policy_loss.bypass_mode,
     )
+    # One hf worker per sp group samples for its processes; vLLM servers are not shared yet.
     require(
-        k == 0 or actor.sequence_parallel_size == 1,
+        k == 0 or actor.sequence_parallel_size == 1 or rollout.backend == "hf",
         "actor.sequence_parallel_size",
-        f"1 with rollout.max_staleness={k} (a generation worker per sp group is not yet supported)",
+        f"1 with rollout.max_staleness={k} and rollout.backend={rollout.backend} (vLLM servers "
+        "are not shared by a sequence-parallel group yet; rollout.backend=hf is)",
         actor.sequence_parallel_size,
     )
 
@@ -134,15 +136,6 @@ class GRPOExampleConfig:
         )
         _check_actor_and_batches(self.actor, self.rollout, self.train)
         _check_overlong(self.task, self.rollout)
-        # Asynchronous RL samples a step's prompts before the rewards of the steps before are in:
-        # dynamic sampling decides further rounds from rewards (docs/async.md).
-        k = self.rollout.max_staleness
-        require(
-            k == 0 or not self.rollout.dynamic_sampling,
-            "rollout.dynamic_sampling",
-            f"false with rollout.max_staleness={k} (not yet supported together)",
-            self.rollout.dynamic_sampling,
-        )
         _check_async(self.actor, self.rollout)
 
 

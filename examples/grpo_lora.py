@@ -141,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             #    temperature, plain ancestral sampling); the batch carries the sampler's
             #    rollout_logprobs, which the engine compares with its own (mismatch/* metrics).
             #    A multi-turn task plays whole episodes instead (docs/rollouts.md).
-            if prefetch is not None:  # 1-2 sampled ahead by the worker (rollout.max_staleness)
+            if prefetch is not None and cfg.rollout.dynamic_sampling:  # both: rounds ahead
+                problems, rollout, scores, sampled = prefetch.take_groups(
+                    step, dist_info, shaping=overlong
+                )
+            elif prefetch is not None:  # 1-2 sampled ahead by the worker (rollout.max_staleness)
                 problems, rollout, scores = prefetch.take(step)
             elif cfg.rollout.dynamic_sampling:  # 1-2 until the groups' rewards differ (DAPO)
                 problems, rollout, scores, sampled = dynamic_sample(

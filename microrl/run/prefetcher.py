@@ -8,7 +8,9 @@ every step ``t <= u + 1 + k`` are submitted. The worker runs jobs and pushes in 
 the rollout trained at step ``t`` is sampled with version ``max(start, t - 1 - k)`` exactly: its
 staleness ``(t - 1) - version`` (the trainer is at version ``t - 1`` when step ``t`` trains)
 lies in ``[0, k]``, and is checked before anything trains on it. The worker waits for new
-weights rather than run further ahead; no sample is ever dropped.
+weights rather than run further ahead; no sample is ever dropped. With dynamic sampling the
+jobs are rounds that the steps filter in order (:meth:`RolloutPrefetcher.take_groups`,
+docs/async.md#dynamic-sampling), and under sequence parallelism an sp group shares one sampler.
 
 Checkpoints (:meth:`RolloutPrefetcher.state_dict`, saved with the run) hold the rollouts sampled
 but not yet trained on (their problems, batches and versions; jobs still running are waited for
@@ -35,8 +37,10 @@ from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
 from microrl.remote.trainer.hf_pool import make_async_rollout
 from microrl.remote.trainer.hf_worker import POLICY_VERSION_KEY, AsyncRollout, Job
+from microrl.remote.trainer.sp_group import SPGroupSampler
 from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 from microrl.run.dist import Dist
+from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
 from microrl.run.sampling import score_rollout
 from microrl.tasks import Problem, Task, is_episode_task
 
@@ -57,13 +61,18 @@ ROLLOUT_BUFFER_KEY = "rollout_buffer"
 CORRECTIONS = ("tis_cap", "token_ratio_band", "seq_ratio_band", "decoupled_is_cap")
 # The probe statistics of a push's check, reported once per push (docs/rollouts.md).
 _PROBE_METRICS = ("sync/probe_kl", "sync/probe_abs_diff_max", "sync/probe_abs_diff_mean")
+# Only the hf workers are shared by the processes of an sp group yet (docs/async.md).
+_VLLM_SP = (
+    "actor.sequence_parallel_size > 1 with rollout.max_staleness > 0 needs rollout.backend=hf "
+    "(one hf worker per sequence-parallel group; vLLM servers are not shared by a group yet)"
+)
 
 
 @dataclass
 class _Ahead:
-    """A step's rollout sampled (or being sampled) ahead."""
+    """A round of prompts sampled (or being sampled) ahead: a step's rollout, or with dynamic
+    sampling one of the rounds the steps filter in order."""
 
-    step: int
     problems: list[Problem]
     version: int
     job: Job | None = None
@@ -83,8 +92,11 @@ class RolloutPrefetcher:
         prompts_per_step: prompts per step (this rank's share).
         max_staleness: ``k >= 1``.
         last_step: the run's last step: nothing is sampled past it.
-        limits: the episode limits of a multi-turn task.
+        limits: the rollout config: a multi-turn task's episode limits, and
+            ``dynamic_sampling`` (steps filter rounds with :meth:`take_groups`, whose
+            ``max_sampling_rounds`` caps the rounds of a step).
         state: a :meth:`state_dict` from a checkpoint (the rollouts it holds are trained first).
+        pad_token_id: the tokenizer's, which pads merged rounds (dynamic sampling).
     """
 
     def __init__(
@@ -99,6 +111,7 @@ class RolloutPrefetcher:
         last_step: int,
         limits: RolloutConfig | None = None,
         state: dict[str, Any] | None = None,
+        pad_token_id: int | None = None,
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 1:
             raise ValueError(f"max_staleness must be an int >= 1, got {max_staleness!r}")
@@ -111,9 +124,15 @@ class RolloutPrefetcher:
         self.last_step = last_step
         self.limits = limits or RolloutConfig()
         self.episodes = is_episode_task(task)
+        self.dynamic = self.limits.dynamic_sampling
+        if self.dynamic and pad_token_id is None:
+            raise ValueError("rollout.dynamic_sampling needs the tokenizer's pad_token_id")
+        self.pad_token_id = pad_token_id
         self.start = sampler.version
+        # The rounds sampled ahead, in prompt-stream order, and the next step to train: round
+        # i is trained at step _next_take + i at the latest (each step takes one or more).
         self._ahead: deque[_Ahead] = deque()
-        self._next_step = self.start + 1
+        self._next_take = self.start + 1
         self._reported = self.start - 1  # the newest version whose sync check was reported
         self._checks: dict[int, dict[str, float]] = {}  # checks a checkpoint carried over
         if state is not None:
@@ -122,39 +141,95 @@ class RolloutPrefetcher:
 
     # ----------------------------------------------------------------- the schedule
     def fill(self) -> None:
-        """Submit the jobs of every step up to ``version + 1 + max_staleness`` (and
-        ``last_step``), drawing their prompts now, in step order."""
+        """Submit rounds until one is sampled ahead for every step up to
+        ``version + 1 + max_staleness`` (and ``last_step``), drawing their prompts now, in
+        order. Without dynamic sampling round ``i`` is step ``next + i``'s rollout; with it the
+        rounds a step takes are refilled here, so every round is trained on within
+        ``max_staleness`` versions (a step takes at least one)."""
         horizon = min(self.last_step, self.sampler.version + 1 + self.max_staleness)
-        while self._next_step <= horizon:
-            problems = self.task.sample(self.rng, self.prompts_per_step)
-            if self.episodes:
-                job = self.sampler.submit_episodes(
-                    problems,
-                    self.params,
-                    max_turns=self.limits.max_turns,
-                    max_tokens=self.limits.max_episode_tokens,
-                    skip_env_errors=self.limits.skip_env_errors,
-                )
-            else:
-                job = self.sampler.submit([p.prompt for p in problems], self.params)
-            self._ahead.append(_Ahead(self._next_step, problems, job.version, job=job))
-            self._next_step += 1
+        while self._next_take + len(self._ahead) <= horizon:
+            self._ahead.append(self._submit())
+
+    def _submit(self) -> _Ahead:
+        """A round of ``prompts_per_step`` prompts from the stream, submitted now."""
+        problems = self.task.sample(self.rng, self.prompts_per_step)
+        if self.episodes:
+            job = self.sampler.submit_episodes(
+                problems,
+                self.params,
+                max_turns=self.limits.max_turns,
+                max_tokens=self.limits.max_episode_tokens,
+                skip_env_errors=self.limits.skip_env_errors,
+            )
+        else:
+            job = self.sampler.submit([p.prompt for p in problems], self.params)
+        return _Ahead(problems, job.version, job=job)
 
     def sync(self, engine) -> None:
         """After step ``u``'s updates: push the weights (version ``u``) when a step still to be
-        sampled needs them, and submit the step that becomes allowed. Collective under
+        sampled needs them (with dynamic sampling: any step still to train, whose extra rounds
+        sample the newest weights), and submit the rounds that become allowed. Collective under
         ``torchrun``."""
-        if self._next_step <= self.last_step:
+        needed = self._next_take if self.dynamic else self._next_take + len(self._ahead)
+        if needed <= self.last_step:
             self.sampler.sync(engine)
             self.fill()
         self.sampler.poll()  # a failed check of an earlier push surfaces now
 
     def take(self, step: int) -> tuple[list[Problem], Rollout, torch.Tensor]:
         """Step ``step``'s problems, rollout (with ``policy_version`` per row) and rewards."""
-        if not self._ahead or self._ahead[0].step != step:
-            have = [a.step for a in self._ahead]
-            raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps {have})")
+        self._check_step(step)
+        if not self._ahead:
+            raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps [])")
         ahead = self._ahead.popleft()
+        self._next_take += 1
+        rollout = self._checked(step, ahead)
+        return ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
+
+    def take_groups(
+        self,
+        step: int,
+        dist_info: Dist,
+        *,
+        shaping: Callable[[Rollout], torch.Tensor] | None = None,
+    ) -> DynamicSample:
+        """Step ``step``'s groups under dynamic sampling: the rounds sampled ahead, in order,
+        filtered by :class:`~microrl.run.dynamic_sampling.GroupFilter` (``shaping``: as
+        :func:`~microrl.run.dynamic_sampling.dynamic_sample`'s) until enough groups have a
+        reward spread or ``rollout.max_sampling_rounds`` rounds ran; a round the step needs
+        beyond those sampled ahead is sampled now, with the newest weights. Metrics: the
+        synchronous run's ``dynamic_sampling/*`` and ``dynamic_sampling/rounds_waited``, the
+        rounds sampled now (the trainer waited for them). Collective under ``torchrun``."""
+        self._check_step(step)
+        groups = GroupFilter(
+            self.prompts_per_step,
+            dist_info,
+            max_rounds=self.limits.max_sampling_rounds,
+            shaping=shaping,
+        )
+        waited, more = 0, True
+        while more:
+            if not self._ahead:  # every round sampled ahead is taken: one more, now
+                self._ahead.append(self._submit())
+                waited += 1
+            ahead = self._ahead.popleft()
+            rollout = self._checked(step, ahead)
+            more = groups.add(
+                ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
+            )
+        self._next_take += 1
+        result = groups.result(pad_token_id=self.pad_token_id)
+        result.metrics["dynamic_sampling/rounds_waited"] = float(waited)
+        return result
+
+    def _check_step(self, step: int) -> None:
+        if step != self._next_take:
+            have = list(range(self._next_take, self._next_take + len(self._ahead)))
+            raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps {have})")
+
+    def _checked(self, step: int, ahead: _Ahead) -> Rollout:
+        """``ahead``'s rollout, once its staleness at ``step`` is checked (never beyond
+        ``max_staleness``: a rollout past it is never trained on)."""
         rollout = self._collect(ahead)
         staleness = (step - 1) - rollout.batch[POLICY_VERSION_KEY]
         worst = int(staleness.max()) if len(staleness) else 0
@@ -164,7 +239,7 @@ class RolloutPrefetcher:
                 f"{int(rollout.batch[POLICY_VERSION_KEY].min())} is {worst} versions stale, "
                 f"beyond rollout.max_staleness={self.max_staleness}: refusing to train on it"
             )
-        return ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
+        return rollout
 
     def _collect(self, ahead: _Ahead) -> Rollout:
         if ahead.rollout is None:
@@ -203,11 +278,11 @@ class RolloutPrefetcher:
         """The rollouts sampled ahead (waiting for running jobs first), for the run checkpoint:
         tensors, strings and numbers only (``torch.load(weights_only=True)``)."""
         items = []
-        for ahead in self._ahead:
+        for i, ahead in enumerate(self._ahead):
             rollout = self._collect(ahead)
             items.append(
                 {
-                    "step": ahead.step,
+                    "step": self._next_take + i,  # the step that trains it, at the latest
                     "version": ahead.version,
                     "problems": [_problem_to_json(p) for p in ahead.problems],
                     "rollout": {
@@ -225,7 +300,7 @@ class RolloutPrefetcher:
         checks = {str(v): dict(stats[v]) for v in sorted(stats) if v > self._reported}
         return {
             "max_staleness": self.max_staleness,
-            "next_step": self._next_step,
+            "next_step": self._next_take + len(self._ahead),
             "items": items,
             "sync_checks": checks,
             "reported": self._reported,
@@ -263,8 +338,7 @@ class RolloutPrefetcher:
                 metrics=dict(saved["metrics"]),
             )
             problems = [_problem_from_json(p) for p in item["problems"]]
-            self._ahead.append(_Ahead(item["step"], problems, item["version"], rollout=rollout))
-        self._next_step = max(int(state["next_step"]), self.start + 1 + len(items))
+            self._ahead.append(_Ahead(problems, item["version"], rollout=rollout))
         self._checks = {int(v): dict(s) for v, s in state.get("sync_checks", {}).items()}
         self._reported = int(state.get("reported", self.start - 1))
 
@@ -329,6 +403,8 @@ def start_prefetcher(
     step in the trainer process; ``log_dir``: where the local servers' logs are kept (None:
     temporary files, kept when a server fails)."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
+    if rollout.backend == "vllm" and getattr(engine, "sp_group", None) is not None:
+        raise ValueError(_VLLM_SP)
     if rollout.backend == "vllm":  # vLLM servers; environments step in this process
         urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
         sampler = VLLMServerRollout(
@@ -360,6 +436,7 @@ def start_prefetcher(
             last_step=last_step,
             limits=rollout,
             state=state,
+            pad_token_id=tokenizer.pad_token_id,
         )
     except BaseException:
         sampler.close()
@@ -367,8 +444,10 @@ def start_prefetcher(
 
 
 def _start_hf_workers(engine, tokenizer, rollout, task_name, env_maker, start_step, num_threads):
-    """``rollout.num_workers`` ``hf`` worker processes holding the weights of ``start_step``."""
-    try:
+    """``rollout.num_workers`` ``hf`` worker processes holding the weights of ``start_step``;
+    under sequence parallelism, one set per sp group (:class:`SPGroupSampler`)."""
+
+    def start():
         return make_async_rollout(
             engine,
             tokenizer,
@@ -378,6 +457,13 @@ def _start_hf_workers(engine, tokenizer, rollout, task_name, env_maker, start_st
             timeout_s=rollout.worker_timeout_s,
             sync_check_tol=rollout.sync_check_tol,
             num_threads=num_threads,
+        )
+
+    try:
+        if getattr(engine, "sp_group", None) is None:
+            return start()
+        return SPGroupSampler.start(
+            engine, tokenizer, start, version=start_step, num_workers=rollout.num_workers
         )
     except Exception as err:
         if env_maker is None:

@@ -6,6 +6,9 @@
   every step (at most 1, and 1 once under way) and ``sync/probe_*`` for every push, within the
   float32 tolerance; the recomputed old log-probs differ from the stale sampler's (the
   ``mismatch/*`` metrics show the lag), and the decoupled objective reports its weights.
+- With dynamic sampling (DAPO) the steps filter rounds sampled ahead: the synchronous run's
+  ``dynamic_sampling/*`` counts, consistent (every round's groups kept, dropped or surplus), plus
+  the rounds the trainer waited for, and nothing older than k.
 - A multi-turn task is played in the worker.
 - Under ``torchrun`` every rank has its own worker (2 gloo ranks, FSDP2-sharded weights
   gathered for each push).
@@ -75,6 +78,36 @@ def test_k0_is_the_synchronous_loop_and_k1_trains_the_same_prompts_ahead(
     # by the update (the synchronous run's only by float32 rounding).
     assert max(r["mismatch/abs_diff_max"] for r in _without_timings(default)[1:]) < 1e-4
     assert all(r["mismatch/abs_diff_max"] > 1e-4 for r in steps[1:])
+
+
+def test_dynamic_sampling_filters_the_rounds_sampled_ahead(
+    common, tmp_path: Path, monkeypatch
+) -> None:
+    # The length reward: groups whose responses have one length are equal (dropped or filled).
+    args = [*common, "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3"]
+    _, sync = _run([*args, f"output.dir={tmp_path / 'dyn_k0'}"], monkeypatch)
+    async_args = [*args, f"output.dir={tmp_path / 'dyn_k1'}", "rollout.max_staleness=1"]
+    trained, records = _run(async_args, monkeypatch)
+    prompts = 4  # rollout.prompts_per_step
+    for run in (sync[1:], records[1:]):
+        for r in run:  # each round's groups are kept (filled ones too), dropped or surplus
+            rounds = r["dynamic_sampling/rounds"]
+            assert 1 <= rounds <= 3
+            assert rounds * prompts == (
+                prompts
+                + r["dynamic_sampling/groups_dropped"]
+                + r["dynamic_sampling/groups_surplus"]
+            )
+            assert 0 <= r["dynamic_sampling/groups_filled"] <= prompts
+    keys = {k for r in sync[1:] for k in r if k.startswith("dynamic_sampling/")}
+    async_keys = {k for r in records[1:] for k in r if k.startswith("dynamic_sampling/")}
+    assert async_keys == keys | {"dynamic_sampling/rounds_waited"}
+    assert [len(step) for step in trained] == [prompts] * 4  # every step trains its groups
+    for r in records[1:]:
+        assert 0 <= r["dynamic_sampling/rounds_waited"] < r["dynamic_sampling/rounds"]
+        assert r["staleness/max"] <= 1
+    assert any(r["staleness/max"] == 1 for r in records[1:])  # rounds sampled a step ahead
+    assert any(r["dynamic_sampling/groups_dropped"] > 0 for r in records[1:])  # some filtered
 
 
 def test_a_multi_turn_task_is_played_in_the_worker(common, tmp_path: Path, monkeypatch) -> None:

@@ -6,6 +6,8 @@ mini-batch and splits its tokens: it must train like the single-process run (the
 rewards and, to float32 rounding, losses), write its outputs once, and refuse what it cannot do.
 ``examples/ppo_lora.py`` does the same with ``actor.`` and ``critic.sequence_parallel_size=2``
 (both engines split the tokens; the advantages are whitened over the data ranks only).
+With ``rollout.max_staleness=1`` one worker samples for the sp group and its rollouts reach both
+processes: the run trains like the single-process asynchronous run.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from example_utils import TINY_MODEL, TINY_RL, load_example
+from example_utils import LENGTH_REWARD, TINY_MODEL, TINY_RL, load_example
 
 from microrl.configs.engine import ActorConfig, CriticConfig, LoraConfig
 from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
@@ -84,6 +86,30 @@ def test_ppo_under_sequence_parallelism_trains_like_one_process(base: Path, tmp_
         assert (sp / "checkpoint" / f"loop_state_rank{process}.pt").is_file()
 
 
+def test_async_grpo_under_sequence_parallelism_trains_like_one_process(
+    base: Path, tmp_path: Path
+) -> None:
+    """The group's first process's worker samples; the engine checks that both processes pass
+    the same mini-batches. The same seeds and base weights sample the same rollouts as one
+    process's worker: the same rewards and staleness, the losses to float32 rounding."""
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)  # rewards differ: the loss moves
+    reward = f"task.rewards=[{tmp_path / 'length_reward.py'}:length]"
+    args = [*TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base}", reward, "rollout.max_staleness=1"]
+    one = tmp_path / "one"
+    assert load_example("grpo_lora").main([*args, f"output.dir={one}"]) == 0
+    sp = tmp_path / "sp"
+    result = _torchrun("grpo_lora", [*args, f"output.dir={sp}", "actor.sequence_parallel_size=2"])
+    assert result.stdout.count("held-out greedy accuracy:") == 1
+    ref, got = read_metrics(one / "metrics.jsonl"), read_metrics(sp / "metrics.jsonl")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    assert got[0]["eval/accuracy"] == ref[0]["eval/accuracy"]
+    for step in (1, 2):  # both sampled with the base weights (k = 1), by one worker each
+        assert got[step]["reward"] == ref[step]["reward"]
+        assert got[step]["staleness/max"] == ref[step]["staleness/max"] == step - 1
+    assert got[1]["loss"] != 0 and got[1]["loss"] == pytest.approx(ref[1]["loss"], abs=1e-5)
+    assert got[1]["sync/probe_abs_diff_mean"] < 1e-4  # the push gathered from both processes
+
+
 def test_sequence_parallel_data_ranks_and_refusals() -> None:
     view = Dist(rank=3, world_size=4).for_sequence_parallel(2)
     assert (view.rank, view.world_size, view.replicas, view.process) == (1, 2, 2, 3)
@@ -91,10 +117,10 @@ def test_sequence_parallel_data_ranks_and_refusals() -> None:
     assert Dist().for_sequence_parallel(1) == Dist()
     with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size=2 must divide"):
         Dist(rank=0, world_size=3).for_sequence_parallel(2)
-    with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size"):
+    with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size .*backend=vllm"):
         GRPOExampleConfig(
             actor=ActorConfig(sequence_parallel_size=2, lora=LoraConfig(rank=8)),
-            rollout=RolloutConfig(max_staleness=1),
+            rollout=RolloutConfig(max_staleness=1, backend="vllm"),
         )
     # PPO: one sp layout for both engines (an sp group is one data rank of both)
     lora = LoraConfig(rank=8)

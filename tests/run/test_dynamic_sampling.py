@@ -3,7 +3,9 @@
 The task says which prompts' groups get a reward spread; the sampler answers every prompt the
 same way each time, so a step's kept groups can be sampled again directly and compared. The
 2-rank test launches this file on gloo ranks (``distributed_utils.launch``): every rank runs the
-same number of rounds, whichever needs them.
+same number of rounds, whichever needs them. With ``rollout.max_staleness=k`` the prefetcher
+filters rounds sampled ahead (microrl/run/prefetcher.py): the same rounds keep the same groups
+as the synchronous filter, no round is older than k, and every round drawn is counted.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 
+from microrl.configs.run import RolloutConfig
 from microrl.engine.rollout import RolloutBackend, Samples, SamplingParams
 from microrl.losses import grpo_advantages
-from microrl.run import Dist, dynamic_sample
+from microrl.remote.trainer.hf_worker import POLICY_VERSION_KEY, Job
+from microrl.run import Dist, RolloutPrefetcher, dynamic_sample
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import Problem
 
@@ -180,6 +184,114 @@ def test_a_round_can_be_any_sampling_call() -> None:
     assert seen == [1, 1] and _prompt_numbers(result) == [1]
     with pytest.raises(ValueError, match=r"rollout\.max_sampling_rounds"):
         dynamic_sample(task, sampler, PARAMS, random.Random(0), 1, Dist(), max_rounds=0)
+
+
+# ============================================================================ sampled ahead
+
+
+class ScriptedWorker:
+    """The asynchronous job interface over :class:`ScriptedSampler`: a job samples at the version
+    pushed last before it (``policy_version``)."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.sampler, self.version, self.sync_stats = ScriptedSampler(), version, {}
+        self.jobs: dict[int, tuple[int, list[str]]] = {}
+
+    def submit(self, prompts, params) -> Job:
+        job = Job(len(self.jobs) + 1000 * self.version, self.version, "generate")
+        self.jobs[job.id] = (self.version, list(prompts))
+        return job
+
+    def collect(self, job: Job):
+        version, prompts = self.jobs.pop(job.id)
+        rollout = self.sampler.generate(prompts, PARAMS)
+        rollout.batch[POLICY_VERSION_KEY] = torch.full((len(rollout.texts),), version)
+        return rollout
+
+    def sync(self, engine) -> None:
+        self.version += 1
+
+    def poll(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# Which prompts have a reward spread, for rounds of two prompts and at most 3 rounds a step.
+STEPS_SPREAD = [
+    *[True, True],  # step 1 keeps its first round
+    *[False, False, True, False, False, True],  # step 2 needs 3 rounds
+    *[False] * 6,  # step 3 finds no spread: its last round tops up
+    *[True, True],  # step 4: one round
+    *[False, True, True, True],  # step 5: two, with a surplus group
+]
+
+
+def _sampled_ahead(k: int, steps: int, *, start: int = 0, state=None, stop_after=None):
+    """The recipe's loop over the prefetcher with dynamic sampling: take the groups, (train),
+    sync. The step results, the task (its prompt stream) and, when stopped, the checkpoint."""
+    task = ScriptedTask(STEPS_SPREAD)
+    task.drawn = 0 if state is None else state["drawn"]
+    prefetch = RolloutPrefetcher(
+        ScriptedWorker(start),
+        task,
+        PARAMS,
+        random.Random(0),
+        2,
+        max_staleness=k,
+        last_step=steps,
+        limits=RolloutConfig(dynamic_sampling=True, max_sampling_rounds=3),
+        state=state and state["ahead"],
+        pad_token_id=ScriptedSampler().tokenizer.pad_token_id,
+    )
+    results = {}
+    for step in range(start + 1, steps + 1):
+        results[step] = prefetch.take_groups(step, Dist())
+        prefetch.sync(engine=None)
+        if step == stop_after:
+            return results, task, {"ahead": prefetch.state_dict(), "drawn": task.drawn}
+    return results, task, None
+
+
+@pytest.mark.parametrize(("k", "waited"), [(1, [0, 1, 1, 0, 1]), (2, [0, 0, 0, 0, 1])])
+def test_rounds_sampled_ahead_keep_what_the_synchronous_filter_keeps(k, waited) -> None:
+    steps = 5
+    ahead, task, _ = _sampled_ahead(k, steps)
+    sync_task, sync_sampler = ScriptedTask(STEPS_SPREAD), ScriptedSampler()
+    for step in range(1, steps + 1):
+        expected = dynamic_sample(
+            sync_task, sync_sampler, PARAMS, random.Random(0), 2, Dist(), max_rounds=3
+        )
+        got = ahead[step]
+        assert _prompt_numbers(got) == _prompt_numbers(expected), step
+        for key in expected.rollout.batch.keys():  # noqa: SIM118 (a TensorDict iterates rows)
+            assert torch.equal(got.rollout.batch[key], expected.rollout.batch[key]), key
+        assert got.rollout.texts == expected.rollout.texts
+        assert torch.equal(got.scores, expected.scores)
+        metrics = dict(got.metrics)
+        assert metrics.pop("dynamic_sampling/rounds_waited") == waited[step - 1]
+        assert metrics == expected.metrics
+        # Nothing older than k is trained: the trainer is at version step - 1.
+        versions = got.rollout.batch[POLICY_VERSION_KEY]
+        assert 0 <= (step - 1) - int(versions.min()) <= k
+    assert [ahead[s].metrics["dynamic_sampling/rounds"] for s in ahead] == [1, 3, 3, 1, 2]
+    assert ahead[3].metrics["dynamic_sampling/groups_filled"] == 2.0  # the cap's top-up
+    assert ahead[5].metrics["dynamic_sampling/groups_surplus"] == 1.0
+    # Every round drawn was filtered by a step: none sampled ahead was left over.
+    assert task.drawn == sync_task.drawn == len(STEPS_SPREAD)
+
+
+def test_a_restored_prefetcher_filters_the_rounds_it_held() -> None:
+    full, _, _ = _sampled_ahead(2, 5)
+    first, _, state = _sampled_ahead(2, 5, stop_after=3)
+    # After step 3 (k = 2): the rounds of steps 4 and 5, at the latest, are held.
+    assert [item["step"] for item in state["ahead"]["items"]] == [4, 5]
+    second, task, _ = _sampled_ahead(2, 5, start=3, state=state)
+    for step, result in {**first, **second}.items():
+        assert _prompt_numbers(result) == _prompt_numbers(full[step])
+        assert result.metrics == full[step].metrics
+    assert task.drawn == len(STEPS_SPREAD)
 
 
 # ============================================================================ data parallel

@@ -213,11 +213,6 @@ def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(capl
         (GRPOExampleConfig, ["rollout.num_workers=0"], "rollout.num_workers must be an int >= 1"),
         (
             GRPOExampleConfig,
-            ["rollout.max_staleness=1", "rollout.dynamic_sampling=true"],
-            "rollout.dynamic_sampling must be false with rollout.max_staleness=1",
-        ),
-        (
-            GRPOExampleConfig,
             ["rollout.max_staleness=2", "actor.policy_loss.bypass_mode=true"],
             "bypass_mode must be false with rollout.max_staleness=2",
         ),
@@ -231,10 +226,12 @@ def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(capl
             PPOExampleConfig,
             [
                 "rollout.max_staleness=1",
+                "rollout.backend=vllm",
                 "actor.sequence_parallel_size=2",
                 "critic.sequence_parallel_size=2",
             ],
-            "actor.sequence_parallel_size must be 1 with rollout.max_staleness=1",
+            "actor.sequence_parallel_size must be 1 with rollout.max_staleness=1 and "
+            "rollout.backend=vllm",
         ),
         (GRPOExampleConfig, ["rollout.sync_check_tol=0"], "rollout.sync_check_tol must be > 0"),
         (GRPOExampleConfig, ["rollout.worker_timeout_s=0"], "rollout.worker_timeout_s must be"),
@@ -251,3 +248,9 @@ def test_defaults_are_the_synchronous_loop() -> None:
     assert load_config(PPOExampleConfig).rollout.max_staleness == 0
     ppo = load_config(PPOExampleConfig, None, ["rollout.max_staleness=2"])  # both recipes take k
     assert ppo.rollout.max_staleness == 2
+    # ... with dynamic sampling (GRPO) and, on hf workers, sequence parallelism
+    both = ["rollout.max_staleness=1", "rollout.dynamic_sampling=true"]
+    assert load_config(GRPOExampleConfig, None, both).rollout.dynamic_sampling
+    sp = ["actor.sequence_parallel_size=2", "critic.sequence_parallel_size=2"]
+    ppo = load_config(PPOExampleConfig, None, ["rollout.max_staleness=1", *sp])
+    assert ppo.actor.sequence_parallel_size == 2

@@ -6,6 +6,7 @@ How it works, in full: docs/async.md#the-hf-worker-versions-and-checks.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import itertools
 import logging
@@ -28,6 +29,7 @@ from microrl.engine import setup
 from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
+from microrl.engine.parallel.ulysses_attention import base_implementation
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
@@ -221,7 +223,7 @@ class AsyncRollout(RolloutBackend):
         device = engine.device  # the compute device (parameters may be offloaded to the host)
         spec = WorkerSpec(
             name=self.name,
-            model_config=base.config,
+            model_config=unwrapped_attention(base.config),
             lora=engine.config.lora,
             tokenizer=tokenizer,
             temperature=float(engine.config.temperature),
@@ -537,6 +539,19 @@ def sync_check_error(
         f"over the probe's tokens; tolerance {tol:g}, rollout.sync_check_tol; at most "
         f"{stats['sync/probe_abs_diff_max']:.3g}, k3 KL {stats['sync/probe_kl']:.3g}); {detail}"
     )
+
+
+def unwrapped_attention(config):
+    """A copy of the model ``config`` whose attention is the plain one the engine's wrappers
+    (sequence parallelism's Ulysses, packing's varlen) run: the worker's model samples whole,
+    unpacked rows in its own process, where those wrappers are not registered."""
+    config = copy.deepcopy(config)
+    name = getattr(config, "_attn_implementation", None)
+    while (plain := base_implementation(name)) != name:
+        name = plain
+    if name is not None:
+        config._attn_implementation = name
+    return config
 
 
 def draw_seed(params: SamplingParams) -> int:

@@ -1,0 +1,186 @@
+"""One asynchronous sampler per sequence-parallel group (docs/async.md#sequence-parallelism).
+
+The processes of an sp group are one data rank: they train on the same rollout. The group's
+first process owns the sampler (its ``hf`` worker processes); every rollout it collects is
+broadcast to the others over the engine's sp group, so the group trains on one sample, not on
+copies that would have to agree bit for bit. A push gathers FSDP2 shards from every process and
+scores the probe with the engine (collectives over ``dp x sp``): the other processes take part
+in those collectives without a sampler of their own (:func:`join_hf_push`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from microrl.engine.checkpoint.export import locate_base_model
+from microrl.engine.parallel import distributed
+from microrl.engine.rollout.base import Rollout, SamplingParams
+from microrl.engine.rollout.full_weights import FullWeights
+from microrl.remote.trainer.hf_worker import Job, WorkerError, build_probe, draw_seed
+
+__all__ = ["SPGroupSampler", "join_hf_push"]
+
+# The probe's rows are as long as the model allows, up to this (AsyncRollout's probe).
+_PROBE_POSITIONS = 16
+
+
+class SPGroupSampler:
+    """The asynchronous sampler of a sequence-parallel group, on each of its processes.
+
+    Build it with :meth:`start` on every process of the group. On the group's first process it
+    drives ``sampler`` (``submit``, ``collect``, ``sync``, ``poll``, ``close``); on the others
+    ``submit`` draws the job's seed as the sampler does (torch's generator stays in step across
+    the group), ``collect`` receives the first process's rollout, and ``sync`` joins the push's
+    collectives (``join_push``). Every method is called on every process in the same order, as
+    the recipes' prefetcher does.
+    """
+
+    def __init__(
+        self,
+        sampler: Any | None,
+        group: dist.ProcessGroup,
+        *,
+        version: int,
+        join_push: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.sampler, self.group, self.join_push = sampler, group, join_push
+        self.leader = dist.get_global_rank(group, 0)
+        self.is_leader = dist.get_rank(group) == 0
+        if self.is_leader != (sampler is not None) or self.is_leader == (join_push is not None):
+            raise ValueError(
+                "the sp group's first process holds the sampler, every other one a join_push"
+            )
+        self._version = int(version)
+        self._sync_stats: dict[int, dict[str, float]] = {}
+        self._jobs = itertools.count()
+
+    @classmethod
+    def start(
+        cls,
+        engine: Any,
+        tokenizer: Any,
+        make_sampler: Callable[[], Any],
+        *,
+        version: int,
+        num_workers: int,
+    ) -> SPGroupSampler:
+        """``make_sampler()`` (``num_workers`` ``hf`` workers holding ``engine``'s weights as
+        ``version``) on the first process of ``engine.sp_group``; the others join the first
+        push of each worker. Collective over every process."""
+        group = engine.sp_group
+        if dist.get_rank(group) == 0:
+            return cls(make_sampler(), group, version=version)
+        join = _HFPushJoiner(engine, tokenizer)
+        for _ in range(num_workers):  # each worker's start pushes everything, then checks it
+            join(engine, first=True)
+        return cls(None, group, version=version, join_push=join)
+
+    # ----------------------------------------------------------------- state
+    @property
+    def version(self) -> int:
+        """The policy version jobs submitted now sample (the group's first process's)."""
+        return self.sampler.version if self.is_leader else self._version
+
+    @property
+    def sync_stats(self) -> dict[int, dict[str, float]]:
+        """The checks of the pushes, by version: the sampler's on the group's first process,
+        those it sent with the last rollout on the others."""
+        return self.sampler.sync_stats if self.is_leader else self._sync_stats
+
+    # ----------------------------------------------------------------- weights
+    def sync(self, engine) -> None:
+        """Push ``engine``'s weights as the next version. Collective over every process."""
+        if self.is_leader:
+            self.sampler.sync(engine)
+        else:
+            self.join_push(engine)
+            self._version += 1
+
+    def poll(self) -> None:
+        """The sampler's :meth:`poll` on the group's first process (a failed check stops it,
+        and the launcher the group)."""
+        if self.is_leader:
+            self.sampler.poll()
+
+    # ----------------------------------------------------------------- jobs
+    def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
+        """Queue sampling ``params.num_samples`` responses per prompt (the same prompts on every
+        process of the group)."""
+        if self.is_leader:
+            return self.sampler.submit(prompts, params)
+        return self._mirror("generate", params)
+
+    def submit_episodes(self, problems: Sequence[Any], params: SamplingParams, **limits: Any):
+        """Queue the multi-turn episodes of ``problems`` (played by the first process's
+        sampler)."""
+        if self.is_leader:
+            return self.sampler.submit_episodes(problems, params, **limits)
+        return self._mirror("episodes", params)
+
+    def _mirror(self, kind: str, params: SamplingParams) -> Job:
+        draw_seed(params)  # the seed the first process's sampler drew from the same generator
+        return Job(next(self._jobs), self._version, kind)
+
+    def collect(self, job: Job) -> Rollout:
+        """The rollout of ``job``: collected by the group's first process and broadcast to the
+        others (with the checks of the pushes so far). Collective over the group."""
+        if self.is_leader:
+            try:
+                message = ("rollout", self.sampler.collect(job), dict(self.sampler.sync_stats))
+            except Exception as err:
+                self._broadcast(("error", f"{type(err).__name__}: {err}", None))
+                raise
+            return self._broadcast(message)[1]
+        kind, payload, stats = self._broadcast(None)
+        if kind == "error":
+            raise WorkerError(
+                f"the sampler of this sequence-parallel group (on process {self.leader}) "
+                f"failed: {payload}"
+            )
+        self._sync_stats = stats
+        return payload
+
+    def _broadcast(self, message: Any) -> Any:
+        box = [message]
+        device = distributed.collective_device("cpu", self.group)
+        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=device)
+        return box[0]
+
+    def close(self) -> None:
+        """Stop the sampler (on the group's first process); idempotent."""
+        if self.is_leader:
+            self.sampler.close()
+
+    def __enter__(self) -> SPGroupSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HFPushJoiner:
+    """:func:`join_hf_push` with the probe built once."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.prefix, base = locate_base_model(engine.module)
+        positions = getattr(base.config, "max_position_embeddings", _PROBE_POSITIONS)
+        self.probe = build_probe(engine.vocab_size, positions, tokenizer)
+
+    def __call__(self, engine: Any, *, first: bool = False) -> None:
+        join_hf_push(engine, self.prefix, self.probe, first=first)
+
+
+def join_hf_push(engine: Any, prefix: str, probe: Any, *, first: bool = False) -> None:
+    """Take part in the collectives of an ``hf`` worker's push (``AsyncRollout`` and
+    ``AsyncRolloutPool``) from a process that sends nothing: gather every tensor (``first``:
+    a worker's start), then the trainable ones, one at a time and dropped, then score ``probe``
+    with the engine (under sequence parallelism the group splits its tokens)."""
+    passes = (False, True) if first else (True,)
+    for trainable_only in passes:
+        for _ in FullWeights(engine.module, prefix, trainable_only=trainable_only):
+            pass
+    engine.infer_batch(probe)
