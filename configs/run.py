@@ -264,7 +264,7 @@ class RolloutConfig:
     dynamic_sampling: bool = config_field(
         False,
         "GRPO: sample fresh prompts until prompts_per_step groups have rewards that differ "
-        "(DAPO; docs/recipes.md#dapos-knobs)",
+        "(DAPO; docs/recipes.md#dapos-knobs; with max_staleness > 0, rounds sampled ahead)",
     )
     max_sampling_rounds: int = config_field(
         4,
@@ -289,8 +289,9 @@ class RolloutConfig:
     )
     num_workers: int = config_field(
         1,
-        "max_staleness > 0: generation processes per trainer process (hf: worker processes; "
-        "vllm: local vllm serve processes), each sampling its share of a step's prompts",
+        "max_staleness > 0: generation processes per trainer process, or per sequence-parallel "
+        "group (hf: worker processes; vllm: local vllm serve processes), each sampling its "
+        "share of a step's prompts",
     )
     server_url: str = config_field(
         "",
