@@ -36,7 +36,9 @@ class SPGroupSampler:
     ``submit`` draws the job's seed as the sampler does (torch's generator stays in step across
     the group), ``collect`` receives the first process's rollout, and ``sync`` joins the push's
     collectives (``join_push``). Every method is called on every process in the same order, as
-    the recipes' prefetcher does.
+    the recipes' prefetcher does. Every sampler draws one seed per job (``draw_seed``); a
+    sampler that drew otherwise would leave the group's generators apart, which the engine's
+    same-batch check of the sp group reports.
     """
 
     def __init__(
@@ -178,7 +180,11 @@ def join_hf_push(engine: Any, prefix: str, probe: Any, *, first: bool = False) -
     """Take part in the collectives of an ``hf`` worker's push (``AsyncRollout`` and
     ``AsyncRolloutPool``) from a process that sends nothing: gather every tensor (``first``:
     a worker's start), then the trainable ones, one at a time and dropped, then score ``probe``
-    with the engine (under sequence parallelism the group splits its tokens)."""
+    with the engine (under sequence parallelism the group splits its tokens).
+
+    It mirrors ``AsyncRollout.wait_started`` (``first``) and ``AsyncRollout.sync`` /
+    ``AsyncRolloutPool.sync``, in their order: a change there must change this too (the group's
+    collectives would not pair; tests/examples/test_examples_sequence_parallel.py runs both)."""
     passes = (False, True) if first else (True,)
     for trainable_only in passes:
         for _ in FullWeights(engine.module, prefix, trainable_only=trainable_only):
