@@ -27,8 +27,22 @@ from microrl.engine.checkpoint.export import (
 )
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    Samples,
+    SamplingParams,
+    check_tokenizer,
+    encode_prompts,
+)
 from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.sync_check import (
+    default_sync_check_tol,
+    engine_probe,
+    probe_stats,
+    sync_check_error,
+    sync_check_fails,
+)
 from microrl.engine.rollout.vllm_args import (
     CPU_OWNED,
     OWNED,
@@ -36,17 +50,8 @@ from microrl.engine.rollout.vllm_args import (
     resolve_dtype,
     user_engine_args,
 )
-from microrl.remote.trainer.hf_worker import (
-    POLICY_VERSION_KEY,
-    Job,
-    WorkerError,
-    build_probe,
-    default_sync_check_tol,
-    draw_seed,
-    probe_stats,
-    sync_check_error,
-    sync_check_fails,
-)
+from microrl.remote.trainer.hf_worker import draw_seed
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job, WorkerError
 from microrl.remote.trainer.vllm_http import ServerClient
 from microrl.remote.trainer.vllm_placement import (
     cuda_visible_devices,
@@ -70,7 +75,7 @@ POLICY_VERSION_LAST_KEY = "policy_version_last"
 _REQUESTS_PER_SERVER = 64
 
 
-class VLLMServerRollout(RolloutBackend):
+class VLLMServerRollout:
     """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
 
     Args:
@@ -110,7 +115,9 @@ class VLLMServerRollout(RolloutBackend):
         workdir: str | None = None,
         log_dir: str | None = None,
     ) -> None:
-        super().__init__(tokenizer)
+        self.tokenizer = check_tokenizer(tokenizer)
+        #: The layout, episodes and decoding of every backend, sampling through these servers.
+        self.backend = _ServerBackend(self)
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
         if not isinstance(num_workers, int) or num_workers < 1:
@@ -133,9 +140,7 @@ class VLLMServerRollout(RolloutBackend):
         self.job_seconds: list[float] = []
         self.sync_seconds: list[float] = []
         self._prefix, base = locate_base_model(engine.module)
-        self.probe = build_probe(
-            engine.vocab_size, getattr(base.config, "max_position_embeddings", 16), tokenizer
-        )
+        self.probe = engine_probe(engine, tokenizer)
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or _shared_tempdir())
         self._jobs = itertools.count()
@@ -455,10 +460,8 @@ class VLLMServerRollout(RolloutBackend):
 
     def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
         """Queue sampling ``params.num_samples`` responses per prompt; returns the :class:`Job`."""
-        prompt_ids = self._encode(prompts)
-        return self._submit(
-            lambda: RolloutBackend.generate(self, prompt_ids, params), "generate", params
-        )
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        return self._submit(lambda: self.backend.generate(prompt_ids, params), "generate", params)
 
     def submit_episodes(
         self,
@@ -476,8 +479,8 @@ class VLLMServerRollout(RolloutBackend):
             raise ValueError("submit_episodes needs the env_maker given to VLLMServerRollout")
         problems = list(problems)
         limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
-        run = lambda: RolloutBackend.run_episodes(  # noqa: E731
-            self, [p.prompt for p in problems], lambda i: maker(problems[i]), params, **limits
+        run = lambda: self.backend.run_episodes(  # noqa: E731
+            [p.prompt for p in problems], lambda i: maker(problems[i]), params, **limits
         )
         return self._submit(run, "episodes", params)
 
@@ -514,12 +517,12 @@ class VLLMServerRollout(RolloutBackend):
         """Sample now, at the latest version (submit + collect)."""
         return self.collect(self.submit(prompts, params))
 
-    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+    def sample_in_job(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        """The servers' samples of ``prompt_ids`` for the job running on this thread (the
+        backend's ``_sample``: every call of a job, an episode's turns included)."""
         job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
-        if job is None:  # outside a job (run_episodes on the main thread): one of its own
-            return self.collect(
-                self._submit(lambda: self._sample(prompt_ids, params), "sample", params)
-            )
+        if job is None:
+            raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
         copies = params.num_samples if params.greedy else 1  # vLLM refuses n > 1 when greedy
         requests = [(ids, c) for ids in prompt_ids for c in range(copies)]
         self._context.seed = seed + len(requests)  # the next call of an episode: fresh seeds
@@ -563,6 +566,17 @@ class VLLMServerRollout(RolloutBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise WorkerError("the vLLM server rollout is closed")
+
+
+class _ServerBackend(RolloutBackend):
+    """A rollout backend whose samples come from a :class:`VLLMServerRollout`'s servers."""
+
+    def __init__(self, owner: VLLMServerRollout) -> None:
+        super().__init__(owner.tokenizer)
+        self.owner = owner
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self.owner.sample_in_job(prompt_ids, params)
 
 
 def _untempered_logprobs(engine, batch) -> torch.Tensor:

@@ -21,7 +21,7 @@ from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import SamplingParams
-from microrl.remote.trainer.hf_worker import SyncCheckError
+from microrl.engine.rollout.sync_check import SyncCheckError
 from microrl.remote.trainer.vllm_http import ServerAuthError, ServerClient, ServerError
 
 # vLLM's CPU kernels and the engine's float32 head round differently: |Δ| <= ~1e-6 measured on
@@ -200,7 +200,7 @@ def test_the_servers_check_bounds_the_mean_difference_not_one_tokens(monkeypatch
     behind fails, naming the server and the statistic."""
     from concurrent.futures import Future
 
-    from microrl.remote.trainer.hf_worker import LOW_PRECISION_SYNC_CHECK_TOL, build_probe
+    from microrl.engine.rollout.sync_check import LOW_PRECISION_SYNC_CHECK_TOL, build_probe
     from microrl.remote.trainer.vllm_servers import VLLMServerRollout
     from microrl.run.toy_model import build_tokenizer
 
