@@ -23,7 +23,10 @@ __all__ = [
     "build_probe",
     "default_sync_check_tol",
     "engine_probe",
+    "engine_probe_logprobs",
+    "probe_rows",
     "probe_stats",
+    "rows_to_probe_layout",
     "sync_check_error",
     "sync_check_fails",
 ]
@@ -82,6 +85,30 @@ def engine_probe(engine, tokenizer) -> TensorDict:
     base = locate_base_model(engine.module)[1]
     max_positions = getattr(base.config, "max_position_embeddings", _PROBE_LEN)
     return build_probe(engine.vocab_size, max_positions, tokenizer)
+
+
+def engine_probe_logprobs(engine, probe: TensorDict) -> torch.Tensor:
+    """The engine's log-probs of ``probe`` at temperature 1 (what vLLM's prompt log-probs are),
+    ``[B, T]`` float32 on the CPU; the temperature travels in the batch (docs/batch.md)."""
+    batch = probe.clone()
+    batch["temperature"] = torch.ones(batch.batch_size[0], dtype=torch.float32)
+    return engine.infer_batch(batch)["logprobs"].float().cpu()
+
+
+def probe_rows(probe: TensorDict) -> list[list[int]]:
+    """The probe's rows without their padding: what a sampler scores."""
+    ids, mask = probe["input_ids"], probe["attention_mask"].bool()
+    return [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+
+
+def rows_to_probe_layout(probe: TensorDict, row_logprobs: list[list[float]]) -> torch.Tensor:
+    """A sampler's log-probs of each row's tokens after its first (:func:`probe_rows` order)
+    placed in the probe's ``[B, T]`` layout, 0 off ``loss_mask``, as the engine returns them."""
+    mask = probe["attention_mask"].bool().cpu()
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for b, values in enumerate(row_logprobs):
+        out[b, mask[b].nonzero().squeeze(1)[1:]] = torch.tensor(values, dtype=torch.float32)
+    return torch.where(probe["loss_mask"].cpu(), out, 0.0)
 
 
 def sync_check_error(

@@ -47,6 +47,16 @@ from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
 from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.sync_check import (
+    default_sync_check_tol,
+    engine_probe,
+    engine_probe_logprobs,
+    probe_rows,
+    probe_stats,
+    rows_to_probe_layout,
+    sync_check_error,
+    sync_check_fails,
+)
 from microrl.engine.rollout.vllm_args import (
     CPU_OWNED,
     IN_PROCESS_OWNED,
@@ -149,9 +159,17 @@ class VLLMRollout(RolloutBackend):
     """
 
     def __init__(
-        self, engine, tokenizer, config: VLLMConfig | None = None, *, workdir: str | None = None
+        self,
+        engine,
+        tokenizer,
+        config: VLLMConfig | None = None,
+        *,
+        workdir: str | None = None,
+        sync_check_tol: float | None = None,
     ) -> None:
         super().__init__(tokenizer)
+        if sync_check_tol is not None and not sync_check_tol > 0:
+            raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         config = config or VLLMConfig()
         if not isinstance(config, VLLMConfig):
             raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
@@ -180,6 +198,10 @@ class VLLMRollout(RolloutBackend):
         # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
         self._asleep = self._weights_asleep = self._weights_lost = False
         self._sampling = 0  # nested sampling calls (an episode's turns): sleep after the outer
+        #: The probe every sync is checked with, its tolerance, and each check's statistics.
+        self.probe = engine_probe(engine, tokenizer)
+        self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
+        self.sync_stats: dict[int, dict[str, float]] = {}
         base_dir = self.workdir / "base"
         export_merged_model(engine.module, base_dir, merge_lora=False)
         self.llm = self._start(vllm, base_dir)
@@ -263,6 +285,22 @@ class VLLMRollout(RolloutBackend):
             self._sync_adapter(engine)
         else:
             self._sync_full(engine)
+        self._check_sync(engine)
+
+    def _check_sync(self, engine) -> None:
+        """Score the probe with the weights just loaded against the engine's own log-probs:
+        :class:`~microrl.engine.rollout.sync_check.SyncCheckError` when the push did not land."""
+        expected = engine_probe_logprobs(engine, self.probe)
+        scored = [row[1:] for row in self.score(probe_rows(self.probe))]  # row[0]: no prediction
+        actual = rows_to_probe_layout(self.probe, scored)
+        stats = probe_stats(expected, actual, self.probe["loss_mask"].cpu())
+        self.sync_stats[self._version] = stats
+        if sync_check_fails(stats, self.sync_check_tol):
+            pushed = "the LoRA adapter" if self.is_lora else "the full weights"
+            target = "the in-process vLLM engine"
+            raise sync_check_error(
+                self._version, target, stats, self.sync_check_tol, f"pushed: {pushed}"
+            )
 
     def _sync_adapter(self, engine) -> None:
         from vllm.lora.request import LoRARequest

@@ -75,7 +75,11 @@ def start_sampling(
     ahead = resumed_rollouts(restored, k)  # a checkpoint's, if any
     if not k:
         sampler = make_rollout_backend(
-            cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm
+            cfg.rollout.backend,
+            engine,
+            tokenizer,
+            vllm=cfg.rollout.vllm,
+            sync_check_tol=cfg.rollout.sync_check_tol,
         )
         return sampler, None
     prefetch = start_prefetcher(

@@ -39,7 +39,10 @@ from microrl.engine.rollout.full_weights import FullWeights
 from microrl.engine.rollout.sync_check import (
     default_sync_check_tol,
     engine_probe,
+    engine_probe_logprobs,
+    probe_rows,
     probe_stats,
+    rows_to_probe_layout,
     sync_check_error,
     sync_check_fails,
 )
@@ -317,7 +320,7 @@ class VLLMServerRollout:
 
     def _submit_sync(self, engine, *, first: bool = False) -> Future:
         version = self.version
-        expected = _untempered_logprobs(engine, self.probe)
+        expected = engine_probe_logprobs(engine, self.probe)
         if self.is_lora:
             # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
             # this rank's previous load is done, the collective export below means every rank's
@@ -410,14 +413,12 @@ class VLLMServerRollout:
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
         """The server's log-probs of the probe rows, ``[B, T]`` like the engine's (0 off
         ``loss_mask``), at temperature 1: vLLM's prompt log-probs are the model's raw ones."""
-        ids, mask = self.probe["input_ids"], self.probe["attention_mask"].bool()
-        out = torch.zeros(ids.shape, dtype=torch.float32)
         adapter = self._adapter(version) if self.is_lora else None
-        for b in range(ids.shape[0]):
-            row = ids[b][mask[b]].tolist()
-            values = prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(row, adapter)), row)
-            out[b, mask[b].nonzero().squeeze(1)[1:]] = torch.tensor(values)
-        return torch.where(self.probe["loss_mask"], out, 0.0)
+        rows = probe_rows(self.probe)
+        scored = [
+            prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(r, adapter)), r) for r in rows
+        ]
+        return rows_to_probe_layout(self.probe, scored)
 
     # ----------------------------------------------------------------- jobs
     def _submit(self, run: Callable[[], Any], kind: str, params: SamplingParams) -> Job:
@@ -577,17 +578,6 @@ class _ServerBackend(RolloutBackend):
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         return self.owner.sample_in_job(prompt_ids, params)
-
-
-def _untempered_logprobs(engine, batch) -> torch.Tensor:
-    """The engine's log-probs of ``batch`` at temperature 1 (what vLLM's prompt log-probs are),
-    ``[B, T]`` float32 on the CPU."""
-    temperature = engine.config.temperature
-    engine.config.temperature = 1.0
-    try:
-        return engine.infer_batch(batch)["logprobs"].float().cpu()
-    finally:
-        engine.config.temperature = temperature
 
 
 def _shared_tempdir() -> str:
