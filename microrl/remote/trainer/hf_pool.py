@@ -29,7 +29,7 @@ from microrl.remote.trainer.hf_worker import (
     gather_weights,
     warn_if_oversubscribed,
 )
-from microrl.remote.trainer.protocol import Job, WorkerError
+from microrl.remote.trainer.protocol import AsyncSamplerBase, Job, WorkerError
 
 __all__ = [
     "AsyncRolloutPool",
@@ -95,7 +95,7 @@ class PoolJob(Job):
     skip_env_errors: bool = False
 
 
-class AsyncRolloutPool:
+class AsyncRolloutPool(AsyncSamplerBase):
     """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together
     (see the module docstring).
 
@@ -129,7 +129,7 @@ class AsyncRolloutPool:
         #: How errors name the pool.
         self.name = f"the {count} rollout workers{rank}" if name is None else f"{name} 1-{count}"
         self.version = int(version)
-        self._has_env_maker = env_maker is not None
+        self.env_maker = env_maker
         self._jobs = itertools.count()
         self._closed = False
         #: Per collected job (in collect order): the wall seconds of its slowest part (the
@@ -198,12 +198,6 @@ class AsyncRolloutPool:
         for worker in self.workers:
             worker.close()
 
-    def __enter__(self) -> AsyncRolloutPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
         """Push the engine's current weights to every worker as the next version
@@ -237,31 +231,16 @@ class AsyncRolloutPool:
             prompt_ids, params, lambda worker, chunk, p, seed: worker.submit(chunk, p, seed=seed)
         )
 
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-    ) -> PoolJob:
-        """Queue the multi-turn episodes of ``problems``, split over the workers (as
-        :meth:`AsyncRollout.submit_episodes`). With ``skip_env_errors`` a part whose every
-        episode failed is dropped like its rows (``episodes/env_errors`` counts them)."""
+    def _submit_episodes(self, problems, params, limits, seed) -> PoolJob:
+        """Split over the workers (as :meth:`AsyncRollout.submit_episodes`); with
+        ``skip_env_errors`` a part whose every episode failed is dropped like its rows
+        (``episodes/env_errors`` counts them). ``seed``: unused, a pool draws part seeds."""
         self._check_open()
-        if not self._has_env_maker:
-            raise ValueError("submit_episodes needs the env_maker given to AsyncRolloutPool")
-        _check_params(params)
-        problems = list(problems)
-        if not problems:
-            raise ValueError("problems must be a non-empty list")
-        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
 
         def submit(worker: AsyncRollout, chunk: list, part_params: SamplingParams, seed: int):
             return worker.submit_episodes(chunk, part_params, **limits, seed=seed)
 
-        return self._split(problems, params, submit, "episodes", skip_env_errors)
+        return self._split(problems, params, submit, "episodes", limits["skip_env_errors"])
 
     def _split(
         self, items: list, params: SamplingParams, submit, kind="generate", skip_env_errors=False
@@ -331,10 +310,6 @@ class AsyncRolloutPool:
         # whose every row was dropped keeps its gap, as from one worker).
         group_ids = torch.cat([rollout.group_ids + part.start for part, rollout, _ in results])
         return dataclasses.replace(merged, group_ids=group_ids, metrics=metrics)
-
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        """Sample now, at the latest pushed version (submit + collect)."""
-        return self.collect(self.submit(prompts, params))
 
     # ----------------------------------------------------------------- helpers
     def _check_open(self) -> None:

@@ -37,7 +37,7 @@ from microrl.engine.rollout.sync_check import (
     sync_check_error,
     sync_check_fails,
 )
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job, WorkerError
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.worker.main import (
     WorkerSpec,
     checksums_differ,
@@ -53,7 +53,7 @@ __all__ = ["AsyncRollout"]
 logger = logging.getLogger(__name__)
 
 
-class AsyncRollout:
+class AsyncRollout(AsyncSamplerBase):
     """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
 
     Args:
@@ -124,7 +124,7 @@ class AsyncRollout:
         self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
         self._closed = False
         self.process = None
-        self._has_env_maker = env_maker is not None
+        self.env_maker = env_maker
         env_bytes = None
         if env_maker is not None:
             try:
@@ -230,12 +230,6 @@ class AsyncRollout:
             with contextlib.suppress(Exception):
                 self._commands.put(("close",))
 
-    def __enter__(self) -> AsyncRollout:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ----------------------------------------------------------------- weights
     def _gather(self, engine, *, trainable_only: bool) -> dict[str, torch.Tensor]:
         return gather_weights(engine.module, self.prefix, trainable_only=trainable_only)
@@ -316,22 +310,10 @@ class AsyncRollout:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         return self._submit("generate", (prompt_ids, params), params, seed)
 
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-        seed: int | None = None,
-    ) -> Job:
-        """Queue the multi-turn episodes of ``problems`` (``HFRollout.run_episodes`` in the
-        worker, each row's environment ``env_maker(problem)``, built there)."""
-        if not self._has_env_maker:
-            raise ValueError("submit_episodes needs the env_maker given to AsyncRollout")
-        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
-        return self._submit("episodes", (list(problems), params, limits), params, seed)
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """The episodes run in the worker (``HFRollout.run_episodes``), each row's environment
+        built there by ``env_maker``."""
+        return self._submit("episodes", (problems, params, limits), params, seed)
 
     def collect(self, job: Job) -> Rollout:
         """The rollout of ``job`` (waiting for it); its batch carries ``policy_version``."""
@@ -371,10 +353,6 @@ class AsyncRollout:
             except queue.Empty:
                 return
             self._handle(message)
-
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        """Sample now, at the latest pushed version (submit + collect)."""
-        return self.collect(self.submit(prompts, params))
 
     # ----------------------------------------------------------------- messages
     def _wait_for(self, kind: str, what: str) -> None:

@@ -7,13 +7,13 @@ each job's policy version is known when it is submitted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from microrl.engine.rollout.base import Rollout, SamplingParams
 
-__all__ = ["POLICY_VERSION_KEY", "AsyncSampler", "Job", "WorkerError"]
+__all__ = ["POLICY_VERSION_KEY", "AsyncSampler", "AsyncSamplerBase", "Job", "WorkerError"]
 
 #: The per-row ``[B]`` int64 batch key holding the policy version a row was sampled with.
 POLICY_VERSION_KEY = "policy_version"
@@ -77,3 +77,58 @@ class AsyncSampler(Protocol):
     def close(self) -> None:
         """Stop the sampler's processes; idempotent."""
         ...
+
+
+class AsyncSamplerBase:
+    """What every :class:`AsyncSampler` shares: the checks of an episode job's arguments,
+    :meth:`generate` and the context manager. A sampler implements :meth:`submit`,
+    :meth:`_submit_episodes`, :meth:`collect`, :meth:`poll`, :meth:`sync` and :meth:`close`."""
+
+    #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it.
+    env_maker: Callable[[Any], Any] | None = None
+
+    def submit_episodes(
+        self,
+        problems: Sequence[Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+        seed: int | None = None,
+    ) -> Job:
+        """Queue the multi-turn episodes of ``problems`` (each row's environment
+        ``env_maker(problem)``); ``seed``: the job's seed (None: drawn from ``params``)."""
+        if self.env_maker is None:
+            raise ValueError(f"submit_episodes needs the env_maker given to {type(self).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        problems = list(problems)
+        if not problems:
+            raise ValueError("problems must be a non-empty list")
+        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
+        return self._submit_episodes(problems, params, limits, seed)
+
+    def _submit_episodes(
+        self, problems: list, params: SamplingParams, limits: dict[str, Any], seed: int | None
+    ) -> Job:
+        raise NotImplementedError
+
+    def collect(self, job: Job) -> Rollout:
+        raise NotImplementedError
+
+    def submit(self, prompts: Sequence[Any], params: SamplingParams) -> Job:
+        raise NotImplementedError
+
+    def generate(self, prompts: Sequence[Any], params: SamplingParams) -> Rollout:
+        """Sample now, at the latest pushed version (:meth:`submit`, then :meth:`collect`)."""
+        return self.collect(self.submit(prompts, params))
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

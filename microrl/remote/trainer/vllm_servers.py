@@ -54,7 +54,7 @@ from microrl.engine.rollout.vllm_args import (
     user_engine_args,
 )
 from microrl.remote.trainer.hf_worker import draw_seed
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job, WorkerError
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.trainer.vllm_http import ServerClient
 from microrl.remote.trainer.vllm_placement import (
     cuda_visible_devices,
@@ -78,7 +78,7 @@ POLICY_VERSION_LAST_KEY = "policy_version_last"
 _REQUESTS_PER_SERVER = 64
 
 
-class VLLMServerRollout:
+class VLLMServerRollout(AsyncSamplerBase):
     """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
 
     Args:
@@ -300,12 +300,6 @@ class VLLMServerRollout:
         if self._own_workdir and distributed.rank() == 0:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> VLLMServerRollout:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
         """Load the engine's current weights as the next version (``version + 1``); jobs
@@ -421,11 +415,14 @@ class VLLMServerRollout:
         return rows_to_probe_layout(self.probe, scored)
 
     # ----------------------------------------------------------------- jobs
-    def _submit(self, run: Callable[[], Any], kind: str, params: SamplingParams) -> Job:
+    def _submit(
+        self, run: Callable[[], Any], kind: str, params: SamplingParams, seed: int | None = None
+    ) -> Job:
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
+        if seed is None:  # torch's generator here: a resumed run draws the same
+            seed = draw_seed(params)
         job = Job(next(self._jobs), self.version, kind)
         waits_for = self._syncs.get(job.version)
         future = self._job_thread.submit(self._run_job, job, seed, waits_for, run)
@@ -464,26 +461,13 @@ class VLLMServerRollout:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         return self._submit(lambda: self.backend.generate(prompt_ids, params), "generate", params)
 
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-    ) -> Job:
-        """Queue the multi-turn episodes of ``problems`` (environments ``env_maker(problem)``,
-        stepped in this process while the servers sample)."""
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """The episodes' environments step in this process while the servers sample."""
         maker = self.env_maker
-        if maker is None:
-            raise ValueError("submit_episodes needs the env_maker given to VLLMServerRollout")
-        problems = list(problems)
-        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
         run = lambda: self.backend.run_episodes(  # noqa: E731
             [p.prompt for p in problems], lambda i: maker(problems[i]), params, **limits
         )
-        return self._submit(run, "episodes", params)
+        return self._submit(run, "episodes", params, seed)
 
     def collect(self, job: Job) -> Rollout:
         """The rollout of ``job`` (waiting for it, at most ``timeout_s`` while no server has
@@ -513,10 +497,6 @@ class VLLMServerRollout:
                 future.result()
                 if version < self.version:
                     del self._syncs[version]
-
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        """Sample now, at the latest version (submit + collect)."""
-        return self.collect(self.submit(prompts, params))
 
     def sample_in_job(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         """The servers' samples of ``prompt_ids`` for the job running on this thread (the
