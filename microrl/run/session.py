@@ -24,6 +24,7 @@ from microrl.engine.rollout import (
     SamplingParams,
     make_rollout_backend,
 )
+from microrl.engine.rollout.episodes import EpisodeError
 from microrl.run.async_rollouts import (
     RolloutPrefetcher,
     resumed_rollouts,
@@ -34,7 +35,7 @@ from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
 from microrl.run.dist import Dist
 from microrl.run.sampling import sample_and_score
 from microrl.run.tracking import Tracker
-from microrl.tasks import Problem, Task
+from microrl.tasks import Problem, RewardError, Task
 
 __all__ = [
     "evaluate_accuracy",
@@ -132,7 +133,10 @@ def start_tracking(
     cfg: Any, dist_info: Dist, start_step: int, evaluate: Callable[[], float], t_setup: float
 ) -> tuple[Tracker, float]:
     """Open the tracker and its experiment trackers (rank 0 writes), save the config, and
-    measure the starting accuracy."""
+    measure the starting accuracy.
+
+    An environment's or a reward's error in that evaluation keeps its type and names it
+    (``evaluation at step 0: ...``): it runs before the step loop, which names the steps after."""
     config_text = config_to_yaml(cfg)
     tracker = Tracker(
         cfg.output.dir,
@@ -150,7 +154,10 @@ def start_tracking(
     )
     if dist_info.is_main:
         (tracker.out_dir / "config.yaml").write_text(config_text)
-    accuracy = evaluate()
+    try:
+        accuracy = evaluate()
+    except (EpisodeError, RewardError) as err:
+        raise type(err)(f"evaluation at step {start_step}: {err}") from err
     tracker.write(
         f"held-out greedy accuracy at step {start_step}: {accuracy:.3f} "
         f"(setup {time.perf_counter() - t_setup:.0f}s)"
