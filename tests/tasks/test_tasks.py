@@ -208,7 +208,7 @@ def test_every_bad_dataset_input_names_its_key(tmp_path, monkeypatch, change, ke
     ],
 )
 def test_config_errors_name_the_key(override: str, key: str) -> None:
-    with pytest.raises(ValueError, match=rf"invalid config key '{key}'"):
+    with pytest.raises(ValueError, match=rf"bad value for config key '{key}'"):
         load_config(GRPOExampleConfig, None, [override])
     with pytest.raises(ValueError, match=r"'task\.rewards'"):
         load_config(GRPOExampleConfig, None, ["task.name=dataset", "task.train_file=a.jsonl"])
