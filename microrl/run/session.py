@@ -168,12 +168,32 @@ def start_tracking(
 
 
 def sample_rows(
-    rollout: Rollout, problems: Sequence[Problem], scores: Sequence[float]
+    rollout: Rollout,
+    problems: Sequence[Problem],
+    scores: Sequence[float],
+    tokenizer: Any = None,
 ) -> Iterator[dict[str, Any]]:
     """The rows of ``rollout`` in the order :meth:`Tracker.log_samples` shows them: the first
     response of each prompt, prompts in sampling order, then the second of each, and so on; a
     row is ``{"group", "reward", "prompt", "response"}`` (``group``: the prompt's index in
-    ``problems``, this rank's). Lazy: nothing is computed on a step that logs no samples."""
+    ``problems``, this rank's). Lazy: nothing is computed on a step that logs no samples.
+
+    ``prompt`` is what the model saw: a single-turn row's problem prompt; a multi-turn row's
+    first input as the environment's ``init`` gave it and the chat template rendered it (decoded
+    by ``tokenizer``, needed then, with its special tokens, as the trajectory in ``response``).
+    """
+    episodes = rollout.num_turns is not None
+    if episodes and tokenizer is None:
+        raise ValueError(
+            "sample_rows of a multi-turn rollout needs the tokenizer: the prompt shown is the "
+            "environment's first input as the model saw it (sample_rows(..., tokenizer))"
+        )
+    return _sample_rows(rollout, problems, scores, tokenizer if episodes else None)
+
+
+def _sample_rows(
+    rollout: Rollout, problems: Sequence[Problem], scores: Sequence[float], tokenizer: Any
+) -> Iterator[dict[str, Any]]:
     group_ids = rollout.group_ids.tolist()
     nth, seen = [], {}  # nth[i]: row i is its prompt's nth response
     for group in group_ids:
@@ -181,12 +201,27 @@ def sample_rows(
         seen[group] = nth[-1] + 1
     for i in sorted(range(len(group_ids)), key=lambda i: (nth[i], group_ids[i])):
         group = group_ids[i]
+        prompt = (
+            problems[group].prompt if tokenizer is None else _seen_prompt(rollout, i, tokenizer)
+        )
         yield {
             "group": group,
             "reward": float(scores[i]),
-            "prompt": problems[group].prompt,
+            "prompt": prompt,
             "response": rollout.texts[i],
         }
+
+
+def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:
+    """Row ``row``'s prompt tokens decoded with their special tokens: the attended columns before
+    the first response column (the rollout layout, ``[left-padded prompt | response]``)."""
+    batch = rollout.batch
+    response_cols = batch["loss_mask"].bool().any(dim=0).nonzero()
+    width = batch["input_ids"].shape[1]
+    boundary = int(response_cols[0]) if response_cols.numel() else width
+    attended = batch["attention_mask"][row, :boundary].bool()
+    ids = batch["input_ids"][row, :boundary][attended]
+    return tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
 
 def finish(
