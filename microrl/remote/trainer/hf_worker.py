@@ -52,7 +52,13 @@ from microrl.engine import setup
 from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    Samples,
+    SamplingParams,
+    draw_seed,
+)
 from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
 from microrl.engine.rollout.layout import build_rollout
@@ -561,12 +567,6 @@ def sync_check_error(
         f"over the probe's tokens; tolerance {tol:g}, rollout.sync_check_tol; at most "
         f"{stats['sync/probe_abs_diff_max']:.3g}, k3 KL {stats['sync/probe_kl']:.3g}); {detail}"
     )
-
-
-def draw_seed(params: SamplingParams) -> int:
-    """A job's seed: ``params.seed``, else drawn from torch's default generator (so a run that
-    checkpoints torch's RNG state draws the same seeds when resumed)."""
-    return params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
 
 
 def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
