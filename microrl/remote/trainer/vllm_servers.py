@@ -598,13 +598,11 @@ class VLLMServerRollout(RolloutBackend):
 
 def _untempered_logprobs(engine, batch) -> torch.Tensor:
     """The engine's log-probs of ``batch`` at temperature 1 (what vLLM's prompt log-probs are),
-    ``[B, T]`` float32 on the CPU."""
-    temperature = engine.config.temperature
-    engine.config.temperature = 1.0
-    try:
-        return engine.infer_batch(batch)["logprobs"].float().cpu()
-    finally:
-        engine.config.temperature = temperature
+    ``[B, T]`` float32 on the CPU. Temperature 1 travels in the batch (a per-row ``temperature``,
+    docs/batch.md), so the engine's config is never changed under its other readers."""
+    untempered = batch.clone(recurse=False)
+    untempered["temperature"] = torch.ones(batch.batch_size[0], dtype=torch.float32)
+    return engine.infer_batch(untempered)["logprobs"].float().cpu()
 
 
 def _on_gpu(device: torch.device):
