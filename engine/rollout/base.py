@@ -21,13 +21,18 @@ from microrl.engine.rollout.episodes import episode_batch, play_episodes
 from microrl.engine.rollout.layout import Samples, build_rollout
 
 __all__ = [
+    "SEED_RANGE",
     "Rollout",
     "RolloutBackend",
     "Samples",
     "SamplingParams",
     "check_tokenizer",
+    "draw_seed",
     "encode_prompts",
 ]
+
+#: Sampling seeds are in ``[0, SEED_RANGE)``: vLLM's int32 range.
+SEED_RANGE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,14 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1: off), got {self.top_p!r}")
+
+
+def draw_seed(params: SamplingParams) -> int:
+    """A sampling call's seed: ``params.seed``, else drawn from torch's default generator, so a
+    run that checkpoints torch's RNG state (``microrl.run.save_run``) draws the same seeds when
+    resumed. Every sampler that seeds its calls (the ``vllm`` backend, the ``hf`` worker, its
+    pool, the vLLM servers) draws here."""
+    return params.seed if params.seed is not None else int(torch.randint(SEED_RANGE, ()))
 
 
 @dataclass

