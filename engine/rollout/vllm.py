@@ -51,12 +51,6 @@ from microrl.engine.rollout.layout import Samples
 from microrl.engine.rollout.sync_check import (
     default_sync_check_tol,
     engine_probe,
-    engine_probe_logprobs,
-    probe_rows,
-    probe_stats,
-    rows_to_probe_layout,
-    sync_check_error,
-    sync_check_fails,
 )
 from microrl.engine.rollout.vllm_options import (
     CPU_OWNED,
@@ -68,8 +62,15 @@ from microrl.engine.rollout.vllm_options import (
     placement,
     user_engine_args,
 )
+from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 
-__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
+__all__ = [
+    "INSTALL_HINT",
+    "LoRARequestSync",
+    "ReloadWeightsSync",
+    "VLLMRollout",
+    "set_vllm_log_level",
+]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
@@ -188,7 +189,6 @@ class VLLMRollout(RolloutBackend):
         self.dtype = vllm_options.resolve_dtype(config.dtype, engine, base)
         self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, "microrl-vllm-")
         self._version = 0
-        self._lora_request = None
         # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
         self._asleep = self._weights_asleep = self._weights_lost = False
         self._sampling = 0  # nested sampling calls (an episode's turns): sleep after the outer
@@ -199,7 +199,14 @@ class VLLMRollout(RolloutBackend):
         base_dir = self.workdir / "base"
         export_merged_model(engine.module, base_dir, merge_lora=False)
         self.llm = self._start(vllm, base_dir)
+        #: How each sync reaches vLLM: an adapter as a ``LoRARequest``, or ``reload_weights``.
+        self.weight_sync = LoRARequestSync(self) if self.is_lora else ReloadWeightsSync(self)
         self.sync(engine)
+
+    @property
+    def _lora_request(self):
+        """The adapter vLLM serves (LoRA engines), None for full fine-tunes."""
+        return self.weight_sync.request if self.is_lora else None
 
     def _engine_args(self, vllm, base_dir: Path) -> dict:
         """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``
@@ -272,51 +279,18 @@ class VLLMRollout(RolloutBackend):
         engine = engine or self.engine
         self._version += 1
         self._wake_weights()
-        if self.is_lora:
-            self._sync_adapter(engine)
-        else:
-            self._sync_full(engine)
+        self.weight_sync.push(engine, self._version)
         self._check_sync(engine)
 
     def _check_sync(self, engine) -> None:
         """Score the probe with the weights just loaded against the engine's own log-probs:
         :class:`~microrl.engine.rollout.sync_check.SyncCheckError` when the push did not land."""
-        expected = engine_probe_logprobs(engine, self.probe)
-        scored = [row[1:] for row in self.score(probe_rows(self.probe))]  # row[0]: no prediction
-        actual = rows_to_probe_layout(self.probe, scored)
-        stats = probe_stats(expected, actual, self.probe["loss_mask"].cpu())
-        self.sync_stats[self._version] = stats
-        if sync_check_fails(stats, self.sync_check_tol):
-            pushed = "the LoRA adapter" if self.is_lora else "the full weights"
-            target = "the in-process vLLM engine"
-            raise sync_check_error(
-                self._version, target, stats, self.sync_check_tol, f"pushed: {pushed}"
-            )
-
-    def _sync_adapter(self, engine) -> None:
-        from vllm.lora.request import LoRARequest
-
-        if self._weights_lost:  # sleep level 2 discarded the base: it is read back from disk
-            self._reload_base()
-        path = self.workdir / f"adapter-{self._version}"
-        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
-        previous = self._lora_request
-        request = LoRARequest(f"microrl-{self._version}", self._version, str(path))
-        self.llm.llm_engine.add_lora(request)
-        self._lora_request = request
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
-        distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
-        if previous is not None and distributed.rank() == 0:
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
-
-    def _sync_full(self, engine) -> None:
-        prefix, _ = locate_base_model(engine.module)
-        # One full tensor at a time, in vLLM's dtype (never the whole model on the GPU).
-        weights = FullWeights(engine.module, prefix, dtype=getattr(torch, self.dtype))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self._weights_lost = False
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        verifier = ProbeVerifier.of(self)
+        expected = verifier.expected(engine)
+        scored = [row[1:] for row in self.score(verifier.rows())]  # row[0]: no prediction
+        detail = f"pushed: {pushed_weights(self.is_lora)}"
+        target = "the in-process vLLM engine"
+        verifier.verify(self._version, target, expected, verifier.layout(scored), detail)
 
     def _reload_base(self) -> None:
         """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
@@ -349,7 +323,7 @@ class VLLMRollout(RolloutBackend):
             if self.is_lora:
                 self._reload_base()
             else:  # collective under torchrun, as sampling is: every rank samples its share
-                self._sync_full(self.engine)
+                self.weight_sync.push(self.engine, self._version)
         self.llm.wake_up(tags=["kv_cache"])
         self._asleep = False
 
@@ -434,6 +408,49 @@ class VLLMRollout(RolloutBackend):
                 llm.llm_engine.engine_core.shutdown()
             del llm
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
+
+
+class LoRARequestSync(WeightSync):
+    """Path 2: the adapter exported in PEFT's format into a new directory and served as a new
+    ``LoRARequest`` (ids never repeat: vLLM never serves a cached, stale adapter)."""
+
+    def __init__(self, rollout: VLLMRollout) -> None:
+        self.rollout = rollout
+        #: The ``LoRARequest`` of the adapter vLLM serves now.
+        self.request = None
+
+    def push(self, engine, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        rollout = self.rollout
+        if rollout._weights_lost:  # sleep level 2 discarded the base: it is read back from disk
+            rollout._reload_base()
+        path = rollout.workdir / f"adapter-{version}"
+        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        previous = self.request
+        self.request = LoRARequest(f"microrl-{version}", version, str(path))
+        rollout.llm.llm_engine.add_lora(self.request)
+        if previous is not None:
+            rollout.llm.llm_engine.remove_lora(previous.lora_int_id)
+        distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
+        if previous is not None and distributed.rank() == 0:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+
+class ReloadWeightsSync(WeightSync):
+    """Path 3: the full weights streamed into the running engine in place (vLLM's
+    ``reload_weights``): one full tensor at a time in vLLM's dtype, never a second copy."""
+
+    def __init__(self, rollout: VLLMRollout) -> None:
+        self.rollout = rollout
+
+    def push(self, engine, version: int) -> None:
+        rollout = self.rollout
+        prefix, _ = locate_base_model(engine.module)
+        weights = FullWeights(engine.module, prefix, dtype=getattr(torch, rollout.dtype))
+        rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        rollout._weights_lost = False
+        rollout.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from microrl.engine.rollout.merge import merge_rollouts
 from microrl.engine.rollout.sync_check import SyncCheckError
 from microrl.remote.trainer.hf_worker import (
     AsyncRollout,
-    gather_weights,
+    GlooBroadcast,
     warn_if_oversubscribed,
 )
 from microrl.remote.trainer.protocol import AsyncSamplerBase, Job, WorkerError
@@ -139,6 +139,8 @@ class AsyncRolloutPool(AsyncSamplerBase):
         warn_if_oversubscribed(self.name, [num_threads] * count)
         #: The workers, in the order of the chunks they sample.
         self.workers: list[AsyncRollout] = []
+        #: How each sync reaches the workers: gathered once, broadcast to each.
+        self.weight_sync = GlooBroadcast(self.workers)
         try:
             for index in range(count):  # spawned together: each builds its model meanwhile
                 self.workers.append(
@@ -204,13 +206,9 @@ class AsyncRolloutPool(AsyncSamplerBase):
         (``version + 1``): gathered once, checked by each worker (see :meth:`AsyncRollout.sync`).
         Returns at once. Collective under ``torchrun``."""
         self._check_open()
-        engine = engine or self.engine
-        first = self.workers[0]
-        state = gather_weights(engine.module, first.prefix, trainable_only=True)
-        expected = first.expected_of(engine, state)  # the same probe in every worker
-        self.version += 1
-        for worker in self.workers:
-            worker.push_next(engine, state, expected)
+        version = self.version + 1
+        self.weight_sync.push(engine or self.engine, version)
+        self.version = version
 
     def poll(self) -> None:
         """Handle what every worker has sent so far (checks of finished syncs; errors)."""

@@ -39,10 +39,8 @@ from microrl.engine.rollout.hf import engine_autocast_dtype
 from microrl.engine.rollout.sync_check import (
     default_sync_check_tol,
     engine_probe,
-    probe_stats,
-    sync_check_error,
-    sync_check_fails,
 )
+from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.worker.main import (
     WorkerSpec,
@@ -54,7 +52,7 @@ from microrl.remote.worker.main import (
     worker_main,
 )
 
-__all__ = ["AsyncRollout"]
+__all__ = ["AsyncRollout", "GlooBroadcast"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +140,8 @@ class AsyncRollout(AsyncSamplerBase):
                 ) from err
         if check_threads:
             warn_if_oversubscribed(self.name, [num_threads])
+        #: How each sync reaches the worker: over its gloo group.
+        self.weight_sync: WeightSync = GlooBroadcast([self])
         self._spawn(engine, base, tokenizer, env_bytes, num_threads)
         if wait:
             self.wait_started()
@@ -241,20 +241,21 @@ class AsyncRollout(AsyncSamplerBase):
         return gather_weights(engine.module, self.prefix, trainable_only=trainable_only)
 
     def sync(self, engine=None) -> None:
-        """Push the engine's current weights as the next version (``version + 1``); jobs
-        submitted from now on sample them. Returns at once: the worker loads them after the jobs
-        before; the check of this push runs when its answer arrives (:meth:`collect`,
-        :meth:`poll`). Collective under ``torchrun`` (the weights are gathered)."""
+        """Push the engine's current weights as the next version (``version + 1``) through
+        :attr:`weight_sync`; jobs submitted from now on sample them. Returns at once: the worker
+        loads them after the jobs before; the check of this push runs when its answer arrives
+        (:meth:`collect`, :meth:`poll`). Collective under ``torchrun`` (the weights are
+        gathered)."""
         self._check_open()
-        engine = engine or self.engine
-        self.push_next(engine, self._gather(engine, trainable_only=True))
+        self.weight_sync.push(engine or self.engine, self.version + 1)
 
-    def push_next(self, engine, state: dict[str, torch.Tensor], expected=None) -> None:
-        """Push ``state`` (the trainable tensors, gathered) as version ``version + 1``;
-        ``expected``: its :meth:`expected_of` when the caller computed it (a pool: once for
-        all its workers)."""
+    def push_version(
+        self, engine, state: dict[str, torch.Tensor], version: int, expected=None
+    ) -> None:
+        """Send ``state`` (the trainable tensors, gathered) as ``version``; ``expected``: its
+        :meth:`expected_of` when the caller computed it (a pool: once for all its workers)."""
         self._check_open()
-        self.version += 1
+        self.version = version
         self._push(engine, state, "trainable", expected)
 
     def expected_of(self, engine, state: dict[str, torch.Tensor]):
@@ -421,24 +422,38 @@ class AsyncRollout(AsyncSamplerBase):
 
     def _verify(self, version: int, probe: torch.Tensor, sums: dict) -> None:
         expected_probe, expected_sums = self._expected.pop(version)
-        stats = probe_stats(expected_probe, probe, self.probe["loss_mask"].cpu())
-        self.sync_stats[version] = stats
         differ = [n for n in expected_sums if checksums_differ(expected_sums[n], sums.get(n))]
-        if differ or sync_check_fails(stats, self.sync_check_tol):
-            tensors = (
-                "tensors that differ: "
-                + ", ".join(f"{tensor_family(n)} ({n})" for n in differ[:6])
-                + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
-                if differ
-                else "every tensor's checksum agrees: the forwards differ (dtype, kernels); "
-                "raise the tolerance if that is expected"
-            )
-            raise sync_check_error(version, self.name, stats, self.sync_check_tol, tensors)
+        tensors = (
+            "tensors that differ: "
+            + ", ".join(f"{tensor_family(n)} ({n})" for n in differ[:6])
+            + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+            if differ
+            else "every tensor's checksum agrees: the forwards differ (dtype, kernels); "
+            "raise the tolerance if that is expected"
+        )
+        verifier = ProbeVerifier.of(self)
+        verifier.verify(version, self.name, expected_probe, probe, tensors, failed=bool(differ))
 
     # ----------------------------------------------------------------- helpers
     def _check_open(self) -> None:
         if self._closed:
             raise WorkerError(f"{self.name} is closed")
+
+
+class GlooBroadcast(WeightSync):
+    """Path 1: the trainable tensors gathered once (:func:`gather_weights`) and broadcast over
+    each ``hf`` worker's gloo group; each worker answers with its probe log-probs and the
+    tensors' checksums, checked when the answer arrives (:meth:`AsyncRollout.poll`)."""
+
+    def __init__(self, workers: Sequence[AsyncRollout]) -> None:
+        self.workers = workers  # the pool's list, filled as its workers start
+
+    def push(self, engine, version: int) -> None:
+        first = self.workers[0]
+        state = gather_weights(engine.module, first.prefix, trainable_only=True)
+        expected = first.expected_of(engine, state)  # the same probe in every worker
+        for worker in self.workers:
+            worker.push_version(engine, state, version, expected)
 
 
 def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:

@@ -40,14 +40,9 @@ from microrl.engine.rollout.full_weights import FullWeights
 from microrl.engine.rollout.sync_check import (
     default_sync_check_tol,
     engine_probe,
-    engine_probe_logprobs,
-    probe_rows,
-    probe_stats,
-    rows_to_probe_layout,
-    sync_check_error,
-    sync_check_fails,
 )
 from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
+from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.trainer.vllm_http import ServerClient
 from microrl.remote.trainer.vllm_placement import (
@@ -64,7 +59,7 @@ from microrl.remote.trainer.vllm_requests import (
     prompt_logprobs,
 )
 
-__all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout"]
+__all__ = ["POLICY_VERSION_LAST_KEY", "HTTPAdapterSync", "TransferSync", "VLLMServerRollout"]
 
 #: The per-row ``[B]`` int64 batch key: the policy version of a row's last sampled token.
 POLICY_VERSION_LAST_KEY = "policy_version_last"
@@ -145,10 +140,9 @@ class VLLMServerRollout(AsyncSamplerBase):
         self._run_id = secrets.token_hex(4)
         self._futures: dict[int, tuple[Job, Future]] = {}
         self._syncs: dict[int, Future] = {}  # version -> its check (after its load)
-        self._loads: dict[int, Future] = {}  # version -> its load
-        self._loaded: list[int] = []  # adapter versions loaded on the servers
         self._context = threading.local()
-        self._servers, self._pushers = [], []
+        self._servers = []
+        self.weight_sync: WeightSync | None = None
         self._server_gpus: list[list[int]] | None = None  # cuda:N of each local server
         # The dtype full-weight pushes travel in: the local servers' (a bf16 server takes half
         # the bytes of fp32 master weights); None, the trainer's, for servers the user started.
@@ -162,9 +156,9 @@ class VLLMServerRollout(AsyncSamplerBase):
             self._requests = ThreadPoolExecutor(
                 _REQUESTS_PER_SERVER * len(self.clients), thread_name_prefix="microrl-vllm-req"
             )
-            if not self.is_lora:
-                self._start_weight_transfer()
-            self._submit_sync(engine, first=True).result()
+            #: How each sync reaches the servers: an adapter over HTTP, or full weights.
+            self.weight_sync = HTTPAdapterSync(self) if self.is_lora else TransferSync(self)
+            self._submit_sync(engine).result()
         except BaseException:
             self.close()
             raise
@@ -257,24 +251,6 @@ class VLLMServerRollout(AsyncSamplerBase):
                 future.result()  # the first failure, after every server is kept for close()
         return [server.client for server in self._servers]
 
-    def _start_weight_transfer(self) -> None:
-        from microrl.remote.vllm_plugin.transfer import WeightPusher
-
-        backend = transfer_backend(self.engine.device, self._server_gpus)
-        for client in self.clients:
-            # The transfer group: this process and the server's workers (its TP x PP x DP).
-            workers = self.config.tensor_parallel_size if self._servers else _workers(client)
-            pusher = WeightPusher(
-                backend,
-                client.post,
-                world_size=1 + workers,
-                master_address=trainer_address(client.url, self.config.trainer_address),
-                timeout_s=self.timeout_s,
-            )
-            self._pushers.append(pusher)
-            with _on_gpu(self.engine.device):
-                pusher.start()
-
     def close(self) -> None:
         """Stop the local servers, release the transfer groups, remove the work directory;
         idempotent."""
@@ -284,13 +260,8 @@ class VLLMServerRollout(AsyncSamplerBase):
         for pool in (self._job_thread, self._sync_thread, getattr(self, "_requests", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-        for pusher in self._pushers:
-            with contextlib.suppress(Exception):
-                pusher.close()
-        if not self._servers:  # the user's servers outlive this trainer: take our adapters back
-            for client, version in itertools.product(getattr(self, "clients", ()), self._loaded):
-                with contextlib.suppress(Exception):
-                    client.post("v1/unload_lora_adapter", {"lora_name": self._adapter(version)})
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         for server in self._servers:
             server.close()
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
@@ -307,21 +278,11 @@ class VLLMServerRollout(AsyncSamplerBase):
         self.version += 1
         self._submit_sync(engine or self.engine)
 
-    def _submit_sync(self, engine, *, first: bool = False) -> Future:
+    def _submit_sync(self, engine) -> Future:
         version = self.version
-        expected = engine_probe_logprobs(engine, self.probe)
-        if self.is_lora:
-            # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
-            # this rank's previous load is done, the collective export below means every rank's
-            # is, so no rank can still be about to read a directory rank 0 deletes.
-            previous = self._loads.get(version - 1)
-            if previous is not None:
-                previous.result()
-            path = self.workdir / f"adapter-{version}"
-            export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
-            in_use = {job.version for job, _ in self._futures.values()}
-            load = lambda: self._load_adapter(version, path, in_use)  # noqa: E731
-            loaded = self._sync_thread.submit(self._timed, load)
+        expected = ProbeVerifier.of(self).expected(engine)
+        if self.is_lora:  # the export on this thread, the load in the background
+            loaded = self.weight_sync.push(engine, version)
         else:
             # Streamed from the live parameters on this thread, before the optimizer changes
             # them (collective under torchrun: each rank gathers the shards in step), after the
@@ -329,10 +290,8 @@ class VLLMServerRollout(AsyncSamplerBase):
             previous = self._syncs.get(version - 1)
             if previous is not None:
                 previous.result()
-            self._timed(lambda: self._push_full(version, engine, pause=not first))
+            self._timed(lambda: self.weight_sync.push(engine, version))
             loaded = _done()
-        self._loads[version] = loaded
-        self._loads.pop(version - 2, None)
         # The check scores the probe with prompt log-probs. LoRA: on the job thread, between
         # jobs, alone on the servers (vLLM 0.32's CPU LoRA logits path fails a batch mixing
         # prompt log-probs with other requests); it names its adapter, so a later load cannot
@@ -349,65 +308,22 @@ class VLLMServerRollout(AsyncSamplerBase):
 
     def _check(self, version: int, loaded: Future, expected: torch.Tensor) -> None:
         loaded.result()
-        mask = self.probe["loss_mask"]
+        verifier = ProbeVerifier.of(self)
+        detail = f"pushed: {pushed_weights(self.is_lora)}"
         for i, client in enumerate(self.clients):
-            stats = probe_stats(expected, self._score_probe(client, version), mask)
-            previous = self.sync_stats.get(version, {})
-            self.sync_stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
-            if sync_check_fails(stats, self.sync_check_tol):
-                pushed = "the LoRA adapter" if self.is_lora else "the full weights"
-                target = f"the vLLM server at {client.url} (server {i})"
-                raise sync_check_error(
-                    version, target, stats, self.sync_check_tol, f"pushed: {pushed}"
-                )
-
-    def _load_adapter(self, version: int, path: Path, in_use: set[int]) -> None:
-        for client in self.clients:
-            client.post(
-                "v1/load_lora_adapter",
-                {"lora_name": self._adapter(version), "lora_path": str(path)},
-            )
-        stale = [v for v in self._loaded if v not in in_use]
-        self._loaded = [v for v in self._loaded if v in in_use] + [version]
-        for old in stale:
-            for client in self.clients:
-                client.post("v1/unload_lora_adapter", {"lora_name": self._adapter(old)})
-            if distributed.rank() == 0:  # every rank loaded it (see _submit_sync)
-                shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
-
-    def _push_full(self, version: int, engine, *, pause: bool) -> None:
-        """Push ``engine``'s weights to every server, one full tensor at a time: on the
-        trainer's GPU for NCCL and IPC, CPU tensors for gloo."""
-        on_gpu = self._pushers and self._pushers[0].backend != "gloo"
-        weights = FullWeights(
-            engine.module,
-            self._prefix,
-            device=None if on_gpu else "cpu",
-            dtype=self._push_dtype,
-        )
-        for client, pusher in zip(self.clients, self._pushers, strict=True):
-            if pause:  # in flight: running requests freeze, then continue on the new weights
-                client.post("pause", mode="keep")
-            try:
-                with _on_gpu(engine.device):
-                    pusher.push(weights, version)
-            finally:
-                if pause:
-                    client.post("resume")
-        # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
-        for _ in range(self._pushes_per_sync - len(self._pushers)):
-            for _ in weights:
-                pass
+            target = f"the vLLM server at {client.url} (server {i})"
+            verifier.verify(version, target, expected, self._score_probe(client, version), detail)
 
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
         """The server's log-probs of the probe rows, ``[B, T]`` like the engine's (0 off
         ``loss_mask``), at temperature 1: vLLM's prompt log-probs are the model's raw ones."""
         adapter = self._adapter(version) if self.is_lora else None
-        rows = probe_rows(self.probe)
+        verifier = ProbeVerifier.of(self)
+        rows = verifier.rows()
         scored = [
             prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(r, adapter)), r) for r in rows
         ]
-        return rows_to_probe_layout(self.probe, scored)
+        return verifier.layout(scored)
 
     # ----------------------------------------------------------------- jobs
     def _submit(
@@ -553,6 +469,120 @@ class _ServerBackend(RolloutBackend):
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         return self.owner.sample_in_job(prompt_ids, params)
+
+
+class HTTPAdapterSync(WeightSync):
+    """Path 4: the adapter exported in PEFT's format (on the caller's thread, collective), then
+    loaded on every server with ``/v1/load_lora_adapter`` in the background under a name unique
+    to its version; adapters no job uses are unloaded and their directories removed."""
+
+    def __init__(self, owner: VLLMServerRollout) -> None:
+        self.owner = owner
+        self._loads: dict[int, Future] = {}  # version -> its load
+        self._loaded: list[int] = []  # adapter versions loaded on the servers
+
+    def push(self, engine, version: int) -> Future:
+        owner = self.owner
+        # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
+        # this rank's previous load is done, the collective export below means every rank's
+        # is, so no rank can still be about to read a directory rank 0 deletes.
+        previous = self._loads.get(version - 1)
+        if previous is not None:
+            previous.result()
+        path = owner.workdir / f"adapter-{version}"
+        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        in_use = {job.version for job, _ in owner._futures.values()}
+        load = lambda: self._load(version, path, in_use)  # noqa: E731
+        loaded = self._loads[version] = owner._sync_thread.submit(owner._timed, load)
+        self._loads.pop(version - 2, None)
+        return loaded
+
+    def _load(self, version: int, path: Path, in_use: set[int]) -> None:
+        owner = self.owner
+        for client in owner.clients:
+            client.post(
+                "v1/load_lora_adapter",
+                {"lora_name": owner._adapter(version), "lora_path": str(path)},
+            )
+        stale = [v for v in self._loaded if v not in in_use]
+        self._loaded = [v for v in self._loaded if v in in_use] + [version]
+        for old in stale:
+            for client in owner.clients:
+                client.post("v1/unload_lora_adapter", {"lora_name": owner._adapter(old)})
+            if distributed.rank() == 0:  # every rank loaded it (see push)
+                shutil.rmtree(owner.workdir / f"adapter-{old}", ignore_errors=True)
+
+    def close(self) -> None:
+        """Servers the user started outlive this trainer: our adapters are taken back."""
+        owner = self.owner
+        if not owner._servers:
+            for client, version in itertools.product(owner.clients, self._loaded):
+                with contextlib.suppress(Exception):
+                    client.post("v1/unload_lora_adapter", {"lora_name": owner._adapter(version)})
+        self._loaded = []
+
+
+class TransferSync(WeightSync):
+    """Path 5: full weights over vLLM's weight-transfer API (a ``WeightPusher`` per server:
+    NCCL, IPC or gloo), one full tensor at a time (:class:`FullWeights`); after the first push,
+    each server pauses its requests in flight for the push and resumes them on the new weights."""
+
+    def __init__(self, owner: VLLMServerRollout) -> None:
+        from microrl.remote.vllm_plugin.transfer import WeightPusher
+
+        self.owner = owner
+        self.pushers: list[WeightPusher] = []
+        self._first = True
+        engine, config = owner.engine, owner.config
+        backend = transfer_backend(engine.device, owner._server_gpus)
+        try:
+            for client in owner.clients:
+                # The transfer group: this process and the server's workers (its TP x PP x DP).
+                workers = config.tensor_parallel_size if owner._servers else _workers(client)
+                pusher = WeightPusher(
+                    backend,
+                    client.post,
+                    world_size=1 + workers,
+                    master_address=trainer_address(client.url, config.trainer_address),
+                    timeout_s=owner.timeout_s,
+                )
+                self.pushers.append(pusher)
+                with _on_gpu(engine.device):
+                    pusher.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def push(self, engine, version: int) -> None:
+        """Push ``engine``'s weights to every server: on the trainer's GPU for NCCL and IPC, CPU
+        tensors for gloo."""
+        owner, pause, self._first = self.owner, not self._first, False
+        on_gpu = self.pushers and self.pushers[0].backend != "gloo"
+        weights = FullWeights(
+            engine.module,
+            owner._prefix,
+            device=None if on_gpu else "cpu",
+            dtype=owner._push_dtype,
+        )
+        for client, pusher in zip(owner.clients, self.pushers, strict=True):
+            if pause:  # in flight: running requests freeze, then continue on the new weights
+                client.post("pause", mode="keep")
+            try:
+                with _on_gpu(engine.device):
+                    pusher.push(weights, version)
+            finally:
+                if pause:
+                    client.post("resume")
+        # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
+        for _ in range(owner._pushes_per_sync - len(self.pushers)):
+            for _ in weights:
+                pass
+
+    def close(self) -> None:
+        for pusher in self.pushers:
+            with contextlib.suppress(Exception):
+                pusher.close()
+        self.pushers = []
 
 
 def _on_gpu(device: torch.device):
