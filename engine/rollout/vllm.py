@@ -196,6 +196,7 @@ class VLLMRollout(RolloutBackend):
         self.probe = engine_probe(engine, tokenizer)
         self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
         self.sync_stats: dict[int, dict[str, float]] = {}
+        self._pending_check: tuple[int, torch.Tensor] | None = None
         base_dir = self.workdir / "base"
         export_merged_model(engine.module, base_dir, merge_lora=False)
         self.llm = self._start(vllm, base_dir)
@@ -283,14 +284,20 @@ class VLLMRollout(RolloutBackend):
         self._check_sync(engine)
 
     def _check_sync(self, engine) -> None:
-        """Score the probe with the weights just loaded against the engine's own log-probs:
+        """Check the push just made: the engine's probe log-probs now, before the optimizer
+        changes its weights; vLLM's when it next wakes to sample (:meth:`_finish_check`), as
+        sleep mode wakes the weights alone for a sync."""
+        self._pending_check = (self._version, ProbeVerifier.of(self).expected(engine))
+
+    def _finish_check(self) -> None:
+        """Score the probe with the weights the last sync loaded: a
         :class:`~microrl.engine.rollout.sync_check.SyncCheckError` when the push did not land."""
+        (version, expected), self._pending_check = self._pending_check, None
         verifier = ProbeVerifier.of(self)
-        expected = verifier.expected(engine)
         scored = [row[1:] for row in self.score(verifier.rows())]  # row[0]: no prediction
         detail = f"pushed: {pushed_weights(self.is_lora)}"
         target = "the in-process vLLM engine"
-        verifier.verify(self._version, target, expected, verifier.layout(scored), detail)
+        verifier.verify(version, target, expected, verifier.layout(scored), detail)
 
     def _reload_base(self) -> None:
         """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
@@ -334,6 +341,8 @@ class VLLMRollout(RolloutBackend):
             self._wake()
         self._sampling += 1
         try:
+            if self._pending_check is not None:
+                self._finish_check()
             yield
         finally:
             self._sampling -= 1

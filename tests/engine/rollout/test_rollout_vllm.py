@@ -292,10 +292,12 @@ def test_a_lora_sync_that_leaves_a_tensor_stale_fails_its_check(lora_setup, monk
     batch = rollout.generate(PROMPTS, SamplingParams(num_samples=2, max_new_tokens=5)).batch
     _train_step(engine, batch)
     monkeypatch.setattr(vllm_module, "export_peft_adapter", export_with_one_stale_tensor)
+    rollout.sync(engine)  # checked when vLLM next wakes to sample
     with pytest.raises(SyncCheckError, match=r"the in-process vLLM engine .*sync_check_tol"):
-        rollout.sync(engine)
+        rollout.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     monkeypatch.setattr(vllm_module, "export_peft_adapter", real_export)
     rollout.sync(engine)  # the next sync repairs it
+    rollout.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     assert rollout.sync_stats[rollout._version]["sync/probe_abs_diff_mean"] <= 5e-5
 
 

@@ -102,13 +102,17 @@ def test_a_colocated_push_that_does_not_land_fails_the_check(tmp_path, monkeypat
     monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: SimpleNamespace(LLM=ServingLLM))
     rollout = vllm_backend.VLLMRollout(engine, tok, VLLMConfig(), workdir=str(tmp_path))
     assert isinstance(rollout.weight_sync, vllm_backend.ReloadWeightsSync)
+    use = [[1, 2, 3]]  # vLLM's next use (sampling, scoring) checks the push before it
+    rollout.score(use)
     assert rollout.sync_stats[1][SYNC_CHECK_STAT] <= rollout.sync_check_tol  # it landed
     update(engine, tok)
     real, rollout.weight_sync = rollout.weight_sync, Dropped()
+    rollout.sync(engine)
     with pytest.raises(SyncCheckError, match=r"version 2 .* the in-process vLLM engine failed"):
-        rollout.sync(engine)
+        rollout.score(use)
     rollout.weight_sync = real
     rollout.sync(engine)  # the real push lands: the stand-in scores what it was sent
+    rollout.score(use)
     assert rollout.sync_stats[3][SYNC_CHECK_STAT] <= rollout.sync_check_tol
     rollout.close()
 
