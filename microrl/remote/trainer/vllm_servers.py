@@ -528,7 +528,7 @@ class TransferSync(WeightSync):
     each server pauses its requests in flight for the push and resumes them on the new weights."""
 
     def __init__(self, owner: VLLMServerRollout) -> None:
-        from microrl.remote.vllm_plugin.transfer import WeightPusher
+        from microrl.remote.trainer.weight_pusher import WeightPusher
 
         self.owner = owner
         self.pushers: list[WeightPusher] = []
