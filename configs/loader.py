@@ -4,7 +4,9 @@ OmegaConf structured configs do the merging, YAML typing and type checking; the 
 ``__post_init__`` checks the ranges. Every failure comes out as one ``ValueError`` whose message
 names the offending key by its full path (``actor.optim.betas``), whichever layer caught it: a
 merge error OmegaConf raises without a key is traced to the leaf that causes it, and a range error
-of a nested section's ``__post_init__`` is prefixed with where the section sits. A single value
+of a nested section's ``__post_init__`` is prefixed with where the section sits. A key the schema
+lacks is an ``invalid config key``; a schema key's wrong value is a ``bad value for config key``,
+with the value given and what the key takes. A single value
 given to a list key is a one-element list (``task.rewards=my_reward:score``)::
 
     cfg = load_config(GRPOExampleConfig, "configs/grpo_lora.yaml", ["actor.optim.lr=1e-3"])
@@ -38,25 +40,53 @@ T = TypeVar("T")
 
 
 def _omegaconf_error(
-    err: Exception, source: str, key: str | None = None, schema: type | None = None
+    err: Exception,
+    source: str,
+    key: str | None = None,
+    schema: type | None = None,
+    layer: DictConfig | None = None,
 ) -> ValueError:
+    """OmegaConf's ``err`` as one line naming the key: an unknown key, or a schema key's bad
+    value (the value ``layer`` gives it and what the key takes)."""
     key = key or getattr(err, "full_key", None) or "<root>"
     # OmegaConf appends its own "full_key / object_type" lines; the first line is the message,
     # whose placeholders it leaves unfilled when it raises without the node.
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
     message = message.replace("Value '$VALUE' of type '$VALUE_TYPE'", "a value")
-    expected = _expected(schema, key) if schema is not None else ""
-    return ValueError(f"invalid config key '{key}' ({source}): {message}{expected}")
+    expected = _expected(schema, key) if schema is not None else None
+    if expected is None:
+        return ValueError(f"invalid config key '{key}' ({source}): {message}")
+    given = _given(layer, key)
+    if given is None:  # no value to show: OmegaConf's own words say what is wrong with it
+        return ValueError(f"bad value for config key '{key}' ({source}): {message}; {expected}")
+    return ValueError(f"bad value for config key '{key}' ({source}): got {given}; {expected}")
 
 
-def _expected(schema: type, key: str) -> str:
-    """``"; it takes <what> (<help>)"`` for a schema field, ``""`` for an unknown key."""
+def _given(layer: DictConfig | None, key: str) -> str | None:
+    """The value ``layer`` gives ``key``, as written in YAML, or None when it gives none."""
+    if layer is None:
+        return None
+    try:
+        node = OmegaConf.select(layer, key, default=_ABSENT, throw_on_missing=False)
+    except OmegaConfBaseException:
+        return None
+    if node is _ABSENT:
+        return None
+    value = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+    return repr(value) if isinstance(value, str) else format_value(value)
+
+
+_ABSENT = object()
+
+
+def _expected(schema: type, key: str) -> str | None:
+    """``"it takes <what> (<help>)"`` for a schema field, None for an unknown key."""
     found = _schema_field(schema, re.sub(r"\[\d+\]$", "", key))
     if found is None:
-        return ""
+        return None
     hint, f = found
     help_text = f.metadata.get("help", "") if f is not None else ""
-    return f"; it takes {_describe_type(hint)}" + (f" ({help_text})" if help_text else "")
+    return f"it takes {_describe_type(hint)}" + (f" ({help_text})" if help_text else "")
 
 
 def _schema_field(schema: type, key: str) -> tuple[Any, dataclasses.Field | None] | None:
@@ -136,7 +166,7 @@ def _merge(schema: type, cfg: DictConfig, layer: DictConfig, source: str) -> Dic
         key = getattr(err, "full_key", None)
         if not key:  # raised without its key (a tuple's length, a section given a value)
             key, err = _failing_leaf(schema, cfg, layer, err)
-        raise _omegaconf_error(err, source, key, schema) from None
+        raise _omegaconf_error(err, source, key, schema, layer) from None
 
 
 def _failing_leaf(
@@ -244,7 +274,7 @@ def _range_error(err: Exception, section: tuple[str, ...]) -> ValueError:
         if section[len(section) - n :] == tuple(names[:n])
     )
     key = ".".join([*section, *names[overlap:]])
-    return ValueError(f"invalid config key '{key}': {message}")
+    return ValueError(f"bad value for config key '{key}': {message}")
 
 
 def _plain(value: Any) -> Any:

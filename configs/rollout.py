@@ -40,7 +40,9 @@ class VLLMConfig:
     )
     enforce_eager: bool | None = config_field(None, "no CUDA graphs; null: eager on CPU only")
     max_model_len: int = config_field(0, "longest prompt + response; 0: the model's maximum")
-    seed: int = config_field(0, "vLLM's sampling seed (each rank adds its rank)")
+    seed: int = config_field(
+        0, "vLLM's engine seed (each engine adds its place among the run's engines)"
+    )
     verbose: bool = config_field(
         False, "vLLM's own INFO/WARNING logs and load bar (false: errors only)"
     )

@@ -280,8 +280,9 @@ class RolloutConfig:
     )
     sync_check_tol: float | None = config_field(
         None,
-        "max_staleness > 0: largest mean |trainer - sampler| probe log-prob difference "
-        "(sync/probe_abs_diff_mean) a weight sync may show (null: 5e-5 for a float32 engine, "
+        "largest mean |trainer - sampler| probe log-prob difference "
+        "(sync/probe_abs_diff_mean) a weight sync to a sampler holding its own weights (vllm, "
+        "or max_staleness > 0) may show (null: 5e-5 for a float32 engine, "
         "0.25 for 16-bit)",
     )
     worker_timeout_s: float = config_field(

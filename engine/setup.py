@@ -244,6 +244,12 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, nn.Modu
     with warnings.catch_warnings():
         # GPT-2's Conv1D stores its weight transposed; peft notices and adapts correctly.
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+        # peft's PeftModel reads the model's `is_gradient_checkpointing`, a deprecated alias of
+        # `is_activation_checkpointing` since transformers 5.24 (a FutureWarning on every run);
+        # it is False here either way: checkpointing is enabled after LoRA.
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
         try:
             peft_model = peft.get_peft_model(model, lora, autocast_adapter_dtype=True)
         except ValueError as err:  # e.g. a regular expression that matches nothing

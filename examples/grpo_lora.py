@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics["eval/accuracy"] = evaluate()
             tracker.log(step, metrics)
             # A few completions every output.log_samples_every steps (samples.jsonl, trackers).
-            tracker.log_samples(step, sample_rows(rollout, problems, scores))
+            tracker.log_samples(step, sample_rows(rollout, problems, scores, tokenizer))
             if stop.should_stop():
                 interrupted = True
                 break

@@ -74,9 +74,9 @@ def run_recorded(args: list[str], monkeypatch, recipe: str = "grpo_lora"):
     module = load_example(recipe)
     trained: list[list[str]] = []
 
-    def record(rollout, problems, scores):
+    def record(rollout, problems, scores, *rest):
         trained.append([p.prompt for p in problems])
-        return sample_rows(rollout, problems, scores)
+        return sample_rows(rollout, problems, scores, *rest)
 
     monkeypatch.setattr(module, "sample_rows", record)
     out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))

@@ -20,7 +20,19 @@ from tensordict import TensorDict
 from microrl.engine.rollout.episodes import episode_batch, play_episodes
 from microrl.engine.rollout.layout import Samples, build_rollout
 
-__all__ = ["Rollout", "RolloutBackend", "Samples", "SamplingParams"]
+__all__ = [
+    "SEED_RANGE",
+    "Rollout",
+    "RolloutBackend",
+    "Samples",
+    "SamplingParams",
+    "check_tokenizer",
+    "draw_seed",
+    "encode_prompts",
+]
+
+#: Sampling seeds are in ``[0, SEED_RANGE)``: vLLM's int32 range.
+SEED_RANGE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,14 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1: off), got {self.top_p!r}")
+
+
+def draw_seed(params: SamplingParams) -> int:
+    """A sampling call's seed: ``params.seed``, else drawn from torch's default generator, so a
+    run that checkpoints torch's RNG state (``microrl.run.save_run``) draws the same seeds when
+    resumed. Every sampler that seeds its calls (the ``vllm`` backend, the ``hf`` worker, its
+    pool, the vLLM servers) draws here."""
+    return params.seed if params.seed is not None else int(torch.randint(SEED_RANGE, ()))
 
 
 @dataclass
@@ -113,10 +133,7 @@ class RolloutBackend(ABC):
     """
 
     def __init__(self, tokenizer) -> None:
-        for name in ("eos_token_id", "pad_token_id"):
-            if getattr(tokenizer, name, None) is None:
-                raise ValueError(f"the tokenizer needs a {name} (rollouts cut at <eos> and pad)")
-        self.tokenizer = tokenizer
+        self.tokenizer = check_tokenizer(tokenizer)
 
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
@@ -207,15 +224,26 @@ class RolloutBackend(ABC):
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples: ...
 
     def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of texts or of token-id lists")
-        if all(isinstance(p, str) for p in prompts):
-            return [list(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
-        encoded = []
-        for p in prompts:
-            if isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p:
-                raise ValueError(
-                    "prompts must be all texts or all non-empty token-id lists, not a mix"
-                )
-            encoded.append(list(p))
-        return encoded
+        return encode_prompts(self.tokenizer, prompts)
+
+
+def check_tokenizer(tokenizer):
+    """``tokenizer``, checked to have what a rollout needs: rows are cut at ``<eos>`` and padded."""
+    for name in ("eos_token_id", "pad_token_id"):
+        if getattr(tokenizer, name, None) is None:
+            raise ValueError(f"the tokenizer needs a {name} (rollouts cut at <eos> and pad)")
+    return tokenizer
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """Token ids of ``prompts``: texts (with the tokenizer's special tokens) or id lists."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of texts or of token-id lists")
+    if all(isinstance(p, str) for p in prompts):
+        return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+    encoded = []
+    for p in prompts:
+        if isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p:
+            raise ValueError("prompts must be all texts or all non-empty token-id lists, not a mix")
+        encoded.append(list(p))
+    return encoded

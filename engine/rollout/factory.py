@@ -10,12 +10,18 @@ __all__ = ["make_rollout_backend"]
 
 
 def make_rollout_backend(
-    backend: str, engine, tokenizer, *, vllm: VLLMConfig | None = None
+    backend: str,
+    engine,
+    tokenizer,
+    *,
+    vllm: VLLMConfig | None = None,
+    sync_check_tol: float | None = None,
 ) -> RolloutBackend:
     """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.
 
     ``vllm`` configures the ``vllm`` backend (defaults when omitted); the ``hf`` backend needs
-    nothing. A ``vllm`` backend without vLLM installed raises ``ImportError`` with the command
+    nothing; ``sync_check_tol`` bounds the check of each ``vllm`` sync (None: by the engine's
+    precision). A ``vllm`` backend without vLLM installed raises ``ImportError`` with the command
     that installs it.
     """
     if backend == "hf":
@@ -23,7 +29,7 @@ def make_rollout_backend(
     if backend == "vllm":
         from microrl.engine.rollout.vllm import VLLMRollout
 
-        return VLLMRollout(engine, tokenizer, vllm or VLLMConfig())
+        return VLLMRollout(engine, tokenizer, vllm or VLLMConfig(), sync_check_tol=sync_check_tol)
     raise ValueError(
         f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got {backend!r}"
     )

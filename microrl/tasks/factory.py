@@ -8,6 +8,8 @@ given for a built-in task replace its own reward.
 
 from __future__ import annotations
 
+import unicodedata
+from collections.abc import Sequence
 from typing import Any
 
 from microrl.configs.run import TaskConfig
@@ -18,7 +20,7 @@ from microrl.tasks.environments import EnvTask, HintedAdditionTask
 from microrl.tasks.rewards import RewardedTask, load_reward, resolve_reward_fn
 from microrl.tasks.word_problems import WordProblemTask
 
-__all__ = ["BUILT_IN_TASKS", "check_tokenizer_covers", "make_task"]
+__all__ = ["BUILT_IN_TASKS", "check_round_trip", "check_tokenizer_covers", "make_task"]
 
 # name -> class, constructed as cls(task.max_operand, task.eval_size, task.seed).
 BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask]] = {
@@ -26,7 +28,7 @@ BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask]] = {
     "word_problems": WordProblemTask,
     "hinted_addition": HintedAdditionTask,
 }
-# Held-out prompts whose tokenization is checked against the tokenizer's unknown token.
+# Held-out prompts whose tokenization is checked: no unknown token, and decoded back to the text.
 _CHECKED_PROMPTS = 64
 
 
@@ -67,17 +69,49 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
 
 def check_tokenizer_covers(tokenizer: Any, task: Task, name: str = "") -> None:
     """``ValueError`` when ``tokenizer`` turns some of the task's prompts into unknown tokens
-    (e.g. word problems given the addition model's character tokenizer)."""
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if unk is None:
-        return
+    (e.g. word problems given the addition model's character tokenizer), or does not decode a
+    prompt back to its text (:func:`check_round_trip`)."""
     prompts = [p.prompt for p in task.eval_problems()[:_CHECKED_PROMPTS]]
-    for prompt, ids in zip(prompts, tokenizer(prompts)["input_ids"], strict=True):
-        if unk in ids:
-            unknown = sorted({c for c in prompt if tokenizer.convert_tokens_to_ids(c) == unk})
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None:
+        for prompt, ids in zip(prompts, tokenizer(prompts)["input_ids"], strict=True):
+            if unk in ids:
+                unknown = sorted({c for c in prompt if tokenizer.convert_tokens_to_ids(c) == unk})
+                raise ValueError(
+                    f"the model's tokenizer cannot write the prompts of task.name={name or '?'}: "
+                    f"{prompt!r} has unknown characters {''.join(unknown)!r}. Give model.path a "
+                    "checkpoint whose tokenizer covers them (for a built-in task, an empty "
+                    "directory: a toy model is built there for it)"
+                )
+    check_round_trip(tokenizer, prompts)
+
+
+def check_round_trip(tokenizer: Any, texts: Sequence[str]) -> None:
+    """``ValueError`` naming the tokenizer's path when one of ``texts`` does not come back from
+    encode -> decode, up to what tokenizers legitimately normalise (Unicode NFKC, runs of
+    whitespace, a leading or trailing space, spaces beside a special token).
+
+    Why: transformers 5 loads a custom tokenizer saved beside e.g. a Qwen2 ``config.json`` as that
+    model type's own class, which can silently drop the spaces; no token is unknown then.
+    """
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t.strip()]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        back = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if _comparable(back, specials) != _comparable(text, specials):
+            path = getattr(tokenizer, "name_or_path", "") or "?"
             raise ValueError(
-                f"the model's tokenizer cannot write the prompts of task.name={name or '?'}: "
-                f"{prompt!r} has unknown characters {''.join(unknown)!r}. Give model.path a "
-                "checkpoint whose tokenizer covers them (for a built-in task, an empty "
-                "directory: a toy model is built there for it)"
+                f"the tokenizer loaded from model.path={path!r} ({type(tokenizer).__name__}) does "
+                f"not decode the prompts it encodes back to their text: {text!r} comes back as "
+                f"{back!r}. transformers 5 loads its own tokenizer class for some model types "
+                "(config.json's model_type, e.g. qwen2), whatever class tokenizer_config.json "
+                "names: a custom tokenizer saved beside such a config is replaced. Give "
+                "model.path a checkpoint whose tokenizer writes its prompts (docs/tasks.md#models)"
             )
+
+
+def _comparable(text: str, specials: Sequence[str]) -> str:
+    text = " ".join(unicodedata.normalize("NFKC", text).split())
+    for token in specials:  # a sentencepiece tokenizer may add a space after one
+        text = token.join(part.strip() for part in text.split(token))
+    return text

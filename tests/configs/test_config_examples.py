@@ -172,7 +172,7 @@ def test_bad_files(tmp_path: Path) -> None:
         # OmegaConf's merge raises these without a key: traced to the leaf.
         ("actor.optim.betas=[0.9]", "actor.optim.betas", "two floats in [0, 1)"),
         ("critic.optim.betas=[0.9,0.99,0.1]", "critic.optim.betas", "2 floats, written [a,b]"),
-        ("actor.optim.betas=[a,b]", "actor.optim.betas", "could not be converted to Float"),
+        ("actor.optim.betas=[a,b]", "actor.optim.betas", "got [a, b]; it takes 2 floats"),
         ("actor.optim=3", "actor.optim", "a section"),
         ("model=3", "model", "a section"),
         ("task.rewards={a: 1}", "task.rewards", "a list of strings, written [a,b]"),
@@ -190,9 +190,36 @@ def test_nested_errors_name_the_full_key_and_what_it_takes(override, key, expect
     with pytest.raises(ValueError) as info:
         load_config(PPOExampleConfig, CONFIGS / "ppo_lora.yaml", [override])
     message = str(info.value)
-    assert f"invalid config key '{key}'" in message, message
+    assert f"bad value for config key '{key}'" in message, message
     assert expected in message and "<root>" not in message and "$VALUE" not in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "train.steps=abc",
+            "bad value for config key 'train.steps' (command-line override): got 'abc'; it takes "
+            "an integer (RL steps",
+        ),
+        (
+            "actor.optim.betas=[0.9]",
+            "bad value for config key 'actor.optim.betas' (command-line override): got [0.9]; it "
+            "takes 2 floats, written [a,b] (AdamW betas",
+        ),
+        (
+            "critic.optim.lr=-1",
+            "bad value for config key 'critic.optim.lr': optim.lr must be >= 0, got -1.0",
+        ),
+        # Only a key the schema does not have is an invalid key.
+        ("train.stepz=3", "invalid config key 'train.stepz' (command-line override): Key 'stepz'"),
+    ],
+)
+def test_a_bad_value_names_the_key_the_value_and_what_it_takes(override, message) -> None:
+    with pytest.raises(ValueError) as info:
+        load_config(PPOExampleConfig, None, [override])
+    assert str(info.value).startswith(message), str(info.value)
 
 
 def test_a_files_nested_error_names_the_key_and_the_file(tmp_path: Path) -> None:

@@ -167,7 +167,7 @@ def test_lora_target_modules_accepts_peft_strings_and_checks_lists() -> None:
 def test_unavailable_or_unknown_devices_are_config_errors() -> None:
     with pytest.raises(ValueError, match=r"device must be .*'nonsense'"):
         ActorConfig(device="nonsense")
-    with pytest.raises(ValueError, match=r"invalid config key 'actor\.device'"):
+    with pytest.raises(ValueError, match=r"bad value for config key 'actor\.device'"):
         load_config(GRPOExampleConfig, None, ["actor.device=nonsense"])
     missing = "cuda:99" if torch.cuda.is_available() else "cuda"
     message = r"visible" if torch.cuda.is_available() else r"no cuda device is available.*'auto'"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
 import torch
 from engine_utils import grads_of, make_batch, reference_logprobs, tiny_model
 from torch import nn
+from transformers import PreTrainedModel
 
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.engine import ActorEngine
@@ -183,3 +185,21 @@ def test_critic_with_lora_trains_adapters_and_value_head() -> None:
     engine.forward_backward_batch(batch)  # the audit raises if one of them got no gradient
     metrics = engine.train_batch(batch)
     assert metrics["step_skipped"] == 0.0 and metrics["vf_loss"] > 0
+
+
+def test_building_a_lora_engine_with_checkpointing_warns_no_future_warning(monkeypatch) -> None:
+    # transformers 5.24 deprecates `is_gradient_checkpointing` (this FutureWarning on each read),
+    # and peft reads it while wrapping the model: emulated here on the installed version.
+    def deprecated(model) -> bool:
+        message = (
+            "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+            "`is_activation_checkpointing` instead."
+        )
+        warnings.warn(message, FutureWarning, stacklevel=2)
+        return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+    monkeypatch.setattr(PreTrainedModel, "is_gradient_checkpointing", property(deprecated))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        engine = _lora_engine(checkpointing=True)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in engine.model.modules())

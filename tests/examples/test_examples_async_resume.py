@@ -34,13 +34,13 @@ def _run(args: list[str], monkeypatch, recipe: str, *, kill_at=None, interrupt_a
     module = load_example(recipe)
     trained: list[list[str]] = []
 
-    def record(rollout, problems, scores):  # called once per step, after its update
+    def record(rollout, problems, scores, *rest):  # once per step, after its update
         trained.append([p.prompt for p in problems])
         if len(trained) == kill_at:
             raise Killed("the process dies here")
         if len(trained) == interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: stop after this step
-        return sample_rows(rollout, problems, scores)
+        return sample_rows(rollout, problems, scores, *rest)
 
     monkeypatch.setattr(module, "sample_rows", record)
     try:

@@ -1,4 +1,4 @@
-"""The Python samples of docs/api.md (the README's tour) run as written (each in a fresh interpreter namespace); its example
+"""The Python samples of docs/api.md (the README's tour) run as written (each in a fresh interpreter namespace; the own loop for 2 of its steps); its example
 commands each write to their own output.dir; its log samples have the format the code prints and
 describe the model it builds (rewritten from real runs by ``benchmarks/readme_samples.py``)."""
 
@@ -28,15 +28,26 @@ def test_the_api_page_has_the_tour_samples_and_an_own_loop() -> None:
     assert "train_batch" in text and "make_rollout_backend" in text  # the own loop
 
 
-def test_the_api_page_python_blocks_run() -> None:
+def test_the_api_page_python_blocks_run(tmp_path: Path) -> None:
     blocks = BLOCK.findall(API.read_text())
     assert blocks
+    # The own loop with 2 of its 30 steps (the page states what the 30 show), in a fresh
+    # directory: its toy base model is built there.
+    loop = next(i for i, b in enumerate(blocks) if "train_batch(batch[rows])" in b)
+    assert "\nsteps = 30\n" in blocks[loop]
+    blocks[loop] = blocks[loop].replace("\nsteps = 30\n", "\nsteps = 2\n")
     # One interpreter for all blocks (imports are paid once), a fresh namespace per block.
     runner = "import sys\nfor i, code in enumerate(sys.argv[1:]):\n    exec(compile(code, f'README block {i}', 'exec'), {'__name__': '__main__'})\n"
     result = subprocess.run(
-        [sys.executable, "-c", runner, *blocks], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", runner, *blocks],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    assert re.search(r"held-out greedy accuracy after 2 steps: 0\.\d{3}\n", result.stdout)
+    assert (tmp_path / "outputs" / "base" / "tiny-adder" / "config.json").is_file()
 
 
 # ----------------------------------------------------------------------------- example commands

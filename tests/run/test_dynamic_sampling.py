@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 from microrl.configs.run import RolloutConfig
 from microrl.engine.rollout import RolloutBackend, Samples, SamplingParams
 from microrl.losses import grpo_advantages
-from microrl.remote.trainer.hf_worker import POLICY_VERSION_KEY, Job
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job
 from microrl.run import Dist, RolloutPrefetcher, dynamic_sample
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import Problem

@@ -2,7 +2,8 @@
 
 - the first Ctrl-C says the run stops after this step (and that a second one aborts);
 - an error while the script runs is one line (what failed, at which step, the message), the
-  traceback only with ``--debug``;
+  traceback only with ``--debug``; an environment's or a reward's error in the evaluation before
+  the first step says ``evaluation at step 0``;
 - a refused ``output.dir`` under ``torchrun`` is one line on rank 0, and exit code 2 on every rank
   (torchrun then reports the failed processes in its own words).
 """
@@ -20,8 +21,11 @@ from example_utils import TINY_MODEL, TINY_RL, load_example
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import config_to_yaml, load_config
-from microrl.run import Dist, StepFailed, StopOnInterrupt, parse_cli
+from microrl.engine.rollout.episodes import EpisodeError
+from microrl.run import Dist, StepFailed, StopOnInterrupt, parse_cli, start_tracking
+from microrl.run.cli import _one_line_error
 from microrl.run.dist import STOP_MESSAGE
+from microrl.tasks import RewardError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [*TINY_MODEL, *TINY_RL, "output.tensorboard=false", "output.plot=false"]
@@ -126,6 +130,29 @@ def test_errors_are_one_line_unless_debug(tmp_path: Path, monkeypatch, capsys) -
     assert capsys.readouterr().err == f"[rank 1] error at step 3: KeyError: 'answer' {HINT}\n"
     hook(KeyboardInterrupt, KeyboardInterrupt(), None)
     assert "aborted by a second Ctrl-C" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [  # an environment's message is shown whole (its traceback), a reward's with its type
+        (EpisodeError("the environment of row 3 (prompt 3) raised in step() at turn 1"), ""),
+        (RewardError("task.rewards[0]='boom.py:score' raised KeyError"), "RewardError: "),
+    ],
+)
+def test_an_error_in_the_step_0_evaluation_names_it(tmp_path: Path, capsys, error, shown) -> None:
+    # The starting evaluation runs before the step loop: no StepFailed names its step.
+    cfg = load_config(GRPOExampleConfig, None, [f"output.dir={tmp_path}", *TINY[-2:]])
+
+    def evaluate() -> float:
+        raise error
+
+    with pytest.raises(type(error)) as info:
+        start_tracking(cfg, Dist(), 0, evaluate, 0.0)
+    assert str(info.value) == f"evaluation at step 0: {error}"
+    assert info.value.__cause__ is error
+    capsys.readouterr()
+    _one_line_error(type(info.value), info.value, None)
+    assert capsys.readouterr().err.startswith(f"error: {shown}evaluation at step 0: {error}")
 
 
 # Raises on a rollout's 8 rows (4 prompts x 2), not on the warm start's or evaluations' rows.

@@ -153,6 +153,19 @@ def test_resume_takes_the_saved_config_and_applies_only_the_overrides(
     assert cfg.train.mini_batch_size == 48
 
 
+def test_overrides_may_follow_the_options(tmp_path: Path) -> None:
+    # `output.dir=X --resume train.steps=25`: overrides on both sides of an option all count.
+    out = tmp_path / "run"
+    _saved_run(out, [f"output.dir={out}"])
+    cfg, args = _parse(
+        [f"output.dir={out}", "--resume", "train.steps=25", "--debug", "train.seed=3"]
+    )
+    assert (cfg.train.steps, cfg.train.seed, args.debug) == (25, 3, True)
+    assert args.overrides == [f"output.dir={out}", "train.steps=25", "train.seed=3"]
+    cfg, args = _parse([f"output.dir={out}", "--overwrite", "train.steps=7"])
+    assert cfg.train.steps == 7 and args.overwrite
+
+
 def test_resume_errors(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     for argv, message in [

@@ -24,7 +24,7 @@ from microrl.configs.loader import load_config
 from microrl.configs.run import RolloutConfig
 from microrl.engine.rollout import Rollout, SamplingParams
 from microrl.losses import PolicyLossConfig
-from microrl.remote.trainer.hf_worker import POLICY_VERSION_KEY, Job
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job
 from microrl.run import Dist, RolloutPrefetcher, resumed_rollouts, warn_if_uncorrected
 from microrl.tasks import AdditionTask
 

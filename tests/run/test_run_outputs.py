@@ -2,7 +2,7 @@
 
 - ``output.log_samples_every``: a few sampled completions (step, group, reward, prompt,
   response) in ``samples.jsonl`` and as a TensorBoard text table, one response per prompt
-  first; rank 0 only; ``--resume`` continues the file after the checkpoint's step;
+  first (a multi-turn row's prompt as the model saw it); rank 0 only; ``--resume`` continues the file after the checkpoint's step;
 - ``output.export_merged``: ``merged/``, a plain transformers checkpoint with its tokenizer,
   whose log-probs are the trained policy's (the base model with the adapter loaded by peft);
 - the end-of-run line lists both.
@@ -19,8 +19,9 @@ from example_utils import TINY_MODEL, TINY_RL, load_example
 from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 from tensordict import TensorDict
 
-from microrl.engine.rollout import Rollout
+from microrl.engine.rollout import Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.run import Tracker, read_metrics, sample_rows
+from microrl.run.toy_model import build_tokenizer
 from microrl.run.tracking import SAMPLES_FILE
 from microrl.tasks import Problem
 
@@ -63,6 +64,54 @@ def test_sample_rows_show_one_response_per_prompt_first() -> None:
     ]
     assert rows[5] == {"group": 2, "reward": 0.5, "prompt": "3+3=", "response": "7"}
     assert type(rows[0]["reward"]) is float
+
+
+class _Sevens(RolloutBackend):
+    """Every turn is ``7<eos>``."""
+
+    def _sample(self, prompt_ids, params) -> Samples:
+        ids = [self.tokenizer.convert_tokens_to_ids("7"), self.tokenizer.eos_token_id]
+        return Samples(token_ids=[ids] * len(prompt_ids), logprobs=[[-0.5, -0.5]] * len(prompt_ids))
+
+
+class _WrappingEnv:
+    """Puts a system message before the dataset prompt; a ``+`` hint, then done."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def init(self, prompt):
+        return [{"role": "system", "content": "9 "}, {"role": "user", "content": prompt}], {}
+
+    def step(self, action):
+        self.turns += 1
+        done = self.turns == 2
+        hint = [] if done else [{"role": "user", "content": "+"}]
+        return {"observations": hint, "reward": 1.0, "done": done}
+
+
+def test_a_multi_turn_rows_prompt_is_what_the_model_saw() -> None:
+    # Not the dataset prompt: the environment's first input, rendered (the toy tokenizer's plain
+    # template: <bos>, then the messages' contents), beside the trajectory with its hint.
+    tokenizer = build_tokenizer()
+    problems = [Problem("1+1=", "2"), Problem("22+3=", "25")]
+    rollout = _Sevens(tokenizer).run_episodes(
+        [p.prompt for p in problems],
+        lambda i: _WrappingEnv(),
+        SamplingParams(num_samples=2, max_new_tokens=4),
+        max_turns=3,
+        max_tokens=16,
+    )
+    rows = list(sample_rows(rollout, problems, rollout.rewards, tokenizer))
+    assert [(r["group"], r["prompt"]) for r in rows] == [
+        (0, "<bos>9 1+1="),
+        (1, "<bos>9 22+3="),
+        (0, "<bos>9 1+1="),
+        (1, "<bos>9 22+3="),
+    ]
+    assert rows[0]["response"] == "7<eos>+7<eos>" and rows[0]["reward"] == 2.0
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        sample_rows(rollout, problems, rollout.rewards)
 
 
 def _log_steps(out: Path, start: int, end: int, *, every: int, per_step: int = 2) -> None:

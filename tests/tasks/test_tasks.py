@@ -6,7 +6,9 @@
   batch, are summed with weights, and every bad input is an error naming its config key;
 - the built-in word problems are deterministic, hold out a disjoint set and are scored by the
   last number of the response;
-- the default task is exactly the addition task of before (same prompts, same token ids).
+- the default task is exactly the addition task of before (same prompts, same token ids);
+- a tokenizer that does not decode the task's prompts back to their text is an error naming
+  ``model.path``.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ def test_every_bad_dataset_input_names_its_key(tmp_path, monkeypatch, change, ke
     ],
 )
 def test_config_errors_name_the_key(override: str, key: str) -> None:
-    with pytest.raises(ValueError, match=rf"invalid config key '{key}'"):
+    with pytest.raises(ValueError, match=rf"bad value for config key '{key}'"):
         load_config(GRPOExampleConfig, None, [override])
     with pytest.raises(ValueError, match=r"'task\.rewards'"):
         load_config(GRPOExampleConfig, None, ["task.name=dataset", "task.train_file=a.jsonl"])
@@ -454,6 +456,29 @@ def test_word_problems_are_deterministic_held_out_and_scored_by_the_last_number(
         make_task(cfg, build_tokenizer())
     with pytest.raises(ValueError, match=r"task\.eval_size"):
         WordProblemTask(2, 10_000)
+
+
+def test_a_tokenizer_that_does_not_give_its_prompts_back_is_an_error(tmp_path: Path) -> None:
+    # transformers 5 loads the toy tokenizer saved beside a Qwen2 config.json as its own
+    # Qwen2Tokenizer, which drops the spaces: no token is unknown, but the text is not the same.
+    from transformers import Qwen2Config
+
+    from microrl.run.toy_model import load_tokenizer
+
+    cfg = TaskConfig(name="word_problems", max_operand=20, eval_size=50)
+    tokenizer = build_tokenizer(make_task(cfg).toy_alphabet)
+    make_task(cfg, tokenizer)  # the tokenizer as built writes every prompt back
+    tokenizer.save_pretrained(tmp_path)
+    size = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    Qwen2Config(vocab_size=len(tokenizer), num_hidden_layers=1, **size).save_pretrained(tmp_path)
+    swapped = load_tokenizer(tmp_path)
+    message = (
+        rf"model\.path='{re.escape(str(tmp_path))}' \({type(swapped).__name__}\).*comes back as"
+    )
+    with pytest.raises(ValueError, match=message):
+        make_task(cfg, swapped)
+    # The addition prompts have no spaces: that tokenizer writes them as they are.
+    make_task(TaskConfig(), swapped)
 
 
 def test_no_warm_start_for_a_dataset_task(tmp_path: Path) -> None:

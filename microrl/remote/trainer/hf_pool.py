@@ -5,7 +5,6 @@ How it works, in full: docs/async.md#the-pool-of-hf-workers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
@@ -15,18 +14,23 @@ from typing import Any
 import torch
 
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.base import (
+    SEED_RANGE,
+    Rollout,
+    SamplingParams,
+    check_tokenizer,
+    draw_seed,
+    encode_prompts,
+)
 from microrl.engine.rollout.episodes import EpisodeError
 from microrl.engine.rollout.merge import merge_rollouts
+from microrl.engine.rollout.sync_check import SyncCheckError
 from microrl.remote.trainer.hf_worker import (
     AsyncRollout,
-    Job,
-    SyncCheckError,
-    WorkerError,
-    draw_seed,
-    gather_weights,
+    GlooBroadcast,
     warn_if_oversubscribed,
 )
+from microrl.remote.trainer.protocol import AsyncSamplerBase, Job, WorkerError
 
 __all__ = [
     "AsyncRolloutPool",
@@ -38,7 +42,6 @@ __all__ = [
     "split_sizes",
 ]
 
-_SEED_RANGE = 2**31 - 1  # AsyncRollout's seed draws: [0, 2**31 - 1)
 # The start of the message of the EpisodeError a worker raises when every episode of its part
 # failed under skip_env_errors (microrl.engine.rollout.episodes._Player.finish): in a pool that
 # part is only dropped, as its rows would be from one worker, unless every part's are.
@@ -68,7 +71,7 @@ def part_seeds(seed: int, parts: int) -> list[int]:
     if parts <= 1:
         return [seed][:parts]
     generator = torch.Generator().manual_seed(seed)
-    return [seed, *torch.randint(_SEED_RANGE, (parts - 1,), generator=generator).tolist()]
+    return [seed, *torch.randint(SEED_RANGE, (parts - 1,), generator=generator).tolist()]
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class PoolJob(Job):
     skip_env_errors: bool = False
 
 
-class AsyncRolloutPool(RolloutBackend):
+class AsyncRolloutPool(AsyncSamplerBase):
     """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together
     (see the module docstring).
 
@@ -118,7 +121,7 @@ class AsyncRolloutPool(RolloutBackend):
         num_threads: int = 1,
         name: str | None = None,
     ) -> None:
-        super().__init__(tokenizer)
+        self.tokenizer = check_tokenizer(tokenizer)
         count = check_num_workers(num_workers)
         self.engine = engine
         rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
@@ -126,7 +129,7 @@ class AsyncRolloutPool(RolloutBackend):
         #: How errors name the pool.
         self.name = f"the {count} rollout workers{rank}" if name is None else f"{name} 1-{count}"
         self.version = int(version)
-        self._has_env_maker = env_maker is not None
+        self.env_maker = env_maker
         self._jobs = itertools.count()
         self._closed = False
         #: Per collected job (in collect order): the wall seconds of its slowest part (the
@@ -136,6 +139,8 @@ class AsyncRolloutPool(RolloutBackend):
         warn_if_oversubscribed(self.name, [num_threads] * count)
         #: The workers, in the order of the chunks they sample.
         self.workers: list[AsyncRollout] = []
+        #: How each sync reaches the workers: gathered once, broadcast to each.
+        self.weight_sync = GlooBroadcast(self.workers)
         try:
             for index in range(count):  # spawned together: each builds its model meanwhile
                 self.workers.append(
@@ -191,18 +196,9 @@ class AsyncRolloutPool(RolloutBackend):
             return
         self._closed = True
         for worker in self.workers:  # an idle worker exits as soon as it reads this
-            commands = getattr(worker, "_commands", None)
-            if commands is not None and worker.process is not None and worker.process.is_alive():
-                with contextlib.suppress(Exception):
-                    commands.put(("close",))
+            worker.request_stop()
         for worker in self.workers:
             worker.close()
-
-    def __enter__(self) -> AsyncRolloutPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
@@ -210,13 +206,9 @@ class AsyncRolloutPool(RolloutBackend):
         (``version + 1``): gathered once, checked by each worker (see :meth:`AsyncRollout.sync`).
         Returns at once. Collective under ``torchrun``."""
         self._check_open()
-        engine = engine or self.engine
-        first = self.workers[0]
-        state = gather_weights(engine.module, first._prefix, trainable_only=True)
-        expected = first._expected_of(engine, state)  # the same probe in every worker
-        self.version += 1
-        for worker in self.workers:
-            worker._push_next(engine, state, expected)
+        version = self.version + 1
+        self.weight_sync.push(engine or self.engine, version)
+        self.version = version
 
     def poll(self) -> None:
         """Handle what every worker has sent so far (checks of finished syncs; errors)."""
@@ -232,35 +224,26 @@ class AsyncRolloutPool(RolloutBackend):
         the workers; returns the :class:`PoolJob`, whose rollout :meth:`collect` returns."""
         self._check_open()
         _check_params(params)
-        return self._split("generate", self._encode(prompts), params, lambda c, p: (c, p))
-
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-    ) -> PoolJob:
-        """Queue the multi-turn episodes of ``problems``, split over the workers (as
-        :meth:`AsyncRollout.submit_episodes`). With ``skip_env_errors`` a part whose every
-        episode failed is dropped like its rows (``episodes/env_errors`` counts them)."""
-        self._check_open()
-        if not self._has_env_maker:
-            raise ValueError("submit_episodes needs the env_maker given to AsyncRolloutPool")
-        _check_params(params)
-        problems = list(problems)
-        if not problems:
-            raise ValueError("problems must be a non-empty list")
-        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
         return self._split(
-            "episodes", problems, params, lambda c, p: (c, p, limits), skip_env_errors
+            prompt_ids, params, lambda worker, chunk, p, seed: worker.submit(chunk, p, seed=seed)
         )
 
+    def _submit_episodes(self, problems, params, limits, seed) -> PoolJob:
+        """Split over the workers (as :meth:`AsyncRollout.submit_episodes`); with
+        ``skip_env_errors`` a part whose every episode failed is dropped like its rows
+        (``episodes/env_errors`` counts them). ``seed``: unused, a pool draws part seeds."""
+        self._check_open()
+
+        def submit(worker: AsyncRollout, chunk: list, part_params: SamplingParams, seed: int):
+            return worker.submit_episodes(chunk, part_params, **limits, seed=seed)
+
+        return self._split(problems, params, submit, "episodes", limits["skip_env_errors"])
+
     def _split(
-        self, kind: str, items: list, params: SamplingParams, args, skip_env_errors=False
+        self, items: list, params: SamplingParams, submit, kind="generate", skip_env_errors=False
     ) -> PoolJob:
+        """``submit(worker, chunk, params, seed)`` for each worker's contiguous chunk."""
         seeds = part_seeds(draw_seed(params), len(self.workers))
         parts, start = [], 0
         for index, size in enumerate(split_sizes(len(items), len(self.workers))):
@@ -268,9 +251,7 @@ class AsyncRolloutPool(RolloutBackend):
                 break  # the sizes do not increase: no worker after this one has prompts
             part_params = params if params.seed is None else _with_seed(params, seeds[index])
             chunk = items[start : start + size]
-            job = self.workers[index]._submit(
-                kind, args(chunk, part_params), part_params, seed=seeds[index]
-            )
+            job = submit(self.workers[index], chunk, part_params, seeds[index])
             parts.append(Part(index, job, start, size))
             start += size
         return PoolJob(
@@ -292,7 +273,7 @@ class AsyncRolloutPool(RolloutBackend):
         for part in job.parts:  # every part, even after an error: none is left behind
             worker = self.workers[part.worker]
             try:
-                results.append((part, *worker._collect(part.job)))
+                results.append((part, *worker.collect_timed(part.job)))
             except EpisodeError as err:
                 if job.skip_env_errors and str(err).startswith(_ALL_EPISODES_FAILED):
                     dropped.append(part)
@@ -307,11 +288,6 @@ class AsyncRolloutPool(RolloutBackend):
             worker.poll()
         self.job_seconds.append(max((s[0] for _, _, s in results), default=0.0))
         self.job_cpu_seconds.append(sum(s[1] for _, _, s in results))
-        if job.kind == "sample":
-            return Samples(
-                token_ids=[ids for _, samples, _ in results for ids in samples.token_ids],
-                logprobs=[lps for _, samples, _ in results for lps in samples.logprobs],
-            )
         if not results:
             rows = sum(part.size for part in dropped) * job.num_samples
             raise EpisodeError(
@@ -332,24 +308,6 @@ class AsyncRolloutPool(RolloutBackend):
         # whose every row was dropped keeps its gap, as from one worker).
         group_ids = torch.cat([rollout.group_ids + part.start for part, rollout, _ in results])
         return dataclasses.replace(merged, group_ids=group_ids, metrics=metrics)
-
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        """Sample now, at the latest pushed version (submit + collect)."""
-        return self.collect(self.submit(prompts, params))
-
-    def run_episodes(self, prompts, make_env, params, **limits) -> Rollout:
-        """Not here: see :meth:`submit_episodes` (a ``make_env`` closure cannot reach the
-        worker processes)."""
-        raise TypeError(
-            "AsyncRolloutPool plays episodes in its worker processes, where a make_env closure "
-            "cannot go: use submit_episodes(problems, ...) with the env_maker given at "
-            "construction"
-        )
-
-    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
-        self._check_open()
-        _check_params(params)
-        return self.collect(self._split("sample", prompt_ids, params, lambda c, p: (c, p)))
 
     # ----------------------------------------------------------------- helpers
     def _check_open(self) -> None:

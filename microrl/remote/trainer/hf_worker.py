@@ -18,7 +18,6 @@ import signal
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +29,21 @@ from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.ulysses_attention import base_implementation
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.base import (
+    Rollout,
+    SamplingParams,
+    check_tokenizer,
+    draw_seed,
+    encode_prompts,
+)
 from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
-from microrl.engine.rollout.layout import build_rollout
+from microrl.engine.rollout.sync_check import (
+    default_sync_check_tol,
+    engine_probe,
+)
+from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.worker.main import (
     WorkerSpec,
     checksums_differ,
@@ -44,85 +54,12 @@ from microrl.remote.worker.main import (
     worker_main,
 )
 
-__all__ = [
-    "FP32_SYNC_CHECK_TOL",
-    "LOW_PRECISION_SYNC_CHECK_TOL",
-    "POLICY_VERSION_KEY",
-    "SYNC_CHECK_STAT",
-    "AsyncRollout",
-    "Job",
-    "SyncCheckError",
-    "WorkerError",
-    "build_probe",
-]
+__all__ = ["AsyncRollout", "GlooBroadcast"]
 
 logger = logging.getLogger(__name__)
 
-#: The per-row ``[B]`` int64 batch key holding the policy version a row was sampled with.
-POLICY_VERSION_KEY = "policy_version"
-#: The probe statistic ``sync_check_tol`` bounds: the mean |trainer - sampler| log-prob over the
-#: probe's tokens. Not the max: bf16 rounds a logit of ~20 by up to 0.06, so the largest of the
-#: ~50 differences is a few tokens' rounding, 2x apart from probe to probe (nor k3, which one
-#: token far below the trainer's log-prob dominates through its exp).
-SYNC_CHECK_STAT = "sync/probe_abs_diff_mean"
-#: Default ``sync_check_tol`` of a float32 engine: a float32 sampler's forward differs from the
-#: engine's (fused head, other batch shapes) by fp32 rounding, 10x below this; a push one
-#: optimizer step stale, even by one tensor at lr 1e-6, moves the probe by more
-#: (benchmarks/README.md#sync-check).
-FP32_SYNC_CHECK_TOL = 5e-5
-#: Default ``sync_check_tol`` of a 16-bit engine (a bf16/fp16 base or bf16 autocast): a bf16
-#: sampler (the ``hf`` worker's autocast, or bf16 weights as a vLLM server holds them) differs
-#: from the engine's fp32 head on bf16 activations by bf16 rounding, which grows with depth; this
-#: passes it with a 2x margin and fails a push that did not land (a sampler far behind, a lost
-#: tensor). A push one step stale is within the bf16 noise, which only the ``hf`` worker's
-#: per-tensor checksums see (benchmarks/README.md#sync-check).
-LOW_PRECISION_SYNC_CHECK_TOL = 0.25
-# Rows and length of the probe batch.
-_PROBE_ROWS, _PROBE_LEN = 4, 16
 
-
-class WorkerError(RuntimeError):
-    """The worker failed, died, or did not answer in time."""
-
-
-class SyncCheckError(RuntimeError):
-    """A weight push whose probe log-probs or tensor checksums differ from the trainer's."""
-
-
-@dataclass(frozen=True)
-class Job:
-    """A submitted job: its id and the policy version it samples."""
-
-    id: int
-    version: int
-    kind: str
-
-
-def build_probe(vocab_size: int, max_positions: int, tokenizer, *, seed: int = 0) -> TensorDict:
-    """The fixed probe batch of a sync check: a few rows of random tokens (never ``<eos>`` or
-    padding) with prompts of different lengths, in the rollout layout (``input_ids``,
-    ``attention_mask``, ``loss_mask`` on the "response")."""
-    gen = torch.Generator().manual_seed(seed)
-    specials = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    allowed = torch.tensor([t for t in range(vocab_size) if t not in specials])
-    length = max(_PROBE_ROWS + 2, min(_PROBE_LEN, max_positions))
-    prompts, responses = [], []
-    for row in range(_PROBE_ROWS):  # prompts of 1, 2, ... tokens: left padding of every width
-        draw = allowed[torch.randint(len(allowed), (length,), generator=gen)].tolist()
-        prompts.append(draw[: row + 1])
-        responses.append(draw[row + 1 : row + 1 + length - _PROBE_ROWS])
-    samples = Samples(token_ids=responses, logprobs=[[0.0] * len(r) for r in responses])
-    batch = build_rollout(
-        prompts,
-        samples,
-        num_samples=1,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return batch.select("input_ids", "attention_mask", "loss_mask")
-
-
-class AsyncRollout(RolloutBackend):
+class AsyncRollout(AsyncSamplerBase):
     """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
 
     Args:
@@ -161,7 +98,7 @@ class AsyncRollout(RolloutBackend):
         wait: bool = True,
         check_threads: bool = True,
     ) -> None:
-        super().__init__(tokenizer)
+        self.tokenizer = check_tokenizer(tokenizer)
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
         if not timeout_s > 0:
@@ -184,19 +121,16 @@ class AsyncRollout(RolloutBackend):
         self.job_seconds: list[float] = []
         self.job_cpu_seconds: list[float] = []
         self.sync_seconds: list[float] = []
-        self._prefix, base = locate_base_model(engine.module)
-        self.probe = build_probe(
-            engine.vocab_size,
-            getattr(base.config, "max_position_embeddings", _PROBE_LEN),
-            tokenizer,
-        )
+        #: Where the causal LM sits in the engine's module (its tensors are named from there).
+        self.prefix, base = locate_base_model(engine.module)
+        self.probe = engine_probe(engine, tokenizer)
         self._expected: dict[int, tuple[torch.Tensor, dict[str, tuple[float, ...]]]] = {}
         self._done: dict[int, tuple[int, Any, tuple[float, float]]] = {}
         self._jobs = itertools.count()
         self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
         self._closed = False
         self.process = None
-        self._has_env_maker = env_maker is not None
+        self.env_maker = env_maker
         env_bytes = None
         if env_maker is not None:
             try:
@@ -208,6 +142,8 @@ class AsyncRollout(RolloutBackend):
                 ) from err
         if check_threads:
             warn_if_oversubscribed(self.name, [num_threads])
+        #: How each sync reaches the worker: over its gloo group.
+        self.weight_sync: WeightSync = GlooBroadcast([self])
         self._spawn(engine, base, tokenizer, env_bytes, num_threads)
         if wait:
             self.wait_started()
@@ -295,34 +231,36 @@ class AsyncRollout(RolloutBackend):
                 group.abort()  # a push to a worker that died must not block the exit
         self._pending_works.clear()
 
-    def __enter__(self) -> AsyncRollout:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def request_stop(self) -> None:
+        """Ask a live worker to exit once idle, without waiting (a pool asks all before closing
+        each)."""
+        if self.process is not None and self.process.is_alive():
+            with contextlib.suppress(Exception):
+                self._commands.put(("close",))
 
     # ----------------------------------------------------------------- weights
     def _gather(self, engine, *, trainable_only: bool) -> dict[str, torch.Tensor]:
-        return gather_weights(engine.module, self._prefix, trainable_only=trainable_only)
+        return gather_weights(engine.module, self.prefix, trainable_only=trainable_only)
 
     def sync(self, engine=None) -> None:
-        """Push the engine's current weights as the next version (``version + 1``); jobs
-        submitted from now on sample them. Returns at once: the worker loads them after the jobs
-        before; the check of this push runs when its answer arrives (:meth:`collect`,
-        :meth:`poll`). Collective under ``torchrun`` (the weights are gathered)."""
+        """Push the engine's current weights as the next version (``version + 1``) through
+        :attr:`weight_sync`; jobs submitted from now on sample them. Returns at once: the worker
+        loads them after the jobs before; the check of this push runs when its answer arrives
+        (:meth:`collect`, :meth:`poll`). Collective under ``torchrun`` (the weights are
+        gathered)."""
         self._check_open()
-        engine = engine or self.engine
-        self._push_next(engine, self._gather(engine, trainable_only=True))
+        self.weight_sync.push(engine or self.engine, self.version + 1)
 
-    def _push_next(self, engine, state: dict[str, torch.Tensor], expected=None) -> None:
-        """Push ``state`` (the trainable tensors, gathered) as version ``version + 1``;
-        ``expected``: its :meth:`_expected_of` when the caller computed it (a pool: once for
-        all its workers)."""
+    def push_version(
+        self, engine, state: dict[str, torch.Tensor], version: int, expected=None
+    ) -> None:
+        """Send ``state`` (the trainable tensors, gathered) as ``version``; ``expected``: its
+        :meth:`expected_of` when the caller computed it (a pool: once for all its workers)."""
         self._check_open()
-        self.version += 1
+        self.version = version
         self._push(engine, state, "trainable", expected)
 
-    def _expected_of(self, engine, state: dict[str, torch.Tensor]):
+    def expected_of(self, engine, state: dict[str, torch.Tensor]):
         """What the worker must answer to a push of ``state``: the engine's probe log-probs
         now and the tensors' checksums."""
         expected_probe = engine.infer_batch(self.probe)["logprobs"].float().cpu()
@@ -335,7 +273,7 @@ class AsyncRollout(RolloutBackend):
                 f"the engine's {layout} tensors changed since {self.name} started (names, "
                 "shapes or dtypes): a worker copies a fixed set"
             )
-        self._expected[self.version] = expected or self._expected_of(engine, state)
+        self._expected[self.version] = expected or self.expected_of(engine, state)
         self._commands.put(("weights", self.version, layout))
         self._broadcast(state, entries)
 
@@ -368,32 +306,29 @@ class AsyncRollout(RolloutBackend):
         self._commands.put((kind, job.id, seed, args))
         return job
 
-    def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
-        """Queue sampling ``params.num_samples`` responses per prompt (as :meth:`generate`);
-        returns the :class:`Job`, whose rollout :meth:`collect` returns."""
-        return self._submit("generate", (self._encode(prompts), params), params)
-
-    def submit_episodes(
+    def submit(
         self,
-        problems: Sequence[Any],
+        prompts: Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams,
         *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
+        seed: int | None = None,
     ) -> Job:
-        """Queue the multi-turn episodes of ``problems`` (as :meth:`run_episodes`, each row's
-        environment ``env_maker(problem)``, built in the worker)."""
-        if not self._has_env_maker:
-            raise ValueError("submit_episodes needs the env_maker given to AsyncRollout")
-        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
-        return self._submit("episodes", (list(problems), params, limits), params)
+        """Queue sampling ``params.num_samples`` responses per prompt (``HFRollout.generate``
+        in the worker); returns the :class:`Job`, whose rollout :meth:`collect` returns.
+        ``seed``: the job's seed (a pool's part seed); None: :func:`draw_seed`."""
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        return self._submit("generate", (prompt_ids, params), params, seed)
+
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """The episodes run in the worker (``HFRollout.run_episodes``), each row's environment
+        built there by ``env_maker``."""
+        return self._submit("episodes", (problems, params, limits), params, seed)
 
     def collect(self, job: Job) -> Rollout:
         """The rollout of ``job`` (waiting for it); its batch carries ``policy_version``."""
-        return self._collect(job)[0]
+        return self.collect_timed(job)[0]
 
-    def _collect(self, job: Job) -> tuple[Any, tuple[float, float]]:
+    def collect_timed(self, job: Job) -> tuple[Rollout, tuple[float, float]]:
         """:meth:`collect`, and the worker's wall and CPU seconds for the job."""
         self._check_open()
         while job.id not in self._done:
@@ -404,8 +339,6 @@ class AsyncRollout(RolloutBackend):
                 f"{self.name} sampled job {job.id} with policy version {version}, but "
                 f"version {job.version} was the last pushed before it"
             )
-        if job.kind == "sample":
-            return payload, seconds
         rows = len(payload["texts"])
         batch = TensorDict(payload["batch"], batch_size=[rows])
         batch[POLICY_VERSION_KEY] = torch.full((rows,), version, dtype=torch.long)
@@ -429,21 +362,6 @@ class AsyncRollout(RolloutBackend):
             except queue.Empty:
                 return
             self._handle(message)
-
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        """Sample now, at the latest pushed version (submit + collect)."""
-        return self.collect(self.submit(prompts, params))
-
-    def run_episodes(self, prompts, make_env, params, **limits) -> Rollout:
-        """Not here: see :meth:`submit_episodes` (a ``make_env`` closure cannot reach the
-        worker process)."""
-        raise TypeError(
-            "AsyncRollout plays episodes in its worker process, where a make_env closure cannot "
-            "go: use submit_episodes(problems, ...) with the env_maker given at construction"
-        )
-
-    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
-        return self.collect(self._submit("sample", (prompt_ids, params), params))
 
     # ----------------------------------------------------------------- messages
     def _wait_for(self, kind: str, what: str) -> None:
@@ -506,19 +424,17 @@ class AsyncRollout(RolloutBackend):
 
     def _verify(self, version: int, probe: torch.Tensor, sums: dict) -> None:
         expected_probe, expected_sums = self._expected.pop(version)
-        stats = probe_stats(expected_probe, probe, self.probe["loss_mask"].cpu())
-        self.sync_stats[version] = stats
         differ = [n for n in expected_sums if checksums_differ(expected_sums[n], sums.get(n))]
-        if differ or sync_check_fails(stats, self.sync_check_tol):
-            tensors = (
-                "tensors that differ: "
-                + ", ".join(f"{tensor_family(n)} ({n})" for n in differ[:6])
-                + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
-                if differ
-                else "every tensor's checksum agrees: the forwards differ (dtype, kernels); "
-                "raise the tolerance if that is expected"
-            )
-            raise sync_check_error(version, self.name, stats, self.sync_check_tol, tensors)
+        tensors = (
+            "tensors that differ: "
+            + ", ".join(f"{tensor_family(n)} ({n})" for n in differ[:6])
+            + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+            if differ
+            else "every tensor's checksum agrees: the forwards differ (dtype, kernels); "
+            "raise the tolerance if that is expected"
+        )
+        verifier = ProbeVerifier.of(self)
+        verifier.verify(version, self.name, expected_probe, probe, tensors, failed=bool(differ))
 
     # ----------------------------------------------------------------- helpers
     def _check_open(self) -> None:
@@ -526,19 +442,20 @@ class AsyncRollout(RolloutBackend):
             raise WorkerError(f"{self.name} is closed")
 
 
-def sync_check_error(
-    version: int, target: str, stats: dict[str, float], tol: float, detail: str
-) -> SyncCheckError:
-    """The error of a push to ``target`` whose probe (``stats``, :func:`probe_stats`) or tensors
-    failed the check: it names the version, the step whose weights they are, the difference
-    against ``tol`` (``rollout.sync_check_tol``) and ``detail`` (what differs, or was pushed)."""
-    return SyncCheckError(
-        f"the weight sync of policy version {version} (the weights after step {version}) to "
-        f"{target} failed its check: probe log-probs differ by "
-        f"{stats[SYNC_CHECK_STAT]:.3g} on average ({SYNC_CHECK_STAT}, the mean |difference| "
-        f"over the probe's tokens; tolerance {tol:g}, rollout.sync_check_tol; at most "
-        f"{stats['sync/probe_abs_diff_max']:.3g}, k3 KL {stats['sync/probe_kl']:.3g}); {detail}"
-    )
+class GlooBroadcast(WeightSync):
+    """Path 1: the trainable tensors gathered once (:func:`gather_weights`) and broadcast over
+    each ``hf`` worker's gloo group; each worker answers with its probe log-probs and the
+    tensors' checksums, checked when the answer arrives (:meth:`AsyncRollout.poll`)."""
+
+    def __init__(self, workers: Sequence[AsyncRollout]) -> None:
+        self.workers = workers  # the pool's list, filled as its workers start
+
+    def push(self, engine, version: int) -> None:
+        first = self.workers[0]
+        state = gather_weights(engine.module, first.prefix, trainable_only=True)
+        expected = first.expected_of(engine, state)  # the same probe in every worker
+        for worker in self.workers:
+            worker.push_version(engine, state, version, expected)
 
 
 def unwrapped_attention(config):
@@ -552,12 +469,6 @@ def unwrapped_attention(config):
     if name is not None:
         config._attn_implementation = name
     return config
-
-
-def draw_seed(params: SamplingParams) -> int:
-    """A job's seed: ``params.seed``, else drawn from torch's default generator (so a run that
-    checkpoints torch's RNG state draws the same seeds when resumed)."""
-    return params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()))
 
 
 def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
@@ -588,33 +499,6 @@ def gather_weights(module, prefix: str, *, trainable_only: bool) -> dict[str, to
     ``module``, :func:`~microrl.engine.checkpoint.export.locate_base_model`). Collective under
     ``torchrun``; one full tensor at a time on a GPU (:func:`gather_full_weights`)."""
     return gather_full_weights(module, prefix, trainable_only=trainable_only)
-
-
-def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The statistics of ``d = expected - actual`` over the probe's tokens (``mask``), from the
-    trainer's and the sampler's log-prob sets ``[B, T]``, in float64: ``sync/probe_kl`` (the
-    mean k3 estimator ``exp(d) - 1 - d``), ``sync/probe_abs_diff_max`` and
-    ``sync/probe_abs_diff_mean`` (:data:`SYNC_CHECK_STAT`, what the check bounds)."""
-    delta = (expected.double() - actual.double())[mask]
-    return {
-        "sync/probe_kl": float((torch.expm1(delta) - delta).mean()),
-        "sync/probe_abs_diff_max": float(delta.abs().max()),
-        SYNC_CHECK_STAT: float(delta.abs().mean()),
-    }
-
-
-def sync_check_fails(stats: dict[str, float], tol: float) -> bool:
-    """Whether a push's probe :func:`probe_stats` fail the check: :data:`SYNC_CHECK_STAT` above
-    ``tol`` (or not a number)."""
-    return not stats[SYNC_CHECK_STAT] <= tol
-
-
-def default_sync_check_tol(engine) -> float:
-    """The default ``sync_check_tol`` of ``engine``'s precision (:data:`FP32_SYNC_CHECK_TOL`,
-    :data:`LOW_PRECISION_SYNC_CHECK_TOL`)."""
-    autocast = engine_autocast_dtype(engine) is not None
-    full_precision = setup.base_dtype(engine.config).itemsize >= 4 and not autocast
-    return FP32_SYNC_CHECK_TOL if full_precision else LOW_PRECISION_SYNC_CHECK_TOL
 
 
 def _stop_worker(process: multiprocessing.Process, commands, results) -> None:

@@ -18,14 +18,12 @@ import torch.distributed as dist
 
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.base import Rollout, SamplingParams
+from microrl.engine.rollout.base import Rollout, SamplingParams, draw_seed
 from microrl.engine.rollout.full_weights import FullWeights
-from microrl.remote.trainer.hf_worker import Job, WorkerError, build_probe, draw_seed
+from microrl.engine.rollout.sync_check import engine_probe
+from microrl.remote.trainer.protocol import Job, WorkerError
 
 __all__ = ["SPGroupSampler", "join_hf_push"]
-
-# The probe's rows are as long as the model allows, up to this (AsyncRollout's probe).
-_PROBE_POSITIONS = 16
 
 
 class SPGroupSampler:
@@ -48,8 +46,10 @@ class SPGroupSampler:
         *,
         version: int,
         join_push: Callable[[Any], None] | None = None,
+        engine: Any = None,
     ) -> None:
         self.sampler, self.group, self.join_push = sampler, group, join_push
+        self.engine = engine  # what sync() pushes when given none
         self.leader = dist.get_global_rank(group, 0)
         self.is_leader = dist.get_rank(group) == 0
         if self.is_leader != (sampler is not None) or self.is_leader == (join_push is not None):
@@ -75,11 +75,11 @@ class SPGroupSampler:
         push of each worker. Collective over every process."""
         group = engine.sp_group
         if dist.get_rank(group) == 0:
-            return cls(make_sampler(), group, version=version)
+            return cls(make_sampler(), group, version=version, engine=engine)
         join = _HFPushJoiner(engine, tokenizer)
         for _ in range(num_workers):  # each worker's start pushes everything, then checks it
             join(engine, first=True)
-        return cls(None, group, version=version, join_push=join)
+        return cls(None, group, version=version, join_push=join, engine=engine)
 
     # ----------------------------------------------------------------- state
     @property
@@ -94,8 +94,10 @@ class SPGroupSampler:
         return self.sampler.sync_stats if self.is_leader else self._sync_stats
 
     # ----------------------------------------------------------------- weights
-    def sync(self, engine) -> None:
-        """Push ``engine``'s weights as the next version. Collective over every process."""
+    def sync(self, engine: Any = None) -> None:
+        """Push ``engine``'s weights (None: the one the group started with) as the next
+        version. Collective over every process."""
+        engine = engine if engine is not None else self.engine
         if self.is_leader:
             self.sampler.sync(engine)
         else:
@@ -109,18 +111,34 @@ class SPGroupSampler:
             self.sampler.poll()
 
     # ----------------------------------------------------------------- jobs
-    def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
+    def submit(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+    ) -> Job:
         """Queue sampling ``params.num_samples`` responses per prompt (the same prompts on every
         process of the group)."""
         if self.is_leader:
             return self.sampler.submit(prompts, params)
         return self._mirror("generate", params)
 
-    def submit_episodes(self, problems: Sequence[Any], params: SamplingParams, **limits: Any):
+    def submit_episodes(
+        self,
+        problems: Sequence[Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+    ) -> Job:
         """Queue the multi-turn episodes of ``problems`` (played by the first process's
         sampler)."""
         if self.is_leader:
-            return self.sampler.submit_episodes(problems, params, **limits)
+            return self.sampler.submit_episodes(
+                problems,
+                params,
+                max_turns=max_turns,
+                max_tokens=max_tokens,
+                skip_env_errors=skip_env_errors,
+            )
         return self._mirror("episodes", params)
 
     def _mirror(self, kind: str, params: SamplingParams) -> Job:
@@ -168,9 +186,8 @@ class _HFPushJoiner:
     """:func:`join_hf_push` with the probe built once."""
 
     def __init__(self, engine: Any, tokenizer: Any) -> None:
-        self.prefix, base = locate_base_model(engine.module)
-        positions = getattr(base.config, "max_position_embeddings", _PROBE_POSITIONS)
-        self.probe = build_probe(engine.vocab_size, positions, tokenizer)
+        self.prefix = locate_base_model(engine.module)[0]
+        self.probe = engine_probe(engine, tokenizer)  # the workers' probe
 
     def __call__(self, engine: Any, *, first: bool = False) -> None:
         join_hf_push(engine, self.prefix, self.probe, first=first)
@@ -182,9 +199,9 @@ def join_hf_push(engine: Any, prefix: str, probe: Any, *, first: bool = False) -
     a worker's start), then the trainable ones, one at a time and dropped, then score ``probe``
     with the engine (under sequence parallelism the group splits its tokens).
 
-    It mirrors ``AsyncRollout.wait_started`` (``first``) and ``AsyncRollout.sync`` /
-    ``AsyncRolloutPool.sync``, in their order: a change there must change this too (the group's
-    collectives would not pair; tests/examples/test_examples_sequence_parallel.py runs both)."""
+    It mirrors ``AsyncRollout.wait_started`` (``first``) and ``GlooBroadcast.push``, in their
+    order: a change there must change this too (the group's collectives would not pair;
+    tests/examples/test_examples_sequence_parallel.py runs both)."""
     passes = (False, True) if first else (True,)
     for trainable_only in passes:
         for _ in FullWeights(engine.module, prefix, trainable_only=trainable_only):

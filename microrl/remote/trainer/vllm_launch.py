@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from microrl.engine.rollout.vllm_args import cli_flags, cpu_scheduler_args, free_port
+from microrl.engine.rollout.vllm_options import cli_flags, cpu_scheduler_args, free_port
 from microrl.remote.trainer.vllm_http import ServerClient, ServerError
 
 __all__ = ["LocalVLLMServer", "engine_traceback", "serve_command", "server_env"]
@@ -62,7 +62,7 @@ def serve_command(
     cached block computed with old weights must not serve a request of the new ones.
     ``tensor_parallel_size > 1`` splits the model over that many GPUs (those of the server's
     ``CUDA_VISIBLE_DEVICES``, :func:`server_env`). On a CPU, no chunked prefill
-    (:func:`~microrl.engine.rollout.vllm_args.cpu_scheduler_args`).
+    (:func:`~microrl.engine.rollout.vllm_options.cpu_scheduler_args`).
     ``engine_args`` (``rollout.vllm.engine_kwargs``, checked by the caller) come last as flags:
     where one sets what a default above set, argparse keeps the last.
     """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from microrl.engine.rollout import vllm_options
 from microrl.engine.rollout.base import SamplingParams
 from microrl.remote.trainer.vllm_http import ServerError
 
@@ -27,23 +28,13 @@ def generate_body(
     eos_token_id: int,
     adapter: str | None,
 ) -> dict[str, Any]:
-    """One prompt's request: ``params.num_samples`` samples (one when greedy: vLLM refuses
-    ``n > 1`` without randomness, the caller sends copies), stopped at ``<eos>`` (the server has
-    no tokenizer to know it), the sampled token's log-prob only, ``adapter`` the LoRA adapter's
-    name (None: the served weights)."""
+    """One prompt's request: vLLM's ``SamplingParams`` of ``params``, as the in-process engine
+    gets them (:func:`~microrl.engine.rollout.vllm_options.sampling_args`: one sample when
+    greedy, the caller sends copies; stopped at ``<eos>``, the server has no tokenizer to know
+    it), ``adapter`` the LoRA adapter's name (None: the served weights)."""
     body: dict[str, Any] = {
         "token_ids": list(prompt_ids),
-        "sampling_params": {
-            "n": 1 if params.greedy else params.num_samples,
-            "temperature": 0.0 if params.greedy else params.temperature,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            "top_p": params.top_p,
-            "max_tokens": params.max_new_tokens,
-            "logprobs": 0,
-            "stop_token_ids": [eos_token_id],
-            "seed": seed % (2**31 - 1),
-            "detokenize": False,
-        },
+        "sampling_params": vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id),
     }
     if adapter is not None:
         body["model"] = adapter

@@ -26,27 +26,24 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
-from microrl.engine.parallel.nodes import shared_tempdir
-from microrl.engine.rollout.base import Rollout, RolloutBackend, Samples, SamplingParams
-from microrl.engine.rollout.full_weights import FullWeights
-from microrl.engine.rollout.vllm_args import (
-    CPU_OWNED,
-    OWNED,
-    SERVER_OWNED,
-    resolve_dtype,
-    user_engine_args,
-)
-from microrl.remote.trainer.hf_worker import (
-    POLICY_VERSION_KEY,
-    Job,
-    WorkerError,
-    build_probe,
-    default_sync_check_tol,
+from microrl.engine.rollout import vllm_options
+from microrl.engine.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    Samples,
+    SamplingParams,
+    check_tokenizer,
     draw_seed,
-    probe_stats,
-    sync_check_error,
-    sync_check_fails,
+    encode_prompts,
 )
+from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.sync_check import (
+    default_sync_check_tol,
+    engine_probe,
+)
+from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
+from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.trainer.vllm_http import ServerClient
 from microrl.remote.trainer.vllm_placement import (
     cuda_visible_devices,
@@ -62,7 +59,7 @@ from microrl.remote.trainer.vllm_requests import (
     prompt_logprobs,
 )
 
-__all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout"]
+__all__ = ["POLICY_VERSION_LAST_KEY", "HTTPAdapterSync", "TransferSync", "VLLMServerRollout"]
 
 #: The per-row ``[B]`` int64 batch key: the policy version of a row's last sampled token.
 POLICY_VERSION_LAST_KEY = "policy_version_last"
@@ -70,7 +67,7 @@ POLICY_VERSION_LAST_KEY = "policy_version_last"
 _REQUESTS_PER_SERVER = 64
 
 
-class VLLMServerRollout(RolloutBackend):
+class VLLMServerRollout(AsyncSamplerBase):
     """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
 
     Args:
@@ -110,7 +107,9 @@ class VLLMServerRollout(RolloutBackend):
         workdir: str | None = None,
         log_dir: str | None = None,
     ) -> None:
-        super().__init__(tokenizer)
+        self.tokenizer = check_tokenizer(tokenizer)
+        #: The layout, episodes and decoding of every backend, sampling through these servers.
+        self.backend = _ServerBackend(self)
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
         if not isinstance(num_workers, int) or num_workers < 1:
@@ -133,19 +132,17 @@ class VLLMServerRollout(RolloutBackend):
         self.job_seconds: list[float] = []
         self.sync_seconds: list[float] = []
         self._prefix, base = locate_base_model(engine.module)
-        self.probe = build_probe(
-            engine.vocab_size, getattr(base.config, "max_position_embeddings", 16), tokenizer
+        self.probe = engine_probe(engine, tokenizer)
+        self.workdir, self._own_workdir = vllm_options.make_workdir(
+            workdir, "microrl-vllm-servers-"
         )
-        self._own_workdir = workdir is None
-        self.workdir = Path(workdir or _shared_tempdir())
         self._jobs = itertools.count()
         self._run_id = secrets.token_hex(4)
         self._futures: dict[int, tuple[Job, Future]] = {}
         self._syncs: dict[int, Future] = {}  # version -> its check (after its load)
-        self._loads: dict[int, Future] = {}  # version -> its load
-        self._loaded: list[int] = []  # adapter versions loaded on the servers
         self._context = threading.local()
-        self._servers, self._pushers = [], []
+        self._servers = []
+        self.weight_sync: WeightSync | None = None
         self._server_gpus: list[list[int]] | None = None  # cuda:N of each local server
         # The dtype full-weight pushes travel in: the local servers' (a bf16 server takes half
         # the bytes of fp32 master weights); None, the trainer's, for servers the user started.
@@ -159,9 +156,9 @@ class VLLMServerRollout(RolloutBackend):
             self._requests = ThreadPoolExecutor(
                 _REQUESTS_PER_SERVER * len(self.clients), thread_name_prefix="microrl-vllm-req"
             )
-            if not self.is_lora:
-                self._start_weight_transfer()
-            self._submit_sync(engine, first=True).result()
+            #: How each sync reaches the servers: an adapter over HTTP, or full weights.
+            self.weight_sync = HTTPAdapterSync(self) if self.is_lora else TransferSync(self)
+            self._submit_sync(engine).result()
         except BaseException:
             self.close()
             raise
@@ -194,7 +191,6 @@ class VLLMServerRollout(RolloutBackend):
             for client in clients:
                 client.get("v1/models")  # reachable, and the key is accepted: fail at start
             return clients
-        from microrl.engine.rollout.vllm import _lora_rank
         from microrl.remote.trainer.vllm_launch import LocalVLLMServer
 
         cfg = self.config
@@ -208,19 +204,21 @@ class VLLMServerRollout(RolloutBackend):
         )
         model_dir = self.workdir / "base"
         export_merged_model(self.engine.module, model_dir, merge_lora=False)
-        on_cpu = self.engine.device.type == "cpu"
+        device = self.engine.device
+        on_cpu = device.type == "cpu"
         owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if on_cpu else {})}
         if not self.is_lora:  # a cached block computed with old weights must not serve new ones
             owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
-        dtype = resolve_dtype(cfg.dtype, self.engine, base)
+        dtype = vllm_options.resolve_dtype(cfg.dtype, self.engine, base)
         self._push_dtype = getattr(torch, dtype)
+        lora_rank = self.engine.config.lora.rank
         options = dict(
             dtype=dtype,
             max_model_len=cfg.max_model_len,
-            kv_cache_mb=cfg.kv_cache_memory_mb or (256 if on_cpu else 0),
+            kv_cache_mb=vllm_options.kv_cache_mb(cfg, device),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
-            lora_rank=_lora_rank(self.engine.config.lora.rank) if self.is_lora else 0,
+            enforce_eager=vllm_options.enforce_eager(cfg, device),
+            lora_rank=vllm_options.max_lora_rank(lora_rank) if self.is_lora else 0,
             max_loras=4,
             weight_transfer=None if self.is_lora else transfer_backend(self.engine.device, gpus),
             cpu=on_cpu,
@@ -236,7 +234,7 @@ class VLLMServerRollout(RolloutBackend):
                 timeout_s=self.timeout_s,
                 name=f"local vLLM server {i} of rank {rank}",
                 log_dir=self.log_dir,
-                seed=cfg.seed + rank * num_workers + i,
+                seed=vllm_options.engine_seed(cfg.seed, rank=rank, index=i, per_rank=num_workers),
                 cuda_visible_devices=None if gpus is None else cuda_visible_devices(gpus[i]),
                 **options,
             )
@@ -253,24 +251,6 @@ class VLLMServerRollout(RolloutBackend):
                 future.result()  # the first failure, after every server is kept for close()
         return [server.client for server in self._servers]
 
-    def _start_weight_transfer(self) -> None:
-        from microrl.remote.vllm_plugin.transfer import WeightPusher
-
-        backend = transfer_backend(self.engine.device, self._server_gpus)
-        for client in self.clients:
-            # The transfer group: this process and the server's workers (its TP x PP x DP).
-            workers = self.config.tensor_parallel_size if self._servers else _workers(client)
-            pusher = WeightPusher(
-                backend,
-                client.post,
-                world_size=1 + workers,
-                master_address=trainer_address(client.url, self.config.trainer_address),
-                timeout_s=self.timeout_s,
-            )
-            self._pushers.append(pusher)
-            with _on_gpu(self.engine.device):
-                pusher.start()
-
     def close(self) -> None:
         """Stop the local servers, release the transfer groups, remove the work directory;
         idempotent."""
@@ -280,23 +260,11 @@ class VLLMServerRollout(RolloutBackend):
         for pool in (self._job_thread, self._sync_thread, getattr(self, "_requests", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-        for pusher in self._pushers:
-            with contextlib.suppress(Exception):
-                pusher.close()
-        if not self._servers:  # the user's servers outlive this trainer: take our adapters back
-            for client, version in itertools.product(getattr(self, "clients", ()), self._loaded):
-                with contextlib.suppress(Exception):
-                    client.post("v1/unload_lora_adapter", {"lora_name": self._adapter(version)})
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         for server in self._servers:
             server.close()
-        if self._own_workdir and distributed.rank() == 0:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> VLLMServerRollout:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
 
     # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
@@ -310,21 +278,11 @@ class VLLMServerRollout(RolloutBackend):
         self.version += 1
         self._submit_sync(engine or self.engine)
 
-    def _submit_sync(self, engine, *, first: bool = False) -> Future:
+    def _submit_sync(self, engine) -> Future:
         version = self.version
-        expected = _untempered_logprobs(engine, self.probe)
-        if self.is_lora:
-            # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
-            # this rank's previous load is done, the collective export below means every rank's
-            # is, so no rank can still be about to read a directory rank 0 deletes.
-            previous = self._loads.get(version - 1)
-            if previous is not None:
-                previous.result()
-            path = self.workdir / f"adapter-{version}"
-            export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
-            in_use = {job.version for job, _ in self._futures.values()}
-            load = lambda: self._load_adapter(version, path, in_use)  # noqa: E731
-            loaded = self._sync_thread.submit(self._timed, load)
+        expected = ProbeVerifier.of(self).expected(engine)
+        if self.is_lora:  # the export on this thread, the load in the background
+            loaded = self.weight_sync.push(engine, version)
         else:
             # Streamed from the live parameters on this thread, before the optimizer changes
             # them (collective under torchrun: each rank gathers the shards in step), after the
@@ -332,10 +290,8 @@ class VLLMServerRollout(RolloutBackend):
             previous = self._syncs.get(version - 1)
             if previous is not None:
                 previous.result()
-            self._timed(lambda: self._push_full(version, engine, pause=not first))
+            self._timed(lambda: self.weight_sync.push(engine, version))
             loaded = _done()
-        self._loads[version] = loaded
-        self._loads.pop(version - 2, None)
         # The check scores the probe with prompt log-probs. LoRA: on the job thread, between
         # jobs, alone on the servers (vLLM 0.32's CPU LoRA logits path fails a batch mixing
         # prompt log-probs with other requests); it names its adapter, so a later load cannot
@@ -352,74 +308,32 @@ class VLLMServerRollout(RolloutBackend):
 
     def _check(self, version: int, loaded: Future, expected: torch.Tensor) -> None:
         loaded.result()
-        mask = self.probe["loss_mask"]
+        verifier = ProbeVerifier.of(self)
+        detail = f"pushed: {pushed_weights(self.is_lora)}"
         for i, client in enumerate(self.clients):
-            stats = probe_stats(expected, self._score_probe(client, version), mask)
-            previous = self.sync_stats.get(version, {})
-            self.sync_stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
-            if sync_check_fails(stats, self.sync_check_tol):
-                pushed = "the LoRA adapter" if self.is_lora else "the full weights"
-                target = f"the vLLM server at {client.url} (server {i})"
-                raise sync_check_error(
-                    version, target, stats, self.sync_check_tol, f"pushed: {pushed}"
-                )
-
-    def _load_adapter(self, version: int, path: Path, in_use: set[int]) -> None:
-        for client in self.clients:
-            client.post(
-                "v1/load_lora_adapter",
-                {"lora_name": self._adapter(version), "lora_path": str(path)},
-            )
-        stale = [v for v in self._loaded if v not in in_use]
-        self._loaded = [v for v in self._loaded if v in in_use] + [version]
-        for old in stale:
-            for client in self.clients:
-                client.post("v1/unload_lora_adapter", {"lora_name": self._adapter(old)})
-            if distributed.rank() == 0:  # every rank loaded it (see _submit_sync)
-                shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
-
-    def _push_full(self, version: int, engine, *, pause: bool) -> None:
-        """Push ``engine``'s weights to every server, one full tensor at a time: on the
-        trainer's GPU for NCCL and IPC, CPU tensors for gloo."""
-        on_gpu = self._pushers and self._pushers[0].backend != "gloo"
-        weights = FullWeights(
-            engine.module,
-            self._prefix,
-            device=None if on_gpu else "cpu",
-            dtype=self._push_dtype,
-        )
-        for client, pusher in zip(self.clients, self._pushers, strict=True):
-            if pause:  # in flight: running requests freeze, then continue on the new weights
-                client.post("pause", mode="keep")
-            try:
-                with _on_gpu(engine.device):
-                    pusher.push(weights, version)
-            finally:
-                if pause:
-                    client.post("resume")
-        # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
-        for _ in range(self._pushes_per_sync - len(self._pushers)):
-            for _ in weights:
-                pass
+            target = f"the vLLM server at {client.url} (server {i})"
+            verifier.verify(version, target, expected, self._score_probe(client, version), detail)
 
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
         """The server's log-probs of the probe rows, ``[B, T]`` like the engine's (0 off
         ``loss_mask``), at temperature 1: vLLM's prompt log-probs are the model's raw ones."""
-        ids, mask = self.probe["input_ids"], self.probe["attention_mask"].bool()
-        out = torch.zeros(ids.shape, dtype=torch.float32)
         adapter = self._adapter(version) if self.is_lora else None
-        for b in range(ids.shape[0]):
-            row = ids[b][mask[b]].tolist()
-            values = prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(row, adapter)), row)
-            out[b, mask[b].nonzero().squeeze(1)[1:]] = torch.tensor(values)
-        return torch.where(self.probe["loss_mask"], out, 0.0)
+        verifier = ProbeVerifier.of(self)
+        rows = verifier.rows()
+        scored = [
+            prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(r, adapter)), r) for r in rows
+        ]
+        return verifier.layout(scored)
 
     # ----------------------------------------------------------------- jobs
-    def _submit(self, run: Callable[[], Any], kind: str, params: SamplingParams) -> Job:
+    def _submit(
+        self, run: Callable[[], Any], kind: str, params: SamplingParams, seed: int | None = None
+    ) -> Job:
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
+        if seed is None:  # torch's generator here: a resumed run draws the same
+            seed = draw_seed(params)
         job = Job(next(self._jobs), self.version, kind)
         waits_for = self._syncs.get(job.version)
         future = self._job_thread.submit(self._run_job, job, seed, waits_for, run)
@@ -455,31 +369,16 @@ class VLLMServerRollout(RolloutBackend):
 
     def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
         """Queue sampling ``params.num_samples`` responses per prompt; returns the :class:`Job`."""
-        prompt_ids = self._encode(prompts)
-        return self._submit(
-            lambda: RolloutBackend.generate(self, prompt_ids, params), "generate", params
-        )
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        return self._submit(lambda: self.backend.generate(prompt_ids, params), "generate", params)
 
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-    ) -> Job:
-        """Queue the multi-turn episodes of ``problems`` (environments ``env_maker(problem)``,
-        stepped in this process while the servers sample)."""
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """The episodes' environments step in this process while the servers sample."""
         maker = self.env_maker
-        if maker is None:
-            raise ValueError("submit_episodes needs the env_maker given to VLLMServerRollout")
-        problems = list(problems)
-        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
-        run = lambda: RolloutBackend.run_episodes(  # noqa: E731
-            self, [p.prompt for p in problems], lambda i: maker(problems[i]), params, **limits
+        run = lambda: self.backend.run_episodes(  # noqa: E731
+            [p.prompt for p in problems], lambda i: maker(problems[i]), params, **limits
         )
-        return self._submit(run, "episodes", params)
+        return self._submit(run, "episodes", params, seed)
 
     def collect(self, job: Job) -> Rollout:
         """The rollout of ``job`` (waiting for it, at most ``timeout_s`` while no server has
@@ -510,17 +409,13 @@ class VLLMServerRollout(RolloutBackend):
                 if version < self.version:
                     del self._syncs[version]
 
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        """Sample now, at the latest version (submit + collect)."""
-        return self.collect(self.submit(prompts, params))
-
-    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+    def sample_in_job(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        """The servers' samples of ``prompt_ids`` for the job running on this thread (the
+        backend's ``_sample``: every call of a job, an episode's turns included)."""
         job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
-        if job is None:  # outside a job (run_episodes on the main thread): one of its own
-            return self.collect(
-                self._submit(lambda: self._sample(prompt_ids, params), "sample", params)
-            )
-        copies = params.num_samples if params.greedy else 1  # vLLM refuses n > 1 when greedy
+        if job is None:
+            raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
+        copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
         requests = [(ids, c) for ids in prompt_ids for c in range(copies)]
         self._context.seed = seed + len(requests)  # the next call of an episode: fresh seeds
         futures = [
@@ -565,21 +460,129 @@ class VLLMServerRollout(RolloutBackend):
             raise WorkerError("the vLLM server rollout is closed")
 
 
-def _untempered_logprobs(engine, batch) -> torch.Tensor:
-    """The engine's log-probs of ``batch`` at temperature 1 (what vLLM's prompt log-probs are),
-    ``[B, T]`` float32 on the CPU."""
-    temperature = engine.config.temperature
-    engine.config.temperature = 1.0
-    try:
-        return engine.infer_batch(batch)["logprobs"].float().cpu()
-    finally:
-        engine.config.temperature = temperature
+class _ServerBackend(RolloutBackend):
+    """A rollout backend whose samples come from a :class:`VLLMServerRollout`'s servers."""
+
+    def __init__(self, owner: VLLMServerRollout) -> None:
+        super().__init__(owner.tokenizer)
+        self.owner = owner
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self.owner.sample_in_job(prompt_ids, params)
 
 
-def _shared_tempdir() -> str:
-    """A fresh temporary directory, rank 0's on every rank (the exports rank 0 writes), checked
-    visible on every node (:func:`~microrl.engine.parallel.nodes.shared_tempdir`)."""
-    return shared_tempdir("microrl-vllm-servers-")
+class HTTPAdapterSync(WeightSync):
+    """Path 4: the adapter exported in PEFT's format (on the caller's thread, collective), then
+    loaded on every server with ``/v1/load_lora_adapter`` in the background under a name unique
+    to its version; adapters no job uses are unloaded and their directories removed."""
+
+    def __init__(self, owner: VLLMServerRollout) -> None:
+        self.owner = owner
+        self._loads: dict[int, Future] = {}  # version -> its load
+        self._loaded: list[int] = []  # adapter versions loaded on the servers
+
+    def push(self, engine, version: int) -> Future:
+        owner = self.owner
+        # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
+        # this rank's previous load is done, the collective export below means every rank's
+        # is, so no rank can still be about to read a directory rank 0 deletes.
+        previous = self._loads.get(version - 1)
+        if previous is not None:
+            previous.result()
+        path = owner.workdir / f"adapter-{version}"
+        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        in_use = {job.version for job, _ in owner._futures.values()}
+        load = lambda: self._load(version, path, in_use)  # noqa: E731
+        loaded = self._loads[version] = owner._sync_thread.submit(owner._timed, load)
+        self._loads.pop(version - 2, None)
+        return loaded
+
+    def _load(self, version: int, path: Path, in_use: set[int]) -> None:
+        owner = self.owner
+        for client in owner.clients:
+            client.post(
+                "v1/load_lora_adapter",
+                {"lora_name": owner._adapter(version), "lora_path": str(path)},
+            )
+        stale = [v for v in self._loaded if v not in in_use]
+        self._loaded = [v for v in self._loaded if v in in_use] + [version]
+        for old in stale:
+            for client in owner.clients:
+                client.post("v1/unload_lora_adapter", {"lora_name": owner._adapter(old)})
+            if distributed.rank() == 0:  # every rank loaded it (see push)
+                shutil.rmtree(owner.workdir / f"adapter-{old}", ignore_errors=True)
+
+    def close(self) -> None:
+        """Servers the user started outlive this trainer: our adapters are taken back."""
+        owner = self.owner
+        if not owner._servers:
+            for client, version in itertools.product(owner.clients, self._loaded):
+                with contextlib.suppress(Exception):
+                    client.post("v1/unload_lora_adapter", {"lora_name": owner._adapter(version)})
+        self._loaded = []
+
+
+class TransferSync(WeightSync):
+    """Path 5: full weights over vLLM's weight-transfer API (a ``WeightPusher`` per server:
+    NCCL, IPC or gloo), one full tensor at a time (:class:`FullWeights`); after the first push,
+    each server pauses its requests in flight for the push and resumes them on the new weights."""
+
+    def __init__(self, owner: VLLMServerRollout) -> None:
+        from microrl.remote.trainer.weight_pusher import WeightPusher
+
+        self.owner = owner
+        self.pushers: list[WeightPusher] = []
+        self._first = True
+        engine, config = owner.engine, owner.config
+        backend = transfer_backend(engine.device, owner._server_gpus)
+        try:
+            for client in owner.clients:
+                # The transfer group: this process and the server's workers (its TP x PP x DP).
+                workers = config.tensor_parallel_size if owner._servers else _workers(client)
+                pusher = WeightPusher(
+                    backend,
+                    client.post,
+                    world_size=1 + workers,
+                    master_address=trainer_address(client.url, config.trainer_address),
+                    timeout_s=owner.timeout_s,
+                )
+                self.pushers.append(pusher)
+                with _on_gpu(engine.device):
+                    pusher.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def push(self, engine, version: int) -> None:
+        """Push ``engine``'s weights to every server: on the trainer's GPU for NCCL and IPC, CPU
+        tensors for gloo."""
+        owner, pause, self._first = self.owner, not self._first, False
+        on_gpu = self.pushers and self.pushers[0].backend != "gloo"
+        weights = FullWeights(
+            engine.module,
+            owner._prefix,
+            device=None if on_gpu else "cpu",
+            dtype=owner._push_dtype,
+        )
+        for client, pusher in zip(owner.clients, self.pushers, strict=True):
+            if pause:  # in flight: running requests freeze, then continue on the new weights
+                client.post("pause", mode="keep")
+            try:
+                with _on_gpu(engine.device):
+                    pusher.push(weights, version)
+            finally:
+                if pause:
+                    client.post("resume")
+        # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
+        for _ in range(owner._pushes_per_sync - len(self.pushers)):
+            for _ in weights:
+                pass
+
+    def close(self) -> None:
+        for pusher in self.pushers:
+            with contextlib.suppress(Exception):
+                pusher.close()
+        self.pushers = []
 
 
 def _on_gpu(device: torch.device):

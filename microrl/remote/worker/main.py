@@ -222,7 +222,7 @@ class _Worker:
                 self.results.put(("ready",))
             elif kind == "weights":
                 self._receive(command[1], command[2])
-            elif kind in ("generate", "episodes", "sample"):
+            elif kind in ("generate", "episodes"):
                 self._job(kind, *command[1:])
             else:
                 raise ValueError(f"{self.spec.name}: unknown command {kind!r}")
@@ -273,9 +273,6 @@ class _Worker:
             if kind == "generate":
                 prompts, params = args
                 result = rollout_payload(self.sampler.generate(prompts, params))
-            elif kind == "sample":
-                prompt_ids, params = args
-                result = self.sampler._sample(prompt_ids, params)
             else:
                 problems, params, limits = args
                 maker = self.env_maker

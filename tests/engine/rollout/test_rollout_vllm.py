@@ -267,6 +267,38 @@ def test_lora_sync_follows_the_engine(lora_setup, tokenizer):
     rollout.sync(engine)
     _assert_close(_vllm_logprobs(rollout, batch), after, mask)
     assert len(list(rollout.workdir.glob("adapter-*"))) == 1  # the old adapter was removed
+    assert rollout.sync_stats[rollout._version]["sync/probe_abs_diff_mean"] <= 5e-5
+
+
+def test_a_lora_sync_that_leaves_a_tensor_stale_fails_its_check(lora_setup, monkeypatch):
+    """The colocated engine verifies its syncs as the out-of-process samplers do: an adapter
+    exported with one lora_B left at zero (a tensor that did not travel) fails the probe."""
+    from safetensors.torch import load_file, save_file
+
+    from microrl.engine.rollout import vllm as vllm_module
+    from microrl.engine.rollout.sync_check import SyncCheckError
+
+    engine, rollout = lora_setup
+    real_export = vllm_module.export_peft_adapter
+
+    def export_with_one_stale_tensor(module, path, **kwargs):
+        out = real_export(module, path, **kwargs)
+        tensors = load_file(f"{path}/adapter_model.safetensors")
+        for name in [n for n in tensors if "lora_B" in n]:
+            tensors[name] = torch.zeros_like(tensors[name])  # as the adapter started
+        save_file(tensors, f"{path}/adapter_model.safetensors")
+        return out
+
+    batch = rollout.generate(PROMPTS, SamplingParams(num_samples=2, max_new_tokens=5)).batch
+    _train_step(engine, batch)
+    monkeypatch.setattr(vllm_module, "export_peft_adapter", export_with_one_stale_tensor)
+    rollout.sync(engine)  # checked when vLLM next wakes to sample
+    with pytest.raises(SyncCheckError, match=r"the in-process vLLM engine .*sync_check_tol"):
+        rollout.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    monkeypatch.setattr(vllm_module, "export_peft_adapter", real_export)
+    rollout.sync(engine)  # the next sync repairs it
+    rollout.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    assert rollout.sync_stats[rollout._version]["sync/probe_abs_diff_mean"] <= 5e-5
 
 
 def test_full_sync_follows_the_engine(tokenizer, tmp_path):

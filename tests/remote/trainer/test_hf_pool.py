@@ -25,6 +25,7 @@ import torch
 from hf_worker_utils import PROMPTS, SEEDED, assert_same, make_engine, picky_env, update
 
 from microrl.engine.rollout import HFRollout, SamplingParams, merge_rollouts
+from microrl.engine.rollout.sync_check import SyncCheckError
 from microrl.remote.trainer import hf_pool as pool_module
 from microrl.remote.trainer.hf_pool import (
     AsyncRolloutPool,
@@ -32,13 +33,8 @@ from microrl.remote.trainer.hf_pool import (
     part_seeds,
     split_sizes,
 )
-from microrl.remote.trainer.hf_worker import (
-    POLICY_VERSION_KEY,
-    AsyncRollout,
-    SyncCheckError,
-    WorkerError,
-    warn_if_oversubscribed,
-)
+from microrl.remote.trainer.hf_worker import AsyncRollout, warn_if_oversubscribed
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, WorkerError
 from microrl.tasks import AdditionTask
 
 EPISODE_PARAMS = SamplingParams(num_samples=2, max_new_tokens=4)
@@ -170,8 +166,7 @@ def test_episodes_are_split_over_the_workers(pool) -> None:
     with pytest.raises(Exception, match="no environment for 9\\+1=") as info:
         workers.collect(failing)
     assert "the rollout worker 2 of 2, sampling prompts 1..1" in "".join(info.value.__notes__)
-    with pytest.raises(TypeError, match="submit_episodes"):
-        workers.run_episodes(["1+2="], picky_env, EPISODE_PARAMS, **EPISODE_LIMITS)
+    assert isinstance(workers, AsyncSampler) and not hasattr(workers, "run_episodes")
 
 
 def test_a_sync_reaches_every_worker(pool) -> None:

@@ -31,18 +31,17 @@ from microrl.configs import ActorConfig, LoraConfig
 from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import HFRollout, SamplingParams
-from microrl.remote.trainer.hf_worker import (
+from microrl.engine.rollout.sync_check import (
     FP32_SYNC_CHECK_TOL,
     LOW_PRECISION_SYNC_CHECK_TOL,
-    POLICY_VERSION_KEY,
     SYNC_CHECK_STAT,
-    AsyncRollout,
     SyncCheckError,
-    WorkerError,
     build_probe,
     default_sync_check_tol,
     probe_stats,
 )
+from microrl.remote.trainer.hf_worker import AsyncRollout
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, WorkerError
 from microrl.run.toy_model import build_model, build_tokenizer
 from microrl.tasks import AdditionTask
 
@@ -152,8 +151,7 @@ def test_episodes_are_played_in_the_worker() -> None:
     problems = [AdditionTask.make(1, 2), AdditionTask.make(3, 4)]
     params = SamplingParams(num_samples=2, max_new_tokens=4)
     with AsyncRollout(engine, tok, env_maker=picky_env) as worker:
-        with pytest.raises(TypeError, match="submit_episodes"):
-            worker.run_episodes(["1+2="], picky_env, params, max_turns=3, max_tokens=14)
+        assert isinstance(worker, AsyncSampler) and not hasattr(worker, "run_episodes")
         job = worker.submit_episodes(problems, params, max_turns=3, max_tokens=14)
         rollout = worker.collect(job)
         assert rollout.batch.batch_size[0] == 4 and rollout.group_ids.tolist() == [0, 0, 1, 1]

@@ -20,13 +20,9 @@ from tensordict import TensorDict
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the ranks
 
 from microrl.engine.rollout import Rollout, SamplingParams
-from microrl.remote.trainer.hf_worker import (
-    POLICY_VERSION_KEY,
-    Job,
-    WorkerError,
-    draw_seed,
-    unwrapped_attention,
-)
+from microrl.engine.rollout.base import draw_seed
+from microrl.remote.trainer.hf_worker import unwrapped_attention
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job, WorkerError
 
 HERE = Path(__file__).resolve()
 PARAMS = SamplingParams(num_samples=2, max_new_tokens=3)
@@ -135,7 +131,7 @@ def _rank_main(tmp: Path) -> None:
     stats = {str(v): s for v, s in group.sync_stats.items()}
     error = ""
     try:
-        group.collect(group.submit_episodes(["5+5="], PARAMS, max_turns=2))
+        group.collect(group.submit_episodes(["5+5="], PARAMS, max_turns=2, max_tokens=8))
     except (ValueError, WorkerError) as err:
         error = f"{type(err).__name__}: {err}"
     group.close()

@@ -140,8 +140,8 @@ def test_a_gpu_push_streams_cuda_tensors_to_a_remote_server(tokenizer, monkeypat
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from microrl.remote.trainer import vllm_placement
+    from microrl.remote.trainer import weight_pusher as plugin_transfer
     from microrl.remote.trainer.vllm_servers import VLLMServerRollout
-    from microrl.remote.vllm_plugin import transfer as plugin_transfer
 
     engine = _engine(tokenizer)
     _on_fake_gpu(engine, monkeypatch, FakeTensorMode(allow_non_fake_inputs=True))
@@ -243,7 +243,7 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
 def test_the_pusher_checks_a_lazy_stream_as_it_comes(monkeypatch):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from microrl.remote.vllm_plugin.transfer import WeightPusher
+    from microrl.remote.trainer.weight_pusher import WeightPusher
 
     recorder = Recorder()
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", classmethod(recorder.engine))
@@ -302,8 +302,8 @@ def test_ipc_handles_travel_as_json_and_vllm_takes_them_without_pickle(monkeypat
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
+    from microrl.remote.trainer.weight_pusher import _PostClient
     from microrl.remote.vllm_plugin import ipc
-    from microrl.remote.vllm_plugin.transfer import _PostClient
 
     # The encoding names torch's arguments in order: a torch that changed them fails here.
     assert list(inspect.signature(rebuild_cuda_tensor).parameters) == [n for n, _ in ipc._ARGS]

@@ -21,7 +21,7 @@ from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import SamplingParams
-from microrl.remote.trainer.hf_worker import SyncCheckError
+from microrl.engine.rollout.sync_check import SyncCheckError
 from microrl.remote.trainer.vllm_http import ServerAuthError, ServerClient, ServerError
 
 # vLLM's CPU kernels and the engine's float32 head round differently: |Δ| <= ~1e-6 measured on
@@ -200,7 +200,7 @@ def test_the_servers_check_bounds_the_mean_difference_not_one_tokens(monkeypatch
     behind fails, naming the server and the statistic."""
     from concurrent.futures import Future
 
-    from microrl.remote.trainer.hf_worker import LOW_PRECISION_SYNC_CHECK_TOL, build_probe
+    from microrl.engine.rollout.sync_check import LOW_PRECISION_SYNC_CHECK_TOL, build_probe
     from microrl.remote.trainer.vllm_servers import VLLMServerRollout
     from microrl.run.toy_model import build_tokenizer
 
@@ -233,6 +233,34 @@ def test_the_servers_check_bounds_the_mean_difference_not_one_tokens(monkeypatch
     assert "to the vLLM server at http://127.0.0.1:2 (server 1) failed its check" in message
     assert "differ by 0.5 on average (sync/probe_abs_diff_mean" in message
     assert "pushed: the LoRA adapter" in message
+
+
+class _FixedTemperature(ActorConfig):
+    """An engine config whose ``temperature`` cannot be set once it is."""
+
+    def __setattr__(self, name, value):
+        if name == "temperature" and "temperature" in self.__dict__:
+            raise AssertionError("engine.config.temperature was set")
+        super().__setattr__(name, value)
+
+
+def test_the_probe_is_scored_at_temperature_1_without_touching_the_engines_config(tokenizer):
+    """vLLM's prompt log-probs are untempered: the trainer's side of the check passes
+    temperature 1 in the batch (docs/batch.md), never through ``engine.config``."""
+    from microrl.engine.rollout.sync_check import build_probe, engine_probe_logprobs
+
+    engine = _engine(tokenizer, temperature=0.7)
+    probe = build_probe(engine.vocab_size, 64, tokenizer)
+    tempered = engine.infer_batch(probe)["logprobs"]
+    engine.config.temperature = 1.0
+    untempered = engine.infer_batch(probe)["logprobs"].float()  # the config at 1: as before
+    engine.config.temperature = 0.7
+    engine.config.__class__ = _FixedTemperature
+    scored = engine_probe_logprobs(engine, probe)
+    assert engine.config.temperature == 0.7 and "temperature" not in probe.keys()  # noqa: SIM118
+    # The same float32 forward with the temperature passed another way: equal to rounding.
+    torch.testing.assert_close(scored, untempered)
+    assert (scored - tempered).abs().max() > 0.1  # the temperature matters here
 
 
 # ----------------------------------------------------------------- real servers

@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 import torch
 
-from microrl.remote.vllm_plugin.transfer import WeightPusher
+from microrl.remote.trainer.weight_pusher import WeightPusher
 
 # vLLM's CPU kernels and the transformers float32 forward round differently (attention, GEMM
 # blocking, vLLM's packed GEMM weights): measured |Δ| <= 2.4e-7 on these log-probs of size ~3;

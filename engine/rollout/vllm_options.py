@@ -1,16 +1,21 @@
-"""vLLM's engine arguments: the rules the in-process engine and the local servers share.
+"""vLLM's options: the rules the in-process engine and the local servers share.
 
-Both integrations start the same vLLM engine, one as ``vllm.LLM(**kwargs)`` and one as
-``vllm serve --flags``, and decide the same things the same way (docs/rollouts.md#vllm-engine-arguments):
+Both integrations start the same vLLM engine, one as ``vllm.LLM(**kwargs)`` (the colocated
+``vllm`` backend) and one as ``vllm serve --flags`` (:mod:`microrl.remote`), and sample from it
+the same way, so every rule they both apply is here, once (docs/rollouts.md#vllm-engine-arguments):
 
-- :func:`resolve_dtype`: what ``rollout.vllm.dtype=auto`` means (the trainer's compute dtype);
-- :func:`cpu_scheduler_args`: what vLLM's CPU build needs to sample long seeded prompts;
-- :func:`user_engine_args`: ``rollout.vllm.engine_kwargs``, refused where a key is one microrl
-  must own (:data:`OWNED`, :data:`TYPED_KEYS`);
-- :func:`cli_flags`: keyword arguments as ``vllm serve`` flags, as vLLM's own ``--config`` YAML
-  loader writes them;
+- the engine: :func:`resolve_dtype` (``dtype=auto``), :func:`kv_cache_mb` (the CPU KV cache),
+  :func:`enforce_eager`, :func:`engine_seed`, :func:`max_lora_rank`, :func:`cpu_scheduler_args`;
+- ``rollout.vllm.engine_kwargs``: :func:`user_engine_args`, refused where a key is one microrl
+  must own (:data:`OWNED`, :data:`TYPED_KEYS`), and :func:`cli_flags` for ``vllm serve``;
+- sampling: :func:`sampling_args` (vLLM's ``SamplingParams`` fields) and
+  :func:`requests_per_prompt` (greedy copies), seeded from
+  :func:`~microrl.engine.rollout.base.draw_seed`;
+- the exports vLLM reads: :func:`make_workdir` and :func:`remove_workdir`;
 - :func:`placement`: the executor and environment that start the in-process engine on the
   engine's GPU.
+
+Importable without vLLM.
 """
 
 from __future__ import annotations
@@ -18,28 +23,51 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 from collections.abc import Iterable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from microrl.engine.parallel import distributed
+from microrl.engine.parallel.nodes import shared_tempdir
+from microrl.engine.rollout.base import SEED_RANGE
+
+if TYPE_CHECKING:
+    from microrl.configs.rollout import VLLMConfig
+    from microrl.engine.rollout.base import SamplingParams
 
 __all__ = [
+    "CPU_KV_CACHE_MB",
     "CPU_OWNED",
     "IN_PROCESS_OWNED",
     "OWNED",
     "SERVER_OWNED",
     "TYPED_KEYS",
+    "VLLM_LORA_RANKS",
     "cli_flags",
     "cpu_scheduler_args",
+    "enforce_eager",
+    "engine_seed",
     "environ",
     "gpu_index",
+    "kv_cache_mb",
+    "make_workdir",
+    "max_lora_rank",
     "placement",
+    "remove_workdir",
+    "requests_per_prompt",
     "resolve_dtype",
+    "sampling_args",
     "user_engine_args",
 ]
+
+#: vLLM's KV cache on a CPU, in MiB, when ``rollout.vllm.kv_cache_memory_mb`` leaves it to us.
+CPU_KV_CACHE_MB = 256
+#: The LoRA ranks vLLM supports (``max_lora_rank``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 #: Engine arguments microrl sets itself in both integrations, and why a user value cannot win.
 OWNED: dict[str, str] = {
@@ -94,6 +122,80 @@ def resolve_dtype(requested: str, engine, base) -> str:
     if engine.device.type == "cuda" and engine.config.dtype in ("auto", "bfloat16"):
         return "bfloat16"
     return str(next(base.parameters()).dtype).removeprefix("torch.")
+
+
+def kv_cache_mb(config: VLLMConfig, device: torch.device) -> int:
+    """vLLM's KV cache in MiB: ``rollout.vllm.kv_cache_memory_mb``, else
+    :data:`CPU_KV_CACHE_MB` on a CPU, else 0 (vLLM sizes it from ``gpu_memory_utilization``).
+    On a CPU vLLM would reserve that fraction of the machine's memory, and fail when the
+    trainer already holds it."""
+    return config.kv_cache_memory_mb or (CPU_KV_CACHE_MB if device.type == "cpu" else 0)
+
+
+def enforce_eager(config: VLLMConfig, device: torch.device) -> bool:
+    """Whether vLLM runs without CUDA graphs: ``rollout.vllm.enforce_eager``, else on a CPU
+    only (a CPU has no CUDA graphs to capture)."""
+    return device.type == "cpu" if config.enforce_eager is None else config.enforce_eager
+
+
+def engine_seed(seed: int, *, rank: int, index: int = 0, per_rank: int = 1) -> int:
+    """The seed of the ``index``-th of the ``per_rank`` vLLM engines of trainer ``rank``:
+    ``rollout.vllm.seed`` plus the engine's place among all of the run's engines, so no two
+    engines of a run share a seed."""
+    return seed + rank * per_rank + index
+
+
+def max_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest rank vLLM supports
+    that holds it.
+
+    Raises:
+        ValueError: ``rank`` is above vLLM's largest (512), naming ``lora.rank``.
+    """
+    for supported in VLLM_LORA_RANKS:
+        if rank <= supported:
+            return supported
+    raise ValueError(f"lora.rank={rank} is larger than vLLM supports ({VLLM_LORA_RANKS[-1]})")
+
+
+def requests_per_prompt(params: SamplingParams) -> int:
+    """vLLM requests per prompt: one for all ``params.num_samples`` samples, or, greedy, one
+    per sample (vLLM refuses ``n > 1`` without randomness: the copies are separate requests)."""
+    return params.num_samples if params.greedy else 1
+
+
+def sampling_args(params: SamplingParams, *, seed: int, eos_token_id: int) -> dict[str, Any]:
+    """The fields of vLLM's ``SamplingParams`` for one request of ``params``
+    (:func:`requests_per_prompt` requests per prompt): its samples, greedy as temperature 0,
+    top-k off as -1, the sampled token's log-prob only, stopped at ``eos_token_id`` (vLLM runs
+    without a tokenizer: ids in, ids out), ``seed`` wrapped into vLLM's int32 range."""
+    return {
+        "n": 1 if params.greedy else params.num_samples,
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "top_p": params.top_p,
+        "max_tokens": params.max_new_tokens,
+        "logprobs": 0,
+        "stop_token_ids": [eos_token_id],
+        "seed": seed % SEED_RANGE,
+        "detokenize": False,
+    }
+
+
+def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
+    """Where the exports vLLM reads (the base model, adapters) are written, and whether it is
+    ours to remove: ``workdir``, else a fresh temporary directory, rank 0's on every rank,
+    checked visible on every node (:func:`~microrl.engine.parallel.nodes.shared_tempdir`:
+    rank 0 writes the exports every rank's engine reads). Collective without ``workdir``."""
+    if workdir:
+        return Path(workdir), False
+    return Path(shared_tempdir(prefix)), True
+
+
+def remove_workdir(workdir: Path, *, owned: bool) -> None:
+    """Remove ``workdir`` (rank 0, which made it) when :func:`make_workdir` made it."""
+    if owned and distributed.rank() == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def cpu_scheduler_args() -> dict[str, Any]:
