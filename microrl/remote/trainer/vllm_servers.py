@@ -8,12 +8,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +20,6 @@ from microrl.configs.rollout import VLLMConfig
 from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import (
     export_merged_model,
-    export_peft_adapter,
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
@@ -36,7 +33,6 @@ from microrl.engine.rollout.base import (
     draw_seed,
     encode_prompts,
 )
-from microrl.engine.rollout.full_weights import FullWeights
 from microrl.engine.rollout.sync_check import (
     default_sync_check_tol,
     engine_probe,
@@ -44,11 +40,11 @@ from microrl.engine.rollout.sync_check import (
 from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
+from microrl.remote.trainer.server_weight_syncs import HTTPAdapterSync, TransferSync
 from microrl.remote.trainer.vllm_http import ServerClient
 from microrl.remote.trainer.vllm_placement import (
     cuda_visible_devices,
     server_gpus,
-    trainer_address,
     transfer_backend,
 )
 from microrl.remote.trainer.vllm_requests import (
@@ -59,7 +55,7 @@ from microrl.remote.trainer.vllm_requests import (
     prompt_logprobs,
 )
 
-__all__ = ["POLICY_VERSION_LAST_KEY", "HTTPAdapterSync", "TransferSync", "VLLMServerRollout"]
+__all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout"]
 
 #: The per-row ``[B]`` int64 batch key: the policy version of a row's last sampled token.
 POLICY_VERSION_LAST_KEY = "policy_version_last"
@@ -471,147 +467,7 @@ class _ServerBackend(RolloutBackend):
         return self.owner.sample_in_job(prompt_ids, params)
 
 
-class HTTPAdapterSync(WeightSync):
-    """Path 4: the adapter exported in PEFT's format (on the caller's thread, collective), then
-    loaded on every server with ``/v1/load_lora_adapter`` in the background under a name unique
-    to its version; adapters no job uses are unloaded and their directories removed."""
-
-    def __init__(self, owner: VLLMServerRollout) -> None:
-        self.owner = owner
-        self._loads: dict[int, Future] = {}  # version -> its load
-        self._loaded: list[int] = []  # adapter versions loaded on the servers
-
-    def push(self, engine, version: int) -> Future:
-        owner = self.owner
-        # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
-        # this rank's previous load is done, the collective export below means every rank's
-        # is, so no rank can still be about to read a directory rank 0 deletes.
-        previous = self._loads.get(version - 1)
-        if previous is not None:
-            previous.result()
-        path = owner.workdir / f"adapter-{version}"
-        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
-        in_use = {job.version for job, _ in owner._futures.values()}
-        load = lambda: self._load(version, path, in_use)  # noqa: E731
-        loaded = self._loads[version] = owner._sync_thread.submit(owner._timed, load)
-        self._loads.pop(version - 2, None)
-        return loaded
-
-    def _load(self, version: int, path: Path, in_use: set[int]) -> None:
-        owner = self.owner
-        for client in owner.clients:
-            client.post(
-                "v1/load_lora_adapter",
-                {"lora_name": owner._adapter(version), "lora_path": str(path)},
-            )
-        stale = [v for v in self._loaded if v not in in_use]
-        self._loaded = [v for v in self._loaded if v in in_use] + [version]
-        for old in stale:
-            for client in owner.clients:
-                client.post("v1/unload_lora_adapter", {"lora_name": owner._adapter(old)})
-            if distributed.rank() == 0:  # every rank loaded it (see push)
-                shutil.rmtree(owner.workdir / f"adapter-{old}", ignore_errors=True)
-
-    def close(self) -> None:
-        """Servers the user started outlive this trainer: our adapters are taken back."""
-        owner = self.owner
-        if not owner._servers:
-            for client, version in itertools.product(owner.clients, self._loaded):
-                with contextlib.suppress(Exception):
-                    client.post("v1/unload_lora_adapter", {"lora_name": owner._adapter(version)})
-        self._loaded = []
-
-
-class TransferSync(WeightSync):
-    """Path 5: full weights over vLLM's weight-transfer API (a ``WeightPusher`` per server:
-    NCCL, IPC or gloo), one full tensor at a time (:class:`FullWeights`); after the first push,
-    each server pauses its requests in flight for the push and resumes them on the new weights."""
-
-    def __init__(self, owner: VLLMServerRollout) -> None:
-        from microrl.remote.trainer.weight_pusher import WeightPusher
-
-        self.owner = owner
-        self.pushers: list[WeightPusher] = []
-        self._first = True
-        engine, config = owner.engine, owner.config
-        backend = transfer_backend(engine.device, owner._server_gpus)
-        try:
-            for client in owner.clients:
-                # The transfer group: this process and the server's workers (its TP x PP x DP).
-                workers = config.tensor_parallel_size if owner._servers else _workers(client)
-                pusher = WeightPusher(
-                    backend,
-                    client.post,
-                    world_size=1 + workers,
-                    master_address=trainer_address(client.url, config.trainer_address),
-                    timeout_s=owner.timeout_s,
-                )
-                self.pushers.append(pusher)
-                with _on_gpu(engine.device):
-                    pusher.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def push(self, engine, version: int) -> None:
-        """Push ``engine``'s weights to every server: on the trainer's GPU for NCCL and IPC, CPU
-        tensors for gloo."""
-        owner, pause, self._first = self.owner, not self._first, False
-        on_gpu = self.pushers and self.pushers[0].backend != "gloo"
-        weights = FullWeights(
-            engine.module,
-            owner._prefix,
-            device=None if on_gpu else "cpu",
-            dtype=owner._push_dtype,
-        )
-        for client, pusher in zip(owner.clients, self.pushers, strict=True):
-            if pause:  # in flight: running requests freeze, then continue on the new weights
-                client.post("pause", mode="keep")
-            try:
-                with _on_gpu(engine.device):
-                    pusher.push(weights, version)
-            finally:
-                if pause:
-                    client.post("resume")
-        # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
-        for _ in range(owner._pushes_per_sync - len(self.pushers)):
-            for _ in weights:
-                pass
-
-    def close(self) -> None:
-        for pusher in self.pushers:
-            with contextlib.suppress(Exception):
-                pusher.close()
-        self.pushers = []
-
-
-def _on_gpu(device: torch.device):
-    """The engine's GPU as the current device (vLLM's trainer engines use the current one);
-    nothing to do on a CPU or when it is current already."""
-    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
 def _done() -> Future:
     future: Future = Future()
     future.set_result(None)
     return future
-
-
-def _workers(client: ServerClient) -> int:
-    """The workers of a server the user started (tensor x pipeline x data parallel), from its
-    ``/server_info`` (a route of ``VLLM_SERVER_DEV_MODE``, which full weights need anyway)."""
-    info = client.get("server_info?config_format=json")
-    try:
-        parallel = info["vllm_config"]["parallel_config"]
-        sizes = [int(parallel.get(key, 1)) for key in _PARALLEL_SIZES]
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(
-            f"the vLLM server at {client.url} answered /server_info without its parallel "
-            f"sizes ({type(err).__name__}: {err})"
-        ) from err
-    return sizes[0] * sizes[1] * sizes[2]
-
-
-_PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")

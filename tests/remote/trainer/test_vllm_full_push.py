@@ -388,7 +388,7 @@ def test_the_workers_of_a_users_server_come_from_its_server_info():
     from ``/server_info?config_format=json``, serialised here as vLLM's route does."""
     import pydantic
 
-    from microrl.remote.trainer.vllm_servers import _workers
+    from microrl.remote.trainer.server_weight_syncs import _workers
 
     with warnings.catch_warnings():  # torch 2.13 deprecations vLLM triggers as it imports
         warnings.simplefilter("ignore", DeprecationWarning)

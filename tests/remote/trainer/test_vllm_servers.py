@@ -408,10 +408,10 @@ def test_long_prompts_over_the_servers_token_budget(served, server_logs):
 
 @pytest.mark.slow
 def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
-    from microrl.remote.trainer import vllm_servers
+    from microrl.remote.trainer import server_weight_syncs
 
     engine, rollout = served
-    real_export = vllm_servers.export_peft_adapter
+    real_export = server_weight_syncs.export_peft_adapter
     old = {}
 
     def export_with_one_stale_tensor(module, path, **kwargs):
@@ -424,7 +424,7 @@ def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
 
     batch = rollout.generate(PROMPTS, SamplingParams(num_samples=2, temperature=0.7)).batch
     _train_step(engine, batch)
-    monkeypatch.setattr(vllm_servers, "export_peft_adapter", export_with_one_stale_tensor)
+    monkeypatch.setattr(server_weight_syncs, "export_peft_adapter", export_with_one_stale_tensor)
     rollout.sync(engine)
     job = rollout.submit(PROMPTS, SamplingParams(num_samples=2, temperature=0.7))
     with pytest.raises(SyncCheckError, match=r"policy version 5 .*rollout\.sync_check_tol"):
