@@ -37,7 +37,8 @@ Under torchrun: `torchrun --nproc_per_node 2 -m microrl grpo output.dir=outputs/
 def recipe_help(usage: str, doc: str) -> str:
     """A recipe's ``--help`` description: ``usage`` (its title and launch commands), then what
     the recipe does (its module docstring ``doc`` after the first line)."""
-    return f"{usage.rstrip()}\n\n{doc.partition(chr(10) * 2)[2].strip()}\n"
+    _, _, body = doc.partition("\n\n")  # after the title line
+    return f"{usage.rstrip()}\n\n{body.strip()}\n"
 
 
 def _parser() -> argparse.ArgumentParser:
