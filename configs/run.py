@@ -432,6 +432,11 @@ class LoopConfig:
         require(self.num_threads >= 0, "train.num_threads", ">= 0", self.num_threads)
         require(self.kl_metric_every >= 0, "train.kl_metric_every", ">= 0", self.kl_metric_every)
 
+    def eval_due(self, step: int) -> bool:
+        """Whether step ``step`` ends with the held-out evaluation: every ``eval_every``-th, and
+        the last."""
+        return step % self.eval_every == 0 or step == self.steps
+
     def kl_due(self, step: int, kl_coef: float) -> bool:
         """Whether step ``step`` needs the reference log-probs: a KL penalty, or the KL metric."""
         every = self.kl_metric_every

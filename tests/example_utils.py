@@ -43,6 +43,14 @@ def load_example(name: str):
     return module
 
 
+def load_recipe(name: str):
+    """The recipe module ``examples/<name>.py`` runs (``microrl.recipes.grpo`` for ``grpo_lora``):
+    the script is a thin caller, so a test's spies replace the recipe module's names."""
+    import importlib
+
+    return importlib.import_module(f"microrl.recipes.{name.removesuffix('_lora')}")
+
+
 # A reward that differs within every group from the first step on (the response's length), so
 # the tiny, barely warm-started policy moves every step and a lag shows in the metrics.
 LENGTH_REWARD = "def length(completions):\n    return [len(c) / 4 for c in completions]\n"
@@ -78,7 +86,7 @@ def run_recorded(args: list[str], monkeypatch, recipe: str = "grpo_lora"):
         trained.append([p.prompt for p in problems])
         return sample_rows(rollout, problems, scores, *rest)
 
-    monkeypatch.setattr(module, "sample_rows", record)
+    monkeypatch.setattr(load_recipe(recipe), "sample_rows", record)
     out = next(a.split("=", 1)[1] for a in args if a.startswith("output.dir="))
     assert module.main(args) == 0
     assert not multiprocessing.active_children()  # the workers are gone

@@ -71,6 +71,9 @@ SOURCE_DIRS = {
     "configs": "microrl.configs",
 }
 EXAMPLE_CONFIGS = "microrl.configs.examples"
+# The recipes (microrl/recipes/: the examples' bodies and the `microrl` command) are the one user
+# of the example configs; nothing in the library imports them.
+RECIPES = "microrl.recipes"
 
 
 @dataclass(frozen=True)
@@ -274,18 +277,29 @@ def test_the_direction_check_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert found("microrl.remote.server", "microrl.engine") == []
 
 
+def _importers(modules: dict[str, set[str]], target: str, allowed: str) -> dict[str, list[str]]:
+    """The modules outside ``allowed`` (a package) that import ``target`` or a module in it."""
+    offenders = {
+        module: sorted(n for n in names if n == target or n.startswith(f"{target}."))
+        for module, names in modules.items()
+        if module != allowed and not module.startswith(f"{allowed}.")
+    }
+    return {module: names for module, names in offenders.items() if names}
+
+
 def test_the_library_never_imports_the_example_configs() -> None:
     modules = _library_modules()
     assert EXAMPLE_CONFIGS in modules and len(modules) > 50, sorted(modules)  # the scan finds them
+    assert EXAMPLE_CONFIGS in modules[f"{RECIPES}.grpo"]  # ... and the recipes' imports
     offenders = {
-        module: sorted(
-            n for n in names if n == EXAMPLE_CONFIGS or n.startswith(f"{EXAMPLE_CONFIGS}.")
-        )
-        for module, names in modules.items()
-        if module != EXAMPLE_CONFIGS
+        **_importers(modules, EXAMPLE_CONFIGS, RECIPES),
+        **_importers(modules, RECIPES, RECIPES),
     }
-    offenders = {module: names for module, names in offenders.items() if names}
-    assert not offenders, f"library modules importing the example configs: {offenders}"
+    offenders.pop(EXAMPLE_CONFIGS, None)
+    offenders.pop("microrl.__main__", None)  # `python -m microrl`: the recipes' command
+    assert not offenders, (
+        f"library modules importing the example configs or the recipes: {offenders}"
+    )
 
 
 def test_packages_import_one_way() -> None:

@@ -4,6 +4,8 @@
 (ranks, Ctrl-C), :mod:`~microrl.run.checkpoint` (run checkpoints that survive a kill),
 :mod:`~microrl.run.tracking` (progress bar or log lines, JSONL, TensorBoard, plot),
 :mod:`~microrl.run.session` (samplers, evaluation, tracking and shutdown around the RL step),
+:mod:`~microrl.run.loop` (a recipe's set-up before its engines, its sampling, its checkpoints),
+:mod:`~microrl.run.step_metrics` (a step's metrics, the rollout's counts summed over the ranks),
 :mod:`~microrl.run.dynamic_sampling` (DAPO's dynamic sampling: groups whose rewards differ),
 :mod:`~microrl.run.sampling` (sample or play episodes, and score, for any task),
 :mod:`~microrl.run.prefetcher` (asynchronous RL: rollouts sampled ahead by a worker under
@@ -17,6 +19,7 @@ from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
 from microrl.run.cli import parse_cli, prepare_output
 from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
 from microrl.run.dynamic_sampling import DynamicSample, dynamic_sample
+from microrl.run.loop import RunStart, overlong_shaping, sampling_params, save_if_due, start_run
 from microrl.run.prefetcher import (
     RolloutPrefetcher,
     close_on_exit,
@@ -33,12 +36,14 @@ from microrl.run.session import (
     start_sampling,
     start_tracking,
 )
+from microrl.run.step_metrics import step_metrics
 from microrl.run.tracking import Tracker, mean_metrics, plot_metrics, read_metrics
 
 __all__ = [
     "Dist",
     "DynamicSample",
     "RolloutPrefetcher",
+    "RunStart",
     "StepFailed",
     "StopOnInterrupt",
     "Tracker",
@@ -51,6 +56,7 @@ __all__ = [
     "finish",
     "load_run",
     "mean_metrics",
+    "overlong_shaping",
     "parse_cli",
     "per_rank",
     "plot_metrics",
@@ -60,11 +66,15 @@ __all__ = [
     "resumed_rollouts",
     "sample_and_score",
     "sample_rows",
+    "sampling_params",
+    "save_if_due",
     "save_run",
     "score_rollout",
     "start_prefetcher",
+    "start_run",
     "start_sampling",
     "start_tracking",
+    "step_metrics",
     "warn_if_uncorrected",
     "whole_groups",
 ]

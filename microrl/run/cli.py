@@ -68,7 +68,12 @@ def _line_buffered_stdout() -> None:
 
 
 def parse_cli(
-    schema: type[T], config_name: str, description: str, argv: Sequence[str] | None = None
+    schema: type[T],
+    config_name: str,
+    description: str,
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str | None = None,
 ) -> tuple[T, argparse.Namespace]:
     """Parse the command line into ``(config, args)``; bad keys or values exit with the message.
 
@@ -78,10 +83,12 @@ def parse_cli(
     the overrides given now (``args.resume_changes`` lists the keys they change). Only reads the
     file system: what has to change there happens in :func:`prepare_output`, once every process
     has started. Under ``torchrun`` every rank decides alike and only rank 0 prints an error.
+    ``prog``: the command's name in the usage and the errors (default: the script's file name).
     """
     default_path = CONFIG_DIR / config_name
     defaults = load_config(schema, default_path)
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_help_epilog(defaults, default_path.name),

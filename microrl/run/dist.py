@@ -1,6 +1,8 @@
 """This process's place among the ranks, and a Ctrl-C that stops every rank at the same step.
 
-- :class:`Dist`: rank and world size, the same code under ``python`` and ``torchrun``.
+- :class:`Dist`: rank and world size, the same code under ``python`` and ``torchrun``, and the
+  process group of the data ranks (:meth:`Dist.data_group`): the one rank abstraction the
+  recipes use.
 - :class:`StopOnInterrupt`: Ctrl-C asks the loop to stop at the next step boundary, the same step on
   every rank, so the checkpoint written then is consistent; a second Ctrl-C aborts at once. An
   exception raised in the loop leaves it as :class:`StepFailed`, naming the step.
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from microrl.engine.parallel import distributed
 
@@ -77,6 +80,14 @@ class Dist:
         one initialiser the engine uses too."""
         distributed.init_distributed()
         return cls(distributed.rank(), distributed.world_size())
+
+    def data_group(self, engine: Any) -> dist.ProcessGroup | None:
+        """The process group with one process per data rank, for a collective over the rows that
+        must count each data rank's rows once (PPO's whitening): the default group (None in a
+        single process), or under sequence parallelism ``engine``'s data-parallel group (the
+        ``dp`` dimension of its ``("dp", "sp")`` mesh: one process of each sp group), which is
+        this layout since both put an sp group's processes consecutively."""
+        return distributed.dp_group() if self.replicas == 1 else engine.dp_group
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's contiguous slice of ``items`` (sizes differ by at most 1)."""

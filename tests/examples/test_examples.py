@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from example_utils import LENGTH_REWARD, TINY_MODEL, TINY_RL, load_example
+from example_utils import LENGTH_REWARD, TINY_MODEL, TINY_RL, load_example, load_recipe
 
 from microrl.run import read_metrics
 from microrl.run.toy_model import is_checkpoint, load_pretrained
@@ -221,7 +221,7 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
     tokens); the step logs the penalty's mean and the dynamic sampling counts."""
     from microrl.tasks import overlong_penalty
 
-    grpo = load_example("grpo_lora")
+    grpo = load_recipe("grpo_lora")
     sampled, rewards, trained = [], [], []
     real_sample, real_advantages = grpo.dynamic_sample, grpo.grpo_advantages
     real_train = grpo.ActorEngine.train_batch
@@ -266,7 +266,7 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
 def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path: Path, monkeypatch):
     from microrl.tasks import overlong_penalty
 
-    ppo = load_example("ppo_lora")
+    ppo = load_recipe("ppo_lora")
     seen = []
     real = ppo.estimate_advantages
 

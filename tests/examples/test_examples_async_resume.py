@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from example_utils import async_run_args, load_example
+from example_utils import async_run_args, load_example, load_recipe
 
 from microrl.run import StepFailed, read_metrics, sample_rows
 
@@ -42,7 +42,7 @@ def _run(args: list[str], monkeypatch, recipe: str, *, kill_at=None, interrupt_a
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: stop after this step
         return sample_rows(rollout, problems, scores, *rest)
 
-    monkeypatch.setattr(module, "sample_rows", record)
+    monkeypatch.setattr(load_recipe(recipe), "sample_rows", record)
     try:
         code = module.main(args)
     except StepFailed as err:

@@ -51,9 +51,28 @@ def test_the_api_page_python_blocks_run(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- example commands
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.py"))]
+DOCS = [
+    README,
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "examples").glob("*.py")),
+    *sorted((ROOT / "microrl" / "recipes").glob("*.py")),  # the installed command's help
+]
 # A launch of an example, up to a comment, a redirect or the end of its inline code span.
 COMMAND = re.compile(r"(?:python|torchrun)\b[^`#>\n]*?examples/(grpo|ppo)_lora\.py[^`#>\n]*")
+# The installed command, which runs the same recipe: `microrl grpo ...`, `python -m microrl grpo
+# ...`, `torchrun ... -m microrl grpo ...`.
+INSTALLED = re.compile(
+    r"(?:(?:python|torchrun)\b[^`#>\n]*?-m |(?<![\w/.-]))microrl (grpo|ppo)\b[^`#>\n]*"
+)
+
+
+def _as_example(command: str) -> str:
+    """An installed command as the example command that runs the same recipe."""
+    launcher, _, rest = command.partition("microrl ")
+    recipe, _, args = rest.partition(" ")
+    return f"{launcher.removesuffix('-m ') or 'python '}examples/{recipe}_lora.py {args}"
+
+
 # Reuse an output.dir on purpose, or run nothing.
 SAME_RUN_FLAGS = ("--resume", "--overwrite", "--help", "--print-config")
 
@@ -68,8 +87,10 @@ def _example_commands() -> dict[str, set[str]]:
     runs: dict[str, set[str]] = {}
     for path in DOCS:
         text = re.sub(r"\\+\n\s*", " ", path.read_text())  # continued lines, in md and docstrings
-        for match in COMMAND.finditer(text):
-            command = " ".join(match.group(0).split())
+        matches = [(m.group(0), m.group(1)) for m in COMMAND.finditer(text)]
+        matches += [(_as_example(m.group(0)), m.group(1)) for m in INSTALLED.finditer(text)]
+        for found_command, recipe in matches:
+            command = " ".join(found_command.split())
             if "..." in command or any(flag in command.split() for flag in SAME_RUN_FLAGS):
                 continue
             found = re.search(r"\boutput\.dir=(\S+)", command)
@@ -77,10 +98,10 @@ def _example_commands() -> dict[str, set[str]]:
             if found:
                 out = found.group(1)
             elif preset:  # a preset file names its own output.dir
-                schema = GRPOExampleConfig if match.group(1) == "grpo" else PPOExampleConfig
+                schema = GRPOExampleConfig if recipe == "grpo" else PPOExampleConfig
                 out = load_config(schema, ROOT / preset.group(1)).output.dir
             else:
-                out = defaults[match.group(1)]
+                out = defaults[recipe]
             runs.setdefault(out, set()).add(command)
     return runs
 
@@ -91,6 +112,8 @@ def test_every_example_command_has_its_own_output_dir() -> None:
     runs = _example_commands()
     commands = {c for cs in runs.values() for c in cs}
     assert "python examples/grpo_lora.py" in commands and len(commands) >= 12, sorted(commands)
+    # `microrl ppo output.dir=outputs/ppo_installed` (docs/recipes.md), as the example it runs
+    assert "python examples/ppo_lora.py output.dir=outputs/ppo_installed" in commands
     shared = {out: sorted(cs) for out, cs in runs.items() if len(cs) > 1}
     assert not shared, f"commands sharing an output.dir: {shared}"
     # And each one's overrides are a valid config of its example.

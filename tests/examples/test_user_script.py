@@ -1,6 +1,7 @@
 """A user's own training script, outside the repository, on its own data and reward.
 
-The script is a copy of ``examples/grpo_lora.py`` in a fresh directory, run by the interpreter of
+The script is a copy of the GRPO recipe (``microrl/recipes/grpo.py``, which
+``examples/grpo_lora.py`` runs) in a fresh directory, run by the interpreter of
 the installed package from that directory (no ``PYTHONPATH``, no ``sys.path`` edits): its prompts
 are a JSONL file with its own field names, its reward a ``my_reward.py`` beside it plus a second,
 weighted one from a file path, its base model a local checkpoint that was never warm-started.
@@ -55,7 +56,7 @@ def test_a_user_script_trains_on_its_own_dataset_and_reward(tmp_path: Path) -> N
     (tmp_path / "rewards").mkdir()
     (tmp_path / "rewards" / "format.py").write_text(SHORT_REWARD)
     (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "examples" / "grpo_lora.py", tmp_path / "scripts" / "train.py")
+    shutil.copy(ROOT / "microrl" / "recipes" / "grpo.py", tmp_path / "scripts" / "train.py")
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONUNBUFFERED"] = "1"

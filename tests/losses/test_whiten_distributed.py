@@ -228,9 +228,9 @@ def _ppo_setup():
 def _ppo_run(rows: slice):
     """The recipe's steps 3-5 (ppo_lora.estimate_advantages, ppo_update) on ``rows`` of the
     rollout: one mini-batch of all of them, one epoch."""
-    from example_utils import load_example
+    from example_utils import load_recipe
 
-    ppo_lora = load_example("ppo_lora")
+    ppo_lora = load_recipe("ppo_lora")
 
     cfg, actor, critic, full = _ppo_setup()
     batch, scores = full[rows].clone(), PPO_SCORES[rows]
