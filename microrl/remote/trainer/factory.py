@@ -75,5 +75,10 @@ def make_async_sampler(
     from microrl.remote.trainer.sp_group import SPGroupSampler
 
     return SPGroupSampler.start(
-        engine, tokenizer, start, version=version, num_workers=rollout.num_workers
+        engine,
+        tokenizer,
+        start,
+        version=version,
+        num_workers=rollout.num_workers,
+        env_maker=env_maker,
     )

@@ -38,10 +38,7 @@ from microrl.engine.rollout.base import (
 )
 from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
-from microrl.engine.rollout.sync_check import (
-    default_sync_check_tol,
-    engine_probe,
-)
+from microrl.engine.rollout.sync_check import default_sync_check_tol, engine_probe
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.worker.main import (

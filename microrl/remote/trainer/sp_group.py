@@ -21,12 +21,12 @@ from microrl.engine.parallel import distributed
 from microrl.engine.rollout.base import Rollout, SamplingParams, draw_seed
 from microrl.engine.rollout.full_weights import FullWeights
 from microrl.engine.rollout.sync_check import engine_probe
-from microrl.remote.trainer.protocol import Job, WorkerError
+from microrl.remote.trainer.protocol import AsyncSamplerBase, Job, WorkerError
 
 __all__ = ["SPGroupSampler", "join_hf_push"]
 
 
-class SPGroupSampler:
+class SPGroupSampler(AsyncSamplerBase):
     """The asynchronous sampler of a sequence-parallel group, on each of its processes.
 
     Build it with :meth:`start` on every process of the group. On the group's first process it
@@ -47,8 +47,10 @@ class SPGroupSampler:
         version: int,
         join_push: Callable[[Any], None] | None = None,
         engine: Any = None,
+        env_maker: Callable[[Any], Any] | None = None,
     ) -> None:
         self.sampler, self.group, self.join_push = sampler, group, join_push
+        self.env_maker = env_maker  # the first process's sampler builds the environments
         self.engine = engine  # what sync() pushes when given none
         self.leader = dist.get_global_rank(group, 0)
         self.is_leader = dist.get_rank(group) == 0
@@ -69,17 +71,18 @@ class SPGroupSampler:
         *,
         version: int,
         num_workers: int,
+        env_maker: Callable[[Any], Any] | None = None,
     ) -> SPGroupSampler:
         """``make_sampler()`` (``num_workers`` ``hf`` workers holding ``engine``'s weights as
         ``version``) on the first process of ``engine.sp_group``; the others join the first
         push of each worker. Collective over every process."""
         group = engine.sp_group
         if dist.get_rank(group) == 0:
-            return cls(make_sampler(), group, version=version, engine=engine)
+            return cls(make_sampler(), group, version=version, engine=engine, env_maker=env_maker)
         join = _HFPushJoiner(engine, tokenizer)
         for _ in range(num_workers):  # each worker's start pushes everything, then checks it
             join(engine, first=True)
-        return cls(None, group, version=version, join_push=join, engine=engine)
+        return cls(None, group, version=version, join_push=join, engine=engine, env_maker=env_maker)
 
     # ----------------------------------------------------------------- state
     @property
@@ -120,25 +123,10 @@ class SPGroupSampler:
             return self.sampler.submit(prompts, params)
         return self._mirror("generate", params)
 
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-    ) -> Job:
-        """Queue the multi-turn episodes of ``problems`` (played by the first process's
-        sampler)."""
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """The episodes, played by the first process's sampler."""
         if self.is_leader:
-            return self.sampler.submit_episodes(
-                problems,
-                params,
-                max_turns=max_turns,
-                max_tokens=max_tokens,
-                skip_env_errors=skip_env_errors,
-            )
+            return self.sampler.submit_episodes(problems, params, **limits, seed=seed)
         return self._mirror("episodes", params)
 
     def _mirror(self, kind: str, params: SamplingParams) -> Job:
@@ -174,12 +162,6 @@ class SPGroupSampler:
         """Stop the sampler (on the group's first process); idempotent."""
         if self.is_leader:
             self.sampler.close()
-
-    def __enter__(self) -> SPGroupSampler:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _HFPushJoiner:

@@ -33,10 +33,7 @@ from microrl.engine.rollout.base import (
     draw_seed,
     encode_prompts,
 )
-from microrl.engine.rollout.sync_check import (
-    default_sync_check_tol,
-    engine_probe,
-)
+from microrl.engine.rollout.sync_check import default_sync_check_tol, engine_probe
 from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError

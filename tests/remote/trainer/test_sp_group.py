@@ -111,7 +111,9 @@ def _rank_main(tmp: Path) -> None:
     torch.manual_seed(7)  # the same seed on both: one data rank
     sampler = ScriptedSampler() if rank == 0 else None
     join = None if rank == 0 else (lambda engine: joined.append(engine))
-    group = SPGroupSampler(sampler, dist.group.WORLD, version=0, join_push=join)
+    group = SPGroupSampler(
+        sampler, dist.group.WORLD, version=0, join_push=join, env_maker=lambda problem: None
+    )
     versions = [group.version]
     jobs = [group.submit(["1+1=", "2+2="], PARAMS), group.submit(["3+3="], PARAMS)]
     group.sync("engine")
