@@ -78,7 +78,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaFo
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    with torch.random.fork_rng():
+    # Built on the CPU: only its generator is forked (forking every GPU's would start a CUDA
+    # context on each GPU of the machine, in every process).
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LlamaForCausalLM(config)
     return model

@@ -26,3 +26,27 @@ def test_tokenizer_is_a_real_fast_tokenizer_that_round_trips(tmp_path: Path) -> 
     loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert loaded("12+7=")["input_ids"] == ids
     assert loaded.padding_side == "left" and loaded.pad_token_id == tok.pad_token_id
+
+
+def test_building_the_toy_model_touches_no_gpu(monkeypatch) -> None:
+    """On a GPU machine the toy model is built on the CPU: forking every GPU's generator for its
+    seed would start a CUDA context on each GPU, in every process of a run."""
+    import torch
+
+    from microrl.configs.run import ModelConfig
+    from microrl.run.toy_model import build_model, build_tokenizer
+
+    def no_gpu(*args, **kwargs):
+        raise AssertionError("a GPU's generator was touched")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", no_gpu)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", no_gpu)
+    tokenizer = build_tokenizer()
+    config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2)
+    first = build_model(config, tokenizer)
+    again = build_model(config, tokenizer)  # the seed alone decides the weights
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters(), strict=True)
+    )
