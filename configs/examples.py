@@ -106,14 +106,6 @@ def _check_async(actor: ActorConfig, rollout: RolloutConfig) -> None:
         "recomputed ones, the proximal policy; the sampler's are a stale behaviour policy)",
         actor.policy_loss.bypass_mode,
     )
-    # One hf worker per sp group samples for its processes; vLLM servers are not shared yet.
-    require(
-        k == 0 or actor.sequence_parallel_size == 1 or rollout.backend == "hf",
-        "actor.sequence_parallel_size",
-        f"1 with rollout.max_staleness={k} and rollout.backend={rollout.backend} (vLLM servers "
-        "are not shared by a sequence-parallel group yet; rollout.backend=hf is)",
-        actor.sequence_parallel_size,
-    )
 
 
 @dataclass

@@ -7,7 +7,8 @@ rewards and, to float32 rounding, losses), write its outputs once, and refuse wh
 ``examples/ppo_lora.py`` does the same with ``actor.`` and ``critic.sequence_parallel_size=2``
 (both engines split the tokens; the advantages are whitened over the data ranks only).
 With ``rollout.max_staleness=1`` one worker samples for the sp group and its rollouts reach both
-processes: the run trains like the single-process asynchronous run.
+processes: the run trains like the single-process asynchronous run (on vLLM servers:
+tests/examples/test_examples_sequence_parallel_servers.py).
 """
 
 from __future__ import annotations
@@ -117,11 +118,12 @@ def test_sequence_parallel_data_ranks_and_refusals() -> None:
     assert Dist().for_sequence_parallel(1) == Dist()
     with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size=2 must divide"):
         Dist(rank=0, world_size=3).for_sequence_parallel(2)
-    with pytest.raises(ValueError, match=r"actor\.sequence_parallel_size .*backend=vllm"):
-        GRPOExampleConfig(
-            actor=ActorConfig(sequence_parallel_size=2, lora=LoraConfig(rank=8)),
-            rollout=RolloutConfig(max_staleness=1, backend="vllm"),
-        )
+    # vLLM servers are shared by an sp group too
+    # (tests/examples/test_examples_sequence_parallel_servers.py)
+    GRPOExampleConfig(
+        actor=ActorConfig(sequence_parallel_size=2, lora=LoraConfig(rank=8)),
+        rollout=RolloutConfig(max_staleness=1, backend="vllm"),
+    )
     # PPO: one sp layout for both engines (an sp group is one data rank of both)
     lora = LoraConfig(rank=8)
     with pytest.raises(ValueError, match=r"critic\.sequence_parallel_size.*actor\.sequence_"):

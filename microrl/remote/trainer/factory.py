@@ -28,12 +28,14 @@ def make_async_sampler(
     :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve`` processes or the
     servers of ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``),
     environments stepped in this process; ``log_dir`` keeps the local servers' logs. Under
-    sequence parallelism (``engine.sp_group``) the ``hf`` workers are one set per sp group
-    (:class:`~microrl.remote.trainer.sp_group.SPGroupSampler`); vLLM servers are not shared by
-    a group yet (``ValueError``).
+    sequence parallelism (``engine.sp_group``) either is one per sp group, on its first process
+    (:class:`~microrl.remote.trainer.sp_group.SPGroupSampler`): the servers of
+    ``rollout.server_url`` split by data rank, local ones started per data rank.
     """
     if not isinstance(rollout, RolloutConfig):
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
+    if rollout.backend not in ("hf", "vllm"):
+        raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {rollout.backend!r}")
     common = dict(
         version=version,
         env_maker=env_maker,
@@ -41,44 +43,42 @@ def make_async_sampler(
         sync_check_tol=rollout.sync_check_tol,
         num_threads=num_threads,
     )
-    sp_group = getattr(engine, "sp_group", None)
-    if rollout.backend == "vllm" and sp_group is not None:
-        raise ValueError(
-            "actor.sequence_parallel_size > 1 with rollout.max_staleness > 0 needs "
-            "rollout.backend=hf (one hf worker per sequence-parallel group; vLLM servers are not "
-            "shared by a group yet)"
-        )
     if rollout.backend == "vllm":
-        from microrl.remote.trainer.vllm_servers import VLLMServerRollout
+        from microrl.remote.trainer.server_weight_syncs import ServerSyncJoiner
+        from microrl.remote.trainer.vllm_servers import VLLMServerRollout, check_arguments
 
         urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
-        api_key = rollout.server_api_key or None
-        return VLLMServerRollout(
-            engine,
-            tokenizer,
-            rollout.vllm,
-            urls=urls,
-            api_key=api_key,
-            num_workers=rollout.num_workers,
-            log_dir=log_dir,
-            **common,
-        )
-    if rollout.backend != "hf":
-        raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {rollout.backend!r}")
-    from microrl.remote.trainer.hf_pool import make_async_rollout
+        workers, tol = rollout.num_workers, rollout.sync_check_tol
+        check_arguments(engine, rollout.vllm, urls, workers, tol)  # on every process
 
-    def start() -> AsyncSampler:
-        return make_async_rollout(engine, tokenizer, num_workers=rollout.num_workers, **common)
+        def start() -> AsyncSampler:
+            return VLLMServerRollout(
+                engine,
+                tokenizer,
+                rollout.vllm,
+                urls=urls,
+                api_key=rollout.server_api_key or None,
+                num_workers=workers,
+                log_dir=log_dir,
+                **common,
+            )
 
-    if sp_group is None:
+        def join() -> Callable[[Any], None]:
+            return ServerSyncJoiner(
+                engine, tokenizer, version=version, urls=urls, num_workers=workers
+            )
+    else:
+        from microrl.remote.trainer.hf_pool import make_async_rollout
+        from microrl.remote.trainer.sp_group import HFPushJoiner
+
+        def start() -> AsyncSampler:
+            return make_async_rollout(engine, tokenizer, num_workers=rollout.num_workers, **common)
+
+        def join() -> Callable[[Any], None]:
+            return HFPushJoiner(engine, tokenizer, num_workers=rollout.num_workers)
+
+    if getattr(engine, "sp_group", None) is None:
         return start()
     from microrl.remote.trainer.sp_group import SPGroupSampler
 
-    return SPGroupSampler.start(
-        engine,
-        tokenizer,
-        start,
-        version=version,
-        num_workers=rollout.num_workers,
-        env_maker=env_maker,
-    )
+    return SPGroupSampler.start(engine, start, join, version=version, env_maker=env_maker)

@@ -1,5 +1,6 @@
 """How the weights reach ``vllm serve`` servers: a LoRA adapter over HTTP, or the full weights
-over vLLM's weight-transfer API (docs/async.md#weight-syncs); each runs in the trainer."""
+over vLLM's weight-transfer API (docs/async.md#weight-syncs); each runs in the trainer. The other
+processes of a sequence-parallel group join their collectives (:class:`ServerSyncJoiner`)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,30 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from microrl.engine.checkpoint.export import export_peft_adapter
+from microrl.engine.checkpoint.export import (
+    export_merged_model,
+    export_peft_adapter,
+    locate_base_model,
+)
 from microrl.engine.parallel import distributed
+from microrl.engine.rollout import vllm_options
 from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.sync_check import engine_probe, engine_probe_logprobs
 from microrl.engine.rollout.weight_sync import WeightSync
 from microrl.remote.trainer.vllm_http import ServerClient
-from microrl.remote.trainer.vllm_placement import trainer_address, transfer_backend
+from microrl.remote.trainer.vllm_placement import (
+    pushes_per_sync,
+    trainer_address,
+    transfer_backend,
+)
 
 if TYPE_CHECKING:
     from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
-__all__ = ["HTTPAdapterSync", "TransferSync"]
+__all__ = ["WORKDIR_PREFIX", "HTTPAdapterSync", "ServerSyncJoiner", "TransferSync"]
+
+#: The name of a run's work directory (its base model and adapters, which the servers read).
+WORKDIR_PREFIX = "microrl-vllm-servers-"
 
 
 class HTTPAdapterSync(WeightSync):
@@ -43,13 +57,20 @@ class HTTPAdapterSync(WeightSync):
         previous = self._loads.get(version - 1)
         if previous is not None:
             previous.result()
-        path = owner.workdir / f"adapter-{version}"
-        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        path = self.join(engine, owner.workdir, version)
         in_use = {job.version for job, _ in owner._futures.values()}
         load = lambda: self._load(version, path, in_use)  # noqa: E731
         loaded = self._loads[version] = owner._sync_thread.submit(owner._timed, load)
         self._loads.pop(version - 2, None)
         return loaded
+
+    @staticmethod
+    def join(engine, workdir: Path, version: int) -> Path:
+        """The push's collectives: the adapter's export (rank 0 writes it under ``workdir``).
+        A process of a sequence-parallel group whose sampler another process holds calls it
+        alone (:class:`~microrl.remote.trainer.vllm_servers.ServerSyncJoiner`)."""
+        path = workdir / f"adapter-{version}"
+        return export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
 
     def _load(self, version: int, path: Path, in_use: set[int]) -> None:
         owner = self.owner
@@ -128,8 +149,15 @@ class TransferSync(WeightSync):
                 if pause:
                     client.post("resume")
         # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
-        for _ in range(owner._pushes_per_sync - len(self.pushers)):
-            for _ in weights:
+        self.join(engine, owner._prefix, owner._pushes_per_sync - len(self.pushers))
+
+    @staticmethod
+    def join(engine, prefix: str, passes: int) -> None:
+        """The collectives of ``passes`` pushes (one per server): every full tensor gathered,
+        then dropped. A process of a sequence-parallel group whose sampler another process
+        holds calls it alone (:class:`~microrl.remote.trainer.vllm_servers.ServerSyncJoiner`)."""
+        for _ in range(passes):
+            for _ in FullWeights(engine.module, prefix):
                 pass
 
     def close(self) -> None:
@@ -137,6 +165,51 @@ class TransferSync(WeightSync):
             with contextlib.suppress(Exception):
                 pusher.close()
         self.pushers = []
+
+
+class ServerSyncJoiner:
+    """A :class:`~microrl.remote.trainer.vllm_servers.VLLMServerRollout`'s collectives, on a
+    process of a sequence-parallel group whose first process holds it (``SPGroupSampler``):
+    built on every other process as the sampler starts, then called once per sync.
+
+    The collectives, in the sampler's order: the shared work directory, the base model's export
+    (local servers only), then per push the probe's scoring (the check's expected log-probs)
+    and the push (the adapter's export, or one pass of full-tensor gathers per server the
+    data ranks push to). It mirrors ``VLLMServerRollout.__init__`` and ``_submit_sync``: a
+    change there must change this too (the group's collectives would not pair;
+    tests/examples/test_examples_sequence_parallel_servers.py runs both).
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        version: int,
+        urls: list[str],
+        num_workers: int,
+        workdir: str | None = None,
+    ) -> None:
+        self.probe = engine_probe(engine, tokenizer)
+        self.prefix = locate_base_model(engine.module)[0]
+        self.workdir = vllm_options.make_workdir(workdir, WORKDIR_PREFIX)[0]
+        self.passes = pushes_per_sync(engine, urls, num_workers)
+        if not urls:
+            export_merged_model(engine.module, self.workdir / "base", merge_lora=False)
+        self.version = int(version)
+        self._join(engine)  # the start's push, version ``version``
+
+    def __call__(self, engine) -> None:
+        """Join the push of the next version."""
+        self.version += 1
+        self._join(engine)
+
+    def _join(self, engine) -> None:
+        engine_probe_logprobs(engine, self.probe)  # ProbeVerifier.expected
+        if engine.peft_model is not None:
+            HTTPAdapterSync.join(engine, self.workdir, self.version)
+        else:
+            TransferSync.join(engine, self.prefix, self.passes)
 
 
 def _on_gpu(device: torch.device):

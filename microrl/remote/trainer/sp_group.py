@@ -1,11 +1,12 @@
 """One asynchronous sampler per sequence-parallel group (docs/async.md#sequence-parallelism).
 
 The processes of an sp group are one data rank: they train on the same rollout. The group's
-first process owns the sampler (its ``hf`` worker processes); every rollout it collects is
+first process owns the sampler (its ``hf`` worker processes, or its vLLM servers); every rollout it collects is
 broadcast to the others over the engine's sp group, so the group trains on one sample, not on
 copies that would have to agree bit for bit. A push gathers FSDP2 shards from every process and
 scores the probe with the engine (collectives over ``dp x sp``): the other processes take part
-in those collectives without a sampler of their own (:func:`join_hf_push`).
+in those collectives without a sampler of their own (:class:`HFPushJoiner`;
+:class:`~microrl.remote.trainer.server_weight_syncs.ServerSyncJoiner` for vLLM servers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from microrl.engine.rollout.full_weights import FullWeights
 from microrl.engine.rollout.sync_check import engine_probe
 from microrl.remote.trainer.protocol import AsyncSamplerBase, Job, WorkerError
 
-__all__ = ["SPGroupSampler", "join_hf_push"]
+__all__ = ["HFPushJoiner", "SPGroupSampler", "join_hf_push"]
 
 
 class SPGroupSampler(AsyncSamplerBase):
@@ -66,22 +67,20 @@ class SPGroupSampler(AsyncSamplerBase):
     def start(
         cls,
         engine: Any,
-        tokenizer: Any,
         make_sampler: Callable[[], Any],
+        make_joiner: Callable[[], Callable[[Any], None]],
         *,
         version: int,
-        num_workers: int,
         env_maker: Callable[[Any], Any] | None = None,
     ) -> SPGroupSampler:
-        """``make_sampler()`` (``num_workers`` ``hf`` workers holding ``engine``'s weights as
-        ``version``) on the first process of ``engine.sp_group``; the others join the first
-        push of each worker. Collective over every process."""
+        """``make_sampler()`` (a sampler holding ``engine``'s weights as ``version``) on the
+        first process of ``engine.sp_group``; on the others ``make_joiner()``, which joins the
+        collectives of the sampler's start and returns what joins each push. Collective over
+        every process."""
         group = engine.sp_group
         if dist.get_rank(group) == 0:
             return cls(make_sampler(), group, version=version, engine=engine, env_maker=env_maker)
-        join = _HFPushJoiner(engine, tokenizer)
-        for _ in range(num_workers):  # each worker's start pushes everything, then checks it
-            join(engine, first=True)
+        join = make_joiner()
         return cls(None, group, version=version, join_push=join, engine=engine, env_maker=env_maker)
 
     # ----------------------------------------------------------------- state
@@ -164,12 +163,15 @@ class SPGroupSampler(AsyncSamplerBase):
             self.sampler.close()
 
 
-class _HFPushJoiner:
-    """:func:`join_hf_push` with the probe built once."""
+class HFPushJoiner:
+    """:func:`join_hf_push` with the probe built once; building it joins the start of
+    ``num_workers`` ``hf`` workers (each pushes everything, then checks it)."""
 
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, *, num_workers: int) -> None:
         self.prefix = locate_base_model(engine.module)[0]
         self.probe = engine_probe(engine, tokenizer)  # the workers' probe
+        for _ in range(num_workers):
+            self(engine, first=True)
 
     def __call__(self, engine: Any, *, first: bool = False) -> None:
         join_hf_push(engine, self.prefix, self.probe, first=first)

@@ -9,6 +9,8 @@
   CPU, microrl's CUDA-IPC engine for a server on the trainer's own GPU (NCCL refuses two ranks
   of one communicator on one GPU: "Duplicate GPU detected"), ``nccl`` otherwise.
 * :func:`trainer_address`: the address a server's workers reach the trainer's rendezvous at.
+* :func:`data_rank` and :func:`urls_of_data_rank`: servers belong to a data rank, not a process
+  (a sequence-parallel group shares one set, docs/async.md#sequence-parallelism).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import torch
+import torch.distributed as dist
 
 from microrl.configs.rollout import parse_gpu_list
 from microrl.engine.parallel import distributed
@@ -27,11 +30,47 @@ from microrl.remote.vllm_plugin.transfer import IPC_BACKEND, is_loopback
 __all__ = [
     "IPC_BACKEND",
     "cuda_visible_devices",
+    "data_rank",
+    "pushes_per_sync",
     "server_gpus",
     "trainer_address",
     "trainer_gpu",
     "transfer_backend",
+    "urls_of_data_rank",
 ]
+
+
+def data_rank(engine) -> tuple[int, int]:
+    """``(rank, world)`` of this process's data rank: under sequence parallelism its sp group's
+    index among the groups (the rank in ``engine.dp_group``, one process of each group); else
+    this process's rank among all (``(0, 1)`` in one process)."""
+    if getattr(engine, "sp_group", None) is not None:
+        return dist.get_rank(engine.dp_group), dist.get_world_size(engine.dp_group)
+    return distributed.rank(), distributed.world_size()
+
+
+def urls_of_data_rank(urls: Sequence[str], rank: int, world: int) -> list[str]:
+    """The servers of ``rollout.server_url`` that data rank ``rank`` of ``world`` samples on:
+    every ``world``-th one from the ``rank``-th, so each data rank has its own (a full
+    fine-tune's pushes would overwrite each other's, and vLLM 0.32's CPU LoRA path fails a batch
+    mixing one rank's probe with another's samples). ``ValueError`` when there are fewer servers
+    than data ranks."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    mine = [url.strip() for url in urls[rank::world]]
+    if not mine:
+        raise ValueError(
+            f"rollout.server_url lists {len(urls)} servers for {world} data ranks (trainer "
+            "processes, or sequence-parallel groups): each needs its own (at least one each)"
+        )
+    return mine
+
+
+def pushes_per_sync(engine, urls: Sequence[str], num_workers: int) -> int:
+    """The full-weight pushes of one sync on every process: the most servers a data rank has
+    (``num_workers`` local ones, or its share of ``urls``); one with fewer joins the others'
+    gathers."""
+    return -(-len(urls) // data_rank(engine)[1]) if urls else num_workers
 
 
 def trainer_gpu(device: torch.device) -> int:

@@ -37,12 +37,19 @@ from microrl.engine.rollout.sync_check import default_sync_check_tol, engine_pro
 from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
-from microrl.remote.trainer.server_weight_syncs import HTTPAdapterSync, TransferSync
+from microrl.remote.trainer.server_weight_syncs import (
+    WORKDIR_PREFIX,
+    HTTPAdapterSync,
+    TransferSync,
+)
 from microrl.remote.trainer.vllm_http import ServerClient
 from microrl.remote.trainer.vllm_placement import (
     cuda_visible_devices,
+    data_rank,
+    pushes_per_sync,
     server_gpus,
     transfer_backend,
+    urls_of_data_rank,
 )
 from microrl.remote.trainer.vllm_requests import (
     GENERATE_ROUTE,
@@ -52,7 +59,7 @@ from microrl.remote.trainer.vllm_requests import (
     prompt_logprobs,
 )
 
-__all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout"]
+__all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout", "check_arguments"]
 
 #: The per-row ``[B]`` int64 batch key: the policy version of a row's last sampled token.
 POLICY_VERSION_LAST_KEY = "policy_version_last"
@@ -70,8 +77,9 @@ class VLLMServerRollout(AsyncSamplerBase):
         config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts
             (their GPUs: ``gpus``, ``tensor_parallel_size``), and ``trainer_address``.
         version: the policy version of the engine's current weights (the recipe: its step).
-        urls: servers the user started (``rollout.server_url``); under ``torchrun`` rank ``r``
-            uses every ``world_size``-th one from the ``r``-th. Empty: start ``num_workers``.
+        urls: servers the user started (``rollout.server_url``); under ``torchrun`` data rank
+            ``r`` of ``w`` (:func:`~microrl.remote.trainer.vllm_placement.data_rank`) uses every
+            ``w``-th one from the ``r``-th. Empty: start ``num_workers`` (per data rank).
         api_key: their ``--api-key`` (None: ``$VLLM_API_KEY``).
         num_workers: local servers to start (without ``urls``).
         env_maker: for multi-turn tasks, ``problem -> environment`` (run in this process).
@@ -103,18 +111,8 @@ class VLLMServerRollout(AsyncSamplerBase):
         self.tokenizer = check_tokenizer(tokenizer)
         #: The layout, episodes and decoding of every backend, sampling through these servers.
         self.backend = _ServerBackend(self)
-        if not isinstance(engine, Engine):
-            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        if sync_check_tol is not None and not sync_check_tol > 0:
-            raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         self.engine, self.config = engine, config or VLLMConfig()
-        if self.config.sleep_level:
-            raise ValueError(
-                "rollout.vllm.sleep_level must be 0 for vLLM servers (rollout.max_staleness > 0): "
-                "they sample while the trainer trains; sleep mode is the in-process engine's"
-            )
+        check_arguments(engine, self.config, urls, num_workers, sync_check_tol)
         self.log_dir = log_dir
         self.version = int(version)
         self.timeout_s = float(timeout_s)
@@ -126,9 +124,7 @@ class VLLMServerRollout(AsyncSamplerBase):
         self.sync_seconds: list[float] = []
         self._prefix, base = locate_base_model(engine.module)
         self.probe = engine_probe(engine, tokenizer)
-        self.workdir, self._own_workdir = vllm_options.make_workdir(
-            workdir, "microrl-vllm-servers-"
-        )
+        self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, WORKDIR_PREFIX)
         self._jobs = itertools.count()
         self._run_id = secrets.token_hex(4)
         self._futures: dict[int, tuple[Job, Future]] = {}
@@ -158,29 +154,11 @@ class VLLMServerRollout(AsyncSamplerBase):
 
     # ----------------------------------------------------------------- servers
     def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
-        rank, world = distributed.rank(), distributed.world_size()
-        if urls and (self.config.gpus or self.config.tensor_parallel_size != 1):
-            raise ValueError(
-                "rollout.vllm.gpus and rollout.vllm.tensor_parallel_size place the servers "
-                "microrl starts; servers of rollout.server_url take their GPUs themselves"
-            )
-        if urls and self.config.engine_kwargs:
-            raise ValueError(
-                "rollout.vllm.engine_kwargs configures the servers microrl starts; servers you "
-                "started (rollout.server_url) take vLLM's flags on their own command line"
-            )
+        rank = data_rank(self.engine)[0]  # servers belong to a data rank (an sp group's)
         if urls:
-            # Each rank its own servers: a full fine-tune's pushes would overwrite each other's,
-            # and vLLM 0.32's CPU LoRA path fails a batch mixing one rank's probe (prompt
-            # log-probs) with another's samples.
-            mine = urls[rank::world]
-            if not mine:
-                raise ValueError(
-                    f"rollout.server_url lists {len(urls)} servers for {world} trainer "
-                    "processes: each process needs its own (at least one per process)"
-                )
-            self._pushes_per_sync = -(-len(urls) // world)
-            clients = [ServerClient(u.strip(), api_key, timeout_s=self.timeout_s) for u in mine]
+            self._pushes_per_sync = pushes_per_sync(self.engine, urls, num_workers)
+            mine = urls_of_data_rank(urls, *data_rank(self.engine))
+            clients = [ServerClient(url, api_key, timeout_s=self.timeout_s) for url in mine]
             for client in clients:
                 client.get("v1/models")  # reachable, and the key is accepted: fail at start
             return clients
@@ -462,6 +440,37 @@ class _ServerBackend(RolloutBackend):
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         return self.owner.sample_in_job(prompt_ids, params)
+
+
+def check_arguments(
+    engine, config: VLLMConfig, urls: Sequence[str], num_workers: int, sync_check_tol
+) -> None:
+    """The checks of :class:`VLLMServerRollout`'s arguments, before anything starts (every
+    process of a sequence-parallel group runs them: none waits in a collective for one that
+    refused)."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    if sync_check_tol is not None and not sync_check_tol > 0:
+        raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
+    if config.sleep_level:
+        raise ValueError(
+            "rollout.vllm.sleep_level must be 0 for vLLM servers (rollout.max_staleness > 0): "
+            "they sample while the trainer trains; sleep mode is the in-process engine's"
+        )
+    if urls and (config.gpus or config.tensor_parallel_size != 1):
+        raise ValueError(
+            "rollout.vllm.gpus and rollout.vllm.tensor_parallel_size place the servers "
+            "microrl starts; servers of rollout.server_url take their GPUs themselves"
+        )
+    if urls and config.engine_kwargs:
+        raise ValueError(
+            "rollout.vllm.engine_kwargs configures the servers microrl starts; servers you "
+            "started (rollout.server_url) take vLLM's flags on their own command line"
+        )
+    if urls:
+        urls_of_data_rank(urls, *data_rank(engine))
 
 
 def _done() -> Future:

@@ -35,13 +35,13 @@ def tokenizer():
     return build_tokenizer()
 
 
-def _engine(tokenizer, **optim) -> ActorEngine:
+def _engine(tokenizer, lora_rank: int = 0, **optim) -> ActorEngine:
     from microrl.configs.run import ModelConfig
     from microrl.run.toy_model import build_model
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=1)
     config = ActorConfig(
-        micro_batch_size=8, optim=OptimConfig(lr=1e-2, **optim), lora=LoraConfig(rank=0)
+        micro_batch_size=8, optim=OptimConfig(lr=1e-2, **optim), lora=LoraConfig(rank=lora_rank)
     )
     return ActorEngine(build_model(cfg, tokenizer), config)
 
@@ -404,3 +404,56 @@ def test_the_workers_of_a_users_server_come_from_its_server_info():
     broken = SimpleNamespace(url="http://h:8000", get=lambda route: {"vllm_config": "text"})
     with pytest.raises(ValueError, match=r"http://h:8000 answered /server_info without"):
         _workers(broken)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
+    tokenizer, monkeypatch, transfer, tmp_path, lora_rank
+):
+    """Under sequence parallelism the sp group's first process runs the sampler and the others
+    a ``ServerSyncJoiner``: their collectives (the work directory, the probe's scoring, the
+    full-tensor gathers or the adapter's export) must pair one to one, in order, or the group
+    hangs. As data rank 1 of 2 on 3 servers: one server of its own, two pushes per sync on
+    data rank 0 (the second pass joined)."""
+    import tempfile
+    from pathlib import Path
+
+    from microrl.engine.rollout import full_weights, vllm_options
+    from microrl.remote.trainer import server_weight_syncs, vllm_placement, vllm_servers
+    from microrl.remote.trainer.server_weight_syncs import ServerSyncJoiner
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    engine, calls = _engine(tokenizer, lora_rank), []
+
+    def recorded(name, wrapped, label):
+        def call(*args, **kwargs):
+            calls.append(label(*args, **kwargs))
+            return wrapped(*args, **kwargs)
+
+        monkeypatch.setattr(name[0], name[1], call)
+
+    iterate = full_weights.FullWeights.__iter__
+    recorded((full_weights.FullWeights, "__iter__"), iterate, lambda weights: "gather")
+    recorded((engine, "infer_batch"), engine.infer_batch, lambda batch: "probe")
+    export = server_weight_syncs.export_peft_adapter
+    recorded((server_weight_syncs, "export_peft_adapter"), export, lambda m, p, **k: Path(p).name)
+    workdir = vllm_options.make_workdir
+    recorded((vllm_options, "make_workdir"), workdir, lambda *args: "workdir")
+    for module in (vllm_placement, vllm_servers):
+        monkeypatch.setattr(module, "data_rank", lambda engine: (1, 2))
+    urls = [f"http://127.0.0.1:{port}" for port in (8001, 8002, 8003)]
+
+    rollout = vllm_servers.VLLMServerRollout(
+        engine, tokenizer, urls=urls, version=3, sync_check_tol=1e-4
+    )
+    assert [client.url for client in rollout.clients] == [urls[1]]
+    rollout.sync(engine)
+    rollout.close()
+    sampler, calls[:] = list(calls), []
+    join = ServerSyncJoiner(engine, tokenizer, version=3, urls=urls, num_workers=1)
+    join(engine)
+    assert calls == sampler
+    push = ["adapter-3"] if lora_rank else ["gather", "gather"]
+    assert sampler[: 2 + len(push)] == ["workdir", "probe", *push]
+    assert sampler.count("probe") == 2
+    assert sampler[-1] == ("adapter-4" if lora_rank else "gather")

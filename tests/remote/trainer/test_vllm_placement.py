@@ -243,3 +243,31 @@ def test_the_trainer_address_is_the_route_to_the_server(monkeypatch):
     assert UDPSocket.targets == [("192.0.2.10", 8000)]
     assert trainer_address("http://192.0.2.10:8000", "10.9.9.9") == "10.9.9.9"  # the key wins
     assert len(UDPSocket.targets) == 1
+
+
+def test_the_servers_of_rollout_server_url_split_by_data_rank(monkeypatch):
+    """Data rank ``r`` of ``w`` takes every ``w``-th server from the ``r``-th; under sequence
+    parallelism the data rank is the sp group's (the rank in the engine's dp group), so the
+    processes of a group name the same servers."""
+    from microrl.remote.trainer import vllm_placement
+    from microrl.remote.trainer.vllm_placement import data_rank, pushes_per_sync, urls_of_data_rank
+
+    urls = ["http://a:1", " http://b:2", "http://c:3"]
+    assert urls_of_data_rank(urls, 0, 2) == ["http://a:1", "http://c:3"]
+    assert urls_of_data_rank(urls, 1, 2) == ["http://b:2"]  # stripped
+    assert urls_of_data_rank(urls, 0, 1) == ["http://a:1", "http://b:2", "http://c:3"]
+    with pytest.raises(ValueError, match=r"lists 3 servers for 4 data ranks"):
+        urls_of_data_rank(urls, 3, 4)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        urls_of_data_rank(urls, 2, 2)
+
+    plain = SimpleNamespace(sp_group=None)
+    assert data_rank(plain) == (0, 1)  # one process
+    assert pushes_per_sync(plain, urls, num_workers=5) == 3  # every server is this rank's
+    assert pushes_per_sync(plain, [], num_workers=5) == 5  # local servers: num_workers
+    # Processes 2 and 3 of 4 in sp groups of 2: data rank 1 of 2 (the dp group's rank).
+    grouped = SimpleNamespace(sp_group="sp", dp_group="dp")
+    monkeypatch.setattr(vllm_placement.dist, "get_rank", {"dp": 1}.__getitem__)
+    monkeypatch.setattr(vllm_placement.dist, "get_world_size", {"dp": 2}.__getitem__)
+    assert data_rank(grouped) == (1, 2)
+    assert pushes_per_sync(grouped, urls, num_workers=1) == 2  # data rank 0 pushes to 2
