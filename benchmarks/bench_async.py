@@ -42,6 +42,7 @@ from microrl.engine import ActorEngine
 from microrl.engine.rollout import HFRollout, SamplingParams
 from microrl.losses import broadcast_to_tokens, grpo_advantages
 from microrl.remote.trainer.hf_worker import AsyncRollout
+from microrl.remote.trainer.protocol import SamplerOptions
 from microrl.run import Dist, RolloutPrefetcher, score_rollout
 from microrl.tasks import Problem
 
@@ -124,10 +125,12 @@ def _synchronous_sampler(engine, tokenizer, args):
 def _asynchronous_sampler(engine, tokenizer, args):
     """k >= 1: an ``hf`` worker process, or a local ``vllm serve`` (one CPU thread each)."""
     if args.backend == "hf":
-        return AsyncRollout(engine, tokenizer, version=0, num_threads=1)
+        return AsyncRollout(engine, tokenizer, SamplerOptions(version=0, num_threads=1))
     from microrl.remote.trainer.vllm_servers import VLLMServerRollout
 
-    return VLLMServerRollout(engine, tokenizer, _vllm_config(), version=0, num_threads=1)
+    return VLLMServerRollout(
+        engine, tokenizer, _vllm_config(), SamplerOptions(version=0, num_threads=1)
+    )
 
 
 def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:

@@ -16,6 +16,7 @@ import importlib
 _API = {
     "AsyncSampler": "microrl.remote.trainer.protocol",
     "Job": "microrl.remote.trainer.protocol",
+    "SamplerOptions": "microrl.remote.trainer.protocol",
     "AsyncRollout": "microrl.remote.trainer.hf_worker",
     "AsyncRolloutPool": "microrl.remote.trainer.hf_pool",
     "VLLMServerRollout": "microrl.remote.trainer.vllm_servers",

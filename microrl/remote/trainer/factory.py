@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from microrl.configs.run import RolloutConfig
-from microrl.remote.trainer.protocol import AsyncSampler
+from microrl.remote.trainer.protocol import AsyncSampler, SamplerOptions
 
 __all__ = ["make_async_sampler"]
 
@@ -36,7 +36,7 @@ def make_async_sampler(
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
     if rollout.backend not in ("hf", "vllm"):
         raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {rollout.backend!r}")
-    common = dict(
+    options = SamplerOptions(
         version=version,
         env_maker=env_maker,
         timeout_s=rollout.worker_timeout_s,
@@ -48,19 +48,19 @@ def make_async_sampler(
         from microrl.remote.trainer.vllm_servers import VLLMServerRollout, check_arguments
 
         urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
-        workers, tol = rollout.num_workers, rollout.sync_check_tol
-        check_arguments(engine, rollout.vllm, urls, workers, tol)  # on every process
+        workers = rollout.num_workers
+        check_arguments(engine, rollout.vllm, urls, workers)  # on every process
 
         def start() -> AsyncSampler:
             return VLLMServerRollout(
                 engine,
                 tokenizer,
                 rollout.vllm,
+                options,
                 urls=urls,
                 api_key=rollout.server_api_key or None,
                 num_workers=workers,
                 log_dir=log_dir,
-                **common,
             )
 
         def join() -> Callable[[Any], None]:
@@ -72,7 +72,7 @@ def make_async_sampler(
         from microrl.remote.trainer.sp_group import HFPushJoiner
 
         def start() -> AsyncSampler:
-            return make_async_rollout(engine, tokenizer, num_workers=rollout.num_workers, **common)
+            return make_async_rollout(engine, tokenizer, options, num_workers=rollout.num_workers)
 
         def join() -> Callable[[Any], None]:
             return HFPushJoiner(engine, tokenizer, num_workers=rollout.num_workers)

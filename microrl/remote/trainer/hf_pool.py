@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from microrl.remote.trainer.hf_worker import (
     GlooBroadcast,
     warn_if_oversubscribed,
 )
-from microrl.remote.trainer.protocol import AsyncSamplerBase, Job, WorkerError
+from microrl.remote.trainer.protocol import AsyncSamplerBase, Job, SamplerOptions, WorkerError
 
 __all__ = [
     "AsyncRolloutPool",
@@ -100,8 +100,8 @@ class AsyncRolloutPool(AsyncSamplerBase):
     (see the module docstring).
 
     Args:
-        engine, tokenizer, version, env_maker, timeout_s, sync_check_tol, num_threads: as
-            :class:`AsyncRollout`'s, for every worker (``num_threads`` each).
+        engine, tokenizer, options: as :class:`AsyncRollout`'s, for every worker
+            (``options.num_threads`` each).
         num_workers: the worker processes (``rollout.num_workers``), >= 1.
         name: how errors name the workers (each ``"<name> <i> of <num_workers>"``).
 
@@ -112,31 +112,26 @@ class AsyncRolloutPool(AsyncSamplerBase):
         self,
         engine,
         tokenizer,
+        options: SamplerOptions | None = None,
         *,
         num_workers: int,
-        version: int = 0,
-        env_maker: Callable[[Any], Any] | None = None,
-        timeout_s: float = 600.0,
-        sync_check_tol: float | None = None,
-        num_threads: int = 1,
         name: str | None = None,
     ) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
         count = check_num_workers(num_workers)
+        options = self._take_options(engine, options)
         self.engine = engine
         rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
         base = name or "the rollout worker"
         #: How errors name the pool.
         self.name = f"the {count} rollout workers{rank}" if name is None else f"{name} 1-{count}"
-        self.version = int(version)
-        self.env_maker = env_maker
         self._jobs = itertools.count()
         self._closed = False
         #: Per collected job (in collect order): the wall seconds of its slowest part (the
         #: parts run at once) and the CPU seconds of all its parts.
         self.job_seconds: list[float] = []
         self.job_cpu_seconds: list[float] = []
-        warn_if_oversubscribed(self.name, [num_threads] * count)
+        warn_if_oversubscribed(self.name, [options.num_threads] * count)
         #: The workers, in the order of the chunks they sample.
         self.workers: list[AsyncRollout] = []
         #: How each sync reaches the workers: gathered once, broadcast to each.
@@ -147,11 +142,7 @@ class AsyncRolloutPool(AsyncSamplerBase):
                     AsyncRollout(
                         engine,
                         tokenizer,
-                        version=version,
-                        env_maker=env_maker,
-                        timeout_s=timeout_s,
-                        sync_check_tol=sync_check_tol,
-                        num_threads=num_threads,
+                        options,
                         name=f"{base} {index + 1} of {count}{rank if name is None else ''}",
                         wait=False,
                         check_threads=False,
@@ -168,10 +159,6 @@ class AsyncRolloutPool(AsyncSamplerBase):
     def processes(self) -> list:
         """The workers' processes."""
         return [worker.process for worker in self.workers]
-
-    @property
-    def sync_check_tol(self) -> float:
-        return self.workers[0].sync_check_tol
 
     @property
     def sync_stats(self) -> dict[int, dict[str, float]]:
@@ -316,14 +303,14 @@ class AsyncRolloutPool(AsyncSamplerBase):
 
 
 def make_async_rollout(
-    engine, tokenizer, *, num_workers: int = 1, **kwargs: Any
+    engine, tokenizer, options: SamplerOptions | None = None, *, num_workers: int = 1
 ) -> AsyncRollout | AsyncRolloutPool:
-    """The asynchronous ``hf`` sampler of ``num_workers`` worker processes: an
-    :class:`AsyncRollout` for one, an :class:`AsyncRolloutPool` for more (``kwargs``: their
-    common arguments). ``ValueError`` naming ``num_workers`` when it is not an int >= 1."""
+    """The asynchronous ``hf`` sampler of ``num_workers`` worker processes started with
+    ``options``: an :class:`AsyncRollout` for one, an :class:`AsyncRolloutPool` for more.
+    ``ValueError`` naming ``num_workers`` when it is not an int >= 1."""
     if check_num_workers(num_workers) == 1:
-        return AsyncRollout(engine, tokenizer, **kwargs)
-    return AsyncRolloutPool(engine, tokenizer, num_workers=num_workers, **kwargs)
+        return AsyncRollout(engine, tokenizer, options)
+    return AsyncRolloutPool(engine, tokenizer, options, num_workers=num_workers)
 
 
 def _check_params(params: Any) -> None:

@@ -17,15 +17,14 @@ import queue
 import signal
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
 from tensordict import TensorDict
 
 from microrl.engine import setup
-from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.ulysses_attention import base_implementation
@@ -38,7 +37,7 @@ from microrl.engine.rollout.base import (
 )
 from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
-from microrl.engine.rollout.sync_check import default_sync_check_tol, engine_probe
+from microrl.engine.rollout.sync_check import engine_probe
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.worker.main import (
@@ -50,6 +49,9 @@ from microrl.remote.worker.main import (
     tensor_family,
     worker_main,
 )
+
+if TYPE_CHECKING:  # annotations only
+    from microrl.remote.trainer.protocol import SamplerOptions
 
 __all__ = ["AsyncRollout", "GlooBroadcast"]
 
@@ -63,15 +65,9 @@ class AsyncRollout(AsyncSamplerBase):
         engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its weights
             now are pushed as ``version``.
         tokenizer: its tokenizer (picklable: it is sent to the worker).
-        version: the policy version of the engine's current weights (the recipe: its step).
-        env_maker: for multi-turn tasks, ``problem -> environment`` (picklable by reference:
-            a task's ``make_env``); :meth:`submit_episodes` needs it.
-        timeout_s: the longest wait for the worker (start, a job, a sync) before
-            :class:`WorkerError`.
-        sync_check_tol: the largest mean probe log-prob difference (:data:`SYNC_CHECK_STAT`) a
-            sync may show; None: by the engine's precision (:data:`FP32_SYNC_CHECK_TOL`,
-            :data:`LOW_PRECISION_SYNC_CHECK_TOL`).
-        num_threads: the worker's torch threads (0: torch's default).
+        options: the policy version of the engine's current weights, the environments, the
+            timeout, the check's tolerance and the worker's threads
+            (:class:`~microrl.remote.trainer.protocol.SamplerOptions`; None: the defaults).
         name: how errors name the worker.
         wait: False: spawn the worker and return at once; :meth:`wait_started` completes the
             start (the first push and its check). A pool spawns its workers together this way.
@@ -85,32 +81,20 @@ class AsyncRollout(AsyncSamplerBase):
         self,
         engine,
         tokenizer,
+        options: SamplerOptions | None = None,
         *,
-        version: int = 0,
-        env_maker: Callable[[Any], Any] | None = None,
-        timeout_s: float = 600.0,
-        sync_check_tol: float | None = None,
-        num_threads: int = 1,
         name: str | None = None,
         wait: bool = True,
         check_threads: bool = True,
     ) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
-        if not isinstance(engine, Engine):
-            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if sync_check_tol is not None and not sync_check_tol > 0:
-            raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
+        options = self._take_options(engine, options)
         self.engine = engine
         self.name = name or (
             f"the rollout worker of rank {distributed.rank()}"
             if distributed.is_distributed()
             else "the rollout worker"
         )
-        self.timeout_s = float(timeout_s)
-        self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
-        self.version = int(version)
         #: The :func:`probe_stats` of each verified push, by version.
         self.sync_stats: dict[int, dict[str, float]] = {}
         #: The worker's seconds per job and per weight load (+ probe), in the order they ran,
@@ -127,21 +111,20 @@ class AsyncRollout(AsyncSamplerBase):
         self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
         self._closed = False
         self.process = None
-        self.env_maker = env_maker
         env_bytes = None
-        if env_maker is not None:
+        if self.env_maker is not None:
             try:
-                env_bytes = dumps(env_maker)
+                env_bytes = dumps(self.env_maker)
             except (pickle.PicklingError, TypeError, AttributeError) as err:
                 raise ValueError(
                     "env_maker cannot be sent to the rollout worker process (it must be "
                     f"picklable, e.g. a task's make_env): {err}"
                 ) from err
         if check_threads:
-            warn_if_oversubscribed(self.name, [num_threads])
+            warn_if_oversubscribed(self.name, [options.num_threads])
         #: How each sync reaches the worker: over its gloo group.
         self.weight_sync: WeightSync = GlooBroadcast([self])
-        self._spawn(engine, base, tokenizer, env_bytes, num_threads)
+        self._spawn(engine, base, tokenizer, env_bytes, options.num_threads)
         if wait:
             self.wait_started()
 

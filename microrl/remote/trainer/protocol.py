@@ -11,9 +11,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from microrl.engine.base import Engine
 from microrl.engine.rollout.base import Rollout, SamplingParams
+from microrl.engine.rollout.sync_check import default_sync_check_tol
 
-__all__ = ["POLICY_VERSION_KEY", "AsyncSampler", "AsyncSamplerBase", "Job", "WorkerError"]
+__all__ = [
+    "POLICY_VERSION_KEY",
+    "AsyncSampler",
+    "AsyncSamplerBase",
+    "Job",
+    "SamplerOptions",
+    "WorkerError",
+]
 
 #: The per-row ``[B]`` int64 batch key holding the policy version a row was sampled with.
 POLICY_VERSION_KEY = "policy_version"
@@ -30,6 +39,40 @@ class Job:
     id: int
     version: int
     kind: str
+
+
+@dataclass(frozen=True)
+class SamplerOptions:
+    """What every asynchronous sampler starts with (``AsyncRollout``, ``AsyncRolloutPool`` for
+    each of its workers, ``VLLMServerRollout``); the recipes fill it from ``rollout.*``.
+
+    Attributes:
+        version: the policy version of the engine's current weights (the recipe: its step).
+        env_maker: for multi-turn tasks, ``problem -> environment``; ``submit_episodes`` needs
+            it. ``hf`` workers build the environments in their process (so it must pickle by
+            reference, as a task's ``make_env`` does); vLLM servers' step in the trainer.
+        timeout_s: the longest wait for a worker or a server (its start, a job, a push) before
+            :class:`WorkerError`, > 0 (``rollout.worker_timeout_s``).
+        sync_check_tol: the largest mean probe log-prob difference
+            (:data:`~microrl.engine.rollout.sync_check.SYNC_CHECK_STAT`) a push may show, > 0;
+            None: by the engine's precision (``rollout.sync_check_tol``).
+        num_threads: each ``hf`` worker's torch threads (0: torch's default), or each local
+            vLLM server's CPU threads.
+
+    A bad value is a ``ValueError`` naming the field.
+    """
+
+    version: int = 0
+    env_maker: Callable[[Any], Any] | None = None
+    timeout_s: float = 600.0
+    sync_check_tol: float | None = None
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.sync_check_tol is not None and not self.sync_check_tol > 0:
+            raise ValueError(f"sync_check_tol must be > 0 or None, got {self.sync_check_tol!r}")
 
 
 @runtime_checkable
@@ -86,6 +129,22 @@ class AsyncSamplerBase:
 
     #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it.
     env_maker: Callable[[Any], Any] | None = None
+
+    def _take_options(self, engine: Any, options: SamplerOptions | None) -> SamplerOptions:
+        """Keep ``options`` (None: the defaults) and the state read from them: ``version``,
+        ``env_maker``, ``timeout_s`` and ``sync_check_tol`` (None: ``engine``'s default);
+        ``TypeError`` when ``engine`` is not a microrl engine."""
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+        options = SamplerOptions() if options is None else options
+        if not isinstance(options, SamplerOptions):
+            raise TypeError(f"options must be a SamplerOptions, got {type(options).__name__}")
+        self.options = options
+        self.version = int(options.version)
+        self.env_maker = options.env_maker
+        self.timeout_s = float(options.timeout_s)
+        self.sync_check_tol = options.sync_check_tol or default_sync_check_tol(engine)
+        return options
 
     def submit_episodes(
         self,

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,7 +33,7 @@ from microrl.engine.rollout.base import (
     draw_seed,
     encode_prompts,
 )
-from microrl.engine.rollout.sync_check import default_sync_check_tol, engine_probe
+from microrl.engine.rollout.sync_check import engine_probe
 from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
@@ -59,6 +59,9 @@ from microrl.remote.trainer.vllm_requests import (
     prompt_logprobs,
 )
 
+if TYPE_CHECKING:  # annotations only
+    from microrl.remote.trainer.protocol import SamplerOptions
+
 __all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout", "check_arguments"]
 
 #: The per-row ``[B]`` int64 batch key: the policy version of a row's last sampled token.
@@ -76,16 +79,15 @@ class VLLMServerRollout(AsyncSamplerBase):
         tokenizer: its tokenizer.
         config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts
             (their GPUs: ``gpus``, ``tensor_parallel_size``), and ``trainer_address``.
-        version: the policy version of the engine's current weights (the recipe: its step).
+        options: the policy version of the engine's current weights, the environments (stepped
+            in this process), the longest wait for a server (start, one request, a push), the
+            check's tolerance and each local server's CPU threads
+            (:class:`~microrl.remote.trainer.protocol.SamplerOptions`; None: the defaults).
         urls: servers the user started (``rollout.server_url``); under ``torchrun`` data rank
             ``r`` of ``w`` (:func:`~microrl.remote.trainer.vllm_placement.data_rank`) uses every
             ``w``-th one from the ``r``-th. Empty: start ``num_workers`` (per data rank).
         api_key: their ``--api-key`` (None: ``$VLLM_API_KEY``).
         num_workers: local servers to start (without ``urls``).
-        env_maker: for multi-turn tasks, ``problem -> environment`` (run in this process).
-        timeout_s: the longest wait for a server (start, one request, a push).
-        sync_check_tol: as :class:`~microrl.remote.AsyncRollout`'s.
-        num_threads: each local server's CPU threads.
         workdir: where the base model and the adapters are written (the servers must see it).
         log_dir: where each local server's log is kept (the recipes: ``<output.dir>/vllm-servers``);
             None: temporary files, kept only when a server fails (errors name them).
@@ -96,15 +98,11 @@ class VLLMServerRollout(AsyncSamplerBase):
         engine,
         tokenizer,
         config: VLLMConfig | None = None,
+        options: SamplerOptions | None = None,
         *,
-        version: int = 0,
         urls: Sequence[str] = (),
         api_key: str | None = None,
         num_workers: int = 1,
-        env_maker: Callable[[Any], Any] | None = None,
-        timeout_s: float = 600.0,
-        sync_check_tol: float | None = None,
-        num_threads: int = 1,
         workdir: str | None = None,
         log_dir: str | None = None,
     ) -> None:
@@ -112,13 +110,10 @@ class VLLMServerRollout(AsyncSamplerBase):
         #: The layout, episodes and decoding of every backend, sampling through these servers.
         self.backend = _ServerBackend(self)
         self.engine, self.config = engine, config or VLLMConfig()
-        check_arguments(engine, self.config, urls, num_workers, sync_check_tol)
+        check_arguments(engine, self.config, urls, num_workers)
+        options = self._take_options(engine, options)
         self.log_dir = log_dir
-        self.version = int(version)
-        self.timeout_s = float(timeout_s)
-        self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
         self.is_lora = engine.peft_model is not None
-        self.env_maker = env_maker
         self.sync_stats: dict[int, dict[str, float]] = {}
         self.job_seconds: list[float] = []
         self.sync_seconds: list[float] = []
@@ -141,7 +136,9 @@ class VLLMServerRollout(AsyncSamplerBase):
         self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
         self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-sync")
         try:
-            self.clients = self._connect(base, list(urls), api_key, num_workers, num_threads)
+            self.clients = self._connect(
+                base, list(urls), api_key, num_workers, options.num_threads
+            )
             self._requests = ThreadPoolExecutor(
                 _REQUESTS_PER_SERVER * len(self.clients), thread_name_prefix="microrl-vllm-req"
             )
@@ -442,18 +439,16 @@ class _ServerBackend(RolloutBackend):
         return self.owner.sample_in_job(prompt_ids, params)
 
 
-def check_arguments(
-    engine, config: VLLMConfig, urls: Sequence[str], num_workers: int, sync_check_tol
-) -> None:
+def check_arguments(engine, config: VLLMConfig, urls: Sequence[str], num_workers: int) -> None:
     """The checks of :class:`VLLMServerRollout`'s arguments, before anything starts (every
     process of a sequence-parallel group runs them: none waits in a collective for one that
     refused)."""
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+    if not isinstance(config, VLLMConfig):
+        raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    if sync_check_tol is not None and not sync_check_tol > 0:
-        raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
     if config.sleep_level:
         raise ValueError(
             "rollout.vllm.sleep_level must be 0 for vLLM servers (rollout.max_staleness > 0): "

@@ -34,7 +34,12 @@ from microrl.remote.trainer.hf_pool import (
     split_sizes,
 )
 from microrl.remote.trainer.hf_worker import AsyncRollout, warn_if_oversubscribed
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, WorkerError
+from microrl.remote.trainer.protocol import (
+    POLICY_VERSION_KEY,
+    AsyncSampler,
+    SamplerOptions,
+    WorkerError,
+)
 from microrl.tasks import AdditionTask
 
 EPISODE_PARAMS = SamplingParams(num_samples=2, max_new_tokens=4)
@@ -55,7 +60,9 @@ def pool():
     """A LoRA engine and a pool of 2 workers, shared by the module (the last test breaks and
     closes it)."""
     engine, tok = make_engine(lora_rank=4)
-    with AsyncRolloutPool(engine, tok, num_workers=2, env_maker=picky_env) as workers:
+    with AsyncRolloutPool(
+        engine, tok, SamplerOptions(env_maker=picky_env), num_workers=2
+    ) as workers:
         yield engine, tok, workers
     assert not any(p.is_alive() for p in workers.processes)
 
@@ -238,10 +245,11 @@ def test_num_workers_is_checked_and_one_is_a_plain_worker(monkeypatch) -> None:
 
     monkeypatch.setattr(pool_module, "AsyncRollout", Stub)
     monkeypatch.setattr(pool_module, "AsyncRolloutPool", Stub)
-    one = make_async_rollout("engine", "tok", version=3)
-    assert one.args == ("engine", "tok") and one.kwargs == {"version": 3}
-    two = make_async_rollout("engine", "tok", num_workers=2, version=3)
-    assert two.kwargs == {"num_workers": 2, "version": 3}
+    options = SamplerOptions(version=3)
+    one = make_async_rollout("engine", "tok", options)
+    assert one.args == ("engine", "tok", options) and one.kwargs == {}
+    two = make_async_rollout("engine", "tok", options, num_workers=2)
+    assert two.args == ("engine", "tok", options) and two.kwargs == {"num_workers": 2}
 
 
 def test_oversubscribed_cores_are_a_warning(monkeypatch, caplog) -> None:

@@ -41,7 +41,12 @@ from microrl.engine.rollout.sync_check import (
     probe_stats,
 )
 from microrl.remote.trainer.hf_worker import AsyncRollout
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, WorkerError
+from microrl.remote.trainer.protocol import (
+    POLICY_VERSION_KEY,
+    AsyncSampler,
+    SamplerOptions,
+    WorkerError,
+)
 from microrl.run.toy_model import build_model, build_tokenizer
 from microrl.tasks import AdditionTask
 
@@ -147,10 +152,10 @@ def test_a_hung_worker_is_an_error_naming_it_and_close_never_hangs() -> None:
 def test_episodes_are_played_in_the_worker() -> None:
     engine, tok = make_engine()
     with pytest.raises(ValueError, match="env_maker cannot be sent to the rollout worker"):
-        AsyncRollout(engine, tok, env_maker=lambda problem: None)
+        AsyncRollout(engine, tok, SamplerOptions(env_maker=lambda problem: None))
     problems = [AdditionTask.make(1, 2), AdditionTask.make(3, 4)]
     params = SamplingParams(num_samples=2, max_new_tokens=4)
-    with AsyncRollout(engine, tok, env_maker=picky_env) as worker:
+    with AsyncRollout(engine, tok, SamplerOptions(env_maker=picky_env)) as worker:
         assert isinstance(worker, AsyncSampler) and not hasattr(worker, "run_episodes")
         job = worker.submit_episodes(problems, params, max_turns=3, max_tokens=14)
         rollout = worker.collect(job)

