@@ -50,7 +50,7 @@ class SamplerOptions:
         version: the policy version of the engine's current weights (the recipe: its step).
         env_maker: for multi-turn tasks, ``problem -> environment``; ``submit_episodes`` needs
             it. ``hf`` workers build the environments in their process (so it must pickle by
-            reference, as a task's ``make_env`` does); vLLM servers' step in the trainer.
+            reference, as a task's ``make_env`` does); with vLLM servers they step in the trainer.
         timeout_s: the longest wait for a worker or a server (its start, a job, a push) before
             :class:`WorkerError`, > 0 (``rollout.worker_timeout_s``).
         sync_check_tol: the largest mean probe log-prob difference

@@ -1,11 +1,11 @@
 """One asynchronous sampler per sequence-parallel group (docs/async.md#sequence-parallelism).
 
 The processes of an sp group are one data rank: they train on the same rollout. The group's
-first process owns the sampler (its ``hf`` worker processes, or its vLLM servers); every rollout it collects is
-broadcast to the others over the engine's sp group, so the group trains on one sample, not on
-copies that would have to agree bit for bit. A push gathers FSDP2 shards from every process and
-scores the probe with the engine (collectives over ``dp x sp``): the other processes take part
-in those collectives without a sampler of their own (:class:`HFPushJoiner`;
+first process owns the sampler (its ``hf`` worker processes, or its vLLM servers); every
+rollout it collects is broadcast to the others over the engine's sp group, so the group trains
+on one sample, not on copies that would have to agree bit for bit. A push gathers FSDP2 shards
+from every process and scores the probe with the engine (collectives over ``dp x sp``): the
+other processes take part in those collectives without a sampler of their own (:class:`HFPushJoiner`;
 :class:`~microrl.remote.trainer.server_weight_syncs.ServerSyncJoiner` for vLLM servers).
 """
 
