@@ -82,15 +82,21 @@ def trainer_gpu(device: torch.device) -> int:
 
 
 def server_gpus(
-    device: torch.device, *, num_workers: int, tensor_parallel_size: int = 1, gpus: str = ""
+    device: torch.device,
+    *,
+    num_workers: int,
+    tensor_parallel_size: int = 1,
+    gpus: str = "",
+    group_size: int = 1,
 ) -> list[list[int]] | None:
     """The ``cuda:N`` indices of each of this trainer process's ``num_workers`` local servers
     (``tensor_parallel_size`` each), or None when the trainer runs on a CPU.
 
     Empty ``gpus``: every server on the trainer's own GPU (``device``). Else ``gpus`` lists GPUs
-    dedicated to the servers of this node: local rank ``r`` takes the ``r``-th block of
-    ``num_workers * tensor_parallel_size`` GPUs, server ``i`` the ``i``-th ``tensor_parallel_size``
-    of its block. Raises ``ValueError`` naming the keys: GPUs on a CPU, TP beside the trainer,
+    dedicated to the servers of this node: local data rank ``r`` (local rank // ``group_size``,
+    the processes of a sequence-parallel group, consecutive, sharing one server set) takes the
+    ``r``-th block of ``num_workers * tensor_parallel_size`` GPUs, server ``i`` the ``i``-th
+    ``tensor_parallel_size`` of its block. Raises ``ValueError`` naming the keys: GPUs on a CPU, TP beside the trainer,
     too few GPUs, one this process cannot see, or one a trainer process of this node trains on.
     """
     listed = parse_gpu_list(gpus)
@@ -119,22 +125,25 @@ def server_gpus(
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})"
         )
     local_rank, local_world = _local_rank_and_world()
+    blocks = max(local_world // group_size, 1)  # the data ranks of this node
     per_rank = num_workers * tp
-    if len(listed) < local_world * per_rank:
+    if len(listed) < blocks * per_rank:
+        who = "trainer process(es)" if group_size == 1 else "sequence-parallel group(s)"
         raise ValueError(
-            f"rollout.vllm.gpus={gpus!r} lists {len(listed)} GPUs; {local_world} trainer "
-            f"process(es) on this node x rollout.num_workers={num_workers} servers x "
-            f"rollout.vllm.tensor_parallel_size={tp} need {local_world * per_rank}"
+            f"rollout.vllm.gpus={gpus!r} lists {len(listed)} GPUs; {blocks} {who} on this "
+            f"node x rollout.num_workers={num_workers} servers x "
+            f"rollout.vllm.tensor_parallel_size={tp} need {blocks * per_rank}"
         )
     training = _training_gpus(own, local_world, count)
-    shared = sorted(set(listed[: local_world * per_rank]) & training)
+    shared = sorted(set(listed[: blocks * per_rank]) & training)
     if shared:
         raise ValueError(
             f"rollout.vllm.gpus={gpus!r} lists GPU {shared[0]}, which a trainer process of this "
             "node trains on: dedicated sampler GPUs must be others (leave rollout.vllm.gpus "
             "empty to put each server beside its trainer process instead)"
         )
-    mine = listed[local_rank * per_rank : (local_rank + 1) * per_rank]
+    block = local_rank // group_size
+    mine = listed[block * per_rank : (block + 1) * per_rank]
     return [mine[i * tp : (i + 1) * tp] for i in range(num_workers)]
 
 

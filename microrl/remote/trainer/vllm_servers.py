@@ -169,6 +169,7 @@ class VLLMServerRollout(AsyncSamplerBase):
             num_workers=num_workers,
             tensor_parallel_size=cfg.tensor_parallel_size,
             gpus=cfg.gpus,
+            group_size=distributed.world_size() // data_rank(self.engine)[1],
         )
         model_dir = self.workdir / "base"
         export_merged_model(self.engine.module, model_dir, merge_lora=False)

@@ -408,20 +408,42 @@ def test_the_workers_of_a_users_server_come_from_its_server_info():
         _workers(broken)
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4])
+class StubServer:
+    """A local server that starts nothing: its client is a :class:`StubClient`."""
+
+    started: ClassVar[int] = 0
+
+    def __init__(self, model_dir, **options) -> None:
+        StubServer.started += 1
+        self.name = f"stub server {StubServer.started}"
+        self.client = StubClient(f"http://127.0.0.1:{9000 + StubServer.started}")
+
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("lora_rank", "launched"), [(0, False), (4, False), (0, True)])
 def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
-    tokenizer, monkeypatch, transfer, tmp_path, lora_rank
+    tokenizer, monkeypatch, transfer, tmp_path, lora_rank, launched
 ):
     """Under sequence parallelism the sp group's first process runs the sampler and the others
-    a ``ServerSyncJoiner``: their collectives (the work directory, the probe's scoring, the
-    full-tensor gathers or the adapter's export) must pair one to one, in order, or the group
-    hangs. As data rank 1 of 2 on 3 servers: one server of its own, two pushes per sync on
-    data rank 0 (the second pass joined)."""
+    a ``ServerSyncJoiner``: their collectives (the work directory, the base model's export,
+    the probe's scoring, the full-tensor gathers or the adapter's export) must pair one to one,
+    in order, or the group hangs. As data rank 1 of 2 on 3 servers the user started: one server
+    of its own, two pushes per sync on data rank 0 (the second pass joined); or 2 local ones."""
     import tempfile
     from pathlib import Path
 
     from microrl.engine.rollout import full_weights, vllm_options
-    from microrl.remote.trainer import server_weight_syncs, vllm_placement, vllm_servers
+    from microrl.remote.trainer import (
+        server_weight_syncs,
+        vllm_launch,
+        vllm_placement,
+        vllm_servers,
+    )
     from microrl.remote.trainer.server_weight_syncs import ServerSyncJoiner
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -441,19 +463,24 @@ def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
     recorded((server_weight_syncs, "export_peft_adapter"), export, lambda m, p, **k: Path(p).name)
     workdir = vllm_options.make_workdir
     recorded((vllm_options, "make_workdir"), workdir, lambda *args: "workdir")
+    for module in (server_weight_syncs, vllm_servers):  # the servers are stand-ins
+        recorded((module, "export_merged_model"), lambda *a, **k: None, lambda *a, **k: "base")
+    monkeypatch.setattr(vllm_launch, "LocalVLLMServer", StubServer)
     for module in (vllm_placement, vllm_servers):
         monkeypatch.setattr(module, "data_rank", lambda engine: (1, 2))
-    urls = [f"http://127.0.0.1:{port}" for port in (8001, 8002, 8003)]
+    urls = [] if launched else [f"http://127.0.0.1:{port}" for port in (8001, 8002, 8003)]
+    config = VLLMConfig(max_model_len=32)
 
-    rollout = vllm_servers.VLLMServerRollout(engine, tokenizer, None, OPTIONS_V3, urls=urls)
-    assert [client.url for client in rollout.clients] == [urls[1]]
+    rollout = vllm_servers.VLLMServerRollout(
+        engine, tokenizer, config, OPTIONS_V3, urls=urls, num_workers=2
+    )
+    assert len(rollout.clients) == (2 if launched else 1)
     rollout.sync(engine)
     rollout.close()
     sampler, calls[:] = list(calls), []
-    join = ServerSyncJoiner(engine, tokenizer, version=3, urls=urls, num_workers=1)
+    join = ServerSyncJoiner(engine, tokenizer, version=3, urls=urls, num_workers=2)
     join(engine)
     assert calls == sampler
-    push = ["adapter-3"] if lora_rank else ["gather", "gather"]
-    assert sampler[: 2 + len(push)] == ["workdir", "probe", *push]
-    assert sampler.count("probe") == 2
-    assert sampler[-1] == ("adapter-4" if lora_rank else "gather")
+    start = ["workdir", "base"] if launched else ["workdir"]
+    first, then = (["adapter-3"], ["adapter-4"]) if lora_rank else (["gather"] * 2,) * 2
+    assert sampler == [*start, "probe", *first, "probe", *then]

@@ -272,3 +272,19 @@ def test_the_servers_of_rollout_server_url_split_by_data_rank(monkeypatch):
     monkeypatch.setattr(vllm_placement.dist, "get_world_size", {"dp": 2}.__getitem__)
     assert data_rank(grouped) == (1, 2)
     assert pushes_per_sync(grouped, urls, num_workers=1) == 2  # data rank 0 pushes to 2
+
+
+def test_dedicated_gpus_one_block_per_sequence_parallel_group(monkeypatch):
+    """4 processes of a node in sp groups of 2 (2 data ranks): the groups' first processes
+    (local ranks 0 and 2) take the first and second block, so 2 dedicated GPUs are enough."""
+    from microrl.remote.trainer.vllm_placement import server_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    placed = []
+    for rank in (0, 2):
+        fake_gpus(monkeypatch, count=8, local_rank=rank, local_world=4)
+        device = torch.device("cuda", rank)
+        placed += server_gpus(device, num_workers=1, gpus="4,5", group_size=2)
+    assert placed == [[4], [5]]
+    with pytest.raises(ValueError, match=r"lists 1 GPUs; 2 sequence-parallel group\(s\)"):
+        server_gpus(device, num_workers=1, gpus="4", group_size=2)
