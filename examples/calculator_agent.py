@@ -1,6 +1,6 @@
 """A calculator agent, written against the OpenAI API as any user's agent is.
 
-Trained by microrl through its OpenAI-compatible endpoint (docs/rollouts.md#agents), on the
+Trained by microrl through its OpenAI-compatible endpoint (docs/rollouts.md), on the
 calculator task (3-digit sums the toy model cannot do alone, docs/tasks.md#calculator). On its
 own, against any OpenAI-compatible server that parses tool calls (``vllm serve MODEL
 --enable-auto-tool-choice --tool-call-parser hermes``):
