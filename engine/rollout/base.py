@@ -135,12 +135,15 @@ class RolloutBackend(ABC):
 
     ``stop_token_ids``: the ids that end a turn, which :meth:`_sample` stops at and the layout
     cuts after: the chat template's turn end, the tokenizer's eos and ``generation_config``'s
-    (the model's; :func:`~microrl.engine.rollout.turns.turn_terminators`).
+    (the model's; :func:`~microrl.engine.rollout.turns.turn_terminators`). A template without
+    a turn end of its own adds none (episodes refuse it, text prompts do not need it).
     """
 
     def __init__(self, tokenizer, *, generation_config=None) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
-        self.stop_token_ids: tuple[int, ...] = turn_terminators(tokenizer, generation_config)
+        self.stop_token_ids: tuple[int, ...] = turn_terminators(
+            tokenizer, generation_config, require_template=False
+        )
 
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams

@@ -72,9 +72,15 @@ def template_turn_end(tokenizer: Any) -> TurnEnd:
     writes is no token of its own (it merges with the content: a turn's end could not be told
     from the turn).
     """
-    text = render(tokenizer, PROBE_CONVERSATION, generation_prompt=False)
     other = [PROBE_CONVERSATION[0], {"role": "assistant", "content": _OTHER_CONTENT}]
-    other_text = render(tokenizer, other, generation_prompt=False)
+    try:
+        text = render(tokenizer, PROBE_CONVERSATION, generation_prompt=False)
+        other_text = render(tokenizer, other, generation_prompt=False)
+    except Exception as err:  # jinja's TemplateError, a template's raise_exception(...)
+        raise ValueError(
+            "the tokenizer's chat template fails on a plain [user, assistant] conversation "
+            f"({type(err).__name__}: {err}): the end of a model turn cannot be read from it"
+        ) from err
     if len(other_text) != len(text) or text == other_text:
         raise ValueError(
             "the tokenizer's chat template does not render an assistant message's content as it "
@@ -100,14 +106,23 @@ def template_turn_end(tokenizer: Any) -> TurnEnd:
     return TurnEnd(token_id=tail[0], probe_ids=full[: len(head) + 1])
 
 
-def turn_terminators(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
+def turn_terminators(
+    tokenizer: Any, generation_config: Any = None, *, require_template: bool = True
+) -> tuple[int, ...]:
     """Every id that ends a model turn, the template's turn end first: then the tokenizer's
     ``eos_token_id`` and ``generation_config.eos_token_id`` (None, an int or a list), once each.
 
-    Raises ``ValueError`` for a template without a turn end (:func:`template_turn_end`) or a
-    ``generation_config.eos_token_id`` that is not token ids of this tokenizer.
+    Raises ``ValueError`` for a ``generation_config.eos_token_id`` that is not token ids of this
+    tokenizer, and, with ``require_template``, for a template without a turn end
+    (:func:`template_turn_end`). Without it such a template adds no id: sampling from text
+    prompts needs no template (the backends), playing episodes does (and refuses it then).
     """
-    stops = [template_turn_end(tokenizer).token_id, tokenizer.eos_token_id]
+    try:
+        stops = [template_turn_end(tokenizer).token_id, tokenizer.eos_token_id]
+    except ValueError:
+        if require_template:
+            raise
+        stops = [tokenizer.eos_token_id]
     extra = getattr(generation_config, "eos_token_id", None)
     if extra is not None:
         extra = [extra] if isinstance(extra, int) else extra

@@ -56,6 +56,17 @@ def test_templates_without_a_separate_turn_end_are_refused():
     tok = family_tokenizer("gemma", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(ValueError, match="writes nothing after an assistant turn"):
         turn_terminators(tok)
+    # a backend samples text prompts without it (eos ends turns); its episodes refuse it
+    assert turn_terminators(tok, require_template=False) == (tok.eos_token_id,)
+    backend = ScriptedBackend(tok, [[[tok.eos_token_id]]])
+    assert backend.stop_token_ids == (tok.eos_token_id,)
+    with pytest.raises(ValueError, match="writes nothing after an assistant turn"):
+        backend.run_episodes(
+            ["p"], lambda i: ScriptEnv([], [1.0], 1), SamplingParams(), max_turns=1, max_tokens=4
+        )
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match=r"fails on a plain.*roles must alternate"):
+        turn_terminators(tok)
     tok.chat_template = "{% for m in messages %}<start_of_turn>{% endfor %}"
     with pytest.raises(ValueError, match="does not render an assistant message's content"):
         turn_terminators(tok)
