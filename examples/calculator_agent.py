@@ -24,7 +24,7 @@ from microrl.tasks.calculator import CALCULATOR_TOOL, CalculatorTask, execute_to
 from microrl.tasks.rewards import numeric_match
 
 MAX_TOOL_ROUNDS = 3  # model calls that may ask for the tool before the answer must come
-MAX_TOKENS = 64  # per model call: a tool call in the toy format is about 60 tokens
+MAX_TOKENS = 96  # per model call: a tool call in the toy format is 65 tokens with its <eos>
 
 
 async def agent(client: Any, problem: Any, *, model: str = "policy") -> float:

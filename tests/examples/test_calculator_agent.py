@@ -77,3 +77,17 @@ def test_an_agent_that_never_stops_calling_gets_no_reward():
     texts = [CALL.format("1+1")] * (agent.MAX_TOOL_ROUNDS + 1)
     reward, client = run(texts)
     assert reward == 0.0 and len(client.requests) == agent.MAX_TOOL_ROUNDS + 1
+
+
+def test_a_tool_call_of_the_toy_model_fits_in_one_call():
+    """The toy model's longest call (its tokenizer: one token per character, whole tags), with
+    its <eos>, within the agent's ``max_tokens``: a cut call would be a malformed one."""
+    from microrl.run.toy_model import build_tokenizer
+    from microrl.tasks.calculator import CalculatorTask, tool_call
+
+    toy = build_tokenizer(CalculatorTask.toy_alphabet, CalculatorTask.toy_tokens)
+    toy.chat_template = CalculatorTask.chat_template
+    history = [{"role": "assistant", "content": None, "tool_calls": [tool_call("999+999")]}]
+    turn = toy.apply_chat_template(history, tokenize=False).removeprefix(toy.bos_token)
+    tokens = len(toy(turn.removeprefix("<|assistant|>"), add_special_tokens=False)["input_ids"])
+    assert 60 < tokens <= load_example("calculator_agent").MAX_TOKENS
