@@ -13,6 +13,7 @@ from microrl.engine.rollout.factory import make_rollout_backend
 from microrl.engine.rollout.hf import HFRollout
 from microrl.engine.rollout.layout import Samples, build_rollout
 from microrl.engine.rollout.merge import merge_rollouts, select_groups
+from microrl.engine.rollout.turns import turn_terminators
 
 __all__ = [
     "HFRollout",
@@ -24,6 +25,7 @@ __all__ = [
     "make_rollout_backend",
     "merge_rollouts",
     "select_groups",
+    "turn_terminators",
 ]
 
 

@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from microrl.engine.rollout.episodes import episode_batch, play_episodes
 from microrl.engine.rollout.layout import Samples, build_rollout
+from microrl.engine.rollout.turns import turn_terminators
 
 __all__ = [
     "SEED_RANGE",
@@ -86,8 +87,9 @@ class Rollout:
     """Sampled responses in the engine's token-aligned layout.
 
     ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, then the response, right-padded after
-    its first ``<eos>``), ``attention_mask``, ``loss_mask`` (the response tokens up to and including
-    the first ``<eos>``) and ``rollout_logprobs`` (float32, the sampler's log-prob of each response
+    its first turn terminator, ``<eos>`` or the template's turn end: the backend's
+    ``stop_token_ids``), ``attention_mask``, ``loss_mask`` (the response tokens up to and including
+    that terminator) and ``rollout_logprobs`` (float32, the sampler's log-prob of each response
     token, 0 off the response), and the per-row ``truncated`` ``[B]`` (bool: the response was cut
     at ``max_new_tokens`` without an ``<eos>``; ``actor.mask_truncated`` drops such rows from the
     loss). ``texts``: each response decoded, special tokens removed.
@@ -130,10 +132,18 @@ class RolloutBackend(ABC):
     Subclasses implement :meth:`_sample` (token ids in, :class:`Samples` out) and, when they hold
     their own copy of the weights, :meth:`sync`. Under ``torchrun`` every rank owns a backend and
     samples its own prompts (shard prompts over ranks, never the rows of one prompt).
+
+    ``stop_token_ids``: the ids that end a turn, which :meth:`_sample` stops at and the layout
+    cuts after: the chat template's turn end, the tokenizer's eos and ``generation_config``'s
+    (the model's; :func:`~microrl.engine.rollout.turns.turn_terminators`). A template without
+    a turn end of its own adds none (episodes refuse it, text prompts do not need it).
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, *, generation_config=None) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
+        self.stop_token_ids: tuple[int, ...] = turn_terminators(
+            tokenizer, generation_config, require_template=False
+        )
 
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
@@ -151,7 +161,7 @@ class RolloutBackend(ABC):
             prompt_ids,
             samples,
             num_samples=params.num_samples,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.stop_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
         )
         response = torch.where(batch["loss_mask"], batch["input_ids"], self.tokenizer.pad_token_id)

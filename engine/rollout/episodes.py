@@ -1,6 +1,7 @@
 """Multi-turn episodes: the policy talks to an environment, token in and token out.
 
-An episode alternates a model turn (sampled by the backend's ``_sample``, ended by ``<eos>``)
+An episode alternates a model turn (sampled by the backend's ``_sample``, ended by a turn
+terminator: ``<eos>`` or the template's own turn end, :mod:`microrl.engine.rollout.turns`)
 and the environment's answer (``env.step(turn_text)``: observations, a reward, ``done``). The
 trajectory is kept as token ids from the first turn to the last and is never re-tokenized: the
 ids the engine trains on are exactly the ids the sampler drew, with their log-probs. Only the
@@ -27,6 +28,15 @@ import torch
 from tensordict import TensorDict
 
 from microrl.engine.parallel import distributed
+from microrl.engine.rollout.layout import first_stop
+from microrl.engine.rollout.turns import (
+    PLAIN_CHAT_TEMPLATE,
+    PROBE_CONVERSATION,
+    chat_template_of,
+    encode,
+    render,
+    template_turn_end,
+)
 
 __all__ = [
     "PLAIN_CHAT_TEMPLATE",
@@ -37,16 +47,6 @@ __all__ = [
     "episode_batch",
     "play_episodes",
 ]
-
-# For tokenizers without a chat template (base models, the toy model): messages are their
-# contents one after the other, an assistant turn closed by <eos>.
-PLAIN_CHAT_TEMPLATE = (
-    "{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-)
-# A fixed conversation before the observation: the delta after its assistant turn is what the
-# template adds for the observation, whatever the history (a template may rewrite past turns).
-_BASE_CONVERSATION = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 
 @runtime_checkable
@@ -97,34 +97,27 @@ class Trajectory:
 class ObservationRenderer:
     """Token ids of prompts and observations under the tokenizer's chat template.
 
-    An observation is tokenized as the ids the template puts after an assistant turn's
-    ``<eos>``: the rendering of ``[user, assistant, *observations]`` with the generation prompt,
-    from the token after the assistant's ``<eos>`` on (its closing ``\\n``, the observation, the
-    next assistant header). A turn cut before its ``<eos>`` gets the ``<eos>`` too, unmasked
-    (``with_eos``). Tokenizers without a template use :data:`PLAIN_CHAT_TEMPLATE`.
+    An observation is tokenized as the ids the template puts after an assistant turn's end
+    (``<eos>``, ``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``: the token the template writes
+    after the content, :func:`~microrl.engine.rollout.turns.template_turn_end`): the rendering of
+    ``[user, assistant, *observations]`` with the generation prompt, from the token after the
+    turn end on (its closing ``\\n``, the observation, the next assistant header). A turn cut
+    before its end gets the template's turn end too, unmasked (``with_eos``). Tokenizers without
+    a template use :data:`PLAIN_CHAT_TEMPLATE`.
     """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.template = getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
-        prefix = self._ids(_BASE_CONVERSATION, generation_prompt=False)
-        eos = tokenizer.eos_token_id
-        if eos not in prefix:
-            raise ValueError(
-                "the tokenizer's chat template does not end an assistant turn with its "
-                f"eos_token {tokenizer.eos_token!r}: a model turn could not be told apart from "
-                "the observation after it"
-            )
-        self._prefix = prefix[: len(prefix) - prefix[::-1].index(eos)]  # up to the last <eos>
+        self.template = chat_template_of(tokenizer)
+        end = template_turn_end(tokenizer)
+        #: The token the template ends an assistant turn with.
+        self.turn_end_id = end.token_id
+        self._prefix = end.probe_ids  # the probe conversation up to its turn end
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
+        return encode(
+            self.tokenizer, render(self.tokenizer, messages, generation_prompt=generation_prompt)
         )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt(self, first: Any) -> list[int]:
         """The ids of an episode's first input: a text (with the tokenizer's special tokens, as
@@ -137,7 +130,7 @@ class ObservationRenderer:
 
     def observation(self, messages: Any, *, with_eos: bool) -> list[int]:
         messages = _messages(messages, "step()['observations']")
-        full = self._ids([*_BASE_CONVERSATION, *messages], generation_prompt=True)
+        full = self._ids([*PROBE_CONVERSATION, *messages], generation_prompt=True)
         cut = len(self._prefix)
         if full[:cut] != self._prefix:
             raise ValueError(
@@ -248,6 +241,7 @@ class _Player:
         self.backend = backend
         self.tokenizer = backend.tokenizer
         self.renderer = ObservationRenderer(backend.tokenizer)
+        self.stops = frozenset(backend.stop_token_ids)  # any of them ends a turn
         self.params = params
         self.skip = skip_env_errors
         self.env_time = 0.0
@@ -302,11 +296,10 @@ class _Player:
         samples = self.backend._sample(contexts or [rows[0].trajectory.prompt_ids or [0]], params)
         if not active:
             return
-        eos = self.tokenizer.eos_token_id
         for row, budget, ids, logprobs in zip(
             active, budgets, samples.token_ids, samples.logprobs, strict=True
         ):
-            end = min(ids.index(eos) + 1 if eos in ids else len(ids), budget)
+            end = min(first_stop(ids, self.stops), budget)
             self.answer(row, ids[:end], logprobs[:end], number, max_turns, max_tokens)
 
     def answer(self, row: _Row, ids, logprobs, number: int, max_turns: int, max_tokens: int):
@@ -329,7 +322,7 @@ class _Player:
         if done:
             trajectory.done = True
             return
-        ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+        ended = bool(ids) and ids[-1] in self.stops
         observation = self.renderer.observation(observations, with_eos=not ended)
         # Stop before an observation that would leave no room for the next turn: cut, not
         # crammed in (the trajectory is truncated, the batch layout is unaffected).

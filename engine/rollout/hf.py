@@ -106,13 +106,13 @@ class HFRollout(RolloutBackend):
     """
 
     def __init__(self, engine, tokenizer, *, autocast_dtype: torch.dtype | None = None) -> None:
-        super().__init__(tokenizer)
         is_engine = isinstance(engine, Engine)
         model = engine.model if is_engine else engine
         if not isinstance(model, nn.Module) or not hasattr(model, "generate"):
             raise TypeError(
                 f"engine must be an engine or a transformers causal LM, got {type(engine).__name__}"
             )
+        super().__init__(tokenizer, generation_config=getattr(model, "generation_config", None))
         if is_engine and autocast_dtype is not None:
             raise ValueError(
                 "autocast_dtype is for a bare causal LM: an engine samples at its own precision "
@@ -155,7 +155,7 @@ class HFRollout(RolloutBackend):
         )
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=list(self.stop_token_ids),  # stops at any turn terminator
             pad_token_id=pad,
             bos_token_id=self.tokenizer.bos_token_id,
             **sampling,

@@ -7,13 +7,13 @@ were sampled (:func:`build_rollout`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
 
-__all__ = ["Samples", "build_rollout"]
+__all__ = ["Samples", "build_rollout", "first_stop"]
 
 
 @dataclass
@@ -25,21 +25,29 @@ class Samples:
     logprobs: list[list[float]]
 
 
+def first_stop(ids: Sequence[int], stops: Collection[int]) -> int:
+    """How many of ``ids`` a turn keeps: up to and including its first id in ``stops``, else all."""
+    return next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
+
+
 def build_rollout(
     prompt_ids: Sequence[Sequence[int]],
     samples: Samples,
     *,
     num_samples: int,
-    eos_token_id: int,
+    eos_token_id: int | Collection[int],
     pad_token_id: int,
 ) -> TensorDict:
     """Lay out prompts and sampled responses as the engine's ``[B, T]`` batch (see :class:`Rollout`).
 
     ``prompt_ids`` has one entry per prompt; row ``i`` of ``samples`` answers prompt
-    ``i // num_samples``. A response is cut after its first ``eos_token_id``: what a backend
-    generated past it (HF keeps stepping finished rows in a batch) is padding. A response
-    without ``eos_token_id`` was cut by ``max_new_tokens``: ``truncated`` ``[B]`` (bool) marks it.
+    ``i // num_samples``. ``eos_token_id``: the id, or the ids, that end a turn (a backend's
+    ``stop_token_ids``, :func:`~microrl.engine.rollout.turns.turn_terminators`). A response is
+    cut after its first one: what a backend generated past it (HF keeps stepping finished rows
+    in a batch) is padding. A response without one was cut by ``max_new_tokens``:
+    ``truncated`` ``[B]`` (bool) marks it.
     """
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     rows = len(samples.token_ids)
     if rows != len(prompt_ids) * num_samples or len(samples.logprobs) != rows:
         raise ValueError(
@@ -50,10 +58,10 @@ def build_rollout(
     for ids, lps in zip(samples.token_ids, samples.logprobs, strict=True):
         if len(ids) != len(lps):
             raise ValueError(f"a response has {len(ids)} tokens but {len(lps)} log-probs")
-        end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
+        end = first_stop(ids, stops)
         responses.append(list(ids[:end]))
         logprobs.append(list(lps[:end]))
-        truncated.append(eos_token_id not in ids)
+        truncated.append(not (end and ids[end - 1] in stops))
     # One tensor per column family, built from padded lists (a per-row loop of small tensor
     # copies cost ~20 ms for 1024 rows, a few percent of a toy step).
     prompt_width = max(len(p) for p in prompt_ids)

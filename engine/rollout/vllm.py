@@ -163,7 +163,8 @@ class VLLMRollout(RolloutBackend):
         workdir: str | None = None,
         sync_check_tol: float | None = None,
     ) -> None:
-        super().__init__(tokenizer)
+        model = getattr(engine, "model", None)  # its generation_config's eos ids end turns too
+        super().__init__(tokenizer, generation_config=getattr(model, "generation_config", None))
         if sync_check_tol is not None and not sync_check_tol > 0:
             raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         config = config or VLLMConfig()
@@ -365,9 +366,9 @@ class VLLMRollout(RolloutBackend):
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
         # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
         # of a group in a multi-turn episode) and one seed would draw the very same tokens.
-        eos = self.tokenizer.eos_token_id
+        stops = self.stop_token_ids
         sampling = [
-            VSamplingParams(**vllm_options.sampling_args(params, seed=seed + i, eos_token_id=eos))
+            VSamplingParams(**vllm_options.sampling_args(params, seed=seed + i, eos_token_id=stops))
             for i in range(len(requests))
         ]
         outputs = self.llm.generate(

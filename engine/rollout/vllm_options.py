@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,11 +164,14 @@ def requests_per_prompt(params: SamplingParams) -> int:
     return params.num_samples if params.greedy else 1
 
 
-def sampling_args(params: SamplingParams, *, seed: int, eos_token_id: int) -> dict[str, Any]:
+def sampling_args(
+    params: SamplingParams, *, seed: int, eos_token_id: int | Sequence[int]
+) -> dict[str, Any]:
     """The fields of vLLM's ``SamplingParams`` for one request of ``params``
     (:func:`requests_per_prompt` requests per prompt): its samples, greedy as temperature 0,
-    top-k off as -1, the sampled token's log-prob only, stopped at ``eos_token_id`` (vLLM runs
-    without a tokenizer: ids in, ids out), ``seed`` wrapped into vLLM's int32 range."""
+    top-k off as -1, the sampled token's log-prob only, stopped at ``eos_token_id`` (one id or
+    the backend's ``stop_token_ids``: vLLM runs without a tokenizer, ids in, ids out), ``seed``
+    wrapped into vLLM's int32 range."""
     return {
         "n": 1 if params.greedy else params.num_samples,
         "temperature": 0.0 if params.greedy else params.temperature,
@@ -176,7 +179,7 @@ def sampling_args(params: SamplingParams, *, seed: int, eos_token_id: int) -> di
         "top_p": params.top_p,
         "max_tokens": params.max_new_tokens,
         "logprobs": 0,
-        "stop_token_ids": [eos_token_id],
+        "stop_token_ids": [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
         "seed": seed % SEED_RANGE,
         "detokenize": False,
     }

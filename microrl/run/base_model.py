@@ -230,8 +230,64 @@ def sft_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> Tens
         a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
+    return _padded_batch(rows, masks, tokenizer.pad_token_id)
+
+
+def conversation_sft_batch(
+    tokenizer, conversations: Sequence[Sequence[dict]], tools: Sequence[dict] | None = None
+) -> TensorDict:
+    """Teacher-forcing rows of whole chat conversations rendered by the tokenizer's chat
+    template (with ``tools``), loss on every assistant turn: its content, its tool calls and
+    its turn end, as the template writes them (``[B, T]``). Users', tools' messages and the
+    assistant headers are context. E.g. the calculator task's warm start
+    (:meth:`microrl.tasks.calculator.CalculatorTask.warm_start_conversations`).
+
+    Raises ``ValueError`` when the template renders an earlier turn differently once later
+    turns follow (an assistant turn could not be isolated), or a turn's tokens change with them.
+    """
+    if not conversations:
+        raise ValueError("need at least one conversation")
+    rows, masks = [], []
+    for messages in conversations:
+        ids, mask = _conversation_row(tokenizer, list(messages), list(tools) if tools else None)
+        rows.append(ids)
+        masks.append(mask)
+    return _padded_batch(rows, masks, tokenizer.pad_token_id)
+
+
+def _conversation_row(tokenizer, messages: list[dict], tools) -> tuple[list[int], list[int]]:
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    full = render(len(messages), False)
+    ids = encode(full)
+    mask = [0] * len(ids)
+    for index, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before, through = render(index, True), render(index + 1, False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ValueError(
+                "the chat template renders a conversation's earlier turns differently once later "
+                f"turns follow (at message {index}): its assistant turns cannot be isolated"
+            )
+        start, stop = len(encode(before)), len(encode(through))
+        if ids[:stop] != encode(through):
+            raise ValueError(
+                f"the tokens of a conversation's turns up to message {index} change once later "
+                "turns follow: its assistant turns cannot be isolated"
+            )
+        mask[start:stop] = [1] * (stop - start)
+    return ids, mask
+
+
+def _padded_batch(rows: list[list[int]], masks: list[list[int]], pad: int) -> TensorDict:
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
     # Right padding here: the engine takes any padding, and nothing is generated from these rows.
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     attention = torch.tensor(

@@ -10,6 +10,7 @@ backends both sample it); any local transformers checkpoint can replace it (``mo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,12 +34,17 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 ALPHABET = "0123456789+-*= "  # digits, the operators a task may use, '=' and space
 
 
-def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    extra_chars: str = "", extra_tokens: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
     """A character-level tokenizer over :data:`ALPHABET`; ``"12+7="`` -> ``<bos> 1 2 + 7 =``.
 
     ``extra_chars`` (a task's ``toy_alphabet``, e.g. the letters of word problems) are appended
     after :data:`ALPHABET`, skipping those it has: the ids of the addition task's characters, and
-    with no extra characters the whole tokenizer, stay what they always were.
+    with no extra characters the whole tokenizer, stay what they always were. ``extra_tokens``
+    (a task's ``toy_tokens``, e.g. a chat template's role markers and ``<tool_call>``) come
+    last, each one token; they are not *special* tokens, so decoding keeps them (a tool-call
+    parser reads them in the decoded text).
 
     Padding is on the left so prompts of a batch end at the same column, which is what
     ``generate`` needs for a decoder-only model. Decoding fuses characters back without spaces.
@@ -51,7 +57,7 @@ def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
     )
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token=PAD,
         bos_token=BOS,
@@ -59,6 +65,9 @@ def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
         unk_token=UNK,
         padding_side="left",
     )
+    if extra_tokens:
+        out.add_tokens(list(extra_tokens))
+    return out
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:

@@ -28,6 +28,26 @@ def test_tokenizer_is_a_real_fast_tokenizer_that_round_trips(tmp_path: Path) -> 
     assert loaded.padding_side == "left" and loaded.pad_token_id == tok.pad_token_id
 
 
+def test_extra_tokens_are_whole_tokens_kept_by_decoding(tmp_path: Path) -> None:
+    """A task's ``toy_tokens`` (chat role markers, ``<tool_call>``): one id each, after every
+    character, so the plain tokenizer's ids do not move; decoding keeps them (a tool-call parser
+    reads them), and they survive save and load."""
+    from microrl.run.toy_model import load_tokenizer
+
+    plain = build_tokenizer("abc")
+    tok = build_tokenizer("abc", ["<tool_call>", "</tool_call>"])
+    assert len(tok) == len(plain) + 2
+    text = "<tool_call>ab</tool_call>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == [len(plain), plain.convert_tokens_to_ids("a"), plain.convert_tokens_to_ids("b"),
+                   len(plain) + 1]  # fmt: skip
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tok("12+ab=")["input_ids"] == plain("12+ab=")["input_ids"]
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert load_tokenizer(tmp_path)(text, add_special_tokens=False)["input_ids"] == ids
+
+
 def test_building_the_toy_model_touches_no_gpu(monkeypatch) -> None:
     """On a GPU machine the toy model is built on the CPU: forking every GPU's generator for its
     seed would start a CUDA context on each GPU, in every process of a run."""

@@ -8,6 +8,7 @@ format is tested without a server.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from microrl.engine.rollout import vllm_options
@@ -25,13 +26,13 @@ def generate_body(
     params: SamplingParams,
     *,
     seed: int,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     adapter: str | None,
 ) -> dict[str, Any]:
     """One prompt's request: vLLM's ``SamplingParams`` of ``params``, as the in-process engine
     gets them (:func:`~microrl.engine.rollout.vllm_options.sampling_args`: one sample when
-    greedy, the caller sends copies; stopped at ``<eos>``, the server has no tokenizer to know
-    it), ``adapter`` the LoRA adapter's name (None: the served weights)."""
+    greedy, the caller sends copies; stopped at ``eos_token_id``, one id or the backend's
+    ``stop_token_ids``: the server has no tokenizer to know them), ``adapter`` the LoRA adapter's name (None: the served weights)."""
     body: dict[str, Any] = {
         "token_ids": list(prompt_ids),
         "sampling_params": vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id),

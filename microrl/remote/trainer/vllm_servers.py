@@ -108,7 +108,9 @@ class VLLMServerRollout(AsyncSamplerBase):
     ) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
         #: The layout, episodes and decoding of every backend, sampling through these servers.
-        self.backend = _ServerBackend(self)
+        self.backend = _ServerBackend(
+            self, getattr(getattr(engine, "model", None), "generation_config", None)
+        )
         self.engine, self.config = engine, config or VLLMConfig()
         check_arguments(engine, self.config, urls, num_workers)
         options = self._take_options(engine, options)
@@ -403,7 +405,7 @@ class VLLMServerRollout(AsyncSamplerBase):
         client = self.clients[i % len(self.clients)]
         adapter = self._adapter(version) if self.is_lora else None
         body = generate_body(
-            ids, params, seed=seed, eos_token_id=self.tokenizer.eos_token_id, adapter=adapter
+            ids, params, seed=seed, eos_token_id=self.backend.stop_token_ids, adapter=adapter
         )
         response = client.post(GENERATE_ROUTE, body)
         # LoRA: every token comes from the request's adapter; full weights: from the spans.
@@ -432,8 +434,8 @@ class VLLMServerRollout(AsyncSamplerBase):
 class _ServerBackend(RolloutBackend):
     """A rollout backend whose samples come from a :class:`VLLMServerRollout`'s servers."""
 
-    def __init__(self, owner: VLLMServerRollout) -> None:
-        super().__init__(owner.tokenizer)
+    def __init__(self, owner: VLLMServerRollout, generation_config=None) -> None:
+        super().__init__(owner.tokenizer, generation_config=generation_config)
         self.owner = owner
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:

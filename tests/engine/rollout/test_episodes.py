@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from episode_utils import ScriptedBackend, ScriptEnv
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from microrl.configs.run import ModelConfig
-from microrl.engine.rollout import HFRollout, RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout import HFRollout, SamplingParams
 from microrl.engine.rollout.episodes import PLAIN_CHAT_TEMPLATE, EpisodeError, ObservationRenderer
 from microrl.run.toy_model import build_model, build_tokenizer
 from microrl.tasks import HintedAdditionTask, Problem
@@ -41,47 +42,6 @@ def bpe_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
     out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     out.chat_template = chat_template
     return out
-
-
-class ScriptedBackend(RolloutBackend):
-    """Returns, per call, the next scripted turn of each row in order (ids, log-probs)."""
-
-    def __init__(self, tokenizer, turns: list[list[list[int]]]) -> None:
-        super().__init__(tokenizer)
-        self.turns = turns
-        self.calls: list[tuple[list[list[int]], SamplingParams]] = []
-
-    def _sample(self, prompt_ids, params) -> Samples:
-        self.calls.append(([list(p) for p in prompt_ids], params))
-        ids = self.turns[len(self.calls) - 1]
-        assert len(ids) == len(prompt_ids)
-        logprobs = [[-0.1 * (k + 1) - 0.01 * len(self.calls) for k in range(len(t))] for t in ids]
-        return Samples(token_ids=[t[: params.max_new_tokens] for t in ids], logprobs=logprobs)
-
-
-class ScriptEnv:
-    """Answers with ``observations[turn]`` and ``rewards[turn]``; done after ``done_at`` turns."""
-
-    def __init__(self, observations, rewards, done_at: int, fail_at: int | None = None) -> None:
-        self.observations, self.rewards = observations, rewards
-        self.done_at, self.fail_at = done_at, fail_at
-        self.actions: list[str] = []
-        self.closed = False
-
-    def init(self, prompt):
-        return prompt, {}
-
-    def step(self, action: str):
-        self.actions.append(action)
-        turn = len(self.actions) - 1
-        if turn == self.fail_at:
-            raise KeyError("the tool crashed")
-        done = len(self.actions) >= self.done_at
-        obs = [] if done else [{"role": "user", "content": self.observations[turn]}]
-        return {"observations": obs, "reward": self.rewards[turn], "done": done, "metadata": {}}
-
-    def close(self):
-        self.closed = True
 
 
 def ids(tok, text: str) -> list[int]:
@@ -193,10 +153,11 @@ def test_chat_template_observations_are_the_delta_after_the_assistant_turn():
     assert with_eos[0] == tok.eos_token_id
     prompt = renderer.prompt([{"role": "user", "content": "hi"}])
     assert prompt == ids(tok, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    # a template whose assistant turns do not end with eos cannot separate turns: named
+    # a template whose assistant turns end with another token than eos: that token ends turns
     tok.eos_token = "<eos>"
-    with pytest.raises(ValueError, match="eos_token"):
-        ObservationRenderer(tok)
+    renderer = ObservationRenderer(tok)
+    assert renderer.turn_end_id == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
+    assert renderer.observation([{"role": "user", "content": "ab"}], with_eos=False) == expected
     assert ObservationRenderer(bpe_tokenizer()).template == PLAIN_CHAT_TEMPLATE
 
 

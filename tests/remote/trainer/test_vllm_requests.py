@@ -37,9 +37,10 @@ def test_generate_body_maps_sampling_params():
     assert sp["max_tokens"] == 6 and sp["stop_token_ids"] == [1] and sp["logprobs"] == 0
     assert sp["seed"] == 6 and sp["detokenize"] is False  # seeds wrap into vLLM's int32 range
     greedy = generate_body([3], SamplingParams(num_samples=3, greedy=True), seed=0,
-                           eos_token_id=1, adapter=None)  # fmt: skip
+                           eos_token_id=(1, 9), adapter=None)  # fmt: skip
     assert greedy["sampling_params"]["n"] == 1 and greedy["sampling_params"]["temperature"] == 0
     assert greedy["sampling_params"]["top_k"] == -1 and "model" not in greedy
+    assert greedy["sampling_params"]["stop_token_ids"] == [1, 9]  # every turn terminator
 
 
 def test_parse_samples_keeps_order_and_versions():

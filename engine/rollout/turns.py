@@ -1,0 +1,141 @@
+"""What ends a model turn: the chat template's own turn end, not only ``tokenizer.eos_token``.
+
+Many chat models end an assistant turn with a token that is not their tokenizer's
+``eos_token``: Gemma closes turns with ``<end_of_turn>`` (its eos is ``<eos>``), a Llama 3 base
+tokenizer's eos is ``<|end_of_text|>`` while its chat turns end with ``<|eot_id|>``. So the turn
+end is read from the template itself (the token it writes right after an assistant message's
+content) and joined with the tokenizer's eos and the model's ``generation_config.eos_token_id``
+(an int or a list): a sampler stops at any of them, a response's ``loss_mask`` runs up to and
+including the first, and an observation's delta starts after the template's turn end
+(docs/rollouts.md#turn-terminators).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "PLAIN_CHAT_TEMPLATE",
+    "TurnEnd",
+    "chat_template_of",
+    "template_turn_end",
+    "turn_terminators",
+]
+
+# For tokenizers without a chat template (base models, the toy model): messages are their
+# contents one after the other, an assistant turn closed by <eos>.
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+# A fixed conversation: what the template writes after the assistant's content is its turn end.
+# Rendered with two contents, the texts differ exactly at the content, whatever surrounds it.
+PROBE_CONVERSATION = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_OTHER_CONTENT = "z"
+
+
+def chat_template_of(tokenizer: Any) -> str:
+    """The tokenizer's chat template, or :data:`PLAIN_CHAT_TEMPLATE` when it has none."""
+    return getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
+
+
+def render(tokenizer: Any, messages: list[dict], *, generation_prompt: bool) -> str:
+    """``messages`` rendered by the tokenizer's chat template (:func:`chat_template_of`)."""
+    return tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat_template_of(tokenizer),
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """A rendered text's ids (the template writes the special tokens itself)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """The chat template's assistant-turn end: its ``token_id``, and ``probe_ids``, the ids of
+    :data:`PROBE_CONVERSATION` up to and including that token."""
+
+    token_id: int
+    probe_ids: list[int]
+
+
+def template_turn_end(tokenizer: Any) -> TurnEnd:
+    """The token the chat template writes right after an assistant message's content.
+
+    Raises ``ValueError`` when the template writes nothing after the content, or when what it
+    writes is no token of its own (it merges with the content: a turn's end could not be told
+    from the turn).
+    """
+    other = [PROBE_CONVERSATION[0], {"role": "assistant", "content": _OTHER_CONTENT}]
+    try:
+        text = render(tokenizer, PROBE_CONVERSATION, generation_prompt=False)
+        other_text = render(tokenizer, other, generation_prompt=False)
+    except Exception as err:  # jinja's TemplateError, a template's raise_exception(...)
+        raise ValueError(
+            "the tokenizer's chat template fails on a plain [user, assistant] conversation "
+            f"({type(err).__name__}: {err}): the end of a model turn cannot be read from it"
+        ) from err
+    if len(other_text) != len(text) or text == other_text:
+        raise ValueError(
+            "the tokenizer's chat template does not render an assistant message's content as it "
+            "is: the end of a model turn cannot be found in it"
+        )
+    at = max(i for i in range(len(text)) if text[i] != other_text[i]) + 1  # after the content
+    head, tail, full = (
+        encode(tokenizer, text[:at]),
+        encode(tokenizer, text[at:]),
+        encode(tokenizer, text),
+    )
+    if not tail:
+        raise ValueError(
+            "the tokenizer's chat template writes nothing after an assistant turn: a model turn "
+            "could not be told apart from what follows it"
+        )
+    if full[: len(head) + 1] != [*head, tail[0]]:
+        raise ValueError(
+            f"the tokenizer's chat template ends an assistant turn with {text[at:]!r}, which is "
+            "not a token of its own after the content: a model turn's end could not be told "
+            "apart from the turn"
+        )
+    return TurnEnd(token_id=tail[0], probe_ids=full[: len(head) + 1])
+
+
+def turn_terminators(
+    tokenizer: Any, generation_config: Any = None, *, require_template: bool = True
+) -> tuple[int, ...]:
+    """Every id that ends a model turn, the template's turn end first: then the tokenizer's
+    ``eos_token_id`` and ``generation_config.eos_token_id`` (None, an int or a list), once each.
+
+    Raises ``ValueError`` for a ``generation_config.eos_token_id`` that is not token ids of this
+    tokenizer, and, with ``require_template``, for a template without a turn end
+    (:func:`template_turn_end`). Without it such a template adds no id: sampling from text
+    prompts needs no template (the backends), playing episodes does (and refuses it then).
+    """
+    try:
+        stops = [template_turn_end(tokenizer).token_id, tokenizer.eos_token_id]
+    except ValueError:
+        if require_template:
+            raise
+        stops = [tokenizer.eos_token_id]
+    extra = getattr(generation_config, "eos_token_id", None)
+    if extra is not None:
+        extra = [extra] if isinstance(extra, int) else extra
+        vocab = len(tokenizer)
+        if (
+            isinstance(extra, str)
+            or not isinstance(extra, Sequence)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in extra)
+            or not all(0 <= t < vocab for t in extra)
+        ):
+            raise ValueError(
+                "the model's generation_config.eos_token_id must be a token id or a list of "
+                f"them in [0, {vocab}), got {generation_config.eos_token_id!r}"
+            )
+        stops.extend(extra)
+    return tuple(dict.fromkeys(t for t in stops if t is not None))

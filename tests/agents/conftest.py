@@ -1,0 +1,1 @@
+"""Tests of ``microrl.agents`` (microrl/agents/): tool-call parsing."""
