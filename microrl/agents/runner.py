@@ -61,6 +61,7 @@ class AgentLimits:
     max_concurrency: int = 0
     skip_errors: bool = False
     host: str = "127.0.0.1"
+    batch_window_s: float = 0.02  # how long a batch waits for more calls (hf, colocated vllm)
 
 
 @dataclass
@@ -92,7 +93,7 @@ def run_agent_episodes(
     """
     if not callable(agent):
         raise TypeError(f"agent must be callable (client, problem) -> reward, got {agent!r}")
-    sampler = BatchingSampler(backend, params, version=version)
+    sampler = BatchingSampler(backend, params, version=version, window_s=limits.batch_window_s)
     renderer = ObservationRenderer(backend.tokenizer)
     endpoint = AgentEndpoint(
         sampler,
