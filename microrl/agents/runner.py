@@ -27,12 +27,14 @@ from microrl.agents.endpoint import AgentEndpoint, EpisodeState
 from microrl.agents.sampler import BatchingSampler
 from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
 from microrl.engine.rollout.episodes import EpisodeError, ObservationRenderer, episode_batch
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
 
 __all__ = [
     "AGENT_METRICS",
     "EPISODE_KEY",
     "AgentLimits",
     "agent_metric_means",
+    "play_agents",
     "run_agent_episodes",
 ]
 
@@ -91,13 +93,34 @@ def run_agent_episodes(
     :class:`~microrl.engine.rollout.episodes.EpisodeError` naming the episode, or with
     ``limits.skip_errors`` is dropped (``agent/errors``). Under ``torchrun`` it is collective.
     """
+    if not isinstance(backend, RolloutBackend):
+        raise TypeError(f"backend must be a RolloutBackend, got {type(backend).__name__}")
+    sampler = BatchingSampler.over_backend(
+        backend, params, version=version, window_s=limits.batch_window_s
+    )
+    return play_agents(
+        sampler, problems, agent, params, limits, reward=reward, tool_parser=tool_parser
+    )
+
+
+def play_agents(
+    sampler: BatchingSampler,
+    problems: Sequence[Any],
+    agent: Callable[[Any, Any], Any],
+    params: SamplingParams,
+    limits: AgentLimits,
+    *,
+    reward: Callable[[Any, Any], float] | None = None,
+    tool_parser: Any = None,
+) -> Rollout:
+    """:func:`run_agent_episodes` on any :class:`BatchingSampler`, pumped by the calling
+    thread; the rows carry ``policy_version`` ``[B]``, the oldest version among their sampled
+    tokens (what bounds their staleness)."""
     if not callable(agent):
         raise TypeError(f"agent must be callable (client, problem) -> reward, got {agent!r}")
-    sampler = BatchingSampler(backend, params, version=version, window_s=limits.batch_window_s)
-    renderer = ObservationRenderer(backend.tokenizer)
     endpoint = AgentEndpoint(
         sampler,
-        renderer,
+        ObservationRenderer(sampler.tokenizer),
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
         host=limits.host,
@@ -123,7 +146,7 @@ def run_agent_episodes(
             endpoint.end_episode(name)
         loop.close()
         endpoint.close()
-    return _rollout(backend, endpoint, names, outcomes, problems, reward, limits)
+    return _rollout(sampler.tokenizer, endpoint, names, outcomes, problems, reward, limits)
 
 
 class _AgentLoop:
@@ -201,7 +224,7 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 def _rollout(
-    backend, endpoint: AgentEndpoint, names, outcomes, problems, reward, limits
+    tokenizer, endpoint: AgentEndpoint, names, outcomes, problems, reward, limits
 ) -> Rollout:
     rows, groups, episodes, rewards, metrics = [], [], [], [], dict.fromkeys(AGENT_METRICS, 0.0)
     for number, ((name, index), outcome) in enumerate(zip(names, outcomes, strict=True)):
@@ -232,9 +255,9 @@ def _rollout(
             f"every one of the {len(names)} agent episodes failed "
             "(rollout.skip_env_errors drops failed episodes, but none is left)"
         )
-    tokenizer = backend.tokenizer
     batch = episode_batch(rows, tokenizer.pad_token_id)
     batch[EPISODE_KEY] = torch.tensor(episodes, dtype=torch.long)
+    batch[POLICY_VERSION_KEY] = torch.tensor([min(r.versions) for r in rows], dtype=torch.long)
     return Rollout(
         batch=batch,
         texts=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in rows],

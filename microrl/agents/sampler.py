@@ -1,12 +1,14 @@
-"""One model turn per endpoint call, sampled by the run's backend in batches.
+"""One model turn per endpoint call, sampled by the run's sampler in batches.
 
-The endpoint's handlers (on the server's event loop) queue calls here; the trainer process's main
-thread runs :meth:`BatchingSampler.pump`, which gathers the calls waiting within a short window
-into one :meth:`~microrl.engine.rollout.RolloutBackend._sample` call (the ``hf`` backend's batched
-``generate``, the colocated ``vllm`` backend's ``generate``). Sampling stays on the main thread,
-where the backend (FSDP gathers, CUDA streams, collectives) expects it. Under ``torchrun`` every
-rank pumps in lockstep: a round samples on every rank when any rank has calls (a rank with none
-samples a stand-in row it discards), as :mod:`microrl.engine.rollout.episodes` does per turn.
+The endpoint's handlers (on the server's event loop) queue calls here; one thread runs
+:meth:`BatchingSampler.pump`, which gathers the calls waiting within a short window into one
+sampling call. Synchronously (``rollout.max_staleness=0``) that is the trainer's main thread and
+:meth:`~microrl.engine.rollout.RolloutBackend._sample` (the ``hf`` backend's batched
+``generate``, the colocated ``vllm`` backend's), where the backend (FSDP gathers, CUDA streams,
+collectives) expects it; under ``torchrun`` every rank pumps in lockstep: a round samples on
+every rank when any rank has calls (a rank with none samples a stand-in row it discards), as
+:mod:`microrl.engine.rollout.episodes` does per turn. Asynchronously it is a thread submitting
+jobs to the out-of-process sampler (:mod:`microrl.agents.async_sampler`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Any
 
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.base import RolloutBackend, SamplingParams
+from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
 
 __all__ = ["BatchingSampler", "Turn"]
 
@@ -44,39 +48,80 @@ class _Call:
     future: Future
 
 
+#: ``(prompt_ids, params) -> (samples, versions)``: one batched sampling call and the policy
+#: version of each row.
+SampleFn = Callable[[list[list[int]], SamplingParams], tuple[Samples, list[int]]]
+
+
 class BatchingSampler:
-    """Samples the endpoint's calls with ``backend`` in batched calls (see the module docstring).
+    """Samples the endpoint's calls in batched calls of ``sample`` (see the module docstring).
 
     Args:
-        backend: the run's synchronous backend (``hf``, ``vllm``).
+        sample: the batched sampling call: :meth:`over_backend` (a synchronous backend's) or
+            :meth:`over_async` (an :class:`~microrl.remote.AsyncSampler`'s jobs).
+        tokenizer: the policy's.
         params: the run's sampling parameters (temperature, greedy, top-k/top-p); each call sets
             its own token limit.
-        version: the policy version the backend holds (the turns carry it).
         window_s: how long a round keeps gathering calls after the first, unless every running
             episode is already waiting.
+        collective: under ``torchrun``, pump in lockstep with the other ranks (a backend whose
+            sampling is collective, e.g. FSDP-sharded ``generate``).
         stop_ids: the token ids that end a turn (default: the tokenizer's ``eos_token_id``).
     """
 
     def __init__(
         self,
-        backend: RolloutBackend,
+        sample: SampleFn,
+        tokenizer: Any,
         params: SamplingParams,
         *,
-        version: int = 0,
         window_s: float = 0.02,
+        collective: bool = False,
         stop_ids: Sequence[int] | None = None,
     ) -> None:
-        if not isinstance(backend, RolloutBackend):
-            raise TypeError(f"backend must be a RolloutBackend, got {type(backend).__name__}")
-        self.backend = backend
+        self.sample = sample
+        self.tokenizer = tokenizer
         self.params = params
-        self.version = version
         self.window_s = window_s
-        self.stop_ids = set(stop_ids or [backend.tokenizer.eos_token_id])
+        self.collective = collective
+        self.stop_ids = set(stop_ids or [tokenizer.eos_token_id])
         self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._rounds = 0
-        #: The largest number of calls sampled in one batch (a bound the tests check).
-        self.max_batch = 0
+
+    @classmethod
+    def over_backend(
+        cls, backend: RolloutBackend, params: SamplingParams, *, version: int = 0, **kwargs: Any
+    ) -> BatchingSampler:
+        """Batches sampled by ``backend._sample`` on the pumping thread, all at ``version``;
+        in lockstep over ranks under ``torchrun``."""
+        if not isinstance(backend, RolloutBackend):
+            raise TypeError(f"backend must be a RolloutBackend, got {type(backend).__name__}")
+
+        def sample(prompts: list[list[int]], params: SamplingParams) -> tuple[Samples, list[int]]:
+            return backend._sample(prompts, params), [version] * len(prompts)
+
+        return cls(sample, backend.tokenizer, params, collective=True, **kwargs)
+
+    @classmethod
+    def over_async(
+        cls, sampler: Any, params: SamplingParams, lock: Any, **kwargs: Any
+    ) -> BatchingSampler:
+        """Batches sampled as jobs of an out-of-process ``sampler`` (``submit``, then
+        ``collect``, holding ``lock``, which guards the sampler against the trainer's own calls);
+        each row carries the policy version its job sampled."""
+
+        def sample(prompts: list[list[int]], params: SamplingParams) -> tuple[Samples, list[int]]:
+            with lock:
+                rollout = sampler.collect(sampler.submit(prompts, params))
+            batch = rollout.batch
+            ids, logprobs = [], []
+            for row in range(len(prompts)):
+                mask = batch["loss_mask"][row].bool()
+                ids.append(batch["input_ids"][row][mask].tolist())
+                logprobs.append(batch["rollout_logprobs"][row][mask].tolist())
+            return Samples(ids, logprobs), batch[POLICY_VERSION_KEY].tolist()
+
+        return cls(sample, sampler.tokenizer, params, **kwargs)
 
     def submit(self, prompt_ids: list[int], max_tokens: int) -> Future:
         """Queue a call (thread-safe); its future gets the :class:`Turn`."""
@@ -90,7 +135,8 @@ class BatchingSampler:
         while True:
             calls = self._gather(running)
             state = 2 if calls else (1 if running() > 0 else 0)
-            state = distributed.max_over_ranks(state)
+            if self.collective:
+                state = distributed.max_over_ranks(state)
             if state == 0:
                 return
             if state == 2:
@@ -121,20 +167,20 @@ class BatchingSampler:
         seed = None if self.params.seed is None else self.params.seed + self._rounds
         limit = max((c.max_tokens for c in calls), default=1)
         params = replace(self.params, num_samples=1, max_new_tokens=limit, seed=seed)
-        prompts = [c.prompt_ids for c in calls] or [[self.backend.tokenizer.eos_token_id]]
-        self.max_batch = max(self.max_batch, len(calls))
+        prompts = [c.prompt_ids for c in calls] or [[self.tokenizer.eos_token_id]]
         try:
-            samples = self.backend._sample(prompts, params)
+            samples, versions = self.sample(prompts, params)
         except BaseException as err:
             for call in calls:
                 call.future.set_exception(err)
             raise
-        for call, ids, logprobs in zip(calls, samples.token_ids, samples.logprobs, strict=False):
-            call.future.set_result(self._turn(ids, logprobs, call.max_tokens))
+        rows = zip(calls, samples.token_ids, samples.logprobs, versions, strict=False)
+        for call, ids, logprobs, version in rows:
+            call.future.set_result(self._turn(ids, logprobs, call.max_tokens, version))
 
-    def _turn(self, ids: list[int], logprobs: list[float], max_tokens: int) -> Turn:
+    def _turn(self, ids: list[int], logprobs: list[float], max_tokens: int, version: int) -> Turn:
         end = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
         end = min(end, max_tokens)
         ids = list(ids[:end])
         ended = bool(ids) and ids[-1] in self.stop_ids
-        return Turn(ids, list(logprobs[:end]), self.version, ended)
+        return Turn(ids, list(logprobs[:end]), version, ended)

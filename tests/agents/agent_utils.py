@@ -20,7 +20,7 @@ CHATML = (
 def chat_tokenizer() -> PreTrainedTokenizerFast:
     """ChatML over characters plus one merge, ``12``: sampling ``1``, ``2`` separately and
     re-encoding the text gives the merged id instead (the drift the endpoint avoids)."""
-    chars = list("0123456789+-=#*abcdefghijklmnopqrstuvwxyz{}[]\":,_ \n")
+    chars = list('0123456789+-=#*abcdefghijklmnopqrstuvwxyz{}[]":,_ \n')
     specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
     vocab = {t: i for i, t in enumerate([*specials, *chars, "12"])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[("1", "2")], unk_token=None))

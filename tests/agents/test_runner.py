@@ -30,7 +30,11 @@ def hf(tokenizer):
 
 
 def _next(messages: list, reply, observation: str) -> list:
-    return [*messages, reply.model_dump(exclude_none=True), {"role": "user", "content": observation}]
+    return [
+        *messages,
+        reply.model_dump(exclude_none=True),
+        {"role": "user", "content": observation},
+    ]
 
 
 async def three_calls_async(client, problem):
@@ -92,7 +96,7 @@ def test_turns_keep_their_sampled_ids_where_re_encoding_differs(tokenizer):
         return 0.0
 
     rollout = run_agent_episodes(backend, PROBLEMS[:1], agent, PARAMS.__class__(), AgentLimits())
-    (ids, mask, _), = rows(rollout)
+    ((ids, mask, _),) = rows(rollout)
     assert merged not in ids and ids.count(one) == 3 + 1  # the prompt "1+2=" has one
     assert sum(mask) == 9 and assert_rows_exact(rollout, backend.calls, end) == 3
 
@@ -171,7 +175,9 @@ def test_concurrent_episodes_are_batched_and_bounded(tokenizer):
     async def agent(client, problem):
         running[0] += 1
         peak[0] = max(peak[0], running[0])
-        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}]
+        )
         running[0] -= 1
         return 1.0
 
