@@ -247,7 +247,13 @@ class AgentEndpoint:
         if episode.first_prompt is None:
             episode.first_prompt = len(prompt)
         room = episode.first_prompt + episode.budget - len(prompt)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens
+        asked = next(
+            (body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+            self.max_new_tokens,
+        )
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+            recorder.release(context)
+            raise _Refused(400, f"max_tokens must be an int >= 1, got {asked!r}")
         if room <= 0:
             recorder.release(context)
             episode.error = (

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
+import secrets
 import threading
 import time
 import traceback
@@ -52,6 +54,12 @@ AGENT_METRICS = (
 )
 
 
+# Episode numbers (the batch's EPISODE_KEY) stay distinct across the rollouts of a process,
+# which dynamic sampling merges; a random start keeps a resumed run's apart from its restored.
+_EPISODES_PER_CALL = 1 << 20
+_EPISODE_NUMBERS = itertools.count(secrets.randbelow(1 << 20) << 10)
+
+
 @dataclass(frozen=True)
 class AgentLimits:
     """An agent episode's bounds: seconds (``timeout_s``), tokens after its first prompt
@@ -82,7 +90,7 @@ def run_agent_episodes(
     *,
     reward: Callable[[Any, Any], float] | None = None,
     tool_parser: Any = None,
-    version: int = 0,
+    version: int | None = None,
 ) -> Rollout:
     """Play ``params.num_samples`` episodes of ``agent`` per problem; rows grouped by problem.
 
@@ -114,8 +122,9 @@ def play_agents(
     tool_parser: Any = None,
 ) -> Rollout:
     """:func:`run_agent_episodes` on any :class:`BatchingSampler`, pumped by the calling
-    thread; the rows carry ``policy_version`` ``[B]``, the oldest version among their sampled
-    tokens (what bounds their staleness)."""
+    thread; when its turns carry policy versions (sampled ahead), the rows carry
+    ``policy_version`` ``[B]``, the oldest among their sampled tokens (what bounds their
+    staleness)."""
     if not callable(agent):
         raise TypeError(f"agent must be callable (client, problem) -> reward, got {agent!r}")
     endpoint = AgentEndpoint(
@@ -183,6 +192,8 @@ class _AgentLoop:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 async def _semaphore(limit: int) -> asyncio.Semaphore:
@@ -227,6 +238,7 @@ def _rollout(
     tokenizer, endpoint: AgentEndpoint, names, outcomes, problems, reward, limits
 ) -> Rollout:
     rows, groups, episodes, rewards, metrics = [], [], [], [], dict.fromkeys(AGENT_METRICS, 0.0)
+    first = next(_EPISODE_NUMBERS) * _EPISODES_PER_CALL  # unique among merged rounds
     for number, ((name, index), outcome) in enumerate(zip(names, outcomes, strict=True)):
         state = endpoint.episodes[name]
         kept = state.recorder.trained_rows()
@@ -248,7 +260,7 @@ def _rollout(
         for row in kept:
             rows.append(row)
             groups.append(index)
-            episodes.append(number)
+            episodes.append(first + number)
             rewards.append(value)
     if not rows:
         raise EpisodeError(
@@ -257,7 +269,9 @@ def _rollout(
         )
     batch = episode_batch(rows, tokenizer.pad_token_id)
     batch[EPISODE_KEY] = torch.tensor(episodes, dtype=torch.long)
-    batch[POLICY_VERSION_KEY] = torch.tensor([min(r.versions) for r in rows], dtype=torch.long)
+    if all(None not in r.versions for r in rows):  # sampled ahead: each token's version known
+        versions = [min(r.versions) for r in rows]
+        batch[POLICY_VERSION_KEY] = torch.tensor(versions, dtype=torch.long)
     return Rollout(
         batch=batch,
         texts=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in rows],

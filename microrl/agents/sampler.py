@@ -33,11 +33,12 @@ _IDLE_WAIT_S = 0.05
 @dataclass(frozen=True)
 class Turn:
     """A sampled model turn: ids up to and including its terminator (``ended``), or cut at the
-    call's token limit; their log-probs; the policy version that sampled them."""
+    call's token limit; their log-probs; the policy version that sampled them (None: the
+    trainer's own weights, synchronously)."""
 
     ids: list[int]
     logprobs: list[float]
-    version: int
+    version: int | None
     ended: bool
 
 
@@ -50,7 +51,7 @@ class _Call:
 
 #: ``(prompt_ids, params) -> (samples, versions)``: one batched sampling call and the policy
 #: version of each row.
-SampleFn = Callable[[list[list[int]], SamplingParams], tuple[Samples, list[int]]]
+SampleFn = Callable[[list[list[int]], SamplingParams], tuple[Samples, list[int | None]]]
 
 
 class BatchingSampler:
@@ -90,14 +91,20 @@ class BatchingSampler:
 
     @classmethod
     def over_backend(
-        cls, backend: RolloutBackend, params: SamplingParams, *, version: int = 0, **kwargs: Any
+        cls,
+        backend: RolloutBackend,
+        params: SamplingParams,
+        *,
+        version: int | None = None,
+        **kwargs: Any,
     ) -> BatchingSampler:
-        """Batches sampled by ``backend._sample`` on the pumping thread, all at ``version``;
-        in lockstep over ranks under ``torchrun``."""
+        """Batches sampled by ``backend._sample`` on the pumping thread, all at ``version``
+        (None: the trainer's current weights, no version recorded); in lockstep over ranks
+        under ``torchrun``."""
         if not isinstance(backend, RolloutBackend):
             raise TypeError(f"backend must be a RolloutBackend, got {type(backend).__name__}")
 
-        def sample(prompts: list[list[int]], params: SamplingParams) -> tuple[Samples, list[int]]:
+        def sample(prompts: list[list[int]], params: SamplingParams) -> tuple[Samples, list]:
             return backend._sample(prompts, params), [version] * len(prompts)
 
         return cls(sample, backend.tokenizer, params, collective=True, **kwargs)
@@ -178,7 +185,7 @@ class BatchingSampler:
         for call, ids, logprobs, version in rows:
             call.future.set_result(self._turn(ids, logprobs, call.max_tokens, version))
 
-    def _turn(self, ids: list[int], logprobs: list[float], max_tokens: int, version: int) -> Turn:
+    def _turn(self, ids: list[int], logprobs: list[float], max_tokens: int, version) -> Turn:
         end = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
         end = min(end, max_tokens)
         ids = list(ids[:end])

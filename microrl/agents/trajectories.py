@@ -33,7 +33,7 @@ class AgentTrajectory(Trajectory):
 
     messages: list[dict] = field(default_factory=list)
     marks: list[tuple[int, int, bool]] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # per token: the sampling policy version
+    versions: list = field(default_factory=list)  # per token: its policy version (or None)
     pending: bool = False  # a call is sampling on this row's end now
     text: str | None = None  # completions: the prompt text and the replies so far
 
@@ -95,7 +95,7 @@ class EpisodeRecorder:
         context: CallContext,
         ids: Sequence[int],
         logprobs: Sequence[float],
-        version: int,
+        version: int | None,
         reply: Mapping[str, Any],
         ended: bool,
     ) -> None:

@@ -120,7 +120,8 @@ def test_a_history_edit_branches_into_exact_rows(tokenizer):
     # on past it, so each starts a row from its recorded ids up to turn 1
     assert rollout.metrics["agent/branches"] == 3 and len(rows(rollout)) == 4
     assert assert_rows_exact(rollout, backend.calls, end) == 5 == len(backend.calls)
-    assert set(rollout.batch["episode_id"].tolist()) == {0}
+    assert len(set(rollout.batch["episode_id"].tolist())) == 1  # one episode, one advantage
+    assert "policy_version" not in rollout.batch  # sampled by the trainer's own weights
 
 
 def test_agent_failures_name_the_episode_or_are_dropped(tokenizer):

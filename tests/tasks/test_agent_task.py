@@ -16,6 +16,12 @@ def test_agent_settings_are_checked_by_name(tmp_path):
         TaskConfig(agent="my:agent", agent_timeout_s=0)
     with pytest.raises(ValueError, match=r"task\.agent_max_concurrency"):
         TaskConfig(agent="my:agent", agent_max_concurrency=-1)
+    from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
+
+    with pytest.raises(ValueError, match=r"task\.agent must be null for PPO"):
+        PPOExampleConfig(task=TaskConfig(agent="my:agent"))
+    with pytest.raises(ValueError, match=r"task\.overlong_buffer must be 0 for a multi-turn"):
+        GRPOExampleConfig(task=TaskConfig(agent="my:agent", overlong_buffer=2))
     with pytest.raises(ValueError, match=r"task\.agent='nowhere\.py:solve'"):
         make_task(TaskConfig(agent="nowhere.py:solve", max_operand=9, eval_size=8))
 
