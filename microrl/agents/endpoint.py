@@ -9,8 +9,8 @@ rows (:mod:`microrl.agents.trajectories`) and sampled by the run's sampler
 
 Security (docs/rollouts.md#agents): only requests bearing the run's key (``Authorization: Bearer``)
 are served, 401 otherwise; the server binds to 127.0.0.1 unless told another host. aiohttp is a
-dependency because it serves SSE and many concurrent requests on one loop (it comes with
-``datasets`` and vLLM already); FastAPI's stack is only installed with vLLM.
+dependency because it serves SSE and many concurrent requests on one loop, without vLLM (which
+brings FastAPI, and aiohttp too).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class AgentEndpoint:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the port the OS chose for port=0
 
     def close(self) -> None:
         """Stop serving (idempotent); calls in flight are cancelled."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import inspect
 import itertools
 import secrets
@@ -127,6 +128,8 @@ def play_agents(
     staleness)."""
     if not callable(agent):
         raise TypeError(f"agent must be callable (client, problem) -> reward, got {agent!r}")
+    if importlib.util.find_spec("openai") is None:
+        raise ImportError("agents get an openai client: pip install 'microrl[agents]' (openai)")
     endpoint = AgentEndpoint(
         sampler,
         ObservationRenderer(sampler.tokenizer),
