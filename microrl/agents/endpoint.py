@@ -31,6 +31,8 @@ from microrl.agents.trajectories import EpisodeRecorder
 
 __all__ = ["AgentEndpoint", "EpisodeState"]
 
+_MAX_REQUEST_BYTES = 64 << 20
+
 
 class _Refused(Exception):
     def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
@@ -59,7 +61,8 @@ class AgentEndpoint:
     Args:
         sampler: has ``submit(prompt_ids, max_tokens) -> Future[Turn]`` (thread-safe).
         renderer: the chat-template renderer of the policy's tokenizer.
-        temperature: the run's (the loss's) temperature: a request asking another is refused.
+        temperature: the run's (the loss's) temperature: a request asking another is refused
+            (None: any is accepted, as in greedy evaluation, where none is sampled from).
         max_new_tokens: a call's token limit when it sets none.
         host, port: where to listen (127.0.0.1 and a free port by default).
         tool_parser: an object with ``parse(text, tools) -> (content, tool_calls, error)`` applied
@@ -72,7 +75,7 @@ class AgentEndpoint:
         sampler: Any,
         renderer: Any,
         *,
-        temperature: float,
+        temperature: float | None,
         max_new_tokens: int,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -122,7 +125,8 @@ class AgentEndpoint:
         return self
 
     async def _start_app(self) -> None:
-        app = web.Application(middlewares=[self._auth])
+        # Long conversations with tools outgrow aiohttp's 1 MiB default request size.
+        app = web.Application(middlewares=[self._auth], client_max_size=_MAX_REQUEST_BYTES)
         prefix = "/episodes/{episode}/v1"
         app.router.add_get(prefix + "/models", self._models)
         app.router.add_post(prefix + "/chat/completions", self._chat)
@@ -230,7 +234,7 @@ class AgentEndpoint:
 
     def _check_sampling(self, body: dict) -> None:
         temperature = body.get("temperature")
-        if temperature is not None and float(temperature) != self.temperature:
+        if None not in (temperature, self.temperature) and float(temperature) != self.temperature:
             raise _Refused(
                 400,
                 f"temperature={temperature}: this endpoint samples at the run's temperature "

@@ -133,7 +133,7 @@ def play_agents(
     endpoint = AgentEndpoint(
         sampler,
         ObservationRenderer(sampler.tokenizer),
-        temperature=params.temperature,
+        temperature=None if params.greedy else params.temperature,
         max_new_tokens=params.max_new_tokens,
         host=limits.host,
         tool_parser=tool_parser,
