@@ -189,3 +189,18 @@ def test_concurrent_episodes_are_batched_and_bounded(tokenizer):
     peak[0] = 0
     run_agent_episodes(backend, PROBLEMS, agent, params, AgentLimits(max_concurrency=2))
     assert peak[0] == 2 and max(backend.batches) <= 2
+
+
+def test_greedy_evaluation_accepts_the_agents_own_temperature(tokenizer):
+    backend = ScriptedBackend(tokenizer, [[tokenizer.eos_token_id]])
+
+    def agent(client, problem):
+        ask = client.chat.completions.create
+        ask(model="policy", messages=[{"role": "user", "content": "x"}], temperature=0)
+        return 1.0
+
+    greedy = SamplingParams(greedy=True)
+    rollout = run_agent_episodes(backend, PROBLEMS, agent, greedy, AgentLimits())
+    assert rollout.rewards.tolist() == [1.0, 1.0]
+    with pytest.raises(EpisodeError, match="BadRequestError"):  # sampling: the run's only
+        run_agent_episodes(backend, PROBLEMS, agent, SamplingParams(), AgentLimits())
