@@ -181,7 +181,7 @@ class _AgentLoop:
             outcome = _Outcome()
             try:
                 outcome.result = await asyncio.wait_for(_call(agent, problem, url, key), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not yet the builtin on Python 3.10
                 outcome.error = f"ran past task.agent_timeout_s={timeout}"
             except Exception as exc:  # any agent failure is reported the same way
                 trace = "".join(traceback.format_exception(exc)).rstrip()
