@@ -137,6 +137,15 @@ class GRPOExampleConfig:
         _check_actor_and_batches(self.actor, self.rollout, self.train)
         _check_overlong(self.task, self.rollout)
         _check_async(self.actor, self.rollout)
+        # The ranks of a sequence-parallel group train the same rows; agents on each would play
+        # different episodes (their calls and timing are theirs).
+        require(
+            self.task.agent is None or self.actor.sequence_parallel_size == 1,
+            "task.agent",
+            "null with actor.sequence_parallel_size > 1 (an sp group's ranks would play "
+            "different episodes)",
+            self.task.agent,
+        )
 
 
 @dataclass

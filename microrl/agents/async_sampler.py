@@ -32,14 +32,15 @@ class AgentSampler(AsyncSamplerBase):
 
     Args:
         inner: the run's out-of-process sampler (holding the pushed weights).
+        tokenizer: the policy's.
         task: an agent task (:class:`~microrl.tasks.AgentTask`: its ``agent``, ``reward`` and
             ``tool_parser``).
         limits: the episodes' bounds; each job's token budget and ``skip_errors`` are its own.
     """
 
-    def __init__(self, inner: Any, task: Any, limits: AgentLimits) -> None:
+    def __init__(self, inner: Any, tokenizer: Any, task: Any, limits: AgentLimits) -> None:
         self.inner = inner
-        self.tokenizer = inner.tokenizer
+        self.tokenizer = tokenizer
         self.task = task
         self.limits = limits
         self.lock = threading.RLock()
@@ -77,7 +78,7 @@ class AgentSampler(AsyncSamplerBase):
 
     def _play(self, problems: list, params: SamplingParams, limits: AgentLimits) -> Rollout:
         sampler = BatchingSampler.over_async(
-            self.inner, params, self.lock, window_s=limits.batch_window_s
+            self.inner, self.tokenizer, params, self.lock, window_s=limits.batch_window_s
         )
         task = self.task
         return play_agents(

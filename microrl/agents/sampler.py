@@ -111,7 +111,7 @@ class BatchingSampler:
 
     @classmethod
     def over_async(
-        cls, sampler: Any, params: SamplingParams, lock: Any, **kwargs: Any
+        cls, sampler: Any, tokenizer: Any, params: SamplingParams, lock: Any, **kwargs: Any
     ) -> BatchingSampler:
         """Batches sampled as jobs of an out-of-process ``sampler`` (``submit``, then
         ``collect``, holding ``lock``, which guards the sampler against the trainer's own calls);
@@ -128,7 +128,7 @@ class BatchingSampler:
                 logprobs.append(batch["rollout_logprobs"][row][mask].tolist())
             return Samples(ids, logprobs), batch[POLICY_VERSION_KEY].tolist()
 
-        return cls(sample, sampler.tokenizer, params, **kwargs)
+        return cls(sample, tokenizer, params, **kwargs)
 
     def submit(self, prompt_ids: list[int], max_tokens: int) -> Future:
         """Queue a call (thread-safe); its future gets the :class:`Turn`."""

@@ -415,7 +415,7 @@ def start_prefetcher(
             f"environments must be built in the rollout worker process, which failed: {err}"
         ) from err
     if is_agent_task(task):  # the agents run here; their calls are the sampler's jobs
-        sampler = AgentSampler(sampler, task, agent_limits(task, rollout))
+        sampler = AgentSampler(sampler, tokenizer, task, agent_limits(task, rollout))
     try:
         return RolloutPrefetcher(
             sampler,

@@ -3,6 +3,8 @@ around the prompts, a transcript scored by the wrapped task's reward."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from microrl.configs.run import TaskConfig
@@ -20,6 +22,9 @@ def test_agent_settings_are_checked_by_name(tmp_path):
 
     with pytest.raises(ValueError, match=r"task\.agent must be null for PPO"):
         PPOExampleConfig(task=TaskConfig(agent="my:agent"))
+    with pytest.raises(ValueError, match=r"task\.agent must be null with actor\.sequence_para"):
+        actor = dataclasses.replace(GRPOExampleConfig().actor, sequence_parallel_size=2)
+        GRPOExampleConfig(task=TaskConfig(agent="my:agent"), actor=actor)
     with pytest.raises(ValueError, match=r"task\.overlong_buffer must be 0 for a multi-turn"):
         GRPOExampleConfig(task=TaskConfig(agent="my:agent", overlong_buffer=2))
     with pytest.raises(ValueError, match=r"task\.agent='nowhere\.py:solve'"):
