@@ -86,9 +86,9 @@ def _check_overlong(task: TaskConfig, rollout: RolloutConfig) -> None:
     # An episode's response is several turns of up to max_new_tokens each, with observations
     # between them: DAPO's per-response length rule has no single limit to ramp towards.
     require(
-        task.overlong_buffer == 0 or task.name not in EPISODE_TASK_NAMES,
+        task.overlong_buffer == 0 or (task.name not in EPISODE_TASK_NAMES and not task.agent),
         "task.overlong_buffer",
-        f"0 for a multi-turn task (task.name={task.name}; rollout.max_episode_tokens bounds "
+        f"0 for a multi-turn task (task.name={task.name}, task.agent; rollout.max_episode_tokens bounds "
         "an episode)",
         task.overlong_buffer,
     )
@@ -129,6 +129,15 @@ class GRPOExampleConfig:
         _check_actor_and_batches(self.actor, self.rollout, self.train)
         _check_overlong(self.task, self.rollout)
         _check_async(self.actor, self.rollout)
+        # The ranks of a sequence-parallel group train the same rows; agents on each would play
+        # different episodes (their calls and timing are theirs).
+        require(
+            self.task.agent is None or self.actor.sequence_parallel_size == 1,
+            "task.agent",
+            "null with actor.sequence_parallel_size > 1 (an sp group's ranks would play "
+            "different episodes)",
+            self.task.agent,
+        )
 
 
 @dataclass
@@ -217,4 +226,11 @@ class PPOExampleConfig:
             "a single-turn task for PPO (multi-turn tasks train with examples/grpo_lora.py, "
             "whose group baseline needs no value of the observation tokens)",
             self.task.name,
+        )
+        require(
+            self.task.agent is None,
+            "task.agent",
+            "null for PPO (agents train with examples/grpo_lora.py, whose group baseline needs "
+            "no value of the observation tokens)",
+            self.task.agent,
         )

@@ -175,6 +175,23 @@ class TaskConfig:
         "env: the environment factory, module:function or file.py:function, called with a "
         "microrl.tasks.Problem per row (docs/tasks.md#multi-turn-tasks)",
     )
+    # Agents written against the OpenAI API (docs/rollouts.md#agents).
+    agent: str | None = config_field(
+        None,
+        "an agent, module:function or file.py:function, called as agent(client, problem) -> "
+        "reward with an openai client; the task's prompts become its episodes",
+    )
+    agent_timeout_s: float = config_field(
+        600.0, "agent: seconds an episode may run (past it: an error, or skip_env_errors drops it)"
+    )
+    agent_max_concurrency: int = config_field(
+        0, "agent: episodes running at once on a process (0: all of a step's)"
+    )
+    agent_host: str = config_field(
+        "127.0.0.1",
+        "agent: the address the endpoint listens on; another exposes it to that network "
+        "(key-protected, docs/rollouts.md#agents)",
+    )
     # DAPO's soft overlong punishment (Yu et al. 2025), added to each row's reward by the recipes
     # (microrl.tasks.overlong_penalty); the held-out accuracy keeps the task's own score.
     overlong_buffer: int = config_field(
@@ -230,6 +247,19 @@ class TaskConfig:
             "task.reward_weights",
             f"empty or one weight per entry of task.rewards ({len(self.rewards)})",
             self.reward_weights,
+        )
+        require(
+            self.agent is None or self.name not in ("env", "hinted_addition"),
+            "task.agent",
+            "null for task.name=env or hinted_addition (their environments play the episodes)",
+            self.agent,
+        )
+        require(self.agent_timeout_s > 0, "task.agent_timeout_s", "> 0", self.agent_timeout_s)
+        require(
+            self.agent_max_concurrency >= 0,
+            "task.agent_max_concurrency",
+            ">= 0",
+            self.agent_max_concurrency,
         )
         require(self.overlong_buffer >= 0, "task.overlong_buffer", ">= 0", self.overlong_buffer)
         require(

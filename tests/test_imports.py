@@ -114,6 +114,9 @@ DIRECTIONS = (
     Rule("microrl.engine", "microrl.remote", "out-of-process sampling builds on the engine"),
     Rule("microrl.tasks", "microrl.run", "the recipes use the tasks"),
     Rule("microrl.remote", "microrl.run", "the recipes drive the samplers, never the reverse"),
+    Rule("microrl.agents", "microrl.run", "the recipes run the agents, never the reverse"),
+    Rule("microrl.agents", "microrl.tasks", "an agent task holds an agent; the endpoint no task"),
+    Rule("microrl.engine", "microrl.agents", "the endpoint builds on the engine's samplers"),
     Rule(
         "microrl.remote.vllm_plugin",
         "microrl.engine",

@@ -34,15 +34,17 @@ import torch
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.engine import ActorEngine
-from microrl.losses import broadcast_to_tokens, check_whole_groups, grpo_advantages
+from microrl.losses import broadcast_to_tokens
 from microrl.recipes import recipe_help
 from microrl.run import (
     StopOnInterrupt,
+    agent_metrics,
     close_on_exit,
     dynamic_sample,
     episode_metrics,
     evaluator,
     finish,
+    group_advantages,
     overlong_shaping,
     parse_cli,
     sample_and_score,
@@ -55,7 +57,7 @@ from microrl.run import (
     step_metrics,
     whole_groups,
 )
-from microrl.tasks import is_episode_task
+from microrl.tasks import is_agent_task, is_episode_task
 
 __all__ = ["USAGE", "main"]
 
@@ -153,9 +155,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 with engine.disable_adapter():
                     batch["ref_logprobs"] = engine.infer_batch(batch)["logprobs"]
             # 4. Group-normalised advantages, spread onto the response tokens. A group is one
-            #    prompt's rows, all sampled on this rank, so its statistics are complete here.
-            check_whole_groups(rollout.group_ids, cfg.rollout.group_size)
-            advantages, _ = grpo_advantages(scores + penalty, rollout.group_ids)
+            #    prompt's rows, all sampled on this rank, so its statistics are complete here
+            #    (an agent's episode counts once, its branch rows share its advantage).
+            advantages = group_advantages(rollout, scores + penalty, cfg.rollout.group_size)
             batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch
             #    into micro-batches and normalises the loss over the whole mini-batch.
@@ -180,6 +182,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 metrics.update(sampled)
             if is_episode_task(task):
                 metrics.update(episode_metrics(rollout, dist_info))
+            if is_agent_task(task):  # agent/* (docs/rollouts.md#agents)
+                metrics.update(agent_metrics(rollout, dist_info))
             if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)
                 metrics.update(prefetch.metrics(step, rollout, dist_info))
             if is_eval_step:

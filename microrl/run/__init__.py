@@ -27,7 +27,14 @@ from microrl.run.prefetcher import (
     start_prefetcher,
     warn_if_uncorrected,
 )
-from microrl.run.sampling import episode_metrics, sample_and_score, score_rollout, whole_groups
+from microrl.run.sampling import (
+    agent_metrics,
+    episode_metrics,
+    group_advantages,
+    sample_and_score,
+    score_rollout,
+    whole_groups,
+)
 from microrl.run.session import (
     evaluate_accuracy,
     evaluator,
@@ -47,6 +54,7 @@ __all__ = [
     "StepFailed",
     "StopOnInterrupt",
     "Tracker",
+    "agent_metrics",
     "close_on_exit",
     "dynamic_sample",
     "episode_metrics",
@@ -54,6 +62,7 @@ __all__ = [
     "evaluator",
     "find_run_checkpoint",
     "finish",
+    "group_advantages",
     "load_run",
     "mean_metrics",
     "overlong_shaping",

@@ -18,6 +18,7 @@ lands just above the target wherever the jump comes. The result (model + tokeniz
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -75,7 +76,9 @@ def prepare_base_model(
     if found:
         return load_tokenizer(path), path
     if cfg.build_toy or os.path.normpath(path) in TOY_MODEL_PATHS:
-        task = make_task(task_cfg) if task_cfg.name in BUILT_IN_TASKS else None
+        # The warm start teaches the task's prompts, also those an agent plays (task.agent).
+        plain = dataclasses.replace(task_cfg, agent=None)
+        task = make_task(plain) if task_cfg.name in BUILT_IN_TASKS else None
         if getattr(task, "toy_alphabet", None) is None:
             raise ValueError(
                 f"model.path={path!r} holds no transformers checkpoint (config.json and a "

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from microrl.agents.async_sampler import AgentSampler
 from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
@@ -39,8 +40,8 @@ from microrl.remote.trainer.factory import make_async_sampler
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, Job
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
-from microrl.run.sampling import score_rollout
-from microrl.tasks import Problem, Task, is_episode_task
+from microrl.run.sampling import agent_limits, score_rollout
+from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
 __all__ = [
     "ROLLOUT_BUFFER_KEY",
@@ -116,7 +117,7 @@ class RolloutPrefetcher:
         self.max_staleness = max_staleness
         self.last_step = last_step
         self.limits = limits or RolloutConfig()
-        self.episodes = is_episode_task(task)
+        self.episodes = is_episode_task(task) or is_agent_task(task)
         self.dynamic = self.limits.dynamic_sampling
         if self.dynamic and pad_token_id is None:
             raise ValueError("rollout.dynamic_sampling needs the tokenizer's pad_token_id")
@@ -413,6 +414,8 @@ def start_prefetcher(
             f"task.name={task_name} with rollout.max_staleness={rollout.max_staleness}: the "
             f"environments must be built in the rollout worker process, which failed: {err}"
         ) from err
+    if is_agent_task(task):  # the agents run here; their calls are the sampler's jobs
+        sampler = AgentSampler(sampler, tokenizer, task, agent_limits(task, rollout))
     try:
         return RolloutPrefetcher(
             sampler,

@@ -11,15 +11,27 @@ environments' summed rewards. Training steps and the greedy evaluation go throug
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from microrl.agents import EPISODE_KEY, AgentLimits, run_agent_episodes
+from microrl.agents.runner import agent_metric_means
 from microrl.configs.run import RolloutConfig
 from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
+from microrl.losses import check_whole_groups, grpo_advantages
 from microrl.run.dist import Dist
-from microrl.tasks import Problem, Task, is_episode_task
+from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
-__all__ = ["episode_metrics", "sample_and_score", "score_rollout", "whole_groups"]
+__all__ = [
+    "agent_metrics",
+    "episode_metrics",
+    "episode_rows",
+    "group_advantages",
+    "sample_and_score",
+    "score_rollout",
+    "whole_groups",
+]
 
 
 def sample_and_score(
@@ -36,6 +48,18 @@ def sample_and_score(
     rows whose environment raised are gone (``rollout.metrics["episodes/env_errors"]``).
     """
     prompts = [p.prompt for p in problems]
+    if is_agent_task(task):  # the user's agent, through the endpoint (docs/rollouts.md#agents)
+        limits = limits or RolloutConfig()
+        rollout = run_agent_episodes(
+            sampler,
+            problems,
+            task.agent,
+            params,
+            agent_limits(task, limits),
+            reward=task.reward,
+            tool_parser=task.tool_parser,
+        )
+        return rollout, rollout.rewards
     if not is_episode_task(task):
         rollout = sampler.generate(prompts, params)
         return rollout, score_rollout(task, problems, rollout)
@@ -49,6 +73,41 @@ def sample_and_score(
         skip_env_errors=limits.skip_env_errors,
     )
     return rollout, rollout.rewards
+
+
+def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:
+    """An agent task's episode bounds: its ``task.agent_*`` settings and the rollout's token
+    budget (``rollout.max_episode_tokens``) and ``rollout.skip_env_errors``."""
+    return AgentLimits(
+        timeout_s=task.timeout_s,
+        max_tokens=limits.max_episode_tokens,
+        max_concurrency=task.max_concurrency,
+        skip_errors=limits.skip_env_errors,
+        host=task.host,
+    )
+
+
+def episode_rows(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For an agent rollout, whose episodes may have several rows (branches): each row's
+    episode ``[B]`` (0..E-1) and each episode's first row ``[E]``; None when a row is an episode."""
+    if EPISODE_KEY not in rollout.batch.keys():  # noqa: SIM118 - a TensorDict
+        return None
+    _, episode = torch.unique(rollout.batch[EPISODE_KEY], return_inverse=True)
+    rows = torch.arange(len(episode), device=episode.device)
+    first = torch.full((int(episode.max()) + 1,), len(episode), device=episode.device)
+    return episode, first.scatter_reduce_(0, episode, rows, "amin")
+
+
+def group_advantages(rollout: Rollout, scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO advantages ``[B]`` of ``rollout``'s rows, over its episodes: the branches of an
+    agent's episode count once in their group and share its advantage."""
+    episodes = episode_rows(rollout)
+    if episodes is None:
+        check_whole_groups(rollout.group_ids, group_size)
+        return grpo_advantages(scores, rollout.group_ids)[0]
+    episode, first = episodes
+    check_whole_groups(rollout.group_ids[first], group_size)
+    return grpo_advantages(scores[first], rollout.group_ids[first])[0][episode]
 
 
 def score_rollout(task: Task, problems: Sequence[Problem], rollout: Rollout) -> torch.Tensor:
@@ -70,7 +129,9 @@ def whole_groups(
     Rows go missing only when ``rollout.skip_env_errors`` dropped episodes whose environment
     raised: a group's advantages need all of its rows. ``ValueError`` when no group is whole.
     """
-    counts = torch.bincount(rollout.group_ids, minlength=len(problems))
+    episodes = episode_rows(rollout)
+    groups = rollout.group_ids if episodes is None else rollout.group_ids[episodes[1]]
+    counts = torch.bincount(groups, minlength=len(problems))
     whole = (counts == group_size).nonzero().squeeze(1)
     if len(whole) == len(problems):
         return rollout, scores, list(problems)
@@ -102,3 +163,12 @@ def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
         "episodes/env_time_s": env_time,
         "episodes/env_errors": errors,
     }
+
+
+def agent_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
+    """``agent/*`` of an agent rollout over every rank: calls per episode, tool calls, tool-call
+    parse errors, branches, seconds in the agents and episodes dropped (docs/rollouts.md#agents)."""
+    keys = ("agent/episodes", "agent/calls", "agent/tool_calls", "agent/tool_parse_errors")
+    keys += ("agent/branches", "agent/time_s", "agent/errors")
+    sums = dist_info.sum([rollout.metrics.get(k, 0.0) for k in keys])
+    return agent_metric_means(dict(zip(keys, sums, strict=True)))

@@ -33,7 +33,7 @@ from microrl.run.prefetcher import (
     start_prefetcher,
     warn_if_uncorrected,
 )
-from microrl.run.sampling import sample_and_score
+from microrl.run.sampling import episode_rows, sample_and_score
 from microrl.run.tracking import Tracker
 from microrl.tasks import Problem, RewardError, Task
 
@@ -115,7 +115,10 @@ def evaluate_accuracy(
     ``problems``, summed over ranks; a multi-turn task's greedy episodes are played under
     ``limits`` (a row whose environment raised, with ``rollout.skip_env_errors``, is unsolved)."""
     greedy = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
-    _, scores = sample_and_score(rollout, task, problems, greedy, limits)
+    sampled, scores = sample_and_score(rollout, task, problems, greedy, limits)
+    episodes = episode_rows(sampled)  # an agent's branches: one episode, counted once
+    if episodes is not None:
+        scores = scores[episodes[1]]
     solved = float((scores >= task.solved_threshold).sum())
     correct, total = dist_info.sum([solved, len(problems)])
     return correct / max(total, 1.0)

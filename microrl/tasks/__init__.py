@@ -4,13 +4,15 @@
 section: :class:`AdditionTask` (the main job's test bed), :class:`WordProblemTask` (generated
 arithmetic word problems, a numeric-answer reward) or :class:`DatasetTask` (the user's JSONL or
 Parquet prompt file, scored by reward functions given by import path, :mod:`microrl.tasks.rewards`),
-or a multi-turn task played against environments (:mod:`microrl.tasks.environments`);
-:class:`CalculatorTask` is a tool-use task for agents (:mod:`microrl.tasks.calculator`).
+or a multi-turn task played against environments (:mod:`microrl.tasks.environments`) or by
+the user's agent (:mod:`microrl.tasks.agents`); :class:`CalculatorTask` is a tool-use task for
+agents (:mod:`microrl.tasks.calculator`).
 A task knows nothing of the model that learns it: the toy model of the examples and its supervised
 warm start are part of a run (:mod:`microrl.run.toy_model`, :mod:`microrl.run.base_model`).
 """
 
 from microrl.tasks.addition import AdditionTask, exact_match_reward, parse_answer
+from microrl.tasks.agents import AgentTask, is_agent_task
 from microrl.tasks.base import Problem, Task
 from microrl.tasks.calculator import CalculatorTask
 from microrl.tasks.dataset import DatasetTask
@@ -29,6 +31,7 @@ from microrl.tasks.word_problems import WordProblemTask
 __all__ = [
     "BUILT_IN_TASKS",
     "AdditionTask",
+    "AgentTask",
     "CalculatorTask",
     "DatasetTask",
     "EnvTask",
@@ -41,6 +44,7 @@ __all__ = [
     "Task",
     "WordProblemTask",
     "exact_match_reward",
+    "is_agent_task",
     "is_episode_task",
     "load_reward",
     "make_task",

@@ -14,6 +14,7 @@ from typing import Any
 
 from microrl.configs.run import TaskConfig
 from microrl.tasks.addition import AdditionTask
+from microrl.tasks.agents import AgentTask
 from microrl.tasks.base import Task
 from microrl.tasks.dataset import DatasetTask
 from microrl.tasks.environments import EnvTask, HintedAdditionTask
@@ -64,6 +65,14 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             task = RewardedTask(task, reward, cfg.solved_threshold)
     if tokenizer is not None:
         check_tokenizer_covers(tokenizer, task, cfg.name)
+    if cfg.agent:  # the prompts played by the user's agent through the endpoint
+        task = AgentTask(
+            task,
+            resolve_reward_fn(cfg.agent, "task.agent"),
+            timeout_s=cfg.agent_timeout_s,
+            max_concurrency=cfg.agent_max_concurrency,
+            host=cfg.agent_host,
+        )
     return task
 
 

@@ -352,3 +352,27 @@ def test_missing_vllm_gives_the_install_command(tokenizer, monkeypatch):
         make_rollout_backend("vllm", engine, tokenizer)
     with pytest.raises(ValueError, match=r"rollout\.backend"):
         make_rollout_backend("sglang", engine, tokenizer)
+
+
+def test_agent_episodes_on_vllm_are_token_in_token_out(lora_setup):
+    """An ``openai`` agent's two calls through the endpoint (microrl/agents/), sampled by the
+    colocated vLLM engine: the engine scores every row at vLLM's log-probs."""
+    from microrl.agents import AgentLimits, run_agent_episodes
+    from microrl.tasks import Problem
+
+    engine, rollout = lora_setup
+
+    async def agent(client, problem):
+        messages = [{"role": "user", "content": problem.prompt}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "+"}]
+        await client.chat.completions.create(model="policy", messages=messages, stream=True)
+        return 1.0
+
+    problems = [Problem("12+7=", "19"), Problem("3+4=", "7")]
+    params = SamplingParams(num_samples=3, max_new_tokens=4, seed=3)
+    sampled = run_agent_episodes(rollout, problems, agent, params, AgentLimits())
+    batch = sampled.batch
+    assert sampled.num_turns.tolist() == [2] * 6 and sampled.metrics["agent/branches"] == 0
+    _assert_close(batch["rollout_logprobs"], _engine_logprobs(engine, batch), batch["loss_mask"])

@@ -1,0 +1,118 @@
+"""Agent episodes sampled ahead of the trainer (``rollout.max_staleness > 0``, docs/async.md).
+
+:class:`AgentSampler` is an :class:`~microrl.remote.AsyncSampler` composed over the run's
+out-of-process sampler (the ``hf`` workers, vLLM servers): a job of agent episodes runs on a
+thread of the trainer process (the endpoint and the agents with it, :func:`play_agents`), and its
+calls become jobs of that sampler, so each sampled token carries the policy version that drew
+it. A row's ``policy_version`` is its oldest token's: the staleness the prefetcher bounds. One
+lock orders the sampler's use between that thread and the trainer (pushes, polls).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from microrl.agents.runner import AgentLimits, play_agents
+from microrl.agents.sampler import BatchingSampler
+from microrl.engine.rollout.base import Rollout, SamplingParams
+from microrl.remote.trainer.protocol import AsyncSamplerBase, Job
+
+__all__ = ["AgentSampler"]
+
+_KIND = "agents"
+
+
+class AgentSampler(AsyncSamplerBase):
+    """Plays ``task``'s agent on ``inner``'s jobs (see the module docstring).
+
+    Args:
+        inner: the run's out-of-process sampler (holding the pushed weights).
+        tokenizer: the policy's.
+        task: an agent task (:class:`~microrl.tasks.AgentTask`: its ``agent``, ``reward`` and
+            ``tool_parser``).
+        limits: the episodes' bounds; each job's token budget and ``skip_errors`` are its own.
+    """
+
+    def __init__(self, inner: Any, tokenizer: Any, task: Any, limits: AgentLimits) -> None:
+        self.inner = inner
+        self.tokenizer = tokenizer
+        self.task = task
+        self.limits = limits
+        self.lock = threading.RLock()
+        # Jobs of episodes run one after the other, in submission (version) order.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="microrl-agents")
+        self._jobs: dict[int, Future] = {}
+        self._ids = itertools.count()
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def sync_stats(self) -> dict[int, dict[str, float]]:
+        return self.inner.sync_stats
+
+    def submit_episodes(
+        self,
+        problems: Sequence[Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+        seed: int | None = None,
+    ) -> Job:
+        """Queue ``params.num_samples`` agent episodes per problem (``max_turns`` does not
+        apply: an agent decides its calls; ``max_tokens`` bounds each row)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        limits = replace(self.limits, max_tokens=max_tokens, skip_errors=skip_env_errors)
+        job = Job(next(self._ids), self.inner.version, _KIND)
+        self._jobs[job.id] = self._executor.submit(self._play, list(problems), params, limits)
+        return job
+
+    def _play(self, problems: list, params: SamplingParams, limits: AgentLimits) -> Rollout:
+        sampler = BatchingSampler.over_async(
+            self.inner, self.tokenizer, params, self.lock, window_s=limits.batch_window_s
+        )
+        task = self.task
+        return play_agents(
+            sampler,
+            problems,
+            task.agent,
+            params,
+            limits,
+            reward=task.reward,
+            tool_parser=task.tool_parser,
+        )
+
+    def submit(self, prompts: Sequence[Any], params: SamplingParams) -> Job:
+        with self.lock:
+            return self.inner.submit(prompts, params)
+
+    def collect(self, job: Job) -> Rollout:
+        """The rollout of ``job`` (waiting for it); rows carry ``policy_version``."""
+        if job.kind != _KIND:
+            with self.lock:
+                return self.inner.collect(job)
+        return self._jobs.pop(job.id).result()
+
+    def poll(self) -> None:
+        with self.lock:
+            self.inner.poll()
+        for future in self._jobs.values():  # a failed job surfaces now
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+
+    def sync(self, engine: Any = None) -> None:
+        with self.lock:
+            self.inner.sync(engine)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.inner.close()

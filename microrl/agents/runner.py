@@ -1,0 +1,315 @@
+"""Run users' agents as episodes: ``agent(client, problem) -> reward`` against the endpoint.
+
+:func:`run_agent_episodes` starts an :class:`~microrl.agents.endpoint.AgentEndpoint` (a thread of
+the trainer process), gives each episode an ``openai`` client whose base URL names it, runs the
+agents concurrently on an event loop of their own (a plain function runs in a thread with the
+synchronous client), samples their calls with the run's backend from the calling thread
+(:meth:`~microrl.agents.sampler.BatchingSampler.pump`) and returns the recorded rows as one
+:class:`~microrl.engine.rollout.Rollout` in the episodes' layout (docs/rollouts.md#agents).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import inspect
+import itertools
+import secrets
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from microrl.agents.endpoint import AgentEndpoint, EpisodeState
+from microrl.agents.sampler import BatchingSampler
+from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
+from microrl.engine.rollout.episodes import EpisodeError, ObservationRenderer, episode_batch
+from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
+
+__all__ = [
+    "AGENT_METRICS",
+    "EPISODE_KEY",
+    "AgentLimits",
+    "agent_metric_means",
+    "play_agents",
+    "run_agent_episodes",
+]
+
+#: The per-row batch key naming the episode a row belongs to (an episode's branches share it).
+EPISODE_KEY = "episode_id"
+#: ``Rollout.metrics`` an agent rollout carries (sums, so merged rollouts add them up).
+AGENT_METRICS = (
+    "agent/episodes",
+    "agent/calls",
+    "agent/tool_calls",
+    "agent/tool_parse_errors",
+    "agent/branches",
+    "agent/time_s",
+    "agent/errors",
+)
+
+
+# Episode numbers (the batch's EPISODE_KEY) stay distinct across the rollouts of a process,
+# which dynamic sampling merges; a random start keeps a resumed run's apart from its restored.
+_EPISODES_PER_CALL = 1 << 20
+_EPISODE_NUMBERS = itertools.count(secrets.randbelow(1 << 20) << 10)
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """An agent episode's bounds: seconds (``timeout_s``), tokens after its first prompt
+    (``max_tokens``, per row), episodes running at once (``max_concurrency``, 0: all); with
+    ``skip_errors`` a failed episode is dropped instead of stopping the run."""
+
+    timeout_s: float = 600.0
+    max_tokens: int = 1024
+    max_concurrency: int = 0
+    skip_errors: bool = False
+    host: str = "127.0.0.1"
+    batch_window_s: float = 0.02  # how long a batch waits for more calls (hf, colocated vllm)
+
+
+@dataclass
+class _Outcome:
+    result: Any = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def run_agent_episodes(
+    backend: RolloutBackend,
+    problems: Sequence[Any],
+    agent: Callable[[Any, Any], Any],
+    params: SamplingParams,
+    limits: AgentLimits,
+    *,
+    reward: Callable[[Any, Any], float] | None = None,
+    tool_parser: Any = None,
+    version: int | None = None,
+) -> Rollout:
+    """Play ``params.num_samples`` episodes of ``agent`` per problem; rows grouped by problem.
+
+    ``agent(client, problem)``: an ``async def`` gets an ``openai.AsyncOpenAI``, a plain
+    function an ``openai.OpenAI``; it returns the episode's reward, or anything
+    ``reward(result, problem)`` scores. An agent that raises, runs past ``limits.timeout_s``,
+    exceeds ``limits.max_tokens`` or made no call stops the run with an
+    :class:`~microrl.engine.rollout.episodes.EpisodeError` naming the episode, or with
+    ``limits.skip_errors`` is dropped (``agent/errors``). Under ``torchrun`` it is collective.
+    """
+    if not isinstance(backend, RolloutBackend):
+        raise TypeError(f"backend must be a RolloutBackend, got {type(backend).__name__}")
+    sampler = BatchingSampler.over_backend(
+        backend, params, version=version, window_s=limits.batch_window_s
+    )
+    return play_agents(
+        sampler, problems, agent, params, limits, reward=reward, tool_parser=tool_parser
+    )
+
+
+def play_agents(
+    sampler: BatchingSampler,
+    problems: Sequence[Any],
+    agent: Callable[[Any, Any], Any],
+    params: SamplingParams,
+    limits: AgentLimits,
+    *,
+    reward: Callable[[Any, Any], float] | None = None,
+    tool_parser: Any = None,
+) -> Rollout:
+    """:func:`run_agent_episodes` on any :class:`BatchingSampler`, pumped by the calling
+    thread; when its turns carry policy versions (sampled ahead), the rows carry
+    ``policy_version`` ``[B]``, the oldest among their sampled tokens (what bounds their
+    staleness)."""
+    if not callable(agent):
+        raise TypeError(f"agent must be callable (client, problem) -> reward, got {agent!r}")
+    if importlib.util.find_spec("openai") is None:
+        raise ImportError("agents get an openai client: pip install 'microrl[agents]' (openai)")
+    endpoint = AgentEndpoint(
+        sampler,
+        ObservationRenderer(sampler.tokenizer),
+        temperature=None if params.greedy else params.temperature,
+        max_new_tokens=params.max_new_tokens,
+        host=limits.host,
+        tool_parser=tool_parser,
+    ).start()
+    loop = _AgentLoop(limits.max_concurrency)
+    try:
+        names, futures = [], []
+        for index, problem in enumerate(problems):
+            for sample in range(params.num_samples):
+                name = f"p{index}-s{sample}-{len(names)}"
+                endpoint.add_episode(name, limits.max_tokens)
+                names.append((name, index))
+                url = endpoint.base_url(name)
+                end = functools.partial(endpoint.end_episode, name)
+                futures.append(
+                    loop.submit(agent, problem, url, endpoint.api_key, limits.timeout_s, end)
+                )
+        sampler.pump(lambda: sum(not f.done() for f in futures))
+        outcomes = [f.result() for f in futures]
+    finally:
+        for name in endpoint.episodes:
+            endpoint.end_episode(name)
+        loop.close()
+        endpoint.close()
+    return _rollout(sampler.tokenizer, endpoint, names, outcomes, problems, reward, limits)
+
+
+class _AgentLoop:
+    """An event loop on a thread of its own that runs the agents (see the module docstring)."""
+
+    def __init__(self, max_concurrency: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        limit = max_concurrency or 1 << 30
+        self.gate = asyncio.run_coroutine_threadsafe(_semaphore(limit), self.loop).result()
+
+    def submit(self, agent, problem, url: str, key: str, timeout: float, on_end) -> Future:
+        coroutine = self._run(agent, problem, url, key, timeout, on_end)
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    async def _run(self, agent, problem, url: str, key: str, timeout: float, on_end) -> _Outcome:
+        async with self.gate:
+            start = time.perf_counter()
+            outcome = _Outcome()
+            try:
+                outcome.result = await asyncio.wait_for(_call(agent, problem, url, key), timeout)
+            except asyncio.TimeoutError:  # not yet the builtin on Python 3.10
+                outcome.error = f"ran past task.agent_timeout_s={timeout}"
+            except Exception as exc:  # any agent failure is reported the same way
+                trace = "".join(traceback.format_exception(exc)).rstrip()
+                outcome.error = (
+                    f"raised {type(exc).__name__}: {exc}\nthe agent's traceback:\n{trace}"
+                )
+            outcome.seconds = time.perf_counter() - start
+            on_end()  # its later calls (an abandoned thread's) are refused
+            return outcome
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+async def _semaphore(limit: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(limit)
+
+
+async def _call(agent, problem, url: str, key: str) -> Any:
+    import openai  # the users' client; imported only when agents run
+
+    if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(
+        getattr(agent, "__call__", None)  # noqa: B004 - an instance with an async __call__
+    ):
+        async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
+            return await agent(client, problem)
+    # A plain function runs in a daemon thread: one past its timeout is abandoned, not joined
+    # (its later calls are refused once the episode ended).
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def run() -> None:
+        try:
+            with openai.OpenAI(base_url=url, api_key=key, max_retries=0) as client:
+                result = agent(client, problem)
+        except BaseException as exc:
+            done.get_loop().call_soon_threadsafe(_settle, done, None, exc)
+        else:
+            done.get_loop().call_soon_threadsafe(_settle, done, result, None)
+
+    threading.Thread(target=run, daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _rollout(
+    tokenizer, endpoint: AgentEndpoint, names, outcomes, problems, reward, limits
+) -> Rollout:
+    rows, groups, episodes, rewards, metrics = [], [], [], [], dict.fromkeys(AGENT_METRICS, 0.0)
+    first = next(_EPISODE_NUMBERS) * _EPISODES_PER_CALL  # unique among merged rounds
+    for number, ((name, index), outcome) in enumerate(zip(names, outcomes, strict=True)):
+        state = endpoint.episodes[name]
+        kept = state.recorder.trained_rows()
+        error = state.error or outcome.error
+        if error is None and not kept:
+            error = "returned without calling the model"
+        value = None
+        if error is None:
+            try:
+                value = _reward(outcome.result, problems[index], reward)
+            except (TypeError, ValueError) as err:
+                error = str(err)
+        _count(metrics, state, outcome)
+        if error is not None:
+            if not limits.skip_errors:
+                raise EpisodeError(f"the agent of episode {name} (problem {index}) {error}")
+            metrics["agent/errors"] += 1
+            continue
+        for row in kept:
+            rows.append(row)
+            groups.append(index)
+            episodes.append(first + number)
+            rewards.append(value)
+    if not rows:
+        raise EpisodeError(
+            f"every one of the {len(names)} agent episodes failed "
+            "(rollout.skip_env_errors drops failed episodes, but none is left)"
+        )
+    batch = episode_batch(rows, tokenizer.pad_token_id)
+    batch[EPISODE_KEY] = torch.tensor(episodes, dtype=torch.long)
+    if all(None not in r.versions for r in rows):  # sampled ahead: each token's version known
+        versions = [min(r.versions) for r in rows]
+        batch[POLICY_VERSION_KEY] = torch.tensor(versions, dtype=torch.long)
+    return Rollout(
+        batch=batch,
+        texts=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in rows],
+        group_ids=torch.tensor(groups, dtype=torch.long),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        num_turns=torch.tensor([r.turns for r in rows], dtype=torch.long),
+        metrics=metrics,
+    )
+
+
+def _count(metrics: dict[str, float], state: EpisodeState, outcome: _Outcome) -> None:
+    metrics["agent/episodes"] += 1
+    metrics["agent/calls"] += state.recorder.calls
+    metrics["agent/tool_calls"] += state.tool_calls
+    metrics["agent/tool_parse_errors"] += state.tool_parse_errors
+    metrics["agent/branches"] += state.recorder.branches
+    metrics["agent/time_s"] += outcome.seconds
+
+
+def _reward(result: Any, problem: Any, reward: Callable | None) -> float:
+    if isinstance(result, bool | int | float):
+        return float(result)
+    if reward is None:
+        raise TypeError(f"returned {type(result).__name__}, not a float reward")
+    return float(reward(result, problem))
+
+
+def agent_metric_means(sums: dict[str, float]) -> dict[str, float]:
+    """The reported ``agent/*`` metrics from summed counts: per episode where it reads so."""
+    episodes = max(sums.get("agent/episodes", 0.0), 1.0)
+    return {
+        "agent/calls_per_episode": sums.get("agent/calls", 0.0) / episodes,
+        "agent/tool_calls": sums.get("agent/tool_calls", 0.0),
+        "agent/tool_parse_errors": sums.get("agent/tool_parse_errors", 0.0),
+        "agent/branches": sums.get("agent/branches", 0.0),
+        "agent/time_s": sums.get("agent/time_s", 0.0),
+        "agent/errors": sums.get("agent/errors", 0.0),
+    }

@@ -1,0 +1,215 @@
+"""Token-exact trajectories of an agent's calls: reuse what was sampled, branch on rewrites.
+
+An agent resends its whole conversation on every call. Re-encoding it would give other ids than
+the ones sampled (docs/rollouts.md#agents), so each call is matched against the episode's rows:
+when the messages extend a row's conversation after one of its model turns with observations
+only (user, tool or system messages), the prompt is that row's recorded ids plus the
+observations' chat-template delta (:class:`~microrl.engine.rollout.episodes.ObservationRenderer`).
+Any other conversation (the agent dropped, edited or summarised turns, or changed its tools)
+starts a new row, rendered once: a *branch*. Every row holds exactly the ids fed to the sampler
+and the ids it sampled, with their log-probs and policy versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from microrl.engine.rollout.episodes import ObservationRenderer, Trajectory
+
+__all__ = ["AgentTrajectory", "CallContext", "EpisodeRecorder", "normalize_messages"]
+
+_OBSERVATION_ROLES = ("user", "tool", "system", "developer")
+
+
+@dataclass
+class AgentTrajectory(Trajectory):
+    """A :class:`Trajectory` row that also keeps the conversation it covers and, after each
+    model turn, a mark ``(messages, tokens, ended)``: how many messages and ids (prompt
+    included) the row held then, and whether that turn ended with its terminator."""
+
+    messages: list[dict] = field(default_factory=list)
+    marks: list[tuple[int, int, bool]] = field(default_factory=list)
+    versions: list = field(default_factory=list)  # per token: its policy version (or None)
+    pending: bool = False  # a call is sampling on this row's end now
+    text: str | None = None  # completions: the prompt text and the replies so far
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+
+@dataclass
+class CallContext:
+    """One call's prompt ids and the row its sampled turn goes to."""
+
+    row: AgentTrajectory
+    prompt_ids: list[int]
+    messages: list[dict]
+    text: str | None = None  # completions: the call's prompt text
+
+
+class EpisodeRecorder:
+    """The rows of one episode. :meth:`prepare` gives a call's prompt ids; :meth:`record` adds
+    the turn sampled for it. Not thread-safe: an episode's calls are handled on one event loop."""
+
+    def __init__(self, renderer: ObservationRenderer) -> None:
+        self.renderer = renderer
+        self.rows: list[AgentTrajectory] = []
+        self.tools: list[dict] | None = None
+        self.calls = 0
+
+    @property
+    def branches(self) -> int:
+        """Rows after the first: conversations that did not extend a recorded one."""
+        return max(0, len(self.rows) - 1)
+
+    def prepare(self, messages: Sequence[Mapping[str, Any]], tools: list | None) -> CallContext:
+        """The prompt ids of a call with ``messages`` (and ``tools``), reusing recorded ids."""
+        normalized = normalize_messages(messages)
+        if not normalized:
+            raise ValueError("messages must be a non-empty list of chat messages")
+        self.calls += 1
+        match = self._match(normalized) if tools == self.tools or not self.rows else None
+        if self.tools is None:
+            self.tools = tools
+        if match is not None:
+            row, (count, tokens, ended) = match
+            delta = self.renderer.observation(normalized[count:], with_eos=not ended)
+            prefix = row.all_ids[:tokens]
+            if tokens == len(row.all_ids) and not row.pending:  # extends the row in place
+                row.add(delta, None)
+                row.pending = True
+                return CallContext(row, prefix + delta, normalized)
+            new = AgentTrajectory(prompt_ids=prefix + delta, pending=True)
+        else:
+            new = AgentTrajectory(prompt_ids=self._render(normalized, tools), pending=True)
+        self.rows.append(new)
+        return CallContext(new, list(new.prompt_ids), normalized)
+
+    def record(
+        self,
+        context: CallContext,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        version: int | None,
+        reply: Mapping[str, Any],
+        ended: bool,
+    ) -> None:
+        """Add the turn sampled for ``context`` (``ids``, their ``logprobs``) and the assistant
+        message returned for it (``reply``), which a later call's history must repeat."""
+        row = context.row
+        row.add(list(ids), list(logprobs))
+        row.versions.extend([version] * len(ids))
+        row.turns += 1
+        row.pending = False
+        row.messages = [*context.messages, *normalize_messages([reply])]
+        row.marks.append((len(row.messages), len(row.all_ids), ended))
+        if context.text is not None:
+            row.text = context.text + str(reply.get("content") or "")
+
+    def prepare_text(self, text: str) -> CallContext:
+        """The prompt ids of a completions call: a row's recorded ids when ``text`` continues
+        that row's prompt and replies (only the new text is tokenized), else a new row."""
+        self.calls += 1
+        tokenizer = self.renderer.tokenizer
+        for row in self.rows:
+            if row.text is not None and not row.pending and text.startswith(row.text):
+                delta = list(
+                    tokenizer(text[len(row.text) :], add_special_tokens=False)["input_ids"]
+                )
+                row.add(delta, None)
+                row.pending = True
+                return CallContext(row, row.all_ids, [], text)
+        new = AgentTrajectory(prompt_ids=list(tokenizer(text)["input_ids"]), pending=True)
+        self.rows.append(new)
+        return CallContext(new, list(new.prompt_ids), [], text)
+
+    def release(self, context: CallContext) -> None:
+        """A call that sampled nothing (it failed): its row's end is free again."""
+        context.row.pending = False
+
+    def trained_rows(self) -> list[AgentTrajectory]:
+        """The rows holding at least one sampled token."""
+        return [row for row in self.rows if any(row.model_token)]
+
+    def _match(self, messages: list[dict]) -> tuple[AgentTrajectory, tuple] | None:
+        """The row and mark covering the longest prefix of ``messages`` followed by
+        observations only, or None."""
+        best = None
+        for row in self.rows:
+            for mark in row.marks:
+                count = mark[0]
+                rest = messages[count:]
+                if (
+                    rest
+                    and messages[:count] == row.messages[:count]
+                    and all(m["role"] in _OBSERVATION_ROLES for m in rest)
+                    and (best is None or count > best[1][0])
+                ):
+                    best = (row, mark)
+        return best
+
+    def _render(self, messages: list[dict], tools: list | None) -> list[int]:
+        tokenizer = self.renderer.tokenizer
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=self.renderer.template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Chat messages as plain dicts a template renders and calls compare: text parts joined,
+    ``None`` content as ``""``, tool-call arguments as dicts, client-only fields dropped."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of chat messages, got {type(messages).__name__}")
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise TypeError(f"a chat message must be a mapping with a 'role', got {message!r}")
+        item = {"role": str(message["role"]), "content": _text(message.get("content"))}
+        calls = message.get("tool_calls")
+        if calls:
+            item["tool_calls"] = [_tool_call(call) for call in calls]
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                item[key] = message[key]
+        out.append(item)
+    return out
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ValueError(f"only text message parts are supported, got {part!r}")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise TypeError(f"a message's content must be a text or text parts, got {content!r}")
+
+
+def _tool_call(call: Mapping[str, Any]) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else kept as the text written
+            arguments = json.loads(arguments)
+    result = {
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": arguments},
+    }
+    if call.get("id") is not None:
+        result["id"] = call["id"]
+    return result

@@ -1,0 +1,156 @@
+"""The endpoint itself (microrl/agents/endpoint.py) under the real ``openai`` client: the key,
+refused calls, ``/v1/models``, ``/v1/completions``, tool calls through a parser, options."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+
+import httpx
+import openai
+import pytest
+from agent_utils import chat_tokenizer
+
+from microrl.agents import AgentEndpoint, Turn
+from microrl.engine.rollout.episodes import ObservationRenderer
+
+CALL = '{"name": "add", "arguments": {"a": 1}}'
+
+
+class FixedSampler:
+    """Answers every call with the ids of ``text`` and its terminator."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.tokenizer, self.text = tokenizer, text
+        self.prompts: list[list[int]] = []
+
+    def submit(self, prompt_ids, max_tokens) -> Future:
+        self.prompts.append(list(prompt_ids))
+        ids = self.tokenizer(self.text, add_special_tokens=False)["input_ids"]
+        ids = [*ids, self.tokenizer.eos_token_id][:max_tokens]
+        future: Future = Future()
+        future.set_result(Turn(ids, [-0.5] * len(ids), 3, ids[-1] == self.tokenizer.eos_token_id))
+        return future
+
+
+class BraceParser:
+    """A stand-in tool parser: a text starting with ``{`` is one call (JSON), else content."""
+
+    def parse(self, text, tools):
+        if not text.startswith("{"):
+            return text, [], None
+        try:
+            call = json.loads(text)
+        except json.JSONDecodeError as err:
+            return text, [], str(err)
+        return "", [{"name": call["name"], "arguments": call["arguments"]}], None
+
+
+@pytest.fixture
+def endpoint():
+    tokenizer = chat_tokenizer()
+    server = AgentEndpoint(
+        FixedSampler(tokenizer, CALL),
+        ObservationRenderer(tokenizer),
+        temperature=1.0,
+        max_new_tokens=64,
+        tool_parser=BraceParser(),
+    ).start()
+    server.add_episode("e1", budget=256)
+    yield server
+    server.close()
+
+
+def _client(endpoint, key=None) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=endpoint.base_url("e1"), api_key=key or endpoint.api_key, max_retries=0
+    )
+
+
+def test_only_the_runs_key_is_served(endpoint):
+    assert endpoint.host == "127.0.0.1" and len(endpoint.api_key) >= 32
+    with pytest.raises(openai.AuthenticationError, match="missing or wrong API key"):
+        _client(endpoint, key="not-the-key").models.list()
+    reply = httpx.get(endpoint.base_url("e1") + "/models")  # no key at all
+    assert reply.status_code == 401
+    assert [m.id for m in _client(endpoint).models.list()] == ["microrl-policy"]
+
+
+def test_calls_of_an_unknown_or_ended_episode_are_refused(endpoint):
+    messages = [{"role": "user", "content": "a"}]
+    _client(endpoint).chat.completions.create(model="m", messages=messages)
+    endpoint.end_episode("e1")
+    with pytest.raises(openai.ConflictError, match="episode e1 has ended"):
+        _client(endpoint).chat.completions.create(model="m", messages=messages)
+    other = openai.OpenAI(base_url=endpoint.base_url("e9"), api_key=endpoint.api_key)
+    with pytest.raises(openai.NotFoundError, match="no episode 'e9'"):
+        other.chat.completions.create(model="m", messages=messages)
+
+
+def test_options_the_policy_cannot_honour_are_refused(endpoint):
+    create = _client(endpoint).chat.completions.create
+    messages = [{"role": "user", "content": "a"}]
+    with pytest.raises(openai.BadRequestError, match=r"the run's temperature 1\.0"):
+        create(model="m", messages=messages, temperature=0.2)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        create(model="m", messages=messages, n=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be an int >= 1"):
+        create(model="m", messages=messages, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="stop is not supported"):
+        create(model="m", messages=messages, stop=["x"])
+    create(model="m", messages=messages, temperature=1.0, top_p=1.0)  # the run's own: served
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_come_back_parsed_and_their_results_extend_the_row(endpoint, stream):
+    client = _client(endpoint)
+    messages = [{"role": "user", "content": "1+2"}]
+    if stream:
+        chunks = list(client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, stream=True
+        ))  # fmt: skip
+        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        call = calls[0]
+        message = {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]}
+    else:
+        reply = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        call, finish = reply.choices[0].message.tool_calls[0], reply.choices[0].finish_reason
+        message = reply.choices[0].message.model_dump(exclude_none=True)
+    assert finish == "tool_calls" and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 1}
+    messages += [message, {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+    client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    state = endpoint.episodes["e1"]
+    assert state.tool_calls == 2 and state.recorder.branches == 0
+    (row,) = state.recorder.rows
+    prompts = endpoint.sampler.prompts
+    assert prompts[1][: len(row.prompt_ids)] == row.prompt_ids and row.turns == 2
+
+
+def test_a_malformed_tool_call_is_content_and_counted(endpoint):
+    endpoint.sampler.text = '{"name": "add", "argu'
+    reply = _client(endpoint).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "1"}], tools=TOOLS
+    )
+    message = reply.choices[0].message
+    assert message.tool_calls is None and message.content == '{"name": "add", "argu'
+    assert endpoint.episodes["e1"].tool_parse_errors == 1
+
+
+def test_completions_continue_a_text_on_its_recorded_ids(endpoint):
+    endpoint.sampler.text = "12"
+    client = _client(endpoint)
+    first = client.completions.create(model="m", prompt="1+", max_tokens=5)
+    assert first.choices[0].text == "12" and first.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="m", prompt="1+12\n", stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "12"
+    (row,) = endpoint.episodes["e1"].recorder.rows
+    tokenizer = endpoint.tokenizer
+    sampled = [*tokenizer("12", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    assert endpoint.sampler.prompts[1] == [*endpoint.sampler.prompts[0], *sampled, *newline]
+    assert row.ids == [*sampled, *newline, *sampled]

@@ -1,0 +1,43 @@
+"""``task.agent`` (microrl/tasks/agents.py): the config keys checked by name, the task built
+around the prompts, a transcript scored by the wrapped task's reward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from microrl.configs.run import TaskConfig
+from microrl.tasks import AgentTask, Problem, is_agent_task, make_task
+
+
+def test_agent_settings_are_checked_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"task\.agent must be null for task\.name=env"):
+        TaskConfig(name="hinted_addition", agent="my:agent")
+    with pytest.raises(ValueError, match=r"task\.agent_timeout_s"):
+        TaskConfig(agent="my:agent", agent_timeout_s=0)
+    with pytest.raises(ValueError, match=r"task\.agent_max_concurrency"):
+        TaskConfig(agent="my:agent", agent_max_concurrency=-1)
+    from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
+
+    with pytest.raises(ValueError, match=r"task\.agent must be null for PPO"):
+        PPOExampleConfig(task=TaskConfig(agent="my:agent"))
+    with pytest.raises(ValueError, match=r"task\.agent must be null with actor\.sequence_para"):
+        actor = dataclasses.replace(GRPOExampleConfig().actor, sequence_parallel_size=2)
+        GRPOExampleConfig(task=TaskConfig(agent="my:agent"), actor=actor)
+    with pytest.raises(ValueError, match=r"task\.overlong_buffer must be 0 for a multi-turn"):
+        GRPOExampleConfig(task=TaskConfig(agent="my:agent", overlong_buffer=2))
+    with pytest.raises(ValueError, match=r"task\.agent='nowhere\.py:solve'"):
+        make_task(TaskConfig(agent="nowhere.py:solve", max_operand=9, eval_size=8))
+
+
+def test_an_agent_task_plays_the_prompts_and_scores_transcripts(tmp_path):
+    (tmp_path / "my_agent.py").write_text("def solve(client, problem):\n    return 1.0\n")
+    cfg = TaskConfig(agent=f"{tmp_path / 'my_agent.py'}:solve", max_operand=9, eval_size=8)
+    task = make_task(cfg)
+    assert is_agent_task(task) and isinstance(task, AgentTask) and task.host == "127.0.0.1"
+    assert task.eval_problems() == task.prompts.eval_problems()
+    assert task.reward("7", Problem("3+4=", "7")) == 1.0
+    assert task.reward("8", Problem("3+4=", "7")) == 0.0
+    with pytest.raises(TypeError, match="returns a float reward or a transcript"):
+        task.reward([1], Problem("3+4=", "7"))
