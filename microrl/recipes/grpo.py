@@ -45,6 +45,7 @@ from microrl.run import (
     finish,
     overlong_shaping,
     parse_cli,
+    reward_metrics,
     sample_and_score,
     sample_rows,
     sampling_params,
@@ -180,6 +181,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 metrics.update(sampled)
             if is_episode_task(task):
                 metrics.update(episode_metrics(rollout, dist_info))
+            metrics.update(reward_metrics(task, dist_info))  # judge/*, reward_model/*
             if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)
                 metrics.update(prefetch.metrics(step, rollout, dist_info))
             if is_eval_step:

@@ -27,7 +27,13 @@ from microrl.run.prefetcher import (
     start_prefetcher,
     warn_if_uncorrected,
 )
-from microrl.run.sampling import episode_metrics, sample_and_score, score_rollout, whole_groups
+from microrl.run.sampling import (
+    episode_metrics,
+    reward_metrics,
+    sample_and_score,
+    score_rollout,
+    whole_groups,
+)
 from microrl.run.session import (
     evaluate_accuracy,
     evaluator,
@@ -64,6 +70,7 @@ __all__ = [
     "prepare_output",
     "read_metrics",
     "resumed_rollouts",
+    "reward_metrics",
     "sample_and_score",
     "sample_rows",
     "sampling_params",

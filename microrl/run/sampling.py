@@ -19,7 +19,13 @@ from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams, sele
 from microrl.run.dist import Dist
 from microrl.tasks import Problem, Task, is_episode_task
 
-__all__ = ["episode_metrics", "sample_and_score", "score_rollout", "whole_groups"]
+__all__ = [
+    "episode_metrics",
+    "reward_metrics",
+    "sample_and_score",
+    "score_rollout",
+    "whole_groups",
+]
 
 
 def sample_and_score(
@@ -102,3 +108,23 @@ def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
         "episodes/env_time_s": env_time,
         "episodes/env_errors": errors,
     }
+
+
+def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:
+    """The model-based reward terms' counters since the last call, summed over every rank:
+    ``judge/requests``, ``judge/retries``, ``judge/cache_hits``, ``judge/failures`` and
+    ``reward_model/score_mean`` (the raw score's mean over the rows scored, when some were); {} for a task
+    without such terms (docs/tasks.md#reward-models). Counted when scored: with
+    ``rollout.max_staleness > 0`` a step may count rows scored ahead for a later step."""
+    reward = getattr(task, "reward", None)
+    drain = getattr(reward, "drain_metrics", None)
+    local = drain() if drain is not None else {}
+    if not local:
+        return {}
+    names = sorted(local)
+    totals = dict(zip(names, dist_info.sum([local[n] for n in names]), strict=True))
+    rows = totals.pop("reward_model/rows", None)
+    score_sum = totals.pop("reward_model/score_sum", None)
+    if rows:  # (none scored since the last step: no mean)
+        totals["reward_model/score_mean"] = score_sum / rows
+    return totals
