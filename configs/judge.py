@@ -17,10 +17,9 @@ from microrl.configs.fields import config_field, require
 __all__ = ["DEFAULT_JUDGE_TEMPLATE", "JudgeConfig"]
 
 #: The default grading prompt: ``{prompt}``, ``{response}`` and ``{answer}`` are the row's.
-DEFAULT_JUDGE_TEMPLATE = (
-    "Grade the response to the prompt below from 0 (useless) to 10 (perfect).\n"
-    "Prompt: {prompt}\nReference answer: {answer}\nResponse: {response}\n"
-    "Reply with the grade only."
+DEFAULT_JUDGE_TEMPLATE = (  # one line: --help shows it as a key=value row
+    "Grade the response to the prompt from 0 (useless) to 10 (perfect). Prompt: {prompt} | "
+    "Reference answer: {answer} | Response: {response} | Reply with the grade only."
 )
 _FIELDS = ("prompt", "response", "answer")
 
