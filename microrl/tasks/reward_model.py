@@ -60,7 +60,8 @@ class RewardModelScorer:
         norm: ``none``, ``batch`` or ``group`` (module docstring).
         chat_template: render rows with the reward model's chat template.
         device: where the model runs; None: this process's current GPU when CUDA is
-            available, else the CPU, decided at the first call (after the run set its GPU).
+            available (the run sets it before it builds the task), else the CPU. Chosen here,
+            in the caller's thread: a background thread's current GPU is always the first.
         model, tokenizer: an already loaded model and tokenizer instead of ``path``'s.
 
     Raises ``ValueError`` naming ``task.reward_model``: a path that holds no sequence
@@ -88,12 +89,12 @@ class RewardModelScorer:
         self.path = str(path) if path is not None else getattr(model, "name_or_path", "?")
         if model is None or tokenizer is None:
             model, tokenizer = _load(self.path)
-        self.model = model.eval().requires_grad_(False)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.model = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.norm = norm
         self.chat_template = chat_template
-        self.device = None if device is None else torch.device(device)
         self._lock = threading.Lock()
         self._check()
         self._stats = {"reward_model/rows": 0.0, "reward_model/score_sum": 0.0}
@@ -135,10 +136,6 @@ class RewardModelScorer:
     def raw_scores(self, texts: Sequence[str]) -> torch.Tensor:
         """The model's score of each text ``[B]`` float64 (float32 forwards), ``batch_size``
         rows per forward."""
-        with self._lock:
-            if self.device is None or next(self.model.parameters()).device != self.device:
-                self.device = self.device or _default_device()
-                self.model.to(self.device)
         out = []
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start : start + self.batch_size])

@@ -151,3 +151,18 @@ def test_bad_checkpoints_name_the_key(rm_path, tmp_path) -> None:
         ValueError, match=r"reward_model_chat_template=true, but .* no chat template"
     ):
         RewardModelScorer(rm_path, chat_template=True)
+
+
+def test_the_reward_model_runs_on_the_processs_gpu(rm_path, monkeypatch) -> None:
+    """On a (simulated) second GPU: chosen when built, in the caller's thread, as the engine's."""
+    from device_utils import simulated_cuda
+
+    expected = RewardModelScorer(rm_path)(COMPLETIONS[:2], PROMPTS[:2])
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path)
+    with simulated_cuda(monkeypatch, gpus=2):
+        torch.cuda.set_device(1)
+        scorer = RewardModelScorer(model=model, tokenizer=build_tokenizer())
+        assert scorer.device == torch.device("cuda", 1)
+        assert next(scorer.model.parameters()).device == torch.device("cuda", 1)
+        got = scorer(COMPLETIONS[:2], PROMPTS[:2])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=ATOL, rtol=0)
