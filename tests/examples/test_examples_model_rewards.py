@@ -1,6 +1,6 @@
-"""The GRPO recipe rewarded by a reward model and an LLM judge (docs/tasks.md#reward-models):
+"""The recipes rewarded by a reward model and an LLM judge (docs/tasks.md#reward-models): GRPO
 in process, with ``rollout.max_staleness=1`` (scored ahead in the trainer's background thread),
-and under ``torchrun`` on 2 ranks; the judge is a stand-in server in this process, its key in
+and under ``torchrun`` on 2 ranks, and PPO; the judge is a stand-in server in this process, its key in
 the environment, and no file the run writes nor its output shows the key.
 """
 
@@ -67,13 +67,17 @@ def _check(out: Path, steps: int, script: JudgeScript, captured: str) -> list[di
     return records
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_grpo_with_a_reward_model_and_a_judge(setup, staleness, tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize(
+    ("recipe", "staleness"), [("grpo_lora", 0), ("grpo_lora", 1), ("ppo_lora", 0)]
+)
+def test_a_recipe_with_a_reward_model_and_a_judge(
+    setup, recipe, staleness, tmp_path, monkeypatch, capfd
+):
     args, script = setup
     monkeypatch.setenv("MICRORL_TEST_JUDGE_KEY", JUDGE_KEY)
     out = tmp_path / "out"
     run = [*args, f"output.dir={out}", f"rollout.max_staleness={staleness}"]
-    assert load_example("grpo_lora").main(run) == 0
+    assert load_example(recipe).main(run) == 0
     records = _check(out, 3, script, "".join(capfd.readouterr()))
     if staleness:
         assert [r["staleness/max"] for r in records[1:]] == [0, 1, 1]
