@@ -77,7 +77,11 @@ def test_a_recipe_with_a_reward_model_and_a_judge(
     monkeypatch.setenv("MICRORL_TEST_JUDGE_KEY", JUDGE_KEY)
     out = tmp_path / "out"
     run = [*args, f"output.dir={out}", f"rollout.max_staleness={staleness}"]
+    before = len(script.requests)
     assert load_example(recipe).main(run) == 0
+    # The first run warm-starts the base model on its own reward: its 500-prompt accuracy
+    # checks never ask the judge (3 steps of 8 rows and 3 evaluations of 8 prompts do).
+    assert len(script.requests) - before <= 3 * 8 + 3 * 8
     records = _check(out, 3, script, "".join(capfd.readouterr()))
     if staleness:
         assert [r["staleness/max"] for r in records[1:]] == [0, 1, 1]
