@@ -27,7 +27,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,7 +335,9 @@ class RolloutPrefetcher:
         tensors, strings and numbers only (``torch.load(weights_only=True)``)."""
         items = []
         for i, ahead in enumerate(self._ahead):
-            rollout = ahead.scored.result()[0] if ahead.scored is not None else self._collect(ahead)
+            if ahead.scored is not None:  # its collect in the background thread, done
+                wait([ahead.scored])  # (a failed scoring is the next take's error, not this)
+            rollout = self._collect(ahead)
             items.append(
                 {
                     "step": self._next_take + i,  # the step that trains it, at the latest

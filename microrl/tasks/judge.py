@@ -5,7 +5,8 @@ judge, or any provider) as one user message, ``task.judge.template`` filled with
 ``{prompt}``, ``{response}`` and ``{answer}``; the score is the first match of
 ``task.judge.score_pattern`` in the reply. The ``openai`` client sends the requests (its own
 retries off: this module retries, so that each retry is counted), at most ``max_concurrency``
-at once from a thread pool, each with ``timeout_s``. A timeout, a connection error, a 429 or a
+at once per process (a thread pool per call, a semaphore across calls), each with
+``timeout_s``. A timeout, a connection error, a 429 or a
 5xx answer is retried up to ``retries`` times, waiting ``backoff_s``, then twice that, and so
 on; other errors (a wrong key: 401) are not. Replies are cached per (prompt, response), so a
 repeated row (the held-out set at every evaluation) is asked once.
@@ -73,6 +74,8 @@ class JudgeReward:
         self.client = client if client is not None else _client(config)
         self._cache: dict[tuple[str, str], float | None] = {}
         self._lock = threading.Lock()
+        # The bound holds across calls too (the held-out set scored while a rollout is).
+        self._slots = threading.BoundedSemaphore(config.max_concurrency)
         self._stats = dict.fromkeys(
             ("judge/requests", "judge/retries", "judge/cache_hits", "judge/failures"), 0.0
         )
@@ -138,7 +141,8 @@ class JudgeReward:
             with self._lock:
                 self._count("judge/requests")
             try:
-                reply = self._request(content)
+                with self._slots:
+                    reply = self._request(content)
             except Exception as err:  # the client's errors: retried or given up on below
                 problem = _describe(err)
                 if _retried(err) and attempt < cfg.retries:

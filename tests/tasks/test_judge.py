@@ -69,6 +69,19 @@ def test_scores_concurrency_bound_and_cache(monkeypatch) -> None:
     }
 
 
+def test_the_bound_holds_across_concurrent_calls(monkeypatch) -> None:
+    """A rollout scored in the background while the held-out set is: still max_concurrency."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    script = JudgeScript(reply=_reply_length, delay_s=0.1)
+    with judge_server(script) as url:
+        judge = _judge(url, monkeypatch, max_concurrency=2)
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(judge, [r + x for r in RESPONSES], PROMPTS, ANSWERS) for x in "ab"]
+            assert [c.result() for c in calls] == [[2, 3, 4, 5]] * 2
+    assert len(script.requests) == 8 and script.max_in_flight == 2
+
+
 def test_retries_with_backoff_then_gives_up_naming_the_row(monkeypatch) -> None:
     script = JudgeScript(reply=_reply_length, fail=503, fail_times=2)
     with judge_server(script) as url:
