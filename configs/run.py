@@ -267,12 +267,14 @@ class TaskConfig:
             ">= 1",
             self.reward_model_batch_size,
         )
-        require(
-            self.name != "env" or not (self.reward_model or self.judge.enabled),
-            "task.reward_model",
-            "null with task.name=env (the environments give the rewards), as task.judge.url",
-            self.reward_model,
-        )
+        episodes = self.name in EPISODE_TASK_NAMES  # the environments give the rewards
+        for key, value in (("reward_model", self.reward_model), ("judge.url", self.judge.url)):
+            require(
+                not (episodes and value),
+                f"task.{key}",
+                f"empty with task.name={self.name} (its environments give the rewards)",
+                value,
+            )
         require(self.overlong_buffer >= 0, "task.overlong_buffer", ">= 0", self.overlong_buffer)
         require(
             0 <= self.overlong_penalty < float("inf"),

@@ -178,6 +178,10 @@ def test_parse_score() -> None:
             "task.judge.api_key_env must name an environment variable",
         ),
         (
+            ["task.name=hinted_addition", "task.judge.url=http://h/v1", "task.judge.model=m"],
+            "task.judge.url must be empty with task.name=hinted_addition",
+        ),
+        (
             ["task.judge.url=http://h/v1", "task.judge.model=m", "task.reward_weights=[1.0,2.0]"],
             r"one weight per reward term \(1: task.judge\)",
         ),
