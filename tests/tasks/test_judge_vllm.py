@@ -42,6 +42,7 @@ def served(tmp_path_factory):
         full_weights=False,
         cpu=True,
         max_model_len=64,
+        enforce_eager=True,  # no graph compilation: a faster start
         api_key=JUDGE_KEY,
         timeout_s=300,
         engine_args={"skip_tokenizer_init": False},  # the judge reads and writes text
