@@ -13,6 +13,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from microrl.configs.fields import config_field, require
+from microrl.configs.judge import JudgeConfig
 from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 
 __all__ = [
@@ -165,8 +166,22 @@ class TaskConfig:
         "built-in tasks: replace their reward)",
     )
     reward_weights: list[float] = config_field(
-        [], "a weight per entry of task.rewards (empty: 1.0 each)"
+        [],
+        "a weight per reward term, in the order task.rewards, task.reward_model, task.judge "
+        "(empty: 1.0 each)",
     )
+    # Model-based rewards (microrl.tasks.reward_model, microrl.tasks.judge; docs/tasks.md).
+    reward_model: str | None = config_field(
+        None, "a sequence-classification reward model (a path or Hub id) scoring prompt+response"
+    )
+    reward_model_norm: str = config_field(
+        "none", "the reward model's scores: none, batch or group (standardised per prompt)"
+    )
+    reward_model_batch_size: int = config_field(8, "rows per reward-model forward")
+    reward_model_chat_template: bool = config_field(
+        False, "render prompt and response with the reward model's own chat template"
+    )
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     solved_threshold: float = config_field(
         1.0, "with task.rewards or task.name=env: a held-out row is solved at a reward >= this"
     )
@@ -203,6 +218,13 @@ class TaskConfig:
         1.0, "the overlong penalty at rollout.max_new_tokens (with task.overlong_buffer > 0)"
     )
 
+    def reward_terms(self) -> list[str]:
+        """The reward terms ``reward_weights`` weighs, in order: each ``task.rewards[i]``, then
+        ``task.reward_model`` and ``task.judge`` when they are on."""
+        terms = [f"task.rewards[{i}]" for i in range(len(self.rewards))]
+        terms += ["task.reward_model"] * bool(self.reward_model)
+        return terms + ["task.judge"] * self.judge.enabled
+
     def __post_init__(self) -> None:
         require(self.name in TASK_NAMES, "task.name", f"one of {', '.join(TASK_NAMES)}", self.name)
         require(1 <= self.max_operand <= 9999, "task.max_operand", "in [1, 9999]", self.max_operand)
@@ -236,16 +258,18 @@ class TaskConfig:
             self.env,
         )
         require(
-            not is_dataset or bool(self.rewards),
+            not is_dataset or bool(self.reward_terms()),
             "task.rewards",
             "a non-empty list of reward functions for task.name=dataset, e.g. "
-            "[my_reward:score] or [microrl.tasks.rewards:exact_match]",
+            "[my_reward:score] or [microrl.tasks.rewards:exact_match] (or a "
+            "task.reward_model or task.judge.url)",
             self.rewards,
         )
+        terms = self.reward_terms()
         require(
-            not self.reward_weights or len(self.reward_weights) == len(self.rewards),
+            not self.reward_weights or len(self.reward_weights) == len(terms),
             "task.reward_weights",
-            f"empty or one weight per entry of task.rewards ({len(self.rewards)})",
+            f"empty or one weight per reward term ({len(terms)}: {', '.join(terms) or 'none'})",
             self.reward_weights,
         )
         require(
@@ -261,6 +285,26 @@ class TaskConfig:
             ">= 0",
             self.agent_max_concurrency,
         )
+        require(
+            self.reward_model_norm in ("none", "batch", "group"),
+            "task.reward_model_norm",
+            "none, batch or group",
+            self.reward_model_norm,
+        )
+        require(
+            self.reward_model_batch_size >= 1,
+            "task.reward_model_batch_size",
+            ">= 1",
+            self.reward_model_batch_size,
+        )
+        episodes = self.name in EPISODE_TASK_NAMES  # the environments give the rewards
+        for key, value in (("reward_model", self.reward_model), ("judge.url", self.judge.url)):
+            require(
+                not (episodes and value),
+                f"task.{key}",
+                f"empty with task.name={self.name} (its environments give the rewards)",
+                value,
+            )
         require(self.overlong_buffer >= 0, "task.overlong_buffer", ">= 0", self.overlong_buffer)
         require(
             0 <= self.overlong_penalty < float("inf"),

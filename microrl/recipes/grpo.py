@@ -47,6 +47,7 @@ from microrl.run import (
     group_advantages,
     overlong_shaping,
     parse_cli,
+    reward_metrics,
     sample_and_score,
     sample_rows,
     sampling_params,
@@ -184,6 +185,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 metrics.update(episode_metrics(rollout, dist_info))
             if is_agent_task(task):  # agent/* (docs/rollouts.md#agents)
                 metrics.update(agent_metrics(rollout, dist_info))
+            metrics.update(reward_metrics(task, dist_info))  # judge/*, reward_model/*
             if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)
                 metrics.update(prefetch.metrics(step, rollout, dist_info))
             if is_eval_step:

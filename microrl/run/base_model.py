@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
+from microrl.configs.judge import JudgeConfig
 from microrl.configs.run import TOY_MODEL_PATHS, ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
@@ -48,6 +49,17 @@ __all__ = ["prepare_base_model"]
 WARM_START_EVAL_PROMPTS = 500
 # Of the checks, the warm start logs one every this many steps (and the last).
 WARM_START_LOG_EVERY = 100
+
+
+def _without_models(task_cfg: TaskConfig) -> TaskConfig:
+    """``task_cfg`` without its reward model and judge: the warm start's accuracy checks score
+    thousands of greedy answers, which only the task's own (or its functions') reward should."""
+    if not (task_cfg.reward_model or task_cfg.judge.enabled):
+        return task_cfg
+    weights = task_cfg.reward_weights[: len(task_cfg.rewards)]
+    return dataclasses.replace(
+        task_cfg, reward_model=None, judge=JudgeConfig(), reward_weights=weights
+    )
 
 
 def prepare_base_model(
@@ -77,7 +89,7 @@ def prepare_base_model(
         return load_tokenizer(path), path
     if cfg.build_toy or os.path.normpath(path) in TOY_MODEL_PATHS:
         # The warm start teaches the task's prompts, also those an agent plays (task.agent).
-        plain = dataclasses.replace(task_cfg, agent=None)
+        plain = dataclasses.replace(_without_models(task_cfg), agent=None)
         task = make_task(plain) if task_cfg.name in BUILT_IN_TASKS else None
         if getattr(task, "toy_alphabet", None) is None:
             raise ValueError(

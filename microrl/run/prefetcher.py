@@ -24,8 +24,10 @@ import contextlib
 import json
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
 from microrl.remote.trainer.factory import make_async_sampler
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, Job
+from microrl.remote.trainer.sp_group import SPGroupSampler
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
 from microrl.run.sampling import agent_limits, score_rollout
@@ -71,6 +74,7 @@ class _Ahead:
     version: int
     job: Job | None = None
     rollout: Rollout | None = None
+    scored: Future | None = None  # (rollout, scores), collected and scored in the background
 
 
 class RolloutPrefetcher:
@@ -91,6 +95,14 @@ class RolloutPrefetcher:
             ``max_sampling_rounds`` caps the rounds of a step).
         state: a :meth:`state_dict` from a checkpoint (the rollouts it holds are trained first).
         pad_token_id: the tokenizer's, which pads merged rounds (dynamic sampling).
+        score_ahead: collect and score each round in a background thread as soon as the
+            sampler has it, so the trainer does not wait for a slow reward (a reward model, an
+            LLM judge; docs/async.md#scoring-ahead). The thread is then the only caller of the
+            sampler's ``collect`` and ``poll``. Not for a sampler whose ``collect`` is a
+            collective (a sequence-parallel group's).
+
+    Metric: ``staleness/take_wait_s``, the seconds the trainer waited in :meth:`take` or
+    :meth:`take_groups` for the step's rollout and its rewards.
     """
 
     def __init__(
@@ -106,6 +118,7 @@ class RolloutPrefetcher:
         limits: RolloutConfig | None = None,
         state: dict[str, Any] | None = None,
         pad_token_id: int | None = None,
+        score_ahead: bool = False,
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 1:
             raise ValueError(f"max_staleness must be an int >= 1, got {max_staleness!r}")
@@ -129,6 +142,12 @@ class RolloutPrefetcher:
         self._next_take = self.start + 1
         self._reported = self.start - 1  # the newest version whose sync check was reported
         self._checks: dict[int, dict[str, float]] = {}  # checks a checkpoint carried over
+        # One thread: rounds are collected and scored in submission order, polls between them.
+        self._scorer = (
+            ThreadPoolExecutor(1, thread_name_prefix="microrl-score") if score_ahead else None
+        )
+        self._polls: list[Future] = []
+        self._waited = 0.0  # seconds take() waited since the last metrics()
         if state is not None:
             self._restore(state)
         self.fill()
@@ -157,7 +176,47 @@ class RolloutPrefetcher:
             )
         else:
             job = self.sampler.submit([p.prompt for p in problems], self.params)
-        return _Ahead(problems, job.version, job=job)
+        return self._score_ahead(_Ahead(problems, job.version, job=job))
+
+    def _score_ahead(self, ahead: _Ahead) -> _Ahead:
+        if self._scorer is not None:
+            ahead.scored = self._scorer.submit(self._collect_and_score, ahead)
+        return ahead
+
+    def _collect_and_score(self, ahead: _Ahead) -> tuple[Rollout, torch.Tensor]:
+        rollout = self._collect(ahead)
+        return rollout, score_rollout(self.task, ahead.problems, rollout)
+
+    def _scored(self, step: int, ahead: _Ahead) -> tuple[Rollout, torch.Tensor]:
+        """``ahead``'s rollout, its staleness at ``step`` checked, and its rewards (scored in
+        the background with ``score_ahead``; the wait counts in ``staleness/take_wait_s``)."""
+        t0 = time.perf_counter()
+        if ahead.scored is not None:
+            rollout, scores = ahead.scored.result()
+        else:
+            rollout = self._collect(ahead)
+            scores = None
+        self._raise_polled()
+        self._check_staleness(step, rollout)
+        if scores is None:
+            scores = score_rollout(self.task, ahead.problems, rollout)
+        self._waited += time.perf_counter() - t0
+        return rollout, scores
+
+    def _poll(self) -> None:
+        """The sampler's ``poll``: now, or queued behind the background thread's collects
+        (never beside one); a failure surfaces at the next take."""
+        if self._scorer is None:
+            self.sampler.poll()
+            return
+        self._raise_polled()
+        self._polls.append(self._scorer.submit(self.sampler.poll))
+
+    def _raise_polled(self) -> None:
+        done = [f for f in self._polls if f.done()]
+        self._polls = [f for f in self._polls if not f.done()]
+        for future in done:
+            future.result()  # raises what the poll raised
 
     def sync(self, engine) -> None:
         """After step ``u``'s updates: push the weights (version ``u``) when a step still to be
@@ -168,7 +227,7 @@ class RolloutPrefetcher:
         if needed <= self.last_step:
             self.sampler.sync(engine)
             self.fill()
-        self.sampler.poll()  # a failed check of an earlier push surfaces now
+        self._poll()  # a failed check of an earlier push surfaces now
 
     def take(self, step: int) -> tuple[list[Problem], Rollout, torch.Tensor]:
         """Step ``step``'s problems, rollout (with ``policy_version`` per row) and rewards."""
@@ -177,8 +236,8 @@ class RolloutPrefetcher:
             raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps [])")
         ahead = self._ahead.popleft()
         self._next_take += 1
-        rollout = self._checked(step, ahead)
-        return ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
+        rollout, scores = self._scored(step, ahead)
+        return ahead.problems, rollout, scores
 
     def take_groups(
         self,
@@ -207,10 +266,8 @@ class RolloutPrefetcher:
                 self._ahead.append(self._submit())
                 waited += 1
             ahead = self._ahead.popleft()
-            rollout = self._checked(step, ahead)
-            more = groups.add(
-                ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
-            )
+            rollout, scores = self._scored(step, ahead)
+            more = groups.add(ahead.problems, rollout, scores)
         self._next_take += 1
         result = groups.result(pad_token_id=self.pad_token_id)
         result.metrics["dynamic_sampling/rounds_waited"] = float(waited)
@@ -221,10 +278,9 @@ class RolloutPrefetcher:
             have = list(range(self._next_take, self._next_take + len(self._ahead)))
             raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps {have})")
 
-    def _checked(self, step: int, ahead: _Ahead) -> Rollout:
-        """``ahead``'s rollout, once its staleness at ``step`` is checked (never beyond
-        ``max_staleness``: a rollout past it is never trained on)."""
-        rollout = self._collect(ahead)
+    def _check_staleness(self, step: int, rollout: Rollout) -> None:
+        """Raise when ``rollout``'s staleness at ``step`` is beyond ``max_staleness`` (a
+        rollout past it is never trained on)."""
         staleness = (step - 1) - rollout.batch[POLICY_VERSION_KEY]
         worst = int(staleness.max()) if len(staleness) else 0
         if int(staleness.min()) < 0 or worst > self.max_staleness:  # never by construction
@@ -233,7 +289,6 @@ class RolloutPrefetcher:
                 f"{int(rollout.batch[POLICY_VERSION_KEY].min())} is {worst} versions stale, "
                 f"beyond rollout.max_staleness={self.max_staleness}: refusing to train on it"
             )
-        return rollout
 
     def _collect(self, ahead: _Ahead) -> Rollout:
         if ahead.rollout is None:
@@ -242,8 +297,12 @@ class RolloutPrefetcher:
         return ahead.rollout
 
     def close(self) -> None:
-        """Stop the worker."""
-        self.sampler.close()
+        """Stop the worker (and the scoring thread, whose collect then fails at once)."""
+        try:
+            self.sampler.close()
+        finally:
+            if self._scorer is not None:
+                self._scorer.shutdown(wait=True, cancel_futures=True)
 
     # ----------------------------------------------------------------- metrics
     def metrics(self, step: int, rollout: Rollout, dist_info: Dist) -> dict[str, float]:
@@ -256,6 +315,10 @@ class RolloutPrefetcher:
         rows, total = dist_info.sum([float(len(staleness)), float(staleness.sum())])
         worst = distributed.max_over_ranks(int(staleness.max()) if len(staleness) else 0)
         metrics = {"staleness/mean": total / max(rows, 1.0), "staleness/max": float(worst)}
+        # The slowest rank's wait: the step waits for it.
+        waited_us = distributed.max_over_ranks(round(self._waited * 1e6))
+        metrics["staleness/take_wait_s"] = waited_us / 1e6
+        self._waited = 0.0
         version = int(rollout.batch[POLICY_VERSION_KEY].max()) if len(staleness) else -1
         stats = {**self._checks, **self.sampler.sync_stats}
         checked = [v for v in sorted(stats) if self._reported < v <= version]
@@ -273,6 +336,8 @@ class RolloutPrefetcher:
         tensors, strings and numbers only (``torch.load(weights_only=True)``)."""
         items = []
         for i, ahead in enumerate(self._ahead):
+            if ahead.scored is not None:  # its collect in the background thread, done
+                wait([ahead.scored])  # (a failed scoring is the next take's error, not this)
             rollout = self._collect(ahead)
             items.append(
                 {
@@ -332,7 +397,9 @@ class RolloutPrefetcher:
                 metrics=dict(saved["metrics"]),
             )
             problems = [_problem_from_json(p) for p in item["problems"]]
-            self._ahead.append(_Ahead(problems, item["version"], rollout=rollout))
+            self._ahead.append(
+                self._score_ahead(_Ahead(problems, item["version"], rollout=rollout))
+            )
         self._checks = {int(v): dict(s) for v, s in state.get("sync_checks", {}).items()}
         self._reported = int(state.get("reported", self.start - 1))
 
@@ -416,6 +483,9 @@ def start_prefetcher(
         ) from err
     if is_agent_task(task):  # the agents run here; their calls are the sampler's jobs
         sampler = AgentSampler(sampler, tokenizer, task, agent_limits(task, rollout))
+    # A reward model or a judge is scored in a background thread, as soon as a round is
+    # sampled (not where collect is a sequence-parallel group's collective).
+    model_based = bool(getattr(getattr(task, "reward", None), "model_based", False))
     try:
         return RolloutPrefetcher(
             sampler,
@@ -428,6 +498,7 @@ def start_prefetcher(
             limits=rollout,
             state=state,
             pad_token_id=tokenizer.pad_token_id,
+            score_ahead=model_based and not isinstance(sampler, SPGroupSampler),
         )
     except BaseException:
         sampler.close()

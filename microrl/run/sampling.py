@@ -28,6 +28,7 @@ __all__ = [
     "episode_metrics",
     "episode_rows",
     "group_advantages",
+    "reward_metrics",
     "sample_and_score",
     "score_rollout",
     "whole_groups",
@@ -172,3 +173,23 @@ def agent_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
     keys += ("agent/branches", "agent/time_s", "agent/errors")
     sums = dist_info.sum([rollout.metrics.get(k, 0.0) for k in keys])
     return agent_metric_means(dict(zip(keys, sums, strict=True)))
+
+
+def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:
+    """The model-based reward terms' counters since the last call, summed over every rank:
+    ``judge/requests``, ``judge/retries``, ``judge/cache_hits``, ``judge/failures`` and
+    ``reward_model/score_mean`` (the raw score's mean over the rows scored, when some were); {} for a task
+    without such terms (docs/tasks.md#reward-models). Counted when scored: with
+    ``rollout.max_staleness > 0`` a step may count rows scored ahead for a later step."""
+    reward = getattr(task, "reward", None)
+    drain = getattr(reward, "drain_metrics", None)
+    local = drain() if drain is not None else {}
+    if not local:
+        return {}
+    names = sorted(local)
+    totals = dict(zip(names, dist_info.sum([local[n] for n in names]), strict=True))
+    rows = totals.pop("reward_model/rows", None)
+    score_sum = totals.pop("reward_model/score_sum", None)
+    if rows:  # (none scored since the last step: no mean)
+        totals["reward_model/score_mean"] = score_sum / rows
+    return totals

@@ -6,7 +6,9 @@ arithmetic word problems, a numeric-answer reward) or :class:`DatasetTask` (the 
 Parquet prompt file, scored by reward functions given by import path, :mod:`microrl.tasks.rewards`),
 or a multi-turn task played against environments (:mod:`microrl.tasks.environments`) or by
 the user's agent (:mod:`microrl.tasks.agents`); :class:`CalculatorTask` is a tool-use task for
-agents (:mod:`microrl.tasks.calculator`).
+agents (:mod:`microrl.tasks.calculator`). Model-based reward terms: a scalar reward model
+(:mod:`microrl.tasks.reward_model`) and an LLM judge over an OpenAI-compatible endpoint
+(:mod:`microrl.tasks.judge`).
 A task knows nothing of the model that learns it: the toy model of the examples and its supervised
 warm start are part of a run (:mod:`microrl.run.toy_model`, :mod:`microrl.run.base_model`).
 """

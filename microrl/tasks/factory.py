@@ -18,10 +18,16 @@ from microrl.tasks.agents import AgentTask
 from microrl.tasks.base import Task
 from microrl.tasks.dataset import DatasetTask
 from microrl.tasks.environments import EnvTask, HintedAdditionTask
-from microrl.tasks.rewards import RewardedTask, load_reward, resolve_reward_fn
+from microrl.tasks.rewards import Reward, RewardedTask, resolve_reward_fn
 from microrl.tasks.word_problems import WordProblemTask
 
-__all__ = ["BUILT_IN_TASKS", "check_round_trip", "check_tokenizer_covers", "make_task"]
+__all__ = [
+    "BUILT_IN_TASKS",
+    "check_round_trip",
+    "check_tokenizer_covers",
+    "make_task",
+    "reward_of",
+]
 
 # name -> class, constructed as cls(task.max_operand, task.eval_size, task.seed).
 BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask]] = {
@@ -43,7 +49,7 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
     if cfg.name in ("dataset", "env"):
         task: Task = DatasetTask(
             cfg.train_file,
-            load_reward(cfg.rewards, cfg.reward_weights) if cfg.name == "dataset" else None,
+            reward_of(cfg) if cfg.name == "dataset" else None,
             eval_file=cfg.eval_file,
             eval_size=cfg.eval_size,
             seed=cfg.seed,
@@ -60,9 +66,8 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             task = EnvTask(task, resolve_reward_fn(cfg.env, "task.env"), cfg.solved_threshold)
     else:
         task = BUILT_IN_TASKS[cfg.name](cfg.max_operand, cfg.eval_size, cfg.seed)
-        if cfg.rewards:
-            reward = load_reward(cfg.rewards, cfg.reward_weights)
-            task = RewardedTask(task, reward, cfg.solved_threshold)
+        if cfg.reward_terms():
+            task = RewardedTask(task, reward_of(cfg), cfg.solved_threshold)
     if tokenizer is not None:
         check_tokenizer_covers(tokenizer, task, cfg.name)
     if cfg.agent:  # the prompts played by the user's agent through the endpoint
@@ -74,6 +79,29 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             host=cfg.agent_host,
         )
     return task
+
+
+def reward_of(cfg: TaskConfig) -> Reward:
+    """The weighted sum of ``cfg``'s reward terms: ``task.rewards`` (import paths), then the
+    reward model (``task.reward_model``) and the LLM judge (``task.judge``) when set, weighted
+    by ``task.reward_weights`` in that order (docs/tasks.md#reward-models)."""
+    fns: list[Any] = list(cfg.rewards)
+    if cfg.reward_model:
+        from microrl.tasks.reward_model import RewardModelScorer  # torch + transformers: on use
+
+        fns.append(
+            RewardModelScorer(
+                cfg.reward_model,
+                batch_size=cfg.reward_model_batch_size,
+                norm=cfg.reward_model_norm,
+                chat_template=cfg.reward_model_chat_template,
+            )
+        )
+    if cfg.judge.enabled:
+        from microrl.tasks.judge import JudgeReward
+
+        fns.append(JudgeReward(cfg.judge))
+    return Reward(fns, cfg.reward_weights)
 
 
 def check_tokenizer_covers(tokenizer: Any, task: Task, name: str = "") -> None:

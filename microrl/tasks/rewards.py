@@ -260,7 +260,8 @@ class Reward:
         for i, (fn, weight) in enumerate(zip(fns, weights, strict=True)):
             if not math.isfinite(weight):
                 raise ValueError(f"{weights_key}[{i}] must be finite, got {weight!r}")
-            term_key = f"{key}[{i}]"
+            # A model-based term (reward model, judge) is named by its own config key.
+            term_key = getattr(fn, "config_key", None) or f"{key}[{i}]"
             path = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
             fn = resolve_reward_fn(fn, term_key) if isinstance(fn, str) else fn
             signature = _Signature.of(fn, term_key, path)
@@ -287,6 +288,22 @@ class Reward:
             values = _check_values(term(list(completions), given), n, term)
             totals = [t + term.weight * v for t, v in zip(totals, values, strict=True)]
         return totals
+
+    @property
+    def model_based(self) -> bool:
+        """Whether a term is a model (a reward model, an LLM judge: slow, scored ahead in an
+        asynchronous run)."""
+        return any(hasattr(term.fn, "drain_metrics") for term in self.terms)
+
+    def drain_metrics(self) -> dict[str, float]:
+        """The counters of the model-based terms (``judge/*``, ``reward_model/*``) since the
+        last call; {} when there are none."""
+        metrics: dict[str, float] = {}
+        for term in self.terms:
+            drain = getattr(term.fn, "drain_metrics", None)
+            if drain is not None:
+                metrics.update(drain())
+        return metrics
 
 
 def _check_values(values: object, n: int, term: _Term) -> list[float]:

@@ -21,7 +21,7 @@ from example_utils import async_run_args, load_example, load_recipe
 
 from microrl.run import StepFailed, read_metrics, sample_rows
 
-TIMINGS = ("tokens_per_s", "step_time")
+TIMINGS = ("tokens_per_s", "step_time", "staleness/take_wait_s")
 STEPS = 6
 
 

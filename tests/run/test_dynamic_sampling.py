@@ -228,7 +228,9 @@ STEPS_SPREAD = [
 ]
 
 
-def _sampled_ahead(k: int, steps: int, *, start: int = 0, state=None, stop_after=None):
+def _sampled_ahead(
+    k: int, steps: int, *, start: int = 0, state=None, stop_after=None, score_ahead=False
+):
     """The recipe's loop over the prefetcher with dynamic sampling: take the groups, (train),
     sync. The step results, the task (its prompt stream) and, when stopped, the checkpoint."""
     task = ScriptedTask(STEPS_SPREAD)
@@ -244,20 +246,30 @@ def _sampled_ahead(k: int, steps: int, *, start: int = 0, state=None, stop_after
         limits=RolloutConfig(dynamic_sampling=True, max_sampling_rounds=3),
         state=state and state["ahead"],
         pad_token_id=ScriptedSampler().tokenizer.pad_token_id,
+        score_ahead=score_ahead,
     )
     results = {}
     for step in range(start + 1, steps + 1):
         results[step] = prefetch.take_groups(step, Dist())
         prefetch.sync(engine=None)
         if step == stop_after:
-            return results, task, {"ahead": prefetch.state_dict(), "drawn": task.drawn}
+            saved = {"ahead": prefetch.state_dict(), "drawn": task.drawn}
+            prefetch.close()
+            return results, task, saved
+    prefetch.close()
     return results, task, None
 
 
-@pytest.mark.parametrize(("k", "waited"), [(1, [0, 1, 1, 0, 1]), (2, [0, 0, 0, 0, 1])])
-def test_rounds_sampled_ahead_keep_what_the_synchronous_filter_keeps(k, waited) -> None:
+@pytest.mark.parametrize(
+    ("k", "waited", "score_ahead"),
+    [(1, [0, 1, 1, 0, 1], False), (2, [0, 0, 0, 0, 1], False), (1, [0, 1, 1, 0, 1], True)],
+)
+def test_rounds_sampled_ahead_keep_what_the_synchronous_filter_keeps(
+    k, waited, score_ahead
+) -> None:
+    """Also with the rounds collected and scored in the background thread (score_ahead)."""
     steps = 5
-    ahead, task, _ = _sampled_ahead(k, steps)
+    ahead, task, _ = _sampled_ahead(k, steps, score_ahead=score_ahead)
     sync_task, sync_sampler = ScriptedTask(STEPS_SPREAD), ScriptedSampler()
     for step in range(1, steps + 1):
         expected = dynamic_sample(

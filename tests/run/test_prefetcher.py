@@ -78,7 +78,15 @@ class FakeWorker:
         pass
 
 
-def _run(k: int, steps: int, *, start: int = 0, state=None, stop_after: int | None = None):
+def _run(
+    k: int,
+    steps: int,
+    *,
+    start: int = 0,
+    state=None,
+    stop_after: int | None = None,
+    score_ahead: bool = False,
+):
     """The recipe's loop over the prefetcher: take, (train), sync; returns the prompts trained
     per step, the staleness metrics, the worker and the prefetcher."""
     worker = FakeWorker(start)
@@ -94,6 +102,7 @@ def _run(k: int, steps: int, *, start: int = 0, state=None, stop_after: int | No
         max_staleness=k,
         last_step=steps,
         state=state and state["ahead"],
+        score_ahead=score_ahead,
     )
     trained, metrics = {}, {}
     for step in range(start + 1, steps + 1):
@@ -103,7 +112,10 @@ def _run(k: int, steps: int, *, start: int = 0, state=None, stop_after: int | No
         metrics[step] = prefetch.metrics(step, rollout, Dist())
         prefetch.sync(engine=None)
         if step == stop_after:
-            return trained, metrics, {"ahead": prefetch.state_dict(), "rng": rng.getstate()}
+            saved = {"ahead": prefetch.state_dict(), "rng": rng.getstate()}
+            prefetch.close()
+            return trained, metrics, saved
+    prefetch.close()
     return trained, metrics, worker
 
 
@@ -113,10 +125,11 @@ def _sync_prompts(steps: int) -> dict[int, list[str]]:
     return {s: [p.prompt for p in task.sample(rng, 3)] for s in range(1, steps + 1)}
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_each_step_trains_its_prompts_at_the_staleness_bound(k) -> None:
+@pytest.mark.parametrize(("k", "score_ahead"), [(1, False), (2, False), (3, False), (2, True)])
+def test_each_step_trains_its_prompts_at_the_staleness_bound(k, score_ahead) -> None:
+    """Also with the rounds collected and scored in the background thread (score_ahead)."""
     steps = 7
-    trained, metrics, worker = _run(k, steps)
+    trained, metrics, worker = _run(k, steps, score_ahead=score_ahead)
     assert trained == _sync_prompts(steps)  # the same prompts, in the same order as k = 0
     for step in range(1, steps + 1):
         # The job of step t is sampled with the weights after step max(0, t - 1 - k).
@@ -140,11 +153,11 @@ def test_each_step_trains_its_prompts_at_the_staleness_bound(k) -> None:
     assert "sync/probe_abs_diff_mean" not in metrics[1]
 
 
-@pytest.mark.parametrize("stop_after", [1, 3, 5])
-def test_a_restored_prefetcher_continues_exactly(stop_after) -> None:
+@pytest.mark.parametrize(("stop_after", "ahead"), [(1, False), (3, False), (5, False), (3, True)])
+def test_a_restored_prefetcher_continues_exactly(stop_after, ahead) -> None:
     k, steps = 2, 7
     full, full_metrics, _ = _run(k, steps)
-    first, _, state = _run(k, steps, stop_after=stop_after)
+    first, _, state = _run(k, steps, stop_after=stop_after, score_ahead=ahead)
     # The checkpoint holds the rollouts sampled ahead, only plain types and tensors.
     ahead = state["ahead"]
     assert [item["step"] for item in ahead["items"]] == list(
@@ -154,7 +167,7 @@ def test_a_restored_prefetcher_continues_exactly(stop_after) -> None:
     torch.save(ahead, buffer)
     buffer.seek(0)
     state["ahead"] = torch.load(buffer, weights_only=True)  # as load_run reads it
-    second, metrics, _ = _run(k, steps, start=stop_after, state=state)
+    second, metrics, _ = _run(k, steps, start=stop_after, state=state, score_ahead=ahead)
     assert {**first, **second} == full  # every step's prompts trained exactly once, in order
     for step in second:
         assert metrics[step]["staleness/max"] == full_metrics[step]["staleness/max"]

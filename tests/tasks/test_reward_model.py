@@ -1,0 +1,168 @@
+"""A scalar reward model as a reward term (microrl/tasks/reward_model.py): its scores against a
+plain transformers forward in float64, the same under any batch size, a trained
+``RewardModelEngine``'s export scored as the engine scores, the normalisations, the weights that
+combine it with reward functions, and the errors that name the key.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_reward_utils import save_reward_model
+from transformers import AutoModelForSequenceClassification
+
+from microrl.configs import EngineConfig
+from microrl.configs.examples import GRPOExampleConfig
+from microrl.configs.loader import load_config
+from microrl.engine import RewardModelEngine
+from microrl.engine.checkpoint.export import export_merged_model
+from microrl.run.toy_model import build_tokenizer
+from microrl.tasks import make_task
+from microrl.tasks.reward_model import RewardModelScorer, normalise
+
+PROMPTS = ["12+7=", "3+4=", "99+1=", "5+5=", "0+0="]
+COMPLETIONS = ["19", "7", "100", "1", "0000000"]  # lengths 1-7: padding in every batch
+# A 1-layer, 32-wide float32 forward (~100 roundings of O(1) values) against float64: 1e-5.
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def rm_path(tmp_path_factory):
+    return save_reward_model(tmp_path_factory.mktemp("rm") / "rm", seed=3)
+
+
+def _reference(path, texts) -> torch.Tensor:
+    """One unpadded float64 forward per text: the reward model's score, nothing else."""
+    model = AutoModelForSequenceClassification.from_pretrained(path).double().eval()
+    tokenizer = build_tokenizer()
+    with torch.no_grad():
+        return torch.stack([model(**tokenizer(t, return_tensors="pt")).logits[0, 0] for t in texts])
+
+
+def test_scores_equal_a_plain_forward_under_any_batch_size(rm_path) -> None:
+    expected = _reference(rm_path, [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
+    assert expected.std() > 0.1  # the rows score differently: a mix-up would show
+    scorer = RewardModelScorer(rm_path)
+    for batch_size in (1, 2, 5):
+        scorer.batch_size = batch_size
+        got = torch.tensor(scorer(COMPLETIONS, PROMPTS), dtype=torch.float64)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        metrics = scorer.drain_metrics()
+        assert metrics["reward_model/rows"] == 5
+        assert metrics["reward_model/score_sum"] == pytest.approx(float(expected.sum()), abs=1e-4)
+        assert scorer.drain_metrics()["reward_model/rows"] == 0  # drained
+
+
+def test_a_reward_model_engine_export_scores_as_the_engine(tmp_path) -> None:
+    """What RewardModelEngine trains, exported (export_merged_model), scores as the engine."""
+    from microrl.configs.run import ModelConfig
+    from microrl.run.toy_model import build_model
+
+    tokenizer = build_tokenizer()
+    engine = RewardModelEngine(build_model(ModelConfig(), tokenizer), EngineConfig(seed=5))
+    torch.nn.init.normal_(engine.module.value_head.weight, std=1.0)
+    export_merged_model(engine.module, tmp_path / "rm", tokenizer=tokenizer)
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True)  # left padding
+    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"].bool()}
+    from tensordict import TensorDict
+
+    expected = engine.infer_batch(TensorDict(batch, batch_size=[len(texts)]))["scores"]
+    got = RewardModelScorer(tmp_path / "rm", batch_size=2)(COMPLETIONS, PROMPTS)
+    torch.testing.assert_close(torch.tensor(got), expected.float(), atol=ATOL, rtol=0)
+
+
+def test_normalisations_against_a_hand_computation() -> None:
+    scores = torch.tensor([1.0, 3.0, 2.0, 2.0, 10.0], dtype=torch.float64)
+    keys = ["a", "a", "b", "b", "c"]
+    assert normalise(scores, "none", keys) is scores
+    mean, std = 3.6, (sum((s - 3.6) ** 2 for s in scores.tolist()) / 5) ** 0.5
+    torch.testing.assert_close(normalise(scores, "batch", keys), (scores - mean) / std)
+    # a: (1, 3) -> (-1, 1); b: equal scores -> 0 (std floored); c: one row -> 0
+    expected = torch.tensor([-1.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(normalise(scores, "group", keys), expected)
+
+
+def _task(rm_path, tmp_path, *overrides):
+    (tmp_path / "length.py").write_text(
+        "def length(completions):\n    return [float(len(c)) for c in completions]\n"
+    )
+    args = [f"task.rewards=[{tmp_path / 'length.py'}:length]", f"task.reward_model={rm_path}"]
+    cfg = load_config(
+        GRPOExampleConfig, None, [*args, "task.max_operand=9", "task.eval_size=8", *overrides]
+    )
+    return make_task(cfg.task)
+
+
+def test_weights_combine_the_reward_model_with_the_reward_functions(rm_path, tmp_path) -> None:
+    """task.reward_weights: [w_length, w_rm], in the order task.rewards, task.reward_model."""
+    from microrl.tasks import Problem
+
+    task = _task(rm_path, tmp_path, "task.reward_weights=[0.5,2.0]", "task.reward_model_norm=group")
+    problems = [Problem(p, "0") for p in ["1+1=", "1+1=", "2+2=", "2+2="]]
+    responses = ["2", "22", "4", "444"]
+    raw = _reference(rm_path, [p.prompt + r for p, r in zip(problems, responses, strict=True)])
+    rm = normalise(raw, "group", [p.prompt for p in problems])
+    expected = 0.5 * torch.tensor([1.0, 2.0, 1.0, 3.0], dtype=torch.float64) + 2.0 * rm
+    got = torch.tensor(task.score(responses, problems), dtype=torch.float64)
+    torch.testing.assert_close(got, expected, atol=2 * ATOL, rtol=0)
+    assert task.reward.drain_metrics()["reward_model/rows"] == 4
+
+
+def test_chat_template_renders_the_reward_models_turns(rm_path) -> None:
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    scorer = RewardModelScorer(model=model, tokenizer=tokenizer, chat_template=True)
+    assert scorer.texts(["7"], ["3+4="]) == ["3+4==7="]
+    expected = _reference(rm_path, ["3+4==7="])
+    torch.testing.assert_close(
+        torch.tensor(scorer(["7"], ["3+4="])).double(), expected, atol=ATOL, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["task.reward_weights=[1.0]"],
+            r"one weight per reward term \(2: task.rewards\[0\], task.reward_model\)",
+        ),
+        (["task.reward_model_norm=rank"], "task.reward_model_norm must be none, batch or group"),
+        (["task.reward_model_batch_size=0"], "task.reward_model_batch_size must be >= 1"),
+    ],
+)
+def test_bad_config_names_the_key(rm_path, tmp_path, overrides, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _task(rm_path, tmp_path, *overrides)
+
+
+def test_bad_checkpoints_name_the_key(rm_path, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"task.reward_model='.*nowhere' could not be loaded"):
+        RewardModelScorer(tmp_path / "nowhere")
+    two = save_reward_model(tmp_path / "two", num_labels=2)
+    with pytest.raises(ValueError, match=r"has 2 labels; a scalar reward model has 1"):
+        RewardModelScorer(two)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"is an engine checkpoint .*export_merged_model"):
+        RewardModelScorer(tmp_path / "ckpt")
+    with pytest.raises(
+        ValueError, match=r"reward_model_chat_template=true, but .* no chat template"
+    ):
+        RewardModelScorer(rm_path, chat_template=True)
+
+
+def test_the_reward_model_runs_on_the_processs_gpu(rm_path, monkeypatch) -> None:
+    """On a (simulated) second GPU: chosen when built, in the caller's thread, as the engine's."""
+    from device_utils import simulated_cuda
+
+    expected = RewardModelScorer(rm_path)(COMPLETIONS[:2], PROMPTS[:2])
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path)
+    with simulated_cuda(monkeypatch, gpus=2):
+        torch.cuda.set_device(1)
+        scorer = RewardModelScorer(model=model, tokenizer=build_tokenizer())
+        assert scorer.device == torch.device("cuda", 1)
+        assert next(scorer.model.parameters()).device == torch.device("cuda", 1)
+        got = scorer(COMPLETIONS[:2], PROMPTS[:2])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=ATOL, rtol=0)
