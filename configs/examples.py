@@ -21,6 +21,7 @@ from microrl.configs.run import (
     RolloutConfig,
     TaskConfig,
 )
+from microrl.configs.teacher import TeacherConfig
 from microrl.losses.config import PolicyLossConfig
 
 __all__ = ["GAEConfig", "GRPOExampleConfig", "PPOExampleConfig"]
@@ -126,6 +127,7 @@ class GRPOExampleConfig:
     actor: ActorConfig = field(default_factory=_grpo_actor)
     train: LoopConfig = field(default_factory=_grpo_train)
     output: OutputConfig = field(default_factory=OutputConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -137,6 +139,18 @@ class GRPOExampleConfig:
         _check_actor_and_batches(self.actor, self.rollout, self.train)
         _check_overlong(self.task, self.rollout)
         _check_async(self.actor, self.rollout)
+        _check_teacher(self.teacher, self.task)
+
+
+def _check_teacher(teacher: TeacherConfig, task: TaskConfig) -> None:
+    # Multi-turn rows hold observations the teacher would score too: not supported yet.
+    require(
+        not teacher.enabled or task.name not in EPISODE_TASK_NAMES,
+        "teacher.path",
+        f"empty for a multi-turn task (task.name={task.name}; distillation scores "
+        "single-turn responses)",
+        teacher.path,
+    )
 
 
 @dataclass

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import random
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, Jo
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
 from microrl.run.sampling import score_rollout
+from microrl.run.score_ahead import AheadScorer, LockedSampler
 from microrl.tasks import Problem, Task, is_episode_task
 
 __all__ = [
@@ -90,6 +92,9 @@ class RolloutPrefetcher:
             ``max_sampling_rounds`` caps the rounds of a step).
         state: a :meth:`state_dict` from a checkpoint (the rollouts it holds are trained first).
         pad_token_id: the tokenizer's, which pads merged rounds (dynamic sampling).
+        score_ahead: scores each round in the producer (a teacher's log-probs added to its
+            batch), on a thread as soon as it is sampled (:mod:`microrl.run.score_ahead`), or
+            when it is taken with ``score_in_background=False``.
     """
 
     def __init__(
@@ -105,10 +110,16 @@ class RolloutPrefetcher:
         limits: RolloutConfig | None = None,
         state: dict[str, Any] | None = None,
         pad_token_id: int | None = None,
+        score_ahead: Callable[[Rollout], None] | None = None,
+        score_in_background: bool = True,
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 1:
             raise ValueError(f"max_staleness must be an int >= 1, got {max_staleness!r}")
         self.sampler = sampler
+        self.scorer = None
+        if score_ahead is not None:  # the scoring thread and the trainer share the sampler
+            self.sampler = LockedSampler(sampler, threading.RLock())
+            self.scorer = AheadScorer(score_ahead, background=score_in_background)
         self.task = task
         self.params = params
         self.rng = rng
@@ -168,6 +179,7 @@ class RolloutPrefetcher:
             self.sampler.sync(engine)
             self.fill()
         self.sampler.poll()  # a failed check of an earlier push surfaces now
+        self._score_next()
 
     def take(self, step: int) -> tuple[list[Problem], Rollout, torch.Tensor]:
         """Step ``step``'s problems, rollout (with ``policy_version`` per row) and rewards."""
@@ -177,6 +189,7 @@ class RolloutPrefetcher:
         ahead = self._ahead.popleft()
         self._next_take += 1
         rollout = self._checked(step, ahead)
+        self._score_next()
         return ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
 
     def take_groups(
@@ -211,6 +224,7 @@ class RolloutPrefetcher:
                 ahead.problems, rollout, score_rollout(self.task, ahead.problems, rollout)
             )
         self._next_take += 1
+        self._score_next()
         result = groups.result(pad_token_id=self.pad_token_id)
         result.metrics["dynamic_sampling/rounds_waited"] = float(waited)
         return result
@@ -235,13 +249,25 @@ class RolloutPrefetcher:
         return rollout
 
     def _collect(self, ahead: _Ahead) -> Rollout:
+        if self.scorer is not None:
+            return self.scorer.collect(ahead, self._collect_sampled)
+        return self._collect_sampled(ahead)
+
+    def _score_next(self) -> None:
+        """Start scoring the next round to be trained, in the producer (``score_ahead``)."""
+        if self.scorer is not None and self._ahead:
+            self.scorer.start(self._ahead[0], self._collect_sampled)
+
+    def _collect_sampled(self, ahead: _Ahead) -> Rollout:
         if ahead.rollout is None:
             ahead.rollout = self.sampler.collect(ahead.job)
             ahead.job = None
         return ahead.rollout
 
     def close(self) -> None:
-        """Stop the worker."""
+        """Stop the scoring thread and the worker."""
+        if self.scorer is not None:
+            self.scorer.close()
         self.sampler.close()
 
     # ----------------------------------------------------------------- metrics
@@ -383,6 +409,8 @@ def start_prefetcher(
     num_threads: int = 1,
     state: dict[str, Any] | None = None,
     log_dir: str | None = None,
+    score_ahead: Callable[[Rollout], None] | None = None,
+    score_in_background: bool = True,
 ) -> RolloutPrefetcher:
     """The recipes' asynchronous sampling: the samplers of ``rollout.backend`` holding the
     weights of step ``start_step`` and a :class:`RolloutPrefetcher` over them
@@ -394,7 +422,8 @@ def start_prefetcher(
     ``rollout.num_workers`` local ``vllm serve`` processes, or on the servers of
     ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``); environments
     step in the trainer process; ``log_dir``: where the local servers' logs are kept (None:
-    temporary files, kept when a server fails)."""
+    temporary files, kept when a server fails); ``score_ahead``, ``score_in_background``: as
+    :class:`RolloutPrefetcher`'s."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
     try:
         sampler = make_async_sampler(
@@ -425,6 +454,8 @@ def start_prefetcher(
             limits=rollout,
             state=state,
             pad_token_id=tokenizer.pad_token_id,
+            score_ahead=score_ahead,
+            score_in_background=score_in_background,
         )
     except BaseException:
         sampler.close()
