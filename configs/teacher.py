@@ -47,7 +47,9 @@ class TeacherConfig:
         "the teacher's temperature (its log-probs of the sampled tokens at it; the student's are "
         "at actor.temperature; vllm: 1 only)",
     )
-    micro_batch_size: int = config_field(64, "engine: rows per teacher forward")
+    micro_batch_size: int = config_field(
+        64, "engine: rows per teacher forward (actor.max_tokens_per_micro_batch when set)"
+    )
     server_url: str = config_field(
         "",
         "vllm: the URL of a vllm serve server of teacher.path that the user started (empty: "

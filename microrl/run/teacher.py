@@ -26,7 +26,7 @@ from microrl.configs.teacher import TeacherConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import vllm_options
 from microrl.engine.rollout.sync_check import probe_rows, rows_to_probe_layout
-from microrl.engine.setup import resolve_device
+from microrl.engine.setup import base_dtype, load_causal_lm, resolve_device
 
 __all__ = [
     "TEACHER_LOGPROBS_KEY",
@@ -92,25 +92,31 @@ def scored_batch(batch: TensorDict, temperature: float) -> TensorDict:
 
 
 class EngineTeacher:
-    """A frozen engine of ``config.path`` in this process, computing like the student's
-    (``actor``'s device, dtypes, kernels and parallel layout; no LoRA, no optimizer steps).
+    """A frozen engine of ``config.path`` (a local checkpoint) in this process, computing like
+    the student's (``actor``'s device, dtypes, kernels and parallel layout; its weights stored
+    in ``actor.base_dtype``, as the student's frozen base; no LoRA, no optimizer steps).
 
     Under ``torchrun`` its :meth:`score` is collective (the weights are FSDP2-sharded as the
     student's): every rank calls it in the same order."""
 
     def __init__(self, config: TeacherConfig, actor: ActorConfig) -> None:
+        # The student's token budget when it has one (the memory plan's), else rows.
+        budget = actor.max_tokens_per_micro_batch
         engine_config = dataclasses.replace(
             actor,
-            micro_batch_size=config.micro_batch_size,
-            max_tokens_per_micro_batch=None,
+            micro_batch_size=None if budget else config.micro_batch_size,
+            max_tokens_per_micro_batch=budget,
             temperature=config.temperature,
             lora=LoraConfig(rank=0),
+            base_dtype="float32",  # a model object keeps the dtype it is loaded in
             gradient_checkpointing=False,
             activation_offload=False,
             fuse_loss=False,
         )
         self.temperature = config.temperature
-        self.engine = ActorEngine(config.path, engine_config)
+        # Stored like the student's frozen base (16-bit there: no master weights to keep).
+        model = load_causal_lm(config.path, base_dtype(actor))
+        self.engine = ActorEngine(model, engine_config)
         self.engine.module.requires_grad_(False)  # frozen: no gradient is ever formed
 
     def score(self, batch: TensorDict) -> torch.Tensor:
@@ -190,6 +196,24 @@ class VLLMTeacher:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.close()
+
+
+def _downloaded(name: str) -> str:
+    from microrl.hub import download_hint, download_model, is_hub_name
+
+    if not is_hub_name(name):
+        raise ValueError(
+            f"teacher.path={name!r} is neither a local checkpoint directory nor a Hugging Face "
+            "Hub id (org/name)"
+        )
+    try:
+        return download_model(name)
+    except Exception as err:  # network, unknown or gated repository: one line
+        raise ValueError(
+            f"teacher.path={name!r} is not a local directory, and downloading it from the "
+            f"Hugging Face Hub failed ({err}); download it with {download_hint(name)} and give "
+            "teacher.path the local directory"
+        ) from err
 
 
 def _dtype(requested: str) -> str:
