@@ -1,7 +1,7 @@
 """On-policy distillation on the main job's task: held-out accuracy against steps for GRPO alone,
 pure distillation and the mix, in one run.
 
-    python benchmarks/bench_distill.py                        # writes benchmarks/results/distill*
+    python benchmarks/bench_distill.py                        # writes benchmarks/distill/
     python benchmarks/bench_distill.py --steps 40 --eval-every 5 --out /tmp/distill
 
 The student is the main job's base model: the toy adder (microrl/run/toy_model.py) warm-started
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=100, help="held-out prompts")
     parser.add_argument("--student-accuracy", type=float, default=0.3)
     parser.add_argument("--teacher-accuracy", type=float, default=0.8)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/distill"))
     parser.add_argument("--models", type=Path, default=Path("outputs/distill_models"))
     parser.add_argument("--profile", action="store_true", help="k = 0 vs 1: the teacher's wait")
     args = parser.parse_args()
