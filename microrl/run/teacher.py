@@ -153,6 +153,8 @@ class VLLMTeacher:
             self.client = ServerClient(
                 config.server_url, config.server_api_key or None, timeout_s=timeout_s
             )
+            if config.server_api_key:  # errors name the key the user set
+                self.client.key_source = "teacher.server_api_key"
         else:
             vllm = vllm or VLLMConfig()
             device = torch.device(device)

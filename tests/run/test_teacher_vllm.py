@@ -77,7 +77,9 @@ def test_a_users_server_is_reached_with_its_key(served) -> None:
         TeacherConfig(path=str(path), backend="vllm", server_url=server.url, server_api_key="no")
     )
     try:
-        with pytest.raises(ServerAuthError, match="refused the API key"):
+        with pytest.raises(
+            ServerAuthError, match=r"refused the API key \(teacher.server_api_key\)"
+        ):
             wrong.score(make_batch())
     finally:
         wrong.close()
