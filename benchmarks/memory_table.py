@@ -72,6 +72,10 @@ def preset_estimate(path: Path, world_size: int, gpu_memory: int) -> MemoryEstim
         vllm_gpu_memory_utilization=vllm,
         device_memory=gpu_memory,
         vllm_sleep_level=cfg.rollout.vllm.sleep_level if vllm else 0,
+        # A distillation preset's in-process teacher (teacher.backend=engine).
+        teacher_config=model_config(cfg.teacher.path)
+        if cfg.teacher.enabled and cfg.teacher.backend == "engine"
+        else None,
     )
 
 
@@ -84,10 +88,11 @@ def main() -> None:
     gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
     print(
         "| preset | GPUs | tokens / micro-batch | checkpointing | weights | adapters + grads + "
-        "AdamW | activations | forward/backward peak | FSDP gathered | vLLM share | total GiB "
+        "AdamW | activations | forward/backward peak | FSDP gathered | vLLM share | teacher "
+        "| total GiB "
         f"| fits {args.gpu_memory:g} GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     details = []
     # Model by model, smallest first; the hf variant before the vllm one.
     for path in sorted(
@@ -101,7 +106,8 @@ def main() -> None:
                 f"| {path.stem} | {world_size} | {e.tokens} | "
                 f"{'on' if cfg.actor.gradient_checkpointing else 'off'} | {gib(e.weights)} | "
                 f"{gib(trained)} | {gib(e.activations)} | {gib(e.compute_peak)} | "
-                f"{gib(e.fsdp_buffers)} | {gib(e.vllm)} | **{gib(e.total)}** | "
+                f"{gib(e.fsdp_buffers)} | {gib(e.vllm)} | "
+                f"{gib(e.teacher_weights + e.teacher_forward)} | **{gib(e.total)}** | "
                 f"{'yes' if e.fits else 'no'} |"
             )
             details.append(f"{path.stem}, {world_size} GPU(s):\n{e}")

@@ -21,6 +21,7 @@ from microrl.configs.run import (
     RolloutConfig,
     TaskConfig,
 )
+from microrl.configs.teacher import TeacherConfig
 from microrl.losses.config import PolicyLossConfig
 
 __all__ = ["GAEConfig", "GRPOExampleConfig", "PPOExampleConfig"]
@@ -118,6 +119,7 @@ class GRPOExampleConfig:
     actor: ActorConfig = field(default_factory=_grpo_actor)
     train: LoopConfig = field(default_factory=_grpo_train)
     output: OutputConfig = field(default_factory=OutputConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -138,6 +140,19 @@ class GRPOExampleConfig:
             "different episodes)",
             self.task.agent,
         )
+        _check_teacher(self.teacher, self.task)
+
+
+def _check_teacher(teacher: TeacherConfig, task: TaskConfig) -> None:
+    # Multi-turn rows hold observations the teacher would score too: not supported yet.
+    multi_turn = task.name in EPISODE_TASK_NAMES or task.agent is not None
+    require(
+        not (teacher.enabled and multi_turn),
+        "teacher.path",
+        f"empty for a multi-turn task (task.name={task.name}, task.agent={task.agent}; "
+        "distillation scores single-turn responses)",
+        teacher.path,
+    )
 
 
 @dataclass

@@ -94,6 +94,12 @@ class MemoryEstimate:
     weights offloaded there while the trainer trains (level 2 discards it). ``host_total`` = the
     host parameters, gradients and optimizer state + ``host_vllm_weights`` +
     max(``host_activations``, the optimizer step's transient).
+
+    A distillation teacher in the trainer process (``teacher.backend=engine``) adds
+    ``teacher_weights`` (its parameters in ``base_dtype``, sharded like the student's) and
+    ``teacher_forward`` (its no-grad forward over one micro-batch: one layer's activations,
+    the head's buffers and, sharded, its gathered units) to ``total``, both in full: with
+    ``rollout.max_staleness > 0`` its forward overlaps the trainer's step.
     """
 
     weights: int
@@ -124,6 +130,9 @@ class MemoryEstimate:
     host_total: int = 0
     vllm_sleep_level: int = 0
     host_vllm_weights: int = 0
+    # On-policy distillation's frozen teacher (``teacher_config``; 0 without one).
+    teacher_weights: int = 0
+    teacher_forward: int = 0
 
     @property
     def persistent(self) -> int:
@@ -152,8 +161,13 @@ class MemoryEstimate:
                 "vLLM share" + (" (asleep while training)" if self.vllm_sleep_level else ""),
                 self.vllm,
             ),
-            (f"total (peak: {self.peak_phase})", self.total),
         ]
+        if self.teacher_weights:
+            rows += [
+                ("teacher weights (frozen)", self.teacher_weights),
+                ("teacher forward", self.teacher_forward),
+            ]
+        rows.append((f"total (peak: {self.peak_phase})", self.total))
         if self.host_total:
             rows += [
                 ("host: parameters", self.host_params),
@@ -190,6 +204,7 @@ def estimate_memory(
     vllm_gpu_memory_utilization: float | None = None,
     device_memory: int | None = None,
     vllm_sleep_level: int = 0,
+    teacher_config: Any = None,
 ) -> MemoryEstimate:
     """The bytes one device needs to train ``model_config``'s model with ``config``.
 
@@ -214,6 +229,8 @@ def estimate_memory(
         vllm_sleep_level: ``rollout.vllm.sleep_level``: 0, vLLM holds its share throughout;
             1 or 2, only while it samples (1 offloads its weights, in the trainer's compute
             dtype, to the host).
+        teacher_config: the ``PretrainedConfig`` of an in-process distillation teacher
+            (``teacher.backend=engine``), or None: computed with ``config``'s numerics.
 
     Raises:
         ValueError: naming the argument: no token budget, ``world_size < 1``, a vLLM share
@@ -314,6 +331,10 @@ def estimate_memory(
             peak_phase = "sampling"
     else:
         total = training + vllm
+    teacher = {}
+    if teacher_config is not None:
+        teacher = _teacher_bytes(teacher_config, config, tokens, world_size, device, numerics)
+        total += sum(teacher.values())
     return MemoryEstimate(
         weights=weights,
         trainable_params=trainable,
@@ -339,7 +360,35 @@ def estimate_memory(
         host_total=host_total,
         vllm_sleep_level=vllm_sleep_level,
         host_vllm_weights=host_vllm,
+        **teacher,
     )
+
+
+def _teacher_bytes(
+    model_config: Any, config: EngineConfig, tokens: int, world_size: int, device: str, num
+) -> dict[str, int]:
+    """A frozen teacher's weights (``base_dtype``, sharded) and no-grad forward transient."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=setup.base_dtype(config))
+    itemsize = setup.base_dtype(config).itemsize
+    weights = sum(_shard_numel(p, world_size) for p in model.parameters()) * itemsize
+    shape = _Shape.of(model_config)
+    forward = tokens * _backward_bytes_per_token(shape, num)  # one layer's tensors in flight
+    # No gradient: the head holds its float32 logits (tiles of them past the kernel's budget).
+    logits = tokens * shape.vocab
+    if config.use_fused_kernel:
+        logits = min(logits, _KERNEL_TILES * WORKING_TILE_ELEMENTS)
+    forward += logits * 4
+    if world_size > 1:  # FSDP gathers the root unit and two decoder layers
+        layers = _decoder_layers(model)
+        layer = max((_numel(m) for m in layers), default=0)
+        root = _numel(model.get_output_embeddings()) + _numel(
+            getattr(model.get_decoder(), "norm", None)
+        )
+        forward += (root + 2 * layer) * (2 if device == "cuda" else itemsize)
+    return {"teacher_weights": weights, "teacher_forward": forward}
 
 
 # ------------------------------------------------------------------------------ parameters

@@ -33,6 +33,7 @@ from .aggregation import (
 )
 from .cispo import cispo_surrogate
 from .config import KL_IS_ESTIMATORS, KLEstimator, PolicyLossConfig, PolicyLossType
+from .distill import distillation_advantages
 from .entropy import entropy_bonus
 from .gae import gae_advantages
 from .group import (
@@ -96,6 +97,7 @@ __all__ = [
     "check_whole_groups",
     "cispo_surrogate",
     "clamped_log_ratio",
+    "distillation_advantages",
     "entropy_bonus",
     "gae_advantages",
     "global_denominators",

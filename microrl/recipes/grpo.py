@@ -58,6 +58,7 @@ from microrl.run import (
     step_metrics,
     whole_groups,
 )
+from microrl.run.distill import mix_teacher_advantages, scoring_in_producer, start_teacher
 from microrl.tasks import is_agent_task, is_episode_task
 
 __all__ = ["USAGE", "main"]
@@ -100,18 +101,21 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
     engine = ActorEngine(run.base_path, cfg.actor)
     rng, start_step, restored = run.resume({"actor": engine})
     sampling, overlong = sampling_params(cfg), overlong_shaping(cfg)
+    # teacher.path: on-policy distillation's frozen teacher (docs/recipes.md#teachers).
+    teacher = start_teacher(cfg, run.tokenizer, dist_info)
     # rollout.backend's sampler; with rollout.max_staleness > 0 (prefetch) a worker process
     # samples the next steps (and a checkpoint's rollouts sampled ahead come first) while the
     # sampler, the trainer's current weights, only evaluates.
     sampler, prefetch = start_sampling(
         cfg, engine, run.tokenizer, task, sampling, rng, prompts_per_rank,
         start_step=start_step, restored=restored, dist_info=dist_info,
+        **scoring_in_producer(teacher, dist_info),  # the teacher scores in the producer
     )  # fmt: skip
     evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens, cfg.rollout)
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, run.t_setup)
 
     step, t_train, interrupted, metrics, extra = start_step, time.perf_counter(), False, {}, None
-    with close_on_exit(sampler, prefetch), StopOnInterrupt(dist_info) as stop:
+    with close_on_exit(sampler, prefetch, teacher), StopOnInterrupt(dist_info) as stop:
         for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
             # 1. Sample a group of responses per prompt from the current policy (the loss's
@@ -160,6 +164,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             #    (an agent's episode counts once, its branch rows share its advantage).
             advantages = group_advantages(rollout, scores + penalty, cfg.rollout.group_size)
             batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
+            distilled = {}
+            if teacher is not None:  # + teacher.coef * (teacher - student log-prob) per token
+                batch["advantages"], distilled = mix_teacher_advantages(
+                    batch, batch["advantages"], cfg.teacher, teacher, dist_info,
+                    waited_s=prefetch and prefetch.scorer_wait_s,
+                )  # fmt: skip
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch
             #    into micro-batches and normalises the loss over the whole mini-batch.
             #    As many mini-batches on every rank, also when failed episodes left fewer rows.
@@ -179,6 +189,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 batch, scores, penalty, old, updates, dist_info, t0,
                 overlong=cfg.task.overlong_buffer > 0,
             )  # fmt: skip
+            metrics.update(distilled)
             if cfg.rollout.dynamic_sampling:
                 metrics.update(sampled)
             if is_episode_task(task):

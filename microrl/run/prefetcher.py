@@ -99,10 +99,14 @@ class RolloutPrefetcher:
             sampler has it, so the trainer does not wait for a slow reward (a reward model, an
             LLM judge; docs/async.md#scoring-ahead). The thread is then the only caller of the
             sampler's ``collect`` and ``poll``. Not for a sampler whose ``collect`` is a
-            collective (a sequence-parallel group's).
+            collective (a sequence-parallel group's), nor a ``scorer`` that is one.
+        scorer: ``scorer(rollout)`` adds keys to each round's batch before its rewards are
+            scored (a teacher's log-probs; docs/recipes.md#teachers), on the thread with
+            ``score_ahead``; it keeps a batch that holds its keys (a checkpoint's round).
 
     Metric: ``staleness/take_wait_s``, the seconds the trainer waited in :meth:`take` or
-    :meth:`take_groups` for the step's rollout and its rewards.
+    :meth:`take_groups` for the step's rollout and its rewards; :attr:`scorer_wait_s`, the
+    part of the last take's wait that ``scorer`` took (not the sampling before it).
     """
 
     def __init__(
@@ -119,10 +123,13 @@ class RolloutPrefetcher:
         state: dict[str, Any] | None = None,
         pad_token_id: int | None = None,
         score_ahead: bool = False,
+        scorer: Callable[[Rollout], None] | None = None,
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 1:
             raise ValueError(f"max_staleness must be an int >= 1, got {max_staleness!r}")
         self.sampler = sampler
+        self.scorer = scorer
+        self.scorer_wait_s = 0.0
         self.task = task
         self.params = params
         self.rng = rng
@@ -183,24 +190,29 @@ class RolloutPrefetcher:
             ahead.scored = self._scorer.submit(self._collect_and_score, ahead)
         return ahead
 
-    def _collect_and_score(self, ahead: _Ahead) -> tuple[Rollout, torch.Tensor]:
+    def _collect_and_score(self, ahead: _Ahead) -> tuple[Rollout, torch.Tensor, tuple]:
+        """``ahead``'s rollout, its rewards and when ``scorer`` ran on it (start, end)."""
         rollout = self._collect(ahead)
-        return rollout, score_rollout(self.task, ahead.problems, rollout)
+        started = time.perf_counter()
+        if self.scorer is not None:
+            self.scorer(rollout)
+        span = (started, time.perf_counter())
+        return rollout, score_rollout(self.task, ahead.problems, rollout), span
 
     def _scored(self, step: int, ahead: _Ahead) -> tuple[Rollout, torch.Tensor]:
         """``ahead``'s rollout, its staleness at ``step`` checked, and its rewards (scored in
         the background with ``score_ahead``; the wait counts in ``staleness/take_wait_s``)."""
         t0 = time.perf_counter()
         if ahead.scored is not None:
-            rollout, scores = ahead.scored.result()
-        else:
-            rollout = self._collect(ahead)
-            scores = None
-        self._raise_polled()
-        self._check_staleness(step, rollout)
-        if scores is None:
-            scores = score_rollout(self.task, ahead.problems, rollout)
-        self._waited += time.perf_counter() - t0
+            rollout, scores, span = ahead.scored.result()
+            self._raise_polled()
+            self._check_staleness(step, rollout)
+        else:  # staleness checked before anything is scored
+            self._check_staleness(step, self._collect(ahead))
+            rollout, scores, span = self._collect_and_score(ahead)
+        t1 = time.perf_counter()
+        self._waited += t1 - t0
+        self.scorer_wait_s = max(0.0, min(t1, span[1]) - max(t0, span[0]))
         return rollout, scores
 
     def _poll(self) -> None:
@@ -451,6 +463,8 @@ def start_prefetcher(
     num_threads: int = 1,
     state: dict[str, Any] | None = None,
     log_dir: str | None = None,
+    scorer: Callable[[Rollout], None] | None = None,
+    scorer_collective: bool = False,
 ) -> RolloutPrefetcher:
     """The recipes' asynchronous sampling: the samplers of ``rollout.backend`` holding the
     weights of step ``start_step`` and a :class:`RolloutPrefetcher` over them
@@ -462,7 +476,8 @@ def start_prefetcher(
     ``rollout.num_workers`` local ``vllm serve`` processes, or on the servers of
     ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``); environments
     step in the trainer process; ``log_dir``: where the local servers' logs are kept (None:
-    temporary files, kept when a server fails)."""
+    temporary files, kept when a server fails); ``scorer``: as :class:`RolloutPrefetcher`'s,
+    run on the trainer's thread when ``scorer_collective`` (a collective under ``torchrun``)."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
     try:
         sampler = make_async_sampler(
@@ -483,9 +498,11 @@ def start_prefetcher(
         ) from err
     if is_agent_task(task):  # the agents run here; their calls are the sampler's jobs
         sampler = AgentSampler(sampler, tokenizer, task, agent_limits(task, rollout))
-    # A reward model or a judge is scored in a background thread, as soon as a round is
-    # sampled (not where collect is a sequence-parallel group's collective).
+    # A reward model, a judge or a teacher scores in a background thread, as soon as a round
+    # is sampled (not where collect or the scorer is a collective: an sp group's, torchrun's).
     model_based = bool(getattr(getattr(task, "reward", None), "model_based", False))
+    collective = isinstance(sampler, SPGroupSampler) or scorer_collective
+    ahead = (model_based or scorer is not None) and not collective
     try:
         return RolloutPrefetcher(
             sampler,
@@ -498,7 +515,8 @@ def start_prefetcher(
             limits=rollout,
             state=state,
             pad_token_id=tokenizer.pad_token_id,
-            score_ahead=model_based and not isinstance(sampler, SPGroupSampler),
+            score_ahead=ahead,
+            scorer=scorer,
         )
     except BaseException:
         sampler.close()

@@ -59,6 +59,8 @@ def start_sampling(
     start_step: int,
     restored: Mapping[str, Any],
     dist_info: Dist,
+    scorer: Callable[[Any], None] | None = None,
+    scorer_collective: bool = False,
 ) -> tuple[RolloutBackend, RolloutPrefetcher | None]:
     """The recipe's samplers for its ``rollout`` section: ``(sampler, prefetch)``.
 
@@ -71,7 +73,9 @@ def start_sampling(
     ``extra_state``); rank 0 warns once when ``actor.policy_loss`` sets no behaviour-policy
     correction. A checkpoint holding rollouts sampled ahead, resumed with a smaller
     ``max_staleness``, is a ``ValueError``. ``cfg``: a recipe config (its ``rollout``,
-    ``task.name``, ``train.steps``, ``train.num_threads`` and ``actor.policy_loss``)."""
+    ``task.name``, ``train.steps``, ``train.num_threads`` and ``actor.policy_loss``).
+    ``scorer``, ``scorer_collective``: the prefetcher's producer-side scoring (a
+    teacher's log-probs; :class:`~microrl.run.RolloutPrefetcher`)."""
     k = cfg.rollout.max_staleness
     ahead = resumed_rollouts(restored, k)  # a checkpoint's, if any
     if not k:
@@ -97,6 +101,8 @@ def start_sampling(
         num_threads=cfg.train.num_threads,
         state=ahead,
         log_dir=str(Path(cfg.output.dir) / VLLM_SERVER_LOGS),
+        scorer=scorer,
+        scorer_collective=scorer_collective,
     )
     if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
         warn_if_uncorrected(cfg.actor.policy_loss, k)

@@ -348,3 +348,37 @@ def test_offloads_in_the_table_and_over_ranks() -> None:
     for label in ("host: parameters", "host: optimizer state", "host: activations", "host: total"):
         assert label in table
     assert "host:" not in str(plain)
+
+
+# ------------------------------------------------------------------------------ a teacher
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_teacher_estimate_matches_the_engine_teacher(base_dtype: str, tmp_path) -> None:
+    """On-policy distillation's in-process teacher (microrl/run/teacher.py): its weights to the
+    byte (stored in the student's base dtype), its no-grad forward within the activation
+    model's tolerance of the live bytes of one scoring pass, both added to the total."""
+    from microrl.configs.teacher import TeacherConfig
+    from microrl.run.teacher import EngineTeacher
+
+    model_config = _model_config()
+    Qwen2ForCausalLM(model_config).save_pretrained(tmp_path / "teacher")
+    actor = ActorConfig(
+        max_tokens_per_micro_batch=1024, lora=LoraConfig(rank=8), base_dtype=base_dtype
+    )
+    alone = estimate_memory(model_config, actor)
+    with_teacher = estimate_memory(model_config, actor, teacher_config=model_config)
+    teacher = EngineTeacher(TeacherConfig(path=str(tmp_path / "teacher")), actor)
+    assert with_teacher.teacher_weights == _nbytes(teacher.engine.module.parameters())
+    assert with_teacher.total == alone.total + with_teacher.teacher_weights + (
+        with_teacher.teacher_forward
+    )
+    assert "teacher weights (frozen)" in str(with_teacher)
+    batch = _batch(4, 256, model_config.vocab_size)
+    gc.collect()
+    with LiveBytes() as live:
+        teacher.score(batch)
+    assert abs(with_teacher.teacher_forward - live.peak) <= ACTIVATION_TOLERANCE * live.peak, (
+        with_teacher.teacher_forward,
+        live.peak,
+    )
+    sharded = estimate_memory(model_config, actor, teacher_config=model_config, world_size=2)
+    assert sharded.teacher_weights == pytest.approx(with_teacher.teacher_weights / 2, rel=0.01)

@@ -1,0 +1,281 @@
+"""The teacher of on-policy distillation (microrl/run/teacher.py, microrl/run/distill.py).
+
+The engine teacher's log-probs and the mixed advantages against a float64 hand computation from
+the teacher's own logits, under micro-batch splits and on 2 gloo ranks (one launch of this file;
+single-process references computed in the test); the vocabulary check; the config's errors; the
+producer-side scoring of rounds sampled ahead (microrl/run/prefetcher.py's ``scorer``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1]))  # tests/, for the ranks
+from distributed_utils import actor_config, launch, make_batch, tiny_model  # noqa: E402
+
+from microrl.configs.teacher import TeacherConfig  # noqa: E402
+from microrl.run.dist import Dist  # noqa: E402
+from microrl.run.distill import mix_teacher_advantages  # noqa: E402
+from microrl.run.teacher import EngineTeacher, check_same_vocabulary  # noqa: E402
+
+TEMPERATURE = 0.7
+# float32 forward against the float64 reference of the same weights (logits ~1, vocab 128).
+ATOL = 2e-5
+
+
+def _teacher_dir(root: Path) -> Path:
+    path = root / "teacher"
+    if not (path / "config.json").is_file():
+        tiny_model(seed=3).save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def _reference_logprobs(path: Path, batch, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each sampled token, float64, row by row without padding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).double().eval()
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+    for b in range(batch.batch_size[0]):
+        keep = batch["attention_mask"][b].bool()
+        ids = batch["input_ids"][b][keep].unsqueeze(0)
+        logp = torch.log_softmax(model(input_ids=ids).logits[0] / temperature, -1)
+        cols = keep.nonzero().squeeze(-1)
+        out[b, cols[1:]] = logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return torch.where(batch["loss_mask"].bool(), out, 0.0)
+
+
+def _reference_advantages(teacher_lp, student_lp, mask, task, coef, gamma) -> torch.Tensor:
+    out = task.double().clone()
+    for b in range(mask.shape[0]):
+        cols = mask[b].nonzero().squeeze(-1).tolist()
+        rewards = [float(teacher_lp[b, t]) - float(student_lp[b, t]) for t in cols]
+        for k, t in enumerate(cols):
+            out[b, t] += coef * sum(gamma**j * r for j, r in enumerate(rewards[k:]))
+    return out
+
+
+def _score(path: Path, batch, micro_batch_size: int, gamma: float = 0.5):
+    config = TeacherConfig(
+        path=str(path), temperature=TEMPERATURE, micro_batch_size=micro_batch_size, gamma=gamma
+    )
+    teacher = EngineTeacher(config, actor_config(temperature=1.3))  # the student's: unused T
+    batch = batch.clone()
+    task = torch.randn(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(2))
+    advantages, metrics = mix_teacher_advantages(
+        batch, task * batch["loss_mask"], config, teacher, Dist()
+    )
+    return batch["teacher_logprobs"], advantages, metrics, task * batch["loss_mask"]
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3, 7])
+def test_engine_teacher_and_mixed_advantages_match_float64(tmp_path, micro_batch_size) -> None:
+    path, batch = _teacher_dir(tmp_path), make_batch()
+    teacher_lp, advantages, metrics, task = _score(path, batch, micro_batch_size)
+    expected_lp = _reference_logprobs(path, batch, TEMPERATURE)
+    torch.testing.assert_close(teacher_lp.double(), expected_lp, rtol=0, atol=ATOL)
+    mask = batch["loss_mask"].bool()
+    expected = _reference_advantages(expected_lp, batch["old_logprobs"], mask, task, 1.0, 0.5)
+    torch.testing.assert_close(advantages.double(), expected, rtol=0, atol=4 * ATOL)
+    kl = (batch["old_logprobs"].double() - expected_lp)[mask].mean()
+    assert metrics["teacher/reverse_kl"] == pytest.approx(float(kl), abs=ATOL)
+    assert metrics["teacher/wait_s"] > 0
+
+
+def test_engine_teacher_is_the_same_under_any_micro_batch_split(tmp_path) -> None:
+    path, batch = _teacher_dir(tmp_path), make_batch()
+    whole = _score(path, batch, 7)[:2]
+    for size in (1, 2):
+        for got, ref in zip(_score(path, batch, size)[:2], whole, strict=True):
+            # the same fp32 forward on other padded widths: rounding only
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_pure_distillation_drops_the_task_advantage(tmp_path) -> None:
+    path, batch = _teacher_dir(tmp_path), make_batch()
+    config = TeacherConfig(path=str(path), task_reward=False, coef=2.0)
+    teacher = EngineTeacher(config, actor_config())
+    task = torch.full(batch["loss_mask"].shape, 5.0)
+    advantages, _ = mix_teacher_advantages(batch.clone(), task, config, teacher, Dist())
+    mask = batch["loss_mask"].bool()
+    expected_lp = _reference_logprobs(path, batch, 1.0)
+    expected = 2.0 * (expected_lp - batch["old_logprobs"].double())
+    torch.testing.assert_close(advantages.double()[mask], expected[mask], rtol=0, atol=2 * ATOL)
+
+
+# ----------------------------------------------------------------------------- 2 gloo ranks
+@pytest.mark.distributed
+def test_teacher_advantages_on_two_ranks_equal_the_float64_reference(tmp_path) -> None:
+    path, batch = _teacher_dir(tmp_path), make_batch()
+    launch(2, HERE, str(tmp_path))
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert parts[0]["metrics"] == parts[1]["metrics"]  # summed over ranks: the same on both
+    teacher_lp = torch.cat([p["teacher"] for p in parts])
+    advantages = torch.cat([p["advantages"] for p in parts])
+    expected_lp = _reference_logprobs(path, batch, TEMPERATURE)
+    torch.testing.assert_close(teacher_lp.double(), expected_lp, rtol=0, atol=ATOL)
+    mask = batch["loss_mask"].bool()
+    task = torch.cat([p["task"] for p in parts])
+    expected = _reference_advantages(expected_lp, batch["old_logprobs"], mask, task, 1.0, 0.5)
+    torch.testing.assert_close(advantages.double(), expected, rtol=0, atol=4 * ATOL)
+    kl = (batch["old_logprobs"].double() - expected_lp)[mask].mean()
+    assert parts[0]["metrics"]["teacher/reverse_kl"] == pytest.approx(float(kl), abs=ATOL)
+
+
+def _rank_main(root: Path) -> None:
+    """Each rank scores its contiguous half of the batch with an FSDP2-sharded teacher."""
+    dist_info = Dist.init()
+    rows = make_batch()[dist_info.shard(list(range(7)))]
+    config = TeacherConfig(path=str(root / "teacher"), temperature=TEMPERATURE, gamma=0.5)
+    teacher = EngineTeacher(config, actor_config(micro_batch_size=2))
+    gen = torch.Generator().manual_seed(2)
+    task = torch.randn(7, 12, generator=gen)[dist_info.shard(list(range(7)))] * rows["loss_mask"]
+    advantages, metrics = mix_teacher_advantages(rows, task, config, teacher, dist_info)
+    metrics.pop("teacher/wait_s")
+    result = {"teacher": rows["teacher_logprobs"], "advantages": advantages, "task": task}
+    torch.save({**result, "metrics": metrics}, root / f"rank{dist_info.rank}.pt")
+    dist_info.close()
+
+
+# ----------------------------------------------------------------------------- vocabularies
+def test_a_teacher_with_another_vocabulary_is_refused() -> None:
+    from microrl.run.toy_model import build_tokenizer
+
+    student = build_tokenizer()
+    check_same_vocabulary(student, build_tokenizer(), "same")  # the same: accepted
+    with pytest.raises(ValueError) as err:
+        check_same_vocabulary(student, build_tokenizer("xyz"), "bigger-teacher")
+    message = str(err.value)
+    assert "teacher.path='bigger-teacher'" in message
+    assert f"has {len(student.get_vocab())} tokens" in message
+    assert f") {len(student.get_vocab()) + 3}; " in message  # the teacher's size
+    assert "the teacher's token 'x'" in message and "not in the student's" in message
+    swapped = dict(student.get_vocab())
+    first, second = sorted(swapped, key=swapped.get)[:2]
+    swapped[first], swapped[second] = swapped[second], swapped[first]
+    other = SimpleNamespace(get_vocab=lambda: swapped)
+    with pytest.raises(ValueError, match=rf"token {first!r} is id 0 in the student's and 1 in"):
+        check_same_vocabulary(student, other, "swapped")
+
+
+# ----------------------------------------------------------------------------- the config
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["teacher.backend=tpu"], "teacher.backend must be one of engine, vllm"),
+        (["teacher.coef=-1"], "teacher.coef must be a finite float >= 0"),
+        (["teacher.gamma=2"], r"teacher.gamma must be in \[0, 1\]"),
+        (["teacher.temperature=0"], "teacher.temperature must be > 0"),
+        (["teacher.task_reward=false"], "teacher.task_reward must be true without a teacher"),
+        (
+            ["teacher.path=t", "teacher.task_reward=false", "teacher.coef=0"],
+            "teacher.coef must be > 0 with teacher.task_reward=false",
+        ),
+        (
+            ["teacher.path=t", "teacher.backend=vllm", "teacher.temperature=0.5"],
+            "teacher.temperature must be 1.0 with teacher.backend=vllm",
+        ),
+        (["teacher.path=t", "teacher.server_url=http://h:1"], "teacher.server_url must be empty"),
+        (
+            ["teacher.path=t", "teacher.backend=vllm", "teacher.server_url=h:1"],
+            "teacher.server_url must be an http",
+        ),
+        (
+            ["teacher.path=t", "task.name=hinted_addition"],
+            "teacher.path must be empty for a multi-turn task",
+        ),
+    ],
+)
+def test_teacher_config_errors_name_the_key(overrides, match: str) -> None:
+    from microrl.configs.examples import GRPOExampleConfig
+    from microrl.configs.loader import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(GRPOExampleConfig, None, overrides)
+
+
+# ----------------------------------------------------------------------------- in the producer
+class ScoredWorker:
+    """The sampler protocol's minimum for a prefetcher: a job's rows answer its prompts."""
+
+    def __init__(self) -> None:
+        from microrl.engine.rollout import SamplingParams
+
+        self.version, self.sync_stats, self.jobs = 0, {}, {}
+        self.params = SamplingParams(num_samples=2, max_new_tokens=3)
+
+    def submit(self, prompts, params):
+        from microrl.remote.trainer.protocol import Job
+
+        job = Job(len(self.jobs), self.version, "generate")
+        self.jobs[job.id] = list(prompts)
+        return job
+
+    def collect(self, job):
+        from tensordict import TensorDict
+
+        from microrl.engine.rollout import Rollout
+        from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
+
+        prompts = self.jobs.pop(job.id)
+        texts = [str(eval(p.rstrip("="))) for p in prompts for _ in range(2)]
+        rows = len(texts)
+        batch = TensorDict(
+            {
+                "input_ids": torch.ones(rows, 4, dtype=torch.long),
+                POLICY_VERSION_KEY: torch.zeros(rows, dtype=torch.long),
+            },
+            batch_size=[rows],
+        )
+        return Rollout(batch=batch, texts=texts, group_ids=torch.arange(rows) // 2)
+
+    def poll(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_rounds_are_scored_by_the_prefetcher_thread_while_the_trainer_works(background) -> None:
+    """A teacher scorer runs on the prefetcher's scoring thread (or, collective, on the
+    trainer's), before the rewards; ``scorer_wait_s`` is the part of a take's wait it took."""
+    from microrl.run import RolloutPrefetcher
+    from microrl.tasks import AdditionTask
+
+    threads = []
+
+    def score(rollout) -> None:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.2)
+        rollout.batch["teacher_logprobs"] = torch.zeros(rollout.batch["input_ids"].shape)
+
+    worker = ScoredWorker()
+    prefetch = RolloutPrefetcher(
+        worker, AdditionTask(9, 8), worker.params, random.Random(0), 2,
+        max_staleness=1, last_step=2, score_ahead=background, scorer=score,
+    )  # fmt: skip
+    time.sleep(0.4)  # the trainer trains meanwhile
+    _, rollout, scores = prefetch.take(1)
+    assert "teacher_logprobs" in rollout.batch and scores.tolist() == [1.0] * 4
+    if background:
+        assert prefetch.scorer_wait_s < 0.1 and threads[0].startswith("microrl-score")
+    else:
+        assert prefetch.scorer_wait_s >= 0.2 and threads[0] == threading.current_thread().name
+    prefetch.close()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _rank_main(Path(sys.argv[1]))
