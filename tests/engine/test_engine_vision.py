@@ -211,7 +211,7 @@ def test_freeze_vision_audit_catches_a_tower_that_stays_frozen_while_training():
         engine.forward_backward_batch(make_image_batch())
     handle.remove()
     engine.vision.tower.requires_grad_(False)
-    with pytest.raises(RuntimeError, match="actor.freeze_vision=False, but no vision tower"):
+    with pytest.raises(RuntimeError, match=r"actor.freeze_vision=False, but no vision tower"):
         engine.forward_backward_batch(make_image_batch())
 
 
