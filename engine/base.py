@@ -122,7 +122,7 @@ class Engine:
                 f"got {type(config).__name__}"
             )
         self.config = config
-        _refuse_vision_parallel(model, config)
+        vision.refuse_parallel(model, config)
         #: the data-parallel process group: an initialised one, or one started from torchrun's
         #: environment; None in a single process. First, so each rank picks its own GPU.
         self.dp_group: dist.ProcessGroup | None = distributed.init_distributed()
@@ -754,20 +754,6 @@ class Engine:
     @staticmethod
     def _grad(forward_only: bool) -> Any:
         return torch.no_grad() if forward_only else nullcontext()
-
-
-def _refuse_vision_parallel(model: nn.Module | str | os.PathLike, config: EngineConfig) -> None:
-    """Sequence and tensor parallelism do not split a vision-language model's images and mRoPE
-    positions yet: a ``ValueError`` naming the key, before any process group is touched."""
-    for name in ("sequence_parallel_size", "tensor_parallel_size"):
-        size = getattr(config, name)
-        if size > 1 and vision.has_vision_config(model):
-            key = vision.config_key(config, name)
-            raise ValueError(
-                f"{key}={size} is not supported for a vision-language model (its image features "
-                f"and 3-D mRoPE positions are not split over ranks); set {key}=1 and scale with "
-                "data parallelism"
-            )
 
 
 def _host_lengths_and_groups(

@@ -41,6 +41,7 @@ __all__ = [
     "multimodal_body",
     "pad_images",
     "prepare_batch",
+    "refuse_parallel",
     "vision_spec",
 ]
 
@@ -64,6 +65,20 @@ def has_vision_config(model: nn.Module | str | os.PathLike) -> bool:
     else:
         config = getattr(model, "config", None)
     return getattr(config, "vision_config", None) is not None
+
+
+def refuse_parallel(model: nn.Module | str | os.PathLike, config: object) -> None:
+    """Sequence and tensor parallelism do not split a vision-language model's images and mRoPE
+    positions yet: a ``ValueError`` naming the key, before any process group is touched."""
+    for name in ("sequence_parallel_size", "tensor_parallel_size"):
+        size = getattr(config, name)
+        if size > 1 and has_vision_config(model):
+            key = config_key(config, name)
+            raise ValueError(
+                f"{key}={size} is not supported for a vision-language model (its image features "
+                f"and 3-D mRoPE positions are not split over ranks); set {key}=1 and scale with "
+                "data parallelism"
+            )
 
 
 def config_key(config: object, name: str) -> str:
