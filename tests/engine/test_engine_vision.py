@@ -289,3 +289,18 @@ def test_bad_vision_config_names_the_key():
         text.infer_batch(
             {"input_ids": torch.ones(1, 3, dtype=torch.long), "pixel_values": torch.zeros(1, 4, 24)}
         )
+
+
+def test_pad_images_lays_out_rows_and_rejects_mismatched_patches():
+    from microrl.engine.vision import pad_images
+
+    one = (torch.randn(4, 24), torch.tensor([[1, 2, 2]]))
+    two = (torch.randn(12, 24), torch.tensor([[1, 2, 2], [1, 2, 4]]))
+    keys = pad_images([one, None, two])
+    assert keys["pixel_values"].shape == (3, 12, 24) and keys["image_grid_thw"].shape == (3, 2, 3)
+    assert torch.equal(keys["pixel_values"][0, :4], one[0]) and not keys["pixel_values"][1].any()
+    assert torch.equal(keys["image_grid_thw"][2], two[1]) and not keys["image_grid_thw"][0, 1].any()
+    with pytest.raises(ValueError, match=r"row 1: image_grid_thw \[\[1, 2, 2\]\] gives 4 patches"):
+        pad_images([one, (torch.randn(5, 24), one[1])])
+    with pytest.raises(ValueError, match="at least one row with images"):
+        pad_images([None, None])
