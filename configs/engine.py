@@ -207,6 +207,12 @@ class EngineConfig:
     sequence_parallel_size: int = config_field(
         1, "ranks that split each micro-batch's tokens (Ulysses; 1: none; docs/distributed.md)"
     )
+    # Vision-language models (docs/engine.md#images): true keeps the vision tower (encoder and
+    # merger) frozen and LoRA on the language model; false trains it (its weights in a full
+    # fine-tune, LoRA adapters on its linear layers under LoRA). The grad-flow audit checks it.
+    freeze_vision: bool = config_field(
+        True, "keep a vision-language model's vision tower frozen (false: it trains too)"
+    )
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -254,6 +260,12 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} cannot be combined yet: "
                 "set one of them to 1"
             )
+        require(
+            isinstance(self.freeze_vision, bool),
+            "freeze_vision",
+            "a bool (true or false)",
+            self.freeze_vision,
+        )
         require(
             isinstance(self.activation_offload, bool),
             "activation_offload",

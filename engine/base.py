@@ -41,7 +41,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import packing, setup
+from microrl.engine import packing, setup, vision
 from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
@@ -58,6 +58,7 @@ from microrl.engine.offload import ActivationOffload, OffloadStats
 from microrl.engine.optim import (
     apply_optim_config,
     audit_grad_flow,
+    audit_vision_tower,
     build_optimizer,
     build_scheduler,
     clip_and_check,
@@ -121,6 +122,7 @@ class Engine:
                 f"got {type(config).__name__}"
             )
         self.config = config
+        vision.refuse_parallel(model, config)
         #: the data-parallel process group: an initialised one, or one started from torchrun's
         #: environment; None in a single process. First, so each rank picks its own GPU.
         self.dp_group: dist.ProcessGroup | None = distributed.init_distributed()
@@ -160,7 +162,24 @@ class Engine:
                     "will not be 1 (disable_dropout leaves the adapters' dropout as configured)",
                     config.lora.dropout,
                 )
-        causal_lm, self.peft_model = setup.apply_lora(causal_lm, config.lora)
+        #: a vision-language model's :class:`~microrl.engine.vision.VisionSpec`, else None.
+        self.vision = vision.vision_spec(causal_lm)
+        frozen_tower = self.vision is not None and config.freeze_vision
+        if self.vision is None and not config.freeze_vision:
+            raise ValueError(
+                f"{vision.config_key(config, 'freeze_vision')}=False, but "
+                f"{type(causal_lm).__name__} has no vision tower"
+            )
+        causal_lm, self.peft_model = setup.apply_lora(
+            causal_lm,
+            config.lora,
+            exclude=self.vision.tower_module_names(causal_lm) if frozen_tower else None,
+        )
+        if frozen_tower:  # a full fine-tune trains the rest of the model
+            self.vision.tower.requires_grad_(False)
+        # Data parallel: every rank runs the sharded tower on every micro-batch (FSDP2's
+        # collectives), on a placeholder image when its micro-batch has none.
+        self._tower_every_micro_batch = self.vision is not None and self.dp_group is not None
         if config.gradient_checkpointing:
             setup.enable_gradient_checkpointing(causal_lm)
         # Packed rows on SDPA/eager: attention per sequence (cost sum n_i^2, results independent
@@ -333,7 +352,7 @@ class Engine:
                 if real:
                     scatter_outputs(step.output, rows, starts, lengths, outputs, shape)
         if not forward_only and with_loss and self.config.check_grad_flow:
-            audit_grad_flow(self.module, self._count_mask(batch), self.config.check_grad_flow)
+            self._audit_grad_flow(batch)
         if losses:
             metrics.append({"loss": Metric(torch.stack(losses).sum())})
         reduced = reduce_metrics(metrics, group=self.dp_group)
@@ -600,7 +619,32 @@ class Engine:
             self._check_role_batch(batch)
         if self.sp_group is not None:
             sequence_parallel.check_same_batch(batch, self.sp_group)
-        return batch
+        return vision.prepare_batch(batch, self.vision)
+
+    def _audit_grad_flow(self, batch: TensorDict) -> None:
+        """The grad-flow audit after a training pass (``config.check_grad_flow``): trainable
+        parameters without gradient, and for a vision-language model the ``freeze_vision``
+        decision (docs/engine.md#images); a tower that may train is not expected to get a
+        gradient from a mini-batch without images on any rank."""
+        mode, tower = self.config.check_grad_flow, None
+        if self.vision is not None:
+            tower = {id(p) for p in self.vision.tower.parameters()}
+            has_images = torch.tensor(
+                float(
+                    vision.PIXEL_VALUES_KEY in batch and bool(batch[vision.IMAGE_GRID_KEY].any())
+                ),
+                device=self.device,
+            )
+            if self.dp_group is not None:
+                has_images = distributed.all_reduce(has_images, dist.ReduceOp.MAX, self.dp_group)
+            skip = () if bool(has_images) else tower
+            audit_grad_flow(self.module, self._count_mask(batch), mode, skip=skip)
+            key = vision.config_key(self.config, "freeze_vision")
+            audit_vision_tower(
+                self.module, tower, frozen=self.config.freeze_vision, key=key, mode=mode
+            )
+            return
+        audit_grad_flow(self.module, self._count_mask(batch), mode)
 
     def _has_loss_inputs(self, batch: TensorDict, loss_fn: LossFn | None) -> bool:
         return all(key in batch for key in self._loss_inputs(loss_fn))
@@ -650,11 +694,23 @@ class Engine:
             temperature = predicting_temperature(data["temperature"], has_next)
         if group_loss is not None:
             kwargs["group_loss"] = group_loss
+        rope = data.get(vision.ROPE_KEY, None)
+        if self.vision is not None:
+            images = vision.image_inputs(data, self.vision)
+            if images is None and self._tower_every_micro_batch:
+                images = self.vision.placeholder_images(self.device)
+            kwargs["images"] = images
         if not self.config.pack_sequences:
+            if self.vision is not None:  # the model's own mRoPE positions [3, b, L]
+                positions = vision.model_positions(positions, rope, packed=False)
             args = (ids, positions, valid.long(), targets)
             return args, {**kwargs, "temperature": temperature}, tuple(ids.shape), None
         index = packing.packed_index(valid, sum(micro.lengths))
-        args = (packing.pack(ids, index), packing.pack(positions, index), None)
+        packed_positions = packing.pack(positions, index)
+        if self.vision is not None:  # [4, 1, N]: per-sequence text positions, then mRoPE's
+            packed_rope = None if rope is None else packing.pack(rope, index)
+            packed_positions = vision.model_positions(packed_positions, packed_rope, packed=True)
+        args = (packing.pack(ids, index), packed_positions, None)
         args = (*args, packing.pack(targets, index))
         if temperature is not None:
             temperature = packing.pack(temperature, index)

@@ -17,7 +17,8 @@ engine validates that at its public boundary.
 
 Per-token and per-row entries (docs/batch.md): an entry ``[B, T, ...]`` (second dimension ``T``,
 the width of ``input_ids``) is per-token and is gathered along the token axis; any other entry
-(``[B]``, or ``[B, K]`` with ``K != T``) is per-row and is indexed by row only. Outputs follow the
+(``[B]``, or ``[B, K]`` with ``K != T``) is per-row and is indexed by row only, as are the image
+keys (``pixel_values``, ``image_grid_thw``: microrl.engine.vision) whatever their shape. Outputs follow the
 same rule on the way back: ``[b, L]`` outputs are scattered to ``[B, T]``, per-row ``[b]`` outputs
 to ``[B]``.
 """
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
+
+from microrl.engine.vision import IMAGE_KEYS
 
 __all__ = [
     "MicroBatch",
@@ -247,8 +250,8 @@ def compact_rows(
 
     Every ``[B, T]`` entry is gathered along the token axis so that column ``j`` of the result is
     column ``starts[row] + j`` of the input; columns past a row's length hold 0 / False. Entries
-    of another shape (per-row: ``[B]``, or ``[B, K]`` with ``K != T``) are indexed by row, in the
-    order of ``rows``. ``attention_mask``
+    of another shape (per-row: ``[B]``, or ``[B, K]`` with ``K != T``), and the image keys, are
+    indexed by row, in the order of ``rows``. ``attention_mask``
     and ``position_ids`` are rebuilt from the lengths (position ``j`` for the ``j``-th real token).
     """
     device = batch.device if batch.device is not None else batch["input_ids"].device
@@ -263,7 +266,7 @@ def compact_rows(
         if key in ("attention_mask", "position_ids"):
             continue
         picked = value.index_select(0, index)
-        if picked.dim() >= 2 and picked.shape[1] == num_cols:
+        if picked.dim() >= 2 and picked.shape[1] == num_cols and key not in IMAGE_KEYS:
             idx = gather_cols.reshape(*gather_cols.shape, *([1] * (picked.dim() - 2)))
             picked = picked.gather(1, idx.expand(-1, -1, *picked.shape[2:]))
             keep = valid.reshape(*valid.shape, *([1] * (picked.dim() - 2)))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from microrl.engine.alignment import IGNORE_INDEX
+from microrl.engine.vision import ImageInputs, body_hidden, multimodal_body
 from microrl.kernels import fused_linear_logprob, fused_linear_loss, reference_linear_logprob
 from microrl.kernels.fused_loss import GroupLossFn
 
@@ -65,7 +66,12 @@ _PROBE_TOKENS = 8  # a handful of tokens suffice to reveal a transformation of t
 
 
 def decoder_body(causal_lm: nn.Module) -> nn.Module:
-    """The model without its head (``get_decoder()``), returning ``last_hidden_state``."""
+    """The model without its head (``get_decoder()``), returning ``last_hidden_state``; for a
+    vision-language model the multimodal body (vision tower + language model, which takes the
+    image features), not ``get_decoder()``'s text-only language model."""
+    body = multimodal_body(causal_lm)
+    if body is not None:
+        return body
     get = getattr(causal_lm, "get_decoder", None)
     body = get() if callable(get) else None
     if body is None or body is causal_lm:
@@ -218,6 +224,7 @@ class PolicyModel(nn.Module):
         with_entropy: bool = True,
         loss_fn: GroupLossFn | None = None,
         loss_segments: list[int] | None = None,
+        images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> tuple[torch.Tensor, ...]:
         """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
@@ -227,6 +234,8 @@ class PolicyModel(nn.Module):
         :func:`microrl.kernels.fused_linear_loss` (its per-group callback, row groups never
         splitting ``loss_segments``), and the result is ``(logprobs, entropy, loss)``: the
         outputs detached, the loss with its gradients (docs/kernels.md, fused loss path).
+        ``images``: a vision-language model's images (:func:`microrl.engine.vision.body_hidden`);
+        ``position_ids`` are then its mRoPE positions (``[3, b, L]``, packed ``[4, 1, N]``).
         """
         inputs = {
             "input_ids": input_ids,
@@ -236,7 +245,7 @@ class PolicyModel(nn.Module):
             **model_kwargs,
         }
         if self.plain_head:
-            hidden = decoder_body(self.causal_lm)(**inputs).last_hidden_state
+            hidden = body_hidden(decoder_body(self.causal_lm), images, **inputs)
             # Mixed dtypes (bf16 activations under autocast, fp32 weight) are the head's business:
             # both are upcast to fp32 there, so the logits are never rounded to 16 bits.
             lm_head = self.causal_lm.get_output_embeddings()
@@ -264,6 +273,8 @@ class PolicyModel(nn.Module):
                 logit_scale=transform.scale,
                 softcap=transform.softcap,
             )
+        if images is not None:  # only plain-head models are vision-language ones here
+            raise ValueError("images need the plain lm head path (a Qwen-VL model has one)")
         logits = self.causal_lm(**inputs).logits
         return eager_logprob(logits, targets, temperature, with_entropy)
 
@@ -379,17 +390,21 @@ class ValueModel(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         last_index: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor:
         """``[b, L]`` ids -> ``[b, L]`` fp32 values (one per position), or with ``last_index``
-        (:func:`gather_last`) ``[b]``: the head at each sequence's last real token."""
-        hidden = self.body(
+        (:func:`gather_last`) ``[b]``: the head at each sequence's last real token.
+        ``images``: as for :class:`PolicyModel`."""
+        hidden = body_hidden(
+            self.body,
+            images,
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
             **model_kwargs,
-        ).last_hidden_state
+        )
         if last_index is not None:
             hidden = gather_last(hidden, last_index)
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)

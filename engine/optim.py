@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from microrl.engine.parallel import distributed
 
 __all__ = [
     "audit_grad_flow",
+    "audit_vision_tower",
     "build_optimizer",
     "build_scheduler",
     "clip_and_check",
@@ -178,14 +179,17 @@ def _shard_group(grads) -> dist.ProcessGroup | None:
     return None
 
 
-def audit_grad_flow(module: nn.Module, loss_mask: torch.Tensor, mode: str) -> None:
+def audit_grad_flow(
+    module: nn.Module, loss_mask: torch.Tensor, mode: str, *, skip: Collection[int] = ()
+) -> None:
     """Warn (``mode="warn"``) or raise ``RuntimeError`` (``"error"``) naming the trainable
     parameters of ``module`` left without gradient by a backward over a batch with loss tokens.
 
     A batch without a single loss token (on any data-parallel rank) is skipped: zero gradients
-    are the right answer there.
+    are the right answer there. ``skip``: ids of parameters this batch is not expected to reach
+    (a trainable vision tower on a mini-batch without images); the same on every rank.
     """
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in skip]
     has_tokens = loss_mask.any().float().reshape(1)
     group = _shard_group(p for _, p in named)
     if group is not None:  # every rank must take the same branch: the report is collective
@@ -197,6 +201,35 @@ def audit_grad_flow(module: nn.Module, loss_mask: torch.Tensor, mode: str) -> No
         return
     shown = ", ".join(dead[:8]) + (f", ... ({len(dead)} in all)" if len(dead) > 8 else "")
     message = f"grad-flow audit: trainable parameters without gradient: {shown}"
+    if mode == "error":
+        raise RuntimeError(message)
+    logger.warning(message)
+
+
+def audit_vision_tower(
+    module: nn.Module, tower: Collection[int], *, frozen: bool, key: str, mode: str
+) -> None:
+    """The ``freeze_vision`` half of the audit (after :func:`audit_grad_flow`, which proves that
+    every trainable tower parameter got a gradient from a mini-batch with images).
+
+    ``tower``: ids of the vision tower's parameters. Frozen: none of them may be trainable or
+    hold a gradient; not frozen: at least one must be trainable. Warns or raises
+    ``RuntimeError`` as :func:`audit_grad_flow`, naming ``key``.
+    """
+    named = [(n, p) for n, p in module.named_parameters() if id(p) in tower]
+    if frozen:
+        leaks = [n for n, p in named if p.requires_grad or p.grad is not None]
+        if not leaks:
+            return
+        shown = ", ".join(leaks[:8]) + (f", ... ({len(leaks)} in all)" if len(leaks) > 8 else "")
+        message = (
+            f"grad-flow audit: {key}=True, but vision tower parameters are trainable or hold a "
+            f"gradient: {shown}"
+        )
+    elif any(p.requires_grad for _, p in named):
+        return
+    else:
+        message = f"grad-flow audit: {key}=False, but no vision tower parameter is trainable"
     if mode == "error":
         raise RuntimeError(message)
     logger.warning(message)

@@ -110,9 +110,13 @@ def load_causal_lm(
     has its parameters cast for a 16-bit dtype (:func:`cast_base_weights`).
     """
     if isinstance(model, (str, os.PathLike)):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-        return AutoModelForCausalLM.from_pretrained(checkpoint_dir(model), dtype=dtype)
+        path = checkpoint_dir(model)
+        # A vision-language checkpoint loads as its image-text class (tower and lm head).
+        vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        return auto.from_pretrained(path, dtype=dtype)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model must be a transformers PreTrainedModel or a checkpoint path, got "
@@ -199,7 +203,9 @@ def _is_drop_rate(name: str, value: object) -> bool:
     return "drop" in name.lower() and isinstance(value, float) and 0.0 < value <= 1.0
 
 
-def apply_lora(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, nn.Module | None]:
+def apply_lora(
+    model: nn.Module, config: LoraConfig, *, exclude: list[str] | None = None
+) -> tuple[nn.Module, nn.Module | None]:
     """Inject LoRA adapters with peft when ``config.rank > 0``.
 
     ``config.target_modules``: None adapts every linear layer but the output head (peft's
@@ -212,6 +218,9 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, nn.Modu
     adapters (``disable_adapter()``, ``save_pretrained()``), or ``None`` without LoRA. The
     adapters are float32 whatever the base's dtype (``autocast_adapter_dtype``: over a 16-bit
     base, peft initialises them, rounds them to the base's dtype and stores them in float32).
+
+    ``exclude``: full module names that get no adapter whatever the targets (a frozen vision
+    tower's, docs/engine.md#images).
 
     Raises:
         ValueError: naming ``lora.target_modules`` when its names select no (or not every) layer.
@@ -239,6 +248,7 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, nn.Modu
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=targets,
+        exclude_modules=exclude or None,
         bias="none",
     )
     with warnings.catch_warnings():

@@ -1,0 +1,425 @@
+"""Images through the engine: the batch's image keys, their checks, mRoPE positions, the vision body.
+
+A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a transformers model whose multimodal
+body has ``visual``, ``get_image_features`` and ``get_rope_index``) reads images from two per-row
+batch keys (docs/batch.md#images):
+
+- ``pixel_values`` ``[B, P, D]``: row ``b``'s image patches (the processor's rows for that row's
+  images, in order), zero-padded to the batch's largest count ``P``; ``D`` the patch size;
+- ``image_grid_thw`` ``[B, I, 3]``: the ``(t, h, w)`` patch grid of each of row ``b``'s images,
+  all-zero rows padding it to ``I`` images.
+
+The image placeholder tokens stand in ``input_ids`` (one per feature: ``t * h * w / merge**2``
+for an image) and never carry ``loss_mask``. The model's own 3-D rotary positions are computed
+once per mini-batch from that layout (``get_rope_index``) and travel as a per-token key
+:data:`ROPE_KEY` ``[B, T, 3]``, so compaction, packing and splits carry them like any token key.
+Nothing here imports transformers: the model's own methods do the work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+__all__ = [
+    "IMAGE_GRID_KEY",
+    "IMAGE_KEYS",
+    "PIXEL_VALUES_KEY",
+    "ROPE_KEY",
+    "ImageInputs",
+    "VisionSpec",
+    "body_hidden",
+    "config_key",
+    "has_vision_config",
+    "image_inputs",
+    "model_positions",
+    "multimodal_body",
+    "pad_images",
+    "prepare_batch",
+    "refuse_parallel",
+    "vision_spec",
+]
+
+PIXEL_VALUES_KEY = "pixel_values"
+IMAGE_GRID_KEY = "image_grid_thw"
+#: Per-row keys whose second dimension is never the token axis (even when it happens to be ``T``).
+IMAGE_KEYS = (PIXEL_VALUES_KEY, IMAGE_GRID_KEY)
+#: The engine's mRoPE positions ``[B, T, 3]`` (``(t, h, w)`` per token), computed at the boundary.
+ROPE_KEY = "rope_position_ids"
+
+
+def has_vision_config(model: nn.Module | str | os.PathLike) -> bool:
+    """Whether ``model`` (a module or a local checkpoint) declares a vision tower in its config."""
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError):
+            return False  # the loader reports a bad path itself
+    else:
+        config = getattr(model, "config", None)
+    return getattr(config, "vision_config", None) is not None
+
+
+def refuse_parallel(model: nn.Module | str | os.PathLike, config: object) -> None:
+    """Sequence and tensor parallelism do not split a vision-language model's images and mRoPE
+    positions yet: a ``ValueError`` naming the key, before any process group is touched."""
+    for name in ("sequence_parallel_size", "tensor_parallel_size"):
+        size = getattr(config, name)
+        if size > 1 and has_vision_config(model):
+            key = config_key(config, name)
+            raise ValueError(
+                f"{key}={size} is not supported for a vision-language model (its image features "
+                f"and 3-D mRoPE positions are not split over ranks); set {key}=1 and scale with "
+                "data parallelism"
+            )
+
+
+def config_key(config: object, name: str) -> str:
+    """``name`` as the user writes it in a run config: ``actor.<name>`` / ``critic.<name>``."""
+    role = type(config).__name__.removesuffix("Config").lower()
+    return f"{role}.{name}" if role in ("actor", "critic") else name
+
+
+def multimodal_body(causal_lm: nn.Module) -> nn.Module | None:
+    """The Qwen-VL multimodal body (``causal_lm.model``: tower + language model), or None."""
+    if getattr(getattr(causal_lm, "config", None), "vision_config", None) is None:
+        return None
+    body = getattr(causal_lm, "model", None)
+    needed = ("visual", "get_image_features", "get_rope_index", "language_model")
+    return body if body is not None and all(hasattr(body, n) for n in needed) else None
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the engine needs to know about a vision-language model.
+
+    ``body``: the multimodal body (text + vision, returns ``last_hidden_state``); ``tower``: its
+    vision encoder with the merger (what ``freeze_vision`` freezes); ``tower_prefix``: the
+    tower's module name in the causal LM (LoRA's exclusions); ``image_token_id``; ``merge``:
+    the spatial merge size (``merge**2`` patches per feature); ``patch_dim``: ``D``.
+    """
+
+    body: nn.Module
+    tower: nn.Module
+    tower_prefix: str
+    image_token_id: int
+    merge: int
+    patch_dim: int
+
+    def features_per_image(self, grid: torch.Tensor) -> torch.Tensor:
+        """``[..., 3]`` grids -> ``[...]`` feature (= placeholder token) counts."""
+        return grid.prod(-1) // (self.merge**2)
+
+    def tower_module_names(self, causal_lm: nn.Module) -> list[str]:
+        """Every module name inside the vision tower (LoRA leaves them out when frozen)."""
+        prefix = self.tower_prefix + "."
+        return [n for n, _ in causal_lm.named_modules() if n.startswith(prefix)]
+
+    def placeholder_images(self, device: torch.device) -> ImageInputs:
+        """One image of a single feature, run when a micro-batch has none so that every
+        data-parallel rank runs the (sharded) tower the same number of times."""
+        pixels = torch.zeros(self.merge**2, self.patch_dim, device=device)
+        grid = torch.tensor([[1, self.merge, self.merge]], device=device)
+        return ImageInputs(pixels, grid, placeholder=True)
+
+
+def vision_spec(causal_lm: nn.Module) -> VisionSpec | None:
+    """The :class:`VisionSpec` of a supported vision-language model; None for a text model.
+
+    Raises:
+        TypeError: a config with a vision tower but a layout the engine does not know.
+    """
+    config = getattr(causal_lm, "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return None
+    body = multimodal_body(causal_lm)
+    if body is None:
+        raise TypeError(
+            f"{type(causal_lm).__name__} has a vision_config but not the Qwen-VL layout the "
+            "engine supports (model.visual, get_image_features, get_rope_index): Qwen2-VL, "
+            "Qwen2.5-VL and Qwen3-VL are"
+        )
+    vision = config.vision_config
+    prefix = next(n for n, m in causal_lm.named_modules() if m is body.visual)
+    return VisionSpec(
+        body=body,
+        tower=body.visual,
+        tower_prefix=prefix,
+        image_token_id=int(config.image_token_id),
+        merge=int(vision.spatial_merge_size),
+        patch_dim=int(vision.in_channels * vision.temporal_patch_size * vision.patch_size**2),
+    )
+
+
+@dataclass
+class ImageInputs:
+    """A micro-batch's images as the model takes them: ``pixel_values`` ``[P, D]`` (every
+    image's patches, rows in order), ``grid`` ``[n, 3]``; ``placeholder``: features computed for
+    the collectives only and added as ``0 *`` (no image token in the micro-batch)."""
+
+    pixel_values: torch.Tensor
+    grid: torch.Tensor
+    placeholder: bool = False
+
+
+def image_inputs(data: TensorDict, spec: VisionSpec) -> ImageInputs | None:
+    """The images of a compact micro-batch (:data:`IMAGE_KEYS` per row) flattened in row order,
+    or None when it has none. Reads the grids on the host (the model's tower does too)."""
+    if PIXEL_VALUES_KEY not in data:
+        return None
+    grid = data[IMAGE_GRID_KEY]
+    counts = grid.prod(-1)  # patches per image, 0 for padding
+    host = counts.tolist()
+    pixels, grids = [], []
+    for row, row_counts in enumerate(host):
+        patches = sum(row_counts)
+        if patches:
+            pixels.append(data[PIXEL_VALUES_KEY][row, :patches])
+            grids.append(grid[row, [i for i, c in enumerate(row_counts) if c]])
+    if not pixels:
+        return None
+    return ImageInputs(torch.cat(pixels), torch.cat(grids))
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _flat_tensors(v)]
+    return []
+
+
+def body_hidden(body: nn.Module, images: ImageInputs | None, **inputs: Any) -> torch.Tensor:
+    """``last_hidden_state`` of the (multimodal) ``body`` on ``inputs``, with ``images``.
+
+    The image features are computed here, without the text forward's keyword arguments (a
+    packed row's lengths concern the text, not the patches), and handed to the model as its
+    ``mm_encoder_outputs``: the model scatters them into the placeholder tokens and runs its
+    own deepstack (Qwen3-VL). Placeholder images add ``0 *`` their features, so their tower
+    parameters get (zero) gradients on every rank.
+    """
+    if images is None:
+        return body(**inputs).last_hidden_state
+    features = body.get_image_features(images.pixel_values, images.grid, return_dict=True)
+    if images.placeholder:
+        hidden = body(**inputs).last_hidden_state
+        touch = sum(t.sum() for t in _flat_tensors(dict(features)) if t.is_floating_point())
+        return hidden + 0.0 * touch
+    return body(**inputs, mm_encoder_outputs={"image": features}).last_hidden_state
+
+
+def model_positions(
+    positions: torch.Tensor, rope: torch.Tensor | None, *, packed: bool
+) -> torch.Tensor:
+    """The ``position_ids`` a Qwen-VL text model takes: ``[3, b, L]`` padded; ``[4, 1, N]``
+    packed (row 0 the per-sequence text positions, from which transformers derives the packed
+    sequences' boundaries, then the three mRoPE rows).
+
+    ``positions``: ``[b, L]`` text positions; ``rope``: ``[b, L, 3]`` mRoPE positions, or None
+    for a micro-batch without images (then the text positions on all three axes, as the model
+    itself does for text).
+    """
+    rope3 = positions.unsqueeze(0).expand(3, -1, -1) if rope is None else rope.permute(2, 0, 1)
+    return torch.cat([positions.unsqueeze(0), rope3]) if packed else rope3
+
+
+def prepare_batch(batch: TensorDict, spec: VisionSpec | None) -> TensorDict:
+    """The validated batch with its images checked and :data:`ROPE_KEY` added (in place on the
+    engine's shallow copy). One pass per public call, before the micro-batches.
+
+    Raises:
+        ValueError: naming the row and the field: image keys for a text model, image tokens
+            without images (or the reverse), a row whose image tokens do not match its images'
+            features, malformed ``pixel_values`` / ``image_grid_thw``, ``loss_mask`` on an image
+            token, or a :data:`ROPE_KEY` given by the caller.
+    """
+    if ROPE_KEY in batch:
+        raise ValueError(
+            f"{ROPE_KEY!r} is computed by the engine from input_ids and image_grid_thw; "
+            "remove it from the batch"
+        )
+    present = [key for key in IMAGE_KEYS if key in batch]
+    if spec is None:
+        if present:
+            raise ValueError(f"the batch has {present} but the model has no vision tower")
+        return batch
+    ids, mask = batch["input_ids"], batch["attention_mask"].to(torch.bool)
+    is_image = (ids == spec.image_token_id) & mask
+    if len(present) == 1:
+        missing = next(k for k in IMAGE_KEYS if k not in batch)
+        raise ValueError(f"the batch has {present[0]!r} but no {missing!r}: images need both")
+    if not present:
+        tokens = is_image.sum(1)
+        if bool(tokens.any()):
+            row = int(tokens.nonzero()[0, 0])
+            raise ValueError(
+                f"row {row}: input_ids holds {int(tokens[row])} image token(s) (image_token_id="
+                f"{spec.image_token_id}) but the batch has no 'pixel_values' / 'image_grid_thw'"
+            )
+        return batch
+    grid = _check_image_tensors(batch, spec)
+    _check_rows(batch, is_image, grid, spec)
+    counts = grid.prod(-1)
+    flat_grid = grid[counts > 0]
+    # get_rope_index reads the real tokens of each row only: padding placement does not matter.
+    rope, _ = spec.body.get_rope_index(
+        ids,
+        is_image.int(),
+        image_grid_thw=flat_grid if len(flat_grid) else None,
+        attention_mask=mask.long(),
+    )
+    batch[ROPE_KEY] = rope.permute(1, 2, 0).contiguous()
+    return batch
+
+
+def _check_image_tensors(batch: TensorDict, spec: VisionSpec) -> torch.Tensor:
+    """Dtypes and shapes of the image keys; returns the grid as int64 ``[B, I, 3]``."""
+    pixels, grid = batch[PIXEL_VALUES_KEY], batch[IMAGE_GRID_KEY]
+    if not pixels.is_floating_point() or pixels.dim() != 3 or pixels.shape[2] != spec.patch_dim:
+        raise ValueError(
+            f"'pixel_values' must be a float tensor [B, P, {spec.patch_dim}] (each row's image "
+            f"patches, zero-padded), got {pixels.dtype} {tuple(pixels.shape)}"
+        )
+    if (
+        grid.is_floating_point()
+        or grid.dtype == torch.bool
+        or grid.dim() != 3
+        or grid.shape[2] != 3
+    ):
+        raise ValueError(
+            "'image_grid_thw' must be an integer tensor [B, I, 3] (each row's images' (t, h, w) "
+            f"patch grids, all-zero rows padding), got {grid.dtype} {tuple(grid.shape)}"
+        )
+    return grid.long()
+
+
+def _check_rows(
+    batch: TensorDict, is_image: torch.Tensor, grid: torch.Tensor, spec: VisionSpec
+) -> None:
+    """Per-row consistency of tokens, grids and patches; reads small summaries on the host."""
+    counts = grid.prod(-1)  # [B, I] patches per image
+    partial = ((grid <= 0).any(-1) & (grid != 0).any(-1)) | (grid < 0).any(-1)
+    unmerged = (counts > 0) & ((grid[..., 1:] % spec.merge) != 0).any(-1)
+    patches = counts.sum(1)
+    starts = is_image.clone()
+    starts[:, 1:] &= ~is_image[:, :-1]
+    ends = is_image.clone()
+    ends[:, :-1] &= ~is_image[:, 1:]
+    run_rows = starts.nonzero()[:, 0]
+    run_lengths = ends.nonzero()[:, 1] - starts.nonzero()[:, 1] + 1
+    real = (counts > 0).nonzero()
+    valid = batch["attention_mask"].to(torch.bool)
+    pixel_finite = torch.isfinite(batch[PIXEL_VALUES_KEY]).all(-1)  # [B, P]
+    within = torch.arange(pixel_finite.shape[1], device=grid.device) < patches.unsqueeze(1)
+    bad_pixels = (within & ~pixel_finite).any(1)
+    loss_on_image = None
+    if "loss_mask" in batch:
+        loss_on_image = (batch["loss_mask"].to(torch.bool) & is_image & valid).nonzero()[:1]
+    host = [
+        partial.nonzero()[:1].tolist(),
+        unmerged.nonzero()[:1].tolist(),
+        patches.tolist(),
+        is_image.sum(1).tolist(),
+        run_rows.tolist(),
+        run_lengths.tolist(),
+        real[:, 0].tolist(),
+        spec.features_per_image(grid[counts > 0]).tolist(),
+        bad_pixels.nonzero()[:1].flatten().tolist(),
+        [] if loss_on_image is None else loss_on_image.tolist(),
+    ]
+    bad_grid, unmerged_at, patches, tokens, run_rows, run_lengths = host[:6]
+    image_rows, image_features, bad_pixel_rows, loss_at = host[6:]
+    if bad_grid:
+        b, i = bad_grid[0]
+        raise ValueError(
+            f"row {b}: 'image_grid_thw' image {i} is {grid[b, i].tolist()}: (t, h, w) must all "
+            "be > 0, or all 0 for a padding entry"
+        )
+    if unmerged_at:
+        b, i = unmerged_at[0]
+        raise ValueError(
+            f"row {b}: 'image_grid_thw' image {i} is {grid[b, i].tolist()}: h and w must be "
+            f"multiples of the spatial merge size {spec.merge}"
+        )
+    width = batch[PIXEL_VALUES_KEY].shape[1]
+    for b, n in enumerate(patches):
+        if n > width:
+            raise ValueError(
+                f"row {b}: 'image_grid_thw' needs {n} patches but 'pixel_values' holds {width} "
+                "per row"
+            )
+    for b, n_tokens in enumerate(tokens):
+        feats = [f for r, f in zip(image_rows, image_features, strict=True) if r == b]
+        runs = [n for r, n in zip(run_rows, run_lengths, strict=True) if r == b]
+        if n_tokens and not feats:
+            raise ValueError(
+                f"row {b}: input_ids holds {n_tokens} image token(s) (image_token_id="
+                f"{spec.image_token_id}) but the row has no image: its 'pixel_values' / "
+                "'image_grid_thw' are missing (all zero)"
+            )
+        if n_tokens != sum(feats):
+            raise ValueError(
+                f"row {b}: input_ids holds {n_tokens} image token(s) (image_token_id="
+                f"{spec.image_token_id}) but its 'image_grid_thw' gives {sum(feats)} image "
+                f"feature(s) ({feats} per image)"
+            )
+        if runs != feats:
+            raise ValueError(
+                f"row {b}: the image tokens form runs of {runs} but 'image_grid_thw' gives images "
+                f"of {feats} features: one run of placeholder tokens per image, in order, "
+                "separated by other tokens (the template's vision start/end tokens)"
+            )
+    if bad_pixel_rows:
+        raise ValueError(f"row {bad_pixel_rows[0]}: 'pixel_values' is not finite on a patch")
+    if loss_at:
+        raise ValueError(
+            f"loss_mask marks an image placeholder token (first at [b, t] = {loss_at[0]}): "
+            "image tokens are inputs, never trained on"
+        )
+
+
+def pad_images(
+    rows: list[tuple[torch.Tensor, torch.Tensor] | None],
+) -> dict[str, torch.Tensor]:
+    """Per-row processor outputs -> the batch's image keys (the one layout trainer and
+    samplers share): ``rows[b]`` is ``(pixel_values [p_b, D], image_grid_thw [n_b, 3])`` (what a
+    Qwen-VL processor returns for row ``b``'s images) or None for a row without images.
+
+    Returns ``{"pixel_values": [B, P, D], "image_grid_thw": [B, I, 3]}`` zero-padded to the
+    largest ``p_b`` and ``n_b`` (at least 1 each). Raises ``ValueError`` when no row has images
+    (a text batch carries no image keys) or a row's patch count does not match its grids.
+    """
+    present = [r for r in rows if r is not None]
+    if not present:
+        raise ValueError("pad_images needs at least one row with images")
+    dim, like = present[0][0].shape[-1], present[0][0]
+    width = max(p.shape[0] for p, _ in present)
+    count = max(g.shape[0] for _, g in present)
+    pixels = like.new_zeros(len(rows), width, dim)
+    grids = torch.zeros(len(rows), count, 3, dtype=torch.long, device=like.device)
+    for b, row in enumerate(rows):
+        if row is None:
+            continue
+        p, g = row
+        if p.dim() != 2 or p.shape[1] != dim or g.dim() != 2 or g.shape[1] != 3:
+            raise ValueError(
+                f"row {b}: pixel_values must be [p, {dim}] and image_grid_thw [n, 3], got "
+                f"{tuple(p.shape)} and {tuple(g.shape)}"
+            )
+        if int(g.prod(-1).sum()) != p.shape[0]:
+            raise ValueError(
+                f"row {b}: image_grid_thw {g.tolist()} gives {int(g.prod(-1).sum())} patches, "
+                f"pixel_values holds {p.shape[0]}"
+            )
+        pixels[b, : p.shape[0]] = p
+        grids[b, : g.shape[0]] = g
+    return {PIXEL_VALUES_KEY: pixels, IMAGE_GRID_KEY: grids}

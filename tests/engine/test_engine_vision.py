@@ -1,0 +1,306 @@
+"""Vision-language models through the engine (engine/vision.py, docs/engine.md#images).
+
+Tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL from configs (tests/engine/vision_utils.py), float64 so
+that exactness is checked to rounding: log-probs against the model's own forward row by row;
+fused == eager head, values and gradients, with the vision tower trainable and frozen; the
+same loss, outputs and gradients under micro-batch splits, token budgets and packing; LoRA on
+the language model only; the freeze_vision audit both ways; bad input named by row and field.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from vision_utils import IMAGE_TOKEN, make_image_batch, tiny_vlm
+
+from microrl import ActorEngine, CriticEngine
+from microrl.configs.engine import ActorConfig, CriticConfig, LoraConfig
+from microrl.engine.vision import ROPE_KEY
+
+# Engine outputs are float32 (docs/batch.md): a float64 model's log-probs agree to fp32 rounding.
+OUT_TOL = 2e-6
+# Gradients stay float64 inside: two exact computations of one float64 quantity.
+GRAD_TOL = 1e-10
+
+
+@torch.no_grad()
+def model_logprobs(model, batch) -> torch.Tensor:
+    """Token-aligned log-probs from the model's own forward (its head, its mRoPE), row by row."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+    for b in range(batch.batch_size[0]):
+        keep = batch["attention_mask"][b]
+        ids = batch["input_ids"][b][keep][None]
+        grid = batch["image_grid_thw"][b]
+        grid = grid[grid.prod(-1) > 0]
+        images = {}
+        if len(grid):
+            images = dict(
+                pixel_values=batch["pixel_values"][b, : int(grid.prod(-1).sum())],
+                image_grid_thw=grid,
+                mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+            )
+        logp = torch.log_softmax(model(input_ids=ids, **images).logits[0].double(), -1)
+        cols = keep.nonzero()[:, 0]
+        out[b, cols[1:]] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+def actor(model, **overrides) -> ActorEngine:
+    kwargs = dict(micro_batch_size=2, lora=LoraConfig(rank=0), check_grad_flow="error")
+    return ActorEngine(model, ActorConfig(**{**kwargs, **overrides}))
+
+
+def grads(engine) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
+    err = (a.double() - b.double()).abs()
+    assert err.max() <= tol, (
+        f"{what}: max |diff| {err.max():.3g} at {divmod(int(err.argmax()), a.shape[-1])}"
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_logprobs_match_the_models_own_forward(arch):
+    model = tiny_vlm(arch, dtype=torch.float64)
+    batch = make_image_batch(dtype=torch.float64)
+    engine = actor(model, pack_sequences=arch != "qwen2_vl")
+    assert engine.uses_fused_kernel
+    out = engine.infer_batch(batch)["logprobs"]
+    assert_close(out, model_logprobs(model, batch), OUT_TOL, arch)
+    assert (out[~batch["attention_mask"]] == 0).all()
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "trainable"])
+def test_fused_equals_eager_logprobs_and_gradients(freeze):
+    model = tiny_vlm("qwen2_vl", dtype=torch.float64)
+    batch = make_image_batch(dtype=torch.float64)
+    results = []
+    for fused in (True, False):
+        engine = actor(copy.deepcopy(model), use_fused_kernel=fused, freeze_vision=freeze)
+        out = engine.forward_backward_batch(batch)
+        results.append((out, grads(engine), engine))
+    (fused_out, fused_grads, engine), (eager_out, eager_grads, _) = results
+    assert not engine.uses_fused_kernel or engine.config.use_fused_kernel
+    assert_close(
+        fused_out["model_output"]["logprobs"],
+        eager_out["model_output"]["logprobs"],
+        OUT_TOL,
+        "logprobs",
+    )
+    assert abs(fused_out["loss"] - eager_out["loss"]) < 1e-6
+    assert fused_grads.keys() == eager_grads.keys()
+    for name, g in fused_grads.items():
+        assert_close(g, eager_grads[name], GRAD_TOL, name)
+    tower = [n for n in fused_grads if ".visual." in n]
+    if freeze:
+        assert not tower
+        assert all(p.grad is None for p in engine.vision.tower.parameters())
+    else:  # every tower weight trains, and is reached by the images
+        assert len(tower) == len(list(engine.vision.tower.parameters()))
+        assert all(fused_grads[n].abs().max() > 0 for n in tower)
+
+
+SPLITS = {
+    "one_row_per_micro_batch": dict(micro_batch_size=1),
+    "token_budget": dict(micro_batch_size=None, max_tokens_per_micro_batch=40),
+    "packed_budget": dict(
+        micro_batch_size=None, max_tokens_per_micro_batch=40, pack_sequences=True
+    ),
+    "checkpointed_packed": dict(pack_sequences=True, gradient_checkpointing=True),
+}
+
+
+@pytest.fixture(scope="module")
+def split_reference():
+    """The whole mini-batch in one micro-batch: model, batch, loss, outputs, gradients."""
+    model = tiny_vlm("qwen2_5_vl", dtype=torch.float64)
+    batch = make_image_batch(dtype=torch.float64)
+    whole = actor(copy.deepcopy(model), micro_batch_size=6, freeze_vision=False)
+    return model, batch, whole.forward_backward_batch(batch), grads(whole)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_exact_under_micro_batch_splits_and_packing(split_reference, split):
+    model, batch, ref, ref_grads = split_reference
+    engine = actor(copy.deepcopy(model), freeze_vision=False, **SPLITS[split])
+    out = engine.forward_backward_batch(batch)
+    assert abs(out["loss"] - ref["loss"]) < 1e-9
+    assert_close(out["model_output"]["logprobs"], ref["model_output"]["logprobs"], OUT_TOL, split)
+    got = grads(engine)
+    assert got.keys() == ref_grads.keys()
+    for name, g in got.items():
+        assert_close(g, ref_grads[name], GRAD_TOL, name)
+
+
+def test_critic_values_exact_under_packing_and_splits():
+    model = tiny_vlm("qwen2_vl", dtype=torch.float64)
+    batch = make_image_batch(dtype=torch.float64)
+    values = []
+    for overrides in (dict(micro_batch_size=6), dict(micro_batch_size=1, pack_sequences=True)):
+        config = CriticConfig(lora=LoraConfig(rank=0), freeze_vision=False, **overrides)
+        engine = CriticEngine(copy.deepcopy(model), config)
+        out = engine.forward_backward_batch(batch)
+        values.append((out["model_output"]["values"], out["loss"], grads(engine)))
+    (v0, l0, g0), (v1, l1, g1) = values
+    assert_close(v0, v1, OUT_TOL, "values")
+    assert abs(l0 - l1) < 1e-9
+    assert any(".visual." in n for n in g0)
+    for name, g in g0.items():
+        assert_close(g, g1[name], GRAD_TOL, name)
+
+
+def test_rope_positions_are_the_models_own_and_padding_invariant():
+    engine = actor(tiny_vlm("qwen2_vl"))
+    batch = make_image_batch()
+    checked = engine._checked(batch, None, True, role_checks=True)
+    rope = checked[ROPE_KEY]  # [B, T, 3]
+    assert rope.shape == (*batch["input_ids"].shape, 3)
+    row = 2  # two images: h/w positions differ from the text positions inside them
+    keep = batch["attention_mask"][row]
+    ids = batch["input_ids"][row][keep][None]
+    grid = batch["image_grid_thw"][row]
+    own, _ = engine.vision.body.get_rope_index(
+        ids, (ids == IMAGE_TOKEN).int(), image_grid_thw=grid[grid.prod(-1) > 0]
+    )
+    assert torch.equal(rope[row][keep].T, own[:, 0])
+    assert not torch.equal(own[1], own[2])
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "trainable"])
+def test_lora_targets_the_language_model_unless_the_tower_trains(freeze):
+    # Qwen2.5-VL's tower MLP has the language model's layer names (gate_proj, up_proj, ...).
+    # (No audit here: lora_B starts at 0, so lora_A gets no gradient on the first step.)
+    config = dict(lora=LoraConfig(rank=4), freeze_vision=freeze, check_grad_flow=False)
+    engine = actor(tiny_vlm("qwen2_5_vl"), **config)
+    trainable = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    assert any("language_model" in n and "lora_" in n for n in trainable)
+    in_tower = [n for n in trainable if ".visual." in n]
+    assert all("lora_" in n for n in in_tower)
+    assert bool(in_tower) is not freeze
+    engine.forward_backward_batch(make_image_batch())
+    got = grads(engine)
+    assert set(got) == set(trainable)
+    assert all(got[n].abs().max() > 0 for n in in_tower if "lora_B" in n)
+
+
+def test_freeze_vision_audit_catches_a_tower_that_trains_while_frozen():
+    engine = actor(tiny_vlm("qwen2_vl"))
+    engine.forward_backward_batch(make_image_batch())
+    leaked = next(iter(engine.vision.tower.parameters()))
+    leaked.requires_grad_(True)
+    with pytest.raises(
+        RuntimeError, match=r"actor.freeze_vision=True, but vision tower .*patch_embed"
+    ):
+        engine.forward_backward_batch(make_image_batch())
+
+
+def test_freeze_vision_audit_catches_a_tower_that_stays_frozen_while_training():
+    engine = actor(tiny_vlm("qwen2_vl"), freeze_vision=False)
+    engine.forward_backward_batch(make_image_batch())
+    text_only = make_image_batch(([], [(1, 2, 2)]))[:1]  # row 0 only: no image
+    del text_only["pixel_values"], text_only["image_grid_thw"]
+    engine.forward_backward_batch(text_only)  # no image anywhere: the tower is not expected
+    # The features detached from the tower: images in the batch, yet no gradient reaches it.
+    merger = engine.vision.tower.merger
+    handle = merger.register_forward_hook(lambda m, a, out: out.detach())
+    engine.optimizer.zero_grad(set_to_none=True)  # forward_backward_batch accumulates
+    with pytest.raises(RuntimeError, match=r"without gradient: .*visual"):
+        engine.forward_backward_batch(make_image_batch())
+    handle.remove()
+    engine.vision.tower.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"actor.freeze_vision=False, but no vision tower"):
+        engine.forward_backward_batch(make_image_batch())
+
+
+def _more_tokens(batch):
+    row = batch["input_ids"][0]
+    first = int((row == IMAGE_TOKEN).nonzero()[0, 0])
+    row[first - 1] = IMAGE_TOKEN  # the vision-start token becomes one more placeholder
+
+
+def _missing_pixels(batch):
+    batch["image_grid_thw"][2] = 0
+
+
+def _loss_on_image(batch):
+    batch["loss_mask"][0] |= batch["input_ids"][0] == IMAGE_TOKEN
+
+
+BAD = {
+    "more_tokens_than_features": (_more_tokens, r"row 0: input_ids holds 2 image token.*gives 1"),
+    "row_missing_pixel_values": (_missing_pixels, r"row 2: .* no image: its 'pixel_values'"),
+    "no_image_keys": (
+        lambda b: b.del_("pixel_values").del_("image_grid_thw"),
+        r"row 0: .*no 'pixel_values'",
+    ),
+    "grid_without_pixels": (
+        lambda b: b.del_("pixel_values"),
+        r"'image_grid_thw' but no 'pixel_values'",
+    ),
+    "wrong_patch_size": (
+        lambda b: b.set("pixel_values", b["pixel_values"][..., :5]),
+        r"'pixel_values' must be a float tensor \[B, P, 24\]",
+    ),
+    "loss_on_image_token": (_loss_on_image, "loss_mask marks an image placeholder token"),
+    "rope_given": (
+        lambda b: b.set(ROPE_KEY, torch.zeros(*b["input_ids"].shape, 3, dtype=torch.long)),
+        "computed by the engine",
+    ),
+    "non_finite_pixels": (
+        lambda b: b["pixel_values"][3].fill_(float("nan")),
+        r"row 3: 'pixel_values' is not finite",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def vlm_engine():
+    return actor(tiny_vlm("qwen2_vl"))
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_image_input_names_the_row_and_field(vlm_engine, case):
+    batch = make_image_batch()
+    edit, message = BAD[case]
+    edit(batch)
+    with pytest.raises(ValueError, match=message):
+        vlm_engine.forward_backward_batch(batch)
+
+
+def test_bad_vision_config_names_the_key():
+    from engine_utils import tiny_model
+
+    with pytest.raises(ValueError, match="freeze_vision must be a bool"):
+        ActorConfig(freeze_vision="yes")
+    with pytest.raises(
+        ValueError, match=r"actor.freeze_vision=False, but Qwen2ForCausalLM has no vision"
+    ):
+        ActorEngine(tiny_model(), ActorConfig(freeze_vision=False))
+    with pytest.raises(ValueError, match=r"actor.sequence_parallel_size=2 is not supported"):
+        ActorEngine(tiny_vlm("qwen2_vl"), ActorConfig(sequence_parallel_size=2))
+    with pytest.raises(ValueError, match=r"critic.tensor_parallel_size=2 is not supported"):
+        CriticEngine(tiny_vlm("qwen2_vl"), CriticConfig(tensor_parallel_size=2))
+    text = ActorEngine(tiny_model(), ActorConfig())
+    with pytest.raises(ValueError, match="the model has no vision tower"):
+        text.infer_batch(
+            {"input_ids": torch.ones(1, 3, dtype=torch.long), "pixel_values": torch.zeros(1, 4, 24)}
+        )
+
+
+def test_pad_images_lays_out_rows_and_rejects_mismatched_patches():
+    from microrl.engine.vision import pad_images
+
+    one = (torch.randn(4, 24), torch.tensor([[1, 2, 2]]))
+    two = (torch.randn(12, 24), torch.tensor([[1, 2, 2], [1, 2, 4]]))
+    keys = pad_images([one, None, two])
+    assert keys["pixel_values"].shape == (3, 12, 24) and keys["image_grid_thw"].shape == (3, 2, 3)
+    assert torch.equal(keys["pixel_values"][0, :4], one[0]) and not keys["pixel_values"][1].any()
+    assert torch.equal(keys["image_grid_thw"][2], two[1]) and not keys["image_grid_thw"][0, 1].any()
+    with pytest.raises(ValueError, match=r"row 1: image_grid_thw \[\[1, 2, 2\]\] gives 4 patches"):
+        pad_images([one, (torch.randn(5, 24), one[1])])
+    with pytest.raises(ValueError, match="at least one row with images"):
+        pad_images([None, None])
