@@ -223,16 +223,16 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
 
     grpo = load_recipe("grpo_lora")
     sampled, rewards, trained = [], [], []
-    real_sample, real_advantages = grpo.dynamic_sample, grpo.grpo_advantages
+    real_sample, real_advantages = grpo.dynamic_sample, grpo.group_advantages
     real_train = grpo.ActorEngine.train_batch
 
     def spy_sample(*args, **kwargs):
         sampled.append(real_sample(*args, **kwargs))
         return sampled[-1]
 
-    def spy_advantages(scores, group_ids, **kwargs):
+    def spy_advantages(rollout, scores, group_size):
         rewards.append(scores)
-        return real_advantages(scores, group_ids, **kwargs)
+        return real_advantages(rollout, scores, group_size)
 
     def spy_train(self, batch, loss_fn=None):
         if self.peft_model is not None:  # not the warm start's full fine-tune
@@ -240,7 +240,7 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
         return real_train(self, batch, loss_fn)
 
     monkeypatch.setattr(grpo, "dynamic_sample", spy_sample)
-    monkeypatch.setattr(grpo, "grpo_advantages", spy_advantages)
+    monkeypatch.setattr(grpo, "group_advantages", spy_advantages)
     monkeypatch.setattr(grpo.ActorEngine, "train_batch", spy_train)
     out = tmp_path / "dapo"
     args = [*TINY_MODEL, *TINY_RL, *DAPO, f"model.path={base_model}", f"output.dir={out}"]

@@ -301,26 +301,6 @@ def test_a_lora_sync_that_leaves_a_tensor_stale_fails_its_check(lora_setup, monk
     assert rollout.sync_stats[rollout._version]["sync/probe_abs_diff_mean"] <= 5e-5
 
 
-def test_full_sync_follows_the_engine(tokenizer, tmp_path):
-    from microrl.engine.rollout.vllm import VLLMRollout
-
-    engine = _engine(tokenizer, lora_rank=0)
-    rollout = VLLMRollout(engine, tokenizer, _vllm_config(), workdir=str(tmp_path))
-    try:
-        params = SamplingParams(num_samples=4, max_new_tokens=5, seed=3)
-        batch = rollout.generate(PROMPTS, params).batch
-        mask = batch["attention_mask"].float()
-        before = _engine_logprobs(engine, batch)
-        _assert_close(_vllm_logprobs(rollout, batch), before, mask)
-        _train_step(engine, batch)
-        after = _engine_logprobs(engine, batch)
-        assert ((after - before).abs() * mask).max().item() > MIN_MOVE
-        rollout.sync(engine)
-        _assert_close(_vllm_logprobs(rollout, batch), after, mask)
-    finally:
-        rollout.close()
-
-
 def test_thread_settings_survive_vllm(lora_setup):
     """vLLM's CPU worker replaces torch.set_num_threads process-wide; the backend undoes it."""
     threads = torch.get_num_threads()
@@ -376,3 +356,25 @@ def test_agent_episodes_on_vllm_are_token_in_token_out(lora_setup):
     batch = sampled.batch
     assert sampled.num_turns.tolist() == [2] * 6 and sampled.metrics["agent/branches"] == 0
     _assert_close(batch["rollout_logprobs"], _engine_logprobs(engine, batch), batch["loss_mask"])
+
+
+# Last in the module: vLLM's in-process engines share its process-global parallel groups, which
+# closing this second engine destroys; the module's engine (lora_setup) samples no more after it.
+def test_full_sync_follows_the_engine(tokenizer, tmp_path):
+    from microrl.engine.rollout.vllm import VLLMRollout
+
+    engine = _engine(tokenizer, lora_rank=0)
+    rollout = VLLMRollout(engine, tokenizer, _vllm_config(), workdir=str(tmp_path))
+    try:
+        params = SamplingParams(num_samples=4, max_new_tokens=5, seed=3)
+        batch = rollout.generate(PROMPTS, params).batch
+        mask = batch["attention_mask"].float()
+        before = _engine_logprobs(engine, batch)
+        _assert_close(_vllm_logprobs(rollout, batch), before, mask)
+        _train_step(engine, batch)
+        after = _engine_logprobs(engine, batch)
+        assert ((after - before).abs() * mask).max().item() > MIN_MOVE
+        rollout.sync(engine)
+        _assert_close(_vllm_logprobs(rollout, batch), after, mask)
+    finally:
+        rollout.close()
