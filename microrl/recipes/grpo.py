@@ -31,23 +31,23 @@ import time
 from collections.abc import Sequence
 
 import torch
+from tensordict import TensorDict
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.engine import ActorEngine
+from microrl.engine.rollout import Rollout
 from microrl.losses import broadcast_to_tokens
 from microrl.recipes import recipe_help
 from microrl.run import (
     StopOnInterrupt,
-    agent_metrics,
     close_on_exit,
     dynamic_sample,
-    episode_metrics,
     evaluator,
     finish,
     group_advantages,
     overlong_shaping,
     parse_cli,
-    reward_metrics,
+    rollout_metrics,
     sample_and_score,
     sample_rows,
     sampling_params,
@@ -59,7 +59,6 @@ from microrl.run import (
     whole_groups,
 )
 from microrl.run.distill import mix_teacher_advantages, scoring_in_producer, start_teacher
-from microrl.tasks import is_agent_task, is_episode_task
 
 __all__ = ["USAGE", "main"]
 
@@ -118,58 +117,21 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
     with close_on_exit(sampler, prefetch, teacher), StopOnInterrupt(dist_info) as stop:
         for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
-            # 1. Sample a group of responses per prompt from the current policy (the loss's
-            #    temperature, plain ancestral sampling); the batch carries the sampler's
-            #    rollout_logprobs, which the engine compares with its own (mismatch/* metrics).
-            #    A multi-turn task plays whole episodes instead (docs/rollouts.md).
-            if prefetch is not None and cfg.rollout.dynamic_sampling:  # both: rounds ahead
-                problems, rollout, scores, sampled = prefetch.take_groups(
-                    step, dist_info, shaping=overlong
-                )
-            elif prefetch is not None:  # 1-2 sampled ahead by the worker (rollout.max_staleness)
-                problems, rollout, scores = prefetch.take(step)
-            elif cfg.rollout.dynamic_sampling:  # 1-2 until the groups' rewards differ (DAPO)
-                problems, rollout, scores, sampled = dynamic_sample(
-                    task, sampler, sampling, rng, prompts_per_rank, dist_info,
-                    max_rounds=cfg.rollout.max_sampling_rounds, shaping=overlong,
-                    limits=cfg.rollout,
-                )  # fmt: skip
-            else:
-                problems = task.sample(rng, prompts_per_rank)
-                # 2. Score: the task's reward (addition: exact match of the answer text only;
-                #    episodes: the environments' rewards, summed over the turns).
-                rollout, scores = sample_and_score(sampler, task, problems, sampling, cfg.rollout)
-            if cfg.rollout.skip_env_errors:  # rows of failed episodes are gone: whole groups
-                rollout, scores, problems = whole_groups(
-                    rollout, scores, problems, cfg.rollout.group_size
-                )
+            # 1-2. Sample a group of responses per prompt from the current policy and score
+            #    them (a multi-turn task plays whole episodes instead: docs/rollouts.md).
+            problems, rollout, scores, sampled = sample_step(
+                cfg, run, step, sampler, prefetch, sampling, overlong, rng
+            )
             # Built on the host, moved to the engine's device once: from here on every tensor
             # is the engine's (docs/batch.md#devices).
             rollout, scores = rollout.to(engine.device), scores.to(engine.device)
             batch = rollout.batch
             penalty = overlong(rollout)  # the reward trained on is scores + penalty
-            # 3. Log-probs of the sampling policy (the ratio's anchor), recomputed by the engine
-            #    unless actor.policy_loss.bypass_mode takes the sampler's own (hf: the very
-            #    weights that sampled); and of the reference (the base model: the same engine
-            #    with the LoRA adapter off), only when the KL is penalised or reported this step.
-            old = None
-            if not cfg.actor.policy_loss.bypass_mode:
-                old = engine.infer_batch(batch)
-                batch["old_logprobs"] = old["logprobs"]
-            if cfg.train.kl_due(step, cfg.actor.policy_loss.kl_coef):
-                with engine.disable_adapter():
-                    batch["ref_logprobs"] = engine.infer_batch(batch)["logprobs"]
-            # 4. Group-normalised advantages, spread onto the response tokens. A group is one
-            #    prompt's rows, all sampled on this rank, so its statistics are complete here
-            #    (an agent's episode counts once, its branch rows share its advantage).
-            advantages = group_advantages(rollout, scores + penalty, cfg.rollout.group_size)
-            batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
-            distilled = {}
-            if teacher is not None:  # + teacher.coef * (teacher - student log-prob) per token
-                batch["advantages"], distilled = mix_teacher_advantages(
-                    batch, batch["advantages"], cfg.teacher, teacher, dist_info,
-                    waited_s=prefetch and prefetch.scorer_wait_s,
-                )  # fmt: skip
+            # 3-4. Old and reference log-probs, group-normalised advantages (+ the teacher's).
+            old, distilled = estimate_advantages(
+                engine, rollout, scores + penalty, cfg, step=step, teacher=teacher,
+                dist_info=dist_info, teacher_wait_s=prefetch and prefetch.scorer_wait_s,
+            )  # fmt: skip
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch
             #    into micro-batches and normalises the loss over the whole mini-batch.
             #    As many mini-batches on every rank, also when failed episodes left fewer rows.
@@ -189,14 +151,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 batch, scores, penalty, old, updates, dist_info, t0,
                 overlong=cfg.task.overlong_buffer > 0,
             )  # fmt: skip
-            metrics.update(distilled)
-            if cfg.rollout.dynamic_sampling:
-                metrics.update(sampled)
-            if is_episode_task(task):
-                metrics.update(episode_metrics(rollout, dist_info))
-            if is_agent_task(task):  # agent/* (docs/rollouts.md#agents)
-                metrics.update(agent_metrics(rollout, dist_info))
-            metrics.update(reward_metrics(task, dist_info))  # judge/*, reward_model/*
+            metrics.update(distilled | sampled)  # teacher/*, dynamic_sampling/*
+            metrics.update(rollout_metrics(task, rollout, dist_info))  # episodes/, agent/, judge/
             if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)
                 metrics.update(prefetch.metrics(step, rollout, dist_info))
             if is_eval_step:
@@ -222,6 +178,71 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
         tokenizer=run.tokenizer,  # saved beside the merged model (output.export_merged)
         extra_state=extra,
     )  # fmt: skip
+
+
+def sample_step(
+    cfg: GRPOExampleConfig, run, step: int, sampler, prefetch, sampling, overlong, rng
+) -> tuple[list, Rollout, torch.Tensor, dict[str, float]]:
+    """Steps 1-2: ``(problems, rollout, scores [B], dynamic-sampling metrics)`` of ``step``,
+    sampled now or ahead (``prefetch``: rollout.max_staleness), until the groups' rewards
+    differ (rollout.dynamic_sampling, DAPO), and without the rows of failed episodes."""
+    task, dist_info, count = run.task, run.dist_info, run.prompts_per_rank
+    sampled = {}
+    if prefetch is not None and cfg.rollout.dynamic_sampling:  # both: rounds sampled ahead
+        problems, rollout, scores, sampled = prefetch.take_groups(step, dist_info, shaping=overlong)
+    elif prefetch is not None:  # sampled (and scored) ahead by the worker
+        problems, rollout, scores = prefetch.take(step)
+    elif cfg.rollout.dynamic_sampling:
+        problems, rollout, scores, sampled = dynamic_sample(
+            task, sampler, sampling, rng, count, dist_info,
+            max_rounds=cfg.rollout.max_sampling_rounds, shaping=overlong, limits=cfg.rollout,
+        )  # fmt: skip
+    else:  # the plain ancestral sample at the loss's temperature; the batch carries the
+        # sampler's rollout_logprobs (the engine reports the mismatch/*). The score is the
+        # task's reward (addition: the answer text only; episodes: the environments' rewards).
+        problems = task.sample(rng, count)
+        rollout, scores = sample_and_score(sampler, task, problems, sampling, cfg.rollout)
+    if cfg.rollout.skip_env_errors:  # rows of failed episodes are gone: whole groups only
+        rollout, scores, problems = whole_groups(rollout, scores, problems, cfg.rollout.group_size)
+    return problems, rollout, scores, sampled
+
+
+def estimate_advantages(
+    engine: ActorEngine,
+    rollout: Rollout,
+    rewards: torch.Tensor,
+    cfg: GRPOExampleConfig,
+    *,
+    step: int,
+    teacher=None,
+    dist_info=None,
+    teacher_wait_s: float | None = None,
+) -> tuple[TensorDict | None, dict[str, float]]:
+    """Steps 3-4 on ``rollout.batch`` (``[B, T]``, ``rewards [B]``) in place; returns the old
+    log-prob pass (its entropy is logged; None with the bypass) and the teacher's metrics.
+
+    3. The sampling policy's log-probs (the ratio's anchor), recomputed by the engine unless
+       ``actor.policy_loss.bypass_mode`` takes the sampler's own; the reference's (the base
+       model: the adapter off) only when the KL is penalised or reported this step.
+    4. Group-normalised advantages on the response tokens: a group is one prompt's rows, all
+       sampled on this rank, so its statistics are complete here (an agent's episode counts
+       once); plus ``teacher.coef`` x (teacher - student log-prob) per token with a teacher.
+    """
+    batch, old = rollout.batch, None
+    if not cfg.actor.policy_loss.bypass_mode:
+        old = engine.infer_batch(batch)
+        batch["old_logprobs"] = old["logprobs"]
+    if cfg.train.kl_due(step, cfg.actor.policy_loss.kl_coef):
+        with engine.disable_adapter():
+            batch["ref_logprobs"] = engine.infer_batch(batch)["logprobs"]
+    advantages = group_advantages(rollout, rewards, cfg.rollout.group_size)
+    batch["advantages"] = broadcast_to_tokens(advantages, batch["loss_mask"])
+    if teacher is None:
+        return old, {}
+    batch["advantages"], distilled = mix_teacher_advantages(
+        batch, batch["advantages"], cfg.teacher, teacher, dist_info, waited_s=teacher_wait_s
+    )
+    return old, distilled
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from microrl.run import (
     finish,
     overlong_shaping,
     parse_cli,
-    reward_metrics,
+    rollout_metrics,
     sample_and_score,
     sample_rows,
     sampling_params,
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 batch, scores, penalty, old, actor_updates, dist_info, t0,
                 critic_updates=critic_updates, overlong=cfg.task.overlong_buffer > 0,
             )  # fmt: skip
-            metrics.update(reward_metrics(task, dist_info))  # judge/*, reward_model/*
+            metrics.update(rollout_metrics(task, rollout, dist_info))  # judge/, reward_model/
             if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)
                 metrics.update(prefetch.metrics(step, rollout, dist_info))
             if is_eval_step:

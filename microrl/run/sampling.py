@@ -29,6 +29,7 @@ __all__ = [
     "episode_rows",
     "group_advantages",
     "reward_metrics",
+    "rollout_metrics",
     "sample_and_score",
     "score_rollout",
     "whole_groups",
@@ -193,3 +194,15 @@ def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:
     if rows:  # (none scored since the last step: no mean)
         totals["reward_model/score_mean"] = score_sum / rows
     return totals
+
+
+def rollout_metrics(task: Task, rollout: Rollout, dist_info: Dist) -> dict[str, float]:
+    """The step's task-specific metrics over every rank: ``episodes/*`` (multi-turn tasks),
+    ``agent/*`` (agent tasks) and the model-based reward terms' counters (``judge/*``,
+    ``reward_model/*``); one call for every recipe."""
+    metrics = reward_metrics(task, dist_info)
+    if is_episode_task(task):
+        metrics.update(episode_metrics(rollout, dist_info))
+    if is_agent_task(task):  # docs/rollouts.md#agents
+        metrics.update(agent_metrics(rollout, dist_info))
+    return metrics
