@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from microrl.configs.engine import LoraConfig
 from microrl.engine.checkpoint.export import classifier_state_dict, classifier_target
@@ -41,13 +42,16 @@ def is_engine_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def load_reward_model_checkpoint(checkpoint: str | os.PathLike, base: str | os.PathLike) -> Any:
+def load_reward_model_checkpoint(
+    checkpoint: str | os.PathLike, base: str | os.PathLike | nn.Module
+) -> Any:
     """The float32 ``*ForSequenceClassification`` (``num_labels=1``, eval mode, on the CPU) that
     a ``RewardModelEngine`` checkpoint and its base model make.
 
     Args:
         checkpoint: a directory written by ``RewardModelEngine.save_checkpoint``.
-        base: the base causal LM it was trained from (a local checkpoint directory).
+        base: the base causal LM it was trained from: a local checkpoint directory, or the
+            model itself (a fresh copy: LoRA layers are injected into it).
 
     Raises :class:`~microrl.engine.checkpoint.CheckpointError` (a ``ValueError``) for an
     incomplete checkpoint, one that is not a reward model's (an actor's or a critic's), or one
