@@ -82,6 +82,10 @@ def load_reward_model_checkpoint(
     target = classifier_target(module)
     state = {k: v.detach() for k, v in module.state_dict().items()}
     out = classifier_state_dict(target, module, state)
-    model = AutoModelForSequenceClassification.from_config(target.config, dtype=torch.float32)
-    model.load_state_dict(out, strict=True)
+    del module, state  # the merged tensors in ``out`` are all the classifier needs
+    with torch.device("meta"):  # its class, without initialising weights that are replaced
+        cls = type(AutoModelForSequenceClassification.from_config(target.config))
+    # transformers' own loading from a state dict: no random init, buffers (rotary) built as
+    # from a checkpoint; ``out`` holds exactly the classifier's keys (classifier_state_dict).
+    model = cls.from_pretrained(None, config=target.config, state_dict=out, dtype=torch.float32)
     return model.eval()
