@@ -172,7 +172,12 @@ class TaskConfig:
     )
     # Model-based rewards (microrl.tasks.reward_model, microrl.tasks.judge; docs/tasks.md).
     reward_model: str | None = config_field(
-        None, "a sequence-classification reward model (a path or Hub id) scoring prompt+response"
+        None,
+        "a sequence-classification reward model (a path or Hub id), or a RewardModelEngine "
+        "checkpoint, scoring prompt+response",
+    )
+    reward_model_base: str | None = config_field(
+        None, "the base model a RewardModelEngine checkpoint in task.reward_model was trained from"
     )
     reward_model_norm: str = config_field(
         "none", "the reward model's scores: none, batch or group (standardised per prompt)"
@@ -297,6 +302,9 @@ class TaskConfig:
             ">= 1",
             self.reward_model_batch_size,
         )
+        base = self.reward_model_base
+        rule = "unset without task.reward_model"
+        require(not base or bool(self.reward_model), "task.reward_model_base", rule, base)
         episodes = self.name in EPISODE_TASK_NAMES  # the environments give the rewards
         for key, value in (("reward_model", self.reward_model), ("judge.url", self.judge.url)):
             require(

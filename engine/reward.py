@@ -38,7 +38,9 @@ class RewardModelEngine(Engine):
     do not apply: the loss is a mean over pairs). ``config.seed`` seeds the score head.
     ``microrl.engine.checkpoint.export.export_merged_model(engine.module, path)`` writes a
     ``*ForSequenceClassification`` model (``num_labels=1``) that transformers loads with the
-    trained head; ``export_peft_adapter`` the matching adapter (task type ``SEQ_CLS``).
+    trained head; ``export_peft_adapter`` the matching adapter (task type ``SEQ_CLS``);
+    ``microrl.engine.checkpoint.reward_model.load_reward_model_checkpoint(dir, base)`` reads a
+    ``save_checkpoint`` directory back as that classifier (``task.reward_model``).
     """
 
     config_class = EngineConfig

@@ -1,5 +1,6 @@
 """Model-based rewards for tests: a tiny sequence-classification reward model saved with the toy
-tokenizer, and a stand-in OpenAI-compatible judge server (standard library HTTP, in the test
+tokenizer, a ``RewardModelEngine`` trained one LoRA step and saved as an engine checkpoint, and a
+stand-in OpenAI-compatible judge server (standard library HTTP, in the test
 process) whose replies, delays, failures and key check a test scripts."""
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from microrl.run.toy_model import build_tokenizer
+
+# Four rows of two pairs (toy-tokenizer text): what the trained reward model sees.
+PAIR_TEXTS = ["12+7=19", "12+7=91", "3+4=1", "3+4=7"]
 
 JUDGE_KEY = "judge-secret-7f3a9c"  # a key no log, metric or config may ever show
 
@@ -42,6 +46,45 @@ def save_reward_model(path: Path, *, seed: int = 0, num_labels: int = 1, hidden:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def train_reward_model_engine(root: Path, *, lora: int = 4, hidden: int = 32):
+    """``(engine, base, checkpoint)``: a toy base causal LM saved with its tokenizer at
+    ``root/"rm_base"``, a ``RewardModelEngine`` on it (``lora`` rank, 0: full fine-tune) trained
+    one step on :data:`PAIR_TEXTS` (so a LoRA adapter is non-zero), saved with
+    ``engine.save_checkpoint`` at ``root/"rm_ckpt"``."""
+    from tensordict import TensorDict
+
+    from microrl.configs import EngineConfig
+    from microrl.configs.engine import LoraConfig, OptimConfig
+    from microrl.configs.run import ModelConfig
+    from microrl.engine import RewardModelEngine
+    from microrl.run.toy_model import build_model
+
+    tokenizer = build_tokenizer()
+    size = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_heads=2, head_dim=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        build_model(size, tokenizer).save_pretrained(root / "rm_base")
+        tokenizer.save_pretrained(root / "rm_base")
+        config = EngineConfig(
+            seed=5,
+            lora=LoraConfig(rank=lora, alpha=2.0 * lora) if lora else LoraConfig(rank=0),
+            optim=OptimConfig(lr=0.05),
+        )
+        engine = RewardModelEngine(str(root / "rm_base"), config)
+        torch.nn.init.normal_(engine.module.value_head.weight, std=0.3)  # scores of order 1
+        enc = tokenizer(PAIR_TEXTS, return_tensors="pt", padding=True)
+        batch = TensorDict(
+            input_ids=enc["input_ids"],
+            attention_mask=enc["attention_mask"].bool(),
+            group=torch.tensor([0, 0, 1, 1]),
+            chosen=torch.tensor([True, False, False, True]),
+            batch_size=[4],
+        )
+        engine.train_batch(batch)
+    engine.save_checkpoint(root / "rm_ckpt")
+    return engine, root / "rm_base", root / "rm_ckpt"
 
 
 @dataclass

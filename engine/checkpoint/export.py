@@ -39,6 +39,7 @@ from microrl.engine.parallel import distributed
 __all__ = [
     "ClassifierTarget",
     "base_state_dict",
+    "classifier_state_dict",
     "classifier_target",
     "export_merged_model",
     "export_peft_adapter",
@@ -308,6 +309,28 @@ def _head_state(
     return {f"{head_name}.{k}": v for k, v in head.items()}
 
 
+def classifier_state_dict(
+    target: ClassifierTarget, value_model: ValueModel, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The state dict of ``target``'s classifier from ``value_model``'s full ``state`` (keys
+    relative to it: ``body.*``, ``value_head.*``), LoRA merged into the body.
+
+    Raises ``ValueError`` when the keys are not exactly the classifier's (e.g. a buffer it
+    stores differently): never a model that loads with missing or random weights.
+    """
+    body = merged_state_dict(value_model.body, _sub_state(state, "body."))
+    out = {f"{target.base_prefix}.{k}": v for k, v in body.items()}
+    out.update(_head_state(state, "", target.head_name))
+    if out.keys() != target.state_keys:
+        missing = sorted(target.state_keys - out.keys())[:5]
+        extra = sorted(out.keys() - target.state_keys)[:5]
+        raise ValueError(
+            f"cannot export as {target.config.architectures[0]}: state keys differ "
+            f"(missing {missing}, unexpected {extra})"
+        )
+    return out
+
+
 def _export_classifier(
     model: nn.Module,
     path: str | os.PathLike,
@@ -322,16 +345,7 @@ def _export_classifier(
     state = full_state_dict(model)  # every rank takes part; rank 0 gets the tensors
 
     def write(tmp: Path) -> None:  # rank 0, inside the ranks' agreement: a failure reaches all
-        body = merged_state_dict(value_model.body, _sub_state(state, value_prefix + "body."))
-        out = {f"{target.base_prefix}.{k}": v for k, v in body.items()}
-        out.update(_head_state(state, value_prefix, target.head_name))
-        if out.keys() != target.state_keys:  # e.g. a buffer the classifier stores differently
-            missing = sorted(target.state_keys - out.keys())[:5]
-            extra = sorted(out.keys() - target.state_keys)[:5]
-            raise ValueError(
-                f"cannot export as {target.config.architectures[0]}: state keys differ "
-                f"(missing {missing}, unexpected {extra})"
-            )
+        out = classifier_state_dict(target, value_model, _sub_state(state, value_prefix))
         target.config.save_pretrained(str(tmp))
         tensors = {k: v.contiguous() for k, v in out.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -314,6 +314,7 @@ def load_checkpoint(
     config: Any = None,
     rng: bool = True,
     timeout_s: float | None = None,
+    local: bool = False,
 ) -> CheckpointInfo:
     """Restore a :func:`save_checkpoint` directory into ``model`` (and optimizer, scheduler, RNG).
 
@@ -327,12 +328,16 @@ def load_checkpoint(
     With several ranks, a failure on one fails all of them as in :func:`save_checkpoint` (same
     ``timeout_s``): one in the checks leaves every rank's model untouched, one while restoring
     may leave the ranks partly restored (load again).
+
+    ``local``: this process alone loads into an unsharded ``model``, whatever the world size (no
+    agreements, no collectives, no RNG state restored; e.g. each rank's own frozen reward model,
+    docs/tasks.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     timeout_s = resolve_timeout(timeout_s)
     root = Path(path).absolute()
-    world = distributed.world_size()
+    world = 1 if local else distributed.world_size()
     sync = RankSync(f"checkpoint load of {root}", timeout_s) if world > 1 else None
     with phase(sync, "check"):
         manifest = read_manifest(root)
@@ -393,7 +398,7 @@ def load_checkpoint(
             )
         if scheduler is not None:
             scheduler.load_state_dict(manifest["scheduler"])
-        if rng and manifest["rng"]:
+        if rng and manifest["rng"] and not local:
             if manifest["world_size"] == distributed.world_size():
                 state = json.loads(
                     (root / RNG_DIR / f"rank_{distributed.rank():05d}.json").read_text()

@@ -58,7 +58,11 @@ def _without_models(task_cfg: TaskConfig) -> TaskConfig:
         return task_cfg
     weights = task_cfg.reward_weights[: len(task_cfg.rewards)]
     return dataclasses.replace(
-        task_cfg, reward_model=None, judge=JudgeConfig(), reward_weights=weights
+        task_cfg,
+        reward_model=None,
+        reward_model_base=None,
+        judge=JudgeConfig(),
+        reward_weights=weights,
     )
 
 

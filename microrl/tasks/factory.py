@@ -92,6 +92,7 @@ def reward_of(cfg: TaskConfig) -> Reward:
         fns.append(
             RewardModelScorer(
                 cfg.reward_model,
+                base=cfg.reward_model_base,
                 batch_size=cfg.reward_model_batch_size,
                 norm=cfg.reward_model_norm,
                 chat_template=cfg.reward_model_chat_template,

@@ -2,7 +2,9 @@
 
 The model is a transformers sequence-classification checkpoint with one label (what
 ``export_merged_model`` writes for a trained :class:`~microrl.engine.RewardModelEngine`, or any
-``*ForSequenceClassification`` on the Hub), loaded in float32, frozen, on this process's
+``*ForSequenceClassification`` on the Hub), or a ``RewardModelEngine`` checkpoint
+(``engine.save_checkpoint``) with the base model it was trained from (``task.reward_model_base``:
+:mod:`~microrl.engine.checkpoint.reward_model`), loaded in float32, frozen, on this process's
 device. Each row is scored as text with the reward model's **own** tokenizer: ``prompt +
 completion`` (the prompt as the policy saw it, after any chat template), or, with
 ``chat_template``, the reward model's chat template over a user turn (the prompt) and an
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,7 +56,9 @@ class RewardModelScorer:
     """``scorer(completions, prompts) -> list[float]``: the reward model's score of each row.
 
     Args:
-        path: a local sequence-classification checkpoint (with its tokenizer) or a Hub id.
+        path: a local sequence-classification checkpoint (with its tokenizer), a Hub id, or a
+            ``RewardModelEngine`` checkpoint directory (then ``base`` is needed).
+        base: the base model an engine checkpoint was trained from (its tokenizer is used).
         batch_size: rows per forward.
         norm: ``none``, ``batch`` or ``group`` (module docstring).
         chat_template: render rows with the reward model's chat template.
@@ -66,7 +69,9 @@ class RewardModelScorer:
 
     Raises ``ValueError`` naming ``task.reward_model``: a path that holds no sequence
     classifier, a classifier with more than one label, a tokenizer with neither pad nor EOS
-    token, or ``chat_template`` without a template.
+    token, or ``chat_template`` without a template; naming ``task.reward_model_base``: an
+    engine checkpoint without it, a base that does not fit the checkpoint, or a base given for
+    a path that is not an engine checkpoint.
     """
 
     config_key = "task.reward_model"
@@ -75,6 +80,7 @@ class RewardModelScorer:
         self,
         path: str | None = None,
         *,
+        base: str | None = None,
         batch_size: int = 8,
         norm: str = "none",
         chat_template: bool = False,
@@ -88,7 +94,7 @@ class RewardModelScorer:
             raise ValueError(f"task.reward_model_batch_size must be an int >= 1: {batch_size!r}")
         self.path = str(path) if path is not None else getattr(model, "name_or_path", "?")
         if model is None or tokenizer is None:
-            model, tokenizer = _load(self.path)
+            model, tokenizer = _load(self.path, base)
         self.device = torch.device(device) if device is not None else _default_device()
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -166,15 +172,29 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _load(path: str) -> tuple[Any, Any]:
+def _load(path: str, base: str | None) -> tuple[Any, Any]:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from microrl.engine.checkpoint import reward_model as engine_rm
+
     where = f"task.reward_model={path!r}"
-    if (Path(path) / "manifest.json").is_file():
+    if engine_rm.is_engine_checkpoint(path):
+        if not base:
+            raise ValueError(
+                f"{where} is an engine checkpoint (manifest.json), which holds only the trained "
+                "tensors: set task.reward_model_base to the base model it was trained from "
+                "(docs/tasks.md#reward-models)"
+            )
+        try:
+            model = engine_rm.load_reward_model_checkpoint(path, base)
+            return model, AutoTokenizer.from_pretrained(base)
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"{where} with task.reward_model_base={base!r}: {first}") from err
+    if base:
         raise ValueError(
-            f"{where} is an engine checkpoint (manifest.json), which holds only trained tensors: "
-            "export it first with microrl.engine.checkpoint.export_merged_model(engine.module, "
-            "dir, tokenizer=tokenizer) and give that directory (docs/tasks.md#reward-models)"
+            f"task.reward_model_base={base!r} is set, but {where} is not an engine checkpoint "
+            "(no manifest.json): a sequence-classification checkpoint needs no base"
         )
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
@@ -182,7 +202,7 @@ def _load(path: str) -> tuple[Any, Any]:
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
-            f"{where} could not be loaded as a sequence-classification model with its tokenizer: "
-            f"{first}"
+            f"{where} could not be loaded as a sequence-classification model with its tokenizer "
+            f"(nor is it a RewardModelEngine checkpoint): {first}"
         ) from err
     return model, tokenizer

@@ -1,4 +1,5 @@
-"""The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports.
+"""The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports, and
+its engine checkpoint saved from the shards then read back on each rank alone.
 
 Like tests/engine/parallel/test_distributed.py, the pytest function launches this file on 2 ranks
 (``distributed_utils.launch``) and the ranks report the checks that passed. References are
@@ -38,19 +39,30 @@ def test_reward_model_under_data_parallelism(tmp_path):
     (tmp_path / "out").mkdir()
     launch(2, HERE, str(tmp_path))
     passed = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
-    assert passed[0] == passed[1] == ["dp_invariance", "empty_share", "export_under_fsdp"]
+    assert (
+        passed[0]
+        == passed[1]
+        == [
+            "dp_invariance",
+            "empty_share",
+            "export_under_fsdp",
+            "checkpoint_as_classifier",
+        ]
+    )
 
 
 # ============================================================================ rank side
 
 
 def main(tmp: str) -> None:
+    import torch
     import torch.distributed as dist
-    from export_utils import check_sequence_classifier_export
+    from export_utils import SCORE_ATOL, check_sequence_classifier_export, hf_scores
     from torch.distributed.fsdp import FSDPModule
 
     from microrl.configs import EngineConfig, LoraConfig, OptimConfig
     from microrl.engine import RewardModelEngine
+    from microrl.engine.checkpoint.reward_model import load_reward_model_checkpoint
     from microrl.engine.parallel import distributed as D
 
     rank = int(os.environ.get("RANK", "0"))
@@ -98,6 +110,13 @@ def main(tmp: str) -> None:
     expected = engine.infer_batch(batch)["scores"]
     check_sequence_classifier_export(engine, batch, expected, Path(tmp) / "merged", rank=rank)
     passed.append("export_under_fsdp")
+
+    # ---- its engine checkpoint, saved from the shards, read back by each rank alone (no
+    # collective: task.reward_model) as that classifier, LoRA merged
+    engine.save_checkpoint(Path(tmp) / "ckpt")
+    local = load_reward_model_checkpoint(Path(tmp) / "ckpt", tiny_model())
+    torch.testing.assert_close(hf_scores(local, batch), expected, atol=SCORE_ATOL, rtol=0)
+    passed.append("checkpoint_as_classifier")
 
     dist.barrier()
     (Path(tmp) / "out" / f"rank{rank}.json").write_text(json.dumps(passed))

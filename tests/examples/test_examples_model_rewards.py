@@ -1,6 +1,7 @@
 """The recipes rewarded by a reward model and an LLM judge (docs/tasks.md#reward-models): GRPO
 in process, with ``rollout.max_staleness=1`` (scored ahead in the trainer's background thread),
-and under ``torchrun`` on 2 ranks, and PPO; the judge is a stand-in server in this process, its key in
+and under ``torchrun`` on 2 ranks (the reward model a ``RewardModelEngine`` checkpoint with
+``task.reward_model_base``), and PPO; the judge is a stand-in server in this process, its key in
 the environment, and no file the run writes nor its output shows the key.
 """
 
@@ -13,7 +14,13 @@ from pathlib import Path
 
 import pytest
 from example_utils import TINY_MODEL, TINY_RL, load_example
-from model_reward_utils import JUDGE_KEY, JudgeScript, judge_server, save_reward_model
+from model_reward_utils import (
+    JUDGE_KEY,
+    JudgeScript,
+    judge_server,
+    save_reward_model,
+    train_reward_model_engine,
+)
 
 from microrl.run import read_metrics
 
@@ -26,9 +33,12 @@ def _reply(content: str) -> str:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """The stand-in judge (replies after 20 ms), a reward model, and the run's common args."""
+    """The stand-in judge (replies after 20 ms), a reward model, and the run's common args;
+    the torchrun test swaps in a RewardModelEngine checkpoint (``engine_rm``) for the model."""
     root = tmp_path_factory.mktemp("model_rewards")
     rm = save_reward_model(root / "rm", seed=2)
+    _, rm_base, rm_ckpt = train_reward_model_engine(root)
+    engine_rm = [f"task.reward_model={rm_ckpt}", f"task.reward_model_base={rm_base}"]
     script = JudgeScript(reply=_reply, delay_s=0.02)
     with judge_server(script) as url:
         args = [
@@ -46,7 +56,7 @@ def setup(tmp_path_factory):
             "output.tensorboard=false",
             "train.steps=3",
         ]
-        yield args, script
+        yield args, script, engine_rm
 
 
 def _check(out: Path, steps: int, script: JudgeScript, captured: str) -> list[dict]:
@@ -73,7 +83,7 @@ def _check(out: Path, steps: int, script: JudgeScript, captured: str) -> list[di
 def test_a_recipe_with_a_reward_model_and_a_judge(
     setup, recipe, staleness, tmp_path, monkeypatch, capfd
 ):
-    args, script = setup
+    args, script, _ = setup
     monkeypatch.setenv("MICRORL_TEST_JUDGE_KEY", JUDGE_KEY)
     out = tmp_path / "out"
     run = [*args, f"output.dir={out}", f"rollout.max_staleness={staleness}"]
@@ -90,8 +100,9 @@ def test_a_recipe_with_a_reward_model_and_a_judge(
 
 @pytest.mark.distributed
 def test_grpo_with_a_reward_model_and_a_judge_under_torchrun(setup, tmp_path) -> None:
-    """Two ranks, each scoring its own rows, the counts summed over both."""
-    args, script = setup
+    """Two ranks, each scoring its own rows with its own copy of a RewardModelEngine checkpoint
+    (loaded by each rank alone: no collective in the task's construction), the counts summed."""
+    args, script, engine_rm = setup
     out = tmp_path / "dp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "MICRORL_TEST_JUDGE_KEY": JUDGE_KEY}
@@ -100,6 +111,7 @@ def test_grpo_with_a_reward_model_and_a_judge_under_torchrun(setup, tmp_path) ->
             *cmd,
             str(ROOT / "examples" / "grpo_lora.py"),
             *args,
+            *engine_rm,
             f"output.dir={out}",
             "train.steps=2",
         ],

@@ -1,20 +1,22 @@
 """A scalar reward model as a reward term (microrl/tasks/reward_model.py): its scores against a
-plain transformers forward in float64, the same under any batch size, a trained
-``RewardModelEngine``'s export scored as the engine scores, the normalisations, the weights that
+plain transformers forward in float64, the same under any batch size, a LoRA-trained
+``RewardModelEngine`` scored as the engine scores (its export, or its engine checkpoint with
+``task.reward_model_base``), the normalisations, the weights that
 combine it with reward functions, and the errors that name the key.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from model_reward_utils import save_reward_model
+from model_reward_utils import save_reward_model, train_reward_model_engine
+from tensordict import TensorDict
 from transformers import AutoModelForSequenceClassification
 
-from microrl.configs import EngineConfig
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import load_config
-from microrl.engine import RewardModelEngine
 from microrl.engine.checkpoint.export import export_merged_model
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import make_task
@@ -24,6 +26,7 @@ PROMPTS = ["12+7=", "3+4=", "99+1=", "5+5=", "0+0="]
 COMPLETIONS = ["19", "7", "100", "1", "0000000"]  # lengths 1-7: padding in every batch
 # A 1-layer, 32-wide float32 forward (~100 roundings of O(1) values) against float64: 1e-5.
 ATOL = 1e-5
+RM_ATOL = 2e-5  # a trained RewardModelEngine's scores, engine vs scorer (see the test)
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +56,59 @@ def test_scores_equal_a_plain_forward_under_any_batch_size(rm_path) -> None:
         assert scorer.drain_metrics()["reward_model/rows"] == 0  # drained
 
 
-def test_a_reward_model_engine_export_scores_as_the_engine(tmp_path) -> None:
-    """What RewardModelEngine trains, exported (export_merged_model), scores as the engine."""
-    from microrl.configs.run import ModelConfig
-    from microrl.run.toy_model import build_model
+@pytest.fixture(scope="module")
+def trained_rm(tmp_path_factory):
+    """A LoRA RewardModelEngine trained one step, its engine checkpoint, and its export."""
+    root = tmp_path_factory.mktemp("engine_rm")
+    engine, base, ckpt = train_reward_model_engine(root)
+    export_merged_model(engine.module, root / "export", tokenizer=build_tokenizer())
+    return engine, base, ckpt, root / "export"
 
-    tokenizer = build_tokenizer()
-    engine = RewardModelEngine(build_model(ModelConfig(), tokenizer), EngineConfig(seed=5))
-    torch.nn.init.normal_(engine.module.value_head.weight, std=1.0)
-    export_merged_model(engine.module, tmp_path / "rm", tokenizer=tokenizer)
+
+def _engine_scores(engine, texts, *, adapter: bool = True) -> torch.Tensor:
+    enc = build_tokenizer()(list(texts), return_tensors="pt", padding=True)  # left padding
+    batch = TensorDict(
+        input_ids=enc["input_ids"],
+        attention_mask=enc["attention_mask"].bool(),
+        batch_size=[len(texts)],
+    )
+    with engine.disable_adapter() if not adapter else contextlib.nullcontext():
+        return engine.infer_batch(batch)["scores"].double()
+
+
+def test_a_reward_model_engine_scores_as_the_engine_exported_or_from_its_checkpoint(
+    trained_rm,
+) -> None:
+    """What RewardModelEngine trains (LoRA, one step) scores as the engine does, given as its
+    export (export_merged_model) or as its engine checkpoint plus task.reward_model_base.
+
+    Float32 on both sides, the engine left-padded with the adapter beside the frozen weight,
+    the scorer right-padded with the adapter merged (in float64, rounded once): scores below 10
+    (a float32 ulp <= 1e-6) differ by a few ulps (measured: 1e-6), so ``RM_ATOL`` = 2e-5."""
+    engine, base, ckpt, export = trained_rm
     texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
-    enc = tokenizer(texts, return_tensors="pt", padding=True)  # left padding
-    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"].bool()}
-    from tensordict import TensorDict
+    expected = _engine_scores(engine, texts)
+    # The test would see a dropped adapter or head: both move every score by far more than RM_ATOL.
+    assert (expected - _engine_scores(engine, texts, adapter=False)).abs().min() > 1e-2
+    assert expected.std() > 0.1
+    for scorer in (
+        RewardModelScorer(export, batch_size=2),
+        RewardModelScorer(str(ckpt), base=str(base), batch_size=2),
+    ):
+        got = torch.tensor(scorer(COMPLETIONS, PROMPTS), dtype=torch.float64)
+        torch.testing.assert_close(got, expected, atol=RM_ATOL, rtol=0)
 
-    expected = engine.infer_batch(TensorDict(batch, batch_size=[len(texts)]))["scores"]
-    got = RewardModelScorer(tmp_path / "rm", batch_size=2)(COMPLETIONS, PROMPTS)
-    torch.testing.assert_close(torch.tensor(got), expected.float(), atol=ATOL, rtol=0)
+
+def test_an_engine_checkpoint_as_task_reward_model(trained_rm, tmp_path) -> None:
+    """The config path: task.reward_model=<engine checkpoint> task.reward_model_base=<base>."""
+    from microrl.tasks import Problem
+
+    engine, base, ckpt, _ = trained_rm
+    task = _task(ckpt, tmp_path, "task.reward_weights=[0.0,1.0]", f"task.reward_model_base={base}")
+    problems = [Problem(p, "0") for p in PROMPTS]
+    got = torch.tensor(task.score(COMPLETIONS, problems), dtype=torch.float64)
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    torch.testing.assert_close(got, _engine_scores(engine, texts), atol=RM_ATOL, rtol=0)
 
 
 def test_normalisations_against_a_hand_computation() -> None:
@@ -143,10 +182,8 @@ def test_bad_checkpoints_name_the_key(rm_path, tmp_path) -> None:
     two = save_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ValueError, match=r"has 2 labels; a scalar reward model has 1"):
         RewardModelScorer(two)
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "manifest.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"is an engine checkpoint .*export_merged_model"):
-        RewardModelScorer(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"reward_model_base=.* is set, but .* not an engine"):
+        RewardModelScorer(rm_path, base=str(rm_path))
     with pytest.raises(
         ValueError, match=r"reward_model_chat_template=true, but .* no chat template"
     ):
@@ -166,3 +203,17 @@ def test_the_reward_model_runs_on_the_processs_gpu(rm_path, monkeypatch) -> None
         assert next(scorer.model.parameters()).device == torch.device("cuda", 1)
         got = scorer(COMPLETIONS[:2], PROMPTS[:2])
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=ATOL, rtol=0)
+
+
+def test_bad_engine_checkpoints_name_the_keys(trained_rm, rm_path, tmp_path) -> None:
+    _, base, ckpt, _ = trained_rm
+    with pytest.raises(ValueError, match=r"is an engine checkpoint .*set task.reward_model_base"):
+        RewardModelScorer(str(ckpt))
+    with pytest.raises(ValueError, match=r"task.reward_model_base='.*nowhere'.*not a local"):
+        RewardModelScorer(str(ckpt), base=str(tmp_path / "nowhere"))
+    # A base of another size: the checkpoint's tensors do not fit it (named, before loading).
+    _, other, _ = train_reward_model_engine(tmp_path, hidden=16)
+    with pytest.raises(ValueError, match=r"task.reward_model_base=.*does not match the model"):
+        RewardModelScorer(str(ckpt), base=str(other))
+    with pytest.raises(ValueError, match=r"task.reward_model_base must be unset without"):
+        load_config(GRPOExampleConfig, None, [f"task.reward_model_base={base}"])
