@@ -3,9 +3,12 @@
 ``model.path`` that is not a local directory but a Hugging Face Hub id is downloaded into the
 Hugging Face cache, and its snapshot directory is the checkpoint. When ``model.path`` is one of
 the examples' own toy-model paths (or ``model.build_toy`` is set), holds no checkpoint, and the
-task is one the toy model can learn (a task with a ``toy_alphabet``: the built-in ``addition``
-and ``word_problems``), a fresh model is built (:mod:`microrl.run.toy_model`, its character
-tokenizer extended by the task's alphabet) and trained
+task is one the toy model can learn (a task with a ``toy_alphabet``: the built-in ``addition``,
+``word_problems`` and ``calculator``), a fresh model is built (:mod:`microrl.run.toy_model`, its
+character tokenizer extended by the task's alphabet, and by a tool task's whole tokens and chat
+template; a tool task learns from its ``warm_start_conversations``, a share
+``warm_start.tool_share`` of them through the tool, and is checked on its greedy first turn) and
+trained
 with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
 accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
 RL visible room to improve. The toy model learns addition in a sudden jump whose step moves by

@@ -1,7 +1,7 @@
 """A toy task that is solved reliably only by calling a tool: 3-digit sums with a calculator.
 
-``"123+456="`` -> ``"579"``. The toy model of the examples learns 2-digit addition but not
-3-digit sums, so an agent scores well only when the model calls the ``calculator`` tool
+``"123+456="`` -> ``"579"``. The toy model of the examples learns 3-digit sums only partly, so
+an agent scores well only when the model calls the ``calculator`` tool
 (:data:`CALCULATOR_TOOL`, executed by :func:`execute_tool_call`: safe arithmetic, no ``eval``)
 and answers with its result. The agent is plain ``openai``-client code
 (``examples/calculator_agent.py``); the reward is the right final answer (:meth:`score`).

@@ -53,7 +53,9 @@ def test_the_calculator_task_and_its_keys_are_checked_by_name():
         TaskConfig(name="calculator", max_operand=999)
     with pytest.raises(ValueError, match=r"task\.max_operand must be >= 200 for task\.name=calc"):
         TaskConfig(name="calculator", agent=CALC_AGENT, max_operand=150)
-    with pytest.raises(ValueError, match=r"task\.agent_tool_parser must be null unless task\.agent"):
+    with pytest.raises(
+        ValueError, match=r"task\.agent_tool_parser must be null unless task\.agent"
+    ):
         TaskConfig(agent_tool_parser="hermes")
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match=r"model\.warm_start\.tool_share must be in \[0, 1\]"):
