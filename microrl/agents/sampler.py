@@ -133,9 +133,8 @@ class BatchingSampler:
                 logprobs.append(batch["rollout_logprobs"][row][mask].tolist())
             return Samples(ids, logprobs), batch[POLICY_VERSION_KEY].tolist()
 
-        stops = getattr(sampler, "stop_token_ids", None)  # else the tokenizer's (the default)
-        if stops:
-            kwargs.setdefault("stop_ids", stops)
+        if not kwargs.get("stop_ids"):  # else the tokenizer's turn terminators (the default)
+            kwargs["stop_ids"] = getattr(sampler, "stop_token_ids", None)
         return cls(sample, tokenizer, params, **kwargs)
 
     def submit(self, prompt_ids: list[int], max_tokens: int) -> Future:
