@@ -146,7 +146,7 @@ class TaskConfig:
 
     name: str = config_field(
         "addition",
-        "the task: addition, word_problems, dataset, hinted_addition or env (docs/tasks.md)",
+        "the task: addition, word_problems, dataset, hinted_addition, env or calculator (docs/tasks.md)",
     )
     max_operand: int = config_field(
         99, "built-in tasks' largest number: addition a+b= with 0 <= a, b <= it; word problems"
