@@ -17,6 +17,7 @@ from microrl.configs.judge import JudgeConfig
 from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 
 __all__ = [
+    "AGENT_TASK_NAMES",
     "EPISODE_TASK_NAMES",
     "TASK_NAMES",
     "TOY_MODEL_PATHS",
@@ -47,11 +48,19 @@ class WarmStartConfig:
     lr: float = config_field(3e-3, "warm-start learning rate (AdamW, full fine-tune)")
     target_accuracy: float = config_field(0.3, "stop warm-starting at this greedy accuracy")
     eval_every: int = config_field(10, "check the warm-start accuracy every N steps")
+    tool_share: float = config_field(
+        0.1,
+        "task.name=calculator: the share of warm-start problems solved by calling the tool "
+        "(the rest are answered at once; docs/tasks.md#calculator)",
+    )
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_size", "eval_every"):
             require(getattr(self, key) >= 1, f"model.warm_start.{key}", ">= 1", getattr(self, key))
         require(self.lr > 0, "model.warm_start.lr", "> 0", self.lr)
+        require(
+            0 <= self.tool_share <= 1, "model.warm_start.tool_share", "in [0, 1]", self.tool_share
+        )
         require(
             0 < self.target_accuracy <= 1,
             "model.warm_start.target_accuracy",
@@ -110,7 +119,11 @@ class ModelConfig:
 TOY_MODEL_PATHS = ("outputs/base/tiny-adder", "outputs/base/tiny-words")
 
 # The tasks a recipe can train on (microrl.tasks.make_task builds them; docs/tasks.md).
-TASK_NAMES = ("addition", "word_problems", "dataset", "hinted_addition", "env")
+TASK_NAMES = ("addition", "word_problems", "dataset", "hinted_addition", "env", "calculator")
+# Built-in tasks played only by an agent through the endpoint (task.agent; microrl.agents).
+AGENT_TASK_NAMES = ("calculator",)
+# The calculator task's operands are 3-digit: the smallest task.max_operand it takes.
+CALCULATOR_MIN_MAX_OPERAND = 200
 # Multi-turn tasks, played as episodes against environments (microrl.tasks.environments).
 EPISODE_TASK_NAMES = ("hinted_addition", "env")
 # Tasks that read task.train_file / task.eval_file.
@@ -133,7 +146,7 @@ class TaskConfig:
 
     name: str = config_field(
         "addition",
-        "the task: addition, word_problems, dataset, hinted_addition or env (docs/tasks.md)",
+        "the task: addition, word_problems, dataset, hinted_addition, env or calculator (docs/tasks.md)",
     )
     max_operand: int = config_field(
         99, "built-in tasks' largest number: addition a+b= with 0 <= a, b <= it; word problems"
@@ -212,6 +225,12 @@ class TaskConfig:
         "agent: the address the endpoint listens on; another exposes it to that network "
         "(key-protected, docs/rollouts.md#agents)",
     )
+    agent_tool_parser: str | None = config_field(
+        None,
+        "agent: the tool-call parser the endpoint applies to replies, e.g. hermes (vLLM's "
+        "named parsers too where vLLM is installed); null: content only, except hermes for "
+        "task.name=calculator (docs/rollouts.md#tool-parsers)",
+    )
     # DAPO's soft overlong punishment (Yu et al. 2025), added to each row's reward by the recipes
     # (microrl.tasks.overlong_penalty); the held-out accuracy keeps the task's own score.
     overlong_buffer: int = config_field(
@@ -282,6 +301,33 @@ class TaskConfig:
             "task.agent",
             "null for task.name=env or hinted_addition (their environments play the episodes)",
             self.agent,
+        )
+        require(
+            self.name not in AGENT_TASK_NAMES or bool(self.agent),
+            "task.agent",
+            f"an agent (module:function or file.py:function) for task.name={self.name}, e.g. "
+            "examples/calculator_agent.py:agent",
+            self.agent,
+        )
+        require(
+            self.name != "calculator" or self.max_operand >= CALCULATOR_MIN_MAX_OPERAND,
+            "task.max_operand",
+            f">= {CALCULATOR_MIN_MAX_OPERAND} for task.name=calculator (operands in "
+            "[100, max_operand]: sums the model cannot do alone)",
+            self.max_operand,
+        )
+        require(
+            self.agent_tool_parser is None or bool(self.agent),
+            "task.agent_tool_parser",
+            "null unless task.agent is set (it parses the agent's replies)",
+            self.agent_tool_parser,
+        )
+        require(
+            self.agent_tool_parser is None
+            or (isinstance(self.agent_tool_parser, str) and bool(self.agent_tool_parser.strip())),
+            "task.agent_tool_parser",
+            "null or a parser name such as hermes",
+            self.agent_tool_parser,
         )
         require(self.agent_timeout_s > 0, "task.agent_timeout_s", "> 0", self.agent_timeout_s)
         require(

@@ -36,10 +36,21 @@ class AgentSampler(AsyncSamplerBase):
         task: an agent task (:class:`~microrl.tasks.AgentTask`: its ``agent``, ``reward`` and
             ``tool_parser``).
         limits: the episodes' bounds; each job's token budget and ``skip_errors`` are its own.
+        stop_ids: the ids that end a turn, the workers' ``stop_token_ids`` (None: the
+            tokenizer's turn terminators; the model's ``generation_config`` adds its own).
     """
 
-    def __init__(self, inner: Any, tokenizer: Any, task: Any, limits: AgentLimits) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        tokenizer: Any,
+        task: Any,
+        limits: AgentLimits,
+        *,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
         self.inner = inner
+        self.stop_ids = stop_ids
         self.tokenizer = tokenizer
         self.task = task
         self.limits = limits
@@ -78,7 +89,12 @@ class AgentSampler(AsyncSamplerBase):
 
     def _play(self, problems: list, params: SamplingParams, limits: AgentLimits) -> Rollout:
         sampler = BatchingSampler.over_async(
-            self.inner, self.tokenizer, params, self.lock, window_s=limits.batch_window_s
+            self.inner,
+            self.tokenizer,
+            params,
+            self.lock,
+            window_s=limits.batch_window_s,
+            stop_ids=self.stop_ids,
         )
         task = self.task
         return play_agents(

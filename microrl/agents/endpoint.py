@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from microrl.agents.tool_parsers import ParsedCall
 from microrl.agents.trajectories import EpisodeRecorder
 
 __all__ = ["AgentEndpoint", "EpisodeState"]
@@ -65,8 +66,10 @@ class AgentEndpoint:
             (None: any is accepted, as in greedy evaluation, where none is sampled from).
         max_new_tokens: a call's token limit when it sets none.
         host, port: where to listen (127.0.0.1 and a free port by default).
-        tool_parser: an object with ``parse(text, tools) -> (content, tool_calls, error)`` applied
-            to replies of requests with ``tools`` (None: replies are content only).
+        tool_parser: an object with ``parse(text, tools)`` returning a
+            :class:`~microrl.agents.tool_parsers.ParsedCall` (or a ``(content, tool_calls,
+            error)`` tuple), applied to replies of requests with ``tools`` (None: replies are
+            content only).
         model_name: the name ``/v1/models`` lists and replies carry.
     """
 
@@ -276,7 +279,11 @@ class AgentEndpoint:
     def _parse(self, episode: EpisodeState, text: str, tools: list | None) -> tuple[str, list]:
         if self.tool_parser is None or not tools:
             return text, []
-        content, calls, error = self.tool_parser.parse(text, tools)
+        parsed = self.tool_parser.parse(text, tools)
+        if isinstance(parsed, ParsedCall):  # microrl.agents.tool_parsers' parsers
+            content, calls, error = parsed.content, parsed.tool_calls, parsed.error
+        else:
+            content, calls, error = parsed
         if error:
             episode.tool_parse_errors += 1
             return text, []

@@ -22,6 +22,7 @@ from typing import Any
 
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.turns import turn_terminators
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
 
 __all__ = ["BatchingSampler", "Turn"]
@@ -67,7 +68,10 @@ class BatchingSampler:
             episode is already waiting.
         collective: under ``torchrun``, pump in lockstep with the other ranks (a backend whose
             sampling is collective, e.g. FSDP-sharded ``generate``).
-        stop_ids: the token ids that end a turn (default: the tokenizer's ``eos_token_id``).
+        stop_ids: the token ids that end a turn (default: the tokenizer's turn terminators, its
+            chat template's turn end and ``eos_token_id``,
+            :func:`~microrl.engine.rollout.turns.turn_terminators`); a backend's own
+            ``stop_token_ids`` (with ``generation_config``'s) where it has them.
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class BatchingSampler:
         self.params = params
         self.window_s = window_s
         self.collective = collective
-        self.stop_ids = set(stop_ids or [tokenizer.eos_token_id])
+        self.stop_ids = set(stop_ids or turn_terminators(tokenizer, require_template=False))
         self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._rounds = 0
 
@@ -107,6 +111,7 @@ class BatchingSampler:
         def sample(prompts: list[list[int]], params: SamplingParams) -> tuple[Samples, list]:
             return backend._sample(prompts, params), [version] * len(prompts)
 
+        kwargs.setdefault("stop_ids", backend.stop_token_ids)  # the turn ends it stops at
         return cls(sample, backend.tokenizer, params, collective=True, **kwargs)
 
     @classmethod
@@ -128,6 +133,8 @@ class BatchingSampler:
                 logprobs.append(batch["rollout_logprobs"][row][mask].tolist())
             return Samples(ids, logprobs), batch[POLICY_VERSION_KEY].tolist()
 
+        if not kwargs.get("stop_ids"):  # else the tokenizer's turn terminators (the default)
+            kwargs["stop_ids"] = getattr(sampler, "stop_token_ids", None)
         return cls(sample, tokenizer, params, **kwargs)
 
     def submit(self, prompt_ids: list[int], max_tokens: int) -> Future:

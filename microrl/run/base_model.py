@@ -3,9 +3,12 @@
 ``model.path`` that is not a local directory but a Hugging Face Hub id is downloaded into the
 Hugging Face cache, and its snapshot directory is the checkpoint. When ``model.path`` is one of
 the examples' own toy-model paths (or ``model.build_toy`` is set), holds no checkpoint, and the
-task is one the toy model can learn (a task with a ``toy_alphabet``: the built-in ``addition``
-and ``word_problems``), a fresh model is built (:mod:`microrl.run.toy_model`, its character
-tokenizer extended by the task's alphabet) and trained
+task is one the toy model can learn (a task with a ``toy_alphabet``: the built-in ``addition``,
+``word_problems`` and ``calculator``), a fresh model is built (:mod:`microrl.run.toy_model`, its
+character tokenizer extended by the task's alphabet, and by a tool task's whole tokens and chat
+template; a tool task learns from its ``warm_start_conversations``, a share
+``warm_start.tool_share`` of them through the tool, and is checked on its greedy first turn) and
+trained
 with the engine's supervised loss (:meth:`ActorEngine.sft_loss`, full fine-tune) until its greedy
 accuracy on training prompts reaches ``warm_start.target_accuracy``. A *partly* trained base leaves
 RL visible room to improve. The toy model learns addition in a sudden jump whose step moves by
@@ -23,6 +26,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -30,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.judge import JudgeConfig
-from microrl.configs.run import TOY_MODEL_PATHS, ModelConfig, TaskConfig
+from microrl.configs.run import AGENT_TASK_NAMES, TOY_MODEL_PATHS, ModelConfig, TaskConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.parallel.nodes import SEVERAL_NODES_DOC, gather_with_hosts, list_ranks
@@ -39,7 +43,7 @@ from microrl.hub import download_hint, download_model, first_line, is_hub_name
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
 from microrl.run.toy_model import build_model, build_tokenizer, is_checkpoint, load_tokenizer
-from microrl.tasks.base import Task
+from microrl.tasks.base import Problem, Task
 from microrl.tasks.factory import BUILT_IN_TASKS, make_task
 
 __all__ = ["prepare_base_model"]
@@ -93,8 +97,7 @@ def prepare_base_model(
         return load_tokenizer(path), path
     if cfg.build_toy or os.path.normpath(path) in TOY_MODEL_PATHS:
         # The warm start teaches the task's prompts, also those an agent plays (task.agent).
-        plain = dataclasses.replace(_without_models(task_cfg), agent=None)
-        task = make_task(plain) if task_cfg.name in BUILT_IN_TASKS else None
+        task = _plain_task(task_cfg)
         if getattr(task, "toy_alphabet", None) is None:
             raise ValueError(
                 f"model.path={path!r} holds no transformers checkpoint (config.json and a "
@@ -154,6 +157,42 @@ def _download(repo_id: str, dist_info: Dist, log: Callable[[str], None]) -> str:
     return local if local is not None else download_model(repo_id)
 
 
+def _plain_task(task_cfg: TaskConfig) -> Task | None:
+    """The built-in task ``task_cfg`` names without its agent, reward model and judge (None for
+    another task): the warm start teaches its prompts, also those an agent plays."""
+    if task_cfg.name not in BUILT_IN_TASKS:
+        return None
+    if task_cfg.name in AGENT_TASK_NAMES:  # played only by an agent: its own prompts and reward
+        return BUILT_IN_TASKS[task_cfg.name](
+            task_cfg.max_operand, task_cfg.eval_size, task_cfg.seed
+        )
+    return make_task(dataclasses.replace(_without_models(task_cfg), agent=None))
+
+
+class _FirstTurn:
+    """A tool task's warm-start check (the calculator's): training prompts rendered as an
+    agent's first call renders them (chat template, tools), the greedy first turn scored by
+    ``first_turn_score`` (a right answer, or a call whose result is the sum)."""
+
+    def __init__(self, task: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.task, self.tokenizer = task, tokenizer
+        self.solved_threshold = task.solved_threshold
+        self.toy_alphabet = task.toy_alphabet
+
+    def _rendered(self, problems: Sequence[Problem]) -> list[Problem]:
+        render = self.task.render_prompt
+        return [dataclasses.replace(p, prompt=render(self.tokenizer, p.prompt)) for p in problems]
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        return self._rendered(self.task.sample(rng, n))
+
+    def eval_problems(self) -> list[Problem]:
+        return self._rendered(self.task.eval_problems())
+
+    def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        return self.task.first_turn_score(responses, problems)
+
+
 class _SingleTurn:
     """A task's prompts, answers and reward without its environments (``make_env``): the warm
     start teaches and checks one-turn answers, so ``hinted_addition`` starts from the very base
@@ -173,8 +212,23 @@ def _warm_start(
     log: Callable[[str], None],
 ) -> None:
     ws = cfg.warm_start
-    task = _SingleTurn(task)  # a multi-turn task's base learns its prompts' answers in one turn
-    tokenizer = build_tokenizer(task.toy_alphabet)
+    # A tool task (the calculator) brings its chat template, its whole tokens and conversations
+    # to learn from, a share ws.tool_share of them solved through the tool.
+    conversations = getattr(task, "warm_start_conversations", None)
+    tokenizer = build_tokenizer(task.toy_alphabet, getattr(task, "toy_tokens", ()))
+    if conversations is not None:
+        tokenizer.chat_template = task.chat_template
+        tools = list(task.tools)
+        task = _FirstTurn(task, tokenizer)
+        # The longest row an agent's episode makes: a call, the tool's result, the answer.
+        row = conversation_sft_batch(tokenizer, conversations(random.Random(0), 8, 1.0), tools)
+        if row["input_ids"].shape[1] > cfg.max_positions:
+            raise ValueError(
+                f"model.max_positions must be >= {row['input_ids'].shape[1]} for this task (an "
+                f"episode that calls the tool), got {cfg.max_positions}"
+            )
+    else:
+        task = _SingleTurn(task)  # a multi-turn task's base learns its prompts' answers in one turn
     longest = max(len(tokenizer(p.prompt)["input_ids"]) for p in task.eval_problems())
     if longest + max_new_tokens > cfg.max_positions:
         raise ValueError(
@@ -210,8 +264,13 @@ def _warm_start(
     start = time.perf_counter()
     accuracy = 0.0
     for step in range(1, ws.max_steps + 1):
-        problems = task.sample(rng, per_rank)
-        batch = sft_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
+        if conversations is not None:
+            batch = conversation_sft_batch(
+                tokenizer, conversations(rng, per_rank, ws.tool_share), tools
+            )
+        else:
+            problems = task.sample(rng, per_rank)
+            batch = sft_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
         metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
         if step % ws.eval_every == 0 or step == ws.max_steps:
             accuracy = evaluate_accuracy(sampler, task, check, dist_info, max_new_tokens)

@@ -38,6 +38,7 @@ from microrl.agents.async_sampler import AgentSampler
 from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
+from microrl.engine.rollout.turns import turn_terminators
 from microrl.remote.trainer.factory import make_async_sampler
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, Job
 from microrl.remote.trainer.sp_group import SPGroupSampler
@@ -497,7 +498,12 @@ def start_prefetcher(
             f"environments must be built in the rollout worker process, which failed: {err}"
         ) from err
     if is_agent_task(task):  # the agents run here; their calls are the sampler's jobs
-        sampler = AgentSampler(sampler, tokenizer, task, agent_limits(task, rollout))
+        # Turns end where the workers' sampling stops: the model's generation_config ids too.
+        config = getattr(getattr(engine, "model", None), "generation_config", None)
+        stops = turn_terminators(tokenizer, config, require_template=False)
+        sampler = AgentSampler(
+            sampler, tokenizer, task, agent_limits(task, rollout), stop_ids=stops
+        )
     # A reward model, a judge or a teacher scores in a background thread, as soon as a round
     # is sampled (not where collect or the scorer is a collective: an sp group's, torchrun's).
     model_based = bool(getattr(getattr(task, "reward", None), "model_based", False))

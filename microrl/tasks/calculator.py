@@ -1,7 +1,7 @@
 """A toy task that is solved reliably only by calling a tool: 3-digit sums with a calculator.
 
-``"123+456="`` -> ``"579"``. The toy model of the examples learns 2-digit addition but not
-3-digit sums, so an agent scores well only when the model calls the ``calculator`` tool
+``"123+456="`` -> ``"579"``. The toy model of the examples learns 3-digit sums only partly, so
+an agent scores well only when the model calls the ``calculator`` tool
 (:data:`CALCULATOR_TOOL`, executed by :func:`execute_tool_call`: safe arithmetic, no ``eval``)
 and answers with its result. The agent is plain ``openai``-client code
 (``examples/calculator_agent.py``); the reward is the right final answer (:meth:`score`).
@@ -214,6 +214,40 @@ class CalculatorTask:
         if len(responses) != len(problems):
             raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
         return numeric_match(responses, [p.answer for p in problems])
+
+    def render_prompt(self, tokenizer: Any, prompt: str) -> str:
+        """``prompt`` as the agent's first call renders it: the user's message with the tools,
+        and the assistant's header (the tokenizer's chat template)."""
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            tools=list(self.tools),
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+
+    def first_turn_score(
+        self, responses: Sequence[str], problems: Sequence[Problem]
+    ) -> list[float]:
+        """The score of a model's *first* turn (its text, tool-call tags kept): 1.0 for a right
+        answer at once, or for a well-formed calculator call whose result is the sum (the agent
+        would then read the answer back); else 0.0. What the warm start checks: one greedy turn,
+        no agent."""
+        if len(responses) != len(problems):
+            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
+        from microrl.agents.tool_parsers import HermesParser
+
+        parser = HermesParser()
+        scores = []
+        for text, problem in zip(responses, problems, strict=True):
+            parsed = parser.parse(text, list(self.tools))
+            if parsed.tool_calls and parsed.error is None:
+                result = execute_tool_call(parsed.tool_calls[0])
+                scores.append(float(result == problem.answer))
+            elif HermesParser.start in text:
+                scores.append(0.0)  # a malformed call answers nothing
+            else:
+                scores.extend(numeric_match([text], [problem.answer]))
+        return scores
 
     def warm_start_conversations(
         self, rng: random.Random, n: int, tool_share: float = 0.1

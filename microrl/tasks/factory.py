@@ -16,6 +16,7 @@ from microrl.configs.run import TaskConfig
 from microrl.tasks.addition import AdditionTask
 from microrl.tasks.agents import AgentTask
 from microrl.tasks.base import Task
+from microrl.tasks.calculator import CalculatorTask
 from microrl.tasks.dataset import DatasetTask
 from microrl.tasks.environments import EnvTask, HintedAdditionTask
 from microrl.tasks.rewards import Reward, RewardedTask, resolve_reward_fn
@@ -27,14 +28,18 @@ __all__ = [
     "check_tokenizer_covers",
     "make_task",
     "reward_of",
+    "tool_parser_of",
 ]
 
 # name -> class, constructed as cls(task.max_operand, task.eval_size, task.seed).
-BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask]] = {
+BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask] | type[CalculatorTask]] = {
     "addition": AdditionTask,
     "word_problems": WordProblemTask,
     "hinted_addition": HintedAdditionTask,
+    "calculator": CalculatorTask,  # played by an agent only (task.agent, AGENT_TASK_NAMES)
 }
+# The tool-call parser of a built-in agent task whose task.agent_tool_parser is unset.
+DEFAULT_TOOL_PARSERS = {"calculator": "hermes"}
 # Held-out prompts whose tokenization is checked: no unknown token, and decoded back to the text.
 _CHECKED_PROMPTS = 64
 
@@ -77,8 +82,24 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             timeout_s=cfg.agent_timeout_s,
             max_concurrency=cfg.agent_max_concurrency,
             host=cfg.agent_host,
+            tool_parser=tool_parser_of(cfg, tokenizer),
         )
     return task
+
+
+def tool_parser_of(cfg: TaskConfig, tokenizer: Any = None) -> Any:
+    """The parser ``task.agent_tool_parser`` names (unset: the task's default, hermes for the
+    calculator, else None: content only). ``ValueError`` naming the key and listing the known
+    names for an unknown one (vLLM's too where it is installed)."""
+    name = cfg.agent_tool_parser or DEFAULT_TOOL_PARSERS.get(cfg.name)
+    if name is None:
+        return None
+    from microrl.agents.tool_parsers import make_tool_parser
+
+    try:
+        return make_tool_parser(name, tokenizer)
+    except ValueError as err:
+        raise ValueError(f"task.agent_tool_parser={name!r}: {err}") from err
 
 
 def reward_of(cfg: TaskConfig) -> Reward:

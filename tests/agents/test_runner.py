@@ -204,3 +204,23 @@ def test_greedy_evaluation_accepts_the_agents_own_temperature(tokenizer):
     assert rollout.rewards.tolist() == [1.0, 1.0]
     with pytest.raises(EpisodeError, match="BadRequestError"):  # sampling: the run's only
         run_agent_episodes(backend, PROBLEMS, agent, SamplingParams(), AgentLimits())
+
+
+def test_turns_end_at_every_turn_terminator_of_the_backend(tokenizer):
+    """A turn ends at any of the backend's ``stop_token_ids`` (its template's turn end, eos and
+    ``generation_config.eos_token_id``'s list), not only at the tokenizer's eos."""
+    a, hash_, b = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "#", "b"))
+    backend = ScriptedBackend(tokenizer, [[a, hash_, b]])
+    backend.stop_token_ids = (*backend.stop_token_ids, hash_)  # as generation_config's list adds
+    finishes = []
+
+    async def agent(client, problem):
+        messages = [{"role": "user", "content": problem.prompt}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        finishes.append(reply.choices[0].finish_reason)
+        return 0.0
+
+    rollout = run_agent_episodes(backend, PROBLEMS[:1], agent, SamplingParams(), AgentLimits())
+    ((ids, mask, _),) = rows(rollout)
+    assert finishes == ["stop"]
+    assert ids[-2:] == [a, hash_] and b not in ids and sum(mask) == 2

@@ -41,3 +41,40 @@ def test_an_agent_task_plays_the_prompts_and_scores_transcripts(tmp_path):
     assert task.reward("8", Problem("3+4=", "7")) == 0.0
     with pytest.raises(TypeError, match="returns a float reward or a transcript"):
         task.reward([1], Problem("3+4=", "7"))
+
+
+CALC_AGENT = "examples/calculator_agent.py:agent"
+
+
+def test_the_calculator_task_and_its_keys_are_checked_by_name():
+    from microrl.configs.run import WarmStartConfig
+
+    with pytest.raises(ValueError, match=r"task\.agent must be an agent .* task\.name=calculator"):
+        TaskConfig(name="calculator", max_operand=999)
+    with pytest.raises(ValueError, match=r"task\.max_operand must be >= 200 for task\.name=calc"):
+        TaskConfig(name="calculator", agent=CALC_AGENT, max_operand=150)
+    with pytest.raises(
+        ValueError, match=r"task\.agent_tool_parser must be null unless task\.agent"
+    ):
+        TaskConfig(agent_tool_parser="hermes")
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"model\.warm_start\.tool_share must be in \[0, 1\]"):
+            WarmStartConfig(tool_share=bad)
+    cfg = TaskConfig(name="calculator", agent=CALC_AGENT, max_operand=300, eval_size=8)
+    with pytest.raises(ValueError, match=r"task\.agent_tool_parser='nope': .*known here: .*hermes"):
+        make_task(dataclasses.replace(cfg, agent_tool_parser="nope"))
+
+
+def test_the_calculator_task_is_played_by_its_agent_with_the_hermes_parser_by_default():
+    from microrl.tasks.calculator import CalculatorTask
+
+    cfg = TaskConfig(name="calculator", agent=CALC_AGENT, max_operand=300, eval_size=8)
+    task = make_task(cfg)
+    assert is_agent_task(task) and isinstance(task.prompts, CalculatorTask)
+    assert task.tool_parser.name == "hermes" and task.prompts.max_operand == 300
+    assert task.reward("the sum is 579", Problem("123+456=", "579")) == 1.0
+    # Another task with an agent parses no tool calls unless asked to.
+    plain = TaskConfig(agent=CALC_AGENT, max_operand=9, eval_size=8)
+    assert make_task(plain).tool_parser is None
+    parsed = make_task(dataclasses.replace(plain, agent_tool_parser="hermes")).tool_parser
+    assert parsed.name == "hermes"

@@ -163,3 +163,16 @@ def test_conversation_rows_refuse_templates_that_rewrite_earlier_turns(toy):
         conversation_sft_batch(rewriting, [conversation])
     with pytest.raises(ValueError, match="at least one"):
         conversation_sft_batch(toy, [])
+
+
+def test_first_turn_score_counts_a_right_answer_or_a_call_that_computes_it(toy):
+    task = CalculatorTask(max_operand=300, eval_size=8)
+    problems = [CalculatorTask.make(123, 156)] * 5
+    call = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'
+    responses = ["279", "280", call.format("123+156"), call.format("123+155"), "<tool_call>{bad"]
+    assert task.first_turn_score(responses, problems) == [1.0, 0.0, 1.0, 0.0, 0.0]
+    rendered = task.render_prompt(toy, "123+156=")
+    assert rendered.startswith("<bos><|tools|>calculator<|user|>123+156=")
+    assert rendered.endswith("<|assistant|>")
+    with pytest.raises(ValueError, match="2 responses for 1 problems"):
+        task.first_turn_score(["1", "2"], problems[:1])
