@@ -264,3 +264,38 @@ def test_defaults_are_the_synchronous_loop() -> None:
     sp = ["actor.sequence_parallel_size=2", "critic.sequence_parallel_size=2"]
     ppo = load_config(PPOExampleConfig, None, ["rollout.max_staleness=1", *sp])
     assert ppo.actor.sequence_parallel_size == 2
+
+
+def test_agent_turns_sampled_ahead_end_at_the_models_terminators(monkeypatch) -> None:
+    """Under ``rollout.max_staleness`` the agents' turns end where the workers stop sampling:
+    at the model's ``generation_config.eos_token_id`` list too, not only the tokenizer's eos."""
+    from transformers import GenerationConfig
+
+    import microrl.run.prefetcher as prefetcher
+    from microrl.agents.async_sampler import AgentSampler
+    from microrl.run.toy_model import build_tokenizer
+    from microrl.tasks import AgentTask
+
+    tokenizer = build_tokenizer()
+    extra = tokenizer.convert_tokens_to_ids("#")
+    engine = torch.nn.Module()
+    engine.model = torch.nn.Module()
+    engine.model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, extra])
+    inner, built = type("Inner", (), {"version": 0, "close": lambda self: None})(), []
+    monkeypatch.setattr(prefetcher, "make_async_sampler", lambda *args, **kwargs: inner)
+    monkeypatch.setattr(
+        prefetcher, "RolloutPrefetcher", lambda sampler, *a, **k: built.append(sampler)
+    )
+
+    async def agent(client, problem):
+        return 0.0
+
+    task = AgentTask(AdditionTask(max_operand=9, eval_size=10), agent)
+    config = RolloutConfig(max_staleness=1)
+    prefetcher.start_prefetcher(
+        engine, tokenizer, task, SamplingParams(), random.Random(0), 2, rollout=config,
+        task_name="addition", last_step=2, start_step=0,
+    )  # fmt: skip
+    (sampler,) = built
+    assert isinstance(sampler, AgentSampler) and sampler.inner is inner
+    assert {tokenizer.eos_token_id, extra} <= set(sampler.stop_ids)
