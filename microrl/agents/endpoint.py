@@ -66,10 +66,9 @@ class AgentEndpoint:
             (None: any is accepted, as in greedy evaluation, where none is sampled from).
         max_new_tokens: a call's token limit when it sets none.
         host, port: where to listen (127.0.0.1 and a free port by default).
-        tool_parser: an object with ``parse(text, tools)`` returning a
-            :class:`~microrl.agents.tool_parsers.ParsedCall` (or a ``(content, tool_calls,
-            error)`` tuple), applied to replies of requests with ``tools`` (None: replies are
-            content only).
+        tool_parser: a :class:`~microrl.agents.tool_parsers.ToolCallParser` (``parse(text,
+            tools) -> ParsedCall``), applied to replies of requests with ``tools`` (None:
+            replies are content only).
         model_name: the name ``/v1/models`` lists and replies carry.
     """
 
@@ -279,17 +278,13 @@ class AgentEndpoint:
     def _parse(self, episode: EpisodeState, text: str, tools: list | None) -> tuple[str, list]:
         if self.tool_parser is None or not tools:
             return text, []
-        parsed = self.tool_parser.parse(text, tools)
-        if isinstance(parsed, ParsedCall):  # microrl.agents.tool_parsers' parsers
-            content, calls, error = parsed.content, parsed.tool_calls, parsed.error
-        else:
-            content, calls, error = parsed
-        if error:
+        parsed: ParsedCall = self.tool_parser.parse(text, tools)
+        if parsed.error:
             episode.tool_parse_errors += 1
             return text, []
-        calls = [_openai_call(call) for call in calls or []]
+        calls = [_openai_call(call) for call in parsed.tool_calls or []]
         episode.tool_calls += len(calls)
-        return content or "", calls
+        return parsed.content or "", calls
 
     def _logprobs(self, turn: Any) -> dict:
         tokens = self.tokenizer.convert_ids_to_tokens(turn.ids)

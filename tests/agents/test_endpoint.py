@@ -12,6 +12,7 @@ import pytest
 from agent_utils import chat_tokenizer
 
 from microrl.agents import AgentEndpoint, Turn
+from microrl.agents.tool_parsers import ParsedCall
 from microrl.engine.rollout.episodes import ObservationRenderer
 
 CALL = '{"name": "add", "arguments": {"a": 1}}'
@@ -38,12 +39,12 @@ class BraceParser:
 
     def parse(self, text, tools):
         if not text.startswith("{"):
-            return text, [], None
+            return ParsedCall(text)
         try:
             call = json.loads(text)
         except json.JSONDecodeError as err:
-            return text, [], str(err)
-        return "", [{"name": call["name"], "arguments": call["arguments"]}], None
+            return ParsedCall(text, error=str(err))
+        return ParsedCall("", [{"name": call["name"], "arguments": call["arguments"]}])
 
 
 @pytest.fixture
