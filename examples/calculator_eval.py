@@ -18,7 +18,6 @@ in which the model called the calculator at least once). ``--max-operand``, ``--
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -31,17 +30,9 @@ from microrl.engine.rollout import HFRollout
 from microrl.engine.rollout.base import SamplingParams
 from microrl.run.toy_model import load_pretrained
 from microrl.tasks.calculator import CalculatorTask
+from microrl.tasks.rewards import resolve_reward_fn
 
 __all__ = ["evaluate", "main"]
-
-
-def _agent_module() -> Any:
-    """examples/calculator_agent.py, loaded from its file (beside this one)."""
-    path = Path(__file__).resolve().parent / "calculator_agent.py"
-    spec = importlib.util.spec_from_file_location("calculator_agent", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Spy:
@@ -78,7 +69,10 @@ def evaluate(
         policy = PeftModel.from_pretrained(policy, adapter).merge_and_unload().eval()
     task = CalculatorTask(max_operand, eval_size, seed)
     held_out = task.eval_problems()[:problems]
-    agent = _agent_module().agent
+    # examples/calculator_agent.py, beside this file, loaded as task.agent loads it.
+    agent = resolve_reward_fn(
+        f"{Path(__file__).resolve().parent / 'calculator_agent.py'}:agent", "task.agent"
+    )
     episodes: list[tuple[float, bool]] = []  # (reward, called the tool) per episode
 
     async def counted(client: Any, problem: Any) -> float:
