@@ -18,8 +18,10 @@ import torch
 from tensordict import TensorDict
 
 from microrl.engine.rollout.episodes import episode_batch, play_episodes
+from microrl.engine.rollout.images import ImageEncoder, ImagePrompts
 from microrl.engine.rollout.layout import Samples, build_rollout
 from microrl.engine.rollout.turns import turn_terminators
+from microrl.engine.vision import pad_images
 
 __all__ = [
     "SEED_RANGE",
@@ -139,24 +141,46 @@ class RolloutBackend(ABC):
     a turn end of its own adds none (episodes refuse it, text prompts do not need it).
     """
 
-    def __init__(self, tokenizer, *, generation_config=None) -> None:
+    def __init__(
+        self, tokenizer, *, generation_config=None, image_encoder: ImageEncoder | None = None
+    ) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
+        #: Encodes prompts with images (a vision-language policy's); None: text prompts only.
+        self.image_encoder = image_encoder
         self.stop_token_ids: tuple[int, ...] = turn_terminators(
             tokenizer, generation_config, require_template=False
         )
 
     def generate(
-        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Rollout:
         """Sample ``params.num_samples`` responses per prompt; rows are grouped by prompt.
 
         ``prompts``: texts (tokenized with the tokenizer's special tokens, e.g. ``<bos>``; apply a
         chat template before, see :func:`microrl.tasks.format_prompt`) or token-id lists.
+        ``images``: with text prompts of a vision-language policy, ``images[i]`` are prompt
+        ``i``'s PIL images, one per image placeholder (:mod:`~microrl.engine.rollout.images`);
+        the rows then carry ``pixel_values`` and ``image_grid_thw`` (docs/batch.md#images).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt_ids = self._encode(prompts)
-        samples = self._sample(prompt_ids, params)
+        encoded = None
+        if images is None:
+            prompt_ids = self._encode(prompts)
+            samples = self._sample(prompt_ids, params)
+        else:
+            if self.image_encoder is None:
+                raise ValueError(
+                    f"images were given but this {type(self).__name__} has no image_encoder "
+                    "(the policy is not a vision-language model)"
+                )
+            encoded = self.image_encoder.encode(self.tokenizer, prompts, images)
+            prompt_ids = encoded.ids
+            samples = self._sample_images(encoded, params)
         batch = build_rollout(
             prompt_ids,
             samples,
@@ -164,6 +188,9 @@ class RolloutBackend(ABC):
             eos_token_id=self.stop_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
         )
+        if encoded is not None and any(row is not None for row in encoded.images):
+            per_row = [encoded.images[i // params.num_samples] for i in range(len(batch))]
+            batch.update(pad_images(per_row))
         response = torch.where(batch["loss_mask"], batch["input_ids"], self.tokenizer.pad_token_id)
         texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
         group_ids = torch.arange(len(prompt_ids)).repeat_interleave(params.num_samples)
@@ -232,6 +259,10 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples: ...
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
+        raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
 
     def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts)

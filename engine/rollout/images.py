@@ -1,0 +1,99 @@
+"""Image prompts: the one preprocessing path the trainer and every sampler share.
+
+A prompt with images is a text in which each image stands as one image placeholder token (the
+Qwen-VL chat templates' ``<|image_pad|>``, between ``<|vision_start|>`` and ``<|vision_end|>``)
+plus its images, in order. :meth:`ImageEncoder.encode` turns such prompts into what every backend
+samples from and the engine scores: the token ids with each placeholder repeated once per image
+feature (``t * h * w / merge**2``) and the image processor's ``(pixel_values [p, D],
+image_grid_thw [n, 3])`` per prompt, laid out per row by :func:`~microrl.engine.vision.pad_images`.
+
+The image processor is always transformers' PIL backend (``backend="pil"``): it needs no
+torchvision and computes the same pixels on every machine, so a sampler and the trainer that
+read one checkpoint never disagree on preprocessing (docs/rollouts.md#images).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ImageEncoder", "ImagePrompts"]
+
+
+@dataclass
+class ImagePrompts:
+    """Encoded image prompts, one entry per prompt.
+
+    ``ids``: token ids, placeholders expanded; ``images``: ``(pixel_values [p, D],
+    image_grid_thw [n, 3])`` or None for a prompt without images; ``raw``: the PIL images as given
+    (backends that preprocess themselves, vLLM, get these)."""
+
+    ids: list[list[int]]
+    images: list[tuple[torch.Tensor, torch.Tensor] | None]
+    raw: list[list[Any]]
+
+
+@dataclass(frozen=True)
+class ImageEncoder:
+    """A checkpoint's image processor and the two facts of its config the token layout needs."""
+
+    image_processor: Any
+    image_token_id: int
+    merge_size: int
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> ImageEncoder:
+        """The encoder of a local vision-language checkpoint (its ``preprocessor_config.json``)."""
+        from transformers import AutoConfig, AutoImageProcessor
+
+        config = AutoConfig.from_pretrained(path)
+        token = getattr(config, "image_token_id", None)
+        vision = getattr(config, "vision_config", None)
+        if token is None or vision is None:
+            raise ValueError(f"{path}: not a vision-language checkpoint (no image_token_id)")
+        processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        return cls(processor, int(token), int(getattr(vision, "spatial_merge_size", 1)))
+
+    def encode(
+        self, tokenizer, prompts: Sequence[str], images: Sequence[Sequence[Any]]
+    ) -> ImagePrompts:
+        """Token ids and image tensors of ``prompts[i]`` with ``images[i]`` (PIL images, maybe none).
+
+        Raises ``ValueError`` naming the prompt when its placeholder count and image count differ.
+        """
+        if len(prompts) != len(images) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(
+                f"image prompts must be texts with one image list each, got {len(prompts)} "
+                f"prompts and {len(images)} image lists"
+            )
+        out = ImagePrompts(ids=[], images=[], raw=[])
+        for i, (text, row_images) in enumerate(zip(prompts, images, strict=True)):
+            ids = list(tokenizer(text)["input_ids"])
+            slots = ids.count(self.image_token_id)
+            if slots != len(row_images):
+                raise ValueError(
+                    f"prompt {i}: {slots} image placeholder tokens but {len(row_images)} images "
+                    "(one placeholder per image, as the chat template renders it)"
+                )
+            out.raw.append(list(row_images))
+            if not row_images:
+                out.ids.append(ids)
+                out.images.append(None)
+                continue
+            done = self.image_processor(images=list(row_images), return_tensors="pt")
+            grid = done["image_grid_thw"].long()
+            out.ids.append(self._expand(ids, grid))
+            out.images.append((done["pixel_values"], grid))
+        return out
+
+    def _expand(self, ids: list[int], grid: torch.Tensor) -> list[int]:
+        """``ids`` with the ``k``-th placeholder repeated as many times as image ``k`` has features."""
+        counts = iter((grid.prod(-1) // self.merge_size**2).tolist())
+        expanded: list[int] = []
+        for token in ids:
+            expanded += [token] * (next(counts) if token == self.image_token_id else 1)
+        return expanded
