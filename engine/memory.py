@@ -26,29 +26,24 @@ import torch
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import offload, setup
+from microrl.engine import setup
+from microrl.engine.memory_activations import (
+    KERNEL_TILES,
+    Numerics,
+    Shape,
+    adapted_roles,
+    backward_bytes_per_token,
+    decoder_layers,
+    head_bytes,
+    layer_bytes_per_token,
+    offloaded_activations,
+    other_bytes_per_token,
+)
 from microrl.kernels import WORKING_TILE_ELEMENTS
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
 GiB = 1024**3
-
-# The fused kernel's tile budget: at most four full working tiles of float32 (docs/kernels.md,
-# "Memory and chunk_size"); rows per chunk when kernel_chunk_size is unset.
-_KERNEL_TILES = 4
-_KERNEL_ROWS = 1024
-# Per-token bytes outside the model: the micro-batch's ids, positions, masks, targets, loss
-# inputs and fp32 outputs in the compact layout (about eight 8-byte values).
-_BATCH_BYTES_PER_TOKEN = 64
-# The eager fp32 head (use_fused_kernel=False) holds about five [N, V] float32 buffers at its
-# peak (docs/kernels.md).
-_EAGER_HEAD_BUFFERS = 5
-# Per-token bytes of the tensors a policy loss saves (log-probs, ratios, advantages, clipping
-# masks: about eight float32 values and three masks); activation offload copies them.
-_LOSS_SAVED_BYTES_PER_TOKEN = 36
-# The linear layers of a Llama/Qwen decoder layer, by role (the activation model's layout).
-_ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
-_MLP_INPUTS = ("gate_proj", "up_proj")
 
 
 @dataclass(frozen=True)
@@ -259,37 +254,37 @@ def estimate_memory(
 
     model = _meta_model(model_config, config, value_head)
     params = _ParamBytes.count(model, world_size)
-    shape = _Shape.of(model_config)
+    shape = Shape.of(model_config)
     autocast = config.dtype == "bfloat16" or (config.dtype == "auto" and device == "cuda")
     # FSDP2 shards over the ranks, and over one rank in one process for optim.cpu_offload.
     cpu_offload = config.optim.cpu_offload
     sharded = world_size > 1 or cpu_offload
     # FSDP2 on CUDA gathers parameters in bf16 (engine/parallel/distributed.py).
     fsdp_bf16 = sharded and device == "cuda"
-    numerics = _Numerics.of(config, autocast, fsdp_bf16)
-    adapted = _adapted_roles(model, config)
-    per_layer = _layer_bytes_per_token(shape, numerics, adapted, config.lora.rank)
+    numerics = Numerics.of(config, autocast, fsdp_bf16)
+    adapted = adapted_roles(model, config)
+    per_layer = layer_bytes_per_token(shape, numerics, adapted, config.lora.rank)
     host_activations = 0
     if config.activation_offload:
-        forward, backward, host_activations = _offloaded_activations(
+        forward, backward, host_activations = offloaded_activations(
             shape, numerics, adapted, config, tokens, per_layer
         )
     elif config.gradient_checkpointing:  # each layer keeps its input; backward recomputes one
-        other = _other_bytes_per_token(shape, numerics)
+        other = other_bytes_per_token(shape, numerics)
         kept = tokens * (shape.layers * shape.hidden * numerics.stream + other)
         forward, backward = kept, kept + tokens * per_layer
     else:
-        other = _other_bytes_per_token(shape, numerics)
+        other = other_bytes_per_token(shape, numerics)
         forward = backward = tokens * (shape.layers * per_layer + other)
     head = 0
     if not value_head:
-        head = _head_bytes(shape, numerics, config, tokens, device)
+        head = head_bytes(shape, numerics, config, tokens, device)
         # A trainable head's weight gradient is formed in the fused head's forward (fp32).
         head += 4 * params.trainable_head_numel
     # Autocast caches the bf16 cast of each weight that requires grad for the whole forward.
     copies = 2 * params.trainable_linear_numel if autocast and not fsdp_bf16 else 0
     # Plus, when weights train, one weight gradient before it is added into ``.grad``.
-    in_flight = tokens * _backward_bytes_per_token(shape, numerics) + 4 * params.largest_weight
+    in_flight = tokens * backward_bytes_per_token(shape, numerics) + 4 * params.largest_weight
     phases = {"forward at the head": forward + head + copies, "backward": backward + in_flight}
     compute_phase = max(phases, key=phases.get)
     gathered = 0
@@ -374,15 +369,15 @@ def _teacher_bytes(
         model = AutoModelForCausalLM.from_config(model_config, dtype=setup.base_dtype(config))
     itemsize = setup.base_dtype(config).itemsize
     weights = sum(_shard_numel(p, world_size) for p in model.parameters()) * itemsize
-    shape = _Shape.of(model_config)
-    forward = tokens * _backward_bytes_per_token(shape, num)  # one layer's tensors in flight
+    shape = Shape.of(model_config)
+    forward = tokens * backward_bytes_per_token(shape, num)  # one layer's tensors in flight
     # No gradient: the head holds its float32 logits (tiles of them past the kernel's budget).
     logits = tokens * shape.vocab
     if config.use_fused_kernel:
-        logits = min(logits, _KERNEL_TILES * WORKING_TILE_ELEMENTS)
+        logits = min(logits, KERNEL_TILES * WORKING_TILE_ELEMENTS)
     forward += logits * 4
     if world_size > 1:  # FSDP gathers the root unit and two decoder layers
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         layer = max((_numel(m) for m in layers), default=0)
         root = _numel(model.get_output_embeddings()) + _numel(
             getattr(model.get_decoder(), "norm", None)
@@ -442,7 +437,7 @@ class _ParamBytes:
         # Full-size gradients (fp32, like the trainable parameters) on every rank.
         gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         optimizer = 8 * trainable_numel + 4 * n_tensors
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         head = model.get_output_embeddings()
         norm = getattr(model.get_decoder(), "norm", None)
         return _ParamBytes(
@@ -484,198 +479,3 @@ def _params(module: nn.Module | None) -> list[nn.Parameter]:
 
 def _numel(module: nn.Module | None) -> int:
     return sum(p.numel() for p in _params(module))
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    for module in model.modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and len(module)
-            and "Layer" in type(module[0]).__name__
-        ):
-            return list(module)
-    return []
-
-
-# ------------------------------------------------------------------------------ activations
-@dataclass(frozen=True)
-class _Shape:
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
-    vocab: int
-
-    @staticmethod
-    def of(model_config: Any) -> _Shape:
-        text = model_config.get_text_config()
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return _Shape(
-            hidden=text.hidden_size,
-            intermediate=text.intermediate_size,
-            heads=heads,
-            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            layers=text.num_hidden_layers,
-            vocab=text.vocab_size,
-        )
-
-
-@dataclass(frozen=True)
-class _Numerics:
-    """Bytes per element of the tensors a layer keeps, by where they come from."""
-
-    stream: int  # the residual stream (embedding output + residual adds)
-    act: int  # linear and attention outputs
-    saved_input: int  # a trainable layer's own copy of its input (adapter input)
-    copies: bool  # each trainable layer keeps its own cast copy of its input
-    full: bool  # a full fine-tune (norm weights train too)
-
-    @staticmethod
-    def of(config: EngineConfig, autocast: bool, fsdp_bf16: bool) -> _Numerics:
-        base = setup.base_dtype(config).itemsize
-        full = not config.lora.rank
-        if fsdp_bf16:  # every parameter gathered in bf16: all bf16, no casts, inputs shared
-            return _Numerics(stream=2, act=2, saved_input=2, copies=False, full=full)
-        if autocast:  # linear outputs bf16; each linear casts its own input to bf16
-            return _Numerics(stream=base, act=2, saved_input=2, copies=True, full=full)
-        # No autocast: the base computes in its own dtype; a 16-bit input is cast to the fp32
-        # adapters (peft) once per adapted layer, an fp32 one is shared.
-        return _Numerics(
-            stream=base,
-            act=base,
-            saved_input=base if full else 4,
-            copies=not full and base < 4,
-            full=full,
-        )
-
-
-def _adapted_roles(model: nn.Module, config: EngineConfig) -> set[str]:
-    """Which linear layers of a decoder layer train (keep their input): all of them in a full
-    fine-tune, the adapted ones under LoRA."""
-    layers = _decoder_layers(model)
-    if not layers:
-        return set()
-    trains = (lambda m: hasattr(m, "lora_A")) if config.lora.rank else _is_linear
-    return {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules() if trains(m)}
-
-
-def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear)
-
-
-def _layer_bytes_per_token(shape: _Shape, num: _Numerics, adapted: set[str], rank: int) -> int:
-    """Bytes autograd keeps per token in one decoder layer (docs/gpu.md, "The activation model")."""
-    return sum(_layer_tensors(shape, num, adapted, rank))
-
-
-def _layer_tensors(
-    shape: _Shape, num: _Numerics, adapted: set[str], rank: int, *, own_inputs: bool = False
-) -> list[int]:
-    """Per-token bytes of each tensor autograd keeps in one decoder layer.
-
-    ``own_inputs``: every trainable linear layer's input is a tensor of its own, also where the
-    layers of a group share one (activation offload copies each layer's saved view of it)."""
-    h, i = shape.hidden, shape.intermediate
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    tensors = [h * 4, h * 4, 4, 4]  # the two RMSNorms: their input upcast to fp32, 1/rms per token
-    if num.full:  # the norms' weights train: each keeps its normalised input
-        tensors += [h * num.stream] * 2
-    # Inputs of the trainable linear layers: one shared tensor per group, or a copy per layer.
-    for group, width in ((_ATTENTION_INPUTS, h), (_MLP_INPUTS, h)):
-        count = sum(name in adapted for name in group)
-        if count:
-            tensors += [width * num.saved_input] * (count if num.copies or own_inputs else 1)
-    if "o_proj" in adapted:
-        tensors.append(q * num.saved_input)
-    if "down_proj" in adapted:
-        tensors.append(i * num.saved_input)
-    # Attention (SDPA / flash): rotated q and k, v, the output, and a logsumexp per head.
-    tensors += [q * num.act, kv * num.act, kv * num.act, q * num.act, shape.heads * 4]
-    # Gated MLP: the gate (SiLU's input), SiLU's output and the up projection (the product's
-    # factors).
-    tensors += [i * num.act] * 3
-    if rank:  # each adapter's low-rank activation (lora_B's input)
-        tensors += [rank * num.saved_input] * len(adapted)
-    return tensors
-
-
-def _offloaded_activations(
-    shape: _Shape,
-    num: _Numerics,
-    adapted: set[str],
-    config: EngineConfig,
-    tokens: int,
-    per_layer: int,
-) -> tuple[int, int, int]:
-    """``(forward, backward, host)`` bytes of a micro-batch's saved tensors under
-    ``activation_offload`` (docs/gpu.md, "Offloads").
-
-    A saved tensor of at least :data:`~microrl.engine.offload.MIN_OFFLOAD_BYTES` is copied to the
-    host; the smaller ones stay on the device. Without checkpointing that is every tensor of the
-    activation model, each layer's saved views of a shared input and of the rotary cos/sin
-    copied on their own; with checkpointing, each layer's input (the checkpoint saves it).
-    Outside the layers the final norm's input and ``1/rms`` (and its normalised input when its
-    weight trains) and the loss's tensors are copied; the final hidden state, its gradient
-    formed in the fused head's forward, rotary cos/sin and the batch's tensors are not saved
-    tensors and stay. The device also holds the largest copies: ``offload.MAX_IN_FLIGHT`` in
-    flight in the forward, and in the backward the one unpacked and the ``offload.PREFETCH``
-    fetched ahead; with checkpointing, one recomputed layer."""
-    h, min_bytes = shape.hidden, offload.MIN_OFFLOAD_BYTES
-    if config.gradient_checkpointing:
-        layer = copied = [h * num.stream]
-    else:  # each copied view of a shared tensor is a copy of its own
-        layer = _layer_tensors(shape, num, adapted, config.lora.rank)
-        copied = _layer_tensors(shape, num, adapted, config.lora.rank, own_inputs=True)
-        copied += [shape.head_dim * num.stream] * 2  # each layer's views of rotary cos and sin
-    outside = [h * 4, 4, _LOSS_SAVED_BYTES_PER_TOKEN]
-    if num.full:  # the final norm's weight trains: it keeps its normalised input too
-        outside.append(h * num.stream)
-
-    def moves(per_token: int) -> bool:
-        return tokens * per_token >= min_bytes
-
-    moved = [b for b in copied if moves(b)]
-    host = tokens * (shape.layers * sum(moved) + sum(b for b in outside if moves(b)))
-    # What stays is what the model without offload keeps, less what moved: the same tensors,
-    # sharing storage as they do without the hooks (nothing moves: the same bytes).
-    kept = shape.layers * sum(b for b in layer if not moves(b)) + _other_bytes_per_token(shape, num)
-    kept -= h * 4 if moves(h * 4) else 0  # the final norm's fp32 input
-    largest = sorted(moved * shape.layers, reverse=True)
-    forward = tokens * (kept + sum(largest[: offload.MAX_IN_FLIGHT]))
-    backward = tokens * (kept + sum(largest[: 1 + offload.PREFETCH]))
-    if config.gradient_checkpointing:
-        backward += tokens * per_layer
-    return forward, backward, host
-
-
-def _backward_bytes_per_token(shape: _Shape, num: _Numerics) -> int:
-    """Activation gradients in flight in one layer's backward: the layer output's gradient and
-    one MLP-wide gradient, in the wider of the activations' and the adapter inputs' dtypes."""
-    return shape.hidden * num.stream + shape.intermediate * max(num.act, num.saved_input)
-
-
-def _other_bytes_per_token(shape: _Shape, num: _Numerics) -> int:
-    """Outside the layers: the final norm, the final hidden state the head keeps and its
-    gradient formed in forward, rotary cos/sin, and the micro-batch's own tensors."""
-    h = shape.hidden
-    return h * 4 + 2 * h * num.stream + 2 * shape.head_dim * num.act + _BATCH_BYTES_PER_TOKEN
-
-
-def _head_bytes(
-    shape: _Shape, num: _Numerics, config: EngineConfig, tokens: int, device: str
-) -> int:
-    """The lm head's buffers: the fused kernel's float32 logits tiles (all of the logits when
-    they fit its budget of four full tiles, plus two working tiles) and, for a 16-bit weight on a
-    CPU, a float32 copy of one vocabulary tile; the eager head's [N, V] float32 buffers."""
-    if not config.use_fused_kernel:
-        return _EAGER_HEAD_BUFFERS * tokens * shape.vocab * 4
-    chunk = config.kernel_chunk_size or _KERNEL_ROWS
-    vocab_tile = min(shape.vocab, max(128, WORKING_TILE_ELEMENTS // chunk))
-    working = 2 * min(chunk, tokens) * vocab_tile
-    tiles = min(_KERNEL_TILES * WORKING_TILE_ELEMENTS, tokens * shape.vocab + working)
-    upcast = vocab_tile * shape.hidden * 4 if (num.stream < 4 and device != "cuda") else 0
-    return tiles * 4 + upcast
