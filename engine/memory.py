@@ -38,7 +38,9 @@ from microrl.engine.memory_activations import (
     layer_bytes_per_token,
     offloaded_activations,
     other_bytes_per_token,
+    vision_tower_bytes,
 )
+from microrl.engine.vision import vision_spec
 from microrl.kernels import WORKING_TILE_ELEMENTS
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -128,6 +130,8 @@ class MemoryEstimate:
     # On-policy distillation's frozen teacher (``teacher_config``; 0 without one).
     teacher_weights: int = 0
     teacher_forward: int = 0
+    # A vision-language model's tower over the micro-batch's image patches (0 for text).
+    vision_activations: int = 0
 
     @property
     def persistent(self) -> int:
@@ -157,6 +161,8 @@ class MemoryEstimate:
                 self.vllm,
             ),
         ]
+        if self.vision_activations:
+            rows.insert(5, ("vision tower activations", self.vision_activations))
         if self.teacher_weights:
             rows += [
                 ("teacher weights (frozen)", self.teacher_weights),
@@ -200,6 +206,7 @@ def estimate_memory(
     device_memory: int | None = None,
     vllm_sleep_level: int = 0,
     teacher_config: Any = None,
+    image_tokens_per_micro_batch: int = 0,
 ) -> MemoryEstimate:
     """The bytes one device needs to train ``model_config``'s model with ``config``.
 
@@ -224,6 +231,10 @@ def estimate_memory(
         vllm_sleep_level: ``rollout.vllm.sleep_level``: 0, vLLM holds its share throughout;
             1 or 2, only while it samples (1 offloads its weights, in the trainer's compute
             dtype, to the host).
+        image_tokens_per_micro_batch: of a vision-language model's micro-batch tokens, how many
+            are image placeholders: its tower runs over ``merge**2`` patches per such token,
+            keeping their activations when it trains (``freeze_vision=False``), else one
+            block's at a time (docs/gpu.md, "Vision-language models").
         teacher_config: the ``PretrainedConfig`` of an in-process distillation teacher
             (``teacher.backend=engine``), or None: computed with ``config``'s numerics.
 
@@ -253,6 +264,11 @@ def estimate_memory(
         raise ValueError(f"vllm_sleep_level must be 0, 1 or 2, got {vllm_sleep_level!r}")
 
     model = _meta_model(model_config, config, value_head)
+    if image_tokens_per_micro_batch and getattr(model_config, "vision_config", None) is None:
+        raise ValueError(
+            "image_tokens_per_micro_batch needs a vision-language model_config (with a "
+            f"vision_config), got {type(model_config).__name__}"
+        )
     params = _ParamBytes.count(model, world_size)
     shape = Shape.of(model_config)
     autocast = config.dtype == "bfloat16" or (config.dtype == "auto" and device == "cuda")
@@ -286,6 +302,15 @@ def estimate_memory(
     # Plus, when weights train, one weight gradient before it is added into ``.grad``.
     in_flight = tokens * backward_bytes_per_token(shape, numerics) + 4 * params.largest_weight
     phases = {"forward at the head": forward + head + copies, "backward": backward + in_flight}
+    vision = 0
+    if image_tokens_per_micro_batch:
+        tower = vision_spec(model).tower
+        vision, tower_peak = vision_tower_bytes(
+            model_config.vision_config, tower, config, numerics, image_tokens_per_micro_batch
+        )
+        # A trained tower's activations live from the model's first op to its last backward.
+        phases = {name: value + vision for name, value in phases.items()}
+        phases["vision tower forward"] = tower_peak
     compute_phase = max(phases, key=phases.get)
     gathered = 0
     if sharded:
@@ -354,6 +379,7 @@ def estimate_memory(
         host_activations=host_activations,
         host_total=host_total,
         vllm_sleep_level=vllm_sleep_level,
+        vision_activations=vision,
         host_vllm_weights=host_vllm,
         **teacher,
     )
@@ -388,12 +414,20 @@ def _teacher_bytes(
 
 # ------------------------------------------------------------------------------ parameters
 def _meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.Module:
-    """The model as the engine prepares it, on ``meta``: base dtype, LoRA, a value head."""
-    from transformers import AutoModelForCausalLM
+    """The model as the engine prepares it, on ``meta``: base dtype, LoRA (not on a frozen
+    vision tower), a value head."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vlm = getattr(model_config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=setup.base_dtype(config))
-    model, _ = setup.apply_lora(model, config.lora)
+        model = auto.from_config(model_config, dtype=setup.base_dtype(config))
+    spec = vision_spec(model)
+    frozen = spec is not None and config.freeze_vision
+    exclude = spec.tower_module_names(model) if frozen else None
+    model, _ = setup.apply_lora(model, config.lora, exclude=exclude)
+    if frozen:
+        vision_spec(model).tower.requires_grad_(False)
     if value_head:  # the critic's Linear(H, 1) head, fp32 and trainable (engine/models.py)
         hidden = model.config.get_text_config().hidden_size
         model.add_module("value_head", nn.Linear(hidden, 1, device="meta", dtype=torch.float32))

@@ -224,3 +224,54 @@ def head_bytes(shape: Shape, num: Numerics, config: EngineConfig, tokens: int, d
     tiles = min(KERNEL_TILES * WORKING_TILE_ELEMENTS, tokens * shape.vocab + working)
     upcast = vocab_tile * shape.hidden * 4 if (num.stream < 4 and device != "cuda") else 0
     return tiles * 4 + upcast
+
+
+# The linear layers of a Qwen-VL vision block, by the decoder-layer role whose input and
+# output widths they share (the activation model above counts the block as a decoder layer).
+_VISION_ROLES = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "proj": ("o_proj",),
+    "fc1": ("up_proj",),
+    "fc2": ("down_proj",),
+}
+
+
+def vision_tower_bytes(
+    vision_config: Any, tower: nn.Module, config: EngineConfig, num: Numerics, image_tokens: int
+) -> tuple[int, int]:
+    """``(kept, forward_peak)``: bytes a vision tower keeps for the backward over a micro-batch's
+    ``image_tokens`` placeholders (``merge**2`` patches each), and its forward's peak.
+
+    Each block is modelled as a decoder layer over the patches (two norms, attention, a gated
+    MLP: Qwen2.5-VL's and Qwen3-VL's; Qwen2-VL's GELU MLP keeps one tensor fewer). A frozen
+    tower builds no graph, so it holds one block's tensors at a time and keeps nothing."""
+    patches = image_tokens * vision_config.spatial_merge_size**2
+    hidden = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
+    intermediate = getattr(vision_config, "intermediate_size", None)
+    intermediate = intermediate or int(hidden * vision_config.mlp_ratio)
+    heads = vision_config.num_heads
+    shape = Shape(hidden, intermediate, heads, heads, hidden // heads, vision_config.depth, 0)
+    patch_dim = (
+        vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    )
+    out = getattr(vision_config, "out_hidden_size", None) or vision_config.hidden_size
+    inputs = patches * patch_dim * 4 + image_tokens * out * num.act  # pixels, merged features
+    adapted = _tower_roles(tower, config)
+    if not any(p.requires_grad for p in tower.parameters()):
+        return 0, inputs + patches * layer_bytes_per_token(shape, num, set(), 0)
+    per_block = layer_bytes_per_token(shape, num, adapted, config.lora.rank)
+    if config.gradient_checkpointing:  # each block keeps its input; backward recomputes one
+        kept = patches * (shape.layers * hidden * num.stream + per_block)
+    else:
+        kept = patches * shape.layers * per_block
+    return kept + inputs, kept + inputs
+
+
+def _tower_roles(tower: nn.Module, config: EngineConfig) -> set[str]:
+    """The decoder-layer roles of the tower's trained linear layers (its first block's)."""
+    blocks = next((m for m in tower.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
+    if blocks is None:
+        return set()
+    trains = (lambda m: hasattr(m, "lora_A")) if config.lora.rank else _is_linear
+    names = {n.rsplit(".", 1)[-1] for n, m in blocks[0].named_modules() if trains(m)}
+    return {role for name in names for role in _VISION_ROLES.get(name, (name,))}

@@ -382,3 +382,36 @@ def test_teacher_estimate_matches_the_engine_teacher(base_dtype: str, tmp_path) 
     )
     sharded = estimate_memory(model_config, actor, teacher_config=model_config, world_size=2)
     assert sharded.teacher_weights == pytest.approx(with_teacher.teacher_weights / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("lora", [8, 0], ids=["lora", "full"])
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen-tower", "trained-tower"])
+def test_vision_language_estimate_counts_the_tower(lora: int, freeze: bool) -> None:
+    """A Qwen2.5-VL's tower: its parameters, adapters and optimizer state to the byte, frozen or
+    trained, and its activations (none kept when frozen) within the activation model's
+    tolerance of the measured peak."""
+    from vision_utils import DEFAULT_ROWS, make_image_batch, tiny_vlm
+
+    model = tiny_vlm("qwen2_5_vl")
+    batch = make_image_batch(DEFAULT_ROWS * 4)
+    config = ActorConfig(
+        max_tokens_per_micro_batch=batch["input_ids"].numel(),  # one micro-batch
+        lora=LoraConfig(rank=lora),
+        freeze_vision=freeze,
+    )
+    image_tokens = int((batch["input_ids"] == model.config.image_token_id).sum())
+    measured = _measure(ActorEngine(model, config), batch)
+    estimate = estimate_memory(
+        model.config, config, device="cpu", image_tokens_per_micro_batch=image_tokens
+    )
+    for key in ("weights", "trainable_params", "gradients", "optimizer_state"):
+        assert getattr(estimate, key) == measured[key], key
+    assert (estimate.vision_activations == 0) == freeze
+    ratio = estimate.compute_peak / measured["peak"]
+    assert abs(ratio - 1) <= ACTIVATION_TOLERANCE, f"ratio {ratio:.2f}"
+
+
+def test_image_tokens_need_a_vision_language_config() -> None:
+    with pytest.raises(ValueError, match="image_tokens_per_micro_batch needs a vision-language"):
+        estimate_memory(_model_config(), ActorConfig(max_tokens_per_micro_batch=64),
+                        image_tokens_per_micro_batch=8)  # fmt: skip
