@@ -1,4 +1,4 @@
-"""Per-GPU memory of the Qwen2.5 presets (configs/presets/), computed by microrl.estimate_memory.
+"""Per-GPU memory of the presets (configs/presets/), computed by microrl.estimate_memory.
 
     python benchmarks/memory_table.py                  # the markdown table of docs/gpu.md
     python benchmarks/memory_table.py --detail         # and each preset's full breakdown
@@ -7,7 +7,8 @@
 Computed, not measured on a GPU: the architecture numbers below are those of the models'
 config.json on the Hugging Face Hub (no download here), and each preset's engine settings come
 from its YAML through the recipe's config loader. Rows: 1 GPU, and 8 GPUs under FSDP2 with the
-same token budget per micro-batch (the presets' documented 8-GPU overrides).
+same token budget per micro-batch (the presets' documented 8-GPU overrides). A vision-language
+preset's activations include its tower over IMAGE_TOKEN_SHARE of the tokens' image patches.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from transformers import Qwen2Config
+from transformers import Qwen2_5_VLConfig, Qwen2Config
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import load_config
@@ -55,8 +56,51 @@ QWEN25 = {
 }
 
 
-def model_config(model_id: str) -> Qwen2Config:
-    """The transformers config of a Qwen2.5 model from its known shapes (no download)."""
+# https://huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct/blob/main/config.json
+QWEN25_VL = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": dict(
+        text_config=dict(
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=128000,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "mrope_section": [16, 24, 24],
+            },
+        ),
+        vision_config=dict(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=2048,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        tie_word_embeddings=True,
+    ),
+}
+# Of a vision-language preset's micro-batch tokens, the share assumed to be image placeholders
+# (a 448 x 448 image is 256 of them beside a few hundred text tokens).
+IMAGE_TOKEN_SHARE = 0.25
+
+
+def model_config(model_id: str) -> Qwen2Config | Qwen2_5_VLConfig:
+    """The transformers config of a Qwen2.5(-VL) model from its known shapes (no download)."""
+    if model_id in QWEN25_VL:
+        return Qwen2_5_VLConfig(**QWEN25_VL[model_id])
     return Qwen2Config(max_position_embeddings=32768, **QWEN25[model_id])
 
 
@@ -64,6 +108,7 @@ def preset_estimate(path: Path, world_size: int, gpu_memory: int) -> MemoryEstim
     """The estimate for one preset YAML on ``world_size`` GPUs of ``gpu_memory`` bytes."""
     cfg = load_config(GRPOExampleConfig, path)
     vllm = cfg.rollout.vllm.gpu_memory_utilization if cfg.rollout.backend == "vllm" else None
+    vlm = cfg.model.path in QWEN25_VL
     return estimate_memory(
         model_config(cfg.model.path),
         cfg.actor,
@@ -76,6 +121,9 @@ def preset_estimate(path: Path, world_size: int, gpu_memory: int) -> MemoryEstim
         teacher_config=model_config(cfg.teacher.path)
         if cfg.teacher.enabled and cfg.teacher.backend == "engine"
         else None,
+        image_tokens_per_micro_batch=int(cfg.actor.max_tokens_per_micro_batch * IMAGE_TOKEN_SHARE)
+        if vlm
+        else 0,
     )
 
 
@@ -105,7 +153,7 @@ def main() -> None:
             print(
                 f"| {path.stem} | {world_size} | {e.tokens} | "
                 f"{'on' if cfg.actor.gradient_checkpointing else 'off'} | {gib(e.weights)} | "
-                f"{gib(trained)} | {gib(e.activations)} | {gib(e.compute_peak)} | "
+                f"{gib(trained)} | {gib(e.activations + e.vision_activations)} | {gib(e.compute_peak)} | "
                 f"{gib(e.fsdp_buffers)} | {gib(e.vllm)} | "
                 f"{gib(e.teacher_weights + e.teacher_forward)} | **{gib(e.total)}** | "
                 f"{'yes' if e.fits else 'no'} |"
