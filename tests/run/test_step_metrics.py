@@ -57,3 +57,49 @@ def test_the_bypass_reports_the_first_updates_mismatch_and_no_entropy() -> None:
         k.startswith("critic/") for k in metrics
     )
     assert math.isfinite(metrics["tokens_per_s"])
+
+
+def test_image_rows_report_their_own_mismatch() -> None:
+    """``mismatch/image/*``: the ``mismatch/*`` figures over the rows with images only (the
+    losses' own definitions on those rows' tokens); none for a text rollout."""
+    from microrl.engine.vision import pad_images
+    from microrl.losses import LossDenominators, mismatch_metrics
+
+    gen = torch.Generator().manual_seed(0)
+    batch = _batch()
+    batch = torch.cat([batch, batch])  # 4 rows: 0 and 3 with images
+    grid = torch.tensor([[1, 2, 2]])
+    batch.update(
+        pad_images(
+            [
+                (torch.randn(4, 3, generator=gen), grid),
+                None,
+                None,
+                (torch.randn(4, 3, generator=gen), grid),
+            ]
+        )
+    )
+    batch["rollout_logprobs"] = -torch.rand(4, 5, generator=gen)
+    logprobs = batch["rollout_logprobs"] + 0.3 * torch.randn(4, 5, generator=gen)
+    old = TensorDict({"entropy": torch.ones(4, 5), "logprobs": logprobs}, batch_size=[4])
+    metrics = step_metrics(batch, torch.zeros(4), torch.zeros(4), old, UPDATES, Dist(), 0.0)
+    mask = batch["loss_mask"].clone()
+    mask[1:3] = False
+    n = mask.sum().float()
+    expected = mismatch_metrics(
+        logprobs, batch["rollout_logprobs"], mask, LossDenominators(n, torch.tensor(2.0))
+    )
+    for name, metric in expected.items():
+        got = metrics[name.replace("mismatch/", "mismatch/image/")]
+        assert got == pytest.approx(metric.value.item(), rel=1e-6), name
+    assert metrics["mismatch/kl_k3"] == 1.0  # the whole batch's: the engine's, unchanged
+    text = step_metrics(
+        batch.exclude("pixel_values", "image_grid_thw"),
+        torch.zeros(4),
+        torch.zeros(4),
+        old,
+        UPDATES,
+        Dist(),
+        0.0,
+    )
+    assert not any(k.startswith("mismatch/image/") for k in text)
