@@ -74,6 +74,7 @@ def sample_and_score(
         max_turns=limits.max_turns,
         max_tokens=limits.max_episode_tokens,
         skip_env_errors=limits.skip_env_errors,
+        images=problem_images(problems),
     )
     return rollout, rollout.rewards
 

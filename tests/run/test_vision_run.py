@@ -55,6 +55,29 @@ def args(tmp_path, *extra: str) -> list[str]:
     ]
 
 
+class GuessEnv:
+    """Two turns: a text hint after the first, the second turn's length as the reward."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action: str):
+        self.turns += 1
+        done = self.turns == 2
+        hint = [] if done else [{"role": "user", "content": "+"}]
+        return {"observations": hint, "reward": len(action) / 4 if done else 0.0, "done": done}
+
+
+class EpisodePictureTask(PictureTask):
+    """:class:`PictureTask` played as episodes: the first input carries the picture."""
+
+    def make_env(self, problem: Problem) -> GuessEnv:
+        return GuessEnv()
+
+
 @pytest.fixture
 def picture_task(tmp_path, monkeypatch):
     save_tiny_vlm(tmp_path / "vlm")
@@ -64,6 +87,17 @@ def picture_task(tmp_path, monkeypatch):
 @pytest.mark.parametrize("recipe", [grpo, ppo], ids=["grpo", "ppo"])
 def test_a_task_with_images_trains_on_the_hf_backend(recipe, tmp_path, picture_task) -> None:
     assert recipe.main(args(tmp_path)) == 0
+    _check_steps(tmp_path)
+
+
+def test_episodes_with_images_train_on_the_hf_backend(tmp_path, monkeypatch) -> None:
+    save_tiny_vlm(tmp_path / "vlm")
+    monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tok: EpisodePictureTask())
+    assert grpo.main(args(tmp_path, "rollout.max_turns=2", "rollout.max_episode_tokens=8")) == 0
+    _check_steps(tmp_path)
+
+
+def _check_steps(tmp_path) -> None:
     steps = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r["step"] > 0]
     assert len(steps) == 2
     for record in steps:  # the image rows' own mismatch, as small as the whole batch's

@@ -89,3 +89,35 @@ def test_a_vision_policy_never_samples_an_image_placeholder() -> None:
     assert batch["rollout_logprobs"][mask].mean() < -4  # uniform over the rest: log(1/21) = -3
     worst = (engine.infer_batch(batch)["logprobs"] - batch["rollout_logprobs"])[mask].abs().max()
     assert worst <= HF_LOGPROB_ATOL, f"max |rollout - engine| log-prob {worst:.3g}"
+
+
+def test_episodes_with_image_prompts_are_scored_at_the_samplers_logprobs() -> None:
+    """An episode's first input carries its prompt's images (placeholders expanded, every turn
+    sampled with them), observations are text; each row carries its prompt's pixels and grid
+    and the engine scores the turns at the sampler's log-probs."""
+    from episode_utils import ScriptEnv
+
+    model, tokenizer, processor = toy_vlm()
+    token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    engine = ActorEngine(model, ActorConfig(temperature=0.8))
+    backend = HFRollout(engine, tokenizer, image_encoder=ImageEncoder(processor, token, 2))
+    rollout = backend.run_episodes(
+        PROMPTS,
+        lambda i: ScriptEnv(["+", "-"], [0.0, 1.0, 0.0], done_at=3),
+        SamplingParams(num_samples=2, temperature=0.8, max_new_tokens=3, seed=0),
+        max_turns=3,
+        max_tokens=16,
+        images=images(),
+    )
+    batch = rollout.batch
+    assert rollout.num_turns.min() > 1 and batch.batch_size == torch.Size([6])
+    assert (batch["input_ids"] == token).sum(-1).tolist() == [4, 4, 0, 0, 10, 10]
+    assert batch["image_grid_thw"][4].tolist() == [[1, 4, 6], [1, 4, 4]]
+    assert batch["image_grid_thw"][2].abs().sum() == 0
+    mask = batch["loss_mask"]
+    worst = (engine.infer_batch(batch)["logprobs"] - batch["rollout_logprobs"])[mask].abs().max()
+    assert worst <= HF_LOGPROB_ATOL, f"max |rollout - engine| log-prob {worst:.3g}"
+    with pytest.raises(ValueError, match="one image list per prompt: 3 prompts, 1 image lists"):
+        backend.run_episodes(
+            PROMPTS, ScriptEnv, SamplingParams(), max_turns=1, max_tokens=4, images=[[]]
+        )
