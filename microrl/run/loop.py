@@ -77,7 +77,8 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
     ``--overwrite``: :func:`~microrl.run.cli.prepare_output`), sets ``train.num_threads``,
     prepares the base model (every process as its own rank: a toy model is built once), the
     task and a vision-language policy's image encoder (checked against the task's images and
-    the sampler: :func:`~microrl.run.vision.image_encoder_for`), splits ``rollout.prompts_per_step`` and ``train.mini_batch_size`` over the data ranks (a
+    the sampler: :func:`~microrl.run.vision.image_encoder_for`), splits
+    ``rollout.prompts_per_step`` and ``train.mini_batch_size`` over the data ranks (a
     ``ValueError`` naming the key when they do not divide), and seeds torch with ``train.seed``,
     the same on every rank, so that the engines built next start from the same LoRA weights.
     ``cfg``: a recipe config (``model``, ``task``, ``rollout``, ``actor``, ``train``, ``output``).

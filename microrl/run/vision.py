@@ -35,8 +35,8 @@ def task_has_images(task: Task) -> bool:
 
 def refuse_image_sampling(cfg: Any) -> None:
     """What cannot sample image prompts yet, refused with a ``ValueError`` naming its key:
-    the asynchronous path (``rollout.max_staleness > 0``), the ``vllm`` backend, an agent
-    (``task.agent``). ``cfg``: a recipe config. The one place to lift each refusal."""
+    the asynchronous path (``rollout.max_staleness > 0``) and the ``vllm`` backend. ``cfg``: a
+    recipe config. The one place to lift each refusal (agents: :func:`image_encoder_for`)."""
     if cfg.rollout.max_staleness > 0:
         raise ValueError(
             f"rollout.max_staleness={cfg.rollout.max_staleness}: the asynchronous sampler does "

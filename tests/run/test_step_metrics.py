@@ -103,3 +103,61 @@ def test_image_rows_report_their_own_mismatch() -> None:
         0.0,
     )
     assert not any(k.startswith("mismatch/image/") for k in text)
+
+
+class _TwoRanks(Dist):
+    """Rank ``rank`` of 2, whose ``sum`` adds the other rank's values (given) to its own."""
+
+    def sum(self, values):
+        return [a + b for a, b in zip(values, self.other, strict=True)]
+
+
+def test_image_mismatch_over_two_ranks_is_the_one_process_figure() -> None:
+    """Each rank's image rows: the means over both ranks' image tokens, the max of both."""
+    from microrl.engine.vision import pad_images
+
+    gen = torch.Generator().manual_seed(1)
+    grid = torch.tensor([[1, 2, 2]])
+
+    def half(with_images: list[bool]):
+        batch = _batch()
+        rows = [(torch.randn(4, 3, generator=gen), grid) if w else None for w in with_images]
+        if any(with_images):
+            batch.update(pad_images(rows))
+        batch["rollout_logprobs"] = -torch.rand(2, 5, generator=gen)
+        noisy = batch["rollout_logprobs"] + 0.3 * torch.randn(2, 5, generator=gen)
+        return batch, TensorDict({"entropy": torch.ones(2, 5), "logprobs": noisy}, batch_size=[2])
+
+    (b0, o0), (b1, o1) = half([True, False]), half([True, True])
+    zeros = torch.zeros(2)
+
+    def on_rank(rank, batch, old, other):
+        dist_info = _TwoRanks(rank=rank, world_size=2)
+        object.__setattr__(dist_info, "other", other)
+        return step_metrics(batch, zeros, zeros, old, UPDATES, dist_info, 0.0)
+
+    # the values each rank contributes, read off a pass that adds nothing
+    seen = {}
+
+    class Recorder(Dist):
+        def sum(self, values):
+            seen[self.rank] = list(values)
+            return list(values)
+
+    for rank, (batch, old) in enumerate([(b0, o0), (b1, o1)]):
+        step_metrics(batch, zeros, zeros, old, UPDATES, Recorder(rank=rank, world_size=2), 0.0)
+    first = on_rank(0, b0, o0, seen[1])
+    second = on_rank(1, b1, o1, seen[0])
+    whole = step_metrics(
+        torch.cat([b0, b1]),
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.cat([o0, o1]),
+        UPDATES,
+        Dist(),
+        0.0,
+    )
+    names = [k for k in whole if k.startswith("mismatch/image/")]
+    assert len(names) == 4 and whole["mismatch/image/abs_diff_max"] > 0
+    for name in names:
+        assert first[name] == second[name] == pytest.approx(whole[name], rel=1e-9), name
