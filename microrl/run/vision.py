@@ -35,8 +35,15 @@ def task_has_images(task: Task) -> bool:
 
 def refuse_image_sampling(cfg: Any) -> None:
     """What cannot sample image prompts yet, refused with a ``ValueError`` naming its key:
-    the asynchronous path (``rollout.max_staleness > 0``) and the ``vllm`` backend. ``cfg``: a
-    recipe config. The one place to lift each refusal (agents: :func:`image_encoder_for`)."""
+    the asynchronous path (``rollout.max_staleness > 0``), the ``vllm`` backend and a
+    distillation teacher (``teacher.path``: its engine scores text rows only). ``cfg``: a recipe
+    config. The one place to lift each refusal (agents: :func:`image_encoder_for`)."""
+    teacher = getattr(cfg, "teacher", None)
+    if teacher is not None and teacher.enabled:
+        raise ValueError(
+            f"teacher.path={teacher.path}: a distillation teacher does not score image prompts "
+            "yet; leave teacher.path unset for a task with images"
+        )
     if cfg.rollout.max_staleness > 0:
         raise ValueError(
             f"rollout.max_staleness={cfg.rollout.max_staleness}: the asynchronous sampler does "

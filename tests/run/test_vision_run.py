@@ -112,9 +112,11 @@ def _check_steps(tmp_path) -> None:
     [
         (["rollout.max_staleness=1"], "rollout.max_staleness=1: the asynchronous sampler"),
         (["rollout.backend=vllm"], "rollout.backend=vllm: only the hf backend"),
+        (["teacher.path={vlm}"], "teacher.path=.*: a distillation teacher does not score"),
     ],
 )
 def test_samplers_without_images_are_refused_at_start(extra, message, tmp_path, picture_task):
+    extra = [e.format(vlm=tmp_path / "vlm") for e in extra]
     with pytest.raises(ValueError, match=message):
         grpo.main(args(tmp_path, *extra))
 
