@@ -15,19 +15,19 @@
 Hub model, or the toy model of :mod:`~microrl.run.toy_model` warm-started once).
 """
 
+from microrl.run.async_start import (
+    close_on_exit,
+    resumed_rollouts,
+    start_prefetcher,
+    warn_if_uncorrected,
+)
 from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import find_run_checkpoint, load_run, save_run
 from microrl.run.cli import parse_cli, prepare_output
 from microrl.run.dist import Dist, StepFailed, StopOnInterrupt, per_rank
 from microrl.run.dynamic_sampling import DynamicSample, dynamic_sample
 from microrl.run.loop import RunStart, overlong_shaping, sampling_params, save_if_due, start_run
-from microrl.run.prefetcher import (
-    RolloutPrefetcher,
-    close_on_exit,
-    resumed_rollouts,
-    start_prefetcher,
-    warn_if_uncorrected,
-)
+from microrl.run.prefetcher import RolloutPrefetcher
 from microrl.run.sampling import (
     agent_metrics,
     episode_metrics,

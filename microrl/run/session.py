@@ -25,14 +25,10 @@ from microrl.engine.rollout import (
     make_rollout_backend,
 )
 from microrl.engine.rollout.episodes import EpisodeError
+from microrl.run.async_start import resumed_rollouts, start_prefetcher, warn_if_uncorrected
 from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
 from microrl.run.dist import Dist
-from microrl.run.prefetcher import (
-    RolloutPrefetcher,
-    resumed_rollouts,
-    start_prefetcher,
-    warn_if_uncorrected,
-)
+from microrl.run.prefetcher import RolloutPrefetcher
 from microrl.run.sampling import episode_rows, sample_and_score
 from microrl.run.tracking import Tracker
 from microrl.tasks import Problem, RewardError, Task

@@ -271,7 +271,7 @@ def test_agent_turns_sampled_ahead_end_at_the_models_terminators(monkeypatch) ->
     at the model's ``generation_config.eos_token_id`` list too, not only the tokenizer's eos."""
     from transformers import GenerationConfig
 
-    import microrl.run.prefetcher as prefetcher
+    import microrl.run.async_start as prefetcher
     from microrl.agents.async_sampler import AgentSampler
     from microrl.run.toy_model import build_tokenizer
     from microrl.tasks import AgentTask
