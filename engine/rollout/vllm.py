@@ -331,6 +331,13 @@ class VLLMRollout(RolloutBackend):
         self.llm.collective_rpc("reload_weights")
         self._weights_lost = False
 
+    def _reset_encoder_cache(self) -> None:
+        """Image prompts: drop vLLM's cached image embeddings after a push (computed with the
+        old weights; its scheduler and worker caches are reset together, or the next image
+        prompt fails with vLLM's 'Encoder cache miss')."""
+        if self.image_encoder is not None:
+            self.llm.llm_engine.reset_encoder_cache()
+
     # ----------------------------------------------------------------- sleep mode
     def _sleep(self) -> None:
         """Free vLLM's memory while the trainer trains (``rollout.vllm.sleep_level``)."""
@@ -495,6 +502,7 @@ class LoRARequestSync(WeightSync):
         rollout.llm.llm_engine.add_lora(self.request)
         if previous is not None:
             rollout.llm.llm_engine.remove_lora(previous.lora_int_id)
+        rollout._reset_encoder_cache()
         distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
         if previous is not None and distributed.rank() == 0:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
@@ -514,6 +522,7 @@ class ReloadWeightsSync(WeightSync):
         rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         rollout._weights_lost = False
         rollout.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        rollout._reset_encoder_cache()
 
 
 @contextlib.contextmanager

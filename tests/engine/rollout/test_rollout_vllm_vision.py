@@ -136,3 +136,23 @@ def test_image_samples_score_at_the_engines_logprobs(rollout, parts):
     blind["pixel_values"] = torch.rand_like(blind["pixel_values"])
     moved = (engine.infer_batch(blind)["logprobs"].cpu() - expected).abs() * mask
     assert moved[image_rows].max().item() > 100 * LOGPROB_ATOL
+
+
+def test_a_synced_update_reaches_the_image_samples(rollout, parts):
+    """One optimizer step, pushed in place (the vision-language names mapped by vLLM's loader):
+    vLLM's image samples score at the updated engine's log-probs again."""
+    engine, _, _ = parts
+    images = [[picture(40, 30, 4)], [picture(28, 56, 5)]]
+    params = SamplingParams(num_samples=2, temperature=1.0, max_new_tokens=4, seed=7)
+    before = rollout.generate([f"{IMAGE}1=", f"2{IMAGE}"], params, images=images).batch
+    batch = before.clone()
+    batch["old_logprobs"] = engine.infer_batch(batch)["logprobs"].cpu()
+    batch["advantages"] = batch["loss_mask"].float()
+    assert engine.train_batch(batch)["step_skipped"] == 0
+    rollout.sync(engine)
+    after = rollout.generate([f"{IMAGE}1=", f"2{IMAGE}"], params, images=images).batch
+    expected = engine.infer_batch(after)["logprobs"].cpu()
+    mask = after["loss_mask"]
+    assert ((after["rollout_logprobs"] - expected).abs() * mask).max().item() <= LOGPROB_ATOL
+    stale = engine.infer_batch(before)["logprobs"].cpu() - before["rollout_logprobs"]
+    assert (stale.abs() * before["loss_mask"]).max().item() > 100 * LOGPROB_ATOL  # it moved
