@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
-from microrl.configs import ActorConfig, OptimConfig
+from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import SamplingParams
@@ -156,3 +156,37 @@ def test_a_synced_update_reaches_the_image_samples(rollout, parts):
     assert ((after["rollout_logprobs"] - expected).abs() * mask).max().item() <= LOGPROB_ATOL
     stale = engine.infer_batch(before)["logprobs"].cpu() - before["rollout_logprobs"]
     assert (stale.abs() * before["loss_mask"]).max().item() > 100 * LOGPROB_ATOL  # it moved
+
+
+# Last in the module: vLLM's in-process engines share its process-global parallel groups, which
+# closing this second engine destroys; the module's engine samples no more after it.
+def test_lora_adapter_serves_the_image_samples(parts, tmp_path):
+    """A LoRA policy (the base exported once, the adapter served as a LoRARequest): after a
+    step and a sync, vLLM's image samples score at the engine's log-probs."""
+    from vllm_vision_shim import without_torchvision
+
+    from microrl.engine.rollout.vllm import VLLMRollout
+
+    _, tokenizer, encoder = parts
+    engine = ActorEngine(
+        tiny_qwen2_vl(tokenizer),
+        ActorConfig(micro_batch_size=8, optim=OptimConfig(lr=5e-2), lora=LoraConfig(rank=8)),
+    )
+    images = [[picture(40, 30, 4)], [picture(28, 56, 5)]]
+    params = SamplingParams(num_samples=2, temperature=1.0, max_new_tokens=4, seed=7)
+    with without_torchvision():
+        rollout = VLLMRollout(
+            engine, tokenizer, _config(), image_encoder=encoder, workdir=str(tmp_path)
+        )
+        try:
+            batch = rollout.generate([f"{IMAGE}1=", f"2{IMAGE}"], params, images=images).batch
+            batch["old_logprobs"] = engine.infer_batch(batch)["logprobs"].cpu()
+            batch["advantages"] = batch["loss_mask"].float()
+            assert engine.train_batch(batch)["step_skipped"] == 0
+            rollout.sync(engine)
+            after = rollout.generate([f"{IMAGE}1=", f"2{IMAGE}"], params, images=images).batch
+        finally:
+            rollout.close()
+    expected = engine.infer_batch(after)["logprobs"].cpu()
+    diff = ((after["rollout_logprobs"] - expected).abs() * after["loss_mask"]).max().item()
+    assert diff <= LOGPROB_ATOL, f"max |Δlogprob| {diff:.2e}"
