@@ -175,13 +175,13 @@ class VLLMRollout(RolloutBackend):
             generation_config=getattr(model, "generation_config", None),
             image_encoder=image_encoder,
         )
-        if image_encoder is not None and (reason := vllm_images.vision_unsupported()):
-            raise ValueError(
-                f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
-                "rollout.backend=hf for a vision-language policy on this machine "
-                "(docs/rollouts.md#images)"
-            )
         if image_encoder is not None:
+            if reason := vllm_images.vision_unsupported():
+                raise ValueError(
+                    f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
+                    "rollout.backend=hf for a vision-language policy on this machine "
+                    "(docs/rollouts.md#images)"
+                )
             vllm_images.check_tokenizer(tokenizer)
         if sync_check_tol is not None and not sync_check_tol > 0:
             raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
