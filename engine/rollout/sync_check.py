@@ -7,6 +7,8 @@ sampler that holds its own weights, in process or out, checks its pushes with th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from tensordict import TensorDict
 
@@ -50,18 +52,27 @@ FP32_SYNC_CHECK_TOL = 5e-5
 LOW_PRECISION_SYNC_CHECK_TOL = 0.25
 # Rows and length of the probe batch.
 _PROBE_ROWS, _PROBE_LEN = 4, 16
+# The vision token ids of a vision-language model's config, left out of the probe.
+_VISION_TOKEN_IDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
 
 
 class SyncCheckError(RuntimeError):
     """A weight push whose probe log-probs or tensor checksums differ from the trainer's."""
 
 
-def build_probe(vocab_size: int, max_positions: int, tokenizer, *, seed: int = 0) -> TensorDict:
-    """The fixed probe batch of a sync check: a few rows of random tokens (never ``<eos>`` or
-    padding) with prompts of different lengths, in the rollout layout (``input_ids``,
-    ``attention_mask``, ``loss_mask`` on the "response")."""
+def build_probe(
+    vocab_size: int, max_positions: int, tokenizer, *, seed: int = 0, exclude: Iterable[int] = ()
+) -> TensorDict:
+    """The fixed probe batch of a sync check: a few rows of random tokens (never ``<eos>``,
+    padding or the ``exclude`` ids) with prompts of different lengths, in the rollout layout
+    (``input_ids``, ``attention_mask``, ``loss_mask`` on the "response")."""
     gen = torch.Generator().manual_seed(seed)
-    specials = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    specials = {tokenizer.eos_token_id, tokenizer.pad_token_id, *exclude}
     allowed = torch.tensor([t for t in range(vocab_size) if t not in specials])
     length = max(_PROBE_ROWS + 2, min(_PROBE_LEN, max_positions))
     prompts, responses = [], []
@@ -84,7 +95,10 @@ def engine_probe(engine, tokenizer) -> TensorDict:
     """:func:`build_probe` for ``engine``'s vocabulary and its model's positions."""
     base = locate_base_model(engine.module)[1]
     max_positions = getattr(base.config, "max_position_embeddings", _PROBE_LEN)
-    return build_probe(engine.vocab_size, max_positions, tokenizer)
+    # A vision-language model's image placeholders need pixels: a text probe has none.
+    vision = [getattr(base.config, name, None) for name in _VISION_TOKEN_IDS]
+    exclude = [t for t in vision if t is not None]
+    return build_probe(engine.vocab_size, max_positions, tokenizer, exclude=exclude)
 
 
 def engine_probe_logprobs(engine, probe: TensorDict) -> torch.Tensor:

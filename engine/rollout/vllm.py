@@ -44,9 +44,10 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout import vllm_options
+from microrl.engine.rollout import vllm_images, vllm_options
 from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.engine.rollout.full_weights import FullWeights
+from microrl.engine.rollout.images import ImageEncoder, ImagePrompts
 from microrl.engine.rollout.layout import Samples
 from microrl.engine.rollout.sync_check import (
     default_sync_check_tol,
@@ -124,6 +125,7 @@ def _check_cpu_head_dim(model_config) -> None:
     inside its worker."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+    model_config = model_config.get_text_config()  # a vision-language model's language model
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     supported = CPUAttentionBackend.get_supported_head_sizes()
@@ -146,10 +148,13 @@ class VLLMRollout(RolloutBackend):
         workdir: where the base model and the adapters vLLM loads are written; every rank must
             see it (a shared file system across nodes). Default: a fresh temporary directory,
             removed by :meth:`close`.
+        image_encoder: the policy's :class:`~microrl.engine.rollout.images.ImageEncoder` (a
+            vision-language policy): ``generate(..., images=)`` then samples image prompts.
 
     Raises:
         ImportError: vLLM is not installed (the message gives the install command).
-        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size),
+        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size,
+            image prompts without torchvision: docs/rollouts.md#images),
             ``rollout.vllm.sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns
             or vLLM does not know.
     """
@@ -162,9 +167,22 @@ class VLLMRollout(RolloutBackend):
         *,
         workdir: str | None = None,
         sync_check_tol: float | None = None,
+        image_encoder: ImageEncoder | None = None,
     ) -> None:
         model = getattr(engine, "model", None)  # its generation_config's eos ids end turns too
-        super().__init__(tokenizer, generation_config=getattr(model, "generation_config", None))
+        super().__init__(
+            tokenizer,
+            generation_config=getattr(model, "generation_config", None),
+            image_encoder=image_encoder,
+        )
+        if image_encoder is not None:
+            if reason := vllm_images.vision_unsupported():
+                raise ValueError(
+                    f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
+                    "rollout.backend=hf for a vision-language policy on this machine "
+                    "(docs/rollouts.md#images)"
+                )
+            vllm_images.check_tokenizer(tokenizer)
         if sync_check_tol is not None and not sync_check_tol > 0:
             raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         config = config or VLLMConfig()
@@ -199,7 +217,11 @@ class VLLMRollout(RolloutBackend):
         self.sync_stats: dict[int, dict[str, float]] = {}
         self._pending_check: tuple[int, torch.Tensor] | None = None
         base_dir = self.workdir / "base"
-        export_merged_model(engine.module, base_dir, merge_lora=False)
+        # With images vLLM preprocesses them itself: its tokenizer and image processor are ours.
+        vision_tokenizer = tokenizer if image_encoder is not None else None
+        export_merged_model(engine.module, base_dir, merge_lora=False, tokenizer=vision_tokenizer)
+        if image_encoder is not None:
+            image_encoder.image_processor.save_pretrained(str(base_dir))
         self.llm = self._start(vllm, base_dir)
         #: How each sync reaches vLLM: an adapter as a ``LoRARequest``, or ``reload_weights``.
         self.weight_sync = LoRARequestSync(self) if self.is_lora else ReloadWeightsSync(self)
@@ -218,7 +240,8 @@ class VLLMRollout(RolloutBackend):
         kv_mb = vllm_options.kv_cache_mb(cfg, self.device)
         kwargs = {
             "model": str(base_dir),
-            "skip_tokenizer_init": True,
+            # vLLM's multimodal processor needs the tokenizer; text prompts need none.
+            "skip_tokenizer_init": self.image_encoder is None,
             "dtype": self.dtype,
             "seed": vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
@@ -237,6 +260,8 @@ class VLLMRollout(RolloutBackend):
             kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
         if cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True
+        if self.image_encoder is not None:  # images only: no video processor is profiled
+            kwargs["limit_mm_per_prompt"] = {"video": 0}
         if on_cpu:
             kwargs.update(cpu_scheduler_args())
         owned = {**OWNED, **IN_PROCESS_OWNED, **(CPU_OWNED if on_cpu else {})}
@@ -306,6 +331,13 @@ class VLLMRollout(RolloutBackend):
         self.llm.collective_rpc("reload_weights")
         self._weights_lost = False
 
+    def _reset_encoder_cache(self) -> None:
+        """Image prompts: drop vLLM's cached image embeddings after a push (computed with the
+        old weights; its scheduler and worker caches are reset together, or the next image
+        prompt fails with vLLM's 'Encoder cache miss')."""
+        if self.image_encoder is not None:
+            self.llm.llm_engine.reset_encoder_cache()
+
     # ----------------------------------------------------------------- sleep mode
     def _sleep(self) -> None:
         """Free vLLM's memory while the trainer trains (``rollout.vllm.sleep_level``)."""
@@ -350,20 +382,44 @@ class VLLMRollout(RolloutBackend):
             if self._sampling == 0:
                 self._sleep()
 
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
+    def generate(self, prompts, params: SamplingParams, *, images=None) -> Rollout:
         with self._awake():
-            return super().generate(prompts, params)
+            return super().generate(prompts, params, images=images)
 
     def run_episodes(self, prompts, make_env, params: SamplingParams, **limits) -> Rollout:
         with self._awake():
             return super().run_episodes(prompts, make_env, params, **limits)
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self._sample_requests([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        """Image prompts: vLLM gets each prompt with one placeholder per image and the PIL
+        images (:mod:`~microrl.engine.rollout.vllm_images`); the prompt it ran is checked to be
+        the trainer's, token for token."""
+        encoder = self.image_encoder
+        requests = [
+            vllm_images.image_request(
+                ids,
+                images,
+                raw,
+                image_token_id=encoder.image_token_id,
+                merge_size=encoder.merge_size,
+            )
+            for ids, images, raw in zip(prompts.ids, prompts.images, prompts.raw, strict=True)
+        ]
+        return self._sample_requests(requests, params, expected=prompts.ids)
+
+    def _sample_requests(
+        self, prompts: list[dict], params: SamplingParams, expected: list[list[int]] | None = None
+    ) -> Samples:
+        """Sample ``params`` from vLLM prompts (``TokensPrompt`` dicts); ``expected``: the ids
+        each prompt must have run as (image prompts, placeholders expanded by vLLM)."""
         from vllm import SamplingParams as VSamplingParams
 
         seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
         copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
-        requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
+        requests = [prompt for prompt in prompts for _ in range(copies)]
         # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
         # of a group in a multi-turn episode) and one seed would draw the very same tokens.
         stops = self.stop_token_ids
@@ -375,7 +431,11 @@ class VLLMRollout(RolloutBackend):
             requests, sampling, lora_request=self._lora_request, use_tqdm=False
         )
         token_ids, logprobs = [], []
-        for output in outputs:
+        for i, output in enumerate(outputs):
+            if expected is not None:
+                vllm_images.check_expanded(
+                    output.prompt_token_ids, expected[i // copies], i // copies
+                )
             for completion in output.outputs:  # the samples of one prompt, in order
                 ids = list(completion.token_ids)
                 token_ids.append(ids)
@@ -442,6 +502,7 @@ class LoRARequestSync(WeightSync):
         rollout.llm.llm_engine.add_lora(self.request)
         if previous is not None:
             rollout.llm.llm_engine.remove_lora(previous.lora_int_id)
+        rollout._reset_encoder_cache()
         distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
         if previous is not None and distributed.rank() == 0:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
@@ -461,6 +522,7 @@ class ReloadWeightsSync(WeightSync):
         rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         rollout._weights_lost = False
         rollout.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        rollout._reset_encoder_cache()
 
 
 @contextlib.contextmanager

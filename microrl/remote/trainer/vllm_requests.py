@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from microrl.engine.rollout import vllm_options
+from microrl.engine.rollout import vllm_images, vllm_options
 from microrl.engine.rollout.base import SamplingParams
 from microrl.remote.trainer.vllm_http import ServerError
 
@@ -28,15 +28,23 @@ def generate_body(
     seed: int,
     eos_token_id: int | Sequence[int],
     adapter: str | None,
+    images: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """One prompt's request: vLLM's ``SamplingParams`` of ``params``, as the in-process engine
     gets them (:func:`~microrl.engine.rollout.vllm_options.sampling_args`: one sample when
     greedy, the caller sends copies; stopped at ``eos_token_id``, one id or the backend's
-    ``stop_token_ids``: the server has no tokenizer to know them), ``adapter`` the LoRA adapter's name (None: the served weights)."""
+    ``stop_token_ids``: the server has no tokenizer to know them), ``adapter`` the LoRA adapter's name (None: the served weights).
+
+    ``images``: the prompt's PIL images, sent as the route's ``content_parts`` (lossless PNG
+    ``data:`` URLs, :func:`~microrl.engine.rollout.vllm_images.image_content_parts`); the
+    prompt then holds one placeholder per image, which the server expands
+    (:func:`~microrl.engine.rollout.vllm_images.collapse_placeholders`)."""
     body: dict[str, Any] = {
         "token_ids": list(prompt_ids),
         "sampling_params": vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id),
     }
+    if images:
+        body["content_parts"] = vllm_images.image_content_parts(list(images))
     if adapter is not None:
         body["model"] = adapter
     return body

@@ -43,6 +43,27 @@ def test_generate_body_maps_sampling_params():
     assert greedy["sampling_params"]["stop_token_ids"] == [1, 9]  # every turn terminator
 
 
+def test_generate_body_with_images_is_a_vllm_generate_request():
+    """Images travel as the route's ``content_parts``; vLLM's own request model accepts the
+    body (its sampling parameters too), and a text prompt's body has none."""
+    from PIL import Image
+
+    from microrl.engine.rollout.vllm import _import_vllm, _without_vllm_deprecations
+
+    _import_vllm()  # as the backends import it: vLLM's own deprecation warnings silenced
+    with _without_vllm_deprecations():
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    image = Image.new("RGB", (28, 28), (10, 200, 30))
+    params = SamplingParams(num_samples=2, temperature=0.7, max_new_tokens=4)
+    body = generate_body([3, 20, 4], params, seed=1, eos_token_id=1, adapter=None, images=[image])
+    assert [p["type"] for p in body["content_parts"]] == ["image_url"]
+    assert body["content_parts"][0]["url"].startswith("data:image/png;base64,")
+    request = GenerateRequest.model_validate(body)
+    assert request.token_ids == [3, 20, 4] and request.content_parts == body["content_parts"]
+    assert "content_parts" not in generate_body([3], params, seed=1, eos_token_id=1, adapter=None)
+
+
 def test_parse_samples_keeps_order_and_versions():
     response = {
         "choices": [
