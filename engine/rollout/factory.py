@@ -24,15 +24,21 @@ def make_rollout_backend(
     ``vllm`` configures the ``vllm`` backend (defaults when omitted); the ``hf`` backend needs
     nothing; ``sync_check_tol`` bounds the check of each ``vllm`` sync (None: by the engine's
     precision). A ``vllm`` backend without vLLM installed raises ``ImportError`` with the command
-    that installs it. ``image_encoder``: a vision-language policy's, for the ``hf`` backend
-    (the ``vllm`` backend takes no image prompts yet; the recipes refuse them at start).
+    that installs it. ``image_encoder``: a vision-language policy's (image prompts; the ``vllm``
+    backend refuses it where vLLM's Qwen-VL code cannot load, docs/rollouts.md#images).
     """
     if backend == "hf":
         return HFRollout(engine, tokenizer, image_encoder=image_encoder)
     if backend == "vllm":
         from microrl.engine.rollout.vllm import VLLMRollout
 
-        return VLLMRollout(engine, tokenizer, vllm or VLLMConfig(), sync_check_tol=sync_check_tol)
+        return VLLMRollout(
+            engine,
+            tokenizer,
+            vllm or VLLMConfig(),
+            sync_check_tol=sync_check_tol,
+            image_encoder=image_encoder,
+        )
     raise ValueError(
         f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got {backend!r}"
     )

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from microrl.engine.rollout.images import ImageEncoder
+from microrl.engine.rollout.vllm_images import vision_unsupported
 from microrl.engine.vision import has_vision_config
 from microrl.tasks import Problem, Task, is_agent_task
 
@@ -35,24 +36,26 @@ def task_has_images(task: Task) -> bool:
 
 def refuse_image_sampling(cfg: Any) -> None:
     """What cannot sample image prompts yet, refused with a ``ValueError`` naming its key:
-    the asynchronous path (``rollout.max_staleness > 0``), the ``vllm`` backend and a
-    distillation teacher (``teacher.path``: its engine scores text rows only). ``cfg``: a recipe
-    config. The one place to lift each refusal (agents: :func:`image_encoder_for`)."""
-    teacher = getattr(cfg, "teacher", None)
-    if teacher is not None and teacher.enabled:
-        raise ValueError(
-            f"teacher.path={teacher.path}: a distillation teacher does not score image prompts "
-            "yet; leave teacher.path unset for a task with images"
-        )
+    the asynchronous path (``rollout.max_staleness > 0``: hf workers and vLLM servers), the
+    ``vllm`` backend where vLLM's Qwen-VL code cannot load (no torchvision), and a distillation
+    teacher (``teacher.path``: its engine scores text rows only). ``cfg``: a recipe config. The
+    one place to lift each refusal (agents: :func:`image_encoder_for`)."""
     if cfg.rollout.max_staleness > 0:
         raise ValueError(
             f"rollout.max_staleness={cfg.rollout.max_staleness}: the asynchronous sampler does "
             "not take image prompts yet; set rollout.max_staleness=0 for a task with images"
         )
-    if cfg.rollout.backend != "hf":
+    if cfg.rollout.backend == "vllm" and (reason := vision_unsupported()):
         raise ValueError(
-            f"rollout.backend={cfg.rollout.backend}: only the hf backend samples image prompts "
-            "yet; set rollout.backend=hf for a task with images"
+            f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
+            "rollout.backend=hf for a vision-language policy on this machine "
+            "(docs/rollouts.md#with-the-vllm-backend)"
+        )
+    teacher = getattr(cfg, "teacher", None)
+    if teacher is not None and teacher.enabled:
+        raise ValueError(
+            f"teacher.path={teacher.path}: a distillation teacher does not score image prompts "
+            "yet; leave teacher.path unset for a task with images"
         )
 
 

@@ -111,7 +111,7 @@ def _check_steps(tmp_path) -> None:
     ("extra", "message"),
     [
         (["rollout.max_staleness=1"], "rollout.max_staleness=1: the asynchronous sampler"),
-        (["rollout.backend=vllm"], "rollout.backend=vllm: only the hf backend"),
+        (["rollout.backend=vllm"], "rollout.backend=vllm cannot sample image prompts here"),
         (["teacher.path={vlm}"], "teacher.path=.*: a distillation teacher does not score"),
     ],
 )
