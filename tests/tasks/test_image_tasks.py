@@ -73,7 +73,7 @@ class _Images(http.server.BaseHTTPRequestHandler):
 
     hits = 0
 
-    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+    def do_GET(self) -> None:
         type(self).hits += 1
         if self.path != "/red.png":
             self.send_error(404)
