@@ -173,11 +173,7 @@ class RolloutBackend(ABC):
             prompt_ids = self._encode(prompts)
             samples = self._sample(prompt_ids, params)
         else:
-            if self.image_encoder is None:
-                raise ValueError(
-                    f"images were given but this {type(self).__name__} has no image_encoder "
-                    "(the policy is not a vision-language model)"
-                )
+            self._check_images(prompts, images)
             encoded = self.image_encoder.encode(self.tokenizer, prompts, images)
             prompt_ids = encoded.ids
             samples = self._sample_images(encoded, params)
@@ -205,6 +201,7 @@ class RolloutBackend(ABC):
         max_turns: int,
         max_tokens: int,
         skip_env_errors: bool = False,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Rollout:
         """Play ``params.num_samples`` multi-turn episodes per prompt against environments.
 
@@ -222,6 +219,11 @@ class RolloutBackend(ABC):
         row and turn and carrying its traceback; with ``skip_env_errors`` its row is dropped
         instead (``metrics["episodes/env_errors"]`` counts them; ``group_ids`` keeps the
         prompts of the rows left). Under ``torchrun`` it is collective: every rank calls it.
+
+        ``images``: ``images[i]`` are prompt ``i``'s PIL images, one per image placeholder in
+        the first input its environment's ``init`` returns, encoded with ``self.image_encoder``;
+        every turn is sampled with them and each row carries its prompt's ``pixel_values`` and
+        ``image_grid_thw`` (observations are text; docs/rollouts.md#images).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -232,6 +234,8 @@ class RolloutBackend(ABC):
         for name, value in (("max_turns", max_turns), ("max_tokens", max_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if images is not None:
+            self._check_images(prompts, images)
         episodes = play_episodes(
             self,
             prompts,
@@ -240,6 +244,7 @@ class RolloutBackend(ABC):
             max_turns=max_turns,
             max_tokens=max_tokens,
             skip_env_errors=skip_env_errors,
+            images=images,
         )
         trajectories = episodes.trajectories
         return Rollout(
@@ -263,6 +268,18 @@ class RolloutBackend(ABC):
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
         raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
+
+    def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
+        if self.image_encoder is None:
+            raise ValueError(
+                f"images were given but this {type(self).__name__} has no image_encoder "
+                "(the policy is not a vision-language model)"
+            )
+        if isinstance(images, str) or len(images) != len(prompts):
+            raise ValueError(
+                f"images must hold one image list per prompt: {len(prompts)} prompts, "
+                f"{len(images)} image lists"
+            )
 
     def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts)

@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from microrl.engine.parallel import distributed
+from microrl.engine.rollout.images import ImagePrompts
 from microrl.engine.rollout.layout import first_stop
 from microrl.engine.rollout.turns import (
     PLAIN_CHAT_TEMPLATE,
@@ -37,6 +38,7 @@ from microrl.engine.rollout.turns import (
     render,
     template_turn_end,
 )
+from microrl.engine.vision import pad_images
 
 __all__ = [
     "PLAIN_CHAT_TEMPLATE",
@@ -83,6 +85,10 @@ class Trajectory:
     done: bool = False
     truncated: bool = False
     failed: bool = False
+    #: The first input's images: ``(pixel_values, image_grid_thw)`` (its placeholders expanded
+    #: in ``prompt_ids``) and the PIL images; None for a text episode.
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
+    raw_images: list[Any] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
@@ -185,7 +191,8 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
     A row is ``[left-padded prompt | trajectory, right-padded]``. ``loss_mask`` marks the
     sampled tokens only (observations are context: attended, never trained on);
     ``rollout_logprobs`` holds their sampler log-probs; ``truncated`` ``[B]`` marks episodes
-    cut by ``max_turns`` or the token budget.
+    cut by ``max_turns`` or the token budget; rows whose first input had images carry
+    ``pixel_values`` and ``image_grid_thw`` (docs/batch.md#images).
     """
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     width = prompt_width + max(1, max(len(t.ids) for t in trajectories))
@@ -202,7 +209,7 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
         loss_mask[row, prompt_width:stop] = torch.tensor(t.model_token, dtype=torch.bool)
         logprobs[row, prompt_width:stop] = torch.tensor(t.logprobs, dtype=torch.float32)
     truncated = torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)
-    return TensorDict(
+    batch = TensorDict(
         {
             "input_ids": input_ids,
             "attention_mask": attention,
@@ -212,6 +219,9 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
         },
         batch_size=[rows],
     )
+    if any(t.images is not None for t in trajectories):  # each row its prompt's images
+        batch.update(pad_images([t.images for t in trajectories]))
+    return batch
 
 
 @dataclass
@@ -262,7 +272,12 @@ class _Player:
         finally:
             self.env_time += time.perf_counter() - start
 
-    def start(self, prompts: Sequence[Any], make_env: Callable[[int], Any]) -> list[_Row]:
+    def start(
+        self,
+        prompts: Sequence[Any],
+        make_env: Callable[[int], Any],
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> list[_Row]:
         rows = []
         for prompt_index, prompt in enumerate(prompts):
             for _ in range(self.params.num_samples):
@@ -279,7 +294,17 @@ class _Player:
                 else:
                     first = initial[0] if isinstance(initial, tuple) else initial
                     row.trajectory.prompt_ids = self.renderer.prompt(first)
+                    if images is not None:
+                        self.add_images(row.trajectory, images[prompt_index], prompt_index)
         return rows
+
+    def add_images(self, trajectory: Trajectory, images: Sequence[Any], index: int) -> None:
+        """The first input's images, encoded by the backend's image encoder (the one
+        preprocessing path): its placeholders expanded in ``prompt_ids``."""
+        trajectory.prompt_ids, trajectory.images = self.backend.image_encoder.encode_ids(
+            trajectory.prompt_ids, images, index
+        )
+        trajectory.raw_images = list(images)
 
     def turn(self, rows: list[_Row], number: int, max_turns: int, max_tokens: int) -> None:
         """One model turn of every active row and the environment's answer to it."""
@@ -293,7 +318,11 @@ class _Player:
         # Under data parallelism every rank samples each turn (FSDP-sharded generation is a
         # collective); a rank whose episodes all ended samples a stand-in row it discards.
         contexts = [r.trajectory.prompt_ids + r.trajectory.ids for r in active]
-        samples = self.backend._sample(contexts or [rows[0].trajectory.prompt_ids or [0]], params)
+        samples = self.sample(
+            [r.trajectory for r in active] or [rows[0].trajectory],
+            contexts or [rows[0].trajectory.prompt_ids or [0]],
+            params,
+        )
         if not active:
             return
         for row, budget, ids, logprobs in zip(
@@ -301,6 +330,18 @@ class _Player:
         ):
             end = min(first_stop(ids, self.stops), budget)
             self.answer(row, ids[:end], logprobs[:end], number, max_turns, max_tokens)
+
+    def sample(self, trajectories: list[Trajectory], contexts: list[list[int]], params):
+        """The backend's samples of ``contexts``: with their first inputs' images when any has
+        some (``_sample_images``), else as text (``_sample``)."""
+        if all(t.images is None for t in trajectories):
+            return self.backend._sample(contexts, params)
+        prompts = ImagePrompts(
+            ids=contexts,
+            images=[t.images for t in trajectories],
+            raw=[t.raw_images for t in trajectories],
+        )
+        return self.backend._sample_images(prompts, params)
 
     def answer(self, row: _Row, ids, logprobs, number: int, max_turns: int, max_tokens: int):
         trajectory = row.trajectory
@@ -364,11 +405,12 @@ def play_episodes(
     max_turns: int,
     max_tokens: int,
     skip_env_errors: bool = False,
+    images: Sequence[Sequence[Any]] | None = None,
 ) -> Episodes:
     """Run ``params.num_samples`` episodes per prompt to their end (see
     :meth:`RolloutBackend.run_episodes`)."""
     player = _Player(backend, params, skip_env_errors)
-    rows = player.start(prompts, make_env)
+    rows = player.start(prompts, make_env, images)
     for number in range(1, max_turns + 1):
         player.turn(rows, number, max_turns, max_tokens)
     for row in rows:  # still going after max_turns (no env said done): cut

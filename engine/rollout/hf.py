@@ -20,6 +20,7 @@ from microrl.engine.base import Engine
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.distributed import gathered
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
+from microrl.engine.rollout.images import ImageEncoder, ImagePrompts
 
 __all__ = ["HFRollout", "engine_autocast_dtype", "seeded"]
 
@@ -52,6 +53,20 @@ class _LogprobRecorder(LogitsProcessor):
         self._gather(last_tokens)
         self.previous = None
         return torch.stack(self.steps, dim=1)  # [B, steps]
+
+
+class _BanTokens(LogitsProcessor):
+    """Never samples ``token_ids``: a vision-language policy's image placeholder, which in a
+    response would stand for an image the row does not have (the engine refuses such a row).
+    It runs after :class:`_LogprobRecorder`, so it truncates the sampling, as top-k does, but
+    not the recorded log-probs: those stay the engine's (docs/rollouts.md#images)."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.token_ids] = -float("inf")
+        return scores
 
 
 def engine_autocast_dtype(engine: Engine) -> torch.dtype | None:
@@ -92,6 +107,10 @@ class HFRollout(RolloutBackend):
         tokenizer: its tokenizer (``eos_token_id`` and ``pad_token_id`` set).
         autocast_dtype: for a bare causal LM, the dtype ``generate`` autocasts to (None: none);
             an engine's is its own (:func:`engine_autocast_dtype`).
+        image_encoder: a vision-language policy's (:meth:`ImageEncoder.from_pretrained` of its
+            checkpoint): ``generate(prompts, params, images=...)`` then samples image prompts,
+            the model's own ``generate`` taking each row's ``pixel_values`` and
+            ``image_grid_thw`` (docs/rollouts.md#images).
 
     ``generate`` runs at the trainer's precision: under the engine's autocast (bf16 on CUDA by
     default), so the samples come from the distribution the engine trains, not from an fp32
@@ -105,14 +124,25 @@ class HFRollout(RolloutBackend):
     for, truncate the sampling but not these log-probs).
     """
 
-    def __init__(self, engine, tokenizer, *, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        image_encoder: ImageEncoder | None = None,
+    ) -> None:
         is_engine = isinstance(engine, Engine)
         model = engine.model if is_engine else engine
         if not isinstance(model, nn.Module) or not hasattr(model, "generate"):
             raise TypeError(
                 f"engine must be an engine or a transformers causal LM, got {type(engine).__name__}"
             )
-        super().__init__(tokenizer, generation_config=getattr(model, "generation_config", None))
+        super().__init__(
+            tokenizer,
+            generation_config=getattr(model, "generation_config", None),
+            image_encoder=image_encoder,
+        )
         if is_engine and autocast_dtype is not None:
             raise ValueError(
                 "autocast_dtype is for a bare causal LM: an engine samples at its own precision "
@@ -130,8 +160,30 @@ class HFRollout(RolloutBackend):
         #: the samples come from the distribution it trains), else ``autocast_dtype``.
         self.autocast_dtype = engine_autocast_dtype(engine) if is_engine else autocast_dtype
 
-    @torch.no_grad()
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self._generate(prompt_ids, params)
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        """Image prompts through the model's own ``generate``, all rows in one batch: the rows'
+        patches concatenated in row order (each prompt's repeated for its ``num_samples`` rows,
+        as its ids are), their grids, and ``mm_token_type_ids`` marking the placeholders, from
+        which the model computes the mRoPE positions the engine computes (``get_rope_index``)."""
+        rows = [img for img in prompts.images for _ in range(params.num_samples)]
+        present = [img for img in rows if img is not None]
+        if not present:
+            return self._generate(prompts.ids, params)
+        pixels = torch.cat([pixels for pixels, _ in present])
+        return self._generate(prompts.ids, params, (pixels, torch.cat([g for _, g in present])))
+
+    @torch.no_grad()
+    def _generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Samples:
+        """Sample ``params.num_samples`` rows per prompt; ``images``: every row's patches and
+        grids, rows in order (prompts repeated), as the model's ``generate`` takes them."""
         device = self._device or next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         pad = self.tokenizer.pad_token_id
@@ -161,6 +213,17 @@ class HFRollout(RolloutBackend):
             **sampling,
         )
         recorder = _LogprobRecorder(params.temperature)
+        processors: list[LogitsProcessor] = [recorder]
+        if self.image_encoder is not None:  # a vision-language policy: no placeholder sampled
+            processors.append(_BanTokens([self.image_encoder.image_token_id]))
+        vision: dict[str, torch.Tensor] = {}
+        if images is not None:
+            placeholders = (ids == self.image_encoder.image_token_id) & mask.bool()
+            vision = {
+                "pixel_values": images[0].to(device),
+                "image_grid_thw": images[1].to(device),
+                "mm_token_type_ids": placeholders.int(),  # the model's mRoPE positions read it
+            }
         was_training = self.model.training
         self.model.eval()
         try:
@@ -173,8 +236,9 @@ class HFRollout(RolloutBackend):
                     input_ids=ids,
                     attention_mask=mask,
                     generation_config=config,
-                    logits_processor=LogitsProcessorList([recorder]),
+                    logits_processor=LogitsProcessorList(processors),
                     synced_gpus=distributed.is_distributed(),
+                    **vision,
                 )
         finally:
             self.model.train(was_training)

@@ -72,23 +72,29 @@ class ImageEncoder:
             )
         out = ImagePrompts(ids=[], images=[], raw=[])
         for i, (text, row_images) in enumerate(zip(prompts, images, strict=True)):
-            ids = list(tokenizer(text)["input_ids"])
-            slots = ids.count(self.image_token_id)
-            if slots != len(row_images):
-                raise ValueError(
-                    f"prompt {i}: {slots} image placeholder tokens but {len(row_images)} images "
-                    "(one placeholder per image, as the chat template renders it)"
-                )
+            ids, encoded = self.encode_ids(list(tokenizer(text)["input_ids"]), row_images, i)
+            out.ids.append(ids)
+            out.images.append(encoded)
             out.raw.append(list(row_images))
-            if not row_images:
-                out.ids.append(ids)
-                out.images.append(None)
-                continue
-            done = self.image_processor(images=list(row_images), return_tensors="pt")
-            grid = done["image_grid_thw"].long()
-            out.ids.append(self._expand(ids, grid))
-            out.images.append((done["pixel_values"], grid))
         return out
+
+    def encode_ids(
+        self, ids: list[int], images: Sequence[Any], index: int = 0
+    ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
+        """One prompt's token ids (already tokenized, e.g. an episode's rendered first input)
+        with ``images``: the ids with the placeholders expanded and ``(pixel_values,
+        image_grid_thw)`` (None without images). ``index`` names the prompt in the error."""
+        slots = ids.count(self.image_token_id)
+        if slots != len(images):
+            raise ValueError(
+                f"prompt {index}: {slots} image placeholder tokens but {len(images)} images "
+                "(one placeholder per image, as the chat template renders it)"
+            )
+        if not images:
+            return ids, None
+        done = self.image_processor(images=list(images), return_tensors="pt")
+        grid = done["image_grid_thw"].long()
+        return self._expand(ids, grid), (done["pixel_values"], grid)
 
     def _expand(self, ids: list[int], grid: torch.Tensor) -> list[int]:
         """``ids`` with the ``k``-th placeholder repeated as many times as image ``k`` has features."""

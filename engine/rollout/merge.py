@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from microrl.engine.rollout.base import Rollout
+from microrl.engine.vision import IMAGE_KEYS
 
 __all__ = ["merge_rollouts", "select_groups"]
 
@@ -61,7 +62,9 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     plus the longest response (at least one column) of all the rows: each part's per-token
     entries (second dimension its width) move by whole columns, padded with ``pad_token_id``
     (``input_ids``) or 0 / False (every other key); per-row entries (``truncated``, ...) are
-    concatenated. A part's prompts end where its first response (``loss_mask``) column starts.
+    concatenated; the image keys (docs/batch.md#images) are zero-padded to the widest part's,
+    and all zero for a part without images. A part's prompts end where its first response
+    (``loss_mask``) column starts.
     ``texts`` are concatenated; ``group_ids`` are renumbered contiguously: each part's ids in
     ascending order, after the groups of the parts before it. Per-row tensor fields of
     :class:`Rollout` (set on every part or on none) are concatenated, ``metrics`` (sums) added
@@ -72,9 +75,9 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     """
     if not rollouts:
         raise ValueError("merge_rollouts needs at least one rollout")
-    keys = set(rollouts[0].batch.keys())
+    keys = set(rollouts[0].batch.keys()) - set(IMAGE_KEYS)
     for part in rollouts[1:]:
-        if set(part.batch.keys()) != keys:
+        if set(part.batch.keys()) - set(IMAGE_KEYS) != keys:
             raise ValueError(
                 f"rollouts with different batch keys cannot be merged: {sorted(keys)} and "
                 f"{sorted(part.batch.keys())}"
@@ -94,6 +97,9 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
                 )
             columns[key].append(value)
     rows = sum(part.batch.batch_size[0] for part in rollouts)
+    for key in IMAGE_KEYS:
+        if any(key in part.batch for part in rollouts):
+            columns[key] = _padded_images([part.batch for part in rollouts], key)
     batch = TensorDict(
         {key: torch.cat(values) for key, values in columns.items()}, batch_size=[rows]
     )
@@ -163,4 +169,16 @@ def _shift_columns(value: torch.Tensor, offset: int, width: int, fill: int) -> t
     lo, hi = max(0, offset), min(value.shape[1], offset + width)
     if hi > lo:
         out[:, lo - offset : hi - offset] = value[:, lo:hi]
+    return out
+
+
+def _padded_images(batches: Sequence[TensorDict], key: str) -> list[torch.Tensor]:
+    """Each batch's image ``key`` (``[b, n, d]``) zero-padded to the largest ``n``; zeros for a
+    batch without images (no patch, no grid: a text row)."""
+    like = next(batch[key] for batch in batches if key in batch)
+    n = max(batch[key].shape[1] for batch in batches if key in batch)
+    out = []
+    for batch in batches:
+        value = batch.get(key, like.new_zeros(batch.batch_size[0], n, like.shape[2]))
+        out.append(torch.nn.functional.pad(value, (0, 0, 0, n - value.shape[1])))
     return out

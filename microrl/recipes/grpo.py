@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
     sampler, prefetch = start_sampling(
         cfg, engine, run.tokenizer, task, sampling, rng, prompts_per_rank,
         start_step=start_step, restored=restored, dist_info=dist_info,
+        image_encoder=run.image_encoder,  # a vision-language policy's (docs/rollouts.md#images)
         **scoring_in_producer(teacher, dist_info),  # the teacher scores in the producer
     )  # fmt: skip
     evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens, cfg.rollout)

@@ -8,6 +8,7 @@
 :mod:`~microrl.run.step_metrics` (a step's metrics, the rollout's counts summed over the ranks),
 :mod:`~microrl.run.dynamic_sampling` (DAPO's dynamic sampling: groups whose rewards differ),
 :mod:`~microrl.run.sampling` (sample or play episodes, and score, for any task),
+:mod:`~microrl.run.vision` (a vision-language policy's image encoder, checked at start),
 :mod:`~microrl.run.prefetcher` (asynchronous RL: rollouts sampled ahead by a worker under
 ``rollout.max_staleness``) and
 :mod:`~microrl.run.base_model` (the base model RL starts from: a local checkpoint, a Hugging Face

@@ -24,6 +24,7 @@ from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import load_run, save_run
 from microrl.run.cli import prepare_output
 from microrl.run.dist import Dist, per_rank
+from microrl.run.vision import image_encoder_for
 from microrl.tasks import Task, make_task, overlong_penalty
 
 __all__ = ["RunStart", "overlong_shaping", "sampling_params", "save_if_due", "start_run"]
@@ -48,6 +49,8 @@ class RunStart:
     mini_batch_per_rank: int
     #: when the set-up began (``time.perf_counter()``), for the step-0 line
     t_setup: float
+    #: the sampler's image encoder: a vision-language policy's (microrl/run/vision.py), else None
+    image_encoder: Any = None
 
     def resume(self, engines: Mapping[str, Any]) -> tuple[random.Random, int, dict[str, Any]]:
         """``(rng, start_step, restored)``: the loop's prompt stream and torch's sampling and
@@ -72,8 +75,10 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
 
     Joins the ranks (:meth:`Dist.init`), makes ``output.dir`` ready (``--resume`` /
     ``--overwrite``: :func:`~microrl.run.cli.prepare_output`), sets ``train.num_threads``,
-    prepares the base model (every process as its own rank: a toy model is built once) and the
-    task, splits ``rollout.prompts_per_step`` and ``train.mini_batch_size`` over the data ranks (a
+    prepares the base model (every process as its own rank: a toy model is built once), the
+    task and a vision-language policy's image encoder (checked against the task's images and
+    the sampler: :func:`~microrl.run.vision.image_encoder_for`), splits
+    ``rollout.prompts_per_step`` and ``train.mini_batch_size`` over the data ranks (a
     ``ValueError`` naming the key when they do not divide), and seeds torch with ``train.seed``,
     the same on every rank, so that the engines built next start from the same LoRA weights.
     ``cfg``: a recipe config (``model``, ``task``, ``rollout``, ``actor``, ``train``, ``output``).
@@ -93,8 +98,12 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
         cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
     task = make_task(cfg.task, tokenizer)  # (docs/tasks.md)
+    # A vision-language policy's encoder; images it or the sampler cannot take fail here.
+    encoder = image_encoder_for(cfg, base_path, task)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
-    return RunStart(cfg, args, data, log, tokenizer, base_path, task, prompts, mini_batch, t_setup)
+    return RunStart(
+        cfg, args, data, log, tokenizer, base_path, task, prompts, mini_batch, t_setup, encoder
+    )
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

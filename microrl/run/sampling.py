@@ -21,6 +21,7 @@ from microrl.configs.run import RolloutConfig
 from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
 from microrl.losses import check_whole_groups, grpo_advantages
 from microrl.run.dist import Dist
+from microrl.run.vision import problem_images
 from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
 __all__ = [
@@ -62,8 +63,8 @@ def sample_and_score(
             tool_parser=task.tool_parser,
         )
         return rollout, rollout.rewards
-    if not is_episode_task(task):
-        rollout = sampler.generate(prompts, params)
+    if not is_episode_task(task):  # a problem's images go with it (docs/rollouts.md#images)
+        rollout = sampler.generate(prompts, params, images=problem_images(problems))
         return rollout, score_rollout(task, problems, rollout)
     limits = limits or RolloutConfig()
     rollout = sampler.run_episodes(
@@ -73,6 +74,7 @@ def sample_and_score(
         max_turns=limits.max_turns,
         max_tokens=limits.max_episode_tokens,
         skip_env_errors=limits.skip_env_errors,
+        images=problem_images(problems),
     )
     return rollout, rollout.rewards
 

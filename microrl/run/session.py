@@ -61,6 +61,7 @@ def start_sampling(
     dist_info: Dist,
     scorer: Callable[[Any], None] | None = None,
     scorer_collective: bool = False,
+    image_encoder: Any = None,
 ) -> tuple[RolloutBackend, RolloutPrefetcher | None]:
     """The recipe's samplers for its ``rollout`` section: ``(sampler, prefetch)``.
 
@@ -75,7 +76,8 @@ def start_sampling(
     ``max_staleness``, is a ``ValueError``. ``cfg``: a recipe config (its ``rollout``,
     ``task.name``, ``train.steps``, ``train.num_threads`` and ``actor.policy_loss``).
     ``scorer``, ``scorer_collective``: the prefetcher's producer-side scoring (a
-    teacher's log-probs; :class:`~microrl.run.RolloutPrefetcher`)."""
+    teacher's log-probs; :class:`~microrl.run.RolloutPrefetcher`). ``image_encoder``: a
+    vision-language policy's (:attr:`~microrl.run.RunStart.image_encoder`), for the sampler."""
     k = cfg.rollout.max_staleness
     ahead = resumed_rollouts(restored, k)  # a checkpoint's, if any
     if not k:
@@ -85,6 +87,7 @@ def start_sampling(
             tokenizer,
             vllm=cfg.rollout.vllm,
             sync_check_tol=cfg.rollout.sync_check_tol,
+            image_encoder=image_encoder,
         )
         return sampler, None
     prefetch = start_prefetcher(
@@ -106,7 +109,7 @@ def start_sampling(
     )
     if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
         warn_if_uncorrected(cfg.actor.policy_loss, k)
-    return HFRollout(engine, tokenizer), prefetch
+    return HFRollout(engine, tokenizer, image_encoder=image_encoder), prefetch
 
 
 def evaluate_accuracy(

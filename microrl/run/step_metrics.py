@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
+from microrl.engine.vision import IMAGE_GRID_KEY
+from microrl.losses import mismatch_log_ratio
 from microrl.run.dist import Dist
 from microrl.run.tracking import mean_metrics
 
@@ -41,10 +43,16 @@ def step_metrics(
     (docs/losses.md); ``updates``, ``critic_updates``: the engines' ``train_batch`` metrics, as
     :func:`~microrl.run.tracking.mean_metrics` (the critic's under ``critic/``); ``t0``: the
     step's start (``time.perf_counter()``), for ``step_time`` and ``tokens_per_s``.
+
+    When the rollout has rows with images (on any rank) and ``old`` is given, the
+    ``mismatch/image/*`` metrics are the ``mismatch/*`` ones over those rows' tokens only
+    (docs/rollouts.md#images).
     """
     mask = batch["loss_mask"]
+    image = _image_mismatch_sums(batch, old, dist_info)
     sums = dist_info.sum(
         [
+            *image,
             scores.sum().item(),
             len(scores),
             batch["attention_mask"].sum().item(),
@@ -54,6 +62,7 @@ def step_metrics(
             batch["truncated"].sum().item(),
         ]
     )
+    image, sums = sums[: len(image)], sums[len(image) :]
     reward_sum, n_rows, n_tokens, entropy_sum, n_response, penalty_sum, n_cut = sums
     step_time = time.perf_counter() - t0
     metrics = {
@@ -69,6 +78,47 @@ def step_metrics(
         metrics["reward/overlong_penalty"] = penalty_sum / n_rows
     if old is not None:
         metrics["entropy"] = entropy_sum / max(n_response, 1.0)
+        metrics.update(_image_mismatch(image))
     else:
         metrics.update({k: v for k, v in updates[0].items() if k.startswith("mismatch/")})
     return metrics
+
+
+def _image_mismatch_sums(batch: TensorDict, old: TensorDict | None, dist_info: Dist) -> list[float]:
+    """This rank's sums for ``mismatch/image/*``: the image rows' loss-token count, sums of
+    ``|d|``, ``k3`` and ``exp|d|`` (``d`` the trainer's minus the sampler's log-prob, as in
+    :func:`~microrl.losses.mismatch_metrics`), then its ``max |d|`` at its rank's slot of a
+    ``world_size`` vector (so the sum over ranks carries every rank's max). Zeros without
+    image rows: every rank sums the same number of values."""
+    maxima = [0.0] * dist_info.world_size
+    if old is None or IMAGE_GRID_KEY not in batch or "rollout_logprobs" not in batch:
+        return [0.0, 0.0, 0.0, 0.0, *maxima]
+    rows = batch[IMAGE_GRID_KEY].prod(-1).sum(-1) > 0
+    mask = batch["loss_mask"].bool() & rows[:, None]
+    delta = mismatch_log_ratio(old["logprobs"], batch["rollout_logprobs"], mask).double()
+    keep = mask.to(delta.dtype)
+    n = mask.sum().item()
+    if n:
+        maxima[dist_info.rank] = delta.abs().max().item()
+    k3 = torch.expm1(delta) - delta  # 0 off the mask (delta is 0 there)
+    return [
+        float(n),
+        delta.abs().sum().item(),
+        k3.sum().item(),
+        (torch.exp(delta.abs()) * keep).sum().item(),
+        *maxima,
+    ]
+
+
+def _image_mismatch(sums: Sequence[float]) -> dict[str, float]:
+    """``mismatch/image/*`` from :func:`_image_mismatch_sums` summed over ranks (none when no
+    rank had an image row)."""
+    n, abs_sum, k3_sum, mult_sum, *maxima = sums
+    if not n:
+        return {}
+    return {
+        "mismatch/image/abs_diff_mean": abs_sum / n,
+        "mismatch/image/abs_diff_max": max(maxima),
+        "mismatch/image/kl_k3": k3_sum / n,
+        "mismatch/image/mult_prob_error": mult_sum / n,
+    }

@@ -57,3 +57,107 @@ def test_the_bypass_reports_the_first_updates_mismatch_and_no_entropy() -> None:
         k.startswith("critic/") for k in metrics
     )
     assert math.isfinite(metrics["tokens_per_s"])
+
+
+def test_image_rows_report_their_own_mismatch() -> None:
+    """``mismatch/image/*``: the ``mismatch/*`` figures over the rows with images only (the
+    losses' own definitions on those rows' tokens); none for a text rollout."""
+    from microrl.engine.vision import pad_images
+    from microrl.losses import LossDenominators, mismatch_metrics
+
+    gen = torch.Generator().manual_seed(0)
+    batch = _batch()
+    batch = torch.cat([batch, batch])  # 4 rows: 0 and 3 with images
+    grid = torch.tensor([[1, 2, 2]])
+    batch.update(
+        pad_images(
+            [
+                (torch.randn(4, 3, generator=gen), grid),
+                None,
+                None,
+                (torch.randn(4, 3, generator=gen), grid),
+            ]
+        )
+    )
+    batch["rollout_logprobs"] = -torch.rand(4, 5, generator=gen)
+    logprobs = batch["rollout_logprobs"] + 0.3 * torch.randn(4, 5, generator=gen)
+    old = TensorDict({"entropy": torch.ones(4, 5), "logprobs": logprobs}, batch_size=[4])
+    metrics = step_metrics(batch, torch.zeros(4), torch.zeros(4), old, UPDATES, Dist(), 0.0)
+    mask = batch["loss_mask"].clone()
+    mask[1:3] = False
+    n = mask.sum().float()
+    expected = mismatch_metrics(
+        logprobs, batch["rollout_logprobs"], mask, LossDenominators(n, torch.tensor(2.0))
+    )
+    for name, metric in expected.items():
+        got = metrics[name.replace("mismatch/", "mismatch/image/")]
+        assert got == pytest.approx(metric.value.item(), rel=1e-6), name
+    assert metrics["mismatch/kl_k3"] == 1.0  # the whole batch's: the engine's, unchanged
+    text = step_metrics(
+        batch.exclude("pixel_values", "image_grid_thw"),
+        torch.zeros(4),
+        torch.zeros(4),
+        old,
+        UPDATES,
+        Dist(),
+        0.0,
+    )
+    assert not any(k.startswith("mismatch/image/") for k in text)
+
+
+class _TwoRanks(Dist):
+    """Rank ``rank`` of 2, whose ``sum`` adds the other rank's values (given) to its own."""
+
+    def sum(self, values):
+        return [a + b for a, b in zip(values, self.other, strict=True)]
+
+
+def test_image_mismatch_over_two_ranks_is_the_one_process_figure() -> None:
+    """Each rank's image rows: the means over both ranks' image tokens, the max of both."""
+    from microrl.engine.vision import pad_images
+
+    gen = torch.Generator().manual_seed(1)
+    grid = torch.tensor([[1, 2, 2]])
+
+    def half(with_images: list[bool]):
+        batch = _batch()
+        rows = [(torch.randn(4, 3, generator=gen), grid) if w else None for w in with_images]
+        if any(with_images):
+            batch.update(pad_images(rows))
+        batch["rollout_logprobs"] = -torch.rand(2, 5, generator=gen)
+        noisy = batch["rollout_logprobs"] + 0.3 * torch.randn(2, 5, generator=gen)
+        return batch, TensorDict({"entropy": torch.ones(2, 5), "logprobs": noisy}, batch_size=[2])
+
+    (b0, o0), (b1, o1) = half([True, False]), half([True, True])
+    zeros = torch.zeros(2)
+
+    def on_rank(rank, batch, old, other):
+        dist_info = _TwoRanks(rank=rank, world_size=2)
+        object.__setattr__(dist_info, "other", other)
+        return step_metrics(batch, zeros, zeros, old, UPDATES, dist_info, 0.0)
+
+    # the values each rank contributes, read off a pass that adds nothing
+    seen = {}
+
+    class Recorder(Dist):
+        def sum(self, values):
+            seen[self.rank] = list(values)
+            return list(values)
+
+    for rank, (batch, old) in enumerate([(b0, o0), (b1, o1)]):
+        step_metrics(batch, zeros, zeros, old, UPDATES, Recorder(rank=rank, world_size=2), 0.0)
+    first = on_rank(0, b0, o0, seen[1])
+    second = on_rank(1, b1, o1, seen[0])
+    whole = step_metrics(
+        torch.cat([b0, b1]),
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.cat([o0, o1]),
+        UPDATES,
+        Dist(),
+        0.0,
+    )
+    names = [k for k in whole if k.startswith("mismatch/image/")]
+    assert len(names) == 4 and whole["mismatch/image/abs_diff_max"] > 0
+    for name in names:
+        assert first[name] == second[name] == pytest.approx(whole[name], rel=1e-9), name

@@ -129,3 +129,30 @@ def test_errors() -> None:
     right_padded.batch["attention_mask"][0, :3] = torch.tensor([True, True, False])
     with pytest.raises(ValueError, match="left-padded prompt"):
         merge_rollouts([right_padded], pad_token_id=PAD)
+
+
+def test_merging_rounds_with_and_without_images_pads_the_image_keys() -> None:
+    """Image keys (docs/batch.md#images) are per row, not per token: merged by zero-padding to
+    the widest round's patches and grids (a round without images: all zero), never shifted."""
+    from microrl.engine.vision import pad_images
+
+    gen = torch.Generator().manual_seed(0)
+    a = _rollout(PROMPTS_A, [[7, 8, EOS], [9], [7], [8, 8]], 2, "a")
+    b = _rollout([[2]], [[7, EOS], [9, 9]], 2, "b")
+    c = _rollout([[3, 4]], [[8], [EOS]], 2, "c")
+    images = [(torch.randn(4, 5, generator=gen), torch.tensor([[1, 2, 2]])), None]
+    a.batch.update(pad_images([images[i // 2] for i in range(4)]))
+    grid = torch.tensor([[1, 2, 2], [1, 2, 4]])
+    b.batch.update(pad_images([(torch.randn(12, 5, generator=gen), grid)] * 2))
+    merged = merge_rollouts([a, b, c], pad_token_id=PAD).batch
+    assert merged["pixel_values"].shape == (8, 12, 5)
+    assert merged["image_grid_thw"].shape == (8, 2, 3)
+    assert torch.equal(merged["pixel_values"][:4, :4], a.batch["pixel_values"])
+    assert torch.equal(merged["pixel_values"][4:6], b.batch["pixel_values"])
+    assert (
+        merged["pixel_values"][:4, 4:].abs().sum() == 0
+        and merged["pixel_values"][6:].abs().sum() == 0
+    )
+    assert merged["image_grid_thw"][:2].tolist() == [[[1, 2, 2], [0, 0, 0]]] * 2
+    assert merged["image_grid_thw"][4].tolist() == grid.tolist()
+    assert merged["image_grid_thw"][6:].abs().sum() == 0

@@ -1,0 +1,75 @@
+"""Images in a run: the policy's image encoder, the checks at start, the problems' images.
+
+A policy checkpoint with a vision config samples with an
+:class:`~microrl.engine.rollout.images.ImageEncoder` of that checkpoint (the one preprocessing
+path the trainer shares); a task whose prompts carry images needs such a policy and a sampler
+that takes images. Both are checked when the run starts, naming the key, not at the first step
+(docs/rollouts.md#images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from microrl.engine.rollout.images import ImageEncoder
+from microrl.engine.vision import has_vision_config
+from microrl.tasks import Problem, Task, is_agent_task
+
+__all__ = ["image_encoder_for", "problem_images", "refuse_image_sampling", "task_has_images"]
+
+
+def problem_images(problems: Sequence[Problem]) -> list[list[Any]] | None:
+    """Each problem's images for :meth:`~microrl.engine.rollout.RolloutBackend.generate`, or
+    None when no problem has any (a text batch: sampled as text, no image keys)."""
+    if not any(p.images for p in problems):
+        return None
+    return [list(p.images) for p in problems]
+
+
+def task_has_images(task: Task) -> bool:
+    """Whether ``task``'s prompts carry images, read from its held-out problems (reading them
+    draws nothing from the training stream)."""
+    return any(p.images for p in task.eval_problems())
+
+
+def refuse_image_sampling(cfg: Any) -> None:
+    """What cannot sample image prompts yet, refused with a ``ValueError`` naming its key:
+    the asynchronous path (``rollout.max_staleness > 0``) and the ``vllm`` backend. ``cfg``: a
+    recipe config. The one place to lift each refusal (agents: :func:`image_encoder_for`)."""
+    if cfg.rollout.max_staleness > 0:
+        raise ValueError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: the asynchronous sampler does "
+            "not take image prompts yet; set rollout.max_staleness=0 for a task with images"
+        )
+    if cfg.rollout.backend != "hf":
+        raise ValueError(
+            f"rollout.backend={cfg.rollout.backend}: only the hf backend samples image prompts "
+            "yet; set rollout.backend=hf for a task with images"
+        )
+
+
+def image_encoder_for(cfg: Any, policy_path: str, task: Task) -> ImageEncoder | None:
+    """The sampler's image encoder: the policy checkpoint's (``policy_path``, the resolved
+    ``model.path``) when it has a vision config, else None; checked against ``task``.
+
+    Raises:
+        ValueError: the task's prompts carry images but the policy has no vision config (naming
+            ``task.name`` and ``model.path``), or the run's sampler cannot take them
+            (:func:`refuse_image_sampling`).
+    """
+    vision = has_vision_config(policy_path)
+    if task_has_images(task):
+        if not vision:
+            raise ValueError(
+                f"task.name={cfg.task.name} gives prompts with images but model.path="
+                f"{cfg.model.path} has no vision config: a vision-language policy (e.g. "
+                "Qwen2-VL) reads images, a text model cannot"
+            )
+        if is_agent_task(task):
+            raise ValueError(
+                "task.agent: an agent's episodes do not take prompts with images yet; use a "
+                "single-turn task"
+            )
+        refuse_image_sampling(cfg)
+    return ImageEncoder.from_pretrained(policy_path) if vision else None
