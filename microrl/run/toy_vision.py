@@ -40,20 +40,23 @@ from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
+from microrl.engine.rollout import HFRollout
 from microrl.engine.rollout.images import ImageEncoder
 from microrl.engine.vision import pad_images
 from microrl.run.dist import Dist
+from microrl.run.session import evaluate_accuracy
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks.base import Problem
 
 __all__ = [
     "IMAGE_TOKENS",
     "VISION_TOWER",
+    "accuracy_on",
     "build_image_processor",
     "build_vision_model",
     "build_vision_tokenizer",
-    "greedy_image_answers",
     "image_sft_batch",
+    "save_toy_vision",
     "warm_start_vision",
 ]
 
@@ -174,57 +177,19 @@ def image_sft_batch(encoder: ImageEncoder, tokenizer, problems: Sequence[Problem
     return batch
 
 
-@torch.no_grad()
-def greedy_image_answers(
+def accuracy_on(
     model: Any,
     encoder: ImageEncoder,
     tokenizer,
+    task: Any,
     problems: Sequence[Problem],
     max_new_tokens: int,
-    batch_size: int = 64,
-) -> list[str]:
-    """The greedy answers (special tokens removed) of a vision-language ``model`` to image
-    prompts, with ``model.generate`` on the encoder's ids and pixels."""
-    answers: list[str] = []
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start : start + batch_size]
-            encoded = encoder.encode(
-                tokenizer, [p.prompt for p in chunk], [p.images for p in chunk]
-            )
-            width, pad = max(len(ids) for ids in encoded.ids), tokenizer.pad_token_id
-            ids = torch.tensor([[pad] * (width - len(i)) + i for i in encoded.ids])
-            mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in encoded.ids])
-            present = [images for images in encoded.images if images is not None]
-            extra = {}
-            if present:  # the model takes every image's patches and grids, concatenated
-                extra["pixel_values"] = torch.cat([p for p, _ in present])
-                extra["image_grid_thw"] = torch.cat([g for _, g in present])
-                # Without it transformers' generate gives the image tokens text positions, not
-                # the mRoPE (t, h, w) positions the engine trains with.
-                extra["mm_token_type_ids"] = (ids == encoder.image_token_id).int()
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=tokenizer.eos_token_id,
-                **extra,
-            )
-            answers += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    finally:
-        model.train(was_training)
-    return answers
-
-
-def accuracy_on(model, encoder, tokenizer, task, problems, max_new_tokens: int) -> float:
-    """Share of ``problems`` whose greedy answer scores at least the task's threshold."""
-    answers = greedy_image_answers(model, encoder, tokenizer, problems, max_new_tokens)
-    scores = task.score(answers, problems)
-    return sum(s >= task.solved_threshold for s in scores) / max(len(problems), 1)
+    dist_info: Dist | None = None,
+) -> float:
+    """Greedy accuracy of ``model`` (an engine or a causal LM) on ``problems`` (this rank's
+    share), sampled by the ``hf`` backend with ``encoder`` as every run samples image prompts."""
+    sampler = HFRollout(model, tokenizer, image_encoder=encoder)
+    return evaluate_accuracy(sampler, task, problems, dist_info or Dist(), max_new_tokens)
 
 
 def warm_start_vision(
@@ -278,6 +243,7 @@ def warm_start_vision(
             seed=cfg.seed,
         ),
     )
+    sampler = HFRollout(engine, tokenizer, image_encoder=encoder)
     rng = random.Random(cfg.seed * 1000 + dist_info.rank)
     check = dist_info.shard(task.sample(random.Random(cfg.seed + 1), WARM_START_EVAL_PROMPTS))
     start, accuracy = time.perf_counter(), 0.0
@@ -285,9 +251,7 @@ def warm_start_vision(
         batch = image_sft_batch(encoder, tokenizer, task.sample(rng, per_rank))
         metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
         if step % ws.eval_every == 0 or step == ws.max_steps:
-            local = accuracy_on(engine.model, encoder, tokenizer, task, check, max_new_tokens)
-            solved, total = dist_info.sum([local * len(check), len(check)])
-            accuracy = solved / max(total, 1.0)
+            accuracy = evaluate_accuracy(sampler, task, check, dist_info, max_new_tokens)
             log(
                 f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
                 f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"
