@@ -2,15 +2,17 @@
 
 A prompt is one image placeholder then a short question, ``"<|vision_start|><|image_pad|>
 <|vision_end|>number?"``, with its image: a number in ``[0, max_operand]`` (at most two digits)
-drawn black on white in a 3x5-pixel font at twice that scale, at a corner on the 4-pixel patch grid
-of a 24x24-pixel canvas, with a few grey specks of noise. The answer is the number (``"42"``); the reward is exact match, as for addition
+drawn black on white in a 3x5-pixel font at twice that scale, its corner on the 4-pixel patch
+grid of a 24x24-pixel canvas, with a few grey specks of noise. The answer is the number
+(``"42"``); the reward is exact match, as for addition
 (:func:`~microrl.tasks.addition.exact_match_reward`).
 
 Every image is one *variant*: (number, position, noise). The held-out variants are drawn first
 from the seed and never trained on, so the held-out accuracy measures reading unseen images, not
-recall. What the toy model learns on a CPU in a minute was measured: one digit
-(``task.max_operand=9``) on the patch grid is learnt (~30% greedy held-out accuracy after about
-100 supervised steps); free positions or varied colours were not learnt in 600. Images are drawn with PIL rectangles only (no font file), so a seed gives the same pixels
+recall. What the toy model learns on a CPU was measured: one digit (``task.max_operand=9``)
+on the patch grid is learnt (0.40 greedy held-out accuracy after 80 supervised steps of 64 rows,
+docs/tasks.md#the-toy-vision-task); free positions or varied colours were not learnt in 600.
+Images are drawn with PIL rectangles only (no font file), so a seed gives the same pixels
 on every machine. The toy vision-language model (:mod:`microrl.run.toy_vision`) is built and
 warm-started for it (``model.path=outputs/base/tiny-digits``; docs/tasks.md#the-toy-vision-task).
 """
