@@ -88,7 +88,7 @@ class ModelConfig:
     build_toy: bool = config_field(
         False,
         "build and warm-start the toy model at model.path if it holds no checkpoint (always "
-        "on at outputs/base/tiny-adder and outputs/base/tiny-words)",
+        "on at outputs/base/tiny-adder, tiny-words and tiny-digits under outputs/base)",
     )
     hidden_size: int = config_field(64, "width of a newly built base model")
     intermediate_size: int = config_field(256, "MLP width of a newly built base model")
@@ -115,8 +115,8 @@ class ModelConfig:
 
 
 # Where the examples build their toy base models without being asked (model.build_toy): the
-# default model.path (addition) and the word problems' (docs/tasks.md).
-TOY_MODEL_PATHS = ("outputs/base/tiny-adder", "outputs/base/tiny-words")
+# default model.path (addition), the word problems' and the toy vision task's (docs/tasks.md).
+TOY_MODEL_PATHS = ("outputs/base/tiny-adder", "outputs/base/tiny-words", "outputs/base/tiny-digits")
 
 
 @dataclass

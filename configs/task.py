@@ -21,7 +21,15 @@ __all__ = [
 ]
 
 # The tasks a recipe can train on (microrl.tasks.make_task builds them; docs/tasks.md).
-TASK_NAMES = ("addition", "word_problems", "dataset", "hinted_addition", "env", "calculator")
+TASK_NAMES = (
+    "addition",
+    "word_problems",
+    "dataset",
+    "hinted_addition",
+    "env",
+    "calculator",
+    "digits",
+)
 # Built-in tasks played only by an agent through the endpoint (task.agent; microrl.agents).
 AGENT_TASK_NAMES = ("calculator",)
 # The calculator task's operands are 3-digit: the smallest task.max_operand it takes.
@@ -48,7 +56,8 @@ class TaskConfig:
 
     name: str = config_field(
         "addition",
-        "the task: addition, word_problems, dataset, hinted_addition, env or calculator (docs/tasks.md)",
+        "the task: addition, word_problems, dataset, hinted_addition, env, calculator or digits "
+        "(docs/tasks.md)",
     )
     max_operand: int = config_field(
         99, "built-in tasks' largest number: addition a+b= with 0 <= a, b <= it; word problems"
@@ -72,6 +81,11 @@ class TaskConfig:
     eval_split: str = config_field("test", "dataset: the split of a Hub eval_file")
     prompt_field: str = config_field("prompt", "dataset: the field of a row holding the prompt")
     answer_field: str = config_field("answer", "dataset: the field holding the reference answer")
+    image_field: str | None = config_field(
+        None,
+        "dataset: the field holding each row's image(s): a path (relative to the file), a "
+        "file:// or http(s):// URL, or bytes (docs/tasks.md#images-in-datasets)",
+    )
     chat_template: bool = config_field(
         False, "dataset: render prompts with the tokenizer's chat template"
     )
@@ -162,6 +176,25 @@ class TaskConfig:
                 f"in [1, {(self.max_operand + 1) ** 2 - 1}]",
                 self.eval_size,
             )
+        if self.name == "digits":
+            require(
+                self.max_operand <= 99,
+                "task.max_operand",
+                "in [1, 99] for task.name=digits (numbers of at most two digits; 9: one digit, "
+                "what the toy model learns)",
+                self.max_operand,
+            )
+        require(
+            self.image_field is None
+            or (
+                self.name == "dataset"
+                and isinstance(self.image_field, str)
+                and bool(self.image_field)
+            ),
+            "task.image_field",
+            "null, or a field name with task.name=dataset",
+            self.image_field,
+        )
         is_dataset = self.name == "dataset"
         reads_files = self.name in _FILE_TASKS
         for key in ("train_file", "eval_file"):

@@ -72,7 +72,7 @@ def load_on_rank0(
         ValueError: on every rank, when rank 0 cannot load the path (naming it and rank 0's
             error), instead of rank 0 failing alone while the others wait in a collective.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     model, found = None, None
     if distributed.rank() == 0:
@@ -88,8 +88,11 @@ def load_on_rank0(
     if model is not None:
         return model
     config, generation_config = found
+    # A vision-language config builds its image-text class (tower and lm head), as rank 0 loaded.
+    vision = getattr(config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     model.generation_config = generation_config
     return model
 

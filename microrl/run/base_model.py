@@ -105,7 +105,12 @@ def prepare_base_model(
                 f"built-in tasks ({', '.join(BUILT_IN_TASKS)}): for task.name={task_cfg.name} "
                 "give model.path a local checkpoint or a Hugging Face Hub id (docs/tasks.md)"
             )
-        _warm_start(cfg, task, dist_info, max_new_tokens, log)
+        if getattr(task, "image_size", None):  # image prompts: the vision-language toy
+            from microrl.run.toy_vision import warm_start_vision
+
+            warm_start_vision(cfg, task, dist_info, max_new_tokens, log)
+        else:
+            _warm_start(cfg, task, dist_info, max_new_tokens, log)
         _check_same_on_every_node(path, is_checkpoint(path), "holds the base model rank 0 built")
         return load_tokenizer(path), path
     if is_hub_name(path):

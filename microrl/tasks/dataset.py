@@ -14,7 +14,9 @@ The held-out prompts of the greedy accuracy are ``eval_file``'s first ``eval_siz
 no ``eval_file``, ``eval_size`` rows held out of ``train_file`` by a seeded shuffle (never trained
 on). With ``chat_template`` the prompt (a string, taken as one user message, or a list of
 ``{"role", "content"}`` messages) is rendered by the tokenizer's chat template with the generation
-prompt appended. Responses are scored by a :class:`~microrl.tasks.rewards.Reward` (reward
+prompt appended. With ``image_field`` each row's images (a path, URL or bytes per cell, or a list of
+them; :mod:`microrl.tasks.images`) are read at load time into :attr:`Problem.images`, one per image
+placeholder of its prompt. Responses are scored by a :class:`~microrl.tasks.rewards.Reward` (reward
 functions given by import path, weighted). Files are read with ``datasets.load_dataset``
 (docs/tasks.md).
 """
@@ -28,11 +30,12 @@ from typing import Any
 
 from microrl.hub import download_hint, first_line, is_hub_name
 from microrl.tasks.base import Problem
+from microrl.tasks.images import ImageLoader, count_placeholders
 from microrl.tasks.rewards import Reward, RewardFn, score_problems
 
 __all__ = ["DatasetTask", "read_rows"]
 
-Row = tuple[Any, str, dict[str, Any]]  # prompt, answer as text, the other columns
+Row = tuple[Any, str, dict[str, Any], tuple]  # prompt, answer as text, other columns, images
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -118,6 +121,8 @@ class DatasetTask:
         chat_template: render each prompt with ``tokenizer``'s chat template.
         tokenizer: the policy's tokenizer (needed for ``chat_template`` only).
         solved_threshold: a held-out response counts as solved at a reward >= this.
+        image_field: the field holding each row's image (or list of images): a path (relative
+            to the data file), a ``file://`` or ``http(s)://`` URL, or bytes; ``None``: text only.
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class DatasetTask:
         dataset_config: str | None = None,
         train_split: str = "train",
         eval_split: str = "test",
+        image_field: str | None = None,
     ) -> None:
         if eval_size < 1:
             raise ValueError(f"task.eval_size must be >= 1, got {eval_size}")
@@ -157,6 +163,8 @@ class DatasetTask:
         )
         self._strip_prefix = bos if adds_bos else None
         self._fields = (prompt_field, answer_field)
+        self._image_field = image_field
+        self._images_loader = ImageLoader()  # shared by both files: a URL is fetched once
         self._dataset_config = dataset_config
         train = self._load(train_file, "task.train_file", train_split)
         if eval_file is None:
@@ -199,17 +207,44 @@ class DatasetTask:
                     f"task.answer_field={answer_field!r}: row {i} of {path} holds {answer!r:.60}, "
                     "not a text or a number"
                 )
-        others = [c for c in rows.column_names if c != prompt_field]
+        others = [c for c in rows.column_names if c not in (prompt_field, self._image_field)]
         columns = [
             dict(zip(others, values, strict=True))
             for values in zip(*(rows[c] for c in others), strict=True)
         ]
-        return [(p, str(a), c) for p, a, c in zip(prompts, answers, columns, strict=True)]
+        images = self._images(rows, prompts, path) if self._image_field else [()] * len(prompts)
+        return [
+            (p, str(a), c, i) for p, a, c, i in zip(prompts, answers, columns, images, strict=True)
+        ]
+
+    def _images(self, rows: Any, prompts: list, path: str | Path) -> list[tuple]:
+        """Every row's images, read now: a missing or unreadable image, or a prompt whose image
+        placeholders do not match its images, is a ``ValueError`` naming the row and the field."""
+        field = self._image_field
+        cells = _column(rows, field, "task.image_field", str(path))
+        local = Path(path).expanduser()
+        base = local.parent if local.is_file() else Path.cwd()
+        out = []
+        for i, (cell, prompt) in enumerate(zip(cells, prompts, strict=True)):
+            where = f"task.image_field={field!r}: row {i} of {path}"
+            values = cell if isinstance(cell, list) else [] if cell is None else [cell]
+            try:
+                images = tuple(self._images_loader.load(value, base) for value in values)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from err
+            slots = count_placeholders(prompt)
+            if slots != len(images):
+                raise ValueError(
+                    f"{where} has {len(images)} image(s) but its prompt has {slots} image "
+                    "placeholder(s) (<|image_pad|>, one per image, in order)"
+                )
+            out.append(images)
+        return out
 
     def problem(self, row: Row) -> Problem:
         """A row as the policy sees it: the prompt (through the chat template when on) and the
         row's other columns."""
-        prompt, answer, columns = row
+        prompt, answer, columns, images = row
         if self._tokenizer is not None:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             prompt = self._tokenizer.apply_chat_template(
@@ -217,7 +252,7 @@ class DatasetTask:
             )
             if self._strip_prefix:
                 prompt = prompt.removeprefix(self._strip_prefix)
-        return Problem(prompt=prompt, answer=answer, columns=columns)
+        return Problem(prompt=prompt, answer=answer, columns=columns, images=images)
 
     @property
     def num_train(self) -> int:

@@ -18,6 +18,7 @@ from microrl.tasks.agents import AgentTask
 from microrl.tasks.base import Task
 from microrl.tasks.calculator import CalculatorTask
 from microrl.tasks.dataset import DatasetTask
+from microrl.tasks.digits import DigitsTask
 from microrl.tasks.environments import EnvTask, HintedAdditionTask
 from microrl.tasks.rewards import Reward, RewardedTask, resolve_reward_fn
 from microrl.tasks.word_problems import WordProblemTask
@@ -32,11 +33,12 @@ __all__ = [
 ]
 
 # name -> class, constructed as cls(task.max_operand, task.eval_size, task.seed).
-BUILT_IN_TASKS: dict[str, type[AdditionTask] | type[WordProblemTask] | type[CalculatorTask]] = {
+BUILT_IN_TASKS: dict[str, type[AdditionTask | WordProblemTask | CalculatorTask | DigitsTask]] = {
     "addition": AdditionTask,
     "word_problems": WordProblemTask,
     "hinted_addition": HintedAdditionTask,
     "calculator": CalculatorTask,  # played by an agent only (task.agent, AGENT_TASK_NAMES)
+    "digits": DigitsTask,  # image prompts: read the number drawn (a vision-language policy)
 }
 # The tool-call parser of a built-in agent task whose task.agent_tool_parser is unset.
 DEFAULT_TOOL_PARSERS = {"calculator": "hermes"}
@@ -66,6 +68,7 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             dataset_config=cfg.dataset_config,
             train_split=cfg.train_split,
             eval_split=cfg.eval_split,
+            image_field=cfg.image_field,
         )
         if cfg.name == "env":  # the prompts played against the environments task.env builds
             task = EnvTask(task, resolve_reward_fn(cfg.env, "task.env"), cfg.solved_threshold)
