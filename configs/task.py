@@ -86,6 +86,11 @@ class TaskConfig:
         "dataset: the field holding each row's image(s): a path (relative to the file), a "
         "file:// or http(s):// URL, or bytes (docs/tasks.md#images-in-datasets)",
     )
+    image_marker: str | None = config_field(
+        None,
+        "dataset: a text each prompt writes where an image goes (e.g. <image>), replaced by the "
+        "model's image placeholder (docs/tasks.md#images-in-datasets)",
+    )
     chat_template: bool = config_field(
         False, "dataset: render prompts with the tokenizer's chat template"
     )
@@ -195,6 +200,14 @@ class TaskConfig:
             "null, or a field name with task.name=dataset",
             self.image_field,
         )
+        require(
+            self.image_marker is None
+            or (self.image_field is not None and isinstance(self.image_marker, str)
+                and bool(self.image_marker.strip())),
+            "task.image_marker",
+            "null, or a non-empty text with task.image_field set",
+            self.image_marker,
+        )  # fmt: skip
         is_dataset = self.name == "dataset"
         reads_files = self.name in _FILE_TASKS
         for key in ("train_file", "eval_file"):

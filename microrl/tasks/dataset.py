@@ -30,7 +30,7 @@ from typing import Any
 
 from microrl.hub import download_hint, first_line, is_hub_name
 from microrl.tasks.base import Problem
-from microrl.tasks.images import ImageLoader, count_placeholders
+from microrl.tasks.images import ImageLoader, count_placeholders, mark_images
 from microrl.tasks.rewards import Reward, RewardFn, score_problems
 
 __all__ = ["DatasetTask", "read_rows"]
@@ -123,6 +123,8 @@ class DatasetTask:
         solved_threshold: a held-out response counts as solved at a reward >= this.
         image_field: the field holding each row's image (or list of images): a path (relative
             to the data file), a ``file://`` or ``http(s)://`` URL, or bytes; ``None``: text only.
+        image_marker: a text the prompts write where an image goes (``"<image>"`` in
+            LLaVA-style datasets), replaced by :data:`~microrl.tasks.images.IMAGE_PLACEHOLDER`.
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class DatasetTask:
         train_split: str = "train",
         eval_split: str = "test",
         image_field: str | None = None,
+        image_marker: str | None = None,
     ) -> None:
         if eval_size < 1:
             raise ValueError(f"task.eval_size must be >= 1, got {eval_size}")
@@ -164,6 +167,7 @@ class DatasetTask:
         self._strip_prefix = bos if adds_bos else None
         self._fields = (prompt_field, answer_field)
         self._image_field = image_field
+        self._image_marker = image_marker
         self._images_loader = ImageLoader()  # shared by both files: a URL is fetched once
         self._dataset_config = dataset_config
         train = self._load(train_file, "task.train_file", train_split)
@@ -212,6 +216,8 @@ class DatasetTask:
             dict(zip(others, values, strict=True))
             for values in zip(*(rows[c] for c in others), strict=True)
         ]
+        if self._image_marker:
+            prompts = [mark_images(p, self._image_marker) for p in prompts]
         images = self._images(rows, prompts, path) if self._image_field else [()] * len(prompts)
         return [
             (p, str(a), c, i) for p, a, c, i in zip(prompts, answers, columns, images, strict=True)

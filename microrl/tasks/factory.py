@@ -69,6 +69,7 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             train_split=cfg.train_split,
             eval_split=cfg.eval_split,
             image_field=cfg.image_field,
+            image_marker=cfg.image_marker,
         )
         if cfg.name == "env":  # the prompts played against the environments task.env builds
             task = EnvTask(task, resolve_reward_fn(cfg.env, "task.env"), cfg.solved_threshold)

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "ImageLoader", "count_placeholders"]
+__all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "ImageLoader", "count_placeholders", "mark_images"]
 
 IMAGE_PAD = "<|image_pad|>"
 IMAGE_PLACEHOLDER = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
@@ -31,6 +31,19 @@ def count_placeholders(prompt: Any) -> int:
     if isinstance(prompt, str):
         return prompt.count(IMAGE_PAD)
     return sum(count_placeholders(m.get("content", "")) for m in prompt if isinstance(m, dict))
+
+
+def mark_images(prompt: Any, marker: str) -> Any:
+    """``prompt`` (a text, or messages) with each ``marker`` (e.g. ``"<image>"``) written as
+    :data:`IMAGE_PLACEHOLDER`: the datasets that mark an image's place their own way."""
+    if isinstance(prompt, str):
+        return prompt.replace(marker, IMAGE_PLACEHOLDER)
+    return [
+        {**m, "content": mark_images(m["content"], marker)}
+        if isinstance(m, dict) and isinstance(m.get("content"), str)
+        else m
+        for m in prompt
+    ]
 
 
 class ImageLoader:

@@ -189,3 +189,35 @@ def test_a_bad_image_row_is_refused_at_load_naming_the_row_and_field(
     assert error in str(err.value)
     with pytest.raises(ValueError, match=r"task\.image_field='picture' is not a field"):
         DatasetTask(path, exact_match, eval_size=1, image_field="picture")
+
+
+def test_image_marker_writes_the_models_placeholder_where_a_dataset_marks_images(
+    tmp_path: Path,
+) -> None:
+    """LLaVA-style rows (geometry3k writes ``<image>`` in the problem text): ``task.image_marker``
+    turns each marker into the image placeholder, in texts and in messages; a row whose markers
+    and images disagree is refused naming it."""
+    (tmp_path / "a.png").write_bytes(_png((9, 9, 9)))
+    rows = [
+        {"problem": "<image>Find x.", "answer": "3", "images": ["a.png"]},
+        {"problem": [{"role": "user", "content": "Two: <image><image>"}], "answer": "4",
+         "images": ["a.png", "a.png"]},
+    ]  # fmt: skip
+    path = _jsonl(tmp_path / "geo.jsonl", rows[:1])
+    cfg = dict(name="dataset", train_file=str(path), eval_file=str(path), eval_size=1,
+               prompt_field="problem", image_field="images", image_marker="<image>",
+               rewards=["microrl.tasks.rewards:exact_match"])  # fmt: skip
+    (problem,) = make_task(TaskConfig(**cfg)).eval_problems()
+    assert problem.prompt == IMAGE_PLACEHOLDER + "Find x." and len(problem.images) == 1
+    from microrl.tasks.images import mark_images
+
+    assert (
+        mark_images(rows[1]["problem"], "<image>")[0]["content"] == "Two: " + 2 * IMAGE_PLACEHOLDER
+    )
+    _jsonl(path, [{**rows[0], "images": ["a.png", "a.png"]}])
+    with pytest.raises(
+        ValueError, match=r"row 0 of .* has 2 image.* prompt has 1 image placeholder"
+    ):
+        make_task(TaskConfig(**cfg))
+    with pytest.raises(ValueError, match=r"task\.image_marker"):
+        TaskConfig(**{**cfg, "image_field": None})
