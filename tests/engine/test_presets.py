@@ -58,7 +58,9 @@ def test_preset_loads_into_the_grpo_config(path: Path) -> None:
     load_config(GRPOExampleConfig, path, overrides)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-0.5b-instruct", "qwen2.5-7b-instruct-vllm"])
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-0.5b-instruct", "qwen2.5-7b-instruct-vllm", "qwen2.5-vl-3b-instruct"]
+)
 def test_memory_table_estimate_of_a_preset_fits_its_gpu(name: str) -> None:
     table = _memory_table()
     assert {f"Qwen/Qwen2.5-{size}-Instruct" for size in MODELS} == set(table.QWEN25)
