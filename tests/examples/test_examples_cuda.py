@@ -101,6 +101,24 @@ def test_ppo_on_a_gpu_keeps_every_tensor_on_it(base_model, tmp_path, monkeypatch
     assert "critic/vf_loss" in read_metrics(tmp_path / "ppo" / "metrics.jsonl")[-1]
 
 
+def test_vision_grpo_on_a_gpu_keeps_every_tensor_on_it(tmp_path, monkeypatch) -> None:
+    """The toy vision task (task.name=digits) on GPU 1 of 2: the vision base warm-started there,
+    the image encoder's host pixels and grids into generate, the rollouts' image keys, the
+    engine's mRoPE positions and the image-row mismatch metrics, all on the GPU."""
+    args = _args(
+        tmp_path / "base" / "tiny-digits",
+        tmp_path / "vision",
+        "actor.device=cuda:1",
+        "task.name=digits",
+        "train.kl_metric_every=1",
+    )
+    with simulated_cuda(monkeypatch, gpus=2):
+        assert load_example("grpo_lora").main(args) == 0
+    records = read_metrics(tmp_path / "vision" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all("mismatch/image/kl_k3" in r and "kl" in r for r in records[1:])
+
+
 @pytest.mark.distributed
 def test_grpo_under_torchrun_on_two_gpus(base_model, tmp_path) -> None:
     """Two ranks, each on its own simulated GPU, every collective checked against its group's
