@@ -12,6 +12,8 @@
 #   setup               microrl and its test extra, never replacing the machine's torch
 #   recipe-hf           hf sampling, LoRA, GPU_CHECK_STEPS steps (held-out accuracy, s/step)
 #   recipe-hf-2gpu      the same on 2 GPUs (torchrun --nproc_per_node 2)
+#   recipe-vision       the toy vision task (task.name=digits) on its toy Qwen2-VL: images
+#                       through hf generate and the engine's vision tower, mRoPE, on CUDA
 #   setup-vllm          vLLM if it imports, else its CUDA build if pip finds one for this torch
 #   recipe-vllm         rollout.backend=vllm: vLLM in process, the adapter synced every step
 #   recipe-vllm-servers rollout.backend=vllm rollout.max_staleness=1: a `vllm serve` per rank
@@ -199,7 +201,7 @@ if reward:
 times = [r["step_time"] for r in steps[1:] if "step_time" in r]
 if times:
     parts.append(f"{statistics.median(times):.2f} s/step")
-for key in ("sync/probe_abs_diff_max", "sync/probe_kl", "mismatch/kl_k3"):
+for key in ("sync/probe_abs_diff_max", "sync/probe_kl", "mismatch/kl_k3", "mismatch/image/kl_k3"):
     if values(key):
         parts.append(f"{key} <= {max(values(key)):.1e}")
 print("KEY: " + ", ".join(parts))
@@ -287,6 +289,13 @@ step_recipe_hf() {
 # steps' GPU_CHECK_SHORT_STEPS steps, evaluated every 5.
 short() {
     "$@" train.steps="${GPU_CHECK_SHORT_STEPS:-10}" train.eval_every=5
+}
+
+# The toy vision base (built and warm-started on CUDA in the temp folder) and 2 x
+# GPU_CHECK_SHORT_STEPS GRPO steps on its image prompts.
+step_recipe_vision() {
+    run_recipe recipe-vision 1 task.name=digits model.path="$GPU_CHECK_WORK/base/tiny-digits" \
+        train.steps=$((2 * ${GPU_CHECK_SHORT_STEPS:-10})) train.eval_every=10
 }
 
 step_recipe_hf_2gpu() {
@@ -694,7 +703,7 @@ main() {
     if [[ $(status_of setup) != pass ]]; then
         # Every later step imports microrl: skip them rather than fail each the same way.
         local name
-        for name in recipe-hf recipe-hf-2gpu setup-vllm recipe-vllm recipe-vllm-servers \
+        for name in recipe-hf recipe-hf-2gpu recipe-vision setup-vllm recipe-vllm recipe-vllm-servers \
             recipe-vllm-full recipe-servers-full recipe-vllm-2gpu recipe-async-hf tests-vllm \
             kernel-cuda tests-cuda sp-flash bench-kernel bench-long; do
             skip_step "$name" "needs setup"
@@ -704,6 +713,7 @@ main() {
         ((GPU_COUNT >= 2)) || one_gpu="needs 2 GPUs, $GPU_COUNT visible"
         run_step recipe-hf 180 step_recipe_hf
         run_or_skip "$one_gpu" recipe-hf-2gpu 150 step_recipe_hf_2gpu
+        run_step recipe-vision 180 step_recipe_vision
         run_step setup-vllm 180 step_setup_vllm
         [[ $(status_of setup-vllm) == pass ]] || no_vllm="vllm does not import (setup-vllm)"
         run_or_skip "$no_vllm" recipe-vllm 150 step_recipe_vllm

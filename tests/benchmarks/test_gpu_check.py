@@ -168,6 +168,7 @@ ORDER = [
     "setup",
     "recipe-hf",
     "recipe-hf-2gpu",
+    "recipe-vision",
     "setup-vllm",
     "recipe-vllm",
     "recipe-vllm-servers",
