@@ -294,7 +294,8 @@ short() {
 # The toy vision base (built and warm-started on CUDA in the temp folder) and 2 x
 # GPU_CHECK_SHORT_STEPS GRPO steps on its image prompts.
 step_recipe_vision() {
-    run_recipe recipe-vision 1 task.name=digits model.path="$GPU_CHECK_WORK/base/tiny-digits" \
+    run_recipe recipe-vision 1 task.name=digits task.max_operand=9 \
+        model.path="$GPU_CHECK_WORK/base/tiny-digits" \
         train.steps=$((2 * ${GPU_CHECK_SHORT_STEPS:-10})) train.eval_every=10
 }
 

@@ -32,6 +32,9 @@ TASK_NAMES = (
 )
 # Built-in tasks played only by an agent through the endpoint (task.agent; microrl.agents).
 AGENT_TASK_NAMES = ("calculator",)
+# Each built-in task's task.max_operand when it is null (99 otherwise): the toy vision model
+# reads one digit; the calculator's operands are 3-digit.
+DEFAULT_MAX_OPERAND = {"digits": 9, "calculator": 999}
 # The calculator task's operands are 3-digit: the smallest task.max_operand it takes.
 CALCULATOR_MIN_MAX_OPERAND = 200
 # Multi-turn tasks, played as episodes against environments (microrl.tasks.environments).
@@ -59,8 +62,10 @@ class TaskConfig:
         "the task: addition, word_problems, dataset, hinted_addition, env, calculator or digits "
         "(docs/tasks.md)",
     )
-    max_operand: int = config_field(
-        99, "built-in tasks' largest number: addition a+b= with 0 <= a, b <= it; word problems"
+    max_operand: int | None = config_field(
+        None,
+        "built-in tasks' largest number (null: the task's own, 99; digits 9, calculator 999): "
+        "addition a+b= with 0 <= a, b <= it; word problems",
     )
     eval_size: int = config_field(
         500, "held-out prompts for the greedy accuracy, never trained on (dataset: rows)"
@@ -172,6 +177,8 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         require(self.name in TASK_NAMES, "task.name", f"one of {', '.join(TASK_NAMES)}", self.name)
+        if self.max_operand is None:
+            self.max_operand = DEFAULT_MAX_OPERAND.get(self.name, 99)
         require(1 <= self.max_operand <= 9999, "task.max_operand", "in [1, 9999]", self.max_operand)
         require(self.eval_size >= 1, "task.eval_size", ">= 1", self.eval_size)
         if self.name == "addition":

@@ -18,6 +18,7 @@ Nothing here imports transformers: the model's own methods do the work.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,9 @@ __all__ = [
     "vision_spec",
 ]
 
+#: The first transformers whose Qwen-VL bodies take precomputed image features
+#: (``mm_encoder_outputs``); 5.17 takes them as an unknown keyword and silently ignores them.
+MIN_TRANSFORMERS = "5.18"
 PIXEL_VALUES_KEY = "pixel_values"
 IMAGE_GRID_KEY = "image_grid_thw"
 #: Per-row keys whose second dimension is never the token axis (even when it happens to be ``T``).
@@ -145,6 +149,15 @@ def vision_spec(causal_lm: nn.Module) -> VisionSpec | None:
             f"{type(causal_lm).__name__} has a vision_config but not the Qwen-VL layout the "
             "engine supports (model.visual, get_image_features, get_rope_index): Qwen2-VL, "
             "Qwen2.5-VL and Qwen3-VL are"
+        )
+    if "mm_encoder_outputs" not in inspect.signature(body.forward).parameters:
+        import transformers
+
+        raise TypeError(
+            f"{type(body).__name__}.forward takes no mm_encoder_outputs in transformers "
+            f"{transformers.__version__}: it would drop the image features the engine computes "
+            "and train on the placeholder tokens' embeddings instead (the images never seen). "
+            f"Vision-language models need transformers >= {MIN_TRANSFORMERS}"
         )
     vision = config.vision_config
     prefix = next(n for n, m in causal_lm.named_modules() if m is body.visual)

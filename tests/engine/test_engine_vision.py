@@ -271,6 +271,20 @@ def test_bad_image_input_names_the_row_and_field(vlm_engine, case):
         vlm_engine.forward_backward_batch(batch)
 
 
+def test_a_transformers_that_would_drop_the_image_features_is_refused(monkeypatch):
+    """transformers 5.17's Qwen-VL bodies take no ``mm_encoder_outputs``: the features the
+    engine computes would vanish into ``**kwargs`` and the model train on placeholder embeddings
+    (measured: the toy vision warm start stuck at chance on a GPU machine). Refused by name."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    def forward_of_5_17(self, input_ids=None, pixel_values=None, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(modeling_qwen2_vl.Qwen2VLModel, "forward", forward_of_5_17)
+    with pytest.raises(TypeError, match=r"no mm_encoder_outputs .* transformers >= 5\.18"):
+        ActorEngine(tiny_vlm("qwen2_vl"), ActorConfig())
+
+
 def test_bad_vision_config_names_the_key():
     from engine_utils import tiny_model
 

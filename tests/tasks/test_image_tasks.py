@@ -221,3 +221,11 @@ def test_image_marker_writes_the_models_placeholder_where_a_dataset_marks_images
         make_task(TaskConfig(**cfg))
     with pytest.raises(ValueError, match=r"task\.image_marker"):
         TaskConfig(**{**cfg, "image_field": None})
+
+
+def test_an_unset_max_operand_is_the_tasks_own() -> None:
+    """task.max_operand=null (the default): digits read one digit (what the toy vision model
+    learns; 99 would not train), addition keeps 99; a set value stays."""
+    assert TaskConfig(name="digits").max_operand == 9
+    assert TaskConfig(name="addition").max_operand == 99
+    assert TaskConfig(name="digits", max_operand=20).max_operand == 20
