@@ -174,8 +174,13 @@ class RolloutPrefetcher:
                 skip_env_errors=self.limits.skip_env_errors,
             )
         else:
-            prompts = [p.prompt for p in problems]  # a problem's images go with its job
-            job = self.sampler.submit(prompts, self.params, images=problem_images(problems))
+            prompts = [p.prompt for p in problems]
+            images = problem_images(problems)  # a problem's images go with its job
+            job = (
+                self.sampler.submit(prompts, self.params)
+                if images is None
+                else self.sampler.submit(prompts, self.params, images=images)
+            )
         return self._score_ahead(_Ahead(problems, job.version, job=job))
 
     def _score_ahead(self, ahead: _Ahead) -> _Ahead:
