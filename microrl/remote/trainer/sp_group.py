@@ -123,6 +123,8 @@ class SPGroupSampler(AsyncSamplerBase):
         """Queue sampling ``params.num_samples`` responses per prompt (the same prompts, and
         ``images``, on every process of the group)."""
         if self.is_leader:
+            if images is None:  # a text job: any sampler takes it
+                return self.sampler.submit(prompts, params)
             return self.sampler.submit(prompts, params, images=images)
         return self._mirror("generate", params)
 
