@@ -107,9 +107,9 @@ class AgentSampler(AsyncSamplerBase):
             tool_parser=task.tool_parser,
         )
 
-    def submit(self, prompts: Sequence[Any], params: SamplingParams) -> Job:
+    def submit(self, prompts: Sequence[Any], params: SamplingParams, **kwargs: Any) -> Job:
         with self.lock:
-            return self.inner.submit(prompts, params)
+            return self.inner.submit(prompts, params, **kwargs)
 
     def collect(self, job: Job) -> Rollout:
         """The rollout of ``job`` (waiting for it); rows carry ``policy_version``."""

@@ -63,6 +63,7 @@ def start_prefetcher(
     log_dir: str | None = None,
     scorer: Callable[[Rollout], None] | None = None,
     scorer_collective: bool = False,
+    image_encoder: Any = None,
 ) -> RolloutPrefetcher:
     """The recipes' asynchronous sampling: the samplers of ``rollout.backend`` holding the
     weights of step ``start_step`` and a :class:`RolloutPrefetcher` over them
@@ -75,7 +76,8 @@ def start_prefetcher(
     ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``); environments
     step in the trainer process; ``log_dir``: where the local servers' logs are kept (None:
     temporary files, kept when a server fails); ``scorer``: as :class:`RolloutPrefetcher`'s,
-    run on the trainer's thread when ``scorer_collective`` (a collective under ``torchrun``)."""
+    run on the trainer's thread when ``scorer_collective`` (a collective under ``torchrun``);
+    ``image_encoder``: a vision-language policy's: the problems' images go with their jobs."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
     try:
         sampler = make_async_sampler(
@@ -86,6 +88,7 @@ def start_prefetcher(
             env_maker=env_maker,
             num_threads=num_threads,
             log_dir=log_dir,
+            image_encoder=image_encoder,
         )
     except Exception as err:
         if env_maker is None or rollout.backend != "hf":

@@ -20,6 +20,8 @@ after them. A resumed run trains on exactly the prompts, and samples, it would h
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 import random
@@ -40,6 +42,7 @@ from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, Jo
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
 from microrl.run.sampling import score_rollout
+from microrl.run.vision import problem_images
 from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
 __all__ = ["CORRECTIONS", "ROLLOUT_BUFFER_KEY", "RolloutPrefetcher"]
@@ -171,7 +174,13 @@ class RolloutPrefetcher:
                 skip_env_errors=self.limits.skip_env_errors,
             )
         else:
-            job = self.sampler.submit([p.prompt for p in problems], self.params)
+            prompts = [p.prompt for p in problems]
+            images = problem_images(problems)  # a problem's images go with its job
+            job = (
+                self.sampler.submit(prompts, self.params)
+                if images is None
+                else self.sampler.submit(prompts, self.params, images=images)
+            )
         return self._score_ahead(_Ahead(problems, job.version, job=job))
 
     def _score_ahead(self, ahead: _Ahead) -> _Ahead:
@@ -406,10 +415,17 @@ class RolloutPrefetcher:
 
 
 def _problem_to_json(problem: Problem) -> str:
+    """A problem as JSON text; its images (if any) as base64 PNGs: lossless, so a resumed run
+    samples and scores the very pixels (and image modes) it drew."""
+    row: dict[str, Any] = {
+        "prompt": problem.prompt,
+        "answer": problem.answer,
+        "columns": dict(problem.columns),
+    }
+    if problem.images:
+        row["images_png"] = [_png_base64(image) for image in problem.images]
     try:
-        return json.dumps(
-            {"prompt": problem.prompt, "answer": problem.answer, "columns": dict(problem.columns)}
-        )
+        return json.dumps(row)
     except TypeError as err:
         raise ValueError(
             "a checkpoint of a run with rollout.max_staleness > 0 holds the problems of the "
@@ -418,4 +434,20 @@ def _problem_to_json(problem: Problem) -> str:
 
 
 def _problem_from_json(text: str) -> Problem:
-    return Problem(**json.loads(text))
+    row = json.loads(text)
+    images = tuple(_png_image(data) for data in row.pop("images_png", ()))
+    return Problem(**row, images=images)
+
+
+def _png_base64(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _png_image(data: str) -> Any:
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    image.load()  # read now: the buffer goes
+    return image

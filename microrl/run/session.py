@@ -102,6 +102,7 @@ def start_sampling(
         log_dir=str(Path(cfg.output.dir) / VLLM_SERVER_LOGS),
         scorer=scorer,
         scorer_collective=scorer_collective,
+        image_encoder=image_encoder,
     )
     if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
         warn_if_uncorrected(cfg.actor.policy_loss, k)

@@ -36,18 +36,14 @@ def task_has_images(task: Task) -> bool:
 
 def refuse_image_sampling(cfg: Any) -> None:
     """What cannot sample image prompts yet, refused with a ``ValueError`` naming its key:
-    the asynchronous path (``rollout.max_staleness > 0``: hf workers and vLLM servers), the
-    ``vllm`` backend where vLLM's Qwen-VL code cannot load (no torchvision), and a distillation
-    teacher (``teacher.path``: its engine scores text rows only). ``cfg``: a recipe config. The
-    one place to lift each refusal (agents: :func:`image_encoder_for`)."""
-    if cfg.rollout.max_staleness > 0:
-        raise ValueError(
-            f"rollout.max_staleness={cfg.rollout.max_staleness}: the asynchronous sampler does "
-            "not take image prompts yet; set rollout.max_staleness=0 for a task with images"
-        )
+    the ``vllm`` backend (in-process, or its servers under ``rollout.max_staleness > 0``)
+    where vLLM's Qwen-VL code cannot load (no torchvision), and a distillation teacher
+    (``teacher.path``: its engine scores text rows only). ``cfg``: a recipe config. The one
+    place to lift each refusal (agents: :func:`image_encoder_for`)."""
     if cfg.rollout.backend == "vllm" and (reason := vision_unsupported()):
+        servers = " (its servers under rollout.max_staleness > 0)" * (cfg.rollout.max_staleness > 0)
         raise ValueError(
-            f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
+            f"rollout.backend=vllm{servers} cannot sample image prompts here: {reason}. Use "
             "rollout.backend=hf for a vision-language policy on this machine "
             "(docs/rollouts.md#with-the-vllm-backend)"
         )

@@ -90,6 +90,20 @@ def test_a_task_with_images_trains_on_the_hf_backend(recipe, tmp_path, picture_t
     _check_steps(tmp_path)
 
 
+def test_a_task_with_images_trains_asynchronously_on_an_hf_worker(tmp_path, picture_task) -> None:
+    """The images travel with the jobs to the worker process (the task stays here), which
+    encodes them as the trainer does: step 1's rollout (sampled with the weights it trains)
+    has the synchronous path's image mismatch; step 2's is one version stale, its image rows
+    no further off the policy than the batch."""
+    assert grpo.main(args(tmp_path, "rollout.max_staleness=1")) == 0
+    fresh, stale = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r["step"] > 0]
+    assert (fresh["staleness/max"], stale["staleness/max"]) == (0, 1)
+    assert 0 <= fresh["mismatch/image/abs_diff_max"] <= 5e-5
+    assert fresh["mismatch/image/kl_k3"] <= 1e-8
+    assert 0 < stale["mismatch/image/abs_diff_max"] <= stale["mismatch/abs_diff_max"]
+    assert all(r["grad_norm"] > 0 for r in (fresh, stale))
+
+
 def test_episodes_with_images_train_on_the_hf_backend(tmp_path, monkeypatch) -> None:
     save_tiny_vlm(tmp_path / "vlm")
     monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tok: EpisodePictureTask())
@@ -110,8 +124,11 @@ def _check_steps(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["rollout.max_staleness=1"], "rollout.max_staleness=1: the asynchronous sampler"),
         (["rollout.backend=vllm"], "rollout.backend=vllm cannot sample image prompts here"),
+        (
+            ["rollout.backend=vllm", "rollout.max_staleness=1"],
+            r"rollout.backend=vllm \(its servers under rollout.max_staleness > 0\) cannot",
+        ),
         (["teacher.path={vlm}"], "teacher.path=.*: a distillation teacher does not score"),
     ],
 )

@@ -20,6 +20,7 @@ def make_async_sampler(
     env_maker: Callable[[Any], Any] | None = None,
     num_threads: int = 1,
     log_dir: str | None = None,
+    image_encoder: Any = None,
 ) -> AsyncSampler:
     """The sampler of ``rollout.backend`` holding ``engine``'s weights as ``version``.
 
@@ -27,7 +28,8 @@ def make_async_sampler(
     :class:`AsyncRolloutPool`), environments built in the workers. ``vllm``: a
     :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve`` processes or the
     servers of ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``),
-    environments stepped in this process; ``log_dir`` keeps the local servers' logs. Under
+    environments stepped in this process; ``log_dir`` keeps the local servers' logs;
+    ``image_encoder``: a vision-language policy's, so jobs may carry images. Under
     sequence parallelism (``engine.sp_group``) either is one per sp group, on its first process
     (:class:`~microrl.remote.trainer.sp_group.SPGroupSampler`): the servers of
     ``rollout.server_url`` split by data rank, local ones started per data rank.
@@ -42,6 +44,7 @@ def make_async_sampler(
         timeout_s=rollout.worker_timeout_s,
         sync_check_tol=rollout.sync_check_tol,
         num_threads=num_threads,
+        image_encoder=image_encoder,
     )
     if rollout.backend == "vllm":
         from microrl.remote.trainer.server_weight_syncs import ServerSyncJoiner

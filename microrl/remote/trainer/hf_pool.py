@@ -205,12 +205,25 @@ class AsyncRolloutPool(AsyncSamplerBase):
 
     # ----------------------------------------------------------------- jobs
     def submit(
-        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> PoolJob:
         """Queue sampling ``params.num_samples`` responses per prompt, the prompts split over
-        the workers; returns the :class:`PoolJob`, whose rollout :meth:`collect` returns."""
+        the workers; returns the :class:`PoolJob`, whose rollout :meth:`collect` returns.
+        ``images``: each text prompt's PIL images, split with their prompts."""
         self._check_open()
         _check_params(params)
+        if images is not None:
+            self._check_images(prompts, images)
+
+            def submit(worker: AsyncRollout, chunk: list, part_params: SamplingParams, seed: int):
+                texts, rows = [p for p, _ in chunk], [row for _, row in chunk]
+                return worker.submit(texts, part_params, images=rows, seed=seed)
+
+            return self._split(list(zip(prompts, images, strict=True)), params, submit)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         return self._split(
             prompt_ids, params, lambda worker, chunk, p, seed: worker.submit(chunk, p, seed=seed)

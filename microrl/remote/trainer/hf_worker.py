@@ -151,6 +151,8 @@ class AsyncRollout(AsyncSamplerBase):
             env_maker=env_bytes,
             base_dtype=setup.base_dtype(engine.config),
             autocast_dtype=engine_autocast_dtype(engine),
+            image_encoder=self.image_encoder,
+            freeze_vision=bool(getattr(engine.config, "freeze_vision", True)),
         )
         ctx = mp.get_context("spawn")
         self._commands = ctx.Queue()
@@ -291,13 +293,21 @@ class AsyncRollout(AsyncSamplerBase):
         prompts: Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams,
         *,
+        images: Sequence[Sequence[Any]] | None = None,
         seed: int | None = None,
     ) -> Job:
         """Queue sampling ``params.num_samples`` responses per prompt (``HFRollout.generate``
         in the worker); returns the :class:`Job`, whose rollout :meth:`collect` returns.
-        ``seed``: the job's seed (a pool's part seed); None: :func:`draw_seed`."""
+        ``images``: each text prompt's PIL images, sent with the job and encoded in the worker
+        by the policy's :class:`~microrl.engine.rollout.images.ImageEncoder` (the one
+        preprocessing path). ``seed``: the job's seed (a pool's part seed); None:
+        :func:`draw_seed`."""
+        if images is not None:
+            self._check_images(prompts, images)
+            args = (list(prompts), params, [list(row) for row in images])
+            return self._submit("generate", args, params, seed)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
-        return self._submit("generate", (prompt_ids, params), params, seed)
+        return self._submit("generate", (prompt_ids, params, None), params, seed)
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
         """The episodes run in the worker (``HFRollout.run_episodes``), each row's environment

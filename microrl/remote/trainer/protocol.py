@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from microrl.engine.base import Engine
 from microrl.engine.rollout.base import Rollout, SamplingParams
+from microrl.engine.rollout.images import ImageEncoder
 from microrl.engine.rollout.sync_check import default_sync_check_tol
 
 __all__ = [
@@ -58,6 +59,9 @@ class SamplerOptions:
             None: by the engine's precision (``rollout.sync_check_tol``).
         num_threads: each ``hf`` worker's torch threads (0: torch's default), or each local
             vLLM server's CPU threads.
+        image_encoder: a vision-language policy's
+            (:class:`~microrl.engine.rollout.images.ImageEncoder`): jobs may then carry images
+            (``submit(..., images=)``); None: text prompts only.
 
     A bad value is a ``ValueError`` naming the field.
     """
@@ -67,6 +71,7 @@ class SamplerOptions:
     timeout_s: float = 600.0
     sync_check_tol: float | None = None
     num_threads: int = 1
+    image_encoder: ImageEncoder | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -88,9 +93,15 @@ class AsyncSampler(Protocol):
     sync_stats: dict[int, dict[str, float]]
 
     def submit(
-        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Job:
-        """Queue sampling ``params.num_samples`` responses per prompt."""
+        """Queue sampling ``params.num_samples`` responses per prompt; ``images``: with text
+        prompts, each prompt's PIL images (as :meth:`RolloutBackend.generate
+        <microrl.engine.rollout.RolloutBackend.generate>` takes them), sent with the job."""
         ...
 
     def submit_episodes(
@@ -144,7 +155,24 @@ class AsyncSamplerBase:
         self.env_maker = options.env_maker
         self.timeout_s = float(options.timeout_s)
         self.sync_check_tol = options.sync_check_tol or default_sync_check_tol(engine)
+        self.image_encoder = options.image_encoder
         return options
+
+    def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
+        """``images`` fit ``prompts`` (texts, one image list each) and this sampler has an
+        image encoder; a ``ValueError`` naming ``images`` otherwise."""
+        if self.image_encoder is None:
+            raise ValueError(
+                f"images were given but this {type(self).__name__} has no image_encoder "
+                "(SamplerOptions.image_encoder: the policy is not a vision-language model)"
+            )
+        if isinstance(images, str) or len(images) != len(prompts):
+            raise ValueError(
+                f"images must hold one image list per prompt: {len(prompts)} prompts, "
+                f"{len(images)} image lists"
+            )
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("images go with text prompts (their placeholders), not token ids")
 
     def submit_episodes(
         self,
@@ -176,12 +204,24 @@ class AsyncSamplerBase:
     def collect(self, job: Job) -> Rollout:
         raise NotImplementedError
 
-    def submit(self, prompts: Sequence[Any], params: SamplingParams) -> Job:
+    def submit(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> Job:
         raise NotImplementedError
 
-    def generate(self, prompts: Sequence[Any], params: SamplingParams) -> Rollout:
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> Rollout:
         """Sample now, at the latest pushed version (:meth:`submit`, then :meth:`collect`)."""
-        return self.collect(self.submit(prompts, params))
+        return self.collect(self.submit(prompts, params, images=images))
 
     def close(self) -> None:
         raise NotImplementedError

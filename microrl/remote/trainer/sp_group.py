@@ -114,12 +114,18 @@ class SPGroupSampler(AsyncSamplerBase):
 
     # ----------------------------------------------------------------- jobs
     def submit(
-        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Job:
-        """Queue sampling ``params.num_samples`` responses per prompt (the same prompts on every
-        process of the group)."""
+        """Queue sampling ``params.num_samples`` responses per prompt (the same prompts, and
+        ``images``, on every process of the group)."""
         if self.is_leader:
-            return self.sampler.submit(prompts, params)
+            if images is None:  # a text job: any sampler takes it
+                return self.sampler.submit(prompts, params)
+            return self.sampler.submit(prompts, params, images=images)
         return self._mirror("generate", params)
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:

@@ -50,6 +50,7 @@ def serve_command(
     cpu: bool = False,
     tensor_parallel_size: int = 1,
     engine_args: Mapping[str, Any] | None = None,
+    images: bool = False,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a rollout server (without the API key, which travels in
     the ``VLLM_API_KEY`` environment variable, not on a command line ``ps`` shows).
@@ -65,6 +66,9 @@ def serve_command(
     (:func:`~microrl.engine.rollout.vllm_options.cpu_scheduler_args`).
     ``engine_args`` (``rollout.vllm.engine_kwargs``, checked by the caller) come last as flags:
     where one sets what a default above set, argparse keeps the last.
+    ``images``: a vision-language policy's servers: they load the tokenizer and the image
+    processor saved beside the weights (no ``--skip-tokenizer-init``: vLLM's multimodal
+    processor needs them) and take no video (``--limit-mm-per-prompt``).
     """
     command = [
         sys.executable,
@@ -76,7 +80,7 @@ def serve_command(
         host,
         "--port",
         str(port),
-        "--skip-tokenizer-init",
+        *([] if images else ["--skip-tokenizer-init"]),
         "--enable-scale-out",
         "--dtype",
         dtype,
@@ -95,6 +99,8 @@ def serve_command(
         # engine core busy-waits for, a second core burnt (1.0 against 0.65 CPU-s per job).
         command += ["--distributed-executor-backend", "uni"]
         command += cli_flags(cpu_scheduler_args())
+    if images:  # images only: no video processor is profiled
+        command += ["--limit-mm-per-prompt", json.dumps({"video": 0})]
     if tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if enforce_eager:

@@ -9,13 +9,24 @@ format is tested without a server.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from microrl.engine.rollout import vllm_images, vllm_options
 from microrl.engine.rollout.base import SamplingParams
+from microrl.engine.rollout.images import ImageEncoder, ImagePrompts
 from microrl.remote.trainer.vllm_http import ServerError
 
-__all__ = ["GENERATE_ROUTE", "generate_body", "parse_samples", "probe_body", "prompt_logprobs"]
+__all__ = [
+    "GENERATE_ROUTE",
+    "ServerPrompt",
+    "check_image_servers",
+    "generate_body",
+    "parse_samples",
+    "probe_body",
+    "prompt_logprobs",
+    "server_prompt",
+]
 
 #: vLLM's token-in, token-out route.
 GENERATE_ROUTE = "inference/v1/generate"
@@ -38,16 +49,70 @@ def generate_body(
     ``images``: the prompt's PIL images, sent as the route's ``content_parts`` (lossless PNG
     ``data:`` URLs, :func:`~microrl.engine.rollout.vllm_images.image_content_parts`); the
     prompt then holds one placeholder per image, which the server expands
-    (:func:`~microrl.engine.rollout.vllm_images.collapse_placeholders`)."""
+    (:func:`~microrl.engine.rollout.vllm_images.collapse_placeholders`) and answers, expanded,
+    as ``prompt_token_ids`` (``return_token_ids``): the caller checks it is the trainer's."""
     body: dict[str, Any] = {
         "token_ids": list(prompt_ids),
         "sampling_params": vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id),
     }
-    if images:
+    if images:  # the server answers the prompt it ran, placeholders expanded, to check
         body["content_parts"] = vllm_images.image_content_parts(list(images))
+        body["return_token_ids"] = True
     if adapter is not None:
         body["model"] = adapter
     return body
+
+
+@dataclass(frozen=True)
+class ServerPrompt:
+    """One prompt as a server gets it: ``ids`` (one placeholder per image), its PIL ``images``
+    and, with images, the ids the server must answer it ran (``expected``, placeholders
+    expanded by the trainer's encoder) and the prompt's ``index`` in the call."""
+
+    ids: list[int]
+    images: tuple[Any, ...] = ()
+    expected: list[int] | None = None
+    index: int = 0
+
+    def check(self, response: dict[str, Any]) -> None:
+        """Raise when the server ran another prompt than the trainer's expanded one
+        (:func:`~microrl.engine.rollout.vllm_images.check_expanded`)."""
+        if self.expected is not None:
+            ran = response.get("prompt_token_ids") or []
+            vllm_images.check_expanded(ran, self.expected, self.index)
+
+
+def server_prompt(
+    ids: list[int], images: ImagePrompts | None, index: int, encoder: ImageEncoder | None
+) -> ServerPrompt:
+    """Prompt ``index`` (``ids``: placeholders expanded, from ``images.ids`` when it has
+    images) as :func:`generate_body` sends it."""
+    if images is None or images.images[index] is None:
+        return ServerPrompt(list(ids))
+    grid = images.images[index][1]
+    collapsed = vllm_images.collapse_placeholders(
+        ids, grid, encoder.image_token_id, encoder.merge_size
+    )
+    return ServerPrompt(collapsed, tuple(images.raw[index]), list(ids), index)
+
+
+def check_image_servers(engine, tokenizer) -> None:
+    """What image prompts on vLLM servers need, checked at start: vLLM's Qwen-VL code
+    (torchvision), the tokenizer's video placeholder, and a frozen vision tower (the servers
+    keep each image's embedding in their encoder cache across pushes, right only while the
+    tower does not change)."""
+    if reason := vllm_images.vision_unsupported():
+        raise ValueError(
+            "rollout.backend=vllm (its servers under rollout.max_staleness > 0) cannot sample "
+            f"image prompts here: {reason}. Use rollout.backend=hf (docs/rollouts.md#images)"
+        )
+    vllm_images.check_tokenizer(tokenizer)
+    if not getattr(engine.config, "freeze_vision", True):
+        raise ValueError(
+            "actor.freeze_vision=False with images on vLLM servers: the servers cache image "
+            "embeddings across weight pushes, which a trained vision tower makes stale; keep "
+            "the tower frozen or use rollout.backend=hf"
+        )
 
 
 def parse_samples(

@@ -33,6 +33,7 @@ from microrl.engine.rollout.base import (
     draw_seed,
     encode_prompts,
 )
+from microrl.engine.rollout.images import ImagePrompts
 from microrl.engine.rollout.sync_check import engine_probe
 from microrl.engine.rollout.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync, pushed_weights
@@ -53,10 +54,13 @@ from microrl.remote.trainer.vllm_placement import (
 )
 from microrl.remote.trainer.vllm_requests import (
     GENERATE_ROUTE,
+    ServerPrompt,
+    check_image_servers,
     generate_body,
     parse_samples,
     probe_body,
     prompt_logprobs,
+    server_prompt,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -107,13 +111,15 @@ class VLLMServerRollout(AsyncSamplerBase):
         log_dir: str | None = None,
     ) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
+        self.engine, self.config = engine, config or VLLMConfig()
+        check_arguments(engine, self.config, urls, num_workers)
+        options = self._take_options(engine, options)
+        if self.image_encoder is not None:
+            check_image_servers(engine, tokenizer)
         #: The layout, episodes and decoding of every backend, sampling through these servers.
         self.backend = _ServerBackend(
             self, getattr(getattr(engine, "model", None), "generation_config", None)
         )
-        self.engine, self.config = engine, config or VLLMConfig()
-        check_arguments(engine, self.config, urls, num_workers)
-        options = self._take_options(engine, options)
         self.log_dir = log_dir
         self.is_lora = engine.peft_model is not None
         self.sync_stats: dict[int, dict[str, float]] = {}
@@ -174,7 +180,13 @@ class VLLMServerRollout(AsyncSamplerBase):
             group_size=distributed.world_size() // data_rank(self.engine)[1],
         )
         model_dir = self.workdir / "base"
-        export_merged_model(self.engine.module, model_dir, merge_lora=False)
+        images = self.image_encoder is not None  # vLLM preprocesses: tokenizer and processor
+        vision_tokenizer = self.tokenizer if images else None
+        export_merged_model(
+            self.engine.module, model_dir, merge_lora=False, tokenizer=vision_tokenizer
+        )
+        if images:
+            self.image_encoder.image_processor.save_pretrained(str(model_dir))
         device = self.engine.device
         on_cpu = device.type == "cpu"
         owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if on_cpu else {})}
@@ -195,6 +207,7 @@ class VLLMServerRollout(AsyncSamplerBase):
             cpu=on_cpu,
             tensor_parallel_size=cfg.tensor_parallel_size,
             engine_args=user_engine_args(cfg.engine_kwargs, owned=owned),
+            images=images,
         )
 
         def start(i: int) -> LocalVLLMServer:
@@ -338,16 +351,38 @@ class VLLMServerRollout(AsyncSamplerBase):
         self.job_seconds.append(time.perf_counter() - start)
         return rollout
 
-    def submit(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams):
-        """Queue sampling ``params.num_samples`` responses per prompt; returns the :class:`Job`."""
+    def submit(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ):
+        """Queue sampling ``params.num_samples`` responses per prompt; returns the :class:`Job`.
+        ``images``: each text prompt's PIL images, encoded by the policy's
+        :class:`~microrl.engine.rollout.images.ImageEncoder` (the rows' image keys) and sent to
+        the servers as lossless PNGs; the prompt each server ran is checked against the
+        encoder's (docs/rollouts.md#images)."""
+        if images is not None:
+            self._check_images(prompts, images)
+            texts, rows = list(prompts), [list(row) for row in images]
+            run = lambda: self.backend.generate(texts, params, images=rows)  # noqa: E731
+            return self._submit(run, "generate", params)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         return self._submit(lambda: self.backend.generate(prompt_ids, params), "generate", params)
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
-        """The episodes' environments step in this process while the servers sample."""
+        """The episodes' environments step in this process while the servers sample (with
+        the problems' images, if any, every turn)."""
         maker = self.env_maker
+        with_images = self.image_encoder is not None and any(p.images for p in problems)
+        images = [list(p.images) for p in problems] if with_images else None
         run = lambda: self.backend.run_episodes(  # noqa: E731
-            [p.prompt for p in problems], lambda i: maker(problems[i]), params, **limits
+            [p.prompt for p in problems],
+            lambda i: maker(problems[i]),
+            params,
+            **limits,
+            images=images,
         )
         return self._submit(run, "episodes", params, seed)
 
@@ -380,18 +415,27 @@ class VLLMServerRollout(AsyncSamplerBase):
                 if version < self.version:
                     del self._syncs[version]
 
-    def sample_in_job(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+    def sample_in_job(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        images: ImagePrompts | None = None,
+    ) -> Samples:
         """The servers' samples of ``prompt_ids`` for the job running on this thread (the
-        backend's ``_sample``: every call of a job, an episode's turns included)."""
+        backend's ``_sample``: every call of a job, an episode's turns included); ``images``:
+        the prompts encoded with their images (``prompt_ids`` is then ``images.ids``)."""
         job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
         if job is None:
             raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
         copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
-        requests = [(ids, c) for ids in prompt_ids for c in range(copies)]
+        prompts = [
+            server_prompt(ids, images, p, self.image_encoder) for p, ids in enumerate(prompt_ids)
+        ]
+        requests = [prompt for prompt in prompts for _ in range(copies)]
         self._context.seed = seed + len(requests)  # the next call of an episode: fresh seeds
         futures = [
-            self._requests.submit(self._request, i, ids, params, seed + i, job.version)
-            for i, (ids, _) in enumerate(requests)
+            self._requests.submit(self._request, i, prompt, params, seed + i, job.version)
+            for i, prompt in enumerate(requests)
         ]
         token_ids, logprobs = [], []
         for future in futures:
@@ -401,13 +445,21 @@ class VLLMServerRollout(AsyncSamplerBase):
                 self._context.versions.extend(versions)
         return Samples(token_ids=token_ids, logprobs=logprobs)
 
-    def _request(self, i: int, ids: list[int], params: SamplingParams, seed: int, version: int):
+    def _request(
+        self, i: int, prompt: ServerPrompt, params: SamplingParams, seed: int, version: int
+    ):
         client = self.clients[i % len(self.clients)]
         adapter = self._adapter(version) if self.is_lora else None
         body = generate_body(
-            ids, params, seed=seed, eos_token_id=self.backend.stop_token_ids, adapter=adapter
+            prompt.ids,
+            params,
+            seed=seed,
+            eos_token_id=self.backend.stop_token_ids,
+            adapter=adapter,
+            images=prompt.images,
         )
         response = client.post(GENERATE_ROUTE, body)
+        prompt.check(response)
         # LoRA: every token comes from the request's adapter; full weights: from the spans.
         return parse_samples(response, url=client.url, version=version if self.is_lora else None)
 
@@ -435,11 +487,18 @@ class _ServerBackend(RolloutBackend):
     """A rollout backend whose samples come from a :class:`VLLMServerRollout`'s servers."""
 
     def __init__(self, owner: VLLMServerRollout, generation_config=None) -> None:
-        super().__init__(owner.tokenizer, generation_config=generation_config)
+        super().__init__(
+            owner.tokenizer,
+            generation_config=generation_config,
+            image_encoder=getattr(owner, "image_encoder", None),
+        )
         self.owner = owner
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         return self.owner.sample_in_job(prompt_ids, params)
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        return self.owner.sample_in_job(prompts.ids, params, prompts)
 
 
 def check_arguments(engine, config: VLLMConfig, urls: Sequence[str], num_workers: int) -> None:

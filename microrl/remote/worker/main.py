@@ -69,6 +69,11 @@ class WorkerSpec:
     # storage dtype (engine.config.base_dtype) and the autocast dtype of its forwards (None: none).
     base_dtype: torch.dtype = torch.float32
     autocast_dtype: torch.dtype | None = None
+    # A vision-language policy's ImageEncoder (its PIL image processor pickles): jobs with images
+    # are encoded here, as the synchronous sampler encodes them. None: text jobs only.
+    image_encoder: Any = None
+    # The engine's freeze_vision: a frozen vision tower gets no LoRA adapter (as in the engine).
+    freeze_vision: bool = True
 
 
 def dumps(value: Any) -> bytes:
@@ -152,16 +157,22 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     """The trainer's architecture with its LoRA structure, randomly initialised: the first
     (``full``) push overwrites every tensor. Built in the base's storage dtype (parameters
     only, as the engine stores them; the adapters fp32), never in fp32 first."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from microrl.engine.setup import apply_lora
+    from microrl.engine.vision import vision_spec
 
     config = copy.deepcopy(spec.model_config)
     attention = getattr(config, "_attn_implementation", None)
     if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
         config._attn_implementation = attention.removeprefix("microrl_varlen_")
-    model = AutoModelForCausalLM.from_config(config, dtype=spec.base_dtype)
-    model, _ = apply_lora(model, spec.lora)
+    # A vision-language policy: its image-text class (tower and lm head), as the engine loads it.
+    vision = getattr(config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=spec.base_dtype)
+    tower = vision_spec(model) if vision and spec.freeze_vision else None
+    exclude = tower.tower_module_names(model) if tower is not None else None
+    model, _ = apply_lora(model, spec.lora, exclude=exclude)
     return model.to(spec.device).eval()
 
 
@@ -170,7 +181,12 @@ def build_sampler(spec: WorkerSpec):
     (:func:`_build_model`), sampling at the engine's precision (``spec.autocast_dtype``)."""
     from microrl.engine.rollout.hf import HFRollout
 
-    return HFRollout(_build_model(spec), spec.tokenizer, autocast_dtype=spec.autocast_dtype)
+    return HFRollout(
+        _build_model(spec),
+        spec.tokenizer,
+        autocast_dtype=spec.autocast_dtype,
+        image_encoder=spec.image_encoder,
+    )
 
 
 class _Worker:
@@ -271,19 +287,25 @@ class _Worker:
         torch.manual_seed(seed)
         try:
             if kind == "generate":
-                prompts, params = args
-                result = rollout_payload(self.sampler.generate(prompts, params))
+                prompts, params, images = args
+                result = rollout_payload(self.sampler.generate(prompts, params, images=images))
             else:
                 problems, params, limits = args
                 maker = self.env_maker
                 if maker is None:
                     raise ValueError(f"{self.spec.name} was started without an env_maker")
+                images = (  # the problems' own images (they travel with the job)
+                    [list(p.images) for p in problems]
+                    if any(getattr(p, "images", ()) for p in problems)
+                    else None
+                )
                 result = rollout_payload(
                     self.sampler.run_episodes(
                         [p.prompt for p in problems],
                         lambda i: maker(problems[i]),
                         params,
                         **limits,
+                        images=images,
                     )
                 )
         except Exception as err:

@@ -61,6 +61,7 @@ def test_generate_body_with_images_is_a_vllm_generate_request():
     assert body["content_parts"][0]["url"].startswith("data:image/png;base64,")
     request = GenerateRequest.model_validate(body)
     assert request.token_ids == [3, 20, 4] and request.content_parts == body["content_parts"]
+    assert request.return_token_ids  # the server answers the prompt it ran, expanded
     assert "content_parts" not in generate_body([3], params, seed=1, eos_token_id=1, adapter=None)
 
 
@@ -117,3 +118,7 @@ def test_the_local_server_command_and_environment(monkeypatch):
     assert "uni" in serve_command("/m", port=1, cpu=True)  # the model in the engine core
     full = serve_command("/m", port=8123, weight_transfer="gloo")
     assert '{"backend": "gloo"}' in full and "--no-enable-prefix-caching" in full
+    assert "--skip-tokenizer-init" in command  # token ids only, unless images
+    vision = serve_command("/m", port=1, images=True)  # vLLM's processor reads the tokenizer
+    assert "--skip-tokenizer-init" not in vision
+    assert vision[vision.index("--limit-mm-per-prompt") + 1] == '{"video": 0}'
