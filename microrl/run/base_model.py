@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,17 +31,13 @@ import torch
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
-from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.judge import JudgeConfig
 from microrl.configs.run import AGENT_TASK_NAMES, TOY_MODEL_PATHS, ModelConfig, TaskConfig
-from microrl.engine import ActorEngine
-from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.parallel.nodes import SEVERAL_NODES_DOC, gather_with_hosts, list_ranks
-from microrl.engine.rollout import HFRollout
 from microrl.hub import download_hint, download_model, first_line, is_hub_name
 from microrl.run.dist import Dist
-from microrl.run.session import evaluate_accuracy
 from microrl.run.toy_model import build_model, build_tokenizer, is_checkpoint, load_tokenizer
+from microrl.run.warm_start import train_to_target
 from microrl.tasks.base import Problem, Task
 from microrl.tasks.factory import BUILT_IN_TASKS, make_task
 
@@ -51,8 +46,6 @@ __all__ = ["prepare_base_model"]
 # Warm-start accuracy is measured on this many *training* prompts (the held-out set is kept for RL):
 # enough that its noise (about 0.02) stays below the step of the accuracy between two checks.
 WARM_START_EVAL_PROMPTS = 500
-# Of the checks, the warm start logs one every this many steps (and the last).
-WARM_START_LOG_EVERY = 100
 
 
 def _without_models(task_cfg: TaskConfig) -> TaskConfig:
@@ -242,62 +235,23 @@ def _warm_start(
             f"got {cfg.max_positions}"
         )
     model = build_model(cfg, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(
-        f"no checkpoint at {cfg.path}: warm-starting a {n_params / 1e3:.0f}k-parameter {type(model).__name__} "
-        f"with supervised steps until {ws.target_accuracy:.0%} greedy accuracy (checked every "
-        f"{ws.eval_every} steps, <= {ws.max_steps} steps)"
-    )
-    if ws.batch_size % dist_info.world_size:
-        raise ValueError(
-            f"model.warm_start.batch_size={ws.batch_size} must be divisible by the "
-            f"{dist_info.world_size} processes"
-        )
-    per_rank = ws.batch_size // dist_info.world_size
-    engine = ActorEngine(
-        model,
-        ActorConfig(
-            micro_batch_size=per_rank,
-            optim=OptimConfig(lr=ws.lr, grad_clip=1.0),
-            lora=LoraConfig(rank=0),  # full fine-tune: this *is* the base model
-            seed=cfg.seed,
-        ),
-    )
-    sampler = HFRollout(engine, tokenizer)
-    rng = random.Random(cfg.seed * 1000 + dist_info.rank)
-    check = dist_info.shard(task.sample(random.Random(cfg.seed + 1), WARM_START_EVAL_PROMPTS))
-    start = time.perf_counter()
-    accuracy = 0.0
-    for step in range(1, ws.max_steps + 1):
+
+    def make_batch(rng: random.Random, rows: int) -> TensorDict:
         if conversations is not None:
-            batch = conversation_sft_batch(
-                tokenizer, conversations(rng, per_rank, ws.tool_share), tools
-            )
-        else:
-            problems = task.sample(rng, per_rank)
-            batch = sft_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
-        metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
-        if step % ws.eval_every == 0 or step == ws.max_steps:
-            accuracy = evaluate_accuracy(sampler, task, check, dist_info, max_new_tokens)
-            reached = accuracy >= ws.target_accuracy
-            if reached or step % WARM_START_LOG_EVERY == 0 or step == ws.max_steps:
-                log(
-                    f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
-                    f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"
-                )
-            if reached:
-                break
-    else:
-        log(
-            f"  the warm start stopped at model.warm_start.max_steps={ws.max_steps} below "
-            f"model.warm_start.target_accuracy={ws.target_accuracy}: a weaker base than intended"
-        )
-    export_merged_model(engine.module, cfg.path)
-    if dist_info.is_main:
-        tokenizer.save_pretrained(cfg.path)  # last: a checkpoint counts as complete only with it
-    dist_info.barrier()
-    log(
-        f"saved the base model to {cfg.path} ({time.perf_counter() - start:.0f}s, accuracy {accuracy:.3f})"
+            return conversation_sft_batch(tokenizer, conversations(rng, rows, ws.tool_share), tools)
+        problems = task.sample(rng, rows)
+        return sft_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
+
+    train_to_target(
+        model,
+        tokenizer,
+        cfg,
+        task,
+        dist_info,
+        make_batch=make_batch,
+        check_prompts=WARM_START_EVAL_PROMPTS,
+        max_new_tokens=max_new_tokens,
+        log=log,
     )
 
 

@@ -21,8 +21,6 @@ prompt ids from :meth:`ImageEncoder.encode`, pixels by :func:`~microrl.engine.vi
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,16 +34,14 @@ from transformers import (
 )
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
-from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.run import ModelConfig
-from microrl.engine import ActorEngine
-from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.rollout import HFRollout
 from microrl.engine.rollout.images import ImageEncoder
 from microrl.engine.vision import pad_images
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
 from microrl.run.toy_model import build_tokenizer
+from microrl.run.warm_start import train_to_target
 from microrl.tasks.base import Problem
 
 __all__ = [
@@ -205,7 +201,6 @@ def warm_start_vision(
     train it with supervised steps until its greedy accuracy on training prompts reaches
     ``model.warm_start.target_accuracy``, and save it (weights, image processor, tokenizer last)
     to ``model.path``. Returns that accuracy."""
-    ws = cfg.warm_start
     tokenizer = build_vision_tokenizer(task.toy_alphabet)
     processor = build_image_processor(task.image_size)
     model = build_vision_model(cfg, tokenizer)
@@ -219,57 +214,19 @@ def warm_start_vision(
             f"prompts have {longest} tokens with the image's, plus rollout.max_new_tokens="
             f"{max_new_tokens}), got {cfg.max_positions}"
         )
-    if ws.batch_size % dist_info.world_size:
-        raise ValueError(
-            f"model.warm_start.batch_size={ws.batch_size} must be divisible by the "
-            f"{dist_info.world_size} processes"
-        )
-    n_params = sum(p.numel() for p in model.parameters())
-    log(
-        f"no checkpoint at {cfg.path}: warm-starting a {n_params / 1e3:.0f}k-parameter "
-        f"{type(model).__name__} with supervised steps until {ws.target_accuracy:.0%} greedy "
-        f"accuracy (checked every {ws.eval_every} steps, <= {ws.max_steps} steps)"
-    )
-    per_rank = ws.batch_size // dist_info.world_size
-    engine = ActorEngine(
+    return train_to_target(
         model,
-        ActorConfig(
-            micro_batch_size=per_rank,
-            optim=OptimConfig(lr=ws.lr, grad_clip=1.0),
-            lora=LoraConfig(rank=0),  # full fine-tune: this *is* the base model
-            seed=cfg.seed,
-        ),
+        tokenizer,
+        cfg,
+        task,
+        dist_info,
+        make_batch=lambda rng, rows: image_sft_batch(encoder, tokenizer, task.sample(rng, rows)),
+        check_prompts=WARM_START_EVAL_PROMPTS,
+        max_new_tokens=max_new_tokens,
+        log=log,
+        image_encoder=encoder,
+        save_extra=lambda: processor.save_pretrained(cfg.path),
     )
-    sampler = HFRollout(engine, tokenizer, image_encoder=encoder)
-    rng = random.Random(cfg.seed * 1000 + dist_info.rank)
-    check = dist_info.shard(task.sample(random.Random(cfg.seed + 1), WARM_START_EVAL_PROMPTS))
-    start, accuracy = time.perf_counter(), 0.0
-    for step in range(1, ws.max_steps + 1):
-        batch = image_sft_batch(encoder, tokenizer, task.sample(rng, per_rank))
-        metrics = engine.train_batch(batch, loss_fn=engine.sft_loss)
-        if step % ws.eval_every == 0 or step == ws.max_steps:
-            accuracy = evaluate_accuracy(sampler, task, check, dist_info, max_new_tokens)
-            log(
-                f"  warm-start step {step:4d}  sft_loss {metrics['sft_loss']:.3f}  "
-                f"accuracy {accuracy:.3f}  ({time.perf_counter() - start:.0f}s)"
-            )
-            if accuracy >= ws.target_accuracy:
-                break
-    else:
-        log(
-            f"  the warm start stopped at model.warm_start.max_steps={ws.max_steps} below "
-            f"model.warm_start.target_accuracy={ws.target_accuracy}: a weaker base than intended"
-        )
-    export_merged_model(engine.module, cfg.path)
-    if dist_info.is_main:
-        processor.save_pretrained(cfg.path)
-        tokenizer.save_pretrained(cfg.path)  # last: a checkpoint counts as complete only with it
-    dist_info.barrier()
-    log(
-        f"saved the base model to {cfg.path} ({time.perf_counter() - start:.0f}s, "
-        f"accuracy {accuracy:.3f})"
-    )
-    return accuracy
 
 
 def save_toy_vision(model, tokenizer, processor, path: str | Path) -> None:

@@ -1,4 +1,5 @@
-"""The toy base model's warm start (microrl/run/base_model.py): it stops at the first check whose
+"""The toy base models' warm start (microrl/run/warm_start.py, used by microrl/run/base_model.py
+and microrl/run/toy_vision.py): it stops at the first check whose
 greedy accuracy reaches ``model.warm_start.target_accuracy``, checking every ``eval_every`` steps,
 and at ``max_steps`` when the target is never reached (saying so). The accuracies are scripted:
 what is tested is the rule, not how fast the toy model learns."""
@@ -12,6 +13,7 @@ import pytest
 from microrl.configs.run import ModelConfig, TaskConfig, WarmStartConfig
 from microrl.run import Dist, prepare_base_model
 from microrl.run import base_model as base_model_module
+from microrl.run import warm_start as warm_start_module
 from microrl.run.toy_model import is_checkpoint
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2}
@@ -34,7 +36,7 @@ def test_the_warm_start_stops_at_the_first_check_reaching_the_target(
         steps.append(len(steps))
         return next(scripted)
 
-    monkeypatch.setattr(base_model_module, "evaluate_accuracy", evaluate_accuracy)
+    monkeypatch.setattr(warm_start_module, "evaluate_accuracy", evaluate_accuracy)
     warm_start = WarmStartConfig(max_steps=12, eval_every=3, batch_size=8, target_accuracy=0.3)
     cfg = ModelConfig(path=str(tmp_path / "base"), build_toy=True, warm_start=warm_start, **TINY)
     lines: list[str] = []
