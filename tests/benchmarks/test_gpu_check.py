@@ -261,6 +261,8 @@ def test_setup_never_lets_pip_replace_torch(tmp_path, first_ready) -> None:
     microrl and pytest already import from this checkout."""
     log = tmp_path / "pip.log"
     env = {**NO_GPU, "TMPDIR": str(tmp_path), "PIP_LOG": str(log), "FIRST_READY": str(first_ready)}
+    # No carried wheels, even where a checkout has a .whl/ folder (the GPU machine's, ignored).
+    env["GPU_CHECK_WHEELS"] = str(tmp_path / "no-wheels")
     proc = subprocess.run(
         ["bash", "-c", SETUP], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
