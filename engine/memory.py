@@ -416,12 +416,10 @@ def _teacher_bytes(
 def _meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.Module:
     """The model as the engine prepares it, on ``meta``: base dtype, LoRA (not on a frozen
     vision tower), a value head."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    vlm = getattr(model_config, "vision_config", None) is not None
-    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(model_config, dtype=setup.base_dtype(config))
+        model = setup.auto_model_class(model_config).from_config(
+            model_config, dtype=setup.base_dtype(config)
+        )
     spec = vision_spec(model)
     frozen = spec is not None and config.freeze_vision
     exclude = spec.tower_module_names(model) if frozen else None

@@ -99,6 +99,15 @@ def base_dtype(config: EngineConfig) -> torch.dtype:
     return BASE_DTYPES[config.base_dtype]
 
 
+def auto_model_class(config: Any) -> type:
+    """The transformers auto class a model of ``config`` is built or loaded as: a
+    vision-language config's image-text class (tower and lm head), else the causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = getattr(config, "vision_config", None) is not None
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
 def load_causal_lm(
     model: nn.Module | str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
@@ -110,13 +119,10 @@ def load_causal_lm(
     has its parameters cast for a 16-bit dtype (:func:`cast_base_weights`).
     """
     if isinstance(model, (str, os.PathLike)):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers import AutoConfig
 
         path = checkpoint_dir(model)
-        # A vision-language checkpoint loads as its image-text class (tower and lm head).
-        vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
-        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        return auto.from_pretrained(path, dtype=dtype)
+        return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model must be a transformers PreTrainedModel or a checkpoint path, got "

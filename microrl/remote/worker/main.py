@@ -157,9 +157,7 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     """The trainer's architecture with its LoRA structure, randomly initialised: the first
     (``full``) push overwrites every tensor. Built in the base's storage dtype (parameters
     only, as the engine stores them; the adapters fp32), never in fp32 first."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from microrl.engine.setup import apply_lora
+    from microrl.engine.setup import apply_lora, auto_model_class
     from microrl.engine.vision import vision_spec
 
     config = copy.deepcopy(spec.model_config)
@@ -167,10 +165,8 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
         config._attn_implementation = attention.removeprefix("microrl_varlen_")
     # A vision-language policy: its image-text class (tower and lm head), as the engine loads it.
-    vision = getattr(config, "vision_config", None) is not None
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model = auto.from_config(config, dtype=spec.base_dtype)
-    tower = vision_spec(model) if vision and spec.freeze_vision else None
+    model = auto_model_class(config).from_config(config, dtype=spec.base_dtype)
+    tower = vision_spec(model) if spec.freeze_vision else None
     exclude = tower.tower_module_names(model) if tower is not None else None
     model, _ = apply_lora(model, spec.lora, exclude=exclude)
     return model.to(spec.device).eval()
