@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from microrl.engine.rollout.episodes import episode_batch, play_episodes
-from microrl.engine.rollout.images import ImageEncoder, ImagePrompts
+from microrl.engine.rollout.images import ImageEncoder, ImagePrompts, check_image_prompts
 from microrl.engine.rollout.layout import Samples, build_rollout
 from microrl.engine.rollout.turns import turn_terminators
 from microrl.engine.vision import pad_images
@@ -270,16 +270,7 @@ class RolloutBackend(ABC):
         raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
 
     def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
-        if self.image_encoder is None:
-            raise ValueError(
-                f"images were given but this {type(self).__name__} has no image_encoder "
-                "(the policy is not a vision-language model)"
-            )
-        if isinstance(images, str) or len(images) != len(prompts):
-            raise ValueError(
-                f"images must hold one image list per prompt: {len(prompts)} prompts, "
-                f"{len(images)} image lists"
-            )
+        check_image_prompts(self, prompts, images)
 
     def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts)

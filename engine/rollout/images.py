@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ImageEncoder", "ImagePrompts"]
+__all__ = ["ImageEncoder", "ImagePrompts", "check_image_prompts"]
 
 
 @dataclass
@@ -103,3 +103,22 @@ class ImageEncoder:
         for token in ids:
             expanded += [token] * (next(counts) if token == self.image_token_id else 1)
         return expanded
+
+
+def check_image_prompts(
+    sampler: Any, prompts: Sequence[Any], images: Sequence[Sequence[Any]]
+) -> None:
+    """``images`` fit ``prompts`` (texts, one image list each) and ``sampler`` (a rollout backend
+    or an asynchronous sampler) has an ``image_encoder``; a ``ValueError`` naming them otherwise."""
+    if getattr(sampler, "image_encoder", None) is None:
+        raise ValueError(
+            f"images were given but this {type(sampler).__name__} has no image_encoder "
+            "(the policy is not a vision-language model)"
+        )
+    if isinstance(images, str) or len(images) != len(prompts):
+        raise ValueError(
+            f"images must hold one image list per prompt: {len(prompts)} prompts, "
+            f"{len(images)} image lists"
+        )
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError("images go with text prompts (their placeholders), not token ids")

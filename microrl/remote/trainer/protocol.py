@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from microrl.engine.base import Engine
 from microrl.engine.rollout.base import Rollout, SamplingParams
-from microrl.engine.rollout.images import ImageEncoder
+from microrl.engine.rollout.images import ImageEncoder, check_image_prompts
 from microrl.engine.rollout.sync_check import default_sync_check_tol
 
 __all__ = [
@@ -159,20 +159,9 @@ class AsyncSamplerBase:
         return options
 
     def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
-        """``images`` fit ``prompts`` (texts, one image list each) and this sampler has an
-        image encoder; a ``ValueError`` naming ``images`` otherwise."""
-        if self.image_encoder is None:
-            raise ValueError(
-                f"images were given but this {type(self).__name__} has no image_encoder "
-                "(SamplerOptions.image_encoder: the policy is not a vision-language model)"
-            )
-        if isinstance(images, str) or len(images) != len(prompts):
-            raise ValueError(
-                f"images must hold one image list per prompt: {len(prompts)} prompts, "
-                f"{len(images)} image lists"
-            )
-        if not all(isinstance(p, str) for p in prompts):
-            raise ValueError("images go with text prompts (their placeholders), not token ids")
+        """``images`` fit ``prompts`` and this sampler has an image encoder
+        (``SamplerOptions.image_encoder``): :func:`~microrl.engine.rollout.images.check_image_prompts`."""
+        check_image_prompts(self, prompts, images)
 
     def submit_episodes(
         self,
