@@ -8,14 +8,40 @@ head and forms its gradients in forward; ``vocab_parallel_linear_logprob`` and
 ``vocab_parallel_linear_loss`` are the same two with the vocabulary split over tensor-parallel
 ranks. ``IGNORE_INDEX`` (-100) is their default ``ignore_index``. Their contract is in
 ``docs/kernels.md``.
+
+The folder also sits at the repository root, where a Python started there finds it as the
+top-level ``kernels``: that name belongs to Hugging Face's kernel hub package (a transformers
+dependency), so under that name this module hands itself over to the installed one.
 """
 
-from ._checks import IGNORE_INDEX
-from .fused_loss import FusedLossOutput, fused_linear_loss
-from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
-from .reference import reference_linear_logprob
-from .vocab_parallel import vocab_parallel_linear_logprob
-from .vocab_parallel_loss import vocab_parallel_linear_loss
+import sys
+
+
+def _hand_over_to_hub_kernels() -> bool:
+    """Replace this top-level ``kernels`` by Hugging Face's installed one; False when none is."""
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    others = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", others)
+    if spec is None or spec.loader is None:
+        return False
+    hub = importlib.util.module_from_spec(spec)
+    # The import system returns whatever sys.modules holds once this body ends.
+    sys.modules["kernels"] = hub
+    spec.loader.exec_module(hub)
+    return True
+
+
+if __name__ != "kernels" or not _hand_over_to_hub_kernels():
+    from ._checks import IGNORE_INDEX
+    from .fused_loss import FusedLossOutput, fused_linear_loss
+    from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
+    from .reference import reference_linear_logprob
+    from .vocab_parallel import vocab_parallel_linear_logprob
+    from .vocab_parallel_loss import vocab_parallel_linear_loss
 
 __all__ = [
     "IGNORE_INDEX",
