@@ -53,10 +53,10 @@ def test_at_the_root_the_name_kernels_is_hugging_faces_package(tmp_path):
     # What transformers 5.25's hub_kernels does at import, then a model build through microrl.
     out = _run_at_root(
         """
-        import importlib.metadata
-        import kernels
-        from kernels import CUDAProperties, get_kernel
-        from kernels.layer import CUDAProperties as again
+        import importlib, importlib.metadata
+        kernels = importlib.import_module("kernels")  # as transformers' hub_kernels imports it
+        CUDAProperties, get_kernel = kernels.CUDAProperties, kernels.get_kernel
+        again = importlib.import_module("kernels.layer").CUDAProperties
         import microrl.kernels
         from microrl.run.toy_model import build_model
         print(kernels.__file__)
@@ -86,8 +86,8 @@ def test_at_the_root_without_hugging_faces_package_the_folder_still_imports():
         importlib.machinery.PathFinder.find_spec = without_hub_kernels
         from transformers.utils import import_utils
         print(import_utils._is_package_available("kernels", return_version=True))
-        import kernels
-        print(kernels.fused_linear_logprob.__name__)
+        import importlib
+        print(importlib.import_module("kernels").fused_linear_logprob.__name__)
         """
     )
     available, ours = out.split("\n")[:2]
@@ -100,8 +100,9 @@ def test_the_installed_hub_package_wins_at_the_root():
     assert importlib.util.find_spec("kernels") is not None, 'pip install -e ".[test]" installs it'
     out = _run_at_root(
         """
-        import kernels, importlib.metadata
+        import importlib
         from transformers.utils import import_utils
+        kernels = importlib.import_module("kernels")
         print(kernels.__file__)
         print(import_utils._is_package_available("kernels", return_version=True))
         print(hasattr(kernels, "get_kernel"))
