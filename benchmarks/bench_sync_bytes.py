@@ -5,9 +5,11 @@
 
 Measured: ``export_peft_adapter`` as it is (the state dict of the parameters that train) against
 the baseline in the same run, the same export from the whole model's state dict (what it
-gathered before: FSDP2 all-gathers every frozen base tensor too, on every sync). Computed for the
-Qwen2.5 presets (configs/presets/, bf16 base, LoRA rank 32 on every linear layer): the bytes each
-gathers per sync, from ``microrl.estimate_memory``'s parameter counts (exact to the byte).
+gathered before: FSDP2 all-gathers every frozen base tensor too, on every sync); and the
+adapter file it writes (which every vLLM then reads) in float32 (before) and in a bf16 server's
+LoRA dtype (now). Computed for the Qwen2.5 presets (configs/presets/, bf16 base, LoRA rank 32
+on every linear layer): the bytes each gathers and writes per sync, from
+``microrl.estimate_memory``'s parameter counts (exact to the byte).
 """
 
 from __future__ import annotations
@@ -86,19 +88,37 @@ def measure(args: argparse.Namespace) -> None:
         print(f"| {name} | {results[0][0] / 2**20:.1f} MiB | {seconds:.3f} |")
     new, old = (statistics.median(s for _, s in r) for r in runs.values())
     print(f"time ratio now/before: {new / old:.3f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        written = {}
+        for dtype in (torch.float32, torch.bfloat16):  # before; now for a bf16 server
+            path = export.export_peft_adapter(
+                engine.module, Path(tmp) / str(dtype), peft_model=engine.peft_model, dtype=dtype
+            )
+            written[dtype] = (path / "adapter_model.safetensors").stat().st_size
+    print(
+        f"adapter file per sync: float32 {written[torch.float32] / 2**20:.1f} MiB, bf16 "
+        f"{written[torch.bfloat16] / 2**20:.1f} MiB "
+        f"({written[torch.bfloat16] / written[torch.float32]:.3f}x)"
+    )
 
 
 def computed() -> None:
     print("\ncomputed for the presets (bf16 base), bytes one LoRA sync gathers:")
     print("| preset | before (whole model) | now (adapter) | ratio |\n|---|---|---|---|")
-    for path in sorted(PRESETS.glob("qwen2.5-*-instruct.yaml")):
-        estimate = preset_estimate(path, world_size=1, gpu_memory=80 * 2**30)
+    presets = sorted(PRESETS.glob("qwen2.5-*-instruct.yaml"))
+    estimates = [preset_estimate(p, world_size=1, gpu_memory=80 * 2**30) for p in presets]
+    for path, estimate in zip(presets, estimates, strict=True):
         before = estimate.weights + estimate.trainable_params
         now = estimate.trainable_params
         print(
             f"| {path.stem} | {before / 2**30:.2f} GiB | {now / 2**20:.0f} MiB | "
             f"{now / before:.4f} |"
         )
+    print("\nthe adapter file one sync writes (and each bf16 vLLM reads), tensors only:")
+    print("| preset | before (float32) | now (bf16) |\n|---|---|---|")
+    for path, estimate in zip(presets, estimates, strict=True):
+        fp32 = estimate.trainable_params  # the adapters' float32 bytes
+        print(f"| {path.stem} | {fp32 / 1e6:.1f} MB | {fp32 / 2 / 1e6:.1f} MB |")
 
 
 def main() -> None:

@@ -113,7 +113,11 @@ def locate_base_model(model: nn.Module) -> tuple[str, nn.Module]:
 
 
 def export_peft_adapter(
-    model: nn.Module, path: str | os.PathLike, *, peft_model: nn.Module | None = None
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    peft_model: nn.Module | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the LoRA adapter trained inside ``model`` in PEFT's format.
 
@@ -122,6 +126,9 @@ def export_peft_adapter(
         path: output directory, loadable with ``PeftModel.from_pretrained(base, path)``.
         peft_model: the ``PeftModel`` that injected the adapters (``engine.peft_model``); found
             inside ``model`` when omitted.
+        dtype: the dtype its floating-point tensors are written in (a LoRA sync's: the one
+            vLLM holds the adapter in, :func:`~microrl.engine.rollout.vllm_options.adapter_dtype`,
+            half the bytes for bfloat16); None: as trained (float32).
     """
     from peft import PeftModel
 
@@ -135,17 +142,24 @@ def export_peft_adapter(
         )
     found = _find(model, ValueModel)
     if found is not None:
-        return _export_classifier_adapter(model, path, peft_model, found[0], found[1])
+        return _export_classifier_adapter(model, path, peft_model, found[0], found[1], dtype)
     prefix, base = locate_base_model(model)
     if base is not peft_model.get_base_model():
         raise ValueError("peft_model does not wrap the transformers model inside model")
-    trained = full_state_dict(model, trainable_only=True)  # every rank takes part
+    trained = _cast(full_state_dict(model, trainable_only=True), dtype)  # every rank takes part
     state = {_PEFT_BASE_PREFIX + k: v for k, v in _sub_state(trained, prefix).items()}
 
     def write(tmp: Path) -> None:
         peft_model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
 
     return _write_atomically(path, write)
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``state`` with its floating-point tensors in ``dtype`` (None: unchanged)."""
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
 def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
@@ -361,6 +375,7 @@ def _export_classifier_adapter(
     peft_model: nn.Module,
     value_prefix: str,
     value_model: ValueModel,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """:func:`export_peft_adapter` of a critic / reward model: the body's LoRA adapter plus the
     trained head as a module to save, for the classifier of :func:`classifier_target`::
@@ -390,7 +405,7 @@ def _export_classifier_adapter(
     peft_config.task_type = target.task_type
     peft_config.modules_to_save = [target.head_name]
     # The adapters and the head: every rank takes part; rank 0 gets the tensors.
-    state = full_state_dict(model, trainable_only=True)
+    state = _cast(full_state_dict(model, trainable_only=True), dtype)
 
     def write(tmp: Path) -> None:  # rank 0, inside the ranks' agreement: a failure reaches all
         body = _sub_state(state, value_prefix + "body.")

@@ -481,8 +481,10 @@ class VLLMRollout(RolloutBackend):
 
 
 class LoRARequestSync(WeightSync):
-    """Path 2: the adapter exported in PEFT's format into a new directory and served as a new
-    ``LoRARequest`` (ids never repeat: vLLM never serves a cached, stale adapter)."""
+    """Path 2: the adapter exported in PEFT's format into a new directory, in the dtype vLLM
+    holds it in (:func:`~microrl.engine.rollout.vllm_options.adapter_dtype`), and served as a
+    new ``LoRARequest`` (ids never repeat: vLLM never serves a cached, stale adapter). vLLM 0.32
+    takes an adapter by path only, so it travels as a file."""
 
     def __init__(self, rollout: VLLMRollout) -> None:
         self.rollout = rollout
@@ -496,7 +498,8 @@ class LoRARequestSync(WeightSync):
         if rollout._weights_lost:  # sleep level 2 discarded the base: it is read back from disk
             rollout._reload_base()
         path = rollout.workdir / f"adapter-{version}"
-        export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        dtype = vllm_options.adapter_dtype(rollout.dtype, rollout.config.engine_kwargs)
+        export_peft_adapter(engine.module, path, peft_model=engine.peft_model, dtype=dtype)
         previous = self.request
         self.request = LoRARequest(f"microrl-{version}", version, str(path))
         rollout.llm.llm_engine.add_lora(self.request)

@@ -4,7 +4,8 @@ Both integrations start the same vLLM engine, one as ``vllm.LLM(**kwargs)`` (the
 ``vllm`` backend) and one as ``vllm serve --flags`` (:mod:`microrl.remote`), and sample from it
 the same way, so every rule they both apply is here, once (docs/rollouts.md#vllm-engine-arguments):
 
-- the engine: :func:`resolve_dtype` (``dtype=auto``), :func:`kv_cache_mb` (the CPU KV cache),
+- the engine: :func:`resolve_dtype` (``dtype=auto``), :func:`adapter_dtype` (what a LoRA sync
+  writes), :func:`kv_cache_mb` (the CPU KV cache),
   :func:`enforce_eager`, :func:`engine_seed`, :func:`max_lora_rank`, :func:`cpu_scheduler_args`;
 - ``rollout.vllm.engine_kwargs``: :func:`user_engine_args`, refused where a key is one microrl
   must own (:data:`OWNED`, :data:`TYPED_KEYS`), and :func:`cli_flags` for ``vllm serve``;
@@ -47,6 +48,7 @@ __all__ = [
     "SERVER_OWNED",
     "TYPED_KEYS",
     "VLLM_LORA_RANKS",
+    "adapter_dtype",
     "cli_flags",
     "cpu_scheduler_args",
     "enforce_eager",
@@ -122,6 +124,25 @@ def resolve_dtype(requested: str, engine, base) -> str:
     if engine.device.type == "cuda" and engine.config.dtype in ("auto", "bfloat16"):
         return "bfloat16"
     return str(next(base.parameters()).dtype).removeprefix("torch.")
+
+
+def adapter_dtype(served: str, engine_kwargs: Mapping[str, Any]) -> torch.dtype:
+    """The dtype vLLM holds a LoRA adapter in: ``rollout.vllm.engine_kwargs.lora_dtype`` when
+    set, else the dtype it serves (``served``, :func:`resolve_dtype`). vLLM casts an adapter to
+    it as it loads it, so an adapter written in it loads into the same tensors as one written in
+    float32, from fewer bytes (half for bfloat16): what a LoRA sync writes."""
+    args = {str(key).replace("-", "_"): value for key, value in engine_kwargs.items()}
+    requested = args.get("lora_dtype", "auto")
+    if isinstance(requested, torch.dtype):
+        return requested
+    name = served if requested in (None, "auto") else str(requested).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"rollout.vllm.engine_kwargs.lora_dtype must be auto, float16 or bfloat16, got "
+            f"{requested!r}"
+        )
+    return dtype
 
 
 def kv_cache_mb(config: VLLMConfig, device: torch.device) -> int:

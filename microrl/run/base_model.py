@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from microrl.configs.judge import JudgeConfig
 from microrl.configs.run import AGENT_TASK_NAMES, TOY_MODEL_PATHS, ModelConfig, TaskConfig
 from microrl.engine.parallel.nodes import SEVERAL_NODES_DOC, gather_with_hosts, list_ranks
-from microrl.hub import download_hint, download_model, first_line, is_hub_name
+from microrl.hub import download_on_main, is_hub_name
 from microrl.run.dist import Dist
 from microrl.run.toy_model import build_model, build_tokenizer, is_checkpoint, load_tokenizer
 from microrl.run.warm_start import train_to_target
@@ -107,7 +107,7 @@ def prepare_base_model(
         _check_same_on_every_node(path, is_checkpoint(path), "holds the base model rank 0 built")
         return load_tokenizer(path), path
     if is_hub_name(path):
-        path = _download(path, dist_info, log)
+        path = download_on_main(path, "model.path", dist_info, log)
         return load_tokenizer(path), path
     what = "holds no transformers checkpoint (config.json and a tokenizer)"
     raise ValueError(
@@ -132,27 +132,6 @@ def _check_same_on_every_node(path: str, found: bool, what: str) -> None:
         "across nodes it must be on a file system every node mounts, or copied to the same "
         f"path on every node ({SEVERAL_NODES_DOC})"
     )
-
-
-def _download(repo_id: str, dist_info: Dist, log: Callable[[str], None]) -> str:
-    """Rank 0 downloads first; the other ranks then find the files in the cache (or, on another
-    node without a shared cache, download their own copy)."""
-    local, error = None, None
-    if dist_info.is_main:
-        log(f"model.path={repo_id} is not a local directory: loading it from the Hugging Face Hub")
-        try:
-            local = download_model(repo_id)
-        except Exception as err:  # network, unknown or gated repository, disk: all one line
-            error = err
-    if dist_info.any(error is not None):
-        reason = first_line(error) if error is not None else "see rank 0"
-        raise ValueError(
-            f"model.path={repo_id!r} is not a local directory, and downloading it from the "
-            f"Hugging Face Hub failed ({reason}); download it with {download_hint(repo_id)} "
-            f"(`huggingface-cli download` on older hubs) and give model.path=models/"
-            f"{repo_id.split('/')[-1]}"
-        )
-    return local if local is not None else download_model(repo_id)
 
 
 def _plain_task(task_cfg: TaskConfig) -> Task | None:

@@ -31,9 +31,10 @@ __all__ = [
 
 
 def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
-    """The teacher of ``cfg.teacher`` (None without ``teacher.path``), its vocabulary checked
-    against the student's ``tokenizer``. ``cfg``: a recipe config (``teacher``, ``actor``,
-    ``rollout.vllm``, ``rollout.worker_timeout_s``, ``train.num_threads``, ``output.dir``)."""
+    """The teacher of ``cfg.teacher`` (None without ``teacher.path``; a Hub id downloaded once,
+    on the main process first), its vocabulary checked against the student's ``tokenizer``.
+    ``cfg``: a recipe config (``teacher``, ``actor``, ``rollout.vllm``,
+    ``rollout.worker_timeout_s``, ``train.num_threads``, ``output.dir``)."""
     if not cfg.teacher.enabled:
         return None
     return make_teacher(
@@ -44,6 +45,8 @@ def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
         num_threads=cfg.train.num_threads,
         timeout_s=cfg.rollout.worker_timeout_s,
         log_dir=None if dist_info.process else f"{cfg.output.dir}/vllm_logs",
+        dist_info=dist_info,
+        log=print if dist_info.is_main else lambda _: None,
     )
 
 

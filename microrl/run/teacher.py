@@ -9,11 +9,15 @@ at temperature 1), on the user's server (``teacher.server_url``) or one started 
 Both return ``[B, T]`` float32 token-aligned log-probs, 0 off ``loss_mask``, so they are
 interchangeable (tests/run/test_teacher_vllm.py). :func:`check_same_vocabulary` refuses a
 teacher whose tokenizer differs from the student's: its log-probs would score other tokens.
+``teacher.path`` is a local checkpoint or a Hugging Face Hub id, downloaded once
+(:func:`teacher_checkpoint`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -26,7 +30,10 @@ from microrl.configs.teacher import TeacherConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import vllm_options
 from microrl.engine.rollout.sync_check import probe_rows, rows_to_probe_layout
-from microrl.engine.setup import base_dtype, load_causal_lm, resolve_device
+from microrl.engine.setup import resolve_device
+from microrl.hub import download_on_main, is_hub_name
+from microrl.run.dist import Dist
+from microrl.run.toy_model import is_checkpoint
 
 __all__ = [
     "TEACHER_LOGPROBS_KEY",
@@ -35,6 +42,7 @@ __all__ = [
     "VLLMTeacher",
     "check_same_vocabulary",
     "make_teacher",
+    "teacher_checkpoint",
 ]
 
 #: The batch key holding the teacher's log-probs of the sampled tokens ``[B, T]``.
@@ -96,8 +104,10 @@ class EngineTeacher:
     the student's (``actor``'s device, dtypes, kernels and parallel layout; its weights stored
     in ``actor.base_dtype``, as the student's frozen base; no LoRA, no optimizer steps).
 
-    Under ``torchrun`` its :meth:`score` is collective (the weights are FSDP2-sharded as the
-    student's): every rank calls it in the same order."""
+    Under ``torchrun`` it is loaded as the student is: global rank 0 reads the checkpoint on
+    the CPU, the other ranks build it on ``meta``, and each rank materialises only its FSDP2
+    shards (engine/parallel/materialize.py), so no GPU ever holds the whole teacher. Its
+    :meth:`score` is collective then: every rank calls it in the same order."""
 
     def __init__(self, config: TeacherConfig, actor: ActorConfig) -> None:
         # The student's token budget when it has one (the memory plan's), else rows.
@@ -108,15 +118,17 @@ class EngineTeacher:
             max_tokens_per_micro_batch=budget,
             temperature=config.temperature,
             lora=LoraConfig(rank=0),
-            base_dtype="float32",  # a model object keeps the dtype it is loaded in
+            base_dtype="float32",  # validated as a full fine-tune's (set below)
             gradient_checkpointing=False,
             activation_offload=False,
             fuse_loss=False,
         )
+        # Stored like the student's frozen base (16-bit there): the config refuses a 16-bit
+        # base without LoRA because trained weights need fp32 masters; these never train.
+        engine_config.base_dtype = actor.base_dtype
         self.temperature = config.temperature
-        # Stored like the student's frozen base (16-bit there: no master weights to keep).
-        model = load_causal_lm(config.path, base_dtype(actor))
-        self.engine = ActorEngine(model, engine_config)
+        # A path, not a model object: the engine's rank-0 load under torchrun.
+        self.engine = ActorEngine(config.path, engine_config)
         self.engine.module.requires_grad_(False)  # frozen: no gradient is ever formed
 
     def score(self, batch: TensorDict) -> torch.Tensor:
@@ -132,7 +144,9 @@ class EngineTeacher:
 class VLLMTeacher:
     """The prompt log-probs of a ``vllm serve`` server of ``config.path``: the user's at
     ``config.server_url`` (key ``config.server_api_key`` or ``$VLLM_API_KEY``), or a server
-    started on localhost (``vllm``: the rollout's vLLM settings; ``device``: where it runs)."""
+    started on localhost (``vllm``: the rollout's vLLM settings; ``device``: the trainer
+    process's device: the server runs on its GPU, as a colocated rollout server does,
+    :func:`~microrl.remote.trainer.vllm_placement.server_gpus`)."""
 
     def __init__(
         self,
@@ -147,6 +161,7 @@ class VLLMTeacher:
         # The HTTP client and launcher live with the out-of-process samplers.
         from microrl.remote.trainer.vllm_http import ServerClient
         from microrl.remote.trainer.vllm_launch import LocalVLLMServer
+        from microrl.remote.trainer.vllm_placement import cuda_visible_devices, server_gpus
 
         self.server = None
         if config.server_url:
@@ -159,6 +174,9 @@ class VLLMTeacher:
             vllm = vllm or VLLMConfig()
             device = torch.device(device)
             on_cpu = device.type == "cpu"
+            # Placed as a rollout server is: on this trainer process's own GPU (without
+            # CUDA_VISIBLE_DEVICES every rank's teacher would start on GPU 0).
+            gpus = server_gpus(device, num_workers=1)
             self.server = LocalVLLMServer(
                 config.path,
                 full_weights=False,
@@ -172,6 +190,7 @@ class VLLMTeacher:
                 gpu_memory_utilization=vllm.gpu_memory_utilization,
                 enforce_eager=vllm_options.enforce_eager(vllm, device),
                 cpu=on_cpu,
+                cuda_visible_devices=None if gpus is None else cuda_visible_devices(gpus[0]),
             )
             self.client = self.server.client
         self._pool = ThreadPoolExecutor(_REQUESTS_IN_FLIGHT, thread_name_prefix="microrl-teacher")
@@ -200,22 +219,34 @@ class VLLMTeacher:
             self.server.close()
 
 
-def _downloaded(name: str) -> str:
-    from microrl.hub import download_hint, download_model, is_hub_name
+def teacher_checkpoint(
+    config: TeacherConfig, dist_info: Dist | None = None, log: Callable[[str], None] = print
+) -> str:
+    """The local checkpoint directory of ``teacher.path``: the path itself, or a Hub id's
+    snapshot in the Hugging Face cache, downloaded once (the main process first,
+    :func:`microrl.hub.download_on_main`; only the config and tokenizer when
+    ``teacher.server_url`` serves the weights). Collective under ``torchrun`` for a Hub id.
 
-    if not is_hub_name(name):
+    Raises:
+        ValueError: naming ``teacher.path``: a local directory with no checkpoint, a path that
+            does not exist and is no Hub id, or a failed download.
+    """
+    path = config.path
+    if is_checkpoint(path):
+        return path
+    if os.path.isdir(path):
         raise ValueError(
-            f"teacher.path={name!r} is neither a local checkpoint directory nor a Hugging Face "
-            "Hub id (org/name)"
+            f"teacher.path={path!r} holds no transformers checkpoint (config.json and a "
+            "tokenizer): give a local checkpoint directory or a Hugging Face Hub id"
         )
-    try:
-        return download_model(name)
-    except Exception as err:  # network, unknown or gated repository: one line
-        raise ValueError(
-            f"teacher.path={name!r} is not a local directory, and downloading it from the "
-            f"Hugging Face Hub failed ({err}); download it with {download_hint(name)} and give "
-            "teacher.path the local directory"
-        ) from err
+    if is_hub_name(path):
+        weights = not config.server_url  # a server the user started holds the weights
+        return download_on_main(path, "teacher.path", dist_info or Dist(), log, weights=weights)
+    raise ValueError(
+        f"teacher.path={path!r} does not exist: give a local checkpoint directory or a Hugging "
+        "Face Hub id (e.g. Qwen/Qwen2.5-7B-Instruct); to download a Hub model into it: "
+        f"`hf download <org/name> --local-dir {path}`"
+    )
 
 
 def _dtype(requested: str) -> str:
@@ -231,14 +262,18 @@ def make_teacher(
     num_threads: int = 1,
     timeout_s: float = 600.0,
     log_dir: str | None = None,
+    dist_info: Dist | None = None,
+    log: Callable[[str], None] = print,
 ) -> Teacher:
-    """The teacher ``config`` describes, once its tokenizer is checked against the student's
+    """The teacher ``config`` describes, its checkpoint found or downloaded
+    (:func:`teacher_checkpoint`, collective under ``torchrun`` for a Hub id; ``dist_info``:
+    the run's ranks, None in one process) and its tokenizer checked against the student's
     (:func:`check_same_vocabulary`)."""
     from transformers import AutoTokenizer
 
-    check_same_vocabulary(
-        student_tokenizer, AutoTokenizer.from_pretrained(config.path), config.path
-    )
+    local = teacher_checkpoint(config, dist_info, log)
+    check_same_vocabulary(student_tokenizer, AutoTokenizer.from_pretrained(local), config.path)
+    config = dataclasses.replace(config, path=local)
     if config.backend == "engine":
         return EngineTeacher(config, actor)
     return VLLMTeacher(

@@ -2,8 +2,10 @@
 
 The engine teacher's log-probs and the mixed advantages against a float64 hand computation from
 the teacher's own logits, under micro-batch splits and on 2 gloo ranks (one launch of this file;
-single-process references computed in the test); the vocabulary check; the config's errors; the
-producer-side scoring of rounds sampled ahead (microrl/run/prefetcher.py's ``scorer``).
+single-process references computed in the test; only rank 0 reads the checkpoint); the
+vocabulary check; ``teacher.path`` as a Hub id (the download stubbed: no network) or a missing
+path; the config's errors; the producer-side scoring of rounds sampled ahead
+(microrl/run/prefetcher.py's ``scorer``).
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def test_teacher_advantages_on_two_ranks_equal_the_float64_reference(tmp_path) -
     path, batch = _teacher_dir(tmp_path), make_batch()
     launch(2, HERE, str(tmp_path))
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # Loaded as the student is: rank 0 reads the checkpoint, rank 1 builds on meta (before,
+    # every rank loaded the whole teacher and moved it to its device before sharding).
+    assert [p["checkpoint_reads"] for p in parts] == [1, 0]
     assert parts[0]["metrics"] == parts[1]["metrics"]  # summed over ranks: the same on both
     teacher_lp = torch.cat([p["teacher"] for p in parts])
     advantages = torch.cat([p["advantages"] for p in parts])
@@ -134,8 +139,18 @@ def test_teacher_advantages_on_two_ranks_equal_the_float64_reference(tmp_path) -
 
 
 def _rank_main(root: Path) -> None:
-    """Each rank scores its contiguous half of the batch with an FSDP2-sharded teacher."""
+    """Each rank scores its contiguous half of the batch with an FSDP2-sharded teacher, and
+    counts the checkpoints it read from disk."""
+    from transformers import PreTrainedModel
+
     dist_info = Dist.init()
+    reads, from_pretrained = [0], PreTrainedModel.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        reads[0] += 1
+        return from_pretrained(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(counted)
     rows = make_batch()[dist_info.shard(list(range(7)))]
     config = TeacherConfig(path=str(root / "teacher"), temperature=TEMPERATURE, gamma=0.5)
     teacher = EngineTeacher(config, actor_config(micro_batch_size=2))
@@ -144,6 +159,7 @@ def _rank_main(root: Path) -> None:
     advantages, metrics = mix_teacher_advantages(rows, task, config, teacher, dist_info)
     metrics.pop("teacher/wait_s")
     result = {"teacher": rows["teacher_logprobs"], "advantages": advantages, "task": task}
+    result["checkpoint_reads"] = reads[0]
     torch.save({**result, "metrics": metrics}, root / f"rank{dist_info.rank}.pt")
     dist_info.close()
 
@@ -167,6 +183,120 @@ def test_a_teacher_with_another_vocabulary_is_refused() -> None:
     other = SimpleNamespace(get_vocab=lambda: swapped)
     with pytest.raises(ValueError, match=rf"token {first!r} is id 0 in the student's and 1 in"):
         check_same_vocabulary(student, other, "swapped")
+
+
+# ----------------------------------------------------------------------------- teacher.path
+HUB_ID = "Org/teacher-7b"
+
+
+@pytest.fixture
+def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """``huggingface_hub.snapshot_download`` answering from a local "cache" that holds a toy
+    teacher (the student's tokenizer); each call's arguments. No network: offline mode is on,
+    so a Hub id read any other way fails rather than reaching the Hub."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from microrl.configs.run import ModelConfig
+    from microrl.run.toy_model import build_model, build_tokenizer
+
+    for module in {constants, sys.modules[huggingface_hub.is_offline_mode.__module__]}:
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    snapshot, tokenizer = tmp_path / "hf-cache" / "snapshot", build_tokenizer()
+    tiny = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, seed=1)
+    build_model(tiny, tokenizer).save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    asked: list[dict] = []
+
+    def snapshot_download(repo_id: str, **kwargs) -> str:
+        asked.append({"repo_id": repo_id, **kwargs})
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)  # nothing named Org/ here: the id is no local path
+    return asked
+
+
+class FakeDist:
+    """A :class:`Dist` of 2 ranks as ``rank`` sees it: its collective ``any`` recorded."""
+
+    def __init__(self, rank: int, events: list[str]) -> None:
+        self.is_main, self.events = rank == 0, events
+
+    def any(self, flag: bool) -> bool:
+        self.events.append("wait")
+        return flag
+
+
+def test_a_hub_teacher_is_downloaded_once_then_scores(fake_hub, monkeypatch) -> None:
+    """The distillation preset's ``teacher.path=Qwen/Qwen2.5-7B-Instruct`` failed at start
+    ("not a local checkpoint directory"): the download was never called. Now the main process
+    downloads it, the others wait and find it in the cache, and the engine loads the snapshot."""
+    import huggingface_hub
+
+    from microrl.run.teacher import make_teacher
+    from microrl.run.toy_model import build_tokenizer
+
+    config = TeacherConfig(path=HUB_ID)
+    events: list[str] = []
+    download = huggingface_hub.snapshot_download
+
+    def recorded(repo_id: str, **kwargs) -> str:
+        events.append("download")
+        return download(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recorded)
+    teachers = [
+        make_teacher(config, actor_config(), build_tokenizer(), dist_info=FakeDist(rank, events))
+        for rank in (0, 1)
+    ]
+    assert events == ["download", "wait", "wait", "download"]  # rank 1 after the wait
+    assert [a["repo_id"] for a in fake_hub] == [HUB_ID, HUB_ID]
+    assert "*.safetensors" in fake_hub[0]["allow_patterns"]  # the weights: scored here
+    lp = teachers[0].score(_toy_batch())
+    assert lp.shape == (2, 6) and bool((lp[:, 3:] < 0).all())
+
+
+def _toy_batch():
+    from tensordict import TensorDict
+
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]])
+    loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask[:, 3:] = True
+    attention = torch.ones_like(loss_mask)
+    return TensorDict(input_ids=ids, attention_mask=attention, loss_mask=loss_mask, batch_size=[2])
+
+
+def test_a_served_hub_teacher_downloads_only_its_tokenizer(fake_hub) -> None:
+    from microrl.run.teacher import VLLMTeacher, make_teacher
+    from microrl.run.toy_model import build_tokenizer
+
+    url = "http://127.0.0.1:9"  # never reached: the client connects on the first request
+    config = TeacherConfig(path=HUB_ID, backend="vllm", server_url=url)
+    teacher = make_teacher(config, actor_config(), build_tokenizer())
+    assert isinstance(teacher, VLLMTeacher) and teacher.server is None
+    ((asked,),) = [fake_hub]
+    assert not any("safetensors" in p or "bin" in p for p in asked["allow_patterns"])
+    teacher.close()
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty-dir"])
+def test_a_bad_local_teacher_path_names_the_key(fake_hub, tmp_path, kind) -> None:
+    """Before: a raw Hub ``OSError`` (or ``HFValidationError``) naming neither the key nor
+    what to do."""
+    from microrl.run.teacher import make_teacher
+    from microrl.run.toy_model import build_tokenizer
+
+    path = tmp_path / "models" / "teacher"
+    if kind == "empty-dir":
+        path.mkdir(parents=True)
+    with pytest.raises(ValueError) as err:
+        make_teacher(TeacherConfig(path=str(path)), actor_config(), build_tokenizer())
+    message = str(err.value)
+    assert message.startswith(f"teacher.path={str(path)!r} ")
+    expected = "does not exist" if kind == "missing" else "holds no transformers checkpoint"
+    assert expected in message and "Hugging Face Hub id" in message
+    assert fake_hub == []  # a local path is never a download
 
 
 # ----------------------------------------------------------------------------- the config

@@ -40,9 +40,11 @@ WORKDIR_PREFIX = "microrl-vllm-servers-"
 
 
 class HTTPAdapterSync(WeightSync):
-    """Path 4: the adapter exported in PEFT's format (on the caller's thread, collective), then
-    loaded on every server with ``/v1/load_lora_adapter`` in the background under a name unique
-    to its version; adapters no job uses are unloaded and their directories removed."""
+    """Path 4: the adapter exported in PEFT's format (on the caller's thread, collective) in the
+    dtype the servers hold it in, then loaded on every server with ``/v1/load_lora_adapter`` in
+    the background under a name unique to its version; adapters no job uses are unloaded and
+    their directories removed. vLLM 0.32 loads an adapter from a path only (``LoRARequest``
+    and the route take ``lora_path``), so the adapter travels as a file."""
 
     def __init__(self, owner: VLLMServerRollout) -> None:
         self.owner = owner
@@ -57,7 +59,7 @@ class HTTPAdapterSync(WeightSync):
         previous = self._loads.get(version - 1)
         if previous is not None:
             previous.result()
-        path = self.join(engine, owner.workdir, version)
+        path = self.join(engine, owner.workdir, version, owner._adapter_dtype)
         in_use = {job.version for job, _ in owner._futures.values()}
         load = lambda: self._load(version, path, in_use)  # noqa: E731
         loaded = self._loads[version] = owner._sync_thread.submit(owner._timed, load)
@@ -65,12 +67,13 @@ class HTTPAdapterSync(WeightSync):
         return loaded
 
     @staticmethod
-    def join(engine, workdir: Path, version: int) -> Path:
-        """The push's collectives: the adapter's export (rank 0 writes it under ``workdir``).
-        A process of a sequence-parallel group whose sampler another process holds calls it
-        alone (:class:`~microrl.remote.trainer.vllm_servers.ServerSyncJoiner`)."""
+    def join(engine, workdir: Path, version: int, dtype: torch.dtype | None = None) -> Path:
+        """The push's collectives: the adapter's export (rank 0 writes it under ``workdir``, in
+        ``dtype``: the servers', None as trained). A process of a sequence-parallel group whose
+        sampler another process holds calls it alone (:class:`ServerSyncJoiner`; global rank 0
+        holds a sampler, so the dtype it passes is the one written)."""
         path = workdir / f"adapter-{version}"
-        return export_peft_adapter(engine.module, path, peft_model=engine.peft_model)
+        return export_peft_adapter(engine.module, path, peft_model=engine.peft_model, dtype=dtype)
 
     def _load(self, version: int, path: Path, in_use: set[int]) -> None:
         owner = self.owner

@@ -139,6 +139,9 @@ class VLLMServerRollout(AsyncSamplerBase):
         # The dtype full-weight pushes travel in: the local servers' (a bf16 server takes half
         # the bytes of fp32 master weights); None, the trainer's, for servers the user started.
         self._push_dtype: torch.dtype | None = None
+        # The dtype a LoRA sync writes the adapter in: the one the local servers hold it in
+        # (vLLM casts it on load; bf16 halves the bytes); None, as trained, for users' servers.
+        self._adapter_dtype: torch.dtype | None = None
         self._pushes_per_sync = num_workers  # the most servers any rank pushes to
         self._closed = False
         self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
@@ -194,6 +197,7 @@ class VLLMServerRollout(AsyncSamplerBase):
             owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
         dtype = vllm_options.resolve_dtype(cfg.dtype, self.engine, base)
         self._push_dtype = getattr(torch, dtype)
+        self._adapter_dtype = vllm_options.adapter_dtype(dtype, cfg.engine_kwargs)
         lora_rank = self.engine.config.lora.rank
         options = dict(
             dtype=dtype,

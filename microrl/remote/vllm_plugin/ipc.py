@@ -190,8 +190,19 @@ def _vllm_classes() -> dict[str, type]:
         packed: bool = True
 
     class JsonIPCTrainerWeightTransferEngine(IPCTrainerWeightTransferEngine):
-        """vLLM's IPC trainer engine, its buffer grown to the largest tensor of a push (vLLM
-        refuses a tensor larger than the buffer; its size is the trainer's alone)."""
+        """vLLM's IPC trainer engine for one trainer process and its own server: its buffer
+        grown to the largest tensor of a push (vLLM refuses a tensor larger than the buffer;
+        its size is the trainer's alone), and no collective on the default process group.
+
+        vLLM's engine assumes the default group is the set of trainer ranks colocated with
+        *one* server, and all-gathers the IPC handles over it (plus barriers) per chunk. In
+        microrl each data rank pushes to its own server alone (every rank under data
+        parallelism; an sp group's first process under sequence parallelism, while the
+        group's others only join the FSDP2 gathers, ``ServerSyncJoiner``): those default-group
+        collectives would pair with other ranks' pushes, or, under sequence parallelism, wait
+        forever for processes that never make them. So the engine runs as vLLM's does in one
+        process: this process's handles only, and the server's answer to each
+        ``/update_weights`` (the chunk loaded) is the wait before the buffer is reused."""
 
         init_info_cls = JsonIPCTrainerInitInfo
 
@@ -201,6 +212,13 @@ def _vllm_classes() -> dict[str, type]:
             )
             self.packed_buffer_size_bytes = max(self.packed_buffer_size_bytes, largest)
             super().send_weights()
+
+        def _all_gather_and_merge_handles(self, handles: list[dict]) -> list[dict]:
+            return handles  # this process's GPU is the server's: nothing to merge
+
+        @staticmethod
+        def _post_send_sync() -> None:
+            torch.cuda.ipc_collect()  # vLLM's own step, without its default-group barrier
 
     return {
         "JsonIPCWeightTransferEngine": JsonIPCWeightTransferEngine,

@@ -312,3 +312,38 @@ def test_both_integrations_write_their_exports_by_the_shared_rule(
     in_process.close()
     servers.close()
     assert given.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("config", "written"),
+    [
+        (VLLMConfig(dtype="bfloat16"), torch.bfloat16),  # a bf16 server (CUDA's auto): half
+        (VLLMConfig(engine_kwargs={"lora_dtype": "bfloat16"}), torch.bfloat16),
+        (VLLMConfig(), torch.float32),  # a float32 vLLM (a CPU's auto) holds it in float32
+    ],
+    ids=["served-bf16", "lora-dtype-bf16", "float32"],
+)
+def test_both_integrations_write_the_adapter_in_the_dtype_vllm_holds_it(
+    start_both, monkeypatch, lora_engine, config, written
+):
+    """A LoRA sync writes the adapter in vLLM's LoRA dtype (``engine_kwargs.lora_dtype``, else
+    the served dtype), which vLLM casts it to on load anyway: the same served adapter from half
+    the bytes on a bf16 server, where every sync wrote (and vLLM re-read) float32 before."""
+    from safetensors import safe_open
+
+    from microrl.remote.trainer.server_weight_syncs import HTTPAdapterSync
+
+    monkeypatch.setattr(HTTPAdapterSync, "_load", lambda self, *args: None)  # no server runs
+    sizes = {}
+    for rollout in start_both(config):
+        path = rollout.workdir / "adapter-7"
+        rollout.weight_sync.push(lora_engine, 7)
+        with safe_open(path / "adapter_model.safetensors", framework="pt") as tensors:
+            dtypes = {tensors.get_tensor(name).dtype for name in tensors.keys()}  # noqa: SIM118
+        assert dtypes == {written}, type(rollout).__name__
+        sizes[type(rollout).__name__] = (path / "adapter_model.safetensors").stat().st_size
+    assert len(set(sizes.values())) == 1  # the same file from both integrations
+    trained = sum(p.numel() for p in lora_engine.module.parameters() if p.requires_grad)
+    assert (
+        trained * written.itemsize < next(iter(sizes.values())) < trained * written.itemsize + 2**14
+    )

@@ -3,7 +3,8 @@
 No GPU and no server: CUDA is monkeypatched (``device_count``, torchrun's ``LOCAL_RANK`` and
 ``LOCAL_WORLD_SIZE``), and :class:`VLLMServerRollout` starts servers that only record the command
 and environment they would run with (``subprocess.Popen`` replaced). Before the placement, no
-server got a ``CUDA_VISIBLE_DEVICES``: every server of every rank started on GPU 0.
+server got a ``CUDA_VISIBLE_DEVICES``: every server of every rank started on GPU 0. A
+distillation teacher's local server (``teacher.backend=vllm``) follows the same rule.
 """
 
 from __future__ import annotations
@@ -162,6 +163,25 @@ def test_tensor_parallel_servers(lora_engine, tokenizer, tmp_path, monkeypatch, 
     ((command, env),) = recorded
     assert visible(env) == "6,7"
     assert command[command.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_a_teachers_local_server_is_placed_as_a_rollout_server(monkeypatch, recorded):
+    """``teacher.backend=vllm`` without ``teacher.server_url``: each rank's teacher server on
+    that rank's GPU, through the parent's mapping. Before, it got no ``CUDA_VISIBLE_DEVICES``:
+    every rank's teacher started on GPU 0, and on 8 GPUs the 3rd or 4th failed for memory."""
+    from microrl.configs.teacher import TeacherConfig
+    from microrl.run.teacher import VLLMTeacher
+
+    config = TeacherConfig(path="teacher-dir", backend="vllm")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for rank in range(8):
+        fake_gpus(monkeypatch, count=8, local_rank=rank, local_world=8)
+        VLLMTeacher(config, vllm=VLLMConfig(), device=f"cuda:{rank}").close()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    fake_gpus(monkeypatch, count=4, local_rank=1, local_world=4)
+    VLLMTeacher(config, vllm=VLLMConfig(), device="cuda").close()  # torchrun's cuda:LOCAL_RANK
+    assert [visible(env) for _, env in recorded] == [*map(str, range(8)), "5"]
+    assert all("uni" not in command for command, _ in recorded)  # GPU servers
 
 
 def test_a_cpu_trainer_changes_nothing(lora_engine, tokenizer, tmp_path, monkeypatch, recorded):
