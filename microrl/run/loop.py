@@ -117,13 +117,19 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
     )
 
 
+# Rows of a prompt file tokenized at start for the positions check: those with the most text
+# (token counts follow the text's length closely, so the longest in tokens is among them).
+CHECKED_PROMPTS = 4096
+
+
 def check_prompt_positions(task: Task, tokenizer: Any, base_path: str, max_new_tokens: int) -> None:
-    """``ValueError`` naming ``rollout.max_new_tokens`` when the task's longest prompt (of every
-    row of a prompt file; of the held-out prompts of a generated task) plus it runs past the
-    positions of the model at ``base_path``
-    (:func:`~microrl.engine.rollout.positions.check_positions`). Episodes' and agents' first
-    inputs are rendered later (an environment's ``init``, the agent): their sampler checks
-    each batch, as it does every batch."""
+    """``ValueError`` naming ``rollout.max_new_tokens`` when the task's longest prompt plus it
+    runs past the positions of the model at ``base_path``
+    (:func:`~microrl.engine.rollout.positions.check_positions`): of a prompt file, the
+    :data:`CHECKED_PROMPTS` rows with the most text (tokenizing every row of a large file
+    costs more than reading it); of a generated task, its held-out prompts. The ``hf`` sampler checks every batch
+    exactly; episodes' and agents' first inputs are rendered later (an environment's ``init``,
+    the agent), so only it checks them."""
     if is_episode_task(task) or is_agent_task(task):
         return
     from transformers import AutoConfig
@@ -131,12 +137,13 @@ def check_prompt_positions(task: Task, tokenizer: Any, base_path: str, max_new_t
     limit = position_limit(AutoConfig.from_pretrained(base_path))
     if limit is None:
         return
-    every = getattr(task, "all_problems", task.eval_problems)
-    prompts = [p.prompt for p in every()]
+    longest_rows = getattr(task, "longest_problems", None)
+    problems = task.eval_problems() if longest_rows is None else longest_rows(CHECKED_PROMPTS)
+    prompts = [p.prompt for p in problems]
     lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
-    longest = max(range(len(prompts)), key=lengths.__getitem__)
-    what = f"the task's longest prompt ({prompts[longest]!r:.60})"
-    check_positions(lengths[longest], max_new_tokens, limit, what=what)
+    worst = max(range(len(prompts)), key=lengths.__getitem__)
+    what = f"the task's longest prompt ({prompts[worst]!r:.60})"
+    check_positions(lengths[worst], max_new_tokens, limit, what=what)
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

@@ -146,6 +146,13 @@ def _is_blank_content(content: Any) -> bool:
     return False
 
 
+def _text_bytes(prompt: str | list[dict]) -> int:
+    """The UTF-8 bytes of a prompt's text (a message list's string contents summed)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    return sum(len(m["content"].encode()) for m in prompt if isinstance(m["content"], str))
+
+
 class DatasetTask:
     """Prompts and answers from a file, scored by ``reward(completions, answers, prompts,
     **other_columns)``.
@@ -310,9 +317,14 @@ class DatasetTask:
                 prompt = prompt.removeprefix(self._strip_prefix)
         return Problem(prompt=prompt, answer=answer, columns=columns, images=images)
 
-    def all_problems(self) -> list[Problem]:
-        """Every row, training and held-out, as the policy sees it (for checks at start)."""
-        return [self.problem(row) for row in (*self._train, *self._eval)]
+    def longest_problems(self, n: int) -> list[Problem]:
+        """The ``n`` rows (training and held-out) with the most prompt text, in UTF-8 bytes (a
+        message list's contents summed), as the policy sees them: the rows whose token count
+        is the largest, found without tokenizing every row (checks at start)."""
+        rows = [*self._train, *self._eval]
+        size = [_text_bytes(prompt) for prompt, *_ in rows]
+        longest = sorted(range(len(rows)), key=size.__getitem__, reverse=True)[:n]
+        return [self.problem(rows[i]) for i in longest]
 
     @property
     def num_train(self) -> int:

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from microrl.run.loop import check_prompt_positions
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import DatasetTask
 from microrl.tasks.rewards import exact_match
@@ -75,17 +74,22 @@ def test_a_byte_that_is_not_utf8_is_refused_naming_the_line_and_offset(tmp_path:
         DatasetTask(_jsonl(tmp_path / "ok.jsonl", ROWS), exact_match, eval_file=path)
 
 
-def test_the_longest_prompt_and_max_new_tokens_must_fit_the_models_positions(tmp_path) -> None:
+def test_the_longest_prompt_and_max_new_tokens_must_fit_the_models_positions(
+    tmp_path, monkeypatch
+) -> None:
+    from microrl.run import loop
+
+    monkeypatch.setattr(loop, "CHECKED_PROMPTS", 2)  # the rows with the most text only
     tokenizer = build_tokenizer()
     rows = [*ROWS, {"prompt": "1234567+7654321=", "answer": "8888888"}]  # 17 tokens with <bos>
     task = DatasetTask(_jsonl(tmp_path / "train.jsonl", rows), exact_match, eval_size=1)
     model = tmp_path / "model"
     LlamaConfig(max_position_embeddings=24).save_pretrained(model)
-    check_prompt_positions(task, tokenizer, str(model), 7)  # 17 + 7 = 24: fits
+    loop.check_prompt_positions(task, tokenizer, str(model), 7)  # 17 + 7 = 24: fits
     message = (
         r"the task's longest prompt \('1234567\+7654321='\) has 17 tokens: with "
         r"rollout.max_new_tokens=8 a row reaches 25 positions, past the model's 24 "
         r"\(config.max_position_embeddings\)"
     )
     with pytest.raises(ValueError, match=message):
-        check_prompt_positions(task, tokenizer, str(model), 8)
+        loop.check_prompt_positions(task, tokenizer, str(model), 8)
