@@ -285,11 +285,19 @@ def check_tokenizer(tokenizer):
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-    """Token ids of ``prompts``: texts (with the tokenizer's special tokens) or id lists."""
+    """Token ids of ``prompts``: texts (with the tokenizer's special tokens) or id lists; a
+    prompt of no token (an empty text, with a tokenizer that adds no BOS) is a ``ValueError``."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a non-empty list of texts or of token-id lists")
     if all(isinstance(p, str) for p in prompts):
-        return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+        encoded = [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+        for i, ids in enumerate(encoded):
+            if not ids:  # a response at a row's first position: nothing predicts its token
+                raise ValueError(
+                    f"prompt {i} ({prompts[i]!r:.60}) encodes to no token (the tokenizer adds "
+                    "no BOS): every prompt needs at least one token before its response"
+                )
+        return encoded
     encoded = []
     for p in prompts:
         if isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p:

@@ -21,6 +21,7 @@ from microrl.engine.parallel import distributed
 from microrl.engine.parallel.distributed import gathered
 from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
 from microrl.engine.rollout.images import ImageEncoder, ImagePrompts
+from microrl.engine.rollout.positions import check_positions, position_limit
 
 __all__ = ["HFRollout", "engine_autocast_dtype", "seeded"]
 
@@ -121,7 +122,9 @@ class HFRollout(RolloutBackend):
     keeps stepping until every rank is done, so all ranks run the same number of forwards, which
     sharded (FSDP2) weights need. ``rollout_logprobs`` are ``log_softmax(logits / temperature)``
     at the sampled tokens, computed in float32 by the model's own forward (top-k/top-p, when asked
-    for, truncate the sampling but not these log-probs).
+    for, truncate the sampling but not these log-probs). A text batch whose longest prompt plus
+    ``params.max_new_tokens`` runs past the model's positions is a ``ValueError`` before any
+    forward (:mod:`~microrl.engine.rollout.positions`).
     """
 
     def __init__(
@@ -159,6 +162,8 @@ class HFRollout(RolloutBackend):
         #: The autocast dtype ``generate`` runs under: the engine's (the trainer's precision, so
         #: the samples come from the distribution it trains), else ``autocast_dtype``.
         self.autocast_dtype = engine_autocast_dtype(engine) if is_engine else autocast_dtype
+        #: The model's positions (None: its config states none): a row past them is refused.
+        self.position_limit = position_limit(getattr(model, "config", None))
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         return self._generate(prompt_ids, params)
@@ -186,6 +191,10 @@ class HFRollout(RolloutBackend):
         grids, rows in order (prompts repeated), as the model's ``generate`` takes them."""
         device = self._device or next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
+        if images is None:  # an image's tokens take fewer (mRoPE) positions than their count
+            check_positions(
+                width, params.max_new_tokens, self.position_limit, what="the longest prompt"
+            )
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
         mask = torch.tensor(

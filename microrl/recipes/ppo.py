@@ -142,6 +142,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             metrics = step_metrics(
                 batch, scores, penalty, old, actor_updates, dist_info, t0,
                 critic_updates=critic_updates, overlong=cfg.task.overlong_buffer > 0,
+                # reward/frac_zero_std: a prompt's responses all scored alike (groups of 2+)
+                groups=rollout.group_ids if cfg.rollout.group_size > 1 else None,
             )  # fmt: skip
             metrics.update(rollout_metrics(task, rollout, dist_info))  # judge/, reward_model/
             if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)

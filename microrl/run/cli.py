@@ -45,10 +45,12 @@ from microrl.run.checkpoint import (
 )
 from microrl.run.dist import Dist, StepFailed
 
-__all__ = ["CONFIG_DIR", "parse_cli", "prepare_output"]
+__all__ = ["CONFIG_DIR", "PRESET_DIR", "config_file", "parse_cli", "prepare_output", "preset_names"]
 
 T = TypeVar("T")
 CONFIG_DIR = Path(microrl.configs.__file__).resolve().parent
+#: The presets (configs/presets/*.yaml), installed with microrl: ``--config`` takes their names.
+PRESET_DIR = CONFIG_DIR / "presets"
 _HELP_WIDTH = 44  # column of the descriptions in --help
 
 
@@ -58,6 +60,28 @@ def _help_epilog(defaults: Any, source: str) -> str:
         entry = f"  {key}={value}"
         lines.append(f"{entry.ljust(_HELP_WIDTH)}  {help_text}")
     return "\n".join(lines)
+
+
+def preset_names() -> list[str]:
+    """The names ``--config`` accepts besides a path: the presets' file names without
+    ``.yaml``, sorted."""
+    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
+
+
+def config_file(value: str) -> Path:
+    """``--config``'s YAML file: ``value`` when it is a file, else the preset it names
+    (``qwen2.5-7b-instruct`` or ``qwen2.5-7b-instruct.yaml``), which a pip install has too;
+    a ``ValueError`` listing the presets for anything else."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    name = value if value.endswith(".yaml") else f"{value}.yaml"
+    if Path(name).name == name and (PRESET_DIR / name).is_file():
+        return PRESET_DIR / name
+    raise ValueError(
+        f"--config {value!r} is neither a YAML file nor a preset name; the presets "
+        f"(configs/presets/): {', '.join(preset_names())}"
+    )
 
 
 def _line_buffered_stdout() -> None:
@@ -77,8 +101,8 @@ def parse_cli(
 ) -> tuple[T, argparse.Namespace]:
     """Parse the command line into ``(config, args)``; bad keys or values exit with the message.
 
-    Without ``--resume`` the config is ``--config`` (default: ``configs/<config_name>``) plus the
-    overrides, and an ``output.dir`` that holds a checkpoint is refused unless ``--overwrite`` is
+    Without ``--resume`` the config is ``--config`` (a YAML file or a preset's name:
+    :func:`config_file`; default: ``configs/<config_name>``) plus the overrides, and an ``output.dir`` that holds a checkpoint is refused unless ``--overwrite`` is
     given. With ``--resume`` it is the run's saved ``<output.dir>/checkpoint/config.yaml`` plus
     the overrides given now (``args.resume_changes`` lists the keys they change). Only reads the
     file system: what has to change there happens in :func:`prepare_output`, once every process
@@ -97,7 +121,10 @@ def parse_cli(
         "overrides", nargs="*", metavar="key.sub=value", help="override a config value"
     )
     parser.add_argument(
-        "--config", default=None, help=f"YAML config (default: {default_path}; not with --resume)"
+        "--config",
+        default=None,
+        help=f"YAML config, or a preset's name ({', '.join(preset_names())}; "
+        f"configs/presets/) (default: {default_path}; not with --resume)",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -141,7 +168,8 @@ def parse_cli(
                 )
             config, args.resume_changes = _resume_config(schema, defaults, args.overrides)
         else:
-            config = load_config(schema, args.config or default_path, args.overrides)
+            path = default_path if args.config is None else config_file(args.config)
+            config = load_config(schema, path, args.overrides)
             if not (args.overwrite or args.print_config):
                 _refuse_previous_run(config.output.dir)
     except ValueError as err:

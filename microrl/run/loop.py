@@ -20,14 +20,22 @@ from typing import Any
 import torch
 
 from microrl.engine.rollout import Rollout, SamplingParams
+from microrl.engine.rollout.positions import check_positions, position_limit
 from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import load_run, save_run
 from microrl.run.cli import prepare_output
 from microrl.run.dist import Dist, per_rank
 from microrl.run.vision import image_encoder_for
-from microrl.tasks import Task, make_task, overlong_penalty
+from microrl.tasks import Task, is_agent_task, is_episode_task, make_task, overlong_penalty
 
-__all__ = ["RunStart", "overlong_shaping", "sampling_params", "save_if_due", "start_run"]
+__all__ = [
+    "RunStart",
+    "check_prompt_positions",
+    "overlong_shaping",
+    "sampling_params",
+    "save_if_due",
+    "start_run",
+]
 
 
 @dataclass(frozen=True)
@@ -76,8 +84,10 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
     Joins the ranks (:meth:`Dist.init`), makes ``output.dir`` ready (``--resume`` /
     ``--overwrite``: :func:`~microrl.run.cli.prepare_output`), sets ``train.num_threads``,
     prepares the base model (every process as its own rank: a toy model is built once), the
-    task and a vision-language policy's image encoder (checked against the task's images and
-    the sampler: :func:`~microrl.run.vision.image_encoder_for`), splits
+    task (its longest prompt and ``rollout.max_new_tokens`` checked against the model's
+    positions: :func:`check_prompt_positions`) and a vision-language policy's image encoder
+    (checked against the task's images and the sampler:
+    :func:`~microrl.run.vision.image_encoder_for`), splits
     ``rollout.prompts_per_step`` and ``train.mini_batch_size`` over the data ranks (a
     ``ValueError`` naming the key when they do not divide), and seeds torch with ``train.seed``,
     the same on every rank, so that the engines built next start from the same LoRA weights.
@@ -98,12 +108,42 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
         cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
     task = make_task(cfg.task, tokenizer)  # (docs/tasks.md)
+    check_prompt_positions(task, tokenizer, base_path, cfg.rollout.max_new_tokens)
     # A vision-language policy's encoder; images it or the sampler cannot take fail here.
     encoder = image_encoder_for(cfg, base_path, task)
     torch.manual_seed(cfg.train.seed)  # the same LoRA initialisation on every rank
     return RunStart(
         cfg, args, data, log, tokenizer, base_path, task, prompts, mini_batch, t_setup, encoder
     )
+
+
+# Rows of a prompt file tokenized at start for the positions check: those with the most text
+# (token counts follow the text's length closely, so the longest in tokens is among them).
+CHECKED_PROMPTS = 4096
+
+
+def check_prompt_positions(task: Task, tokenizer: Any, base_path: str, max_new_tokens: int) -> None:
+    """``ValueError`` naming ``rollout.max_new_tokens`` when the task's longest prompt plus it
+    runs past the positions of the model at ``base_path``
+    (:func:`~microrl.engine.rollout.positions.check_positions`): of a prompt file, the
+    :data:`CHECKED_PROMPTS` rows with the most text (tokenizing every row of a large file
+    costs more than reading it); of a generated task, its held-out prompts. The ``hf`` sampler checks every batch
+    exactly; episodes' and agents' first inputs are rendered later (an environment's ``init``,
+    the agent), so only it checks them."""
+    if is_episode_task(task) or is_agent_task(task):
+        return
+    from transformers import AutoConfig
+
+    limit = position_limit(AutoConfig.from_pretrained(base_path))
+    if limit is None:
+        return
+    longest_rows = getattr(task, "longest_problems", None)
+    problems = task.eval_problems() if longest_rows is None else longest_rows(CHECKED_PROMPTS)
+    prompts = [p.prompt for p in problems]
+    lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+    worst = max(range(len(prompts)), key=lengths.__getitem__)
+    what = f"the task's longest prompt ({prompts[worst]!r:.60})"
+    check_positions(lengths[worst], max_new_tokens, limit, what=what)
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

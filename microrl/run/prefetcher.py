@@ -156,8 +156,9 @@ class RolloutPrefetcher:
         """Submit rounds until one is sampled ahead for every step up to
         ``version + 1 + max_staleness`` (and ``last_step``), drawing their prompts now, in
         order. Without dynamic sampling round ``i`` is step ``next + i``'s rollout; with it the
-        rounds a step takes are refilled here, so every round is trained on within
-        ``max_staleness`` versions (a step takes at least one)."""
+        rounds a step takes are refilled here (after the step took them, and after the push),
+        so every round is trained on within ``max_staleness`` versions (a step takes at least
+        one)."""
         horizon = min(self.last_step, self.sampler.version + 1 + self.max_staleness)
         while self._next_take + len(self._ahead) <= horizon:
             self._ahead.append(self._submit())
@@ -260,7 +261,9 @@ class RolloutPrefetcher:
         filtered by :class:`~microrl.run.dynamic_sampling.GroupFilter` (``shaping``: as
         :func:`~microrl.run.dynamic_sampling.dynamic_sample`'s) until enough groups have a
         reward spread or ``rollout.max_sampling_rounds`` rounds ran; a round the step needs
-        beyond those sampled ahead is sampled now, with the newest weights. Metrics: the
+        beyond those sampled ahead is sampled now, with the newest weights. Then the rounds it
+        took are replaced (:meth:`fill`), before it trains: the worker samples them meanwhile,
+        up to ``max_staleness`` rounds. Metrics: the
         synchronous run's ``dynamic_sampling/*`` and ``dynamic_sampling/rounds_waited``, the
         rounds sampled now (the trainer waited for them). Collective under ``torchrun``."""
         self._check_step(step)
@@ -279,6 +282,10 @@ class RolloutPrefetcher:
             rollout, scores = self._scored(step, ahead)
             more = groups.add(ahead.problems, rollout, scores)
         self._next_take += 1
+        # The rounds this step freed, submitted now with the weights it trains from, so they
+        # are sampled while it trains (at sync() only, a step that took every round ahead left
+        # the worker idle through its update, and the next step's rounds were all fresh).
+        self.fill()
         result = groups.result(pad_token_id=self.pad_token_id)
         result.metrics["dynamic_sampling/rounds_waited"] = float(waited)
         return result

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from microrl.engine.vision import IMAGE_GRID_KEY
-from microrl.losses import mismatch_log_ratio
+from microrl.losses import group_stats, mismatch_log_ratio
 from microrl.run.dist import Dist
 from microrl.run.tracking import mean_metrics
 
@@ -32,6 +32,7 @@ def step_metrics(
     *,
     critic_updates: Sequence[Mapping[str, float]] = (),
     overlong: bool = False,
+    groups: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """A step's metrics: the rollout's rates over every data rank and the updates' means.
 
@@ -42,7 +43,10 @@ def step_metrics(
     first update's ``mismatch/*`` stand in, since only it ran at the weights that sampled
     (docs/losses.md); ``updates``, ``critic_updates``: the engines' ``train_batch`` metrics, as
     :func:`~microrl.run.tracking.mean_metrics` (the critic's under ``critic/``); ``t0``: the
-    step's start (``time.perf_counter()``), for ``step_time`` and ``tokens_per_s``.
+    step's start (``time.perf_counter()``), for ``step_time`` and ``tokens_per_s``;
+    ``groups [B]``: each row's group (its prompt), for ``reward/frac_zero_std``, the fraction of
+    every rank's groups whose rewards trained on (``scores + penalty``) are all equal (TRL's
+    ``frac_reward_zero_std``: a GRPO group that teaches nothing); None: not reported.
 
     When the rollout has rows with images (on any rank) and ``old`` is given, the
     ``mismatch/image/*`` metrics are the ``mismatch/*`` ones over those rows' tokens only
@@ -50,8 +54,10 @@ def step_metrics(
     """
     mask = batch["loss_mask"]
     image = _image_mismatch_sums(batch, old, dist_info)
+    zero_std = [] if groups is None else _zero_std_groups(scores + penalty, groups)
     sums = dist_info.sum(
         [
+            *zero_std,
             *image,
             scores.sum().item(),
             len(scores),
@@ -62,6 +68,7 @@ def step_metrics(
             batch["truncated"].sum().item(),
         ]
     )
+    zero_std, sums = sums[: len(zero_std)], sums[len(zero_std) :]
     image, sums = sums[: len(image)], sums[len(image) :]
     reward_sum, n_rows, n_tokens, entropy_sum, n_response, penalty_sum, n_cut = sums
     step_time = time.perf_counter() - t0
@@ -76,12 +83,23 @@ def step_metrics(
     }
     if overlong:
         metrics["reward/overlong_penalty"] = penalty_sum / n_rows
+    if zero_std:  # (equal-reward groups, groups) summed over the ranks
+        metrics["reward/frac_zero_std"] = zero_std[0] / max(zero_std[1], 1.0)
     if old is not None:
         metrics["entropy"] = entropy_sum / max(n_response, 1.0)
         metrics.update(_image_mismatch(image))
     else:
         metrics.update({k: v for k, v in updates[0].items() if k.startswith("mismatch/")})
     return metrics
+
+
+def _zero_std_groups(rewards: torch.Tensor, groups: torch.Tensor) -> list[float]:
+    """This rank's ``[groups whose rewards [B] are all equal, groups]`` (an agent episode's
+    branches share its reward: counted or not, a group's spread is the same)."""
+    stats = group_stats(rewards, groups)
+    zero = torch.zeros(stats.num_groups, dtype=torch.bool, device=rewards.device)
+    zero.scatter_(0, stats.index, stats.zero_spread)  # the same value for every row of a group
+    return [float(zero.sum().item()), float(stats.num_groups)]
 
 
 def _image_mismatch_sums(batch: TensorDict, old: TensorDict | None, dist_info: Dist) -> list[float]:

@@ -33,7 +33,7 @@ from microrl.tasks.base import Problem
 from microrl.tasks.images import ImageLoader, count_placeholders, mark_images
 from microrl.tasks.rewards import Reward, RewardFn, score_problems
 
-__all__ = ["DatasetTask", "read_rows"]
+__all__ = ["DatasetTask", "check_utf8", "read_rows"]
 
 Row = tuple[Any, str, dict[str, Any], tuple]  # prompt, answer as text, other columns, images
 
@@ -58,6 +58,8 @@ def read_rows(
             raise ValueError(
                 f"{key}={str(path)!r} must be a .jsonl, .json or .parquet file, got {path.suffix!r}"
             )
+        if builder == "json":  # pyarrow reads bad bytes now and fails on first use, unnamed
+            check_utf8(path, key)
         return _load_dataset(key, str(path), builder, data_files=str(path), split="train")
     if path.suffix.lower() not in _BUILDERS and is_hub_name(name):
         return _load_dataset(key, name, name, name=config, split=split)
@@ -65,6 +67,24 @@ def read_rows(
         f"{key}={name!r} does not exist (a local .jsonl, .json or .parquet file, or a "
         "Hugging Face Hub dataset name)"
     )
+
+
+def check_utf8(path: Path, key: str) -> None:
+    """``ValueError`` naming ``key``, the file, the line and the byte offset of the first byte
+    of ``path`` that is not UTF-8 (JSON text is UTF-8; a file read line by line, never whole)."""
+    offset = 0
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{key}={str(path)!r} is not UTF-8 text: line {number} has byte "
+                    f"0x{line[err.start]:02x} at byte offset {offset + err.start} of the file "
+                    f"(byte {err.start} of the line; {err.reason}); re-encode the file as UTF-8 "
+                    "(e.g. `iconv -f latin1 -t utf-8`)"
+                ) from None
+            offset += len(line)
 
 
 def _load_dataset(key: str, shown: str, path: str, **kwargs: Any) -> Any:
@@ -100,6 +120,37 @@ def _column(rows: Any, field: str, key: str, path: str) -> list:
             f"{key}={field!r} is not a field of {path} (its fields: {', '.join(rows.column_names)})"
         )
     return list(rows[field])
+
+
+def _is_blank(prompt: str | list[dict]) -> bool:
+    """Whether a prompt (a text, or chat messages) holds no text but whitespace: with no BOS
+    token it encodes to no token at all, and a response then starts at the row's first
+    position, which nothing predicts; under a chat template it is a question never asked."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    return all(_is_blank_content(m["content"]) for m in prompt)
+
+
+def _is_blank_content(content: Any) -> bool:
+    """A message's content: a text, or a list of parts (``{"type": "text", "text": ...}``; a
+    part of another type, an image, is content)."""
+    if content is None or isinstance(content, str):
+        return not (content or "").strip()
+    if isinstance(content, list):
+        return all(
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and not str(part.get("text") or "").strip()
+            for part in content
+        )
+    return False
+
+
+def _text_bytes(prompt: str | list[dict]) -> int:
+    """The UTF-8 bytes of a prompt's text (a message list's string contents summed)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    return sum(len(m["content"].encode()) for m in prompt if isinstance(m["content"], str))
 
 
 class DatasetTask:
@@ -206,6 +257,12 @@ class DatasetTask:
                     f"task.prompt_field={prompt_field!r}: row {i} of {path} holds "
                     f"{type(prompt).__name__} {prompt!r:.60}, not {rule}"
                 )
+            if _is_blank(prompt):  # nothing to continue: a row the loss cannot train on
+                raise ValueError(
+                    f"task.prompt_field={prompt_field!r}: row {i} of {path} holds an empty "
+                    f"prompt ({prompt!r:.60}); every row needs a prompt with some text: fill "
+                    "it or remove the row"
+                )
             if answer is None or isinstance(answer, (list, dict)):
                 raise ValueError(
                     f"task.answer_field={answer_field!r}: row {i} of {path} holds {answer!r:.60}, "
@@ -259,6 +316,15 @@ class DatasetTask:
             if self._strip_prefix:
                 prompt = prompt.removeprefix(self._strip_prefix)
         return Problem(prompt=prompt, answer=answer, columns=columns, images=images)
+
+    def longest_problems(self, n: int) -> list[Problem]:
+        """The ``n`` rows (training and held-out) with the most prompt text, in UTF-8 bytes (a
+        message list's contents summed), as the policy sees them: the rows whose token count
+        is the largest, found without tokenizing every row (checks at start)."""
+        rows = [*self._train, *self._eval]
+        size = [_text_bytes(prompt) for prompt, *_ in rows]
+        longest = sorted(range(len(rows)), key=size.__getitem__, reverse=True)[:n]
+        return [self.problem(rows[i]) for i in longest]
 
     @property
     def num_train(self) -> int:

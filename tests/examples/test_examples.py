@@ -261,6 +261,9 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
             assert record[key] == value, key
         assert 1 <= record["dynamic_sampling/rounds"] <= 2
         assert record["dynamic_sampling/groups_filled"] <= 4
+        # The groups trained on whose rewards (score + penalty) are all equal: the top-up.
+        equal = (reward.view(4, 2)[:, 0] == reward.view(4, 2)[:, 1]).float().mean().item()
+        assert record["reward/frac_zero_std"] == pytest.approx(equal)
 
 
 def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path: Path, monkeypatch):
@@ -286,6 +289,9 @@ def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path:
         assert record["reward"] == pytest.approx(task_scores.mean().item())
         assert record["reward/overlong_penalty"] == pytest.approx(penalty.mean().item())
         assert "truncated_frac" in record and "dynamic_sampling/rounds" not in record
+        pairs = rewards.view(-1, 2)  # rows grouped by prompt, rollout.group_size=2
+        equal = (pairs[:, 0] == pairs[:, 1]).float().mean().item()
+        assert record["reward/frac_zero_std"] == pytest.approx(equal)
 
 
 @pytest.mark.distributed

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.loader import load_config
+from microrl.run.cli import config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -97,9 +98,11 @@ def _example_commands() -> dict[str, set[str]]:
             preset = re.search(r"--config (\S+)", command)
             if found:
                 out = found.group(1)
-            elif preset:  # a preset file names its own output.dir
+            elif preset:  # a preset (a file, or its name) names its own output.dir
                 schema = GRPOExampleConfig if recipe == "grpo" else PPOExampleConfig
-                out = load_config(schema, ROOT / preset.group(1)).output.dir
+                path = ROOT / preset.group(1)
+                path = path if path.is_file() else config_file(preset.group(1))
+                out = load_config(schema, path).output.dir
             else:
                 out = defaults[recipe]
             runs.setdefault(out, set()).add(command)

@@ -195,10 +195,12 @@ class ScriptedWorker:
 
     def __init__(self, version: int = 0) -> None:
         self.sampler, self.version, self.sync_stats = ScriptedSampler(), version, {}
-        self.jobs: dict[int, tuple[int, list[str]]] = {}
+        self.jobs: dict[int, tuple[int, list[str]]] = {}  # submitted, not collected yet
+        self.submitted = 0
 
     def submit(self, prompts, params) -> Job:
-        job = Job(len(self.jobs) + 1000 * self.version, self.version, "generate")
+        job = Job(self.submitted, self.version, "generate")
+        self.submitted += 1
         self.jobs[job.id] = (self.version, list(prompts))
         return job
 
@@ -292,6 +294,38 @@ def test_rounds_sampled_ahead_keep_what_the_synchronous_filter_keeps(
     assert ahead[5].metrics["dynamic_sampling/groups_surplus"] == 1.0
     # Every round drawn was filtered by a step: none sampled ahead was left over.
     assert task.drawn == sync_task.drawn == len(STEPS_SPREAD)
+
+
+def test_with_k1_the_next_steps_round_is_sampled_while_a_step_trains() -> None:
+    """Every step needs two rounds (one spread group per round of two prompts). The rounds a
+    step took are replaced before it trains, with the weights it trains from, so the worker
+    samples one while the trainer trains and the next step trains on it one version stale.
+    (Replaced only after the next push, all were sampled after it, while the trainer waited:
+    staleness 0 on every step.)"""
+    steps = 4
+    task, worker = ScriptedTask([True, False] * 2 * steps), ScriptedWorker()
+    prefetch = RolloutPrefetcher(
+        worker,
+        task,
+        PARAMS,
+        random.Random(0),
+        2,
+        max_staleness=1,
+        last_step=steps,
+        limits=RolloutConfig(dynamic_sampling=True, max_sampling_rounds=3),
+        pad_token_id=ScriptedSampler().tokenizer.pad_token_id,
+    )
+    queued, staleness = [], []
+    for step in range(1, steps + 1):
+        result = prefetch.take_groups(step, Dist())
+        assert result.metrics["dynamic_sampling/rounds"] == 2.0
+        queued.append(len(worker.jobs))  # what the worker samples while the step trains
+        staleness.append(prefetch.metrics(step, result.rollout, Dist())["staleness/max"])
+        prefetch.sync(engine=None)
+    prefetch.close()
+    assert queued == [1, 1, 1, 0]  # none past the last step
+    assert staleness == [0.0, 1.0, 1.0, 1.0]
+    assert task.drawn == 2 * 2 * steps  # every round drawn was trained on
 
 
 def test_a_restored_prefetcher_filters_the_rounds_it_held() -> None:

@@ -98,6 +98,22 @@ def test_help_lists_the_options(capsys) -> None:
     assert "train.stepz" in capsys.readouterr().err
 
 
+def test_config_takes_a_preset_name_from_any_directory(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # as after a pip install: no configs/ folder here
+    for name in ("qwen2.5-0.5b-instruct", "qwen2.5-0.5b-instruct.yaml"):
+        cfg, _ = _parse(["--config", name, "output.dir=run"])
+        assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.output.dir == "run"
+    (tmp_path / "mine.yaml").write_text("train:\n  steps: 7\n")
+    assert _parse(["--config", "mine.yaml"])[0].train.steps == 7  # a file is a file
+    for wrong in ("qwen2.5-0.5b", "presets/qwen2.5-0.5b-instruct"):
+        with pytest.raises(SystemExit) as info:
+            _parse(["--config", wrong])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--config {wrong!r} is neither a YAML file nor a preset name" in err
+        assert "qwen2.5-0.5b-instruct, qwen2.5-0.5b-instruct-vllm, " in err
+
+
 # ----------------------------------------------------------------------------- refusing, resuming
 @pytest.mark.parametrize("where", ["checkpoint", ".checkpoint.old"])
 def test_a_run_refuses_an_output_dir_holding_a_checkpoint(

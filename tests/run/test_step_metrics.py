@@ -161,3 +161,43 @@ def test_image_mismatch_over_two_ranks_is_the_one_process_figure() -> None:
     assert len(names) == 4 and whole["mismatch/image/abs_diff_max"] > 0
     for name in names:
         assert first[name] == second[name] == pytest.approx(whole[name], rel=1e-9), name
+
+
+def test_frac_zero_std_counts_every_ranks_equal_reward_groups() -> None:
+    """``reward/frac_zero_std``: groups whose rewards trained on (score + overlong penalty) are
+    all equal, over every rank's groups: (1 + 0) / (1 + 3), not the mean of the ranks'
+    fractions (1/1 and 0/3)."""
+    batch = torch.cat([_batch()] * 3)  # 6 rows
+    zeros = torch.zeros(6)
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    penalty = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -0.5])  # group 2's spread: the penalty's
+    one = step_metrics(batch, scores, penalty, None, UPDATES, Dist(), 0.0, groups=groups)
+    assert one["reward/frac_zero_std"] == pytest.approx(1 / 3)
+    assert step_metrics(batch, scores, zeros, None, UPDATES, Dist(), 0.0, groups=groups)[
+        "reward/frac_zero_std"
+    ] == pytest.approx(2 / 3)
+    assert "reward/frac_zero_std" not in step_metrics(
+        batch, scores, penalty, None, UPDATES, Dist(), 0.0
+    )
+    # Two ranks: rank 0 one group (equal rewards), rank 1 three groups (all spread).
+    halves = [
+        (batch[:2], torch.tensor([1.0, 1.0]), torch.tensor([0, 0])),
+        (batch, torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5]), groups),
+    ]
+    seen = {}
+
+    class Recorder(Dist):
+        def sum(self, values):
+            seen[self.rank] = list(values)
+            return list(values)
+
+    for rank, (b, s, g) in enumerate(halves):
+        zero = torch.zeros(len(s))
+        step_metrics(b, s, zero, None, UPDATES, Recorder(rank=rank, world_size=2), 0.0, groups=g)
+    for rank, (b, s, g) in enumerate(halves):
+        dist_info = _TwoRanks(rank=rank, world_size=2)
+        object.__setattr__(dist_info, "other", seen[1 - rank])
+        zero = torch.zeros(len(s))
+        metrics = step_metrics(b, s, zero, None, UPDATES, dist_info, 0.0, groups=g)
+        assert metrics["reward/frac_zero_std"] == pytest.approx(1 / 4)

@@ -1,0 +1,50 @@
+"""The model's positions: a rollout row (prompt + response) must fit in them.
+
+A model with a learned position table (GPT-2's ``n_positions``) fails past it with an
+``IndexError`` deep in its embedding; a RoPE model (``max_position_embeddings``) runs on
+silently at positions it never trained on. Both are refused before sampling, naming the budget
+(``rollout.max_new_tokens`` in the recipes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PositionLimit", "check_positions", "position_limit"]
+
+#: ``(positions, attribute)``: the most positions a model takes and the config attribute saying so.
+PositionLimit = tuple[int, str]
+
+# GPT-2-style configs name it n_positions (max_position_embeddings is an alias there).
+_ATTRIBUTES = ("n_positions", "max_position_embeddings")
+
+
+def position_limit(config: Any) -> PositionLimit | None:
+    """The positions of a transformers ``config`` (a vision-language model's: its text
+    config's) and the attribute that states them; None when it states none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attribute in _ATTRIBUTES:
+        value = getattr(text, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, attribute
+    return None
+
+
+def check_positions(
+    prompt_tokens: int,
+    max_new_tokens: int,
+    limit: PositionLimit | None,
+    *,
+    what: str = "the longest prompt",
+) -> None:
+    """``ValueError`` when ``prompt_tokens`` plus ``max_new_tokens`` run past ``limit``
+    (:func:`position_limit`; None: no check); ``what`` names the prompt in the message."""
+    if limit is None or prompt_tokens + max_new_tokens <= limit[0]:
+        return
+    positions, attribute = limit
+    raise ValueError(
+        f"{what} has {prompt_tokens} tokens: with rollout.max_new_tokens={max_new_tokens} a row "
+        f"reaches {prompt_tokens + max_new_tokens} positions, past the model's {positions} "
+        f"(config.{attribute}); lower rollout.max_new_tokens (for episodes, "
+        "rollout.max_episode_tokens too) or shorten the prompts"
+    )
