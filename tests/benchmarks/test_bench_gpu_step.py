@@ -47,7 +47,9 @@ def test_the_tiny_step_runs_on_both_sides_and_resumes_bit_exact(tmp_path) -> Non
     assert out.startswith("device: CPU; 2 prompts x 2 samples x 4 new tokens"), out
     runs = json.loads((tmp_path / "runs.json").read_text())["runs"]
     sides = {(r["side"], r["row"]) for r in runs}
-    want = {("microrl", "lora"), ("microrl", "offload")} | ({("trl", "lora")} if have_trl else set())
+    want = {("microrl", "lora"), ("microrl", "offload")} | (
+        {("trl", "lora")} if have_trl else set()
+    )
     assert sides == want, sides
     for run in runs:
         for phase in ("generation", "old_logprobs", "update", "step"):
