@@ -428,6 +428,9 @@ def main() -> None:
         default=str(ROOT / "outputs" / "bench_gpu_step"),
         help="each run's log and result, and TRL's output_dir",
     )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the runs one pair would make, run nothing"
+    )
     parser.add_argument("--worker", choices=("microrl", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -451,6 +454,10 @@ def main() -> None:
         print(json.dumps(result))
         return
 
+    if args.dry_run:
+        for row, size, side in plan(args):
+            print(f"{side} {row} {size}")
+        return
     args.argv = argv
     device = device_of(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

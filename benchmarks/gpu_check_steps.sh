@@ -15,7 +15,8 @@
 #                     scores in the producer)
 #   recipe-reward     a sequence-classification reward model at a local path (task.reward_model)
 #   ipc-roundtrip     a CUDA tensor to a second process through microrl's JSON CUDA-IPC handles
-#   bench-kernel-7b   bench_kernel.py at Qwen2.5-7B's head only (8192 x 3584 x 152064)
+#   bench-kernel-7b   bench_kernel.py at Qwen2.5-7B's head only (8192 x 3584 x 152064),
+#                     microrl against Liger-Kernel
 
 # bench_step NAME ARGS...: benchmarks/bench_gpu_step.py on CUDA, one warm-up and one timed step
 # per run, one (microrl, TRL) pair; its runs' logs in GPU_CHECK_WORK/NAME, its JSON in LOGS.
@@ -112,5 +113,6 @@ step_ipc_roundtrip() {
 }
 
 step_bench_kernel_7b() {
-    bench_kernel 8192x3584x152064
+    # microrl and Liger only: eager's time and memory at this shape are known (bench-kernel).
+    bench_kernel 8192x3584x152064 microrl
 }

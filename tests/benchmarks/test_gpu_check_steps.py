@@ -83,6 +83,41 @@ def test_recipe_offload_saves_and_resumes_on_a_cpu(tmp_path) -> None:
     assert "KEY: resumed: steps 1..4 logged once each" in out
 
 
+# The benchmark steps with the interpreter recording its command line instead of running it.
+BENCH = r"""
+source benchmarks/gpu_check.sh
+init_run
+record() { echo "$*" >>"$CALLS"; }
+export -f record
+for step in gpu_step_qwen05 gpu_step_qwen15 gpu_step_offload; do
+    PYTHON=record "step_$step"
+done
+"""
+
+
+def test_the_benchmark_steps_pass_arguments_the_benchmark_accepts(tmp_path) -> None:
+    """Each gpu-step-* command, run with ``--dry-run``: valid arguments, and the runs planned
+    (0.5B LoRA and full against TRL, 1.5B LoRA, the offload row alone)."""
+    calls = tmp_path / "calls"
+    env = {**NO_GPU, "TMPDIR": str(tmp_path), "CALLS": str(calls)}
+    subprocess.run(["bash", "-c", BENCH], cwd=ROOT, env=env, check=True, timeout=120)
+    planned = []
+    for line in calls.read_text().splitlines():
+        script, *args = shlex.split(line)
+        assert script == "benchmarks/bench_gpu_step.py" and "--json" in args, line
+        proc = subprocess.run(
+            [sys.executable, script, *args, "--dry-run"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        planned.append(proc.stdout.splitlines())
+    assert planned == [
+        ["microrl lora 0.5b", "trl lora 0.5b", "microrl full 0.5b", "trl full 0.5b"],
+        ["microrl lora 1.5b", "trl lora 1.5b"],
+        ["microrl offload 0.5b"],
+    ]
+
+
 def test_the_ipc_round_trip_skips_without_cuda() -> None:
     proc = subprocess.run(
         [sys.executable, "benchmarks/ipc_roundtrip.py"],
