@@ -1,6 +1,6 @@
 """End to end: microrl's main job (examples/grpo_lora.py) against TRL's GRPOTrainer, same setup.
 
-    python3 -m venv ../trlenv                 # beside the clone: TRL never enters .venv
+    python3 -m venv ../trlenv                 # beside the clone, the setup the README measured
     ../trlenv/bin/pip install torch==2.13.0   # the CPU wheel
     ../trlenv/bin/pip install -e . "trl==1.16.0" \\
         transformers==5.19.0 peft==0.21.2 accelerate==1.15.0   # pinned to the project venv's
@@ -8,8 +8,9 @@
     .venv/bin/python benchmarks/bench_trl.py                        # 3 pairs of 100 steps
     .venv/bin/python benchmarks/bench_trl.py --steps 5 --pairs 1    # a quick check
 
-TRL never enters the project venv: its runs use ``--trl-python`` (default ../trlenv/bin/python,
-which holds microrl too, editable, for the model, task and evaluator). Runs alternate (microrl,
+TRL's runs use ``--trl-python`` (default ../trlenv/bin/python, which holds microrl too, editable,
+for the model, task and evaluator; the project venv's own TRL, which the ``test`` extra installs
+for benchmarks/bench_gpu_step.py, works as well: ``--trl-python .venv/bin/python``). Runs alternate (microrl,
 TRL, microrl, ...), each in a fresh offline process (``HF_HUB_OFFLINE=1``; its log in
 outputs/bench_trl/<side>-<pair>.log). Per run: the RL time (wall time from the first step's start
 to the last step's end: no model loading, no evaluation) and its share per step (a step = one
