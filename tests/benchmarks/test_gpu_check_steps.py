@@ -20,13 +20,14 @@ from microrl.run.cli import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-# Every recipe step with run_recipe recording its command line instead of running it.
+# The second session's recipe steps with run_recipe recording its command line instead of
+# running it (recipe-vision's: tests/benchmarks/test_gpu_check.py).
 RECORD = r"""
 source benchmarks/gpu_check.sh
 init_run
 run_recipe() { echo "${RECIPE_SCRIPT:-examples/grpo_lora.py} $*" >>"$CALLS"; }
 export -f run_recipe
-for step in recipe_offload recipe_ppo recipe_teacher recipe_reward recipe_vision; do
+for step in recipe_offload recipe_ppo recipe_teacher recipe_reward; do
     "step_$step" >/dev/null 2>&1
 done
 """
@@ -41,7 +42,6 @@ def test_every_recipe_step_resolves_to_a_valid_config(tmp_path) -> None:
     names = [line.split()[1] for line in lines]
     assert names == [
         "recipe-offload", "recipe-offload", "recipe-ppo", "recipe-teacher", "recipe-reward",
-        "recipe-vision",
     ], names  # fmt: skip
     for line in lines:
         script, _name, _nproc, *overrides = shlex.split(line)
@@ -52,7 +52,7 @@ def test_every_recipe_step_resolves_to_a_valid_config(tmp_path) -> None:
         )
         overrides = [o for o in overrides if o != "--resume"]
         cfg = load_config(schema, CONFIG_DIR / yaml, overrides)  # raises naming a bad key
-        assert cfg.train.steps in (2, 4, 20), line
+        assert cfg.train.steps in (2, 4), line
     assert lines[1].endswith("--resume") and "actor.optim.cpu_offload=true" in lines[1]
     assert "teacher.backend=engine" in lines[3] and "rollout.max_staleness=1" in lines[3]
     reward_model = Path(shlex.split(lines[4])[-3].split("=", 1)[1])
