@@ -12,6 +12,7 @@ mark ``<tool_call>`` special, and decoding would drop it), as ``vllm serve`` giv
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -213,9 +214,11 @@ class VLLMToolParser:
         self.parser_class = ToolParserManager.get_tool_parser(name)
         # vLLM logs a traceback for every malformed call; they are counted here instead.
         logging.getLogger(self.parser_class.__module__).setLevel(logging.CRITICAL)
-        self.skip_special_tokens = self._skips_special_tokens()
+        if tokenizer is not None:  # a parser that cannot read it is refused now, not per turn
+            _ = self.skip_special_tokens
 
-    def _skips_special_tokens(self) -> bool:
+    @functools.cached_property
+    def skip_special_tokens(self) -> bool:
         """Whether vLLM decodes a request with tools for this parser without special tokens
         (its ``adjust_request`` says); building the parser checks that it reads the tokenizer."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
