@@ -202,7 +202,7 @@ class AgentEndpoint:
         text = self.tokenizer.decode(ids, skip_special_tokens=skip)
         try:
             content, calls = self._parse(episode, text, tools)
-        except TypeError as err:  # the parser's result, not the request, is wrong
+        except TypeError as err:  # the parser returned no ParsedCall (or refused the tools)
             episode.recorder.release(context)
             raise _Refused(500, str(err), "server_error") from err
         reply: dict[str, Any] = {"role": "assistant", "content": content}
@@ -213,12 +213,7 @@ class AgentEndpoint:
         usage = _usage(len(context.prompt_ids), len(turn.ids))
         logprobs = self._logprobs(turn) if body.get("logprobs") else None
         if body.get("stream"):
-            pieces = (
-                []
-                if calls
-                else stream_pieces(self.tokenizer, ids, content, skip_special_tokens=skip)
-            )
-            return await self._stream_chat(request, body, reply, finish, usage, pieces)
+            return await self._stream_chat(request, body, reply, finish, usage, ids, skip)
         choice = {"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}
         return web.json_response(_envelope("chat.completion", self.model_name, choice, usage))
 
@@ -317,15 +312,17 @@ class AgentEndpoint:
         }
 
     async def _stream_chat(
-        self, request, body, reply, finish, usage, pieces: list[str]
+        self, request, body, reply, finish, usage, ids: list[int], skip: bool
     ) -> web.StreamResponse:
-        """``pieces``: the content token by token (:func:`stream_pieces`); a reply with tool
-        calls is sent in one chunk."""
+        """The content token by token, decoded from ``ids`` (:func:`stream_pieces`: whole
+        characters, joined the content); a reply with tool calls in one chunk."""
         response = await _sse_start(request)
         name = self.model_name
         await _sse(response, _chunk(name, {"role": "assistant", "content": ""}, None))
-        for piece in pieces:
-            await _sse(response, _chunk(name, {"content": piece}, None))
+        if not reply.get("tool_calls"):
+            content = reply["content"]
+            for piece in stream_pieces(self.tokenizer, ids, content, skip_special_tokens=skip):
+                await _sse(response, _chunk(name, {"content": piece}, None))
         if reply.get("tool_calls"):
             calls = [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]
             await _sse(response, _chunk(name, {"content": reply["content"], "tool_calls": calls}))
