@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 from agent_utils import byte_tokenizer, chat_tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from microrl.agents.detokenizer import IncrementalDetokenizer, stream_pieces
 
@@ -23,6 +25,24 @@ def test_deltas_hold_back_unfinished_characters_and_spell_the_text(text):
     assert not any("\ufffd" in d for d in deltas)
     first = len(text[0].encode())  # the first character's tokens: held back until complete
     assert deltas[: first - 1] == [""] * (first - 1) and deltas[first - 1] == text[0]
+
+
+def test_a_sentencepiece_style_decode_keeps_its_spaces_and_byte_fallback():
+    """Llama 2's decoder drops the space of a leading ``▁``: a token decoded alone loses it; the
+    window of ids before it gives it back. Byte-fallback tokens (``<0xC3>``) split ``é``."""
+    pieces = ["<unk>", "▁", *"abcd", "<0xC3>", "<0xA9>"]
+    model = models.BPE(
+        {p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True
+    )
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    ids = tokenizer("ab cé d", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids[3:5]) == "c"  # alone, "▁c" has no space
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert [detokenizer.push(i) for i in ids] == ["", "a", "b", " ", "c", "", "é", " ", "d"]
 
 
 def test_pieces_are_the_content_even_where_it_is_not_the_tokens_text():
