@@ -15,6 +15,7 @@ from microrl.configs.judge import JudgeConfig
 __all__ = [
     "AGENT_TASK_NAMES",
     "CALCULATOR_MIN_MAX_OPERAND",
+    "DEFAULT_AGENT_MAX_CONCURRENCY",
     "EPISODE_TASK_NAMES",
     "TASK_NAMES",
     "TaskConfig",
@@ -32,6 +33,9 @@ TASK_NAMES = (
 )
 # Built-in tasks played only by an agent through the endpoint (task.agent; microrl.agents).
 AGENT_TASK_NAMES = ("calculator",)
+# Agent episodes running at once per process by default: a step's (GRPO's default: 1024) at once
+# overwhelm a small machine's event loop; vLLM's default batch (max_num_seqs) is 256.
+DEFAULT_AGENT_MAX_CONCURRENCY = 256
 # Each built-in task's task.max_operand when it is null (99 otherwise): the toy vision model
 # reads one digit; the calculator's operands are 3-digit.
 DEFAULT_MAX_OPERAND = {"digits": 9, "calculator": 999}
@@ -144,7 +148,8 @@ class TaskConfig:
         600.0, "agent: seconds an episode may run (past it: an error, or skip_env_errors drops it)"
     )
     agent_max_concurrency: int = config_field(
-        0, "agent: episodes running at once on a process (0: all of a step's)"
+        DEFAULT_AGENT_MAX_CONCURRENCY,
+        "agent: episodes running at once on a process (0: all of a step's)",
     )
     agent_host: str = config_field(
         "127.0.0.1",
@@ -237,11 +242,11 @@ class TaskConfig:
             self.env,
         )
         require(
-            not is_dataset or bool(self.reward_terms()),
+            not is_dataset or bool(self.reward_terms()) or bool(self.agent),
             "task.rewards",
             "a non-empty list of reward functions for task.name=dataset, e.g. "
             "[my_reward:score] or [microrl.tasks.rewards:exact_match] (or a "
-            "task.reward_model or task.judge.url)",
+            "task.reward_model or task.judge.url, or a task.agent that returns the reward)",
             self.rewards,
         )
         terms = self.reward_terms()

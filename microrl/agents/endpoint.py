@@ -27,7 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
-from microrl.agents.tool_parsers import ParsedCall
+from microrl.agents.detokenizer import stream_pieces
+from microrl.agents.tool_parsers import as_parsed_call
 from microrl.agents.trajectories import EpisodeRecorder
 
 __all__ = ["AgentEndpoint", "EpisodeState"]
@@ -67,8 +68,8 @@ class AgentEndpoint:
         max_new_tokens: a call's token limit when it sets none.
         host, port: where to listen (127.0.0.1 and a free port by default).
         tool_parser: a :class:`~microrl.agents.tool_parsers.ToolCallParser` (``parse(text,
-            tools) -> ParsedCall``), applied to replies of requests with ``tools`` (None:
-            replies are content only).
+            tools)`` returns a ``ParsedCall`` or a ``(content, tool_calls, error)`` tuple),
+            applied to replies of requests with ``tools`` (None: replies are content only).
         model_name: the name ``/v1/models`` lists and replies carry.
     """
 
@@ -197,8 +198,13 @@ class AgentEndpoint:
         except (TypeError, ValueError) as err:
             raise _Refused(400, f"messages: {err}") from err
         turn = await self._sample(episode, context, body)
-        text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
-        content, calls = self._parse(episode, text, tools)
+        ids, skip = self._text_ids(turn, tools)
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        try:
+            content, calls = self._parse(episode, text, tools)
+        except TypeError as err:  # the parser returned no ParsedCall (or refused the tools)
+            episode.recorder.release(context)
+            raise _Refused(500, str(err), "server_error") from err
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = calls
@@ -207,7 +213,7 @@ class AgentEndpoint:
         usage = _usage(len(context.prompt_ids), len(turn.ids))
         logprobs = self._logprobs(turn) if body.get("logprobs") else None
         if body.get("stream"):
-            return await self._stream_chat(request, body, reply, finish, usage, turn)
+            return await self._stream_chat(request, body, reply, finish, usage, ids, skip)
         choice = {"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}
         return web.json_response(_envelope("chat.completion", self.model_name, choice, usage))
 
@@ -275,10 +281,20 @@ class AgentEndpoint:
             recorder.release(context)
             raise
 
+    def _text_ids(self, turn: Any, tools: list | None) -> tuple[list[int], bool]:
+        """The ids a chat reply's text is decoded from, and whether without special tokens: a
+        tool parser that reads them (its tags may be special tokens) gets them, less the turn's
+        terminator, as ``vllm serve`` gives them to vLLM's parsers."""
+        if self.tool_parser is None or not tools:
+            return turn.ids, True
+        if getattr(self.tool_parser, "skip_special_tokens", True):
+            return turn.ids, True
+        return (turn.ids[:-1] if turn.ended else turn.ids), False
+
     def _parse(self, episode: EpisodeState, text: str, tools: list | None) -> tuple[str, list]:
         if self.tool_parser is None or not tools:
             return text, []
-        parsed: ParsedCall = self.tool_parser.parse(text, tools)
+        parsed = as_parsed_call(self.tool_parser.parse(text, tools))
         if parsed.error:
             episode.tool_parse_errors += 1
             return text, []
@@ -295,20 +311,18 @@ class AgentEndpoint:
             ]
         }
 
-    async def _stream_chat(self, request, body, reply, finish, usage, turn) -> web.StreamResponse:
+    async def _stream_chat(
+        self, request, body, reply, finish, usage, ids: list[int], skip: bool
+    ) -> web.StreamResponse:
+        """The content token by token, decoded from ``ids`` (:func:`stream_pieces`: whole
+        characters, joined the content); a reply with tool calls in one chunk."""
         response = await _sse_start(request)
         name = self.model_name
         await _sse(response, _chunk(name, {"role": "assistant", "content": ""}, None))
-        # The content token by token (each chunk what one more token adds to the decoded text).
-        shown = ""
-        for end in range(1, len(turn.ids) + 1):
-            text = self.tokenizer.decode(turn.ids[:end], skip_special_tokens=True)
-            if reply.get("tool_calls") or not text.startswith(shown) or text == shown:
-                continue
-            await _sse(response, _chunk(name, {"content": text[len(shown) :]}, None))
-            shown = text
-        if shown != reply["content"] and not reply.get("tool_calls"):
-            await _sse(response, _chunk(name, {"content": reply["content"][len(shown) :]}, None))
+        if not reply.get("tool_calls"):
+            content = reply["content"]
+            for piece in stream_pieces(self.tokenizer, ids, content, skip_special_tokens=skip):
+                await _sse(response, _chunk(name, {"content": piece}, None))
         if reply.get("tool_calls"):
             calls = [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]
             await _sse(response, _chunk(name, {"content": reply["content"], "tool_calls": calls}))

@@ -11,6 +11,7 @@ synchronous client), samples their calls with the run's backend from the calling
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -28,6 +29,7 @@ import torch
 
 from microrl.agents.endpoint import AgentEndpoint, EpisodeState
 from microrl.agents.sampler import BatchingSampler
+from microrl.configs.task import DEFAULT_AGENT_MAX_CONCURRENCY
 from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
 from microrl.engine.rollout.episodes import EpisodeError, ObservationRenderer, episode_batch
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
@@ -65,11 +67,12 @@ _EPISODE_NUMBERS = itertools.count(secrets.randbelow(1 << 20) << 10)
 class AgentLimits:
     """An agent episode's bounds: seconds (``timeout_s``), tokens after its first prompt
     (``max_tokens``, per row), episodes running at once (``max_concurrency``, 0: all); with
-    ``skip_errors`` a failed episode is dropped instead of stopping the run."""
+    ``skip_errors`` a failed episode is dropped instead of stopping the run. ``timeout_s`` is
+    also the timeout of each call of the agents' clients."""
 
     timeout_s: float = 600.0
     max_tokens: int = 1024
-    max_concurrency: int = 0
+    max_concurrency: int = DEFAULT_AGENT_MAX_CONCURRENCY
     skip_errors: bool = False
     host: str = "127.0.0.1"
     batch_window_s: float = 0.02  # how long a batch waits for more calls (hf, colocated vllm)
@@ -138,7 +141,7 @@ def play_agents(
         host=limits.host,
         tool_parser=tool_parser,
     ).start()
-    loop = _AgentLoop(limits.max_concurrency)
+    loop = _AgentLoop(limits)
     try:
         names, futures = [], []
         for index, problem in enumerate(problems):
@@ -148,9 +151,7 @@ def play_agents(
                 names.append((name, index))
                 url = endpoint.base_url(name)
                 end = functools.partial(endpoint.end_episode, name)
-                futures.append(
-                    loop.submit(agent, problem, url, endpoint.api_key, limits.timeout_s, end)
-                )
+                futures.append(loop.submit(agent, problem, url, endpoint.api_key, end))
         sampler.pump(lambda: sum(not f.done() for f in futures))
         outcomes = [f.result() for f in futures]
     finally:
@@ -162,70 +163,98 @@ def play_agents(
 
 
 class _AgentLoop:
-    """An event loop on a thread of its own that runs the agents (see the module docstring)."""
+    """An event loop on a thread of its own that runs the agents (see the module docstring).
 
-    def __init__(self, max_concurrency: int) -> None:
+    Every episode's client shares one connection pool (one per client kind): a client of its
+    own builds an SSL context, tens of milliseconds of this loop per episode, during which the
+    calls already sent wait."""
+
+    def __init__(self, limits: AgentLimits) -> None:
+        import openai  # the users' client; imported only when agents run
+
+        self.limits = limits
+        self.http = openai.DefaultAsyncHttpxClient(timeout=limits.timeout_s)
+        self.sync_http = openai.DefaultHttpxClient(timeout=limits.timeout_s)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        limit = max_concurrency or 1 << 30
+        limit = limits.max_concurrency or 1 << 30
         self.gate = asyncio.run_coroutine_threadsafe(_semaphore(limit), self.loop).result()
 
-    def submit(self, agent, problem, url: str, key: str, timeout: float, on_end) -> Future:
-        coroutine = self._run(agent, problem, url, key, timeout, on_end)
+    def submit(self, agent, problem, url: str, key: str, on_end) -> Future:
+        coroutine = self._run(agent, problem, url, key, on_end)
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
-    async def _run(self, agent, problem, url: str, key: str, timeout: float, on_end) -> _Outcome:
+    async def _run(self, agent, problem, url: str, key: str, on_end) -> _Outcome:
         async with self.gate:
             start = time.perf_counter()
             outcome = _Outcome()
             try:
-                outcome.result = await asyncio.wait_for(_call(agent, problem, url, key), timeout)
+                call = self._call(agent, problem, url, key)
+                outcome.result = await asyncio.wait_for(call, self.limits.timeout_s)
             except asyncio.TimeoutError:  # not yet the builtin on Python 3.10
-                outcome.error = f"ran past task.agent_timeout_s={timeout}"
+                timeout = self.limits.timeout_s
+                outcome.error = (
+                    f"ran past task.agent_timeout_s={timeout}: {_more_time(self.limits)}"
+                )
             except Exception as exc:  # any agent failure is reported the same way
                 trace = "".join(traceback.format_exception(exc)).rstrip()
+                hint = ""
+                if type(exc).__name__ == "APITimeoutError":  # openai's: a call waited too long
+                    hint = f" (a call to the endpoint timed out: {_more_time(self.limits)})"
                 outcome.error = (
-                    f"raised {type(exc).__name__}: {exc}\nthe agent's traceback:\n{trace}"
+                    f"raised {type(exc).__name__}: {exc}{hint}\nthe agent's traceback:\n{trace}"
                 )
             outcome.seconds = time.perf_counter() - start
             on_end()  # its later calls (an abandoned thread's) are refused
             return outcome
 
+    async def _call(self, agent, problem, url: str, key: str) -> Any:
+        import openai
+
+        options = dict(base_url=url, api_key=key, max_retries=0, timeout=self.limits.timeout_s)
+        if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(
+            getattr(agent, "__call__", None)  # noqa: B004 - an instance with an async __call__
+        ):
+            # Not closed after the episode: closing it would close the shared pool.
+            return await agent(openai.AsyncOpenAI(**options, http_client=self.http), problem)
+        # A plain function runs in a daemon thread: one past its timeout is abandoned, not
+        # joined (its later calls are refused once the episode ended).
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            try:
+                result = agent(openai.OpenAI(**options, http_client=self.sync_http), problem)
+            except BaseException as exc:
+                done.get_loop().call_soon_threadsafe(_settle, done, None, exc)
+            else:
+                done.get_loop().call_soon_threadsafe(_settle, done, result, None)
+
+        threading.Thread(target=run, daemon=True).start()
+        return await done
+
     def close(self) -> None:
+        closing = asyncio.run_coroutine_threadsafe(self.http.aclose(), self.loop)
+        with contextlib.suppress(Exception):  # a pool that will not close is dropped
+            closing.result(10)
+        self.sync_http.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         if not self.thread.is_alive():
             self.loop.close()
 
 
+def _more_time(limits: AgentLimits) -> str:
+    """The keys that give a timed-out episode or call more time."""
+    return (
+        f"raise task.agent_timeout_s={limits.timeout_s} (the episode's and its client's timeout), "
+        f"or lower task.agent_max_concurrency={limits.max_concurrency} (0: all of a step's "
+        "episodes at once; they share one sampler, so more at once make each call wait longer)"
+    )
+
+
 async def _semaphore(limit: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(limit)
-
-
-async def _call(agent, problem, url: str, key: str) -> Any:
-    import openai  # the users' client; imported only when agents run
-
-    if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(
-        getattr(agent, "__call__", None)  # noqa: B004 - an instance with an async __call__
-    ):
-        async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
-            return await agent(client, problem)
-    # A plain function runs in a daemon thread: one past its timeout is abandoned, not joined
-    # (its later calls are refused once the episode ended).
-    done: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    def run() -> None:
-        try:
-            with openai.OpenAI(base_url=url, api_key=key, max_retries=0) as client:
-                result = agent(client, problem)
-        except BaseException as exc:
-            done.get_loop().call_soon_threadsafe(_settle, done, None, exc)
-        else:
-            done.get_loop().call_soon_threadsafe(_settle, done, result, None)
-
-    threading.Thread(target=run, daemon=True).start()
-    return await done
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

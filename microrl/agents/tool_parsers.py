@@ -5,11 +5,14 @@ vLLM's ``ToolParserManager`` knows (``hermes``, ``qwen3_xml``, ``llama3_json``, 
 own parser, the one ``vllm serve --tool-call-parser`` runs; without vLLM, ``hermes`` (the
 Qwen2.5/Qwen3 ``<tool_call>{json}</tool_call>`` format) is built in. A malformed call never
 raises: the whole text comes back as plain content with ``error`` saying why, so the agent sees
-what the model wrote and the caller counts it (``agent/tool_parse_errors``).
+what the model wrote and the caller counts it (``agent/tool_parse_errors``). A parser whose
+``skip_special_tokens`` is False reads the turn's text with its special tokens (some tokenizers
+mark ``<tool_call>`` special, and decoding would drop it), as ``vllm serve`` gives it to vLLM's.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -25,6 +28,7 @@ __all__ = [
     "ParsedCall",
     "ToolCallParser",
     "VLLMToolParser",
+    "as_parsed_call",
     "known_parsers",
     "make_tool_parser",
 ]
@@ -43,11 +47,38 @@ class ParsedCall:
 
 @runtime_checkable
 class ToolCallParser(Protocol):
-    """Parses a finished turn's text; ``tools`` are the request's (OpenAI format) or None."""
+    """Parses a finished turn's text; ``tools`` are the request's (OpenAI format) or None.
+
+    ``parse`` returns a :class:`ParsedCall` or a ``(content, tool_calls, error)`` tuple
+    (:func:`as_parsed_call`). An optional ``skip_special_tokens = False`` attribute asks for
+    the text with its special tokens (its terminator excepted); absent, they are dropped.
+    """
 
     name: str
 
     def parse(self, text: str, tools: list[dict] | None) -> ParsedCall: ...
+
+
+def as_parsed_call(result: Any) -> ParsedCall:
+    """A parser's result as a :class:`ParsedCall`: one already, or the ``(content, tool_calls,
+    error)`` tuple the protocol allows. ``TypeError`` for anything else."""
+    if isinstance(result, ParsedCall):
+        return result
+    if isinstance(result, tuple) and len(result) == 3:
+        content, calls, error = result
+        calls = [] if calls is None else calls
+        texts = all(value is None or isinstance(value, str) for value in (content, error))
+        if texts and isinstance(calls, list) and all(isinstance(c, dict) for c in calls):
+            return ParsedCall(content, list(calls), error)
+    raise TypeError(
+        "a tool parser's parse(text, tools) must return a ParsedCall or a (content: str | None, "
+        f"tool_calls: list[dict], error: str | None) tuple, got {_short(result)}"
+    )
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _tool_names(tools: Sequence[Mapping] | None) -> set[str] | None:
@@ -115,6 +146,7 @@ class HermesParser:
 
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
+    skip_special_tokens = False  # as vLLM's hermes: some tokenizers mark the tags special
 
     def parse(self, text: str, tools: list[dict] | None) -> ParsedCall:
         names = _tool_names(tools)
@@ -182,6 +214,24 @@ class VLLMToolParser:
         self.parser_class = ToolParserManager.get_tool_parser(name)
         # vLLM logs a traceback for every malformed call; they are counted here instead.
         logging.getLogger(self.parser_class.__module__).setLevel(logging.CRITICAL)
+        if tokenizer is not None:  # a parser that cannot read it is refused now, not per turn
+            _ = self.skip_special_tokens
+
+    @functools.cached_property
+    def skip_special_tokens(self) -> bool:
+        """Whether vLLM decodes a request with tools for this parser without special tokens
+        (its ``adjust_request`` says); building the parser checks that it reads the tokenizer."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        request = ChatCompletionRequest(model="microrl", messages=[], tools=[tool])
+        try:
+            parser = self.parser_class(self.tokenizer, request.tools)
+        except Exception as err:  # e.g. a start token the tokenizer lacks
+            raise ValueError(
+                f"vLLM's {self.name} parser cannot read this tokenizer's tool calls: {err}"
+            ) from err
+        return bool(parser.adjust_request(request).skip_special_tokens)
 
     def parse(self, text: str, tools: list[dict] | None) -> ParsedCall:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest

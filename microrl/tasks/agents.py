@@ -3,7 +3,8 @@
 ``task.agent=module:function`` wraps any prompt task: each problem becomes an episode of
 ``agent(client, problem)``, whose openai ``client`` talks to microrl's endpoint
 (:mod:`microrl.agents`). The agent returns the episode's reward, or a transcript (text) that
-the wrapped task's reward scores.
+the wrapped task's reward scores (a dataset without ``task.rewards`` scores none: its agent
+returns the reward).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from microrl.configs.task import DEFAULT_AGENT_MAX_CONCURRENCY
 from microrl.tasks.base import Problem, Task
 
 __all__ = ["AgentTask", "is_agent_task"]
@@ -33,6 +35,8 @@ class AgentTask:
         timeout_s, max_concurrency, host: ``task.agent_timeout_s``,
             ``task.agent_max_concurrency``, ``task.agent_host``.
         tool_parser: parses the model's tool calls in replies (None: content only).
+        scores_transcripts: whether ``prompts`` scores transcripts (False: a dataset without
+            ``task.rewards``, whose agent must return the reward).
     """
 
     def __init__(
@@ -41,9 +45,10 @@ class AgentTask:
         agent: Callable[[Any, Problem], Any],
         *,
         timeout_s: float = 600.0,
-        max_concurrency: int = 0,
+        max_concurrency: int = DEFAULT_AGENT_MAX_CONCURRENCY,
         host: str = "127.0.0.1",
         tool_parser: Any = None,
+        scores_transcripts: bool = True,
     ) -> None:
         if not callable(agent):
             raise TypeError(f"task.agent must be callable (client, problem), got {agent!r}")
@@ -53,6 +58,7 @@ class AgentTask:
         self.max_concurrency = max_concurrency
         self.host = host
         self.tool_parser = tool_parser
+        self.scores_transcripts = scores_transcripts
         self.solved_threshold = prompts.solved_threshold
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
@@ -71,5 +77,10 @@ class AgentTask:
             raise TypeError(
                 f"returned {type(result).__name__}: an agent returns a float reward or a "
                 "transcript (str) the task scores"
+            )
+        if not self.scores_transcripts:
+            raise TypeError(
+                "returned a transcript (str), but task.rewards is empty: return a float reward, "
+                "or set task.rewards to score transcripts"
             )
         return float(self.score([result], [problem])[0])

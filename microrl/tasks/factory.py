@@ -56,7 +56,8 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
     if cfg.name in ("dataset", "env"):
         task: Task = DatasetTask(
             cfg.train_file,
-            reward_of(cfg) if cfg.name == "dataset" else None,
+            # None: an agent returns the reward itself (a transcript is then refused)
+            reward_of(cfg) if cfg.name == "dataset" and cfg.reward_terms() else None,
             eval_file=cfg.eval_file,
             eval_size=cfg.eval_size,
             seed=cfg.seed,
@@ -87,6 +88,7 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
             max_concurrency=cfg.agent_max_concurrency,
             host=cfg.agent_host,
             tool_parser=tool_parser_of(cfg, tokenizer),
+            scores_transcripts=cfg.name != "dataset" or bool(cfg.reward_terms()),
         )
     return task
 

@@ -14,7 +14,8 @@ repeated row (the held-out set at every evaluation) is asked once.
 A row whose request failed or whose reply holds no score is a :class:`JudgeError` naming the
 row, or, with ``failure_score`` set, gets that score and is counted in ``judge/failures``.
 The API key is read from the environment variable ``api_key_env`` when the judge is built and
-is never logged, stored in a config or put in an error message.
+is never logged, stored in a config or put in an error message; without one, the requests carry
+no ``Authorization`` header.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ __all__ = ["JudgeError", "JudgeReward", "parse_score"]
 
 # The status codes worth asking again: rate limited, or a server error that may pass.
 _RETRIED_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
-# The client insists on a key: the placeholder sent when the environment has none.
+# The client insists on a key: its placeholder when the environment has none (never sent: the
+# requests then omit the Authorization header).
 _NO_KEY = "EMPTY"
 
 
@@ -71,7 +73,7 @@ class JudgeReward:
             raise ValueError("task.judge.url must be set to use a judge")
         self.config = config
         self.pattern = re.compile(config.score_pattern)
-        self.client = client if client is not None else _client(config)
+        self.client, self._headers = (client, {}) if client is not None else _client(config)
         self._cache: dict[tuple[str, str], float | None] = {}
         self._lock = threading.Lock()
         # The bound holds across calls too (the held-out set scored while a rollout is).
@@ -91,9 +93,9 @@ class JudgeReward:
         with self._lock:
             for prompt, response, answer in rows:
                 key = (prompt, response)
-                if key in self._cache:
+                if key in self._cache or key in todo:  # a repeat within the call is asked once
                     self._count("judge/cache_hits")
-                elif key not in todo:
+                else:
                     todo[key] = answer
         results: dict[tuple[str, str], tuple[float | None, str]] = {}
         if todo:
@@ -169,6 +171,8 @@ class JudgeReward:
         )
         if cfg.extra_body:
             kwargs["extra_body"] = dict(cfg.extra_body)
+        if self._headers:
+            kwargs["extra_headers"] = self._headers
         completion = self.client.chat.completions.create(**kwargs)
         return completion.choices[0].message.content or ""
 
@@ -183,15 +187,20 @@ class JudgeReward:
         return stats
 
 
-def _client(config: JudgeConfig) -> Any:
+def _client(config: JudgeConfig) -> tuple[Any, dict]:
+    """The client of ``config.url``, and the headers each request adds (without a key in the
+    environment: the Authorization header omitted, since the client wants a key)."""
     try:
         import openai
     except ImportError as err:
         raise ImportError(
             "task.judge needs the openai client: pip install 'microrl[judge]'"
         ) from err
-    key = os.environ.get(config.api_key_env) or _NO_KEY
-    return openai.OpenAI(base_url=config.url, api_key=key, max_retries=0, timeout=config.timeout_s)
+    key = os.environ.get(config.api_key_env)
+    client = openai.OpenAI(
+        base_url=config.url, api_key=key or _NO_KEY, max_retries=0, timeout=config.timeout_s
+    )
+    return client, ({} if key else {"Authorization": openai.Omit()})
 
 
 def _retried(err: Exception) -> bool:

@@ -1,5 +1,6 @@
-"""What the agent tests share: a chat tokenizer whose re-encoding drifts, a tiny model on it,
-backends that record (or script) what they sample, and the check that rows are exact."""
+"""What the agent tests share: a chat tokenizer whose re-encoding drifts, a byte-level one, a
+tiny model on it, backends that record (or script) what they sample, and the check that rows are
+exact."""
 
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", padding_side="left"
     )
     out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    out.chat_template = CHATML
+    return out
+
+
+def byte_tokenizer(specials: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """ChatML over byte-level BPE with no merge (GPT-2's and Qwen's byte alphabet): every byte
+    is a token, so a character of 2 to 4 UTF-8 bytes spans 2 to 4 tokens; ``specials`` are
+    more special tokens (e.g. tool-call tags)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    chat = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate([*chat, *specials, *alphabet])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", padding_side="left"
+    )
+    out.add_special_tokens({"additional_special_tokens": [*chat[1:], *specials]})
     out.chat_template = CHATML
     return out
 

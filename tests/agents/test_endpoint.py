@@ -1,5 +1,7 @@
 """The endpoint itself (microrl/agents/endpoint.py) under the real ``openai`` client: the key,
-refused calls, ``/v1/models``, ``/v1/completions``, tool calls through a parser, options."""
+refused calls, ``/v1/models``, ``/v1/completions``, tool calls through a parser (one returning
+the tuple, tags that are special tokens), options, streamed text of characters split across
+tokens."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from concurrent.futures import Future
 import httpx
 import openai
 import pytest
-from agent_utils import chat_tokenizer
+from agent_utils import byte_tokenizer, chat_tokenizer
 
 from microrl.agents import AgentEndpoint, Turn
-from microrl.agents.tool_parsers import ParsedCall
+from microrl.agents.tool_parsers import HermesParser, ParsedCall
 from microrl.engine.rollout.episodes import ObservationRenderer
 
 CALL = '{"name": "add", "arguments": {"a": 1}}'
@@ -47,17 +49,29 @@ class BraceParser:
         return ParsedCall("", [{"name": call["name"], "arguments": call["arguments"]}])
 
 
-@pytest.fixture
-def endpoint():
-    tokenizer = chat_tokenizer()
+class TupleParser(BraceParser):
+    """BraceParser's result as the ``(content, tool_calls, error)`` tuple the docs allow."""
+
+    def parse(self, text, tools):
+        parsed = super().parse(text, tools)
+        return parsed.content, parsed.tool_calls, parsed.error
+
+
+def _serve(tokenizer, text: str, parser) -> AgentEndpoint:
     server = AgentEndpoint(
-        FixedSampler(tokenizer, CALL),
+        FixedSampler(tokenizer, text),
         ObservationRenderer(tokenizer),
         temperature=1.0,
         max_new_tokens=64,
-        tool_parser=BraceParser(),
+        tool_parser=parser,
     ).start()
     server.add_episode("e1", budget=256)
+    return server
+
+
+@pytest.fixture
+def endpoint():
+    server = _serve(chat_tokenizer(), CALL, BraceParser())
     yield server
     server.close()
 
@@ -140,6 +154,77 @@ def test_a_malformed_tool_call_is_content_and_counted(endpoint):
     message = reply.choices[0].message
     assert message.tool_calls is None and message.content == '{"name": "add", "argu'
     assert endpoint.episodes["e1"].tool_parse_errors == 1
+
+
+def test_a_parser_returning_the_documented_tuple_is_served(endpoint):
+    endpoint.tool_parser = TupleParser()
+    create = _client(endpoint).chat.completions.create
+    messages = [{"role": "user", "content": "1"}]
+    reply = create(model="m", messages=messages, tools=TOOLS)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "add" and reply.choices[0].finish_reason == "tool_calls"
+    endpoint.sampler.text = '{"name": "add", "argu'
+    assert create(model="m", messages=messages, tools=TOOLS).choices[0].message.tool_calls is None
+    state = endpoint.episodes["e1"]
+    assert state.tool_calls == 1 and state.tool_parse_errors == 1
+    endpoint.tool_parser.parse = lambda text, tools: ["not", "a", "result"]
+    with pytest.raises(
+        openai.InternalServerError, match=r"must return a ParsedCall or a \(content"
+    ):
+        create(model="m", messages=messages, tools=TOOLS)
+    assert not any(row.pending for row in state.recorder.rows)  # the call left no row waiting
+
+
+def test_tool_call_tags_that_are_special_tokens_are_parsed():
+    """``<tool_call>`` as a special token: a decode without special tokens would drop it."""
+    tags = (HermesParser.start, HermesParser.end)
+    tokenizer = byte_tokenizer(tags)
+    text = f'I add.{tags[0]}{{"name": "add", "arguments": {{"a": 1}}}}{tags[1]}'
+    assert tokenizer.convert_tokens_to_ids(tags[0]) in tokenizer.all_special_ids
+    server = _serve(tokenizer, text, HermesParser())
+    try:
+        for stream in (False, True):
+            reply = _chat(server, tools=TOOLS, stream=stream)
+            (call,) = reply["tool_calls"]
+            assert call["function"]["name"] == "add" and reply["content"] == "I add."
+        assert server.episodes["e1"].tool_calls == 2
+        server.sampler.text = "no call, <|im_start|> kept"  # tools but no call: specials kept
+        assert _chat(server, tools=TOOLS)["content"] == server.sampler.text
+        assert _chat(server, tools=None)["content"] == "no call,  kept"
+    finally:
+        server.close()
+
+
+def _chat(server, stream: bool = False, **kwargs) -> dict:
+    """The reply message of one call, put together from its chunks when streamed."""
+    create = _client(server).chat.completions.create
+    messages = [{"role": "user", "content": "a"}]
+    if not stream:
+        message = create(model="m", messages=messages, **kwargs).choices[0].message
+        return message.model_dump(exclude_none=True)
+    chunks = [c.choices[0].delta for c in create(model="m", messages=messages, stream=True, **kwargs)
+              if c.choices]  # fmt: skip
+    calls = [c.model_dump(exclude={"index"}) for d in chunks for c in d.tool_calls or []]
+    reply = {"content": "".join(d.content or "" for d in chunks), "deltas": chunks}
+    return {**reply, "tool_calls": calls} if calls else reply
+
+
+@pytest.mark.parametrize("text", ["café!", "日本語で", "👍🏽 ok", "a日👍é\n末"])
+def test_streamed_text_is_the_replys_for_characters_split_across_tokens(text):
+    """A byte-level tokenizer splits these characters' bytes over tokens; streamed and not,
+    the agent gets the same text (else, echoing it back, it would start a branch)."""
+    tokenizer = byte_tokenizer()
+    server = _serve(tokenizer, text, None)
+    try:
+        assert _chat(server)["content"] == text
+        streamed = _chat(server, stream=True)
+        assert streamed["content"] == text
+        assert not any("\ufffd" in (d.content or "") for d in streamed["deltas"])
+        assert len(streamed["deltas"]) > 3  # token by token, not all at once
+        cut = _chat(server, max_tokens=2)["content"]  # inside a character, but for café
+        assert _chat(server, stream=True, max_tokens=2)["content"] == cut
+    finally:
+        server.close()
 
 
 def test_completions_continue_a_text_on_its_recorded_ids(endpoint):

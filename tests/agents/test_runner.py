@@ -11,6 +11,7 @@ import pytest
 from agent_utils import RecordingHF, ScriptedBackend, assert_rows_exact, chat_tokenizer, rows
 
 from microrl.agents import AgentLimits, run_agent_episodes
+from microrl.configs.run import TaskConfig
 from microrl.engine.rollout import SamplingParams
 from microrl.engine.rollout.episodes import EpisodeError
 from microrl.tasks import Problem
@@ -148,7 +149,10 @@ def test_agent_failures_name_the_episode_or_are_dropped(tokenizer):
 
     for slow in (hangs, hangs_sync):
         start = time.perf_counter()
-        with pytest.raises(EpisodeError, match=r"ran past task.agent_timeout_s=0.3"):
+        past = (
+            r"ran past task.agent_timeout_s=0.3: raise .* or lower task.agent_max_concurrency=256"
+        )
+        with pytest.raises(EpisodeError, match=past):
             run_agent_episodes(backend, PROBLEMS[:1], slow, PARAMS, AgentLimits(timeout_s=0.3))
         assert time.perf_counter() - start < 10
 
@@ -169,6 +173,45 @@ def test_agent_failures_name_the_episode_or_are_dropped(tokenizer):
         run_agent_episodes(backend, PROBLEMS[:1], silent, PARAMS, AgentLimits())
 
 
+class SlowBackend(ScriptedBackend):
+    def _sample(self, prompt_ids, params):
+        time.sleep(0.5)
+        return super()._sample(prompt_ids, params)
+
+
+def test_episode_clients_share_one_pool_and_time_out_naming_the_keys(tokenizer):
+    """A client per episode built an SSL context each (tens of ms of the agents' event loop):
+    a step's 1024 episodes at once stalled it past openai's 5 s connect timeout. The clients
+    now share one pool, time out at task.agent_timeout_s, and a timeout names what to change."""
+    backend = ScriptedBackend(tokenizer, [[tokenizer.eos_token_id]])
+    clients = []
+
+    async def agent(client, problem):
+        clients.append(client)
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        return 1.0
+
+    def agent_sync(client, problem):
+        clients.append(client)
+        client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        return 1.0
+
+    for played in (agent, agent_sync):
+        clients.clear()
+        run_agent_episodes(backend, PROBLEMS, played, PARAMS, AgentLimits(timeout_s=42.0))
+        assert len(clients) == 4 and {c.timeout for c in clients} == {42.0}
+        assert len({id(c._client) for c in clients}) == 1  # openai's http client: one pool
+
+    async def impatient(client, problem):
+        fast = client.with_options(timeout=0.05)  # the agent's own, shorter timeout
+        await fast.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+
+    slow = SlowBackend(tokenizer, [[tokenizer.eos_token_id]])
+    hint = r"APITimeoutError.*\(a call to the endpoint timed out: raise task.agent_timeout_s=9"
+    with pytest.raises(EpisodeError, match=hint):
+        run_agent_episodes(slow, PROBLEMS[:1], impatient, PARAMS, AgentLimits(timeout_s=9))
+
+
 def test_concurrent_episodes_are_batched_and_bounded(tokenizer):
     backend = ScriptedBackend(tokenizer, [[tokenizer.eos_token_id]])
     running, peak = [0], [0]
@@ -183,6 +226,7 @@ def test_concurrent_episodes_are_batched_and_bounded(tokenizer):
         return 1.0
 
     params = SamplingParams(num_samples=3)
+    assert AgentLimits().max_concurrency == TaskConfig().agent_max_concurrency == 256  # bounded
     run_agent_episodes(backend, PROBLEMS, agent, params, AgentLimits(batch_window_s=5.0))
     assert peak[0] == 6 and backend.batches[0] == 6  # every waiting call in one generate
     backend.batches.clear()

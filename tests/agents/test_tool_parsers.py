@@ -14,6 +14,7 @@ from microrl.agents.tool_parsers import (
     ParsedCall,
     ToolCallParser,
     VLLMToolParser,
+    as_parsed_call,
     make_tool_parser,
 )
 from microrl.run.toy_model import build_tokenizer
@@ -95,6 +96,10 @@ def test_make_tool_parser_picks_vllm_when_installed_and_names_the_known_ones(tok
     pytest.importorskip("vllm")
     parser = make_tool_parser("qwen3_xml", tokenizer)
     assert isinstance(parser, VLLMToolParser) and isinstance(parser, ToolCallParser)
+    # Its tags may be special tokens: it reads turns with them, as under vllm serve.
+    assert parser.skip_special_tokens is False and HermesParser.skip_special_tokens is False
+    with pytest.raises(ValueError, match="llama3_json parser cannot read this tokenizer's"):
+        make_tool_parser("llama3_json", tokenizer)  # no <|python_tag|>: refused when built
 
 
 @pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no-tools"])
@@ -128,6 +133,16 @@ def test_malformed_calls_are_content_with_an_error(hermes, case):
     parsed = hermes.parse(text, TOOLS)
     assert parsed.content == text and parsed.tool_calls == []
     assert isinstance(parsed.error, str) and parsed.error
+
+
+def test_as_parsed_call_takes_a_parsed_call_or_the_tuple():
+    parsed = ParsedCall("hi", [{"name": "f", "arguments": {}}])
+    assert as_parsed_call(parsed) is parsed
+    assert as_parsed_call(("hi", parsed.tool_calls, None)) == parsed
+    assert as_parsed_call(("x", None, "bad")) == ParsedCall("x", [], "bad")
+    for wrong in (None, ["hi", [], None], ("hi", [], None, 1), ("hi", "call", None)):
+        with pytest.raises(TypeError, match=r"must return a ParsedCall or a \(content"):
+            as_parsed_call(wrong)
 
 
 def test_unknown_names_pass_without_tools_and_bad_tools_are_refused():

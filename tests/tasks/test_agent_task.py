@@ -4,6 +4,7 @@ around the prompts, a transcript scored by the wrapped task's reward."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -41,6 +42,20 @@ def test_an_agent_task_plays_the_prompts_and_scores_transcripts(tmp_path):
     assert task.reward("8", Problem("3+4=", "7")) == 0.0
     with pytest.raises(TypeError, match="returns a float reward or a transcript"):
         task.reward([1], Problem("3+4=", "7"))
+
+
+def test_a_dataset_whose_agent_returns_the_reward_needs_no_task_rewards(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "my_agent.py").write_text("def solve(client, problem):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"task\.rewards must be a non-empty list .* task\.agent"):
+        TaskConfig(name="dataset", train_file=str(data))  # without an agent: still needed
+    agent = f"{tmp_path / 'my_agent.py'}:solve"
+    task = make_task(TaskConfig(name="dataset", train_file=str(data), eval_size=2, agent=agent))
+    assert is_agent_task(task) and len(task.eval_problems()) == 2
+    with pytest.raises(TypeError, match=r"returned a transcript \(str\), but task\.rewards is"):
+        task.reward("2", Problem("1+1=", "2"))  # nothing scores a transcript
 
 
 CALC_AGENT = "examples/calculator_agent.py:agent"
