@@ -1,6 +1,6 @@
 """Host memory of an asynchronous run's start (``rollout.max_staleness > 0``, ``hf`` worker).
 
-    python benchmarks/bench_start_memory.py            # a 23M-parameter Qwen2-style model, ~1 min
+    python benchmarks/bench_start_memory.py            # a 24M-parameter Qwen2-style model, ~1 min
 
 Starts an :class:`~microrl.remote.trainer.hf_worker.AsyncRollout` (spawn the worker, build its
 model, the first full push, its check) over a LoRA and a full fine-tune engine on the CPU, and
