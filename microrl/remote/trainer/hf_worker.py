@@ -236,7 +236,6 @@ class AsyncRollout(AsyncSamplerBase):
         copy of the model on the host; then the engine's probe log-probs, what the worker must
         answer. Synchronous: the start waits for the worker's check anyway."""
         entries = self._layouts["full"]
-        check_layout(self._layout(engine, trainable_only=False), entries, self.name)
         chunk = stream.CHUNK_BYTES
         self._commands.put(("weights", self.version, "full", chunk))
         weights = FullWeights(engine.module, self.prefix)
