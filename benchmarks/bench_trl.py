@@ -251,12 +251,13 @@ def run_trl(steps: int, out_dir: str) -> dict[str, Any]:
 
     from microrl.engine.rollout import HFRollout
     from microrl.run import Dist, evaluate_accuracy
+    from microrl.run.dist import train_threads
     from microrl.run.toy_model import load_pretrained
     from microrl.tasks import Problem, make_task
 
     cfg = _config()
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    if threads := train_threads(cfg):
+        torch.set_num_threads(threads)
     tokenizer, model = load_pretrained(cfg.model.path)
     task = make_task(cfg.task, tokenizer)
     # The recipe's prompt stream (rank 0), never the held-out prompts.
@@ -321,10 +322,11 @@ def ensure_base_model() -> None:
     import torch
 
     from microrl.run import Dist, prepare_base_model
+    from microrl.run.dist import train_threads
 
     cfg = _config()
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    if threads := train_threads(cfg):
+        torch.set_num_threads(threads)
     prepare_base_model(cfg.model, cfg.task, Dist(), cfg.rollout.max_new_tokens)
 
 

@@ -301,14 +301,25 @@ class LoopConfig:
         "every step when actor.policy_loss.kl_coef > 0",
     )
     seed: int = config_field(0, "seed of the LoRA initialisation, prompt order and sampling")
-    # The tiny model's matrices are too small to gain from intra-op threads, and extra threads
-    # spin badly on a busy or small CPU.
-    num_threads: int = config_field(1, "CPU threads per process (0: torch's default)")
+    # On a CPU the tiny model's matrices are too small to gain from intra-op threads, and extra
+    # threads spin badly on a busy or small CPU; on a GPU one thread starves the host's work
+    # (tokenizing, the hf worker's sampling loop, a CPU-offloaded optimizer step).
+    num_threads: int | None = config_field(
+        None,
+        "CPU threads per process (0: torch's default; null: 1 when the actor's device is the "
+        "CPU, torch's default on CUDA)",
+    )
 
     def __post_init__(self) -> None:
         for key in ("steps", "ppo_epochs", "mini_batch_size", "eval_every"):
             require(getattr(self, key) >= 1, f"train.{key}", ">= 1", getattr(self, key))
-        require(self.num_threads >= 0, "train.num_threads", ">= 0", self.num_threads)
+        require(
+            self.num_threads is None
+            or (isinstance(self.num_threads, int) and self.num_threads >= 0),
+            "train.num_threads",
+            "null or an int >= 0",
+            self.num_threads,
+        )
         require(self.kl_metric_every >= 0, "train.kl_metric_every", ">= 0", self.kl_metric_every)
 
     def eval_due(self, step: int) -> bool:

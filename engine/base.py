@@ -54,7 +54,7 @@ from microrl.engine.microbatch import (
     scatter_outputs,
     span_starts_and_lengths,
 )
-from microrl.engine.offload import ActivationOffload, OffloadStats
+from microrl.engine.offload import ActivationOffload, OffloadStats, release_pinned_memory
 from microrl.engine.optim import (
     apply_optim_config,
     audit_grad_flow,
@@ -487,6 +487,8 @@ class Engine:
             self.lr_scheduler.step()
             self.global_step += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if self.config.activation_offload or self.config.optim.cpu_offload:
+            release_pinned_memory(self.device)  # the step's host copies: unpinned, not cached
         return norm_value
 
     def train_batch(

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["MAX_IN_FLIGHT", "MIN_OFFLOAD_BYTES", "PREFETCH", "ActivationOffload", "OffloadStats"]
+__all__ = [
+    "MAX_IN_FLIGHT",
+    "MIN_OFFLOAD_BYTES",
+    "PREFETCH",
+    "ActivationOffload",
+    "OffloadStats",
+    "release_pinned_memory",
+]
 
 #: Saved tensors smaller than this many bytes stay on the device.
 MIN_OFFLOAD_BYTES = 1 << 20
@@ -264,6 +271,23 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             self._cleanup_queued = True
         except RuntimeError:  # unpacked outside a backward (e.g. grad_fn._saved_self)
             wait()
+
+
+def release_pinned_memory(device: torch.device) -> None:
+    """Return to the system the pinned host blocks that torch's CUDA host allocator keeps
+    cached but unused (a no-op off CUDA). The allocator never gives a freed block back on its
+    own: the host copies of a mini-batch's activations (and ``optim.cpu_offload``'s gradient
+    shards, freed by ``zero_grad``) would stay pinned, unswappable, through sampling and for
+    the rest of the run, and a block serves only later requests of its power-of-two size, so
+    micro-batches of other shapes pin more. Blocks still in use (FSDP2's offloaded parameter
+    shards) stay. The engine calls it after each optimizer step (docs/distributed.md)."""
+    if torch.device(device).type != "cuda":
+        return
+    empty = getattr(torch.accelerator, "empty_host_cache", None)  # else the CUDA-only name
+    if empty is None:
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -14,6 +14,11 @@ step 1 of a GPU run. Inside :func:`simulated_cuda`:
   GPU ones is allowed, as on a GPU; so are copies between devices and CPU indices into a GPU
   tensor), and ``.numpy()`` of a GPU tensor raises as it does on a GPU.
 
+* pinned host memory (``pin_memory=True`` in a factory call) is plain host memory accounted as
+  torch's CUDA host allocator keeps it (:class:`PinnedHost`): blocks rounded up to a power of
+  two, a freed one cached for a later request of its size, all cached ones released by
+  ``torch.accelerator.empty_host_cache()``.
+
 Values, autograd, optimizers and kernels are the CPU's own, so engines, models and recipes run
 unchanged (each op passes through Python: slower). torch's ``FakeTensorMode`` has the same device
 rule but no values, which ``.item()``, sampling and metrics need; a wrapper tensor subclass with a
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Simulation", "check_collectives", "simulated_cuda"]
+__all__ = ["PinnedHost", "Simulation", "check_collectives", "simulated_cuda"]
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
@@ -57,13 +63,46 @@ _CROSS_DEVICE_OPS = {
 }
 
 
+class PinnedHost:
+    """The bytes torch's CUDA host allocator (``CachingHostAllocator``) would hold: each pinned
+    tensor takes a block of its bytes rounded up to a power of two; a freed block stays cached
+    (still pinned) and serves a later request of the same size class; ``empty_host_cache``
+    releases the cached ones."""
+
+    def __init__(self) -> None:
+        self.active = 0  # bytes of blocks live tensors use
+        self.cached: dict[int, int] = {}  # size class -> free blocks kept pinned
+
+    @property
+    def held(self) -> int:
+        """Every pinned byte: in use and cached."""
+        return self.active + sum(size * count for size, count in self.cached.items())
+
+    def pin(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        size = 1 << max(0, storage.nbytes() - 1).bit_length()
+        if self.cached.get(size):
+            self.cached[size] -= 1
+        self.active += size
+        weakref.finalize(storage, self._free, size)
+
+    def _free(self, size: int) -> None:
+        self.active -= size
+        self.cached[size] = self.cached.get(size, 0) + 1
+
+    def empty_host_cache(self) -> None:
+        self.cached.clear()
+
+
 class Simulation:
-    """``gpus`` simulated GPUs: the current one, and the GPU each marked CPU storage is on."""
+    """``gpus`` simulated GPUs: the current one, the GPU each marked CPU storage is on, and
+    the pinned host memory (:class:`PinnedHost`)."""
 
     def __init__(self, gpus: int) -> None:
         self.gpus = gpus
         self.current = 0
         self._marks: dict[int, tuple[StorageWeakRef, torch.device]] = {}
+        self.pinned = PinnedHost()
 
     # ------------------------------------------------------------------ devices
     def normalize(self, device: Any) -> Any:
@@ -202,6 +241,11 @@ class _TorchMode(TorchFunctionMode):
             return args[0].to(sim.normalize(device), **kwargs)
         if "device" in kwargs:
             kwargs["device"] = sim.normalize(kwargs["device"])
+        if kwargs.get("pin_memory"):  # no page-locked memory here: host memory, accounted
+            kwargs["pin_memory"] = False
+            out = func(*args, **kwargs)
+            sim.pinned.pin(out)
+            return out
         if func is torch.Tensor.cpu:
             return self._to(args[0], CPU, None, kwargs)
         if func is torch.Tensor.to:
@@ -255,7 +299,10 @@ class _Stream:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def __getattr__(self, name: str) -> Any:  # wait_stream, record_event, synchronize, query...
+    def record_event(self, *args: Any, **kwargs: Any) -> _Stream:
+        return _Stream()
+
+    def __getattr__(self, name: str) -> Any:  # wait_stream, wait_event, synchronize, query...
         return lambda *args, **kwargs: True
 
 
@@ -296,6 +343,7 @@ def simulated_cuda(monkeypatch: pytest.MonkeyPatch, gpus: int = 1) -> Iterator[S
     }
     for name, value in patches.items():
         monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", sim.pinned.empty_host_cache)
     lift_cpu = torch._C._only_lift_cpu_tensors()
     torch._C._set_only_lift_cpu_tensors(True)  # torch.tensor(..., device=cuda): host, then moved
     try:

@@ -2,8 +2,9 @@
 
 The recipe tests on simulated GPUs (tests/examples/test_examples_cuda.py) prove nothing if the
 simulation lets a device mix through, so its rules are pinned here: a mix raises, a same-device
-op and the moves a GPU allows do not, gradients and optimizers work on simulated GPU tensors, and
-a collective refuses a host tensor on a group asked for NCCL alone.
+op and the moves a GPU allows do not, gradients and optimizers work on simulated GPU tensors, a
+collective refuses a host tensor on a group asked for NCCL alone, and pinned host memory is held
+as torch's host allocator holds it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,20 @@ def test_models_train_and_tensordicts_move_on_a_simulated_gpu(monkeypatch) -> No
         batch = TensorDict(a=torch.ones(2, 3), batch_size=[2]).to(torch.device("cuda", 0))
         assert batch["a"].device.type == "cuda" and batch[torch.tensor([1])]["a"].is_cuda
         assert batch["a"].half().device.type == "cuda"  # a dtype change stays on the GPU
+
+
+def test_pinned_host_memory_is_cached_until_the_host_cache_is_emptied(monkeypatch) -> None:
+    with simulated_cuda(monkeypatch) as sim:
+        a = torch.empty(1000, dtype=torch.uint8, pin_memory=True)
+        b = torch.empty_like(torch.zeros(300), device="cpu", pin_memory=True)  # 1200 bytes
+        assert a.device.type == "cpu" and sim.pinned.held == sim.pinned.active == 1024 + 2048
+        del a
+        assert sim.pinned.active == 2048 and sim.pinned.held == 1024 + 2048  # cached, pinned
+        c = torch.empty(1024, dtype=torch.uint8, pin_memory=True)  # the cached block serves it
+        assert sim.pinned.held == 1024 + 2048
+        del b, c
+        torch.accelerator.empty_host_cache()
+        assert sim.pinned.held == 0
 
 
 # Its own process: a default group another test left (FSDP2 over one rank) would be in the way.

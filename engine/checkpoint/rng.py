@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ def rng_state() -> dict[str, Any]:
     state["torch"] = torch.get_rng_state().tolist()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda_device"] = torch.cuda.current_device()  # the GPU this process drew from
     return state
 
 
@@ -40,4 +42,30 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        _set_cuda_states([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]], state)
+
+
+def _set_cuda_states(states: list[torch.Tensor], state: Mapping[str, Any]) -> None:
+    """One state per GPU visible at the save. As many visible now: each to its GPU. Otherwise
+    (``CUDA_VISIBLE_DEVICES`` changed, e.g. narrowed to each rank's own GPU) the state of the
+    GPU this process drew from at the save goes to the current GPU, what the run draws from
+    now (a checkpoint that did not record it: the GPUs both runs see, by index), with a
+    warning; never an ``IndexError`` for a GPU that is not there."""
+    visible = torch.cuda.device_count()
+    if len(states) == visible:
+        torch.cuda.set_rng_state_all(states)
+        return
+    saved_device = state.get("cuda_device")
+    current = torch.cuda.current_device()
+    if saved_device is not None and 0 <= saved_device < len(states):
+        torch.cuda.set_rng_state(states[saved_device], current)
+        what = f"GPU {saved_device}'s state (the one the saving process used) to GPU {current}"
+    else:
+        for index in range(min(len(states), visible)):
+            torch.cuda.set_rng_state(states[index], index)
+        what = f"the states of GPUs 0-{min(len(states), visible) - 1}"
+    warnings.warn(
+        f"the checkpoint holds the CUDA RNG states of {len(states)} GPUs and {visible} are "
+        f"visible now: restored {what} only (CUDA_VISIBLE_DEVICES differs from the saving run)",
+        stacklevel=3,
+    )

@@ -102,12 +102,14 @@ def dp_group() -> dist.ProcessGroup | None:
 
 def local_cuda_index() -> int | None:
     """The GPU this rank owns: ``LOCAL_RANK`` under torchrun, or the one GPU this process sees (a
-    launcher that gives each rank its own, e.g. SLURM's ``--gpus-per-task=1``), the current GPU
-    outside torchrun; None without CUDA.
+    launcher other than torchrun that gives each rank its own, e.g. SLURM's
+    ``--gpus-per-task=1``), the current GPU outside torchrun; None without CUDA.
 
     Raises:
         ValueError: torchrun started more processes on this node (``LOCAL_WORLD_SIZE``) than it
             has visible GPUs: two ranks would share a GPU (NCCL then fails, or they run slowly).
+            One visible GPU counts too under torchrun (``TORCHELASTIC_RUN_ID`` set): its
+            processes inherit one ``CUDA_VISIBLE_DEVICES``, so they would all run on GPU 0.
     """
     if not torch.cuda.is_available():
         return None
@@ -116,12 +118,13 @@ def local_cuda_index() -> int | None:
         return torch.cuda.current_device()
     count = torch.cuda.device_count()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", int(local) + 1))
-    if count == 1:
+    if count == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return 0  # each rank sees its own GPU; NCCL refuses two ranks on one ("Duplicate GPU")
     if per_node > count:
         raise ValueError(
             f"torchrun started {per_node} processes on this node (--nproc_per_node) but only "
-            f"{count} GPUs are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+            f"{count} GPU{'s are' if count > 1 else ' is'} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
             "start at most one process per GPU"
         )
     return int(local)

@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from microrl.engine import setup
 from microrl.engine.parallel import distributed
 
-__all__ = ["Dist", "StepFailed", "StopOnInterrupt", "per_rank"]
+__all__ = ["Dist", "StepFailed", "StopOnInterrupt", "per_rank", "train_threads"]
 
 STOP_MESSAGE = "stopping after this step; Ctrl-C again to abort without saving"
 
@@ -36,6 +37,15 @@ def per_rank(total: int, key: str, dist_info: Dist) -> int:
             f"{key}={total} must be divisible by the number of processes ({dist_info.world_size})"
         )
     return total // dist_info.world_size
+
+
+def train_threads(cfg: Any) -> int:
+    """The torch threads of each process of a run (``train.num_threads``; 0: torch's default):
+    ``null`` is 1 when the actor's device (``actor.device``) is the CPU and 0 on CUDA. ``cfg``:
+    a recipe config (``train``, ``actor``)."""
+    if cfg.train.num_threads is not None:
+        return cfg.train.num_threads
+    return 0 if setup.resolve_device(cfg.actor).type == "cuda" else 1
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 from microrl.engine.rollout import Rollout
 from microrl.losses import distillation_advantages
-from microrl.run.dist import Dist
+from microrl.run.dist import Dist, train_threads
 from microrl.run.teacher import TEACHER_LOGPROBS_KEY, Teacher, VLLMTeacher, make_teacher
 
 __all__ = [
@@ -42,7 +42,7 @@ def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
         cfg.actor,
         tokenizer,
         vllm=cfg.rollout.vllm,
-        num_threads=cfg.train.num_threads,
+        num_threads=train_threads(cfg),
         timeout_s=cfg.rollout.worker_timeout_s,
         log_dir=None if dist_info.process else f"{cfg.output.dir}/vllm_logs",
         dist_info=dist_info,

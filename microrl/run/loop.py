@@ -24,7 +24,7 @@ from microrl.engine.rollout.positions import check_positions, position_limit
 from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import load_run, save_run
 from microrl.run.cli import prepare_output
-from microrl.run.dist import Dist, per_rank
+from microrl.run.dist import Dist, per_rank, train_threads
 from microrl.run.vision import image_encoder_for
 from microrl.tasks import Task, is_agent_task, is_episode_task, make_task, overlong_penalty
 
@@ -82,7 +82,8 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
     """Everything a recipe does before it builds its engines, on every process.
 
     Joins the ranks (:meth:`Dist.init`), makes ``output.dir`` ready (``--resume`` /
-    ``--overwrite``: :func:`~microrl.run.cli.prepare_output`), sets ``train.num_threads``,
+    ``--overwrite``: :func:`~microrl.run.cli.prepare_output`), sets ``train.num_threads``
+    (:func:`~microrl.run.dist.train_threads`),
     prepares the base model (every process as its own rank: a toy model is built once), the
     task (its longest prompt and ``rollout.max_new_tokens`` checked against the model's
     positions: :func:`check_prompt_positions`) and a vision-language policy's image encoder
@@ -95,8 +96,8 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
     """
     dist_info = Dist.init()
     prepare_output(cfg, args, dist_info)  # --resume / --overwrite; a checkpoint left aside
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    if threads := train_threads(cfg):
+        torch.set_num_threads(threads)
     log = print if dist_info.is_main else (lambda *_: None)
     # Under sequence parallelism an sp group's processes are one data rank: the same prompts
     # (PPO's actor and critic share the layout: configs/examples.py checks the sizes are equal).

@@ -27,7 +27,7 @@ from microrl.engine.rollout import (
 from microrl.engine.rollout.episodes import EpisodeError
 from microrl.run.async_start import resumed_rollouts, start_prefetcher, warn_if_uncorrected
 from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
-from microrl.run.dist import Dist
+from microrl.run.dist import Dist, train_threads
 from microrl.run.prefetcher import RolloutPrefetcher
 from microrl.run.sampling import episode_rows, sample_and_score
 from microrl.run.tracking import Tracker
@@ -97,7 +97,7 @@ def start_sampling(
         task_name=cfg.task.name,
         last_step=cfg.train.steps,
         start_step=start_step,
-        num_threads=cfg.train.num_threads,
+        num_threads=train_threads(cfg),
         state=ahead,
         log_dir=str(Path(cfg.output.dir) / VLLM_SERVER_LOGS),
         scorer=scorer,

@@ -66,3 +66,35 @@ def test_host_copies_are_freed_by_the_backward_without_the_cycle_collector(monke
     alive = sum(ref() is not None for ref in copies)
     assert alive == 0, f"{alive} of {len(copies)} host copies outlived the backward"
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in engine.module.parameters())
+
+
+def test_no_pinned_host_memory_is_kept_after_an_optimizer_step(monkeypatch):
+    """On a (simulated) GPU the host copies are pinned, and torch's host allocator keeps every
+    freed pinned block cached, pinned, for a later request of its power-of-two size: it never
+    returned them, so after training the copies of the largest micro-batches stayed pinned
+    through sampling and the rest of the run. Each optimizer step now releases them: nothing
+    is pinned between steps (no FSDP2 offload here), whatever the shapes were."""
+    from device_utils import simulated_cuda
+
+    monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's tensors qualify
+    with simulated_cuda(monkeypatch) as sim:
+        pinned = []
+        pin = sim.pinned.pin
+
+        def counting(tensor):
+            pin(tensor)
+            pinned.append(sim.pinned.held)
+
+        monkeypatch.setattr(sim.pinned, "pin", counting)
+        config = ActorConfig(
+            micro_batch_size=2,
+            activation_offload=True,
+            lora=LoraConfig(rank=4, alpha=8.0),
+            optim=OptimConfig(name="sgd", lr=0.1),
+        )
+        engine = ActorEngine(tiny_model(), config)
+        assert engine.device.type == "cuda"
+        for step, length in enumerate((12, 20, 9)):  # micro-batches of several shapes
+            engine.train_batch(make_batch(4, length, seed=step).to(engine.device))
+            assert pinned, "nothing was offloaded to pinned memory"
+            assert sim.pinned.held == 0, f"step {step}: {sim.pinned.held} pinned bytes kept"

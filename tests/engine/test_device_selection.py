@@ -86,7 +86,9 @@ def test_a_group_initialised_by_the_caller_still_gets_its_own_gpu(monkeypatch) -
 
 
 def test_one_visible_gpu_per_rank_uses_that_gpu(monkeypatch) -> None:
-    # A launcher that sets CUDA_VISIBLE_DEVICES per rank: LOCAL_RANK 3 sees one GPU, index 0.
+    # A launcher other than torchrun that sets CUDA_VISIBLE_DEVICES per rank (SLURM's
+    # --gpus-per-task=1): LOCAL_RANK 3 sees one GPU, index 0.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     fake = FakeCudaAndGroup(monkeypatch, visible=1, initialized=False)
     assert _engine_device() == torch.device("cuda", 0)
     assert fake.backends == [(BACKEND, 0)]
@@ -116,6 +118,24 @@ def test_more_processes_on_a_node_than_gpus_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")  # every rank of the node refuses, not only the last
     with pytest.raises(ValueError, match="start at most one process per GPU"):
         setup.resolve_device(EngineConfig())
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_torchrun_with_several_processes_on_one_visible_gpu_is_refused(monkeypatch, local_rank):
+    # torchrun --nproc_per_node 2 where one GPU is visible: its processes inherit one
+    # CUDA_VISIBLE_DEVICES, so both ranks ran on GPU 0 (slowly, or NCCL's "Duplicate GPU").
+    FakeCudaAndGroup(monkeypatch, visible=1, initialized=False)
+    for key, value in dict(LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=2, WORLD_SIZE=2).items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun sets it for its processes
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ValueError, match=r"2 processes on this node .* only 1 GPU is visible"):
+        distributed.init_distributed()
+    with pytest.raises(ValueError, match="start at most one process per GPU"):
+        setup.resolve_device(EngineConfig())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process on one GPU: fine
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert distributed.local_cuda_index() == 0
 
 
 def test_the_hf_generation_worker_takes_its_gpu_before_building_its_model(monkeypatch) -> None:

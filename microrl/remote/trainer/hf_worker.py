@@ -17,7 +17,7 @@ import queue
 import signal
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,11 +35,12 @@ from microrl.engine.rollout.base import (
     draw_seed,
     encode_prompts,
 )
-from microrl.engine.rollout.full_weights import gather_full_weights
+from microrl.engine.rollout.full_weights import FullWeights, gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
 from microrl.engine.rollout.sync_check import engine_probe
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
+from microrl.remote.worker import stream
 from microrl.remote.worker.main import (
     WorkerSpec,
     checksums_differ,
@@ -48,6 +49,14 @@ from microrl.remote.worker.main import (
     tensor_checksums,
     tensor_family,
     worker_main,
+)
+from microrl.remote.worker.stream import (
+    Entry,
+    Packed,
+    check_layout,
+    pack,
+    send_chunks,
+    send_stream,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -181,19 +190,14 @@ class AsyncRollout(AsyncSamplerBase):
             self._group = ProcessGroupGloo(
                 PrefixStore("microrl-rollout", self._store), 0, 2, timeout
             )
-            full = self._gather(engine, trainable_only=False)
-            trainable = self._gather(engine, trainable_only=True)
             self._layouts = {
-                "full": [(n, tuple(t.shape), t.dtype) for n, t in full.items()],
-                "trainable": [(n, tuple(t.shape), t.dtype) for n, t in trainable.items()],
+                "full": self._layout(engine, trainable_only=False),
+                "trainable": self._layout(engine, trainable_only=True),
             }
             self._commands.put(("layout", self._layouts))
             self._wait_for("ready", "it to check the model's tensors")
-            self._push(engine, full, "full")
-            del full
+            self._stream_full(engine)
             self._wait_for_sync(self.version)
-            # The worker holds the weights: the full push's buffers can go.
-            self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
         except BaseException:
             self.close()
             raise
@@ -221,8 +225,25 @@ class AsyncRollout(AsyncSamplerBase):
                 self._commands.put(("close",))
 
     # ----------------------------------------------------------------- weights
-    def _gather(self, engine, *, trainable_only: bool) -> dict[str, torch.Tensor]:
-        return gather_weights(engine.module, self.prefix, trainable_only=trainable_only)
+    def _layout(self, engine, *, trainable_only: bool) -> list[Entry]:
+        """``(name, shape, dtype)`` of each tensor a push of this kind sends (no gather)."""
+        weights = FullWeights(engine.module, self.prefix, trainable_only=trainable_only)
+        return [(name, shape, dtype) for name, dtype, shape in weights.metadata()]
+
+    def _stream_full(self, engine) -> None:
+        """The first push: every tensor, gathered one at a time and streamed in chunks
+        (:func:`~microrl.remote.worker.stream.send_stream`), so neither process holds a second
+        copy of the model on the host; then the engine's probe log-probs, what the worker must
+        answer. Synchronous: the start waits for the worker's check anyway."""
+        entries = self._layouts["full"]
+        chunk = stream.CHUNK_BYTES
+        self._commands.put(("weights", self.version, "full", chunk))
+        weights = FullWeights(engine.module, self.prefix)
+        checksums = send_stream(weights, entries, self._send, chunk)
+        self._expected[self.version] = (self._probe_logprobs(engine), checksums)
+
+    def _send(self, chunk: torch.Tensor):
+        return self._group.broadcast(chunk, 0)
 
     def sync(self, engine=None) -> None:
         """Push the engine's current weights as the next version (``version + 1``) through
@@ -233,44 +254,52 @@ class AsyncRollout(AsyncSamplerBase):
         self._check_open()
         self.weight_sync.push(engine or self.engine, self.version + 1)
 
-    def push_version(
-        self, engine, state: dict[str, torch.Tensor], version: int, expected=None
-    ) -> None:
-        """Send ``state`` (the trainable tensors, gathered) as ``version``; ``expected``: its
-        :meth:`expected_of` when the caller computed it (a pool: once for all its workers)."""
-        self._check_open()
-        self.version = version
-        self._push(engine, state, "trainable", expected)
+    def pack(self, engine) -> Packed:
+        """The trainable tensors, gathered one at a time into one host buffer
+        (:func:`~microrl.remote.worker.stream.pack`). Collective under ``torchrun``."""
+        entries = self._layouts["trainable"]
+        weights = FullWeights(engine.module, self.prefix, trainable_only=True)
+        check_layout(self._layout(engine, trainable_only=True), entries, self.name)
+        return pack(weights, entries)
 
-    def expected_of(self, engine, state: dict[str, torch.Tensor]):
+    def push_version(
+        self,
+        engine,
+        state: Packed | Mapping[str, torch.Tensor],
+        version: int,
+        expected=None,
+    ) -> None:
+        """Send ``state`` (the trainable tensors: :meth:`pack`'s, or gathered by name) as
+        ``version``; ``expected``: its :meth:`expected_of` when the caller computed it (a pool:
+        once for all its workers)."""
+        self._check_open()
+        entries = self._layouts["trainable"]
+        if not isinstance(state, Packed):
+            check_layout(
+                [(n, tuple(t.shape), t.dtype) for n, t in state.items()], entries, self.name
+            )
+            state = pack(state.items(), entries)
+        self.version = version
+        self._expected[version] = expected or self.expected_of(engine, state)
+        self._commands.put(("weights", version, "trainable", stream.CHUNK_BYTES))
+        self._broadcast(state.buffer, stream.CHUNK_BYTES)
+
+    def expected_of(self, engine, state: Packed | Mapping[str, torch.Tensor]):
         """What the worker must answer to a push of ``state``: the engine's probe log-probs
         now and the tensors' checksums."""
-        expected_probe = engine.infer_batch(self.probe)["logprobs"].float().cpu()
-        return expected_probe, tensor_checksums(state.items())
+        sums = state.checksums if isinstance(state, Packed) else tensor_checksums(state.items())
+        return self._probe_logprobs(engine), sums
 
-    def _push(self, engine, state: dict[str, torch.Tensor], layout: str, expected=None) -> None:
-        entries = self._layouts[layout]
-        if [(n, tuple(t.shape), t.dtype) for n, t in state.items()] != entries:
-            raise RuntimeError(
-                f"the engine's {layout} tensors changed since {self.name} started (names, "
-                "shapes or dtypes): a worker copies a fixed set"
-            )
-        self._expected[self.version] = expected or self.expected_of(engine, state)
-        self._commands.put(("weights", self.version, layout))
-        self._broadcast(state, entries)
+    def _probe_logprobs(self, engine) -> torch.Tensor:
+        return engine.infer_batch(self.probe)["logprobs"].float().cpu()
 
-    def _broadcast(self, state: dict[str, torch.Tensor], entries) -> None:
-        """One flat buffer per dtype, broadcast asynchronously (the worker receives it when it
-        reaches the ``weights`` command): the trainer does not wait for the worker here."""
+    def _broadcast(self, buffer: torch.Tensor, chunk_bytes: int) -> None:
+        """A packed push's chunks, broadcast asynchronously (the worker receives them when it
+        reaches the ``weights`` command): the trainer does not wait for the worker here; the
+        buffer is kept until every chunk has left."""
         self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
-        dtypes: list[torch.dtype] = []
-        for _, _, dtype in entries:
-            if dtype not in dtypes:
-                dtypes.append(dtype)
-        for dtype in dtypes:
-            flat = torch.cat([state[n].reshape(-1) for n, _, d in entries if d == dtype])
-            work = self._group.broadcast(flat, 0)
-            self._pending_works.append((work, [flat]))
+        for work in send_chunks(buffer, self._send, chunk_bytes):
+            self._pending_works.append((work, [buffer]))
 
     # ----------------------------------------------------------------- jobs
     def _submit(
@@ -442,7 +471,7 @@ class GlooBroadcast(WeightSync):
 
     def push(self, engine, version: int) -> None:
         first = self.workers[0]
-        state = gather_weights(engine.module, first.prefix, trainable_only=True)
+        state = first.pack(engine)  # once: one host copy of the trainable tensors for all
         expected = first.expected_of(engine, state)  # the same probe in every worker
         for worker in self.workers:
             worker.push_version(engine, state, version, expected)

@@ -186,14 +186,12 @@ class HFPushJoiner:
 def join_hf_push(engine: Any, prefix: str, probe: Any, *, first: bool = False) -> None:
     """Take part in the collectives of an ``hf`` worker's push (``AsyncRollout`` and
     ``AsyncRolloutPool``) from a process that sends nothing: gather every tensor (``first``:
-    a worker's start), then the trainable ones, one at a time and dropped, then score ``probe``
+    a worker's start) or the trainable ones, one at a time and dropped, then score ``probe``
     with the engine (under sequence parallelism the group splits its tokens).
 
     It mirrors ``AsyncRollout.wait_started`` (``first``) and ``GlooBroadcast.push``, in their
     order: a change there must change this too (the group's collectives would not pair;
     tests/examples/test_examples_sequence_parallel.py runs both)."""
-    passes = (False, True) if first else (True,)
-    for trainable_only in passes:
-        for _ in FullWeights(engine.module, prefix, trainable_only=trainable_only):
-            pass
+    for _ in FullWeights(engine.module, prefix, trainable_only=not first):
+        pass
     engine.infer_batch(probe)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from microrl.remote.worker.stream import receive_stream, tensor_checksum
+
 __all__ = [
     "WorkerSpec",
     "build_sampler",
@@ -87,11 +89,7 @@ def loads(data: bytes) -> Any:
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
     """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64: two copies of a tensor
     agree on all three to rounding, a stale or wrong one does not (:func:`checksums_differ`)."""
-    out = {}
-    for name, tensor in named:
-        x = tensor.detach().double()
-        out[name] = (float(x.sum()), float((x * x).sum()), float(x.abs().sum()))
-    return out
+    return {name: tensor_checksum(tensor) for name, tensor in named}
 
 
 def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
@@ -156,7 +154,8 @@ def score_probe(
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     """The trainer's architecture with its LoRA structure, randomly initialised: the first
     (``full``) push overwrites every tensor. Built in the base's storage dtype (parameters
-    only, as the engine stores them; the adapters fp32), never in fp32 first."""
+    only, as the engine stores them; the adapters fp32), never in fp32 first, and on
+    ``spec.device`` directly."""
     from microrl.engine.setup import apply_lora, auto_model_class
     from microrl.engine.vision import vision_spec
 
@@ -165,10 +164,12 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
         config._attn_implementation = attention.removeprefix("microrl_varlen_")
     # A vision-language policy: its image-text class (tower and lm head), as the engine loads it.
-    model = auto_model_class(config).from_config(config, dtype=spec.base_dtype)
-    tower = vision_spec(model) if spec.freeze_vision else None
-    exclude = tower.tower_module_names(model) if tower is not None else None
-    model, _ = apply_lora(model, spec.lora, exclude=exclude)
+    # Built on its device: on a GPU no host copy of the model ever exists in this process.
+    with torch.device(spec.device):
+        model = auto_model_class(config).from_config(config, dtype=spec.base_dtype)
+        tower = vision_spec(model) if spec.freeze_vision else None
+        exclude = tower.tower_module_names(model) if tower is not None else None
+        model, _ = apply_lora(model, spec.lora, exclude=exclude)
     return model.to(spec.device).eval()
 
 
@@ -233,7 +234,7 @@ class _Worker:
                 self._set_layouts(command[1])
                 self.results.put(("ready",))
             elif kind == "weights":
-                self._receive(command[1], command[2])
+                self._receive(*command[1:])
             elif kind in ("generate", "episodes"):
                 self._job(kind, *command[1:])
             else:
@@ -258,18 +259,14 @@ class _Worker:
         self.layouts = layouts
 
     @torch.no_grad()
-    def _receive(self, version: int, layout: str) -> None:
+    def _receive(self, version: int, layout: str, chunk_bytes: int) -> None:
+        """A push's chunks (microrl.remote.worker.stream), each scattered into the tensors
+        as it arrives: one chunk on the host, whatever the model's size."""
         start = time.perf_counter()
         entries = self.layouts[layout]
-        for dtype in _dtype_order(entries):
-            group = [(n, s) for n, s, d in entries if d == dtype]
-            flat = torch.empty(sum(_numel(s) for _, s in group), dtype=dtype)
-            self.group.broadcast(flat, 0).wait()
-            offset = 0
-            for name, shape in group:
-                size = _numel(shape)
-                self.tensors[name].copy_(flat[offset : offset + size].view(shape))
-                offset += size
+        receive_stream(
+            self.tensors, entries, lambda chunk: self.group.broadcast(chunk, 0).wait(), chunk_bytes
+        )
         self.version = version
         probe = score_probe(
             self.model, self.spec.probe, self.spec.temperature, self.spec.autocast_dtype
@@ -336,22 +333,6 @@ def _pickled_error(err: Exception) -> bytes:
         return data
     except Exception:
         return dumps(RuntimeError(f"{type(err).__name__}: {err}\n{text}"))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _dtype_order(entries) -> list[torch.dtype]:
-    """The dtypes of a layout in first-seen order: one flat buffer (one broadcast) each."""
-    seen: list[torch.dtype] = []
-    for _, _, dtype in entries:
-        if dtype not in seen:
-            seen.append(dtype)
-    return seen
 
 
 def worker_main(spec: WorkerSpec, commands, results) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import math
+from pathlib import Path
+
 import torch
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
@@ -9,6 +13,7 @@ from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
 from microrl.engine.rollout import HFRollout, SamplingParams
 from microrl.losses import broadcast_to_tokens
+from microrl.remote.worker.stream import as_bytes
 from microrl.run.toy_model import build_model, build_tokenizer
 from microrl.tasks import HintedAdditionTask
 
@@ -18,12 +23,13 @@ PROMPTS = ["1+2=", "34+5=", "7+8="]
 SEEDED = SamplingParams(num_samples=3, max_new_tokens=4, seed=11)
 
 
-def make_engine(lora_rank: int = 4) -> tuple[ActorEngine, object]:
+def make_engine(lora_rank: int = 4, hidden_size: int = 32) -> tuple[ActorEngine, object]:
     torch.manual_seed(0)
     tok = build_tokenizer()
-    model = build_model(
-        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2), tok
+    shape = ModelConfig(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_layers=2, num_heads=2
     )
+    model = build_model(shape, tok)
     config = ActorConfig(
         lora=LoraConfig(rank=lora_rank), micro_batch_size=16, optim=OptimConfig(lr=5e-2)
     )
@@ -47,6 +53,27 @@ def assert_same(rollout, reference) -> None:
         rollout.batch["rollout_logprobs"], reference.batch["rollout_logprobs"], rtol=0, atol=1e-5
     )
     assert rollout.texts == reference.texts
+
+
+def benchmark_module(name: str):
+    """A module of benchmarks/ (not a package), loaded from its file."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stale_bytes(worker, buffer: torch.Tensor, name: str, before: torch.Tensor) -> torch.Tensor:
+    """A copy of ``worker``'s packed trainable push ``buffer`` whose bytes of tensor ``name``
+    are ``before``'s: a push that "forgets" that tensor."""
+    buffer, offset = buffer.clone(), 0
+    for entry, shape, dtype in worker._layouts["trainable"]:
+        size = math.prod(shape) * dtype.itemsize
+        if entry == name:
+            buffer[offset : offset + size] = as_bytes(before)
+        offset += size
+    return buffer
 
 
 def picky_env(problem):

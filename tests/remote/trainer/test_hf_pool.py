@@ -22,7 +22,15 @@ import os
 
 import pytest
 import torch
-from hf_worker_utils import PROMPTS, SEEDED, assert_same, make_engine, picky_env, update
+from hf_worker_utils import (
+    PROMPTS,
+    SEEDED,
+    assert_same,
+    make_engine,
+    picky_env,
+    stale_bytes,
+    update,
+)
 
 from microrl.engine.rollout import HFRollout, SamplingParams, merge_rollouts
 from microrl.engine.rollout.sync_check import SyncCheckError
@@ -208,10 +216,10 @@ def test_a_push_stale_on_one_worker_fails_naming_it_and_close_stops_all(pool, mo
     broadcast = AsyncRollout._broadcast
     second = workers.workers[1]
 
-    def skipping_one_on_the_second(self, state, entries):
+    def skipping_one_on_the_second(self, buffer, chunk_bytes):
         if self is second:  # this push "forgets" one tensor
-            state = {**state, name: before}
-        return broadcast(self, state, entries)
+            buffer = stale_bytes(self, buffer, name, before)
+        return broadcast(self, buffer, chunk_bytes)
 
     monkeypatch.setattr(AsyncRollout, "_broadcast", skipping_one_on_the_second)
     version = workers.version + 1
