@@ -280,7 +280,8 @@ def release_pinned_memory(device: torch.device) -> None:
     shards, freed by ``zero_grad``) would stay pinned, unswappable, through sampling and for
     the rest of the run, and a block serves only later requests of its power-of-two size, so
     micro-batches of other shapes pin more. Blocks still in use (FSDP2's offloaded parameter
-    shards) stay. The engine calls it after each optimizer step (docs/distributed.md)."""
+    shards) stay. ``Engine.release_host_memory`` calls it once a step's updates are done
+    (docs/distributed.md)."""
     if torch.device(device).type != "cuda":
         return
     empty = getattr(torch.accelerator, "empty_host_cache", None)  # else the CUDA-only name

@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             for _ in range(cfg.train.ppo_epochs):
                 for rows in torch.randperm(batch.batch_size[0]).tensor_split(mini_batches):
                     updates.append(engine.train_batch(batch[rows]))
+            engine.release_host_memory()  # offloaded copies: unpinned before sampling
             is_eval_step = cfg.train.eval_due(step)
             if prefetch is not None:  # push (and check) the new weights; sample a step further
                 prefetch.sync(engine)

@@ -233,6 +233,8 @@ def ppo_update(
         for rows in torch.randperm(batch.batch_size[0]).split(mini_batch_per_rank):
             actor_updates.append(actor.train_batch(batch[rows]))
             critic_updates.append(critic.train_batch(batch[rows]))
+    actor.release_host_memory()  # offloaded copies: unpinned before sampling
+    critic.release_host_memory()
     return actor_updates, critic_updates
 
 

@@ -68,12 +68,13 @@ def test_host_copies_are_freed_by_the_backward_without_the_cycle_collector(monke
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in engine.module.parameters())
 
 
-def test_no_pinned_host_memory_is_kept_after_an_optimizer_step(monkeypatch):
+def test_no_pinned_host_memory_is_kept_after_the_updates(monkeypatch):
     """On a (simulated) GPU the host copies are pinned, and torch's host allocator keeps every
     freed pinned block cached, pinned, for a later request of its power-of-two size: it never
     returned them, so after training the copies of the largest micro-batches stayed pinned
-    through sampling and the rest of the run. Each optimizer step now releases them: nothing
-    is pinned between steps (no FSDP2 offload here), whatever the shapes were."""
+    through sampling and the rest of the run. ``release_host_memory`` (the recipes call it once
+    a step's updates are done) releases them: nothing stays pinned (no FSDP2 offload here),
+    whatever the shapes were; between optimizer steps the cache is reused."""
     from device_utils import simulated_cuda
 
     monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's tensors qualify
@@ -97,4 +98,6 @@ def test_no_pinned_host_memory_is_kept_after_an_optimizer_step(monkeypatch):
         for step, length in enumerate((12, 20, 9)):  # micro-batches of several shapes
             engine.train_batch(make_batch(4, length, seed=step).to(engine.device))
             assert pinned, "nothing was offloaded to pinned memory"
+            assert sim.pinned.held > 0, "the cache is for the next optimizer step"
+            engine.release_host_memory()
             assert sim.pinned.held == 0, f"step {step}: {sim.pinned.held} pinned bytes kept"

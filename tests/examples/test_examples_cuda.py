@@ -88,16 +88,27 @@ def test_asynchronous_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
 
 def test_ppo_on_a_gpu_keeps_every_tensor_on_it(base_model, tmp_path, monkeypatch) -> None:
     """GAE over the critic's device values and the rollout's rewards, the whitening, the
-    entropy metric: all on the GPU."""
+    entropy metric: all on the GPU. With activation offload, both engines' pinned host copies
+    are released once the updates are done: nothing stays pinned through sampling."""
+    from microrl.engine import offload
+
+    monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's tensors qualify
     args = _args(
         base_model,
         tmp_path / "ppo",
         "actor.device=cuda",
         "critic.device=cuda",
         "critic.micro_batch_size=2",
+        "actor.activation_offload=true",
+        "critic.activation_offload=true",
     )
-    with simulated_cuda(monkeypatch):
+    with simulated_cuda(monkeypatch) as sim:
+        pins = []
+        pin = sim.pinned.pin
+        monkeypatch.setattr(sim.pinned, "pin", lambda t: (pins.append(t.nbytes), pin(t)))
         assert load_example("ppo_lora").main(args) == 0
+        assert pins, "nothing was offloaded to pinned memory"
+        assert sim.pinned.held == 0, f"{sim.pinned.held} pinned bytes kept after the run"
     assert "critic/vf_loss" in read_metrics(tmp_path / "ppo" / "metrics.jsonl")[-1]
 
 
