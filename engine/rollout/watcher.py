@@ -364,4 +364,5 @@ if __name__ == "__main__":  # the watcher process: python -I -S watcher.py <fd> 
     _watch_pipe(int(sys.argv[1]), int(sys.argv[2]))
 else:
     _watcher = _Watcher()
-    os.register_at_fork(after_in_child=_after_fork)
+    if hasattr(os, "register_at_fork"):  # POSIX
+        os.register_at_fork(after_in_child=_after_fork)
