@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -34,6 +35,7 @@ import torch
 
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
+from microrl.engine.rollout import watcher
 from microrl.engine.rollout.base import SEED_RANGE
 
 if TYPE_CHECKING:
@@ -112,6 +114,9 @@ TYPED_KEYS: dict[str, str] = {
     "kv_cache_memory_bytes": "kv_cache_memory_mb",
 }
 _KEY = "rollout.vllm.engine_kwargs"
+# The temporary directories a start sweeps when their owner died (only those it marked).
+_SWEPT_PREFIX = "microrl-"
+logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(requested: str, engine, base) -> str:
@@ -210,16 +215,28 @@ def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
     """Where the exports vLLM reads (the base model, adapters) are written, and whether it is
     ours to remove: ``workdir``, else a fresh temporary directory, rank 0's on every rank,
     checked visible on every node (:func:`~microrl.engine.parallel.nodes.shared_tempdir`:
-    rank 0 writes the exports every rank's engine reads). Collective without ``workdir``."""
+    rank 0 writes the exports every rank's engine reads). Collective without ``workdir``.
+
+    A temporary one is removed by rank 0's watcher if rank 0 dies before
+    :func:`remove_workdir` (:mod:`~microrl.engine.rollout.watcher`); the ones of killed runs
+    whose watcher died too are swept first."""
     if workdir:
         return Path(workdir), False
-    return Path(shared_tempdir(prefix)), True
+    if distributed.rank() == 0:
+        for path in watcher.sweep_stale_dirs(_SWEPT_PREFIX):
+            logger.warning("removed %s, left by a microrl process that was killed", path)
+    path = Path(shared_tempdir(prefix))
+    if distributed.rank() == 0:
+        watcher.mark_owner(path)
+        watcher.watch("directory", path, label=f"its temporary model directory {path}")
+    return path, True
 
 
 def remove_workdir(workdir: Path, *, owned: bool) -> None:
     """Remove ``workdir`` (rank 0, which made it) when :func:`make_workdir` made it."""
     if owned and distributed.rank() == 0:
         shutil.rmtree(workdir, ignore_errors=True)
+        watcher.release("directory", workdir)
 
 
 def cpu_scheduler_args() -> dict[str, Any]:

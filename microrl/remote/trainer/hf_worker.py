@@ -28,6 +28,7 @@ from microrl.engine import setup
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.ulysses_attention import base_implementation
+from microrl.engine.rollout import watcher
 from microrl.engine.rollout.base import (
     Rollout,
     SamplingParams,
@@ -170,9 +171,10 @@ class AsyncRollout(AsyncSamplerBase):
             target=worker_main,
             args=(spec, self._commands, self._results),
             name="microrl-rollout-worker",
-            daemon=True,  # never outlives the trainer
+            daemon=True,  # stopped at the trainer's exit; the watcher stops it if it is killed
         )
         self.process.start()
+        watcher.watch("process", self.process.pid, label=self.name)
         self._finalizer = weakref.finalize(
             self, _stop_worker, self.process, self._commands, self._results
         )
@@ -539,3 +541,5 @@ def _stop_worker(process: multiprocessing.Process, commands, results) -> None:
         with contextlib.suppress(Exception):
             q.cancel_join_thread()
             q.close()
+    if not process.is_alive():
+        watcher.release("process", process.pid)

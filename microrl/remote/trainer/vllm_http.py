@@ -5,22 +5,37 @@ request carries ``Authorization: Bearer <key>`` when a key is set, on every rout
 ``--api-key`` guards its ``/v1``, ``/v2`` and ``/inference`` routes, and sending the key to the
 others costs nothing. A refused key is a :class:`ServerAuthError` naming where the key came from;
 any other failure a :class:`ServerError` naming the server, the route and the server's own
-message: nothing fails quietly or hangs (every request has a timeout).
+message: nothing fails quietly or hangs (every request has a timeout). A local server that
+died during a request is a :class:`ServerDied` with its exit code (not a timeout, which the
+closed connection is not); only a request that waited ``timeout_s`` says it timed out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["API_KEY_ENV", "ServerAuthError", "ServerClient", "ServerError", "resolve_api_key"]
+__all__ = [
+    "API_KEY_ENV",
+    "ServerAuthError",
+    "ServerClient",
+    "ServerDied",
+    "ServerError",
+    "exit_status",
+    "resolve_api_key",
+]
 
 #: The environment variable vLLM's server reads its key from, and so does this client.
 API_KEY_ENV = "VLLM_API_KEY"
+# How long a request whose connection broke waits for a local server's exit: a process closes
+# its sockets as it exits, a moment before its parent can read its exit code.
+_EXIT_WAIT_S = 3.0
 
 
 class ServerError(RuntimeError):
@@ -29,6 +44,10 @@ class ServerError(RuntimeError):
 
 class ServerAuthError(ServerError):
     """A vLLM server refused the API key (HTTP 401)."""
+
+
+class ServerDied(ServerError):
+    """A local vLLM server exited while a request waited for its answer."""
 
 
 def resolve_api_key(api_key: str | None) -> tuple[str | None, str]:
@@ -49,6 +68,9 @@ class ServerClient:
         api_key: sent as a bearer token; None: ``$VLLM_API_KEY`` if set (:func:`resolve_api_key`).
         timeout_s: the longest wait for one answer.
         explain: what to add to an error's message (a local server's log tail), or None.
+        exit_code: a local server's exit code, waiting at most the given seconds (None while it
+            runs): a request that fails asks it whether the server died; None: a server the
+            user started.
     """
 
     def __init__(
@@ -58,6 +80,7 @@ class ServerClient:
         *,
         timeout_s: float = 600.0,
         explain: Callable[[], str] | None = None,
+        exit_code: Callable[[float], int | None] | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http:// or https:// URL, got {url!r}")
@@ -67,6 +90,7 @@ class ServerClient:
         self.api_key, self.key_source = resolve_api_key(api_key)
         self.timeout_s = float(timeout_s)
         self.explain = explain
+        self.exit_code = exit_code
 
     def post(self, route: str, body: dict[str, Any] | None = None, **query: Any) -> Any:
         """POST ``body`` as JSON to ``route`` (``?key=value`` from ``query``); the decoded
@@ -110,17 +134,44 @@ class ServerClient:
                 f"{err.code} {message}{self._explained()}"
             ) from None
         except (OSError, urllib.error.URLError) as err:
-            raise ServerError(
-                f"the vLLM server at {self.url} did not answer {method} /{route.lstrip('/')} "
-                f"(timeout {self.timeout_s:.0f} s): {err}{self._explained()}"
-            ) from err
+            raise self._unanswered(f"{method} /{route.lstrip('/')}", err) from err
         try:
             return json.loads(raw) if raw else None
         except json.JSONDecodeError:  # some routes answer in plain text (LoRA loading)
             return raw.decode(errors="replace")
 
+    def _unanswered(self, request: str, err: Exception) -> ServerError:
+        """The error of a request without an answer: the server died (its exit code), it took
+        longer than ``timeout_s``, or the connection failed (refused, or closed unanswered)."""
+        timed_out = isinstance(getattr(err, "reason", err), TimeoutError)
+        if self.exit_code is not None:
+            code = self.exit_code(0.0 if timed_out else _EXIT_WAIT_S)
+            if code is not None:
+                return ServerDied(
+                    f"the vLLM server at {self.url} died ({exit_status(code)}) during "
+                    f"{request}{self._explained()}"
+                )
+        if timed_out:
+            return ServerError(
+                f"the vLLM server at {self.url} did not answer {request} within "
+                f"{self.timeout_s:.0f} s{self._explained()}"
+            )
+        reason = getattr(err, "reason", err)
+        return ServerError(
+            f"the vLLM server at {self.url} did not answer {request}: the connection failed "
+            f"({type(reason).__name__}: {reason}){self._explained()}"
+        )
+
     def _explained(self) -> str:
         return f"\n{self.explain()}" if self.explain is not None else ""
+
+
+def exit_status(code: int) -> str:
+    """``exit code 3``, or ``killed by SIGKILL (exit code -9)`` for a negative (signal) code."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+    return f"exit code {code}"
 
 
 def _query_value(value: Any) -> str:

@@ -5,9 +5,11 @@
 ``rollout.server_url`` is given. The command is the one the docs give users who start servers
 themselves, so both modes exercise the same server. It is never reachable from another machine,
 and it is stopped (its whole process group: the API server and its engine-core process) when
-the trainer closes it or exits. Its log is kept under the run's ``log_dir`` (or in a temporary
-file kept only when it failed), and an error about it carries the traceback its engine core
-logged (:func:`engine_traceback`): vLLM's own HTTP answer names no cause.
+the trainer closes it or exits, or by the trainer's watcher when the trainer is killed
+(:mod:`~microrl.engine.rollout.watcher`). Its log is kept under the run's ``log_dir`` (or in a
+temporary file kept only when it failed), and an error about it carries the traceback its
+engine core logged (:func:`engine_traceback`): vLLM's own HTTP answer names no cause; a server
+that died mid-request is reported dead, with its exit code and its log.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from microrl.engine.rollout import watcher
 from microrl.engine.rollout.vllm_options import cli_flags, cpu_scheduler_args, free_port
-from microrl.remote.trainer.vllm_http import ServerClient, ServerError
+from microrl.remote.trainer.vllm_http import ServerClient, ServerError, exit_status
 
 __all__ = ["LocalVLLMServer", "engine_traceback", "serve_command", "server_env"]
 
@@ -210,11 +213,17 @@ class LocalVLLMServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: close() stops the engine core too
         )
+        # Stopped with its group if this process dies before close() (SIGKILL included).
+        watcher.watch("group", self.process.pid, label=name)
         self._finalizer = weakref.finalize(
             self, _stop, self.process, self._log, self.log_path, self._keep_log
         )
         self.client = ServerClient(
-            self.url, self.api_key, timeout_s=timeout_s, explain=self.diagnosis
+            self.url,
+            self.api_key,
+            timeout_s=timeout_s,
+            explain=self.diagnosis,
+            exit_code=self.exit_code,
         )
         try:
             self._wait_until_up(timeout_s)
@@ -227,7 +236,7 @@ class LocalVLLMServer:
         while not self.client.healthy():
             if self.process.poll() is not None:
                 raise ServerError(
-                    f"{self.name} exited with code {self.process.returncode} while starting; "
+                    f"{self.name} exited ({exit_status(self.process.returncode)}) while starting; "
                     f"{self.diagnosis()}"
                 )
             if time.monotonic() > deadline:
@@ -255,6 +264,13 @@ class LocalVLLMServer:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def exit_code(self, wait_s: float = 0.0) -> int | None:
+        """The server's exit code once it exited (``-N``: killed by signal ``N``), waiting at
+        most ``wait_s`` for it; None while it runs."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.process.wait(timeout=wait_s)
+        return None
 
     def close(self) -> None:
         """Stop the server's process group (SIGTERM, then SIGKILL); remove its log if it is a
@@ -327,6 +343,7 @@ def _stop(process: subprocess.Popen, log, log_path: Path, keep_log: list[bool]) 
                 break
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)  # an engine core left behind by its parent
+    watcher.release("group", process.pid)
     with contextlib.suppress(OSError):
         log.close()
         if not keep_log[0]:

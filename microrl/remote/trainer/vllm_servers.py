@@ -43,7 +43,7 @@ from microrl.remote.trainer.server_weight_syncs import (
     HTTPAdapterSync,
     TransferSync,
 )
-from microrl.remote.trainer.vllm_http import ServerClient
+from microrl.remote.trainer.vllm_http import ServerClient, exit_status
 from microrl.remote.trainer.vllm_placement import (
     cuda_visible_devices,
     data_rank,
@@ -478,7 +478,7 @@ class VLLMServerRollout(AsyncSamplerBase):
         for server in self._servers:
             if not server.alive():
                 raise WorkerError(
-                    f"{server.name} died (exit code {server.process.returncode}) while the "
+                    f"{server.name} died ({exit_status(server.process.returncode)}) while the "
                     f"trainer waited for {what}; {server.diagnosis()}"
                 )
 

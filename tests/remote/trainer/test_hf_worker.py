@@ -39,7 +39,7 @@ from hf_worker_utils import (
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import HFRollout, SamplingParams
+from microrl.engine.rollout import HFRollout, SamplingParams, watcher
 from microrl.engine.rollout.sync_check import (
     FP32_SYNC_CHECK_TOL,
     LOW_PRECISION_SYNC_CHECK_TOL,
@@ -78,8 +78,11 @@ def lora_worker():
     """A LoRA engine and its worker, shared by the next two tests (the second breaks it)."""
     engine, tok = make_engine(lora_rank=4)
     with AsyncRollout(engine, tok) as worker:
+        # Watched from its start: killed if the trainer is (tests/engine/rollout/test_watcher.py).
+        assert ("process", worker.process.pid) in watcher.watched()
         yield engine, tok, worker
     assert not worker.process.is_alive()
+    assert ("process", worker.process.pid) not in watcher.watched()
 
 
 def _check_versions(engine, tok, worker) -> None:

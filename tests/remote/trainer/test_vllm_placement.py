@@ -64,6 +64,7 @@ def recorded(monkeypatch, tmp_path):
     )
     monkeypatch.setattr(vllm_launch, "subprocess", fake_subprocess)
     monkeypatch.setattr(vllm_launch, "_stop", lambda *args: None)
+    monkeypatch.setattr(vllm_launch.watcher, "watch", lambda *args, **kwargs: None)  # no pid
     monkeypatch.setattr(vllm_launch.LocalVLLMServer, "_wait_until_up", lambda self, t: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the servers' log files
     monkeypatch.setattr(vllm_servers, "export_merged_model", lambda *args, **kwargs: None)

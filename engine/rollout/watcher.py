@@ -1,0 +1,368 @@
+"""What a trainer starts ends with it, however the trainer ended (docs/async.md#when-the-trainer-dies).
+
+:func:`watch` hands the trainer's ``vllm serve`` servers (process groups), ``hf`` workers and
+temporary model directories to one small watcher process per trainer process; the trainer
+:func:`release` s what it stopped itself. The watcher reads a pipe whose only write end the
+trainer holds (not inheritable; a ``fork`` child closes its copy), so the kernel ends the pipe
+when the trainer ends, SIGKILL included. The watcher then SIGTERMs what is still watched, a
+server's whole process group (vLLM's engine core and workers), SIGKILLs what is left after
+:data:`GRACE_S`, and removes the directories. It runs this file with ``python -I -S`` (the
+standard library only), in its own session, ignoring SIGINT, SIGTERM and SIGHUP.
+
+Not ``PR_SET_PDEATHSIG``: the kernel sends it when the *thread* that started the child ends
+(servers start on a thread pool's short-lived threads); it reaches the child only, not vLLM's
+engine core; it needs an unsafe ``preexec_fn`` in a threaded process; it is Linux only; and it
+removes no directory. A pid is checked against its start time (``/proc``) before a signal, so a
+reused pid is never signalled. When the watcher dies with the trainer (``scancel
+--signal=KILL`` signals every process of a job; its cgroup ends the servers), the next start
+sweeps the directories (:func:`sweep_stale_dirs`) whose owner (:func:`mark_owner`) is dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = [
+    "GRACE_S",
+    "KINDS",
+    "OWNER_FILE",
+    "mark_owner",
+    "release",
+    "sweep_stale_dirs",
+    "watch",
+    "watched",
+]
+
+#: What can be watched: a process group (a server and its children), one process, a directory.
+KINDS = ("group", "process", "directory")
+#: Seconds between SIGTERM and SIGKILL once the trainer is gone.
+GRACE_S = 5.0
+#: The file in a temporary directory naming the process that made it (:func:`mark_owner`).
+OWNER_FILE = ".microrl-owner.json"
+_POLL_S = 0.05
+_SCRIPT = os.path.abspath(__file__)
+_ABANDONED: list[subprocess.Popen] = []
+
+
+# ----------------------------------------------------------------- the trainer's side
+def watch(kind: str, target: int | str | os.PathLike, *, label: str = "") -> None:
+    """Have ``target`` stopped (``group``: SIGTERM then SIGKILL to the process group;
+    ``process``: to the process) or removed (``directory``) once this process is gone, unless
+    :func:`release` d first. ``label`` names it in what the watcher prints.
+
+    Raises:
+        ValueError: an unknown ``kind``; a pid <= 1, this process or its own process group; a
+            relative path or ``/``.
+    """
+    _watcher.watch(kind, target, label)
+
+
+def release(kind: str, target: int | str | os.PathLike) -> None:
+    """Stop watching ``target`` (its owner stopped or removed it); nothing if not watched."""
+    _watcher.release(kind, target)
+
+
+def watched() -> set[tuple[str, int | str]]:
+    """What this process has watched and not released, as ``(kind, target)``."""
+    return set(_watcher.entries)
+
+
+def _key(kind: str, target) -> tuple[str, int | str]:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "directory":
+        path = os.fspath(target)
+        if not os.path.isabs(path) or os.path.dirname(path) == path:
+            raise ValueError(f"a watched directory must be an absolute path below /, got {path!r}")
+        return kind, path
+    if isinstance(target, bool) or not isinstance(target, int) or target <= 1:
+        raise ValueError(f"a watched {kind} must be a pid > 1, got {target!r}")
+    if target == os.getpid() or (kind == "group" and target == os.getpgrp()):
+        raise ValueError(f"a process cannot watch its own {kind} ({target})")
+    return kind, target
+
+
+class _Watcher:
+    """This process's watcher: the pipe to it and what it watches (replayed to a new watcher
+    if it died)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[tuple[str, int | str], list] = {}
+        self.fd: int | None = None
+        self.process: subprocess.Popen | None = None
+
+    def watch(self, kind: str, target, label: str) -> None:
+        key = _key(kind, target)
+        start = None if kind == "directory" else _start_time(key[1])
+        with self.lock:
+            self.entries[key] = ["+", *key, start, label]
+            self._send(self.entries[key])
+
+    def release(self, kind: str, target) -> None:
+        key = _key(kind, target)
+        with self.lock:
+            if self.entries.pop(key, None) is not None:
+                self._send(["-", *key])
+
+    def _send(self, message: list) -> None:
+        if self.fd is not None:
+            try:
+                _write(self.fd, message)
+                return
+            except OSError:  # the watcher died (EPIPE): a new one gets every entry
+                self.forget()
+        if self.entries:
+            self._start()
+
+    def _start(self) -> None:
+        read_fd, write_fd = os.pipe()  # neither end inheritable (PEP 446)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", _SCRIPT, str(read_fd), str(os.getpid())],
+                pass_fds=(read_fd,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # stderr kept: it says what it stopped
+                start_new_session=True,  # outside the trainer's process group
+            )
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self.fd = write_fd
+        for message in self.entries.values():
+            _write(write_fd, message)
+
+    def forget(self) -> None:
+        """Drop the pipe (a fork child's copy of its parent's, or a dead watcher's)."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        if self.process is not None and self.process.poll() is None:
+            _ABANDONED.append(self.process)  # kept: a Popen collected while it runs warns
+        self.fd, self.process = None, None
+
+
+def _after_fork() -> None:
+    """A ``fork`` child closes its copy of the parent's pipe (which would keep the parent's
+    watcher waiting while the child lives) and starts its own watcher if it needs one."""
+    global _watcher
+    _watcher.forget()
+    _watcher = _Watcher()
+
+
+def _write(fd: int, message: list) -> None:
+    """One line of JSON, written whole (a pipe write of <= PIPE_BUF bytes is atomic)."""
+    data = (json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+# ----------------------------------------------------------------- /proc
+def _stat(pid: int) -> tuple[str, int, str] | None:
+    """``(state, process group, start time)`` of ``pid`` from ``/proc`` (Linux), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().decode(errors="replace").rpartition(")")[2].split()
+        return fields[0], int(fields[2]), fields[19]
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot), or None (gone, or no ``/proc``)."""
+    stat = _stat(pid)
+    return None if stat is None else stat[2]
+
+
+def _has_proc() -> bool:
+    return os.path.isdir("/proc/self")
+
+
+def _exists(signal_target, pid: int) -> bool:
+    try:
+        signal_target(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped, does not)."""
+    if not _exists(os.kill, pid):
+        return False
+    stat = _stat(pid)
+    if stat is None:  # no /proc (it runs), or it ended just now
+        return not _has_proc()
+    return stat[0] not in "ZX"
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs (zombies aside)."""
+    if not _exists(os.killpg, pgid):
+        return False
+    if not _has_proc():
+        return True
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None and stat[1] == pgid and stat[0] not in "ZX":
+                return True
+    return False
+
+
+# ----------------------------------------------------------------- the watcher process
+def _same_process(kind: str, target: int, start: str | None) -> bool:
+    """Whether ``target`` is still what was watched: its pid (a group: its leader's) started
+    when it did; a group whose leader is gone is its own (a pgid is not reused while the group
+    has a member)."""
+    now = _start_time(target)
+    if kind == "group" and now is None:
+        return True
+    return start is None or now == start
+
+
+def _signal(kind: str, target: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        (os.killpg if kind == "group" else os.kill)(target, sig)
+
+
+def _alive(kind: str, target: int) -> bool:
+    return _group_alive(target) if kind == "group" else _process_alive(target)
+
+
+def _stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """SIGTERM (and SIGCONT, for a stopped one), SIGKILL after :data:`GRACE_S`; what still runs
+    :data:`GRACE_S` after that."""
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S)):
+        for kind, target in processes:
+            _signal(kind, target, sig)
+            if sig == signal.SIGTERM:
+                _signal(kind, target, signal.SIGCONT)
+        deadline = time.monotonic() + wait
+        while processes and time.monotonic() < deadline:
+            processes = [p for p in processes if _alive(*p)]
+            time.sleep(_POLL_S)
+        processes = [p for p in processes if _alive(*p)]
+        if not processes:
+            break
+    return processes
+
+
+def _clean_up(entries: dict[tuple[str, int | str], tuple], trainer: int) -> None:
+    """Stop the watched processes, then remove the watched directories; say so on stderr."""
+    processes = [
+        (kind, target)
+        for (kind, target), (start, _) in entries.items()
+        if kind != "directory" and _same_process(kind, target, start)
+    ]
+    left = _stop(processes)
+    directories = [target for kind, target in entries if kind == "directory"]
+    for path in directories:
+        shutil.rmtree(path, ignore_errors=True)
+    message = f"microrl: the trainer (pid {trainer}) ended without closing what it started"
+    stopped = [label or f"{k} {t}" for (k, t), (_, label) in entries.items() if k != "directory"]
+    if stopped:
+        message += f"; stopped {', '.join(stopped)}"
+    if left:
+        message += f" ({', '.join(f'{k} {t}' for k, t in left)} still running after SIGKILL)"
+    if directories:
+        message += f"; removed {', '.join(directories)}"
+    print(message, file=sys.stderr, flush=True)
+
+
+def _watch_pipe(fd: int, trainer: int) -> None:
+    """Read what the trainer watches and releases until it is gone; then clean up."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    entries: dict[tuple[str, int | str], tuple] = {}
+    with os.fdopen(fd, "rb") as pipe:
+        for line in pipe:
+            try:
+                op, kind, target, *rest = json.loads(line)
+            except ValueError:
+                continue
+            if op == "+":
+                entries[kind, target] = (rest[0], rest[1])
+            else:
+                entries.pop((kind, target), None)
+    if entries:
+        _clean_up(entries, trainer)
+
+
+# ----------------------------------------------------------------- stale directories
+def _identity() -> dict[str, str | None]:
+    """This machine, boot and pid namespace: where a pid means the same process."""
+    boot = namespace = None
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    with contextlib.suppress(OSError):
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    return {"host": socket.gethostname(), "boot": boot, "pid_namespace": namespace}
+
+
+def mark_owner(directory: str | os.PathLike) -> None:
+    """Write :data:`OWNER_FILE` into ``directory``: this process (host, boot, pid namespace,
+    pid and start time), so a later start can tell whether it is dead (:func:`sweep_stale_dirs`)."""
+    owner = {**_identity(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+    (Path(directory) / OWNER_FILE).write_text(json.dumps(owner))
+
+
+def _owner_dead(owner: dict) -> bool:
+    """Whether the owner recorded by :func:`mark_owner` is dead for sure: it ran on this host, and
+    in an earlier boot, or in this boot and pid namespace as a process that is gone."""
+    here = _identity()
+    if owner.get("host") != here["host"]:
+        return False
+    if owner.get("boot") != here["boot"]:
+        return owner.get("boot") is not None and here["boot"] is not None
+    if owner.get("pid_namespace") != here["pid_namespace"]:
+        return False
+    pid, start = owner.get("pid"), owner.get("start")
+    if not isinstance(pid, int) or pid <= 1:
+        return False
+    if start is not None:
+        return _start_time(pid) != start
+    return not _exists(os.kill, pid)
+
+
+def sweep_stale_dirs(prefix: str, parent: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the directories named ``<prefix>*`` in ``parent`` (the temporary directory) whose
+    :data:`OWNER_FILE` names a dead owner (a trainer killed with its watcher); the removed
+    paths. Directories without the file, or not ours to remove, are left alone."""
+    parent = Path(parent if parent is not None else tempfile.gettempdir())
+    removed = []
+    with contextlib.suppress(OSError):
+        candidates = [p for p in parent.iterdir() if p.name.startswith(prefix)]
+        for path in candidates:
+            try:
+                owner = json.loads((path / OWNER_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(owner, dict) and _owner_dead(owner):
+                shutil.rmtree(path, ignore_errors=True)
+                if not path.exists():
+                    removed.append(path)
+    return removed
+
+
+if __name__ == "__main__":  # the watcher process: python -I -S watcher.py <fd> <trainer pid>
+    _watch_pipe(int(sys.argv[1]), int(sys.argv[2]))
+else:
+    _watcher = _Watcher()
+    if hasattr(os, "register_at_fork"):  # POSIX
+        os.register_at_fork(after_in_child=_after_fork)
