@@ -109,7 +109,7 @@ def test_options_the_policy_cannot_honour_are_refused(endpoint):
         create(model="m", messages=messages, temperature=0.2)
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         create(model="m", messages=messages, n=2)
-    with pytest.raises(openai.BadRequestError, match="max_tokens: .* greater than or equal to 1"):
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens: .* greater than or equal to 1"):
         create(model="m", messages=messages, max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="stop is not supported"):
         create(model="m", messages=messages, stop=["x"])
