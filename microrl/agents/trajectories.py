@@ -121,6 +121,8 @@ class EpisodeRecorder:
         row.turns += 1
         row.pending = False
         self.calls += 1
+        if self.first_prompt is None:  # the call that held it was released meanwhile
+            self.first_prompt = len(context.prompt_ids)
         row.messages = [*context.messages, *normalize_messages([reply])]
         row.marks.append((len(row.messages), len(row.all_ids), ended))
         if context.text is not None:

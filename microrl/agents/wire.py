@@ -15,7 +15,17 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["Refused", "error_response", "read_json"]
+__all__ = [
+    "Refused",
+    "chunk",
+    "envelope",
+    "error_response",
+    "read_json",
+    "sse",
+    "sse_done",
+    "sse_start",
+    "usage",
+]
 
 
 class Refused(Exception):
