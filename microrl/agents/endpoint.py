@@ -7,6 +7,11 @@ about it. Every call is rendered with the chat template, matched against the epi
 rows (:mod:`microrl.agents.trajectories`) and sampled by the run's sampler
 (:class:`~microrl.agents.sampler.BatchingSampler`). Streaming answers are Server-Sent Events.
 
+A request is checked whole (:mod:`microrl.agents.schema`, then the run's sampling options and the
+episode's token budget) before anything is sampled; a call refused or failed at any point is
+released and leaves no trace in the rows. Every error is answered in OpenAI's shape
+(:mod:`microrl.agents.wire`).
+
 Security (docs/rollouts.md#agents): only requests bearing the run's key (``Authorization: Bearer``)
 are served, 401 otherwise; the server binds to 127.0.0.1 unless told another host. aiohttp is a
 dependency because it serves SSE and many concurrent requests on one loop, without vLLM (which
@@ -18,28 +23,42 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from microrl.agents import wire
 from microrl.agents.detokenizer import stream_pieces
+from microrl.agents.schema import ChatRequest, CompletionRequest, RequestError, validate_request
 from microrl.agents.tool_parsers import as_parsed_call
-from microrl.agents.trajectories import EpisodeRecorder
+from microrl.agents.trajectories import CallContext, EpisodeRecorder
+from microrl.agents.wire import Refused
 
 __all__ = ["AgentEndpoint", "EpisodeState"]
 
+try:  # the chat templates' engine: a template may refuse a conversation (raise_exception)
+    from jinja2 import TemplateError
+except ImportError:  # no template renders without it
+    TemplateError = ValueError
+
 _MAX_REQUEST_BYTES = 64 << 20
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+_LOG = logging.getLogger(__name__)
+# Sampling options the policy cannot honour, and the values that ask nothing of it.
+_UNSUPPORTED = {
+    "stop": (None, [], ""),
+    "top_p": (None, 1.0),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
 
 
 @dataclass
@@ -53,7 +72,6 @@ class EpisodeState:
     error: str | None = None  # why the endpoint failed it (the token budget)
     tool_calls: int = 0
     tool_parse_errors: int = 0
-    first_prompt: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -129,7 +147,7 @@ class AgentEndpoint:
 
     async def _start_app(self) -> None:
         # Long conversations with tools outgrow aiohttp's 1 MiB default request size.
-        app = web.Application(middlewares=[self._auth], client_max_size=_MAX_REQUEST_BYTES)
+        app = web.Application(middlewares=[self._guard], client_max_size=_MAX_REQUEST_BYTES)
         prefix = "/episodes/{episode}/v1"
         app.router.add_get(prefix + "/models", self._models)
         app.router.add_post(prefix + "/chat/completions", self._chat)
@@ -165,22 +183,36 @@ class AgentEndpoint:
 
     # ------------------------------------------------------------------ requests
     @web.middleware
-    async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        header = request.headers.get("Authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            return _error(401, "missing or wrong API key", "invalid_api_key")
+    async def _guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """The key first; then every error as OpenAI's (aiohttp's own 404, 405, 413 too)."""
+        if not self._authorized(request):
+            return wire.error_response(401, "missing or wrong API key", code="invalid_api_key")
         try:
             return await handler(request)
-        except _Refused as refused:
-            return _error(refused.status, refused.message, refused.code)
+        except Refused as refused:
+            return refused.response()
+        except web.HTTPException as exc:  # routing (404, 405) and the body's size (413)
+            if exc.status < 400:
+                raise
+            return _http_error(request, exc)
+        except ConnectionError:  # the client left mid-stream: nobody to answer
+            raise
+        except Exception as err:  # a bug or a sampler failure: logged, answered as OpenAI's
+            _LOG.exception("the agent endpoint failed on %s %s", request.method, request.path)
+            return wire.error_response(500, f"{type(err).__name__}: {err}")
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        # aiohttp decodes header bytes as UTF-8 with surrogate escapes: any bytes compare.
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.api_key.encode())
 
     def _episode(self, request: web.Request) -> EpisodeState:
         episode = self.episodes.get(request.match_info["episode"])
         if episode is None:
-            raise _Refused(404, f"no episode {request.match_info['episode']!r}")
+            raise Refused(404, f"no episode {request.match_info['episode']!r}")
         if episode.closed:
-            raise _Refused(409, f"episode {episode.id} has ended: its calls are refused")
+            raise Refused(409, f"episode {episode.id} has ended: its calls are refused")
         return episode
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -190,96 +222,95 @@ class AgentEndpoint:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self._episode(request)
-        body = await _json(request)
-        self._check_sampling(body)
-        tools = body.get("tools") or None
+        raw, body = await self._read(request, ChatRequest)
+        tools = raw.get("tools") or None
+        context = _prepare(lambda: episode.recorder.prepare(raw["messages"], tools))
         try:
-            context = episode.recorder.prepare(body.get("messages") or [], tools)
-        except (TypeError, ValueError) as err:
-            raise _Refused(400, f"messages: {err}") from err
-        turn = await self._sample(episode, context, body)
-        ids, skip = self._text_ids(turn, tools)
-        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
-        try:
+            turn = await self._sample(episode, context, body)
+            ids, skip = self._text_ids(turn, tools)
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip)
             content, calls = self._parse(episode, text, tools)
-        except TypeError as err:  # the parser returned no ParsedCall (or refused the tools)
+        except BaseException:
             episode.recorder.release(context)
-            raise _Refused(500, str(err), "server_error") from err
+            raise
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = calls
         episode.recorder.record(context, turn.ids, turn.logprobs, turn.version, reply, turn.ended)
         finish = "tool_calls" if calls else ("stop" if turn.ended else "length")
-        usage = _usage(len(context.prompt_ids), len(turn.ids))
-        logprobs = self._logprobs(turn) if body.get("logprobs") else None
-        if body.get("stream"):
+        usage = wire.usage(len(context.prompt_ids), len(turn.ids))
+        if body.stream:
             return await self._stream_chat(request, body, reply, finish, usage, ids, skip)
+        logprobs = self._logprobs(turn) if body.logprobs else None
         choice = {"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}
-        return web.json_response(_envelope("chat.completion", self.model_name, choice, usage))
+        return web.json_response(wire.envelope("chat.completion", self.model_name, choice, usage))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         episode = self._episode(request)
-        body = await _json(request)
-        self._check_sampling(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-            prompt = prompt[0]  # a batch of one prompt
-        if not isinstance(prompt, str) or not prompt:
-            raise _Refused(400, "prompt must be a non-empty text")
-        context = episode.recorder.prepare_text(prompt)
-        turn = await self._sample(episode, context, body)
+        _, body = await self._read(request, CompletionRequest)
+        context = _prepare(lambda: episode.recorder.prepare_text(body.prompt))
+        try:
+            turn = await self._sample(episode, context, body)
+        except BaseException:
+            episode.recorder.release(context)
+            raise
         text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
         reply = {"role": "assistant", "content": text}
         episode.recorder.record(context, turn.ids, turn.logprobs, turn.version, reply, turn.ended)
         finish = "stop" if turn.ended else "length"
-        usage = _usage(len(context.prompt_ids), len(turn.ids))
+        usage = wire.usage(len(context.prompt_ids), len(turn.ids))
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        if body.get("stream"):
-            response = await _sse_start(request)
-            await _sse(response, _envelope("text_completion", self.model_name, choice, None))
-            return await _sse_done(response)
-        return web.json_response(_envelope("text_completion", self.model_name, choice, usage))
+        if body.stream:
+            response = await wire.sse_start(request)
+            await wire.sse(
+                response, wire.envelope("text_completion", self.model_name, choice, None)
+            )
+            return await wire.sse_done(response)
+        return web.json_response(wire.envelope("text_completion", self.model_name, choice, usage))
 
-    def _check_sampling(self, body: dict) -> None:
-        temperature = body.get("temperature")
-        if None not in (temperature, self.temperature) and float(temperature) != self.temperature:
-            raise _Refused(
+    async def _read(self, request: web.Request, schema: type) -> tuple[dict, Any]:
+        """The request's JSON and its validated fields, checked against what the run samples;
+        nothing of the episode has changed yet."""
+        raw = await wire.read_json(request)
+        try:
+            body = validate_request(schema, raw)
+        except RequestError as err:
+            raise Refused(400, err.message, param=err.param) from None
+        self._check_sampling(body)
+        return raw, body
+
+    def _check_sampling(self, body: Any) -> None:
+        temperature = body.temperature
+        if None not in (temperature, self.temperature) and temperature != self.temperature:
+            raise Refused(
                 400,
                 f"temperature={temperature}: this endpoint samples at the run's temperature "
                 f"{self.temperature} (the loss's), the distribution the trainer scores",
+                param="temperature",
             )
-        if body.get("n", 1) != 1:
-            raise _Refused(400, "n must be 1 (an agent's call is one turn of its episode)")
-        for key in ("stop", "top_p", "presence_penalty", "frequency_penalty", "logit_bias"):
-            if body.get(key) not in (None, [], 1.0 if key == "top_p" else 0):
-                raise _Refused(400, f"{key} is not supported: the policy samples plainly")
+        if body.n not in (None, 1):
+            raise Refused(
+                400, "n must be 1 (an agent's call is one turn of its episode)", param="n"
+            )
+        for key, plain in _UNSUPPORTED.items():
+            if key in type(body).model_fields and getattr(body, key) not in plain:
+                raise Refused(400, f"{key} is not supported: the policy samples plainly", param=key)
 
-    async def _sample(self, episode: EpisodeState, context: Any, body: dict) -> Any:
-        recorder, prompt = episode.recorder, context.prompt_ids
-        if episode.first_prompt is None:
-            episode.first_prompt = len(prompt)
-        room = episode.first_prompt + episode.budget - len(prompt)
-        asked = next(
-            (body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
-            self.max_new_tokens,
-        )
-        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
-            recorder.release(context)
-            raise _Refused(400, f"max_tokens must be an int >= 1, got {asked!r}")
+    async def _sample(self, episode: EpisodeState, context: CallContext, body: Any) -> Any:
+        """The turn sampled for ``context``, at most the call's token limit and the room its
+        row has left in the episode's budget (none left: the episode fails)."""
+        prompt = context.prompt_ids
+        room = episode.recorder.first_prompt + episode.budget - len(prompt)
+        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if room <= 0:
-            recorder.release(context)
             episode.error = (
                 f"episode {episode.id} exceeded its token budget (rollout.max_episode_tokens="
                 f"{episode.budget} after its first prompt)"
             )
             episode.closed = True
-            raise _Refused(400, episode.error, "context_length_exceeded")
-        try:
-            future = self.sampler.submit(prompt, min(int(asked), room))
-            return await asyncio.wrap_future(future)
-        except BaseException:
-            recorder.release(context)
-            raise
+            raise Refused(400, episode.error, param="messages", code="context_length_exceeded")
+        future = self.sampler.submit(prompt, min(asked or self.max_new_tokens, room))
+        return await asyncio.wrap_future(future)
 
     def _text_ids(self, turn: Any, tools: list | None) -> tuple[list[int], bool]:
         """The ids a chat reply's text is decoded from, and whether without special tokens: a
@@ -292,9 +323,17 @@ class AgentEndpoint:
         return (turn.ids[:-1] if turn.ended else turn.ids), False
 
     def _parse(self, episode: EpisodeState, text: str, tools: list | None) -> tuple[str, list]:
+        """The reply's content and tool calls; a parser refusing the ``tools`` (``TypeError``,
+        ``ValueError``) refuses the call (400), one returning no result is a bug (500)."""
         if self.tool_parser is None or not tools:
             return text, []
-        parsed = as_parsed_call(self.tool_parser.parse(text, tools))
+        try:
+            result = self.tool_parser.parse(text, tools)
+        except (TypeError, ValueError) as err:
+            raise Refused(
+                400, f"tools: the tool parser refused them: {err}", param="tools"
+            ) from err
+        parsed = as_parsed_call(result)
         if parsed.error:
             episode.tool_parse_errors += 1
             return text, []
@@ -316,20 +355,20 @@ class AgentEndpoint:
     ) -> web.StreamResponse:
         """The content token by token, decoded from ``ids`` (:func:`stream_pieces`: whole
         characters, joined the content); a reply with tool calls in one chunk."""
-        response = await _sse_start(request)
-        name = self.model_name
-        await _sse(response, _chunk(name, {"role": "assistant", "content": ""}, None))
+        response = await wire.sse_start(request)
+        name, chunk, sse = self.model_name, wire.chunk, wire.sse
+        await sse(response, chunk(name, {"role": "assistant", "content": ""}, None))
         if not reply.get("tool_calls"):
             content = reply["content"]
             for piece in stream_pieces(self.tokenizer, ids, content, skip_special_tokens=skip):
-                await _sse(response, _chunk(name, {"content": piece}, None))
+                await sse(response, chunk(name, {"content": piece}, None))
         if reply.get("tool_calls"):
             calls = [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]
-            await _sse(response, _chunk(name, {"content": reply["content"], "tool_calls": calls}))
-        await _sse(response, _chunk(name, {}, finish))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await _sse(response, {**_chunk(name, {}, None), "choices": [], "usage": usage})
-        return await _sse_done(response)
+            await sse(response, chunk(name, {"content": reply["content"], "tool_calls": calls}))
+        await sse(response, chunk(name, {}, finish))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            await sse(response, {**chunk(name, {}, None), "choices": [], "usage": usage})
+        return await wire.sse_done(response)
 
 
 def _openai_call(call: Any) -> dict:
@@ -346,59 +385,22 @@ def _openai_call(call: Any) -> dict:
     }
 
 
-async def _json(request: web.Request) -> dict:
+def _prepare(prepare: Callable[[], CallContext]) -> CallContext:
+    """A call's context; a conversation the chat template cannot render is refused (400)."""
     try:
-        body = await request.json()
-    except json.JSONDecodeError as err:
-        raise _Refused(400, f"the request body is not JSON: {err}") from err
-    if not isinstance(body, dict):
-        raise _Refused(400, "the request body must be a JSON object")
-    return body
+        return prepare()
+    except (TypeError, ValueError, TemplateError, RecursionError) as err:
+        raise Refused(400, f"messages: {err}", param="messages") from err
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-    return web.json_response(body, status=status)
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's routing and size errors in OpenAI's shape (405 keeps its ``Allow``)."""
+    messages = {
+        404: f"no route {request.method} {request.path}: an episode's base URL serves "
+        "/chat/completions, /completions (POST) and /models (GET)",
+        405: f"{request.method} is not allowed on {request.path}",
+        413: f"the request body is larger than {_MAX_REQUEST_BYTES >> 20} MiB",
     }
-
-
-def _envelope(kind: str, model: str, choice: dict, usage: dict | None) -> dict:
-    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
-    body = {
-        "id": f"{prefix}-{secrets.token_hex(8)}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return body
-
-
-def _chunk(model: str, delta: dict, finish: str | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-    return _envelope("chat.completion.chunk", model, choice, None)
-
-
-async def _sse_start(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    return response
-
-
-async def _sse(response: web.StreamResponse, data: dict) -> None:
-    await response.write(f"data: {json.dumps(data)}\n\n".encode())
-
-
-async def _sse_done(response: web.StreamResponse) -> web.StreamResponse:
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    message = messages.get(exc.status, exc.text or exc.reason)
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return wire.error_response(exc.status, message, headers=headers)

@@ -7,7 +7,9 @@ only (user, tool or system messages), the prompt is that row's recorded ids plus
 observations' chat-template delta (:class:`~microrl.engine.rollout.episodes.ObservationRenderer`).
 Any other conversation (the agent dropped, edited or summarised turns, or changed its tools)
 starts a new row, rendered once: a *branch*. Every row holds exactly the ids fed to the sampler
-and the ids it sampled, with their log-probs and policy versions.
+and the ids it sampled, with their log-probs and policy versions. A call changes the rows only
+when its turn is recorded: one refused or failed after :meth:`EpisodeRecorder.prepare` is
+released and leaves no trace (no observation ids, no row, no count).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class AgentTrajectory(Trajectory):
 
     messages: list[dict] = field(default_factory=list)
     marks: list[tuple[int, int, bool]] = field(default_factory=list)
-    versions: list = field(default_factory=list)  # per token: its policy version (or None)
+    versions: list = field(default_factory=list)  # per sampled token: its policy version
     pending: bool = False  # a call is sampling on this row's end now
+    tools: list[dict] | None = None  # the calls' tools: a call with others starts a new row
     text: str | None = None  # completions: the prompt text and the replies so far
 
     @property
@@ -44,12 +47,17 @@ class AgentTrajectory(Trajectory):
 
 @dataclass
 class CallContext:
-    """One call's prompt ids and the row its sampled turn goes to."""
+    """One call's prompt ids and the row its sampled turn goes to: a recorded row it extends
+    (by ``delta``, the observations' ids, then the turn) or a ``new`` one, added when its turn
+    is recorded."""
 
     row: AgentTrajectory
     prompt_ids: list[int]
     messages: list[dict]
     text: str | None = None  # completions: the call's prompt text
+    delta: list[int] = field(default_factory=list)
+    new: bool = False
+    first: bool = False  # the episode's first prompt is this call's (until released)
 
 
 class EpisodeRecorder:
@@ -59,8 +67,9 @@ class EpisodeRecorder:
     def __init__(self, renderer: ObservationRenderer) -> None:
         self.renderer = renderer
         self.rows: list[AgentTrajectory] = []
-        self.tools: list[dict] | None = None
         self.calls = 0
+        #: The length of the episode's first prompt, which its token budget counts from.
+        self.first_prompt: int | None = None
 
     @property
     def branches(self) -> int:
@@ -68,27 +77,29 @@ class EpisodeRecorder:
         return max(0, len(self.rows) - 1)
 
     def prepare(self, messages: Sequence[Mapping[str, Any]], tools: list | None) -> CallContext:
-        """The prompt ids of a call with ``messages`` (and ``tools``), reusing recorded ids."""
+        """The prompt ids of a call with ``messages`` (and ``tools``), reusing recorded ids.
+        The call then holds the end of the row it extends until :meth:`record` or
+        :meth:`release`; nothing else changes before it is recorded."""
         normalized = normalize_messages(messages)
         if not normalized:
             raise ValueError("messages must be a non-empty list of chat messages")
-        self.calls += 1
-        match = self._match(normalized) if tools == self.tools or not self.rows else None
-        if self.tools is None:
-            self.tools = tools
-        if match is not None:
-            row, (count, tokens, ended) = match
-            delta = self.renderer.observation(normalized[count:], with_eos=not ended)
-            prefix = row.all_ids[:tokens]
-            if tokens == len(row.all_ids) and not row.pending:  # extends the row in place
-                row.add(delta, None)
-                row.pending = True
-                return CallContext(row, prefix + delta, normalized)
-            new = AgentTrajectory(prompt_ids=prefix + delta, pending=True)
-        else:
-            new = AgentTrajectory(prompt_ids=self._render(normalized, tools), pending=True)
-        self.rows.append(new)
-        return CallContext(new, list(new.prompt_ids), normalized)
+        match = self._match(normalized, tools)
+        if match is None:
+            new = AgentTrajectory(prompt_ids=self._render(normalized, tools), tools=tools)
+            return self._reserve(CallContext(new, list(new.prompt_ids), normalized, new=True))
+        row, (count, tokens, ended) = match
+        delta = self.renderer.observation(normalized[count:], with_eos=not ended)
+        prefix = row.all_ids[:tokens]
+        if tokens == len(row.all_ids) and not row.pending:  # extends the row in place
+            return self._reserve(CallContext(row, prefix + delta, normalized, delta=delta))
+        new = AgentTrajectory(prompt_ids=prefix + delta, tools=tools)
+        return self._reserve(CallContext(new, list(new.prompt_ids), normalized, new=True))
+
+    def _reserve(self, context: CallContext) -> CallContext:
+        context.row.pending = True
+        if self.first_prompt is None:
+            self.first_prompt, context.first = len(context.prompt_ids), True
+        return context
 
     def record(
         self,
@@ -102,10 +113,16 @@ class EpisodeRecorder:
         """Add the turn sampled for ``context`` (``ids``, their ``logprobs``) and the assistant
         message returned for it (``reply``), which a later call's history must repeat."""
         row = context.row
+        if context.new:
+            self.rows.append(row)
+        row.add(context.delta, None)
         row.add(list(ids), list(logprobs))
         row.versions.extend([version] * len(ids))
         row.turns += 1
         row.pending = False
+        self.calls += 1
+        if self.first_prompt is None:  # the call that held it was released meanwhile
+            self.first_prompt = len(context.prompt_ids)
         row.messages = [*context.messages, *normalize_messages([reply])]
         row.marks.append((len(row.messages), len(row.all_ids), ended))
         if context.text is not None:
@@ -113,34 +130,37 @@ class EpisodeRecorder:
 
     def prepare_text(self, text: str) -> CallContext:
         """The prompt ids of a completions call: a row's recorded ids when ``text`` continues
-        that row's prompt and replies (only the new text is tokenized), else a new row."""
-        self.calls += 1
+        that row's prompt and replies (only the new text is tokenized), else a new row;
+        reserved as :meth:`prepare`'s."""
         tokenizer = self.renderer.tokenizer
         for row in self.rows:
             if row.text is not None and not row.pending and text.startswith(row.text):
                 delta = list(
                     tokenizer(text[len(row.text) :], add_special_tokens=False)["input_ids"]
                 )
-                row.add(delta, None)
-                row.pending = True
-                return CallContext(row, row.all_ids, [], text)
-        new = AgentTrajectory(prompt_ids=list(tokenizer(text)["input_ids"]), pending=True)
-        self.rows.append(new)
-        return CallContext(new, list(new.prompt_ids), [], text)
+                context = CallContext(row, row.all_ids + delta, [], text, delta=delta)
+                return self._reserve(context)
+        new = AgentTrajectory(prompt_ids=list(tokenizer(text)["input_ids"]))
+        return self._reserve(CallContext(new, list(new.prompt_ids), [], text, new=True))
 
     def release(self, context: CallContext) -> None:
-        """A call that sampled nothing (it failed): its row's end is free again."""
+        """A call refused or failed after :meth:`prepare`: the episode is as if it never came
+        (its row's end is free again, and the first prompt is not its)."""
         context.row.pending = False
+        if context.first:
+            self.first_prompt = None
 
     def trained_rows(self) -> list[AgentTrajectory]:
         """The rows holding at least one sampled token."""
         return [row for row in self.rows if any(row.model_token)]
 
-    def _match(self, messages: list[dict]) -> tuple[AgentTrajectory, tuple] | None:
-        """The row and mark covering the longest prefix of ``messages`` followed by
-        observations only, or None."""
+    def _match(self, messages: list[dict], tools: list | None) -> tuple | None:
+        """The row (of the same ``tools``) and mark covering the longest prefix of ``messages``
+        followed by observations only, or None."""
         best = None
         for row in self.rows:
+            if row.tools != tools:
+                continue
             for mark in row.marks:
                 count = mark[0]
                 rest = messages[count:]

@@ -109,7 +109,7 @@ def test_options_the_policy_cannot_honour_are_refused(endpoint):
         create(model="m", messages=messages, temperature=0.2)
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         create(model="m", messages=messages, n=2)
-    with pytest.raises(openai.BadRequestError, match="max_tokens must be an int >= 1"):
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens: .* greater than or equal to 1"):
         create(model="m", messages=messages, max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="stop is not supported"):
         create(model="m", messages=messages, stop=["x"])
@@ -240,3 +240,18 @@ def test_completions_continue_a_text_on_its_recorded_ids(endpoint):
     newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
     assert endpoint.sampler.prompts[1] == [*endpoint.sampler.prompts[0], *sampled, *newline]
     assert row.ids == [*sampled, *newline, *sampled]
+
+
+def test_a_conversation_that_changed_its_tools_branches_once(endpoint):
+    """Each row keeps its tools: calls on the new tools extend the row they started."""
+    client = _client(endpoint)
+    other = [{"type": "function", "function": {"name": "add", "description": "sums"}}]
+    messages = [{"role": "user", "content": "1"}]
+    client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    for _ in range(2):
+        reply = client.chat.completions.create(model="m", messages=messages, tools=other)
+        message = reply.choices[0].message.model_dump(exclude_none=True)
+        call_id = message["tool_calls"][0]["id"]
+        messages = [*messages, message, {"role": "tool", "tool_call_id": call_id, "content": "2"}]
+    recorder = endpoint.episodes["e1"].recorder
+    assert recorder.branches == 1 and [row.turns for row in recorder.rows] == [1, 2]
