@@ -79,11 +79,18 @@ class ImageEncoder:
         return out
 
     def encode_ids(
-        self, ids: list[int], images: Sequence[Any], index: int = 0
+        self,
+        ids: list[int],
+        images: Sequence[Any],
+        index: int = 0,
+        *,
+        encoded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
         """One prompt's token ids (already tokenized, e.g. an episode's rendered first input)
         with ``images``: the ids with the placeholders expanded and ``(pixel_values,
-        image_grid_thw)`` (None without images). ``index`` names the prompt in the error."""
+        image_grid_thw)`` (None without images). ``index`` names the prompt in the error.
+        ``encoded``: these images' ``(pixel_values, image_grid_thw)`` from an earlier call,
+        returned as they are (the same tensors: a group's rows share them)."""
         slots = ids.count(self.image_token_id)
         if slots != len(images):
             raise ValueError(
@@ -92,9 +99,10 @@ class ImageEncoder:
             )
         if not images:
             return ids, None
-        done = self.image_processor(images=list(images), return_tensors="pt")
-        grid = done["image_grid_thw"].long()
-        return self._expand(ids, grid), (done["pixel_values"], grid)
+        if encoded is None:
+            done = self.image_processor(images=list(images), return_tensors="pt")
+            encoded = (done["pixel_values"], done["image_grid_thw"].long())
+        return self._expand(ids, encoded[1]), encoded
 
     def _expand(self, ids: list[int], grid: torch.Tensor) -> list[int]:
         """``ids`` with the ``k``-th placeholder repeated as many times as image ``k`` has features."""

@@ -60,16 +60,18 @@ def test_rows_carry_their_prompts_expanded_tokens_and_pixels():
     batch, token = rollout.batch, encoder.image_token_id
     # 16x16 px -> a 4x4 patch grid -> 4 features; 24x16 -> 4x6 -> 6 features
     assert [ids.count(token) for ids in backend.seen.ids] == [4, 0, 10]
-    assert batch["pixel_values"].shape == (6, 16 + 24, 3 * 2 * 4 * 4)
+    # One store entry per prompt with images, shared by its group's two rows (-1: no image).
+    assert batch["pixel_values"].shape == (2, 16 + 24, 3 * 2 * 4 * 4)
+    assert batch["image_index"].tolist() == [0, 0, -1, -1, 1, 1]
     grids = batch["image_grid_thw"]
     assert grids[0].tolist() == grids[1].tolist() == [[1, 4, 4], [0, 0, 0]]
-    assert grids[2].abs().sum() == 0 and batch["pixel_values"][2:4].abs().sum() == 0
+    assert grids[2].abs().sum() == 0 and batch["pixel_values"][0, 16:].abs().sum() == 0
     assert grids[5].tolist() == [[1, 4, 6], [1, 4, 4]]
     assert (batch["input_ids"] == token).sum(-1).tolist() == [4, 4, 0, 0, 10, 10]
     assert not (batch["loss_mask"] & (batch["input_ids"] == token)).any()
     assert rollout.texts == ["7"] * 6
     again = encoder.image_processor(images=images[2], return_tensors="pt")["pixel_values"]
-    torch.testing.assert_close(batch["pixel_values"][4, :40], again, rtol=0, atol=0)
+    torch.testing.assert_close(batch["pixel_values"][1, :40], again, rtol=0, atol=0)
 
 
 def test_placeholders_and_images_that_disagree_name_the_prompt():
