@@ -119,6 +119,54 @@ def test_vision_grpo_on_a_gpu_keeps_every_tensor_on_it(tmp_path, monkeypatch) ->
     assert all("mismatch/image/kl_k3" in r and "kl" in r for r in records[1:])
 
 
+def _image_sized_on_gpu(patch_dim: int) -> list[tuple[int, ...]]:
+    """Shapes of the live tensors on a (simulated) GPU that hold pixels: float, last dimension
+    the patch size, not a parameter (found through the garbage collector's objects)."""
+    import gc
+
+    import torch
+
+    return [
+        tuple(t.shape)
+        for t in gc.get_objects()
+        if isinstance(t, torch.Tensor)
+        and not isinstance(t, torch.nn.Parameter)
+        and t.is_cuda
+        and t.is_floating_point()
+        and t.dim() >= 2
+        and t.shape[-1] == patch_dim
+    ]
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_vision_recipes_free_the_steps_pixels_before_the_next_sampling(
+    recipe, tmp_path, monkeypatch
+):
+    """A step's images leave the GPU with the step: when the next step samples (the hf
+    generation, the largest transient), no pixel tensor of the last one is still referenced."""
+    import importlib
+
+    from microrl.run.toy_vision import PATCH_SIZE, TEMPORAL_PATCH
+
+    module = importlib.import_module(f"microrl.recipes.{recipe}")
+    name = "sample_step" if recipe == "grpo" else "sample_and_score"  # each step's sampling
+    patch_dim = 3 * TEMPORAL_PATCH * PATCH_SIZE**2
+    seen, real = [], getattr(module, name)
+
+    def checked(*args, **kwargs):
+        seen.append(_image_sized_on_gpu(patch_dim))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, checked)
+    base, out = tmp_path / "base" / "tiny-digits", tmp_path / recipe
+    args = _args(base, out, "actor.device=cuda", "task.name=digits", "train.steps=3")
+    if recipe == "ppo":
+        args += ["critic.device=cuda", "critic.micro_batch_size=2"]
+    with simulated_cuda(monkeypatch, gpus=1):
+        assert load_example(f"{recipe}_lora").main(args) == 0
+    assert seen == [[], [], []], seen  # steps 1-3: nothing of the step before
+
+
 @pytest.mark.distributed
 def test_grpo_under_torchrun_on_two_gpus(base_model, tmp_path) -> None:
     """Two ranks, each on its own simulated GPU, every collective checked against its group's
