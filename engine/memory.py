@@ -395,13 +395,15 @@ def estimate_memory(
         per_token = image_token_bytes(model_config.vision_config)
         images = {"image_token_bytes": per_token, "image_pixels": image_tokens_per_step * per_token}
         total += images["image_pixels"]
-    # hf sampling: the trainer idle, its persistent state, the frozen models' weights and the
-    # policy gathered whole (FSDP2); the KV cache is not counted (docs/gpu.md).
+    # hf sampling: the trainer idle (its gradients freed by the last optimizer step), its
+    # parameters and optimizer state, the frozen models' weights and the policy gathered whole
+    # (FSDP2); the KV cache is not counted (docs/gpu.md).
     hf = vllm_gpu_memory_utilization is None if hf_generation is None else hf_generation
     gathered_hf = hf_gathered_bytes(model, world_size, device, sharded) if hf else 0
     frozen = teacher.get("teacher_weights", 0) + rm.get("reward_model_weights", 0)
-    if persistent + frozen + gathered_hf > total:
-        total, peak_phase = persistent + frozen + gathered_hf, "hf sampling"
+    sampling = persistent - params.gradients + frozen + gathered_hf
+    if gathered_hf and sampling > total:
+        total, peak_phase = sampling, "hf sampling"
     return MemoryEstimate(
         weights=weights,
         trainable_params=trainable,
