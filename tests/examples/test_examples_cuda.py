@@ -36,6 +36,12 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("base") / "tiny-adder"
 
 
+@pytest.fixture(scope="module")
+def vision_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy vision base, built and warm-started on a simulated GPU by the first test."""
+    return tmp_path_factory.mktemp("base") / "tiny-digits"
+
+
 def _args(base: Path, out: Path, *extra: str) -> list[str]:
     return [*TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base}", f"output.dir={out}", *extra]
 
@@ -101,12 +107,12 @@ def test_ppo_on_a_gpu_keeps_every_tensor_on_it(base_model, tmp_path, monkeypatch
     assert "critic/vf_loss" in read_metrics(tmp_path / "ppo" / "metrics.jsonl")[-1]
 
 
-def test_vision_grpo_on_a_gpu_keeps_every_tensor_on_it(tmp_path, monkeypatch) -> None:
+def test_vision_grpo_on_a_gpu_keeps_every_tensor_on_it(vision_base, tmp_path, monkeypatch) -> None:
     """The toy vision task (task.name=digits) on GPU 1 of 2: the vision base warm-started there,
     the image encoder's host pixels and grids into generate, the rollouts' image keys, the
     engine's mRoPE positions and the image-row mismatch metrics, all on the GPU."""
     args = _args(
-        tmp_path / "base" / "tiny-digits",
+        vision_base,
         tmp_path / "vision",
         "actor.device=cuda:1",
         "task.name=digits",
@@ -140,7 +146,7 @@ def _image_sized_on_gpu(patch_dim: int) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("recipe", ["grpo", "ppo"])
 def test_vision_recipes_free_the_steps_pixels_before_the_next_sampling(
-    recipe, tmp_path, monkeypatch
+    recipe, vision_base, tmp_path, monkeypatch
 ):
     """A step's images leave the GPU with the step: when the next step samples (the hf
     generation, the largest transient), no pixel tensor of the last one is still referenced."""
@@ -158,8 +164,8 @@ def test_vision_recipes_free_the_steps_pixels_before_the_next_sampling(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, checked)
-    base, out = tmp_path / "base" / "tiny-digits", tmp_path / recipe
-    args = _args(base, out, "actor.device=cuda", "task.name=digits", "train.steps=3")
+    out = tmp_path / recipe
+    args = _args(vision_base, out, "actor.device=cuda", "task.name=digits", "train.steps=3")
     if recipe == "ppo":
         args += ["critic.device=cuda", "critic.micro_batch_size=2"]
     with simulated_cuda(monkeypatch, gpus=1):
