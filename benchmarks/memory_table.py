@@ -8,7 +8,8 @@ Computed, not measured on a GPU: the architecture numbers below are those of the
 config.json on the Hugging Face Hub (no download here), and each preset's engine settings come
 from its YAML through the recipe's config loader. Rows: 1 GPU, and 8 GPUs under FSDP2 with the
 same token budget per micro-batch (the presets' documented 8-GPU overrides). A vision-language
-preset's activations include its tower over IMAGE_TOKEN_SHARE of the tokens' image patches.
+preset's activations include its tower over IMAGE_TOKEN_SHARE of the tokens' image patches. An
+``hf`` preset on 8 GPUs also has its sampling phase: the policy gathered whole for ``generate``.
 """
 
 from __future__ import annotations
@@ -136,11 +137,11 @@ def main() -> None:
     gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
     print(
         "| preset | GPUs | tokens / micro-batch | checkpointing | weights | adapters + grads + "
-        "AdamW | activations | forward/backward peak | FSDP gathered | vLLM share | teacher "
-        "| total GiB "
+        "AdamW | activations | forward/backward peak | FSDP gathered | hf generation gathered | "
+        "vLLM share | teacher | total GiB "
         f"| fits {args.gpu_memory:g} GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     details = []
     # Model by model, smallest first; the hf variant before the vllm one.
     for path in sorted(
@@ -154,8 +155,9 @@ def main() -> None:
                 f"| {path.stem} | {world_size} | {e.tokens} | "
                 f"{'on' if cfg.actor.gradient_checkpointing else 'off'} | {gib(e.weights)} | "
                 f"{gib(trained)} | {gib(e.activations + e.vision_activations)} | {gib(e.compute_peak)} | "
-                f"{gib(e.fsdp_buffers)} | {gib(e.vllm)} | "
-                f"{gib(e.teacher_weights + e.teacher_forward)} | **{gib(e.total)}** | "
+                f"{gib(e.fsdp_buffers)} | {gib(e.hf_gathered_weights)} | {gib(e.vllm)} | "
+                f"{gib(e.teacher_weights + e.teacher_forward)} | **{gib(e.total)}**"
+                f"{' (hf sampling)' if e.peak_phase == 'hf sampling' else ''} | "
                 f"{'yes' if e.fits else 'no'} |"
             )
             details.append(f"{path.stem}, {world_size} GPU(s):\n{e}")

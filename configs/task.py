@@ -100,6 +100,13 @@ class TaskConfig:
         "dataset: a text each prompt writes where an image goes (e.g. <image>), replaced by the "
         "model's image placeholder (docs/tasks.md#images-in-datasets)",
     )
+    # Qwen-VL's own max_pixels resize (docs/rollouts.md#images): 1280 image tokens of 28 x 28
+    # pixels for Qwen2/2.5-VL (Qwen's suggested bound); a checkpoint's smaller bound stays.
+    max_pixels: int | None = config_field(
+        1280 * 28 * 28,
+        "images: the most pixels an image keeps, resized as the model's image processor does "
+        "(null: the checkpoint's own bound)",
+    )
     chat_template: bool = config_field(
         False, "dataset: render prompts with the tokenizer's chat template"
     )
@@ -219,6 +226,14 @@ class TaskConfig:
             "task.image_marker",
             "null, or a non-empty text with task.image_field set",
             self.image_marker,
+        )  # fmt: skip
+        require(
+            self.max_pixels is None
+            or (isinstance(self.max_pixels, int) and not isinstance(self.max_pixels, bool)
+                and self.max_pixels >= 1),
+            "task.max_pixels",
+            "null or an int >= 1 (pixels per image)",
+            self.max_pixels,
         )  # fmt: skip
         is_dataset = self.name == "dataset"
         reads_files = self.name in _FILE_TASKS

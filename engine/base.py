@@ -101,6 +101,10 @@ class Engine:
     Args:
         model: a transformers causal LM (``PreTrainedModel``) or a local checkpoint directory.
         config: an :class:`~microrl.configs.EngineConfig` (or a role's subclass of it).
+        frozen: a scoring-only engine (e.g. a reward model that scores rollouts): its weights
+            are stored in the dtype it computes in (:func:`~microrl.engine.setup.frozen_dtype`:
+            bf16 under autocast), every parameter is frozen, and it has no optimizer; it runs
+            forward-only passes (:meth:`infer_batch`), training calls raise ``RuntimeError``.
     """
 
     #: per-token ``[B, T]`` batch keys the default loss needs (besides ``input_ids`` and
@@ -115,13 +119,16 @@ class Engine:
     count_key: str = "loss_mask"
     config_class: type[EngineConfig] = EngineConfig
 
-    def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig) -> None:
+    def __init__(
+        self, model: nn.Module | str | os.PathLike, config: EngineConfig, *, frozen: bool = False
+    ) -> None:
         if not isinstance(config, self.config_class):
             raise TypeError(
                 f"{type(self).__name__} needs a {self.config_class.__name__}, "
                 f"got {type(config).__name__}"
             )
         self.config = config
+        self.frozen = frozen
         vision.refuse_parallel(model, config)
         #: the data-parallel process group: an initialised one, or one started from torchrun's
         #: environment; None in a single process. First, so each rank picks its own GPU.
@@ -144,13 +151,13 @@ class Engine:
         # A checkpoint path under torchrun: rank 0 reads it, the others build on meta, and every
         # rank materialises only its shards once sharded (engine/parallel/materialize.py).
         self._rank0_loading = isinstance(model, (str, os.PathLike)) and distributed.is_distributed()
-        # The frozen base's storage dtype (config.base_dtype), set before the model reaches the
-        # device, so a 16-bit base never sits there in fp32.
-        base_dtype = setup.base_dtype(config)
+        # The frozen base's storage dtype (config.base_dtype; a frozen engine's compute dtype),
+        # set before the model reaches the device, so a 16-bit base never sits there in fp32.
+        base_dtype = setup.frozen_dtype(config, self.device) if frozen else setup.base_dtype(config)
         if self._rank0_loading:
-            causal_lm = materialize.load_on_rank0(model, base_dtype, setup.load_causal_lm)
+            causal_lm = materialize.load_on_rank0(model, base_dtype, self._load_model)
         else:
-            causal_lm = setup.load_causal_lm(model, base_dtype).to(self.device)
+            causal_lm = self._load_model(model, base_dtype).to(self.device)
         self.vocab_size = causal_lm.get_input_embeddings().num_embeddings
         if config.disable_dropout:  # before LoRA: the adapters' own dropout is the user's choice
             zeroed = setup.disable_dropout(causal_lm)
@@ -188,6 +195,8 @@ class Engine:
         #: the transformers model (with LoRA layers injected), e.g. for ``generate``.
         self.model = causal_lm
         module = self._build_module(causal_lm)
+        if frozen:
+            module.requires_grad_(False)
         full_state = materialize.take_full_state(module) if self._rank0_loading else None
         #: the trained nn.Module: the role's wrapper, possibly sharded.
         self.module = self._wrap_model(module)
@@ -197,12 +206,18 @@ class Engine:
         # Sequence-level roles opt in to the last real token's index by naming the parameter;
         # roles that forward **kwargs to the transformers model never receive it.
         self._passes_last_index = "last_index" in inspect.signature(self._model_forward).parameters
-        self.optimizer = build_optimizer(self._trainable_params(), config.optim)
-        self.lr_scheduler = build_scheduler(self.optimizer, config.optim)
+        self.optimizer = None if frozen else build_optimizer(self._trainable_params(), config.optim)
+        self.lr_scheduler = None if frozen else build_scheduler(self.optimizer, config.optim)
         #: what activation offload moved in the last training ``forward_step`` (None when off).
         self.last_offload_stats: OffloadStats | None = None
 
     # ----------------------------------------------------------------- role hooks (override)
+    def _load_model(self, model: nn.Module | str | os.PathLike, dtype: torch.dtype) -> nn.Module:
+        """The transformers model the role is built on, its frozen weights in ``dtype``, on the
+        CPU: a causal LM (:func:`~microrl.engine.setup.load_causal_lm`). Under rank-0 loading
+        only global rank 0 calls it, with a path (engine/parallel/materialize.py)."""
+        return setup.load_causal_lm(model, dtype)
+
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
         """The role's ``nn.Module`` around the causal LM; :meth:`_model_forward` calls it once."""
         raise NotImplementedError
@@ -310,6 +325,8 @@ class Engine:
     ) -> tuple[dict[str, Any], LossDenominators | None]:
         """:meth:`forward_backward_batch` and the global denominators it used (None without a
         loss), which tell :meth:`train_batch` whether the mini-batch had any loss token."""
+        if not forward_only:
+            self._check_trains()
         # Data parallel: a rank whose share is empty still runs the agreed micro-batches (FSDP's
         # collectives), on a one-token placeholder row that contributes nothing.
         placeholder = self.dp_group is not None and distributed.is_empty_batch(batch)
@@ -473,6 +490,7 @@ class Engine:
         A skipped step leaves parameters, optimizer state, LR schedule and :attr:`global_step`
         untouched and zeroes the gradients. Returns the grad norm (before clipping; may be nan/inf).
         """
+        self._check_trains()
         params = self._trainable_params()
         norm = clip_and_check(params, self.config.optim.grad_clip)
         norm_value = float(norm)  # one sync per optimizer step
@@ -509,6 +527,7 @@ class Engine:
         Returns the loss metrics plus ``loss``, ``grad_norm``, ``step_skipped`` (0/1) and ``lr``
         (the learning rate this step used).
         """
+        self._check_trains()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         result, denominators = self._forward_backward(batch, loss_fn, forward_only=False)
@@ -587,6 +606,13 @@ class Engine:
         return bool(getattr(self.module, "fused", False))
 
     # ----------------------------------------------------------------- internals
+    def _check_trains(self) -> None:
+        if self.frozen:
+            raise RuntimeError(
+                f"this {type(self).__name__} is frozen (frozen=True): it only scores "
+                "(infer_batch, or forward_backward_batch with forward_only=True)"
+            )
+
     def _loss_inputs(self, loss_fn: LossFn | None) -> tuple[str, ...]:
         """Batch keys a loss needs: the role's for the default loss, :attr:`count_key` for a custom
         one (the global denominators count it; the function itself reads what it wants)."""

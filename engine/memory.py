@@ -18,30 +18,29 @@ in flight or back for the backward (docs/gpu.md, "Offloads").
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
 from microrl.configs.engine import EngineConfig
-from microrl.engine import setup
 from microrl.engine.memory_activations import (
-    KERNEL_TILES,
     Numerics,
     Shape,
     adapted_roles,
     backward_bytes_per_token,
-    decoder_layers,
     head_bytes,
     layer_bytes_per_token,
     offloaded_activations,
     other_bytes_per_token,
     vision_tower_bytes,
 )
+from microrl.engine.memory_models import (
+    hf_gathered_bytes,
+    image_token_bytes,
+    reward_model_bytes,
+    teacher_bytes,
+)
+from microrl.engine.memory_params import ParamBytes, meta_model
 from microrl.engine.vision import vision_spec
-from microrl.kernels import WORKING_TILE_ELEMENTS
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -132,6 +131,14 @@ class MemoryEstimate:
     teacher_forward: int = 0
     # A vision-language model's tower over the micro-batch's image patches (0 for text).
     vision_activations: int = 0
+    # A task.reward_model (``reward_model_config``; 0 without one).
+    reward_model_weights: int = 0
+    reward_model_forward: int = 0
+    # hf generation under FSDP2: the policy's full weights gathered beside the shards.
+    hf_gathered_weights: int = 0
+    # Images: pixel bytes per image token, and the step's pixels (one copy per group).
+    image_token_bytes: int = 0
+    image_pixels: int = 0
 
     @property
     def persistent(self) -> int:
@@ -168,6 +175,15 @@ class MemoryEstimate:
                 ("teacher weights (frozen)", self.teacher_weights),
                 ("teacher forward", self.teacher_forward),
             ]
+        if self.reward_model_weights:
+            rows += [
+                ("reward model weights (frozen)", self.reward_model_weights),
+                ("reward model forward", self.reward_model_forward),
+            ]
+        if self.image_pixels:
+            rows.append(("image pixels (the step's)", self.image_pixels))
+        if self.hf_gathered_weights:
+            rows.append(("hf generation: gathered weights", self.hf_gathered_weights))
         rows.append((f"total (peak: {self.peak_phase})", self.total))
         if self.host_total:
             rows += [
@@ -184,6 +200,8 @@ class MemoryEstimate:
             f"{self.tokens} tokens per micro-batch, {self.world_size} rank(s); per device:"
         ]
         lines += [f"  {name:<{width}}{_gib(value):>11}" for name, value in rows]
+        if self.image_token_bytes:
+            lines.append(f"  pixels per image token: {self.image_token_bytes} bytes")
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {verdict} in {_gib(self.device_memory).strip()}")
@@ -207,6 +225,10 @@ def estimate_memory(
     vllm_sleep_level: int = 0,
     teacher_config: Any = None,
     image_tokens_per_micro_batch: int = 0,
+    image_tokens_per_step: int = 0,
+    reward_model_config: Any = None,
+    reward_model_tokens: int | None = None,
+    hf_generation: bool | None = None,
 ) -> MemoryEstimate:
     """The bytes one device needs to train ``model_config``'s model with ``config``.
 
@@ -235,8 +257,18 @@ def estimate_memory(
             are image placeholders: its tower runs over ``merge**2`` patches per such token,
             keeping their activations when it trains (``freeze_vision=False``), else one
             block's at a time (docs/gpu.md, "Vision-language models").
+        image_tokens_per_step: the image tokens of this rank's distinct prompts in one step:
+            the batch holds one copy of a prompt's pixels per group, on the device through the
+            step (``image_pixels``; ``image_token_bytes`` per token).
         teacher_config: the ``PretrainedConfig`` of an in-process distillation teacher
             (``teacher.backend=engine``), or None: computed with ``config``'s numerics.
+        reward_model_config: the ``PretrainedConfig`` of a ``task.reward_model`` (a frozen
+            classifier in the run's compute dtype, sharded over the ranks), or None.
+        reward_model_tokens: tokens of one reward-model micro-batch
+            (``task.reward_model_batch_size`` rows x their longest text); default the trainer's.
+        hf_generation: the ``hf`` backend samples in the trainer (None: when no vLLM share is
+            given): under FSDP2 it gathers the policy's full weights for ``generate``
+            (``hf_gathered_weights``, a phase of its own: ``"hf sampling"``).
 
     Raises:
         ValueError: naming the argument: no token budget, ``world_size < 1``, a vLLM share
@@ -263,13 +295,13 @@ def estimate_memory(
     if vllm_sleep_level not in (0, 1, 2):
         raise ValueError(f"vllm_sleep_level must be 0, 1 or 2, got {vllm_sleep_level!r}")
 
-    model = _meta_model(model_config, config, value_head)
+    model = meta_model(model_config, config, value_head)
     if image_tokens_per_micro_batch and getattr(model_config, "vision_config", None) is None:
         raise ValueError(
             "image_tokens_per_micro_batch needs a vision-language model_config (with a "
             f"vision_config), got {type(model_config).__name__}"
         )
-    params = _ParamBytes.count(model, world_size)
+    params = ParamBytes.count(model, world_size)
     shape = Shape.of(model_config)
     autocast = config.dtype == "bfloat16" or (config.dtype == "auto" and device == "cuda")
     # FSDP2 shards over the ranks, and over one rank in one process for optim.cpu_offload.
@@ -351,10 +383,27 @@ def estimate_memory(
             peak_phase = "sampling"
     else:
         total = training + vllm
-    teacher = {}
+    teacher, rm, images = {}, {}, {}
     if teacher_config is not None:
-        teacher = _teacher_bytes(teacher_config, config, tokens, world_size, device, numerics)
+        teacher = teacher_bytes(teacher_config, config, tokens, world_size, device, numerics)
         total += sum(teacher.values())
+    if reward_model_config is not None:
+        rm_tokens = reward_model_tokens or tokens
+        rm = reward_model_bytes(reward_model_config, config, rm_tokens, world_size, device)
+        total += sum(rm.values())
+    if getattr(model_config, "vision_config", None) is not None:
+        per_token = image_token_bytes(model_config.vision_config)
+        images = {"image_token_bytes": per_token, "image_pixels": image_tokens_per_step * per_token}
+        total += images["image_pixels"]
+    # hf sampling: the trainer idle (its gradients freed by the last optimizer step), its
+    # parameters and optimizer state, the frozen models' weights and the policy gathered whole
+    # (FSDP2); the KV cache is not counted (docs/gpu.md).
+    hf = vllm_gpu_memory_utilization is None if hf_generation is None else hf_generation
+    gathered_hf = hf_gathered_bytes(model, world_size, device, sharded) if hf else 0
+    frozen = teacher.get("teacher_weights", 0) + rm.get("reward_model_weights", 0)
+    sampling = persistent - params.gradients + frozen + gathered_hf
+    if gathered_hf and sampling > total:
+        total, peak_phase = sampling, "hf sampling"
     return MemoryEstimate(
         weights=weights,
         trainable_params=trainable,
@@ -382,132 +431,7 @@ def estimate_memory(
         vision_activations=vision,
         host_vllm_weights=host_vllm,
         **teacher,
+        **rm,
+        hf_gathered_weights=gathered_hf,
+        **images,
     )
-
-
-def _teacher_bytes(
-    model_config: Any, config: EngineConfig, tokens: int, world_size: int, device: str, num
-) -> dict[str, int]:
-    """A frozen teacher's weights (``base_dtype``, sharded) and no-grad forward transient."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=setup.base_dtype(config))
-    itemsize = setup.base_dtype(config).itemsize
-    weights = sum(_shard_numel(p, world_size) for p in model.parameters()) * itemsize
-    shape = Shape.of(model_config)
-    forward = tokens * backward_bytes_per_token(shape, num)  # one layer's tensors in flight
-    # No gradient: the head holds its float32 logits (tiles of them past the kernel's budget).
-    logits = tokens * shape.vocab
-    if config.use_fused_kernel:
-        logits = min(logits, KERNEL_TILES * WORKING_TILE_ELEMENTS)
-    forward += logits * 4
-    if world_size > 1:  # FSDP gathers the root unit and two decoder layers
-        layers = decoder_layers(model)
-        layer = max((_numel(m) for m in layers), default=0)
-        root = _numel(model.get_output_embeddings()) + _numel(
-            getattr(model.get_decoder(), "norm", None)
-        )
-        forward += (root + 2 * layer) * (2 if device == "cuda" else itemsize)
-    return {"teacher_weights": weights, "teacher_forward": forward}
-
-
-# ------------------------------------------------------------------------------ parameters
-def _meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.Module:
-    """The model as the engine prepares it, on ``meta``: base dtype, LoRA (not on a frozen
-    vision tower), a value head."""
-    with torch.device("meta"):
-        model = setup.auto_model_class(model_config).from_config(
-            model_config, dtype=setup.base_dtype(config)
-        )
-    spec = vision_spec(model)
-    frozen = spec is not None and config.freeze_vision
-    exclude = spec.tower_module_names(model) if frozen else None
-    model, _ = setup.apply_lora(model, config.lora, exclude=exclude)
-    if frozen:
-        vision_spec(model).tower.requires_grad_(False)
-    if value_head:  # the critic's Linear(H, 1) head, fp32 and trainable (engine/models.py)
-        hidden = model.config.get_text_config().hidden_size
-        model.add_module("value_head", nn.Linear(hidden, 1, device="meta", dtype=torch.float32))
-    return model
-
-
-@dataclass(frozen=True)
-class _ParamBytes:
-    frozen: int
-    trainable: int
-    gradients: int
-    optimizer: int
-    num_params: int
-    num_trainable: int
-    trainable_numel_per_rank: int
-    trainable_linear_numel: int  # weights of trainable linear layers but the head (autocast)
-    trainable_head_numel: int  # the output head's weight when it trains
-    largest_weight: int  # elements of the largest trainable weight of a decoder layer
-    layer_numel: int  # the largest decoder layer, adapters included
-    root_numel: int  # FSDP's root unit: the output head and the final norm
-    base_itemsize: int
-    base_numel: int  # the causal LM's own elements (no adapters): what vLLM holds
-
-    @staticmethod
-    def count(model: nn.Module, world_size: int) -> _ParamBytes:
-        """Bytes per rank: each tensor sharded on dim 0 (FSDP2 pads it to a multiple of the
-        world size); AdamW holds two fp32 moments per element and a 0-d fp32 step per tensor."""
-        frozen = trainable = trainable_numel = n_params = n_trainable = n_tensors = 0
-        itemsize = 4
-        for p in model.parameters():
-            numel = _shard_numel(p, world_size)
-            n_params += p.numel()
-            if p.requires_grad:
-                trainable += numel * p.element_size()
-                trainable_numel += numel
-                n_trainable += p.numel()
-                n_tensors += 1
-            else:
-                frozen += numel * p.element_size()
-                itemsize = p.element_size()
-        # Full-size gradients (fp32, like the trainable parameters) on every rank.
-        gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        optimizer = 8 * trainable_numel + 4 * n_tensors
-        layers = decoder_layers(model)
-        head = model.get_output_embeddings()
-        norm = getattr(model.get_decoder(), "norm", None)
-        return _ParamBytes(
-            frozen=frozen,
-            trainable=trainable,
-            gradients=gradients,
-            optimizer=optimizer,
-            num_params=n_params,
-            num_trainable=n_trainable,
-            trainable_numel_per_rank=trainable_numel,
-            trainable_linear_numel=sum(
-                p.numel()
-                for m in model.modules()
-                if isinstance(m, nn.Linear) and m is not head
-                for p in m.parameters(recurse=False)
-                if p.requires_grad and p.dim() == 2
-            ),
-            trainable_head_numel=sum(p.numel() for p in _params(head) if p.requires_grad),
-            largest_weight=max(
-                (p.numel() for layer in layers for p in layer.parameters() if p.requires_grad),
-                default=0,
-            ),
-            layer_numel=max((_numel(layer) for layer in layers), default=0),
-            root_numel=_numel(head) + _numel(norm),
-            base_itemsize=itemsize,
-            base_numel=sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
-        )
-
-
-def _shard_numel(p: torch.Tensor, world_size: int) -> int:
-    if world_size == 1 or p.dim() == 0:
-        return p.numel()
-    return math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0])
-
-
-def _params(module: nn.Module | None) -> list[nn.Parameter]:
-    return [] if module is None else list(module.parameters())
-
-
-def _numel(module: nn.Module | None) -> int:
-    return sum(p.numel() for p in _params(module))

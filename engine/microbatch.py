@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, UnbatchedTensor
 
 from microrl.engine.vision import IMAGE_KEYS
 
@@ -251,7 +251,8 @@ def compact_rows(
     Every ``[B, T]`` entry is gathered along the token axis so that column ``j`` of the result is
     column ``starts[row] + j`` of the input; columns past a row's length hold 0 / False. Entries
     of another shape (per-row: ``[B]``, or ``[B, K]`` with ``K != T``), and the image keys, are
-    indexed by row, in the order of ``rows``. ``attention_mask``
+    indexed by row, in the order of ``rows``; an ``UnbatchedTensor`` (the shared pixel store,
+    docs/batch.md#images) is kept whole. ``attention_mask``
     and ``position_ids`` are rebuilt from the lengths (position ``j`` for the ``j``-th real token).
     """
     device = batch.device if batch.device is not None else batch["input_ids"].device
@@ -264,6 +265,9 @@ def compact_rows(
     out = {}
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids"):
+            continue
+        if isinstance(value, UnbatchedTensor):  # not per row (the pixel store): kept whole
+            out[key] = value
             continue
         picked = value.index_select(0, index)
         if picked.dim() >= 2 and picked.shape[1] == num_cols and key not in IMAGE_KEYS:

@@ -31,6 +31,7 @@ __all__ = [
     "PolicyModel",
     "ValueModel",
     "decoder_body",
+    "fp32_linear",
     "fused_head_blocker",
     "gather_last",
     "logit_transform",
@@ -407,5 +408,14 @@ class ValueModel(nn.Module):
         )
         if last_index is not None:
             hidden = gather_last(hidden, last_index)
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
-        return values if values.dtype == torch.float64 else values.float()
+        return fp32_linear(hidden, self.value_head).squeeze(-1)
+
+
+def fp32_linear(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(hidden)`` computed in float32 outside autocast (float64 for a float64 weight):
+    a scalar head's value is never rounded to 16 bits, as the lm head's logits are not
+    (docs/kernels.md). ``hidden`` ``[..., H]`` in any dtype -> ``[..., out]``."""
+    dtype = torch.float64 if linear.weight.dtype == torch.float64 else torch.float32
+    bias = None if linear.bias is None else linear.bias.to(dtype)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        return F.linear(hidden.to(dtype), linear.weight.to(dtype), bias)

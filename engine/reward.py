@@ -17,25 +17,37 @@ split. ``infer_batch`` returns ``scores`` ``[B]`` in the caller's row order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
+from microrl.engine import setup
 from microrl.engine.base import Engine
 from microrl.engine.models import ValueModel, decoder_body
 from microrl.losses.aggregation import LossDenominators
 from microrl.losses.metrics import Metric
 
-__all__ = ["RewardModelEngine", "bradley_terry_loss"]
+__all__ = ["RewardModelEngine", "bradley_terry_loss", "classifier_head"]
+
+_CLASSIFIER = "ForSequenceClassification"  # transformers' sequence classifiers' class names
 
 
 class RewardModelEngine(Engine):
     """Reward model: ``model_output["scores"]`` ``[B]``, trained on chosen/rejected pairs.
 
+    ``model``: a causal LM (a fresh score head, seeded by ``config.seed``), a transformers
+    ``*ForSequenceClassification`` with one label (its own score head: a trained reward model
+    to score with, ``frozen=True``, or to train further), as objects or checkpoints; or, with
+    ``base`` (the base model it was trained from), a directory this engine's
+    ``save_checkpoint`` wrote. ``frozen``: :class:`~microrl.engine.Engine`'s (scoring only,
+    the weights in the compute dtype; what ``task.reward_model`` uses).
+
     Config: any :class:`~microrl.configs.EngineConfig` (``loss_agg_mode`` and ``seq_len_norm``
-    do not apply: the loss is a mean over pairs). ``config.seed`` seeds the score head.
+    do not apply: the loss is a mean over pairs).
     ``microrl.engine.checkpoint.export.export_merged_model(engine.module, path)`` writes a
     ``*ForSequenceClassification`` model (``num_labels=1``) that transformers loads with the
     trained head; ``export_peft_adapter`` the matching adapter (task type ``SEQ_CLS``);
@@ -48,15 +60,48 @@ class RewardModelEngine(Engine):
     row_keys = ("group", "chosen")
     count_key = "chosen"  # the denominators count pairs: one chosen row per pair
 
+    def __init__(
+        self,
+        model: nn.Module | str | os.PathLike,
+        config: EngineConfig,
+        *,
+        frozen: bool = False,
+        base: str | os.PathLike | nn.Module | None = None,
+    ) -> None:
+        self._base = base
+        super().__init__(model, config, frozen=frozen)
+
+    def _load_model(self, model: nn.Module | str | os.PathLike, dtype: torch.dtype) -> nn.Module:
+        """A causal LM, a ``*ForSequenceClassification`` (its ``config.architectures`` say so;
+        a local directory or a Hub id), or, given ``base``, a ``save_checkpoint`` directory read
+        back as the classifier it trained (:mod:`~microrl.engine.checkpoint.reward_model`)."""
+        from microrl.engine.checkpoint import reward_model as engine_rm
+
+        if not isinstance(model, (str, os.PathLike)):
+            return setup.load_causal_lm(model, dtype)
+        if self._base is not None:
+            return engine_rm.load_reward_model_checkpoint(model, self._base, dtype=dtype)
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        architectures = AutoConfig.from_pretrained(model).architectures or []
+        if any(name.endswith(_CLASSIFIER) for name in architectures):
+            return AutoModelForSequenceClassification.from_pretrained(model, dtype=dtype)
+        return setup.load_causal_lm(model, dtype)
+
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
         hidden_size = causal_lm.get_input_embeddings().embedding_dim
-        return ValueModel(
+        module = ValueModel(
             decoder_body(causal_lm),
             hidden_size,
             seed=self.config.seed,
             bias=False,
             sequence_level=True,
         )
+        head = classifier_head(causal_lm)
+        if head is not None:  # a trained classifier scores with its own head, in fp32
+            with torch.no_grad():
+                module.value_head.weight.copy_(head.weight)
+        return module
 
     def _model_forward(
         self,
@@ -111,6 +156,27 @@ class RewardModelEngine(Engine):
         return bradley_terry_loss(
             output["scores"], micro_batch["group"], micro_batch["chosen"], denominators
         )
+
+
+def classifier_head(model: nn.Module) -> nn.Linear | None:
+    """The score head of a transformers ``*ForSequenceClassification`` (``model.score``), or None
+    for another model (a causal LM: the engine initialises a fresh head).
+
+    Raises:
+        ValueError: a classifier with more than one label, or a head with a bias (a scalar
+            reward model is one bias-free ``Linear(H, 1)``, as transformers' decoders have).
+    """
+    if not type(model).__name__.endswith(_CLASSIFIER):
+        return None
+    head = getattr(model, "score", None)
+    labels = getattr(model.config, "num_labels", None)
+    if labels != 1 or not isinstance(head, nn.Linear) or head.out_features != 1:
+        raise ValueError(f"{type(model).__name__} has {labels} labels; a scalar reward model has 1")
+    if head.bias is not None:
+        raise ValueError(
+            f"{type(model).__name__}'s score head has a bias; a reward model's is bias-free"
+        )
+    return head
 
 
 def bradley_terry_loss(

@@ -16,11 +16,13 @@ from microrl.engine.parallel import distributed
 __all__ = [
     "apply_lora",
     "autocast_context",
+    "autocast_dtype",
     "base_dtype",
     "cast_base_weights",
     "checkpoint_dir",
     "disable_dropout",
     "enable_gradient_checkpointing",
+    "frozen_dtype",
     "load_causal_lm",
     "resolve_device",
 ]
@@ -82,16 +84,32 @@ def _device_count(device_type: str) -> int:
     return int(count()) if callable(count) else 1
 
 
+def autocast_dtype(config: EngineConfig, device: torch.device | str) -> torch.dtype | None:
+    """The dtype the engine autocasts to: bf16 on CUDA for ``dtype="auto"`` (and anywhere for
+    ``"bfloat16"``), else None (no autocast)."""
+    device_type = torch.device(device).type
+    use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device_type == "cuda")
+    return torch.bfloat16 if use_bf16 else None
+
+
 def autocast_context(config: EngineConfig, device: torch.device) -> Any:
     """bf16 autocast on CUDA for ``dtype="auto"`` (and anywhere for ``"bfloat16"``), else none.
 
     Parameters and optimizer state stay in their own dtype (fp32 by default); the engine casts every
     output to fp32.
     """
-    use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
-    if not use_bf16:
+    dtype = autocast_dtype(config, device)
+    if dtype is None:
         return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def frozen_dtype(config: EngineConfig, device: torch.device | str) -> torch.dtype:
+    """The storage dtype of a frozen engine's weights (``Engine(..., frozen=True)``, a reward
+    model that only scores): the dtype it computes in, bf16 under autocast, else
+    ``config.base_dtype``. Nothing trains, so no fp32 master weights are needed (the
+    ``base_dtype`` rule for a full fine-tune does not apply)."""
+    return autocast_dtype(config, device) or base_dtype(config)
 
 
 def base_dtype(config: EngineConfig) -> torch.dtype:

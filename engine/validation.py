@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from tensordict import TensorDict
 
+from microrl.engine.vision_layout import from_plain_tensors
+
 __all__ = ["check_batch"]
 
 # Per-token float inputs of the built-in losses: checked for shape, dtype and finiteness on loss
@@ -52,7 +54,7 @@ def check_batch(
     if isinstance(batch, Mapping) and not isinstance(batch, TensorDict):
         if "input_ids" not in batch:
             raise ValueError("batch is missing 'input_ids'")
-        batch = TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]])
+        batch = from_plain_tensors(dict(batch), batch["input_ids"].shape[0])
     if not isinstance(batch, TensorDict):
         raise TypeError(f"batch must be a TensorDict [B], got {type(batch).__name__}")
     if "input_ids" not in batch:

@@ -1,11 +1,16 @@
 """Images through the engine: the batch's image keys, their checks, mRoPE positions, the vision body.
 
 A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a transformers model whose multimodal
-body has ``visual``, ``get_image_features`` and ``get_rope_index``) reads images from two per-row
-batch keys (docs/batch.md#images):
+body has ``visual``, ``get_image_features`` and ``get_rope_index``) reads images from these batch
+keys (docs/batch.md#images):
 
-- ``pixel_values`` ``[B, P, D]``: row ``b``'s image patches (the processor's rows for that row's
-  images, in order), zero-padded to the batch's largest count ``P``; ``D`` the patch size;
+- ``pixel_values`` ``[G, P, D]``: the pixel store, one entry per distinct set of images (a
+  prompt's: the rows of its group share it), each entry the processor's patch rows for those
+  images, in order, zero-padded to the largest count ``P``; ``D`` the patch size. An
+  ``UnbatchedTensor`` (tensordict's) in the ``TensorDict [B]``: splits, indexing and packing
+  keep it whole, ``.to(device)`` moves it;
+- ``image_index`` ``[B]`` int64: row ``b``'s entry of the store, -1 for a row without images;
+  without it ``pixel_values`` is per row (``[B, P, D]``, entry ``b`` is row ``b``'s);
 - ``image_grid_thw`` ``[B, I, 3]``: the ``(t, h, w)`` patch grid of each of row ``b``'s images,
   all-zero rows padding it to ``I`` images.
 
@@ -24,11 +29,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, UnbatchedTensor
 from torch import nn
+
+from microrl.engine.vision_layout import (
+    IMAGE_GRID_KEY,
+    IMAGE_INDEX_KEY,
+    IMAGE_KEYS,
+    PIXEL_VALUES_KEY,
+    from_plain_tensors,
+    image_store,
+    pad_images,
+    to_plain_tensors,
+)
 
 __all__ = [
     "IMAGE_GRID_KEY",
+    "IMAGE_INDEX_KEY",
     "IMAGE_KEYS",
     "PIXEL_VALUES_KEY",
     "ROPE_KEY",
@@ -36,23 +53,22 @@ __all__ = [
     "VisionSpec",
     "body_hidden",
     "config_key",
+    "from_plain_tensors",
     "has_vision_config",
     "image_inputs",
+    "image_store",
     "model_positions",
     "multimodal_body",
     "pad_images",
     "prepare_batch",
     "refuse_parallel",
+    "to_plain_tensors",
     "vision_spec",
 ]
 
 #: The first transformers whose Qwen-VL bodies take precomputed image features
 #: (``mm_encoder_outputs``); 5.17 takes them as an unknown keyword and silently ignores them.
 MIN_TRANSFORMERS = "5.18"
-PIXEL_VALUES_KEY = "pixel_values"
-IMAGE_GRID_KEY = "image_grid_thw"
-#: Per-row keys whose second dimension is never the token axis (even when it happens to be ``T``).
-IMAGE_KEYS = (PIXEL_VALUES_KEY, IMAGE_GRID_KEY)
 #: The engine's mRoPE positions ``[B, T, 3]`` (``(t, h, w)`` per token), computed at the boundary.
 ROPE_KEY = "rope_position_ids"
 
@@ -183,18 +199,21 @@ class ImageInputs:
 
 
 def image_inputs(data: TensorDict, spec: VisionSpec) -> ImageInputs | None:
-    """The images of a compact micro-batch (:data:`IMAGE_KEYS` per row) flattened in row order,
-    or None when it has none. Reads the grids on the host (the model's tower does too)."""
+    """The images of a compact micro-batch (:data:`IMAGE_KEYS`) flattened in row order: each
+    row's patches gathered from the store (a group's rows each get their copy here, the
+    micro-batch's only), or None when it has none. Reads the grids and entries on the host (the
+    model's tower reads the grids too)."""
     if PIXEL_VALUES_KEY not in data:
         return None
+    store, index = image_store(data)
     grid = data[IMAGE_GRID_KEY]
     counts = grid.prod(-1)  # patches per image, 0 for padding
-    host = counts.tolist()
+    host = torch.cat([counts, index.unsqueeze(1).to(counts.dtype)], 1).tolist()
     pixels, grids = [], []
-    for row, row_counts in enumerate(host):
+    for row, (*row_counts, entry) in enumerate(host):
         patches = sum(row_counts)
         if patches:
-            pixels.append(data[PIXEL_VALUES_KEY][row, :patches])
+            pixels.append(store[entry, :patches])
             grids.append(grid[row, [i for i, c in enumerate(row_counts) if c]])
     if not pixels:
         return None
@@ -246,14 +265,15 @@ def model_positions(
 
 
 def prepare_batch(batch: TensorDict, spec: VisionSpec | None) -> TensorDict:
-    """The validated batch with its images checked and :data:`ROPE_KEY` added (in place on the
-    engine's shallow copy). One pass per public call, before the micro-batches.
+    """The validated batch with its images checked, in the shared layout (per-row
+    ``pixel_values`` become the store, ``image_index`` added) and :data:`ROPE_KEY` added (in
+    place on the engine's shallow copy). One pass per public call, before the micro-batches.
 
     Raises:
         ValueError: naming the row and the field: image keys for a text model, image tokens
             without images (or the reverse), a row whose image tokens do not match its images'
-            features, malformed ``pixel_values`` / ``image_grid_thw``, ``loss_mask`` on an image
-            token, or a :data:`ROPE_KEY` given by the caller.
+            features, malformed ``pixel_values`` / ``image_grid_thw`` / ``image_index``,
+            ``loss_mask`` on an image token, or a :data:`ROPE_KEY` given by the caller.
     """
     if ROPE_KEY in batch:
         raise ValueError(
@@ -267,8 +287,9 @@ def prepare_batch(batch: TensorDict, spec: VisionSpec | None) -> TensorDict:
         return batch
     ids, mask = batch["input_ids"], batch["attention_mask"].to(torch.bool)
     is_image = (ids == spec.image_token_id) & mask
-    if len(present) == 1:
-        missing = next(k for k in IMAGE_KEYS if k not in batch)
+    pair = [key for key in (PIXEL_VALUES_KEY, IMAGE_GRID_KEY) if key in batch]
+    if present and len(pair) < 2:
+        missing = next(k for k in (PIXEL_VALUES_KEY, IMAGE_GRID_KEY) if k not in batch)
         raise ValueError(f"the batch has {present[0]!r} but no {missing!r}: images need both")
     if not present:
         tokens = is_image.sum(1)
@@ -280,6 +301,9 @@ def prepare_batch(batch: TensorDict, spec: VisionSpec | None) -> TensorDict:
             )
         return batch
     grid = _check_image_tensors(batch, spec)
+    store, index = image_store(batch)
+    batch[PIXEL_VALUES_KEY] = UnbatchedTensor(store)  # one copy, whatever the rows' split
+    batch[IMAGE_INDEX_KEY] = index
     _check_rows(batch, is_image, grid, spec)
     counts = grid.prod(-1)
     flat_grid = grid[counts > 0]
@@ -297,10 +321,13 @@ def prepare_batch(batch: TensorDict, spec: VisionSpec | None) -> TensorDict:
 def _check_image_tensors(batch: TensorDict, spec: VisionSpec) -> torch.Tensor:
     """Dtypes and shapes of the image keys; returns the grid as int64 ``[B, I, 3]``."""
     pixels, grid = batch[PIXEL_VALUES_KEY], batch[IMAGE_GRID_KEY]
+    shared = IMAGE_INDEX_KEY in batch
     if not pixels.is_floating_point() or pixels.dim() != 3 or pixels.shape[2] != spec.patch_dim:
+        layout = "[G, P, {d}] (the pixel store)" if shared else "[B, P, {d}] (each row's image "
+        layout = layout.format(d=spec.patch_dim) + ("" if shared else "patches, zero-padded)")
         raise ValueError(
-            f"'pixel_values' must be a float tensor [B, P, {spec.patch_dim}] (each row's image "
-            f"patches, zero-padded), got {pixels.dtype} {tuple(pixels.shape)}"
+            f"'pixel_values' must be a float tensor {layout}, got {pixels.dtype} "
+            f"{tuple(pixels.shape)}"
         )
     if (
         grid.is_floating_point()
@@ -312,13 +339,27 @@ def _check_image_tensors(batch: TensorDict, spec: VisionSpec) -> torch.Tensor:
             "'image_grid_thw' must be an integer tensor [B, I, 3] (each row's images' (t, h, w) "
             f"patch grids, all-zero rows padding), got {grid.dtype} {tuple(grid.shape)}"
         )
+    rows = batch.batch_size[0]
+    if not shared and pixels.shape[0] != rows:
+        raise ValueError(
+            f"'pixel_values' holds {pixels.shape[0]} entries for {rows} rows: without "
+            "'image_index' it is per row [B, P, D]"
+        )
+    if shared:
+        index = batch[IMAGE_INDEX_KEY]
+        if index.is_floating_point() or index.dtype == torch.bool or index.shape != (rows,):
+            raise ValueError(
+                f"'image_index' must be an integer tensor [B] = [{rows}] (each row's entry of "
+                f"'pixel_values', -1: none), got {index.dtype} {tuple(index.shape)}"
+            )
     return grid.long()
 
 
 def _check_rows(
     batch: TensorDict, is_image: torch.Tensor, grid: torch.Tensor, spec: VisionSpec
 ) -> None:
-    """Per-row consistency of tokens, grids and patches; reads small summaries on the host."""
+    """Per-row consistency of tokens, grids, entries and patches; reads small summaries on the
+    host."""
     counts = grid.prod(-1)  # [B, I] patches per image
     partial = ((grid <= 0).any(-1) & (grid != 0).any(-1)) | (grid < 0).any(-1)
     unmerged = (counts > 0) & ((grid[..., 1:] % spec.merge) != 0).any(-1)
@@ -331,9 +372,13 @@ def _check_rows(
     run_lengths = ends.nonzero()[:, 1] - starts.nonzero()[:, 1] + 1
     real = (counts > 0).nonzero()
     valid = batch["attention_mask"].to(torch.bool)
-    pixel_finite = torch.isfinite(batch[PIXEL_VALUES_KEY]).all(-1)  # [B, P]
+    store, index = image_store(batch)
+    entries = store.shape[0]
+    bad_index = (index < -1) | (index >= entries) | ((patches > 0) & (index < 0))
+    entry_finite = torch.isfinite(store).all(-1)  # [G, P]: each entry's patches checked once
+    pixel_finite = entry_finite[index.clamp(0, max(entries - 1, 0))]  # [B, P]
     within = torch.arange(pixel_finite.shape[1], device=grid.device) < patches.unsqueeze(1)
-    bad_pixels = (within & ~pixel_finite).any(1)
+    bad_pixels = (within & ~pixel_finite).any(1) & ~bad_index
     loss_on_image = None
     if "loss_mask" in batch:
         loss_on_image = (batch["loss_mask"].to(torch.bool) & is_image & valid).nonzero()[:1]
@@ -348,9 +393,16 @@ def _check_rows(
         spec.features_per_image(grid[counts > 0]).tolist(),
         bad_pixels.nonzero()[:1].flatten().tolist(),
         [] if loss_on_image is None else loss_on_image.tolist(),
+        bad_index.nonzero()[:1].flatten().tolist(),
     ]
     bad_grid, unmerged_at, patches, tokens, run_rows, run_lengths = host[:6]
-    image_rows, image_features, bad_pixel_rows, loss_at = host[6:]
+    image_rows, image_features, bad_pixel_rows, loss_at, bad_entry = host[6:]
+    if bad_entry:
+        b = bad_entry[0]
+        raise ValueError(
+            f"row {b}: 'image_index' is {int(index[b])}, but 'pixel_values' holds {entries} "
+            "entries (0..G-1; -1 only for a row without images)"
+        )
     if bad_grid:
         b, i = bad_grid[0]
         raise ValueError(
@@ -363,12 +415,12 @@ def _check_rows(
             f"row {b}: 'image_grid_thw' image {i} is {grid[b, i].tolist()}: h and w must be "
             f"multiples of the spatial merge size {spec.merge}"
         )
-    width = batch[PIXEL_VALUES_KEY].shape[1]
+    width = store.shape[1]
     for b, n in enumerate(patches):
         if n > width:
             raise ValueError(
                 f"row {b}: 'image_grid_thw' needs {n} patches but 'pixel_values' holds {width} "
-                "per row"
+                "per entry"
             )
     for b, n_tokens in enumerate(tokens):
         feats = [f for r, f in zip(image_rows, image_features, strict=True) if r == b]
@@ -398,41 +450,3 @@ def _check_rows(
             f"loss_mask marks an image placeholder token (first at [b, t] = {loss_at[0]}): "
             "image tokens are inputs, never trained on"
         )
-
-
-def pad_images(
-    rows: list[tuple[torch.Tensor, torch.Tensor] | None],
-) -> dict[str, torch.Tensor]:
-    """Per-row processor outputs -> the batch's image keys (the one layout trainer and
-    samplers share): ``rows[b]`` is ``(pixel_values [p_b, D], image_grid_thw [n_b, 3])`` (what a
-    Qwen-VL processor returns for row ``b``'s images) or None for a row without images.
-
-    Returns ``{"pixel_values": [B, P, D], "image_grid_thw": [B, I, 3]}`` zero-padded to the
-    largest ``p_b`` and ``n_b`` (at least 1 each). Raises ``ValueError`` when no row has images
-    (a text batch carries no image keys) or a row's patch count does not match its grids.
-    """
-    present = [r for r in rows if r is not None]
-    if not present:
-        raise ValueError("pad_images needs at least one row with images")
-    dim, like = present[0][0].shape[-1], present[0][0]
-    width = max(p.shape[0] for p, _ in present)
-    count = max(g.shape[0] for _, g in present)
-    pixels = like.new_zeros(len(rows), width, dim)
-    grids = torch.zeros(len(rows), count, 3, dtype=torch.long, device=like.device)
-    for b, row in enumerate(rows):
-        if row is None:
-            continue
-        p, g = row
-        if p.dim() != 2 or p.shape[1] != dim or g.dim() != 2 or g.shape[1] != 3:
-            raise ValueError(
-                f"row {b}: pixel_values must be [p, {dim}] and image_grid_thw [n, 3], got "
-                f"{tuple(p.shape)} and {tuple(g.shape)}"
-            )
-        if int(g.prod(-1).sum()) != p.shape[0]:
-            raise ValueError(
-                f"row {b}: image_grid_thw {g.tolist()} gives {int(g.prod(-1).sum())} patches, "
-                f"pixel_values holds {p.shape[0]}"
-            )
-        pixels[b, : p.shape[0]] = p
-        grids[b, : g.shape[0]] = g
-    return {PIXEL_VALUES_KEY: pixels, IMAGE_GRID_KEY: grids}

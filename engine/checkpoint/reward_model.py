@@ -43,15 +43,19 @@ def is_engine_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def load_reward_model_checkpoint(
-    checkpoint: str | os.PathLike, base: str | os.PathLike | nn.Module
+    checkpoint: str | os.PathLike,
+    base: str | os.PathLike | nn.Module,
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """The float32 ``*ForSequenceClassification`` (``num_labels=1``, eval mode, on the CPU) that
-    a ``RewardModelEngine`` checkpoint and its base model make.
+    """The ``*ForSequenceClassification`` (``num_labels=1``, eval mode, on the CPU) that a
+    ``RewardModelEngine`` checkpoint and its base model make, its weights in ``dtype``.
 
     Args:
         checkpoint: a directory written by ``RewardModelEngine.save_checkpoint``.
         base: the base causal LM it was trained from: a local checkpoint directory, or the
             model itself (a fresh copy: LoRA layers are injected into it).
+        dtype: the classifier's weights (restored and merged in float32 first, then cast once).
 
     Raises :class:`~microrl.engine.checkpoint.CheckpointError` (a ``ValueError``) for an
     incomplete checkpoint, one that is not a reward model's (an actor's or a critic's), or one
@@ -87,5 +91,5 @@ def load_reward_model_checkpoint(
         cls = type(AutoModelForSequenceClassification.from_config(target.config))
     # transformers' own loading from a state dict: no random init, buffers (rotary) built as
     # from a checkpoint; ``out`` holds exactly the classifier's keys (classifier_state_dict).
-    model = cls.from_pretrained(None, config=target.config, state_dict=out, dtype=torch.float32)
+    model = cls.from_pretrained(None, config=target.config, state_dict=out, dtype=dtype)
     return model.eval()

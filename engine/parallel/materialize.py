@@ -62,23 +62,22 @@ def load_on_rank0(
     dtype: torch.dtype,
     load: Callable[[str | os.PathLike, torch.dtype], nn.Module],
 ) -> nn.Module:
-    """The checkpoint's causal LM in ``dtype`` (the engine's ``base_dtype``): ``load(path,
-    dtype)`` on the CPU on global rank 0 (the engine passes ``setup.load_causal_lm``, which
-    checks for a local directory), built on ``meta`` elsewhere from rank 0's config and
-    generation config (shared by a broadcast, so the other ranks never read the path: on a
-    multi-node run it need not exist on their file systems).
+    """The checkpoint's model in ``dtype`` (the engine's ``base_dtype``): ``load(path,
+    dtype)`` on the CPU on global rank 0 (the engine passes its role's loader: a causal LM,
+    ``setup.load_causal_lm``, which checks for a local directory; a reward model's classifier),
+    built on ``meta`` elsewhere as the same class from rank 0's config and generation config
+    (shared by a broadcast, so the other ranks never read the path: on a multi-node run it need
+    not exist on their file systems).
 
     Raises:
         ValueError: on every rank, when rank 0 cannot load the path (naming it and rank 0's
             error), instead of rank 0 failing alone while the others wait in a collective.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
     model, found = None, None
     if distributed.rank() == 0:
         try:
             model = load(path, dtype)
-            found = (model.config, model.generation_config)
+            found = (type(model), model.config, getattr(model, "generation_config", None))
         except Exception as error:  # shared with the other ranks, then re-raised
             share_from_rank0(f"{type(error).__name__}: {error}")
             raise
@@ -87,12 +86,11 @@ def load_on_rank0(
         raise ValueError(f"model path {os.fspath(path)!r}: rank 0 could not load it ({found})")
     if model is not None:
         return model
-    config, generation_config = found
-    # A vision-language config builds its image-text class (tower and lm head), as rank 0 loaded.
-    vision = getattr(config, "vision_config", None) is not None
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    cls, config, generation_config = found
+    # The class rank 0 loaded (a causal LM, an image-text model, a classifier), built as the
+    # transformers auto classes build a config (their from_config calls it).
     with torch.device("meta"):
-        model = auto.from_config(config, dtype=dtype)
+        model = cls._from_config(config, dtype=dtype)
     model.generation_config = generation_config
     return model
 

@@ -256,6 +256,9 @@ class _Player:
         self.skip = skip_env_errors
         self.env_time = 0.0
         self.errors = 0
+        # Each prompt's images encoded once: its group's rows share the tensors (and so one
+        # entry of the batch's pixel store, docs/batch.md#images).
+        self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def env_call(self, row: _Row | None, fn, arg, *, index: int, prompt: int, turn: int, name: str):
         """``fn(arg)`` timed; a failure raises, or with ``skip_env_errors`` fails the row (None)."""
@@ -300,10 +303,11 @@ class _Player:
 
     def add_images(self, trajectory: Trajectory, images: Sequence[Any], index: int) -> None:
         """The first input's images, encoded by the backend's image encoder (the one
-        preprocessing path): its placeholders expanded in ``prompt_ids``."""
+        preprocessing path) once per prompt: its placeholders expanded in ``prompt_ids``."""
         trajectory.prompt_ids, trajectory.images = self.backend.image_encoder.encode_ids(
-            trajectory.prompt_ids, images, index
+            trajectory.prompt_ids, images, index, encoded=self.encoded.get(index)
         )
+        self.encoded[index] = trajectory.images
         trajectory.raw_images = list(images)
 
     def turn(self, rows: list[_Row], number: int, max_turns: int, max_tokens: int) -> None:

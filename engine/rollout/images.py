@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ImageEncoder", "ImagePrompts", "check_image_prompts"]
+__all__ = ["ImageEncoder", "ImagePrompts", "bounded_size", "check_image_prompts"]
 
 
 @dataclass
@@ -46,8 +46,18 @@ class ImageEncoder:
     merge_size: int
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> ImageEncoder:
-        """The encoder of a local vision-language checkpoint (its ``preprocessor_config.json``)."""
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, max_pixels: int | None = None, key: str = "max_pixels"
+    ) -> ImageEncoder:
+        """The encoder of a local vision-language checkpoint (its ``preprocessor_config.json``).
+
+        ``max_pixels``: the most pixels an image keeps, applied as the Qwen-VL image processor
+        applies its own ``max_pixels`` (``size["longest_edge"]``: an image above it is resized,
+        aspect kept, to a multiple of ``patch_size x merge_size`` pixels per side that fits);
+        the checkpoint's own bound stays when it is smaller; None keeps it. The bound is part of
+        the processor, so vLLM, given it saved beside the weights, sizes images the same.
+        Raises ``ValueError`` naming ``key`` for a bound below one image token or below the
+        processor's ``min_pixels``."""
         from transformers import AutoConfig, AutoImageProcessor
 
         config = AutoConfig.from_pretrained(path)
@@ -56,6 +66,9 @@ class ImageEncoder:
         if token is None or vision is None:
             raise ValueError(f"{path}: not a vision-language checkpoint (no image_token_id)")
         processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        if max_pixels is not None:
+            size = bounded_size(processor, max_pixels, key)
+            processor = AutoImageProcessor.from_pretrained(path, backend="pil", size=size)
         return cls(processor, int(token), int(getattr(vision, "spatial_merge_size", 1)))
 
     def encode(
@@ -79,11 +92,18 @@ class ImageEncoder:
         return out
 
     def encode_ids(
-        self, ids: list[int], images: Sequence[Any], index: int = 0
+        self,
+        ids: list[int],
+        images: Sequence[Any],
+        index: int = 0,
+        *,
+        encoded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
         """One prompt's token ids (already tokenized, e.g. an episode's rendered first input)
         with ``images``: the ids with the placeholders expanded and ``(pixel_values,
-        image_grid_thw)`` (None without images). ``index`` names the prompt in the error."""
+        image_grid_thw)`` (None without images). ``index`` names the prompt in the error.
+        ``encoded``: these images' ``(pixel_values, image_grid_thw)`` from an earlier call,
+        returned as they are (the same tensors: a group's rows share them)."""
         slots = ids.count(self.image_token_id)
         if slots != len(images):
             raise ValueError(
@@ -92,9 +112,10 @@ class ImageEncoder:
             )
         if not images:
             return ids, None
-        done = self.image_processor(images=list(images), return_tensors="pt")
-        grid = done["image_grid_thw"].long()
-        return self._expand(ids, grid), (done["pixel_values"], grid)
+        if encoded is None:
+            done = self.image_processor(images=list(images), return_tensors="pt")
+            encoded = (done["pixel_values"], done["image_grid_thw"].long())
+        return self._expand(ids, encoded[1]), encoded
 
     def _expand(self, ids: list[int], grid: torch.Tensor) -> list[int]:
         """``ids`` with the ``k``-th placeholder repeated as many times as image ``k`` has features."""
@@ -103,6 +124,31 @@ class ImageEncoder:
         for token in ids:
             expanded += [token] * (next(counts) if token == self.image_token_id else 1)
         return expanded
+
+
+def bounded_size(processor: Any, max_pixels: int, key: str = "max_pixels") -> dict[str, int]:
+    """A Qwen-VL image processor's ``size`` (``shortest_edge``: its ``min_pixels``,
+    ``longest_edge``: its ``max_pixels``) with ``longest_edge`` at most ``max_pixels``.
+
+    Raises:
+        ValueError: naming ``key``: ``max_pixels`` below one image token
+            (``(patch_size x merge_size)**2`` pixels) or below the processor's ``min_pixels``.
+    """
+    side = int(getattr(processor, "patch_size", 1)) * int(getattr(processor, "merge_size", 1))
+    if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < side**2:
+        raise ValueError(
+            f"{key} must be an int of at least {side**2} pixels (one image token: "
+            f"({side} x {side}) pixels, the processor's patch_size x merge_size), got "
+            f"{max_pixels!r}"
+        )
+    lowest, own = processor.size.shortest_edge, processor.size.longest_edge
+    if lowest is not None and lowest > max_pixels:
+        raise ValueError(
+            f"{key}={max_pixels} is below the image processor's min_pixels={lowest} "
+            "(size.shortest_edge in preprocessor_config.json): no size fits both"
+        )
+    bound = max_pixels if own is None else min(own, max_pixels)
+    return {"shortest_edge": lowest, "longest_edge": bound}
 
 
 def check_image_prompts(

@@ -14,10 +14,17 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, UnbatchedTensor
 
 from microrl.engine.rollout.base import Rollout
-from microrl.engine.vision import IMAGE_KEYS
+from microrl.engine.vision_layout import (
+    IMAGE_GRID_KEY,
+    IMAGE_INDEX_KEY,
+    IMAGE_KEYS,
+    PIXEL_VALUES_KEY,
+    image_store,
+    kept_images,
+)
 
 __all__ = ["merge_rollouts", "select_groups"]
 
@@ -47,7 +54,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rol
         if f.name not in _LAYOUT_FIELDS and _is_per_row(value, len(rollout.texts)):
             extra[f.name] = value[rows]
     return Rollout(
-        batch=rollout.batch[rows],
+        batch=kept_images(rollout.batch[rows]),  # the dropped groups' pixels freed
         texts=[rollout.texts[i] for i in rows.tolist()],
         group_ids=group_ids.to(torch.long),
         metrics=dict(rollout.metrics),  # what sampling cost (env time, errors) stays spent
@@ -62,8 +69,9 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     plus the longest response (at least one column) of all the rows: each part's per-token
     entries (second dimension its width) move by whole columns, padded with ``pad_token_id``
     (``input_ids``) or 0 / False (every other key); per-row entries (``truncated``, ...) are
-    concatenated; the image keys (docs/batch.md#images) are zero-padded to the widest part's,
-    and all zero for a part without images. A part's prompts end where its first response
+    concatenated; the image keys (docs/batch.md#images): the parts' pixel stores one after the
+    other (entries zero-padded to the widest), ``image_index`` shifted to match, grids
+    zero-padded to the most images; a part without images gives text rows (index -1). A part's prompts end where its first response
     (``loss_mask``) column starts.
     ``texts`` are concatenated; ``group_ids`` are renumbered contiguously: each part's ids in
     ascending order, after the groups of the parts before it. Per-row tensor fields of
@@ -97,12 +105,11 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
                 )
             columns[key].append(value)
     rows = sum(part.batch.batch_size[0] for part in rollouts)
-    for key in IMAGE_KEYS:
-        if any(key in part.batch for part in rollouts):
-            columns[key] = _padded_images([part.batch for part in rollouts], key)
     batch = TensorDict(
         {key: torch.cat(values) for key, values in columns.items()}, batch_size=[rows]
     )
+    if any(PIXEL_VALUES_KEY in part.batch for part in rollouts):
+        batch.update(_merged_images([part.batch for part in rollouts]))
     group_ids, first = [], 0
     for part in rollouts:
         _, index = torch.unique(part.group_ids, return_inverse=True)
@@ -172,13 +179,30 @@ def _shift_columns(value: torch.Tensor, offset: int, width: int, fill: int) -> t
     return out
 
 
-def _padded_images(batches: Sequence[TensorDict], key: str) -> list[torch.Tensor]:
-    """Each batch's image ``key`` (``[b, n, d]``) zero-padded to the largest ``n``; zeros for a
-    batch without images (no patch, no grid: a text row)."""
-    like = next(batch[key] for batch in batches if key in batch)
-    n = max(batch[key].shape[1] for batch in batches if key in batch)
-    out = []
-    for batch in batches:
-        value = batch.get(key, like.new_zeros(batch.batch_size[0], n, like.shape[2]))
-        out.append(torch.nn.functional.pad(value, (0, 0, 0, n - value.shape[1])))
-    return out
+def _merged_images(batches: Sequence[TensorDict]) -> dict[str, torch.Tensor]:
+    """The parts' image keys as one: their pixel stores one after the other (each entry
+    zero-padded to the widest), each row's ``image_index`` shifted past the entries of the parts
+    before it (-1 kept), its grids zero-padded to the most images; a part without images
+    contributes rows of index -1 and zero grids (text rows)."""
+    parts = [image_store(b) if PIXEL_VALUES_KEY in b else None for b in batches]
+    like = next(store for store, _ in filter(None, parts))
+    width = max(store.shape[1] for store, _ in filter(None, parts))
+    count = max(b[IMAGE_GRID_KEY].shape[1] for b in batches if IMAGE_GRID_KEY in b)
+    stores, indices, grids, first = [], [], [], 0
+    for batch, part in zip(batches, parts, strict=True):
+        rows = batch.batch_size[0]
+        if part is None:
+            indices.append(torch.full((rows,), -1, dtype=torch.long, device=like.device))
+            grids.append(torch.zeros(rows, count, 3, dtype=torch.long, device=like.device))
+            continue
+        store, index = part
+        stores.append(torch.nn.functional.pad(store, (0, 0, 0, width - store.shape[1])))
+        indices.append(torch.where(index >= 0, index + first, index))
+        grid = batch[IMAGE_GRID_KEY]
+        grids.append(torch.nn.functional.pad(grid, (0, 0, 0, count - grid.shape[1])))
+        first += store.shape[0]
+    return {
+        PIXEL_VALUES_KEY: UnbatchedTensor(torch.cat(stores)),
+        IMAGE_INDEX_KEY: torch.cat(indices),
+        IMAGE_GRID_KEY: torch.cat(grids),
+    }

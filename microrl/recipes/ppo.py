@@ -160,6 +160,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 cfg, engines, step, rng=rng, dist_info=dist_info,
                 extra_state=prefetch and prefetch.extra_state,  # the rollouts sampled ahead
             )  # fmt: skip
+            # The step's device tensors (its batch, with the images' pixels) go now, not once
+            # the next step has sampled beside them (docs/batch.md#images).
+            del rollout, batch, scores, penalty, old
         extra = prefetch and prefetch.extra_state()  # the rollouts sampled ahead, for --resume
 
     # 7. The end: a checkpoint, then (unless Ctrl-C stopped the run: exit code 130, --resume)

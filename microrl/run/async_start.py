@@ -25,7 +25,13 @@ from microrl.run.prefetcher import CORRECTIONS, ROLLOUT_BUFFER_KEY, RolloutPrefe
 from microrl.run.sampling import agent_limits
 from microrl.tasks import Task, is_agent_task, is_episode_task
 
-__all__ = ["close_on_exit", "resumed_rollouts", "start_prefetcher", "warn_if_uncorrected"]
+__all__ = [
+    "close_on_exit",
+    "resumed_rollouts",
+    "scores_ahead",
+    "start_prefetcher",
+    "warn_if_uncorrected",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +110,7 @@ def start_prefetcher(
         sampler = AgentSampler(
             sampler, tokenizer, task, agent_limits(task, rollout), stop_ids=stops
         )
-    # A reward model, a judge or a teacher scores in a background thread, as soon as a round
-    # is sampled (not where collect or the scorer is a collective: an sp group's, torchrun's).
-    model_based = bool(getattr(getattr(task, "reward", None), "model_based", False))
-    collective = isinstance(sampler, SPGroupSampler) or scorer_collective
-    ahead = (model_based or scorer is not None) and not collective
+    ahead = scores_ahead(task, sampler, scorer, scorer_collective=scorer_collective)
     try:
         return RolloutPrefetcher(
             sampler,
@@ -127,6 +129,23 @@ def start_prefetcher(
     except BaseException:
         sampler.close()
         raise
+
+
+def scores_ahead(
+    task: Task, sampler: Any, scorer: Callable | None, *, scorer_collective: bool = False
+) -> bool:
+    """Whether a round is scored in a background thread as soon as it is sampled: a reward
+    model, a judge or a teacher (``scorer``), unless ``collect``, the scorer or the reward is a
+    collective (an sp group's sampler, torchrun's teacher or a reward model sharded over the
+    ranks): a collective runs on the trainer's thread, every rank in step."""
+    reward = getattr(task, "reward", None)
+    collective = (
+        isinstance(sampler, SPGroupSampler)
+        or scorer_collective
+        or bool(getattr(reward, "collective", False))
+    )
+    model_based = bool(getattr(reward, "model_based", False))
+    return (model_based or scorer is not None) and not collective
 
 
 def resumed_rollouts(extra_state: dict[str, Any], max_staleness: int) -> dict[str, Any] | None:

@@ -108,7 +108,8 @@ def start_run(cfg: Any, args: argparse.Namespace) -> RunStart:
     tokenizer, base_path = prepare_base_model(
         cfg.model, cfg.task, dist_info, cfg.rollout.max_new_tokens, log
     )
-    task = make_task(cfg.task, tokenizer)  # (docs/tasks.md)
+    # A reward model follows the actor's precision rules (docs/tasks.md#reward-models).
+    task = make_task(cfg.task, tokenizer, engine_config=cfg.actor)  # (docs/tasks.md)
     check_prompt_positions(task, tokenizer, base_path, cfg.rollout.max_new_tokens)
     # A vision-language policy's encoder; images it or the sampler cannot take fail here.
     encoder = image_encoder_for(cfg, base_path, task)

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.rollout import Rollout, SamplingParams
+from microrl.engine.vision import from_plain_tensors, to_plain_tensors
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSampler, Job
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
@@ -362,7 +362,7 @@ class RolloutPrefetcher:
                     "version": ahead.version,
                     "problems": [_problem_to_json(p) for p in ahead.problems],
                     "rollout": {
-                        "batch": dict(rollout.batch.items()),
+                        "batch": to_plain_tensors(rollout.batch),  # weights_only loads it
                         "texts": list(rollout.texts),
                         "group_ids": rollout.group_ids,
                         "rewards": rollout.rewards,
@@ -406,7 +406,7 @@ class RolloutPrefetcher:
             saved = item["rollout"]
             rows = len(saved["texts"])
             rollout = Rollout(
-                batch=TensorDict(saved["batch"], batch_size=[rows]),
+                batch=from_plain_tensors(saved["batch"], rows),
                 texts=list(saved["texts"]),
                 group_ids=saved["group_ids"],
                 rewards=saved["rewards"],

@@ -57,12 +57,14 @@ def refuse_image_sampling(cfg: Any) -> None:
 
 def image_encoder_for(cfg: Any, policy_path: str, task: Task) -> ImageEncoder | None:
     """The sampler's image encoder: the policy checkpoint's (``policy_path``, the resolved
-    ``model.path``) when it has a vision config, else None; checked against ``task``.
+    ``model.path``) when it has a vision config, its images bounded by ``task.max_pixels``,
+    else None; checked against ``task``.
 
     Raises:
         ValueError: the task's prompts carry images but the policy has no vision config (naming
-            ``task.name`` and ``model.path``), or the run's sampler cannot take them
-            (:func:`refuse_image_sampling`).
+            ``task.name`` and ``model.path``), the run's sampler cannot take them
+            (:func:`refuse_image_sampling`), or ``task.max_pixels`` is below one image token or
+            the processor's ``min_pixels``.
     """
     vision = has_vision_config(policy_path)
     if task_has_images(task):
@@ -78,4 +80,8 @@ def image_encoder_for(cfg: Any, policy_path: str, task: Task) -> ImageEncoder | 
                 "single-turn task"
             )
         refuse_image_sampling(cfg)
-    return ImageEncoder.from_pretrained(policy_path) if vision else None
+    if not vision:
+        return None
+    return ImageEncoder.from_pretrained(
+        policy_path, max_pixels=cfg.task.max_pixels, key="task.max_pixels"
+    )

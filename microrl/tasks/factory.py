@@ -46,9 +46,11 @@ DEFAULT_TOOL_PARSERS = {"calculator": "hermes"}
 _CHECKED_PROMPTS = 64
 
 
-def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
+def make_task(cfg: TaskConfig, tokenizer: Any = None, *, engine_config: Any = None) -> Task:
     """The task ``cfg`` describes; ``tokenizer`` (the policy's) renders chat templates and is
-    checked to write the task's prompts without unknown tokens.
+    checked to write the task's prompts without unknown tokens. ``engine_config``: the run's
+    (the actor's) :class:`~microrl.configs.EngineConfig`, whose precision rules a reward model
+    follows (None: the defaults).
 
     Raises ``ValueError``/``TypeError`` naming the ``task.*`` key of a bad file, field, reward
     path or size.
@@ -57,7 +59,9 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
         task: Task = DatasetTask(
             cfg.train_file,
             # None: an agent returns the reward itself (a transcript is then refused)
-            reward_of(cfg) if cfg.name == "dataset" and cfg.reward_terms() else None,
+            reward_of(cfg, engine_config=engine_config)
+            if cfg.name == "dataset" and cfg.reward_terms()
+            else None,
             eval_file=cfg.eval_file,
             eval_size=cfg.eval_size,
             seed=cfg.seed,
@@ -77,10 +81,18 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None) -> Task:
     else:
         task = BUILT_IN_TASKS[cfg.name](cfg.max_operand, cfg.eval_size, cfg.seed)
         if cfg.reward_terms():
-            task = RewardedTask(task, reward_of(cfg), cfg.solved_threshold)
+            task = RewardedTask(
+                task, reward_of(cfg, engine_config=engine_config), cfg.solved_threshold
+            )
     if tokenizer is not None:
         check_tokenizer_covers(tokenizer, task, cfg.name)
     if cfg.agent:  # the prompts played by the user's agent through the endpoint
+        if getattr(getattr(task, "reward", None), "collective", False):
+            raise ValueError(
+                "task.reward_model under torchrun cannot score task.agent's episodes: the "
+                "sharded reward model needs every rank in each forward, while each rank scores "
+                "its agents' episodes one at a time; run on one process or unset one of them"
+            )
         task = AgentTask(
             task,
             resolve_reward_fn(cfg.agent, "task.agent"),
@@ -108,10 +120,11 @@ def tool_parser_of(cfg: TaskConfig, tokenizer: Any = None) -> Any:
         raise ValueError(f"task.agent_tool_parser={name!r}: {err}") from err
 
 
-def reward_of(cfg: TaskConfig) -> Reward:
+def reward_of(cfg: TaskConfig, *, engine_config: Any = None) -> Reward:
     """The weighted sum of ``cfg``'s reward terms: ``task.rewards`` (import paths), then the
-    reward model (``task.reward_model``) and the LLM judge (``task.judge``) when set, weighted
-    by ``task.reward_weights`` in that order (docs/tasks.md#reward-models)."""
+    reward model (``task.reward_model``, under ``engine_config``'s precision rules) and the LLM
+    judge (``task.judge``) when set, weighted by ``task.reward_weights`` in that order
+    (docs/tasks.md#reward-models)."""
     fns: list[Any] = list(cfg.rewards)
     if cfg.reward_model:
         from microrl.tasks.reward_model import RewardModelScorer  # torch + transformers: on use
@@ -123,6 +136,7 @@ def reward_of(cfg: TaskConfig) -> Reward:
                 batch_size=cfg.reward_model_batch_size,
                 norm=cfg.reward_model_norm,
                 chat_template=cfg.reward_model_chat_template,
+                engine_config=engine_config,
             )
         )
     if cfg.judge.enabled:

@@ -4,28 +4,37 @@ The model is a transformers sequence-classification checkpoint with one label (w
 ``export_merged_model`` writes for a trained :class:`~microrl.engine.RewardModelEngine`, or any
 ``*ForSequenceClassification`` on the Hub), or a ``RewardModelEngine`` checkpoint
 (``engine.save_checkpoint``) with the base model it was trained from (``task.reward_model_base``:
-:mod:`~microrl.engine.checkpoint.reward_model`), loaded in float32, frozen, on this process's
-device. Each row is scored as text with the reward model's **own** tokenizer: ``prompt +
-completion`` (the prompt as the policy saw it, after any chat template), or, with
+:mod:`~microrl.engine.checkpoint.reward_model`). It runs as a frozen ``RewardModelEngine``
+(``frozen=True``) under the run's precision rules (``actor.dtype``, ``actor.device``): its
+weights stored in the compute dtype (bf16 where the run autocasts), the score head in float32;
+under ``torchrun`` sharded with FSDP2 over the ranks like the policy (rank 0 reads the
+checkpoint, each GPU holds 1/N of it), so scoring is a collective (:attr:`RewardModelScorer.
+collective`). Each row is scored as text with the reward model's **own** tokenizer: ``prompt
++ completion`` (the prompt as the policy saw it, after any chat template), or, with
 ``chat_template``, the reward model's chat template over a user turn (the prompt) and an
 assistant turn (the completion). Text, not the sampled ids, because a reward model's vocabulary
-is in general not the policy's. Rows are scored ``batch_size`` at a time, right-padded: a
-classifier pools its last non-pad token.
+is in general not the policy's. The engine runs ``batch_size`` rows per micro-batch and pools
+each row's last real token.
 
 ``norm``: ``none`` (raw scores), ``batch`` (standardised over the rows of one call: this
 process's rollout) or ``group`` (standardised over the rows of one prompt). Thread-safe: the
-recipes may score in a background thread (docs/async.md) while evaluating in the main one.
+recipes may score in a background thread (docs/async.md) while evaluating in the main one (not
+under ``torchrun``, where every rank scores on its trainer thread, in step).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-__all__ = ["NORMS", "RewardModelScorer", "normalise"]
+from microrl.configs.engine import EngineConfig
+
+__all__ = ["NORMS", "RewardModelScorer", "normalise", "scoring_config"]
 
 NORMS = ("none", "batch", "group")
 # Standardising a set of equal scores divides 0 by 0: the std is floored at this.
@@ -52,6 +61,23 @@ def normalise(scores: torch.Tensor, norm: str, groups: Sequence[object]) -> torc
     return out
 
 
+def scoring_config(
+    run: EngineConfig | None, batch_size: int, device: str | torch.device | None = None
+) -> EngineConfig:
+    """The reward model's engine config: the run's numerics (``dtype``, ``device``,
+    ``disable_dropout``, ``seed``; ``run`` is the actor's config, None: the defaults),
+    ``batch_size`` rows per micro-batch, no LoRA, no parallelism but FSDP2's data parallelism.
+    ``device`` overrides the run's."""
+    run = run or EngineConfig()
+    return EngineConfig(
+        micro_batch_size=batch_size,
+        dtype=run.dtype,
+        device=str(torch.device(device)) if device is not None else run.device,
+        disable_dropout=run.disable_dropout,
+        seed=run.seed,
+    )
+
+
 class RewardModelScorer:
     """``scorer(completions, prompts) -> list[float]``: the reward model's score of each row.
 
@@ -62,10 +88,13 @@ class RewardModelScorer:
         batch_size: rows per forward.
         norm: ``none``, ``batch`` or ``group`` (module docstring).
         chat_template: render rows with the reward model's chat template.
-        device: where the model runs; None: this process's current GPU when CUDA is
-            available (the run sets it before it builds the task), else the CPU. Chosen here,
-            in the caller's thread: a background thread's current GPU is always the first.
-        model, tokenizer: an already loaded model and tokenizer instead of ``path``'s.
+        device: where the model runs; None: the run's ``engine_config.device`` (``auto``: this
+            rank's GPU when CUDA is available, else the CPU). Chosen here, in the caller's
+            thread: a background thread's current GPU is always the first.
+        model, tokenizer: an already loaded ``*ForSequenceClassification`` and tokenizer
+            instead of ``path``'s.
+        engine_config: the run's engine config (the actor's): the precision rules the reward
+            model follows (:func:`scoring_config`).
 
     Raises ``ValueError`` naming ``task.reward_model``: a path that holds no sequence
     classifier, a classifier with more than one label, a tokenizer with neither pad nor EOS
@@ -87,18 +116,20 @@ class RewardModelScorer:
         device: str | torch.device | None = None,
         model: Any = None,
         tokenizer: Any = None,
+        engine_config: EngineConfig | None = None,
     ) -> None:
         if norm not in NORMS:
             raise ValueError(f"task.reward_model_norm must be one of {', '.join(NORMS)}: {norm!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"task.reward_model_batch_size must be an int >= 1: {batch_size!r}")
         self.path = str(path) if path is not None else getattr(model, "name_or_path", "?")
+        config = scoring_config(engine_config, batch_size, device)
         if model is None or tokenizer is None:
-            model, tokenizer = _load(self.path, base)
-        self.device = torch.device(device) if device is not None else _default_device()
-        self.model = model.to(self.device).eval().requires_grad_(False)
+            self.engine, tokenizer = _load(self.path, base, config)
+        else:
+            self.engine = _engine(model, config, f"task.reward_model={self.path!r}")
+        self.device = self.engine.device
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
         self.norm = norm
         self.chat_template = chat_template
         self._lock = threading.Lock()
@@ -108,18 +139,19 @@ class RewardModelScorer:
     def __repr__(self) -> str:
         return f"RewardModelScorer({self.path!r}, norm={self.norm!r})"
 
+    @property
+    def collective(self) -> bool:
+        """Whether scoring is a collective (under ``torchrun``: the model is sharded over the
+        ranks): every rank then calls the scorer in the same order, on its trainer thread."""
+        return self.engine.dp_group is not None
+
     def _check(self) -> None:
         where = f"task.reward_model={self.path!r}"
-        labels = getattr(self.model.config, "num_labels", None)
-        if labels != 1:
-            raise ValueError(f"{where} has {labels} labels; a scalar reward model has 1")
         if self.tokenizer.pad_token_id is None:
             if self.tokenizer.eos_token_id is None:
                 raise ValueError(f"{where}: its tokenizer has neither a pad nor an EOS token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"
-        # The classifier pools the last token that is not its config's pad id.
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if self.chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 f"task.reward_model_chat_template=true, but {where}'s tokenizer has no chat "
@@ -138,18 +170,28 @@ class RewardModelScorer:
             for p, c in zip(prompts, completions, strict=True)
         ]
 
-    @torch.no_grad()
     def raw_scores(self, texts: Sequence[str]) -> torch.Tensor:
-        """The model's score of each text ``[B]`` float64 (float32 forwards), ``batch_size``
-        rows per forward."""
-        out = []
-        for start in range(0, len(texts), self.batch_size):
-            chunk = list(texts[start : start + self.batch_size])
-            enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
-            enc = {k: v.to(self.device) for k, v in enc.items() if k != "token_type_ids"}
-            logits = self.model(**enc).logits  # [b, 1]
-            out.append(logits[:, 0].double().cpu())
-        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+        """The model's score of each text ``[B]`` float64 (the engine's float32 scores): one
+        ``infer_batch`` of all the rows, ``batch_size`` per micro-batch (a collective under
+        ``torchrun``, also for no row)."""
+        if not texts:
+            if not self.collective:
+                return torch.zeros(0, dtype=torch.float64)
+            batch = TensorDict(
+                input_ids=torch.zeros(0, 1, dtype=torch.long),
+                attention_mask=torch.zeros(0, 1, dtype=torch.bool),
+                batch_size=[0],
+            )
+        else:
+            enc = self.tokenizer(list(texts), return_tensors="pt", padding=True)
+            batch = TensorDict(
+                input_ids=enc["input_ids"].long(),
+                attention_mask=enc["attention_mask"].bool(),
+                batch_size=[len(texts)],
+            )
+        with self._lock:
+            scores = self.engine.infer_batch(batch)["scores"]
+        return scores.double().cpu()
 
     def __call__(self, completions: Sequence[str], prompts: Sequence[str]) -> list[float]:
         scores = self.raw_scores(self.texts(completions, prompts))
@@ -166,14 +208,29 @@ class RewardModelScorer:
         return stats
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _engine(model: Any, config: EngineConfig, where: str, base: str | None = None) -> Any:
+    """The frozen reward-model engine of ``model`` (a classifier object or path, or an engine
+    checkpoint with ``base``)."""
+    from microrl.engine import RewardModelEngine
+
+    if not isinstance(model, (str, os.PathLike)) and not _is_classifier(type(model).__name__):
+        raise ValueError(
+            f"{where} is a {type(model).__name__}, not a *ForSequenceClassification: a reward "
+            "model scores with a trained score head"
+        )
+    return RewardModelEngine(model, config, frozen=True, base=base)
 
 
-def _load(path: str, base: str | None) -> tuple[Any, Any]:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def _is_classifier(name: str) -> bool:
+    return name.endswith("ForSequenceClassification")
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _load(path: str, base: str | None, config: EngineConfig) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
 
     from microrl.engine.checkpoint import reward_model as engine_rm
 
@@ -186,23 +243,27 @@ def _load(path: str, base: str | None) -> tuple[Any, Any]:
                 "(docs/tasks.md#reward-models)"
             )
         try:
-            model = engine_rm.load_reward_model_checkpoint(path, base)
-            return model, AutoTokenizer.from_pretrained(base)
+            engine = _engine(path, config, where, base=base)
+            return engine, AutoTokenizer.from_pretrained(base)
         except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"{where} with task.reward_model_base={base!r}: {first}") from err
+            raise ValueError(
+                f"{where} with task.reward_model_base={base!r}: {_first_line(err)}"
+            ) from err
     if base:
         raise ValueError(
             f"task.reward_model_base={base!r} is set, but {where} is not an engine checkpoint "
             "(no manifest.json): a sequence-classification checkpoint needs no base"
         )
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        architectures = AutoConfig.from_pretrained(path).architectures or []
+        if not any(_is_classifier(name) for name in architectures):
+            raise ValueError(
+                f"its config names {architectures}, not a *ForSequenceClassification: a reward "
+                "model scores with a trained score head"
+            )
+        return _engine(path, config, where), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
             f"{where} could not be loaded as a sequence-classification model with its tokenizer "
-            f"(nor is it a RewardModelEngine checkpoint): {first}"
+            f"(nor is it a RewardModelEngine checkpoint): {_first_line(err)}"
         ) from err
-    return model, tokenizer

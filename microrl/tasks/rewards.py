@@ -295,6 +295,12 @@ class Reward:
         asynchronous run)."""
         return any(hasattr(term.fn, "drain_metrics") for term in self.terms)
 
+    @property
+    def collective(self) -> bool:
+        """Whether a term scores collectively (a reward model sharded under ``torchrun``): every
+        rank must then call this reward in the same order, on its trainer thread."""
+        return any(getattr(term.fn, "collective", False) for term in self.terms)
+
     def drain_metrics(self) -> dict[str, float]:
         """The counters of the model-based terms (``judge/*``, ``reward_model/*``) since the
         last call; {} when there are none."""

@@ -1,5 +1,6 @@
-"""The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports, and
-its engine checkpoint saved from the shards then read back on each rank alone.
+"""The reward model on 2 gloo ranks: pair-count denominators, empty micro-batches, exports, its
+engine checkpoint saved from the shards then read back on each rank alone, and a
+``task.reward_model`` scorer sharded over the ranks (never whole on each) scoring as one process.
 
 Like tests/engine/parallel/test_distributed.py, the pytest function launches this file on 2 ranks
 (``distributed_utils.launch``) and the ranks report the checks that passed. References are
@@ -36,7 +37,10 @@ SHARDS = ([0, 1, 2, 3, 4, 5], [6, 7])
 
 
 def test_reward_model_under_data_parallelism(tmp_path):
+    from model_reward_utils import save_reward_model
+
     (tmp_path / "out").mkdir()
+    save_reward_model(tmp_path / "rm", seed=3)
     launch(2, HERE, str(tmp_path))
     passed = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
     assert (
@@ -47,6 +51,7 @@ def test_reward_model_under_data_parallelism(tmp_path):
             "empty_share",
             "export_under_fsdp",
             "checkpoint_as_classifier",
+            "scorer_sharded",
         ]
     )
 
@@ -64,6 +69,7 @@ def main(tmp: str) -> None:
     from microrl.engine import RewardModelEngine
     from microrl.engine.checkpoint.reward_model import load_reward_model_checkpoint
     from microrl.engine.parallel import distributed as D
+    from microrl.tasks.reward_model import RewardModelScorer
 
     rank = int(os.environ.get("RANK", "0"))
     batch = pair_batch()
@@ -78,12 +84,17 @@ def main(tmp: str) -> None:
         metrics = engine.train_batch(data)
         return metrics, {n: p - before[n] for n, p in full_params(engine).items()}
 
+    # The scorer's rows: 3 on rank 0, none on rank 1 (it still joins the collective forward).
+    prompts, completions = ["12+7=", "3+4=", "99+1="], ["19", "7", "100"]
+    mine = slice(0, 3) if rank == 0 else slice(0, 0)
+
     def references():
         whole = step(RewardModelEngine(tiny_model(), config), batch)
         first = step(RewardModelEngine(tiny_model(), config), batch[list(SHARDS[0])])
-        return whole, first
+        scores = RewardModelScorer(str(Path(tmp) / "rm"), batch_size=2)(completions, prompts)
+        return whole, first, scores
 
-    (ref_metrics, ref_delta), (first_metrics, first_delta) = single_process(references)
+    (ref_metrics, ref_delta), (first_metrics, first_delta), ref_scores = single_process(references)
     passed = []
 
     # ---- the same update, loss and metrics from two shares of whole pairs
@@ -117,6 +128,17 @@ def main(tmp: str) -> None:
     local = load_reward_model_checkpoint(Path(tmp) / "ckpt", tiny_model())
     torch.testing.assert_close(hf_scores(local, batch), expected, atol=SCORE_ATOL, rtol=0)
     passed.append("checkpoint_as_classifier")
+
+    # ---- task.reward_model under torchrun: FSDP2-sharded (each rank holds half of it, rank 0
+    # read the checkpoint), scoring collectively, as one process does
+    scorer = RewardModelScorer(str(Path(tmp) / "rm"), batch_size=2)
+    assert scorer.collective and isinstance(scorer.engine.module, FSDPModule)
+    body = [p for n, p in scorer.engine.module.named_parameters() if "value_head" not in n]
+    local = sum(p.to_local().numel() for p in body)
+    assert local <= sum(p.numel() for p in body) // 2 + 64, local  # 1/2, padding aside
+    got = scorer(completions[mine], prompts[mine])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_scores[mine]), atol=1e-5, rtol=0)
+    passed.append("scorer_sharded")
 
     dist.barrier()
     (Path(tmp) / "out" / f"rank{rank}.json").write_text(json.dumps(passed))

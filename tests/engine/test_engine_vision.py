@@ -13,11 +13,12 @@ import copy
 
 import pytest
 import torch
-from vision_utils import IMAGE_TOKEN, make_image_batch, tiny_vlm
+from tensordict import TensorDict
+from vision_utils import IMAGE_TOKEN, image_row, make_image_batch, tiny_vlm
 
 from microrl import ActorEngine, CriticEngine
 from microrl.configs.engine import ActorConfig, CriticConfig, LoraConfig
-from microrl.engine.vision import ROPE_KEY
+from microrl.engine.vision import ROPE_KEY, image_store, pad_images
 
 # Engine outputs are float32 (docs/batch.md): a float64 model's log-probs agree to fp32 rounding.
 OUT_TOL = 2e-6
@@ -36,8 +37,9 @@ def model_logprobs(model, batch) -> torch.Tensor:
         grid = grid[grid.prod(-1) > 0]
         images = {}
         if len(grid):
+            store, index = image_store(batch)
             images = dict(
-                pixel_values=batch["pixel_values"][b, : int(grid.prod(-1).sum())],
+                pixel_values=store[index[b], : int(grid.prod(-1).sum())],
                 image_grid_thw=grid,
                 mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
             )
@@ -202,7 +204,7 @@ def test_freeze_vision_audit_catches_a_tower_that_stays_frozen_while_training():
     engine = actor(tiny_vlm("qwen2_vl"), freeze_vision=False)
     engine.forward_backward_batch(make_image_batch())
     text_only = make_image_batch(([], [(1, 2, 2)]))[:1]  # row 0 only: no image
-    del text_only["pixel_values"], text_only["image_grid_thw"]
+    del text_only["pixel_values"], text_only["image_grid_thw"], text_only["image_index"]
     engine.forward_backward_batch(text_only)  # no image anywhere: the tower is not expected
     # The features detached from the tower: images in the batch, yet no gradient reaches it.
     merger = engine.vision.tower.merger
@@ -234,7 +236,7 @@ BAD = {
     "more_tokens_than_features": (_more_tokens, r"row 0: input_ids holds 2 image token.*gives 1"),
     "row_missing_pixel_values": (_missing_pixels, r"row 2: .* no image: its 'pixel_values'"),
     "no_image_keys": (
-        lambda b: b.del_("pixel_values").del_("image_grid_thw"),
+        lambda b: b.del_("pixel_values").del_("image_grid_thw").del_("image_index"),
         r"row 0: .*no 'pixel_values'",
     ),
     "grid_without_pixels": (
@@ -243,7 +245,7 @@ BAD = {
     ),
     "wrong_patch_size": (
         lambda b: b.set("pixel_values", b["pixel_values"][..., :5]),
-        r"'pixel_values' must be a float tensor \[B, P, 24\]",
+        r"'pixel_values' must be a float tensor \[G, P, 24\] \(the pixel store\)",
     ),
     "loss_on_image_token": (_loss_on_image, "loss_mask marks an image placeholder token"),
     "rope_given": (
@@ -251,7 +253,7 @@ BAD = {
         "computed by the engine",
     ),
     "non_finite_pixels": (
-        lambda b: b["pixel_values"][3].fill_(float("nan")),
+        lambda b: b["pixel_values"][b["image_index"][3]].fill_(float("nan")),
         r"row 3: 'pixel_values' is not finite",
     ),
 }
@@ -306,15 +308,89 @@ def test_bad_vision_config_names_the_key():
 
 
 def test_pad_images_lays_out_rows_and_rejects_mismatched_patches():
-    from microrl.engine.vision import pad_images
-
     one = (torch.randn(4, 24), torch.tensor([[1, 2, 2]]))
     two = (torch.randn(12, 24), torch.tensor([[1, 2, 2], [1, 2, 4]]))
-    keys = pad_images([one, None, two])
-    assert keys["pixel_values"].shape == (3, 12, 24) and keys["image_grid_thw"].shape == (3, 2, 3)
-    assert torch.equal(keys["pixel_values"][0, :4], one[0]) and not keys["pixel_values"][1].any()
-    assert torch.equal(keys["image_grid_thw"][2], two[1]) and not keys["image_grid_thw"][0, 1].any()
+    keys = pad_images([one, None, two, two, one])  # rows 2-3 and 0, 4 share their images
+    assert keys["pixel_values"].shape == (2, 12, 24) and keys["image_grid_thw"].shape == (5, 2, 3)
+    assert keys["image_index"].tolist() == [0, -1, 1, 1, 0]
+    assert (
+        torch.equal(keys["pixel_values"][0, :4], one[0]) and not keys["pixel_values"][0, 4:].any()
+    )
+    assert torch.equal(keys["pixel_values"][1], two[0]) and not keys["image_grid_thw"][1].any()
+    assert torch.equal(keys["image_grid_thw"][3], two[1]) and not keys["image_grid_thw"][0, 1].any()
     with pytest.raises(ValueError, match=r"row 1: image_grid_thw \[\[1, 2, 2\]\] gives 4 patches"):
         pad_images([one, (torch.randn(5, 24), one[1])])
     with pytest.raises(ValueError, match="at least one row with images"):
         pad_images([None, None])
+
+
+def _grouped_batch(group: int = 3) -> tuple[TensorDict, TensorDict]:
+    """Two prompts with images (one and two of them), ``group`` rows each sharing their
+    prompt's pixel tensors, plus a text row: ``(shared, per_row)``, the same rows in the
+    rollouts' layout (one store entry per prompt, ``image_index``) and in the per-row one."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [image_row(gen, grids, 2, 3) for grids in ([(1, 2, 2)], [(1, 4, 2), (1, 2, 2)], [])]
+    rows = [p for p in prompts[:2] for _ in range(group)] + [prompts[2]]
+    width = max(len(ids) for ids, _, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask = torch.zeros_like(mask)
+    for b, (row_ids, start, _) in enumerate(rows):
+        ids[b, : len(row_ids)] = torch.tensor(row_ids)
+        mask[b, : len(row_ids)] = True
+        loss_mask[b, start : len(row_ids)] = True
+    text = dict(input_ids=ids, attention_mask=mask, loss_mask=loss_mask)
+    shared = TensorDict(**text, **pad_images([r[2] for r in rows]), batch_size=[len(rows)])
+    store, index = image_store(shared)
+    per_row = store[index.clamp_min(0)] * (index >= 0)[:, None, None]
+    flat = TensorDict(
+        **text,
+        pixel_values=per_row,
+        image_grid_thw=shared["image_grid_thw"],
+        batch_size=[len(rows)],
+    )
+    return shared, flat
+
+
+@pytest.mark.parametrize("split", ["one_row_per_micro_batch", "packed_budget"])
+def test_a_groups_rows_share_one_copy_of_their_pixels(split):
+    """A rollout's layout holds each prompt's pixels once for its group (here 2 entries for 7
+    rows, a third of the per-row bytes) and trains exactly as the per-row layout does, under
+    any split: the engine gathers each micro-batch's rows from the store."""
+    shared, per_row = _grouped_batch(group=3)
+    assert shared["pixel_values"].shape[0] == 2 and shared["image_index"].tolist() == [
+        0, 0, 0, 1, 1, 1, -1
+    ]  # fmt: skip
+    assert shared["pixel_values"].numel() * 3 <= per_row["pixel_values"].numel()
+    model = tiny_vlm("qwen2_vl", dtype=torch.float64)
+    results = []
+    for batch in (shared, per_row):
+        engine = actor(copy.deepcopy(model), freeze_vision=False, **SPLITS[split])
+        batch = batch.clone()
+        batch["advantages"] = torch.linspace(-1, 1, batch["input_ids"].numel()).view_as(
+            batch["loss_mask"]
+        ).double()  # fmt: skip
+        batch["old_logprobs"] = torch.zeros_like(batch["advantages"])
+        results.append((engine.forward_backward_batch(batch), grads(engine)))
+    (out, got), (ref, want) = results
+    assert_close(out["model_output"]["logprobs"], ref["model_output"]["logprobs"], OUT_TOL, split)
+    assert got.keys() == want.keys() and any(".visual." in n for n in got)
+    for name, g in got.items():
+        assert_close(g, want[name], GRAD_TOL, name)
+
+
+def test_bad_image_index_names_the_row():
+    shared, _ = _grouped_batch()
+    engine = actor(tiny_vlm("qwen2_vl"))
+    for value, message in (
+        (5, r"row 1: 'image_index' is 5, but 'pixel_values' holds 2 entries"),
+        (-1, r"row 1: 'image_index' is -1, but 'pixel_values' holds 2 entries"),
+    ):
+        batch = shared.clone()
+        batch["image_index"][1] = value
+        with pytest.raises(ValueError, match=message):
+            engine.infer_batch(batch)
+    batch = shared.clone()
+    batch["image_index"] = batch["image_index"].float()
+    with pytest.raises(ValueError, match=r"'image_index' must be an integer tensor \[B\]"):
+        engine.infer_batch(batch)

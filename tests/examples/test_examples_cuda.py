@@ -36,6 +36,12 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("base") / "tiny-adder"
 
 
+@pytest.fixture(scope="module")
+def vision_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy vision base, built and warm-started on a simulated GPU by the first test."""
+    return tmp_path_factory.mktemp("base") / "tiny-digits"
+
+
 def _args(base: Path, out: Path, *extra: str) -> list[str]:
     return [*TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base}", f"output.dir={out}", *extra]
 
@@ -112,12 +118,12 @@ def test_ppo_on_a_gpu_keeps_every_tensor_on_it(base_model, tmp_path, monkeypatch
     assert "critic/vf_loss" in read_metrics(tmp_path / "ppo" / "metrics.jsonl")[-1]
 
 
-def test_vision_grpo_on_a_gpu_keeps_every_tensor_on_it(tmp_path, monkeypatch) -> None:
+def test_vision_grpo_on_a_gpu_keeps_every_tensor_on_it(vision_base, tmp_path, monkeypatch) -> None:
     """The toy vision task (task.name=digits) on GPU 1 of 2: the vision base warm-started there,
     the image encoder's host pixels and grids into generate, the rollouts' image keys, the
     engine's mRoPE positions and the image-row mismatch metrics, all on the GPU."""
     args = _args(
-        tmp_path / "base" / "tiny-digits",
+        vision_base,
         tmp_path / "vision",
         "actor.device=cuda:1",
         "task.name=digits",
@@ -128,6 +134,54 @@ def test_vision_grpo_on_a_gpu_keeps_every_tensor_on_it(tmp_path, monkeypatch) ->
     records = read_metrics(tmp_path / "vision" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all("mismatch/image/kl_k3" in r and "kl" in r for r in records[1:])
+
+
+def _image_sized_on_gpu(patch_dim: int) -> list[tuple[int, ...]]:
+    """Shapes of the live tensors on a (simulated) GPU that hold pixels: float, last dimension
+    the patch size, not a parameter (found through the garbage collector's objects)."""
+    import gc
+
+    import torch
+
+    return [
+        tuple(t.shape)
+        for t in gc.get_objects()
+        if isinstance(t, torch.Tensor)
+        and not isinstance(t, torch.nn.Parameter)
+        and t.is_cuda
+        and t.is_floating_point()
+        and t.dim() >= 2
+        and t.shape[-1] == patch_dim
+    ]
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_vision_recipes_free_the_steps_pixels_before_the_next_sampling(
+    recipe, vision_base, tmp_path, monkeypatch
+):
+    """A step's images leave the GPU with the step: when the next step samples (the hf
+    generation, the largest transient), no pixel tensor of the last one is still referenced."""
+    import importlib
+
+    from microrl.run.toy_vision import PATCH_SIZE, TEMPORAL_PATCH
+
+    module = importlib.import_module(f"microrl.recipes.{recipe}")
+    name = "sample_step" if recipe == "grpo" else "sample_and_score"  # each step's sampling
+    patch_dim = 3 * TEMPORAL_PATCH * PATCH_SIZE**2
+    seen, real = [], getattr(module, name)
+
+    def checked(*args, **kwargs):
+        seen.append(_image_sized_on_gpu(patch_dim))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, checked)
+    out = tmp_path / recipe
+    args = _args(vision_base, out, "actor.device=cuda", "task.name=digits", "train.steps=3")
+    if recipe == "ppo":
+        args += ["critic.device=cuda", "critic.micro_batch_size=2"]
+    with simulated_cuda(monkeypatch, gpus=1):
+        assert load_example(f"{recipe}_lora").main(args) == 0
+    assert seen == [[], [], []], seen  # steps 1-3: nothing of the step before
 
 
 @pytest.mark.distributed

@@ -81,7 +81,7 @@ class EpisodePictureTask(PictureTask):
 @pytest.fixture
 def picture_task(tmp_path, monkeypatch):
     save_tiny_vlm(tmp_path / "vlm")
-    monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tokenizer: PictureTask())
+    monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tokenizer, **_: PictureTask())
 
 
 @pytest.mark.parametrize("recipe", [grpo, ppo], ids=["grpo", "ppo"])
@@ -106,7 +106,7 @@ def test_a_task_with_images_trains_asynchronously_on_an_hf_worker(tmp_path, pict
 
 def test_episodes_with_images_train_on_the_hf_backend(tmp_path, monkeypatch) -> None:
     save_tiny_vlm(tmp_path / "vlm")
-    monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tok: EpisodePictureTask())
+    monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tok, **_: EpisodePictureTask())
     assert grpo.main(args(tmp_path, "rollout.max_turns=2", "rollout.max_episode_tokens=8")) == 0
     _check_steps(tmp_path)
 
@@ -150,7 +150,7 @@ def test_a_text_policy_given_images_is_refused_naming_the_keys(tmp_path, monkeyp
     )
     model.save_pretrained(tmp_path / "vlm")
     tokenizer.save_pretrained(tmp_path / "vlm")
-    monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tokenizer: PictureTask())
+    monkeypatch.setattr(microrl.run.loop, "make_task", lambda cfg, tokenizer, **_: PictureTask())
     with pytest.raises(
         ValueError,
         match=r"task.name=addition gives prompts with images but model.path=.*vlm has no vision config",

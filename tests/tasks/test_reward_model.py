@@ -15,6 +15,7 @@ from model_reward_utils import save_reward_model, train_reward_model_engine
 from tensordict import TensorDict
 from transformers import AutoModelForSequenceClassification
 
+from microrl.configs import EngineConfig
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import load_config
 from microrl.engine.checkpoint.export import export_merged_model
@@ -45,9 +46,8 @@ def _reference(path, texts) -> torch.Tensor:
 def test_scores_equal_a_plain_forward_under_any_batch_size(rm_path) -> None:
     expected = _reference(rm_path, [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
     assert expected.std() > 0.1  # the rows score differently: a mix-up would show
-    scorer = RewardModelScorer(rm_path)
     for batch_size in (1, 2, 5):
-        scorer.batch_size = batch_size
+        scorer = RewardModelScorer(rm_path, batch_size=batch_size)
         got = torch.tensor(scorer(COMPLETIONS, PROMPTS), dtype=torch.float64)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
         metrics = scorer.drain_metrics()
@@ -191,18 +191,105 @@ def test_bad_checkpoints_name_the_key(rm_path, tmp_path) -> None:
 
 
 def test_the_reward_model_runs_on_the_processs_gpu(rm_path, monkeypatch) -> None:
-    """On a (simulated) second GPU: chosen when built, in the caller's thread, as the engine's."""
+    """On a (simulated) second GPU: chosen when built, in the caller's thread, as the engine's
+    (``dtype=float32``: the exact scores; the default's bf16 is the next test's)."""
     from device_utils import simulated_cuda
 
     expected = RewardModelScorer(rm_path)(COMPLETIONS[:2], PROMPTS[:2])
     model = AutoModelForSequenceClassification.from_pretrained(rm_path)
     with simulated_cuda(monkeypatch, gpus=2):
         torch.cuda.set_device(1)
-        scorer = RewardModelScorer(model=model, tokenizer=build_tokenizer())
+        scorer = RewardModelScorer(
+            model=model, tokenizer=build_tokenizer(), engine_config=EngineConfig(dtype="float32")
+        )
         assert scorer.device == torch.device("cuda", 1)
-        assert next(scorer.model.parameters()).device == torch.device("cuda", 1)
+        assert next(scorer.engine.module.parameters()).device == torch.device("cuda", 1)
         got = scorer(COMPLETIONS[:2], PROMPTS[:2])
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=ATOL, rtol=0)
+
+
+# bf16 weights and activations (a relative 2^-8 each) through the 1-layer model, the score head
+# in fp32: scores of order 1 move by ~1e-2 (measured 0.02 at most).
+BF16_ATOL = 0.06
+
+
+def test_the_reward_model_loads_in_the_runs_compute_dtype(rm_path, monkeypatch) -> None:
+    """On a (simulated) GPU the run autocasts in bf16 (``actor.dtype=auto``): the reward model's
+    weights are loaded straight into bf16 (never fp32 there), its score head stays fp32, and it
+    scores under autocast; on the CPU (no autocast) everything stays fp32."""
+    from device_utils import simulated_cuda
+
+    from microrl.configs import ActorConfig
+
+    cpu = RewardModelScorer(rm_path, engine_config=ActorConfig())
+    assert {p.dtype for p in cpu.engine.module.parameters()} == {torch.float32}
+    expected = _reference(rm_path, [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)])
+    with simulated_cuda(monkeypatch, gpus=1):
+        scorer = RewardModelScorer(rm_path, engine_config=ActorConfig())
+        dtypes = {n: p.dtype for n, p in scorer.engine.module.named_parameters()}
+        assert dtypes.pop("value_head.weight") == torch.float32
+        assert set(dtypes.values()) == {torch.bfloat16}
+        got = torch.tensor(scorer(COMPLETIONS, PROMPTS), dtype=torch.float64)
+    assert (got - expected).abs().max() > 1e-4  # it did compute in bf16
+    torch.testing.assert_close(got, expected, atol=BF16_ATOL, rtol=0)
+
+
+def test_a_frozen_reward_model_never_trains(rm_path) -> None:
+    scorer = RewardModelScorer(rm_path)
+    assert scorer.engine.optimizer is None
+    assert not any(p.requires_grad for p in scorer.engine.module.parameters())
+    with pytest.raises(RuntimeError, match=r"frozen \(frozen=True\): it only scores"):
+        scorer.engine.train_batch(TensorDict(input_ids=torch.ones(1, 2, dtype=torch.long)))
+
+
+def test_a_causal_lm_is_not_a_reward_model(tmp_path) -> None:
+    """A checkpoint without a trained score head would score with a random one: refused."""
+    from engine_utils import tiny_model
+
+    tiny_model().save_pretrained(tmp_path / "lm")
+    build_tokenizer().save_pretrained(tmp_path / "lm")
+    with pytest.raises(ValueError, match=r"task.reward_model=.*not a \*ForSequenceClassification"):
+        RewardModelScorer(tmp_path / "lm")
+
+
+def test_collective_reward_models_refuse_agents_and_are_not_scored_ahead(
+    tmp_path, monkeypatch
+) -> None:
+    """Under torchrun the sharded reward model is a collective (Reward.collective): the
+    asynchronous sampler scores it on the trainer thread, and an agent task refuses it."""
+    from microrl.tasks.rewards import Reward
+
+    class Sharded:
+        collective = True
+
+        def __call__(self, completions, prompts):
+            return [0.0] * len(completions)
+
+        def drain_metrics(self):
+            return {}
+
+    from microrl.run.async_start import scores_ahead
+    from microrl.tasks import Problem
+    from microrl.tasks.rewards import RewardedTask
+    from microrl.tasks.word_problems import WordProblemTask
+
+    local = Sharded()
+    local.collective = False
+    for fn, ahead in ((local, True), (Sharded(), False)):
+        task = RewardedTask(WordProblemTask(9, 4, 0), Reward([fn]), 0.5)
+        assert Reward([fn]).collective is not ahead
+        assert scores_ahead(task, object(), None) is ahead
+        assert task.score(["1"], [Problem("1+0=", "1")]) == [0.0]
+    (tmp_path / "agent.py").write_text("def agent(client, problem):\n    return 0.0\n")
+    cfg = load_config(
+        GRPOExampleConfig,
+        None,
+        [f"task.agent={tmp_path / 'agent.py'}:agent", f"task.reward_model={tmp_path}"],
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr("microrl.tasks.factory.reward_of", lambda *a, **k: Reward([Sharded()]))
+        with pytest.raises(ValueError, match=r"task.reward_model under torchrun cannot score"):
+            make_task(cfg.task)
 
 
 def test_bad_engine_checkpoints_name_the_keys(trained_rm, rm_path, tmp_path) -> None:

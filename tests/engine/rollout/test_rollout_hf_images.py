@@ -93,8 +93,9 @@ def test_a_vision_policy_never_samples_an_image_placeholder() -> None:
 
 def test_episodes_with_image_prompts_are_scored_at_the_samplers_logprobs() -> None:
     """An episode's first input carries its prompt's images (placeholders expanded, every turn
-    sampled with them), observations are text; each row carries its prompt's pixels and grid
-    and the engine scores the turns at the sampler's log-probs."""
+    sampled with them), observations are text; each row carries its prompt's grid and its
+    entry of the pixel store (one per prompt), and the engine scores the turns at the sampler's
+    log-probs."""
     from episode_utils import ScriptEnv
 
     model, tokenizer, processor = toy_vlm()
@@ -114,6 +115,9 @@ def test_episodes_with_image_prompts_are_scored_at_the_samplers_logprobs() -> No
     assert (batch["input_ids"] == token).sum(-1).tolist() == [4, 4, 0, 0, 10, 10]
     assert batch["image_grid_thw"][4].tolist() == [[1, 4, 6], [1, 4, 4]]
     assert batch["image_grid_thw"][2].abs().sum() == 0
+    # A prompt's images are encoded once: its two episodes share one entry of the store.
+    assert batch["image_index"].tolist() == [0, 0, -1, -1, 1, 1]
+    assert batch["pixel_values"].shape[0] == 2
     mask = batch["loss_mask"]
     worst = (engine.infer_batch(batch)["logprobs"] - batch["rollout_logprobs"])[mask].abs().max()
     assert worst <= HF_LOGPROB_ATOL, f"max |rollout - engine| log-prob {worst:.3g}"

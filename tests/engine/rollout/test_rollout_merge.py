@@ -132,8 +132,10 @@ def test_errors() -> None:
 
 
 def test_merging_rounds_with_and_without_images_pads_the_image_keys() -> None:
-    """Image keys (docs/batch.md#images) are per row, not per token: merged by zero-padding to
-    the widest round's patches and grids (a round without images: all zero), never shifted."""
+    """Image keys (docs/batch.md#images) are not per token: the rounds' pixel stores are
+    concatenated (each entry zero-padded to the widest), each row's ``image_index`` shifted
+    past the earlier rounds' entries, the grids zero-padded (a round without images: text
+    rows, index -1); never shifted by columns. Selecting groups drops the others' pixels."""
     from microrl.engine.vision import pad_images
 
     gen = torch.Generator().manual_seed(0)
@@ -145,14 +147,16 @@ def test_merging_rounds_with_and_without_images_pads_the_image_keys() -> None:
     grid = torch.tensor([[1, 2, 2], [1, 2, 4]])
     b.batch.update(pad_images([(torch.randn(12, 5, generator=gen), grid)] * 2))
     merged = merge_rollouts([a, b, c], pad_token_id=PAD).batch
-    assert merged["pixel_values"].shape == (8, 12, 5)
+    assert merged["pixel_values"].shape == (2, 12, 5)  # one entry per prompt with images
+    assert merged["image_index"].tolist() == [0, 0, -1, -1, 1, 1, -1, -1]
     assert merged["image_grid_thw"].shape == (8, 2, 3)
-    assert torch.equal(merged["pixel_values"][:4, :4], a.batch["pixel_values"])
-    assert torch.equal(merged["pixel_values"][4:6], b.batch["pixel_values"])
-    assert (
-        merged["pixel_values"][:4, 4:].abs().sum() == 0
-        and merged["pixel_values"][6:].abs().sum() == 0
-    )
+    assert torch.equal(merged["pixel_values"][:1, :4], a.batch["pixel_values"])
+    assert torch.equal(merged["pixel_values"][1:], b.batch["pixel_values"])
+    assert merged["pixel_values"][0, 4:].abs().sum() == 0
     assert merged["image_grid_thw"][:2].tolist() == [[[1, 2, 2], [0, 0, 0]]] * 2
     assert merged["image_grid_thw"][4].tolist() == grid.tolist()
     assert merged["image_grid_thw"][6:].abs().sum() == 0
+    # Keeping group 1 of the merged rounds (b's prompt) keeps its entry alone, renumbered.
+    kept = select_groups(merge_rollouts([a, b, c], pad_token_id=PAD), [2]).batch
+    assert kept["pixel_values"].shape == (1, 12, 5) and kept["image_index"].tolist() == [0, 0]
+    assert torch.equal(kept["pixel_values"][0], b.batch["pixel_values"][0])
