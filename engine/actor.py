@@ -71,7 +71,9 @@ class ActorEngine(Engine):
     config_class = ActorConfig
     loss_keys = ("loss_mask", "old_logprobs", "advantages")
 
-    def __init__(self, model: nn.Module | str | os.PathLike, config: ActorConfig) -> None:
+    def __init__(
+        self, model: nn.Module | str | os.PathLike, config: ActorConfig, *, frozen: bool = False
+    ) -> None:
         if isinstance(config, ActorConfig) and config.policy_loss.kl_coef > 0:
             self.loss_keys = (*type(self).loss_keys, "ref_logprobs")
         if isinstance(config, ActorConfig) and config.policy_loss.corrects_mismatch:
@@ -82,7 +84,7 @@ class ActorEngine(Engine):
                 *(key for key in self.loss_keys if key != "old_logprobs"),
                 "rollout_logprobs",
             )
-        super().__init__(model, config)
+        super().__init__(model, config, frozen=frozen)
 
     def fuses_loss(self, loss_fn: LossFn | None, *, training: bool = True) -> bool:
         """Whether a pass with ``loss_fn`` (None: the configured loss) takes the fused loss path:

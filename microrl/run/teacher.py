@@ -100,9 +100,10 @@ def scored_batch(batch: TensorDict, temperature: float) -> TensorDict:
 
 
 class EngineTeacher:
-    """A frozen engine of ``config.path`` (a local checkpoint) in this process, computing like
-    the student's (``actor``'s device, dtypes, kernels and parallel layout; its weights stored
-    in ``actor.base_dtype``, as the student's frozen base; no LoRA, no optimizer steps).
+    """A frozen engine (``frozen=True``) of ``config.path`` (a local checkpoint) in this process,
+    computing like the student's (``actor``'s device, dtypes, kernels and parallel layout; its
+    weights stored in the dtype it computes in, else ``actor.base_dtype`` as the student's frozen
+    base; no LoRA, no optimizer).
 
     Under ``torchrun`` it is loaded as the student is: global rank 0 reads the checkpoint on
     the CPU, the other ranks build it on ``meta``, and each rank materialises only its FSDP2
@@ -128,8 +129,7 @@ class EngineTeacher:
         engine_config.base_dtype = actor.base_dtype
         self.temperature = config.temperature
         # A path, not a model object: the engine's rank-0 load under torchrun.
-        self.engine = ActorEngine(config.path, engine_config)
-        self.engine.module.requires_grad_(False)  # frozen: no gradient is ever formed
+        self.engine = ActorEngine(config.path, engine_config, frozen=True)
 
     def score(self, batch: TensorDict) -> torch.Tensor:
         """The teacher's log-probs of ``batch``'s tokens at ``teacher.temperature``, ``[B, T]``
