@@ -39,6 +39,7 @@ from microrl.engine.rollout.full_weights import gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
 from microrl.engine.rollout.sync_check import engine_probe
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync
+from microrl.remote.channel import ChannelClosed, Receiver, Sender, close_all, start_process
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.worker.main import (
     WorkerSpec,
@@ -154,16 +155,13 @@ class AsyncRollout(AsyncSamplerBase):
             image_encoder=self.image_encoder,
             freeze_vision=bool(getattr(engine.config, "freeze_vision", True)),
         )
-        ctx = mp.get_context("spawn")
-        self._commands = ctx.Queue()
-        self._results = ctx.Queue()
-        self.process = ctx.Process(
-            target=worker_main,
-            args=(spec, self._commands, self._results),
+        self.process, self._commands, self._results = start_process(
+            mp.get_context("spawn"),
+            worker_main,
+            (spec,),
             name="microrl-rollout-worker",
             daemon=True,  # never outlives the trainer
         )
-        self.process.start()
         self._finalizer = weakref.finalize(
             self, _stop_worker, self.process, self._commands, self._results
         )
@@ -187,7 +185,7 @@ class AsyncRollout(AsyncSamplerBase):
                 "full": [(n, tuple(t.shape), t.dtype) for n, t in full.items()],
                 "trainable": [(n, tuple(t.shape), t.dtype) for n, t in trainable.items()],
             }
-            self._commands.put(("layout", self._layouts))
+            self._send(("layout", self._layouts), "its layout")
             self._wait_for("ready", "it to check the model's tensors")
             self._push(engine, full, "full")
             del full
@@ -217,7 +215,7 @@ class AsyncRollout(AsyncSamplerBase):
         """Ask a live worker to exit once idle, without waiting (a pool asks all before closing
         each)."""
         if self.process is not None and self.process.is_alive():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ChannelClosed):
                 self._commands.put(("close",))
 
     # ----------------------------------------------------------------- weights
@@ -256,7 +254,7 @@ class AsyncRollout(AsyncSamplerBase):
                 "shapes or dtypes): a worker copies a fixed set"
             )
         self._expected[self.version] = expected or self.expected_of(engine, state)
-        self._commands.put(("weights", self.version, layout))
+        self._send(("weights", self.version, layout), f"the weights of version {self.version}")
         self._broadcast(state, entries)
 
     def _broadcast(self, state: dict[str, torch.Tensor], entries) -> None:
@@ -285,7 +283,7 @@ class AsyncRollout(AsyncSamplerBase):
         if seed is None:
             seed = draw_seed(params)
         job = Job(next(self._jobs), self.version, kind)
-        self._commands.put((kind, job.id, seed, args))
+        self._send((kind, job.id, seed, args), f"job {job.id}")
         return job
 
     def submit(
@@ -351,6 +349,8 @@ class AsyncRollout(AsyncSamplerBase):
                 message = self._results.get_nowait()
             except queue.Empty:
                 return
+            except ChannelClosed:
+                raise self._died("its next message") from None
             self._handle(message)
 
     # ----------------------------------------------------------------- messages
@@ -369,7 +369,8 @@ class AsyncRollout(AsyncSamplerBase):
         self._handle(self._next_message(what))
 
     def _next_message(self, what: str):
-        """The worker's next message; :class:`WorkerError` when it died or sent nothing for
+        """The worker's next message; :class:`WorkerError` when it died (at any point, also in
+        the middle of a message: its end of the pipe closes) or sent nothing for
         ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -377,22 +378,31 @@ class AsyncRollout(AsyncSamplerBase):
                 return self._results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except queue.Empty:
                 pass
-            if not self.process.is_alive():
-                with contextlib.suppress(queue.Empty):  # its last words, if it had time
-                    message = self._results.get(timeout=1.0)
-                    if message[0] == "error":
-                        self._handle(message)
-                    return message
-                raise WorkerError(
-                    f"{self.name} (pid {self.process.pid}) died with exit code "
-                    f"{self.process.exitcode} while the trainer waited for {what}"
-                )
+            except ChannelClosed:
+                raise self._died(what) from None
+            if not self.process.is_alive():  # dead, its pipe held open by a process it started
+                raise self._died(what)
             if time.monotonic() > deadline:
                 raise WorkerError(
                     f"{self.name} (pid {self.process.pid}) sent nothing for {self.timeout_s:.0f} "
                     f"s while the trainer waited for {what} (timeout_s; "
                     "rollout.worker_timeout_s in the recipes)"
                 )
+
+    def _send(self, command: tuple, what: str) -> None:
+        try:
+            self._commands.put(command)
+        except ChannelClosed:
+            raise self._died(f"it to take {what}") from None
+
+    def _died(self, what: str) -> WorkerError:
+        """The error of a worker whose channel closed: its exit code, once the process is
+        reaped (a moment after its pipe closes)."""
+        self.process.join(timeout=5)
+        return WorkerError(
+            f"{self.name} (pid {self.process.pid}) died with exit code "
+            f"{self.process.exitcode} while the trainer waited for {what}"
+        )
 
     def _handle(self, message) -> None:
         kind = message[0]
@@ -491,11 +501,11 @@ def gather_weights(module, prefix: str, *, trainable_only: bool) -> dict[str, to
     return gather_full_weights(module, prefix, trainable_only=trainable_only)
 
 
-def _stop_worker(process: multiprocessing.Process, commands, results) -> None:
+def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:
     """Ask the worker to exit (it answers between jobs), then terminate, then kill; close the
-    queues."""
+    channels."""
     if process.is_alive():
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ChannelClosed):
             commands.put(("close",))
         process.join(timeout=3)  # an idle worker exits at once; a busy one is stopped
     if process.is_alive():
@@ -506,7 +516,4 @@ def _stop_worker(process: multiprocessing.Process, commands, results) -> None:
     if process.is_alive():
         process.kill()
         process.join(timeout=5)
-    for q in (commands, results):
-        with contextlib.suppress(Exception):
-            q.cancel_join_thread()
-            q.close()
+    close_all(commands, results)
