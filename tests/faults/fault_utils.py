@@ -3,6 +3,7 @@ a disk as a kill leaves it, and a worker-side factory that dies mid-message."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import threading
@@ -61,6 +62,29 @@ def restore(copy: Path, out: Path) -> None:
     """Put the copy of :func:`as_killed` back in place of ``out``."""
     shutil.rmtree(out)
     shutil.copytree(copy, out, symlinks=True)
+
+
+def kill_when(monkeypatch, owner, name: str, when, out: Path, copy: Path) -> None:
+    """Replace ``owner.<name>`` by a function that, the first time ``when(*args)`` holds, copies
+    ``out`` to ``copy`` as a kill at that instant leaves it (:func:`as_killed`) and raises
+    :class:`Killed` instead of doing its work."""
+    original = getattr(owner, name)
+    killed = []
+
+    def killing(*args, **kwargs):
+        if not killed and when(*args):
+            killed.append(name)
+            as_killed(out, copy)
+            raise Killed(f"killed before {name}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, killing)
+
+
+def nth_call(n: int):
+    """A ``when`` for :func:`kill_when` that holds at its ``n``-th call."""
+    calls = itertools.count(1)
+    return lambda *args: next(calls) == n
 
 
 def dies_while_its_error_is_sent(problem):
