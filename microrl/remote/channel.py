@@ -53,9 +53,11 @@ class Receiver:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (size := self._whole_message()) is None:
             self._read(deadline)
-        data = bytes(self._buffer[_HEADER.size : _HEADER.size + size])
-        del self._buffer[: _HEADER.size + size]
-        return pickle.loads(data)  # only ever a Sender of this module, from our own process
+        end = _HEADER.size + size
+        with memoryview(self._buffer) as view:  # unpickled in place: no copy of a big message
+            message = pickle.loads(view[_HEADER.size : end])  # a Sender of ours, never a stranger
+        del self._buffer[:end]
+        return message
 
     def get_nowait(self) -> Any:
         """The next message if it is here whole, else ``queue.Empty``."""
