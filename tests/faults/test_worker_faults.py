@@ -76,6 +76,7 @@ def _kill_worker_after(monkeypatch, method: str, when, kills: list[float]) -> No
 STEPS = 6
 
 
+@pytest.mark.slow  # four runs, each with its worker: the uninterrupted one, two faulted, the end
 def test_a_run_whose_worker_dies_stops_at_once_and_resumes_exactly(tmp_path, monkeypatch):
     common = [
         *[a for a in async_run_args(tmp_path) if not a.startswith("train.steps=")],
