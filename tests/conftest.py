@@ -10,7 +10,7 @@ tests share lives in a ``*_utils.py`` module. A helper one folder uses lives in 
 ``engine_utils`` (tiny models, batches, references: engine, kernels, losses), ``distributed_utils``
 (gloo rank launches: engine, kernels, losses, rollout; benchmarks/bench_tensor_parallel.py),
 ``export_utils`` (export checkers: engine and its subfolders), ``example_utils`` (tiny recipe
-overrides, an example as a module: examples, run, tasks, losses), ``model_reward_utils`` (a tiny
+overrides, an example as a module: examples, run, tasks, losses, faults), ``model_reward_utils`` (a tiny
 reward model, a stand-in judge server: tasks, examples), ``vlm_utils`` (a tiny vision-language
 policy on the toy tokenizer, saved with its image processor: rollout, run). A file launched on ranks puts
 tests/ on ``sys.path`` itself.

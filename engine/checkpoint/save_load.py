@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import (
     HuggingFaceStorageReader,
     HuggingFaceStorageWriter,
@@ -87,11 +88,21 @@ class CheckpointInfo:
 
 
 @contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns that it 'assumes' a single process even when told so with ``no_dist``."""
+def _dcp_call(rank: int) -> Iterator[None]:
+    """Around a DCP save or load: this rank's own error raised as itself (DCP wraps it in a
+    ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses and whose
+    message names only ranks: a full disk read "CheckpointException ranks:dict_keys([0])"),
+    and without DCP's warning that it 'assumes' a single process when told so with
+    ``no_dist``. Another rank's failure stays DCP's exception (the agreement names it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        try:
+            yield
+        except CheckpointException as err:
+            own = err.failures.get(rank)
+            if own is None:
+                raise
+            raise own[0] from None
 
 
 # ----------------------------------------------------------------------------- save
@@ -156,7 +167,7 @@ def save_checkpoint(
                 (tmp / RNG_DIR).mkdir()
         with phase(sync, "write"):
             writer = HuggingFaceStorageWriter(str(tmp / STATE_DIR), save_distributed=True)
-            with _quiet_single_process():
+            with _dcp_call(rank):
                 dcp.save(
                     tensors,
                     storage_writer=writer,
@@ -371,7 +382,7 @@ def load_checkpoint(
     # Every check passed on every rank: from here on the model (DCP loads into its tensors in
     # place), optimizer, scheduler and RNG are overwritten.
     with phase(sync, "restore"):
-        with _quiet_single_process():
+        with _dcp_call(0 if world == 1 else distributed.rank()):
             dcp.load(
                 tensors,
                 storage_reader=HuggingFaceStorageReader(str(root / STATE_DIR)),

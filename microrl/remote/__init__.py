@@ -6,7 +6,9 @@ Each folder is named for the process its files run in:
   protocol and its samplers (``hf`` worker processes, a pool of them, ``vllm serve`` servers);
 - ``worker/``: the ``hf`` generation worker process;
 - ``vllm_plugin/``: what vLLM loads into its own processes through the plugin entry point
-  (pyproject.toml), so it never imports the training engine.
+  (pyproject.toml), so it never imports the training engine;
+- ``channel.py``, on both sides: the pipes between the trainer and a worker, which end when
+  either process dies.
 
 The training engine never imports this package; this package never imports ``microrl.run``.
 """

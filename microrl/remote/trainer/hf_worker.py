@@ -40,6 +40,7 @@ from microrl.engine.rollout.full_weights import FullWeights, gather_full_weights
 from microrl.engine.rollout.hf import engine_autocast_dtype
 from microrl.engine.rollout.sync_check import engine_probe
 from microrl.engine.rollout.weight_sync import ProbeVerifier, WeightSync
+from microrl.remote.channel import ChannelClosed, Receiver, Sender, close_all, start_process
 from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.remote.worker import stream
 from microrl.remote.worker.main import (
@@ -164,16 +165,13 @@ class AsyncRollout(AsyncSamplerBase):
             image_encoder=self.image_encoder,
             freeze_vision=bool(getattr(engine.config, "freeze_vision", True)),
         )
-        ctx = mp.get_context("spawn")
-        self._commands = ctx.Queue()
-        self._results = ctx.Queue()
-        self.process = ctx.Process(
-            target=worker_main,
-            args=(spec, self._commands, self._results),
+        self.process, self._commands, self._results = start_process(
+            mp.get_context("spawn"),
+            worker_main,
+            (spec,),
             name="microrl-rollout-worker",
             daemon=True,  # stopped at the trainer's exit; the watcher stops it if it is killed
         )
-        self.process.start()
         watcher.watch("process", self.process.pid, label=self.name)
         self._finalizer = weakref.finalize(
             self, _stop_worker, self.process, self._commands, self._results
@@ -196,7 +194,7 @@ class AsyncRollout(AsyncSamplerBase):
                 "full": self._layout(engine, trainable_only=False),
                 "trainable": self._layout(engine, trainable_only=True),
             }
-            self._commands.put(("layout", self._layouts))
+            self._send(("layout", self._layouts), "its layout")
             self._wait_for("ready", "it to check the model's tensors")
             self._stream_full(engine)
             self._wait_for_sync(self.version)
@@ -223,7 +221,7 @@ class AsyncRollout(AsyncSamplerBase):
         """Ask a live worker to exit once idle, without waiting (a pool asks all before closing
         each)."""
         if self.process is not None and self.process.is_alive():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ChannelClosed):
                 self._commands.put(("close",))
 
     # ----------------------------------------------------------------- weights
@@ -239,12 +237,12 @@ class AsyncRollout(AsyncSamplerBase):
         answer. Synchronous: the start waits for the worker's check anyway."""
         entries = self._layouts["full"]
         chunk = stream.CHUNK_BYTES
-        self._commands.put(("weights", self.version, "full", chunk))
+        self._send(("weights", self.version, "full", chunk), "the first weights")
         weights = FullWeights(engine.module, self.prefix)
-        checksums = send_stream(weights, entries, self._send, chunk)
+        checksums = send_stream(weights, entries, self._broadcast_chunk, chunk)
         self._expected[self.version] = (self._probe_logprobs(engine), checksums)
 
-    def _send(self, chunk: torch.Tensor):
+    def _broadcast_chunk(self, chunk: torch.Tensor):
         return self._group.broadcast(chunk, 0)
 
     def sync(self, engine=None) -> None:
@@ -283,7 +281,9 @@ class AsyncRollout(AsyncSamplerBase):
             state = pack(state.items(), entries)
         self.version = version
         self._expected[version] = expected or self.expected_of(engine, state)
-        self._commands.put(("weights", version, "trainable", stream.CHUNK_BYTES))
+        self._send(
+            ("weights", version, "trainable", stream.CHUNK_BYTES), f"the weights of version {version}"
+        )
         self._broadcast(state.buffer, stream.CHUNK_BYTES)
 
     def expected_of(self, engine, state: Packed | Mapping[str, torch.Tensor]):
@@ -300,7 +300,7 @@ class AsyncRollout(AsyncSamplerBase):
         reaches the ``weights`` command): the trainer does not wait for the worker here; the
         buffer is kept until every chunk has left."""
         self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
-        for work in send_chunks(buffer, self._send, chunk_bytes):
+        for work in send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
             self._pending_works.append((work, [buffer]))
 
     # ----------------------------------------------------------------- jobs
@@ -316,7 +316,7 @@ class AsyncRollout(AsyncSamplerBase):
         if seed is None:
             seed = draw_seed(params)
         job = Job(next(self._jobs), self.version, kind)
-        self._commands.put((kind, job.id, seed, args))
+        self._send((kind, job.id, seed, args), f"job {job.id}")
         return job
 
     def submit(
@@ -382,6 +382,8 @@ class AsyncRollout(AsyncSamplerBase):
                 message = self._results.get_nowait()
             except queue.Empty:
                 return
+            except ChannelClosed:
+                raise self._died("its next message") from None
             self._handle(message)
 
     # ----------------------------------------------------------------- messages
@@ -400,7 +402,8 @@ class AsyncRollout(AsyncSamplerBase):
         self._handle(self._next_message(what))
 
     def _next_message(self, what: str):
-        """The worker's next message; :class:`WorkerError` when it died or sent nothing for
+        """The worker's next message; :class:`WorkerError` when it died (at any point, also in
+        the middle of a message: its end of the pipe closes) or sent nothing for
         ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -408,22 +411,31 @@ class AsyncRollout(AsyncSamplerBase):
                 return self._results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except queue.Empty:
                 pass
-            if not self.process.is_alive():
-                with contextlib.suppress(queue.Empty):  # its last words, if it had time
-                    message = self._results.get(timeout=1.0)
-                    if message[0] == "error":
-                        self._handle(message)
-                    return message
-                raise WorkerError(
-                    f"{self.name} (pid {self.process.pid}) died with exit code "
-                    f"{self.process.exitcode} while the trainer waited for {what}"
-                )
+            except ChannelClosed:
+                raise self._died(what) from None
+            if not self.process.is_alive():  # dead, its pipe held open by a process it started
+                raise self._died(what)
             if time.monotonic() > deadline:
                 raise WorkerError(
                     f"{self.name} (pid {self.process.pid}) sent nothing for {self.timeout_s:.0f} "
                     f"s while the trainer waited for {what} (timeout_s; "
                     "rollout.worker_timeout_s in the recipes)"
                 )
+
+    def _send(self, command: tuple, what: str) -> None:
+        try:
+            self._commands.put(command)
+        except ChannelClosed:
+            raise self._died(f"it to take {what}") from None
+
+    def _died(self, what: str) -> WorkerError:
+        """The error of a worker whose channel closed: its exit code, once the process is
+        reaped (a moment after its pipe closes)."""
+        self.process.join(timeout=5)
+        return WorkerError(
+            f"{self.name} (pid {self.process.pid}) died with exit code "
+            f"{self.process.exitcode} while the trainer waited for {what}"
+        )
 
     def _handle(self, message) -> None:
         kind = message[0]
@@ -522,11 +534,11 @@ def gather_weights(module, prefix: str, *, trainable_only: bool) -> dict[str, to
     return gather_full_weights(module, prefix, trainable_only=trainable_only)
 
 
-def _stop_worker(process: multiprocessing.Process, commands, results) -> None:
+def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:
     """Ask the worker to exit (it answers between jobs), then terminate, then kill; close the
-    queues."""
+    channels."""
     if process.is_alive():
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ChannelClosed):
             commands.put(("close",))
         process.join(timeout=3)  # an idle worker exits at once; a busy one is stopped
     if process.is_alive():
@@ -537,9 +549,6 @@ def _stop_worker(process: multiprocessing.Process, commands, results) -> None:
     if process.is_alive():
         process.kill()
         process.join(timeout=5)
-    for q in (commands, results):
-        with contextlib.suppress(Exception):
-            q.cancel_join_thread()
-            q.close()
+    close_all(commands, results)
     if not process.is_alive():
         watcher.release("process", process.pid)

@@ -5,22 +5,23 @@ How it works, in full: docs/async.md#the-hf-worker-process.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
-import multiprocessing
 import os
 import pickle
-import queue
 import re
 import signal
 import time
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from microrl.remote.channel import ChannelClosed, Receiver, Sender
 from microrl.remote.worker.stream import receive_stream, tensor_checksum
 
 __all__ = [
@@ -47,8 +48,6 @@ _LAUNCHER_VARS = (
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
 )
-# How often a worker waiting for a command checks that the trainer is still alive.
-_POLL_S = 1.0
 
 
 @dataclass
@@ -83,7 +82,7 @@ def dumps(value: Any) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    return pickle.loads(data)  # only ever the other side of this pair's own queue
+    return pickle.loads(data)  # only ever the other side of this pair's own channel
 
 
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
@@ -213,7 +212,6 @@ class _Worker:
         self.tensors.update(self.model.named_buffers(remove_duplicate=False))
         self.layouts: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
         self.version: int | None = None
-        self.parent = multiprocessing.parent_process()
         results.put(("hello", os.getpid()))
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
@@ -221,12 +219,7 @@ class _Worker:
 
     def run(self) -> None:
         while True:
-            try:
-                command = self.commands.get(timeout=_POLL_S)
-            except queue.Empty:
-                if self.parent is not None and not self.parent.is_alive():
-                    return  # the trainer is gone: nobody will read what this worker makes
-                continue
+            command = self.commands.get()  # ChannelClosed when the trainer is gone, at once
             kind = command[0]
             if kind == "close":
                 return
@@ -335,16 +328,20 @@ def _pickled_error(err: Exception) -> bytes:
         return dumps(RuntimeError(f"{type(err).__name__}: {err}\n{text}"))
 
 
-def worker_main(spec: WorkerSpec, commands, results) -> None:
-    """The spawned process's entry point (see the module docstring)."""
+def worker_main(spec: WorkerSpec, commands: Connection, results: Connection) -> None:
+    """The spawned process's entry point (see the module docstring): its ends of the channels
+    (:func:`microrl.remote.channel.start_process`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     for var in _LAUNCHER_VARS:
         os.environ.pop(var, None)
+    inbox, outbox = Receiver(commands), Sender(results)
     try:
-        _Worker(spec, commands, results).run()
+        _Worker(spec, inbox, outbox).run()
+    except ChannelClosed:
+        raise SystemExit(0) from None  # the trainer is gone: nobody reads what this makes
     except BaseException:
-        results.put(("error", traceback.format_exc()))
+        with contextlib.suppress(ChannelClosed):
+            outbox.put(("error", traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
-        results.close()
-        results.join_thread()
+        outbox.close(timeout=spec.timeout_s)  # its last words, unless the trainer is gone

@@ -46,7 +46,7 @@ CRASH_TIMEOUT_S = 5
 CRASH_WITHIN_S = {"kill": 20, "hang": 30}
 SAVE_FAULTS = {  # fault -> (failing rank, what it raises, the reason the other rank must show)
     "prepare": (1, "RuntimeError", "injected fault while preparing"),
-    "disk_full": (1, "CheckpointException", "No space left on device (injected)"),
+    "disk_full": (1, "OSError", "No space left on device (injected)"),
     "rng_write": (1, "PermissionError", "injected: rng file not writable"),
     "finalise": (0, "OSError", "injected: manifest not writable"),
 }

@@ -320,7 +320,9 @@ def test_the_worker_spec_carries_the_engine_precision(monkeypatch) -> None:
             pass
 
     spawn = multiprocessing.get_context("spawn")
-    context = types.SimpleNamespace(Queue=spawn.Queue, Process=NoProcess)
+    context = types.SimpleNamespace(
+        Pipe=spawn.Pipe, get_start_method=spawn.get_start_method, Process=NoProcess
+    )
     monkeypatch.setattr(hf_worker.mp, "get_context", lambda method: context)
     tok = build_tokenizer()
     model = build_model(

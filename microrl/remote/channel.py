@@ -1,0 +1,177 @@
+"""Message channels between microrl's processes that end when either side dies, at any point.
+
+A ``multiprocessing.Queue`` does not: ``get(timeout=...)`` bounds only the wait for a message's
+first bytes, so a writer killed in the middle of a message blocks its reader for good, and EOF
+never comes because every process holding the queue holds its write end too. Here each direction
+is one pipe (``Pipe(duplex=False)``) of which each process keeps one end (:func:`start_process`
+closes the child's ends in the parent; the child is given only its own). A writer's death is then
+an EOF at the reader, even mid-message, and a reader's death a broken pipe at the writer:
+:class:`ChannelClosed` either way. :class:`Receiver` waits with a deadline until a message's last
+byte; :class:`Sender` writes from a thread, so its caller never waits for the reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from typing import Any
+
+__all__ = ["ChannelClosed", "Receiver", "Sender", "close_all", "start_process"]
+
+# Each message: its length (8 bytes, big-endian), then its pickle.
+_HEADER = struct.Struct("!Q")
+_CHUNK = 1 << 20
+
+
+class ChannelClosed(EOFError):
+    """The process at the other end of a channel is gone (it died, exited or closed its end)."""
+
+
+class Receiver:
+    """The reading end of a channel: :meth:`get` returns the next whole message.
+
+    A message cut off by its writer's death raises :class:`ChannelClosed` as soon as the pipe
+    says EOF; the bytes of a message still arriving when a ``get`` times out are kept for the
+    next one (nothing is lost or read twice).
+    """
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._buffer = bytearray()
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next message; waits at most ``timeout`` seconds (None: without end) for its last
+        byte, then raises ``queue.Empty``; :class:`ChannelClosed` when the writer is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (size := self._whole_message()) is None:
+            self._read(deadline)
+        end = _HEADER.size + size
+        with memoryview(self._buffer) as view:  # unpickled in place: no copy of a big message
+            message = pickle.loads(view[_HEADER.size : end])  # a Sender of ours, never a stranger
+        del self._buffer[:end]
+        return message
+
+    def get_nowait(self) -> Any:
+        """The next message if it is here whole, else ``queue.Empty``."""
+        return self.get(0)
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def _whole_message(self) -> int | None:
+        """The size of the first message when it is in the buffer whole, else None."""
+        if len(self._buffer) < _HEADER.size:
+            return None
+        (size,) = _HEADER.unpack_from(self._buffer)
+        return size if len(self._buffer) >= _HEADER.size + size else None
+
+    def _read(self, deadline: float | None) -> None:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._connection.closed:
+            raise ChannelClosed("this end of the channel was closed")
+        if not self._connection.poll(remaining):  # readable: data, or EOF
+            raise queue.Empty
+        chunk = os.read(self._connection.fileno(), _CHUNK)
+        if not chunk:
+            cut = f" in the middle of a message ({len(self._buffer)} bytes)" if self._buffer else ""
+            raise ChannelClosed(f"the writer closed its end{cut}")
+        self._buffer += chunk
+
+
+class Sender:
+    """The writing end of a channel: :meth:`put` pickles a message and returns; a thread writes
+    it (as a ``multiprocessing.Queue``'s feeder does), so a reader that is busy elsewhere never
+    blocks the caller, and two processes that send to each other at once never deadlock."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._pending: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._error: OSError | None = None
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._write_pending, name="microrl-channel-writer", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, message: Any) -> None:
+        """Send ``message`` (picklable); :class:`ChannelClosed` when the reader is gone (seen
+        by an earlier write: a message in flight when the reader died is lost with it)."""
+        if self._closed:
+            raise ChannelClosed("this end of the channel was closed")
+        if self._error is not None:
+            raise ChannelClosed(f"the reader is gone ({self._error})") from self._error
+        self._pending.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what was put (waiting at most ``timeout`` seconds for the reader to take it),
+        then close this end; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.put(None)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():  # never close a descriptor a thread still writes to
+            self._connection.close()
+
+    def _write_pending(self) -> None:
+        fd = self._connection.fileno()
+        while (data := self._pending.get()) is not None:
+            try:
+                _write_all(fd, _HEADER.pack(len(data)))
+                _write_all(fd, data)
+            except OSError as err:  # BrokenPipeError: no process holds the reading end
+                self._error = err
+                return
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def start_process(
+    context: BaseContext,
+    target: Callable[..., Any],
+    args: Sequence[Any],
+    **process_options: Any,
+) -> tuple[Any, Sender, Receiver]:
+    """Start ``target(*args, commands, results)`` in a new process of ``context``, with a channel
+    each way: the child gets the reading end of ``commands`` and the writing end of ``results``
+    (connections: it wraps them in :class:`Receiver` and :class:`Sender`), and this process keeps
+    the other two. Returns the process, this side's :class:`Sender` of commands and
+    :class:`Receiver` of results. ``process_options``: ``Process``'s (``name``, ``daemon``).
+
+    ``context`` must not fork: a forked child would inherit this side's ends too."""
+    if context.get_start_method() == "fork":
+        raise ValueError("start_process needs a 'spawn' or 'forkserver' context, not 'fork'")
+    commands_read, commands_write = context.Pipe(duplex=False)
+    results_read, results_write = context.Pipe(duplex=False)
+    process = context.Process(
+        target=target, args=(*args, commands_read, results_write), **process_options
+    )
+    try:
+        process.start()
+    except BaseException:
+        for end in (commands_write, results_read):
+            end.close()
+        raise
+    finally:  # the child's ends: while this process holds them, the child's death is no EOF
+        for end in (commands_read, results_write):
+            end.close()
+    return process, Sender(commands_write), Receiver(results_read)
+
+
+def close_all(*ends: Sender | Receiver) -> None:
+    """Close each end, whatever fails (a process's exit path)."""
+    for end in ends:
+        with contextlib.suppress(Exception):
+            end.close()
