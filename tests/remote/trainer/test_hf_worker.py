@@ -324,6 +324,8 @@ def test_the_worker_spec_carries_the_engine_precision(monkeypatch) -> None:
         Pipe=spawn.Pipe, get_start_method=spawn.get_start_method, Process=NoProcess
     )
     monkeypatch.setattr(hf_worker.mp, "get_context", lambda method: context)
+    for name in ("watch", "release"):  # no process to watch
+        monkeypatch.setattr(hf_worker.watcher, name, lambda *args, **kwargs: None)
     tok = build_tokenizer()
     model = build_model(
         ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2), tok
