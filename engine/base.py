@@ -30,7 +30,7 @@ import inspect
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
@@ -41,7 +41,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import packing, setup, vision
+from microrl.engine import moe, packing, setup, vision
 from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
@@ -54,6 +54,7 @@ from microrl.engine.microbatch import (
     scatter_outputs,
     span_starts_and_lengths,
 )
+from microrl.engine.moe import routing as moe_routing
 from microrl.engine.offload import ActivationOffload, OffloadStats, release_pinned_memory
 from microrl.engine.optim import (
     apply_optim_config,
@@ -184,6 +185,9 @@ class Engine:
         )
         if frozen_tower:  # a full fine-tune trains the rest of the model
             self.vision.tower.requires_grad_(False)
+        #: a mixture-of-experts model's routing (replay of the batch's ``routed_experts``,
+        #: router losses, routing metrics; docs/engine.md#mixture-of-experts), else None.
+        self.routing = moe.EngineRouting.of(causal_lm, config)
         # Data parallel: every rank runs the sharded tower on every micro-batch (FSDP2's
         # collectives), on a placeholder image when its micro-batch has none.
         self._tower_every_micro_batch = self.vision is not None and self.dp_group is not None
@@ -340,34 +344,38 @@ class Engine:
         denominators = self._denominators(batch) if with_loss else None
         plan = self._plan(host_lengths, host_groups)
         shape = tuple(batch["input_ids"].shape)
+        micro_batches = partial(
+            self._micro_batches,
+            batch,
+            plan,
+            (starts, lengths),
+            host_lengths,
+            placeholder,
+            with_loss,
+        )
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
-        # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
-        with self._mode(training=not forward_only):
-            for index, rows in enumerate(plan):
-                real = bool(rows) and not placeholder
-                if not real:  # keeps the collective count equal across ranks; contributes 0
-                    rows = [0]
-                width = max(host_lengths[r] for r in rows)
-                micro = MicroBatch(
-                    compact_rows(batch, rows, starts, lengths, width),
-                    [host_lengths[r] for r in rows],
-                )
-                if not real and with_loss:
-                    micro.data[self.count_key] = torch.zeros_like(micro.data[self.count_key])
-                step = check_step_result(
-                    self.forward_step(micro, loss_fn, forward_only, denominators=denominators),
-                    type(self).__name__,
-                )
-                if step.loss is not None:
-                    if not forward_only:
-                        # FSDP: reduce gradients over ranks once, after the last micro-batch.
-                        distributed.set_gradient_sync(self.module, index == len(plan) - 1)
-                        step.loss.backward()
-                    losses.append(step.loss.detach() / denominators.grad_scale)
-                    metrics.append(step.metrics)
-                if real:
-                    scatter_outputs(step.output, rows, starts, lengths, outputs, shape)
+        with self._routing_scope(keep=False):
+            if denominators is not None and self.routing is not None:
+                denominators = self._with_router(denominators, batch, micro_batches, placeholder)
+            # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
+            with self._mode(training=not forward_only):
+                for index, (rows, micro) in enumerate(micro_batches()):
+                    step = check_step_result(
+                        self.forward_step(micro, loss_fn, forward_only, denominators=denominators),
+                        type(self).__name__,
+                    )
+                    if step.loss is not None:
+                        if not forward_only:
+                            # FSDP: reduce gradients over ranks once, after the last micro-batch.
+                            distributed.set_gradient_sync(self.module, index == len(plan) - 1)
+                            step.loss.backward()
+                        losses.append(step.loss.detach() / denominators.grad_scale)
+                        metrics.append(step.metrics)
+                    if not micro.filler:
+                        scatter_outputs(step.output, rows, starts, lengths, outputs, shape)
+            if denominators is not None and self.routing is not None:
+                metrics.append(self.routing.pass_metrics(self.dp_group))
         if not forward_only and with_loss and self.config.check_grad_flow:
             self._audit_grad_flow(batch)
         if losses:
@@ -407,17 +415,49 @@ class Engine:
         (checked by the loop: a ``TypeError`` otherwise). Train mode for a gradient pass, eval
         mode for ``forward_only``, the module's mode restored after.
         """
-        planned = isinstance(micro_batch, MicroBatch)
-        if planned:
-            micro = micro_batch
-        else:
-            batch = self._checked(micro_batch, loss_fn, forward_only, role_checks=True)
-            starts, lengths = span_starts_and_lengths(batch["attention_mask"])
-            host_lengths = lengths.tolist()
-            rows = range(batch.batch_size[0])
-            micro = MicroBatch(
-                compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
-            )
+        if not isinstance(micro_batch, MicroBatch):
+            return self._forward_step_on_rows(micro_batch, loss_fn, forward_only, denominators)
+        with self._routing_scope(keep=not forward_only and self.config.gradient_checkpointing):
+            return self._forward_micro_batch(micro_batch, loss_fn, forward_only, denominators)
+
+    def _forward_step_on_rows(
+        self,
+        batch: TensorDict | Mapping[str, torch.Tensor],
+        loss_fn: LossFn | None,
+        forward_only: bool,
+        denominators: LossDenominators | None,
+    ) -> StepResult:
+        """:meth:`forward_step` on a plain ``[b, T]`` batch: validated, run as one micro-batch
+        (its own mini-batch when ``denominators`` is None), outputs in the caller's layout."""
+        batch = self._checked(batch, loss_fn, forward_only, role_checks=True)
+        starts, lengths = span_starts_and_lengths(batch["attention_mask"])
+        host_lengths = lengths.tolist()
+        rows = range(batch.batch_size[0])
+        micro = MicroBatch(
+            compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
+        )
+        # A training step's backward may recompute checkpointed layers after this returns.
+        with self._routing_scope(keep=not forward_only and self.config.gradient_checkpointing):
+            if denominators is None and self._has_loss_inputs(micro.data, loss_fn):
+                denominators = self._denominators(micro.data)
+                if self.routing is not None:
+                    denominators = self._with_router(denominators, micro.data, lambda: [(0, micro)])
+            step = self.forward_step(micro, loss_fn, forward_only, denominators=denominators)
+        full: dict[str, torch.Tensor] = {}
+        shape = tuple(batch["input_ids"].shape)
+        scatter_outputs(step.output, rows, starts, lengths, full, shape)
+        return StepResult(
+            step.loss, TensorDict(full, batch_size=[shape[0]], device=self.device), step.metrics
+        )
+
+    def _forward_micro_batch(
+        self,
+        micro: MicroBatch,
+        loss_fn: LossFn | None,
+        forward_only: bool,
+        denominators: LossDenominators | None,
+    ) -> StepResult:
+        """:meth:`forward_step` on a planned micro-batch (outputs in its compact layout)."""
         data, training = micro.data, not forward_only
         with_loss = self._has_loss_inputs(data, loss_fn)
         if with_loss and denominators is None:
@@ -442,8 +482,18 @@ class Engine:
         offload = None
         if training and self.config.activation_offload:
             offload = ActivationOffload([*self.module.parameters(), *self.module.buffers()])
+        router = None
+        if self.routing is not None:  # replay armed and router outputs collected in the forward
+            router = self.routing.micro_batch(
+                micro,
+                packed=self.config.pack_sequences,
+                denominators=denominators if with_loss else None,
+            )
         with self._mode(training=training), self._grad(forward_only), offload or nullcontext():
-            with setup.autocast_context(self.config, self.device):
+            with (
+                setup.autocast_context(self.config, self.device),
+                router.forward() if router is not None else nullcontext(),
+            ):
                 raw = self._model_forward(*args, training=training, **kwargs)
             if group_loss is not None:  # the loss ran inside the head, one group at a time
                 raw, fused_loss = split_fused_loss(raw, type(self).__name__)
@@ -459,20 +509,14 @@ class Engine:
                 loss, metrics = fused_loss, group_loss.metrics()
             elif with_loss:
                 loss, metrics = compute_loss(output, data)
+            if router is not None:  # the router losses' partials (docs/losses.md#router-losses)
+                loss, metrics = router.add_terms(loss, metrics)
         if offload is not None:
             self.last_offload_stats = offload.stats
             if metrics:  # host bytes offloaded, summed over micro-batches and ranks
                 bytes_ = torch.full((), float(offload.stats.bytes), device=self.device)
                 metrics = {**metrics, "offload/bytes": Metric(bytes_)}
-        output = output.detach()
-        if planned:
-            return StepResult(loss, output, metrics)
-        full: dict[str, torch.Tensor] = {}
-        shape = tuple(batch["input_ids"].shape)
-        scatter_outputs(output, rows, starts, lengths, full, shape)
-        return StepResult(
-            loss, TensorDict(full, batch_size=[shape[0]], device=self.device), metrics
-        )
+        return StepResult(loss, output.detach(), metrics)
 
     def infer_batch(self, batch: TensorDict | Mapping[str, torch.Tensor]) -> TensorDict:
         """No grad, eval mode: the role's outputs ``[B, T]`` fp32 in the caller's row order."""
@@ -650,6 +694,11 @@ class Engine:
         )
         if role_checks:
             self._check_role_batch(batch)
+        if moe.ROUTED_EXPERTS_KEY in batch:
+            if self.routing is None:
+                raise ValueError(moe_routing.refusal(self.model))
+            if role_checks:
+                self.routing.check(batch)
         if self.sp_group is not None:
             sequence_parallel.check_same_batch(batch, self.sp_group)
         return vision.prepare_batch(batch, self.vision)
@@ -692,6 +741,64 @@ class Engine:
                 denominators, self.config.sequence_parallel_size
             )
         return denominators
+
+    def _micro_batches(
+        self,
+        batch: TensorDict,
+        plan: list[list[int]],
+        spans: tuple[torch.Tensor, torch.Tensor],
+        host_lengths: list[int],
+        placeholder: bool,
+        with_loss: bool,
+    ) -> Iterator[tuple[list[int], MicroBatch]]:
+        """The planned micro-batches, compact, with their rows. An empty plan entry, or a
+        placeholder share, is a filler of row 0 (its count key zeroed): it keeps the collective
+        count equal across ranks and contributes nothing."""
+        starts, lengths = spans
+        for rows in plan:
+            filler = not rows or placeholder
+            rows = [0] if filler else rows
+            width = max(host_lengths[r] for r in rows)
+            data = compact_rows(batch, rows, starts, lengths, width)
+            micro = MicroBatch(data, [host_lengths[r] for r in rows], filler=filler)
+            if filler and with_loss:
+                data[self.count_key] = torch.zeros_like(data[self.count_key])
+            yield rows, micro
+
+    def _routing_scope(self, *, keep: bool) -> Any:
+        """A mixture-of-experts model's router hooks installed for the block (``keep``: and
+        after it, for a later backward that recomputes checkpointed layers); else nothing."""
+        return nullcontext() if self.routing is None else self.routing.hooks.installed(keep=keep)
+
+    def _with_router(
+        self,
+        denominators: LossDenominators,
+        batch: TensorDict,
+        micro_batches: Callable[[], Iterable[tuple[Any, MicroBatch]]],
+        placeholder: bool = False,
+    ) -> LossDenominators:
+        """``denominators`` with a mixture-of-experts model's router counts over the mini-batch
+        (docs/losses.md#router-losses), its forward-only counting pass over ``micro_batches()``
+        run here when the load-balancing loss needs one."""
+
+        def count() -> tuple[torch.Tensor, torch.Tensor]:
+            micros = (micro for _, micro in micro_batches())
+            return self.routing.count_pass(
+                micros, self._forward_only, packed=self.config.pack_sequences
+            )
+
+        router = self.routing.denominators(
+            batch, placeholder=placeholder, group=self.dp_group, count=count
+        )
+        return moe_routing.with_router(denominators, router)
+
+    def _forward_only(self, micro: MicroBatch) -> None:
+        """The module's forward on ``micro`` in eval mode without gradients, outputs dropped:
+        the router's counting pass (what its hooks collect is the result)."""
+        args, kwargs, _, _ = self._model_inputs(micro, None)
+        autocast = setup.autocast_context(self.config, self.device)
+        with self._mode(training=False), torch.no_grad(), autocast:
+            self._model_forward(*args, training=False, **kwargs)
 
     def _trainable_params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]

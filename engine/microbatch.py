@@ -51,10 +51,13 @@ class MicroBatch:
     ``data``: validated, compact and right-padded ``[b, L]`` (:func:`compact_rows`), ``L`` the
     longest row. ``lengths``: the rows' real-token counts on the host, so the forward needs no
     device-to-host sync (packing, varlen attention, the fused loss's row groups).
+    ``filler``: a stand-in the loop runs only so that every data-parallel rank runs the same
+    forwards (its loss mask zeroed); nothing of it counts, router losses included.
     """
 
     data: TensorDict
     lengths: list[int]
+    filler: bool = False
 
 
 def micro_batch_cost(lengths: Sequence[int], *, packed: bool) -> int:

@@ -246,8 +246,13 @@ def apply_lora(
     ``exclude``: full module names that get no adapter whatever the targets (a frozen vision
     tower's, docs/engine.md#images).
 
+    ``config.target_parameters``: parameters adapted directly by peft (a mixture-of-experts
+    model's fused expert weights), each name checked against the model's parameters first.
+
     Raises:
-        ValueError: naming ``lora.target_modules`` when its names select no (or not every) layer.
+        ValueError: naming ``lora.target_modules`` (or ``lora.target_parameters``) when its names
+            select no (or not every) layer (parameter), and ``lora.dropout`` when an adapted
+            parameter cannot take dropout.
     """
     if config.rank == 0:
         return model, None
@@ -267,11 +272,22 @@ def apply_lora(
                 f"{type(model).__name__}; layers LoRA can adapt here: {_adaptable_names(model)} "
                 "(or leave lora.target_modules unset: every linear layer but the output head)"
             )
+    parameters = config.target_parameters
+    if parameters is not None:
+        unmatched = [
+            t for t in parameters if not any(_matches(n, t) for n, _ in model.named_parameters())
+        ]
+        if unmatched:
+            raise ValueError(
+                f"lora.target_parameters names {unmatched} that match no parameter of "
+                f"{type(model).__name__}; its fused (3-D) parameters: {_fused_names(model)}"
+            )
     lora = peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=targets,
+        target_parameters=parameters,
         exclude_modules=exclude or None,
         bias="none",
     )
@@ -287,6 +303,12 @@ def apply_lora(
         try:
             peft_model = peft.get_peft_model(model, lora, autocast_adapter_dtype=True)
         except ValueError as err:  # e.g. a regular expression that matches nothing
+            if "lora_dropout" in str(err):  # peft adapts parameters (MoE experts) without dropout
+                raise ValueError(
+                    f"lora.dropout must be 0 when LoRA adapts parameters directly ({err}): "
+                    "lora.target_parameters, or the experts and router that peft's 'all-linear' "
+                    f"adapts in {type(model).__name__}; set lora.dropout=0"
+                ) from err
             raise ValueError(
                 f"lora.target_modules={targets!r} could not be applied to "
                 f"{type(model).__name__} ({err}); layers LoRA can adapt here: "
@@ -310,6 +332,12 @@ def _adaptable_names(model: nn.Module, limit: int = 20) -> str:
     )
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _fused_names(model: nn.Module) -> str:
+    """The distinct short names of the model's 3-D parameters (fused MoE expert weights)."""
+    names = sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() == 3})
+    return ", ".join(names) or "none"
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
