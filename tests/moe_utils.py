@@ -28,7 +28,12 @@ FAMILIES = ("qwen3_moe", "gpt_oss", "olmoe")
 
 
 def tiny_moe(
-    family: str = "qwen3_moe", *, seed: int = 0, dtype=torch.float32, eager_experts=None, **overrides
+    family: str = "qwen3_moe",
+    *,
+    seed: int = 0,
+    dtype=torch.float32,
+    eager_experts=None,
+    **overrides,
 ):
     """A 2-layer, 4-expert, top-2 MoE causal LM of ``family`` (one of :data:`FAMILIES`).
 
