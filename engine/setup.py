@@ -300,6 +300,12 @@ def apply_lora(
         warnings.filterwarnings(
             "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
         )
+        # peft maps Qwen2/Qwen3-MoE's pre-v5 module names onto the fused expert parameters and
+        # sets a doubled rank for the fused gate_up_proj by a module pattern that parameter
+        # targets never match: the adapter keeps lora.rank, as configured.
+        warnings.filterwarnings(
+            "ignore", message="The following (rank|alpha)_pattern keys did not match"
+        )
         try:
             peft_model = peft.get_peft_model(model, lora, autocast_adapter_dtype=True)
         except ValueError as err:  # e.g. a regular expression that matches nothing
