@@ -48,27 +48,47 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 @dataclass(frozen=True)
 class Shape:
     hidden: int
-    intermediate: int
+    intermediate: int  # the MLP's width per token: a mixture of experts' k experts together
     heads: int
     kv_heads: int
     head_dim: int
     layers: int
     vocab: int
+    experts: int = 0  # a mixture-of-experts layer's experts (0: a dense MLP)
+    top_k: int = 0  # experts per token
 
     @staticmethod
     def of(model_config: Any) -> Shape:
         text = model_config.get_text_config()
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        experts, top_k = moe_experts(text)
+        intermediate = text.intermediate_size
+        if experts:  # Qwen-MoE's intermediate_size is its dense layers' (mlp_only_layers)
+            intermediate = top_k * (getattr(text, "moe_intermediate_size", None) or intermediate)
         return Shape(
             hidden=text.hidden_size,
-            intermediate=text.intermediate_size,
+            intermediate=intermediate,
             heads=heads,
             kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             layers=text.num_hidden_layers,
             vocab=text.vocab_size,
+            experts=experts,
+            top_k=top_k,
         )
+
+
+def moe_experts(text_config: Any) -> tuple[int, int]:
+    """``(experts, top_k)`` of a mixture-of-experts config (Qwen-MoE's ``num_experts``,
+    Mixtral's and GPT-OSS's ``num_local_experts``), ``(0, 0)`` for a dense model."""
+    experts = getattr(text_config, "num_experts", None) or getattr(
+        text_config, "num_local_experts", None
+    )
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    if not (isinstance(experts, int) and experts > 0 and isinstance(top_k, int)):
+        return 0, 0
+    return experts, top_k
 
 
 @dataclass(frozen=True)
@@ -143,8 +163,13 @@ def layer_tensors(
     # Attention (SDPA / flash): rotated q and k, v, the output, and a logsumexp per head.
     tensors += [q * num.act, kv * num.act, kv * num.act, q * num.act, shape.heads * 4]
     # Gated MLP: the gate (SiLU's input), SiLU's output and the up projection (the product's
-    # factors).
+    # factors); for a mixture of experts, of each of the token's k experts (``i`` covers them).
     tensors += [i * num.act] * 3
+    if shape.experts:
+        # The grouped expert path also keeps the k dispatched inputs, the gated product (the
+        # down projections' input) and the k weighted outputs; the router its fp32 logits and
+        # softmax.
+        tensors += [2 * shape.top_k * h * num.act, i * num.act, shape.experts * 4 * 2]
     if rank:  # each adapter's low-rank activation (lora_B's input)
         tensors += [rank * num.saved_input] * len(adapted)
     return tensors
