@@ -51,6 +51,7 @@ from microrl.engine.microbatch import (
     MicroBatch,
     compact_rows,
     plan_micro_batches,
+    planned_micro_batches,
     scatter_outputs,
     span_starts_and_lengths,
 )
@@ -345,13 +346,13 @@ class Engine:
         plan = self._plan(host_lengths, host_groups)
         shape = tuple(batch["input_ids"].shape)
         micro_batches = partial(
-            self._micro_batches,
+            planned_micro_batches,
             batch,
             plan,
             (starts, lengths),
             host_lengths,
-            placeholder,
-            with_loss,
+            filler_count_key=self.count_key if with_loss else None,
+            placeholder=placeholder,
         )
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
@@ -741,29 +742,6 @@ class Engine:
                 denominators, self.config.sequence_parallel_size
             )
         return denominators
-
-    def _micro_batches(
-        self,
-        batch: TensorDict,
-        plan: list[list[int]],
-        spans: tuple[torch.Tensor, torch.Tensor],
-        host_lengths: list[int],
-        placeholder: bool,
-        with_loss: bool,
-    ) -> Iterator[tuple[list[int], MicroBatch]]:
-        """The planned micro-batches, compact, with their rows. An empty plan entry, or a
-        placeholder share, is a filler of row 0 (its count key zeroed): it keeps the collective
-        count equal across ranks and contributes nothing."""
-        starts, lengths = spans
-        for rows in plan:
-            filler = not rows or placeholder
-            rows = [0] if filler else rows
-            width = max(host_lengths[r] for r in rows)
-            data = compact_rows(batch, rows, starts, lengths, width)
-            micro = MicroBatch(data, [host_lengths[r] for r in rows], filler=filler)
-            if filler and with_loss:
-                data[self.count_key] = torch.zeros_like(data[self.count_key])
-            yield rows, micro
 
     def _routing_scope(self, *, keep: bool) -> Any:
         """A mixture-of-experts model's router hooks installed for the block (``keep``: and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -263,9 +264,7 @@ def apply_lora(
         targets = "all-linear"
     elif not isinstance(targets, str):
         targets = list(targets)
-        unmatched = [
-            t for t in targets if not any(_matches(n, t) for n, _ in model.named_modules())
-        ]
+        unmatched = _unmatched(targets, model.named_modules())
         if unmatched:
             raise ValueError(
                 f"lora.target_modules names {unmatched} that match no module of "
@@ -273,15 +272,12 @@ def apply_lora(
                 "(or leave lora.target_modules unset: every linear layer but the output head)"
             )
     parameters = config.target_parameters
-    if parameters is not None:
-        unmatched = [
-            t for t in parameters if not any(_matches(n, t) for n, _ in model.named_parameters())
-        ]
-        if unmatched:
-            raise ValueError(
-                f"lora.target_parameters names {unmatched} that match no parameter of "
-                f"{type(model).__name__}; its fused (3-D) parameters: {_fused_names(model)}"
-            )
+    unmatched = _unmatched(parameters or [], model.named_parameters())
+    if unmatched:
+        raise ValueError(
+            f"lora.target_parameters names {unmatched} that match no parameter of "
+            f"{type(model).__name__}; its fused (3-D) parameters: {_fused_names(model)}"
+        )
     lora = peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
@@ -321,6 +317,12 @@ def apply_lora(
                 f"{_adaptable_names(model)}"
             ) from err
     return peft_model.get_base_model(), peft_model
+
+
+def _unmatched(targets: list[str], named: Iterable[tuple[str, object]]) -> list[str]:
+    """The ``targets`` no name of ``named`` (modules or parameters) matches."""
+    names = [name for name, _ in named]
+    return [t for t in targets if not any(_matches(n, t) for n in names)]
 
 
 def _matches(module_name: str, target: str) -> bool:

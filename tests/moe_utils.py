@@ -120,3 +120,24 @@ def forced_router_forward(router, routes: torch.Tensor):
         return logits, picked.to(logits.dtype), routes
 
     return forward
+
+
+def aux_loss_reference(family: str, batch, coef: float) -> tuple[float, dict[str, torch.Tensor]]:
+    """The model's own auxiliary loss of the whole ``batch`` in one padded float64 forward
+    (``output_router_logits=True``, transformers' ``load_balancing_loss_func``), and the
+    gradients of ``coef`` times it, under the engine's parameter names (``causal_lm.*``)."""
+    model = tiny_moe(family, dtype=torch.float64)
+    mask = batch["attention_mask"]
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=mask.long(),
+        position_ids=positions(mask),
+        output_router_logits=True,
+        use_cache=False,
+    )
+    (coef * out.aux_loss).backward()
+    grads = {
+        f"causal_lm.{n}": p.grad if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+    }
+    return float(out.aux_loss.detach()), grads

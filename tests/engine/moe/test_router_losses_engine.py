@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_utils import assert_close_dicts, grads_of, make_batch
-from moe_utils import positions, tiny_moe
+from moe_utils import aux_loss_reference, tiny_moe
 
 from microrl.configs import ActorConfig, CriticConfig, OptimConfig
 from microrl.engine import ActorEngine, CriticEngine
@@ -38,26 +38,6 @@ def _batch():
     return make_batch(6, 12, padding="mixed", seed=4, dtype=torch.float64)
 
 
-def _reference(family: str, batch):
-    """``COEF *`` the model's own auxiliary loss of the whole batch in one padded forward
-    (``output_router_logits=True``), and its gradients under the engine's names."""
-    model = tiny_moe(family, dtype=torch.float64)
-    mask = batch["attention_mask"]
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=mask.long(),
-        position_ids=positions(mask),
-        output_router_logits=True,
-        use_cache=False,
-    )
-    (COEF * out.aux_loss).backward()
-    grads = {
-        f"causal_lm.{n}": p.grad if p.grad is not None else torch.zeros_like(p)
-        for n, p in model.named_parameters()
-    }
-    return float(out.aux_loss.detach()), grads
-
-
 def _engine_grads(family: str, split: dict, batch):
     config = ActorConfig(**split, router_loss=RouterLossConfig(aux_loss_coef=COEF), optim=SGD)
     engine = ActorEngine(tiny_moe(family, dtype=torch.float64), config)
@@ -71,7 +51,7 @@ def _engine_grads(family: str, split: dict, batch):
 )
 def test_aux_loss_gradients_are_the_models_own_for_any_split(family, split):
     batch = _batch()
-    value, expected = _reference(family, batch)
+    value, expected = aux_loss_reference(family, batch, COEF)
     result, grads = _engine_grads(family, SPLITS[split], batch)
     assert result["metrics"]["router/aux_loss"] == pytest.approx(value, rel=1e-6)
     assert result["loss"] == pytest.approx(COEF * value, rel=1e-6)
@@ -91,7 +71,7 @@ _exact = router_losses.load_balancing_partial
 
 def test_a_per_micro_batch_aux_loss_fails_the_check(monkeypatch):
     batch = _batch()
-    _, expected = _reference("qwen3_moe", batch)
+    _, expected = aux_loss_reference("qwen3_moe", batch, COEF)
     monkeypatch.setattr(router_losses, "load_balancing_partial", _per_micro_batch)
     _, grads = _engine_grads("qwen3_moe", SPLITS["mbs2"], batch)
     worst = max((grads[k] - expected[k]).abs().max().item() for k in expected)

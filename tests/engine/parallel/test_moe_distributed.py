@@ -65,23 +65,14 @@ def _no_policy_loss(output, micro_batch, denominators):
 
 
 def _check_aux_loss(family: str, rank: int) -> None:
-    from moe_utils import positions, tiny_moe
+    from moe_utils import aux_loss_reference, tiny_moe
 
     from microrl.configs import ActorConfig, OptimConfig
     from microrl.engine import ActorEngine
     from microrl.losses import RouterLossConfig
 
     batch = _batch()
-    reference = tiny_moe(family, dtype=torch.float64)
-    mask = batch["attention_mask"]
-    out = reference(
-        input_ids=batch["input_ids"],
-        attention_mask=mask.long(),
-        position_ids=positions(mask),
-        output_router_logits=True,
-        use_cache=False,
-    )
-    (COEF * out.aux_loss).backward()
+    value, expected = aux_loss_reference(family, batch, COEF)
     split = {"micro_batch_size": 1} if family == "qwen3_moe" else {
         "max_tokens_per_micro_batch": 20, "pack_sequences": True}  # fmt: skip
     config = ActorConfig(
@@ -91,12 +82,10 @@ def _check_aux_loss(family: str, rank: int) -> None:
     )
     engine = ActorEngine(tiny_moe(family, dtype=torch.float64), config)
     result = engine.forward_backward_batch(batch[SHARDS[rank]], loss_fn=_no_policy_loss)
-    assert result["metrics"]["router/aux_loss"] == pytest.approx(float(out.aux_loss), rel=1e-6)
-    expected = dict(reference.named_parameters())
+    assert result["metrics"]["router/aux_loss"] == pytest.approx(value, rel=1e-6)
     for name, param in engine.module.named_parameters():
-        want = expected[name.removeprefix("causal_lm.")].grad
+        want = expected[name]
         got = full_tensor(param.grad) if param.grad is not None else torch.zeros_like(want)
-        want = torch.zeros_like(got) if want is None else want
         assert_max_close(got, want, f"{family} {name}", atol=REFERENCE_ATOL)
 
 
