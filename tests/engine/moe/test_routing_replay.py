@@ -166,16 +166,20 @@ def test_replay_with_the_aux_loss_counts_the_recorded_experts_for_any_split():
     assert_close_dicts(grads[0], grads[1], rtol=0, atol=1e-9)
 
 
-def test_checkpointed_layers_recompute_with_the_replayed_routing():
-    """A direct ``forward_step`` then the caller's ``backward``: gradient checkpointing recomputes
-    each layer in that backward, after the step returned; it must route as the forward did."""
+@pytest.mark.parametrize("call", ["forward_step", "forward_backward_batch"])
+def test_checkpointed_layers_recompute_with_the_replayed_routing(call):
+    """Gradient checkpointing recomputes each layer in the backward: inside the pass, or (a
+    direct ``forward_step`` then the caller's ``backward``) after the step returned. Either way
+    it must route as the forward did."""
     batch = _batch()
     batch[ROUTED_EXPERTS_KEY] = _random_routes(batch, seed=1)
     grads = {}
     for checkpointing in (False, True):
         engine = _engine("qwen3_moe", gradient_checkpointing=checkpointing)
-        step = engine.forward_step(batch, loss_fn=engine.sft_loss)
-        step.loss.backward()
+        if call == "forward_step":
+            engine.forward_step(batch, loss_fn=engine.sft_loss).loss.backward()
+        else:
+            engine.forward_backward_batch(batch, loss_fn=engine.sft_loss)
         grads[checkpointing] = grads_of(engine.module)
         engine.infer_batch(make_batch(2, 6, seed=9, dtype=torch.float64))  # hooks reset, no key
     assert_close_dicts(grads[True], grads[False], rtol=0, atol=1e-12)
