@@ -65,17 +65,16 @@ def _state(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("lora", [0, 4])
-def test_moe_resume_is_exact(tmp_path, lora):
+def test_moe_resume_with_lora_on_experts_is_exact(tmp_path):
     batches = [make_batch(seed=s) for s in range(4)]
-    run = _engine("qwen3_moe", lora)
+    run = _engine("qwen3_moe", lora=4)
     for batch in batches[:2]:
         run.train_batch(batch)
     run.save_checkpoint(tmp_path / "ckpt")
     for batch in batches[2:]:
         run.train_batch(batch)
     torch.manual_seed(99)  # another LoRA initialisation before the load
-    resumed = _engine("qwen3_moe", lora)
+    resumed = _engine("qwen3_moe", lora=4)
     resumed.load_checkpoint(tmp_path / "ckpt")
     for batch in batches[2:]:
         resumed.train_batch(batch)

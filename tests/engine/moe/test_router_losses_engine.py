@@ -47,7 +47,7 @@ def _engine_grads(family: str, split: dict, batch):
 
 @pytest.mark.parametrize(
     ("family", "split"),
-    [("qwen3_moe", s) for s in SPLITS] + [("gpt_oss", "mbs1"), ("gpt_oss", "packed")],
+    [("qwen3_moe", "mbs1"), ("qwen3_moe", "mbs2"), ("qwen3_moe", "whole"), ("gpt_oss", "packed")],
 )
 def test_aux_loss_gradients_are_the_models_own_for_any_split(family, split):
     batch = _batch()
