@@ -1,14 +1,16 @@
 """The router losses through the engine (docs/losses.md#router-losses): the load-balancing loss
 is the model's own function over the whole mini-batch, whatever the micro-batches, packing or
-role; a per-micro-batch variant of it fails the same check. The 2-rank comparison is in
-tests/engine/parallel/test_moe_distributed.py."""
+role; a per-micro-batch variant of it fails the same check; the router logits die with their
+micro-batch. The 2-rank comparison is in tests/engine/parallel/test_moe_distributed.py."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
 from engine_utils import assert_close_dicts, grads_of, make_batch
-from moe_utils import aux_loss_reference, tiny_moe
+from moe_utils import aux_loss_reference, router_modules, tiny_moe
 
 from microrl.configs import ActorConfig, CriticConfig, OptimConfig
 from microrl.engine import ActorEngine, CriticEngine
@@ -100,3 +102,40 @@ def test_policy_and_router_losses_together_are_the_same_for_any_split(role):
         assert other_loss == pytest.approx(loss, rel=1e-9)
         assert_close_dicts(other_metrics, metrics, rtol=1e-6, atol=1e-9)
         assert_close_dicts(other_grads, grads, rtol=0, atol=1e-9)
+
+
+def test_router_logits_die_with_their_micro_batch():
+    """Each training forward's router logits (with their graph, for the router losses) are freed
+    by the time the next micro-batch's forward starts: nothing keeps them across micro-batches."""
+    engine = ActorEngine(
+        tiny_moe("qwen3_moe"),
+        ActorConfig(
+            micro_batch_size=1,
+            router_loss=RouterLossConfig(aux_loss_coef=0.1, z_loss_coef=0.01),
+            optim=SGD,
+        ),
+    )
+    logits, alive = [], []
+
+    def watch(module, args, output):
+        if torch.is_grad_enabled():  # a training forward, not the counting pass
+            alive.append(sum(ref() is not None for ref in logits))
+            logits.append(weakref.ref(output[0]))
+
+    router_modules(engine.module)[0].register_forward_hook(watch)
+    engine.train_batch(make_batch(3, 8, seed=1))
+    assert alive == [0, 0, 0]
+    assert all(ref() is None for ref in logits)
+
+
+def test_a_direct_forward_step_adds_the_router_losses_of_its_rows():
+    """``forward_step`` on a plain batch treats its rows as a whole mini-batch: its loss carries
+    the aux loss of those rows, the model's own (the counting pass runs inside the call)."""
+    batch = _batch()
+    value, expected = aux_loss_reference("qwen3_moe", batch, COEF)
+    config = ActorConfig(router_loss=RouterLossConfig(aux_loss_coef=COEF), optim=SGD)
+    engine = ActorEngine(tiny_moe("qwen3_moe", dtype=torch.float64), config)
+    step = engine.forward_step(batch, loss_fn=_no_policy_loss)
+    assert float(step.metrics["router/aux_loss"].value) == pytest.approx(value, rel=1e-6)
+    step.loss.backward()
+    assert_close_dicts(grads_of(engine.module), expected, rtol=0, atol=ATOL)
