@@ -10,9 +10,9 @@ Three implementations compute the same function (docs/kernels.md, "Implementatio
 * ``"chunks"``: the same GPU algorithm with its two row kernels written as torch ops
   (``kernels/_row_ops.py``): CUDA without Triton, float64 on CUDA, and the tests on CPUs.
 
-The rule (``implementation="auto"``): CUDA tensors take ``"triton"`` when Triton imports (else
-``"chunks"``, with one warning), float64 on CUDA takes ``"chunks"`` (the Triton kernels compute in
-float32); everything else takes ``"tiles"``. Triton is imported only for CUDA tensors or when asked
+The rule (``implementation="auto"``): CUDA tensors take ``"triton"`` when Triton imports and has
+a GPU driver (else ``"chunks"``, with one warning), float64 on CUDA takes ``"chunks"`` (the Triton
+kernels compute in float32); everything else takes ``"tiles"``. Triton is imported only for CUDA tensors or when asked
 for by name, never on the CPU path.
 """
 
@@ -35,7 +35,7 @@ IMPLEMENTATIONS = ("auto", "tiles", "triton", "chunks")
 logger = logging.getLogger("microrl.kernels")
 
 _LAST: list[str | None] = [None]
-# None: not tried yet; else whether microrl.kernels._triton_rows (and so Triton) imports.
+# None: not tried yet; else whether the Triton row kernels import and Triton has a GPU driver.
 _TRITON_OK: list[bool | None] = [None]
 
 
@@ -49,17 +49,22 @@ def check_implementation(implementation) -> str:
     return implementation
 
 
-def _triton_imports() -> bool:
-    """Whether the Triton row kernels import (tried once per process, only when asked)."""
+def _triton_usable() -> bool:
+    """Whether the Triton row kernels import and Triton has an active GPU driver (tried once per
+    process, only for CUDA tensors). A machine that reports CUDA tensors without one (a simulated
+    GPU in the tests) runs the torch row ops instead, with one warning."""
     if _TRITON_OK[0] is None:
         try:
             importlib.import_module(f"{__package__}._triton_rows")
+            from triton.runtime import driver
+
+            driver.active.get_current_target()
             _TRITON_OK[0] = True
-        except ImportError as error:
+        except (ImportError, RuntimeError) as error:
             _TRITON_OK[0] = False
             warnings.warn(
-                f"Triton does not import ({error}): the fused lm head runs its GPU path with torch "
-                "row ops instead (slower; pip install 'microrl[cuda]')",
+                f"Triton is not usable here ({error}): the fused lm head runs its GPU path with "
+                "torch row ops instead (slower; pip install 'microrl[cuda]')",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -83,7 +88,7 @@ def head_implementation(
     dtypes = (hidden.dtype, weight.dtype) + (() if bias is None else (bias.dtype,))
     if compute_dtype(*dtypes) == torch.float64:
         return "chunks"
-    return "triton" if _triton_imports() else "chunks"
+    return "triton" if _triton_usable() else "chunks"
 
 
 def row_ops(name: str) -> ModuleType:

@@ -23,7 +23,18 @@ from ._checks import compute_dtype, no_autocast
 from ._dispatch import row_ops
 from ._tiles import _masked_rows, _or_zeros, _row_factors, _take, _zero_unkept
 
-__all__ = ["Head", "RowStats", "chunked_linear_logprob", "grad_pass", "make_head", "stats_pass"]
+__all__ = [
+    "Head",
+    "RowStats",
+    "chunked_linear_logprob",
+    "finalize",
+    "grad_pass",
+    "head_dtype",
+    "make_head",
+    "scatter_rows",
+    "stats_pass",
+    "upstream",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 # (device type, dtype) -> whether torch.mm / torch.addmm take out_dtype=float32 there.
@@ -275,15 +286,15 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
         # As linear_logprob._FusedLinearLogProb: hidden [N, H], weight [V, H], bias [V] or None,
         # targets [N] (ignored ones 0), rows_idx [M] or None, row_mask [N] or None, inv_t [N] or
         # None.
-        cdtype = _compute_dtype(hidden, weight, bias)
+        cdtype = head_dtype(hidden, weight, bias)
         with no_autocast(hidden.device.type):
             bias_c = None if bias is None else bias.to(cdtype)
             stats, _ = stats_pass(head, hidden, weight, bias_c, targets, rows_idx, row_mask, inv_t)
             logprob, entropy, log_s = finalize(stats)
             n = hidden.shape[0]
-            outs = [_scatter_rows(logprob, n, rows_idx, row_mask)]
+            outs = [scatter_rows(logprob, n, rows_idx, row_mask)]
             if head.with_entropy:
-                outs.append(_scatter_rows(entropy, n, rows_idx, row_mask))
+                outs.append(scatter_rows(entropy, n, rows_idx, row_mask))
         ctx.save_for_backward(
             hidden, weight, bias, targets, rows_idx, row_mask, inv_t, stats.m, log_s, entropy
         )
@@ -320,11 +331,11 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _compute_dtype(hidden, weight, bias) -> torch.dtype:
+def head_dtype(hidden, weight, bias) -> torch.dtype:
     return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
 
 
-def _scatter_rows(values: torch.Tensor, n: int, rows_idx, row_mask) -> torch.Tensor:
+def scatter_rows(values: torch.Tensor, n: int, rows_idx, row_mask) -> torch.Tensor:
     """Processed rows' values as ``[n]``: zeros at ignored positions."""
     if rows_idx is None:
         return _zero_unkept(values, row_mask)
@@ -339,7 +350,7 @@ def make_head(
 ) -> Head:  # fmt: skip
     """The Head of a call: its GEMM dtype and the tile plan for ``count`` processed rows of a
     ``vocab``-column (default: the weight's rows) vocabulary (``kernels/_chunk_plan.py``)."""
-    cdtype = _compute_dtype(hidden, weight, bias)
+    cdtype = head_dtype(hidden, weight, bias)
     if implementation == "triton" and cdtype != torch.float32:
         raise ValueError(
             "implementation='triton' computes in float32; float64 inputs take 'chunks' or 'tiles'"
