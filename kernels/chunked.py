@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from . import _chunk_plan
+from . import _chunk_plan, _dispatch
 from ._checks import compute_dtype, no_autocast
-from ._dispatch import row_ops
 from ._tiles import _masked_rows, _or_zeros, _row_factors, _take, _zero_unkept
 
 __all__ = [
@@ -157,7 +156,7 @@ def stats_pass(
         return stats, None
     rows, cols = min(head.plan.rows, count), min(head.plan.cols, vocab)
     buf = hidden.new_empty(rows * cols, dtype=cdtype)
-    ops = row_ops(head.implementation)
+    ops = _dispatch.row_ops(head.implementation)
     for blk in _blocks(count, rows):
         _, _, h, inv, t = _block(hidden, targets, inv_t, row_mask, rows_idx, blk, head)
         h_mm = _operand(h, head, cdtype)
@@ -213,7 +212,7 @@ def grad_pass(
     acc = None
     if need_h and cols < vocab and not in_place:  # the block's gradient over the slices
         acc = hidden.new_empty(rows, hidden.shape[1], dtype=cdtype)
-    ops = row_ops(head.implementation)
+    ops = _dispatch.row_ops(head.implementation)
     for blk in _blocks(count, rows):
         idx, _, h, inv, t = _block(hidden, targets, inv_t, row_mask, rows_idx, blk, head)
         put_idx = idx if put_original else None
@@ -366,7 +365,7 @@ def make_head(
     plan = _chunk_plan.plan_tiles(
         count, vocab, hidden_size, sizes, tuple(need),
         budget=_chunk_plan.budget_bytes(count, vocab, hidden_size), chunk_size=chunk_size,
-        temps=row_ops(implementation).TEMPS, bias=bias is not None, row_copies=row_copies,
+        temps=_dispatch.row_ops(implementation).TEMPS, bias=bias is not None, row_copies=row_copies,
         native16=native16,
     )  # fmt: skip
     return Head(plan, implementation, with_entropy, inv_scalar, scale, softcap, gemm16)

@@ -25,8 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from . import _chunk_plan
-from ._dispatch import row_ops
+from . import _chunk_plan, _dispatch
 from ._tiles import _zero_unkept
 from .chunked import Head, grad_pass, head_dtype, make_head, stats_pass, upstream
 
@@ -104,7 +103,7 @@ def loss_plan(
         2 if head.gemm16 else cdtype.itemsize,
     )  # fmt: skip
     budget = _chunk_plan.budget_bytes(count, vocab, hidden_size)
-    temps = row_ops(implementation).TEMPS
+    temps = _dispatch.row_ops(implementation).TEMPS
     keep_rows = _keep_rows(
         count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias is not None
     )

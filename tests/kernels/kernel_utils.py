@@ -137,16 +137,14 @@ def fixed_tiles(monkeypatch, rows: int, cols: int) -> None:
     monkeypatch.setattr(_chunk_plan, "plan_tiles", plan)
 
 
-def interpreted_triton(monkeypatch):
-    """The Triton row kernels built for Triton's interpreter (``TRITON_INTERPRET=1`` is read when
-    ``@triton.jit`` runs, so the module is reloaded with it set), so that
-    ``implementation="triton"`` runs them on CPU tensors. Skips the test without Triton."""
-    import importlib
+def interpreted_triton():
+    """The Triton row kernels built for Triton's interpreter, so that ``implementation="triton"``
+    runs them on CPU tensors. Only in a process started with ``TRITON_INTERPRET=1``: Triton reads
+    it when its own modules are imported, so it cannot be switched on in a process that imported
+    Triton already (test_triton_rows.py starts one for tests/kernels/triton_interpreted.py)."""
+    import os
 
-    import pytest
-
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert os.environ.get("TRITON_INTERPRET") == "1", "start the process with TRITON_INTERPRET=1"
     from microrl.kernels import _triton_rows
 
-    return importlib.reload(_triton_rows)
+    return _triton_rows

@@ -23,6 +23,7 @@ from microrl.kernels import (
     _chunk_plan,
     chunked,
     fused_linear_logprob,
+    fused_linear_loss,
     last_implementation,
     reference_linear_logprob,
 )
@@ -375,3 +376,56 @@ def test_the_memory_model_bounds_the_allocations(case, monkeypatch):
     )  # fmt: skip
     measured = live.peak - returned
     assert 0.7 * model <= measured <= model, (case, measured, model)
+
+
+# ---------------------------------------------------------------------------- the fused loss
+
+
+def _loss_fn(adv):
+    """A per-group loss of log-probs and entropy (GRPO-like, plus an entropy term)."""
+
+    def loss_fn(start, end, lp, ent):
+        return -(adv[start:end].to(lp.dtype) * lp).sum() + 0.1 * (ent**2).sum(), (start, end)
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("mode", ["kept", "recomputed"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_the_fused_loss_equals_logprob_plus_loss(mode, dtype, monkeypatch):
+    """``fused_linear_loss`` on the GPU path equals ``fused_linear_logprob`` (CPU tiles) + the
+    loss + backward: groups kept in one tile each (3 GEMMs: the backward GEMM skipped), or
+    recomputed in 4 x 32 tiles (a budget with no room for a whole row). Sequences of 4, 2, 5
+    and 2 rows with a temperature, bias and soft-cap."""
+    hidden, weight, targets, grads = make(dtype)
+    bias = torch.randn(V, generator=torch.Generator().manual_seed(6)).to(dtype)
+    kwargs = dict(temperature=0.8, bias=bias, softcap=4.0)
+    adv = grads[0]
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    lp, ent = fused_linear_logprob(h, w, targets, **kwargs)
+    loss = _loss_fn(adv)(0, N, lp, ent)[0]
+    loss.backward()
+    want = (loss.detach(), lp.detach(), ent.detach(), h.grad, w.grad)
+    if mode == "recomputed":
+        fixed_tiles(monkeypatch, 4, 32)
+        monkeypatch.setattr(_chunk_plan, "budget_bytes", lambda m, v, hh: 1)
+    gemms = []
+    real = chunked._gemm
+    monkeypatch.setattr(chunked, "_gemm", lambda *a, **k: gemms.append(1) or real(*a, **k))
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    out = fused_linear_loss(h, w, targets, _loss_fn(adv), segments=[0, 4, 6, 11, 13],
+                            with_entropy=True, implementation="chunks", **kwargs)  # fmt: skip
+    out.loss.backward()
+    assert last_implementation() == "chunks"
+    got = (out.loss.detach(), out.logprobs, out.entropy, h.grad, w.grad)
+    tol = tolerances(dtype)
+    assert_close(got[0], want[0], atol=tol["values"][0], rtol=1e-6, name="loss")
+    assert_outputs_close(got[1:], want[1:], name=mode, **tol)
+    groups = out.aux
+    if mode == "kept":  # one tile per group: its logits, hidden- and weight-gradient GEMMs
+        assert len(gemms) == 3 * len(groups), (gemms, groups)
+    else:  # 4 per tile: the backward recomputes the logits
+        tiles = sum(-(-(end - start) // 4) * 3 for start, end in groups)
+        assert len(gemms) == 4 * tiles, (len(gemms), tiles)
