@@ -20,6 +20,8 @@ __all__ = ["ChunkPlan", "Machine", "budget_bytes", "extra_bytes", "plan_seconds"
 
 # Smallest budget (bytes): tiny problems would be launch-bound below it.
 MIN_BUDGET_BYTES = 8 * 1024 * 1024
+# The share of Liger-Kernel's transient logits the budget takes (budget_bytes), as a fraction.
+_BUDGET_SHARE = (7, 8)
 # Columns of a slice narrower than the vocabulary are a multiple of this: aligned rows, and
 # whole tensor-core tiles for the GEMMs.
 COL_ALIGN = 128
@@ -75,13 +77,15 @@ class ChunkPlan:
 
 def budget_bytes(m: int, v: int, h: int) -> int:
     """Extra memory the chunked head may use for ``m`` rows, a ``v``-column vocabulary and hidden
-    size ``h``: one float32 ``[ceil(m / ceil(v / h)), v]`` buffer, about ``4 * m * h`` bytes.
+    size ``h``: 7/8 of one float32 ``[ceil(m / ceil(v / h)), v]`` buffer, about ``3.5 * m * h``
+    bytes.
 
-    That is Liger-Kernel's bound on its transient logits without its power-of-two rounding:
-    Liger cuts the rows into chunks of ``next_pow2(ceil(m / ceil(v / h)))`` and holds two 16-bit
-    ``[chunk, v]`` buffers at its backward's peak, so this is at most its extra memory."""
+    The buffer is Liger-Kernel's bound on its transient logits without its power-of-two
+    rounding: Liger cuts the rows into chunks of ``next_pow2(ceil(m / ceil(v / h)))`` and holds
+    two 16-bit ``[chunk, v]`` buffers at its backward's peak, so this is at most 7/8 of its extra
+    memory; the eighth left is room for the allocator's rounding of each block (2 MiB on CUDA)."""
     per_chunk = -(-m // -(-v // max(1, h)))
-    return max(MIN_BUDGET_BYTES, 4 * v * per_chunk)
+    return max(MIN_BUDGET_BYTES, 4 * v * per_chunk * _BUDGET_SHARE[0] // _BUDGET_SHARE[1])
 
 
 def extra_bytes(

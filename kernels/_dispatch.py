@@ -99,7 +99,10 @@ def row_ops(name: str) -> ModuleType:
 
 
 def record(name: str, hidden: torch.Tensor, what: str) -> None:
-    """Remember (and debug-log) the implementation a call runs, for :func:`last_implementation`."""
+    """Remember (and debug-log) the implementation a call runs, for :func:`last_implementation`;
+    not while torch.compile traces the call (a logger call would break its graph)."""
+    if torch.compiler.is_compiling():
+        return
     _LAST[0] = name
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: %s implementation (%s, %s)", what, name, hidden.device, hidden.dtype)

@@ -168,6 +168,7 @@ def stats_pass(
             b = None if bias_c is None else bias_c[j : j + cols]
             ops.stats(tile, j, t, inv, b, head.scale, head.softcap, stats.m[blk], stats.s[blk],
                       a, stats.zt[blk], j == 0)  # fmt: skip
+        del h, h_mm  # a gathered or masked copy: gone before the next block's
     single = rows == count and cols == vocab
     return stats, (buf.view(rows, cols) if keep and single else None)
 
@@ -175,7 +176,7 @@ def stats_pass(
 def _coefficients(head: Head, inv, g_lp, g_ent, ent, log_s):
     """The per-row factors of the gradient kernel (``_row_ops.grads``): ``(g_t, cc, bb)``."""
     _, _, k = _row_factors(inv, head.scale, head.softcap)  # d final logit / d z, but the cap
-    g_t = g_lp * k
+    g_t = g_lp * k  # a tensor: the kernels read one value per row
     if g_ent is None:
         return g_t, g_t, None
     return g_t, (g_lp + g_ent * (ent - log_s)) * k, g_ent * k
@@ -213,12 +214,16 @@ def grad_pass(
     if need_h and cols < vocab and not in_place:  # the block's gradient over the slices
         acc = hidden.new_empty(rows, hidden.shape[1], dtype=cdtype)
     ops = _dispatch.row_ops(head.implementation)
+    # The per-row factors of every processed row at once: a few ops per call, not per block.
+    inv_all = head.inv_scalar
+    if inv_t is not None:
+        inv_all = inv_t if rows_idx is None else inv_t.index_select(0, rows_idx)
+    coefs = _coefficients(head, inv_all, g_lp, g_ent, ent, log_s)
     for blk in _blocks(count, rows):
         idx, _, h, inv, t = _block(hidden, targets, inv_t, row_mask, rows_idx, blk, head)
         put_idx = idx if put_original else None
         h_mm = _operand(h, head, cdtype)
-        coef = _coefficients(head, inv, g_lp[blk], None if g_ent is None else g_ent[blk],
-                             None if ent is None else ent[blk], log_s[blk])  # fmt: skip
+        coef = tuple(None if c is None else c[blk] for c in coefs)
         dest = grad_h[blk] if need_h and put_idx is None else None
         target = dest if acc is None and cols < vocab else acc
         for j in range(0, vocab, cols):
@@ -240,6 +245,7 @@ def grad_pass(
                 _gemm(grad_w[j : j + c], dz.T, h_mm, accumulate=accumulate_w or blk.start > 0)
         if need_h and cols < vocab and target is acc:
             _put(grad_h, blk, put_idx, acc[: h.shape[0]])
+        del h, h_mm  # a gathered or masked copy: gone before the next block's
 
 
 def _put(out: torch.Tensor, rows: slice, idx, values: torch.Tensor) -> None:
@@ -345,10 +351,11 @@ def scatter_rows(values: torch.Tensor, n: int, rows_idx, row_mask) -> torch.Tens
 def make_head(
     hidden, weight, bias, implementation: str, count: int, need, *, with_entropy: bool,
     inv_scalar: float, scale: float, softcap: float | None, chunk_size: int | None,
-    row_copies: bool, vocab: int | None = None,
+    row_copies: bool, vocab: int | None = None, budget: int | None = None,
 ) -> Head:  # fmt: skip
     """The Head of a call: its GEMM dtype and the tile plan for ``count`` processed rows of a
-    ``vocab``-column (default: the weight's rows) vocabulary (``kernels/_chunk_plan.py``)."""
+    ``vocab``-column (default: the weight's rows) vocabulary within ``budget`` bytes (default
+    ``_chunk_plan.budget_bytes``; ``kernels/_chunk_plan.py``)."""
     cdtype = head_dtype(hidden, weight, bias)
     if implementation == "triton" and cdtype != torch.float32:
         raise ValueError(
@@ -364,7 +371,7 @@ def make_head(
     native16 = not gemm16 or _native_out_dtype(hidden.device, hidden.dtype)
     plan = _chunk_plan.plan_tiles(
         count, vocab, hidden_size, sizes, tuple(need),
-        budget=_chunk_plan.budget_bytes(count, vocab, hidden_size), chunk_size=chunk_size,
+        budget=budget or _chunk_plan.budget_bytes(count, vocab, hidden_size), chunk_size=chunk_size,
         temps=_dispatch.row_ops(implementation).TEMPS, bias=bias is not None, row_copies=row_copies,
         native16=native16,
     )  # fmt: skip

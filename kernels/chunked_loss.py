@@ -29,7 +29,13 @@ from . import _chunk_plan, _dispatch
 from ._tiles import _zero_unkept
 from .chunked import Head, grad_pass, head_dtype, make_head, stats_pass, upstream
 
-__all__ = ["LossPlan", "VocabShard", "combine", "loss_plan", "run_chunked"]
+__all__ = ["LOSS_BUDGET_FACTOR", "LossPlan", "VocabShard", "combine", "loss_plan", "run_chunked"]
+
+#: The fused losses' tile budget, in units of the plain kernel's (``_chunk_plan.budget_bytes``).
+#: Kept tiles hold whole rows, and at a 150k vocabulary a kept tile of the plain budget has too
+#: few rows for its weight-gradient GEMM to be compute-bound (it reads and writes the whole
+#: ``[V, H]`` gradient per tile); twice that reaches it on an H200 (docs/kernels.md).
+LOSS_BUDGET_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class LossPlan:
     need: tuple[bool, bool, bool]
     bias: bool
     chunk_size: int | None
+    row_copies: bool = True  # row blocks are masked copies (some row may be ignored)
 
     @property
     def rows(self) -> int:
@@ -62,12 +69,14 @@ class LossPlan:
             return replace(self.head, plan=_chunk_plan.ChunkPlan(rows, vocab, temps)), True
         plan = _chunk_plan.plan_tiles(
             rows, vocab, hidden_size, self.sizes, self.need, budget=self.budget,
-            chunk_size=self.chunk_size, temps=temps, bias=self.bias, row_copies=True,
+            chunk_size=self.chunk_size, temps=temps, bias=self.bias, row_copies=self.row_copies,
         )  # fmt: skip
         return replace(self.head, plan=plan), False
 
 
-def _keep_rows(count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias) -> int:
+def _keep_rows(
+    count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias, row_copies
+) -> int:
     """The most rows whose whole ``[rows, vocab]`` tile (and the rest of the memory model) fits
     ``budget``: the model is linear in the rows."""
     tallest = min(count, chunk_size or count)
@@ -75,7 +84,7 @@ def _keep_rows(count, vocab, hidden_size, sizes, need, budget, chunk_size, temps
     def model(rows):
         plan = _chunk_plan.ChunkPlan(rows, vocab, temps)
         return _chunk_plan.extra_bytes(count, vocab, hidden_size, plan, sizes, need, bias=bias,
-                                       row_copies=True)  # fmt: skip
+                                       row_copies=row_copies)  # fmt: skip
 
     fixed = model(0)
     per_row = model(1) - fixed
@@ -85,36 +94,38 @@ def _keep_rows(count, vocab, hidden_size, sizes, need, budget, chunk_size, temps
 def loss_plan(
     hidden, weight, bias, implementation: str, count: int, need, *, with_entropy: bool,
     inv_scalar: float, scale: float, softcap: float | None, chunk_size: int | None,
-    vocab: int | None = None,
+    vocab: int | None = None, row_copies: bool = True,
 ) -> LossPlan:  # fmt: skip
     """The LossPlan of a call with ``count`` rows over ``vocab`` columns (default: the weight's
     rows): kept or recomputed groups, whichever :func:`_chunk_plan.plan_seconds` predicts faster."""
     vocab = weight.shape[0] if vocab is None else vocab
     need = tuple(need)
+    hidden_size = weight.shape[1]
+    budget = _chunk_plan.budget_bytes(count, vocab, hidden_size) * LOSS_BUDGET_FACTOR
     head = make_head(
         hidden, weight, bias, implementation, count, need, with_entropy=with_entropy,
         inv_scalar=inv_scalar, scale=scale, softcap=softcap, chunk_size=chunk_size,
-        row_copies=True, vocab=vocab,
+        row_copies=row_copies, vocab=vocab, budget=budget,
     )  # fmt: skip
     cdtype = head_dtype(hidden, weight, bias)
-    hidden_size = weight.shape[1]
     sizes = _chunk_plan.Sizes(
         hidden.dtype.itemsize, weight.dtype.itemsize, cdtype.itemsize,
         2 if head.gemm16 else cdtype.itemsize,
     )  # fmt: skip
-    budget = _chunk_plan.budget_bytes(count, vocab, hidden_size)
     temps = _dispatch.row_ops(implementation).TEMPS
     keep_rows = _keep_rows(
-        count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias is not None
-    )
+        count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias is not None,
+        row_copies,
+    )  # fmt: skip
     recomputed = _chunk_plan.plan_seconds(count, vocab, hidden_size, head.plan, sizes, need)
     kept = float("inf")
     if keep_rows > 0:
         plan = _chunk_plan.ChunkPlan(keep_rows, vocab, temps)
         kept = _chunk_plan.plan_seconds(count, vocab, hidden_size, plan, sizes, need, keep=True)
     return LossPlan(
-        head, kept < recomputed, keep_rows, sizes, budget, need, bias is not None, chunk_size
-    )
+        head, kept < recomputed, keep_rows, sizes, budget, need, bias is not None, chunk_size,
+        row_copies,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,7 +150,7 @@ def combine(local, targets_local, shard: VocabShard | None):
 def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, spec):
     """``fused_loss._run`` on the chunked path (the module docstring): per group the
     statistics, ``loss_fn``, the gradient pass. ``shard``: this rank's columns (vocab-parallel),
-    or None."""
+    or None; ``row_mask``: the non-ignored rows, or None when every row is."""
     from .fused_loss import _record_group
 
     plan: LossPlan = spec.plan
@@ -161,7 +172,8 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
     losses = []
     for start, end in spec.groups:
         rows = slice(start, end)
-        h, t, mask = hidden[rows], local_t[rows], row_mask[rows]
+        h, t = hidden[rows], local_t[rows]
+        mask = None if row_mask is None else row_mask[rows]
         inv = None if inv_t is None else inv_t[rows]
         head, keep = plan.head_for(end - start, max(1, real), hidden_size)
         local, kept = stats_pass(head, h, local_w, local_b, t, None, mask, inv, keep=keep)

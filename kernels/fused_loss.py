@@ -304,7 +304,7 @@ def fused_linear_loss(
         ``segments``; a ``loss_fn`` that does not return a 0-d tensor (TypeError).
     """
     check_implementation(implementation)
-    temp, _ = check_linear_logprob_inputs(
+    temp, count = check_linear_logprob_inputs(
         hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
         bias=bias, logit_scale=logit_scale, softcap=softcap,
     )  # fmt: skip
@@ -335,12 +335,15 @@ def fused_linear_loss(
         plan = _loss_plan(base, vocab, chunk_size)
         spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn)
     else:
+        masked = count != n  # validate=False, or some row ignored; else row blocks are views
         plan = loss_plan(
             hidden_2d, weight, bias, impl, max(1, n), need, with_entropy=with_entropy,
             inv_scalar=inv_scalar, scale=scale, softcap=cap, chunk_size=chunk_size,
+            row_copies=masked,
         )  # fmt: skip
         run = partial(run_chunked, None)
         spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn, run=run)
+        valid = valid if masked else None
     out = _FusedLinearLoss.apply(hidden_2d, weight, bias, flat_targets, valid, inv_t, spec)
     loss, logprob = out[0], out[1]
     entropy = out[2].view(targets.shape) if with_entropy else None

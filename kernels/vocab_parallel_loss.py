@@ -169,7 +169,7 @@ def vocab_parallel_linear_loss(
         hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
         chunk_size, ignore_index, validate, bias, logit_scale, softcap,
     )  # fmt: skip
-    hidden_2d, local_w, local_b, flat_targets, valid, temp, inv_t, _ = inputs[:8]
+    hidden_2d, local_w, local_b, flat_targets, valid, temp, inv_t, count = inputs[:8]
     group, vocab_start, vocab_size = inputs[8:]
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -198,11 +198,14 @@ def vocab_parallel_linear_loss(
         plan = _loss_plan(base, vocab, chunk_size)
         run = partial(_run_sharded, shard)
     else:
+        masked = count != n  # validate=False, or some row ignored; else row blocks are views
         plan = loss_plan(
             hidden_2d, local_w, local_b, impl, max(1, n), need, with_entropy=with_entropy,
             inv_scalar=inv_scalar, scale=scale, softcap=cap, chunk_size=chunk_size, vocab=vocab,
+            row_copies=masked,
         )  # fmt: skip
         run = partial(run_chunked, shard)
+        valid = valid if masked else None
     spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn, run=run)
     out = _FusedLinearLoss.apply(hidden_2d, local_w, local_b, flat_targets, valid, inv_t, spec)
     loss, logprob = out[0], out[1]

