@@ -29,8 +29,9 @@ TEMPS = 0
 # Columns per loop step of a program, at most (a power of two).
 _MAX_BLOCK = 4096
 # Stands for -inf in the statistics (masked columns, no column yet): exp() of it is 0, and unlike
-# -inf it gives 0, not NaN, when multiplied by a zero sum.
-_NEG = -3.0e38
+# -inf it gives 0, not NaN, when multiplied by a zero sum. A constexpr: a kernel may read no other
+# global.
+_NEG = tl.constexpr(-3.0e38)
 
 
 @triton.jit
