@@ -40,6 +40,7 @@ def _hand_over_to_hub_kernels() -> bool:
 if __name__ != "kernels" or not _hand_over_to_hub_kernels():
     from ._checks import IGNORE_INDEX
     from ._dispatch import IMPLEMENTATIONS, head_implementation, last_implementation
+    from .chunked_loss import head_budget_bytes
     from .fused_loss import FusedLossOutput, fused_linear_loss
     from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
     from .reference import reference_linear_logprob
@@ -53,6 +54,7 @@ __all__ = [
     "FusedLossOutput",
     "fused_linear_logprob",
     "fused_linear_loss",
+    "head_budget_bytes",
     "head_implementation",
     "last_implementation",
     "reference_linear_logprob",

@@ -29,13 +29,32 @@ from . import _chunk_plan, _dispatch
 from ._tiles import _zero_unkept
 from .chunked import Head, grad_pass, head_dtype, make_head, stats_pass, upstream
 
-__all__ = ["LOSS_BUDGET_FACTOR", "LossPlan", "VocabShard", "combine", "loss_plan", "run_chunked"]
+__all__ = [
+    "LOSS_BUDGET_FACTOR",
+    "LossPlan",
+    "VocabShard",
+    "combine",
+    "head_budget_bytes",
+    "loss_plan",
+    "run_chunked",
+]
 
 #: The fused losses' tile budget, in units of the plain kernel's (``_chunk_plan.budget_bytes``).
 #: Kept tiles hold whole rows, and at a 150k vocabulary a kept tile of the plain budget has too
 #: few rows for its weight-gradient GEMM to be compute-bound (it reads and writes the whole
 #: ``[V, H]`` gradient per tile); twice that reaches it on an H200 (docs/kernels.md).
 LOSS_BUDGET_FACTOR = 2
+
+
+def head_budget_bytes(
+    tokens: int, vocab: int, hidden_size: int, *, fused_loss: bool = False
+) -> int:
+    """Bytes the fused head's GPU path may use beyond its inputs, outputs and gradients, for
+    ``tokens`` rows of a ``vocab x hidden_size`` head: its tile budget (about ``3.5 * tokens *
+    hidden_size``, at least 8 MiB; the fused losses twice it). docs/kernels.md, "Memory and
+    chunk_size"."""
+    budget = _chunk_plan.budget_bytes(max(1, tokens), max(1, vocab), max(1, hidden_size))
+    return budget * (LOSS_BUDGET_FACTOR if fused_loss else 1)
 
 
 @dataclass(frozen=True)
@@ -101,7 +120,7 @@ def loss_plan(
     vocab = weight.shape[0] if vocab is None else vocab
     need = tuple(need)
     hidden_size = weight.shape[1]
-    budget = _chunk_plan.budget_bytes(count, vocab, hidden_size) * LOSS_BUDGET_FACTOR
+    budget = head_budget_bytes(count, vocab, hidden_size, fused_loss=True)
     head = make_head(
         hidden, weight, bias, implementation, count, need, with_entropy=with_entropy,
         inv_scalar=inv_scalar, scale=scale, softcap=softcap, chunk_size=chunk_size,

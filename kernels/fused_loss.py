@@ -231,6 +231,10 @@ def _loss_plan(base: _Plan, vocab: int, chunk_size: int | None) -> _GroupPlan:
 def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
     """Consecutive segments merged greedily while the group has at most ``rows`` rows (a longer
     segment is a group on its own)."""
+    if len(segments) == segments[-1] - segments[0] + 1:  # every row a segment: chunks of rows
+        return tuple(
+            (s, min(s + rows, segments[-1])) for s in range(segments[0], segments[-1], rows)
+        )
     groups, start = [], segments[0]
     for prev, end in itertools.pairwise(segments):
         if end - start > rows and prev > start:
@@ -241,9 +245,9 @@ def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
     return tuple(groups)
 
 
-def _check_segments(segments, n: int) -> list[int]:
-    if segments is None:
-        return list(range(n + 1)) if n else [0]
+def _check_segments(segments, n: int) -> Sequence[int]:
+    if segments is None:  # every row a segment (a range: no list of N ints to build)
+        return range(n + 1)
     if isinstance(segments, torch.Tensor) or not isinstance(segments, Sequence):
         raise ValueError("segments must be a sequence of Python ints (row boundaries) or None")
     bounds = list(segments)
