@@ -13,7 +13,8 @@ largest entry, the GPU path's 16-bit GEMMs taking the logit gradient rounded to 
    temperatures, one and several row blocks;
 2. bf16 activations with a float32 weight under bf16 autocast (float32 GEMMs);
 3. bias, logit scale and soft-capping with per-token temperatures, ignored rows;
-4. the fused loss (``fused_linear_loss``) against the kernel + the loss + backward, and the
+4. the previous path forced (``implementation="tiles"``: its 16-bit tile matmuls on CUDA); the
+   fused loss (``fused_linear_loss``) against the kernel + the loss + backward, and the
    vocab-parallel kernel on one rank (``group=None``);
 5. (not with ``--quick``) a real head, 4096 x 2048 x 32768 with the default plan, and one with
    N * V > 2**31 (16384 x 256 x 152064) run once with the default plan and once in a single
@@ -96,6 +97,19 @@ def precision_cases(c: Check) -> None:
     bias = torch.randn(weight.shape[0], device=c.device).bfloat16()
     c.compare("bias+scale+softcap", hidden, weight, targets, grads, bias=bias, logit_scale=0.7,
               softcap=20.0, temperature=per_token.to(c.device))  # fmt: skip
+
+
+def tiles_case(c: Check) -> None:
+    """The previous path, forced (``implementation="tiles"``): on CUDA its 16-bit tile matmuls
+    with float32 output, over 3 row chunks; still within the same tolerances."""
+    hidden, weight, targets, grads = c.to(*make(torch.bfloat16))
+    want = truth(hidden, weight, targets, grads)
+    got = run(fused_linear_logprob, hidden, weight, targets, grad_lp=grads[0].float(),
+              grad_ent=grads[1].float(), implementation="tiles", chunk_size=16)  # fmt: skip
+    if last_implementation() != "tiles":
+        raise SystemExit(f"implementation='tiles' ran {last_implementation()!r}")
+    assert_outputs_close(got, want, values=VALUES, grad_atol=GRAD_ATOL_16, name="tiles")
+    print("ok tiles (the previous path, forced)", flush=True)
 
 
 def fused_cases(c: Check) -> None:
@@ -201,6 +215,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     c = Check(args.device, args.implementation)
     precision_cases(c)
+    tiles_case(c)
     fused_cases(c)
     timing = ""
     if not args.quick:
