@@ -680,8 +680,8 @@ plan_steps() {
             ;;
         second)
             printf '%s\n' "setup 40" "kernel-cuda 45" "gpu-step-qwen05 120" "gpu-step-qwen15 90" \
-                "bench-kernel-7b 50" "recipe-vision 50" "recipe-offload 35" "gpu-step-offload 40" \
-                "recipe-ppo 25" "recipe-teacher 25" "recipe-reward 25" "ipc-roundtrip 15" \
+                "bench-kernel-7b 50" "recipe-vision 50" "recipe-offload 35" "gpu-step-offload 35" \
+                "recipe-ppo 25" "recipe-teacher 25" "recipe-reward 25" "ipc-roundtrip 20" \
                 "setup-vllm 30" "recipe-vllm 150" "recipe-vllm-servers 180" \
                 "recipe-hf-2gpu 150" "sp-flash 90"
             ;;
