@@ -6,8 +6,15 @@ names the offending key by its full path (``actor.optim.betas``), whichever laye
 merge error OmegaConf raises without a key is traced to the leaf that causes it, and a range error
 of a nested section's ``__post_init__`` is prefixed with where the section sits. A key the schema
 lacks is an ``invalid config key``; a schema key's wrong value is a ``bad value for config key``,
-with the value given and what the key takes. A single value
-given to a list key is a one-element list (``task.rewards=my_reward:score``)::
+with the value given and what the key takes (OmegaConf suggests the closest keys for an unknown
+one). A single value given to a list key is a one-element list
+(``task.rewards.functions=my:score``).
+
+A key a section has renamed (its ``RENAMED_KEYS``, old -> new, relative to the section) is read
+under its new name for one release, with a ``FutureWarning`` naming the new key, in a YAML file,
+an override and a run's saved config alike; an API key a section has retired (its
+``SECRET_KEYS``: old key -> the endpoint that now names an environment variable) is moved into an
+environment variable of this process, never echoed::
 
     cfg = load_config(GRPOExampleConfig, "configs/grpo_lora.yaml", ["actor.optim.lr=1e-3"])
 """
@@ -15,9 +22,11 @@ given to a list key is a one-element list (``task.rewards=my_reward:score``)::
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
+import warnings
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -157,8 +166,69 @@ def _lists_from_scalars(schema: type, layer: DictConfig) -> DictConfig:
     return OmegaConf.create(tree) if changed else layer
 
 
+def _renamed(schema: type, layer: DictConfig, source: str) -> DictConfig:
+    """``layer`` with the old keys of ``schema``'s sections moved to their new names, and one
+    ``FutureWarning`` listing them (old -> new)."""
+    tree = OmegaConf.to_container(layer, resolve=False)
+    moves = _move_old_keys(schema, tree, ())
+    if not moves:
+        return layer
+    listed = ", ".join(f"{old} -> {new}" for old, new in moves)
+    warnings.warn(
+        f"renamed config keys ({source}), read under their new names until the next release: "
+        f"{listed}",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return OmegaConf.create(tree)
+
+
+def _move_old_keys(schema: type, node: Any, path: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Move ``schema``'s old keys in the plain dict ``node`` (at ``path``) to their new places,
+    its sections' too; ``(old, new)`` full keys of each move."""
+    if not isinstance(node, dict):
+        return []
+    moves = []
+    for old, new in getattr(schema, "RENAMED_KEYS", {}).items():
+        # An old key the new section took the name of ("task.rewards" -> .functions) is the
+        # section when it holds a mapping.
+        if old in node and not (new.startswith(old + ".") and isinstance(node[old], dict)):
+            _put(node, new.split("."), node.pop(old))
+            moves.append((".".join((*path, old)), ".".join((*path, new))))
+    for old, endpoint in getattr(schema, "SECRET_KEYS", {}).items():
+        if old in node:
+            moves.append(_move_secret(node, (*path, old), endpoint))
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint) and f.name in node:
+            moves += _move_old_keys(hint, node[f.name], (*path, f.name))
+    return moves
+
+
+def _put(node: dict, names: list[str], value: Any) -> None:
+    for name in names[:-1]:
+        node = node.setdefault(name, {})
+    node.setdefault(names[-1], value)  # the new key, given in the same layer, wins
+
+
+def _move_secret(node: dict, path: tuple[str, ...], endpoint: str) -> tuple[str, str]:
+    """An API key written in a config (``path``, retired): into the environment variable
+    ``MICRORL_<PATH>`` of this process, which ``<endpoint>.api_key_env`` then names (an empty
+    one is dropped); the key itself is never echoed nor saved."""
+    value = node.pop(path[-1])
+    new = ".".join((*path[:-1], endpoint, "api_key_env"))
+    if value:
+        variable = "MICRORL_" + "_".join(path).upper()
+        os.environ[variable] = str(value)
+        _put(node, [endpoint, "api_key_env"], variable)
+        new += f" (the key given is read from ${variable} in this run: put it in an environment "
+        new += "variable of your own and name it there)"
+    return ".".join(path), new
+
+
 def _merge(schema: type, cfg: DictConfig, layer: DictConfig, source: str) -> DictConfig:
-    layer = _lists_from_scalars(schema, layer)
+    layer = _lists_from_scalars(schema, _renamed(schema, layer, source))
     try:
         return OmegaConf.merge(cfg, layer)
     # OmegaConf raises a bare TypeError for some container mismatches (a dict for a list).

@@ -210,18 +210,18 @@ def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(capl
         (GRPOExampleConfig, ["rollout.max_staleness=-1"], "rollout.max_staleness must be an int"),
         (
             GRPOExampleConfig,
-            ["rollout.server_url=http://localhost:8000", "rollout.max_staleness=1"],
-            "rollout.server_url must be empty with rollout.backend=hf",
+            ["rollout.server.url=http://localhost:8000", "rollout.max_staleness=1"],
+            "rollout.server.url must be empty with rollout.backend=hf",
         ),
         (
             GRPOExampleConfig,
-            ["rollout.backend=vllm", "rollout.server_url=http://localhost:8000"],
-            "rollout.server_url must be empty with rollout.max_staleness=0",
+            ["rollout.backend=vllm", "rollout.server.url=http://localhost:8000"],
+            "rollout.server.url must be empty with rollout.max_staleness=0",
         ),
         (
             GRPOExampleConfig,
-            ["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.server_url=localhost"],
-            "rollout.server_url must be comma-separated http:// or https:// URLs",
+            ["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.server.url=localhost"],
+            "rollout.server.url must be comma-separated http:// or https:// URLs",
         ),
         (GRPOExampleConfig, ["rollout.num_workers=0"], "rollout.num_workers must be an int >= 1"),
         (
