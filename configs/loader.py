@@ -6,8 +6,8 @@ names the offending key by its full path (``actor.optim.betas``), whichever laye
 merge error OmegaConf raises without a key is traced to the leaf that causes it, and a range error
 of a nested section's ``__post_init__`` is prefixed with where the section sits. A key the schema
 lacks is an ``invalid config key``; a schema key's wrong value is a ``bad value for config key``,
-with the value given and what the key takes (OmegaConf suggests the closest keys for an unknown
-one). A single value given to a list key is a one-element list
+with the value given and what the key takes, and an unknown key with the closest known one
+(an old key's new name). A single value given to a list key is a one-element list
 (``task.rewards.functions=my:score``).
 
 A key a section has renamed (its ``RENAMED_KEYS``, old -> new, relative to the section) is read
@@ -22,6 +22,7 @@ environment variable of this process, never echoed::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import types
@@ -43,6 +44,7 @@ __all__ = [
     "format_value",
     "load_config",
     "override_value",
+    "renamed_keys",
 ]
 
 T = TypeVar("T")
@@ -64,6 +66,8 @@ def _omegaconf_error(
     message = message.replace("Value '$VALUE' of type '$VALUE_TYPE'", "a value")
     expected = _expected(schema, key) if schema is not None else None
     if expected is None:
+        if schema is not None and "Did you mean" not in message:  # OmegaConf's: a section's keys
+            message += _suggestion(schema, key)
         return ValueError(f"invalid config key '{key}' ({source}): {message}")
     given = _given(layer, key)
     if given is None:  # no value to show: OmegaConf's own words say what is wrong with it
@@ -110,6 +114,16 @@ def _schema_field(schema: type, key: str) -> tuple[Any, dataclasses.Field | None
             return None
         f, hint = fields[name], typing.get_type_hints(hint)[name]
     return hint, f
+
+
+def _suggestion(schema: type, key: str) -> str:
+    """``". Did you mean 'task.dataset.train_file'?"``: the schema's key closest to ``key``
+    (an old key's new one), or ``""``."""
+    renamed = renamed_keys(schema)
+    leaves = [".".join((*path, f.name)) for path, section in _schema_sections(schema, ())
+              for f in dataclasses.fields(section)]  # fmt: skip
+    close = difflib.get_close_matches(key, [*leaves, *renamed], n=1, cutoff=0.8)
+    return f". Did you mean '{renamed.get(close[0], close[0])}'?" if close else ""
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string"}
@@ -173,14 +187,63 @@ def _renamed(schema: type, layer: DictConfig, source: str) -> DictConfig:
     moves = _move_old_keys(schema, tree, ())
     if not moves:
         return layer
+    _warn_renamed(moves, source)
+    return OmegaConf.create(tree)
+
+
+def _warn_renamed(moves: list[tuple[str, str]], source: str) -> None:
     listed = ", ".join(f"{old} -> {new}" for old, new in moves)
     warnings.warn(
         f"renamed config keys ({source}), read under their new names until the next release: "
         f"{listed}",
         FutureWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
+
+
+def _override_layer(schema: type, overrides: Sequence[str]) -> DictConfig:
+    """The ``key.sub=value`` overrides as one layer, each one's old keys moved to their new names
+    first (an old ``task.rewards=[f]`` beside a new ``task.rewards.weights=[1]``), the later of
+    two for one key winning."""
+    tree: dict = {}
+    moves: list[tuple[str, str]] = []
+    for item in overrides:
+        one = OmegaConf.to_container(_parse_overrides([item]), resolve=False)
+        moves += _move_old_keys(schema, one, ())
+        _merge_into(tree, one)
+    if moves:
+        _warn_renamed(moves, "command-line override")
     return OmegaConf.create(tree)
+
+
+def _merge_into(tree: dict, layer: dict) -> None:
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _merge_into(tree[key], value)
+        else:
+            tree[key] = value
+
+
+def renamed_keys(schema: type) -> dict[str, str]:
+    """``{old: new}`` full keys of every key ``schema``'s sections renamed or retired (an API key:
+    its endpoint's ``api_key_env``), which :func:`load_config` still reads for one release."""
+    out = {}
+    for path, section in _schema_sections(schema, ()):
+        prefix = "".join(f"{name}." for name in path)
+        for old, new in getattr(section, "RENAMED_KEYS", {}).items():
+            out[prefix + old] = prefix + new
+        for old, endpoint in getattr(section, "SECRET_KEYS", {}).items():
+            out[prefix + old] = f"{prefix}{endpoint}.api_key_env"
+    return out
+
+
+def _schema_sections(schema: type, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], type]]:
+    hints = typing.get_type_hints(schema)
+    out = [(path, schema)]
+    for f in dataclasses.fields(schema):
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            out += _schema_sections(hints[f.name], (*path, f.name))
+    return out
 
 
 def _move_old_keys(schema: type, node: Any, path: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -228,7 +291,7 @@ def _move_secret(node: dict, path: tuple[str, ...], endpoint: str) -> tuple[str,
 
 
 def _merge(schema: type, cfg: DictConfig, layer: DictConfig, source: str) -> DictConfig:
-    layer = _lists_from_scalars(schema, _renamed(schema, layer, source))
+    layer = _lists_from_scalars(schema, layer)
     try:
         return OmegaConf.merge(cfg, layer)
     # OmegaConf raises a bare TypeError for some container mismatches (a dict for a list).
@@ -291,10 +354,11 @@ def load_config(
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
         try:
-            layers.append((f"file {path}", OmegaConf.load(path)))
+            layer = OmegaConf.load(path)
         except Exception as err:  # a YAML syntax error is not an OmegaConf error
             raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
-    layers.append(("command-line override", _parse_overrides(overrides)))
+        layers.append((f"file {path}", _renamed(schema, layer, f"file {path}")))
+    layers.append(("command-line override", _override_layer(schema, overrides)))
     for source, layer in layers:
         cfg = _merge(schema, cfg, layer, source)
     return _instantiate(cfg)

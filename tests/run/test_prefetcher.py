@@ -227,13 +227,13 @@ def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(capl
         (
             GRPOExampleConfig,
             ["rollout.max_staleness=2", "actor.policy_loss.bypass_mode=true"],
-            "bypass_mode must be false with rollout.max_staleness=2",
+            "bypass_mode must be false with rollout.max_staleness > 0",
         ),
         (PPOExampleConfig, ["rollout.max_staleness=-1"], "rollout.max_staleness must be an int"),
         (
             PPOExampleConfig,
             ["rollout.max_staleness=1", "actor.policy_loss.bypass_mode=true"],
-            "bypass_mode must be false with rollout.max_staleness=1",
+            "bypass_mode must be false with rollout.max_staleness > 0",
         ),
         (GRPOExampleConfig, ["rollout.sync_check_tol=0"], "rollout.sync_check_tol must be > 0"),
         (GRPOExampleConfig, ["rollout.worker_timeout_s=0"], "rollout.worker_timeout_s must be"),

@@ -324,7 +324,7 @@ def test_a_bad_local_teacher_path_names_the_key(fake_hub, tmp_path, kind) -> Non
         ),
         (
             ["teacher.path=t", "task.name=hinted_addition"],
-            "teacher.path must be empty for a multi-turn task",
+            "teacher.path must be empty with task.name=hinted_addition or env",
         ),
     ],
 )
