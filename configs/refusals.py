@@ -48,7 +48,8 @@ class Refusal:
     """One rule: ``key`` must be ``must`` (because ``why``) whenever ``refused`` is false.
 
     ``refused(obj, facts)``: whether the config ``obj`` (the scope's section or recipe config)
-    breaks the rule; ``detail(obj, facts)``: what the error adds to ``must`` (a computed bound).
+    breaks the rule; ``detail(obj, facts)``: what the error adds to ``must`` (a computed bound);
+    ``example``: overrides that break this rule and no other (tests/configs/test_refusals.py).
     """
 
     key: str
@@ -58,6 +59,7 @@ class Refusal:
     scope: str = "recipe"
     recipes: tuple[str, ...] = RECIPES
     detail: Callable[[Any, Facts], str] | None = None
+    example: tuple[str, ...] = ()
 
     def error(self, obj: Any, facts: Facts) -> ValueError:
         """``"<key> must be <must> (<why>), got <value>"``: the form the loader reads the key of."""
@@ -81,8 +83,22 @@ def _kl_used(c: Any) -> bool:
     return c.actor.policy_loss.kl_coef != 0 or c.train.kl_metric_every != 0
 
 
+def _rollout_size(c: Any) -> int:
+    return c.rollout.prompts_per_step * c.rollout.group_size
+
+
 _FILE_TASKS = " or ".join(FILE_TASK_NAMES)
 _EPISODE_TASKS = " or ".join(EPISODE_TASK_NAMES)
+_AGENT_TASKS = " or ".join(AGENT_TASK_NAMES)
+_LOCAL_SERVERS = (
+    "microrl starts vLLM servers (rollout.backend=vllm, rollout.max_staleness >= 1, no "
+    "rollout.server.url)"
+)
+_SERVERS = ("rollout.backend=vllm", "rollout.max_staleness=1")  # what starts vLLM servers
+_PPO_MULTI_TURN = (
+    "multi-turn tasks and agents train with the GRPO recipe, whose group baseline needs no value "
+    "of the observation tokens"
+)
 
 REFUSALS: tuple[Refusal, ...] = (
     # ---- task: task.name and the sections it nests
@@ -92,18 +108,23 @@ REFUSALS: tuple[Refusal, ...] = (
         "their prompts are its rows",
         lambda t, _: t.name in FILE_TASK_NAMES and not t.dataset.train_file,
         "task",
+        example=("task.name=dataset", "task.rewards.functions=[m:f]"),
     ),
-    *(
-        Refusal(
-            f"task.dataset.{key}",
-            f"null unless task.name={_FILE_TASKS}",
-            "the built-in tasks make their own prompts: set task.name=dataset to train on a file",
-            lambda t, _, key=key: (
-                t.name not in FILE_TASK_NAMES and getattr(t.dataset, key) is not None
-            ),
-            "task",
-        )
-        for key in ("train_file", "eval_file")
+    Refusal(
+        "task.dataset.train_file",
+        f"null unless task.name={_FILE_TASKS}",
+        "the built-in tasks make their own prompts: set task.name=dataset to train on a file",
+        lambda t, _: t.name not in FILE_TASK_NAMES and t.dataset.train_file is not None,
+        "task",
+        example=("task.dataset.train_file=x.jsonl",),
+    ),
+    Refusal(
+        "task.dataset.eval_file",
+        f"null unless task.name={_FILE_TASKS}",
+        "the built-in tasks make their own held-out prompts",
+        lambda t, _: t.name not in FILE_TASK_NAMES and t.dataset.eval_file is not None,
+        "task",
+        example=("task.dataset.eval_file=x.jsonl",),
     ),
     Refusal(
         "task.images.field",
@@ -111,6 +132,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "only a dataset's rows hold images; task.name=digits draws its own",
         lambda t, _: t.images.field is not None and t.name != "dataset",
         "task",
+        example=("task.images.field=image",),
     ),
     Refusal(
         "task.env",
@@ -118,6 +140,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "the env task plays the dataset's prompts against the environments it builds",
         lambda t, _: (t.name == "env") != bool(t.env),
         "task",
+        example=("task.env=my_envs:make_env",),
     ),
     Refusal(
         "task.rewards.functions",
@@ -127,6 +150,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "a dataset has no reward of its own",
         lambda t, _: t.name == "dataset" and not t.reward_terms() and not t.agent.enabled,
         "task",
+        example=("task.name=dataset", "task.dataset.train_file=x.jsonl"),
     ),
     Refusal(
         "task.rewards.weights",
@@ -135,6 +159,7 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda t, _: bool(t.rewards.weights) and len(t.rewards.weights) != len(t.reward_terms()),
         "task",
         detail=lambda t, _: f" ({len(t.reward_terms())}: {', '.join(t.reward_terms()) or 'none'})",
+        example=("task.rewards.weights=[1.0]",),
     ),
     Refusal(
         "task.agent.function",
@@ -142,27 +167,36 @@ REFUSALS: tuple[Refusal, ...] = (
         "their environments play the episodes",
         lambda t, _: t.agent.enabled and t.name in EPISODE_TASK_NAMES,
         "task",
+        example=("task.name=hinted_addition", "task.agent.function=m:f"),
     ),
     Refusal(
         "task.agent.function",
-        "an agent (module:function or file.py:function) for task.name="
-        + " or ".join(AGENT_TASK_NAMES)
-        + ", e.g. examples/calculator_agent.py:agent",
+        f"an agent (module:function or file.py:function) for task.name={_AGENT_TASKS}, e.g. "
+        "examples/calculator_agent.py:agent",
         "an agent plays that task, nothing else does",
         lambda t, _: t.name in AGENT_TASK_NAMES and not t.agent.enabled,
         "task",
+        example=("task.name=calculator", "task.max_operand=999"),
     ),
-    *(
-        Refusal(
-            f"task.{key}",
-            f"empty with task.name={_EPISODE_TASKS}",
-            "their environments give the rewards",
-            lambda t, _, section=section: (
-                t.name in EPISODE_TASK_NAMES and getattr(t, section).enabled
-            ),
-            "task",
-        )
-        for section, key in (("reward_model", "reward_model.path"), ("judge", "judge.url"))
+    Refusal(
+        "task.reward_model.path",
+        f"empty with task.name={_EPISODE_TASKS}",
+        "their environments give the rewards",
+        lambda t, _: t.reward_model.enabled and t.name in EPISODE_TASK_NAMES,
+        "task",
+        example=("task.name=hinted_addition", "task.reward_model.path=my/rm"),
+    ),
+    Refusal(
+        "task.judge.url",
+        f"empty with task.name={_EPISODE_TASKS}",
+        "their environments give the rewards",
+        lambda t, _: t.judge.enabled and t.name in EPISODE_TASK_NAMES,
+        "task",
+        example=(
+            "task.name=hinted_addition",
+            "task.judge.url=http://j:8000/v1",
+            "task.judge.model=m",
+        ),
     ),
     # ---- rollout: the backends, the servers and the synchronous loop
     Refusal(
@@ -171,6 +205,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "vLLM servers sample for the vllm backend only",
         lambda r, _: bool(r.server.url) and r.backend != "vllm",
         "rollout",
+        example=("rollout.max_staleness=1", "rollout.server.url=http://h:8000"),
     ),
     Refusal(
         "rollout.server.url",
@@ -178,20 +213,24 @@ REFUSALS: tuple[Refusal, ...] = (
         "the synchronous loop samples with a colocated vLLM engine; servers serve asynchronous RL",
         lambda r, _: bool(r.server.url) and r.max_staleness == 0,
         "rollout",
+        example=("rollout.backend=vllm", "rollout.server.url=http://h:8000"),
     ),
-    *(
-        Refusal(
-            f"rollout.vllm.{key}",
-            f"{default!r} unless microrl starts vLLM servers (rollout.backend=vllm, "
-            "rollout.max_staleness >= 1, no rollout.server.url)",
-            "it places the vLLM servers microrl starts; a server you start takes its GPUs and "
-            "--tensor-parallel-size itself",
-            lambda r, _, key=key, default=default: (
-                getattr(r.vllm, key) != default and not _local_servers(r)
-            ),
-            "rollout",
-        )
-        for key, default in (("gpus", ""), ("tensor_parallel_size", 1))
+    Refusal(
+        "rollout.vllm.gpus",
+        f"'' unless {_LOCAL_SERVERS}",
+        "it places the vLLM servers microrl starts; a server you start takes its GPUs itself",
+        lambda r, _: bool(r.vllm.gpus) and not _local_servers(r),
+        "rollout",
+        example=("rollout.vllm.gpus=2",),
+    ),
+    Refusal(
+        "rollout.vllm.tensor_parallel_size",
+        f"1 unless {_LOCAL_SERVERS}",
+        "it places the vLLM servers microrl starts; a server you start takes its "
+        "--tensor-parallel-size itself",
+        lambda r, _: r.vllm.tensor_parallel_size != 1 and not _local_servers(r),
+        "rollout",
+        example=("rollout.vllm.tensor_parallel_size=2",),
     ),
     Refusal(
         "rollout.vllm.tensor_parallel_size",
@@ -200,6 +239,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "in rollout.vllm.gpus",
         lambda r, _: r.vllm.tensor_parallel_size != 1 and not r.vllm.gpus,
         "rollout",
+        example=(*_SERVERS, "rollout.vllm.tensor_parallel_size=2"),
     ),
     Refusal(
         "rollout.vllm.sleep_level",
@@ -207,6 +247,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "they sample while the trainer trains; sleep mode is the in-process engine's",
         lambda r, _: r.vllm.sleep_level != 0 and r.backend == "vllm" and r.max_staleness >= 1,
         "rollout",
+        example=(*_SERVERS, "rollout.vllm.sleep_level=1"),
     ),
     Refusal(
         "rollout.vllm.engine_kwargs",
@@ -215,6 +256,11 @@ REFUSALS: tuple[Refusal, ...] = (
         "their own command line",
         lambda r, _: bool(r.vllm.engine_kwargs) and bool(r.server.url),
         "rollout",
+        example=(
+            *_SERVERS,
+            "rollout.server.url=http://h:8000",
+            "rollout.vllm.engine_kwargs.max_num_seqs=8",
+        ),
     ),
     # ---- teacher
     Refusal(
@@ -224,6 +270,7 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda t, _: bool(t.server.url) and t.backend != "vllm",
         "teacher",
         recipes=("grpo",),
+        example=("teacher.path=my/teacher", "teacher.server.url=http://h:8000"),
     ),
     Refusal(
         "teacher.server.url",
@@ -233,6 +280,7 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda t, _: bool(t.server.url) and not t.enabled,
         "teacher",
         recipes=("grpo",),
+        example=("teacher.backend=vllm", "teacher.server.url=http://h:8000"),
     ),
     # ---- recipe: keys of several sections
     Refusal(
@@ -241,6 +289,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "the KL's reference is the base model with the adapter disabled, which a full "
         "fine-tune (rank 0) has not",
         lambda c, _: c.actor.lora.rank < 1 and _kl_used(c),
+        example=("actor.lora.rank=0",),
     ),
     Refusal(
         "actor.policy_loss.bypass_mode",
@@ -248,6 +297,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "vLLM's log-probs are not the trainer's: the bypass needs rollout.backend=hf, which "
         "samples the trained model itself",
         lambda c, _: c.actor.policy_loss.bypass_mode and c.rollout.backend != "hf",
+        example=("rollout.backend=vllm", "actor.policy_loss.bypass_mode=true"),
     ),
     Refusal(
         "actor.policy_loss.bypass_mode",
@@ -255,15 +305,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "the old log-probs must be the trainer's recomputed ones, the proximal policy; the "
         "sampler's are a stale behaviour policy",
         lambda c, _: c.actor.policy_loss.bypass_mode and c.rollout.max_staleness > 0,
+        example=("rollout.max_staleness=1", "actor.policy_loss.bypass_mode=true"),
     ),
     Refusal(
         "train.mini_batch_size",
         "a divisor of rollout.prompts_per_step * rollout.group_size",
         "every optimizer step takes a full mini-batch of the rollout",
-        lambda c, _: (
-            (c.rollout.prompts_per_step * c.rollout.group_size) % c.train.mini_batch_size != 0
-        ),
-        detail=lambda c, _: f" = {c.rollout.prompts_per_step * c.rollout.group_size}",
+        lambda c, _: _rollout_size(c) % c.train.mini_batch_size != 0,
+        detail=lambda c, _: f" = {_rollout_size(c)}",
+        example=("train.mini_batch_size=100",),
     ),
     Refusal(
         "task.rewards.overlong_buffer",
@@ -271,6 +321,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "DAPO's penalty ramps over the last N tokens before it, starting after the first; 0: off",
         lambda c, _: c.task.rewards.overlong_buffer >= c.rollout.max_new_tokens,
         detail=lambda c, _: f" = {c.rollout.max_new_tokens}",
+        example=("task.rewards.overlong_buffer=4", "rollout.max_new_tokens=4"),
     ),
     Refusal(
         "task.rewards.overlong_buffer",
@@ -278,6 +329,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "an episode's response is several turns with observations between them; "
         "rollout.max_episode_tokens bounds it",
         lambda c, _: c.task.rewards.overlong_buffer != 0 and c.task.multi_turn,
+        example=("task.name=hinted_addition", "task.rewards.overlong_buffer=2"),
     ),
     Refusal(
         "rollout.group_size",
@@ -285,6 +337,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "its baseline is the mean reward of a prompt's group",
         lambda c, _: c.rollout.group_size < 2,
         recipes=("grpo",),
+        example=("rollout.group_size=1", "train.mini_batch_size=128"),
     ),
     Refusal(
         "task.agent.function",
@@ -292,6 +345,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "an sp group's ranks train the same rows; agents on each would play different episodes",
         lambda c, _: c.task.agent.enabled and c.actor.sequence_parallel_size != 1,
         recipes=("grpo",),
+        example=("task.agent.function=m:f", "actor.sequence_parallel_size=2"),
     ),
     Refusal(
         "teacher.path",
@@ -299,6 +353,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "distillation scores single-turn responses; multi-turn rows hold observations too",
         lambda c, _: c.teacher.enabled and c.task.multi_turn,
         recipes=("grpo",),
+        example=("teacher.path=my/teacher", "task.name=hinted_addition"),
     ),
     Refusal(
         "rollout.dynamic_sampling",
@@ -307,6 +362,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "the GRPO recipe",
         lambda c, _: c.rollout.dynamic_sampling,
         recipes=("ppo",),
+        example=("rollout.dynamic_sampling=true",),
     ),
     Refusal(
         "critic.sequence_parallel_size",
@@ -315,24 +371,23 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c, _: c.critic.sequence_parallel_size != c.actor.sequence_parallel_size,
         recipes=("ppo",),
         detail=lambda c, _: f" = {c.actor.sequence_parallel_size}",
+        example=("critic.sequence_parallel_size=2",),
     ),
-    *(
-        Refusal(
-            key,
-            must,
-            "multi-turn tasks and agents train with the GRPO recipe, whose group baseline needs "
-            "no value of the observation tokens",
-            refused,
-            recipes=("ppo",),
-        )
-        for key, must, refused in (
-            (
-                "task.name",
-                "a single-turn task for PPO",
-                lambda c, _: c.task.name in EPISODE_TASK_NAMES,
-            ),
-            ("task.agent.function", "null for PPO", lambda c, _: c.task.agent.enabled),
-        )
+    Refusal(
+        "task.name",
+        "a single-turn task for PPO",
+        _PPO_MULTI_TURN,
+        lambda c, _: c.task.name in EPISODE_TASK_NAMES,
+        recipes=("ppo",),
+        example=("task.name=hinted_addition",),
+    ),
+    Refusal(
+        "task.agent.function",
+        "null for PPO",
+        _PPO_MULTI_TURN,
+        lambda c, _: c.task.agent.enabled,
+        recipes=("ppo",),
+        example=("task.agent.function=m:f",),
     ),
     # ---- images: checked at start, when the task's prompts carry images
     Refusal(
@@ -342,6 +397,7 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c, f: c.rollout.backend == "vllm" and bool(f.get("vllm_vision")),
         "images",
         detail=lambda c, f: f": {f['vllm_vision']}",
+        example=("rollout.backend=vllm",),
     ),
     Refusal(
         "teacher.path",
@@ -350,6 +406,7 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c, _: getattr(c, "teacher", None) is not None and c.teacher.enabled,
         "images",
         recipes=("grpo",),
+        example=("teacher.path=my/teacher",),
     ),
     Refusal(
         "task.agent.function",
@@ -357,6 +414,8 @@ REFUSALS: tuple[Refusal, ...] = (
         "an agent's episodes do not take prompts with images yet",
         lambda c, _: c.task.agent.enabled,
         "images",
+        recipes=("grpo",),  # PPO refuses agents at load
+        example=("task.agent.function=m:f",),
     ),
 )
 

@@ -8,7 +8,7 @@ import pytest
 
 from microrl.configs import ActorConfig, PolicyLossType
 from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
-from microrl.configs.loader import config_to_yaml, load_config
+from microrl.configs.loader import config_to_yaml, describe_config, load_config
 from microrl.losses import AggMode
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -242,3 +242,14 @@ def test_a_files_nested_error_names_the_key_and_the_file(tmp_path: Path) -> None
     path.write_text("actor:\n  optim:\n    betas: [0.9]\n")
     with pytest.raises(ValueError, match=r"'actor\.optim\.betas' \(file .*mine\.yaml\)"):
         load_config(GRPOExampleConfig, path)
+
+
+# The recipes' config keys: the leaves `--help` lists (describe_config). A key is a choice to
+# defend (GRPO 164 / PPO 191 before the endpoint type gave the rollout and teacher servers a
+# `model`), so the counts are pinned: a new key updates them with its docs.
+KEY_COUNTS = {GRPOExampleConfig: 166, PPOExampleConfig: 192}
+
+
+@pytest.mark.parametrize("schema", list(KEY_COUNTS))
+def test_the_number_of_config_keys_is_a_decision(schema) -> None:
+    assert len(describe_config(schema())) == KEY_COUNTS[schema]

@@ -68,6 +68,12 @@ def _get(config, key: str):
     return config
 
 
+def test_the_changelog_lists_every_old_key_with_its_new_one() -> None:
+    changelog = (Path(__file__).resolve().parents[2] / "docs" / "changelog.md").read_text()
+    for old, new in renamed_keys(GRPOExampleConfig).items():
+        assert f"| `{old}` | `{new}` |" in changelog, old
+
+
 def test_every_old_key_is_listed_with_its_new_one() -> None:
     old_to_new = renamed_keys(GRPOExampleConfig)
     assert set(old_to_new.values()) - set(NEW_VALUES) == {
