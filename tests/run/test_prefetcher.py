@@ -211,7 +211,7 @@ def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(capl
         (
             GRPOExampleConfig,
             ["rollout.server.url=http://localhost:8000", "rollout.max_staleness=1"],
-            "rollout.server.url must be empty with rollout.backend=hf",
+            "rollout.server.url must be empty unless rollout.backend=vllm",
         ),
         (
             GRPOExampleConfig,
