@@ -26,8 +26,8 @@ class EndpointConfig:
 
     url: str = config_field(
         "",
-        "the server's base URL, http(s)://host:port (rollout.server: several, comma-separated); "
-        "empty: none (rollout and teacher servers: microrl starts its own)",
+        "base URL of servers you started, http(s)://host:port (rollout.server: several, "
+        "comma-separated); empty: microrl starts its own (docs/rollouts.md#endpoints)",
     )
     api_key_env: str = config_field(
         "",
@@ -36,8 +36,8 @@ class EndpointConfig:
     )
     model: str = config_field(
         "",
-        "the model name requests carry, as the server calls it (the judge's; vLLM servers: empty, "
-        "requests name the run's adapter or the server's one model)",
+        "the model name requests carry; empty for vLLM servers (requests name the run's LoRA "
+        "adapter, or the server's one model)",
     )
 
     @property

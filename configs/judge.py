@@ -29,15 +29,20 @@ _FIELDS = ("prompt", "response", "answer")
 
 @dataclass
 class JudgeConfig(EndpointConfig):
-    """An LLM judge: each response is sent to ``url`` (``/chat/completions``, an OpenAI-compatible
-    base URL such as ``http://127.0.0.1:8000/v1``; empty: off) asking for ``model``, with
-    ``template`` filled in, and the score is the first match of ``score_pattern`` in the reply."""
+    """An LLM judge: each response is sent to ``url`` (``/chat/completions``) asking for
+    ``model``, with ``template`` filled in, and the score is the first match of ``score_pattern``
+    in the reply. Its ``url``, ``api_key_env`` and ``model`` are an endpoint's, their help
+    written for a judge."""
 
+    url: str = config_field(
+        "", "the judge's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (empty: off)"
+    )
     api_key_env: str = config_field(
         "OPENAI_API_KEY",
         "the environment variable holding the server's API key (unset: no key is sent); the key "
         "itself never goes in a config",
     )
+    model: str = config_field("", "the judge's model name, as its server calls it")
     template: str = config_field(
         DEFAULT_JUDGE_TEMPLATE,
         "the grading prompt (one user message); {prompt}, {response} and {answer} are filled in",
