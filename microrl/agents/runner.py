@@ -195,7 +195,7 @@ class _AgentLoop:
             except asyncio.TimeoutError:  # not yet the builtin on Python 3.10
                 timeout = self.limits.timeout_s
                 outcome.error = (
-                    f"ran past task.agent_timeout_s={timeout}: {_more_time(self.limits)}"
+                    f"ran past task.agent.timeout_s={timeout}: {_more_time(self.limits)}"
                 )
             except Exception as exc:  # any agent failure is reported the same way
                 trace = "".join(traceback.format_exception(exc)).rstrip()
@@ -247,8 +247,8 @@ class _AgentLoop:
 def _more_time(limits: AgentLimits) -> str:
     """The keys that give a timed-out episode or call more time."""
     return (
-        f"raise task.agent_timeout_s={limits.timeout_s} (the episode's and its client's timeout), "
-        f"or lower task.agent_max_concurrency={limits.max_concurrency} (0: all of a step's "
+        f"raise task.agent.timeout_s={limits.timeout_s} (the episode's and its client's timeout), "
+        f"or lower task.agent.max_concurrency={limits.max_concurrency} (0: all of a step's "
         "episodes at once; they share one sampler, so more at once make each call wait longer)"
     )
 

@@ -150,7 +150,7 @@ def test_agent_failures_name_the_episode_or_are_dropped(tokenizer):
     for slow in (hangs, hangs_sync):
         start = time.perf_counter()
         past = (
-            r"ran past task.agent_timeout_s=0.3: raise .* or lower task.agent_max_concurrency=256"
+            r"ran past task.agent.timeout_s=0.3: raise .* or lower task.agent.max_concurrency=256"
         )
         with pytest.raises(EpisodeError, match=past):
             run_agent_episodes(backend, PROBLEMS[:1], slow, PARAMS, AgentLimits(timeout_s=0.3))
@@ -182,7 +182,7 @@ class SlowBackend(ScriptedBackend):
 def test_episode_clients_share_one_pool_and_time_out_naming_the_keys(tokenizer):
     """A client per episode built an SSL context each (tens of ms of the agents' event loop):
     a step's 1024 episodes at once stalled it past openai's 5 s connect timeout. The clients
-    now share one pool, time out at task.agent_timeout_s, and a timeout names what to change."""
+    now share one pool, time out at task.agent.timeout_s, and a timeout names what to change."""
     backend = ScriptedBackend(tokenizer, [[tokenizer.eos_token_id]])
     clients = []
 
@@ -207,7 +207,7 @@ def test_episode_clients_share_one_pool_and_time_out_naming_the_keys(tokenizer):
         await fast.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
 
     slow = SlowBackend(tokenizer, [[tokenizer.eos_token_id]])
-    hint = r"APITimeoutError.*\(a call to the endpoint timed out: raise task.agent_timeout_s=9"
+    hint = r"APITimeoutError.*\(a call to the endpoint timed out: raise task.agent.timeout_s=9"
     with pytest.raises(EpisodeError, match=hint):
         run_agent_episodes(slow, PROBLEMS[:1], impatient, PARAMS, AgentLimits(timeout_s=9))
 
@@ -226,7 +226,7 @@ def test_concurrent_episodes_are_batched_and_bounded(tokenizer):
         return 1.0
 
     params = SamplingParams(num_samples=3)
-    assert AgentLimits().max_concurrency == TaskConfig().agent_max_concurrency == 256  # bounded
+    assert AgentLimits().max_concurrency == TaskConfig().agent.max_concurrency == 256  # bounded
     run_agent_episodes(backend, PROBLEMS, agent, params, AgentLimits(batch_window_s=5.0))
     assert peak[0] == 6 and backend.batches[0] == 6  # every waiting call in one generate
     backend.batches.clear()

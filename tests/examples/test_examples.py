@@ -175,7 +175,7 @@ def test_grpo_full_fine_tune_exports_the_trained_model(base_model: Path, tmp_pat
     full = [
         "actor.lora.rank=0",
         "train.kl_metric_every=0",
-        f"task.rewards=[{tmp_path / 'length_reward.py'}:length]",
+        f"task.rewards.functions=[{tmp_path / 'length_reward.py'}:length]",
     ]
     assert _run_in_process("grpo_lora", [*args, *full, "train.steps=2", "output.plot=false"]) == 0
     assert not (out / "adapter").exists() and is_checkpoint(out / "model")
@@ -206,7 +206,7 @@ def test_grpo_runs_under_torchrun_on_two_ranks(base_model: Path, tmp_path: Path)
 DAPO = [
     "rollout.dynamic_sampling=true",
     "rollout.max_sampling_rounds=2",
-    "task.overlong_buffer=2",
+    "task.rewards.overlong_buffer=2",
     "actor.mask_truncated=true",
     "output.plot=false",
     "output.tensorboard=false",
