@@ -1,7 +1,8 @@
-"""One type for every external model endpoint: a URL, the API key's environment variable, a model.
+"""One type for every external model endpoint: a URL and the API key's environment variable.
 
 Rollout servers (``rollout.server``), a distillation teacher's server (``teacher.server``) and
-the LLM judge (``task.judge``, which adds its grading settings) are all reached this way. The API
+the LLM judge (``task.judge``, which adds its model name and grading settings) are all reached
+this way. The API
 key is never a config value: ``api_key_env`` names the environment variable that holds it, so a
 key reaches neither the command line, a saved config nor a log (docs/rollouts.md#endpoints).
 """
@@ -18,7 +19,8 @@ __all__ = ["EndpointConfig"]
 
 @dataclass
 class EndpointConfig:
-    """A server of someone else's: where it is, where its key is, what it calls its model.
+    """A server of someone else's: where it is and where its key is (vLLM servers take no model
+    name: requests name the run's LoRA adapter, or none, the server's one model).
 
     Each owner checks it with :meth:`check` (its ``__post_init__`` cannot know the key's full
     path, ``rollout.server.url`` or ``task.judge.url``, nor whether several URLs are allowed).
@@ -34,11 +36,6 @@ class EndpointConfig:
         "the environment variable holding the server's API key (unset: no key is sent); the key "
         "itself never goes in a config",
     )
-    model: str = config_field(
-        "",
-        "the model name requests carry; empty for vLLM servers (requests name the run's LoRA "
-        "adapter, or the server's one model)",
-    )
 
     @property
     def urls(self) -> list[str]:
@@ -51,10 +48,10 @@ class EndpointConfig:
             return None
         return os.environ.get(self.api_key_env) or None
 
-    def check(self, where: str, *, several: bool = False, model: bool = False) -> None:
+    def check(self, where: str, *, several: bool = False) -> None:
         """``ValueError`` naming ``<where>.<key>``: a URL that is not http(s) (one, unless
         ``several``), an ``api_key_env`` that is not a variable's name (the value is not echoed:
-        it may be a key), and a ``model`` that the endpoint needs (``model``) or ignores."""
+        it may be a key)."""
         urls = self.urls if several else [self.url] * bool(self.url)
         require(
             all(u.startswith(("http://", "https://")) for u in urls),
@@ -66,19 +63,4 @@ class EndpointConfig:
             raise ValueError(
                 f"{where}.api_key_env must name an environment variable (letters, digits, "
                 "underscores); the key itself never goes in a config"
-            )
-        if model:
-            require(
-                not self.url or bool(self.model),
-                f"{where}.model",
-                "the model name, as the server calls it",
-                self.model,
-            )
-        else:
-            require(
-                not self.model,
-                f"{where}.model",
-                "empty for vLLM servers (requests name the run's LoRA adapter, or no model: the "
-                "server's one)",
-                self.model,
             )

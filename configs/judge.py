@@ -1,7 +1,7 @@
 """The ``task.judge`` section: an LLM judge asked for a score over an OpenAI-compatible endpoint.
 
 The judge is on when ``url`` is set (:class:`microrl.tasks.judge.JudgeReward`, docs/tasks.md#llm-judges).
-It is an :class:`~microrl.configs.endpoint.EndpointConfig` (``url``, ``api_key_env``, ``model``)
+It is an :class:`~microrl.configs.endpoint.EndpointConfig` (``url``, ``api_key_env``) plus ``model``
 with its grading settings: the API key is never a config value, the judge reads it from the
 environment variable ``api_key_env`` names, so it reaches neither the command line nor a saved
 config.
@@ -31,8 +31,8 @@ _FIELDS = ("prompt", "response", "answer")
 class JudgeConfig(EndpointConfig):
     """An LLM judge: each response is sent to ``url`` (``/chat/completions``) asking for
     ``model``, with ``template`` filled in, and the score is the first match of ``score_pattern``
-    in the reply. Its ``url``, ``api_key_env`` and ``model`` are an endpoint's, their help
-    written for a judge."""
+    in the reply. Its ``url`` and ``api_key_env`` are an endpoint's, their help written for a
+    judge; ``model`` is the judge's own (vLLM servers take none)."""
 
     url: str = config_field(
         "", "the judge's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (empty: off)"
@@ -78,7 +78,8 @@ class JudgeConfig(EndpointConfig):
     def __post_init__(self) -> None:
         if not self.enabled:
             return
-        self.check("task.judge", model=True)
+        self.check("task.judge")
+        require(bool(self.model), "task.judge.model", "the model name, as the server calls it", "")
         try:
             self.template.format(**dict.fromkeys(_FIELDS, ""))
         except (KeyError, IndexError, ValueError) as err:
