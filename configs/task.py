@@ -140,32 +140,39 @@ class TaskConfig:
         """Whether the task's rows are episodes: a multi-turn task's or an agent's."""
         return self.name in EPISODE_TASK_NAMES or self.agent.enabled
 
+    @property
+    def operand_limit(self) -> int:
+        """``max_operand``, or the task's own when it is null. Resolved on read, never written
+        back: a config built before ``task.name`` is overridden keeps null, the new task's."""
+        if self.max_operand is None:
+            return DEFAULT_MAX_OPERAND.get(self.name, 99)
+        return self.max_operand
+
     def __post_init__(self) -> None:
         require(self.name in TASK_NAMES, "task.name", f"one of {', '.join(TASK_NAMES)}", self.name)
-        if self.max_operand is None:
-            self.max_operand = DEFAULT_MAX_OPERAND.get(self.name, 99)
-        require(1 <= self.max_operand <= 9999, "task.max_operand", "in [1, 9999]", self.max_operand)
+        limit = self.operand_limit
+        require(1 <= limit <= 9999, "task.max_operand", "in [1, 9999]", self.max_operand)
         require(self.eval_size >= 1, "task.eval_size", ">= 1", self.eval_size)
         if self.name == "addition":
             require(
-                self.eval_size < (self.max_operand + 1) ** 2,
+                self.eval_size < (limit + 1) ** 2,
                 "task.eval_size",
-                f"in [1, {(self.max_operand + 1) ** 2 - 1}]",
+                f"in [1, {(limit + 1) ** 2 - 1}]",
                 self.eval_size,
             )
         if self.name == "digits":
             require(
-                self.max_operand <= 99,
+                limit <= 99,
                 "task.max_operand",
                 "in [1, 99] for task.name=digits (numbers of at most two digits; 9: one digit, "
                 "what the toy model learns)",
-                self.max_operand,
+                limit,
             )
         require(
-            self.name != "calculator" or self.max_operand >= CALCULATOR_MIN_MAX_OPERAND,
+            self.name != "calculator" or limit >= CALCULATOR_MIN_MAX_OPERAND,
             "task.max_operand",
             f">= {CALCULATOR_MIN_MAX_OPERAND} for task.name=calculator (operands in "
             "[100, max_operand]: sums the model cannot do alone)",
-            self.max_operand,
+            limit,
         )
         check_refusals("task", self)

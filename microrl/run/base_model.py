@@ -142,7 +142,7 @@ def _plain_task(task_cfg: TaskConfig) -> Task | None:
         return None
     if task_cfg.name in AGENT_TASK_NAMES:  # played only by an agent: its own prompts and reward
         return BUILT_IN_TASKS[task_cfg.name](
-            task_cfg.max_operand, task_cfg.eval_size, task_cfg.seed
+            task_cfg.operand_limit, task_cfg.eval_size, task_cfg.seed
         )
     return make_task(dataclasses.replace(_without_models(task_cfg), agent=AgentConfig()))
 

@@ -33,7 +33,7 @@ __all__ = [
     "tool_parser_of",
 ]
 
-# name -> class, constructed as cls(task.max_operand, task.eval_size, task.seed).
+# name -> class, constructed as cls(task.operand_limit, task.eval_size, task.seed).
 BUILT_IN_TASKS: dict[str, type[AdditionTask | WordProblemTask | CalculatorTask | DigitsTask]] = {
     "addition": AdditionTask,
     "word_problems": WordProblemTask,
@@ -81,7 +81,7 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None, *, engine_config: Any = No
         if cfg.name == "env":  # the prompts played against the environments task.env builds
             task = EnvTask(task, resolve_reward_fn(cfg.env, "task.env"), cfg.solved_threshold)
     else:
-        task = BUILT_IN_TASKS[cfg.name](cfg.max_operand, cfg.eval_size, cfg.seed)
+        task = BUILT_IN_TASKS[cfg.name](cfg.operand_limit, cfg.eval_size, cfg.seed)
         if cfg.reward_terms():
             task = RewardedTask(
                 task, reward_of(cfg, engine_config=engine_config), cfg.solved_threshold

@@ -231,7 +231,14 @@ def test_image_marker_writes_the_models_placeholder_where_a_dataset_marks_images
 
 def test_an_unset_max_operand_is_the_tasks_own() -> None:
     """task.max_operand=null (the default): digits read one digit (what the toy vision model
-    learns; 99 would not train), addition keeps 99; a set value stays."""
-    assert TaskConfig(name="digits").max_operand == 9
-    assert TaskConfig(name="addition").max_operand == 99
-    assert TaskConfig(name="digits", max_operand=20).max_operand == 20
+    learns; 99 would not train), addition keeps 99; a set value stays. Also when only
+    task.name is overridden on a config with no YAML file: the default task's 99 was written
+    into the field before the override named digits."""
+    from microrl.configs import load_config
+    from microrl.configs.examples import GRPOExampleConfig
+
+    assert TaskConfig(name="digits").operand_limit == 9
+    assert TaskConfig(name="addition").operand_limit == 99
+    assert TaskConfig(name="digits", max_operand=20).operand_limit == 20
+    cfg = load_config(GRPOExampleConfig, None, ["task.name=digits"])
+    assert (cfg.task.max_operand, cfg.task.operand_limit) == (None, 9)
