@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             metrics = step_metrics(
                 batch, scores, penalty, old, updates, dist_info, t0,
                 overlong=cfg.task.rewards.overlong_buffer > 0,
-                groups=rollout.group_ids,  # reward/frac_zero_std: groups that teach nothing
+                groups=rollout.group_ids,  # frac_reward_zero_std: groups that teach nothing
             )  # fmt: skip
             metrics.update(distilled | sampled)  # teacher/*, dynamic_sampling/*
             metrics.update(rollout_metrics(task, rollout, dist_info))  # episodes/, agent/, judge/

@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             metrics = step_metrics(
                 batch, scores, penalty, old, actor_updates, dist_info, t0,
                 critic_updates=critic_updates, overlong=cfg.task.rewards.overlong_buffer > 0,
-                # reward/frac_zero_std: a prompt's responses all scored alike (groups of 2+)
+                # frac_reward_zero_std: a prompt's responses all scored alike (groups of 2+)
                 groups=rollout.group_ids if cfg.rollout.group_size > 1 else None,
             )  # fmt: skip
             metrics.update(rollout_metrics(task, rollout, dist_info))  # judge/, reward_model/

@@ -263,7 +263,7 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
         assert record["dynamic_sampling/groups_filled"] <= 4
         # The groups trained on whose rewards (score + penalty) are all equal: the top-up.
         equal = (reward.view(4, 2)[:, 0] == reward.view(4, 2)[:, 1]).float().mean().item()
-        assert record["reward/frac_zero_std"] == pytest.approx(equal)
+        assert record["frac_reward_zero_std"] == pytest.approx(equal)
 
 
 def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path: Path, monkeypatch):
@@ -291,7 +291,7 @@ def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path:
         assert "truncated_frac" in record and "dynamic_sampling/rounds" not in record
         pairs = rewards.view(-1, 2)  # rows grouped by prompt, rollout.group_size=2
         equal = (pairs[:, 0] == pairs[:, 1]).float().mean().item()
-        assert record["reward/frac_zero_std"] == pytest.approx(equal)
+        assert record["frac_reward_zero_std"] == pytest.approx(equal)
 
 
 @pytest.mark.distributed
