@@ -226,9 +226,9 @@ class _AgentLoop:
             try:
                 result = agent(openai.OpenAI(**options, http_client=self.sync_http), problem)
             except BaseException as exc:
-                done.get_loop().call_soon_threadsafe(_settle, done, None, exc)
+                _settle_from_thread(done, None, exc)
             else:
-                done.get_loop().call_soon_threadsafe(_settle, done, result, None)
+                _settle_from_thread(done, result, None)
 
         threading.Thread(target=run, daemon=True).start()
         return await done
@@ -255,6 +255,13 @@ def _more_time(limits: AgentLimits) -> str:
 
 async def _semaphore(limit: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(limit)
+
+
+def _settle_from_thread(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Settle ``future`` from an agent's thread; an abandoned episode's loop may be closed
+    by now (the runner closed after its timeout), and then nothing waits for the outcome."""
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+        future.get_loop().call_soon_threadsafe(_settle, future, result, error)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

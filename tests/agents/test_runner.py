@@ -5,6 +5,7 @@ also where re-encoding the text would not; history edits branch; failures and bo
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -268,3 +269,23 @@ def test_turns_end_at_every_turn_terminator_of_the_backend(tokenizer):
     ((ids, mask, _),) = rows(rollout)
     assert finishes == ["stop"]
     assert ids[-2:] == [a, hash_] and b not in ids and sum(mask) == 2
+
+
+def test_an_abandoned_sync_agent_ends_quietly_after_the_runner_closed(tokenizer, monkeypatch):
+    """A plain-function agent past its timeout is abandoned; when it returned after the runner
+    had closed its loop, its thread raised 'Event loop is closed' (seen in CI's warnings)."""
+    backend = ScriptedBackend(tokenizer, [[tokenizer.eos_token_id]])
+    raised: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    finished = threading.Event()
+
+    def late(client, problem):
+        time.sleep(0.6)
+        finished.set()
+        return 1.0
+
+    with pytest.raises(EpisodeError, match=r"ran past task\.agent\.timeout_s=0\.2"):
+        run_agent_episodes(backend, PROBLEMS[:1], late, PARAMS, AgentLimits(timeout_s=0.2))
+    assert finished.wait(5)
+    time.sleep(0.2)  # the thread settles after its agent returned
+    assert raised == []
