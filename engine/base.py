@@ -356,7 +356,7 @@ class Engine:
         )
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
-        with self._routing_scope(keep=False):
+        with self._routing_scope():
             if denominators is not None and self.routing is not None:
                 denominators = self._with_router(denominators, batch, micro_batches, placeholder)
             # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
@@ -416,53 +416,37 @@ class Engine:
         (checked by the loop: a ``TypeError`` otherwise). Train mode for a gradient pass, eval
         mode for ``forward_only``, the module's mode restored after.
         """
-        if not isinstance(micro_batch, MicroBatch):
-            return self._forward_step_on_rows(micro_batch, loss_fn, forward_only, denominators)
-        with self._routing_scope(keep=not forward_only and self.config.gradient_checkpointing):
-            return self._forward_micro_batch(micro_batch, loss_fn, forward_only, denominators)
-
-    def _forward_step_on_rows(
-        self,
-        batch: TensorDict | Mapping[str, torch.Tensor],
-        loss_fn: LossFn | None,
-        forward_only: bool,
-        denominators: LossDenominators | None,
-    ) -> StepResult:
-        """:meth:`forward_step` on a plain ``[b, T]`` batch: validated, run as one micro-batch
-        (its own mini-batch when ``denominators`` is None), outputs in the caller's layout."""
-        batch = self._checked(batch, loss_fn, forward_only, role_checks=True)
+        if isinstance(micro_batch, MicroBatch):
+            return self._forward_micro(micro_batch, loss_fn, forward_only, denominators)
+        # A plain [b, T] batch: validated, compacted to one micro-batch, scattered back.
+        batch = self._checked(micro_batch, loss_fn, forward_only, role_checks=True)
         starts, lengths = span_starts_and_lengths(batch["attention_mask"])
-        host_lengths = lengths.tolist()
-        rows = range(batch.batch_size[0])
+        host_lengths, rows = lengths.tolist(), range(batch.batch_size[0])
         micro = MicroBatch(
             compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
         )
-        # A training step's backward may recompute checkpointed layers after this returns.
-        with self._routing_scope(keep=not forward_only and self.config.gradient_checkpointing):
-            if denominators is None and self._has_loss_inputs(micro.data, loss_fn):
-                denominators = self._denominators(micro.data)
-                if self.routing is not None:
-                    denominators = self._with_router(denominators, micro.data, lambda: [(0, micro)])
-            step = self.forward_step(micro, loss_fn, forward_only, denominators=denominators)
+        loss, output, metrics = self._forward_micro(micro, loss_fn, forward_only, denominators)
         full: dict[str, torch.Tensor] = {}
         shape = tuple(batch["input_ids"].shape)
-        scatter_outputs(step.output, rows, starts, lengths, full, shape)
+        scatter_outputs(output, rows, starts, lengths, full, shape)
         return StepResult(
-            step.loss, TensorDict(full, batch_size=[shape[0]], device=self.device), step.metrics
+            loss, TensorDict(full, batch_size=[shape[0]], device=self.device), metrics
         )
 
-    def _forward_micro_batch(
+    def _forward_micro(
         self,
         micro: MicroBatch,
         loss_fn: LossFn | None,
         forward_only: bool,
         denominators: LossDenominators | None,
     ) -> StepResult:
-        """:meth:`forward_step` on a planned micro-batch (outputs in its compact layout)."""
+        """:meth:`forward_step` of a planned micro-batch: outputs in its compact ``[b, L]``."""
         data, training = micro.data, not forward_only
         with_loss = self._has_loss_inputs(data, loss_fn)
-        if with_loss and denominators is None:
+        if with_loss and denominators is None:  # the micro-batch is its own mini-batch
             denominators = self._denominators(data)
+            if self.routing is not None:
+                denominators = self._with_router(denominators, data, lambda: [(None, micro)])
         # loss(output, rows): on rows of the micro-batch, with the mini-batch's denominators.
         compute_loss = partial(
             self._call_loss, loss_fn or self.default_loss, denominators=denominators
@@ -489,6 +473,7 @@ class Engine:
                 micro,
                 packed=self.config.pack_sequences,
                 denominators=denominators if with_loss else None,
+                keep=training and self.config.gradient_checkpointing,
             )
         with self._mode(training=training), self._grad(forward_only), offload or nullcontext():
             with (
@@ -743,10 +728,11 @@ class Engine:
             )
         return denominators
 
-    def _routing_scope(self, *, keep: bool) -> Any:
-        """A mixture-of-experts model's router hooks installed for the block (``keep``: and
-        after it, for a later backward that recomputes checkpointed layers); else nothing."""
-        return nullcontext() if self.routing is None else self.routing.hooks.installed(keep=keep)
+    def _routing_scope(self) -> Any:
+        """A mixture-of-experts model's router hooks installed for a whole pass (the counting
+        pass, every micro-batch and its backward), else nothing; a micro-batch's forward
+        installs them itself when called alone (:meth:`forward_step`)."""
+        return nullcontext() if self.routing is None else self.routing.hooks.installed()
 
     def _with_router(
         self,

@@ -14,7 +14,7 @@ from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine import offload, setup
-from microrl.kernels import WORKING_TILE_ELEMENTS
+from microrl.kernels import WORKING_TILE_ELEMENTS, head_budget_bytes
 
 # The fused kernel's tile budget: at most four full working tiles of float32 (docs/kernels.md,
 # "Memory and chunk_size"); rows per chunk when kernel_chunk_size is unset.
@@ -238,11 +238,17 @@ def other_bytes_per_token(shape: Shape, num: Numerics) -> int:
 
 
 def head_bytes(shape: Shape, num: Numerics, config: EngineConfig, tokens: int, device: str) -> int:
-    """The lm head's buffers: the fused kernel's float32 logits tiles (all of the logits when
-    they fit its budget of four full tiles, plus two working tiles) and, for a 16-bit weight on a
-    CPU, a float32 copy of one vocabulary tile; the eager head's [N, V] float32 buffers."""
+    """The lm head's buffers: the fused kernel's float32 logits tiles (on a CPU all of the logits
+    when they fit its budget of four full tiles, plus two working tiles, and for a 16-bit weight
+    a float32 copy of one vocabulary tile; on CUDA its GPU path's byte budget, twice it for the
+    fused loss, at most the logits and a hidden-gradient accumulator); the eager head's [N, V]
+    float32 buffers."""
     if not config.use_fused_kernel:
         return EAGER_HEAD_BUFFERS * tokens * shape.vocab * 4
+    if device == "cuda":
+        fused = getattr(config, "fuse_loss", False)
+        budget = head_budget_bytes(tokens, shape.vocab, shape.hidden, fused_loss=fused)
+        return min(budget, 4 * tokens * (shape.vocab + shape.hidden))
     chunk = config.kernel_chunk_size or KERNEL_ROWS
     vocab_tile = min(shape.vocab, max(128, WORKING_TILE_ELEMENTS // chunk))
     working = 2 * min(chunk, tokens) * vocab_tile

@@ -14,12 +14,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, no_autocast
+from ._dispatch import check_implementation, head_implementation, record
+from .chunked_loss import loss_plan, run_chunked
 from .linear_logprob import (
     _BUFFER_TILES,
     WORKING_TILE_ELEMENTS,
@@ -228,6 +231,10 @@ def _loss_plan(base: _Plan, vocab: int, chunk_size: int | None) -> _GroupPlan:
 def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
     """Consecutive segments merged greedily while the group has at most ``rows`` rows (a longer
     segment is a group on its own)."""
+    if len(segments) == segments[-1] - segments[0] + 1:  # every row a segment: chunks of rows
+        return tuple(
+            (s, min(s + rows, segments[-1])) for s in range(segments[0], segments[-1], rows)
+        )
     groups, start = [], segments[0]
     for prev, end in itertools.pairwise(segments):
         if end - start > rows and prev > start:
@@ -238,9 +245,9 @@ def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
     return tuple(groups)
 
 
-def _check_segments(segments, n: int) -> list[int]:
-    if segments is None:
-        return list(range(n + 1)) if n else [0]
+def _check_segments(segments, n: int) -> Sequence[int]:
+    if segments is None:  # every row a segment (a range: no list of N ints to build)
+        return range(n + 1)
     if isinstance(segments, torch.Tensor) or not isinstance(segments, Sequence):
         raise ValueError("segments must be a sequence of Python ints (row boundaries) or None")
     bounds = list(segments)
@@ -268,6 +275,7 @@ def fused_linear_loss(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> FusedLossOutput:
     """A loss of the lm-head's log-probs (and entropy), with its gradients formed in forward.
 
@@ -279,8 +287,8 @@ def fused_linear_loss(
 
     Args:
         hidden, weight, targets, temperature, chunk_size, ignore_index, validate, bias,
-        logit_scale, softcap: as in :func:`microrl.kernels.fused_linear_logprob` (same checks and
-            errors). ``chunk_size`` caps the rows of a group.
+        logit_scale, softcap, implementation: as in :func:`microrl.kernels.fused_linear_logprob`
+            (same checks and errors). ``chunk_size`` caps the rows of a group.
         loss_fn: ``loss_fn(start, end, logprobs, entropy) -> (loss, aux)``, called once per group
             of flattened rows ``[start, end)`` (consecutive, covering all rows in order), inside
             this function's forward with autograd enabled, on detached leaves ``[end - start]``
@@ -299,7 +307,8 @@ def fused_linear_loss(
         TypeError, ValueError: as ``fused_linear_logprob``; ``loss_fn`` not callable, bad
         ``segments``; a ``loss_fn`` that does not return a 0-d tensor (TypeError).
     """
-    temp, _ = check_linear_logprob_inputs(
+    check_implementation(implementation)
+    temp, count = check_linear_logprob_inputs(
         hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
         bias=bias, logit_scale=logit_scale, softcap=softcap,
     )  # fmt: skip
@@ -319,12 +328,26 @@ def fused_linear_loss(
         grad_on and bias is not None and bias.requires_grad,
     )
     vocab, hidden_size = weight.shape
-    base = _plan(
-        max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), native16,
-        hidden_size, float(logit_scale), None if softcap is None else float(softcap),
-    )  # fmt: skip
-    plan = _loss_plan(base, vocab, chunk_size)
-    spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn)
+    scale, cap = float(logit_scale), None if softcap is None else float(softcap)
+    impl = head_implementation(hidden, weight, bias, implementation)
+    record(impl, hidden, "fused_linear_loss")
+    if impl == "tiles":
+        base = _plan(
+            max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), native16,
+            hidden_size, scale, cap,
+        )  # fmt: skip
+        plan = _loss_plan(base, vocab, chunk_size)
+        spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn)
+    else:
+        masked = count != n  # validate=False, or some row ignored; else row blocks are views
+        plan = loss_plan(
+            hidden_2d, weight, bias, impl, max(1, n), need, with_entropy=with_entropy,
+            inv_scalar=inv_scalar, scale=scale, softcap=cap, chunk_size=chunk_size,
+            row_copies=masked,
+        )  # fmt: skip
+        run = partial(run_chunked, None)
+        spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn, run=run)
+        valid = valid if masked else None
     out = _FusedLinearLoss.apply(hidden_2d, weight, bias, flat_targets, valid, inv_t, spec)
     loss, logprob = out[0], out[1]
     entropy = out[2].view(targets.shape) if with_entropy else None

@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._dispatch import check_implementation, head_implementation, record
 from ._tiles import (
     _cap_slope_,
     _cast,
@@ -35,6 +36,7 @@ from ._tiles import (
     _tile_stats,
     _zero_unkept,
 )
+from .chunked import chunked_linear_logprob
 
 __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 
@@ -504,6 +506,7 @@ def fused_linear_logprob(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head, without materialising the logits.
 
@@ -551,6 +554,11 @@ def fused_linear_logprob(
             soft-capping (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).
         softcap: None, or a finite float ``c > 0``: final-logit soft-capping
             ``c * tanh(x / c)`` (Gemma 2/3 ``final_logit_softcapping``), before the temperature.
+        implementation: ``"auto"`` (CUDA tensors take the GPU path, ``"triton"``, or
+            ``"chunks"`` without Triton; other devices ``"tiles"``), or one of those names to
+            force it (docs/kernels.md, "Implementations"); on the GPU path ``chunk_size`` caps the
+            rows of a tile and the tile is sized by a budget of about ``4 * N * H`` bytes.
+            :func:`microrl.kernels.last_implementation` says which one ran.
 
     Returns:
         ``(logprobs [...], entropy [...] | None)`` shaped like ``targets``, float32 (float64 when
@@ -562,9 +570,11 @@ def fused_linear_logprob(
             tensors on different devices, non-integer targets, temperature of a bad type or
             shape (or requiring grad), ``chunk_size < 1``, non-bool ``with_entropy``/``validate``,
             non-int ``ignore_index``, ``bias`` not ``[V]`` or not a float tensor on the same
-            device, ``logit_scale`` or ``softcap`` not a finite number > 0; with ``validate``,
-            also out-of-range targets and temperatures <= 0 or non-finite.
+            device, ``logit_scale`` or ``softcap`` not a finite number > 0, an unknown
+            ``implementation`` (or ``"triton"`` with float64 inputs); with ``validate``, also
+            out-of-range targets and temperatures <= 0 or non-finite.
     """
+    check_implementation(implementation)
     temp, count = check_linear_logprob_inputs(
         hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
         bias=bias, logit_scale=logit_scale, softcap=softcap,
@@ -584,6 +594,16 @@ def fused_linear_logprob(
         num_rows = count
     grad_on = torch.is_grad_enabled()
     need = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
+    impl = head_implementation(hidden, weight, bias, implementation)
+    record(impl, hidden, "fused_linear_logprob")
+    if impl != "tiles":
+        out = chunked_linear_logprob(
+            hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t,
+            implementation=impl, need=(*need, grad_on and bias is not None and bias.requires_grad),
+            with_entropy=with_entropy, inv_scalar=inv_scalar, scale=scale, softcap=cap,
+            chunk_size=chunk_size,
+        )  # fmt: skip
+        return _shaped(out, targets.shape, with_entropy)
     if bias is not None and grad_on and bias.requires_grad and not any(need):
         need = True, False  # a backward runs for the bias alone: plan (and keep tiles) for one
     vocab, hidden_size = weight.shape
@@ -594,7 +614,12 @@ def fused_linear_logprob(
     out = _FusedLinearLogProb.apply(
         hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
     )
+    return _shaped(out, targets.shape, with_entropy)
+
+
+def _shaped(out, shape: torch.Size, with_entropy: bool):
+    """The Function's flat output(s) as ``(logprobs, entropy | None)`` shaped like the targets."""
     if not with_entropy:
-        return out.view(targets.shape), None
+        return out.view(shape), None
     logprobs, entropy = out
-    return logprobs.view(targets.shape), entropy.view(targets.shape)
+    return logprobs.view(shape), entropy.view(shape)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._dispatch import check_implementation
 
 __all__ = ["reference_linear_logprob"]
 
@@ -29,6 +30,7 @@ def reference_linear_logprob(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(cap((hidden.float() @ weight.float().T + bias) * logit_scale) / temperature)``
     at ``targets``, with ``cap(x) = softcap * tanh(x / softcap)`` (the identity for
@@ -38,7 +40,8 @@ def reference_linear_logprob(
     Gemma 2/3's ``tanh(logits / cap) * cap``), then the temperature.
 
     Same signature, validation and semantics as :func:`microrl.kernels.fused_linear_logprob`;
-    ``chunk_size`` is validated and otherwise ignored (nothing is chunked here); ``validate=False``
+    ``chunk_size`` and ``implementation`` are validated and otherwise ignored (nothing is
+    chunked here; there is one implementation); ``validate=False``
     skips the value checks as there (targets and temperatures trusted to be in range).
 
     Args:
@@ -51,6 +54,7 @@ def reference_linear_logprob(
         ``(logprobs [...], entropy [...] | None)`` in float32 (float64 when an input is
         float64). Gradients come back in each input's own dtype (autograd of the upcast).
     """
+    check_implementation(implementation)
     temp, _ = check_linear_logprob_inputs(
         hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
         bias=bias, logit_scale=logit_scale, softcap=softcap,

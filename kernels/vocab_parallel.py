@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from . import linear_logprob
 from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._dispatch import check_implementation, head_implementation, record
 from ._tiles import (
     _cap_slope_,
     _cast,
@@ -38,8 +40,12 @@ from ._tiles import (
     _tile_stats,
     _zero_unkept,
 )
+from .chunked_loss import VocabShard
+from .vocab_parallel_chunked import vocab_parallel_chunked
 
 __all__ = ["vocab_parallel_linear_logprob"]
+
+_shaped = linear_logprob._shaped
 
 # Largest [rows, vocab_tile] logits tile, as in linear_logprob (32 MiB in float32): big tiles keep
 # the number of elementwise ops (each an OpenMP region on a CPU) low.
@@ -379,6 +385,7 @@ def vocab_parallel_linear_logprob(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head whose vocabulary is split over a TP group.
 
@@ -408,6 +415,8 @@ def vocab_parallel_linear_logprob(
             DTensor on the weight's mesh when the weight is one); its gradient stays local.
         logit_scale, softcap: as in ``fused_linear_logprob`` (elementwise on the logits, so
             each rank applies them to its own columns).
+        implementation: as in ``fused_linear_logprob`` (CUDA tensors take the GPU path on the
+            shard; every rank must take the same one).
 
     Returns:
         ``(logprobs [...], entropy [...] | None)``, identical on every rank, float32 (float64
@@ -422,6 +431,7 @@ def vocab_parallel_linear_logprob(
         TypeError / ValueError: as ``fused_linear_logprob``, and for a bad ``group``,
             ``vocab_start``, ``vocab_size`` or DTensor layout, and a DTensor ``hidden``/``targets``.
     """
+    check_implementation(implementation)
     inputs = checked_inputs(
         hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
         chunk_size, ignore_index, validate, bias, logit_scale, softcap,
@@ -437,8 +447,21 @@ def vocab_parallel_linear_logprob(
     elif count < num_rows:  # compact the non-ignored rows (the count came with the one sync)
         rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
         num_rows = count
-    configured = chunk_size or _DEFAULT_ROWS
     real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
+    impl = head_implementation(hidden_2d, weight, bias, implementation)
+    record(impl, hidden_2d, "vocab_parallel_linear_logprob")
+    if impl != "tiles":
+        grad_on = torch.is_grad_enabled()
+        need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
+        out = vocab_parallel_chunked(
+            hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t,
+            shard=VocabShard(group, vocab_start, real_rows), implementation=impl, need=need,
+            with_entropy=with_entropy, inv_scalar=inv_scalar, scale=float(logit_scale),
+            softcap=None if softcap is None else float(softcap), chunk_size=chunk_size,
+        )  # fmt: skip
+        return _shaped(out, targets.shape, with_entropy)
+    configured = chunk_size or _DEFAULT_ROWS
     vocab_tile = max(1, min(real_rows, max(_MIN_VOCAB_TILE, _TILE_ELEMENTS // configured)))
     plan = _Plan(
         group=group,
@@ -447,17 +470,14 @@ def vocab_parallel_linear_logprob(
         rows=max(1, min(configured, num_rows)),
         vocab_tile=vocab_tile,
         with_entropy=with_entropy,
-        inv_temperature=1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0,
+        inv_temperature=inv_scalar,
         scale=float(logit_scale),
         softcap=None if softcap is None else float(softcap),
     )
     out = _VocabParallelLinearLogProb.apply(
         hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
     )
-    if not with_entropy:
-        return out.view(targets.shape), None
-    logprobs, entropy = out
-    return logprobs.view(targets.shape), entropy.view(targets.shape)
+    return _shaped(out, targets.shape, with_entropy)
 
 
 def checked_inputs(

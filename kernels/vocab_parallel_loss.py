@@ -24,7 +24,6 @@ gradient. Contract: ``docs/kernels.md`` ("Vocab-parallel").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -32,7 +31,9 @@ import torch.distributed as dist
 
 from . import vocab_parallel as vp
 from ._checks import IGNORE_INDEX
+from ._dispatch import check_implementation, head_implementation, record
 from ._tiles import _zero_unkept
+from .chunked_loss import VocabShard, loss_plan, run_chunked
 from .fused_loss import (
     FusedLossOutput,
     GroupLossFn,
@@ -49,14 +50,7 @@ from .linear_logprob import _backward, _compute_dtype, _plan
 __all__ = ["vocab_parallel_linear_loss"]
 
 
-@dataclass(frozen=True)
-class _Shard:
-    group: dist.ProcessGroup | None
-    vocab_start: int
-    real_rows: int  # the shard's first rows inside the vocabulary; the rest is padding
-
-
-def _run_sharded(shard: _Shard, hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
+def _run_sharded(shard: VocabShard, hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
     """``fused_loss._run`` on a vocabulary shard (module docstring)."""
     need_h, need_w, need_b = spec.need
     need_b = need_b and bias is not None
@@ -112,7 +106,7 @@ def _run_sharded(shard: _Shard, hidden, weight, bias, targets, row_mask, inv_t, 
     return total_loss, logprob, entropy, (grad_h, grad_w, grad_b)
 
 
-def _vp_plan(shard: _Shard, plan) -> vp._Plan:
+def _vp_plan(shard: VocabShard, plan) -> vp._Plan:
     """The vocab-parallel plan with the single-device group plan's tiles (the same loop order)."""
     return vp._Plan(
         group=shard.group,
@@ -145,6 +139,7 @@ def vocab_parallel_linear_loss(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> FusedLossOutput:
     """:func:`microrl.kernels.fused_linear_loss` of an lm head whose vocabulary is split over a
     tensor-parallel group: every rank gets the single-device result on the whole vocabulary, to
@@ -158,6 +153,8 @@ def vocab_parallel_linear_loss(
         loss_fn, segments, with_entropy: as in :func:`microrl.kernels.fused_linear_loss`; every
             rank calls ``loss_fn`` on the same (replicated) log-probs and must return the same
             loss.
+        implementation: as in :func:`microrl.kernels.fused_linear_logprob` (every rank must
+            take the same one).
 
     Returns:
         :class:`FusedLossOutput`, identical on every rank. Gradients (formed in forward, handed
@@ -167,11 +164,12 @@ def vocab_parallel_linear_loss(
     Raises:
         TypeError, ValueError: as the two functions above.
     """
+    check_implementation(implementation)
     inputs = vp.checked_inputs(
         hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
         chunk_size, ignore_index, validate, bias, logit_scale, softcap,
     )  # fmt: skip
-    hidden_2d, local_w, local_b, flat_targets, valid, temp, inv_t, _ = inputs[:8]
+    hidden_2d, local_w, local_b, flat_targets, valid, temp, inv_t, count = inputs[:8]
     group, vocab_start, vocab_size = inputs[8:]
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -189,12 +187,25 @@ def vocab_parallel_linear_loss(
     inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
     vocab = max(1, real)  # a shard of padding only: plans as one row, runs no tile
-    base = _plan(
-        max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), False,
-        hidden_2d.shape[1], scale, cap,
-    )  # fmt: skip
-    plan = _loss_plan(base, vocab, chunk_size)
-    run = partial(_run_sharded, _Shard(group, vocab_start, real))
+    shard = VocabShard(group, vocab_start, real)
+    impl = head_implementation(hidden_2d, local_w, local_b, implementation)
+    record(impl, hidden_2d, "vocab_parallel_linear_loss")
+    if impl == "tiles":
+        base = _plan(
+            max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), False,
+            hidden_2d.shape[1], scale, cap,
+        )  # fmt: skip
+        plan = _loss_plan(base, vocab, chunk_size)
+        run = partial(_run_sharded, shard)
+    else:
+        masked = count != n  # validate=False, or some row ignored; else row blocks are views
+        plan = loss_plan(
+            hidden_2d, local_w, local_b, impl, max(1, n), need, with_entropy=with_entropy,
+            inv_scalar=inv_scalar, scale=scale, softcap=cap, chunk_size=chunk_size, vocab=vocab,
+            row_copies=masked,
+        )  # fmt: skip
+        run = partial(run_chunked, shard)
+        valid = valid if masked else None
     spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn, run=run)
     out = _FusedLinearLoss.apply(hidden_2d, local_w, local_b, flat_targets, valid, inv_t, spec)
     loss, logprob = out[0], out[1]

@@ -19,10 +19,9 @@ A GRPO step, end to end::
 
 PPO: ``scores_to_token_rewards`` -> ``gae_advantages`` (-> ``whiten``) for the actor,
 ``value_loss`` for the critic. One algorithm per module: surrogates (``ppo``, ``gspo``, ``cispo``,
-``reinforce``), ``kl``, ``entropy``, ``value``, ``sft``, ``router`` (mixture-of-experts router
-losses), mismatch (``tis``, ``mismatch``), advantages (``gae``; ``group``: GRPO, RLOO, after
-``check_whole_groups`` under data parallelism; ``reinforce_pp``, ``whiten``). ``policy``
-dispatches by :class:`PolicyLossType`.
+``reinforce``), ``kl``, ``entropy``, ``value``, ``sft``, ``router`` (MoE routers), mismatch
+(``tis``, ``mismatch``), advantages (``gae``; ``group``: GRPO, RLOO, after ``check_whole_groups``
+under data parallelism; ``reinforce_pp``, ``whiten``). ``policy`` dispatches by the loss type.
 """
 
 from .aggregation import (

@@ -1,8 +1,9 @@
 """Forward hooks on a model's routers: replay recorded routing, collect what the router losses use.
 
-Installed on the router instances for the duration of an engine pass (no class is patched).
-Per micro-batch the engine arms them with that micro-batch's recorded experts (or none) and asks
-for collection during the forward only. The routes stay armed after the forward, so a
+Installed on the router instances for the duration of an engine pass, or of one micro-batch's
+forward when :meth:`~microrl.engine.base.Engine.forward_step` is called alone (no class is
+patched). Per micro-batch the engine arms them with that micro-batch's recorded experts (or
+none) and asks for collection during the forward only. The routes stay armed after the forward, so a
 gradient-checkpointed layer that recomputes its forward in backward routes its tokens exactly as
 the forward did; collection is off by then, so the recompute adds nothing to the losses.
 """

@@ -164,9 +164,16 @@ class EngineRouting:
         return counts, rows
 
     def micro_batch(
-        self, micro: MicroBatch, *, packed: bool, denominators: LossDenominators | None
+        self,
+        micro: MicroBatch,
+        *,
+        packed: bool,
+        denominators: LossDenominators | None,
+        keep: bool = False,
     ) -> MicroBatchRouting:
-        """The routing of one micro-batch of a pass with (or without) a loss."""
+        """The routing of one micro-batch of a pass with (or without) a loss; ``keep``: its
+        hooks outlive its forward (a training forward with gradient checkpointing, whose
+        backward may recompute layers after the engine call returned)."""
         router = None if denominators is None else denominators.router
         return MicroBatchRouting(
             self,
@@ -174,6 +181,7 @@ class EngineRouting:
             packed=packed,
             denominators=denominators,
             collect=router is not None,
+            keep=keep,
         )
 
     def pass_metrics(self, group: dist.ProcessGroup | None) -> dict[str, Metric]:
@@ -211,10 +219,12 @@ class MicroBatchRouting:
         packed: bool,
         denominators: LossDenominators | None,
         collect: bool,
+        keep: bool = False,
     ) -> None:
         self.owner = owner
         self.denominators = denominators
         self.collect = collect
+        self.keep = keep
         data = micro.data
         mask = data["attention_mask"].to(torch.bool)
         num_tokens = sum(micro.lengths) if packed else None
@@ -232,9 +242,14 @@ class MicroBatchRouting:
     @contextmanager
     def forward(self) -> Iterator[None]:
         """The model's forward inside: the recorded experts replayed (when the key is present
-        and ``routing_replay`` is on), the routers' outputs collected (when asked)."""
+        and ``routing_replay`` is on), the routers' outputs collected (when asked). The hooks are
+        installed for the block (a no-op inside an engine pass, which holds them already)."""
         replayed = self.routes if self.owner.replay else None
-        with self.owner.hooks.micro_batch(replayed, collect=self.collect) as collected:
+        hooks = self.owner.hooks
+        with (
+            hooks.installed(keep=self.keep),
+            hooks.micro_batch(replayed, collect=self.collect) as collected,
+        ):
             yield
         self.collected = collected if self.collect else None
 
