@@ -120,6 +120,7 @@ def check_linear_logprob_inputs(
             temp = torch.broadcast_to(temp.to(device=hidden.device, dtype=cdtype), targets.shape)
         return temp, None
     vocab = weight.shape[0]
+    targets = targets.long()  # int8/uint8 comparisons wrap: in uint8 -100 == 156 and 300 == 44
     valid = targets != ignore_index
     out_of_range = ((targets < 0) | (targets >= vocab)) & valid
     probes = [out_of_range.any(), valid.sum()]

@@ -73,8 +73,9 @@ def reference_linear_logprob(
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
         logits = logits / (temp.unsqueeze(-1) if isinstance(temp, torch.Tensor) else temp)
         log_probs = torch.log_softmax(logits, dim=-1)
+    targets = targets.long()  # compared as int64: in uint8, -100 would equal 156
     valid = targets != ignore_index
-    safe_targets = torch.where(valid, targets, 0).long()
+    safe_targets = torch.where(valid, targets, 0)
     picked = log_probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
     logprobs = torch.where(valid, picked, 0.0)
     if not with_entropy:

@@ -512,12 +512,13 @@ def checked_inputs(
         ignore_index=ignore_index,
         validate=False,
     )
-    valid = targets.reshape(-1) != ignore_index
+    wide = targets.reshape(-1).long()  # int8/uint8 comparisons wrap (uint8: -100 == 156)
+    valid = wide != ignore_index
     count = None
     if validate:
-        count = _validate_values(targets.reshape(-1), valid, temp, vocab_size, ignore_index)
+        count = _validate_values(wide, valid, temp, vocab_size, ignore_index)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = torch.where(valid, targets.reshape(-1).long(), 0)
+    flat_targets = torch.where(valid, wide, 0)
     inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
     return (
         hidden_2d, weight, bias, flat_targets, valid, temp, inv_t, count, group, vocab_start,
