@@ -404,8 +404,9 @@ def test_default_plan_matches_reference(dtype, n, vocab, ignored, validate):
     tiles (the last one 7232 wide). Every row (views, in-place hidden gradient), compacted rows
     (validate=True with ignored targets) and masked rows (validate=False)."""
     from microrl.kernels import linear_logprob
+    from microrl.kernels._checks import HeadSpec
 
-    plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, H)
+    plan = linear_logprob._plan(n, vocab, HeadSpec(), (True, True), False, H)
     assert (plan.rows, plan.kept_tiles) == ((150, 0) if n == 300 else (20, 2))
     hidden, weight, targets = make((n,), dtype=dtype, vocab=vocab, ignore=ignored)
     atol, rtol = TOLERANCES[dtype]
