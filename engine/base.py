@@ -407,17 +407,31 @@ class Engine:
         (checked by the loop: a ``TypeError`` otherwise). Train mode for a gradient pass, eval
         mode for ``forward_only``, the module's mode restored after.
         """
-        planned = isinstance(micro_batch, MicroBatch)
-        if planned:
-            micro = micro_batch
-        else:
-            batch = self._checked(micro_batch, loss_fn, forward_only, role_checks=True)
-            starts, lengths = span_starts_and_lengths(batch["attention_mask"])
-            host_lengths = lengths.tolist()
-            rows = range(batch.batch_size[0])
-            micro = MicroBatch(
-                compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
-            )
+        if isinstance(micro_batch, MicroBatch):
+            return self._forward_micro(micro_batch, loss_fn, forward_only, denominators)
+        # A plain [b, T] batch: validated, compacted to one micro-batch, scattered back.
+        batch = self._checked(micro_batch, loss_fn, forward_only, role_checks=True)
+        starts, lengths = span_starts_and_lengths(batch["attention_mask"])
+        host_lengths, rows = lengths.tolist(), range(batch.batch_size[0])
+        micro = MicroBatch(
+            compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
+        )
+        loss, output, metrics = self._forward_micro(micro, loss_fn, forward_only, denominators)
+        full: dict[str, torch.Tensor] = {}
+        shape = tuple(batch["input_ids"].shape)
+        scatter_outputs(output, rows, starts, lengths, full, shape)
+        return StepResult(
+            loss, TensorDict(full, batch_size=[shape[0]], device=self.device), metrics
+        )
+
+    def _forward_micro(
+        self,
+        micro: MicroBatch,
+        loss_fn: LossFn | None,
+        forward_only: bool,
+        denominators: LossDenominators | None,
+    ) -> StepResult:
+        """:meth:`forward_step` of a planned micro-batch: outputs in its compact ``[b, L]``."""
         data, training = micro.data, not forward_only
         with_loss = self._has_loss_inputs(data, loss_fn)
         if with_loss and denominators is None:
@@ -464,15 +478,7 @@ class Engine:
             if metrics:  # host bytes offloaded, summed over micro-batches and ranks
                 bytes_ = torch.full((), float(offload.stats.bytes), device=self.device)
                 metrics = {**metrics, "offload/bytes": Metric(bytes_)}
-        output = output.detach()
-        if planned:
-            return StepResult(loss, output, metrics)
-        full: dict[str, torch.Tensor] = {}
-        shape = tuple(batch["input_ids"].shape)
-        scatter_outputs(output, rows, starts, lengths, full, shape)
-        return StepResult(
-            loss, TensorDict(full, batch_size=[shape[0]], device=self.device), metrics
-        )
+        return StepResult(loss, output.detach(), metrics)
 
     def infer_batch(self, batch: TensorDict | Mapping[str, torch.Tensor]) -> TensorDict:
         """No grad, eval mode: the role's outputs ``[B, T]`` fp32 in the caller's row order."""

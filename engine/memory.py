@@ -265,7 +265,7 @@ def estimate_memory(
         reward_model_config: the ``PretrainedConfig`` of a ``task.reward_model`` (a frozen
             classifier in the run's compute dtype, sharded over the ranks), or None.
         reward_model_tokens: tokens of one reward-model micro-batch
-            (``task.reward_model_batch_size`` rows x their longest text); default the trainer's.
+            (``task.reward_model.batch_size`` rows x their longest text); default the trainer's.
         hf_generation: the ``hf`` backend samples in the trainer (None: when no vLLM share is
             given): under FSDP2 it gathers the policy's full weights for ``generate``
             (``hf_gathered_weights``, a phase of its own: ``"hf sampling"``).

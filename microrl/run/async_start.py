@@ -79,7 +79,7 @@ def start_prefetcher(
     task's environments are built in the workers, and a task whose ``make_env`` cannot reach
     them is a ``ValueError`` naming ``task.name``. ``vllm``: a :class:`VLLMServerRollout` on
     ``rollout.num_workers`` local ``vllm serve`` processes, or on the servers of
-    ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``); environments
+    ``rollout.server.url`` (key: in the variable ``rollout.server.api_key_env`` names); environments
     step in the trainer process; ``log_dir``: where the local servers' logs are kept (None:
     temporary files, kept when a server fails); ``scorer``: as :class:`RolloutPrefetcher`'s,
     run on the trainer's thread when ``scorer_collective`` (a collective under ``torchrun``);

@@ -27,12 +27,12 @@ def make_async_sampler(
     ``hf``: ``rollout.num_workers`` worker processes (one :class:`AsyncRollout`, or an
     :class:`AsyncRolloutPool`), environments built in the workers. ``vllm``: a
     :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve`` processes or the
-    servers of ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``),
+    servers of ``rollout.server.url`` (key: in the variable ``rollout.server.api_key_env`` names),
     environments stepped in this process; ``log_dir`` keeps the local servers' logs;
     ``image_encoder``: a vision-language policy's, so jobs may carry images. Under
     sequence parallelism (``engine.sp_group``) either is one per sp group, on its first process
     (:class:`~microrl.remote.trainer.sp_group.SPGroupSampler`): the servers of
-    ``rollout.server_url`` split by data rank, local ones started per data rank.
+    ``rollout.server.url`` split by data rank, local ones started per data rank.
     """
     if not isinstance(rollout, RolloutConfig):
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
@@ -50,7 +50,7 @@ def make_async_sampler(
         from microrl.remote.trainer.server_weight_syncs import ServerSyncJoiner
         from microrl.remote.trainer.vllm_servers import VLLMServerRollout, check_arguments
 
-        urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
+        urls = rollout.server.urls
         workers = rollout.num_workers
         check_arguments(engine, rollout.vllm, urls, workers)  # on every process
 
@@ -61,7 +61,7 @@ def make_async_sampler(
                 rollout.vllm,
                 options,
                 urls=urls,
-                api_key=rollout.server_api_key or None,
+                api_key=rollout.server.api_key(),
                 num_workers=workers,
                 log_dir=log_dir,
             )
