@@ -428,9 +428,10 @@ def _flops(impl: str, n: int, h: int, v: int, ran: str | None = None) -> float:
     if impl != "microrl" or ran not in (None, "tiles"):
         return FLOPS_FACTOR[impl] * n * h * v
     from microrl.kernels import linear_logprob
+    from microrl.kernels._checks import HeadSpec
 
     softcap = HEADS[head].get("softcap") if head else None
-    plan = linear_logprob._plan(n, v, None, True, 1.0, (True, True), False, h, 1.0, softcap)
+    plan = linear_logprob._plan(n, v, HeadSpec(softcap=softcap), (True, True), False, h)
     tiles = [
         min(plan.rows, n - i) * min(plan.vocab_tile, v - j)
         for i in range(0, n, plan.rows)

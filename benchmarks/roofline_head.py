@@ -38,11 +38,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from microrl.kernels import (
+    _checks,
     _chunk_plan,
     _dispatch,
     fused_linear_logprob,
     fused_linear_loss,
-    fused_loss,
     linear_logprob,
 )
 
@@ -138,9 +138,9 @@ def _validated(check):
     """``check_linear_logprob_inputs`` as with ``validate=True`` on targets none of which is
     ignored (its host read cannot run on meta tensors): every row counted."""
 
-    def checked(hidden, weight, targets, *args, **kwargs):
-        temp, _ = check(hidden, weight, targets, *args[:4], False, **kwargs)
-        return temp, targets.numel()
+    def checked(hidden, weight, targets, temperature, bias, spec, **_):
+        spec, per_token, _ = check(hidden, weight, targets, temperature, bias, spec, values=False)
+        return spec, per_token, targets.numel()
 
     return checked
 
@@ -149,20 +149,15 @@ def _validated(check):
 def _patched(ops: Ops):
     """The Triton kernels recorded; the previous path's 16-bit tile matmuls (CUDA's) on meta;
     the validation's count of non-ignored rows (all of them) without a host read."""
-    modules = (linear_logprob, fused_loss)
-    saved = (_dispatch.row_ops, linear_logprob._use_native16)
-    checks = [m.check_linear_logprob_inputs for m in modules]
+    saved = (_dispatch.row_ops, linear_logprob._use_native16, _checks.check_linear_logprob_inputs)
     real = _dispatch.row_ops
     _dispatch.row_ops = lambda name: _Recorder(ops) if name == "triton" else real(name)
     linear_logprob._use_native16 = lambda hidden, weight: hidden.dtype == weight.dtype
-    for module, check in zip(modules, checks, strict=True):
-        module.check_linear_logprob_inputs = _validated(check)
+    _checks.check_linear_logprob_inputs = _validated(saved[2])
     try:
         yield
     finally:
-        _dispatch.row_ops, linear_logprob._use_native16 = saved
-        for module, check in zip(modules, checks, strict=True):
-            module.check_linear_logprob_inputs = check
+        _dispatch.row_ops, linear_logprob._use_native16, _checks.check_linear_logprob_inputs = saved
 
 
 def count(impl: str, n: int, h: int, v: int, dtype=torch.bfloat16) -> tuple[list, int]:

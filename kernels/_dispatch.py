@@ -18,6 +18,7 @@ for by name, never on the CPU path.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import warnings
@@ -25,28 +26,15 @@ from types import ModuleType
 
 import torch
 
-from ._checks import compute_dtype
+from ._checks import IMPLEMENTATIONS, HeadSpec, check_implementation, head_dtype
 
-__all__ = ["IMPLEMENTATIONS", "head_implementation", "last_implementation"]
-
-#: The values of the ``implementation`` argument of the fused functions.
-IMPLEMENTATIONS = ("auto", "tiles", "triton", "chunks")
+__all__ = ["IMPLEMENTATIONS", "head_implementation", "last_implementation", "resolve"]
 
 logger = logging.getLogger("microrl.kernels")
 
 _LAST: list[str | None] = [None]
 # None: not tried yet; else whether the Triton row kernels import and Triton has a GPU driver.
 _TRITON_OK: list[bool | None] = [None]
-
-
-def check_implementation(implementation) -> str:
-    """``implementation`` itself when it is one of :data:`IMPLEMENTATIONS`, else ValueError."""
-    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, got "
-            f"{implementation!r}"
-        )
-    return implementation
 
 
 def _triton_usable() -> bool:
@@ -85,10 +73,19 @@ def head_implementation(
         return implementation
     if not hidden.is_cuda:
         return "tiles"
-    dtypes = (hidden.dtype, weight.dtype) + (() if bias is None else (bias.dtype,))
-    if compute_dtype(*dtypes) == torch.float64:
+    if head_dtype(hidden, weight, bias) == torch.float64:
         return "chunks"
     return "triton" if _triton_usable() else "chunks"
+
+
+def resolve(
+    hidden: torch.Tensor, weight: torch.Tensor, bias, spec: HeadSpec, what: str
+) -> HeadSpec:
+    """``spec`` with the implementation this call of ``what`` (a public function's name) runs,
+    recorded for :func:`last_implementation`."""
+    name = head_implementation(hidden, weight, bias, spec.implementation)
+    record(name, hidden, what)
+    return spec if name == spec.implementation else dataclasses.replace(spec, implementation=name)
 
 
 def row_ops(name: str) -> ModuleType:

@@ -19,7 +19,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import _chunk_plan, _dispatch
-from ._checks import compute_dtype, no_autocast
+from ._checks import HeadInputs, HeadSpec, head_dtype, no_autocast
 from ._tiles import _masked_rows, _or_zeros, _row_factors, _take, _zero_unkept
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "chunked_linear_logprob",
     "finalize",
     "grad_pass",
-    "head_dtype",
     "make_head",
     "scatter_rows",
     "stats_pass",
@@ -42,14 +41,12 @@ _NATIVE_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
 @dataclass(frozen=True)
 class Head:
-    """What every pass needs besides the tensors (bundled so backward returns few Nones)."""
+    """What every pass needs besides the tensors: the call's checked ``HeadSpec`` (its
+    ``implementation`` is ``"triton"`` or ``"chunks"``: which row kernels) and its tile plan,
+    bundled so backward returns few Nones."""
 
     plan: _chunk_plan.ChunkPlan
-    implementation: str  # "triton" or "chunks": which row kernels
-    with_entropy: bool
-    inv_scalar: float  # 1 / temperature when no per-token temperature tensor is given
-    scale: float = 1.0
-    softcap: float | None = None
+    spec: HeadSpec
     gemm16: bool = False  # GEMMs on the 16-bit inputs, float32 output; else in the compute dtype
 
 
@@ -121,7 +118,7 @@ def _block(hidden, targets, inv_t, row_mask, rows_idx, rows: slice, head: Head):
     idx = None if rows_idx is None else rows_idx[rows]
     real = None if row_mask is None else _take(row_mask, rows, idx)
     h = _masked_rows(_take(hidden, rows, idx), real)
-    inv = _take(inv_t, rows, idx) if inv_t is not None else head.inv_scalar
+    inv = _take(inv_t, rows, idx) if inv_t is not None else head.spec.inv_temperature
     return idx, real, h, inv, _take(targets, rows, idx)
 
 
@@ -148,15 +145,15 @@ def stats_pass(
     Returns ``(RowStats, kept)``: ``kept`` is the float32 logits tile itself when ``keep`` and
     one tile covers every row and column (the fused loss then skips the backward GEMM), else
     None."""
-    cdtype = compute_dtype(hidden.dtype, weight.dtype, *(() if bias_c is None else (bias_c.dtype,)))
+    cdtype = head_dtype(hidden, weight, bias_c)
     count = hidden.shape[0] if rows_idx is None else rows_idx.numel()
     vocab = weight.shape[0]
-    stats = new_stats(hidden, count, cdtype, head.with_entropy)
+    stats = new_stats(hidden, count, cdtype, head.spec.with_entropy)
     if count == 0 or vocab == 0:
         return stats, None
     rows, cols = min(head.plan.rows, count), min(head.plan.cols, vocab)
     buf = hidden.new_empty(rows * cols, dtype=cdtype)
-    ops = _dispatch.row_ops(head.implementation)
+    ops, spec = _dispatch.row_ops(head.spec.implementation), head.spec
     for blk in _blocks(count, rows):
         _, _, h, inv, t = _block(hidden, targets, inv_t, row_mask, rows_idx, blk, head)
         h_mm = _operand(h, head, cdtype)
@@ -166,8 +163,8 @@ def stats_pass(
             tile = buf[: h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0])
             _gemm(tile, h_mm, w.T, accumulate=False)
             b = None if bias_c is None else bias_c[j : j + cols]
-            ops.stats(tile, j, t, inv, b, head.scale, head.softcap, stats.m[blk], stats.s[blk],
-                      a, stats.zt[blk], j == 0)  # fmt: skip
+            ops.stats(tile, j, t, inv, b, spec.logit_scale, spec.softcap, stats.m[blk],
+                      stats.s[blk], a, stats.zt[blk], j == 0)  # fmt: skip
         del h, h_mm  # a gathered or masked copy: gone before the next block's
     single = rows == count and cols == vocab
     return stats, (buf.view(rows, cols) if keep and single else None)
@@ -175,7 +172,8 @@ def stats_pass(
 
 def _coefficients(head: Head, inv, g_lp, g_ent, ent, log_s):
     """The per-row factors of the gradient kernel (``_row_ops.grads``): ``(g_t, cc, bb)``."""
-    _, _, k = _row_factors(inv, head.scale, head.softcap)  # d final logit / d z, but the cap
+    spec = head.spec
+    _, _, k = _row_factors(inv, spec.logit_scale, spec.softcap)  # d final logit / d z, but the cap
     g_t = g_lp * k  # a tensor: the kernels read one value per row
     if g_ent is None:
         return g_t, g_t, None
@@ -213,9 +211,9 @@ def grad_pass(
     acc = None
     if need_h and cols < vocab and not in_place:  # the block's gradient over the slices
         acc = hidden.new_empty(rows, hidden.shape[1], dtype=cdtype)
-    ops = _dispatch.row_ops(head.implementation)
+    ops, spec = _dispatch.row_ops(head.spec.implementation), head.spec
     # The per-row factors of every processed row at once: a few ops per call, not per block.
-    inv_all = head.inv_scalar
+    inv_all = spec.inv_temperature
     if inv_t is not None:
         inv_all = inv_t if rows_idx is None else inv_t.index_select(0, rows_idx)
     coefs = _coefficients(head, inv_all, g_lp, g_ent, ent, log_s)
@@ -234,7 +232,9 @@ def grad_pass(
                 _gemm(tile, h_mm, w.T, accumulate=False)
             dz = _view16(tile, hidden.dtype) if head.gemm16 else tile
             b = None if bias_c is None else bias_c[j : j + cols]
-            ops.grads(tile, dz, j, t, inv, b, head.scale, head.softcap, m[blk], log_s[blk], *coef)
+            ops.grads(
+                tile, dz, j, t, inv, b, spec.logit_scale, spec.softcap, m[blk], log_s[blk], *coef
+            )
             if need_b:
                 grad_b[j : j + c] += dz.sum(0, dtype=cdtype)
             if need_h and c == vocab:  # one slice: straight into the gradient's rows
@@ -298,13 +298,13 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
             logprob, entropy, log_s = finalize(stats)
             n = hidden.shape[0]
             outs = [scatter_rows(logprob, n, rows_idx, row_mask)]
-            if head.with_entropy:
+            if head.spec.with_entropy:
                 outs.append(scatter_rows(entropy, n, rows_idx, row_mask))
         ctx.save_for_backward(
             hidden, weight, bias, targets, rows_idx, row_mask, inv_t, stats.m, log_s, entropy
         )
         ctx.head = head
-        return tuple(outs) if head.with_entropy else outs[0]
+        return tuple(outs) if head.spec.with_entropy else outs[0]
 
     @staticmethod
     @once_differentiable
@@ -318,7 +318,7 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
         with no_autocast(hidden.device.type):
             g_lp = upstream(grad_logprob, n, hidden, cdtype, row_mask, rows_idx)
             g_ent = None
-            if head.with_entropy:
+            if head.spec.with_entropy:
                 g_ent = upstream(grad_entropy, n, hidden, cdtype, row_mask, rows_idx)
             grad_h = None
             if need_h:  # every row is written when all are processed
@@ -336,10 +336,6 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def head_dtype(hidden, weight, bias) -> torch.dtype:
-    return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
-
-
 def scatter_rows(values: torch.Tensor, n: int, rows_idx, row_mask) -> torch.Tensor:
     """Processed rows' values as ``[n]``: zeros at ignored positions."""
     if rows_idx is None:
@@ -349,49 +345,44 @@ def scatter_rows(values: torch.Tensor, n: int, rows_idx, row_mask) -> torch.Tens
 
 
 def make_head(
-    hidden, weight, bias, implementation: str, count: int, need, *, with_entropy: bool,
-    inv_scalar: float, scale: float, softcap: float | None, chunk_size: int | None,
-    row_copies: bool, vocab: int | None = None, budget: int | None = None,
+    hidden, weight, bias, count: int, need, spec: HeadSpec, *, row_copies: bool,
+    vocab: int | None = None, budget: int | None = None,
 ) -> Head:  # fmt: skip
     """The Head of a call: its GEMM dtype and the tile plan for ``count`` processed rows of a
     ``vocab``-column (default: the weight's rows) vocabulary within ``budget`` bytes (default
     ``_chunk_plan.budget_bytes``; ``kernels/_chunk_plan.py``)."""
     cdtype = head_dtype(hidden, weight, bias)
-    if implementation == "triton" and cdtype != torch.float32:
+    if spec.implementation == "triton" and cdtype != torch.float32:
         raise ValueError(
             "implementation='triton' computes in float32; float64 inputs take 'chunks' or 'tiles'"
         )
     gemm16 = hidden.dtype == weight.dtype and hidden.dtype in _HALF and cdtype == torch.float32
-    sizes = _chunk_plan.Sizes(
-        hidden.dtype.itemsize, weight.dtype.itemsize, cdtype.itemsize,
-        2 if gemm16 else cdtype.itemsize,
-    )  # fmt: skip
     vocab = weight.shape[0] if vocab is None else vocab
     hidden_size = weight.shape[1]
     native16 = not gemm16 or _native_out_dtype(hidden.device, hidden.dtype)
     plan = _chunk_plan.plan_tiles(
-        count, vocab, hidden_size, sizes, tuple(need),
-        budget=budget or _chunk_plan.budget_bytes(count, vocab, hidden_size), chunk_size=chunk_size,
-        temps=_dispatch.row_ops(implementation).TEMPS, bias=bias is not None, row_copies=row_copies,
-        native16=native16,
+        count, vocab, hidden_size, gemm_sizes(hidden, weight, cdtype, gemm16), tuple(need),
+        budget=budget or _chunk_plan.budget_bytes(count, vocab, hidden_size),
+        chunk_size=spec.chunk_size, temps=_dispatch.row_ops(spec.implementation).TEMPS,
+        bias=bias is not None, row_copies=row_copies, native16=native16,
     )  # fmt: skip
-    return Head(plan, implementation, with_entropy, inv_scalar, scale, softcap, gemm16)
+    return Head(plan, spec, gemm16)
 
 
-def chunked_linear_logprob(
-    hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, *, implementation: str,
-    need, with_entropy: bool, inv_scalar: float, scale: float, softcap: float | None,
-    chunk_size: int | None,
-):  # fmt: skip
-    """``fused_linear_logprob`` on the chunked path, from its flattened inputs (as
-    ``linear_logprob._FusedLinearLogProb`` takes them). Returns the Function's output."""
-    count = hidden_2d.shape[0] if rows_idx is None else rows_idx.numel()
+def gemm_sizes(hidden, weight, cdtype: torch.dtype, gemm16: bool) -> _chunk_plan.Sizes:
+    """Bytes per element of a call's inputs, logits and GEMM operands, for the plan's models."""
+    gemm = 2 if gemm16 else cdtype.itemsize
+    return _chunk_plan.Sizes(hidden.dtype.itemsize, weight.dtype.itemsize, cdtype.itemsize, gemm)
+
+
+def chunked_linear_logprob(inputs: HeadInputs, spec: HeadSpec):
+    """``fused_linear_logprob`` on the chunked path, from its checked inputs. Returns the
+    Function's output."""
+    hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
+    rows_idx, row_mask, inv_t = inputs.rows()
+    count = hidden.shape[0] if rows_idx is None else rows_idx.numel()
     row_copies = rows_idx is not None or row_mask is not None
-    head = make_head(
-        hidden_2d, weight, bias, implementation, count, need, with_entropy=with_entropy,
-        inv_scalar=inv_scalar, scale=scale, softcap=softcap, chunk_size=chunk_size,
-        row_copies=row_copies,
-    )  # fmt: skip
+    head = make_head(hidden, weight, bias, count, inputs.need, spec, row_copies=row_copies)
     return _ChunkedLinearLogProb.apply(
-        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, head
+        hidden, weight, bias, inputs.targets, rows_idx, row_mask, inv_t, head
     )

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from . import _chunk_plan, _dispatch
+from ._checks import HeadSpec, head_dtype
 from ._tiles import _zero_unkept
-from .chunked import Head, grad_pass, head_dtype, make_head, stats_pass, upstream
+from .chunked import Head, gemm_sizes, grad_pass, make_head, stats_pass, upstream
 
 __all__ = [
     "LOSS_BUDGET_FACTOR",
@@ -69,7 +70,6 @@ class LossPlan:
     budget: int
     need: tuple[bool, bool, bool]
     bias: bool
-    chunk_size: int | None
     row_copies: bool = True  # row blocks are masked copies (some row may be ignored)
 
     @property
@@ -78,8 +78,8 @@ class LossPlan:
         return self.keep_rows if self.keep else self.head.plan.rows
 
     @property
-    def with_entropy(self) -> bool:
-        return self.head.with_entropy
+    def spec(self) -> HeadSpec:
+        return self.head.spec
 
     def head_for(self, rows: int, vocab: int, hidden_size: int) -> tuple[Head, bool]:
         """The Head of a group of ``rows`` rows, and whether it keeps its tile."""
@@ -88,7 +88,8 @@ class LossPlan:
             return replace(self.head, plan=_chunk_plan.ChunkPlan(rows, vocab, temps)), True
         plan = _chunk_plan.plan_tiles(
             rows, vocab, hidden_size, self.sizes, self.need, budget=self.budget,
-            chunk_size=self.chunk_size, temps=temps, bias=self.bias, row_copies=self.row_copies,
+            chunk_size=self.spec.chunk_size, temps=temps, bias=self.bias,
+            row_copies=self.row_copies,
         )  # fmt: skip
         return replace(self.head, plan=plan), False
 
@@ -111,9 +112,8 @@ def _keep_rows(
 
 
 def loss_plan(
-    hidden, weight, bias, implementation: str, count: int, need, *, with_entropy: bool,
-    inv_scalar: float, scale: float, softcap: float | None, chunk_size: int | None,
-    vocab: int | None = None, row_copies: bool = True,
+    hidden, weight, bias, count: int, need, spec: HeadSpec, *, vocab: int | None = None,
+    row_copies: bool = True,
 ) -> LossPlan:  # fmt: skip
     """The LossPlan of a call with ``count`` rows over ``vocab`` columns (default: the weight's
     rows): kept or recomputed groups, whichever :func:`_chunk_plan.plan_seconds` predicts faster."""
@@ -122,18 +122,12 @@ def loss_plan(
     hidden_size = weight.shape[1]
     budget = head_budget_bytes(count, vocab, hidden_size, fused_loss=True)
     head = make_head(
-        hidden, weight, bias, implementation, count, need, with_entropy=with_entropy,
-        inv_scalar=inv_scalar, scale=scale, softcap=softcap, chunk_size=chunk_size,
-        row_copies=row_copies, vocab=vocab, budget=budget,
-    )  # fmt: skip
-    cdtype = head_dtype(hidden, weight, bias)
-    sizes = _chunk_plan.Sizes(
-        hidden.dtype.itemsize, weight.dtype.itemsize, cdtype.itemsize,
-        2 if head.gemm16 else cdtype.itemsize,
-    )  # fmt: skip
-    temps = _dispatch.row_ops(implementation).TEMPS
+        hidden, weight, bias, count, need, spec, row_copies=row_copies, vocab=vocab, budget=budget
+    )
+    sizes = gemm_sizes(hidden, weight, head_dtype(hidden, weight, bias), head.gemm16)
+    temps = _dispatch.row_ops(spec.implementation).TEMPS
     keep_rows = _keep_rows(
-        count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias is not None,
+        count, vocab, hidden_size, sizes, need, budget, spec.chunk_size, temps, bias is not None,
         row_copies,
     )  # fmt: skip
     recomputed = _chunk_plan.plan_seconds(count, vocab, hidden_size, head.plan, sizes, need)
@@ -142,9 +136,8 @@ def loss_plan(
         plan = _chunk_plan.ChunkPlan(keep_rows, vocab, temps)
         kept = _chunk_plan.plan_seconds(count, vocab, hidden_size, plan, sizes, need, keep=True)
     return LossPlan(
-        head, kept < recomputed, keep_rows, sizes, budget, need, bias is not None, chunk_size,
-        row_copies,
-    )  # fmt: skip
+        head, kept < recomputed, keep_rows, sizes, budget, need, bias is not None, row_copies
+    )
 
 
 @dataclass(frozen=True)
@@ -166,14 +159,14 @@ def combine(local, targets_local, shard: VocabShard | None):
     return vocab_parallel._combine((local.m, local.s, local.a, local.zt), targets_local, shard)
 
 
-def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, spec):
+def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, call):
     """``fused_loss._run`` on the chunked path (the module docstring): per group the
     statistics, ``loss_fn``, the gradient pass. ``shard``: this rank's columns (vocab-parallel),
     or None; ``row_mask``: the non-ignored rows, or None when every row is."""
     from .fused_loss import _record_group
 
-    plan: LossPlan = spec.plan
-    need_h, need_w, need_b = spec.need
+    plan: LossPlan = call.plan
+    need_h, need_w, need_b = call.need
     need_b = need_b and bias is not None
     cdtype = head_dtype(hidden, weight, bias)
     n, hidden_size = hidden.shape
@@ -182,14 +175,14 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
     local_b = None if bias is None else bias[:real].to(cdtype)
     local_t = targets if shard is None else targets - shard.vocab_start
     logprob = hidden.new_empty(n, dtype=cdtype)
-    entropy = hidden.new_empty(n, dtype=cdtype) if plan.with_entropy else None
+    entropy = hidden.new_empty(n, dtype=cdtype) if plan.spec.with_entropy else None
     grad_h = hidden.new_empty(hidden.shape) if need_h else None
     # Summed over the groups in the weight's dtype, padding rows (vocab-parallel) left at 0.
     grad_w = weight.new_zeros(weight.shape) if need_w else None
     grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
     any_grad = need_h or need_w or need_b
     losses = []
-    for start, end in spec.groups:
+    for start, end in call.groups:
         rows = slice(start, end)
         h, t = hidden[rows], local_t[rows]
         mask = None if row_mask is None else row_mask[rows]
@@ -203,7 +196,7 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
             _zero_unkept(shifted - log_s, mask),
             None if ent_all is None else _zero_unkept(ent_all, mask),
         )
-        g_lp, g_ent = _record_group(spec, start, end, values, (logprob, entropy), losses)
+        g_lp, g_ent = _record_group(call, start, end, values, (logprob, entropy), losses)
         if not any_grad:
             continue
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows
@@ -211,7 +204,7 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
                 grad_h[rows] = 0.0
             continue
         g_lp = upstream(g_lp, end - start, hidden, cdtype, mask, None)
-        if plan.with_entropy:
+        if plan.spec.with_entropy:
             g_ent = upstream(g_ent, end - start, hidden, cdtype, mask, None)
         gh = None
         if need_h:  # vocab-parallel: the shard's partial sum, summed over the group first

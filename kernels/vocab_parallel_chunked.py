@@ -12,16 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import no_autocast
-from .chunked import (
-    Head,
-    grad_pass,
-    head_dtype,
-    make_head,
-    scatter_rows,
-    stats_pass,
-    upstream,
-)
+from ._checks import HeadInputs, HeadSpec, head_dtype, no_autocast
+from .chunked import Head, grad_pass, make_head, scatter_rows, stats_pass, upstream
 from .chunked_loss import VocabShard, combine
 
 __all__ = ["vocab_parallel_chunked"]
@@ -51,13 +43,13 @@ class _VocabParallelChunked(torch.autograd.Function):
             entropy = None if a is None else log_s - a / s
             n = hidden.shape[0]
             outs = [scatter_rows(logprob, n, rows_idx, row_mask)]
-            if head.with_entropy:
+            if head.spec.with_entropy:
                 outs.append(scatter_rows(entropy, n, rows_idx, row_mask))
         ctx.save_for_backward(
             hidden, weight, bias, local_t, rows_idx, row_mask, inv_t, m, log_s, entropy
         )
         ctx.shard, ctx.head = shard, head
-        return tuple(outs) if head.with_entropy else outs[0]
+        return tuple(outs) if head.spec.with_entropy else outs[0]
 
     @staticmethod
     @once_differentiable
@@ -71,7 +63,7 @@ class _VocabParallelChunked(torch.autograd.Function):
         with no_autocast(hidden.device.type):
             g_lp = upstream(grad_logprob, n, hidden, cdtype, row_mask, rows_idx)
             g_ent = None
-            if head.with_entropy:
+            if head.spec.with_entropy:
                 g_ent = upstream(grad_entropy, n, hidden, cdtype, row_mask, rows_idx)
             # The shard's partial sum G_local @ W_local per processed row, summed over the group.
             gh = hidden.new_zeros((m.numel(), hidden.shape[1]), dtype=cdtype) if need_h else None
@@ -96,20 +88,16 @@ class _VocabParallelChunked(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
-def vocab_parallel_chunked(
-    hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, *, shard: VocabShard,
-    implementation: str, need, with_entropy: bool, inv_scalar: float, scale: float,
-    softcap: float | None, chunk_size: int | None,
-):  # fmt: skip
-    """``vocab_parallel_linear_logprob`` on the chunked path, from its checked, flattened inputs
-    (as ``vocab_parallel._VocabParallelLinearLogProb`` takes them). Returns the Function's
-    output."""
-    count = hidden_2d.shape[0] if rows_idx is None else rows_idx.numel()
+def vocab_parallel_chunked(inputs: HeadInputs, shard: VocabShard, spec: HeadSpec):
+    """``vocab_parallel_linear_logprob`` on the chunked path, from its checked inputs (the
+    shard's weight and bias). Returns the Function's output."""
+    hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
+    rows_idx, row_mask, inv_t = inputs.rows()
+    count = hidden.shape[0] if rows_idx is None else rows_idx.numel()
     head = make_head(
-        hidden_2d, weight, bias, implementation, count, need, with_entropy=with_entropy,
-        inv_scalar=inv_scalar, scale=scale, softcap=softcap, chunk_size=chunk_size,
-        row_copies=rows_idx is not None or row_mask is not None, vocab=max(1, shard.real_rows),
+        hidden, weight, bias, count, inputs.need, spec, vocab=max(1, shard.real_rows),
+        row_copies=rows_idx is not None or row_mask is not None,
     )  # fmt: skip
     return _VocabParallelChunked.apply(
-        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, shard, head
+        hidden, weight, bias, inputs.targets, rows_idx, row_mask, inv_t, shard, head
     )
