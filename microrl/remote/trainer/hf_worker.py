@@ -282,7 +282,8 @@ class AsyncRollout(AsyncSamplerBase):
         self.version = version
         self._expected[version] = expected or self.expected_of(engine, state)
         self._send(
-            ("weights", version, "trainable", stream.CHUNK_BYTES), f"the weights of version {version}"
+            ("weights", version, "trainable", stream.CHUNK_BYTES),
+            f"the weights of version {version}",
         )
         self._broadcast(state.buffer, stream.CHUNK_BYTES)
 
