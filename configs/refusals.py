@@ -414,7 +414,19 @@ REFUSALS: tuple[Refusal, ...] = (
         "vLLM's routing capture (enable_return_routed_experts) is not wired yet, neither for "
         "the colocated engine nor for vLLM servers",
         lambda c, _: c.rollout.routing_replay and c.rollout.backend == "vllm",
-        example=("model.toy_arch=moe", "rollout.backend=vllm", "rollout.routing_replay=true"),
+        example=("model.path=/models/moe", "rollout.backend=vllm", "rollout.routing_replay=true"),
+    ),
+    Refusal(
+        "rollout.backend",
+        "hf with a mixture-of-experts toy base (model.toy_arch=moe) for now",
+        "vLLM's CPU build runs experts under LoRA with Triton kernels it lacks, and the adapter "
+        "sync does not pass adapters on fused experts yet",
+        lambda c, _: (
+            c.rollout.backend == "vllm"
+            and c.model.toy_arch == "moe"
+            and c.model.toy_path() is not None
+        ),
+        example=("model.toy_arch=moe", "rollout.backend=vllm"),
     ),
     # ---- images: checked at start, when the task's prompts carry images
     Refusal(
