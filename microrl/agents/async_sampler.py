@@ -1,6 +1,6 @@
 """Agent episodes sampled ahead of the trainer (``rollout.max_staleness > 0``, docs/async.md).
 
-:class:`AgentSampler` is an :class:`~microrl.remote.AsyncSampler` composed over the run's
+:class:`AgentSampler` is an :class:`~microrl.rollout.AsyncSampler` composed over the run's
 out-of-process sampler (the ``hf`` workers, vLLM servers): a job of agent episodes runs on a
 thread of the trainer process (the endpoint and the agents with it, :func:`play_agents`), and its
 calls become jobs of that sampler, so each sampled token carries the policy version that drew
@@ -19,8 +19,8 @@ from typing import Any
 
 from microrl.agents.runner import AgentLimits, play_agents
 from microrl.agents.sampler import BatchingSampler
-from microrl.engine.rollout.base import Rollout, SamplingParams
-from microrl.remote.trainer.protocol import AsyncSamplerBase, Job
+from microrl.rollout.base import Rollout, SamplingParams
+from microrl.rollout.sampler import AsyncSamplerBase, Job
 
 __all__ = ["AgentSampler"]
 

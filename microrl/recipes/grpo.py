@@ -35,9 +35,9 @@ from tensordict import TensorDict
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import Rollout
 from microrl.losses import broadcast_to_tokens
 from microrl.recipes import recipe_help
+from microrl.rollout import Rollout
 from microrl.run import (
     StopOnInterrupt,
     close_on_exit,

@@ -17,10 +17,10 @@ from typing import Any
 
 from microrl.agents.async_sampler import AgentSampler
 from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import Rollout, SamplingParams
-from microrl.engine.rollout.turns import turn_terminators
-from microrl.remote.trainer.factory import make_async_sampler
-from microrl.remote.trainer.sp_group import SPGroupSampler
+from microrl.rollout import Rollout, SamplingParams
+from microrl.rollout.factory import make_async_sampler
+from microrl.rollout.samplers.sp_group import SPGroupSampler
+from microrl.rollout.turns import turn_terminators
 from microrl.run.prefetcher import CORRECTIONS, ROLLOUT_BUFFER_KEY, RolloutPrefetcher
 from microrl.run.sampling import agent_limits
 from microrl.tasks import Task, is_agent_task, is_episode_task
@@ -75,7 +75,7 @@ def start_prefetcher(
     weights of step ``start_step`` and a :class:`RolloutPrefetcher` over them
     (``rollout.max_staleness``, ``rollout.worker_timeout_s``, ``rollout.sync_check_tol``).
 
-    ``hf``: ``rollout.num_workers`` worker processes (:func:`~microrl.remote.make_async_sampler`); a multi-turn
+    ``hf``: ``rollout.num_workers`` worker processes (:func:`~microrl.rollout.make_async_sampler`); a multi-turn
     task's environments are built in the workers, and a task whose ``make_env`` cannot reach
     them is a ``ValueError`` naming ``task.name``. ``vllm``: a :class:`VLLMServerRollout` on
     ``rollout.num_workers`` local ``vllm serve`` processes, or on the servers of

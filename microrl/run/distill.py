@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from microrl.engine.rollout import Rollout
 from microrl.losses import distillation_advantages
+from microrl.rollout import Rollout
 from microrl.run.dist import Dist, train_threads
 from microrl.run.teacher import TEACHER_LOGPROBS_KEY, Teacher, VLLMTeacher, make_teacher
 

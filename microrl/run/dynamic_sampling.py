@@ -22,14 +22,14 @@ from typing import NamedTuple
 import torch
 
 from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import (
+from microrl.losses import group_stats
+from microrl.rollout import (
     Rollout,
     RolloutBackend,
     SamplingParams,
     merge_rollouts,
     select_groups,
 )
-from microrl.losses import group_stats
 from microrl.run.dist import Dist
 from microrl.run.sampling import sample_and_score
 from microrl.tasks import Problem, Task
@@ -146,7 +146,7 @@ class GroupFilter:
 
     def result(self, *, pad_token_id: int) -> DynamicSample:
         """The kept groups in sampling order (earlier rounds first), merged into one batch of the
-        rollout layout (:func:`microrl.engine.rollout.merge_rollouts`, ``pad_token_id`` in the
+        rollout layout (:func:`microrl.rollout.merge_rollouts`, ``pad_token_id`` in the
         new padding). Metrics: ``dynamic_sampling/rounds`` (the same on every rank), and summed
         over ranks ``dynamic_sampling/groups_dropped`` (equal-reward groups left out),
         ``dynamic_sampling/groups_filled`` (equal-reward groups kept as the top-up) and

@@ -17,14 +17,14 @@ import yaml
 from microrl.configs.loader import config_to_yaml
 from microrl.configs.run import RolloutConfig
 from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
-from microrl.engine.rollout import (
+from microrl.rollout import (
     HFRollout,
     Rollout,
     RolloutBackend,
     SamplingParams,
     make_rollout_backend,
 )
-from microrl.engine.rollout.episodes import EpisodeError
+from microrl.rollout.episodes import EpisodeError
 from microrl.run.async_start import resumed_rollouts, start_prefetcher, warn_if_uncorrected
 from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
 from microrl.run.dist import Dist, train_threads

@@ -2,7 +2,7 @@
 
 Their pieces are tested where they live: the addition task in ``tests/tasks/test_addition.py``,
 the toy tokenizer in ``tests/run/test_toy_model.py``, the transformers rollout in
-``tests/engine/rollout/test_rollout_hf.py``, ``--help`` in ``tests/run/test_example_runs.py``.
+``tests/rollout/samplers/test_rollout_hf.py``, ``--help`` in ``tests/run/test_example_runs.py``.
 """
 
 from __future__ import annotations

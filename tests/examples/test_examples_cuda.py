@@ -80,7 +80,7 @@ def test_asynchronous_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
     """rollout.max_staleness=1: the prefetched host rollouts, the staleness metrics and each
     push's probe check on the trainer's GPU. The simulation reaches no other process: the hf
     worker samples on the CPU, where the real one takes the trainer's GPU."""
-    from microrl.remote.trainer import hf_worker
+    from microrl.rollout.samplers import hf_worker
 
     spec = hf_worker.WorkerSpec
     monkeypatch.setattr(hf_worker, "WorkerSpec", lambda **kw: spec(**{**kw, "device": "cpu"}))

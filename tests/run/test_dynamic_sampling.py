@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 
 from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import RolloutBackend, Samples, SamplingParams
 from microrl.losses import grpo_advantages
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job
+from microrl.rollout import RolloutBackend, Samples, SamplingParams
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job
 from microrl.run import Dist, RolloutPrefetcher, dynamic_sample
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import Problem

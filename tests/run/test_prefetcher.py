@@ -6,7 +6,7 @@
 in step order, the same as a synchronous run's; nothing is dropped; a checkpoint holds the
 rollouts sampled ahead and a restored prefetcher continues exactly as an uninterrupted one.
 Also the config's errors for settings asynchronous RL does not support. The real worker process
-is tested in tests/remote/trainer/test_hf_worker.py, the recipe in tests/examples/.
+is tested in tests/rollout/samplers/test_hf_worker.py, the recipe in tests/examples/.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from tensordict import TensorDict
 from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.loader import load_config
 from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import Rollout, SamplingParams
 from microrl.losses import PolicyLossConfig
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job
+from microrl.rollout import Rollout, SamplingParams
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job
 from microrl.run import Dist, RolloutPrefetcher, resumed_rollouts, warn_if_uncorrected
 from microrl.tasks import AdditionTask
 

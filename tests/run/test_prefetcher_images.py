@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 from tensordict import TensorDict
 
-from microrl.engine.rollout import Rollout, SamplingParams
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job
+from microrl.rollout import Rollout, SamplingParams
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job
 from microrl.run import RolloutPrefetcher
 from microrl.tasks import Problem
 

@@ -340,13 +340,13 @@ class ScoredWorker:
     """The sampler protocol's minimum for a prefetcher: a job's rows answer its prompts."""
 
     def __init__(self) -> None:
-        from microrl.engine.rollout import SamplingParams
+        from microrl.rollout import SamplingParams
 
         self.version, self.sync_stats, self.jobs = 0, {}, {}
         self.params = SamplingParams(num_samples=2, max_new_tokens=3)
 
     def submit(self, prompts, params):
-        from microrl.remote.trainer.protocol import Job
+        from microrl.rollout.sampler import Job
 
         job = Job(len(self.jobs), self.version, "generate")
         self.jobs[job.id] = list(prompts)
@@ -355,8 +355,8 @@ class ScoredWorker:
     def collect(self, job):
         from tensordict import TensorDict
 
-        from microrl.engine.rollout import Rollout
-        from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
+        from microrl.rollout import Rollout
+        from microrl.rollout.sampler import POLICY_VERSION_KEY
 
         prompts = self.jobs.pop(job.id)
         texts = [str(eval(p.rstrip("="))) for p in prompts for _ in range(2)]

@@ -1,0 +1,52 @@
+"""Every out-of-process sampler is an ``AsyncSampler`` (microrl/rollout/sampler.py), and
+composes a rollout backend instead of being one: no method refuses what its base class offers."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+
+from microrl.rollout import (
+    AsyncRollout,
+    AsyncRolloutPool,
+    AsyncSampler,
+    RolloutBackend,
+    VLLMServerRollout,
+)
+from microrl.rollout.samplers.sp_group import SPGroupSampler
+from microrl.run.prefetcher import RolloutPrefetcher
+
+METHODS = ("submit", "submit_episodes", "collect", "poll", "sync", "close")
+SAMPLERS = (AsyncRollout, AsyncRolloutPool, VLLMServerRollout, SPGroupSampler)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda c: c.__name__)
+def test_each_sampler_has_the_protocols_methods_with_its_signatures(sampler) -> None:
+    assert not issubclass(sampler, RolloutBackend)
+    for name in METHODS:
+        declared = inspect.signature(getattr(AsyncSampler, name))
+        actual = inspect.signature(getattr(sampler, name))
+        for parameter in declared.parameters.values():  # the protocol's, by name and kind
+            assert parameter.name in actual.parameters, (sampler.__name__, name, parameter)
+            assert actual.parameters[parameter.name].kind == parameter.kind, (name, parameter)
+        extra = [p for p in actual.parameters.values() if p.name not in declared.parameters]
+        assert all(p.default is not inspect.Parameter.empty for p in extra), (name, extra)
+
+
+def test_the_protocol_is_checked_at_runtime_and_names_its_data() -> None:
+    class Partial:
+        def __init__(self) -> None:
+            self.version, self.sync_stats = 0, {}
+
+        def submit(self, prompts, params): ...
+
+    assert not isinstance(Partial(), AsyncSampler)  # a sampler missing collect is none
+    hints = typing.get_type_hints(AsyncSampler)
+    assert set(hints) >= {"version", "sync_stats"}
+
+
+def test_the_prefetcher_is_typed_on_the_protocol() -> None:
+    hints = typing.get_type_hints(RolloutPrefetcher.__init__)
+    assert hints["sampler"] is AsyncSampler
