@@ -25,11 +25,8 @@ from microrl.rollout.base import (
 from microrl.rollout.episodes import EpisodeError
 from microrl.rollout.merge import merge_rollouts
 from microrl.rollout.sampler import AsyncSamplerBase, Job, SamplerOptions, WorkerError
-from microrl.rollout.samplers.hf_worker import (
-    AsyncRollout,
-    GlooBroadcast,
-    warn_if_oversubscribed,
-)
+from microrl.rollout.samplers.hf_worker import AsyncRollout, warn_if_oversubscribed
+from microrl.rollout.weights.gloo import GlooBroadcast
 from microrl.rollout.weights.sync_check import SyncCheckError
 
 __all__ = [

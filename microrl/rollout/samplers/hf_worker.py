@@ -39,7 +39,8 @@ from microrl.rollout.base import (
 from microrl.rollout.channel import ChannelClosed, Receiver, Sender, close_all, start_process
 from microrl.rollout.sampler import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
 from microrl.rollout.samplers.hf import engine_autocast_dtype
-from microrl.rollout.weights.full_weights import FullWeights, gather_full_weights
+from microrl.rollout.weights.full_weights import FullWeights
+from microrl.rollout.weights.gloo import GlooBroadcast
 from microrl.rollout.weights.sync_check import engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, WeightSync
 from microrl.rollout.worker import stream
@@ -64,7 +65,7 @@ from microrl.rollout.worker.stream import (
 if TYPE_CHECKING:  # annotations only
     from microrl.rollout.sampler import SamplerOptions
 
-__all__ = ["AsyncRollout", "GlooBroadcast"]
+__all__ = ["AsyncRollout"]
 
 logger = logging.getLogger(__name__)
 
@@ -476,22 +477,6 @@ class AsyncRollout(AsyncSamplerBase):
             raise WorkerError(f"{self.name} is closed")
 
 
-class GlooBroadcast(WeightSync):
-    """Path 1: the trainable tensors gathered once (:func:`gather_weights`) and broadcast over
-    each ``hf`` worker's gloo group; each worker answers with its probe log-probs and the
-    tensors' checksums, checked when the answer arrives (:meth:`AsyncRollout.poll`)."""
-
-    def __init__(self, workers: Sequence[AsyncRollout]) -> None:
-        self.workers = workers  # the pool's list, filled as its workers start
-
-    def push(self, engine, version: int) -> None:
-        first = self.workers[0]
-        state = first.pack(engine)  # once: one host copy of the trainable tensors for all
-        expected = first.expected_of(engine, state)  # the same probe in every worker
-        for worker in self.workers:
-            worker.push_version(engine, state, version, expected)
-
-
 def unwrapped_attention(config):
     """A copy of the model ``config`` whose attention is the plain one the engine's wrappers
     (sequence parallelism's Ulysses, packing's varlen) run: the worker's model samples whole,
@@ -525,14 +510,6 @@ def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
         cores,
     )
     return True
-
-
-def gather_weights(module, prefix: str, *, trainable_only: bool) -> dict[str, torch.Tensor]:
-    """The causal LM's full tensors (FSDP2 shards all-gathered on every rank, as the vllm
-    backend's sync does), on the CPU, by their names in the causal LM (``prefix``: its path in
-    ``module``, :func:`~microrl.engine.checkpoint.export.locate_base_model`). Collective under
-    ``torchrun``; one full tensor at a time on a GPU (:func:`gather_full_weights`)."""
-    return gather_full_weights(module, prefix, trainable_only=trainable_only)
 
 
 def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:

@@ -29,7 +29,6 @@ import inspect
 import logging
 import os
 import random
-import shutil
 import warnings
 from pathlib import Path
 
@@ -40,7 +39,6 @@ import torch.distributed as dist
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine.checkpoint.export import (
     export_merged_model,
-    export_peft_adapter,
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
@@ -58,17 +56,15 @@ from microrl.rollout.samplers.vllm_options import (
     placement,
     user_engine_args,
 )
-from microrl.rollout.weights.full_weights import FullWeights
+from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
 from microrl.rollout.weights.sync_check import (
     default_sync_check_tol,
     engine_probe,
 )
-from microrl.rollout.weights.weight_sync import ProbeVerifier, WeightSync, pushed_weights
+from microrl.rollout.weights.weight_sync import ProbeVerifier, pushed_weights
 
 __all__ = [
     "INSTALL_HINT",
-    "LoRARequestSync",
-    "ReloadWeightsSync",
     "VLLMRollout",
     "set_vllm_log_level",
 ]
@@ -209,7 +205,7 @@ class VLLMRollout(RolloutBackend):
         self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, "microrl-vllm-")
         self._version = 0
         # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
-        self._asleep = self._weights_asleep = self._weights_lost = False
+        self._asleep = self._weights_asleep = self.weights_lost = False
         self._sampling = 0  # nested sampling calls (an episode's turns): sleep after the outer
         #: The probe every sync is checked with, its tolerance, and each check's statistics.
         self.probe = engine_probe(engine, tokenizer)
@@ -325,13 +321,13 @@ class VLLMRollout(RolloutBackend):
         target = "the in-process vLLM engine"
         verifier.verify(version, target, expected, verifier.layout(scored), detail)
 
-    def _reload_base(self) -> None:
+    def reload_base(self) -> None:
         """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
         no weights reads the model's own path); vLLM drops its adapters with it."""
         self.llm.collective_rpc("reload_weights")
-        self._weights_lost = False
+        self.weights_lost = False
 
-    def _reset_encoder_cache(self) -> None:
+    def reset_encoder_cache(self) -> None:
         """Image prompts: drop vLLM's cached image embeddings after a push (computed with the
         old weights; its scheduler and worker caches are reset together, or the next image
         prompt fails with vLLM's 'Encoder cache miss')."""
@@ -346,7 +342,7 @@ class VLLMRollout(RolloutBackend):
             return
         self.llm.sleep(level=level)
         self._asleep = self._weights_asleep = True
-        self._weights_lost = level == 2
+        self.weights_lost = level == 2
 
     def _wake_weights(self) -> None:
         if self._weights_asleep:
@@ -359,9 +355,9 @@ class VLLMRollout(RolloutBackend):
         if not self._asleep:
             return
         self._wake_weights()
-        if self._weights_lost:
+        if self.weights_lost:
             if self.is_lora:
-                self._reload_base()
+                self.reload_base()
             else:  # collective under torchrun, as sampling is: every rank samples its share
                 self.weight_sync.push(self.engine, self._version)
         self.llm.wake_up(tags=["kv_cache"])
@@ -478,54 +474,6 @@ class VLLMRollout(RolloutBackend):
                 llm.llm_engine.engine_core.shutdown()
             del llm
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
-
-
-class LoRARequestSync(WeightSync):
-    """Path 2: the adapter exported in PEFT's format into a new directory, in the dtype vLLM
-    holds it in (:func:`~microrl.rollout.samplers.vllm_options.adapter_dtype`), and served as a
-    new ``LoRARequest`` (ids never repeat: vLLM never serves a cached, stale adapter). vLLM 0.32
-    takes an adapter by path only, so it travels as a file."""
-
-    def __init__(self, rollout: VLLMRollout) -> None:
-        self.rollout = rollout
-        #: The ``LoRARequest`` of the adapter vLLM serves now.
-        self.request = None
-
-    def push(self, engine, version: int) -> None:
-        from vllm.lora.request import LoRARequest
-
-        rollout = self.rollout
-        if rollout._weights_lost:  # sleep level 2 discarded the base: it is read back from disk
-            rollout._reload_base()
-        path = rollout.workdir / f"adapter-{version}"
-        dtype = vllm_options.adapter_dtype(rollout.dtype, rollout.config.engine_kwargs)
-        export_peft_adapter(engine.module, path, peft_model=engine.peft_model, dtype=dtype)
-        previous = self.request
-        self.request = LoRARequest(f"microrl-{version}", version, str(path))
-        rollout.llm.llm_engine.add_lora(self.request)
-        if previous is not None:
-            rollout.llm.llm_engine.remove_lora(previous.lora_int_id)
-        rollout._reset_encoder_cache()
-        distributed.barrier()  # every rank has loaded the new adapter before the old one is deleted
-        if previous is not None and distributed.rank() == 0:
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
-
-
-class ReloadWeightsSync(WeightSync):
-    """Path 3: the full weights streamed into the running engine in place (vLLM's
-    ``reload_weights``): one full tensor at a time in vLLM's dtype, never a second copy."""
-
-    def __init__(self, rollout: VLLMRollout) -> None:
-        self.rollout = rollout
-
-    def push(self, engine, version: int) -> None:
-        rollout = self.rollout
-        prefix, _ = locate_base_model(engine.module)
-        weights = FullWeights(engine.module, prefix, dtype=getattr(torch, rollout.dtype))
-        rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        rollout._weights_lost = False
-        rollout.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        rollout._reset_encoder_cache()
 
 
 @contextlib.contextmanager

@@ -275,11 +275,11 @@ def test_a_lora_sync_that_leaves_a_tensor_stale_fails_its_check(lora_setup, monk
     exported with one lora_B left at zero (a tensor that did not travel) fails the probe."""
     from safetensors.torch import load_file, save_file
 
-    from microrl.rollout.samplers import vllm as vllm_module
+    from microrl.rollout.weights import colocated
     from microrl.rollout.weights.sync_check import SyncCheckError
 
     engine, rollout = lora_setup
-    real_export = vllm_module.export_peft_adapter
+    real_export = colocated.export_peft_adapter
 
     def export_with_one_stale_tensor(module, path, **kwargs):
         out = real_export(module, path, **kwargs)
@@ -291,11 +291,11 @@ def test_a_lora_sync_that_leaves_a_tensor_stale_fails_its_check(lora_setup, monk
 
     batch = rollout.generate(PROMPTS, SamplingParams(num_samples=2, max_new_tokens=5)).batch
     _train_step(engine, batch)
-    monkeypatch.setattr(vllm_module, "export_peft_adapter", export_with_one_stale_tensor)
+    monkeypatch.setattr(colocated, "export_peft_adapter", export_with_one_stale_tensor)
     rollout.sync(engine)  # checked when vLLM next wakes to sample
     with pytest.raises(SyncCheckError, match=r"the in-process vLLM engine .*sync_check_tol"):
         rollout.generate(PROMPTS, SamplingParams(max_new_tokens=2))
-    monkeypatch.setattr(vllm_module, "export_peft_adapter", real_export)
+    monkeypatch.setattr(colocated, "export_peft_adapter", real_export)
     rollout.sync(engine)  # the next sync repairs it
     rollout.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     assert rollout.sync_stats[rollout._version]["sync/probe_abs_diff_mean"] <= 5e-5

@@ -144,8 +144,8 @@ def test_a_gpu_push_streams_cuda_tensors_to_a_remote_server(tokenizer, monkeypat
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from microrl.rollout.samplers import vllm_placement
-    from microrl.rollout.weights import pusher as plugin_transfer
     from microrl.rollout.samplers.vllm_servers import VLLMServerRollout
+    from microrl.rollout.weights import pusher as plugin_transfer
 
     engine = _engine(tokenizer)
     _on_fake_gpu(engine, monkeypatch, FakeTensorMode(allow_non_fake_inputs=True))
@@ -185,8 +185,8 @@ def test_a_push_gathers_one_sharded_tensor_at_a_time(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from microrl.rollout.samplers.hf_worker import gather_weights
     from microrl.rollout.samplers.vllm_servers import VLLMServerRollout
+    from microrl.rollout.weights.full_weights import gather_full_weights as gather_weights
 
     engine = _engine(tokenizer, cpu_offload=True)
     assert all(isinstance(p, DTensor) for p in engine.module.parameters())
@@ -438,8 +438,8 @@ def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
     from pathlib import Path
 
     from microrl.rollout.samplers import vllm_launch, vllm_options, vllm_placement, vllm_servers
-    from microrl.rollout.weights import server_syncs as server_weight_syncs
     from microrl.rollout.weights import full_weights
+    from microrl.rollout.weights import server_syncs as server_weight_syncs
     from microrl.rollout.weights.server_syncs import ServerSyncJoiner
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

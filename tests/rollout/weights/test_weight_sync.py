@@ -101,7 +101,9 @@ def test_a_colocated_push_that_does_not_land_fails_the_check(tmp_path, monkeypat
     vllm_backend._import_vllm()  # the real one, loaded as the backend loads it (its warnings off)
     monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: SimpleNamespace(LLM=ServingLLM))
     rollout = vllm_backend.VLLMRollout(engine, tok, VLLMConfig(), workdir=str(tmp_path))
-    assert isinstance(rollout.weight_sync, vllm_backend.ReloadWeightsSync)
+    from microrl.rollout.weights.colocated import ReloadWeightsSync
+
+    assert isinstance(rollout.weight_sync, ReloadWeightsSync)
     use = [[1, 2, 3]]  # vLLM's next use (sampling, scoring) checks the push before it
     rollout.score(use)
     assert rollout.sync_stats[1][SYNC_CHECK_STAT] <= rollout.sync_check_tol  # it landed
@@ -168,7 +170,9 @@ def test_a_server_push_that_does_not_land_fails_the_check(monkeypatch):
 
 
 def test_an_hf_worker_push_of_the_old_weights_fails_the_check() -> None:
-    from microrl.rollout.samplers.hf_worker import AsyncRollout, GlooBroadcast, gather_weights
+    from microrl.rollout.samplers.hf_worker import AsyncRollout
+    from microrl.rollout.weights.full_weights import gather_full_weights as gather_weights
+    from microrl.rollout.weights.gloo import GlooBroadcast
 
     engine, tok = make_engine()
     with AsyncRollout(engine, tok) as worker:
