@@ -8,7 +8,7 @@ sampling call. Synchronously (``rollout.max_staleness=0``) that is the trainer's
 collectives) expects it; under ``torchrun`` every rank pumps in lockstep: a round samples on
 every rank when any rank has calls (a rank with none samples a stand-in row it discards), as
 :mod:`microrl.rollout.episodes` does per turn. Asynchronously it is a thread submitting
-jobs to the out-of-process sampler (:mod:`microrl.agents.async_sampler`).
+jobs to the out-of-process sampler (:mod:`microrl.agents.agent_sampler`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class BatchingSampler:
 
     Args:
         sample: the batched sampling call: :meth:`over_backend` (a synchronous backend's) or
-            :meth:`over_async` (an :class:`~microrl.rollout.AsyncSampler`'s jobs).
+            :meth:`over_async` (an :class:`~microrl.rollout.Sampler`'s jobs).
         tokenizer: the policy's.
         params: the run's sampling parameters (temperature, greedy, top-k/top-p); each call sets
             its own token limit.

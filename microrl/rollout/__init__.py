@@ -34,13 +34,14 @@ _API = {
     "HFRollout": "microrl.rollout.samplers.hf",
     "VLLMRollout": "microrl.rollout.samplers.vllm",  # vllm: an optional dependency
     "make_rollout_backend": "microrl.rollout.factory",
-    "AsyncSampler": "microrl.rollout.sampler",
     "Job": "microrl.rollout.sampler",
     "SamplerOptions": "microrl.rollout.sampler",
     "AsyncRollout": "microrl.rollout.samplers.hf_worker",
     "AsyncRolloutPool": "microrl.rollout.samplers.hf_pool",
     "VLLMServerRollout": "microrl.rollout.samplers.vllm_servers",
-    "make_async_sampler": "microrl.rollout.factory",
+    "make_sampler": "microrl.rollout.factory",
+    "InProcessSampler": "microrl.rollout.samplers.in_process",
+    "Sampler": "microrl.rollout.sampler",
 }
 __all__ = sorted(_API)
 

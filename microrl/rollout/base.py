@@ -141,6 +141,10 @@ class RolloutBackend(ABC):
     a turn end of its own adds none (episodes refuse it, text prompts do not need it).
     """
 
+    #: Whether the backend samples a copy of the weights, loaded by :meth:`sync` (else the live
+    #: model: nothing to load).
+    holds_weights: bool = False
+
     def __init__(
         self, tokenizer, *, generation_config=None, image_encoder: ImageEncoder | None = None
     ) -> None:

@@ -1,5 +1,5 @@
-"""Pick a sampler from the rollout config: a backend by name (``rollout.backend``), or the
-out-of-process sampler of asynchronous RL."""
+"""The one place a sampler is picked: :func:`make_sampler` from a run's rollout config (and
+:func:`make_rollout_backend`, a backend by name for a loop of one's own, docs/api.md)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 from microrl.configs.run import RolloutConfig
 from microrl.rollout.base import RolloutBackend
 from microrl.rollout.images import ImageEncoder
-from microrl.rollout.sampler import AsyncSampler, SamplerOptions
+from microrl.rollout.sampler import Sampler, SamplerOptions
 from microrl.rollout.samplers.hf import HFRollout
+from microrl.rollout.samplers.in_process import InProcessSampler
 
-__all__ = ["make_async_sampler", "make_rollout_backend"]
+__all__ = ["make_rollout_backend", "make_sampler"]
 
 
 def make_rollout_backend(
@@ -50,7 +51,7 @@ def make_rollout_backend(
     )
 
 
-def make_async_sampler(
+def make_sampler(
     engine,
     tokenizer,
     rollout: RolloutConfig,
@@ -59,24 +60,37 @@ def make_async_sampler(
     env_maker: Callable[[Any], Any] | None = None,
     num_threads: int = 1,
     log_dir: str | None = None,
-    image_encoder: Any = None,
-) -> AsyncSampler:
-    """The sampler of ``rollout.backend`` holding ``engine``'s weights as ``version``.
+    image_encoder: ImageEncoder | None = None,
+) -> Sampler:
+    """The sampler of ``rollout`` holding ``engine``'s weights as ``version`` (a recipe: its step).
 
-    ``hf``: ``rollout.num_workers`` worker processes (one :class:`AsyncRollout`, or an
-    :class:`AsyncRolloutPool`), environments built in the workers. ``vllm``: a
-    :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve`` processes or the
-    servers of ``rollout.server_url`` (key: ``rollout.server_api_key`` or ``VLLM_API_KEY``),
-    environments stepped in this process; ``log_dir`` keeps the local servers' logs;
-    ``image_encoder``: a vision-language policy's, so jobs may carry images. Under
+    ``rollout.max_staleness=0``: ``rollout.backend`` in this process
+    (:class:`~microrl.rollout.samplers.in_process.InProcessSampler`: it samples at ``collect``;
+    a colocated vLLM loads the weights every ``rollout.sync_every`` versions). ``k > 0``, in
+    processes of their own: ``hf``, ``rollout.num_workers`` worker processes (an
+    :class:`AsyncRollout`, or an :class:`AsyncRolloutPool`), environments built in the workers;
+    ``vllm``, a :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve``
+    processes (their logs in ``log_dir``) or the servers of ``rollout.server_url`` (key:
+    ``rollout.server_api_key`` or ``VLLM_API_KEY``), environments stepped in this process. Under
     sequence parallelism (``engine.sp_group``) either is one per sp group, on its first process
-    (:class:`~microrl.rollout.samplers.sp_group.SPGroupSampler`): the servers of
-    ``rollout.server_url`` split by data rank, local ones started per data rank.
+    (:class:`~microrl.rollout.samplers.sp_group.SPGroupSampler`). ``env_maker``: a multi-turn
+    task's ``problem -> environment``; ``num_threads``: each worker's torch threads or each local
+    server's CPU threads; ``image_encoder``: a vision-language policy's (jobs may carry images).
     """
     if not isinstance(rollout, RolloutConfig):
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
-    if rollout.backend not in ("hf", "vllm"):
-        raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {rollout.backend!r}")
+    if rollout.max_staleness == 0:
+        backend = make_rollout_backend(
+            rollout.backend,
+            engine,
+            tokenizer,
+            vllm=rollout.vllm,
+            sync_check_tol=rollout.sync_check_tol,
+            image_encoder=image_encoder,
+        )
+        return InProcessSampler(
+            backend, engine, version=version, sync_every=rollout.sync_every, env_maker=env_maker
+        )
     options = SamplerOptions(
         version=version,
         env_maker=env_maker,
@@ -86,41 +100,58 @@ def make_async_sampler(
         image_encoder=image_encoder,
     )
     if rollout.backend == "vllm":
-        from microrl.rollout.samplers.vllm_servers import VLLMServerRollout, check_arguments
-        from microrl.rollout.weights.server_syncs import ServerSyncJoiner
-
-        urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
-        workers = rollout.num_workers
-        check_arguments(engine, rollout.vllm, urls, workers)  # on every process
-
-        def start() -> AsyncSampler:
-            return VLLMServerRollout(
-                engine,
-                tokenizer,
-                rollout.vllm,
-                options,
-                urls=urls,
-                api_key=rollout.server_api_key or None,
-                num_workers=workers,
-                log_dir=log_dir,
-            )
-
-        def join() -> Callable[[Any], None]:
-            return ServerSyncJoiner(
-                engine, tokenizer, version=version, urls=urls, num_workers=workers
-            )
+        start, join = _servers(engine, tokenizer, rollout, options, log_dir)
+    elif rollout.backend == "hf":
+        start, join = _workers(engine, tokenizer, rollout, options)
     else:
-        from microrl.rollout.samplers.hf_pool import make_async_rollout
-        from microrl.rollout.samplers.sp_group import HFPushJoiner
-
-        def start() -> AsyncSampler:
-            return make_async_rollout(engine, tokenizer, options, num_workers=rollout.num_workers)
-
-        def join() -> Callable[[Any], None]:
-            return HFPushJoiner(engine, tokenizer, num_workers=rollout.num_workers)
-
+        raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {rollout.backend!r}")
     if getattr(engine, "sp_group", None) is None:
         return start()
     from microrl.rollout.samplers.sp_group import SPGroupSampler
 
     return SPGroupSampler.start(engine, start, join, version=version, env_maker=env_maker)
+
+
+def _workers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions):
+    """``(start, join)``: the ``hf`` workers' sampler, and what an sp group's other processes run."""
+    from microrl.rollout.samplers.hf_pool import AsyncRolloutPool, check_num_workers
+    from microrl.rollout.samplers.hf_worker import AsyncRollout
+    from microrl.rollout.samplers.sp_group import HFPushJoiner
+
+    workers = check_num_workers(rollout.num_workers)
+
+    def start() -> Sampler:
+        if workers == 1:
+            return AsyncRollout(engine, tokenizer, options)
+        return AsyncRolloutPool(engine, tokenizer, options, num_workers=workers)
+
+    return start, lambda: HFPushJoiner(engine, tokenizer, num_workers=workers)
+
+
+def _servers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions, log_dir):
+    """``(start, join)``: the vLLM servers' sampler, and what an sp group's other processes run."""
+    from microrl.rollout.samplers.vllm_servers import VLLMServerRollout, check_arguments
+    from microrl.rollout.weights.server_syncs import ServerSyncJoiner
+
+    urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
+    workers = rollout.num_workers
+    check_arguments(engine, rollout.vllm, urls, workers)  # on every process
+
+    def start() -> Sampler:
+        return VLLMServerRollout(
+            engine,
+            tokenizer,
+            rollout.vllm,
+            options,
+            urls=urls,
+            api_key=rollout.server_api_key or None,
+            num_workers=workers,
+            log_dir=log_dir,
+        )
+
+    def join() -> Callable[[Any], None]:
+        return ServerSyncJoiner(
+            engine, tokenizer, version=options.version, urls=urls, num_workers=workers
+        )
+
+    return start, join

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ImageEncoder", "ImagePrompts", "bounded_size", "check_image_prompts"]
+__all__ = ["ImageEncoder", "ImagePrompts", "bounded_size", "check_image_prompts", "problem_images"]
 
 
 @dataclass
@@ -168,3 +168,11 @@ def check_image_prompts(
         )
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("images go with text prompts (their placeholders), not token ids")
+
+
+def problem_images(problems: Sequence[Any]) -> list[list[Any]] | None:
+    """Each problem's images (its ``images``) for :meth:`~microrl.rollout.RolloutBackend.generate`,
+    or None when no problem has any (a text batch: sampled as text, no image keys)."""
+    if not any(getattr(p, "images", ()) for p in problems):
+        return None
+    return [list(p.images) for p in problems]

@@ -1,8 +1,9 @@
-"""The one interface the trainer drives an out-of-process sampler through (docs/async.md).
+"""The one interface the trainer drives every sampler through, in process or out of it.
 
-A sampler in other processes takes *jobs* (prompts to sample, episodes to play) now and returns
-their rollouts later, so the trainer trains in between; a weight push is queued between jobs, so
-each job's policy version is known when it is submitted.
+A sampler takes *jobs* (prompts to sample, episodes to play) now and returns their rollouts
+later. One in other processes samples while the trainer trains, a weight push queued between
+jobs, so each job's policy version is known when it is submitted; one in this process samples at
+``collect`` on the weights synced last (synchronous RL is staleness 0). docs/async.md.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from microrl.rollout.weights.sync_check import default_sync_check_tol
 
 __all__ = [
     "POLICY_VERSION_KEY",
-    "AsyncSampler",
-    "AsyncSamplerBase",
     "Job",
+    "Sampler",
+    "SamplerBase",
     "SamplerOptions",
     "WorkerError",
 ]
@@ -81,16 +82,19 @@ class SamplerOptions:
 
 
 @runtime_checkable
-class AsyncSampler(Protocol):
-    """Samples in other processes: submit jobs now, collect their rollouts later.
+class Sampler(Protocol):
+    """Samples for the trainer: submit jobs now, collect their rollouts later.
 
     ``version`` is the policy version the next job samples (one more per :meth:`sync`);
     ``sync_stats[version]`` holds each verified push's probe statistics
-    (:func:`~microrl.rollout.weights.sync_check.probe_stats`).
+    (:func:`~microrl.rollout.weights.sync_check.probe_stats`); ``trainer_thread``: whether
+    ``collect`` must run on the trainer's thread, every rank in step (it samples in this process,
+    or it is a collective), so nothing collects ahead on a thread of its own.
     """
 
     version: int
     sync_stats: dict[int, dict[str, float]]
+    trainer_thread: bool
 
     def submit(
         self,
@@ -129,17 +133,19 @@ class AsyncSampler(Protocol):
         ...
 
     def close(self) -> None:
-        """Stop the sampler's processes; idempotent."""
+        """Stop the sampler (its processes, its backend); idempotent."""
         ...
 
 
-class AsyncSamplerBase:
-    """What every :class:`AsyncSampler` shares: the checks of an episode job's arguments,
+class SamplerBase:
+    """What every :class:`Sampler` shares: the checks of an episode job's arguments,
     :meth:`generate` and the context manager. A sampler implements :meth:`submit`,
     :meth:`_submit_episodes`, :meth:`collect`, :meth:`poll`, :meth:`sync` and :meth:`close`."""
 
     #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it.
     env_maker: Callable[[Any], Any] | None = None
+    #: ``collect`` runs on the trainer's thread (:class:`Sampler`); out-of-process samplers: no.
+    trainer_thread: bool = False
 
     def _take_options(self, engine: Any, options: SamplerOptions | None) -> SamplerOptions:
         """Keep ``options`` (None: the defaults) and the state read from them: ``version``,

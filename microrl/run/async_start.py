@@ -15,10 +15,10 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from microrl.agents.async_sampler import AgentSampler
+from microrl.agents.agent_sampler import AgentSampler
 from microrl.configs.run import RolloutConfig
 from microrl.rollout import Rollout, SamplingParams
-from microrl.rollout.factory import make_async_sampler
+from microrl.rollout.factory import make_sampler
 from microrl.rollout.samplers.sp_group import SPGroupSampler
 from microrl.rollout.turns import turn_terminators
 from microrl.run.prefetcher import CORRECTIONS, ROLLOUT_BUFFER_KEY, RolloutPrefetcher
@@ -86,7 +86,7 @@ def start_prefetcher(
     ``image_encoder``: a vision-language policy's: the problems' images go with their jobs."""
     env_maker: Callable[[Any], Any] | None = task.make_env if is_episode_task(task) else None
     try:
-        sampler = make_async_sampler(
+        sampler = make_sampler(
             engine,
             tokenizer,
             rollout,

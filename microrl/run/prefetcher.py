@@ -1,6 +1,6 @@
 """Asynchronous RL in a recipe: the next steps' rollouts, sampled ahead under a staleness bound.
 
-A :class:`RolloutPrefetcher` drives an :class:`~microrl.rollout.AsyncSampler` with
+A :class:`RolloutPrefetcher` drives an :class:`~microrl.rollout.Sampler` with
 the recipe's own prompt stream (``task.sample(rng, n)`` in the trainer process, step after
 step, so ``rollout.max_staleness=k`` trains on the same prompts in the same order as ``k=0``).
 Its schedule is fixed: once the weights after step ``u`` are pushed (version ``u``), the jobs of
@@ -38,7 +38,7 @@ from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.vision import from_plain_tensors, to_plain_tensors
 from microrl.rollout import Rollout, SamplingParams
-from microrl.rollout.sampler import POLICY_VERSION_KEY, AsyncSampler, Job
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import DynamicSample, GroupFilter
 from microrl.run.sampling import score_rollout
@@ -103,7 +103,7 @@ class RolloutPrefetcher:
 
     def __init__(
         self,
-        sampler: AsyncSampler,
+        sampler: Sampler,
         task: Task,
         params: SamplingParams,
         rng: random.Random,

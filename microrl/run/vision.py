@@ -9,23 +9,14 @@ that takes images. Both are checked when the run starts, naming the key, not at 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from microrl.engine.vision import has_vision_config
-from microrl.rollout.images import ImageEncoder
+from microrl.rollout.images import ImageEncoder, problem_images
 from microrl.rollout.samplers.vllm_images import vision_unsupported
-from microrl.tasks import Problem, Task, is_agent_task
+from microrl.tasks import Task, is_agent_task
 
 __all__ = ["image_encoder_for", "problem_images", "refuse_image_sampling", "task_has_images"]
-
-
-def problem_images(problems: Sequence[Problem]) -> list[list[Any]] | None:
-    """Each problem's images for :meth:`~microrl.rollout.RolloutBackend.generate`, or
-    None when no problem has any (a text batch: sampled as text, no image keys)."""
-    if not any(p.images for p in problems):
-        return None
-    return [list(p.images) for p in problems]
 
 
 def task_has_images(task: Task) -> bool:

@@ -1,4 +1,4 @@
-"""Every out-of-process sampler is an ``AsyncSampler`` (microrl/rollout/sampler.py), and
+"""Every out-of-process sampler is an ``Sampler`` (microrl/rollout/sampler.py), and
 composes a rollout backend instead of being one: no method refuses what its base class offers."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from microrl.rollout import (
     AsyncRollout,
     AsyncRolloutPool,
-    AsyncSampler,
     RolloutBackend,
+    Sampler,
     VLLMServerRollout,
 )
 from microrl.rollout.samplers.sp_group import SPGroupSampler
@@ -26,7 +26,7 @@ SAMPLERS = (AsyncRollout, AsyncRolloutPool, VLLMServerRollout, SPGroupSampler)
 def test_each_sampler_has_the_protocols_methods_with_its_signatures(sampler) -> None:
     assert not issubclass(sampler, RolloutBackend)
     for name in METHODS:
-        declared = inspect.signature(getattr(AsyncSampler, name))
+        declared = inspect.signature(getattr(Sampler, name))
         actual = inspect.signature(getattr(sampler, name))
         for parameter in declared.parameters.values():  # the protocol's, by name and kind
             assert parameter.name in actual.parameters, (sampler.__name__, name, parameter)
@@ -42,11 +42,11 @@ def test_the_protocol_is_checked_at_runtime_and_names_its_data() -> None:
 
         def submit(self, prompts, params): ...
 
-    assert not isinstance(Partial(), AsyncSampler)  # a sampler missing collect is none
-    hints = typing.get_type_hints(AsyncSampler)
+    assert not isinstance(Partial(), Sampler)  # a sampler missing collect is none
+    hints = typing.get_type_hints(Sampler)
     assert set(hints) >= {"version", "sync_stats"}
 
 
 def test_the_prefetcher_is_typed_on_the_protocol() -> None:
     hints = typing.get_type_hints(RolloutPrefetcher.__init__)
-    assert hints["sampler"] is AsyncSampler
+    assert hints["sampler"] is Sampler

@@ -272,7 +272,7 @@ def test_agent_turns_sampled_ahead_end_at_the_models_terminators(monkeypatch) ->
     from transformers import GenerationConfig
 
     import microrl.run.async_start as prefetcher
-    from microrl.agents.async_sampler import AgentSampler
+    from microrl.agents.agent_sampler import AgentSampler
     from microrl.run.toy_model import build_tokenizer
     from microrl.tasks import AgentTask
 

@@ -24,7 +24,7 @@ from microrl.rollout.base import (
 )
 from microrl.rollout.episodes import EpisodeError
 from microrl.rollout.merge import merge_rollouts
-from microrl.rollout.sampler import AsyncSamplerBase, Job, SamplerOptions, WorkerError
+from microrl.rollout.sampler import Job, SamplerBase, SamplerOptions, WorkerError
 from microrl.rollout.samplers.hf_worker import AsyncRollout, warn_if_oversubscribed
 from microrl.rollout.weights.gloo import GlooBroadcast
 from microrl.rollout.weights.sync_check import SyncCheckError
@@ -34,7 +34,6 @@ __all__ = [
     "Part",
     "PoolJob",
     "check_num_workers",
-    "make_async_rollout",
     "part_seeds",
     "split_sizes",
 ]
@@ -92,7 +91,7 @@ class PoolJob(Job):
     skip_env_errors: bool = False
 
 
-class AsyncRolloutPool(AsyncSamplerBase):
+class AsyncRolloutPool(SamplerBase):
     """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together
     (see the module docstring).
 
@@ -310,17 +309,6 @@ class AsyncRolloutPool(AsyncSamplerBase):
     def _check_open(self) -> None:
         if self._closed:
             raise WorkerError(f"{self.name} are closed")
-
-
-def make_async_rollout(
-    engine, tokenizer, options: SamplerOptions | None = None, *, num_workers: int = 1
-) -> AsyncRollout | AsyncRolloutPool:
-    """The asynchronous ``hf`` sampler of ``num_workers`` worker processes started with
-    ``options``: an :class:`AsyncRollout` for one, an :class:`AsyncRolloutPool` for more.
-    ``ValueError`` naming ``num_workers`` when it is not an int >= 1."""
-    if check_num_workers(num_workers) == 1:
-        return AsyncRollout(engine, tokenizer, options)
-    return AsyncRolloutPool(engine, tokenizer, options, num_workers=num_workers)
 
 
 def _check_params(params: Any) -> None:

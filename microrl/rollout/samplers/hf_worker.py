@@ -37,7 +37,7 @@ from microrl.rollout.base import (
     encode_prompts,
 )
 from microrl.rollout.channel import ChannelClosed, Receiver, Sender, close_all, start_process
-from microrl.rollout.sampler import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, SamplerBase, WorkerError
 from microrl.rollout.samplers.hf import engine_autocast_dtype
 from microrl.rollout.weights.full_weights import FullWeights
 from microrl.rollout.weights.gloo import GlooBroadcast
@@ -70,7 +70,7 @@ __all__ = ["AsyncRollout"]
 logger = logging.getLogger(__name__)
 
 
-class AsyncRollout(AsyncSamplerBase):
+class AsyncRollout(SamplerBase):
     """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
 
     Args:

@@ -155,6 +155,8 @@ class VLLMRollout(RolloutBackend):
             or vLLM does not know.
     """
 
+    holds_weights = True
+
     def __init__(
         self,
         engine,

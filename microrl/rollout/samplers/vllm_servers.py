@@ -33,7 +33,7 @@ from microrl.rollout.base import (
     encode_prompts,
 )
 from microrl.rollout.images import ImagePrompts
-from microrl.rollout.sampler import POLICY_VERSION_KEY, AsyncSamplerBase, Job, WorkerError
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, SamplerBase, WorkerError
 from microrl.rollout.samplers import vllm_options
 from microrl.rollout.samplers.vllm_http import ServerClient, exit_status
 from microrl.rollout.samplers.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
@@ -74,7 +74,7 @@ POLICY_VERSION_LAST_KEY = "policy_version_last"
 _REQUESTS_PER_SERVER = 64
 
 
-class VLLMServerRollout(AsyncSamplerBase):
+class VLLMServerRollout(SamplerBase):
     """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
 
     Args:

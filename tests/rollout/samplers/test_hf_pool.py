@@ -35,14 +35,12 @@ from hf_worker_utils import (
 from microrl.rollout import HFRollout, SamplingParams, merge_rollouts
 from microrl.rollout.sampler import (
     POLICY_VERSION_KEY,
-    AsyncSampler,
+    Sampler,
     SamplerOptions,
     WorkerError,
 )
-from microrl.rollout.samplers import hf_pool as pool_module
 from microrl.rollout.samplers.hf_pool import (
     AsyncRolloutPool,
-    make_async_rollout,
     part_seeds,
     split_sizes,
 )
@@ -181,7 +179,7 @@ def test_episodes_are_split_over_the_workers(pool) -> None:
     with pytest.raises(Exception, match="no environment for 9\\+1=") as info:
         workers.collect(failing)
     assert "the rollout worker 2 of 2, sampling prompts 1..1" in "".join(info.value.__notes__)
-    assert isinstance(workers, AsyncSampler) and not hasattr(workers, "run_episodes")
+    assert isinstance(workers, Sampler) and not hasattr(workers, "run_episodes")
 
 
 def test_a_sync_reaches_every_worker(pool) -> None:
@@ -240,24 +238,6 @@ def test_a_push_stale_on_one_worker_fails_naming_it_and_close_stops_all(pool, mo
         assert not process.is_alive() and process not in multiprocessing.active_children()
     with pytest.raises(WorkerError, match="the 2 rollout workers are closed"):
         workers.submit(PROMPTS, SEEDED)
-
-
-def test_num_workers_is_checked_and_one_is_a_plain_worker(monkeypatch) -> None:
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="num_workers"):
-            make_async_rollout(None, None, num_workers=bad)
-
-    class Stub:  # no process: only which class the factory builds, with what
-        def __init__(self, *args, **kwargs) -> None:
-            self.args, self.kwargs = args, kwargs
-
-    monkeypatch.setattr(pool_module, "AsyncRollout", Stub)
-    monkeypatch.setattr(pool_module, "AsyncRolloutPool", Stub)
-    options = SamplerOptions(version=3)
-    one = make_async_rollout("engine", "tok", options)
-    assert one.args == ("engine", "tok", options) and one.kwargs == {}
-    two = make_async_rollout("engine", "tok", options, num_workers=2)
-    assert two.args == ("engine", "tok", options) and two.kwargs == {"num_workers": 2}
 
 
 def test_oversubscribed_cores_are_a_warning(monkeypatch, caplog) -> None:

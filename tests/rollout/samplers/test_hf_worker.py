@@ -42,7 +42,7 @@ from microrl.engine import ActorEngine
 from microrl.rollout import HFRollout, SamplingParams, watcher
 from microrl.rollout.sampler import (
     POLICY_VERSION_KEY,
-    AsyncSampler,
+    Sampler,
     SamplerOptions,
     WorkerError,
 )
@@ -181,7 +181,7 @@ def test_episodes_are_played_in_the_worker() -> None:
     problems = [AdditionTask.make(1, 2), AdditionTask.make(3, 4)]
     params = SamplingParams(num_samples=2, max_new_tokens=4)
     with AsyncRollout(engine, tok, SamplerOptions(env_maker=picky_env)) as worker:
-        assert isinstance(worker, AsyncSampler) and not hasattr(worker, "run_episodes")
+        assert isinstance(worker, Sampler) and not hasattr(worker, "run_episodes")
         job = worker.submit_episodes(problems, params, max_turns=3, max_tokens=14)
         rollout = worker.collect(job)
         assert rollout.batch.batch_size[0] == 4 and rollout.group_ids.tolist() == [0, 0, 1, 1]

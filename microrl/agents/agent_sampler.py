@@ -1,37 +1,42 @@
-"""Agent episodes sampled ahead of the trainer (``rollout.max_staleness > 0``, docs/async.md).
+"""Agent episodes as a sampler's jobs, for every ``rollout.max_staleness`` (docs/rollouts.md#agents).
 
-:class:`AgentSampler` is an :class:`~microrl.rollout.AsyncSampler` composed over the run's
-out-of-process sampler (the ``hf`` workers, vLLM servers): a job of agent episodes runs on a
-thread of the trainer process (the endpoint and the agents with it, :func:`play_agents`), and its
-calls become jobs of that sampler, so each sampled token carries the policy version that drew
-it. A row's ``policy_version`` is its oldest token's: the staleness the prefetcher bounds. One
-lock orders the sampler's use between that thread and the trainer (pushes, polls).
+:class:`AgentSampler` is a :class:`~microrl.rollout.Sampler` composed over the run's sampler.
+Over one in this process (:class:`~microrl.rollout.InProcessSampler`) a job's episodes are played
+when it is collected, on the trainer's thread, sampling through the backend in batched calls
+(:func:`run_agent_episodes`: collective under ``torchrun``). Over one in other processes (the
+``hf`` workers, vLLM servers) a job runs on a thread of the trainer process (the endpoint and the
+agents with it, :func:`play_agents`) and its calls become jobs of that sampler, so each sampled
+token carries the policy version that drew it. A row's ``policy_version`` is its oldest token's:
+the staleness the rollout source bounds. One lock orders the sampler's use between that thread
+and the trainer (pushes, polls).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from microrl.agents.runner import AgentLimits, play_agents
+from microrl.agents.runner import AgentLimits, play_agents, run_agent_episodes
 from microrl.agents.sampler import BatchingSampler
 from microrl.rollout.base import Rollout, SamplingParams
-from microrl.rollout.sampler import AsyncSamplerBase, Job
+from microrl.rollout.sampler import Job, SamplerBase
+from microrl.rollout.samplers.in_process import InProcessSampler
 
 __all__ = ["AgentSampler"]
 
 _KIND = "agents"
 
 
-class AgentSampler(AsyncSamplerBase):
+class AgentSampler(SamplerBase):
     """Plays ``task``'s agent on ``inner``'s jobs (see the module docstring).
 
     Args:
-        inner: the run's out-of-process sampler (holding the pushed weights).
+        inner: the run's sampler (in this process, or holding the pushed weights).
         tokenizer: the policy's.
         task: an agent task (:class:`~microrl.tasks.AgentTask`: its ``agent``, ``reward`` and
             ``tool_parser``).
@@ -57,8 +62,14 @@ class AgentSampler(AsyncSamplerBase):
         self.lock = threading.RLock()
         # Jobs of episodes run one after the other, in submission (version) order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="microrl-agents")
-        self._jobs: dict[int, Future] = {}
+        self._jobs: dict[int, Future | Callable[[], Rollout]] = {}
         self._ids = itertools.count()
+        #: Episodes are played at ``collect`` on the caller's thread: ``inner`` samples there.
+        self.at_collect = isinstance(inner, InProcessSampler)
+
+    @property
+    def trainer_thread(self) -> bool:
+        return self.inner.trainer_thread
 
     @property
     def version(self) -> int:
@@ -84,10 +95,23 @@ class AgentSampler(AsyncSamplerBase):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         limits = replace(self.limits, max_tokens=max_tokens, skip_errors=skip_env_errors)
         job = Job(next(self._ids), self.inner.version, _KIND)
-        self._jobs[job.id] = self._executor.submit(self._play, list(problems), params, limits)
+        play = functools.partial(self._play, list(problems), params, limits)
+        self._jobs[job.id] = play if self.at_collect else self._executor.submit(play)
         return job
 
     def _play(self, problems: list, params: SamplingParams, limits: AgentLimits) -> Rollout:
+        task = self.task
+        if self.at_collect:  # the backend's batched calls, this thread, the loaded weights
+            return run_agent_episodes(
+                self.inner.current(),
+                problems,
+                task.agent,
+                params,
+                limits,
+                reward=task.reward,
+                tool_parser=task.tool_parser,
+                version=self.inner.loaded,
+            )
         sampler = BatchingSampler.over_async(
             self.inner,
             self.tokenizer,
@@ -96,7 +120,6 @@ class AgentSampler(AsyncSamplerBase):
             window_s=limits.batch_window_s,
             stop_ids=self.stop_ids,
         )
-        task = self.task
         return play_agents(
             sampler,
             problems,
@@ -116,13 +139,14 @@ class AgentSampler(AsyncSamplerBase):
         if job.kind != _KIND:
             with self.lock:
                 return self.inner.collect(job)
-        return self._jobs.pop(job.id).result()
+        played = self._jobs.pop(job.id)
+        return played() if callable(played) else played.result()
 
     def poll(self) -> None:
         with self.lock:
             self.inner.poll()
         for future in self._jobs.values():  # a failed job surfaces now
-            if future.done() and future.exception() is not None:
+            if isinstance(future, Future) and future.done() and future.exception() is not None:
                 raise future.exception()
 
     def sync(self, engine: Any = None) -> None:
