@@ -282,7 +282,7 @@ def test_agent_turns_sampled_ahead_end_at_the_models_terminators(monkeypatch) ->
     engine.model = torch.nn.Module()
     engine.model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, extra])
     inner, built = type("Inner", (), {"version": 0, "close": lambda self: None})(), []
-    monkeypatch.setattr(prefetcher, "make_async_sampler", lambda *args, **kwargs: inner)
+    monkeypatch.setattr(prefetcher, "make_sampler", lambda *args, **kwargs: inner)
     monkeypatch.setattr(
         prefetcher, "RolloutPrefetcher", lambda sampler, *a, **k: built.append(sampler)
     )
