@@ -15,7 +15,7 @@ configuration where overlapping the two gains most.
 
 k = 0 is the synchronous loop (sample with ``HFRollout`` in the trainer process, or a colocated
 ``vllm.LLM`` synced every step, then train); k >= 1 runs the same steps with the library's
-:class:`~microrl.run.RolloutPrefetcher` over an :class:`~microrl.rollout.AsyncRollout`
+:class:`~microrl.run.RolloutSource` over an :class:`~microrl.rollout.AsyncRollout`
 worker process, or a :class:`~microrl.rollout.VLLMServerRollout` on a local ``vllm
 serve`` (weights pushed and checked every step), the same prompt stream. Each k starts from the same weights; after ``--warmup`` steps,
 ``--steps`` steps are timed; the ks run in turn ``--rounds`` times and the fastest round of each
@@ -43,7 +43,7 @@ from microrl.losses import broadcast_to_tokens, grpo_advantages
 from microrl.rollout import HFRollout, SamplingParams
 from microrl.rollout.sampler import SamplerOptions
 from microrl.rollout.samplers.hf_worker import AsyncRollout
-from microrl.run import Dist, RolloutPrefetcher, score_rollout
+from microrl.run import RolloutSource, score_rollout
 from microrl.tasks import Problem
 
 
@@ -157,18 +157,17 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
         sampler.close()
     else:
         worker = _asynchronous_sampler(engine, tokenizer, args)
-        prefetch = RolloutPrefetcher(
+        prefetch = RolloutSource(
             worker, task, params, rng, args.prompts, max_staleness=k, last_step=total
         )
         try:
             for step in range(1, total + 1):
                 starts.append(time.perf_counter())
                 cpu_starts.append(time.process_time())
-                _, rollout, scores = prefetch.take(step)
+                _, rollout, scores, _ = prefetch.take(step)  # staleness/* computed
                 waits.append(time.perf_counter() - starts[-1])
                 _train(engine, rollout, scores, args)
                 prefetch.sync(engine)  # gather + probe + push (the trainer's share of a sync)
-                prefetch.metrics(step, rollout, Dist())
                 rests.append(time.perf_counter() - starts[-1] - waits[-1])
             end, cpu_end = time.perf_counter(), time.process_time()
             jobs, syncs = worker.job_seconds[args.warmup :], worker.sync_seconds[args.warmup :]

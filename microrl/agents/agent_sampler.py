@@ -72,6 +72,10 @@ class AgentSampler(SamplerBase):
         return self.inner.trainer_thread
 
     @property
+    def samples_at_collect(self) -> bool:
+        return self.at_collect
+
+    @property
     def version(self) -> int:
         return self.inner.version
 

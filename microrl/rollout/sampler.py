@@ -89,12 +89,14 @@ class Sampler(Protocol):
     ``sync_stats[version]`` holds each verified push's probe statistics
     (:func:`~microrl.rollout.weights.sync_check.probe_stats`); ``trainer_thread``: whether
     ``collect`` must run on the trainer's thread, every rank in step (it samples in this process,
-    or it is a collective), so nothing collects ahead on a thread of its own.
+    or it is a collective), so nothing collects ahead on a thread of its own;
+    ``samples_at_collect``: whether a job samples only when collected (nothing runs before).
     """
 
     version: int
     sync_stats: dict[int, dict[str, float]]
     trainer_thread: bool
+    samples_at_collect: bool
 
     def submit(
         self,
@@ -144,8 +146,10 @@ class SamplerBase:
 
     #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it.
     env_maker: Callable[[Any], Any] | None = None
-    #: ``collect`` runs on the trainer's thread (:class:`Sampler`); out-of-process samplers: no.
+    #: ``collect`` runs on the trainer's thread; a job samples only when collected
+    #: (:class:`Sampler`). Out-of-process samplers: neither.
     trainer_thread: bool = False
+    samples_at_collect: bool = False
 
     def _take_options(self, engine: Any, options: SamplerOptions | None) -> SamplerOptions:
         """Keep ``options`` (None: the defaults) and the state read from them: ``version``,

@@ -182,7 +182,7 @@ def save_if_due(
 ) -> None:
     """The run checkpoint (:func:`~microrl.run.checkpoint.save_run`) after every
     ``output.save_every``-th step (never with 0). ``extra_state``: returns more of the loop's
-    state (e.g. :meth:`RolloutPrefetcher.extra_state`), called only when a checkpoint is due,
+    state (e.g. :meth:`RolloutSource.extra_state`), called only when a checkpoint is due,
     since collecting it may wait (for the rollouts sampled ahead)."""
     if cfg.output.save_every and step % cfg.output.save_every == 0:
         save_run(

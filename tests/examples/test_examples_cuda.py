@@ -161,20 +161,17 @@ def test_vision_recipes_free_the_steps_pixels_before_the_next_sampling(
 ):
     """A step's images leave the GPU with the step: when the next step samples (the hf
     generation, the largest transient), no pixel tensor of the last one is still referenced."""
-    import importlib
-
+    from microrl.run import RolloutSource
     from microrl.run.toy_vision import PATCH_SIZE, TEMPORAL_PATCH
 
-    module = importlib.import_module(f"microrl.recipes.{recipe}")
-    name = "sample_step" if recipe == "grpo" else "sample_and_score"  # each step's sampling
     patch_dim = 3 * TEMPORAL_PATCH * PATCH_SIZE**2
-    seen, real = [], getattr(module, name)
+    seen, real = [], RolloutSource.take  # each step's sampling
 
-    def checked(*args, **kwargs):
+    def checked(self, step):
         seen.append(_image_sized_on_gpu(patch_dim))
-        return real(*args, **kwargs)
+        return real(self, step)
 
-    monkeypatch.setattr(module, name, checked)
+    monkeypatch.setattr(RolloutSource, "take", checked)
     out = tmp_path / recipe
     args = _args(vision_base, out, "actor.device=cuda", "task.name=digits", "train.steps=3")
     if recipe == "ppo":

@@ -1,5 +1,5 @@
-"""Every out-of-process sampler is an ``Sampler`` (microrl/rollout/sampler.py), and
-composes a rollout backend instead of being one: no method refuses what its base class offers."""
+"""Every sampler is a ``Sampler`` (microrl/rollout/sampler.py), and composes a rollout backend
+instead of being one (nor another sampler): no method refuses what its base class offers."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import pytest
 from microrl.rollout import (
     AsyncRollout,
     AsyncRolloutPool,
+    InProcessSampler,
     RolloutBackend,
     Sampler,
     VLLMServerRollout,
 )
 from microrl.rollout.samplers.sp_group import SPGroupSampler
-from microrl.run.prefetcher import RolloutPrefetcher
+from microrl.run.source import RolloutSource
 
 METHODS = ("submit", "submit_episodes", "collect", "poll", "sync", "close")
-SAMPLERS = (AsyncRollout, AsyncRolloutPool, VLLMServerRollout, SPGroupSampler)
+SAMPLERS = (AsyncRollout, AsyncRolloutPool, VLLMServerRollout, SPGroupSampler, InProcessSampler)
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda c: c.__name__)
@@ -35,6 +36,14 @@ def test_each_sampler_has_the_protocols_methods_with_its_signatures(sampler) -> 
         assert all(p.default is not inspect.Parameter.empty for p in extra), (name, extra)
 
 
+def test_samplers_compose_and_never_subclass_each_other() -> None:
+    from microrl.agents.agent_sampler import AgentSampler
+
+    samplers = (*SAMPLERS, AgentSampler)
+    pairs = [(a, b) for a in samplers for b in samplers if a is not b and issubclass(a, b)]
+    assert not pairs, pairs
+
+
 def test_the_protocol_is_checked_at_runtime_and_names_its_data() -> None:
     class Partial:
         def __init__(self) -> None:
@@ -47,6 +56,6 @@ def test_the_protocol_is_checked_at_runtime_and_names_its_data() -> None:
     assert set(hints) >= {"version", "sync_stats"}
 
 
-def test_the_prefetcher_is_typed_on_the_protocol() -> None:
-    hints = typing.get_type_hints(RolloutPrefetcher.__init__)
+def test_the_rollout_source_is_typed_on_the_protocol() -> None:
+    hints = typing.get_type_hints(RolloutSource.__init__)
     assert hints["sampler"] is Sampler

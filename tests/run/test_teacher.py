@@ -4,8 +4,8 @@ The engine teacher's log-probs and the mixed advantages against a float64 hand c
 the teacher's own logits, under micro-batch splits and on 2 gloo ranks (one launch of this file;
 single-process references computed in the test; only rank 0 reads the checkpoint); the
 vocabulary check; ``teacher.path`` as a Hub id (the download stubbed: no network) or a missing
-path; the config's errors; the producer-side scoring of rounds sampled ahead
-(microrl/run/prefetcher.py's ``scorer``).
+path; the config's errors; the scoring of the rollout source's rounds
+(microrl/run/source.py's ``scorer``).
 """
 
 from __future__ import annotations
@@ -337,7 +337,9 @@ def test_teacher_config_errors_name_the_key(overrides, match: str) -> None:
 
 # ----------------------------------------------------------------------------- in the producer
 class ScoredWorker:
-    """The sampler protocol's minimum for a prefetcher: a job's rows answer its prompts."""
+    """The sampler protocol's minimum for a rollout source: a job's rows answer its prompts."""
+
+    trainer_thread = samples_at_collect = False
 
     def __init__(self) -> None:
         from microrl.rollout import SamplingParams
@@ -378,10 +380,10 @@ class ScoredWorker:
 
 
 @pytest.mark.parametrize("background", [True, False])
-def test_rounds_are_scored_by_the_prefetcher_thread_while_the_trainer_works(background) -> None:
-    """A teacher scorer runs on the prefetcher's scoring thread (or, collective, on the
+def test_rounds_are_scored_by_the_sources_thread_while_the_trainer_works(background) -> None:
+    """A teacher scorer runs on the source's scoring thread (or, collective, on the
     trainer's), before the rewards; ``scorer_wait_s`` is the part of a take's wait it took."""
-    from microrl.run import RolloutPrefetcher
+    from microrl.run import RolloutSource
     from microrl.tasks import AdditionTask
 
     threads = []
@@ -392,12 +394,12 @@ def test_rounds_are_scored_by_the_prefetcher_thread_while_the_trainer_works(back
         rollout.batch["teacher_logprobs"] = torch.zeros(rollout.batch["input_ids"].shape)
 
     worker = ScoredWorker()
-    prefetch = RolloutPrefetcher(
+    prefetch = RolloutSource(
         worker, AdditionTask(9, 8), worker.params, random.Random(0), 2,
         max_staleness=1, last_step=2, score_ahead=background, scorer=score,
     )  # fmt: skip
     time.sleep(0.4)  # the trainer trains meanwhile
-    _, rollout, scores = prefetch.take(1)
+    _, rollout, scores, _ = prefetch.take(1)
     assert "teacher_logprobs" in rollout.batch and scores.tolist() == [1.0] * 4
     if background:
         assert prefetch.scorer_wait_s < 0.1 and threads[0].startswith("microrl-score")

@@ -34,7 +34,8 @@ class InProcessSampler(SamplerBase):
         env_maker: for multi-turn tasks, ``problem -> environment``.
     """
 
-    trainer_thread = True  # it samples here: collectively under torchrun, every rank in step
+    # It samples here, when a job is collected: collectively under torchrun, every rank in step.
+    trainer_thread = samples_at_collect = True
 
     def __init__(
         self,
@@ -58,6 +59,12 @@ class InProcessSampler(SamplerBase):
         self.sync_stats: dict[int, dict[str, float]] = {}  # the backend checks its own loads
         self._jobs: dict[int, Callable[[], Rollout]] = {}
         self._ids = itertools.count()
+
+    @property
+    def max_lag(self) -> int:
+        """The most versions a row is behind the trainer: ``sync_every - 1`` for a backend
+        holding a copy of the weights, 0 for the live model."""
+        return self.sync_every - 1 if self.backend.holds_weights else 0
 
     def submit(
         self,

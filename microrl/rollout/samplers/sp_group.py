@@ -40,6 +40,8 @@ class SPGroupSampler(SamplerBase):
     same-batch check of the sp group reports.
     """
 
+    trainer_thread = True  # collect broadcasts over the group: every process in step
+
     def __init__(
         self,
         sampler: Any | None,

@@ -1,6 +1,6 @@
-"""Image prompts sampled ahead (microrl/run/prefetcher.py): each job carries its problems'
+"""Image prompts sampled ahead (microrl/run/source.py): each job carries its problems'
 images, and a checkpoint keeps the problems sampled ahead with their images (lossless PNG), so
-a restored prefetcher trains on the very prompts and pixels an uninterrupted one does."""
+a restored source trains on the very prompts and pixels an uninterrupted one does."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 from microrl.rollout import Rollout, SamplingParams
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job
-from microrl.run import RolloutPrefetcher
+from microrl.run import RolloutSource
 from microrl.tasks import Problem
 
 PARAMS = SamplingParams(num_samples=2, max_new_tokens=3)
@@ -49,6 +49,8 @@ class ImageTask:
 
 class ImageWorker:
     """A stand-in asynchronous sampler: records each job's images; answers every prompt."""
+
+    trainer_thread = samples_at_collect = False
 
     def __init__(self, version: int = 0) -> None:
         self.version = version
@@ -100,7 +102,7 @@ def _run(steps: int, *, start: int = 0, state=None, stop_after: int | None = Non
     worker, rng = ImageWorker(start), random.Random(3)
     if state is not None:
         rng.setstate(state["rng"])
-    prefetch = RolloutPrefetcher(
+    prefetch = RolloutSource(
         worker,
         ImageTask(),
         PARAMS,
@@ -112,7 +114,7 @@ def _run(steps: int, *, start: int = 0, state=None, stop_after: int | None = Non
     )
     trained = {}
     for step in range(start + 1, steps + 1):
-        problems, _, scores = prefetch.take(step)
+        problems, _, scores, _ = prefetch.take(step)
         assert scores.tolist() == [1.0] * len(scores)
         trained[step] = ([p.prompt for p in problems], _pixels(problems))
         prefetch.sync(engine=None)

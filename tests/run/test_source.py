@@ -1,12 +1,14 @@
-"""The schedule of asynchronous RL (microrl/run/prefetcher.py), against a stand-in worker.
+"""The rollout source's schedule (microrl/run/source.py), against a stand-in worker and an
+in-process sampler.
 
-``RolloutPrefetcher`` submits the job of step ``t`` right after the weights of step
-``t - 1 - k`` are pushed: each rollout is exactly ``k`` versions stale once the run is under way
-(fewer at its start), never more (checked before training); the prompts are the recipe's stream
-in step order, the same as a synchronous run's; nothing is dropped; a checkpoint holds the
-rollouts sampled ahead and a restored prefetcher continues exactly as an uninterrupted one.
-Also the config's errors for settings asynchronous RL does not support. The real worker process
-is tested in tests/rollout/samplers/test_hf_worker.py, the recipe in tests/examples/.
+``RolloutSource`` submits the job of step ``t`` right after the weights of step ``t - 1 - k``
+are pushed: each rollout is exactly ``k`` versions stale once the run is under way (fewer at its
+start), never more (checked before training); the prompts are the recipe's stream in step
+order, the same for every ``k``; nothing is dropped; a checkpoint holds the rounds not trained
+yet and a restored source continues exactly as an uninterrupted one (at ``k = 0`` a round not
+sampled yet is drawn again). Also the config's errors for settings asynchronous RL does not
+support. The real worker process is tested in tests/rollout/samplers/test_hf_worker.py, the
+recipe in tests/examples/.
 """
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.loader import load_config
 from microrl.configs.run import RolloutConfig
 from microrl.losses import PolicyLossConfig
-from microrl.rollout import Rollout, SamplingParams
+from microrl.rollout import InProcessSampler, Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job
-from microrl.run import Dist, RolloutPrefetcher, resumed_rollouts, warn_if_uncorrected
+from microrl.run import Dist, RolloutSource, warn_if_uncorrected
+from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import AdditionTask
 
 PARAMS = SamplingParams(num_samples=2, max_new_tokens=3)
 
 
 class FakeWorker:
-    """What RolloutPrefetcher uses of AsyncRollout: jobs run in submission order, each at the
+    """What RolloutSource uses of AsyncRollout: jobs run in submission order, each at the
     version pushed last before it; a rollout's texts are its prompts' answers (reward 1)."""
+
+    trainer_thread = samples_at_collect = False
 
     def __init__(self, version: int = 0) -> None:
         self.version = version
@@ -87,13 +92,13 @@ def _run(
     stop_after: int | None = None,
     score_ahead: bool = False,
 ):
-    """The recipe's loop over the prefetcher: take, (train), sync; returns the prompts trained
-    per step, the staleness metrics, the worker and the prefetcher."""
+    """The recipe's loop over the source: take, (train), sync; returns the prompts trained
+    per step, the staleness metrics, the worker and the source."""
     worker = FakeWorker(start)
     rng = random.Random(7)
     if state is not None:
         rng.setstate(state["rng"])
-    prefetch = RolloutPrefetcher(
+    prefetch = RolloutSource(
         worker,
         AdditionTask(9, 8),
         PARAMS,
@@ -106,10 +111,9 @@ def _run(
     )
     trained, metrics = {}, {}
     for step in range(start + 1, steps + 1):
-        problems, rollout, scores = prefetch.take(step)
+        problems, _, scores, metrics[step] = prefetch.take(step)
         assert scores.tolist() == [1.0] * len(scores)  # scored against the right problems
         trained[step] = [p.prompt for p in problems]
-        metrics[step] = prefetch.metrics(step, rollout, Dist())
         prefetch.sync(engine=None)
         if step == stop_after:
             saved = {"ahead": prefetch.state_dict(), "rng": rng.getstate()}
@@ -154,7 +158,7 @@ def test_each_step_trains_its_prompts_at_the_staleness_bound(k, score_ahead) -> 
 
 
 @pytest.mark.parametrize(("stop_after", "ahead"), [(1, False), (3, False), (5, False), (3, True)])
-def test_a_restored_prefetcher_continues_exactly(stop_after, ahead) -> None:
+def test_a_restored_source_continues_exactly(stop_after, ahead) -> None:
     k, steps = 2, 7
     full, full_metrics, _ = _run(k, steps)
     first, _, state = _run(k, steps, stop_after=stop_after, score_ahead=ahead)
@@ -175,21 +179,21 @@ def test_a_restored_prefetcher_continues_exactly(stop_after, ahead) -> None:
 
 def test_a_checkpoint_with_rollouts_ahead_needs_a_staleness_bound_that_holds_them() -> None:
     _, _, state = _run(2, 7, stop_after=3)
-    with pytest.raises(ValueError, match=r"rollout.max_staleness=1 is below .* >= 2"):
-        _run(1, 7, start=3, state=state)
-    with pytest.raises(ValueError, match=r"max_staleness=0, but the checkpoint holds 3 .* >= 2 "):
-        resumed_rollouts({"rollout_buffer": state["ahead"]}, 0)
-    assert resumed_rollouts({}, 0) is None
+    for k in (1, 0):
+        with pytest.raises(
+            ValueError, match=rf"rollout.max_staleness={k} is below .*=2\): .* >= 2"
+        ):
+            _run(k, 7, start=3, state=state)
 
 
 def test_a_rollout_beyond_the_bound_is_never_trained_on() -> None:
     worker = FakeWorker()
-    prefetch = RolloutPrefetcher(
+    prefetch = RolloutSource(
         worker, AdditionTask(9, 8), PARAMS, random.Random(0), 2, max_staleness=1, last_step=5
     )
     prefetch.take(1)
     worker.version = -1  # as if step 2's job had been sampled before the base weights
-    prefetch._ahead[0].job = worker.submit(["1+1="], PARAMS)
+    prefetch._rounds[0].job = worker.submit(["1+1="], PARAMS)
     with pytest.raises(RuntimeError, match=r"step 2: .* 2 versions stale, beyond "):
         prefetch.take(2)
 
@@ -266,14 +270,13 @@ def test_defaults_are_the_synchronous_loop() -> None:
     assert ppo.actor.sequence_parallel_size == 2
 
 
-def test_agent_turns_sampled_ahead_end_at_the_models_terminators(monkeypatch) -> None:
+def test_agent_turns_sampled_ahead_end_at_the_models_terminators(tmp_path, monkeypatch) -> None:
     """Under ``rollout.max_staleness`` the agents' turns end where the workers stop sampling:
     at the model's ``generation_config.eos_token_id`` list too, not only the tokenizer's eos."""
     from transformers import GenerationConfig
 
-    import microrl.run.async_start as prefetcher
+    import microrl.run.session as session
     from microrl.agents.agent_sampler import AgentSampler
-    from microrl.run.toy_model import build_tokenizer
     from microrl.tasks import AgentTask
 
     tokenizer = build_tokenizer()
@@ -281,21 +284,72 @@ def test_agent_turns_sampled_ahead_end_at_the_models_terminators(monkeypatch) ->
     engine = torch.nn.Module()
     engine.model = torch.nn.Module()
     engine.model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, extra])
-    inner, built = type("Inner", (), {"version": 0, "close": lambda self: None})(), []
-    monkeypatch.setattr(prefetcher, "make_sampler", lambda *args, **kwargs: inner)
-    monkeypatch.setattr(
-        prefetcher, "RolloutPrefetcher", lambda sampler, *a, **k: built.append(sampler)
-    )
+    inner, built = FakeWorker(), []
+    monkeypatch.setattr(session, "make_sampler", lambda *args, **kwargs: inner)
+    monkeypatch.setattr(session, "HFRollout", lambda *args, **kwargs: "the live model")
+    monkeypatch.setattr(session, "RolloutSource", lambda sampler, *a, **k: built.append(sampler))
 
     async def agent(client, problem):
         return 0.0
 
     task = AgentTask(AdditionTask(max_operand=9, eval_size=10), agent)
-    config = RolloutConfig(max_staleness=1)
-    prefetcher.start_prefetcher(
-        engine, tokenizer, task, SamplingParams(), random.Random(0), 2, rollout=config,
-        task_name="addition", last_step=2, start_step=0,
+    cfg = load_config(
+        GRPOExampleConfig, None, ["rollout.max_staleness=1", f"output.dir={tmp_path}"]
+    )
+    _, policy = session.start_rollouts(
+        cfg, engine, tokenizer, task, SamplingParams(), random.Random(0), 2,
+        start_step=0, restored={}, dist_info=Dist(),
     )  # fmt: skip
     (sampler,) = built
     assert isinstance(sampler, AgentSampler) and sampler.inner is inner
     assert {tokenizer.eos_token_id, extra} <= set(sampler.stop_ids)
+    assert policy == "the live model"  # evaluation samples the trainer's weights
+
+
+class AnswerBackend(RolloutBackend):
+    """Answers every prompt right, one token per row; counts its sampling calls."""
+
+    def __init__(self) -> None:
+        super().__init__(build_tokenizer())
+        self.calls = 0
+
+    def _sample(self, prompt_ids, params) -> Samples:
+        self.calls += 1
+        rows = len(prompt_ids) * params.num_samples
+        return Samples(token_ids=[[5]] * rows, logprobs=[[-0.5]] * rows)
+
+
+def _run_in_process(steps: int, *, start: int = 0, state=None, stop_after=None):
+    """The recipe's loop at ``k = 0`` over a sampler of this process; the prompts trained per
+    step and, when stopped, the checkpoint (the source's state and the stream's)."""
+    sampler = InProcessSampler(AnswerBackend(), engine=None, version=start)
+    rng = random.Random(7)
+    if state is not None:
+        rng.setstate(state["rng"])
+    source = RolloutSource(
+        sampler, AdditionTask(9, 8), PARAMS, rng, 3, last_step=steps, state=state and state["ahead"]
+    )
+    trained = {}
+    for step in range(start + 1, steps + 1):
+        calls = sampler.backend.calls
+        problems, rollout, _, metrics = source.take(step)
+        assert sampler.backend.calls == calls + 1  # sampled when the step took it
+        assert rollout.batch[POLICY_VERSION_KEY].tolist() == [step - 1] * 6 and metrics == {}
+        trained[step] = [p.prompt for p in problems]
+        source.sync(engine=None)
+        if step == stop_after:
+            saved = {"ahead": source.state_dict(), "rng": rng.getstate()}
+            source.close()
+            return trained, saved
+    source.close()
+    return trained, None
+
+
+def test_staleness_0_samples_each_step_when_it_takes_it_and_resumes_exactly() -> None:
+    full, _ = _run_in_process(5)
+    assert full == _sync_prompts(5)  # the prompt stream of every k
+    first, state = _run_in_process(5, stop_after=2)
+    (item,) = state["ahead"]["items"]  # step 3's round, drawn, not sampled: where it was drawn
+    assert item["step"] == 3 and "drawn_from" in item and "rollout" not in item
+    second, _ = _run_in_process(5, start=2, state=state)
+    assert {**first, **second} == full
