@@ -3,7 +3,7 @@
 :class:`AgentSampler` is a :class:`~microrl.rollout.Sampler` composed over the run's sampler.
 Over one in this process (:class:`~microrl.rollout.InProcessSampler`) a job's episodes are played
 when it is collected, on the trainer's thread, sampling through the backend in batched calls
-(:func:`run_agent_episodes`: collective under ``torchrun``). Over one in other processes (the
+(collective under ``torchrun``, as :func:`~microrl.agents.runner.run_agent_episodes`). Over one in other processes (the
 ``hf`` workers, vLLM servers) a job runs on a thread of the trainer process (the endpoint and the
 agents with it, :func:`play_agents`) and its calls become jobs of that sampler, so each sampled
 token carries the policy version that drew it. A row's ``policy_version`` is its oldest token's:
@@ -21,10 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from microrl.agents.runner import AgentLimits, play_agents, run_agent_episodes
+from microrl.agents.runner import AgentLimits, play_agents
 from microrl.agents.sampler import BatchingSampler
 from microrl.rollout.base import Rollout, SamplingParams
-from microrl.rollout.sampler import Job, SamplerBase
+from microrl.rollout.sampler import Job, Sampler
 from microrl.rollout.samplers.in_process import InProcessSampler
 
 __all__ = ["AgentSampler"]
@@ -32,7 +32,7 @@ __all__ = ["AgentSampler"]
 _KIND = "agents"
 
 
-class AgentSampler(SamplerBase):
+class AgentSampler(Sampler):
     """Plays ``task``'s agent on ``inner``'s jobs (see the module docstring).
 
     Args:
@@ -104,26 +104,23 @@ class AgentSampler(SamplerBase):
         return job
 
     def _play(self, problems: list, params: SamplingParams, limits: AgentLimits) -> Rollout:
-        task = self.task
-        if self.at_collect:  # the backend's batched calls, this thread, the loaded weights
-            return run_agent_episodes(
+        if self.at_collect:  # the backend's batched calls, on this thread, the loaded weights
+            sampler = BatchingSampler.over_backend(
                 self.inner.current(),
-                problems,
-                task.agent,
                 params,
-                limits,
-                reward=task.reward,
-                tool_parser=task.tool_parser,
                 version=self.inner.loaded,
+                window_s=limits.batch_window_s,
             )
-        sampler = BatchingSampler.over_async(
-            self.inner,
-            self.tokenizer,
-            params,
-            self.lock,
-            window_s=limits.batch_window_s,
-            stop_ids=self.stop_ids,
-        )
+        else:  # the inner sampler's jobs, from this job's thread
+            sampler = BatchingSampler.over_async(
+                self.inner,
+                self.tokenizer,
+                params,
+                self.lock,
+                window_s=limits.batch_window_s,
+                stop_ids=self.stop_ids,
+            )
+        task = self.task
         return play_agents(
             sampler,
             problems,

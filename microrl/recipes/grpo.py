@@ -20,9 +20,8 @@ Sampling is ``rollout.backend``: ``hf`` (transformers ``generate`` on the traine
 (a colocated vLLM engine, synced after the updates; docs/rollouts.md). With
 ``rollout.max_staleness=k > 0`` worker processes (or vLLM servers) sample the next steps'
 rollouts while this one trains, with weights at most k steps old, pushed and checked after every
-step; the old log-probs (3 below) are then the trainer's own, the proximal policy, and the
-sampler's the behaviour policy (``actor.policy_loss.decoupled_is_cap``; docs/async.md). The step
-reads the same for every k: its rollout source takes care of the difference.
+step (the step reads the same for every k); the old log-probs (3 below) are then the trainer's
+own, the proximal policy, and the sampler's the behaviour policy (docs/async.md).
 """
 
 from __future__ import annotations

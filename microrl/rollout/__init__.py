@@ -20,6 +20,7 @@ the agents. Names are imported on first use: vLLM loads ``vllm_plugin`` without 
 from __future__ import annotations
 
 import importlib
+import warnings
 
 # name -> the module it comes from
 _API = {
@@ -54,3 +55,18 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_API))
+
+
+def moved_here(old: str):
+    """The ``__getattr__`` of ``old``, a package that moved here (a deprecated re-export for one
+    release): this package's names, each with a ``DeprecationWarning`` naming the new import."""
+
+    def reexport(name: str):
+        if name not in _API:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{old} is deprecated: import {name} from microrl.rollout", DeprecationWarning, 2
+        )
+        return __getattr__(name)
+
+    return reexport

@@ -8,9 +8,10 @@ jobs, so each job's policy version is known when it is submitted; one in this pr
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from microrl.engine.base import Engine
 from microrl.rollout.base import Rollout, SamplingParams
@@ -21,7 +22,6 @@ __all__ = [
     "POLICY_VERSION_KEY",
     "Job",
     "Sampler",
-    "SamplerBase",
     "SamplerOptions",
     "WorkerError",
 ]
@@ -81,8 +81,7 @@ class SamplerOptions:
             raise ValueError(f"sync_check_tol must be > 0 or None, got {self.sync_check_tol!r}")
 
 
-@runtime_checkable
-class Sampler(Protocol):
+class Sampler(ABC):
     """Samples for the trainer: submit jobs now, collect their rollouts later.
 
     ``version`` is the policy version the next job samples (one more per :meth:`sync`);
@@ -91,13 +90,19 @@ class Sampler(Protocol):
     ``collect`` must run on the trainer's thread, every rank in step (it samples in this process,
     or it is a collective), so nothing collects ahead on a thread of its own;
     ``samples_at_collect``: whether a job samples only when collected (nothing runs before).
+    A sampler implements :meth:`submit`, :meth:`collect`, :meth:`poll`, :meth:`sync`,
+    :meth:`close` and, for multi-turn tasks, :meth:`_submit_episodes`; samplers compose backends
+    and each other, never subclass one another.
     """
 
     version: int
     sync_stats: dict[int, dict[str, float]]
-    trainer_thread: bool
-    samples_at_collect: bool
+    #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it.
+    env_maker: Callable[[Any], Any] | None = None
+    trainer_thread: bool = False  # out-of-process samplers: neither
+    samples_at_collect: bool = False
 
+    @abstractmethod
     def submit(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -108,70 +113,6 @@ class Sampler(Protocol):
         """Queue sampling ``params.num_samples`` responses per prompt; ``images``: with text
         prompts, each prompt's PIL images (as :meth:`RolloutBackend.generate
         <microrl.rollout.RolloutBackend.generate>` takes them), sent with the job."""
-        ...
-
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-    ) -> Job:
-        """Queue the multi-turn episodes of ``problems`` (the sampler's ``env_maker``)."""
-        ...
-
-    def collect(self, job: Job) -> Rollout:
-        """The rollout of ``job``, waiting for it; its batch carries ``policy_version``."""
-        ...
-
-    def poll(self) -> None:
-        """Raise what has failed so far (a push's check, a worker) without waiting."""
-        ...
-
-    def sync(self, engine: Any = None) -> None:
-        """Push the engine's weights as version ``version + 1``; jobs from now on sample them."""
-        ...
-
-    def close(self) -> None:
-        """Stop the sampler (its processes, its backend); idempotent."""
-        ...
-
-
-class SamplerBase:
-    """What every :class:`Sampler` shares: the checks of an episode job's arguments,
-    :meth:`generate` and the context manager. A sampler implements :meth:`submit`,
-    :meth:`_submit_episodes`, :meth:`collect`, :meth:`poll`, :meth:`sync` and :meth:`close`."""
-
-    #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it.
-    env_maker: Callable[[Any], Any] | None = None
-    #: ``collect`` runs on the trainer's thread; a job samples only when collected
-    #: (:class:`Sampler`). Out-of-process samplers: neither.
-    trainer_thread: bool = False
-    samples_at_collect: bool = False
-
-    def _take_options(self, engine: Any, options: SamplerOptions | None) -> SamplerOptions:
-        """Keep ``options`` (None: the defaults) and the state read from them: ``version``,
-        ``env_maker``, ``timeout_s`` and ``sync_check_tol`` (None: ``engine``'s default);
-        ``TypeError`` when ``engine`` is not a microrl engine."""
-        if not isinstance(engine, Engine):
-            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
-        options = SamplerOptions() if options is None else options
-        if not isinstance(options, SamplerOptions):
-            raise TypeError(f"options must be a SamplerOptions, got {type(options).__name__}")
-        self.options = options
-        self.version = int(options.version)
-        self.env_maker = options.env_maker
-        self.timeout_s = float(options.timeout_s)
-        self.sync_check_tol = options.sync_check_tol or default_sync_check_tol(engine)
-        self.image_encoder = options.image_encoder
-        return options
-
-    def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
-        """``images`` fit ``prompts`` and this sampler has an image encoder
-        (``SamplerOptions.image_encoder``): :func:`~microrl.rollout.images.check_image_prompts`."""
-        check_image_prompts(self, prompts, images)
 
     def submit_episodes(
         self,
@@ -198,19 +139,23 @@ class SamplerBase:
     def _submit_episodes(
         self, problems: list, params: SamplingParams, limits: dict[str, Any], seed: int | None
     ) -> Job:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} plays no multi-turn episodes")
 
+    @abstractmethod
     def collect(self, job: Job) -> Rollout:
-        raise NotImplementedError
+        """The rollout of ``job``, waiting for it; its batch carries ``policy_version``."""
 
-    def submit(
-        self,
-        prompts: Sequence[Any],
-        params: SamplingParams,
-        *,
-        images: Sequence[Sequence[Any]] | None = None,
-    ) -> Job:
-        raise NotImplementedError
+    @abstractmethod
+    def poll(self) -> None:
+        """Raise what has failed so far (a push's check, a worker) without waiting."""
+
+    @abstractmethod
+    def sync(self, engine: Any = None) -> None:
+        """Push the engine's weights as version ``version + 1``; jobs from now on sample them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the sampler (its processes, its backend); idempotent."""
 
     def generate(
         self,
@@ -222,8 +167,27 @@ class SamplerBase:
         """Sample now, at the latest pushed version (:meth:`submit`, then :meth:`collect`)."""
         return self.collect(self.submit(prompts, params, images=images))
 
-    def close(self) -> None:
-        raise NotImplementedError
+    def _take_options(self, engine: Any, options: SamplerOptions | None) -> SamplerOptions:
+        """Keep ``options`` (None: the defaults) and the state read from them: ``version``,
+        ``env_maker``, ``timeout_s`` and ``sync_check_tol`` (None: ``engine``'s default);
+        ``TypeError`` when ``engine`` is not a microrl engine."""
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+        options = SamplerOptions() if options is None else options
+        if not isinstance(options, SamplerOptions):
+            raise TypeError(f"options must be a SamplerOptions, got {type(options).__name__}")
+        self.options = options
+        self.version = int(options.version)
+        self.env_maker = options.env_maker
+        self.timeout_s = float(options.timeout_s)
+        self.sync_check_tol = options.sync_check_tol or default_sync_check_tol(engine)
+        self.image_encoder = options.image_encoder
+        return options
+
+    def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
+        """``images`` fit ``prompts`` and this sampler has an image encoder
+        (``SamplerOptions.image_encoder``): :func:`~microrl.rollout.images.check_image_prompts`."""
+        check_image_prompts(self, prompts, images)
 
     def __enter__(self):
         return self

@@ -44,16 +44,16 @@ def test_samplers_compose_and_never_subclass_each_other() -> None:
     assert not pairs, pairs
 
 
-def test_the_protocol_is_checked_at_runtime_and_names_its_data() -> None:
-    class Partial:
-        def __init__(self) -> None:
-            self.version, self.sync_stats = 0, {}
+def test_a_sampler_missing_a_method_cannot_be_built_and_the_interface_names_its_data() -> None:
+    class Partial(Sampler):
+        def submit(self, prompts, params, *, images=None): ...
 
-        def submit(self, prompts, params): ...
-
-    assert not isinstance(Partial(), Sampler)  # a sampler missing collect is none
+    with pytest.raises(TypeError, match="collect"):
+        Partial()
     hints = typing.get_type_hints(Sampler)
-    assert set(hints) >= {"version", "sync_stats"}
+    assert set(hints) >= {"version", "sync_stats", "trainer_thread", "samples_at_collect"}
+    for sampler in SAMPLERS:
+        assert issubclass(sampler, Sampler)
 
 
 def test_the_rollout_source_is_typed_on_the_protocol() -> None:

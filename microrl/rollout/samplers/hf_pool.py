@@ -1,6 +1,13 @@
 """Several asynchronous ``hf`` generation workers behind one trainer (``rollout.num_workers``).
 
-How it works, in full: docs/async.md#the-pool-of-hf-workers.
+A job's prompts are cut into ``num_workers`` contiguous chunks of whole prompts (a group never
+straddles two workers; :func:`split_sizes`), each a job of its worker, sampled at the same time
+and merged back in the job's order (``merge_rollouts``). One seed is drawn per job as
+``AsyncRollout`` draws it and each part's derives from it (:func:`part_seeds`), so a resumed run
+samples what it would have. ``sync`` gathers the weights once and pushes them to every worker
+(:class:`~microrl.rollout.weights.gloo.GlooBroadcast`); each checks its push, and
+``sync_stats`` holds the largest statistics once every worker has. The workers are spawned
+together and given their first weights one after the other; a failed start closes them all.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from microrl.rollout.base import (
 )
 from microrl.rollout.episodes import EpisodeError
 from microrl.rollout.merge import merge_rollouts
-from microrl.rollout.sampler import Job, SamplerBase, SamplerOptions, WorkerError
+from microrl.rollout.sampler import Job, Sampler, SamplerOptions, WorkerError
 from microrl.rollout.samplers.hf_worker import AsyncRollout, warn_if_oversubscribed
 from microrl.rollout.weights.gloo import GlooBroadcast
 from microrl.rollout.weights.sync_check import SyncCheckError
@@ -91,7 +98,7 @@ class PoolJob(Job):
     skip_env_errors: bool = False
 
 
-class AsyncRolloutPool(SamplerBase):
+class AsyncRolloutPool(Sampler):
     """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together
     (see the module docstring).
 

@@ -1,6 +1,15 @@
 """Asynchronous ``hf`` rollouts: a generation worker process that samples while the trainer trains.
 
-How it works, in full: docs/async.md#the-hf-worker-versions-and-checks.
+:class:`AsyncRollout` spawns one worker (:mod:`microrl.rollout.worker.main`) holding its own
+copy of the policy. Jobs run one after the other in submission order and a weight push is
+queued between them like a job, so the version a job samples is known when it is submitted;
+every row carries it (``policy_version``). The first push streams every tensor of the model in
+chunks (no process holds a second copy on the host); later ones send what the optimizer changes,
+packed once and broadcast asynchronously (:class:`~microrl.rollout.weights.gloo.GlooBroadcast`).
+Every push is verified: the worker scores the probe batch and checksums every tensor it
+received; the trainer compares both with its own when the answer arrives and raises
+``SyncCheckError`` naming the version and the tensors. Every wait polls the worker's liveness
+and gives up after ``timeout_s``; ``close`` (also at exit) stops it.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from microrl.rollout.base import (
     encode_prompts,
 )
 from microrl.rollout.channel import ChannelClosed, Receiver, Sender, close_all, start_process
-from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, SamplerBase, WorkerError
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler, WorkerError
 from microrl.rollout.samplers.hf import engine_autocast_dtype
 from microrl.rollout.weights.full_weights import FullWeights
 from microrl.rollout.weights.gloo import GlooBroadcast
@@ -70,7 +79,7 @@ __all__ = ["AsyncRollout"]
 logger = logging.getLogger(__name__)
 
 
-class AsyncRollout(SamplerBase):
+class AsyncRollout(Sampler):
     """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
 
     Args:

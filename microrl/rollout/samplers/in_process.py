@@ -15,12 +15,12 @@ import torch
 
 from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams
 from microrl.rollout.images import problem_images
-from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, SamplerBase
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler
 
 __all__ = ["InProcessSampler"]
 
 
-class InProcessSampler(SamplerBase):
+class InProcessSampler(Sampler):
     """Samples ``backend`` at :meth:`collect` (see the module docstring).
 
     Args:

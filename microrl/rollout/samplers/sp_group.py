@@ -20,14 +20,14 @@ import torch.distributed as dist
 from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import Rollout, SamplingParams, draw_seed
-from microrl.rollout.sampler import Job, SamplerBase, WorkerError
+from microrl.rollout.sampler import Job, Sampler, WorkerError
 from microrl.rollout.weights.full_weights import FullWeights
 from microrl.rollout.weights.sync_check import engine_probe
 
 __all__ = ["HFPushJoiner", "SPGroupSampler", "join_hf_push"]
 
 
-class SPGroupSampler(SamplerBase):
+class SPGroupSampler(Sampler):
     """The asynchronous sampler of a sequence-parallel group, on each of its processes.
 
     Build it with :meth:`start` on every process of the group. On the group's first process it

@@ -1,6 +1,15 @@
 """Asynchronous ``vllm`` rollouts: vLLM servers sample while the trainer trains.
 
-How it works, in full: docs/async.md#the-vllm-server-sampler.
+:class:`VLLMServerRollout` has the ``hf`` worker's job interface (submit now, collect later,
+per-row ``policy_version``) over ``vllm serve`` processes: ``num_workers`` it starts on
+localhost (:class:`~microrl.rollout.samplers.vllm_launch.LocalVLLMServer`) or the user's
+(``urls``). Requests are token ids in, token ids and log-probs out (``/inference/v1/generate``),
+one prompt each, spread over the servers, so the batch layout is the shared one. Weights, by
+vLLM's machinery (:mod:`microrl.rollout.weights.server_syncs`): a LoRA version is a new adapter
+a job's requests name (a row's version is exact; a sync never waits for running jobs); full
+weights go over vLLM's weight-transfer API as an in-flight update (requests paused, then
+resumed; rows keep their first and last tokens' versions). Every push is checked on the probe
+before any job samples it. docs/async.md#vllm-servers.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from microrl.rollout.base import (
     encode_prompts,
 )
 from microrl.rollout.images import ImagePrompts
-from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, SamplerBase, WorkerError
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler, WorkerError
 from microrl.rollout.samplers import vllm_options
 from microrl.rollout.samplers.vllm_http import ServerClient, exit_status
 from microrl.rollout.samplers.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
@@ -74,7 +83,7 @@ POLICY_VERSION_LAST_KEY = "policy_version_last"
 _REQUESTS_PER_SERVER = 64
 
 
-class VLLMServerRollout(SamplerBase):
+class VLLMServerRollout(Sampler):
     """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
 
     Args:

@@ -1,6 +1,24 @@
 """Weights from the trainer into ``vllm serve`` processes, through vLLM's weight-transfer API.
 
-How it works, in full: docs/async.md#the-weight-transfer-plugin-wire-protocol-and-failures.
+vLLM serves its RL control plane over HTTP (``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config``):
+each worker holds a ``WeightTransferEngine`` that joins a group with the trainer and loads what
+it broadcasts. This module adds a ``"gloo"`` engine for CPUs (vLLM's dense NCCL engine with a
+private gloo group as transport: the same init and update info, the same layerwise reload, so a
+pushed state dict loads as vLLM loads one from disk) and :func:`register`, the vLLM general
+plugin (pyproject.toml) that registers it, and the trainer side, in every vLLM process; it
+imports no vLLM until used, nor the training engine.
+
+Wire protocol (the trainer is rank 0 of 1 + the server's workers): ``start()`` opens the
+rendezvous and POSTs ``/init_weight_transfer_engine`` while it joins; ``push()`` POSTs
+``/start_weight_update``, then ``/update_weights`` (names, dtypes, shapes) on a thread while it
+broadcasts the tensors in that order, then ``/finish_weight_update`` with the version. Push the
+whole model, tied weights under each name (``state_dict()``): a name left out keeps its old
+value. Pause a server that may be sampling around a push (``/pause?mode=keep``, ``/resume``).
+
+Failures: every wait is bounded by ``timeout_s``; a tensor the server rejects surfaces as the
+``/update_weights`` error naming it (the round still completes, the reload is closed); a failed
+broadcast leaves the group unusable until closed. The RL routes and the rendezvous port are
+outside vLLM's ``--api-key``: a trusted network only (docs/async.md#vllm-servers).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 It drives vLLM's weight-transfer API over HTTP (the routes of ``VLLM_SERVER_DEV_MODE``) while it
 joins the transfer group itself; the engines on both ends are vLLM's or microrl's plugin
-(:mod:`microrl.rollout.vllm_plugin.transfer`). How it works: docs/async.md#the-weight-transfer-plugin-wire-protocol-and-failures.
+(:mod:`microrl.rollout.vllm_plugin.transfer`). The wire protocol and its failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
 """
 
 from __future__ import annotations

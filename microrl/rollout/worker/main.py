@@ -1,6 +1,21 @@
 """The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
 
-How it works, in full: docs/async.md#the-hf-worker-process.
+``AsyncRollout`` spawns it: it builds the trainer's model from its config (the LoRA structure
+too) on its own device, holds its own copy of the weights and samples with ``HFRollout``'s code
+path, one job after the other, in the order the trainer sends them. Weights arrive over a
+private gloo group of two ranks (never torch's default group); everything else on two one-way
+pipes (:mod:`microrl.rollout.channel`: a dead writer is an end of file at its reader, even
+mid-message), as pickled tuples whose first item names the message:
+
+- trainer -> worker: ``("layout", layouts)`` once (each push layout's names, shapes, dtypes);
+  ``("weights", version, layout, chunk_bytes)`` (receive, load, score the probe, reply
+  ``synced``); ``("generate" | "episodes", job, seed, args)`` (sampled under that seed);
+  ``("close",)``.
+- worker -> trainer: ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs,
+  checksums, seconds)``, ``("done", job, version, payload, seconds)``, ``("job_error", job,
+  error)``, ``("error", traceback)`` (fatal).
+
+It ignores SIGINT (the trainer stops, then closes it) and exits when the trainer is gone.
 """
 
 from __future__ import annotations

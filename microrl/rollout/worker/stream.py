@@ -11,7 +11,7 @@ time, possibly on a GPU) into two alternating chunk buffers, and :func:`receive_
 each received chunk straight into the worker's tensors. The later pushes (what the optimizer
 changes) are broadcast asynchronously so the trainer never waits for the worker: their bytes are
 packed once (:func:`pack`, shared by a pool's workers) and kept until every chunk has left.
-How the pieces fit: docs/async.md#the-hf-worker-process.
+How the pieces fit: :mod:`microrl.rollout.worker.main`.
 """
 
 from __future__ import annotations

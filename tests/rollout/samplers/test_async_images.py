@@ -29,7 +29,7 @@ from microrl.engine import ActorEngine
 from microrl.engine.vision import pad_images
 from microrl.rollout import HFRollout, SamplingParams
 from microrl.rollout.images import ImageEncoder
-from microrl.rollout.sampler import POLICY_VERSION_KEY, SamplerBase, SamplerOptions
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Sampler, SamplerOptions
 from microrl.rollout.samplers.hf_pool import AsyncRolloutPool, part_seeds
 
 PROMPTS = [f"1{IMAGE}2=", "3+4=", f"{IMAGE}5{IMAGE}="]
@@ -88,7 +88,7 @@ def test_pool_workers_sample_image_prompts_as_the_synchronous_sampler(vlm_engine
         assert not set(IMAGE_KEYS) & set(text.batch.keys())
 
 
-class _Sampler(SamplerBase):
+class _Sampler(Sampler):
     def __init__(self, encoder) -> None:
         self.image_encoder = encoder
 
