@@ -45,6 +45,8 @@ class AgentSampler(Sampler):
             tokenizer's turn terminators; the model's ``generation_config`` adds its own).
     """
 
+    needs_env_maker = False  # the task's agent plays the episodes
+
     def __init__(
         self,
         inner: Any,
@@ -83,23 +85,14 @@ class AgentSampler(Sampler):
     def sync_stats(self) -> dict[int, dict[str, float]]:
         return self.inner.sync_stats
 
-    def submit_episodes(
-        self,
-        problems: Sequence[Any],
-        params: SamplingParams,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        skip_env_errors: bool = False,
-        seed: int | None = None,
-    ) -> Job:
-        """Queue ``params.num_samples`` agent episodes per problem (``max_turns`` does not
-        apply: an agent decides its calls; ``max_tokens`` bounds each row)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        limits = replace(self.limits, max_tokens=max_tokens, skip_errors=skip_env_errors)
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """``params.num_samples`` agent episodes per problem (``max_turns`` does not apply: an
+        agent decides its calls; ``max_tokens`` bounds each row; ``seed``: unused)."""
+        limits = replace(
+            self.limits, max_tokens=limits["max_tokens"], skip_errors=limits["skip_env_errors"]
+        )
         job = Job(next(self._ids), self.inner.version, _KIND)
-        play = functools.partial(self._play, list(problems), params, limits)
+        play = functools.partial(self._play, problems, params, limits)
         self._jobs[job.id] = play if self.at_collect else self._executor.submit(play)
         return job
 

@@ -155,7 +155,7 @@ def check_image_prompts(
     sampler: Any, prompts: Sequence[Any], images: Sequence[Sequence[Any]]
 ) -> None:
     """``images`` fit ``prompts`` (texts, one image list each) and ``sampler`` (a rollout backend
-    or an asynchronous sampler) has an ``image_encoder``; a ``ValueError`` naming them otherwise."""
+    or a sampler) has an ``image_encoder``; a ``ValueError`` naming them otherwise."""
     if getattr(sampler, "image_encoder", None) is None:
         raise ValueError(
             f"images were given but this {type(sampler).__name__} has no image_encoder "

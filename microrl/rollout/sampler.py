@@ -45,7 +45,7 @@ class Job:
 
 @dataclass(frozen=True)
 class SamplerOptions:
-    """What every asynchronous sampler starts with (``AsyncRollout``, ``AsyncRolloutPool`` for
+    """What every out-of-process sampler starts with (``AsyncRollout``, ``AsyncRolloutPool`` for
     each of its workers, ``VLLMServerRollout``); the recipes fill it from ``rollout.*``.
 
     Attributes:
@@ -97,8 +97,10 @@ class Sampler(ABC):
 
     version: int
     sync_stats: dict[int, dict[str, float]]
-    #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it.
+    #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it
+    #: (``needs_env_maker``) unless the sampler plays episodes its own way (agents).
     env_maker: Callable[[Any], Any] | None = None
+    needs_env_maker: bool = True
     trainer_thread: bool = False  # out-of-process samplers: neither
     samples_at_collect: bool = False
 
@@ -126,7 +128,7 @@ class Sampler(ABC):
     ) -> Job:
         """Queue the multi-turn episodes of ``problems`` (each row's environment
         ``env_maker(problem)``); ``seed``: the job's seed (None: drawn from ``params``)."""
-        if self.env_maker is None:
+        if self.env_maker is None and self.needs_env_maker:
             raise ValueError(f"submit_episodes needs the env_maker given to {type(self).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -35,7 +35,7 @@ class SPGroupSampler(Sampler):
     ``submit`` draws the job's seed as the sampler does (torch's generator stays in step across
     the group), ``collect`` receives the first process's rollout, and ``sync`` joins the push's
     collectives (``join_push``). Every method is called on every process in the same order, as
-    the recipes' prefetcher does. Every sampler draws one seed per job (``draw_seed``); a
+    the recipes' rollout source does. Every sampler draws one seed per job (``draw_seed``); a
     sampler that drew otherwise would leave the group's generators apart, which the engine's
     same-batch check of the sp group reports.
     """
