@@ -157,17 +157,17 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
         sampler.close()
     else:
         worker = _asynchronous_sampler(engine, tokenizer, args)
-        prefetch = RolloutSource(
+        source = RolloutSource(
             worker, task, params, rng, args.prompts, max_staleness=k, last_step=total
         )
         try:
             for step in range(1, total + 1):
                 starts.append(time.perf_counter())
                 cpu_starts.append(time.process_time())
-                _, rollout, scores, _ = prefetch.take(step)  # staleness/* computed
+                _, rollout, scores, _ = source.take(step)  # staleness/* computed
                 waits.append(time.perf_counter() - starts[-1])
                 _train(engine, rollout, scores, args)
-                prefetch.sync(engine)  # gather + probe + push (the trainer's share of a sync)
+                source.sync(engine)  # gather + probe + push (the trainer's share of a sync)
                 rests.append(time.perf_counter() - starts[-1] - waits[-1])
             end, cpu_end = time.perf_counter(), time.process_time()
             jobs, syncs = worker.job_seconds[args.warmup :], worker.sync_seconds[args.warmup :]
@@ -177,7 +177,7 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
             worker_cpu = sum(cpu[args.warmup :]) / max(len(jobs), 1)
             worker_sync = sum(syncs) / max(len(syncs), 1)
         finally:
-            prefetch.close()
+            source.close()
     timed = slice(args.warmup, None)
     elapsed = end - starts[args.warmup]
     out = {

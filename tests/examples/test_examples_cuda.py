@@ -77,7 +77,7 @@ def test_multi_turn_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
 
 
 def test_asynchronous_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
-    """rollout.max_staleness=1: the prefetched host rollouts, the staleness metrics and each
+    """rollout.max_staleness=1: the host rollouts sampled ahead, the staleness metrics and each
     push's probe check on the trainer's GPU. The simulation reaches no other process: the hf
     worker samples on the CPU, where the real one takes the trainer's GPU."""
     from microrl.rollout.samplers import hf_worker

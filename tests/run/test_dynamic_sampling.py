@@ -235,7 +235,7 @@ def _sampled_ahead(
     The step results, the task (its prompt stream) and, when stopped, the checkpoint."""
     task = ScriptedTask(STEPS_SPREAD)
     task.drawn = 0 if state is None else state["drawn"]
-    prefetch = RolloutSource(
+    source = RolloutSource(
         ScriptedWorker(start),
         task,
         PARAMS,
@@ -250,13 +250,13 @@ def _sampled_ahead(
     )
     results = {}
     for step in range(start + 1, steps + 1):
-        results[step] = prefetch.take(step)
-        prefetch.sync(engine=None)
+        results[step] = source.take(step)
+        source.sync(engine=None)
         if step == stop_after:
-            saved = {"ahead": prefetch.state_dict(), "drawn": task.drawn}
-            prefetch.close()
+            saved = {"ahead": source.state_dict(), "drawn": task.drawn}
+            source.close()
             return results, task, saved
-    prefetch.close()
+    source.close()
     return results, task, None
 
 
@@ -301,7 +301,7 @@ def test_with_k1_the_next_steps_round_is_sampled_while_a_step_trains() -> None:
     staleness 0 on every step.)"""
     steps = 4
     task, worker = ScriptedTask([True, False] * 2 * steps), ScriptedWorker()
-    prefetch = RolloutSource(
+    source = RolloutSource(
         worker,
         task,
         PARAMS,
@@ -314,12 +314,12 @@ def test_with_k1_the_next_steps_round_is_sampled_while_a_step_trains() -> None:
     )
     queued, staleness = [], []
     for step in range(1, steps + 1):
-        result = prefetch.take(step)
+        result = source.take(step)
         assert result.metrics["dynamic_sampling/rounds"] == 2.0
         queued.append(len(worker.jobs))  # what the worker samples while the step trains
         staleness.append(result.metrics["staleness/max"])
-        prefetch.sync(engine=None)
-    prefetch.close()
+        source.sync(engine=None)
+    source.close()
     assert queued == [1, 1, 1, 0]  # none past the last step
     assert staleness == [0.0, 1.0, 1.0, 1.0]
     assert task.drawn == 2 * 2 * steps  # every round drawn was trained on

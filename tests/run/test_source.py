@@ -98,7 +98,7 @@ def _run(
     rng = random.Random(7)
     if state is not None:
         rng.setstate(state["rng"])
-    prefetch = RolloutSource(
+    source = RolloutSource(
         worker,
         AdditionTask(9, 8),
         PARAMS,
@@ -111,15 +111,15 @@ def _run(
     )
     trained, metrics = {}, {}
     for step in range(start + 1, steps + 1):
-        problems, _, scores, metrics[step] = prefetch.take(step)
+        problems, _, scores, metrics[step] = source.take(step)
         assert scores.tolist() == [1.0] * len(scores)  # scored against the right problems
         trained[step] = [p.prompt for p in problems]
-        prefetch.sync(engine=None)
+        source.sync(engine=None)
         if step == stop_after:
-            saved = {"ahead": prefetch.state_dict(), "rng": rng.getstate()}
-            prefetch.close()
+            saved = {"ahead": source.state_dict(), "rng": rng.getstate()}
+            source.close()
             return trained, metrics, saved
-    prefetch.close()
+    source.close()
     return trained, metrics, worker
 
 
@@ -188,14 +188,14 @@ def test_a_checkpoint_with_rollouts_ahead_needs_a_staleness_bound_that_holds_the
 
 def test_a_rollout_beyond_the_bound_is_never_trained_on() -> None:
     worker = FakeWorker()
-    prefetch = RolloutSource(
+    source = RolloutSource(
         worker, AdditionTask(9, 8), PARAMS, random.Random(0), 2, max_staleness=1, last_step=5
     )
-    prefetch.take(1)
+    source.take(1)
     worker.version = -1  # as if step 2's job had been sampled before the base weights
-    prefetch._rounds[0].job = worker.submit(["1+1="], PARAMS)
+    source._rounds[0].job = worker.submit(["1+1="], PARAMS)
     with pytest.raises(RuntimeError, match=r"step 2: .* 2 versions stale, beyond "):
-        prefetch.take(2)
+        source.take(2)
 
 
 def test_k_without_a_behaviour_correction_warns_once_naming_the_corrections(caplog) -> None:

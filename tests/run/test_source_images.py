@@ -102,7 +102,7 @@ def _run(steps: int, *, start: int = 0, state=None, stop_after: int | None = Non
     worker, rng = ImageWorker(start), random.Random(3)
     if state is not None:
         rng.setstate(state["rng"])
-    prefetch = RolloutSource(
+    source = RolloutSource(
         worker,
         ImageTask(),
         PARAMS,
@@ -114,15 +114,15 @@ def _run(steps: int, *, start: int = 0, state=None, stop_after: int | None = Non
     )
     trained = {}
     for step in range(start + 1, steps + 1):
-        problems, _, scores, _ = prefetch.take(step)
+        problems, _, scores, _ = source.take(step)
         assert scores.tolist() == [1.0] * len(scores)
         trained[step] = ([p.prompt for p in problems], _pixels(problems))
-        prefetch.sync(engine=None)
+        source.sync(engine=None)
         if step == stop_after:
-            saved = {"ahead": prefetch.state_dict(), "rng": rng.getstate()}
-            prefetch.close()
+            saved = {"ahead": source.state_dict(), "rng": rng.getstate()}
+            source.close()
             return trained, worker, saved
-    prefetch.close()
+    source.close()
     return trained, worker, None
 
 

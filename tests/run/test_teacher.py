@@ -394,18 +394,18 @@ def test_rounds_are_scored_by_the_sources_thread_while_the_trainer_works(backgro
         rollout.batch["teacher_logprobs"] = torch.zeros(rollout.batch["input_ids"].shape)
 
     worker = ScoredWorker()
-    prefetch = RolloutSource(
+    source = RolloutSource(
         worker, AdditionTask(9, 8), worker.params, random.Random(0), 2,
         max_staleness=1, last_step=2, score_ahead=background, scorer=score,
     )  # fmt: skip
     time.sleep(0.4)  # the trainer trains meanwhile
-    _, rollout, scores, _ = prefetch.take(1)
+    _, rollout, scores, _ = source.take(1)
     assert "teacher_logprobs" in rollout.batch and scores.tolist() == [1.0] * 4
     if background:
-        assert prefetch.scorer_wait_s < 0.1 and threads[0].startswith("microrl-score")
+        assert source.scorer_wait_s < 0.1 and threads[0].startswith("microrl-score")
     else:
-        assert prefetch.scorer_wait_s >= 0.2 and threads[0] == threading.current_thread().name
-    prefetch.close()
+        assert source.scorer_wait_s >= 0.2 and threads[0] == threading.current_thread().name
+    source.close()
 
 
 if __name__ == "__main__":
