@@ -177,7 +177,7 @@ class RolloutBackend(ABC):
             prompt_ids = self._encode(prompts)
             samples = self._sample(prompt_ids, params)
         else:
-            self._check_images(prompts, images)
+            check_image_prompts(self, prompts, images)
             encoded = self.image_encoder.encode(self.tokenizer, prompts, images)
             prompt_ids = encoded.ids
             samples = self._sample_images(encoded, params)
@@ -239,7 +239,7 @@ class RolloutBackend(ABC):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if images is not None:
-            self._check_images(prompts, images)
+            check_image_prompts(self, prompts, images)
         episodes = play_episodes(
             self,
             prompts,
@@ -272,9 +272,6 @@ class RolloutBackend(ABC):
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
         raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
-
-    def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
-        check_image_prompts(self, prompts, images)
 
     def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts)

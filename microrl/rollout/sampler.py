@@ -15,7 +15,7 @@ from typing import Any
 
 from microrl.engine.base import Engine
 from microrl.rollout.base import Rollout, SamplingParams
-from microrl.rollout.images import ImageEncoder, check_image_prompts
+from microrl.rollout.images import ImageEncoder
 from microrl.rollout.weights.sync_check import default_sync_check_tol
 
 __all__ = [
@@ -185,11 +185,6 @@ class Sampler(ABC):
         self.sync_check_tol = options.sync_check_tol or default_sync_check_tol(engine)
         self.image_encoder = options.image_encoder
         return options
-
-    def _check_images(self, prompts: Sequence[Any], images: Sequence[Sequence[Any]]) -> None:
-        """``images`` fit ``prompts`` and this sampler has an image encoder
-        (``SamplerOptions.image_encoder``): :func:`~microrl.rollout.images.check_image_prompts`."""
-        check_image_prompts(self, prompts, images)
 
     def __enter__(self):
         return self

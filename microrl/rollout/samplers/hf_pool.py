@@ -30,6 +30,7 @@ from microrl.rollout.base import (
     encode_prompts,
 )
 from microrl.rollout.episodes import EpisodeError
+from microrl.rollout.images import check_image_prompts
 from microrl.rollout.merge import merge_rollouts
 from microrl.rollout.sampler import Job, Sampler, SamplerOptions, WorkerError
 from microrl.rollout.samplers.hf_worker import AsyncRollout, warn_if_oversubscribed
@@ -220,7 +221,7 @@ class AsyncRolloutPool(Sampler):
         self._check_open()
         _check_params(params)
         if images is not None:
-            self._check_images(prompts, images)
+            check_image_prompts(self, prompts, images)
 
             def submit(worker: AsyncRollout, chunk: list, part_params: SamplingParams, seed: int):
                 texts, rows = [p for p, _ in chunk], [row for _, row in chunk]

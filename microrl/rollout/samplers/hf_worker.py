@@ -46,6 +46,7 @@ from microrl.rollout.base import (
     encode_prompts,
 )
 from microrl.rollout.channel import ChannelClosed, Receiver, Sender, close_all, start_process
+from microrl.rollout.images import check_image_prompts
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler, WorkerError
 from microrl.rollout.samplers.hf import engine_autocast_dtype
 from microrl.rollout.weights.full_weights import FullWeights
@@ -345,7 +346,7 @@ class AsyncRollout(Sampler):
         preprocessing path). ``seed``: the job's seed (a pool's part seed); None:
         :func:`draw_seed`."""
         if images is not None:
-            self._check_images(prompts, images)
+            check_image_prompts(self, prompts, images)
             args = (list(prompts), params, [list(row) for row in images])
             return self._submit("generate", args, params, seed)
         prompt_ids = encode_prompts(self.tokenizer, prompts)

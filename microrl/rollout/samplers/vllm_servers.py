@@ -41,7 +41,7 @@ from microrl.rollout.base import (
     draw_seed,
     encode_prompts,
 )
-from microrl.rollout.images import ImagePrompts
+from microrl.rollout.images import ImagePrompts, check_image_prompts
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler, WorkerError
 from microrl.rollout.samplers import vllm_options
 from microrl.rollout.samplers.vllm_http import ServerClient, exit_status
@@ -377,7 +377,7 @@ class VLLMServerRollout(Sampler):
         the servers as lossless PNGs; the prompt each server ran is checked against the
         encoder's (docs/rollouts.md#images)."""
         if images is not None:
-            self._check_images(prompts, images)
+            check_image_prompts(self, prompts, images)
             texts, rows = list(prompts), [list(row) for row in images]
             run = lambda: self.backend.generate(texts, params, images=rows)  # noqa: E731
             return self._submit(run, "generate", params)

@@ -16,6 +16,7 @@ import itertools
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -28,8 +29,8 @@ from microrl.configs import ActorConfig, LoraConfig
 from microrl.engine import ActorEngine
 from microrl.engine.vision import pad_images
 from microrl.rollout import HFRollout, SamplingParams
-from microrl.rollout.images import ImageEncoder
-from microrl.rollout.sampler import POLICY_VERSION_KEY, Sampler, SamplerOptions
+from microrl.rollout.images import ImageEncoder, check_image_prompts
+from microrl.rollout.sampler import POLICY_VERSION_KEY, SamplerOptions
 from microrl.rollout.samplers.hf_pool import AsyncRolloutPool, part_seeds
 
 PROMPTS = [f"1{IMAGE}2=", "3+4=", f"{IMAGE}5{IMAGE}="]
@@ -88,20 +89,15 @@ def test_pool_workers_sample_image_prompts_as_the_synchronous_sampler(vlm_engine
         assert not set(IMAGE_KEYS) & set(text.batch.keys())
 
 
-class _Sampler(Sampler):
-    def __init__(self, encoder) -> None:
-        self.image_encoder = encoder
-
-
 def test_image_jobs_are_checked_before_they_are_sent() -> None:
     _, tokenizer, processor = toy_vlm()
     encoder = ImageEncoder(processor, tokenizer.convert_tokens_to_ids("<|image_pad|>"), 2)
     with pytest.raises(ValueError, match="no image_encoder"):
-        _Sampler(None)._check_images(PROMPTS, images())
+        check_image_prompts(SimpleNamespace(image_encoder=None), PROMPTS, images())
     with pytest.raises(ValueError, match="one image list per prompt"):
-        _Sampler(encoder)._check_images(PROMPTS, images()[:2])
+        check_image_prompts(SimpleNamespace(image_encoder=encoder), PROMPTS, images()[:2])
     with pytest.raises(ValueError, match="text prompts"):
-        _Sampler(encoder)._check_images([[1, 2]], [[]])
+        check_image_prompts(SimpleNamespace(image_encoder=encoder), [[1, 2]], [[]])
 
 
 # ----------------------------------------------------------------- vLLM servers (stand-in)
