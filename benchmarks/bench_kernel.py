@@ -36,7 +36,12 @@ memory nor allocator state leaks between them. Reported per implementation, case
 ``torch.cuda.synchronize()`` calls, and extra peak memory from ``torch.cuda.max_memory_allocated``
 (reset before each step) minus the allocated bytes before it minus the gradient buffers. The
 matmul probe there runs in the input dtype (on CUDA the head multiplies 16-bit inputs with
-float32 accumulation and output), and the default implementations are eager, microrl and Liger.
+float32 accumulation and output), and the default implementations are eager, ``microrl`` (what
+``implementation="auto"`` takes: the GPU path), ``microrl-tiles`` (the previous path, forced),
+``microrl-fused`` (``fused_linear_loss`` on the same objective, its gradients formed in forward)
+and Liger. Each row says which implementation ran (``microrl.kernels.last_implementation``) and
+its time against the GEMM floor: 4 GEMMs of the probe's rate (3 for the fused loss).
+``--key-figure results.json`` prints the GPU check's key line from saved results.
 
 Peers (benchmark-only, not project dependencies; skipped when not importable):
 TRL ``ChunkedLogProbFunction`` (torch path on CPU, TRL trainer's vocabulary chunk 32768), verl
@@ -68,11 +73,18 @@ import sys
 import time
 
 IMPLS = ("eager", "microrl", "trl", "verl", "cce")
-# Liger's kernels are Triton, GPU only: it is a default peer on CUDA, not on a CPU.
-CUDA_IMPLS = ("eager", "microrl", "liger")
+# Liger's kernels are Triton, GPU only: it is a default peer on CUDA, not on a CPU. On CUDA
+# microrl runs its GPU path; microrl-tiles forces the previous one (CPU tiles, 16-bit matmuls).
+CUDA_IMPLS = ("eager", "microrl", "microrl-tiles", "microrl-fused", "liger")
 # x N*H*V: 6 when the logits are kept for backward (eager, cce's compiled full logits), 8 when
-# backward recomputes them; microrl keeps its first tiles, see _flops.
-FLOPS_FACTOR = {"eager": 6, "microrl": 8, "trl": 8, "verl": 8, "cce": 6, "liger": 8}
+# backward recomputes them; microrl keeps its first tiles on a CPU, see _flops; its fused loss
+# forms the gradients in forward (6 with its tiles kept; _flops).
+FLOPS_FACTOR = {
+    "eager": 6, "microrl": 8, "trl": 8, "verl": 8, "cce": 6, "liger": 8, "microrl-tiles": 8,
+    "microrl-fused": 6,
+}  # fmt: skip
+# GEMMs of the floor per implementation: the fused loss's is 3 (no backward recompute).
+FLOOR_GEMMS = {"microrl-fused": 3}
 DEFAULT_CASES = "2048x1024x32768,1024x1024x32768,512x1024x151936,256x1024x151936"
 QUICK_CASES = "512x256x8192,256x256x8192"
 DTYPES = ("float32", "bfloat16")
@@ -115,6 +127,12 @@ def _load(impl: str, device: str = "cpu"):
         from microrl.kernels import fused_linear_logprob
 
         return fused_linear_logprob
+    if impl == "microrl-tiles":
+        from functools import partial
+
+        from microrl.kernels import fused_linear_logprob
+
+        return partial(fused_linear_logprob, implementation="tiles")
     if impl == "trl":
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
@@ -152,6 +170,10 @@ def _load(impl: str, device: str = "cpu"):
             return -liger_fused_linear_cross_entropy(h, w, t, reduction="none"), None
 
         return liger
+    if impl == "microrl-fused":
+        from microrl.kernels import fused_linear_loss
+
+        return fused_linear_loss
     if impl == "matmul":
 
         def matmul(h, w, t):
@@ -160,6 +182,17 @@ def _load(impl: str, device: str = "cpu"):
 
         return matmul
     raise ValueError(f"unknown implementation {impl!r}")
+
+
+def fused_step(fused_linear_loss, hidden, weight, targets, g_lp, g_ent, kwargs) -> None:
+    """``fused_linear_loss`` on the benchmark's objective, ``sum(g_lp * logprobs) + sum(g_ent *
+    entropy)`` per group of rows: the same gradients, formed in its forward."""
+
+    def loss_fn(start, end, lp, ent):
+        return (lp * g_lp[start:end]).sum() + (ent * g_ent[start:end]).sum(), None
+
+    out = fused_linear_loss(hidden, weight, targets, loss_fn, with_entropy=True, **kwargs)
+    out.loss.backward()
 
 
 def _probe_dtype(device: str, dtype: str) -> str:
@@ -203,6 +236,9 @@ def worker(
         kwargs["bias"] = bias
 
     def step():
+        if base_impl == "microrl-fused":
+            fused_step(fn, hidden, weight, targets, g_lp, g_ent, kwargs)
+            return
         logprobs, entropy = fn(hidden, weight, targets, **kwargs)
         if logprobs is None:  # the matmul roofline probe
             return
@@ -238,7 +274,18 @@ def worker(
         cpu.append(time.process_time() - start_cpu)
         peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
         extras.append(peak - base - grad_bytes)
-    return {"impl": impl, "times": times, "cpu": cpu, "extra_bytes": max(extras)}
+    return {
+        "impl": impl, "times": times, "cpu": cpu, "extra_bytes": max(extras), "ran": _ran(impl),
+    }  # fmt: skip
+
+
+def _ran(impl: str) -> str | None:
+    """The implementation microrl's last call ran (None for the others)."""
+    if not impl.startswith("microrl"):
+        return None
+    from microrl.kernels import last_implementation
+
+    return last_implementation()
 
 
 def _worker_rss(impl: str, step, calls: int, new_grad_bytes: int) -> dict:
@@ -257,7 +304,7 @@ def _worker_rss(impl: str, step, calls: int, new_grad_bytes: int) -> dict:
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     extra = _status_kib("VmHWM") * 1024 - base - new_grad_bytes
-    return {"impl": impl, "times": times, "cpu": cpu, "extra_bytes": extra}
+    return {"impl": impl, "times": times, "cpu": cpu, "extra_bytes": extra, "ran": _ran(impl)}
 
 
 def _run_worker(impl, case, reps, threads, timeout, dtype, device="cpu", rss=False):
@@ -300,6 +347,9 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--from-json", default=None, help="only print the table of saved results")
     parser.add_argument(
+        "--key-figure", default=None, help="print the GPU check's key line of saved CUDA results"
+    )
+    parser.add_argument(
         "--rss",
         action="store_true",
         help="CPU: memory with the .grad buffers existing (peak RSS over the steps less one [V, H]"
@@ -323,6 +373,11 @@ def main() -> None:
         with open(args.from_json) as f:
             print(_table(json.load(f), args))
         return
+    if args.key_figure:
+        with open(args.key_figure) as f:
+            line, ok = key_figure(json.load(f))
+        print(line)
+        sys.exit(0 if ok else 1)
     if args.quick:
         args.cases = args.cases or QUICK_CASES
         args.rounds = 1
@@ -349,6 +404,8 @@ def main() -> None:
                     continue
                 per[impl]["times"] += r["times"]
                 per[impl]["cpu"] += r["cpu"]
+                if r.get("ran"):
+                    per[impl]["ran"] = r["ran"]
                 per[impl].setdefault("rounds", []).append(r["times"])
                 old, new = per[impl]["extra_bytes"], r["extra_bytes"]
                 per[impl]["extra_bytes"] = new if old is None else pick(old, new)
@@ -364,15 +421,17 @@ def main() -> None:
     print(_table(results, args))
 
 
-def _flops(impl: str, n: int, h: int, v: int) -> float:
-    """FLOPs of one forward+backward: 2*N*H*V per matmul over the logits."""
+def _flops(impl: str, n: int, h: int, v: int, ran: str | None = None) -> float:
+    """FLOPs of one forward+backward: 2*N*H*V per matmul over the logits (``ran``: the
+    implementation microrl ran; its GPU path recomputes every tile, 8*N*H*V)."""
     impl, _, head = impl.partition(":")
-    if impl != "microrl":
+    if impl != "microrl" or ran not in (None, "tiles"):
         return FLOPS_FACTOR[impl] * n * h * v
     from microrl.kernels import linear_logprob
+    from microrl.kernels._checks import HeadSpec
 
     softcap = HEADS[head].get("softcap") if head else None
-    plan = linear_logprob._plan(n, v, None, True, 1.0, (True, True), False, h, 1.0, softcap)
+    plan = linear_logprob._plan(n, v, HeadSpec(softcap=softcap), (True, True), False, h)
     tiles = [
         min(plan.rows, n - i) * min(plan.vocab_tile, v - j)
         for i in range(0, n, plan.rows)
@@ -410,9 +469,9 @@ def _table(results: dict, args) -> str:
         f"device {device}, torch.set_num_threads({args.threads}), "
         f"reps={args.reps} x rounds={args.rounds}{mode}",
         "",
-        "| N x H x V | dtype | impl | median s | vs eager | CPU s | extra peak MiB | vs eager "
-        "| GFLOP/s | of matmul |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| N x H x V | dtype | impl | ran | median s | vs eager | CPU s | extra peak MiB "
+        "| vs eager | GFLOP/s | of matmul | vs floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, per in results.items():
         shape, _, dtype = key.partition(":")  # older JSON: "NxHxV", float32
@@ -426,21 +485,26 @@ def _table(results: dict, args) -> str:
             if impl == "matmul":
                 continue
             if not r["times"]:
-                lines.append(f"| {case} | {impl} | n/a: {r.get('error', 'no result')} ||||||||")
+                lines.append(f"| {case} | {impl} | n/a: {r.get('error', 'no result')} ||||||||||")
                 continue
             t, cpu = statistics.median(r["times"]), statistics.median(r["cpu"])
             rounds = _rounds(r, args.reps)
             vs_eager = _paired(rounds, _rounds(eager, args.reps)) if m_eager else float("nan")
-            # of matmul: this implementation's FLOP rate over the matmul probe's, paired by round.
-            of_matmul = _flops(impl, n, h, v) / (2 * n * h * v) / _paired(rounds, mm_rounds)
+            flops = _flops(impl, n, h, v, r.get("ran"))
+            # of matmul: this implementation's FLOP rate over the matmul probe's, paired by round;
+            # vs floor: its time over the floor's (4 GEMMs, or 3, at the probe's rate).
+            ratio = _paired(rounds, mm_rounds)
+            of_matmul = flops / (2 * n * h * v) / ratio
+            vs_floor = ratio / FLOOR_GEMMS.get(impl.partition(":")[0], 4)
             mib = r["extra_bytes"] / 2**20
             mem = f"{r['extra_bytes'] / m_eager:.1%}" if m_eager else ""
             lines.append(
-                f"| {case} | {impl} | {_seconds(t)} | {vs_eager:.2f}x | {cpu:.1f} | {mib:.0f} | {mem} "
-                f"| {_flops(impl, n, h, v) / t / 1e9:.0f} | {of_matmul:.0%} |"
+                f"| {case} | {impl} | {r.get('ran') or ''} | {_seconds(t)} | {vs_eager:.2f}x | "
+                f"{cpu:.1f} | {mib:.0f} | {mem} | {flops / t / 1e9:.0f} | {of_matmul:.0%} | "
+                f"{vs_floor:.2f}x |"
             )
         probe = _probe_dtype(device, dtype or "float32")
-        lines.append(f"| {case} | ({probe} matmul probe) | | | | | | {roof:.0f} | 100% |")
+        lines.append(f"| {case} | ({probe} matmul probe) | | | | | | | {roof:.0f} | 100% | |")
     heads = [
         (key, impl, r, per[impl.partition(":")[0]])
         for key, per in results.items()
@@ -461,6 +525,39 @@ def _table(results: dict, args) -> str:
                 f"| {shape} | {dtype or 'float32'} | {impl} | {_seconds(t)} | {ratio:.2f}x |"
             )
     return "\n".join(lines)
+
+
+def key_figure(results: dict) -> tuple[str, bool]:
+    """``(KEY line, ok)`` of CUDA results: per shape, microrl's time and extra peak memory over
+    Liger's (eager's without Liger), its fused loss's time over Liger's, its time over the
+    4-GEMM floor, and the implementation that ran; not ok when microrl failed or did not run its
+    GPU path (``"triton"``)."""
+    figures, ok = [], True
+    for case, per in results.items():
+        shape = case.split(":")[0]
+        mine, liger = per["microrl"], per.get("liger")
+        if not mine["times"] or mine.get("ran") != "triton":
+            figures.append(f"{shape}: microrl {mine.get('error') or 'ran ' + str(mine.get('ran'))}")
+            ok = False
+            continue
+        peer = "liger" if liger and liger["times"] else "eager"
+        other = per[peer]
+        if not other["times"]:
+            continue
+        t = statistics.median(mine["times"])
+        parts = [
+            f"time {t / statistics.median(other['times']):.2f}x",
+            # Extra peak memory can be ~0 for a kernel that keeps nothing: guard the division.
+            f"extra peak memory {mine['extra_bytes'] / max(other['extra_bytes'], 1):.2f}x",
+        ]
+        fused = per.get("microrl-fused", {})
+        if fused.get("times"):
+            ratio = statistics.median(fused["times"]) / statistics.median(other["times"])
+            parts.append(f"fused loss {ratio:.2f}x")
+        if per["matmul"]["times"]:
+            parts.append(f"{t / (4 * statistics.median(per['matmul']['times'])):.2f}x the floor")
+        figures.append(f"{shape} microrl/{peer} ({mine['ran']}): " + ", ".join(parts))
+    return "KEY: " + "; ".join(figures), ok
 
 
 if __name__ == "__main__":

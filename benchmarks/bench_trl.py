@@ -176,7 +176,7 @@ def trl_args(cfg: Any, steps: int, out_dir: str, *, device: str = "cpu") -> Any:
     # DAPO's knobs that TRL's GRPOTrainer has no counterpart for (mask_truncated has one).
     if getattr(cfg.rollout, "dynamic_sampling", False) or getattr(cfg.task, "overlong_buffer", 0):
         raise ValueError(
-            "the benchmark needs rollout.dynamic_sampling and task.overlong_buffer off"
+            "the benchmark needs rollout.dynamic_sampling and task.rewards.overlong_buffer off"
         )
     return GRPOConfig(
         output_dir=out_dir,

@@ -33,10 +33,11 @@
 #   recipe-vllm-2gpu    vLLM in process on 2 GPUs
 #   recipe-async-hf     rollout.max_staleness=1: an hf worker process samples a step ahead
 #   tests-vllm          tests/rollout/samplers/test_rollout_vllm.py: LoRA and full-weight syncs in bf16
-#   kernel-cuda         fused_linear_logprob on CUDA tensors against the float64 reference
+#   kernel-cuda         the fused head on CUDA tensors against float64, and that the GPU path ran
 #   tests-cuda          the tests written for CUDA (cuda_tests below)
 #   sp-flash            Ulysses attention on the real flash_attention_2 kernel, when it imports
-#   bench-kernel        benchmarks/bench_kernel.py --device cuda (eager, microrl, Liger)
+#   bench-kernel        benchmarks/bench_kernel.py --device cuda (the GPU path, its fused loss,
+#                       the previous tiles path, Liger and eager)
 #   bench-long          benchmarks/bench_long.py --device cuda --only offload
 #   and gpu_check_steps.sh's: gpu-step-qwen05, gpu-step-qwen15, gpu-step-offload, recipe-offload,
 #   recipe-ppo, recipe-teacher, recipe-reward, ipc-roundtrip, bench-kernel-7b
@@ -82,9 +83,9 @@ BUDGET_S=${GPU_CHECK_BUDGET_S:-450} # main() sets the plan's default
 MIN_STEP_S=20
 # Exit code a step uses for "nothing to do here" (automake's convention).
 SKIP_RC=77
-# bench_kernel.py shapes, NxHxV: Qwen2.5-7B's head (H 3584, V 152064) on 8192 tokens, and a
-# 32k vocabulary on 16384 tokens.
-BENCH_CASES=8192x3584x152064,16384x2048x32768
+# bench_kernel.py shapes, NxHxV: Qwen2.5-7B's head (H 3584, V 152064) on 8192 tokens, a 32k
+# vocabulary on 16384 tokens, and Llama-3-8B's head (H 4096, V 128256) on 4096 tokens.
+BENCH_CASES=8192x3584x152064,16384x2048x32768,4096x4096x128256
 STEP_NAMES=()
 STEP_STATUS=()
 STEP_SECONDS=()
@@ -395,76 +396,10 @@ step_tests_vllm() {
 }
 
 step_kernel_cuda() {
-    # The kernel tests build their tensors on the CPU, where 16-bit inputs are upcast; this runs
-    # their cases on CUDA tensors, where bf16/fp16 take the native 16-bit matmul path, with the
-    # tolerances of the test that emulates that path (tests/kernels/test_kernel_precision.py).
-    "$PYTHON" - <<'EOF'
-import sys
-import time
-
-import torch
-
-sys.path.insert(0, "tests/kernels")
-from kernel_utils import assert_outputs_close, run
-from test_kernel_precision import N, make, truth
-
-from microrl.kernels import fused_linear_logprob, linear_logprob
-
-GRAD_ATOL_16 = 2**-7  # the logit gradient is rounded to 16 bits before the weight matmuls
-worst = 0.0
-
-
-def to_cuda(hidden, weight, targets, grads):
-    """``make``'s CPU tensors as CUDA leaves."""
-    hidden, weight = (t.detach().cuda().requires_grad_() for t in (hidden, weight))
-    return hidden, weight, targets.cuda(), grads.cuda()
-
-
-def check(name, hidden, weight, targets, grads, grad_atol, autocast=False, **kwargs):
-    global worst
-    want = truth(hidden, weight, targets, grads, **kwargs)
-    up = {"grad_lp": grads[0].float(), "grad_ent": grads[1].float()}
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        got = run(fused_linear_logprob, hidden, weight, targets, **up, **kwargs)
-    assert_outputs_close(got, want, values=(1e-4, 0.0), grad_atol=grad_atol, name=name)
-    worst = max(worst, (got[0].double() - want[0]).abs().max().item())
-    print(f"ok {name}")
-
-
-# 1. The precision test's case (logits up to ~30, where a bf16 ulp is 0.125) on CUDA.
-per_token = torch.rand(N, generator=torch.Generator().manual_seed(2)).cuda() + 0.5
-for dtype in (torch.bfloat16, torch.float16):
-    hidden, weight, targets, grads = to_cuda(*make(dtype))
-    assert linear_logprob._use_native16(hidden, weight), f"{dtype}: no native 16-bit matmul"
-    for temperature in (1.0, 0.6, per_token):
-        for chunk_size in (16, None):  # weight gradient summed over 3 row chunks, or the default
-            name = f"{dtype} T={'per-token' if torch.is_tensor(temperature) else temperature}"
-            check(
-                f"{name} chunk={chunk_size}", hidden, weight, targets, grads, GRAD_ATOL_16,
-                temperature=temperature, chunk_size=chunk_size,
-            )  # fmt: skip
-
-# 2. bf16 activations and a float32 weight under bf16 autocast, as the engine runs: the head
-#    still computes in float32 (a float32 matmul on CUDA), backward included.
-hidden, weight, targets, grads = to_cuda(*make(torch.bfloat16, torch.float32))
-check("autocast bf16/fp32", hidden, weight, targets, grads, 1e-5, autocast=True)
-
-# 3. An LLM-sized head with the default plan: several row chunks and vocabulary tiles.
-n, h, v = 4096, 2048, 32768
-g = torch.Generator(device="cuda").manual_seed(0)
-hidden = torch.randn(n, h, generator=g, device="cuda").bfloat16().requires_grad_()
-weight = (torch.randn(v, h, generator=g, device="cuda") * 2 * h**-0.5).bfloat16()
-targets = torch.randint(0, v, (n,), generator=g, device="cuda")
-grads = torch.randn(2, n, generator=g, device="cuda", dtype=torch.float64)
-check(f"{n}x{h}x{v} bf16", hidden, weight.requires_grad_(), targets, grads, GRAD_ATOL_16)
-torch.cuda.synchronize()
-start = time.perf_counter()
-for _ in range(5):
-    run(fused_linear_logprob, hidden, weight, targets, grad_lp=grads[0].float())
-torch.cuda.synchronize()
-ms = (time.perf_counter() - start) / 5 * 1e3
-print(f"KEY: within tolerance of float64, max |dlogprob| {worst:.1e}; {n}x{h}x{v} {ms:.0f} ms/step")
-EOF
+    # The fused head on CUDA tensors against float64 truth in bf16/fp16, at real shapes (N*V >
+    # 2**31 included), through the GPU path: fails when the implementation that ran is not
+    # "triton" (benchmarks/kernel_cuda_check.py says what it checks).
+    "$PYTHON" benchmarks/kernel_cuda_check.py --device cuda --implementation triton
 }
 
 step_tests_cuda() {
@@ -499,7 +434,7 @@ step_bench_long() {
 }
 
 step_bench_kernel() {
-    bench_kernel "$BENCH_CASES" eager,microrl
+    bench_kernel "$BENCH_CASES" eager,microrl,microrl-tiles,microrl-fused
 }
 
 # bench_kernel CASES IMPLS: bench_kernel.py on CUDA at CASES (NxHxV,...) for IMPLS, and Liger's
@@ -509,41 +444,11 @@ bench_kernel() {
     if "$PYTHON" -c 'import liger_kernel' 2>/dev/null; then
         impls+=,liger
     fi
-    # One round of 10 timed steps per implementation: the GPU is not shared, so one round is
+    # One round of 5 timed steps per implementation: the GPU is not shared, so one round is
     # stable, and each round costs a fresh process per implementation and shape.
     "$PYTHON" benchmarks/bench_kernel.py --device cuda --dtypes bfloat16 --impls "$impls" \
-        --cases "$cases" --reps 10 --rounds 1 --timeout 120 --json "$json" || return 1
-    "$PYTHON" - "$json" <<'EOF'
-import json
-import statistics
-import sys
-
-with open(sys.argv[1]) as f:
-    results = json.load(f)
-figures, failed = [], False
-for case, per in results.items():
-    shape = case.split(":")[0]
-    mine, liger = per["microrl"], per.get("liger")
-    if not mine["times"]:
-        figures.append(f"{shape}: microrl failed ({mine.get('error')})")
-        failed = True
-        continue
-    if liger is not None and not liger["times"]:
-        figures.append(f"{shape}: liger n/a ({str(liger.get('error'))[:80]})")
-    peer = "liger" if liger and liger["times"] else "eager"
-    other = per.get(peer)
-    if not other or not other["times"]:
-        figures.append(f"{shape} microrl: {statistics.median(mine['times']):.4f} s")
-        continue
-    time_ratio = statistics.median(mine["times"]) / statistics.median(other["times"])
-    # Extra peak memory can be ~0 for a kernel that keeps nothing: guard the division.
-    mem_ratio = mine["extra_bytes"] / max(other["extra_bytes"], 1)
-    figures.append(
-        f"{shape} microrl/{peer}: time {time_ratio:.2f}x, extra peak memory {mem_ratio:.2f}x"
-    )
-print("KEY: " + "; ".join(figures))
-sys.exit(1 if failed else 0)
-EOF
+        --cases "$cases" --reps 5 --rounds 1 --timeout 120 --json "$json" || return 1
+    "$PYTHON" benchmarks/bench_kernel.py --key-figure "$json"
 }
 
 # The second GPU session's steps (issue 40): the real-size step against TRL, cpu_offload, PPO,
@@ -768,15 +673,15 @@ plan_steps() {
             printf '%s\n' "setup 180" "recipe-hf 180" "recipe-hf-2gpu 150" "recipe-vision 180" \
                 "setup-vllm 180" "recipe-vllm 150" "recipe-vllm-servers 180" \
                 "recipe-vllm-full 150" "recipe-servers-full 180" "recipe-vllm-2gpu 180" \
-                "recipe-async-hf 150" "tests-vllm 180" "kernel-cuda 90" "tests-cuda 90" \
+                "recipe-async-hf 150" "tests-vllm 180" "kernel-cuda 150" "tests-cuda 90" \
                 "sp-flash 90" "bench-kernel 180" "bench-long 150" "gpu-step-qwen05 240" \
                 "gpu-step-qwen15 240" "gpu-step-offload 120" "recipe-offload 90" \
                 "recipe-ppo 90" "recipe-teacher 90" "recipe-reward 90" "ipc-roundtrip 60"
             ;;
         second)
-            printf '%s\n' "setup 40" "gpu-step-qwen05 120" "gpu-step-qwen15 90" \
-                "recipe-vision 60" "recipe-offload 40" "gpu-step-offload 50" "recipe-ppo 30" \
-                "recipe-teacher 30" "recipe-reward 30" "ipc-roundtrip 20" "bench-kernel-7b 50" \
+            printf '%s\n' "setup 40" "kernel-cuda 45" "gpu-step-qwen05 120" "gpu-step-qwen15 90" \
+                "bench-kernel-7b 50" "recipe-vision 50" "recipe-offload 35" "gpu-step-offload 35" \
+                "recipe-ppo 25" "recipe-teacher 25" "recipe-reward 25" "ipc-roundtrip 20" \
                 "setup-vllm 30" "recipe-vllm 150" "recipe-vllm-servers 180" \
                 "recipe-hf-2gpu 150" "sp-flash 90"
             ;;

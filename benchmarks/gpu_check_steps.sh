@@ -104,7 +104,7 @@ from pathlib import Path
 from model_reward_utils import save_reward_model
 
 save_reward_model(Path(sys.argv[1]), seed=2)' "$model" || return 1
-    quick_recipe recipe-reward task.reward_model="$model" task.reward_model_norm=group \
+    quick_recipe recipe-reward task.reward_model.path="$model" task.reward_model.norm=group \
         train.steps=4
 }
 

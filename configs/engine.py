@@ -14,7 +14,7 @@ import torch
 
 from microrl.configs.fields import config_field, require
 from microrl.losses.aggregation import AggMode
-from microrl.losses.config import PolicyLossConfig
+from microrl.losses.config import PolicyLossConfig, RouterLossConfig
 
 __all__ = [
     "BASE_DTYPES",
@@ -98,6 +98,13 @@ class LoraConfig:
     * a list of names: a module is adapted when its name is one of them or ends with
       ``".<name>"``; each name must match at least one module of the model.
 
+    ``target_parameters``: parameters adapted directly (peft's ``target_parameters``), e.g. a
+    mixture-of-experts model's fused 3-D expert weights ``["experts.gate_up_proj",
+    "experts.down_proj"]``; a name matches a parameter whose full name is it or ends with
+    ``".<name>"``, and each must match one. None: only what peft itself adds (for Qwen2/Qwen3-MoE
+    and Mixtral, ``"all-linear"`` also adapts the experts and the router, as it did when they were
+    linear layers). Adapted parameters need ``dropout=0`` (docs/engine.md#mixture-of-experts).
+
     ``dropout`` is the adapters' own dropout: an explicit choice, so ``disable_dropout`` of the
     engine leaves it alone (with ``dropout > 0`` the training forward is stochastic again).
     """
@@ -108,6 +115,10 @@ class LoraConfig:
     # str | list[str] | None; typed Any because OmegaConf < 2.4 rejects a union with a list.
     target_modules: Any = config_field(
         None, "layers that get an adapter (null: every linear layer but the head)"
+    )
+    # list[str] | None, typed Any for OmegaConf (as target_modules).
+    target_parameters: Any = config_field(
+        None, "parameters adapted directly, e.g. MoE experts' fused weights (null: none)"
     )
 
     def __post_init__(self) -> None:
@@ -136,6 +147,15 @@ class LoraConfig:
                 "lora.target_modules must be None (every linear layer but the output head), "
                 f"a string such as 'all-linear', or a list of module names; got {targets!r}"
             )
+        params = self.target_parameters
+        if params is not None:
+            ok = isinstance(params, (list, tuple)) and all(isinstance(t, str) and t for t in params)
+            if not ok or not params:
+                raise ValueError(
+                    "lora.target_parameters must be None or a non-empty list of parameter names "
+                    f"(e.g. ['experts.gate_up_proj', 'experts.down_proj']), got {params!r}"
+                )
+            self.target_parameters = list(params)
 
 
 @dataclass
@@ -213,8 +233,15 @@ class EngineConfig:
     freeze_vision: bool = config_field(
         True, "keep a vision-language model's vision tower frozen (false: it trains too)"
     )
+    # Mixture-of-experts models (docs/engine.md#mixture-of-experts): a batch that carries the
+    # per-token `routed_experts` key is replayed (each token through its recorded experts, gate
+    # weights from the trainer's router); false only measures the routing agreement.
+    routing_replay: bool = config_field(
+        True, "route MoE tokens through the batch's routed_experts (false: only measure them)"
+    )
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    router_loss: RouterLossConfig = field(default_factory=RouterLossConfig)
 
     def __post_init__(self) -> None:
         self.loss_agg_mode = AggMode.parse(self.loss_agg_mode)
@@ -265,6 +292,12 @@ class EngineConfig:
             "freeze_vision",
             "a bool (true or false)",
             self.freeze_vision,
+        )
+        require(
+            isinstance(self.routing_replay, bool),
+            "routing_replay",
+            "a bool (true or false)",
+            self.routing_replay,
         )
         require(
             isinstance(self.activation_offload, bool),

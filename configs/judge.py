@@ -1,8 +1,10 @@
 """The ``task.judge`` section: an LLM judge asked for a score over an OpenAI-compatible endpoint.
 
 The judge is on when ``url`` is set (:class:`microrl.tasks.judge.JudgeReward`, docs/tasks.md#llm-judges).
-The API key is never a config value: the judge reads it from the environment variable
-``api_key_env`` names, so it reaches neither the command line nor a saved config.
+It is an :class:`~microrl.configs.endpoint.EndpointConfig` (``url``, ``api_key_env``) plus ``model``
+with its grading settings: the API key is never a config value, the judge reads it from the
+environment variable ``api_key_env`` names, so it reaches neither the command line nor a saved
+config.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from microrl.configs.endpoint import EndpointConfig
 from microrl.configs.fields import config_field, require
 
 __all__ = ["DEFAULT_JUDGE_TEMPLATE", "JudgeConfig"]
@@ -25,12 +28,19 @@ _FIELDS = ("prompt", "response", "answer")
 
 
 @dataclass
-class JudgeConfig:
-    """An LLM judge: each response is sent to ``url`` (``/chat/completions``) with ``template``
-    filled in, and the score is the first match of ``score_pattern`` in the reply."""
+class JudgeConfig(EndpointConfig):
+    """An LLM judge: each response is sent to ``url`` (``/chat/completions``) asking for
+    ``model``, with ``template`` filled in, and the score is the first match of ``score_pattern``
+    in the reply. Its ``url`` and ``api_key_env`` are an endpoint's, their help written for a
+    judge; ``model`` is the judge's own (vLLM servers take none)."""
 
     url: str = config_field(
         "", "the judge's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (empty: off)"
+    )
+    api_key_env: str = config_field(
+        "OPENAI_API_KEY",
+        "the environment variable holding the server's API key (unset: no key is sent); the key "
+        "itself never goes in a config",
     )
     model: str = config_field("", "the judge's model name, as its server calls it")
     template: str = config_field(
@@ -56,10 +66,6 @@ class JudgeConfig:
         "null: a failed request or unparsable reply stops the run naming the row; a number: "
         "that row's score instead, counted in judge/failures",
     )
-    api_key_env: str = config_field(
-        "OPENAI_API_KEY",
-        "the environment variable holding the judge's API key (unset: no key is sent)",
-    )
     extra_body: dict[str, Any] = config_field(
         {},
         "extra request fields for the server, e.g. {structured_outputs: {regex: '[0-9]'}} on vLLM",
@@ -72,13 +78,8 @@ class JudgeConfig:
     def __post_init__(self) -> None:
         if not self.enabled:
             return
-        require(
-            self.url.startswith(("http://", "https://")),
-            "task.judge.url",
-            "an http:// or https:// URL",
-            self.url,
-        )
-        require(bool(self.model), "task.judge.model", "the judge's model name", self.model)
+        self.check("task.judge")
+        require(bool(self.model), "task.judge.model", "the model name, as the server calls it", "")
         try:
             self.template.format(**dict.fromkeys(_FIELDS, ""))
         except (KeyError, IndexError, ValueError) as err:
@@ -108,9 +109,4 @@ class JudgeConfig:
                 "task.judge.failure_score",
                 "null or a finite float",
                 self.failure_score,
-            )
-        if not self.api_key_env.isidentifier():  # the value is not echoed: it may be a key
-            raise ValueError(
-                "task.judge.api_key_env must name an environment variable (letters, digits, "
-                "underscores); the key itself never goes in a config"
             )

@@ -6,8 +6,15 @@ names the offending key by its full path (``actor.optim.betas``), whichever laye
 merge error OmegaConf raises without a key is traced to the leaf that causes it, and a range error
 of a nested section's ``__post_init__`` is prefixed with where the section sits. A key the schema
 lacks is an ``invalid config key``; a schema key's wrong value is a ``bad value for config key``,
-with the value given and what the key takes. A single value
-given to a list key is a one-element list (``task.rewards=my_reward:score``)::
+with the value given and what the key takes, and an unknown key with the closest known one
+(an old key's new name). A single value given to a list key is a one-element list
+(``task.rewards.functions=my:score``).
+
+A key a section has renamed (its ``RENAMED_KEYS``, old -> new, relative to the section) is read
+under its new name for one release, with a ``FutureWarning`` naming the new key, in a YAML file,
+an override and a run's saved config alike; an API key a section has retired (its
+``SECRET_KEYS``: old key -> the endpoint that now names an environment variable) is moved into an
+environment variable of this process, never echoed::
 
     cfg = load_config(GRPOExampleConfig, "configs/grpo_lora.yaml", ["actor.optim.lr=1e-3"])
 """
@@ -15,9 +22,12 @@ given to a list key is a one-element list (``task.rewards=my_reward:score``)::
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import os
 import re
 import types
 import typing
+import warnings
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -34,6 +44,7 @@ __all__ = [
     "format_value",
     "load_config",
     "override_value",
+    "renamed_keys",
 ]
 
 T = TypeVar("T")
@@ -55,6 +66,8 @@ def _omegaconf_error(
     message = message.replace("Value '$VALUE' of type '$VALUE_TYPE'", "a value")
     expected = _expected(schema, key) if schema is not None else None
     if expected is None:
+        if schema is not None and "Did you mean" not in message:  # OmegaConf's: a section's keys
+            message += _suggestion(schema, key)
         return ValueError(f"invalid config key '{key}' ({source}): {message}")
     given = _given(layer, key)
     if given is None:  # no value to show: OmegaConf's own words say what is wrong with it
@@ -101,6 +114,16 @@ def _schema_field(schema: type, key: str) -> tuple[Any, dataclasses.Field | None
             return None
         f, hint = fields[name], typing.get_type_hints(hint)[name]
     return hint, f
+
+
+def _suggestion(schema: type, key: str) -> str:
+    """``". Did you mean 'task.dataset.train_file'?"``: the schema's key closest to ``key``
+    (an old key's new one), or ``""``."""
+    renamed = renamed_keys(schema)
+    leaves = [".".join((*path, f.name)) for path, section in _schema_sections(schema, ())
+              for f in dataclasses.fields(section)]  # fmt: skip
+    close = difflib.get_close_matches(key, [*leaves, *renamed], n=1, cutoff=0.8)
+    return f". Did you mean '{renamed.get(close[0], close[0])}'?" if close else ""
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string"}
@@ -155,6 +178,116 @@ def _lists_from_scalars(schema: type, layer: DictConfig) -> DictConfig:
             node[path[-1]] = [value]
             changed = True
     return OmegaConf.create(tree) if changed else layer
+
+
+def _renamed(schema: type, layer: DictConfig, source: str) -> DictConfig:
+    """``layer`` with the old keys of ``schema``'s sections moved to their new names, and one
+    ``FutureWarning`` listing them (old -> new)."""
+    tree = OmegaConf.to_container(layer, resolve=False)
+    moves = _move_old_keys(schema, tree, ())
+    if not moves:
+        return layer
+    _warn_renamed(moves, source)
+    return OmegaConf.create(tree)
+
+
+def _warn_renamed(moves: list[tuple[str, str]], source: str) -> None:
+    listed = ", ".join(f"{old} -> {new}" for old, new in moves)
+    warnings.warn(
+        f"renamed config keys ({source}), read under their new names until the next release: "
+        f"{listed}",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+def _override_layer(schema: type, overrides: Sequence[str]) -> DictConfig:
+    """The ``key.sub=value`` overrides as one layer, each one's old keys moved to their new names
+    first (an old ``task.rewards=[f]`` beside a new ``task.rewards.weights=[1]``), the later of
+    two for one key winning."""
+    tree: dict = {}
+    moves: list[tuple[str, str]] = []
+    for item in overrides:
+        one = OmegaConf.to_container(_parse_overrides([item]), resolve=False)
+        moves += _move_old_keys(schema, one, ())
+        _merge_into(tree, one)
+    if moves:
+        _warn_renamed(moves, "command-line override")
+    return OmegaConf.create(tree)
+
+
+def _merge_into(tree: dict, layer: dict) -> None:
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _merge_into(tree[key], value)
+        else:
+            tree[key] = value
+
+
+def renamed_keys(schema: type) -> dict[str, str]:
+    """``{old: new}`` full keys of every key ``schema``'s sections renamed or retired (an API key:
+    its endpoint's ``api_key_env``), which :func:`load_config` still reads for one release."""
+    out = {}
+    for path, section in _schema_sections(schema, ()):
+        prefix = "".join(f"{name}." for name in path)
+        for old, new in getattr(section, "RENAMED_KEYS", {}).items():
+            out[prefix + old] = prefix + new
+        for old, endpoint in getattr(section, "SECRET_KEYS", {}).items():
+            out[prefix + old] = f"{prefix}{endpoint}.api_key_env"
+    return out
+
+
+def _schema_sections(schema: type, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], type]]:
+    hints = typing.get_type_hints(schema)
+    out = [(path, schema)]
+    for f in dataclasses.fields(schema):
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            out += _schema_sections(hints[f.name], (*path, f.name))
+    return out
+
+
+def _move_old_keys(schema: type, node: Any, path: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Move ``schema``'s old keys in the plain dict ``node`` (at ``path``) to their new places,
+    its sections' too; ``(old, new)`` full keys of each move."""
+    if not isinstance(node, dict):
+        return []
+    moves = []
+    for old, new in getattr(schema, "RENAMED_KEYS", {}).items():
+        # An old key the new section took the name of ("task.rewards" -> .functions) is the
+        # section when it holds a mapping.
+        if old in node and not (new.startswith(old + ".") and isinstance(node[old], dict)):
+            _put(node, new.split("."), node.pop(old))
+            moves.append((".".join((*path, old)), ".".join((*path, new))))
+    for old, endpoint in getattr(schema, "SECRET_KEYS", {}).items():
+        if old in node:
+            moves.append(_move_secret(node, (*path, old), endpoint))
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint) and f.name in node:
+            moves += _move_old_keys(hint, node[f.name], (*path, f.name))
+    return moves
+
+
+def _put(node: dict, names: list[str], value: Any) -> None:
+    for name in names[:-1]:
+        node = node.setdefault(name, {})
+    node.setdefault(names[-1], value)  # the new key, given in the same layer, wins
+
+
+def _move_secret(node: dict, path: tuple[str, ...], endpoint: str) -> tuple[str, str]:
+    """An API key written in a config (``path``, retired): into the environment variable
+    ``MICRORL_<PATH>`` of this process, which ``<endpoint>.api_key_env`` then names (an empty
+    one is dropped); the key itself is never echoed nor saved."""
+    value = node.pop(path[-1])
+    new = ".".join((*path[:-1], endpoint, "api_key_env"))
+    if value:
+        variable = "MICRORL_" + "_".join(path).upper()
+        os.environ[variable] = str(value)
+        _put(node, [endpoint, "api_key_env"], variable)
+        new += f" (the key given is read from ${variable} in this run: put it in an environment "
+        new += "variable of your own and name it there)"
+    return ".".join(path), new
 
 
 def _merge(schema: type, cfg: DictConfig, layer: DictConfig, source: str) -> DictConfig:
@@ -221,10 +354,11 @@ def load_config(
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
         try:
-            layers.append((f"file {path}", OmegaConf.load(path)))
+            layer = OmegaConf.load(path)
         except Exception as err:  # a YAML syntax error is not an OmegaConf error
             raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
-    layers.append(("command-line override", _parse_overrides(overrides)))
+        layers.append((f"file {path}", _renamed(schema, layer, f"file {path}")))
+    layers.append(("command-line override", _override_layer(schema, overrides)))
     for source, layer in layers:
         cfg = _merge(schema, cfg, layer, source)
     return _instantiate(cfg)

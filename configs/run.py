@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from microrl.configs.endpoint import EndpointConfig
 from microrl.configs.fields import config_field, require
+from microrl.configs.refusals import check_refusals
 from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 from microrl.configs.task import AGENT_TASK_NAMES, EPISODE_TASK_NAMES, TASK_NAMES, TaskConfig
 
@@ -119,10 +122,18 @@ class ModelConfig:
 TOY_MODEL_PATHS = ("outputs/base/tiny-adder", "outputs/base/tiny-words", "outputs/base/tiny-digits")
 
 
+def _vllm_servers() -> EndpointConfig:
+    return EndpointConfig(api_key_env="VLLM_API_KEY")
+
+
 @dataclass
 class RolloutConfig:
     """Sampling. The temperature is ``actor.temperature``: the loss must score the same policy
     that sampled, so there is deliberately no second temperature here."""
+
+    #: Keys before the endpoint type (``server``), read by the loader for one release.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"server_url": "server.url"}
+    SECRET_KEYS: ClassVar[dict[str, str]] = {"server_api_key": "server"}
 
     prompts_per_step: int = config_field(32, "prompts sampled per step, across all processes")
     group_size: int = config_field(8, "responses sampled per prompt (a GRPO group)")
@@ -173,15 +184,7 @@ class RolloutConfig:
         "group (hf: worker processes; vllm: local vllm serve processes), each sampling its "
         "share of a step's prompts",
     )
-    server_url: str = config_field(
-        "",
-        "max_staleness > 0, vllm: comma-separated URLs of vllm serve servers the user started "
-        "(docs/async.md#vllm-servers); empty: microrl starts num_workers on localhost",
-    )
-    server_api_key: str = config_field(
-        "",
-        "server_url: vLLM's API key (--api-key); empty: the VLLM_API_KEY environment variable",
-    )
+    server: EndpointConfig = field(default_factory=_vllm_servers)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
@@ -197,51 +200,8 @@ class RolloutConfig:
             "an int >= 1",
             self.num_workers,
         )
-        require(
-            not self.server_url or self.backend == "vllm",
-            "rollout.server_url",
-            f"empty with rollout.backend={self.backend} (vLLM servers sample for the vllm "
-            "backend only)",
-            self.server_url,
-        )
-        require(
-            not self.server_url or self.max_staleness >= 1,
-            "rollout.server_url",
-            "empty with rollout.max_staleness=0 (the synchronous loop samples with a colocated "
-            "vLLM engine; servers serve asynchronous RL)",
-            self.server_url,
-        )
-        require(
-            not self.server_url
-            or all(
-                u.strip().startswith(("http://", "https://")) for u in self.server_url.split(",")
-            ),
-            "rollout.server_url",
-            "comma-separated http:// or https:// URLs",
-            self.server_url,
-        )
-        # Server placement applies to the servers microrl starts, and only those exist with
-        # max_staleness >= 1 (the synchronous loop's vLLM runs in the trainer process).
-        local_servers = self.backend == "vllm" and self.max_staleness >= 1 and not self.server_url
-        for key, value, default in (
-            ("gpus", self.vllm.gpus, ""),
-            ("tensor_parallel_size", self.vllm.tensor_parallel_size, 1),
-        ):
-            require(
-                value == default or local_servers,
-                f"rollout.vllm.{key}",
-                f"{default!r} unless microrl starts vLLM servers (rollout.backend=vllm, "
-                "rollout.max_staleness >= 1, no rollout.server_url: a server you start takes "
-                "its GPUs and --tensor-parallel-size itself)",
-                value,
-            )
-        require(
-            self.vllm.tensor_parallel_size == 1 or self.vllm.gpus,
-            "rollout.vllm.tensor_parallel_size",
-            "1 without rollout.vllm.gpus (a server beside its trainer process takes that "
-            "process's one GPU; list dedicated GPUs in rollout.vllm.gpus)",
-            self.vllm.tensor_parallel_size,
-        )
+        # rollout.server: vllm serve servers the user started (docs/async.md#vllm-servers).
+        self.server.check("rollout.server", several=True)
         require(
             self.sync_check_tol is None or self.sync_check_tol > 0,
             "rollout.sync_check_tol",
@@ -280,6 +240,7 @@ class RolloutConfig:
             ">= 1",
             self.max_sampling_rounds,
         )
+        check_refusals("rollout", self)
 
 
 @dataclass

@@ -7,9 +7,12 @@ reverse KL ``log pi_teacher - log pi_student`` is an advantage mixed into the ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
+from microrl.configs.endpoint import EndpointConfig
 from microrl.configs.fields import config_field, require
+from microrl.configs.refusals import check_refusals
 
 __all__ = ["TEACHER_BACKENDS", "TeacherConfig"]
 
@@ -18,9 +21,20 @@ __all__ = ["TEACHER_BACKENDS", "TeacherConfig"]
 TEACHER_BACKENDS = ("engine", "vllm")
 
 
+def _teacher_server() -> EndpointConfig:
+    return EndpointConfig(api_key_env="VLLM_API_KEY")
+
+
 @dataclass
 class TeacherConfig:
-    """The teacher of on-policy distillation (GRPO recipe; docs/recipes.md#teachers)."""
+    """The teacher of on-policy distillation (GRPO recipe; docs/recipes.md#teachers).
+
+    ``server``: with ``backend=vllm``, a ``vllm serve`` server of ``path`` that the user started
+    (empty ``server.url``: microrl starts one on localhost)."""
+
+    #: Keys before the endpoint type (``server``), read by the loader for one release.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"server_url": "server.url"}
+    SECRET_KEYS: ClassVar[dict[str, str]] = {"server_api_key": "server"}
 
     path: str = config_field(
         "",
@@ -50,14 +64,7 @@ class TeacherConfig:
     micro_batch_size: int = config_field(
         64, "engine: rows per teacher forward (actor.max_tokens_per_micro_batch when set)"
     )
-    server_url: str = config_field(
-        "",
-        "vllm: the URL of a vllm serve server of teacher.path that the user started (empty: "
-        "microrl starts one on localhost)",
-    )
-    server_api_key: str = config_field(
-        "", "vllm: the server's --api-key (empty: the VLLM_API_KEY environment variable)"
-    )
+    server: EndpointConfig = field(default_factory=_teacher_server)
 
     @property
     def enabled(self) -> bool:
@@ -93,18 +100,7 @@ class TeacherConfig:
             "use teacher.backend=engine for another)",
             self.temperature,
         )
-        require(
-            not self.server_url or self.backend == "vllm",
-            "teacher.server_url",
-            "empty unless teacher.backend=vllm",
-            self.server_url,
-        )
-        require(
-            not self.server_url or self.server_url.startswith(("http://", "https://")),
-            "teacher.server_url",
-            "an http:// or https:// URL",
-            self.server_url,
-        )
+        self.server.check("teacher.server")
         if not self.enabled:
             require(
                 self.task_reward,
@@ -112,16 +108,10 @@ class TeacherConfig:
                 "true without a teacher (set teacher.path for pure distillation)",
                 self.task_reward,
             )
-            require(
-                not self.server_url,
-                "teacher.server_url",
-                "empty without teacher.path (the served model's checkpoint or Hub id, whose "
-                "tokenizer is checked against the student's)",
-                self.server_url,
-            )
         require(
             self.task_reward or self.coef > 0,
             "teacher.coef",
             "> 0 with teacher.task_reward=false (nothing else would be learnt)",
             self.coef,
         )
+        check_refusals("teacher", self)

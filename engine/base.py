@@ -30,7 +30,7 @@ import inspect
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
@@ -41,7 +41,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from microrl.configs.engine import EngineConfig
-from microrl.engine import packing, setup, vision
+from microrl.engine import moe, packing, setup, vision
 from microrl.engine.alignment import (
     next_token_targets,
     predicting_temperature,
@@ -51,9 +51,11 @@ from microrl.engine.microbatch import (
     MicroBatch,
     compact_rows,
     plan_micro_batches,
+    planned_micro_batches,
     scatter_outputs,
     span_starts_and_lengths,
 )
+from microrl.engine.moe import routing as moe_routing
 from microrl.engine.offload import ActivationOffload, OffloadStats, release_pinned_memory
 from microrl.engine.optim import (
     apply_optim_config,
@@ -184,6 +186,9 @@ class Engine:
         )
         if frozen_tower:  # a full fine-tune trains the rest of the model
             self.vision.tower.requires_grad_(False)
+        #: a mixture-of-experts model's routing (replay of the batch's ``routed_experts``,
+        #: router losses, routing metrics; docs/engine.md#mixture-of-experts), else None.
+        self.routing = moe.EngineRouting.of(causal_lm, config)
         # Data parallel: every rank runs the sharded tower on every micro-batch (FSDP2's
         # collectives), on a placeholder image when its micro-batch has none.
         self._tower_every_micro_batch = self.vision is not None and self.dp_group is not None
@@ -340,34 +345,38 @@ class Engine:
         denominators = self._denominators(batch) if with_loss else None
         plan = self._plan(host_lengths, host_groups)
         shape = tuple(batch["input_ids"].shape)
+        micro_batches = partial(
+            planned_micro_batches,
+            batch,
+            plan,
+            (starts, lengths),
+            host_lengths,
+            filler_count_key=self.count_key if with_loss else None,
+            placeholder=placeholder,
+        )
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
-        # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
-        with self._mode(training=not forward_only):
-            for index, rows in enumerate(plan):
-                real = bool(rows) and not placeholder
-                if not real:  # keeps the collective count equal across ranks; contributes 0
-                    rows = [0]
-                width = max(host_lengths[r] for r in rows)
-                micro = MicroBatch(
-                    compact_rows(batch, rows, starts, lengths, width),
-                    [host_lengths[r] for r in rows],
-                )
-                if not real and with_loss:
-                    micro.data[self.count_key] = torch.zeros_like(micro.data[self.count_key])
-                step = check_step_result(
-                    self.forward_step(micro, loss_fn, forward_only, denominators=denominators),
-                    type(self).__name__,
-                )
-                if step.loss is not None:
-                    if not forward_only:
-                        # FSDP: reduce gradients over ranks once, after the last micro-batch.
-                        distributed.set_gradient_sync(self.module, index == len(plan) - 1)
-                        step.loss.backward()
-                    losses.append(step.loss.detach() / denominators.grad_scale)
-                    metrics.append(step.metrics)
-                if real:
-                    scatter_outputs(step.output, rows, starts, lengths, outputs, shape)
+        with self._routing_scope():
+            if denominators is not None and self.routing is not None:
+                denominators = self._with_router(denominators, batch, micro_batches, placeholder)
+            # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
+            with self._mode(training=not forward_only):
+                for index, (rows, micro) in enumerate(micro_batches()):
+                    step = check_step_result(
+                        self.forward_step(micro, loss_fn, forward_only, denominators=denominators),
+                        type(self).__name__,
+                    )
+                    if step.loss is not None:
+                        if not forward_only:
+                            # FSDP: reduce gradients over ranks once, after the last micro-batch.
+                            distributed.set_gradient_sync(self.module, index == len(plan) - 1)
+                            step.loss.backward()
+                        losses.append(step.loss.detach() / denominators.grad_scale)
+                        metrics.append(step.metrics)
+                    if not micro.filler:
+                        scatter_outputs(step.output, rows, starts, lengths, outputs, shape)
+            if denominators is not None and self.routing is not None:
+                metrics.append(self.routing.pass_metrics(self.dp_group))
         if not forward_only and with_loss and self.config.check_grad_flow:
             self._audit_grad_flow(batch)
         if losses:
@@ -407,21 +416,37 @@ class Engine:
         (checked by the loop: a ``TypeError`` otherwise). Train mode for a gradient pass, eval
         mode for ``forward_only``, the module's mode restored after.
         """
-        planned = isinstance(micro_batch, MicroBatch)
-        if planned:
-            micro = micro_batch
-        else:
-            batch = self._checked(micro_batch, loss_fn, forward_only, role_checks=True)
-            starts, lengths = span_starts_and_lengths(batch["attention_mask"])
-            host_lengths = lengths.tolist()
-            rows = range(batch.batch_size[0])
-            micro = MicroBatch(
-                compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
-            )
+        if isinstance(micro_batch, MicroBatch):
+            return self._forward_micro(micro_batch, loss_fn, forward_only, denominators)
+        # A plain [b, T] batch: validated, compacted to one micro-batch, scattered back.
+        batch = self._checked(micro_batch, loss_fn, forward_only, role_checks=True)
+        starts, lengths = span_starts_and_lengths(batch["attention_mask"])
+        host_lengths, rows = lengths.tolist(), range(batch.batch_size[0])
+        micro = MicroBatch(
+            compact_rows(batch, rows, starts, lengths, max(host_lengths)), host_lengths
+        )
+        loss, output, metrics = self._forward_micro(micro, loss_fn, forward_only, denominators)
+        full: dict[str, torch.Tensor] = {}
+        shape = tuple(batch["input_ids"].shape)
+        scatter_outputs(output, rows, starts, lengths, full, shape)
+        return StepResult(
+            loss, TensorDict(full, batch_size=[shape[0]], device=self.device), metrics
+        )
+
+    def _forward_micro(
+        self,
+        micro: MicroBatch,
+        loss_fn: LossFn | None,
+        forward_only: bool,
+        denominators: LossDenominators | None,
+    ) -> StepResult:
+        """:meth:`forward_step` of a planned micro-batch: outputs in its compact ``[b, L]``."""
         data, training = micro.data, not forward_only
         with_loss = self._has_loss_inputs(data, loss_fn)
-        if with_loss and denominators is None:
+        if with_loss and denominators is None:  # the micro-batch is its own mini-batch
             denominators = self._denominators(data)
+            if self.routing is not None:
+                denominators = self._with_router(denominators, data, lambda: [(None, micro)])
         # loss(output, rows): on rows of the micro-batch, with the mini-batch's denominators.
         compute_loss = partial(
             self._call_loss, loss_fn or self.default_loss, denominators=denominators
@@ -442,8 +467,19 @@ class Engine:
         offload = None
         if training and self.config.activation_offload:
             offload = ActivationOffload([*self.module.parameters(), *self.module.buffers()])
+        router = None
+        if self.routing is not None:  # replay armed and router outputs collected in the forward
+            router = self.routing.micro_batch(
+                micro,
+                packed=self.config.pack_sequences,
+                denominators=denominators if with_loss else None,
+                keep=training and self.config.gradient_checkpointing,
+            )
         with self._mode(training=training), self._grad(forward_only), offload or nullcontext():
-            with setup.autocast_context(self.config, self.device):
+            with (
+                setup.autocast_context(self.config, self.device),
+                router.forward() if router is not None else nullcontext(),
+            ):
                 raw = self._model_forward(*args, training=training, **kwargs)
             if group_loss is not None:  # the loss ran inside the head, one group at a time
                 raw, fused_loss = split_fused_loss(raw, type(self).__name__)
@@ -459,20 +495,14 @@ class Engine:
                 loss, metrics = fused_loss, group_loss.metrics()
             elif with_loss:
                 loss, metrics = compute_loss(output, data)
+            if router is not None:  # the router losses' partials (docs/losses.md#router-losses)
+                loss, metrics = router.add_terms(loss, metrics)
         if offload is not None:
             self.last_offload_stats = offload.stats
             if metrics:  # host bytes offloaded, summed over micro-batches and ranks
                 bytes_ = torch.full((), float(offload.stats.bytes), device=self.device)
                 metrics = {**metrics, "offload/bytes": Metric(bytes_)}
-        output = output.detach()
-        if planned:
-            return StepResult(loss, output, metrics)
-        full: dict[str, torch.Tensor] = {}
-        shape = tuple(batch["input_ids"].shape)
-        scatter_outputs(output, rows, starts, lengths, full, shape)
-        return StepResult(
-            loss, TensorDict(full, batch_size=[shape[0]], device=self.device), metrics
-        )
+        return StepResult(loss, output.detach(), metrics)
 
     def infer_batch(self, batch: TensorDict | Mapping[str, torch.Tensor]) -> TensorDict:
         """No grad, eval mode: the role's outputs ``[B, T]`` fp32 in the caller's row order."""
@@ -650,6 +680,11 @@ class Engine:
         )
         if role_checks:
             self._check_role_batch(batch)
+        if moe.ROUTED_EXPERTS_KEY in batch:
+            if self.routing is None:
+                raise ValueError(moe_routing.refusal(self.model))
+            if role_checks:
+                self.routing.check(batch)
         if self.sp_group is not None:
             sequence_parallel.check_same_batch(batch, self.sp_group)
         return vision.prepare_batch(batch, self.vision)
@@ -692,6 +727,42 @@ class Engine:
                 denominators, self.config.sequence_parallel_size
             )
         return denominators
+
+    def _routing_scope(self) -> Any:
+        """A mixture-of-experts model's router hooks installed for a whole pass (the counting
+        pass, every micro-batch and its backward), else nothing; a micro-batch's forward
+        installs them itself when called alone (:meth:`forward_step`)."""
+        return nullcontext() if self.routing is None else self.routing.hooks.installed()
+
+    def _with_router(
+        self,
+        denominators: LossDenominators,
+        batch: TensorDict,
+        micro_batches: Callable[[], Iterable[tuple[Any, MicroBatch]]],
+        placeholder: bool = False,
+    ) -> LossDenominators:
+        """``denominators`` with a mixture-of-experts model's router counts over the mini-batch
+        (docs/losses.md#router-losses), its forward-only counting pass over ``micro_batches()``
+        run here when the load-balancing loss needs one."""
+
+        def count() -> tuple[torch.Tensor, torch.Tensor]:
+            micros = (micro for _, micro in micro_batches())
+            return self.routing.count_pass(
+                micros, self._forward_only, packed=self.config.pack_sequences
+            )
+
+        router = self.routing.denominators(
+            batch, placeholder=placeholder, group=self.dp_group, count=count
+        )
+        return moe_routing.with_router(denominators, router)
+
+    def _forward_only(self, micro: MicroBatch) -> None:
+        """The module's forward on ``micro`` in eval mode without gradients, outputs dropped:
+        the router's counting pass (what its hooks collect is the result)."""
+        args, kwargs, _, _ = self._model_inputs(micro, None)
+        autocast = setup.autocast_context(self.config, self.device)
+        with self._mode(training=False), torch.no_grad(), autocast:
+            self._model_forward(*args, training=False, **kwargs)
 
     def _trainable_params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]

@@ -139,6 +139,11 @@ class MemoryEstimate:
     # Images: pixel bytes per image token, and the step's pixels (one copy per group).
     image_token_bytes: int = 0
     image_pixels: int = 0
+    # A mixture of experts: the parameters one token uses (the k of E experts of each MoE
+    # layer; num_params for a dense model) and the routing key's bytes per token
+    # (routed_experts: MoE layers x k, int16; docs/engine.md#mixture-of-experts).
+    num_active_params: int = 0
+    routing_key_bytes_per_token: int = 0
 
     @property
     def persistent(self) -> int:
@@ -195,13 +200,21 @@ class MemoryEstimate:
                 ("host: total", self.host_total),
             ]
         width = max(len(name) for name, _ in rows) + 2
+        active = ""
+        if self.num_active_params and self.num_active_params != self.num_params:
+            active = f" ({self.num_active_params / 1e9:.3g}B active per token)"
         lines = [
-            f"{self.num_params / 1e9:.3g}B params, {self.num_trainable / 1e6:.4g}M trainable, "
-            f"{self.tokens} tokens per micro-batch, {self.world_size} rank(s); per device:"
+            f"{self.num_params / 1e9:.3g}B params{active}, {self.num_trainable / 1e6:.4g}M "
+            f"trainable, {self.tokens} tokens per micro-batch, {self.world_size} rank(s); "
+            "per device:"
         ]
         lines += [f"  {name:<{width}}{_gib(value):>11}" for name, value in rows]
         if self.image_token_bytes:
             lines.append(f"  pixels per image token: {self.image_token_bytes} bytes")
+        if self.routing_key_bytes_per_token:
+            lines.append(
+                f"  routing key (routing replay): {self.routing_key_bytes_per_token} bytes per token"
+            )
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {verdict} in {_gib(self.device_memory).strip()}")
@@ -265,7 +278,7 @@ def estimate_memory(
         reward_model_config: the ``PretrainedConfig`` of a ``task.reward_model`` (a frozen
             classifier in the run's compute dtype, sharded over the ranks), or None.
         reward_model_tokens: tokens of one reward-model micro-batch
-            (``task.reward_model_batch_size`` rows x their longest text); default the trainer's.
+            (``task.reward_model.batch_size`` rows x their longest text); default the trainer's.
         hf_generation: the ``hf`` backend samples in the trainer (None: when no vLLM share is
             given): under FSDP2 it gathers the policy's full weights for ``generate``
             (``hf_gathered_weights``, a phase of its own: ``"hf sampling"``).
@@ -434,4 +447,19 @@ def estimate_memory(
         **rm,
         hf_gathered_weights=gathered_hf,
         **images,
+        **_moe_counts(model, shape, params),
     )
+
+
+def _moe_counts(model: Any, shape: Shape, params: ParamBytes) -> dict[str, int]:
+    """A mixture of experts' active parameters per token and routing-key bytes per token."""
+    from microrl.engine.moe.routers import moe_router_class
+    from microrl.engine.moe.routes import routes_dtype
+
+    if not shape.experts:
+        return {"num_active_params": params.num_params}
+    idle = params.expert_numel * (shape.experts - shape.top_k) // shape.experts
+    router = moe_router_class(model)
+    layers = sum(isinstance(m, router) for m in model.modules()) if router else shape.layers
+    key_bytes = layers * shape.top_k * routes_dtype(shape.experts).itemsize
+    return {"num_active_params": params.num_params - idle, "routing_key_bytes_per_token": key_bytes}

@@ -14,7 +14,7 @@ from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine import offload, setup
-from microrl.kernels import WORKING_TILE_ELEMENTS
+from microrl.kernels import WORKING_TILE_ELEMENTS, head_budget_bytes
 
 # The fused kernel's tile budget: at most four full working tiles of float32 (docs/kernels.md,
 # "Memory and chunk_size"); rows per chunk when kernel_chunk_size is unset.
@@ -48,27 +48,47 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 @dataclass(frozen=True)
 class Shape:
     hidden: int
-    intermediate: int
+    intermediate: int  # the MLP's width per token: a mixture of experts' k experts together
     heads: int
     kv_heads: int
     head_dim: int
     layers: int
     vocab: int
+    experts: int = 0  # a mixture-of-experts layer's experts (0: a dense MLP)
+    top_k: int = 0  # experts per token
 
     @staticmethod
     def of(model_config: Any) -> Shape:
         text = model_config.get_text_config()
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        experts, top_k = moe_experts(text)
+        intermediate = text.intermediate_size
+        if experts:  # Qwen-MoE's intermediate_size is its dense layers' (mlp_only_layers)
+            intermediate = top_k * (getattr(text, "moe_intermediate_size", None) or intermediate)
         return Shape(
             hidden=text.hidden_size,
-            intermediate=text.intermediate_size,
+            intermediate=intermediate,
             heads=heads,
             kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             layers=text.num_hidden_layers,
             vocab=text.vocab_size,
+            experts=experts,
+            top_k=top_k,
         )
+
+
+def moe_experts(text_config: Any) -> tuple[int, int]:
+    """``(experts, top_k)`` of a mixture-of-experts config (Qwen-MoE's ``num_experts``,
+    Mixtral's and GPT-OSS's ``num_local_experts``), ``(0, 0)`` for a dense model."""
+    experts = getattr(text_config, "num_experts", None) or getattr(
+        text_config, "num_local_experts", None
+    )
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    if not (isinstance(experts, int) and experts > 0 and isinstance(top_k, int)):
+        return 0, 0
+    return experts, top_k
 
 
 @dataclass(frozen=True)
@@ -143,8 +163,13 @@ def layer_tensors(
     # Attention (SDPA / flash): rotated q and k, v, the output, and a logsumexp per head.
     tensors += [q * num.act, kv * num.act, kv * num.act, q * num.act, shape.heads * 4]
     # Gated MLP: the gate (SiLU's input), SiLU's output and the up projection (the product's
-    # factors).
+    # factors); for a mixture of experts, of each of the token's k experts (``i`` covers them).
     tensors += [i * num.act] * 3
+    if shape.experts:
+        # The grouped expert path also keeps the k dispatched inputs, the gated product (the
+        # down projections' input) and the k weighted outputs; the router its fp32 logits and
+        # softmax.
+        tensors += [2 * shape.top_k * h * num.act, i * num.act, shape.experts * 4 * 2]
     if rank:  # each adapter's low-rank activation (lora_B's input)
         tensors += [rank * num.saved_input] * len(adapted)
     return tensors
@@ -213,11 +238,17 @@ def other_bytes_per_token(shape: Shape, num: Numerics) -> int:
 
 
 def head_bytes(shape: Shape, num: Numerics, config: EngineConfig, tokens: int, device: str) -> int:
-    """The lm head's buffers: the fused kernel's float32 logits tiles (all of the logits when
-    they fit its budget of four full tiles, plus two working tiles) and, for a 16-bit weight on a
-    CPU, a float32 copy of one vocabulary tile; the eager head's [N, V] float32 buffers."""
+    """The lm head's buffers: the fused kernel's float32 logits tiles (on a CPU all of the logits
+    when they fit its budget of four full tiles, plus two working tiles, and for a 16-bit weight
+    a float32 copy of one vocabulary tile; on CUDA its GPU path's byte budget, twice it for the
+    fused loss, at most the logits and a hidden-gradient accumulator); the eager head's [N, V]
+    float32 buffers."""
     if not config.use_fused_kernel:
         return EAGER_HEAD_BUFFERS * tokens * shape.vocab * 4
+    if device == "cuda":
+        fused = getattr(config, "fuse_loss", False)
+        budget = head_budget_bytes(tokens, shape.vocab, shape.hidden, fused_loss=fused)
+        return min(budget, 4 * tokens * (shape.vocab + shape.hidden))
     chunk = config.kernel_chunk_size or KERNEL_ROWS
     vocab_tile = min(shape.vocab, max(128, WORKING_TILE_ELEMENTS // chunk))
     working = 2 * min(chunk, tokens) * vocab_tile

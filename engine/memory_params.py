@@ -55,6 +55,7 @@ class ParamBytes:
     root_numel: int  # FSDP's root unit: the output head and the final norm
     base_itemsize: int
     base_numel: int  # the causal LM's own elements (no adapters): what vLLM holds
+    expert_numel: int = 0  # a mixture of experts' expert weights (all layers, no adapters)
 
     @staticmethod
     def count(model: nn.Module, world_size: int) -> ParamBytes:
@@ -103,6 +104,11 @@ class ParamBytes:
             root_numel=_numel(head) + _numel(norm),
             base_itemsize=itemsize,
             base_numel=sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
+            expert_numel=sum(
+                p.numel()
+                for n, p in model.named_parameters()
+                if ".experts." in n and "lora_" not in n
+            ),
         )
 
 

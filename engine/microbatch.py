@@ -25,7 +25,7 @@ to ``[B]``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "compact_rows",
     "micro_batch_cost",
     "plan_micro_batches",
+    "planned_micro_batches",
     "scatter_outputs",
     "scatter_rows",
     "span_starts_and_lengths",
@@ -51,10 +52,13 @@ class MicroBatch:
     ``data``: validated, compact and right-padded ``[b, L]`` (:func:`compact_rows`), ``L`` the
     longest row. ``lengths``: the rows' real-token counts on the host, so the forward needs no
     device-to-host sync (packing, varlen attention, the fused loss's row groups).
+    ``filler``: a stand-in the loop runs only so that every data-parallel rank runs the same
+    forwards (its loss mask zeroed); nothing of it counts, router losses included.
     """
 
     data: TensorDict
     lengths: list[int]
+    filler: bool = False
 
 
 def micro_batch_cost(lengths: Sequence[int], *, packed: bool) -> int:
@@ -229,6 +233,30 @@ def _plan_packed(
         if all(load <= budget for load in loads):
             return alone + bins
         k += 1
+
+
+def planned_micro_batches(
+    batch: TensorDict,
+    plan: list[list[int]],
+    spans: tuple[torch.Tensor, torch.Tensor],
+    host_lengths: Sequence[int],
+    *,
+    filler_count_key: str | None,
+    placeholder: bool = False,
+) -> Iterator[tuple[list[int], MicroBatch]]:
+    """The compact micro-batches of ``plan`` (rows of ``batch``; ``spans`` the rows' starts and
+    lengths, :func:`span_starts_and_lengths`), with their rows. An empty plan entry, or every
+    entry of a ``placeholder`` share, is a filler of row 0 that keeps the collective count equal
+    across ranks and contributes nothing: its ``filler_count_key`` (the loss's count key, None
+    without a loss) is zeroed."""
+    starts, lengths = spans
+    for rows in plan:
+        filler = not rows or placeholder
+        rows = [0] if filler else rows
+        data = compact_rows(batch, rows, starts, lengths, max(host_lengths[r] for r in rows))
+        if filler and filler_count_key is not None:
+            data[filler_count_key] = torch.zeros_like(data[filler_count_key])
+        yield rows, MicroBatch(data, [host_lengths[r] for r in rows], filler=filler)
 
 
 def span_starts_and_lengths(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

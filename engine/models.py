@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from microrl.engine.alignment import IGNORE_INDEX
 from microrl.engine.vision import ImageInputs, body_hidden, multimodal_body
@@ -416,6 +417,13 @@ def fp32_linear(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     a scalar head's value is never rounded to 16 bits, as the lm head's logits are not
     (docs/kernels.md). ``hidden`` ``[..., H]`` in any dtype -> ``[..., out]``."""
     dtype = torch.float64 if linear.weight.dtype == torch.float64 else torch.float32
-    bias = None if linear.bias is None else linear.bias.to(dtype)
+    weight, bias = _replicated_local(linear.weight), _replicated_local(linear.bias)
+    bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        return F.linear(hidden.to(dtype), linear.weight.to(dtype), bias)
+        return F.linear(hidden.to(dtype), weight.to(dtype), bias)
+
+
+def _replicated_local(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor-parallel head's replicated parameter as this rank's plain tensor (the module's
+    own call would shadow it so, engine/parallel/tp_layers.py); any other tensor as it is."""
+    return param.to_local() if isinstance(param, DTensor) else param

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -246,8 +247,13 @@ def apply_lora(
     ``exclude``: full module names that get no adapter whatever the targets (a frozen vision
     tower's, docs/engine.md#images).
 
+    ``config.target_parameters``: parameters adapted directly by peft (a mixture-of-experts
+    model's fused expert weights), each name checked against the model's parameters first.
+
     Raises:
-        ValueError: naming ``lora.target_modules`` when its names select no (or not every) layer.
+        ValueError: naming ``lora.target_modules`` (or ``lora.target_parameters``) when its names
+            select no (or not every) layer (parameter), and ``lora.dropout`` when an adapted
+            parameter cannot take dropout.
     """
     if config.rank == 0:
         return model, None
@@ -258,20 +264,26 @@ def apply_lora(
         targets = "all-linear"
     elif not isinstance(targets, str):
         targets = list(targets)
-        unmatched = [
-            t for t in targets if not any(_matches(n, t) for n, _ in model.named_modules())
-        ]
+        unmatched = _unmatched(targets, model.named_modules())
         if unmatched:
             raise ValueError(
                 f"lora.target_modules names {unmatched} that match no module of "
                 f"{type(model).__name__}; layers LoRA can adapt here: {_adaptable_names(model)} "
                 "(or leave lora.target_modules unset: every linear layer but the output head)"
             )
+    parameters = config.target_parameters
+    unmatched = _unmatched(parameters or [], model.named_parameters())
+    if unmatched:
+        raise ValueError(
+            f"lora.target_parameters names {unmatched} that match no parameter of "
+            f"{type(model).__name__}; its fused (3-D) parameters: {_fused_names(model)}"
+        )
     lora = peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=targets,
+        target_parameters=parameters,
         exclude_modules=exclude or None,
         bias="none",
     )
@@ -284,15 +296,33 @@ def apply_lora(
         warnings.filterwarnings(
             "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
         )
+        # peft maps Qwen2/Qwen3-MoE's pre-v5 module names onto the fused expert parameters and
+        # sets a doubled rank for the fused gate_up_proj by a module pattern that parameter
+        # targets never match: the adapter keeps lora.rank, as configured.
+        warnings.filterwarnings(
+            "ignore", message="The following (rank|alpha)_pattern keys did not match"
+        )
         try:
             peft_model = peft.get_peft_model(model, lora, autocast_adapter_dtype=True)
         except ValueError as err:  # e.g. a regular expression that matches nothing
+            if "lora_dropout" in str(err):  # peft adapts parameters (MoE experts) without dropout
+                raise ValueError(
+                    f"lora.dropout must be 0 when LoRA adapts parameters directly ({err}): "
+                    "lora.target_parameters, or the experts and router that peft's 'all-linear' "
+                    f"adapts in {type(model).__name__}; set lora.dropout=0"
+                ) from err
             raise ValueError(
                 f"lora.target_modules={targets!r} could not be applied to "
                 f"{type(model).__name__} ({err}); layers LoRA can adapt here: "
                 f"{_adaptable_names(model)}"
             ) from err
     return peft_model.get_base_model(), peft_model
+
+
+def _unmatched(targets: list[str], named: Iterable[tuple[str, object]]) -> list[str]:
+    """The ``targets`` no name of ``named`` (modules or parameters) matches."""
+    names = [name for name, _ in named]
+    return [t for t in targets if not any(_matches(n, t) for n in names)]
 
 
 def _matches(module_name: str, target: str) -> bool:
@@ -310,6 +340,12 @@ def _adaptable_names(model: nn.Module, limit: int = 20) -> str:
     )
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _fused_names(model: nn.Module) -> str:
+    """The distinct short names of the model's 3-D parameters (fused MoE expert weights)."""
+    names = sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() == 3})
+    return ", ".join(names) or "none"
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -71,7 +71,7 @@ def evaluate(
     held_out = task.eval_problems()[:problems]
     # examples/calculator_agent.py, beside this file, loaded as task.agent loads it.
     agent = resolve_reward_fn(
-        f"{Path(__file__).resolve().parent / 'calculator_agent.py'}:agent", "task.agent"
+        f"{Path(__file__).resolve().parent / 'calculator_agent.py'}:agent", "task.agent.function"
     )
     episodes: list[tuple[float, bool]] = []  # (reward, called the tool) per episode
 

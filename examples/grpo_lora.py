@@ -12,8 +12,9 @@ writes to its own output.dir):
                                                   # sample with vLLM (docs/rollouts.md)
     python examples/grpo_lora.py rollout.max_staleness=1 output.dir=outputs/grpo_async
                                                   # asynchronous: a worker samples a step ahead
-    python examples/grpo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
-        output.dir=outputs/my_data                # your data and reward (docs/tasks.md)
+    python examples/grpo_lora.py task.name=dataset task.dataset.train_file=my.jsonl \\
+        task.rewards.functions=my:score output.dir=outputs/my_data
+                                                  # your data and reward (docs/tasks.md)
     python examples/grpo_lora.py model.path=Qwen/Qwen2.5-0.5B-Instruct task.name=dataset ...
                                                   # a Hugging Face Hub model, downloaded
     python examples/grpo_lora.py --overwrite               # start again over a previous run

@@ -12,8 +12,9 @@ Launch (CPU by default; the config is configs/ppo_lora.yaml, any key can be over
                                                   # sample with vLLM (docs/rollouts.md)
     python examples/ppo_lora.py rollout.max_staleness=1 output.dir=outputs/ppo_async
                                                   # asynchronous: a worker samples a step ahead
-    python examples/ppo_lora.py task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
-        output.dir=outputs/my_data_ppo            # your data and reward (docs/tasks.md)
+    python examples/ppo_lora.py task.name=dataset task.dataset.train_file=my.jsonl \\
+        task.rewards.functions=my:score output.dir=outputs/my_data_ppo
+                                                  # your data and reward (docs/tasks.md)
 
 The recipe is microrl/recipes/ppo.py: what PPO does, then each RL step in order (this script
 runs its ``main``; ``--help`` shows both). Installed as a package, without this repository, the

@@ -6,8 +6,10 @@ dtypes; ``reference_linear_logprob`` is its eager, obviously-correct definition 
 benchmarks compare against it); ``fused_linear_loss`` runs a loss of those log-probs inside the
 head and forms its gradients in forward; ``vocab_parallel_linear_logprob`` and
 ``vocab_parallel_linear_loss`` are the same two with the vocabulary split over tensor-parallel
-ranks. ``IGNORE_INDEX`` (-100) is their default ``ignore_index``. Their contract is in
-``docs/kernels.md``.
+ranks. ``IGNORE_INDEX`` (-100) is their default ``ignore_index``. Each call runs one of
+``IMPLEMENTATIONS`` (CUDA tensors a GPU path, other devices CPU tiles): ``head_implementation``
+says which one a call would take, ``last_implementation`` which one the last call took. Their
+contract is in ``docs/kernels.md``.
 
 The folder also sits at the repository root, where a Python started there finds it as the
 top-level ``kernels``: that name belongs to Hugging Face's kernel hub package (a transformers
@@ -37,6 +39,8 @@ def _hand_over_to_hub_kernels() -> bool:
 
 if __name__ != "kernels" or not _hand_over_to_hub_kernels():
     from ._checks import IGNORE_INDEX
+    from ._dispatch import IMPLEMENTATIONS, head_implementation, last_implementation
+    from .chunked_loss import head_budget_bytes
     from .fused_loss import FusedLossOutput, fused_linear_loss
     from .linear_logprob import WORKING_TILE_ELEMENTS, fused_linear_logprob
     from .reference import reference_linear_logprob
@@ -45,10 +49,14 @@ if __name__ != "kernels" or not _hand_over_to_hub_kernels():
 
 __all__ = [
     "IGNORE_INDEX",
+    "IMPLEMENTATIONS",
     "WORKING_TILE_ELEMENTS",
     "FusedLossOutput",
     "fused_linear_logprob",
     "fused_linear_loss",
+    "head_budget_bytes",
+    "head_implementation",
+    "last_implementation",
     "reference_linear_logprob",
     "vocab_parallel_linear_logprob",
     "vocab_parallel_linear_loss",

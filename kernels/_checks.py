@@ -1,23 +1,69 @@
-"""Input validation and dtype rules shared by the fused kernel and its eager reference.
+"""The public boundary of the fused lm head: its non-tensor arguments bundled (:class:`HeadSpec`),
+their validation, the flattened tensors every implementation starts from, and the dtype rules.
 
-Both entry points raise the same errors for the same bad input, at the public boundary, naming the
-argument, so a caller can switch between them (``use_fused_kernel``) without changing behaviour,
-and both compute in the same dtype (:func:`compute_dtype`) with autocast off (:func:`no_autocast`).
-The contract is in ``docs/kernels.md``.
+Every public function (the fused kernel, its eager reference, the fused loss and the two
+vocab-parallel ones) checks its arguments here once, raising the same errors for the same bad
+input, naming the argument, so a caller can switch between them (``use_fused_kernel``) without
+changing behaviour; past the check the implementations take the checked :class:`HeadSpec`
+instead of its keywords. All compute in the same dtype (:func:`compute_dtype`) with autocast
+off (:func:`no_autocast`). The contract is in ``docs/kernels.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "check_linear_logprob_inputs", "compute_dtype", "no_autocast"]
+__all__ = [
+    "IGNORE_INDEX",
+    "IMPLEMENTATIONS",
+    "HeadInputs",
+    "HeadSpec",
+    "check_implementation",
+    "check_linear_logprob_inputs",
+    "checked_inputs",
+    "compute_dtype",
+    "flatten",
+    "head_dtype",
+    "no_autocast",
+]
 
 #: The default ``ignore_index``: the target id of a position with no prediction (the engine's
 #: next-token targets and the sequence-parallel padding use it too).
 IGNORE_INDEX = -100
+
+#: The values of the ``implementation`` argument of the fused functions.
+IMPLEMENTATIONS = ("auto", "tiles", "triton", "chunks")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """The fused head's non-tensor arguments, as the public functions take them; bundled so the
+    implementations (and their autograd Functions, whose backward returns a None per argument)
+    take one checked object instead of re-listing the keywords. A per-token temperature is a tensor and
+    travels beside it (``HeadInputs.inv_t``); ``temperature`` is then 1.
+
+    Built unchecked by a public function from its keywords; :func:`check_linear_logprob_inputs`
+    returns it checked, numbers as Python floats; :func:`~microrl.kernels._dispatch.resolve`
+    replaces ``"auto"`` by the implementation that runs."""
+
+    with_entropy: bool = True
+    chunk_size: int | None = None
+    ignore_index: int = IGNORE_INDEX
+    validate: bool = True
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    implementation: str = "auto"
+    temperature: float = 1.0  # a scalar temperature; 1.0 with a per-token tensor
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
+
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -31,6 +77,13 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+def head_dtype(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.dtype:
+    """:func:`compute_dtype` of a head's inputs (the bias counts as one)."""
+    return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+
+
 def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast off: under ``torch.autocast`` the head's matmuls would otherwise run (and round
     the logits) in the autocast dtype; its contract is the float32 (float64) head whatever the
@@ -40,35 +93,46 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def check_implementation(implementation) -> str:
+    """``implementation`` itself when it is one of :data:`IMPLEMENTATIONS`, else ValueError."""
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, got "
+            f"{implementation!r}"
+        )
+    return implementation
+
+
 def check_linear_logprob_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float | torch.Tensor,
-    with_entropy: bool,
-    chunk_size: int | None,
-    ignore_index: int,
-    validate: bool = True,
+    bias: torch.Tensor | None,
+    spec: HeadSpec,
     *,
-    bias: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> tuple[float | torch.Tensor, int | None]:
-    """Validate the arguments of ``fused_linear_logprob``; return ``(temperature, count)``.
+    values: bool | None = None,
+) -> tuple[HeadSpec, torch.Tensor | None, int | None]:
+    """Validate the arguments of a fused-head call; return ``(spec, per_token, count)``.
 
-    ``temperature`` comes back normalised: a Python float for a scalar temperature, or a tensor in
-    the compute dtype broadcast to ``targets.shape`` for a per-token / per-row temperature.
+    ``spec`` comes back checked, its numbers as Python floats and ``spec.temperature`` the
+    scalar temperature; ``per_token`` is None for a scalar temperature, or the temperature tensor
+    in the compute dtype broadcast to ``targets.shape`` (``spec.temperature`` is then 1).
 
-    ``validate=True`` also checks the values on the device (targets in range, tensor temperatures
-    finite and > 0) and returns ``count``, the number of non-ignored targets, all read back in ONE
-    host sync (the caller needs the count anyway to compact the rows without another one).
-    ``validate=False`` reads nothing from the device (no host sync inside the engine's micro-batch
-    loop, docs/engine.md "Host syncs"): values are trusted, a 0-dim temperature tensor stays a (broadcast) tensor
-    and ``count`` is None. Only for callers that validated the values already.
+    ``values`` (default ``spec.validate``) also checks the values on the device (targets in
+    range, tensor temperatures finite and > 0) and returns ``count``, the number of non-ignored
+    targets, all read back in ONE host sync (the caller needs the count anyway to compact the
+    rows without another one). Without it nothing is read from the device (no host sync inside
+    the engine's micro-batch loop, docs/engine.md "Host syncs"): values are trusted, a 0-dim
+    temperature tensor stays a (broadcast) tensor and ``count`` is None; for callers that
+    validated the values already, or check them their own way (vocab-parallel).
 
     ``bias`` (``[V]``, float, on ``hidden``'s device) joins the compute dtype like the other
     inputs; ``logit_scale`` must be a finite number > 0 and ``softcap`` None or one.
     """
+    check_implementation(spec.implementation)
+    with_entropy, chunk_size, validate = spec.with_entropy, spec.chunk_size, spec.validate
+    ignore_index, logit_scale, softcap = spec.ignore_index, spec.logit_scale, spec.softcap
     for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -110,16 +174,20 @@ def check_linear_logprob_inputs(
     if not isinstance(validate, bool):
         raise ValueError(f"validate must be a bool, got {validate!r}")
     _check_logit_transform(bias, weight, logit_scale, softcap)
-    dtypes = (
-        (hidden.dtype, weight.dtype) if bias is None else (hidden.dtype, weight.dtype, bias.dtype)
-    )
-    cdtype = compute_dtype(*dtypes)
+    cdtype = head_dtype(hidden, weight, bias)
     temp = _check_temperature(temperature, targets, cdtype, hidden.device)
-    if not validate:
+    spec = dataclasses.replace(
+        spec,
+        logit_scale=float(logit_scale),
+        softcap=None if softcap is None else float(softcap),
+        temperature=1.0 if isinstance(temp, torch.Tensor) else temp,
+    )
+    if not (validate if values is None else values):
         if isinstance(temp, torch.Tensor) and temp.dim() == 0:  # its value would need a sync
             temp = torch.broadcast_to(temp.to(device=hidden.device, dtype=cdtype), targets.shape)
-        return temp, None
+        return spec, _per_token(temp), None
     vocab = weight.shape[0]
+    targets = targets.long()  # int8/uint8 comparisons wrap: in uint8 -100 == 156 and 300 == 44
     valid = targets != ignore_index
     out_of_range = ((targets < 0) | (targets >= vocab)) & valid
     probes = [out_of_range.any(), valid.sum()]
@@ -136,9 +204,14 @@ def check_linear_logprob_inputs(
     if isinstance(temp, torch.Tensor):
         if temp.dim() == 0:
             temp = _check_temperature(summary[2], targets, cdtype, hidden.device)
+            spec = dataclasses.replace(spec, temperature=temp)
         elif summary[2]:
             raise ValueError("temperature must be finite and > 0 everywhere")
-    return temp, int(summary[1])
+    return spec, _per_token(temp), int(summary[1])
+
+
+def _per_token(temp: float | torch.Tensor) -> torch.Tensor | None:
+    return temp if isinstance(temp, torch.Tensor) else None
 
 
 def _check_logit_transform(
@@ -194,3 +267,66 @@ def _check_temperature(
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
     return float(temperature)
+
+
+class HeadInputs(NamedTuple):
+    """A call's tensors as the implementations take them, flattened by the public function
+    (under autograd, so its Function receives tensors still connected to the graph), and which
+    of them get a gradient."""
+
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V, H]; vocab-parallel: this rank's shard
+    bias: torch.Tensor | None  # [V] (the shard's) or None
+    targets: torch.Tensor  # [N] int64, ignored positions 0
+    valid: torch.Tensor  # [N] bool, False at ignored positions
+    inv_t: torch.Tensor | None  # [N] 1 / the per-token temperature; None: spec.temperature
+    count: int | None  # non-ignored rows, read in validation's one sync; None without it
+    need: tuple[bool, bool, bool]  # a gradient to hidden, weight, bias
+
+    def masked_inv_t(self) -> torch.Tensor | None:
+        """``inv_t`` with 1 at ignored positions: their temperature is not validated, never used."""
+        return None if self.inv_t is None else torch.where(self.valid, self.inv_t, 1.0)
+
+    def rows(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(rows_idx, row_mask, inv_t)`` of the log-prob kernels. With the count, the
+        non-ignored rows compacted without another sync: ``rows_idx`` ``[M]``, or None when no
+        row is ignored (every row, in order). Without it (no sync), every row: the ignored ones
+        masked (``row_mask``, ``masked_inv_t``)."""
+        if self.count is None:
+            return None, self.valid, self.masked_inv_t()
+        if self.count < self.valid.numel():
+            return torch.nonzero_static(self.valid, size=self.count).squeeze(1), None, self.inv_t
+        return None, None, self.inv_t
+
+
+def checked_inputs(
+    hidden, weight, targets, temperature, bias, spec: HeadSpec
+) -> tuple[HeadSpec, HeadInputs]:
+    """A single-device call's checks and flattening: ``(checked spec, inputs)``; the arguments
+    as :func:`check_linear_logprob_inputs` takes them."""
+    spec, per_token, count = check_linear_logprob_inputs(
+        hidden, weight, targets, temperature, bias, spec
+    )
+    return spec, flatten(hidden, weight, bias, targets, per_token, spec, count)
+
+
+def flatten(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    per_token: torch.Tensor | None,
+    spec: HeadSpec,
+    count: int | None,
+) -> HeadInputs:
+    """The checked inputs of a call as :class:`HeadInputs` (``per_token`` and ``count`` as
+    :func:`check_linear_logprob_inputs` returns them)."""
+    wide = targets.reshape(-1).long()  # compared as int64: in uint8, -100 would equal 156
+    valid = wide != spec.ignore_index
+    inv_t = None if per_token is None else (1.0 / per_token).reshape(-1)
+    on = torch.is_grad_enabled()
+    need = tuple(on and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    return HeadInputs(
+        hidden_2d, weight, bias, torch.where(valid, wide, 0), valid, inv_t, count, need
+    )

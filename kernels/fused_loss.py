@@ -14,19 +14,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, no_autocast
+from ._checks import IGNORE_INDEX, HeadInputs, HeadSpec, checked_inputs, head_dtype, no_autocast
+from ._dispatch import resolve
+from .chunked_loss import VocabShard, loss_plan, run_chunked
 from .linear_logprob import (
     _BUFFER_TILES,
     WORKING_TILE_ELEMENTS,
     _backward,
-    _compute_dtype,
-    _flat_inputs,
     _forward,
+    _native16,
     _Plan,
     _plan,
 )
@@ -59,23 +61,26 @@ class FusedLossOutput:
 
 
 @dataclass(frozen=True)
-class _Spec:
+class _LossCall:
     """Non-tensor arguments of the Function (``aux`` is filled in by its forward)."""
 
     groups: tuple[tuple[int, int], ...]
-    plan: Any  # linear_logprob._Plan of the tallest group chunk (rows, tile, kept tiles)
+    # The plan of the tallest group: a _GroupPlan (tiles) or a chunked_loss.LossPlan, with the
+    # call's HeadSpec (plan.spec).
+    plan: Any
     need: tuple[bool, bool, bool]  # gradient to hidden, weight, bias
     loss_fn: GroupLossFn
+    # The forward's loop: _run, vocab_parallel_loss._run_sharded or chunked_loss.run_chunked.
+    run: Callable
     aux: list = field(default_factory=list)
-    run: Callable | None = None  # the forward's loop; None: _run (kernels/vocab_parallel_loss.py)
 
 
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
+    def forward(ctx: FunctionCtx, hidden, weight, bias, targets, row_mask, inv_t, call: _LossCall):
         with no_autocast(hidden.device.type):
-            loss, logprob, entropy, grads = (spec.run or _run)(
-                hidden, weight, bias, targets, row_mask, inv_t, spec
+            loss, logprob, entropy, grads = call.run(
+                hidden, weight, bias, targets, row_mask, inv_t, call
             )
         ctx.save_for_backward(*(g for g in grads if g is not None))
         ctx.present = tuple(g is not None for g in grads)
@@ -108,14 +113,14 @@ class _FusedLinearLoss(torch.autograd.Function):
         return (*out, None, None, None, None)
 
 
-def _run(hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
+def _run(hidden, weight, bias, targets, row_mask, inv_t, call: _LossCall):
     """The forward: per row group, kernel forward, ``loss_fn``, kernel backward on kept tiles."""
-    need_h, need_w, need_b = spec.need
+    need_h, need_w, need_b = call.need
     need_b = need_b and bias is not None
-    cdtype = _compute_dtype(hidden, weight, bias)
+    cdtype = head_dtype(hidden, weight, bias)
     n = hidden.shape[0]
     logprob = hidden.new_empty(n, dtype=cdtype)
-    entropy = hidden.new_empty(n, dtype=cdtype) if spec.plan.with_entropy else None
+    entropy = hidden.new_empty(n, dtype=cdtype) if call.plan.spec.with_entropy else None
     grad_h = hidden.new_empty(hidden.shape) if need_h else None
     # The weight (bias) gradient sums over the groups: accumulated in the compute dtype, rounded
     # once in backward.
@@ -123,15 +128,15 @@ def _run(hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
     grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
     any_grad = need_h or need_w or need_b
     losses = []
-    for start, end in spec.groups:
+    for start, end in call.groups:
         rows = slice(start, end)
         h, t = hidden[rows], targets[rows]
         mask = None if row_mask is None else row_mask[rows]
         inv = None if inv_t is None else inv_t[rows]
-        plan = _group_plan(spec.plan, end - start, any_grad)
+        plan = _group_plan(call.plan, end - start, any_grad)
         out, saved = _forward(h, weight, bias, t, None, mask, inv, plan)
-        lp, ent = out if plan.with_entropy else (out, None)
-        g_lp, g_ent = _record_group(spec, start, end, (lp, ent), (logprob, entropy), losses)
+        lp, ent = out if plan.spec.with_entropy else (out, None)
+        g_lp, g_ent = _record_group(call, start, end, (lp, ent), (logprob, entropy), losses)
         if not any_grad:
             continue
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows
@@ -156,32 +161,32 @@ def _run(hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
     return total, logprob, entropy, (grad_h, grad_w, grad_b)
 
 
-def _record_group(spec: _Spec, start: int, end: int, values, outputs, losses: list):
+def _record_group(call: _LossCall, start: int, end: int, values, outputs, losses: list):
     """Store a group's ``(log-probs, entropy)`` into the ``outputs`` buffers, run its loss (kept
     in ``losses``) and return the upstream gradients (None where the loss does not use them)."""
     (lp, ent), (logprob, entropy) = values, outputs
     logprob[start:end] = lp
     if ent is not None:
         entropy[start:end] = ent
-    loss, g_lp, g_ent = _group_loss(spec, start, end, lp, ent)
+    loss, g_lp, g_ent = _group_loss(call, start, end, lp, ent)
     losses.append(loss)
     return g_lp, g_ent
 
 
-def _group_loss(spec: _Spec, start: int, end: int, lp: torch.Tensor, ent: torch.Tensor | None):
+def _group_loss(call: _LossCall, start: int, end: int, lp: torch.Tensor, ent: torch.Tensor | None):
     """The caller's loss on detached leaves; its value and the upstream gradients (None when
     the loss does not depend on them)."""
     leaves = [lp.detach().requires_grad_()]
     if ent is not None:
         leaves.append(ent.detach().requires_grad_())
     with torch.enable_grad():
-        loss, aux = spec.loss_fn(start, end, leaves[0], leaves[1] if ent is not None else None)
+        loss, aux = call.loss_fn(start, end, leaves[0], leaves[1] if ent is not None else None)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(
                 "fused_linear_loss: loss_fn must return (0-d tensor, aux), got loss "
                 f"{getattr(loss, 'shape', type(loss))}"
             )
-        spec.aux.append(aux)
+        call.aux.append(aux)
         if not loss.requires_grad:
             return loss.detach(), None, None
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
@@ -198,7 +203,7 @@ def _group_plan(plan, rows: int, any_grad: bool):
     count = -(-rows // height) * tiles_per_chunk
     kept = 0
     if any_grad:
-        working = 3 if plan.softcap is not None and plan.with_entropy else 2
+        working = 3 if plan.spec.softcap is not None and plan.spec.with_entropy else 2
         kept = min(count, max(0, _budget() // (height * plan.vocab_tile) - working))
     return replace(plan, rows=height, kept_tiles=kept)
 
@@ -215,12 +220,13 @@ class _GroupPlan(_Plan):
     vocab: int = 0
 
 
-def _loss_plan(base: _Plan, vocab: int, chunk_size: int | None) -> _GroupPlan:
+def _loss_plan(base: _Plan, vocab: int) -> _GroupPlan:
     """``base`` with the rows of the tallest group: its kept tiles and the gradient pass's
     working tiles fit the budget."""
     tiles = -(-vocab // base.vocab_tile)
-    working = 3 if base.softcap is not None and base.with_entropy else 2
-    rows = max(1, min(chunk_size or 1024, _budget() // (base.vocab_tile * (tiles + working))))
+    working = 3 if base.spec.softcap is not None and base.spec.with_entropy else 2
+    configured = base.spec.chunk_size or 1024
+    rows = max(1, min(configured, _budget() // (base.vocab_tile * (tiles + working))))
     values = {f.name: getattr(base, f.name) for f in fields(base)}
     return _GroupPlan(**{**values, "rows": rows}, vocab=vocab)
 
@@ -228,6 +234,10 @@ def _loss_plan(base: _Plan, vocab: int, chunk_size: int | None) -> _GroupPlan:
 def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
     """Consecutive segments merged greedily while the group has at most ``rows`` rows (a longer
     segment is a group on its own)."""
+    if len(segments) == segments[-1] - segments[0] + 1:  # every row a segment: chunks of rows
+        return tuple(
+            (s, min(s + rows, segments[-1])) for s in range(segments[0], segments[-1], rows)
+        )
     groups, start = [], segments[0]
     for prev, end in itertools.pairwise(segments):
         if end - start > rows and prev > start:
@@ -238,9 +248,9 @@ def _groups(segments: Sequence[int], rows: int) -> tuple[tuple[int, int], ...]:
     return tuple(groups)
 
 
-def _check_segments(segments, n: int) -> list[int]:
-    if segments is None:
-        return list(range(n + 1)) if n else [0]
+def _check_segments(segments, n: int) -> Sequence[int]:
+    if segments is None:  # every row a segment (a range: no list of N ints to build)
+        return range(n + 1)
     if isinstance(segments, torch.Tensor) or not isinstance(segments, Sequence):
         raise ValueError("segments must be a sequence of Python ints (row boundaries) or None")
     bounds = list(segments)
@@ -268,6 +278,7 @@ def fused_linear_loss(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> FusedLossOutput:
     """A loss of the lm-head's log-probs (and entropy), with its gradients formed in forward.
 
@@ -279,8 +290,8 @@ def fused_linear_loss(
 
     Args:
         hidden, weight, targets, temperature, chunk_size, ignore_index, validate, bias,
-        logit_scale, softcap: as in :func:`microrl.kernels.fused_linear_logprob` (same checks and
-            errors). ``chunk_size`` caps the rows of a group.
+        logit_scale, softcap, implementation: as in :func:`microrl.kernels.fused_linear_logprob`
+            (same checks and errors). ``chunk_size`` caps the rows of a group.
         loss_fn: ``loss_fn(start, end, logprobs, entropy) -> (loss, aux)``, called once per group
             of flattened rows ``[start, end)`` (consecutive, covering all rows in order), inside
             this function's forward with autograd enabled, on detached leaves ``[end - start]``
@@ -299,33 +310,42 @@ def fused_linear_loss(
         TypeError, ValueError: as ``fused_linear_logprob``; ``loss_fn`` not callable, bad
         ``segments``; a ``loss_fn`` that does not return a 0-d tensor (TypeError).
     """
-    temp, _ = check_linear_logprob_inputs(
-        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
-        bias=bias, logit_scale=logit_scale, softcap=softcap,
+    spec = HeadSpec(
+        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
+        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
     )  # fmt: skip
+    spec, inputs = checked_inputs(hidden, weight, targets, temperature, bias, spec)
+    return run_loss(inputs, targets.shape, loss_fn, segments, spec, "fused_linear_loss")
+
+
+def run_loss(
+    inputs: HeadInputs, shape: torch.Size, loss_fn: GroupLossFn, segments, spec: HeadSpec,
+    what: str, *, shard: VocabShard | None = None, tiles_run: Callable = _run,
+) -> FusedLossOutput:  # fmt: skip
+    """A fused loss past its input checks (``what``: the public function's name): the groups, the
+    implementation and its plan, the Function. ``shard``: this rank's columns of a vocab-parallel
+    loss, whose tiles path is ``tiles_run`` (``vocab_parallel_loss._run_sharded``)."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    hidden_2d, flat_targets, valid, inv_t, inv_scalar, native16 = _flat_inputs(
-        hidden, weight, targets, temp, ignore_index, bias
-    )
-    n = flat_targets.numel()
+    hidden, weight, bias, need = inputs.hidden, inputs.weight, inputs.bias, inputs.need
+    n = inputs.targets.numel()
     bounds = _check_segments(segments, n)
-    if inv_t is not None:  # an ignored position's temperature is never used
-        inv_t = torch.where(valid, inv_t, 1.0)
-    grad_on = torch.is_grad_enabled()
-    need = (
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
+    spec = resolve(hidden, weight, bias, spec, what)
+    vocab = weight.shape[0] if shard is None else max(1, shard.real_rows)  # padding only: 1 row
+    row_mask = inputs.valid
+    if spec.implementation == "tiles":
+        native16 = shard is None and _native16(hidden, weight, bias)
+        base = _plan(max(1, n), vocab, spec, (True, True), native16, weight.shape[1])
+        plan, run = _loss_plan(base, vocab), tiles_run
+    else:
+        masked = inputs.count != n  # validate=False, or some row ignored; else blocks are views
+        plan = loss_plan(
+            hidden, weight, bias, max(1, n), need, spec, vocab=vocab, row_copies=masked
+        )
+        run, row_mask = partial(run_chunked, shard), inputs.valid if masked else None
+    call = _LossCall(_groups(bounds, plan.rows), plan, need, loss_fn, run)
+    out = _FusedLinearLoss.apply(
+        hidden, weight, bias, inputs.targets, row_mask, inputs.masked_inv_t(), call
     )
-    vocab, hidden_size = weight.shape
-    base = _plan(
-        max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), native16,
-        hidden_size, float(logit_scale), None if softcap is None else float(softcap),
-    )  # fmt: skip
-    plan = _loss_plan(base, vocab, chunk_size)
-    spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn)
-    out = _FusedLinearLoss.apply(hidden_2d, weight, bias, flat_targets, valid, inv_t, spec)
-    loss, logprob = out[0], out[1]
-    entropy = out[2].view(targets.shape) if with_entropy else None
-    return FusedLossOutput(loss, logprob.view(targets.shape), entropy, spec.aux)
+    entropy = out[2].view(shape) if spec.with_entropy else None
+    return FusedLossOutput(out[0], out[1].view(shape), entropy, call.aux)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._checks import IGNORE_INDEX, HeadSpec, checked_inputs, head_dtype, no_autocast
+from ._dispatch import resolve
 from ._tiles import (
     _cap_slope_,
     _cast,
@@ -35,6 +36,7 @@ from ._tiles import (
     _tile_stats,
     _zero_unkept,
 )
+from .chunked import chunked_linear_logprob
 
 __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 
@@ -68,16 +70,14 @@ _MIN_BUFFER_ELEMENTS = 256 * 1024
 
 @dataclass(frozen=True)
 class _Plan:
-    """Non-tensor arguments of the autograd Function, bundled so backward returns few Nones."""
+    """Non-tensor arguments of the autograd Function: the call's checked ``HeadSpec`` and its
+    tiles, bundled so backward returns few Nones."""
 
     rows: int
     vocab_tile: int
-    with_entropy: bool
-    inv_temperature: float  # used when no per-token temperature tensor is given
     kept_tiles: int  # logits tiles saved by forward for backward (0 when no gradient is needed)
+    spec: HeadSpec
     native16: bool = False  # tile matmuls in the 16-bit input dtype with float32 output (CUDA)
-    scale: float = 1.0  # logit multiplier, applied after the bias and before the soft-capping
-    softcap: float | None = None  # final-logit soft-capping c: logits -> c * tanh(logits / c)
 
 
 def _buffer_budget(
@@ -98,14 +98,10 @@ def _buffer_budget(
 def _plan(
     num_rows: int,
     vocab: int,
-    chunk_size: int | None,
-    with_entropy: bool,
-    inv: float,
+    spec: HeadSpec,
     need: tuple[bool, bool] = (True, True),
     native16: bool = False,
     hidden_size: int = 0,
-    scale: float = 1.0,
-    softcap: float | None = None,
 ) -> _Plan:
     """Tile sizes and kept tiles. ``need`` says which of (hidden, weight) gets a gradient.
 
@@ -118,11 +114,11 @@ def _plan(
     fit: then backward recomputes no logits). A soft-capped backward with entropy holds three
     working tiles instead of two (``tanh`` is needed after the shifted logits), within the same
     budget."""
-    configured = chunk_size or _DEFAULT_ROWS
+    configured = spec.chunk_size or _DEFAULT_ROWS
     vocab_tile = min(vocab, max(_MIN_VOCAB_TILE, WORKING_TILE_ELEMENTS // configured))
     budget = _buffer_budget(num_rows, vocab, hidden_size, need, _WORKING_SHARE)
     tallest = min(configured, num_rows)
-    working = 3 if softcap is not None and with_entropy and (need[0] or need[1]) else 2
+    working = 3 if spec.softcap is not None and spec.with_entropy and (need[0] or need[1]) else 2
     rows = max(1, min(tallest, budget // (working * vocab_tile)))
     if rows < tallest:  # the budget limits the chunk: spread the rows evenly over the chunks
         rows = -(-num_rows // -(-num_rows // rows))
@@ -132,7 +128,7 @@ def _plan(
         count = -(-num_rows // rows) * -(-vocab // vocab_tile)
         budget = _buffer_budget(num_rows, vocab, hidden_size, need, _TOTAL_SHARE)
         kept = min(count, max(0, budget // tile - working))
-    return _Plan(rows, vocab_tile, with_entropy, inv, kept, native16, scale, softcap)
+    return _Plan(rows, vocab_tile, kept, spec, native16)
 
 
 # (device, dtype) -> whether torch.mm(a, b, out_dtype=torch.float32, out=...) runs there.
@@ -203,25 +199,21 @@ class _FusedLinearLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _compute_dtype(hidden, weight, bias) -> torch.dtype:
-    return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
-
-
 def _forward(
     hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan: _Plan, backward: bool = False
 ):
     # backward: a backward will run (the autograd Function: an input needs a gradient), so the
     # working tiles are saved for it even when no tile is kept (kept tiles imply one).
-    cdtype = _compute_dtype(hidden, weight, bias)
+    cdtype = head_dtype(hidden, weight, bias)
     bias_c = None if bias is None else bias.to(cdtype)
     n, vocab = hidden.shape[0], weight.shape[0]
     m = n if rows_idx is None else rows_idx.numel()
     new = hidden.new_empty if rows_idx is None else hidden.new_zeros  # every row written, or not
     logprob = new(n, dtype=cdtype)
-    entropy = new(n, dtype=cdtype) if plan.with_entropy else None
+    entropy = new(n, dtype=cdtype) if plan.spec.with_entropy else None
     max_all = hidden.new_empty(m, dtype=cdtype)
     sum_all = hidden.new_empty(m, dtype=cdtype)
-    ent_all = hidden.new_empty(m, dtype=cdtype) if plan.with_entropy else None
+    ent_all = hidden.new_empty(m, dtype=cdtype) if plan.spec.with_entropy else None
     # One allocation for the call's tile buffers (_tile_block): the working tiles, which backward
     # reuses (as many as it needs), and the kept tiles.
     backward = backward or plan.kept_tiles > 0
@@ -234,10 +226,10 @@ def _forward(
     for start in range(0, m, plan.rows):
         rows = slice(start, min(start + plan.rows, m))
         idx = None if rows_idx is None else rows_idx[rows]
-        inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
+        inv = _take(inv_t, rows, idx) if inv_t is not None else plan.spec.inv_temperature
         real = None if row_mask is None else _take(row_mask, rows, idx)
         h = _masked_rows(_take(hidden, rows, idx), real)
-        pre, post, _ = _row_factors(inv, plan.scale, plan.softcap)
+        pre, post, _ = _row_factors(inv, plan.spec.logit_scale, plan.spec.softcap)
         h_mm = h if plan.native16 else _scaled_rows(h.to(cdtype), pre)
         t = _take(targets, rows, idx)
         target_logit = hidden.new_zeros(h.shape[0], dtype=cdtype)
@@ -254,7 +246,7 @@ def _forward(
             if post is not None:
                 _softcap_(z, post)
             _gather_tile(z, t - j, target_logit)
-            tile = _tile_stats(z, scratch, plan.with_entropy)
+            tile = _tile_stats(z, scratch, plan.spec.with_entropy)
             stats = tile if stats is None else _merge(stats, tile)
             if keep:
                 kept_max.append(tile[0])
@@ -263,10 +255,10 @@ def _forward(
         max_all[rows], sum_all[rows] = row_max, row_sum
         # log p(target) = (z_t - m) - log S: both differences are small, exact near the max.
         _put(logprob, rows, idx, _zero_unkept((target_logit - row_max) - log_sum, real))
-        if plan.with_entropy:
+        if plan.spec.with_entropy:
             ent_all[rows] = log_sum - row_a / row_sum  # H = log S - E[z - m]
             _put(entropy, rows, idx, _zero_unkept(ent_all[rows], real))
-    out = (logprob, entropy) if plan.with_entropy else logprob
+    out = (logprob, entropy) if plan.spec.with_entropy else logprob
     # saved: (max, sum, entropy, *kept, *kept_max[, block]), so (len - 3) // 2 tiles are kept; the
     # block, when a backward will run, gives it its working tiles.
     return out, (max_all, sum_all, ent_all, *kept, *kept_max, *([block] if backward else []))
@@ -281,7 +273,7 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, gr
     block = saved[10 + 2 * num_kept] if len(saved) > 10 + 2 * num_kept else None  # forward's
     need_h, need_w, need_b = need
     need_b = need_b and bias is not None
-    cdtype = _compute_dtype(hidden, weight, bias)
+    cdtype = head_dtype(hidden, weight, bias)
     bias_c = None if bias is None else bias.to(cdtype)
     n = hidden.shape[0]
     m = n if rows_idx is None else rows_idx.numel()
@@ -304,11 +296,11 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, gr
         grad_w = grad_w_acc
     # A missing upstream gradient is a zero gradient, never a dropped branch.
     g_lp_all = _or_zeros(grad_logprob, n, hidden, cdtype)
-    g_ent_all = _or_zeros(grad_entropy if plan.with_entropy else None, n, hidden, cdtype)
+    g_ent_all = _or_zeros(grad_entropy if plan.spec.with_entropy else None, n, hidden, cdtype)
     if row_mask is not None:  # upstream gradients of ignored rows are dropped, NaN or not
         g_lp_all = _zero_unkept(g_lp_all, row_mask)
         g_ent_all = _zero_unkept(g_ent_all, row_mask)
-    use_entropy = plan.with_entropy  # no all-zero skip: finding out would be a host sync
+    use_entropy = plan.spec.with_entropy  # no all-zero skip: finding out would be a host sync
     size = plan.rows * plan.vocab_tile
     tiles = -(-m // plan.rows) * -(-weight.shape[0] // plan.vocab_tile)
     working = _working_tiles(plan, tiles > num_kept)
@@ -331,8 +323,8 @@ def _backward(saved, num_kept, plan: _Plan, need, grad_logprob, grad_entropy, gr
         idx = None if rows_idx is None else rows_idx[rows]
         real = None if row_mask is None else _take(row_mask, rows, idx)
         h = _masked_rows(_take(hidden, rows, idx), real)
-        inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
-        pre, post, dz = _row_factors(inv, plan.scale, plan.softcap)
+        inv = _take(inv_t, rows, idx) if inv_t is not None else plan.spec.inv_temperature
+        pre, post, dz = _row_factors(inv, plan.spec.logit_scale, plan.spec.softcap)
         h_c = h if plan.native16 else h.to(cdtype)  # unscaled: the weight gradient's operand
         h_mm = h_c if plan.native16 else _scaled_rows(h_c, pre)
         row_max = max_all[rows].unsqueeze(1)
@@ -418,7 +410,7 @@ def _working_tiles(plan: _Plan, recompute: bool) -> int:
     """Working tiles of a backward (``recompute``: some tile is not kept): the logits tile and its
     scratch, and a third one for soft-capping with entropy on a recomputed tile (``s = z - m``
     next to ``tanh``). ``_plan`` budgets for as many."""
-    return 3 if recompute and plan.softcap is not None and plan.with_entropy else 2
+    return 3 if recompute and plan.spec.softcap is not None and plan.spec.with_entropy else 2
 
 
 def _upcast_elements(weight: torch.Tensor, plan: _Plan, cdtype: torch.dtype) -> int:
@@ -473,22 +465,10 @@ def _addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool)
         acc += _mm_fp32(a, b, torch.empty_like(acc))
 
 
-def _flat_inputs(hidden, weight, targets, temp, ignore_index: int, bias):
-    """What both fused functions (this one and :func:`~microrl.kernels.fused_linear_loss`) start
-    from: ``hidden`` as ``[N, H]`` and ``targets`` as ``[N]`` (flattened here, under autograd, so
-    the Function receives tensors still connected to the graph), ignored targets replaced by 0,
-    the ``valid`` mask, the per-token inverse temperature ``[N]`` (None for a scalar one, which is
-    ``inv_scalar``), and whether the 16-bit CUDA matmuls apply."""
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1).long()
-    valid = flat_targets != ignore_index
-    flat_targets = torch.where(valid, flat_targets, 0)
-    per_token = isinstance(temp, torch.Tensor)
-    inv_t = (1.0 / temp).reshape(-1) if per_token else None
-    inv_scalar = 1.0 if per_token else 1.0 / temp
-    # A float64 bias makes the compute dtype float64: then 16-bit matmuls would not do.
-    native16 = _use_native16(hidden, weight) and (bias is None or bias.dtype != torch.float64)
-    return hidden_2d, flat_targets, valid, inv_t, inv_scalar, native16
+def _native16(hidden, weight, bias) -> bool:
+    """Whether the 16-bit CUDA tile matmuls apply (``_use_native16``): not with a float64 bias,
+    which makes the compute dtype float64."""
+    return _use_native16(hidden, weight) and (bias is None or bias.dtype != torch.float64)
 
 
 def fused_linear_logprob(
@@ -504,6 +484,7 @@ def fused_linear_logprob(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head, without materialising the logits.
 
@@ -551,6 +532,11 @@ def fused_linear_logprob(
             soft-capping (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).
         softcap: None, or a finite float ``c > 0``: final-logit soft-capping
             ``c * tanh(x / c)`` (Gemma 2/3 ``final_logit_softcapping``), before the temperature.
+        implementation: ``"auto"`` (CUDA tensors take the GPU path, ``"triton"``, or
+            ``"chunks"`` without Triton; other devices ``"tiles"``), or one of those names to
+            force it (docs/kernels.md, "Implementations"); on the GPU path ``chunk_size`` caps the
+            rows of a tile and the tile is sized by a budget of about ``4 * N * H`` bytes.
+            :func:`microrl.kernels.last_implementation` says which one ran.
 
     Returns:
         ``(logprobs [...], entropy [...] | None)`` shaped like ``targets``, float32 (float64 when
@@ -562,39 +548,35 @@ def fused_linear_logprob(
             tensors on different devices, non-integer targets, temperature of a bad type or
             shape (or requiring grad), ``chunk_size < 1``, non-bool ``with_entropy``/``validate``,
             non-int ``ignore_index``, ``bias`` not ``[V]`` or not a float tensor on the same
-            device, ``logit_scale`` or ``softcap`` not a finite number > 0; with ``validate``,
-            also out-of-range targets and temperatures <= 0 or non-finite.
+            device, ``logit_scale`` or ``softcap`` not a finite number > 0, an unknown
+            ``implementation`` (or ``"triton"`` with float64 inputs); with ``validate``, also
+            out-of-range targets and temperatures <= 0 or non-finite.
     """
-    temp, count = check_linear_logprob_inputs(
-        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
-        bias=bias, logit_scale=logit_scale, softcap=softcap,
+    spec = HeadSpec(
+        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
+        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
     )  # fmt: skip
-    scale, cap = float(logit_scale), None if softcap is None else float(softcap)
-    hidden_2d, flat_targets, valid, inv_t, inv_scalar, native16 = _flat_inputs(
-        hidden, weight, targets, temp, ignore_index, bias
-    )
-    num_rows = valid.numel()
-    rows_idx, row_mask = None, None  # all rows, in order
-    if count is None:  # no sync: every row, the ignored ones masked inside
-        row_mask = valid
-        if inv_t is not None:  # an ignored position's temperature is not validated: never use it
-            inv_t = torch.where(valid, inv_t, 1.0)
-    elif count < num_rows:  # the count came with the validation's sync: compact without another
-        rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
-        num_rows = count
-    grad_on = torch.is_grad_enabled()
-    need = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
-    if bias is not None and grad_on and bias.requires_grad and not any(need):
-        need = True, False  # a backward runs for the bias alone: plan (and keep tiles) for one
+    spec, inputs = checked_inputs(hidden, weight, targets, temperature, bias, spec)
+    spec = resolve(hidden, weight, bias, spec, "fused_linear_logprob")
+    if spec.implementation != "tiles":
+        return _shaped(chunked_linear_logprob(inputs, spec), targets.shape, spec.with_entropy)
+    rows_idx, row_mask, inv_t = inputs.rows()
+    need = inputs.need[:2]
+    if inputs.need[2] and not any(need):  # a backward runs for the bias alone: plan for one
+        need = True, False
+    num_rows = inputs.valid.numel() if rows_idx is None else rows_idx.numel()
     vocab, hidden_size = weight.shape
-    plan = _plan(
-        max(1, num_rows), vocab, chunk_size, with_entropy, inv_scalar, need, native16, hidden_size,
-        scale, cap,
-    )  # fmt: skip
+    native16 = _native16(hidden, weight, bias)
+    plan = _plan(max(1, num_rows), vocab, spec, need, native16, hidden_size)
     out = _FusedLinearLogProb.apply(
-        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
+        inputs.hidden, weight, bias, inputs.targets, rows_idx, row_mask, inv_t, plan
     )
+    return _shaped(out, targets.shape, spec.with_entropy)
+
+
+def _shaped(out, shape: torch.Size, with_entropy: bool):
+    """The Function's flat output(s) as ``(logprobs, entropy | None)`` shaped like the targets."""
     if not with_entropy:
-        return out.view(targets.shape), None
+        return out.view(shape), None
     logprobs, entropy = out
-    return logprobs.view(targets.shape), entropy.view(targets.shape)
+    return logprobs.view(shape), entropy.view(shape)

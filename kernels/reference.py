@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
+from ._checks import IGNORE_INDEX, HeadSpec, check_linear_logprob_inputs, head_dtype, no_autocast
 
 __all__ = ["reference_linear_logprob"]
 
@@ -29,6 +29,7 @@ def reference_linear_logprob(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(cap((hidden.float() @ weight.float().T + bias) * logit_scale) / temperature)``
     at ``targets``, with ``cap(x) = softcap * tanh(x / softcap)`` (the identity for
@@ -38,7 +39,8 @@ def reference_linear_logprob(
     Gemma 2/3's ``tanh(logits / cap) * cap``), then the temperature.
 
     Same signature, validation and semantics as :func:`microrl.kernels.fused_linear_logprob`;
-    ``chunk_size`` is validated and otherwise ignored (nothing is chunked here); ``validate=False``
+    ``chunk_size`` and ``implementation`` are validated and otherwise ignored (nothing is
+    chunked here; there is one implementation); ``validate=False``
     skips the value checks as there (targets and temperatures trusted to be in range).
 
     Args:
@@ -51,26 +53,27 @@ def reference_linear_logprob(
         ``(logprobs [...], entropy [...] | None)`` in float32 (float64 when an input is
         float64). Gradients come back in each input's own dtype (autograd of the upcast).
     """
-    temp, _ = check_linear_logprob_inputs(
-        hidden, weight, targets, temperature, with_entropy, chunk_size, ignore_index, validate,
-        bias=bias, logit_scale=logit_scale, softcap=softcap,
+    spec = HeadSpec(
+        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
+        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
     )  # fmt: skip
-    dtypes = (
-        (hidden.dtype, weight.dtype) if bias is None else (hidden.dtype, weight.dtype, bias.dtype)
+    spec, per_token, _ = check_linear_logprob_inputs(
+        hidden, weight, targets, temperature, bias, spec
     )
-    cdtype = compute_dtype(*dtypes)
+    cdtype = head_dtype(hidden, weight, bias)
     with no_autocast(hidden.device.type):  # autocast would run the matmul in 16 bits
         logits = hidden.to(cdtype) @ weight.to(cdtype).T
         if bias is not None:
             logits = logits + bias.to(cdtype)
-        if logit_scale != 1.0:
-            logits = logits * float(logit_scale)
-        if softcap is not None:
-            logits = torch.tanh(logits / float(softcap)) * float(softcap)
-        logits = logits / (temp.unsqueeze(-1) if isinstance(temp, torch.Tensor) else temp)
+        if spec.logit_scale != 1.0:
+            logits = logits * spec.logit_scale
+        if spec.softcap is not None:
+            logits = torch.tanh(logits / spec.softcap) * spec.softcap
+        logits = logits / (spec.temperature if per_token is None else per_token.unsqueeze(-1))
         log_probs = torch.log_softmax(logits, dim=-1)
+    targets = targets.long()  # compared as int64: in uint8, -100 would equal 156
     valid = targets != ignore_index
-    safe_targets = torch.where(valid, targets, 0).long()
+    safe_targets = torch.where(valid, targets, 0)
     picked = log_probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
     logprobs = torch.where(valid, picked, 0.0)
     if not with_entropy:

@@ -20,7 +20,17 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import IGNORE_INDEX, check_linear_logprob_inputs, compute_dtype, no_autocast
+from . import linear_logprob
+from ._checks import (
+    IGNORE_INDEX,
+    HeadInputs,
+    HeadSpec,
+    check_linear_logprob_inputs,
+    flatten,
+    head_dtype,
+    no_autocast,
+)
+from ._dispatch import resolve
 from ._tiles import (
     _cap_slope_,
     _cast,
@@ -38,8 +48,12 @@ from ._tiles import (
     _tile_stats,
     _zero_unkept,
 )
+from .chunked_loss import VocabShard
+from .vocab_parallel_chunked import vocab_parallel_chunked
 
 __all__ = ["vocab_parallel_linear_logprob"]
+
+_shaped = linear_logprob._shaped
 
 # Largest [rows, vocab_tile] logits tile, as in linear_logprob (32 MiB in float32): big tiles keep
 # the number of elementwise ops (each an OpenMP region on a CPU) low.
@@ -50,17 +64,13 @@ _MIN_VOCAB_TILE = 128  # thinner matmuls lose speed
 
 @dataclass(frozen=True)
 class _Plan:
-    """Non-tensor arguments of the autograd Function, bundled so backward returns few Nones."""
+    """Non-tensor arguments of the autograd Function: this rank's columns, the tiles and the
+    call's checked ``HeadSpec``, bundled so backward returns few Nones."""
 
-    group: dist.ProcessGroup | None  # None: no tensor parallelism, no collective
-    vocab_start: int  # global id of the shard's first row
-    real_rows: int  # the shard's first rows inside the vocabulary; the rest is padding
+    shard: VocabShard  # group None: no tensor parallelism, no collective
     rows: int  # rows per chunk
     vocab_tile: int
-    with_entropy: bool
-    inv_temperature: float  # used when no per-token temperature tensor is given
-    scale: float = 1.0  # logit multiplier, after the bias and before the soft-capping
-    softcap: float | None = None  # soft-capping c: logits -> c * tanh(logits / c)
+    spec: HeadSpec
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -74,14 +84,15 @@ def _rows_of(hidden, targets, inv_t, row_mask, plan, cdtype, rows, idx):
     without a scale or cap)."""
     real = None if row_mask is None else _take(row_mask, rows, idx)
     h = _masked_rows(_take(hidden, rows, idx), real).to(cdtype)
-    inv = _take(inv_t, rows, idx) if inv_t is not None else plan.inv_temperature
-    factors = _row_factors(inv, plan.scale, plan.softcap)
-    return h, _scaled_rows(h, factors[0]), _take(targets, rows, idx) - plan.vocab_start, factors
+    inv = _take(inv_t, rows, idx) if inv_t is not None else plan.spec.inv_temperature
+    factors = _row_factors(inv, plan.spec.logit_scale, plan.spec.softcap)
+    local_targets = _take(targets, rows, idx) - plan.shard.vocab_start
+    return h, _scaled_rows(h, factors[0]), local_targets, factors
 
 
 def _logits(h_mm, weight, bias, j, plan: _Plan, cdtype, buf, pre, post):
     """The shard's final logits of vocabulary tile ``j`` (bias, scale, cap and 1/T applied)."""
-    w_c = weight[j : min(j + plan.vocab_tile, plan.real_rows)].to(cdtype)
+    w_c = weight[j : min(j + plan.vocab_tile, plan.shard.real_rows)].to(cdtype)
     b_tile = None if bias is None else bias[j : j + w_c.shape[0]].to(cdtype)
     z = _logits_tile(h_mm, w_c, pre, buf, False, b_tile)
     return (z if post is None else _softcap_(z, post)), w_c
@@ -99,9 +110,9 @@ def _local_stats(
     m = hidden.shape[0] if rows_idx is None else rows_idx.numel()
     row_max = hidden.new_full((m,), -math.inf, dtype=cdtype)
     row_sum = hidden.new_zeros(m, dtype=cdtype)
-    row_a = hidden.new_zeros(m, dtype=cdtype) if plan.with_entropy else None
+    row_a = hidden.new_zeros(m, dtype=cdtype) if plan.spec.with_entropy else None
     target_logit = hidden.new_zeros(m, dtype=cdtype)
-    if plan.real_rows == 0 or m == 0:
+    if plan.shard.real_rows == 0 or m == 0:
         return row_max, row_sum, row_a, target_logit
     buf = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
     scratch = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
@@ -113,33 +124,33 @@ def _local_stats(
         )
         picked = target_logit[rows]
         stats = None
-        for j in range(0, plan.real_rows, plan.vocab_tile):
+        for j in range(0, plan.shard.real_rows, plan.vocab_tile):
             out = buf
             if kept is not None and len(kept[0]) < kept[2]:
                 out = hidden.new_empty(plan.rows * plan.vocab_tile, dtype=cdtype)
             z, _ = _logits(h_mm, weight, bias, j, plan, cdtype, out, pre, post)
             _gather_tile(z, t - j, picked)
-            tile = _tile_stats(z, scratch, plan.with_entropy)
+            tile = _tile_stats(z, scratch, plan.spec.with_entropy)
             stats = tile if stats is None else _merge(stats, tile)
             if out is not buf:
                 kept[0].append(out)
                 kept[1].append(tile[0])
         row_max[rows], row_sum[rows] = stats[0], stats[1]
-        if plan.with_entropy:
+        if plan.spec.with_entropy:
             row_a[rows] = stats[2]
     return row_max, row_sum, row_a, target_logit
 
 
-def _combine(local, targets_local, plan: _Plan):
-    """Exact combination over the group: the global max first, then the rescaled sums.
+def _combine(local, targets_local, shard: VocabShard):
+    """Exact combination over ``shard``'s group: the global max first, then the rescaled sums.
 
     Returns the global per-row ``(m, S, A | None, z_t - m)``."""
     row_max, row_sum, row_a, target_logit = local
     m = row_max.clone()
-    _all_reduce(m, dist.ReduceOp.MAX, plan.group)
-    owned = (targets_local >= 0) & (targets_local < plan.real_rows)
+    _all_reduce(m, dist.ReduceOp.MAX, shard.group)
+    owned = (targets_local >= 0) & (targets_local < shard.real_rows)
     parts = [torch.where(owned, target_logit - m, 0.0)]
-    if plan.real_rows == 0:  # m_r = -inf: nothing of this shard is in the softmax
+    if shard.real_rows == 0:  # m_r = -inf: nothing of this shard is in the softmax
         parts.append(torch.zeros_like(row_sum))
         if row_a is not None:
             parts.append(torch.zeros_like(row_a))
@@ -150,7 +161,7 @@ def _combine(local, targets_local, plan: _Plan):
         if row_a is not None:
             parts.append(w * (row_a + d * row_sum))
     stacked = torch.stack(parts)
-    _all_reduce(stacked, dist.ReduceOp.SUM, plan.group)
+    _all_reduce(stacked, dist.ReduceOp.SUM, shard.group)
     shifted_target, total = stacked[0], stacked[1]
     return m, total, stacked[2] if row_a is not None else None, shifted_target
 
@@ -173,21 +184,21 @@ class _VocabParallelLinearLogProb(torch.autograd.Function):
         # None, targets [N] global ids (ignored ones replaced by 0); rows_idx [M] rows to process
         # or None (all, in order); row_mask [N] bool (False: ignored, masked) or None; inv_t [N]
         # or None.
-        cdtype = _compute_dtype(hidden, weight, bias)
+        cdtype = head_dtype(hidden, weight, bias)
         with no_autocast(hidden.device.type):
             local = _local_stats(
                 hidden, weight, bias, targets, rows_idx, row_mask, inv_t, plan, cdtype
             )
             t_proc = targets if rows_idx is None else targets.index_select(0, rows_idx)
-            t_local = t_proc - plan.vocab_start
-            m, total, a, shifted_target = _combine(local, t_local, plan)
+            t_local = t_proc - plan.shard.vocab_start
+            m, total, a, shifted_target = _combine(local, t_local, plan.shard)
             log_sum = total.log()
             n = hidden.shape[0]
             new = hidden.new_empty if rows_idx is None else hidden.new_zeros
             logprob = new(n, dtype=cdtype)
             _put(logprob, rows_idx, _zero_unkept(shifted_target - log_sum, row_mask))
             entropy, ent = None, None
-            if plan.with_entropy:
+            if plan.spec.with_entropy:
                 ent = log_sum - a / total
                 entropy = new(n, dtype=cdtype)
                 _put(entropy, rows_idx, _zero_unkept(ent, row_mask))
@@ -195,7 +206,7 @@ class _VocabParallelLinearLogProb(torch.autograd.Function):
             hidden, weight, bias, targets, rows_idx, row_mask, inv_t, m, total, ent
         )
         ctx.plan = plan
-        return (logprob, entropy) if plan.with_entropy else logprob
+        return (logprob, entropy) if plan.spec.with_entropy else logprob
 
     @staticmethod
     @once_differentiable
@@ -207,15 +218,11 @@ class _VocabParallelLinearLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _compute_dtype(hidden, weight, bias) -> torch.dtype:
-    return compute_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
-
-
 def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
     hidden, weight, bias, targets, rows_idx, row_mask, inv_t, row_max, total, ent = saved
     need_h, need_w, need_b = need
     need_b = need_b and bias is not None
-    cdtype = _compute_dtype(hidden, weight, bias)
+    cdtype = head_dtype(hidden, weight, bias)
     n = hidden.shape[0]
     m = n if rows_idx is None else rows_idx.numel()
     grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None  # padding rows: 0
@@ -223,18 +230,18 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
     gh_all = hidden.new_zeros((m, hidden.shape[1]), dtype=cdtype) if need_h else None
     # A missing upstream gradient is a zero gradient, never a dropped branch.
     g_lp_all = _or_zeros(grad_logprob, n, hidden, cdtype)
-    g_ent_all = _or_zeros(grad_entropy if plan.with_entropy else None, n, hidden, cdtype)
+    g_ent_all = _or_zeros(grad_entropy if plan.spec.with_entropy else None, n, hidden, cdtype)
     if row_mask is not None:  # upstream gradients of ignored rows are dropped, NaN or not
         g_lp_all = torch.where(row_mask, g_lp_all, 0.0)
         g_ent_all = torch.where(row_mask, g_ent_all, 0.0)
     if rows_idx is not None:
         g_lp_all = g_lp_all.index_select(0, rows_idx)
         g_ent_all = g_ent_all.index_select(0, rows_idx)
-    if m > 0 and plan.real_rows > 0 and (need_h or need_w or need_b):
+    if m > 0 and plan.shard.real_rows > 0 and (need_h or need_w or need_b):
         size = plan.rows * plan.vocab_tile
         buf, scratch = hidden.new_empty(size, dtype=cdtype), hidden.new_empty(size, dtype=cdtype)
         # Soft-capping with entropy: s = z - m goes next to tanh (kept for the slope).
-        capped = plan.softcap is not None and plan.with_entropy
+        capped = plan.spec.softcap is not None and plan.spec.with_entropy
         shifted_buf = hidden.new_empty(size, dtype=cdtype) if capped else None
         log_sum = total.log()
         for start in range(0, m, plan.rows):
@@ -251,12 +258,12 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
             inv_sum = total[rows].reciprocal()
             b = -g_ent
             c = -g_lp
-            if plan.with_entropy:
+            if plan.spec.with_entropy:
                 c = c - g_ent * ent[rows] - b * log_sum[rows]
             b, c = (b * inv_sum).unsqueeze(1), (c * inv_sum).unsqueeze(1)
             shift = row_max[rows].unsqueeze(1)
             gh = gh_all[rows] if need_h else None
-            for j in range(0, plan.real_rows, plan.vocab_tile):
+            for j in range(0, plan.shard.real_rows, plan.vocab_tile):
                 z, w_c = _logits(h_mm, weight, bias, j, plan, cdtype, buf, pre, None)
                 r, w = z.shape
                 e = scratch[: r * w].view(r, w)
@@ -267,7 +274,7 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
                     s = shifted_buf[: r * w].view(r, w) if capped else e
                     s = _row_affine(z, -row_max[rows], post, s)
                 g = torch.exp(s, out=e)
-                if plan.with_entropy:
+                if plan.spec.with_entropy:
                     g.mul_(torch.addcmul(c, s, b, out=s))
                 else:
                     g.mul_(c)
@@ -283,7 +290,7 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
     grad_h = None
     if need_h:
         # The shard's partial sum G_local @ W_local: the group's sum is the full hidden gradient.
-        _all_reduce(gh_all, dist.ReduceOp.SUM, plan.group)
+        _all_reduce(gh_all, dist.ReduceOp.SUM, plan.shard.group)
         if rows_idx is None:
             grad_h = gh_all.to(hidden.dtype)
         else:
@@ -379,6 +386,7 @@ def vocab_parallel_linear_logprob(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head whose vocabulary is split over a TP group.
 
@@ -408,6 +416,8 @@ def vocab_parallel_linear_logprob(
             DTensor on the weight's mesh when the weight is one); its gradient stays local.
         logit_scale, softcap: as in ``fused_linear_logprob`` (elementwise on the logits, so
             each rank applies them to its own columns).
+        implementation: as in ``fused_linear_logprob`` (CUDA tensors take the GPU path on the
+            shard; every rank must take the same one).
 
     Returns:
         ``(logprobs [...], entropy [...] | None)``, identical on every rank, float32 (float64
@@ -422,51 +432,34 @@ def vocab_parallel_linear_logprob(
         TypeError / ValueError: as ``fused_linear_logprob``, and for a bad ``group``,
             ``vocab_start``, ``vocab_size`` or DTensor layout, and a DTensor ``hidden``/``targets``.
     """
-    inputs = checked_inputs(
-        hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
-        chunk_size, ignore_index, validate, bias, logit_scale, softcap,
+    spec = HeadSpec(
+        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
+        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
     )  # fmt: skip
-    hidden_2d, weight, bias, flat_targets, valid, temp, inv_t, count = inputs[:8]
-    group, vocab_start, vocab_size = inputs[8:]
-    num_rows = valid.numel()
-    rows_idx, row_mask = None, None
-    if count is None:  # no sync: every row, the ignored ones masked inside
-        row_mask = valid
-        if inv_t is not None:
-            inv_t = torch.where(valid, inv_t, 1.0)
-    elif count < num_rows:  # compact the non-ignored rows (the count came with the one sync)
-        rows_idx = torch.nonzero_static(valid, size=count).squeeze(1)
-        num_rows = count
-    configured = chunk_size or _DEFAULT_ROWS
-    real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
-    vocab_tile = max(1, min(real_rows, max(_MIN_VOCAB_TILE, _TILE_ELEMENTS // configured)))
-    plan = _Plan(
-        group=group,
-        vocab_start=vocab_start,
-        real_rows=real_rows,
-        rows=max(1, min(configured, num_rows)),
-        vocab_tile=vocab_tile,
-        with_entropy=with_entropy,
-        inv_temperature=1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0,
-        scale=float(logit_scale),
-        softcap=None if softcap is None else float(softcap),
+    spec, inputs, shard = checked_inputs(
+        hidden, weight, targets, temperature, bias, spec, group, vocab_start, vocab_size
     )
+    hidden_2d, weight, bias = inputs.hidden, inputs.weight, inputs.bias  # the shard's
+    spec = resolve(hidden_2d, weight, bias, spec, "vocab_parallel_linear_logprob")
+    if spec.implementation != "tiles":
+        out = vocab_parallel_chunked(inputs, shard, spec)
+        return _shaped(out, targets.shape, spec.with_entropy)
+    rows_idx, row_mask, inv_t = inputs.rows()
+    configured = spec.chunk_size or _DEFAULT_ROWS
+    num_rows = inputs.valid.numel() if rows_idx is None else rows_idx.numel()
+    vocab_tile = max(1, min(shard.real_rows, max(_MIN_VOCAB_TILE, _TILE_ELEMENTS // configured)))
+    plan = _Plan(shard, max(1, min(configured, num_rows)), vocab_tile, spec)
     out = _VocabParallelLinearLogProb.apply(
-        hidden_2d, weight, bias, flat_targets, rows_idx, row_mask, inv_t, plan
+        hidden_2d, weight, bias, inputs.targets, rows_idx, row_mask, inv_t, plan
     )
-    if not with_entropy:
-        return out.view(targets.shape), None
-    logprobs, entropy = out
-    return logprobs.view(targets.shape), entropy.view(targets.shape)
+    return _shaped(out, targets.shape, spec.with_entropy)
 
 
 def checked_inputs(
-    hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
-    chunk_size, ignore_index, validate, bias, logit_scale, softcap,
-):  # fmt: skip
-    """The public functions' checks and flattening: ``(hidden [N, H], local weight, local bias,
-    targets [N] (ignored ones 0), valid [N], temperature, 1/T [N] or None, non-ignored count
-    (None without ``validate``), group, vocab_start, vocab_size)``."""
+    hidden, weight, targets, temperature, bias, spec: HeadSpec, group, vocab_start, vocab_size
+) -> tuple[HeadSpec, HeadInputs, VocabShard]:
+    """The vocab-parallel functions' checks and flattening: ``(checked spec, inputs with this
+    rank's weight and bias, its shard)``; targets are checked against ``vocab_size``."""
     for name, t in (("hidden", hidden), ("targets", targets)):
         if _is_dtensor(t):
             raise ValueError(f"{name} must be a plain (replicated) tensor, not a DTensor")
@@ -479,30 +472,22 @@ def checked_inputs(
     # A rank may hold no row at all (Shard(0) of fewer rows than ranks): the single-device
     # check refuses an empty weight, so it checks a one-row stand-in of the same dtype/device.
     empty = weight.dim() == 2 and weight.shape[0] == 0
-    temp, _ = check_linear_logprob_inputs(
-        hidden=hidden,
-        weight=weight.new_empty((1, weight.shape[1])) if empty else weight,
-        bias=bias.new_empty(1) if empty and isinstance(bias, torch.Tensor) else bias,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        targets=targets,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
-        validate=False,
+    spec, per_token, _ = check_linear_logprob_inputs(
+        hidden,
+        weight.new_empty((1, weight.shape[1])) if empty else weight,
+        targets,
+        temperature,
+        bias.new_empty(1) if empty and isinstance(bias, torch.Tensor) else bias,
+        spec,
+        values=False,
     )
-    valid = targets.reshape(-1) != ignore_index
-    count = None
-    if validate:
-        count = _validate_values(targets.reshape(-1), valid, temp, vocab_size, ignore_index)
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = torch.where(valid, targets.reshape(-1).long(), 0)
-    inv_t = (1.0 / temp).reshape(-1) if isinstance(temp, torch.Tensor) else None
-    return (
-        hidden_2d, weight, bias, flat_targets, valid, temp, inv_t, count, group, vocab_start,
-        vocab_size,
-    )  # fmt: skip
+    inputs = flatten(hidden, weight, bias, targets, per_token, spec, None)
+    if spec.validate:
+        wide = targets.reshape(-1).long()  # int8/uint8 comparisons wrap (uint8: -100 == 156)
+        count = _validate_values(wide, inputs.valid, per_token, vocab_size, spec.ignore_index)
+        inputs = inputs._replace(count=count)
+    real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    return spec, inputs, VocabShard(group, vocab_start, real_rows)
 
 
 def _validate_values(targets, valid, temp, vocab_size, ignore_index) -> int:

@@ -24,68 +24,61 @@ gradient. Contract: ``docs/kernels.md`` ("Vocab-parallel").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from . import vocab_parallel as vp
-from ._checks import IGNORE_INDEX
+from ._checks import IGNORE_INDEX, HeadSpec, head_dtype
 from ._tiles import _zero_unkept
+from .chunked_loss import VocabShard
 from .fused_loss import (
     FusedLossOutput,
     GroupLossFn,
-    _check_segments,
-    _FusedLinearLoss,
     _group_plan,
-    _groups,
-    _loss_plan,
+    _LossCall,
     _record_group,
-    _Spec,
+    run_loss,
 )
-from .linear_logprob import _backward, _compute_dtype, _plan
+from .linear_logprob import _backward
 
 __all__ = ["vocab_parallel_linear_loss"]
 
 
-@dataclass(frozen=True)
-class _Shard:
-    group: dist.ProcessGroup | None
-    vocab_start: int
-    real_rows: int  # the shard's first rows inside the vocabulary; the rest is padding
-
-
-def _run_sharded(shard: _Shard, hidden, weight, bias, targets, row_mask, inv_t, spec: _Spec):
+def _run_sharded(
+    shard: VocabShard, hidden, weight, bias, targets, row_mask, inv_t, call: _LossCall
+):
     """``fused_loss._run`` on a vocabulary shard (module docstring)."""
-    need_h, need_w, need_b = spec.need
+    need_h, need_w, need_b = call.need
     need_b = need_b and bias is not None
-    cdtype = _compute_dtype(hidden, weight, bias)
+    cdtype = head_dtype(hidden, weight, bias)
     n, real = hidden.shape[0], shard.real_rows
     logprob = hidden.new_empty(n, dtype=cdtype)
-    entropy = hidden.new_empty(n, dtype=cdtype) if spec.plan.with_entropy else None
+    entropy = hidden.new_empty(n, dtype=cdtype) if call.plan.spec.with_entropy else None
     grad_h = hidden.new_empty(hidden.shape) if need_h else None
     grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None  # padding rows: 0
     grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
     any_grad = need_h or need_w or need_b
     local_targets = targets - shard.vocab_start
     losses = []
-    for start, end in spec.groups:
+    for start, end in call.groups:
         rows = slice(start, end)
         h, t = hidden[rows], local_targets[rows]
         mask = None if row_mask is None else row_mask[rows]
         inv = None if inv_t is None else inv_t[rows]
-        plan = _group_plan(spec.plan, end - start, any_grad)
+        plan = _group_plan(call.plan, end - start, any_grad)
         kept: tuple[list, list, int] = ([], [], plan.kept_tiles if real else 0)
+        sharded = vp._Plan(shard, plan.rows, plan.vocab_tile, plan.spec)  # the same tiles
         local = vp._local_stats(
-            h, weight, bias, targets[rows], None, mask, inv, _vp_plan(shard, plan), cdtype, kept
+            h, weight, bias, targets[rows], None, mask, inv, sharded, cdtype, kept
         )
-        row_max, total, a, shifted = vp._combine(local, t, _vp_plan(shard, plan))
+        row_max, total, a, shifted = vp._combine(local, t, shard)
         log_sum = total.log()
         lp = _zero_unkept(shifted - log_sum, mask)
         ent_all = log_sum - a / total if a is not None else None
         ent = None if ent_all is None else _zero_unkept(ent_all, mask)
-        g_lp, g_ent = _record_group(spec, start, end, (lp, ent), (logprob, entropy), losses)
+        g_lp, g_ent = _record_group(call, start, end, (lp, ent), (logprob, entropy), losses)
         if not any_grad:
             continue
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows
@@ -98,7 +91,7 @@ def _run_sharded(shard: _Shard, hidden, weight, bias, targets, row_mask, inv_t, 
             stats = (row_max, total, ent_all, *kept[0], *kept[1])
             acc = None if grad_w is None else grad_w[:real]
             gh_local, _, gb = _backward(
-                (*saved, *stats), len(kept[0]), plan, spec.need, g_lp, g_ent, grad_w_acc=acc
+                (*saved, *stats), len(kept[0]), plan, call.need, g_lp, g_ent, grad_w_acc=acc
             )
             del kept, stats
             if need_h:
@@ -110,21 +103,6 @@ def _run_sharded(shard: _Shard, hidden, weight, bias, targets, row_mask, inv_t, 
             grad_h[rows] = gh
     total_loss = torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
     return total_loss, logprob, entropy, (grad_h, grad_w, grad_b)
-
-
-def _vp_plan(shard: _Shard, plan) -> vp._Plan:
-    """The vocab-parallel plan with the single-device group plan's tiles (the same loop order)."""
-    return vp._Plan(
-        group=shard.group,
-        vocab_start=shard.vocab_start,
-        real_rows=shard.real_rows,
-        rows=plan.rows,
-        vocab_tile=plan.vocab_tile,
-        with_entropy=plan.with_entropy,
-        inv_temperature=plan.inv_temperature,
-        scale=plan.scale,
-        softcap=plan.softcap,
-    )
 
 
 def vocab_parallel_linear_loss(
@@ -145,6 +123,7 @@ def vocab_parallel_linear_loss(
     bias: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    implementation: str = "auto",
 ) -> FusedLossOutput:
     """:func:`microrl.kernels.fused_linear_loss` of an lm head whose vocabulary is split over a
     tensor-parallel group: every rank gets the single-device result on the whole vocabulary, to
@@ -158,6 +137,8 @@ def vocab_parallel_linear_loss(
         loss_fn, segments, with_entropy: as in :func:`microrl.kernels.fused_linear_loss`; every
             rank calls ``loss_fn`` on the same (replicated) log-probs and must return the same
             loss.
+        implementation: as in :func:`microrl.kernels.fused_linear_logprob` (every rank must
+            take the same one).
 
     Returns:
         :class:`FusedLossOutput`, identical on every rank. Gradients (formed in forward, handed
@@ -167,36 +148,14 @@ def vocab_parallel_linear_loss(
     Raises:
         TypeError, ValueError: as the two functions above.
     """
-    inputs = vp.checked_inputs(
-        hidden, weight, targets, group, vocab_start, vocab_size, temperature, with_entropy,
-        chunk_size, ignore_index, validate, bias, logit_scale, softcap,
+    spec = HeadSpec(
+        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
+        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
     )  # fmt: skip
-    hidden_2d, local_w, local_b, flat_targets, valid, temp, inv_t, _ = inputs[:8]
-    group, vocab_start, vocab_size = inputs[8:]
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    n = flat_targets.numel()
-    bounds = _check_segments(segments, n)
-    if inv_t is not None:  # an ignored position's temperature is never used
-        inv_t = torch.where(valid, inv_t, 1.0)
-    grad_on = torch.is_grad_enabled()
-    need = (
-        grad_on and hidden.requires_grad,
-        grad_on and local_w.requires_grad,
-        grad_on and local_b is not None and local_b.requires_grad,
+    spec, inputs, shard = vp.checked_inputs(
+        hidden, weight, targets, temperature, bias, spec, group, vocab_start, vocab_size
     )
-    real = max(0, min(local_w.shape[0], vocab_size - vocab_start))
-    inv_scalar = 1.0 / temp if not isinstance(temp, torch.Tensor) else 1.0
-    scale, cap = float(logit_scale), None if softcap is None else float(softcap)
-    vocab = max(1, real)  # a shard of padding only: plans as one row, runs no tile
-    base = _plan(
-        max(1, n), vocab, chunk_size, with_entropy, inv_scalar, (True, True), False,
-        hidden_2d.shape[1], scale, cap,
+    return run_loss(
+        inputs, targets.shape, loss_fn, segments, spec, "vocab_parallel_linear_loss",
+        shard=shard, tiles_run=partial(_run_sharded, shard),
     )  # fmt: skip
-    plan = _loss_plan(base, vocab, chunk_size)
-    run = partial(_run_sharded, _Shard(group, vocab_start, real))
-    spec = _Spec(_groups(bounds, plan.rows), plan, need, loss_fn, run=run)
-    out = _FusedLinearLoss.apply(hidden_2d, local_w, local_b, flat_targets, valid, inv_t, spec)
-    loss, logprob = out[0], out[1]
-    entropy = out[2].view(targets.shape) if with_entropy else None
-    return FusedLossOutput(loss, logprob.view(targets.shape), entropy, spec.aux)

@@ -19,9 +19,9 @@ A GRPO step, end to end::
 
 PPO: ``scores_to_token_rewards`` -> ``gae_advantages`` (-> ``whiten``) for the actor,
 ``value_loss`` for the critic. One algorithm per module: surrogates (``ppo``, ``gspo``, ``cispo``,
-``reinforce``), ``kl``, ``entropy``, ``value``, ``sft``, mismatch (``tis``, ``mismatch``),
-advantages (``gae``; ``group``: GRPO, RLOO, after ``check_whole_groups`` under data parallelism;
-``reinforce_pp``, ``whiten``). ``policy`` dispatches by :class:`PolicyLossType`.
+``reinforce``), ``kl``, ``entropy``, ``value``, ``sft``, ``router`` (MoE routers), mismatch
+(``tis``, ``mismatch``), advantages (``gae``; ``group``: GRPO, RLOO, after ``check_whole_groups``
+under data parallelism; ``reinforce_pp``, ``whiten``). ``policy`` dispatches by the loss type.
 """
 
 from .aggregation import (
@@ -32,7 +32,13 @@ from .aggregation import (
     masked_partial_mean,
 )
 from .cispo import cispo_surrogate
-from .config import KL_IS_ESTIMATORS, KLEstimator, PolicyLossConfig, PolicyLossType
+from .config import (
+    KL_IS_ESTIMATORS,
+    KLEstimator,
+    PolicyLossConfig,
+    PolicyLossType,
+    RouterLossConfig,
+)
 from .distill import distillation_advantages
 from .entropy import entropy_bonus
 from .gae import gae_advantages
@@ -66,6 +72,7 @@ from .ratio import (
 )
 from .reinforce import reinforce_surrogate
 from .reinforce_pp import reinforce_pp_advantages
+from .router import RouterDenominators, load_balancing_partial, z_loss_partial
 from .sft import sft_loss
 from .tokens import broadcast_to_tokens, scores_to_token_rewards
 from .value import value_loss
@@ -90,6 +97,8 @@ __all__ = [
     "PolicyLossType",
     "Reduce",
     "RolloutCorrection",
+    "RouterDenominators",
+    "RouterLossConfig",
     "Surrogate",
     "SurrogateOutput",
     "aggregate",
@@ -106,6 +115,7 @@ __all__ = [
     "gspo_surrogate",
     "importance_ratio",
     "kl_penalty",
+    "load_balancing_partial",
     "masked_partial_mean",
     "mismatch_log_ratio",
     "mismatch_metrics",
@@ -121,4 +131,5 @@ __all__ = [
     "sft_loss",
     "value_loss",
     "whiten",
+    "z_loss_partial",
 ]

@@ -22,6 +22,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from .router import RouterDenominators
+
 __all__ = ["AggMode", "LossDenominators", "aggregate", "global_denominators", "masked_partial_mean"]
 
 
@@ -60,6 +62,9 @@ class LossDenominators:
     ``has_loss_tokens``: a 0-d bool tensor on the same device, whether the mini-batch holds at
     least one loss token on any rank (the floor at 1 hides it in ``n_tokens``); the engine skips
     the optimizer step of a mini-batch without any. None when built by hand.
+
+    ``router``: a mixture-of-experts model's :class:`~microrl.losses.router.RouterDenominators`
+    (its router losses' and metrics' global counts), set by the engine; None otherwise.
     """
 
     n_tokens: torch.Tensor
@@ -67,6 +72,7 @@ class LossDenominators:
     seq_len_norm: float | None = None
     grad_scale: float = 1.0
     has_loss_tokens: torch.Tensor | None = None
+    router: RouterDenominators | None = None
 
 
 def global_denominators(

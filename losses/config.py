@@ -13,6 +13,7 @@ __all__ = [
     "KLEstimator",
     "PolicyLossConfig",
     "PolicyLossType",
+    "RouterLossConfig",
     "check_ratio_band",
 ]
 
@@ -195,6 +196,42 @@ class PolicyLossConfig:
             or self.seq_ratio_band is not None
             or self.decoupled_is_cap is not None
         )
+
+
+@dataclass
+class RouterLossConfig:
+    """Coefficients of a mixture-of-experts model's router losses (docs/losses.md#router-losses),
+    added to any loss of the engine's training passes; 0 turns a term off. Validated on
+    construction (``ValueError`` naming the ``router_loss.<field>``).
+
+    ``aux_loss_coef``: the model's own load-balancing loss (Switch Transformer's
+    ``E * sum_e f_e * P_e``, pooled over the MoE layers as transformers computes it), over the
+    whole mini-batch. ``z_loss_coef``: the router z-loss of ST-MoE (``mean logsumexp(logits)^2``
+    over layers and tokens), which the supported families do not compute themselves.
+    """
+
+    aux_loss_coef: float = dataclasses.field(
+        default=0.0,
+        metadata={"help": "weight of the MoE load-balancing loss over the mini-batch (0: off)"},
+    )
+    z_loss_coef: float = dataclasses.field(
+        default=0.0, metadata={"help": "weight of the MoE router z-loss (0: off)"}
+    )
+
+    def __post_init__(self) -> None:
+        for field in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, field)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(f"router_loss.{field} must be a finite float >= 0, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any router loss term is on."""
+        return self.aux_loss_coef > 0 or self.z_loss_coef > 0
 
 
 def check_ratio_band(band: object, name: str) -> tuple[float, float] | None:

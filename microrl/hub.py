@@ -1,7 +1,7 @@
 """Names on the Hugging Face Hub: telling a Hub id from a local path, and downloading a model.
 
-``model.path``, ``teacher.path`` and ``task.train_file`` take either a local path or a Hub name
-(``org/name``).
+``model.path``, ``teacher.path`` and ``task.dataset.train_file`` take either a local path or a
+Hub name (``org/name``).
 A name reads as local when it starts like a path (``./``, ``../``, ``/``, ``~``), has more than
 one ``/``, or its first directory exists here (``outputs/...`` in a run's working directory);
 then a missing path is an error, never a download. Anything else that is a valid Hub id is one.

@@ -64,7 +64,7 @@ def async_run_args(root, model: list[str] = TINY_MODEL) -> list[str]:
         *model,
         *TINY_RL,
         f"model.path={root / 'base'}",
-        f"task.rewards=[{root / 'length_reward.py'}:length]",
+        f"task.rewards.functions=[{root / 'length_reward.py'}:length]",
         "output.plot=false",
         "output.tensorboard=false",
         "train.steps=4",

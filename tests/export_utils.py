@@ -21,11 +21,14 @@ LOGPROB_ATOL = 2e-5  # fp32: transformers' own forward and head against the engi
 SCORE_ATOL = 1e-5  # fp32: transformers' classifier forward against the engine's value head
 
 
-def check_lm_exports(engine, batch, expected: torch.Tensor, directory: Path, *, rank: int = 0):
-    """Export ``engine`` (built on ``distributed_utils.tiny_model()``) under ``directory``: its
-    PEFT adapter when it has LoRA, and the merged model. Rank 0 loads them with peft and
-    transformers and checks their log-probs of ``batch`` equal ``expected``. Every rank calls
-    it: a sharded engine gathers its shards collectively."""
+def check_lm_exports(
+    engine, batch, expected: torch.Tensor, directory: Path, *, rank: int = 0, base=None
+):
+    """Export ``engine`` (built on ``base()``, by default ``distributed_utils.tiny_model()``)
+    under ``directory``: its PEFT adapter when it has LoRA, and the merged model. Rank 0 loads
+    them with peft and transformers and checks their log-probs of ``batch`` equal ``expected``.
+    Every rank calls it: a sharded engine gathers its shards collectively."""
+    base = base or distributed_utils.tiny_model
     mask = batch["attention_mask"].bool()
     adapter = None
     if engine.config.lora.rank:
@@ -36,7 +39,7 @@ def check_lm_exports(engine, batch, expected: torch.Tensor, directory: Path, *, 
     if rank != 0:
         return
     if adapter is not None:
-        loaded = PeftModel.from_pretrained(distributed_utils.tiny_model(), adapter).eval()
+        loaded = PeftModel.from_pretrained(base(), adapter).eval()
         torch.testing.assert_close(
             distributed_utils.hf_logprobs(loaded, batch)[mask],
             expected[mask],

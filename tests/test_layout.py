@@ -168,3 +168,11 @@ def test_module_docstrings_are_short() -> None:
     )
     stale = sorted(LONG_DOCSTRINGS_TO_FIX - set(long))
     assert not stale, f"short or gone: remove from LONG_DOCSTRINGS_TO_FIX: {stale}"
+
+
+def test_the_docs_index_lists_every_page() -> None:
+    """docs/README.md is where a reader finds a page: each page of docs/ is linked from it."""
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
+    missing = [page for page in pages if f"]({page})" not in index]
+    assert not missing, f"docs/README.md does not link {missing}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -48,6 +49,8 @@ __all__ = [
     "merged_state_dict",
 ]
 
+# peft's wrapper levels in state-dict keys (nested for a module with two adapted parameters).
+_BASE_LAYERS = re.compile(r"(\.base_layer)+\.")
 _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped transformers model
 
 
@@ -170,11 +173,13 @@ def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
         state: its full state dict (keys relative to ``base``).
 
     Returns the state dict of the plain transformers model (no ``base_layer`` or ``lora_`` keys).
-    Only plain ``lora.Linear`` layers with one active adapter are supported (what the engine
-    builds); anything else is a ``ValueError`` rather than a silently wrong merge.
+    Supported: plain ``lora.Linear`` layers and peft's ``ParamWrapper`` (LoRA on a parameter: a
+    mixture-of-experts model's fused 3-D expert weights, its router), one active adapter each
+    (what the engine builds); anything else is a ``ValueError`` rather than a silently wrong
+    merge.
     """
     from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
     from peft.utils import ModulesToSaveWrapper
 
     merged = {k: v for k, v in state.items() if ".lora_" not in k}
@@ -184,28 +189,55 @@ def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
         if not isinstance(module, LoraLayer):
             continue
         adapters = [a for a in module.active_adapters if a in module.lora_A]
-        if type(module) is not LoraLinear or len(adapters) != 1:
-            raise ValueError(f"{name}: only plain LoRA Linear layers with one adapter can merge")
+        if type(module) not in (LoraLinear, ParamWrapper) or len(adapters) != 1:
+            raise ValueError(
+                f"{name}: only LoRA Linear layers and parameters with one adapter can merge"
+            )
         adapter = adapters[0]
         if module.use_dora.get(adapter, False):
             raise ValueError(f"{name}: DoRA layers are not supported by the merged export")
-        weight_key = f"{name}.base_layer.weight"
         a = state[f"{name}.lora_A.{adapter}.weight"].double()
         b = state[f"{name}.lora_B.{adapter}.weight"].double()
-        delta = (b @ a) * module.scaling[adapter]
-        if module.fan_in_fan_out:
-            delta = delta.T
+        if isinstance(module, ParamWrapper):
+            weight_key, delta = _param_wrapper_delta(name, module, a, b)
+        else:
+            weight_key, delta = f"{name}.base_layer.weight", b @ a
+            if module.fan_in_fan_out:
+                delta = delta.T
         weight = merged[weight_key]
-        merged[weight_key] = (weight.double() + delta).to(weight.dtype)
-    return {k.replace(".base_layer.", "."): v for k, v in merged.items()}
+        merged[weight_key] = (weight.double() + delta * module.scaling[adapter]).to(weight.dtype)
+    return base_state_dict(merged)
+
+
+def _param_wrapper_delta(
+    name: str, module: nn.Module, a: torch.Tensor, b: torch.Tensor
+) -> tuple[str, torch.Tensor]:
+    """The state key of the parameter a peft ``ParamWrapper`` adapts and its unscaled update
+    from the factors ``a`` ``[r * E, in]`` and ``b`` ``[out, r * E]`` (peft's own layout, as its
+    ``get_delta_weight``). Wrappers nest, one per adapted parameter of a module, each adding a
+    ``base_layer`` level to the names below it."""
+    from peft.tuners.lora import ParamWrapper
+
+    levels, inner = 1, module.base_layer
+    while isinstance(inner, ParamWrapper):
+        levels, inner = levels + 1, inner.base_layer
+    key = f"{name}{'.base_layer' * levels}.{module.parameter_name}"
+    experts = module.num_experts
+    if experts == 1 and module._param_ndim == 2:  # a plain 2-D weight [out, in]
+        return key, b @ a
+    a = a.reshape(experts, -1, a.shape[-1])  # [E, r, in]
+    b = b.reshape(b.shape[0], -1, experts)  # [out, r, E]
+    swapped = module._did_swap_in_out_features  # the weight is [E, out, in], not [E, in, out]
+    return key, torch.einsum("ore,eri->eoi" if swapped else "ore,eri->eio", b, a)
 
 
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The plain transformers state dict under LoRA layers, without their updates: ``lora_``
-    keys dropped, ``base_layer`` weights under their original names (a ``vllm`` rollout backend
-    loads these once and applies the adapter on top)."""
+    keys dropped, ``base_layer`` weights under their original names (every nested level: a
+    module with two adapted parameters has two), which a ``vllm`` rollout backend loads once and
+    applies the adapter on top of."""
     kept = {k: v for k, v in state.items() if ".lora_" not in k}
-    return {k.replace(".base_layer.", "."): v for k, v in kept.items()}
+    return {_BASE_LAYERS.sub(".", k): v for k, v in kept.items()}
 
 
 def export_merged_model(

@@ -114,5 +114,6 @@ def _causal_mask(
     allowed = cols <= rows
     if window is not None:
         allowed &= cols > rows - window
-    lowest = torch.finfo(dtype).min
-    return torch.where(allowed, 0.0, lowest).to(dtype).view(1, 1, length, length)
+    # Built in ``dtype``: float64's lowest value does not fit the default float32.
+    mask = torch.zeros(length, length, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min).view(1, 1, length, length)

@@ -195,7 +195,7 @@ class _AgentLoop:
             except asyncio.TimeoutError:  # not yet the builtin on Python 3.10
                 timeout = self.limits.timeout_s
                 outcome.error = (
-                    f"ran past task.agent_timeout_s={timeout}: {_more_time(self.limits)}"
+                    f"ran past task.agent.timeout_s={timeout}: {_more_time(self.limits)}"
                 )
             except Exception as exc:  # any agent failure is reported the same way
                 trace = "".join(traceback.format_exception(exc)).rstrip()
@@ -226,9 +226,9 @@ class _AgentLoop:
             try:
                 result = agent(openai.OpenAI(**options, http_client=self.sync_http), problem)
             except BaseException as exc:
-                done.get_loop().call_soon_threadsafe(_settle, done, None, exc)
+                _settle_from_thread(done, None, exc)
             else:
-                done.get_loop().call_soon_threadsafe(_settle, done, result, None)
+                _settle_from_thread(done, result, None)
 
         threading.Thread(target=run, daemon=True).start()
         return await done
@@ -247,14 +247,21 @@ class _AgentLoop:
 def _more_time(limits: AgentLimits) -> str:
     """The keys that give a timed-out episode or call more time."""
     return (
-        f"raise task.agent_timeout_s={limits.timeout_s} (the episode's and its client's timeout), "
-        f"or lower task.agent_max_concurrency={limits.max_concurrency} (0: all of a step's "
+        f"raise task.agent.timeout_s={limits.timeout_s} (the episode's and its client's timeout), "
+        f"or lower task.agent.max_concurrency={limits.max_concurrency} (0: all of a step's "
         "episodes at once; they share one sampler, so more at once make each call wait longer)"
     )
 
 
 async def _semaphore(limit: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(limit)
+
+
+def _settle_from_thread(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Settle ``future`` from an agent's thread; an abandoned episode's loop may be closed
+    by now (the runner closed after its timeout), and then nothing waits for the outcome."""
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+        future.get_loop().call_soon_threadsafe(_settle, future, result, error)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -11,8 +11,8 @@ reference policy whose KL is reported every ``train.kl_metric_every`` steps (and
 every step, when ``actor.policy_loss.kl_coef > 0``). ``actor.policy_loss.bypass_mode=true`` takes
 the sampler's log-probs as the anchor instead of recomputing them (docs/losses.md). DAPO's
 knobs (docs/recipes.md#dapos-knobs): ``rollout.dynamic_sampling=true`` samples more prompts until
-every group's rewards differ, ``task.overlong_buffer=N`` adds the soft overlong penalty to the
-reward, ``actor.mask_truncated=true`` trains on no response cut at ``rollout.max_new_tokens``.
+every group's rewards differ, ``task.rewards.overlong_buffer=N`` adds the soft overlong penalty
+to the reward, ``actor.mask_truncated=true`` trains on no response cut at ``rollout.max_new_tokens``.
 
 Each step below: 1 sample -> 2 score -> 3 old/ref log-probs -> 4 advantages -> 5 update -> 6 log.
 The base model is warm-started with supervised steps the first time (microrl/run/base_model.py).
@@ -74,8 +74,9 @@ writes to its own output.dir):
                                                   # sample with vLLM (docs/rollouts.md)
     microrl grpo rollout.max_staleness=1 output.dir=outputs/grpo_async
                                                   # asynchronous: a worker samples a step ahead
-    microrl grpo task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
-        output.dir=outputs/my_data                # your data and reward (docs/tasks.md)
+    microrl grpo task.name=dataset task.dataset.train_file=my.jsonl \\
+        task.rewards.functions=my:score output.dir=outputs/my_data
+                                                  # your data and reward (docs/tasks.md)
     microrl grpo --overwrite                      # start again over a previous run
     microrl grpo --help                           # every option, its default, its meaning
 """
@@ -145,8 +146,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             #    with reference log-probs.
             metrics = step_metrics(
                 batch, scores, penalty, old, updates, dist_info, t0,
-                overlong=cfg.task.overlong_buffer > 0,
-                groups=rollout.group_ids,  # reward/frac_zero_std: groups that teach nothing
+                overlong=cfg.task.rewards.overlong_buffer > 0,
+                groups=rollout.group_ids,  # frac_reward_zero_std: groups that teach nothing
             )  # fmt: skip
             # teacher/*, dynamic_sampling/*, staleness/* and sync/probe_* (docs/async.md)
             metrics.update(distilled | sampled)

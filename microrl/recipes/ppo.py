@@ -71,8 +71,9 @@ Launch (CPU by default; the config is configs/ppo_lora.yaml, any key can be over
                                                   # sample with vLLM (docs/rollouts.md)
     microrl ppo rollout.max_staleness=1 output.dir=outputs/ppo_async
                                                   # asynchronous: a worker samples a step ahead
-    microrl ppo task.name=dataset task.train_file=my.jsonl task.rewards=my:score \\
-        output.dir=outputs/my_data_ppo            # your data and reward (docs/tasks.md)
+    microrl ppo task.name=dataset task.dataset.train_file=my.jsonl \\
+        task.rewards.functions=my:score output.dir=outputs/my_data_ppo
+                                                  # your data and reward (docs/tasks.md)
 """
 
 
@@ -118,7 +119,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             # Built on the host, moved to the engines' device once (docs/batch.md#devices).
             rollout, scores = rollout.to(actor.device), scores.to(actor.device)
             batch = rollout.batch
-            penalty = overlong(rollout)  # DAPO's (0 with task.overlong_buffer=0): reward + it
+            penalty = overlong(rollout)  # DAPO's (0 with no overlong buffer): reward + it
             # 3-4. Old/ref log-probs and old values; GAE advantages whitened over all ranks.
             with_ref = cfg.train.kl_due(step, cfg.actor.policy_loss.kl_coef)
             old = estimate_advantages(
@@ -133,8 +134,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             #    the old log-prob pass (none with the bypass).
             metrics = step_metrics(
                 batch, scores, penalty, old, actor_updates, dist_info, t0,
-                critic_updates=critic_updates, overlong=cfg.task.overlong_buffer > 0,
-                # reward/frac_zero_std: a prompt's responses all scored alike (groups of 2+)
+                critic_updates=critic_updates, overlong=cfg.task.rewards.overlong_buffer > 0,
+                # frac_reward_zero_std: a prompt's responses all scored alike (groups of 2+)
                 groups=rollout.group_ids if cfg.rollout.group_size > 1 else None,
             )  # fmt: skip
             metrics.update(sampled)  # staleness/*, sync/probe_* (docs/async.md)

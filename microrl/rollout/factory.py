@@ -70,8 +70,8 @@ def make_sampler(
     processes of their own: ``hf``, ``rollout.num_workers`` worker processes (an
     :class:`AsyncRollout`, or an :class:`AsyncRolloutPool`), environments built in the workers;
     ``vllm``, a :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve``
-    processes (their logs in ``log_dir``) or the servers of ``rollout.server_url`` (key:
-    ``rollout.server_api_key`` or ``VLLM_API_KEY``), environments stepped in this process. Under
+    processes (their logs in ``log_dir``) or the servers of ``rollout.server.url`` (key: in the
+    variable ``rollout.server.api_key_env`` names), environments stepped in this process. Under
     sequence parallelism (``engine.sp_group``) either is one per sp group, on its first process
     (:class:`~microrl.rollout.samplers.sp_group.SPGroupSampler`). ``env_maker``: a multi-turn
     task's ``problem -> environment``; ``num_threads``: each worker's torch threads or each local
@@ -133,7 +133,7 @@ def _servers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions,
     from microrl.rollout.samplers.vllm_servers import VLLMServerRollout, check_arguments
     from microrl.rollout.weights.server_syncs import ServerSyncJoiner
 
-    urls = [u.strip() for u in rollout.server_url.split(",") if u.strip()]
+    urls = rollout.server.urls
     workers = rollout.num_workers
     check_arguments(engine, rollout.vllm, urls, workers)  # on every process
 
@@ -144,7 +144,7 @@ def _servers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions,
             rollout.vllm,
             options,
             urls=urls,
-            api_key=rollout.server_api_key or None,
+            api_key=rollout.server.api_key(),
             num_workers=workers,
             log_dir=log_dir,
         )

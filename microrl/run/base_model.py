@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from microrl.configs.judge import JudgeConfig
 from microrl.configs.run import AGENT_TASK_NAMES, TOY_MODEL_PATHS, ModelConfig, TaskConfig
+from microrl.configs.task_sections import AgentConfig, RewardModelConfig
 from microrl.engine.parallel.nodes import SEVERAL_NODES_DOC, gather_with_hosts, list_ranks
 from microrl.hub import download_on_main, is_hub_name
 from microrl.run.dist import Dist
@@ -51,15 +52,15 @@ WARM_START_EVAL_PROMPTS = 500
 def _without_models(task_cfg: TaskConfig) -> TaskConfig:
     """``task_cfg`` without its reward model and judge: the warm start's accuracy checks score
     thousands of greedy answers, which only the task's own (or its functions') reward should."""
-    if not (task_cfg.reward_model or task_cfg.judge.enabled):
+    if not (task_cfg.reward_model.enabled or task_cfg.judge.enabled):
         return task_cfg
-    weights = task_cfg.reward_weights[: len(task_cfg.rewards)]
+    rewards = task_cfg.rewards
+    weights = rewards.weights[: len(rewards.functions)]
     return dataclasses.replace(
         task_cfg,
-        reward_model=None,
-        reward_model_base=None,
+        rewards=dataclasses.replace(rewards, weights=weights),
+        reward_model=RewardModelConfig(),
         judge=JudgeConfig(),
-        reward_weights=weights,
     )
 
 
@@ -141,9 +142,9 @@ def _plain_task(task_cfg: TaskConfig) -> Task | None:
         return None
     if task_cfg.name in AGENT_TASK_NAMES:  # played only by an agent: its own prompts and reward
         return BUILT_IN_TASKS[task_cfg.name](
-            task_cfg.max_operand, task_cfg.eval_size, task_cfg.seed
+            task_cfg.operand_limit, task_cfg.eval_size, task_cfg.seed
         )
-    return make_task(dataclasses.replace(_without_models(task_cfg), agent=None))
+    return make_task(dataclasses.replace(_without_models(task_cfg), agent=AgentConfig()))
 
 
 class _FirstTurn:

@@ -161,12 +161,12 @@ def sampling_params(cfg: Any) -> SamplingParams:
 def overlong_shaping(cfg: Any) -> Callable[[Rollout], torch.Tensor]:
     """DAPO's soft overlong penalty of each row of a rollout, ``[B]`` on the rollout's device
     (:func:`~microrl.tasks.overlong_penalty` of its response length, ``<eos>`` included; 0 with
-    ``task.overlong_buffer=0``): the reward trained on is the score plus it."""
-    limit, buffer = cfg.rollout.max_new_tokens, cfg.task.overlong_buffer
+    ``task.rewards.overlong_buffer=0``): the reward trained on is the score plus it."""
+    limit, buffer = cfg.rollout.max_new_tokens, cfg.task.rewards.overlong_buffer
 
     def penalty(rollout: Rollout) -> torch.Tensor:
         lengths = rollout.batch["loss_mask"].sum(1)  # response tokens, <eos> included
-        return overlong_penalty(lengths, limit, buffer, cfg.task.overlong_penalty)
+        return overlong_penalty(lengths, limit, buffer, cfg.task.rewards.overlong_penalty)
 
     return penalty
 

@@ -20,8 +20,8 @@ from microrl.agents.runner import agent_metric_means
 from microrl.configs.run import RolloutConfig
 from microrl.losses import check_whole_groups, grpo_advantages
 from microrl.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
+from microrl.rollout.images import problem_images
 from microrl.run.dist import Dist
-from microrl.run.vision import problem_images
 from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
 __all__ = [
@@ -80,7 +80,7 @@ def sample_and_score(
 
 
 def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:
-    """An agent task's episode bounds: its ``task.agent_*`` settings and the rollout's token
+    """An agent task's episode bounds: its ``task.agent.*`` settings and the rollout's token
     budget (``rollout.max_episode_tokens``) and ``rollout.skip_env_errors``."""
     return AgentLimits(
         timeout_s=task.timeout_s,

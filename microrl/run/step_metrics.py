@@ -44,7 +44,7 @@ def step_metrics(
     (docs/losses.md); ``updates``, ``critic_updates``: the engines' ``train_batch`` metrics, as
     :func:`~microrl.run.tracking.mean_metrics` (the critic's under ``critic/``); ``t0``: the
     step's start (``time.perf_counter()``), for ``step_time`` and ``tokens_per_s``;
-    ``groups [B]``: each row's group (its prompt), for ``reward/frac_zero_std``, the fraction of
+    ``groups [B]``: each row's group (its prompt), for ``frac_reward_zero_std``, the fraction of
     every rank's groups whose rewards trained on (``scores + penalty``) are all equal (TRL's
     ``frac_reward_zero_std``: a GRPO group that teaches nothing); None: not reported.
 
@@ -84,7 +84,7 @@ def step_metrics(
     if overlong:
         metrics["reward/overlong_penalty"] = penalty_sum / n_rows
     if zero_std:  # (equal-reward groups, groups) summed over the ranks
-        metrics["reward/frac_zero_std"] = zero_std[0] / max(zero_std[1], 1.0)
+        metrics["frac_reward_zero_std"] = zero_std[0] / max(zero_std[1], 1.0)
     if old is not None:
         metrics["entropy"] = entropy_sum / max(n_response, 1.0)
         metrics.update(_image_mismatch(image))

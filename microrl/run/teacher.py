@@ -5,7 +5,7 @@ frozen model (docs/recipes.md#teachers).
 process (the batch's per-row ``temperature`` at ``teacher.temperature``, the engine's one
 micro-batch path); :class:`VLLMTeacher` with a ``vllm serve`` server's prompt log-probs of the
 rows' token ids (``/inference/v1/generate``, ``prompt_logprobs=0``: the sampled tokens' own,
-at temperature 1), on the user's server (``teacher.server_url``) or one started on localhost.
+at temperature 1), on the user's server (``teacher.server.url``) or one started on localhost.
 Both return ``[B, T]`` float32 token-aligned log-probs, 0 off ``loss_mask``, so they are
 interchangeable (tests/run/test_teacher_vllm.py). :func:`check_same_vocabulary` refuses a
 teacher whose tokenizer differs from the student's: its log-probs would score other tokens.
@@ -143,7 +143,8 @@ class EngineTeacher:
 
 class VLLMTeacher:
     """The prompt log-probs of a ``vllm serve`` server of ``config.path``: the user's at
-    ``config.server_url`` (key ``config.server_api_key`` or ``$VLLM_API_KEY``), or a server
+    ``config.server.url`` (key: in the environment variable ``config.server.api_key_env``
+    names), or a server
     started on localhost (``vllm``: the rollout's vLLM settings; ``device``: the trainer
     process's device: the server runs on its GPU, as a colocated rollout server does,
     :func:`~microrl.rollout.samplers.vllm_placement.server_gpus`)."""
@@ -164,12 +165,12 @@ class VLLMTeacher:
         from microrl.rollout.samplers.vllm_placement import cuda_visible_devices, server_gpus
 
         self.server = None
-        if config.server_url:
-            self.client = ServerClient(
-                config.server_url, config.server_api_key or None, timeout_s=timeout_s
-            )
-            if config.server_api_key:  # errors name the key the user set
-                self.client.key_source = "teacher.server_api_key"
+        if config.server.url:
+            key = config.server.api_key()
+            self.client = ServerClient(config.server.url, key, timeout_s=timeout_s)
+            if key:  # errors name where the key came from
+                variable = config.server.api_key_env
+                self.client.key_source = f"${variable}, named by teacher.server.api_key_env"
         else:
             vllm = vllm or VLLMConfig()
             device = torch.device(device)
@@ -225,7 +226,7 @@ def teacher_checkpoint(
     """The local checkpoint directory of ``teacher.path``: the path itself, or a Hub id's
     snapshot in the Hugging Face cache, downloaded once (the main process first,
     :func:`microrl.hub.download_on_main`; only the config and tokenizer when
-    ``teacher.server_url`` serves the weights). Collective under ``torchrun`` for a Hub id.
+    ``teacher.server.url`` serves the weights). Collective under ``torchrun`` for a Hub id.
 
     Raises:
         ValueError: naming ``teacher.path``: a local directory with no checkpoint, a path that
@@ -240,7 +241,7 @@ def teacher_checkpoint(
             "tokenizer): give a local checkpoint directory or a Hugging Face Hub id"
         )
     if is_hub_name(path):
-        weights = not config.server_url  # a server the user started holds the weights
+        weights = not config.server.url  # a server the user started holds the weights
         return download_on_main(path, "teacher.path", dist_info or Dist(), log, weights=weights)
     raise ValueError(
         f"teacher.path={path!r} does not exist: give a local checkpoint directory or a Hugging "

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from microrl.configs.refusals import check_refusals
 from microrl.engine.vision import has_vision_config
-from microrl.rollout.images import ImageEncoder, problem_images
+from microrl.rollout.images import ImageEncoder
 from microrl.rollout.samplers.vllm_images import vision_unsupported
-from microrl.tasks import Task, is_agent_task
+from microrl.tasks import Task
 
-__all__ = ["image_encoder_for", "problem_images", "refuse_image_sampling", "task_has_images"]
+__all__ = ["image_encoder_for", "refuse_image_sampling", "task_has_images"]
 
 
 def task_has_images(task: Task) -> bool:
@@ -26,36 +27,23 @@ def task_has_images(task: Task) -> bool:
 
 
 def refuse_image_sampling(cfg: Any) -> None:
-    """What cannot sample image prompts yet, refused with a ``ValueError`` naming its key:
-    the ``vllm`` backend (in-process, or its servers under ``rollout.max_staleness > 0``)
-    where vLLM's Qwen-VL code cannot load (no torchvision), and a distillation teacher
-    (``teacher.path``: its engine scores text rows only). ``cfg``: a recipe config. The one
-    place to lift each refusal (agents: :func:`image_encoder_for`)."""
-    if cfg.rollout.backend == "vllm" and (reason := vision_unsupported()):
-        servers = " (its servers under rollout.max_staleness > 0)" * (cfg.rollout.max_staleness > 0)
-        raise ValueError(
-            f"rollout.backend=vllm{servers} cannot sample image prompts here: {reason}. Use "
-            "rollout.backend=hf for a vision-language policy on this machine "
-            "(docs/rollouts.md#with-the-vllm-backend)"
-        )
-    teacher = getattr(cfg, "teacher", None)
-    if teacher is not None and teacher.enabled:
-        raise ValueError(
-            f"teacher.path={teacher.path}: a distillation teacher does not score image prompts "
-            "yet; leave teacher.path unset for a task with images"
-        )
+    """What cannot sample image prompts yet, refused with a ``ValueError`` naming its key: the
+    ``images`` rows of :mod:`microrl.configs.refusals` (the vllm backend where vLLM's Qwen-VL
+    code cannot load, a distillation teacher, an agent). ``cfg``: a recipe config."""
+    vllm = cfg.rollout.backend == "vllm"  # asking imports vLLM: only when it samples
+    check_refusals("images", cfg, facts={"vllm_vision": vision_unsupported() if vllm else None})
 
 
 def image_encoder_for(cfg: Any, policy_path: str, task: Task) -> ImageEncoder | None:
     """The sampler's image encoder: the policy checkpoint's (``policy_path``, the resolved
-    ``model.path``) when it has a vision config, its images bounded by ``task.max_pixels``,
+    ``model.path``) when it has a vision config, its images bounded by ``task.images.max_pixels``,
     else None; checked against ``task``.
 
     Raises:
         ValueError: the task's prompts carry images but the policy has no vision config (naming
             ``task.name`` and ``model.path``), the run's sampler cannot take them
-            (:func:`refuse_image_sampling`), or ``task.max_pixels`` is below one image token or
-            the processor's ``min_pixels``.
+            (:func:`refuse_image_sampling`), or ``task.images.max_pixels`` is below one image
+            token or the processor's ``min_pixels``.
     """
     vision = has_vision_config(policy_path)
     if task_has_images(task):
@@ -65,14 +53,9 @@ def image_encoder_for(cfg: Any, policy_path: str, task: Task) -> ImageEncoder | 
                 f"{cfg.model.path} has no vision config: a vision-language policy (e.g. "
                 "Qwen2-VL) reads images, a text model cannot"
             )
-        if is_agent_task(task):
-            raise ValueError(
-                "task.agent: an agent's episodes do not take prompts with images yet; use a "
-                "single-turn task"
-            )
         refuse_image_sampling(cfg)
     if not vision:
         return None
     return ImageEncoder.from_pretrained(
-        policy_path, max_pixels=cfg.task.max_pixels, key="task.max_pixels"
+        policy_path, max_pixels=cfg.task.images.max_pixels, key="task.images.max_pixels"
     )

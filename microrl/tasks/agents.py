@@ -1,9 +1,9 @@
 """Agent tasks: a task's prompts played as episodes of the user's agent (docs/tasks.md).
 
-``task.agent=module:function`` wraps any prompt task: each problem becomes an episode of
+``task.agent.function=module:function`` wraps any prompt task: each problem becomes an episode of
 ``agent(client, problem)``, whose openai ``client`` talks to microrl's endpoint
 (:mod:`microrl.agents`). The agent returns the episode's reward, or a transcript (text) that
-the wrapped task's reward scores (a dataset without ``task.rewards`` scores none: its agent
+the wrapped task's reward scores (a dataset without ``task.rewards.functions`` scores none: its agent
 returns the reward).
 """
 
@@ -32,11 +32,11 @@ class AgentTask:
             ``score`` scores an agent's transcript.
         agent: ``agent(client, problem) -> reward | transcript`` (``async def``: an
             ``openai.AsyncOpenAI`` client; a plain function: ``openai.OpenAI``).
-        timeout_s, max_concurrency, host: ``task.agent_timeout_s``,
-            ``task.agent_max_concurrency``, ``task.agent_host``.
+        timeout_s, max_concurrency, host: ``task.agent.timeout_s``,
+            ``task.agent.max_concurrency``, ``task.agent.host``.
         tool_parser: parses the model's tool calls in replies (None: content only).
         scores_transcripts: whether ``prompts`` scores transcripts (False: a dataset without
-            ``task.rewards``, whose agent must return the reward).
+            ``task.rewards.functions``, whose agent must return the reward).
     """
 
     def __init__(
@@ -51,7 +51,9 @@ class AgentTask:
         scores_transcripts: bool = True,
     ) -> None:
         if not callable(agent):
-            raise TypeError(f"task.agent must be callable (client, problem), got {agent!r}")
+            raise TypeError(
+                f"task.agent.function must be callable (client, problem), got {agent!r}"
+            )
         self.prompts = prompts
         self.agent = agent
         self.timeout_s = timeout_s
@@ -80,7 +82,7 @@ class AgentTask:
             )
         if not self.scores_transcripts:
             raise TypeError(
-                "returned a transcript (str), but task.rewards is empty: return a float reward, "
-                "or set task.rewards to score transcripts"
+                "returned a transcript (str), but task.rewards.functions is empty: return a float reward, "
+                "or set task.rewards.functions to score transcripts"
             )
         return float(self.score([result], [problem])[0])

@@ -42,7 +42,7 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 def read_rows(
     path: str | Path,
-    key: str = "task.train_file",
+    key: str = "task.dataset.train_file",
     *,
     config: str | None = None,
     split: str = "train",
@@ -105,7 +105,7 @@ def _load_dataset(key: str, shown: str, path: str, **kwargs: Any) -> Any:
                 f"{kwargs['split']!r})"
             )
             hint = (
-                "; check the name, task.dataset_config and the split, or download it with "
+                "; check the name, task.dataset.config and the split, or download it with "
                 f"{download_hint(shown, 'dataset')} and give its files"
             )
         raise ValueError(f"{key}={shown!r} {what}: {first_line(err)}{hint}") from err
@@ -201,8 +201,8 @@ class DatasetTask:
             raise ValueError(f"task.eval_size must be >= 1, got {eval_size}")
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
-                "task.chat_template=true needs a tokenizer with a chat template; the model's "
-                "tokenizer has none (set task.chat_template=false, or use a checkpoint whose "
+                "task.dataset.chat_template=true needs a tokenizer with a chat template; the model's "
+                "tokenizer has none (set task.dataset.chat_template=false, or use a checkpoint whose "
                 "tokenizer_config.json or chat_template.jinja defines one)"
             )
         # A plain function gets the keyword handling and checks of a configured reward.
@@ -221,13 +221,13 @@ class DatasetTask:
         self._image_marker = image_marker
         self._images_loader = ImageLoader()  # shared by both files: a URL is fetched once
         self._dataset_config = dataset_config
-        train = self._load(train_file, "task.train_file", train_split)
+        train = self._load(train_file, "task.dataset.train_file", train_split)
         if eval_file is None:
             if not eval_size < len(train):
                 raise ValueError(
-                    f"task.eval_size must be below the {len(train)} rows of task.train_file="
+                    f"task.eval_size must be below the {len(train)} rows of task.dataset.train_file="
                     f"{str(train_file)!r} (it holds the held-out rows out of them; or give "
-                    f"task.eval_file), got {eval_size}"
+                    f"task.dataset.eval_file), got {eval_size}"
                 )
             order = list(range(len(train)))
             random.Random(seed).shuffle(order)
@@ -235,7 +235,7 @@ class DatasetTask:
             self._train = [train[i] for i in order[eval_size:]]
         else:
             self._train = train
-            self._eval = self._load(eval_file, "task.eval_file", eval_split)[:eval_size]
+            self._eval = self._load(eval_file, "task.dataset.eval_file", eval_split)[:eval_size]
         self.problem(self._train[0])  # a chat template that fails, fails now
 
     def _load(self, path: str | Path, key: str, split: str) -> list[Row]:
@@ -243,8 +243,8 @@ class DatasetTask:
         if len(rows) == 0:
             raise ValueError(f"{key}={str(path)!r} has no rows")
         prompt_field, answer_field = self._fields
-        prompts = _column(rows, prompt_field, "task.prompt_field", str(path))
-        answers = _column(rows, answer_field, "task.answer_field", str(path))
+        prompts = _column(rows, prompt_field, "task.dataset.prompt_field", str(path))
+        answers = _column(rows, answer_field, "task.dataset.answer_field", str(path))
         for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
             is_messages = isinstance(prompt, list) and all(
                 isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt
@@ -254,18 +254,18 @@ class DatasetTask:
                     " or a list of {role, content} messages" * bool(self._tokenizer)
                 )
                 raise ValueError(
-                    f"task.prompt_field={prompt_field!r}: row {i} of {path} holds "
+                    f"task.dataset.prompt_field={prompt_field!r}: row {i} of {path} holds "
                     f"{type(prompt).__name__} {prompt!r:.60}, not {rule}"
                 )
             if _is_blank(prompt):  # nothing to continue: a row the loss cannot train on
                 raise ValueError(
-                    f"task.prompt_field={prompt_field!r}: row {i} of {path} holds an empty "
+                    f"task.dataset.prompt_field={prompt_field!r}: row {i} of {path} holds an empty "
                     f"prompt ({prompt!r:.60}); every row needs a prompt with some text: fill "
                     "it or remove the row"
                 )
             if answer is None or isinstance(answer, (list, dict)):
                 raise ValueError(
-                    f"task.answer_field={answer_field!r}: row {i} of {path} holds {answer!r:.60}, "
+                    f"task.dataset.answer_field={answer_field!r}: row {i} of {path} holds {answer!r:.60}, "
                     "not a text or a number"
                 )
         others = [c for c in rows.column_names if c not in (prompt_field, self._image_field)]
@@ -284,12 +284,12 @@ class DatasetTask:
         """Every row's images, read now: a missing or unreadable image, or a prompt whose image
         placeholders do not match its images, is a ``ValueError`` naming the row and the field."""
         field = self._image_field
-        cells = _column(rows, field, "task.image_field", str(path))
+        cells = _column(rows, field, "task.images.field", str(path))
         local = Path(path).expanduser()
         base = local.parent if local.is_file() else Path.cwd()
         out = []
         for i, (cell, prompt) in enumerate(zip(cells, prompts, strict=True)):
-            where = f"task.image_field={field!r}: row {i} of {path}"
+            where = f"task.images.field={field!r}: row {i} of {path}"
             values = cell if isinstance(cell, list) else [] if cell is None else [cell]
             try:
                 images = tuple(self._images_loader.load(value, base) for value in values)

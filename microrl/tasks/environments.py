@@ -8,7 +8,7 @@ rewards, and a held-out episode is solved when that sum is at least ``solved_thr
 - :class:`HintedAdditionTask` (``task.name=hinted_addition``): the addition task as a guessing
   game. A wrong answer gets a hint, ``+`` (the sum is larger) or ``-`` (smaller), and another
   guess, up to :attr:`HintedAdditionTask.max_guesses`. The toy model learns it on a CPU.
-- :class:`EnvTask` (``task.name=env``): the prompts of ``task.train_file`` played against the
+- :class:`EnvTask` (``task.name=env``): the prompts of ``task.dataset.train_file`` played against the
   environments ``task.env`` (``module:factory``) builds, e.g. skyrl-gym's.
 
 Environments follow skyrl-gym's text-environment API (``init``/``step``, see

@@ -1,7 +1,8 @@
 """The task a recipe trains on, from its ``task`` config section (docs/tasks.md).
 
 ``task.name`` picks one of :data:`BUILT_IN_TASKS` (generated prompts with their own reward),
-``dataset`` (the user's prompt file, scored by the reward functions in ``task.rewards``) or
+``dataset`` (the user's prompt file, ``task.dataset``, scored by the reward functions in
+``task.rewards.functions``) or
 ``env`` (the prompt file played against the environments of ``task.env``). Reward functions
 given for a built-in task replace its own reward.
 """
@@ -32,7 +33,7 @@ __all__ = [
     "tool_parser_of",
 ]
 
-# name -> class, constructed as cls(task.max_operand, task.eval_size, task.seed).
+# name -> class, constructed as cls(task.operand_limit, task.eval_size, task.seed).
 BUILT_IN_TASKS: dict[str, type[AdditionTask | WordProblemTask | CalculatorTask | DigitsTask]] = {
     "addition": AdditionTask,
     "word_problems": WordProblemTask,
@@ -40,7 +41,7 @@ BUILT_IN_TASKS: dict[str, type[AdditionTask | WordProblemTask | CalculatorTask |
     "calculator": CalculatorTask,  # played by an agent only (task.agent, AGENT_TASK_NAMES)
     "digits": DigitsTask,  # image prompts: read the number drawn (a vision-language policy)
 }
-# The tool-call parser of a built-in agent task whose task.agent_tool_parser is unset.
+# The tool-call parser of a built-in agent task whose task.agent.tool_parser is unset.
 DEFAULT_TOOL_PARSERS = {"calculator": "hermes"}
 # Held-out prompts whose tokenization is checked: no unknown token, and decoded back to the text.
 _CHECKED_PROMPTS = 64
@@ -55,38 +56,40 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None, *, engine_config: Any = No
     Raises ``ValueError``/``TypeError`` naming the ``task.*`` key of a bad file, field, reward
     path or size.
     """
+    data = cfg.dataset
     if cfg.name in ("dataset", "env"):
         task: Task = DatasetTask(
-            cfg.train_file,
+            data.train_file,
             # None: an agent returns the reward itself (a transcript is then refused)
             reward_of(cfg, engine_config=engine_config)
             if cfg.name == "dataset" and cfg.reward_terms()
             else None,
-            eval_file=cfg.eval_file,
+            eval_file=data.eval_file,
             eval_size=cfg.eval_size,
             seed=cfg.seed,
-            prompt_field=cfg.prompt_field,
-            answer_field=cfg.answer_field,
-            chat_template=cfg.chat_template,
+            prompt_field=data.prompt_field,
+            answer_field=data.answer_field,
+            chat_template=data.chat_template,
             tokenizer=tokenizer,
             solved_threshold=cfg.solved_threshold,
-            dataset_config=cfg.dataset_config,
-            train_split=cfg.train_split,
-            eval_split=cfg.eval_split,
-            image_field=cfg.image_field,
-            image_marker=cfg.image_marker,
+            dataset_config=data.config,
+            train_split=data.train_split,
+            eval_split=data.eval_split,
+            image_field=cfg.images.field,
+            image_marker=cfg.images.marker,
         )
         if cfg.name == "env":  # the prompts played against the environments task.env builds
             task = EnvTask(task, resolve_reward_fn(cfg.env, "task.env"), cfg.solved_threshold)
     else:
-        task = BUILT_IN_TASKS[cfg.name](cfg.max_operand, cfg.eval_size, cfg.seed)
+        task = BUILT_IN_TASKS[cfg.name](cfg.operand_limit, cfg.eval_size, cfg.seed)
         if cfg.reward_terms():
             task = RewardedTask(
                 task, reward_of(cfg, engine_config=engine_config), cfg.solved_threshold
             )
     if tokenizer is not None:
         check_tokenizer_covers(tokenizer, task, cfg.name)
-    if cfg.agent:  # the prompts played by the user's agent through the endpoint
+    agent = cfg.agent
+    if agent.enabled:  # the prompts played by the user's agent through the endpoint
         if getattr(getattr(task, "reward", None), "collective", False):
             raise ValueError(
                 "task.reward_model under torchrun cannot score task.agent's episodes: the "
@@ -95,10 +98,10 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None, *, engine_config: Any = No
             )
         task = AgentTask(
             task,
-            resolve_reward_fn(cfg.agent, "task.agent"),
-            timeout_s=cfg.agent_timeout_s,
-            max_concurrency=cfg.agent_max_concurrency,
-            host=cfg.agent_host,
+            resolve_reward_fn(agent.function, "task.agent.function"),
+            timeout_s=agent.timeout_s,
+            max_concurrency=agent.max_concurrency,
+            host=agent.host,
             tool_parser=tool_parser_of(cfg, tokenizer),
             scores_transcripts=cfg.name != "dataset" or bool(cfg.reward_terms()),
         )
@@ -106,10 +109,10 @@ def make_task(cfg: TaskConfig, tokenizer: Any = None, *, engine_config: Any = No
 
 
 def tool_parser_of(cfg: TaskConfig, tokenizer: Any = None) -> Any:
-    """The parser ``task.agent_tool_parser`` names (unset: the task's default, hermes for the
+    """The parser ``task.agent.tool_parser`` names (unset: the task's default, hermes for the
     calculator, else None: content only). ``ValueError`` naming the key and listing the known
     names for an unknown one (vLLM's too where it is installed)."""
-    name = cfg.agent_tool_parser or DEFAULT_TOOL_PARSERS.get(cfg.name)
+    name = cfg.agent.tool_parser or DEFAULT_TOOL_PARSERS.get(cfg.name)
     if name is None:
         return None
     from microrl.agents.tool_parsers import make_tool_parser
@@ -117,25 +120,26 @@ def tool_parser_of(cfg: TaskConfig, tokenizer: Any = None) -> Any:
     try:
         return make_tool_parser(name, tokenizer)
     except ValueError as err:
-        raise ValueError(f"task.agent_tool_parser={name!r}: {err}") from err
+        raise ValueError(f"task.agent.tool_parser={name!r}: {err}") from err
 
 
 def reward_of(cfg: TaskConfig, *, engine_config: Any = None) -> Reward:
-    """The weighted sum of ``cfg``'s reward terms: ``task.rewards`` (import paths), then the
-    reward model (``task.reward_model``, under ``engine_config``'s precision rules) and the LLM
-    judge (``task.judge``) when set, weighted by ``task.reward_weights`` in that order
+    """The weighted sum of ``cfg``'s reward terms: ``task.rewards.functions`` (import paths),
+    then the reward model (``task.reward_model``, under ``engine_config``'s precision rules) and
+    the LLM judge (``task.judge``) when set, weighted by ``task.rewards.weights`` in that order
     (docs/tasks.md#reward-models)."""
-    fns: list[Any] = list(cfg.rewards)
-    if cfg.reward_model:
+    fns: list[Any] = list(cfg.rewards.functions)
+    model = cfg.reward_model
+    if model.enabled:
         from microrl.tasks.reward_model import RewardModelScorer  # torch + transformers: on use
 
         fns.append(
             RewardModelScorer(
-                cfg.reward_model,
-                base=cfg.reward_model_base,
-                batch_size=cfg.reward_model_batch_size,
-                norm=cfg.reward_model_norm,
-                chat_template=cfg.reward_model_chat_template,
+                model.path,
+                base=model.base,
+                batch_size=model.batch_size,
+                norm=model.norm,
+                chat_template=model.chat_template,
                 engine_config=engine_config,
             )
         )
@@ -143,7 +147,7 @@ def reward_of(cfg: TaskConfig, *, engine_config: Any = None) -> Reward:
         from microrl.tasks.judge import JudgeReward
 
         fns.append(JudgeReward(cfg.judge))
-    return Reward(fns, cfg.reward_weights)
+    return Reward(fns, cfg.rewards.weights)
 
 
 def check_tokenizer_covers(tokenizer: Any, task: Task, name: str = "") -> None:

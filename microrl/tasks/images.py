@@ -5,7 +5,7 @@ A vision-language prompt is a text in which each image stands as one :data:`IMAG
 :attr:`microrl.tasks.Problem.images`, in order; the image encoder
 (:mod:`microrl.rollout.images`) expands each :data:`IMAGE_PAD` per image feature.
 
-:func:`load_image` reads one dataset cell (``task.image_field``, docs/tasks.md#images-in-datasets):
+:func:`load_image` reads one dataset cell (``task.images.field``, docs/tasks.md#images-in-datasets):
 a path (relative to the data file's folder, or absolute), a ``file://`` or ``http(s)://`` URL
 (fetched once, with urllib), raw bytes, or a ``{"bytes": ..., "path": ...}`` dict as ``datasets``
 stores an ``Image`` column (a decoded PIL image is taken as it is).

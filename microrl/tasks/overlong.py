@@ -2,8 +2,8 @@
 response budget (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
 Scale", arXiv 2503.14476, eq. 13; docs/tasks.md#overlong-penalty).
 
-The recipes add it to each row's reward after scoring (``task.overlong_buffer``,
-``task.overlong_penalty``); the held-out accuracy keeps the task's own score.
+The recipes add it to each row's reward after scoring (``task.rewards.overlong_buffer``,
+``task.rewards.overlong_penalty``); the held-out accuracy keeps the task's own score.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""A scalar reward model as a reward term: ``task.reward_model=path`` (docs/tasks.md#reward-models).
+"""A scalar reward model as a reward term: ``task.reward_model.path=path`` (docs/tasks.md#reward-models).
 
 The model is a transformers sequence-classification checkpoint with one label (what
 ``export_merged_model`` writes for a trained :class:`~microrl.engine.RewardModelEngine`, or any
 ``*ForSequenceClassification`` on the Hub), or a ``RewardModelEngine`` checkpoint
-(``engine.save_checkpoint``) with the base model it was trained from (``task.reward_model_base``:
+(``engine.save_checkpoint``) with the base model it was trained from (``task.reward_model.base``:
 :mod:`~microrl.engine.checkpoint.reward_model`). It runs as a frozen ``RewardModelEngine``
 (``frozen=True``) under the run's precision rules (``actor.dtype``, ``actor.device``): its
 weights stored in the compute dtype (bf16 where the run autocasts), the score head in float32;
@@ -96,14 +96,14 @@ class RewardModelScorer:
         engine_config: the run's engine config (the actor's): the precision rules the reward
             model follows (:func:`scoring_config`).
 
-    Raises ``ValueError`` naming ``task.reward_model``: a path that holds no sequence
+    Raises ``ValueError`` naming ``task.reward_model.path``: a path that holds no sequence
     classifier, a classifier with more than one label, a tokenizer with neither pad nor EOS
-    token, or ``chat_template`` without a template; naming ``task.reward_model_base``: an
+    token, or ``chat_template`` without a template; naming ``task.reward_model.base``: an
     engine checkpoint without it, a base that does not fit the checkpoint, or a base given for
     a path that is not an engine checkpoint.
     """
 
-    config_key = "task.reward_model"
+    config_key = "task.reward_model.path"
 
     def __init__(
         self,
@@ -119,15 +119,15 @@ class RewardModelScorer:
         engine_config: EngineConfig | None = None,
     ) -> None:
         if norm not in NORMS:
-            raise ValueError(f"task.reward_model_norm must be one of {', '.join(NORMS)}: {norm!r}")
+            raise ValueError(f"task.reward_model.norm must be one of {', '.join(NORMS)}: {norm!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"task.reward_model_batch_size must be an int >= 1: {batch_size!r}")
+            raise ValueError(f"task.reward_model.batch_size must be an int >= 1: {batch_size!r}")
         self.path = str(path) if path is not None else getattr(model, "name_or_path", "?")
         config = scoring_config(engine_config, batch_size, device)
         if model is None or tokenizer is None:
             self.engine, tokenizer = _load(self.path, base, config)
         else:
-            self.engine = _engine(model, config, f"task.reward_model={self.path!r}")
+            self.engine = _engine(model, config, f"task.reward_model.path={self.path!r}")
         self.device = self.engine.device
         self.tokenizer = tokenizer
         self.norm = norm
@@ -146,7 +146,7 @@ class RewardModelScorer:
         return self.engine.dp_group is not None
 
     def _check(self) -> None:
-        where = f"task.reward_model={self.path!r}"
+        where = f"task.reward_model.path={self.path!r}"
         if self.tokenizer.pad_token_id is None:
             if self.tokenizer.eos_token_id is None:
                 raise ValueError(f"{where}: its tokenizer has neither a pad nor an EOS token")
@@ -154,7 +154,7 @@ class RewardModelScorer:
         self.tokenizer.padding_side = "right"
         if self.chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
-                f"task.reward_model_chat_template=true, but {where}'s tokenizer has no chat "
+                f"task.reward_model.chat_template=true, but {where}'s tokenizer has no chat "
                 "template"
             )
 
@@ -234,12 +234,12 @@ def _load(path: str, base: str | None, config: EngineConfig) -> tuple[Any, Any]:
 
     from microrl.engine.checkpoint import reward_model as engine_rm
 
-    where = f"task.reward_model={path!r}"
+    where = f"task.reward_model.path={path!r}"
     if engine_rm.is_engine_checkpoint(path):
         if not base:
             raise ValueError(
                 f"{where} is an engine checkpoint (manifest.json), which holds only the trained "
-                "tensors: set task.reward_model_base to the base model it was trained from "
+                "tensors: set task.reward_model.base to the base model it was trained from "
                 "(docs/tasks.md#reward-models)"
             )
         try:
@@ -247,11 +247,11 @@ def _load(path: str, base: str | None, config: EngineConfig) -> tuple[Any, Any]:
             return engine, AutoTokenizer.from_pretrained(base)
         except (OSError, ValueError) as err:
             raise ValueError(
-                f"{where} with task.reward_model_base={base!r}: {_first_line(err)}"
+                f"{where} with task.reward_model.base={base!r}: {_first_line(err)}"
             ) from err
     if base:
         raise ValueError(
-            f"task.reward_model_base={base!r} is set, but {where} is not an engine checkpoint "
+            f"task.reward_model.base={base!r} is set, but {where} is not an engine checkpoint "
             "(no manifest.json): a sequence-classification checkpoint needs no base"
         )
     try:

@@ -133,7 +133,7 @@ def _import_module(module_name: str, key: str, spec_text: str):
     )
 
 
-def resolve_reward_fn(spec_text: str, key: str = "task.rewards") -> RewardFn:
+def resolve_reward_fn(spec_text: str, key: str = "task.rewards.functions") -> RewardFn:
     """The function an import path names: ``module:function`` or ``path/to/file.py:function``.
 
     Raises ``ValueError`` (malformed path, missing module, file or function) or ``TypeError``
@@ -245,8 +245,8 @@ class Reward:
         self,
         fns: Sequence[RewardFn | str],
         weights: Sequence[float] = (),
-        key: str = "task.rewards",
-        weights_key: str = "task.reward_weights",
+        key: str = "task.rewards.functions",
+        weights_key: str = "task.rewards.weights",
     ) -> None:
         if not fns:
             raise ValueError(f"{key} must name at least one reward function, got []")
@@ -338,8 +338,8 @@ def _check_values(values: object, n: int, term: _Term) -> list[float]:
 def load_reward(
     paths: Sequence[str],
     weights: Sequence[float] = (),
-    key: str = "task.rewards",
-    weights_key: str = "task.reward_weights",
+    key: str = "task.rewards.functions",
+    weights_key: str = "task.rewards.weights",
 ) -> Reward:
     """A :class:`Reward` from import paths (``module:function``, ``file.py:function``) and weights
     (empty: 1.0 each)."""
@@ -347,7 +347,7 @@ def load_reward(
 
 
 class RewardedTask:
-    """A task's prompts scored by another reward (a built-in task with ``task.rewards`` given)."""
+    """A task's prompts scored by another reward (a built-in task with ``task.rewards.functions`` given)."""
 
     def __init__(self, task: Task, reward: Reward, solved_threshold: float) -> None:
         self.task = task

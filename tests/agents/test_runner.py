@@ -5,6 +5,7 @@ also where re-encoding the text would not; history edits branch; failures and bo
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -150,7 +151,7 @@ def test_agent_failures_name_the_episode_or_are_dropped(tokenizer):
     for slow in (hangs, hangs_sync):
         start = time.perf_counter()
         past = (
-            r"ran past task.agent_timeout_s=0.3: raise .* or lower task.agent_max_concurrency=256"
+            r"ran past task.agent.timeout_s=0.3: raise .* or lower task.agent.max_concurrency=256"
         )
         with pytest.raises(EpisodeError, match=past):
             run_agent_episodes(backend, PROBLEMS[:1], slow, PARAMS, AgentLimits(timeout_s=0.3))
@@ -182,7 +183,7 @@ class SlowBackend(ScriptedBackend):
 def test_episode_clients_share_one_pool_and_time_out_naming_the_keys(tokenizer):
     """A client per episode built an SSL context each (tens of ms of the agents' event loop):
     a step's 1024 episodes at once stalled it past openai's 5 s connect timeout. The clients
-    now share one pool, time out at task.agent_timeout_s, and a timeout names what to change."""
+    now share one pool, time out at task.agent.timeout_s, and a timeout names what to change."""
     backend = ScriptedBackend(tokenizer, [[tokenizer.eos_token_id]])
     clients = []
 
@@ -207,7 +208,7 @@ def test_episode_clients_share_one_pool_and_time_out_naming_the_keys(tokenizer):
         await fast.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
 
     slow = SlowBackend(tokenizer, [[tokenizer.eos_token_id]])
-    hint = r"APITimeoutError.*\(a call to the endpoint timed out: raise task.agent_timeout_s=9"
+    hint = r"APITimeoutError.*\(a call to the endpoint timed out: raise task.agent.timeout_s=9"
     with pytest.raises(EpisodeError, match=hint):
         run_agent_episodes(slow, PROBLEMS[:1], impatient, PARAMS, AgentLimits(timeout_s=9))
 
@@ -226,7 +227,7 @@ def test_concurrent_episodes_are_batched_and_bounded(tokenizer):
         return 1.0
 
     params = SamplingParams(num_samples=3)
-    assert AgentLimits().max_concurrency == TaskConfig().agent_max_concurrency == 256  # bounded
+    assert AgentLimits().max_concurrency == TaskConfig().agent.max_concurrency == 256  # bounded
     run_agent_episodes(backend, PROBLEMS, agent, params, AgentLimits(batch_window_s=5.0))
     assert peak[0] == 6 and backend.batches[0] == 6  # every waiting call in one generate
     backend.batches.clear()
@@ -268,3 +269,23 @@ def test_turns_end_at_every_turn_terminator_of_the_backend(tokenizer):
     ((ids, mask, _),) = rows(rollout)
     assert finishes == ["stop"]
     assert ids[-2:] == [a, hash_] and b not in ids and sum(mask) == 2
+
+
+def test_an_abandoned_sync_agent_ends_quietly_after_the_runner_closed(tokenizer, monkeypatch):
+    """A plain-function agent past its timeout is abandoned; when it returned after the runner
+    had closed its loop, its thread raised 'Event loop is closed' (seen in CI's warnings)."""
+    backend = ScriptedBackend(tokenizer, [[tokenizer.eos_token_id]])
+    raised: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    finished = threading.Event()
+
+    def late(client, problem):
+        time.sleep(0.6)
+        finished.set()
+        return 1.0
+
+    with pytest.raises(EpisodeError, match=r"ran past task\.agent\.timeout_s=0\.2"):
+        run_agent_episodes(backend, PROBLEMS[:1], late, PARAMS, AgentLimits(timeout_s=0.2))
+    assert finished.wait(5)
+    time.sleep(0.2)  # the thread settles after its agent returned
+    assert raised == []

@@ -202,8 +202,10 @@ ORDER = [
 # The second session's plan: its new steps first, then the gated ones (issue 40).
 SECOND = [
     "setup",
+    "kernel-cuda",
     "gpu-step-qwen05",
     "gpu-step-qwen15",
+    "bench-kernel-7b",
     "recipe-vision",
     "recipe-offload",
     "gpu-step-offload",
@@ -211,7 +213,6 @@ SECOND = [
     "recipe-teacher",
     "recipe-reward",
     "ipc-roundtrip",
-    "bench-kernel-7b",
     "setup-vllm",
     "recipe-vllm",
     "recipe-vllm-servers",

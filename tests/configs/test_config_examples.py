@@ -8,7 +8,7 @@ import pytest
 
 from microrl.configs import ActorConfig, PolicyLossType
 from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
-from microrl.configs.loader import config_to_yaml, load_config
+from microrl.configs.loader import config_to_yaml, describe_config, load_config
 from microrl.losses import AggMode
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -86,14 +86,17 @@ def test_saved_yaml_round_trips(tmp_path: Path) -> None:
         ("model.warm_start.target_accuracy=2", "model.warm_start.target_accuracy"),
         ("train.kl_metric_every=-1", "train.kl_metric_every"),
         ("task.eval_size=0", "task.eval_size"),
-        ("task.overlong_buffer=-1", "task.overlong_buffer"),
-        ("task.overlong_penalty=-0.5", "task.overlong_penalty"),
+        ("task.rewards.overlong_buffer=-1", "task.rewards.overlong_buffer"),
+        ("task.rewards.overlong_penalty=-0.5", "task.rewards.overlong_penalty"),
         ("rollout.max_sampling_rounds=0", "rollout.max_sampling_rounds"),
         ("actor.mask_truncated=maybe", "actor.mask_truncated"),
         # cross-field
         ("train.mini_batch_size=7", "train.mini_batch_size"),
         ("actor.lora.rank=0", "actor.lora.rank"),
-        ("task.overlong_buffer=4", "task.overlong_buffer"),  # not below max_new_tokens=4
+        (
+            "task.rewards.overlong_buffer=4",
+            "task.rewards.overlong_buffer",
+        ),  # not below max_new_tokens=4
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_key(override: str, key: str) -> None:
@@ -125,11 +128,15 @@ def test_the_bypass_is_refused_with_vllm(schema) -> None:
 def test_dapos_knobs_are_off_by_default_and_ppo_refuses_dynamic_sampling(schema) -> None:
     cfg = load_config(schema, None, [])
     assert not cfg.rollout.dynamic_sampling and cfg.rollout.max_sampling_rounds == 4
-    assert cfg.task.overlong_buffer == 0 and cfg.task.overlong_penalty == 1.0
+    assert cfg.task.rewards.overlong_buffer == 0 and cfg.task.rewards.overlong_penalty == 1.0
     assert not cfg.actor.mask_truncated
-    knobs = ["task.overlong_buffer=3", "actor.mask_truncated=true", "rollout.max_new_tokens=8"]
+    knobs = [
+        "task.rewards.overlong_buffer=3",
+        "actor.mask_truncated=true",
+        "rollout.max_new_tokens=8",
+    ]
     cfg = load_config(schema, None, knobs)
-    assert cfg.task.overlong_buffer == 3 and cfg.actor.mask_truncated is True
+    assert cfg.task.rewards.overlong_buffer == 3 and cfg.actor.mask_truncated is True
     dynamic = ["rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2"]
     if schema is GRPOExampleConfig:
         assert load_config(schema, None, dynamic).rollout.dynamic_sampling is True
@@ -175,8 +182,16 @@ def test_bad_files(tmp_path: Path) -> None:
         ("actor.optim.betas=[a,b]", "actor.optim.betas", "got [a, b]; it takes 2 floats"),
         ("actor.optim=3", "actor.optim", "a section"),
         ("model=3", "model", "a section"),
-        ("task.rewards={a: 1}", "task.rewards", "a list of strings, written [a,b]"),
-        ("task.rewards=null", "task.rewards", "a list of strings, written [a,b]"),
+        (
+            "task.rewards.functions={a: 1}",
+            "task.rewards.functions",
+            "a list of strings, written [a,b]",
+        ),
+        (
+            "task.rewards.functions=null",
+            "task.rewards.functions",
+            "a list of strings, written [a,b]",
+        ),
         # __post_init__ of a section two levels down, which knows only its own names.
         ("critic.optim.betas=[0.9,1.5]", "critic.optim.betas", "two floats in [0, 1)"),
         ("critic.optim.lr=-1", "critic.optim.lr", ">= 0"),
@@ -227,3 +242,16 @@ def test_a_files_nested_error_names_the_key_and_the_file(tmp_path: Path) -> None
     path.write_text("actor:\n  optim:\n    betas: [0.9]\n")
     with pytest.raises(ValueError, match=r"'actor\.optim\.betas' \(file .*mine\.yaml\)"):
         load_config(GRPOExampleConfig, path)
+
+
+# The recipes' config keys: the leaves `--help` lists (describe_config). A key is a choice to
+# defend (GRPO 164 / PPO 191 before the endpoint type gave the rollout and teacher servers a
+# `model`; + 4 per engine for mixture-of-experts models: routing_replay, router_loss's two
+# coefficients, lora.target_parameters), so the counts are pinned: a new key updates them with
+# its docs.
+KEY_COUNTS = {GRPOExampleConfig: 168, PPOExampleConfig: 199}
+
+
+@pytest.mark.parametrize("schema", list(KEY_COUNTS))
+def test_the_number_of_config_keys_is_a_decision(schema) -> None:
+    assert len(describe_config(schema())) == KEY_COUNTS[schema]

@@ -14,16 +14,23 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 from engine_utils import make_batch, tiny_model
+from moe_utils import NUM_EXPERTS, NUM_LAYERS, TOP_K, tiny_moe
 from sync_utils import count_syncs
 
 from microrl.configs import ActorConfig, CriticConfig
 from microrl.engine import ActorEngine, CriticEngine
+from microrl.engine.moe import ROUTED_EXPERTS_KEY
+from microrl.losses import RouterLossConfig
 
 
-def _count(engine_cls, config) -> collections.Counter[str]:
-    engine = engine_cls(tiny_model(), config)
+def _count(engine_cls, config, moe: str | None = None) -> collections.Counter[str]:
+    engine = engine_cls(tiny_moe() if moe else tiny_model(), config)
     batch = make_batch(6, 10, seed=40)
+    if moe == "replay":  # routing replay from a recorded key (the aux loss counts it)
+        scores = torch.rand(6, 10, NUM_LAYERS, NUM_EXPERTS, generator=torch.Generator())
+        batch[ROUTED_EXPERTS_KEY] = scores.argsort(-1)[..., :TOP_K].to(torch.int16)
     with count_syncs() as sites:
         engine.forward_backward_batch(batch)
     # Control: the optimizer step's one sync (the grad norm) must be seen, else the probe is blind.
@@ -46,4 +53,14 @@ def _count(engine_cls, config) -> collections.Counter[str]:
 def test_engine_syncs_do_not_grow_with_micro_batches(engine_cls, config_cls, packed) -> None:
     one = _count(engine_cls, config_cls(micro_batch_size=6, pack_sequences=packed))
     six = _count(engine_cls, config_cls(micro_batch_size=1, pack_sequences=packed))
+    assert six == one, f"syncs per micro-batch from engine code: {dict(six - one)}"
+
+
+@pytest.mark.parametrize("moe", ["replay", "counting-pass"])
+def test_moe_routing_adds_no_sync_per_micro_batch(moe) -> None:
+    """A mixture of experts with both router losses: replay and the agreement metric, or the
+    counting pass that finds the load fractions, add no sync per micro-batch either."""
+    losses = RouterLossConfig(aux_loss_coef=0.01, z_loss_coef=0.001)
+    one = _count(ActorEngine, ActorConfig(micro_batch_size=6, router_loss=losses), moe)
+    six = _count(ActorEngine, ActorConfig(micro_batch_size=1, router_loss=losses), moe)
     assert six == one, f"syncs per micro-batch from engine code: {dict(six - one)}"

@@ -415,3 +415,50 @@ def test_image_tokens_need_a_vision_language_config() -> None:
     with pytest.raises(ValueError, match="image_tokens_per_micro_batch needs a vision-language"):
         estimate_memory(_model_config(), ActorConfig(max_tokens_per_micro_batch=64),
                         image_tokens_per_micro_batch=8)  # fmt: skip
+
+
+def _moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=128,
+        intermediate_size=352,
+        moe_intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.mark.parametrize("lora", [8, 0], ids=["lora-on-experts", "full"])
+def test_moe_estimate_counts_experts_and_matches_the_engine(lora: int) -> None:
+    """A mixture of experts: parameters to the byte, the peak within the activation model's
+    tolerance (k experts' MLP activations per token), the parameters one token uses (2 of 8
+    experts per layer) and the routing key's bytes per token (2 layers x top-2, int16)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model_config = _moe_config()
+    experts = ["experts.gate_up_proj", "experts.down_proj"] if lora else None
+    config = ActorConfig(
+        max_tokens_per_micro_batch=512, lora=LoraConfig(rank=lora, target_parameters=experts)
+    )
+    torch.manual_seed(0)
+    engine = ActorEngine(Qwen3MoeForCausalLM(model_config), config)
+    measured = _measure(engine, _batch(2, 256, model_config.vocab_size))
+    estimate = estimate_memory(model_config, config, device="cpu")
+    for key in ("weights", "trainable_params", "gradients", "optimizer_state"):
+        assert getattr(estimate, key) == measured[key], key
+    ratio = estimate.compute_peak / measured["peak"]
+    assert abs(ratio - 1) <= ACTIVATION_TOLERANCE, ratio
+    expert_numel = 2 * 8 * (2 * 96 * 128 + 128 * 96)  # layers x experts x (gate_up + down)
+    assert estimate.num_params - estimate.num_active_params == expert_numel * 6 // 8
+    assert estimate.routing_key_bytes_per_token == 2 * 2 * 2
+    assert "active per token" in str(estimate) and "8 bytes per token" in str(estimate)
+    dense = estimate_memory(_model_config(), ActorConfig(max_tokens_per_micro_batch=512))
+    assert dense.num_active_params == dense.num_params and dense.routing_key_bytes_per_token == 0

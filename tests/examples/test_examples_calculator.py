@@ -17,7 +17,7 @@ from microrl.run.toy_model import load_tokenizer
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = [
     "task.name=calculator",
-    f"task.agent={ROOT / 'examples' / 'calculator_agent.py'}:agent",
+    f"task.agent.function={ROOT / 'examples' / 'calculator_agent.py'}:agent",
     "task.max_operand=200",
     "model.max_positions=128",
     "model.warm_start.tool_share=0.5",

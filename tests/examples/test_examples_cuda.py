@@ -55,7 +55,7 @@ def test_grpo_on_a_gpu_keeps_every_tensor_on_it(base_model, tmp_path, monkeypatc
         "actor.device=cuda:1",
         "rollout.dynamic_sampling=true",
         "rollout.max_sampling_rounds=2",
-        "task.overlong_buffer=2",
+        "task.rewards.overlong_buffer=2",
         "actor.mask_truncated=true",
         "train.kl_metric_every=1",
     )

@@ -18,6 +18,7 @@ from example_utils import TINY_MODEL, TINY_RL, load_example
 
 from microrl.configs.examples import GRPOExampleConfig, PPOExampleConfig
 from microrl.configs.run import TaskConfig
+from microrl.configs.task import DatasetConfig, RewardsConfig
 from microrl.run import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +82,12 @@ def _env_task(tmp_path: Path, fail_every: int) -> list[str]:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     held_out.write_text("".join(json.dumps(dict(r, fail=False)) + "\n" for r in rows[:8]))
     env = f"task.env={tmp_path / 'my_envs.py'}:make_env"
-    return ["task.name=env", f"task.train_file={data}", f"task.eval_file={held_out}", env]
+    return [
+        "task.name=env",
+        f"task.dataset.train_file={data}",
+        f"task.dataset.eval_file={held_out}",
+        env,
+    ]
 
 
 def test_an_environment_error_stops_the_run_naming_step_row_and_traceback(base_model, tmp_path):
@@ -109,13 +115,15 @@ def test_an_environment_error_stops_the_run_naming_step_row_and_traceback(base_m
 
 def test_multi_turn_settings_are_checked():
     with pytest.raises(ValueError, match=r"task\.env"):
-        TaskConfig(name="env", train_file="x.jsonl")
+        TaskConfig(name="env", dataset=DatasetConfig(train_file="x.jsonl"))
     with pytest.raises(ValueError, match=r"task\.env"):
         TaskConfig(name="addition", env="my_envs:make_env")
     with pytest.raises(ValueError, match=r"task\.name"):
         PPOExampleConfig(task=TaskConfig(name="hinted_addition"))
-    with pytest.raises(ValueError, match=r"task\.overlong_buffer"):
-        GRPOExampleConfig(task=TaskConfig(name="hinted_addition", overlong_buffer=2))
+    with pytest.raises(ValueError, match=r"task\.rewards\.overlong_buffer"):
+        GRPOExampleConfig(
+            task=TaskConfig(name="hinted_addition", rewards=RewardsConfig(overlong_buffer=2))
+        )
     from microrl.configs.run import RolloutConfig
 
     for key in ("max_turns", "max_episode_tokens"):

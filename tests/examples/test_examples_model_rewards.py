@@ -1,7 +1,7 @@
 """The recipes rewarded by a reward model and an LLM judge (docs/tasks.md#reward-models): GRPO
 in process, with ``rollout.max_staleness=1`` (scored ahead in the trainer's background thread),
 and under ``torchrun`` on 2 ranks (the reward model a ``RewardModelEngine`` checkpoint with
-``task.reward_model_base``), and PPO; the judge is a stand-in server in this process, its key in
+``task.reward_model.base``), and PPO; the judge is a stand-in server in this process, its key in
 the environment, and no file the run writes nor its output shows the key.
 """
 
@@ -38,20 +38,20 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("model_rewards")
     rm = save_reward_model(root / "rm", seed=2)
     _, rm_base, rm_ckpt = train_reward_model_engine(root)
-    engine_rm = [f"task.reward_model={rm_ckpt}", f"task.reward_model_base={rm_base}"]
+    engine_rm = [f"task.reward_model.path={rm_ckpt}", f"task.reward_model.base={rm_base}"]
     script = JudgeScript(reply=_reply, delay_s=0.02)
     with judge_server(script) as url:
         args = [
             *TINY_MODEL,
             *TINY_RL,
             f"model.path={root / 'base'}",
-            f"task.reward_model={rm}",
-            "task.reward_model_norm=group",
+            f"task.reward_model.path={rm}",
+            "task.reward_model.norm=group",
             f"task.judge.url={url}",
             "task.judge.model=stand-in",
             "task.judge.template='{response}'",  # quoted: YAML reads {x} as a mapping
             "task.judge.api_key_env=MICRORL_TEST_JUDGE_KEY",
-            "task.reward_weights=[1.0,0.25]",
+            "task.rewards.weights=[1.0,0.25]",
             "output.plot=false",
             "output.tensorboard=false",
             "train.steps=3",

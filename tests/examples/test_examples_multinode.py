@@ -59,7 +59,7 @@ def run_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         *TINY_MODEL,
         *TINY_RL,
         f"model.path={root / 'base'}",
-        f"task.rewards=[{root / 'length_reward.py'}:length]",
+        f"task.rewards.functions=[{root / 'length_reward.py'}:length]",
         "output.plot=false",
         "output.tensorboard=false",
         "train.steps=2",

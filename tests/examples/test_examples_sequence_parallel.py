@@ -94,7 +94,7 @@ def test_async_grpo_under_sequence_parallelism_trains_like_one_process(
     the same mini-batches. The same seeds and base weights sample the same rollouts as one
     process's worker: the same rewards and staleness, the losses to float32 rounding."""
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)  # rewards differ: the loss moves
-    reward = f"task.rewards=[{tmp_path / 'length_reward.py'}:length]"
+    reward = f"task.rewards.functions=[{tmp_path / 'length_reward.py'}:length]"
     args = [*TINY_MODEL, *TINY_RL, *QUIET, f"model.path={base}", reward, "rollout.max_staleness=1"]
     one = tmp_path / "one"
     assert load_example("grpo_lora").main([*args, f"output.dir={one}"]) == 0

@@ -1,7 +1,7 @@
 """GRPO on a vLLM server under sequence parallelism: 2 processes that are one data rank.
 
 ``torchrun --nproc_per_node 2 examples/grpo_lora.py actor.sequence_parallel_size=2
-rollout.backend=vllm rollout.max_staleness=1 rollout.server_url=URL``: the sp group's first
+rollout.backend=vllm rollout.max_staleness=1 rollout.server.url=URL``: the sp group's first
 process samples on the server and broadcasts each rollout; the second joins every push's
 collectives (the adapter's export, the probe's scoring). It must train like one process on the
 same server at k = 1. One ``vllm serve`` (started as a user would) serves both runs: each run's
@@ -10,6 +10,7 @@ adapters have names of their own.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # head_dim 32: the smallest head size vLLM's CPU attention supports.
 MODEL = [a for a in TINY_MODEL if not a.startswith("model.hidden_size")]
 MODEL += ["model.hidden_size=64"]
+KEY_VARIABLE = "MICRORL_TEST_SERVER_KEY"  # the server's key, named by rollout.server.api_key_env
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +43,18 @@ def args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     base = prepare_base_model(cfg.model, cfg.task, Dist(), cfg.rollout.max_new_tokens)[1]
     options = dict(lora_rank=8, max_loras=4, max_model_len=32, kv_cache_mb=256, cpu=True)
     server = LocalVLLMServer(base, full_weights=False, api_key="key", **options)
+    os.environ[KEY_VARIABLE] = "key"  # the torchrun processes inherit it
     try:
         yield [
             *common,
             "train.steps=2",
             "rollout.backend=vllm",
             "rollout.max_staleness=1",
-            f"rollout.server_url={server.url}",
-            "rollout.server_api_key=key",
+            f"rollout.server.url={server.url}",
+            f"rollout.server.api_key_env={KEY_VARIABLE}",
         ]
     finally:
+        os.environ.pop(KEY_VARIABLE, None)
         server.close()
 
 

@@ -135,7 +135,7 @@ def test_vllm_servers_on_their_own_nodes(tmp_path: Path) -> None:
     assert (args.nnodes, args.rdzv_endpoint) == ("2", "gpu-a:29500")
     cfg = _recipe_config(args.training_script_args)
     assert (cfg.rollout.backend, cfg.rollout.max_staleness) == ("vllm", 1)
-    urls = cfg.rollout.server_url.split(",")
+    urls = cfg.rollout.server.url.split(",")
     assert urls == [f"http://{n}:{8000 + g}" for n in ("gpu-c", "gpu-d") for g in range(8)]
     for node in ("gpu-c", "gpu-d"):
         for gpu in range(8):  # its own GPU (CUDA_VISIBLE_DEVICES) and port

@@ -116,3 +116,35 @@ def shrink_tiles(monkeypatch, tile_elements: int) -> None:
     """Make the kernel tile the vocabulary at test sizes (tile = tile_elements // rows columns)."""
     monkeypatch.setattr(linear_logprob, "WORKING_TILE_ELEMENTS", tile_elements)
     monkeypatch.setattr(linear_logprob, "_MIN_VOCAB_TILE", 1)
+
+
+# The GPU path's 16-bit GEMMs take the logit gradient rounded to the input dtype (2**-9 relative
+# per entry, float32 accumulation), so its hidden and weight gradients carry an absolute error of
+# ~2**-9 of the largest one where the sum over the vocabulary cancels (observed <= 2**-8.3 at
+# V=70, bf16): 2**-7 of the largest entry leaves room, as the GPU check's kernel step does.
+GRAD_ATOL_16 = 2**-7
+
+
+def fixed_tiles(monkeypatch, rows: int, cols: int) -> None:
+    """Make the chunked (GPU) path use ``rows x cols`` tiles whatever its budget and cost model
+    say (``kernels/_chunk_plan.plan_tiles``), to exercise several row blocks and column slices
+    at test sizes."""
+    from microrl.kernels import _chunk_plan
+
+    def plan(m, v, h, sizes, need, *, temps=0, **_):
+        return _chunk_plan.ChunkPlan(rows, cols, temps)
+
+    monkeypatch.setattr(_chunk_plan, "plan_tiles", plan)
+
+
+def interpreted_triton():
+    """The Triton row kernels built for Triton's interpreter, so that ``implementation="triton"``
+    runs them on CPU tensors. Only in a process started with ``TRITON_INTERPRET=1``: Triton reads
+    it when its own modules are imported, so it cannot be switched on in a process that imported
+    Triton already (test_triton_rows.py starts one for tests/kernels/triton_interpreted.py)."""
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "start the process with TRITON_INTERPRET=1"
+    from microrl.kernels import _triton_rows
+
+    return _triton_rows

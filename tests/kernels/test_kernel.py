@@ -322,6 +322,32 @@ def test_integer_target_dtypes(dtype):
     )  # fmt: skip
 
 
+def _vocab_parallel_whole(hidden, weight, targets, **kwargs):
+    from microrl.kernels import vocab_parallel_linear_logprob
+
+    return vocab_parallel_linear_logprob(
+        hidden, weight, targets, vocab_start=0, vocab_size=weight.shape[0], **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    "fn", [fused_linear_logprob, reference_linear_logprob, _vocab_parallel_whole],
+    ids=["fused", "eager", "vocab-parallel"],
+)  # fmt: skip
+@pytest.mark.parametrize("validate", [True, False])
+def test_narrow_target_dtypes_are_compared_as_int64(fn, validate):
+    """uint8 156 is token 156, not ignore_index -100 (equal in uint8), and int8/uint8 ids of a
+    vocabulary wider than the dtype are in range (``>= 300`` wraps in uint8)."""
+    hidden, weight, _ = make((4,), dtype=torch.float64, vocab=300)
+    ids = {torch.uint8: [156, 255, 3, 0], torch.int8: [100, -100, 127, -100]}
+    for dtype, values in ids.items():
+        wide = torch.tensor(values)
+        want, _ = fn(hidden, weight, wide, validate=validate)
+        got, _ = fn(hidden, weight, wide.to(dtype), validate=validate)
+        assert_close(got, want, atol=1e-12, rtol=1e-12, name=str(dtype))
+        assert (want[wide != -100] < 0).all()  # every position that is a token is computed
+
+
 @pytest.mark.parametrize("kept_tiles", [0, 1, 1000], ids=["recompute-all", "keep-one", "keep-all"])
 def test_kept_and_recomputed_tiles_agree(tiles, monkeypatch, kept_tiles):
     """Backward uses forward's tiles for the first ``kept_tiles`` and recomputes the rest."""
@@ -378,8 +404,9 @@ def test_default_plan_matches_reference(dtype, n, vocab, ignored, validate):
     tiles (the last one 7232 wide). Every row (views, in-place hidden gradient), compacted rows
     (validate=True with ignored targets) and masked rows (validate=False)."""
     from microrl.kernels import linear_logprob
+    from microrl.kernels._checks import HeadSpec
 
-    plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, H)
+    plan = linear_logprob._plan(n, vocab, HeadSpec(), (True, True), False, H)
     assert (plan.rows, plan.kept_tiles) == ((150, 0) if n == 300 else (20, 2))
     hidden, weight, targets = make((n,), dtype=dtype, vocab=vocab, ignore=ignored)
     atol, rtol = TOLERANCES[dtype]

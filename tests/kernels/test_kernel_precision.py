@@ -20,6 +20,7 @@ from microrl.kernels import (
     linear_logprob,
     reference_linear_logprob,
 )
+from microrl.kernels._checks import HeadSpec
 
 H, V, N = 256, 500, 48
 FNS = [fused_linear_logprob, reference_linear_logprob]
@@ -198,7 +199,10 @@ def test_native_16_bit_is_cuda_only():
 @pytest.mark.parametrize("vocab", [10, 1000, 32768, 151936])
 @pytest.mark.parametrize("chunk_size", [None, 1, 3, 512])
 def test_vocab_tiles_do_not_depend_on_the_row_count(vocab, chunk_size):
-    plans = [linear_logprob._plan(n, vocab, chunk_size, True, 1.0) for n in (1, 7, 8, 300, 10**6)]
+    plans = [
+        linear_logprob._plan(n, vocab, HeadSpec(chunk_size=chunk_size))
+        for n in (1, 7, 8, 300, 10**6)
+    ]
     assert len({p.vocab_tile for p in plans}) == 1, [p.vocab_tile for p in plans]
     assert all(p.rows <= (chunk_size or linear_logprob._DEFAULT_ROWS) for p in plans)
 

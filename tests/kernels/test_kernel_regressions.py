@@ -20,6 +20,7 @@ from microrl.kernels import (
     linear_logprob,
     reference_linear_logprob,
 )
+from microrl.kernels._checks import HeadSpec
 
 H, V = 8, 30
 
@@ -169,7 +170,7 @@ def test_gradcheck_float64(monkeypatch, temperature, with_entropy, frozen_weight
 @pytest.mark.parametrize("vocab", [10, 8192, 32768, 151936])
 @pytest.mark.parametrize("hidden_size", [256, 1024])
 def test_default_plan_memory_budget(n, vocab, hidden_size):
-    plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, hidden_size)
+    plan = linear_logprob._plan(n, vocab, HeadSpec(), (True, True), False, hidden_size)
     tile = plan.rows * plan.vocab_tile
     assert tile <= WORKING_TILE_ELEMENTS and plan.rows <= min(n, linear_logprob._DEFAULT_ROWS)
     # The vocabulary tile is a function of V (and chunk_size) only: 8192 columns by default.
@@ -195,7 +196,7 @@ def test_default_plan_memory_budget(n, vocab, hidden_size):
         assert 2 * (-(-n // (chunks - 1))) * plan.vocab_tile > working
         assert n - (chunks - 1) * plan.rows > plan.rows - chunks
     if n >= linear_logprob._DEFAULT_ROWS and eager // 5 >= 4 * WORKING_TILE_ELEMENTS:
-        flat = linear_logprob._plan(8 * n, vocab, None, True, 1.0, (True, True), False, hidden_size)
+        flat = linear_logprob._plan(8 * n, vocab, HeadSpec(), (True, True), False, hidden_size)
         assert plan == flat  # flat from here on
 
 
@@ -211,7 +212,7 @@ def test_default_plan_memory_budget(n, vocab, hidden_size):
 )
 def test_plans_of_the_benchmark_grid(shape, rows, kept):
     n, hidden_size, vocab = shape
-    plan = linear_logprob._plan(n, vocab, None, True, 1.0, (True, True), False, hidden_size)
+    plan = linear_logprob._plan(n, vocab, HeadSpec(), (True, True), False, hidden_size)
     assert (plan.rows, plan.vocab_tile, plan.kept_tiles) == (rows, min(vocab, 8192), kept)
     # The call's one tile block (test_tile_buffers_are_one_block_per_call) and the [N, H] hidden
     # gradient, both live at the kernel's peak, within the budget's share of eager's modelled
@@ -264,7 +265,7 @@ def test_tile_buffers_are_one_block_per_call(monkeypatch, kept, softcap):
             lambda *a: dataclasses.replace(original(*a), kept_tiles=min(kept, 10)),
         )
     plan = linear_logprob._plan(
-        n, vocab, 6, True, 1.0, (True, True), False, hidden_size, 1.0, softcap
+        n, vocab, HeadSpec(chunk_size=6, softcap=softcap), (True, True), False, hidden_size
     )
     assert (plan.rows, plan.vocab_tile) == (6, 10) and n * hidden_size < tile
     working = 3 if softcap is not None and plan.kept_tiles < 10 else 2
@@ -288,7 +289,7 @@ def test_tile_buffers_are_one_block_per_call(monkeypatch, kept, softcap):
 
 def test_plan_without_gradients_keeps_nothing_and_models_a_forward():
     """No backward: nothing kept, and the budget models eager's forward (three [N, V] buffers)."""
-    plan = linear_logprob._plan(512, 8192, None, True, 1.0, (False, False), False, 256)
+    plan = linear_logprob._plan(512, 8192, HeadSpec(), (False, False), False, 256)
     assert plan.kept_tiles == 0
     assert 2 * plan.rows * plan.vocab_tile <= 3 * 512 * 8192 // 4
 

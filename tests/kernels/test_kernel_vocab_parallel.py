@@ -37,7 +37,16 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 from kernel_utils import assert_close, assert_outputs_close  # noqa: E402
-from vocab_parallel_utils import GRAD_ATOL, VALUE_TOL, B, Case, T, make_inputs  # noqa: E402
+from vocab_parallel_utils import (  # noqa: E402
+    TRITON,
+    VALUE_TOL,
+    B,
+    Case,
+    T,
+    gpu_path_tiles,
+    grad_atol,
+    make_inputs,
+)
 
 from microrl.kernels import (  # noqa: E402
     fused_linear_logprob,
@@ -89,6 +98,21 @@ CASES = [
     ),
     Case("softcap_no_entropy", vocab=37, shard_rows=19, softcap=2.0, with_entropy=False),
 ]
+# The GPU path (kernels/vocab_parallel_chunked.py) on CPU tensors, with its torch row ops and,
+# in the 2-rank launch, its Triton kernels under the interpreter.
+_BY_NAME = {c.name: c for c in CASES}
+GPU_CASES = [
+    _BY_NAME[name].on("chunks")
+    for name in ("even", "padded_embedding", "padding_only_rank", "no_entropy", "bfloat16",
+                 "tiles", "frozen_hidden", "scale_softcap")
+]  # fmt: skip
+TRITON_CASES = [  # float32 (the Triton kernels compute in float32) and bf16
+    dataclasses.replace(_BY_NAME[name], dtype=dtype).on("triton")
+    for name, dtype in (("even", torch.float32), ("scale_softcap", torch.bfloat16),
+                        ("tiles", torch.float32))
+]  # fmt: skip
+CASES += GPU_CASES
+LAUNCH_CASES = CASES + (TRITON_CASES if TRITON else [])
 
 
 def mixes(case: Case) -> tuple[str, ...]:
@@ -130,8 +154,9 @@ def run_kernel(fn, hidden, weight, targets, mix, case, *, fresh_weight=True, **k
 
 
 def reference(case: Case, hidden, weight, targets, mix, kwargs):
-    """The single-device kernel on the real rows of the whole weight (and bias)."""
+    """The single-device kernel (its CPU tiles) on the real rows of the whole weight (and bias)."""
     kwargs = _with_bias(kwargs, slice(0, case.vocab))
+    kwargs = {k: v for k, v in kwargs.items() if k != "implementation"}
     return run_kernel(
         fused_linear_logprob, hidden, weight[: case.vocab], targets, mix, case, **kwargs
     )
@@ -149,14 +174,14 @@ def assert_matches(case: Case, got, want, what: str) -> None:
     (the 5th entry, gathered and cut to the real vocabulary by the caller)."""
     cdtype = torch.float64 if case.dtype == torch.float64 else torch.float32
     assert_outputs_close(
-        got[:4], want[:4], values=VALUE_TOL[cdtype], grad_atol=GRAD_ATOL[cdtype], name=what
+        got[:4], want[:4], values=VALUE_TOL[cdtype], grad_atol=grad_atol(case), name=what
     )
     if len(got) > 4 and got[4] is not None:
         assert want[4] is not None, f"{what}: a bias gradient without a reference"
         scale = want[4].double().abs().max().item()
         eps = torch.finfo(got[4].dtype).eps
         assert_close(
-            got[4], want[4], atol=GRAD_ATOL[cdtype] * scale, rtol=eps, name=f"{what} bias.grad"
+            got[4], want[4], atol=grad_atol(case) * scale, rtol=eps, name=f"{what} bias.grad"
         )
 
 
@@ -254,8 +279,9 @@ def test_no_group_equals_single_device(case, monkeypatch):
         monkeypatch.setattr(vp, "_TILE_ELEMENTS", 4 * 64)
         monkeypatch.setattr(vp, "_MIN_VOCAB_TILE", 1)
     whole = dataclasses.replace(case, shard_rows=case.shard_rows * 2)
-    for mix in mixes(whole):
-        check_case(whole, mix, rank=0, world=1, group=None)
+    with gpu_path_tiles(whole):
+        for mix in mixes(whole):
+            check_case(whole, mix, rank=0, world=1, group=None)
 
 
 @pytest.fixture
@@ -403,7 +429,7 @@ def two_rank_checks(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_equal_one_device_for_every_upstream_gradient_mix(two_rank_checks):
-    expected = [f"{c.name}[{m}]" for c in CASES for m in mixes(c)]
+    expected = [f"{c.name}[{m}]" for c in LAUNCH_CASES for m in mixes(c)]
     got = [c for c in two_rank_checks if not c.startswith(("comm[", "dtensor["))]
     assert sorted(got) == sorted(expected)
 
@@ -413,7 +439,7 @@ def test_two_ranks_equal_one_device_for_every_upstream_gradient_mix(two_rank_che
 def test_two_ranks_never_drop_an_unused_outputs_gradient(two_rank_checks):
     """Only the entropy in the loss (logprobs unused) or only the log-probs: the hidden and weight
     gradients are non-zero and equal the single-device ones (checked in ``check_case``)."""
-    for case in CASES:
+    for case in LAUNCH_CASES:
         if case.with_entropy:
             assert {f"{case.name}[lp_only]", f"{case.name}[ent_only]"} <= set(two_rank_checks)
 
@@ -424,7 +450,7 @@ def test_two_ranks_communicate_statistics_only(two_rank_checks):
     """Every call's all_reduces are exactly [M] (max), [3M] or [2M] (sums) and, in backward, the
     [M, H] hidden gradient: never a tensor with a vocabulary dimension."""
     assert sorted(c for c in two_rank_checks if c.startswith("comm[")) == sorted(
-        f"comm[{c.name}]" for c in CASES
+        f"comm[{c.name}]" for c in LAUNCH_CASES
     )
 
 
@@ -482,17 +508,19 @@ def check_dtensor(rank: int, variant: str) -> None:
 
 def main(out: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: its kernels on CPU tensors
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     passed = []
-    for case in CASES:
+    for case in LAUNCH_CASES:
         tile = vp._TILE_ELEMENTS, vp._MIN_VOCAB_TILE
         if case.tiles:  # 64-column tiles: 150 rows per shard = 64 + 64 + 22
             vp._TILE_ELEMENTS, vp._MIN_VOCAB_TILE = 4 * 64, 1
         try:
-            for mix in mixes(case):
-                check_case(case, mix, rank, world, dist.group.WORLD, log=True)
-                passed.append(f"{case.name}[{mix}]")
+            with gpu_path_tiles(case):
+                for mix in mixes(case):
+                    check_case(case, mix, rank, world, dist.group.WORLD, log=True)
+                    passed.append(f"{case.name}[{mix}]")
         finally:
             vp._TILE_ELEMENTS, vp._MIN_VOCAB_TILE = tile
         passed.append(f"comm[{case.name}]")

@@ -26,7 +26,14 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 from kernel_utils import assert_close  # noqa: E402
-from vocab_parallel_utils import GRAD_ATOL, VALUE_TOL, Case, make_inputs  # noqa: E402
+from vocab_parallel_utils import (  # noqa: E402
+    TRITON,
+    VALUE_TOL,
+    Case,
+    gpu_path_tiles,
+    grad_atol,
+    make_inputs,
+)
 
 from microrl.kernels import fused_linear_loss, fused_loss, linear_logprob  # noqa: E402
 from microrl.kernels.vocab_parallel_loss import vocab_parallel_linear_loss  # noqa: E402
@@ -41,6 +48,17 @@ LOSS_CASES = [
     Case("tiles", vocab=300, shard_rows=150, hidden=8, chunk_size=4, tiles=True, ignore=True),
     Case("frozen_weight", vocab=37, shard_rows=19, need_w=False, bias=True),
 ]
+# The GPU path (kernels/chunked_loss.py): each group kept in one tile (the default budget at
+# these sizes), or recomputed in 4-row by 64-column tiles ("tiles"); its torch row ops, and in
+# the 2-rank launch its Triton kernels under the interpreter (float32: they compute in it).
+GPU_LOSS_CASES = [case.on("chunks") for case in LOSS_CASES]
+TRITON_LOSS_CASES = [
+    dataclasses.replace(case, dtype=torch.float32).on("triton")
+    for case in LOSS_CASES
+    if case.name in ("even", "head_transforms", "tiles")
+]
+LOSS_CASES += GPU_LOSS_CASES
+LAUNCH_CASES = LOSS_CASES + (TRITON_LOSS_CASES if TRITON else [])
 
 
 def loss_fn_for(adv: torch.Tensor, with_entropy: bool):
@@ -88,9 +106,10 @@ def check_loss_case(case: Case, rank: int, world: int, group) -> None:
         vocab_parallel_linear_loss, case, hidden, weight[rows], None if bias is None else bias[rows],
         targets, kwargs, group=group, vocab_start=start, vocab_size=case.vocab,
     )  # fmt: skip
+    plain = {k: v for k, v in kwargs.items() if k != "implementation"}  # the CPU tiles
     want = run(
         fused_linear_loss, case, hidden, weight[: case.vocab],
-        None if bias is None else bias[: case.vocab], targets, kwargs,
+        None if bias is None else bias[: case.vocab], targets, plain,
     )  # fmt: skip
     cdtype = torch.float64 if case.dtype == torch.float64 else torch.float32
     atol, rtol = VALUE_TOL[cdtype]
@@ -110,7 +129,7 @@ def check_loss_case(case: Case, rank: int, world: int, group) -> None:
             continue
         scale = e.double().abs().max().item()
         eps = torch.finfo(a.dtype).eps
-        assert_close(a, e, atol=GRAD_ATOL[cdtype] * scale, rtol=eps, name=f"{case.name} {label}")
+        assert_close(a, e, atol=grad_atol(case) * scale, rtol=eps, name=f"{case.name} {label}")
 
 
 @contextlib.contextmanager
@@ -134,7 +153,7 @@ def small_tiles(case: Case):
 @pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: c.name)
 def test_no_group_equals_single_device(case):
     """``group=None``: the whole vocabulary in one (padded) shard."""
-    with small_tiles(case):
+    with small_tiles(case), gpu_path_tiles(case):
         check_loss_case(dataclasses.replace(case, shard_rows=case.shard_rows * 2), 0, 1, None)
 
 
@@ -162,16 +181,17 @@ def two_rank_checks(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_equal_one_device(two_rank_checks):
-    assert two_rank_checks == [c.name for c in LOSS_CASES]
+    assert two_rank_checks == [c.name for c in LAUNCH_CASES]
 
 
 def main(out: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: its kernels on CPU tensors
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     passed = []
-    for case in LOSS_CASES:
-        with small_tiles(case):
+    for case in LAUNCH_CASES:
+        with small_tiles(case), gpu_path_tiles(case):
             check_loss_case(case, rank, world, dist.group.WORLD)
         passed.append(case.name)
     dist.barrier()

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
+from microrl.configs.task import ImagesConfig
 from microrl.rollout import RolloutBackend, Samples, SamplingParams
 from microrl.rollout.images import ImageEncoder
 from microrl.run.toy_model import build_tokenizer
@@ -92,7 +93,7 @@ def test_images_for_a_text_backend_are_refused():
 
 
 def test_max_pixels_bounds_images_as_the_models_processor_does(tmp_path):
-    """``ImageEncoder.from_pretrained(path, max_pixels=)`` (``task.max_pixels``): an image
+    """``ImageEncoder.from_pretrained(path, max_pixels=)`` (``task.images.max_pixels``): an image
     above the bound is resized as the Qwen-VL processor resizes for its own ``max_pixels``
     (the same grid and pixels), the checkpoint's smaller bound stays, and the bound is saved
     with the processor (what vLLM reads beside the weights)."""
@@ -125,14 +126,18 @@ def test_bad_max_pixels_names_the_key(tmp_path):
     from microrl.configs.task import TaskConfig
 
     path = save_tiny_vlm(tmp_path / "vlm")
-    with pytest.raises(ValueError, match=r"task.max_pixels must be an int of at least 16 pixels"):
-        ImageEncoder.from_pretrained(path, max_pixels=15, key="task.max_pixels")
+    with pytest.raises(
+        ValueError, match=r"task.images.max_pixels must be an int of at least 16 pixels"
+    ):
+        ImageEncoder.from_pretrained(path, max_pixels=15, key="task.images.max_pixels")
     processor = Qwen2VLImageProcessorPil(
         patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=16 * 16
     )
     processor.save_pretrained(path)
-    with pytest.raises(ValueError, match=r"task.max_pixels=32 is below .* min_pixels=64"):
-        ImageEncoder.from_pretrained(path, max_pixels=32, key="task.max_pixels")
-    with pytest.raises(ValueError, match=r"task.max_pixels must be null or an int >= 1"):
-        TaskConfig(max_pixels=0)
-    assert TaskConfig().max_pixels == 1280 * 28 * 28 and TaskConfig(max_pixels=None)
+    with pytest.raises(ValueError, match=r"task.images.max_pixels=32 is below .* min_pixels=64"):
+        ImageEncoder.from_pretrained(path, max_pixels=32, key="task.images.max_pixels")
+    with pytest.raises(ValueError, match=r"task.images.max_pixels must be null or an int >= 1"):
+        TaskConfig(images=ImagesConfig(max_pixels=0))
+    assert TaskConfig().images.max_pixels == 1280 * 28 * 28 and TaskConfig(
+        images=ImagesConfig(max_pixels=None)
+    )

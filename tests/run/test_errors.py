@@ -119,10 +119,10 @@ def test_errors_are_one_line_unless_debug(tmp_path: Path, monkeypatch, capsys) -
     assert hook is not sys.__excepthook__
     capsys.readouterr()
     # A dataset problem at setup (no step yet), on one process and on rank 1 of 2.
-    error = ValueError("task.train_file='data/missing.jsonl' does not exist\nsecond line")
+    error = ValueError("task.dataset.train_file='data/missing.jsonl' does not exist\nsecond line")
     hook(ValueError, error, None)
     assert capsys.readouterr().err == (
-        f"error: ValueError: task.train_file='data/missing.jsonl' does not exist {HINT}\n"
+        f"error: ValueError: task.dataset.train_file='data/missing.jsonl' does not exist {HINT}\n"
     )
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
@@ -136,7 +136,7 @@ def test_errors_are_one_line_unless_debug(tmp_path: Path, monkeypatch, capsys) -
     ("error", "shown"),
     [  # an environment's message is shown whole (its traceback), a reward's with its type
         (EpisodeError("the environment of row 3 (prompt 3) raised in step() at turn 1"), ""),
-        (RewardError("task.rewards[0]='boom.py:score' raised KeyError"), "RewardError: "),
+        (RewardError("task.rewards.functions[0]='boom.py:score' raised KeyError"), "RewardError: "),
     ],
 )
 def test_an_error_in_the_step_0_evaluation_names_it(tmp_path: Path, capsys, error, shown) -> None:
@@ -166,7 +166,7 @@ def score(completions, answers):
 
 def test_a_reward_that_raises_is_one_line_with_its_step(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "boom.py").write_text(BOOM)
-    args = [*TINY, f"model.path={tmp_path / 'base'}", "task.rewards=boom.py:score"]
+    args = [*TINY, f"model.path={tmp_path / 'base'}", "task.rewards.functions=boom.py:score"]
     args.append("task.eval_size=6")
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "grpo_lora.py"), *args, "output.dir=run"],
@@ -178,7 +178,7 @@ def test_a_reward_that_raises_is_one_line_with_its_step(tmp_path: Path, monkeypa
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == (
-        "error at step 1: RewardError: task.rewards[0]='boom.py:score' raised "
+        "error at step 1: RewardError: task.rewards.functions[0]='boom.py:score' raised "
         f"ZeroDivisionError: division by zero {HINT}"
     )
     # --debug: the exception itself (Python prints its traceback), chained to the reward's.

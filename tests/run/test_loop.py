@@ -30,7 +30,7 @@ def test_evaluation_is_due_every_eval_every_steps_and_at_the_last() -> None:
 
 def test_sampling_and_the_overlong_shaping_follow_the_config() -> None:
     cfg = load_config(
-        GRPOExampleConfig, None, ["rollout.max_new_tokens=4", "task.overlong_buffer=2"]
+        GRPOExampleConfig, None, ["rollout.max_new_tokens=4", "task.rewards.overlong_buffer=2"]
     )
     params = sampling_params(cfg)
     assert (params.num_samples, params.temperature, params.max_new_tokens) == (8, 1.0, 4)

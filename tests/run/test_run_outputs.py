@@ -185,7 +185,7 @@ def _args(tmp_path: Path, base_model: Path, out: Path) -> list[str]:
         *TINY_RL,
         f"model.path={base_model}",
         f"output.dir={out}",
-        f"task.rewards=[{reward}:score]",
+        f"task.rewards.functions=[{reward}:score]",
         "actor.optim.lr=1e-2",
         "output.plot=false",
         "output.log_samples_every=1",

@@ -164,7 +164,7 @@ def test_image_mismatch_over_two_ranks_is_the_one_process_figure() -> None:
 
 
 def test_frac_zero_std_counts_every_ranks_equal_reward_groups() -> None:
-    """``reward/frac_zero_std``: groups whose rewards trained on (score + overlong penalty) are
+    """``frac_reward_zero_std``: groups whose rewards trained on (score + overlong penalty) are
     all equal, over every rank's groups: (1 + 0) / (1 + 3), not the mean of the ranks'
     fractions (1/1 and 0/3)."""
     batch = torch.cat([_batch()] * 3)  # 6 rows
@@ -173,11 +173,11 @@ def test_frac_zero_std_counts_every_ranks_equal_reward_groups() -> None:
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
     penalty = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -0.5])  # group 2's spread: the penalty's
     one = step_metrics(batch, scores, penalty, None, UPDATES, Dist(), 0.0, groups=groups)
-    assert one["reward/frac_zero_std"] == pytest.approx(1 / 3)
+    assert one["frac_reward_zero_std"] == pytest.approx(1 / 3)
     assert step_metrics(batch, scores, zeros, None, UPDATES, Dist(), 0.0, groups=groups)[
-        "reward/frac_zero_std"
+        "frac_reward_zero_std"
     ] == pytest.approx(2 / 3)
-    assert "reward/frac_zero_std" not in step_metrics(
+    assert "frac_reward_zero_std" not in step_metrics(
         batch, scores, penalty, None, UPDATES, Dist(), 0.0
     )
     # Two ranks: rank 0 one group (equal rewards), rank 1 three groups (all spread).
@@ -200,4 +200,4 @@ def test_frac_zero_std_counts_every_ranks_equal_reward_groups() -> None:
         object.__setattr__(dist_info, "other", seen[1 - rank])
         zero = torch.zeros(len(s))
         metrics = step_metrics(b, s, zero, None, UPDATES, dist_info, 0.0, groups=g)
-        assert metrics["reward/frac_zero_std"] == pytest.approx(1 / 4)
+        assert metrics["frac_reward_zero_std"] == pytest.approx(1 / 4)

@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))  # tests/, for the ranks
 from distributed_utils import actor_config, launch, make_batch, tiny_model  # noqa: E402
 
+from microrl.configs.endpoint import EndpointConfig  # noqa: E402
 from microrl.configs.teacher import TeacherConfig  # noqa: E402
 from microrl.run.dist import Dist  # noqa: E402
 from microrl.run.distill import mix_teacher_advantages  # noqa: E402
@@ -272,7 +273,7 @@ def test_a_served_hub_teacher_downloads_only_its_tokenizer(fake_hub) -> None:
     from microrl.run.toy_model import build_tokenizer
 
     url = "http://127.0.0.1:9"  # never reached: the client connects on the first request
-    config = TeacherConfig(path=HUB_ID, backend="vllm", server_url=url)
+    config = TeacherConfig(path=HUB_ID, backend="vllm", server=EndpointConfig(url=url))
     teacher = make_teacher(config, actor_config(), build_tokenizer())
     assert isinstance(teacher, VLLMTeacher) and teacher.server is None
     ((asked,),) = [fake_hub]
@@ -316,14 +317,14 @@ def test_a_bad_local_teacher_path_names_the_key(fake_hub, tmp_path, kind) -> Non
             ["teacher.path=t", "teacher.backend=vllm", "teacher.temperature=0.5"],
             "teacher.temperature must be 1.0 with teacher.backend=vllm",
         ),
-        (["teacher.path=t", "teacher.server_url=http://h:1"], "teacher.server_url must be empty"),
+        (["teacher.path=t", "teacher.server.url=http://h:1"], "teacher.server.url must be empty"),
         (
-            ["teacher.path=t", "teacher.backend=vllm", "teacher.server_url=h:1"],
-            "teacher.server_url must be an http",
+            ["teacher.path=t", "teacher.backend=vllm", "teacher.server.url=h:1"],
+            "teacher.server.url must be an http",
         ),
         (
             ["teacher.path=t", "task.name=hinted_addition"],
-            "teacher.path must be empty for a multi-turn task",
+            "teacher.path must be empty with task.name=hinted_addition or env",
         ),
     ],
 )

@@ -2,7 +2,7 @@
 in-process engine teacher's log-probs and advantages, within vLLM's CPU kernels' rounding.
 
 One local server per module (~25 s on a CPU), reused: started by ``VLLMTeacher`` itself, then
-addressed as a user's server (``teacher.server_url`` with its key).
+addressed as a user's server (``teacher.server.url`` with its key).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 from distributed_utils import actor_config, make_batch, tiny_model
 
+from microrl.configs.endpoint import EndpointConfig
 from microrl.configs.teacher import TeacherConfig
 from microrl.run.dist import Dist
 from microrl.run.distill import mix_teacher_advantages
@@ -57,12 +58,13 @@ def test_vllm_server_teacher_gives_the_engine_teachers_advantages(served) -> Non
     )
 
 
-def test_a_users_server_is_reached_with_its_key(served) -> None:
+def test_a_users_server_is_reached_with_its_key(served, monkeypatch) -> None:
     path, started = served
     server = started.server
-    config = TeacherConfig(
-        path=str(path), backend="vllm", server_url=server.url, server_api_key=server.api_key
-    )
+    monkeypatch.setenv("TEACHER_KEY", server.api_key)
+    monkeypatch.setenv("WRONG_KEY", "no")
+    endpoint = EndpointConfig(url=server.url, api_key_env="TEACHER_KEY")
+    config = TeacherConfig(path=str(path), backend="vllm", server=endpoint)
     users = VLLMTeacher(config)
     try:
         assert users.server is None  # nothing started
@@ -73,12 +75,11 @@ def test_a_users_server_is_reached_with_its_key(served) -> None:
         users.close()
     from microrl.rollout.samplers.vllm_http import ServerAuthError
 
-    wrong = VLLMTeacher(
-        TeacherConfig(path=str(path), backend="vllm", server_url=server.url, server_api_key="no")
-    )
+    endpoint = EndpointConfig(url=server.url, api_key_env="WRONG_KEY")
+    wrong = VLLMTeacher(TeacherConfig(path=str(path), backend="vllm", server=endpoint))
     try:
         with pytest.raises(
-            ServerAuthError, match=r"refused the API key \(teacher.server_api_key\)"
+            ServerAuthError, match=r"refused the API key \(\$WRONG_KEY, named by teacher.server"
         ):
             wrong.score(make_batch())
     finally:

@@ -124,12 +124,12 @@ def _check_steps(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["rollout.backend=vllm"], "rollout.backend=vllm cannot sample image prompts here"),
+        (["rollout.backend=vllm"], "rollout.backend must be hf for prompts with images on this"),
         (
             ["rollout.backend=vllm", "rollout.max_staleness=1"],
-            r"rollout.backend=vllm \(its servers under rollout.max_staleness > 0\) cannot",
+            r"rollout.backend must be hf for prompts with images on this machine: ",
         ),
-        (["teacher.path={vlm}"], "teacher.path=.*: a distillation teacher does not score"),
+        (["teacher.path={vlm}"], "teacher.path must be empty for a task with images .*teacher"),
     ],
 )
 def test_samplers_without_images_are_refused_at_start(extra, message, tmp_path, picture_task):

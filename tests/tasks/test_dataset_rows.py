@@ -47,7 +47,7 @@ def test_an_empty_prompt_is_refused_naming_the_file_and_row(tmp_path, prompt, ch
     tokenizer = build_tokenizer(WORD_ALPHABET + "<>")
     tokenizer.chat_template = CHAT
     path = _jsonl(tmp_path / "train.jsonl", [*ROWS[:3], {"prompt": prompt, "answer": "0"}])
-    where = re.escape(f"task.prompt_field='prompt': row 3 of {path} holds an empty prompt")
+    where = re.escape(f"task.dataset.prompt_field='prompt': row 3 of {path} holds an empty prompt")
     with pytest.raises(ValueError, match=where):
         DatasetTask(path, exact_match, eval_size=1, chat_template=chat, tokenizer=tokenizer)
 
@@ -67,7 +67,7 @@ def test_a_byte_that_is_not_utf8_is_refused_naming_the_line_and_offset(tmp_path:
     path.write_bytes(good + bad + good)
     column = bad.index(b"\xe9")
     message = re.escape(
-        f"task.eval_file={str(path)!r} is not UTF-8 text: line 3 has byte 0xe9 at byte offset "
+        f"task.dataset.eval_file={str(path)!r} is not UTF-8 text: line 3 has byte 0xe9 at byte offset "
         f"{len(good) + column} of the file (byte {column} of the line;"
     )
     with pytest.raises(ValueError, match=message):

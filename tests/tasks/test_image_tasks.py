@@ -1,4 +1,4 @@
-"""Tasks with images: the toy vision task (microrl/tasks/digits.py) and ``task.image_field`` of
+"""Tasks with images: the toy vision task (microrl/tasks/digits.py) and ``task.images.field`` of
 prompt files (microrl/tasks/dataset.py, microrl/tasks/images.py): every form of image cell
 (a relative or absolute path, a file:// URL, an http URL served by a local stand-in server,
 bytes in Parquet and a ``datasets`` Image column), and bad rows refused at load time naming the
@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from microrl.configs.run import TaskConfig
+from microrl.configs.task import DatasetConfig, ImagesConfig, RewardsConfig
 from microrl.tasks import make_task
 from microrl.tasks.dataset import DatasetTask
 from microrl.tasks.digits import DigitsTask
@@ -64,8 +65,8 @@ def test_digits_task_from_the_config_and_its_errors() -> None:
         TaskConfig(name="digits", max_operand=100)
     with pytest.raises(ValueError, match=re.escape("task.eval_size")):
         DigitsTask(9, 5000)
-    with pytest.raises(ValueError, match=re.escape("task.image_field")):
-        TaskConfig(name="addition", image_field="image")
+    with pytest.raises(ValueError, match=re.escape("task.images.field")):
+        TaskConfig(name="addition", images=ImagesConfig(field="image"))
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
@@ -117,11 +118,10 @@ def test_image_field_reads_paths_urls_and_bytes(tmp_path: Path, image_server: st
     task = make_task(
         TaskConfig(
             name="dataset",
-            train_file=str(path),
-            eval_file=str(path),
             eval_size=6,
-            image_field="image",
-            rewards=["microrl.tasks.rewards:exact_match"],
+            dataset=DatasetConfig(train_file=str(path), eval_file=str(path)),
+            images=ImagesConfig(field="image"),
+            rewards=RewardsConfig(functions=["microrl.tasks.rewards:exact_match"]),
         )
     )
     problems = task.eval_problems()
@@ -184,17 +184,19 @@ def test_a_bad_image_row_is_refused_at_load_naming_the_row_and_field(
     path = _jsonl(
         tmp_path / "rows.jsonl", [good, good, {"prompt": prompt, "answer": "1", "pic": cell}]
     )
-    with pytest.raises(ValueError, match=r"task\.image_field='pic': row 2 of .*rows\.jsonl") as err:
+    with pytest.raises(
+        ValueError, match=r"task\.images\.field='pic': row 2 of .*rows\.jsonl"
+    ) as err:
         DatasetTask(path, exact_match, eval_size=1, image_field="pic")
     assert error in str(err.value)
-    with pytest.raises(ValueError, match=r"task\.image_field='picture' is not a field"):
+    with pytest.raises(ValueError, match=r"task\.images\.field='picture' is not a field"):
         DatasetTask(path, exact_match, eval_size=1, image_field="picture")
 
 
 def test_image_marker_writes_the_models_placeholder_where_a_dataset_marks_images(
     tmp_path: Path,
 ) -> None:
-    """LLaVA-style rows (geometry3k writes ``<image>`` in the problem text): ``task.image_marker``
+    """LLaVA-style rows (geometry3k writes ``<image>`` in the problem text): ``task.images.marker``
     turns each marker into the image placeholder, in texts and in messages; a row whose markers
     and images disagree is refused naming it."""
     (tmp_path / "a.png").write_bytes(_png((9, 9, 9)))
@@ -204,10 +206,14 @@ def test_image_marker_writes_the_models_placeholder_where_a_dataset_marks_images
          "images": ["a.png", "a.png"]},
     ]  # fmt: skip
     path = _jsonl(tmp_path / "geo.jsonl", rows[:1])
-    cfg = dict(name="dataset", train_file=str(path), eval_file=str(path), eval_size=1,
-               prompt_field="problem", image_field="images", image_marker="<image>",
-               rewards=["microrl.tasks.rewards:exact_match"])  # fmt: skip
-    (problem,) = make_task(TaskConfig(**cfg)).eval_problems()
+    cfg = TaskConfig(
+        name="dataset",
+        eval_size=1,
+        dataset=DatasetConfig(train_file=str(path), eval_file=str(path), prompt_field="problem"),
+        images=ImagesConfig(field="images", marker="<image>"),
+        rewards=RewardsConfig(functions=["microrl.tasks.rewards:exact_match"]),
+    )
+    (problem,) = make_task(cfg).eval_problems()
     assert problem.prompt == IMAGE_PLACEHOLDER + "Find x." and len(problem.images) == 1
     from microrl.tasks.images import mark_images
 
@@ -218,14 +224,21 @@ def test_image_marker_writes_the_models_placeholder_where_a_dataset_marks_images
     with pytest.raises(
         ValueError, match=r"row 0 of .* has 2 image.* prompt has 1 image placeholder"
     ):
-        make_task(TaskConfig(**cfg))
-    with pytest.raises(ValueError, match=r"task\.image_marker"):
-        TaskConfig(**{**cfg, "image_field": None})
+        make_task(cfg)
+    with pytest.raises(ValueError, match=r"task\.images\.marker"):
+        ImagesConfig(marker="<image>")  # without a field
 
 
 def test_an_unset_max_operand_is_the_tasks_own() -> None:
     """task.max_operand=null (the default): digits read one digit (what the toy vision model
-    learns; 99 would not train), addition keeps 99; a set value stays."""
-    assert TaskConfig(name="digits").max_operand == 9
-    assert TaskConfig(name="addition").max_operand == 99
-    assert TaskConfig(name="digits", max_operand=20).max_operand == 20
+    learns; 99 would not train), addition keeps 99; a set value stays. Also when only
+    task.name is overridden on a config with no YAML file: the default task's 99 was written
+    into the field before the override named digits."""
+    from microrl.configs import load_config
+    from microrl.configs.examples import GRPOExampleConfig
+
+    assert TaskConfig(name="digits").operand_limit == 9
+    assert TaskConfig(name="addition").operand_limit == 99
+    assert TaskConfig(name="digits", max_operand=20).operand_limit == 20
+    cfg = load_config(GRPOExampleConfig, None, ["task.name=digits"])
+    assert (cfg.task.max_operand, cfg.task.operand_limit) == (None, 9)

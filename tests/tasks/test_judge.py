@@ -157,7 +157,7 @@ def test_parse_score() -> None:
     ("overrides", "message"),
     [
         (["task.judge.url=localhost:8000"], "task.judge.url must be an http:// or https:// URL"),
-        (["task.judge.url=http://h/v1"], "task.judge.model must be the judge's model name"),
+        (["task.judge.url=http://h/v1"], "task.judge.model must be the model name"),
         (
             ["task.judge.url=http://h/v1", "task.judge.model=m", "task.judge.template='{grade}'"],
             r"task.judge.template must use only the fields",
@@ -183,7 +183,7 @@ def test_parse_score() -> None:
             "task.judge.url must be empty with task.name=hinted_addition",
         ),
         (
-            ["task.judge.url=http://h/v1", "task.judge.model=m", "task.reward_weights=[1.0,2.0]"],
+            ["task.judge.url=http://h/v1", "task.judge.model=m", "task.rewards.weights=[1.0,2.0]"],
             r"one weight per reward term \(1: task.judge\)",
         ),
     ],

@@ -1,7 +1,7 @@
 """A scalar reward model as a reward term (microrl/tasks/reward_model.py): its scores against a
 plain transformers forward in float64, the same under any batch size, a LoRA-trained
 ``RewardModelEngine`` scored as the engine scores (its export, or its engine checkpoint with
-``task.reward_model_base``), the normalisations, the weights that
+``task.reward_model.base``), the normalisations, the weights that
 combine it with reward functions, and the errors that name the key.
 """
 
@@ -80,7 +80,7 @@ def test_a_reward_model_engine_scores_as_the_engine_exported_or_from_its_checkpo
     trained_rm,
 ) -> None:
     """What RewardModelEngine trains (LoRA, one step) scores as the engine does, given as its
-    export (export_merged_model) or as its engine checkpoint plus task.reward_model_base.
+    export (export_merged_model) or as its engine checkpoint plus task.reward_model.base.
 
     Float32 on both sides, the engine left-padded with the adapter beside the frozen weight,
     the scorer right-padded with the adapter merged (in float64, rounded once): scores below 10
@@ -100,11 +100,11 @@ def test_a_reward_model_engine_scores_as_the_engine_exported_or_from_its_checkpo
 
 
 def test_an_engine_checkpoint_as_task_reward_model(trained_rm, tmp_path) -> None:
-    """The config path: task.reward_model=<engine checkpoint> task.reward_model_base=<base>."""
+    """The config path: task.reward_model.path=<engine checkpoint> task.reward_model.base=<base>."""
     from microrl.tasks import Problem
 
     engine, base, ckpt, _ = trained_rm
-    task = _task(ckpt, tmp_path, "task.reward_weights=[0.0,1.0]", f"task.reward_model_base={base}")
+    task = _task(ckpt, tmp_path, "task.rewards.weights=[0.0,1.0]", f"task.reward_model.base={base}")
     problems = [Problem(p, "0") for p in PROMPTS]
     got = torch.tensor(task.score(COMPLETIONS, problems), dtype=torch.float64)
     texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
@@ -126,7 +126,10 @@ def _task(rm_path, tmp_path, *overrides):
     (tmp_path / "length.py").write_text(
         "def length(completions):\n    return [float(len(c)) for c in completions]\n"
     )
-    args = [f"task.rewards=[{tmp_path / 'length.py'}:length]", f"task.reward_model={rm_path}"]
+    args = [
+        f"task.rewards.functions=[{tmp_path / 'length.py'}:length]",
+        f"task.reward_model.path={rm_path}",
+    ]
     cfg = load_config(
         GRPOExampleConfig, None, [*args, "task.max_operand=9", "task.eval_size=8", *overrides]
     )
@@ -134,10 +137,12 @@ def _task(rm_path, tmp_path, *overrides):
 
 
 def test_weights_combine_the_reward_model_with_the_reward_functions(rm_path, tmp_path) -> None:
-    """task.reward_weights: [w_length, w_rm], in the order task.rewards, task.reward_model."""
+    """task.rewards.weights: [w_length, w_rm], in the order task.rewards, task.reward_model."""
     from microrl.tasks import Problem
 
-    task = _task(rm_path, tmp_path, "task.reward_weights=[0.5,2.0]", "task.reward_model_norm=group")
+    task = _task(
+        rm_path, tmp_path, "task.rewards.weights=[0.5,2.0]", "task.reward_model.norm=group"
+    )
     problems = [Problem(p, "0") for p in ["1+1=", "1+1=", "2+2=", "2+2="]]
     responses = ["2", "22", "4", "444"]
     raw = _reference(rm_path, [p.prompt + r for p, r in zip(problems, responses, strict=True)])
@@ -164,11 +169,11 @@ def test_chat_template_renders_the_reward_models_turns(rm_path) -> None:
     ("overrides", "message"),
     [
         (
-            ["task.reward_weights=[1.0]"],
-            r"one weight per reward term \(2: task.rewards\[0\], task.reward_model\)",
+            ["task.rewards.weights=[1.0]"],
+            r"one weight per reward term \(2: task.rewards.functions\[0\], task.reward_model\)",
         ),
-        (["task.reward_model_norm=rank"], "task.reward_model_norm must be none, batch or group"),
-        (["task.reward_model_batch_size=0"], "task.reward_model_batch_size must be >= 1"),
+        (["task.reward_model.norm=rank"], "task.reward_model.norm must be none, batch or group"),
+        (["task.reward_model.batch_size=0"], "task.reward_model.batch_size must be >= 1"),
     ],
 )
 def test_bad_config_names_the_key(rm_path, tmp_path, overrides, message) -> None:
@@ -177,15 +182,15 @@ def test_bad_config_names_the_key(rm_path, tmp_path, overrides, message) -> None
 
 
 def test_bad_checkpoints_name_the_key(rm_path, tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"task.reward_model='.*nowhere' could not be loaded"):
+    with pytest.raises(ValueError, match=r"task.reward_model.path='.*nowhere' could not be loaded"):
         RewardModelScorer(tmp_path / "nowhere")
     two = save_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ValueError, match=r"has 2 labels; a scalar reward model has 1"):
         RewardModelScorer(two)
-    with pytest.raises(ValueError, match=r"reward_model_base=.* is set, but .* not an engine"):
+    with pytest.raises(ValueError, match=r"reward_model.base=.* is set, but .* not an engine"):
         RewardModelScorer(rm_path, base=str(rm_path))
     with pytest.raises(
-        ValueError, match=r"reward_model_chat_template=true, but .* no chat template"
+        ValueError, match=r"reward_model.chat_template=true, but .* no chat template"
     ):
         RewardModelScorer(rm_path, chat_template=True)
 
@@ -248,7 +253,9 @@ def test_a_causal_lm_is_not_a_reward_model(tmp_path) -> None:
 
     tiny_model().save_pretrained(tmp_path / "lm")
     build_tokenizer().save_pretrained(tmp_path / "lm")
-    with pytest.raises(ValueError, match=r"task.reward_model=.*not a \*ForSequenceClassification"):
+    with pytest.raises(
+        ValueError, match=r"task.reward_model.path=.*not a \*ForSequenceClassification"
+    ):
         RewardModelScorer(tmp_path / "lm")
 
 
@@ -285,7 +292,10 @@ def test_collective_reward_models_refuse_agents_and_are_not_scored_ahead(
     cfg = load_config(
         GRPOExampleConfig,
         None,
-        [f"task.agent={tmp_path / 'agent.py'}:agent", f"task.reward_model={tmp_path}"],
+        [
+            f"task.agent.function={tmp_path / 'agent.py'}:agent",
+            f"task.reward_model.path={tmp_path}",
+        ],
     )
     with monkeypatch.context() as patch:
         patch.setattr("microrl.tasks.factory.reward_of", lambda *a, **k: Reward([Sharded()]))
@@ -295,13 +305,13 @@ def test_collective_reward_models_refuse_agents_and_are_not_scored_ahead(
 
 def test_bad_engine_checkpoints_name_the_keys(trained_rm, rm_path, tmp_path) -> None:
     _, base, ckpt, _ = trained_rm
-    with pytest.raises(ValueError, match=r"is an engine checkpoint .*set task.reward_model_base"):
+    with pytest.raises(ValueError, match=r"is an engine checkpoint .*set task.reward_model.base"):
         RewardModelScorer(str(ckpt))
-    with pytest.raises(ValueError, match=r"task.reward_model_base='.*nowhere'.*not a local"):
+    with pytest.raises(ValueError, match=r"task.reward_model.base='.*nowhere'.*not a local"):
         RewardModelScorer(str(ckpt), base=str(tmp_path / "nowhere"))
     # A base of another size: the checkpoint's tensors do not fit it (named, before loading).
     _, other, _ = train_reward_model_engine(tmp_path, hidden=16)
-    with pytest.raises(ValueError, match=r"task.reward_model_base=.*does not match the model"):
+    with pytest.raises(ValueError, match=r"task.reward_model.base=.*does not match the model"):
         RewardModelScorer(str(ckpt), base=str(other))
-    with pytest.raises(ValueError, match=r"task.reward_model_base must be unset without"):
-        load_config(GRPOExampleConfig, None, [f"task.reward_model_base={base}"])
+    with pytest.raises(ValueError, match=r"task.reward_model.base must be unset without"):
+        load_config(GRPOExampleConfig, None, [f"task.reward_model.base={base}"])

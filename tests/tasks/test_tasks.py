@@ -26,6 +26,7 @@ import pytest
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import load_config
 from microrl.configs.run import ModelConfig, TaskConfig
+from microrl.configs.task import DatasetConfig, RewardsConfig
 from microrl.run.toy_model import SPECIAL_TOKENS, build_tokenizer
 from microrl.tasks import (
     AdditionTask,
@@ -108,11 +109,11 @@ def test_jsonl_dataset_with_named_fields_and_a_held_out_split(tmp_path: Path) ->
     path = _jsonl(tmp_path / "train.jsonl", ROWS)
     cfg = TaskConfig(
         name="dataset",
-        train_file=str(path),
-        prompt_field="question",
-        answer_field="solution",
         eval_size=5,
-        rewards=["microrl.tasks.rewards:exact_match"],
+        dataset=DatasetConfig(
+            train_file=str(path), prompt_field="question", answer_field="solution"
+        ),
+        rewards=RewardsConfig(functions=["microrl.tasks.rewards:exact_match"]),
     )
     task = make_task(cfg, build_tokenizer())
     assert isinstance(task, DatasetTask) and isinstance(task, Task)
@@ -121,7 +122,7 @@ def test_jsonl_dataset_with_named_fields_and_a_held_out_split(tmp_path: Path) ->
     train = {p.prompt for p in task.sample(random.Random(0), 500)}
     assert len(train) == 25 and not train & {p.prompt for p in held_out}
     assert held_out == make_task(cfg).eval_problems()  # deterministic by task.seed
-    assert held_out != make_task(TaskConfig(**{**vars(cfg), "seed": 1})).eval_problems()
+    assert held_out != make_task(replace(cfg, seed=1)).eval_problems()
     assert all(p.answer == str(eval(p.prompt[:-1])) for p in held_out)  # int answers as text
     problem = held_out[0]
     assert task.score([problem.answer, "x"], [problem, problem]) == [1.0, 0.0]
@@ -163,7 +164,7 @@ def test_chat_template_renders_prompts_and_message_lists(tmp_path: Path) -> None
     prompt = task.eval_problems()[0].prompt
     assert prompt == "<user>one plus two<assistant>"
     assert tokenizer(prompt)["input_ids"].count(tokenizer.bos_token_id) == 1
-    with pytest.raises(ValueError, match=r"task\.chat_template"):
+    with pytest.raises(ValueError, match=r"task\.dataset\.chat_template"):
         DatasetTask(
             path, exact_match, eval_file=path, chat_template=True, tokenizer=build_tokenizer()
         )
@@ -172,15 +173,15 @@ def test_chat_template_renders_prompts_and_message_lists(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("change", "key"),
     [
-        ({"train_file": "missing.jsonl"}, "task.train_file"),
-        ({"train_file": "rows.csv"}, "task.train_file"),
-        ({"eval_file": "missing.parquet"}, "task.eval_file"),
-        ({"prompt_field": "text"}, "task.prompt_field"),
-        ({"answer_field": "label"}, "task.answer_field"),
+        ({"train_file": "missing.jsonl"}, "task.dataset.train_file"),
+        ({"train_file": "rows.csv"}, "task.dataset.train_file"),
+        ({"eval_file": "missing.parquet"}, "task.dataset.eval_file"),
+        ({"prompt_field": "text"}, "task.dataset.prompt_field"),
+        ({"answer_field": "label"}, "task.dataset.answer_field"),
         ({"eval_size": 30}, "task.eval_size"),
-        ({"train_file": "empty.jsonl"}, "task.train_file"),
-        ({"train_file": "bad_prompt.jsonl"}, "task.prompt_field"),
-        ({"rewards": ["my_reward"]}, "task.rewards[0]"),
+        ({"train_file": "empty.jsonl"}, "task.dataset.train_file"),
+        ({"train_file": "bad_prompt.jsonl"}, "task.dataset.prompt_field"),
+        ({"functions": ["my_reward"]}, "task.rewards.functions[0]"),
     ],
 )
 def test_every_bad_dataset_input_names_its_key(tmp_path, monkeypatch, change, key) -> None:
@@ -189,31 +190,36 @@ def test_every_bad_dataset_input_names_its_key(tmp_path, monkeypatch, change, ke
     (tmp_path / "rows.csv").write_text("prompt,answer\n1+1=,2\n")
     (tmp_path / "empty.jsonl").write_text("")
     _jsonl(tmp_path / "bad_prompt.jsonl", [{"prompt": 3, "answer": 3}])
-    fields = {
-        "name": "dataset",
-        "train_file": "train.jsonl",
-        "eval_size": 5,
-        "rewards": ["microrl.tasks.rewards:exact_match"],
-        **change,
-    }
+    in_dataset = {k: v for k, v in change.items() if k not in ("eval_size", "functions")}
+    dataset = {"train_file": "train.jsonl", **in_dataset}
+    cfg = TaskConfig(
+        name="dataset",
+        eval_size=change.get("eval_size", 5),
+        dataset=DatasetConfig(**dataset),
+        rewards=RewardsConfig(
+            functions=change.get("functions", ["microrl.tasks.rewards:exact_match"])
+        ),
+    )
     with pytest.raises(ValueError, match=re.escape(key)):
-        make_task(TaskConfig(**fields))
+        make_task(cfg)
 
 
 @pytest.mark.parametrize(
     ("override", "key"),
     [
         ("task.name=datasets", "task.name"),
-        ("task.train_file=x.jsonl", "task.train_file"),  # without task.name=dataset
-        ("task.name=dataset", "task.train_file"),
-        ("task.reward_weights=[1.0]", "task.reward_weights"),
+        ("task.dataset.train_file=x.jsonl", "task.dataset.train_file"),  # without task.name=dataset
+        ("task.name=dataset", "task.dataset.train_file"),
+        ("task.rewards.weights=[1.0]", "task.rewards.weights"),
     ],
 )
 def test_config_errors_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ValueError, match=rf"bad value for config key '{key}'"):
         load_config(GRPOExampleConfig, None, [override])
-    with pytest.raises(ValueError, match=r"'task\.rewards'"):
-        load_config(GRPOExampleConfig, None, ["task.name=dataset", "task.train_file=a.jsonl"])
+    with pytest.raises(ValueError, match=r"'task\.rewards\.functions'"):
+        load_config(
+            GRPOExampleConfig, None, ["task.name=dataset", "task.dataset.train_file=a.jsonl"]
+        )
 
 
 def test_reward_overrides_parse_as_lists() -> None:
@@ -222,13 +228,13 @@ def test_reward_overrides_parse_as_lists() -> None:
         None,
         [
             "task.name=dataset",
-            "task.train_file=data/train.jsonl",
-            "task.rewards=[my_reward:score,rewards/extra.py:length]",
-            "task.reward_weights=[1,0.1]",
+            "task.dataset.train_file=data/train.jsonl",
+            "task.rewards.functions=[my_reward:score,rewards/extra.py:length]",
+            "task.rewards.weights=[1,0.1]",
         ],
     )
-    assert cfg.task.rewards == ["my_reward:score", "rewards/extra.py:length"]
-    assert cfg.task.reward_weights == [1.0, 0.1]
+    assert cfg.task.rewards.functions == ["my_reward:score", "rewards/extra.py:length"]
+    assert cfg.task.rewards.weights == [1.0, 0.1]
 
 
 def test_a_single_reward_needs_no_brackets(tmp_path: Path) -> None:
@@ -236,15 +242,18 @@ def test_a_single_reward_needs_no_brackets(tmp_path: Path) -> None:
     cfg = load_config(
         GRPOExampleConfig,
         None,
-        ["task.rewards=my_reward:score", "task.reward_weights=0.5"],
+        ["task.rewards.functions=my_reward:score", "task.rewards.weights=0.5"],
     )
-    assert cfg.task.rewards == ["my_reward:score"] and cfg.task.reward_weights == [0.5]
+    assert cfg.task.rewards.functions == ["my_reward:score"] and cfg.task.rewards.weights == [0.5]
     path = tmp_path / "task.yaml"
-    path.write_text("task:\n  rewards: rewards/format.py:short\n")
-    assert load_config(GRPOExampleConfig, path).task.rewards == ["rewards/format.py:short"]
+    path.write_text("task:\n  rewards:\n    functions: rewards/format.py:short\n")
+    loaded = load_config(GRPOExampleConfig, path).task.rewards.functions
+    assert loaded == ["rewards/format.py:short"]
     # Anything else that is not a list names the key and the list syntax.
-    for bad in ("task.rewards={a: 1}", "task.rewards=null"):
-        with pytest.raises(ValueError, match=r"'task\.rewards'.*written \[a,b\]") as info:
+    for bad in ("task.rewards.functions={a: 1}", "task.rewards.functions=null"):
+        with pytest.raises(
+            ValueError, match=r"'task\.rewards\.functions'.*written \[a,b\]"
+        ) as info:
             load_config(GRPOExampleConfig, None, [bad])
         assert "AnyNode" not in str(info.value)
 
@@ -281,14 +290,16 @@ def test_rewards_get_the_rows_other_columns_by_name(tmp_path: Path, monkeypatch)
     _jsonl(tmp_path / "rows.jsonl", rows)
     cfg = TaskConfig(
         name="dataset",
-        train_file="rows.jsonl",
         eval_size=4,
-        rewards=[
-            "row_rewards.py:by_difficulty",
-            "row_rewards.py:trl_style",
-            "row_rewards.py:old_style",
-        ],
-        reward_weights=[1.0, 10.0, 100.0],
+        dataset=DatasetConfig(train_file="rows.jsonl"),
+        rewards=RewardsConfig(
+            functions=[
+                "row_rewards.py:by_difficulty",
+                "row_rewards.py:trl_style",
+                "row_rewards.py:old_style",
+            ],
+            weights=[1.0, 10.0, 100.0],
+        ),
     )
     task = make_task(cfg)
     problems = task.sample(random.Random(0), 6)
@@ -297,15 +308,17 @@ def test_rewards_get_the_rows_other_columns_by_name(tmp_path: Path, monkeypatch)
     expected = [p.columns["difficulty"] + 110.0 * (i % 2) for i, p in enumerate(problems)]
     assert task.score(responses, problems) == expected
     # A parameter no column fills names the entry and the columns there are.
-    task = make_task(replace(cfg, rewards=["row_rewards.py:needs_a_column"], reward_weights=[]))
-    with pytest.raises(ValueError, match=r"task\.rewards\[0\].*'source'.*answer, difficulty"):
+    task = make_task(replace(cfg, rewards=RewardsConfig(["row_rewards.py:needs_a_column"])))
+    with pytest.raises(
+        ValueError, match=r"task\.rewards\.functions\[0\].*'source'.*answer, difficulty"
+    ):
         task.score(["1"], task.eval_problems()[:1])
     # A reward that raises is named, with the exception it raised.
-    task = make_task(replace(cfg, rewards=["row_rewards.py:boom"], reward_weights=[]))
+    task = make_task(replace(cfg, rewards=RewardsConfig(["row_rewards.py:boom"])))
     with pytest.raises(RewardError) as info:
         task.score(["1"], task.eval_problems()[:1])
     assert str(info.value) == (
-        "task.rewards[0]='row_rewards.py:boom' raised ZeroDivisionError: division by zero"
+        "task.rewards.functions[0]='row_rewards.py:boom' raised ZeroDivisionError: division by zero"
     )
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
@@ -326,26 +339,29 @@ def test_a_hub_dataset_name_is_loaded_with_datasets(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     cfg = TaskConfig(
         name="dataset",
-        train_file="openai/gsm8k",
-        eval_file="openai/gsm8k",
-        dataset_config="main",
         eval_size=3,
-        prompt_field="question",
-        rewards=["microrl.tasks.rewards:numeric_match"],
+        dataset=DatasetConfig(
+            train_file="openai/gsm8k",
+            eval_file="openai/gsm8k",
+            config="main",
+            prompt_field="question",
+        ),
+        rewards=RewardsConfig(functions=["microrl.tasks.rewards:numeric_match"]),
     )
     task = make_task(cfg)
     assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
     assert [p.prompt for p in task.eval_problems()] == ["q0 test", "q1 test", "q2 test"]
     assert task.eval_problems()[1].columns == {"answer": "1", "level": 1}
     with pytest.raises(ValueError) as info:
-        make_task(replace(cfg, train_file="missing/dataset", eval_file=None))
+        missing = replace(cfg.dataset, train_file="missing/dataset", eval_file=None)
+        make_task(replace(cfg, dataset=missing))
     message = str(info.value)
-    assert message.startswith("task.train_file='missing/dataset' could not be loaded from")
+    assert message.startswith("task.dataset.train_file='missing/dataset' could not be loaded from")
     assert "FileNotFoundError" in message and "\n" not in message
     assert "hf download missing/dataset --repo-type dataset" in message
     # A local-looking name is never sent to the Hub.
-    with pytest.raises(ValueError, match=r"task\.train_file='\./gsm8k' does not exist"):
-        make_task(replace(cfg, train_file="./gsm8k", eval_file=None))
+    with pytest.raises(ValueError, match=r"task\.dataset\.train_file='\./gsm8k' does not exist"):
+        make_task(replace(cfg, dataset=replace(cfg.dataset, train_file="./gsm8k", eval_file=None)))
     assert len(calls) == 3
 
 
@@ -402,20 +418,24 @@ def test_builtin_rewards_by_path_and_numbers() -> None:
 def test_every_bad_reward_names_its_key(reward_module, path, error, match) -> None:
     with pytest.raises(error, match=match) as info:
         load_reward([path])(["1", "2"], ["1", "2"], ["a", "b"])
-    assert f"task.rewards[0]={path!r}" in str(info.value)
+    assert f"task.rewards.functions[0]={path!r}" in str(info.value)
 
 
 def test_reward_weights_must_match_and_be_finite() -> None:
-    with pytest.raises(ValueError, match=r"task\.reward_weights"):
+    with pytest.raises(ValueError, match=r"task\.rewards\.weights"):
         load_reward(["microrl.tasks.rewards:exact_match"], [1.0, 2.0])
-    with pytest.raises(ValueError, match=r"task\.reward_weights\[0\]"):
+    with pytest.raises(ValueError, match=r"task\.rewards\.weights\[0\]"):
         load_reward(["microrl.tasks.rewards:exact_match"], [math.inf])
     with pytest.raises(ValueError, match=r"task\.rewards"):
         load_reward([])
 
 
 def test_rewards_replace_a_built_in_tasks_reward() -> None:
-    cfg = TaskConfig(max_operand=9, eval_size=8, rewards=["microrl.tasks.rewards:numeric_match"])
+    cfg = TaskConfig(
+        max_operand=9,
+        eval_size=8,
+        rewards=RewardsConfig(functions=["microrl.tasks.rewards:numeric_match"]),
+    )
     task = make_task(cfg)
     assert isinstance(task, RewardedTask) and task.toy_alphabet == AdditionTask.toy_alphabet
     problem = AdditionTask.make(3, 4)
@@ -486,9 +506,11 @@ def test_no_warm_start_for_a_dataset_task(tmp_path: Path) -> None:
 
     cfg = TaskConfig(
         name="dataset",
-        train_file=str(_jsonl(tmp_path / "t.jsonl", [{"prompt": "1", "answer": "1"}] * 3)),
         eval_size=1,
-        rewards=["microrl.tasks.rewards:exact_match"],
+        dataset=DatasetConfig(
+            train_file=str(_jsonl(tmp_path / "t.jsonl", [{"prompt": "1", "answer": "1"}] * 3))
+        ),
+        rewards=RewardsConfig(functions=["microrl.tasks.rewards:exact_match"]),
     )
     with pytest.raises(ValueError, match=r"model\.path=.*give model\.path a local checkpoint"):
         prepare_base_model(ModelConfig(path=str(tmp_path / "empty"), build_toy=True), cfg, None, 4)

@@ -54,10 +54,10 @@ def resolve_api_key(api_key: str | None) -> tuple[str | None, str]:
     """The key to send and where it came from: ``api_key`` when set, else ``$VLLM_API_KEY``,
     else none."""
     if api_key:
-        return api_key, "rollout.server_api_key"
+        return api_key, "the environment variable rollout.server.api_key_env names"
     if os.environ.get(API_KEY_ENV):
         return os.environ[API_KEY_ENV], f"the {API_KEY_ENV} environment variable"
-    return None, "no key (rollout.server_api_key and VLLM_API_KEY are unset)"
+    return None, "no key (the variable rollout.server.api_key_env names and VLLM_API_KEY are unset)"
 
 
 class ServerClient:
@@ -126,8 +126,9 @@ class ServerClient:
             if err.code == 401:
                 raise ServerAuthError(
                     f"the vLLM server at {self.url} refused the API key ({self.key_source}) on "
-                    f"/{route.lstrip('/')}: HTTP 401 {message}. Set rollout.server_api_key (or "
-                    f"{API_KEY_ENV}) to the server's --api-key"
+                    f"/{route.lstrip('/')}: HTTP 401 {message}. Put the server's --api-key in the "
+                    "environment variable rollout.server.api_key_env names (default "
+                    f"{API_KEY_ENV})"
                 ) from None
             raise ServerError(
                 f"the vLLM server at {self.url} failed {method} /{route.lstrip('/')}: HTTP "

@@ -2,7 +2,7 @@
 
 :class:`LocalVLLMServer` runs vLLM's own OpenAI-compatible server (``AsyncLLM`` behind it) on
 ``127.0.0.1`` with a fresh random API key, for the asynchronous ``vllm`` backend when no
-``rollout.server_url`` is given. The command is the one the docs give users who start servers
+``rollout.server.url`` is given. The command is the one the docs give users who start servers
 themselves, so both modes exercise the same server. It is never reachable from another machine,
 and it is stopped (its whole process group: the API server and its engine-core process) when
 the trainer closes it or exits, or by the trainer's watcher when the trainer is killed

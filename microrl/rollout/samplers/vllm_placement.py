@@ -50,7 +50,7 @@ def data_rank(engine) -> tuple[int, int]:
 
 
 def urls_of_data_rank(urls: Sequence[str], rank: int, world: int) -> list[str]:
-    """The servers of ``rollout.server_url`` that data rank ``rank`` of ``world`` samples on:
+    """The servers of ``rollout.server.url`` that data rank ``rank`` of ``world`` samples on:
     every ``world``-th one from the ``rank``-th, so each data rank has its own (a full
     fine-tune's pushes would overwrite each other's, and vLLM 0.32's CPU LoRA path fails a batch
     mixing one rank's probe with another's samples). ``ValueError`` when there are fewer servers
@@ -60,7 +60,7 @@ def urls_of_data_rank(urls: Sequence[str], rank: int, world: int) -> list[str]:
     mine = [url.strip() for url in urls[rank::world]]
     if not mine:
         raise ValueError(
-            f"rollout.server_url lists {len(urls)} servers for {world} data ranks (trainer "
+            f"rollout.server.url lists {len(urls)} servers for {world} data ranks (trainer "
             "processes, or sequence-parallel groups): each needs its own (at least one each)"
         )
     return mine
@@ -186,7 +186,7 @@ def trainer_address(server_url: str, configured: str = "") -> str:
     parts = urlsplit(server_url)
     host = parts.hostname
     if not host:
-        raise ValueError(f"rollout.server_url: no host in {server_url!r}")
+        raise ValueError(f"rollout.server.url: no host in {server_url!r}")
     if is_loopback(host):
         return "127.0.0.1"
     try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from microrl.configs.refusals import check_vllm_servers
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine.base import Engine
 from microrl.engine.checkpoint.export import (
@@ -96,7 +97,7 @@ class VLLMServerRollout(Sampler):
             in this process), the longest wait for a server (start, one request, a push), the
             check's tolerance and each local server's CPU threads
             (:class:`~microrl.rollout.sampler.SamplerOptions`; None: the defaults).
-        urls: servers the user started (``rollout.server_url``); under ``torchrun`` data rank
+        urls: servers the user started (``rollout.server.url``); under ``torchrun`` data rank
             ``r`` of ``w`` (:func:`~microrl.rollout.samplers.vllm_placement.data_rank`) uses every
             ``w``-th one from the ``r``-th. Empty: start ``num_workers`` (per data rank).
         api_key: their ``--api-key`` (None: ``$VLLM_API_KEY``).
@@ -524,21 +525,7 @@ def check_arguments(engine, config: VLLMConfig, urls: Sequence[str], num_workers
         raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    if config.sleep_level:
-        raise ValueError(
-            "rollout.vllm.sleep_level must be 0 for vLLM servers (rollout.max_staleness > 0): "
-            "they sample while the trainer trains; sleep mode is the in-process engine's"
-        )
-    if urls and (config.gpus or config.tensor_parallel_size != 1):
-        raise ValueError(
-            "rollout.vllm.gpus and rollout.vllm.tensor_parallel_size place the servers "
-            "microrl starts; servers of rollout.server_url take their GPUs themselves"
-        )
-    if urls and config.engine_kwargs:
-        raise ValueError(
-            "rollout.vllm.engine_kwargs configures the servers microrl starts; servers you "
-            "started (rollout.server_url) take vLLM's flags on their own command line"
-        )
+    check_vllm_servers(config, urls)  # the rollout rows of microrl.configs.refusals
     if urls:
         urls_of_data_rank(urls, *data_rank(engine))
 

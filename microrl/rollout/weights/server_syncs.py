@@ -151,7 +151,7 @@ class TransferSync(WeightSync):
             finally:
                 if pause:
                     client.post("resume")
-        # A rank with fewer servers (rollout.server_url) still joins the others' gathers.
+        # A rank with fewer servers (rollout.server.url) still joins the others' gathers.
         self.join(engine, owner._prefix, owner._pushes_per_sync - len(self.pushers))
 
     @staticmethod

@@ -19,6 +19,7 @@ import torch
 from route_utils import ROUTE_ADDRESS, UDPSocket, route_only_socket
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
+from microrl.configs.endpoint import EndpointConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.configs.run import RolloutConfig
 from microrl.engine import ActorEngine
@@ -167,7 +168,7 @@ def test_tensor_parallel_servers(lora_engine, tokenizer, tmp_path, monkeypatch, 
 
 
 def test_a_teachers_local_server_is_placed_as_a_rollout_server(monkeypatch, recorded):
-    """``teacher.backend=vllm`` without ``teacher.server_url``: each rank's teacher server on
+    """``teacher.backend=vllm`` without ``teacher.server.url``: each rank's teacher server on
     that rank's GPU, through the parent's mapping. Before, it got no ``CUDA_VISIBLE_DEVICES``:
     every rank's teacher started on GPU 0, and on 8 GPUs the 3rd or 4th failed for memory."""
     from microrl.configs.teacher import TeacherConfig
@@ -216,8 +217,7 @@ def test_a_cpu_trainer_changes_nothing(lora_engine, tokenizer, tmp_path, monkeyp
         (
             "cuda:0",
             dict(tensor_parallel_size=2),
-            r"rollout\.vllm\.tensor_parallel_size=2 needs "
-            r"rollout\.vllm\.gpus",
+            r"rollout\.vllm\.tensor_parallel_size must be 1 without rollout\.vllm\.gpus",
         ),
         ("cpu", dict(gpus="4,5"), r"rollout\.vllm\.gpus='4,5' .*the trainer runs on cpu"),
     ],
@@ -243,7 +243,8 @@ def test_config_errors_name_the_keys():
     servers = dict(backend="vllm", max_staleness=1)
     assert RolloutConfig(**servers, vllm=VLLMConfig(gpus="2,3", tensor_parallel_size=2))
     with pytest.raises(ValueError, match=r"rollout\.vllm\.gpus must be '' unless microrl starts"):
-        RolloutConfig(**servers, server_url="http://h:8000", vllm=VLLMConfig(gpus="2"))
+        user_servers = EndpointConfig(url="http://h:8000")
+        RolloutConfig(**servers, server=user_servers, vllm=VLLMConfig(gpus="2"))
     with pytest.raises(ValueError, match=r"rollout\.vllm\.gpus must be '' unless microrl starts"):
         RolloutConfig(backend="vllm", vllm=VLLMConfig(gpus="2"))  # the synchronous loop
     with pytest.raises(ValueError, match=r"rollout\.vllm\.tensor_parallel_size must be 1 without"):

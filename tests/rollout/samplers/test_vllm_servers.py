@@ -72,7 +72,10 @@ def test_the_client_sends_the_key(keyed_server):
 
 
 def test_a_wrong_key_fails_loudly_naming_where_it_came_from(keyed_server, monkeypatch):
-    with pytest.raises(ServerAuthError, match=r"refused the API key \(rollout.server_api_key\)"):
+    with pytest.raises(
+        ServerAuthError,
+        match=r"refused the API key \(the environment variable rollout.server.api_key_env names\)",
+    ):
         ServerClient(keyed_server, "wrong").get("v1/models")
     monkeypatch.setenv("VLLM_API_KEY", "also-wrong")
     with pytest.raises(ServerAuthError, match=r"VLLM_API_KEY environment variable.*HTTP 401"):
@@ -94,7 +97,7 @@ def test_no_key_and_unreachable_servers_are_clear_errors(keyed_server, monkeypat
 def test_the_rollout_checks_the_key_at_start(keyed_server, tokenizer):
     from microrl.rollout.samplers.vllm_servers import VLLMServerRollout
 
-    with pytest.raises(ServerAuthError, match=r"rollout\.server_api_key"):
+    with pytest.raises(ServerAuthError, match=r"rollout\.server\.api_key_env"):
         VLLMServerRollout(_engine(tokenizer), tokenizer, urls=[keyed_server], api_key="wrong")
 
 
@@ -186,7 +189,9 @@ def test_the_server_rollout_refuses_settings_it_cannot_apply(keyed_server, token
     engine, key = _engine(tokenizer), dict(urls=[keyed_server], api_key="right-key")
     with pytest.raises(ValueError, match=r"rollout\.vllm\.sleep_level must be 0 for vLLM servers"):
         VLLMServerRollout(engine, tokenizer, VLLMConfig(sleep_level=1), **key)
-    with pytest.raises(ValueError, match="engine_kwargs configures the servers microrl starts"):
+    with pytest.raises(
+        ValueError, match=r"rollout\.vllm\.engine_kwargs must be empty with rollout\.server\.url"
+    ):
         VLLMServerRollout(engine, tokenizer, VLLMConfig(engine_kwargs={"max_num_seqs": 8}), **key)
     engine.peft_model = None  # as a full fine-tune: its pushes need prefix caching off
     config = VLLMConfig(engine_kwargs={"enable_prefix_caching": True})

@@ -120,7 +120,7 @@ def test_a_colocated_push_that_does_not_land_fails_the_check(tmp_path, monkeypat
 
 
 class _Server:
-    """A server the user started (``rollout.server_url``): answers its parallel sizes; its
+    """A server the user started (``rollout.server.url``): answers its parallel sizes; its
     weights are what its transfer engine received."""
 
     state: ClassVar[dict[str, torch.Tensor]] = {}

@@ -1,0 +1,106 @@
+"""The routers of a transformers mixture-of-experts model and how each family gates its experts.
+
+transformers keeps each MoE layer's router as its own module under every expert backend
+(``model._can_record_outputs["router_logits"]`` names its class), returning
+``(logits [N, E], weights [N, k], experts [N, k])`` for the ``N`` flattened tokens. Hooks on
+those instances record and replay routing (no class is patched). A family is supported when the
+registry below knows how its router turns logits into gate weights over a given set of experts:
+that is what replay needs to keep the router training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+__all__ = ["GateKind", "RouterSite", "find_routers", "gate_weights", "moe_router_class"]
+
+
+class GateKind(str, Enum):
+    """How a router's gate weights follow from its logits and its chosen experts."""
+
+    #: softmax over all experts, the top-k picked, renormalised over them when
+    #: ``norm_topk_prob`` (Qwen3-MoE, OLMoE).
+    SOFTMAX_TOPK = "softmax-topk"
+    #: the top-k logits picked, softmax over those k (GPT-OSS).
+    TOPK_SOFTMAX = "topk-softmax"
+
+
+# Router classes whose gating the replay reproduces, each tested against the model's own code
+# (tests/engine/moe/). A router of another class keeps the engine's plain path (no replay, no
+# router loss): replaying it with the wrong gate would train a different model silently.
+_GATES = {
+    "Qwen3MoeTopKRouter": GateKind.SOFTMAX_TOPK,
+    "OlmoeTopKRouter": GateKind.SOFTMAX_TOPK,
+    "GptOssTopKRouter": GateKind.TOPK_SOFTMAX,
+}
+
+
+@dataclass(frozen=True)
+class RouterSite:
+    """One MoE layer's router: its module name and instance, gating, ``top_k`` experts of
+    ``num_experts``, and whether the top-k weights are renormalised."""
+
+    name: str
+    module: nn.Module
+    gate: GateKind
+    top_k: int
+    num_experts: int
+    norm_topk_prob: bool
+
+
+def moe_router_class(model: nn.Module) -> type[nn.Module] | None:
+    """The router class a transformers MoE model declares (its ``router_logits`` recorder), or
+    None for a dense model."""
+    for candidate in model.modules():
+        recorders = getattr(type(candidate), "_can_record_outputs", None) or {}
+        recorder = recorders.get("router_logits")
+        target = getattr(recorder, "target_class", None)
+        if isinstance(target, type):
+            return target
+    return None
+
+
+def find_routers(model: nn.Module) -> list[RouterSite]:
+    """The routers of ``model`` in module order (the order of the routing key's layer axis).
+
+    Returns ``[]`` for a dense model. Raises:
+        ValueError: a mixture-of-experts model whose router class has no registered gating.
+    """
+    router_class = moe_router_class(model)
+    if router_class is None:
+        return []
+    gate = _GATES.get(router_class.__name__)
+    if gate is None:
+        raise ValueError(
+            f"{type(model).__name__}'s router {router_class.__name__} is not supported by routing "
+            f"replay and the router losses (supported: {', '.join(sorted(_GATES))})"
+        )
+    return [
+        RouterSite(
+            name=name,
+            module=module,
+            gate=gate,
+            top_k=int(module.top_k),
+            num_experts=int(module.num_experts),
+            norm_topk_prob=bool(getattr(module, "norm_topk_prob", False)),
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, router_class)
+    ]
+
+
+def gate_weights(site: RouterSite, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The gate weights ``[N, k]`` the router of ``site`` gives ``experts`` ``[N, k]`` (ids in
+    ``[0, E)``) from its ``logits`` ``[N, E]``, with gradients to the logits: the family's own
+    arithmetic and dtypes, so a router's own choice gets its own weights back."""
+    if site.gate is GateKind.TOPK_SOFTMAX:
+        return torch.softmax(logits.gather(1, experts), dim=1, dtype=logits.dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    picked = probs.gather(1, experts)
+    if site.norm_topk_prob:
+        picked = picked / picked.sum(dim=-1, keepdim=True)
+    return picked.to(logits.dtype)

@@ -1,0 +1,297 @@
+"""A mixture-of-experts engine's routing: replay, router losses over the mini-batch, metrics.
+
+Per pass with a loss the engine asks :meth:`EngineRouting.denominators` once, before the first
+micro-batch: tokens, recorded rows and the load fractions ``f`` of the whole mini-batch over
+every DP rank (from the routing key under replay, else a forward-only counting pass,
+:meth:`EngineRouting.count_pass`). Each micro-batch's forward runs inside
+:meth:`MicroBatchRouting.forward` (replay armed, router outputs collected), then
+:meth:`MicroBatchRouting.add_terms` adds its partial router losses and metrics to its loss;
+:meth:`EngineRouting.pass_metrics` reports the expert loads at the end. docs/engine.md,
+"Mixture-of-experts", and docs/losses.md, "Router losses".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import nn
+
+from microrl.engine.microbatch import MicroBatch
+from microrl.engine.moe.hooks import Collected, RouterHooks
+from microrl.engine.moe.routers import RouterSite, find_routers
+from microrl.engine.moe.routes import ROUTED_EXPERTS_KEY, check_routes, micro_batch_routes
+from microrl.engine.parallel import distributed
+from microrl.engine.vision import config_key
+from microrl.losses import router as router_losses
+from microrl.losses.aggregation import LossDenominators
+from microrl.losses.metrics import Metric, Reduce
+from microrl.losses.router import RouterDenominators, expert_counts
+
+__all__ = [
+    "AGREEMENT",
+    "AUX_LOSS",
+    "Z_LOSS",
+    "EngineRouting",
+    "MicroBatchRouting",
+    "refusal",
+    "with_router",
+]
+
+AUX_LOSS = "router/aux_loss"
+Z_LOSS = "router/z_loss"
+AGREEMENT = "router/agreement"
+
+
+def refusal(causal_lm: nn.Module) -> str:
+    """Why a batch's routing key cannot be used with ``causal_lm`` (a dense model, or a router
+    family replay does not support)."""
+    try:
+        find_routers(causal_lm)
+    except ValueError as error:
+        return f"the batch carries {ROUTED_EXPERTS_KEY!r}, but {error}"
+    return (
+        f"the batch carries {ROUTED_EXPERTS_KEY!r} (a mixture-of-experts routing), but "
+        f"{type(causal_lm).__name__} has no mixture-of-experts router: drop the key"
+    )
+
+
+class EngineRouting:
+    """What an engine adds for a mixture-of-experts model; :meth:`of` builds it (or None)."""
+
+    def __init__(self, routers: list[RouterSite], config) -> None:
+        self.routers = routers
+        self.hooks = RouterHooks(routers)
+        self.coefs = config.router_loss
+        self.replay = config.routing_replay
+        self.num_experts = routers[0].num_experts
+        #: used-expert counts ``[L, E]`` of the running pass (the load metrics), else None.
+        self._load: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, causal_lm: nn.Module, config) -> EngineRouting | None:
+        """The routing of ``causal_lm`` under ``config`` (an ``EngineConfig``), None for a dense
+        model or an unsupported router family.
+
+        Raises:
+            ValueError: router losses configured (naming ``router_loss.*``) for a model without
+                a supported router.
+        """
+        try:
+            routers = find_routers(causal_lm)
+            why = f"{type(causal_lm).__name__} has no mixture-of-experts router"
+        except ValueError as error:
+            routers, why = [], str(error)
+        if not routers:
+            if config.router_loss.enabled:
+                key = config_key(config, "router_loss")
+                raise ValueError(
+                    f"{key}.aux_loss_coef / z_loss_coef must be 0 for this model: {why}"
+                )
+            return None
+        return cls(routers, config)
+
+    def check(self, batch: TensorDict) -> None:
+        """Validate the batch's routing key when it carries one (ValueError, see
+        :func:`~microrl.engine.moe.routes.check_routes`)."""
+        if ROUTED_EXPERTS_KEY in batch:
+            check_routes(batch[ROUTED_EXPERTS_KEY], batch["attention_mask"], self.routers)
+
+    # ----------------------------------------------------------------- per pass
+    def denominators(
+        self,
+        batch: TensorDict,
+        *,
+        placeholder: bool,
+        group: dist.ProcessGroup | None,
+        count: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    ) -> RouterDenominators:
+        """The mini-batch's router denominators, summed over the DP ranks (one all-reduce);
+        starts the pass's load metrics. ``count()`` runs the counting pass (local expert counts
+        ``[E]`` and routed rows) when the load-balancing loss needs ``f`` and the routing is not
+        replayed; ``placeholder``: this rank's share is empty (it counts nothing)."""
+        real = batch["attention_mask"].to(torch.bool)
+        if placeholder:
+            real = torch.zeros_like(real)
+        layers = len(self.routers)
+        values = [real.sum() * layers]
+        routes = batch.get(ROUTED_EXPERTS_KEY, None)
+        recorded = None
+        if routes is not None:
+            recorded = (routes[..., 0] >= 0) & real.unsqueeze(-1)  # [B, T, L]
+            values.append(recorded.sum())
+        if self.coefs.aux_loss_coef > 0:
+            if routes is not None and self.replay:  # the recorded experts are the ones used
+                counts, rows = expert_counts(routes, recorded, self.num_experts), recorded.sum()
+            else:
+                counts, rows = count()
+            values += [rows.reshape(1), counts]
+        totals = torch.cat([v.to(torch.float64).reshape(-1) for v in values])
+        if dist.is_available() and dist.is_initialized():
+            totals = distributed.all_reduce(totals, group=group)
+        n_recorded = totals[1] if routes is not None else None
+        load = None
+        if self.coefs.aux_loss_coef > 0:
+            rows_at = 2 if routes is not None else 1
+            load = totals[rows_at + 1 :] / totals[rows_at].clamp_min(1.0)
+        self._load = torch.zeros(layers, self.num_experts, dtype=torch.float64, device=real.device)
+        return RouterDenominators(totals[0].clamp_min(1.0), load, n_recorded)
+
+    def count_pass(
+        self,
+        micro_batches: Iterable[MicroBatch],
+        forward: Callable[[MicroBatch], None],
+        *,
+        packed: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward-only counting pass: each router's own top-k over the real tokens of every
+        micro-batch (``forward(micro)`` runs the module, no grad). Returns the local expert
+        counts ``[E]`` and routed rows (float64)."""
+        counts, rows = None, None
+        for micro in micro_batches:
+            step = MicroBatchRouting(self, micro, packed=packed, denominators=None, collect=True)
+            with step.forward():
+                forward(micro)
+            for used in step.collected.used:
+                part = expert_counts(used, step.valid, self.num_experts)
+                counts = part if counts is None else counts + part
+            part = step.valid.sum().to(torch.float64) * len(self.routers)
+            rows = part if rows is None else rows + part
+        return counts, rows
+
+    def micro_batch(
+        self,
+        micro: MicroBatch,
+        *,
+        packed: bool,
+        denominators: LossDenominators | None,
+        keep: bool = False,
+    ) -> MicroBatchRouting:
+        """The routing of one micro-batch of a pass with (or without) a loss; ``keep``: its
+        hooks outlive its forward (a training forward with gradient checkpointing, whose
+        backward may recompute layers after the engine call returned)."""
+        router = None if denominators is None else denominators.router
+        return MicroBatchRouting(
+            self,
+            micro,
+            packed=packed,
+            denominators=denominators,
+            collect=router is not None,
+            keep=keep,
+        )
+
+    def pass_metrics(self, group: dist.ProcessGroup | None) -> dict[str, Metric]:
+        """The pass's expert load per MoE layer: min and max over the experts of the share of
+        the layer's top-k assignments each expert got (``1 / E`` when balanced); ends the pass."""
+        load, self._load = self._load, None
+        if load is None:
+            return {}
+        load = distributed.all_reduce(load, group=group)
+        share = load / load.sum(dim=-1, keepdim=True).clamp_min(1.0)
+        lows, highs = share.min(dim=-1).values.float(), share.max(dim=-1).values.float()
+        metrics = {}
+        for layer in range(len(self.routers)):
+            metrics[f"router/layer{layer}/load_min"] = Metric(lows[layer], Reduce.MIN)
+            metrics[f"router/layer{layer}/load_max"] = Metric(highs[layer], Reduce.MAX)
+        return metrics
+
+    def _add_load(self, used: list[torch.Tensor], valid: torch.Tensor) -> None:
+        if self._load is None:
+            return
+        for layer, experts in enumerate(used):
+            self._load[layer] += expert_counts(experts, valid, self.num_experts)
+
+
+class MicroBatchRouting:
+    """One micro-batch's routing: its tokens in the model's order (``valid`` ``[N]``), the
+    recorded experts (``routes`` ``[N, L, k]``, None without the key), what its forward
+    collected, and its router loss terms."""
+
+    def __init__(
+        self,
+        owner: EngineRouting,
+        micro: MicroBatch,
+        *,
+        packed: bool,
+        denominators: LossDenominators | None,
+        collect: bool,
+        keep: bool = False,
+    ) -> None:
+        self.owner = owner
+        self.denominators = denominators
+        self.collect = collect
+        self.keep = keep
+        data = micro.data
+        mask = data["attention_mask"].to(torch.bool)
+        num_tokens = sum(micro.lengths) if packed else None
+        if packed:
+            valid = torch.ones(num_tokens, dtype=torch.bool, device=mask.device)
+        else:
+            valid = mask.reshape(-1)
+        #: the rows of the model's flattened tokens that are real (none in a filler micro-batch).
+        self.valid = valid & (not micro.filler)
+        self.routes = None
+        if ROUTED_EXPERTS_KEY in data and not micro.filler:
+            self.routes = micro_batch_routes(data[ROUTED_EXPERTS_KEY], mask, num_tokens)
+        self.collected: Collected | None = None
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """The model's forward inside: the recorded experts replayed (when the key is present
+        and ``routing_replay`` is on), the routers' outputs collected (when asked). The hooks are
+        installed for the block (a no-op inside an engine pass, which holds them already)."""
+        replayed = self.routes if self.owner.replay else None
+        hooks = self.owner.hooks
+        with (
+            hooks.installed(keep=self.keep),
+            hooks.micro_batch(replayed, collect=self.collect) as collected,
+        ):
+            yield
+        self.collected = collected if self.collect else None
+
+    def add_terms(
+        self, loss: torch.Tensor | None, metrics: dict[str, Metric]
+    ) -> tuple[torch.Tensor | None, dict[str, Metric]]:
+        """The micro-batch's loss plus its partial router losses (times their coefficients and
+        the DP gradient scale), and its metrics plus the router metrics' partials; frees what
+        the forward collected."""
+        collected, self.collected = self.collected, None
+        if collected is None:
+            return loss, metrics
+        router = self.denominators.router
+        coefs, metrics, term = self.owner.coefs, dict(metrics), None
+        for coef, name, partial in (
+            (coefs.aux_loss_coef, AUX_LOSS, router_losses.load_balancing_partial),
+            (coefs.z_loss_coef, Z_LOSS, router_losses.z_loss_partial),
+        ):
+            if coef > 0:
+                value = partial(collected.logits, self.valid, router)
+                metrics[name] = Metric(value.detach().float())
+                term = coef * value if term is None else term + coef * value
+        if router.n_recorded is not None:
+            metrics[AGREEMENT] = Metric(self._agreement(collected.own) / router.n_recorded.float())
+        self.owner._add_load(collected.used, self.valid)
+        if term is not None and loss is not None:
+            loss = loss + (term * self.denominators.grad_scale).to(loss.dtype)
+        return loss, metrics
+
+    def _agreement(self, own: list[torch.Tensor]) -> torch.Tensor:
+        """Recorded (token, layer) rows where the router's own top-k is the recorded set."""
+        total = torch.zeros((), dtype=torch.float32, device=self.valid.device)
+        if self.routes is None:
+            return total
+        for layer, experts in enumerate(own):
+            recorded = self.routes[:, layer]
+            same = (experts.sort(-1).values == recorded.sort(-1).values).all(-1)
+            counted = same & (recorded[:, 0] >= 0) & self.valid
+            total = total + counted.sum()
+        return total
+
+
+def with_router(denominators: LossDenominators, router: RouterDenominators) -> LossDenominators:
+    """``denominators`` carrying the router's."""
+    return dataclasses.replace(denominators, router=router)

@@ -1,0 +1,223 @@
+"""The fused losses on the chunked (GPU) path: ``fused_linear_loss`` and
+``vocab_parallel_linear_loss`` with the tiles of ``kernels/chunked.py``.
+
+Per row group, as on the tiles path (``kernels/fused_loss.py``): the group's row statistics, the
+caller's loss on its log-probs (its upstream gradients by autograd on ``[rows]`` leaves), then
+the gradient pass with those. Two ways to run a group, the one the roofline model
+(``kernels/_chunk_plan.py``) predicts faster for the call is taken:
+
+* **kept**: the group's whole ``[rows, V]`` float32 logits in one tile, kept from the statistics
+  kernel to the gradient kernel, so the group costs three GEMMs (logits, hidden and weight
+  gradients); groups are then at most as tall as such a tile fits the budget;
+* **recomputed**: the group in the plan's tiles, each recomputed in the gradient pass (four
+  GEMMs), for groups of any height; wins where the kept tile's few rows would make the weight
+  GEMMs bandwidth-bound (a large vocabulary in a small budget).
+
+A segment longer than a kept tile is recomputed whatever the mode. The weight (and bias)
+gradient is accumulated over the groups in the weight's dtype (a 16-bit weight gradient is
+rounded once per group: docs/kernels.md, "How the CUDA path is built").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from . import _chunk_plan, _dispatch
+from ._checks import HeadSpec, head_dtype
+from ._tiles import _zero_unkept
+from .chunked import Head, gemm_sizes, grad_pass, make_head, stats_pass, upstream
+
+__all__ = [
+    "LOSS_BUDGET_FACTOR",
+    "LossPlan",
+    "VocabShard",
+    "combine",
+    "head_budget_bytes",
+    "loss_plan",
+    "run_chunked",
+]
+
+#: The fused losses' tile budget, in units of the plain kernel's (``_chunk_plan.budget_bytes``).
+#: Kept tiles hold whole rows, and at a 150k vocabulary a kept tile of the plain budget has too
+#: few rows for its weight-gradient GEMM to be compute-bound (it reads and writes the whole
+#: ``[V, H]`` gradient per tile); twice that reaches it on an H200 (docs/kernels.md).
+LOSS_BUDGET_FACTOR = 2
+
+
+def head_budget_bytes(
+    tokens: int, vocab: int, hidden_size: int, *, fused_loss: bool = False
+) -> int:
+    """Bytes the fused head's GPU path may use beyond its inputs, outputs and gradients, for
+    ``tokens`` rows of a ``vocab x hidden_size`` head: its tile budget (about ``3.5 * tokens *
+    hidden_size``, at least 8 MiB; the fused losses twice it). docs/kernels.md, "Memory and
+    chunk_size"."""
+    budget = _chunk_plan.budget_bytes(max(1, tokens), max(1, vocab), max(1, hidden_size))
+    return budget * (LOSS_BUDGET_FACTOR if fused_loss else 1)
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """How a fused-loss call runs its groups: the Head of the call (its plan is the recomputed
+    mode's, for the whole call), whether groups keep their tile, and the tallest kept tile."""
+
+    head: Head
+    keep: bool
+    keep_rows: int  # the tallest group whose [rows, V] tile fits the budget (0: none)
+    sizes: _chunk_plan.Sizes
+    budget: int
+    need: tuple[bool, bool, bool]
+    bias: bool
+    row_copies: bool = True  # row blocks are masked copies (some row may be ignored)
+
+    @property
+    def rows(self) -> int:
+        """The height of a group (``kernels/fused_loss._groups``)."""
+        return self.keep_rows if self.keep else self.head.plan.rows
+
+    @property
+    def spec(self) -> HeadSpec:
+        return self.head.spec
+
+    def head_for(self, rows: int, vocab: int, hidden_size: int) -> tuple[Head, bool]:
+        """The Head of a group of ``rows`` rows, and whether it keeps its tile."""
+        temps = self.head.plan.temps
+        if self.keep and rows <= self.keep_rows:
+            return replace(self.head, plan=_chunk_plan.ChunkPlan(rows, vocab, temps)), True
+        plan = _chunk_plan.plan_tiles(
+            rows, vocab, hidden_size, self.sizes, self.need, budget=self.budget,
+            chunk_size=self.spec.chunk_size, temps=temps, bias=self.bias,
+            row_copies=self.row_copies,
+        )  # fmt: skip
+        return replace(self.head, plan=plan), False
+
+
+def _keep_rows(
+    count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias, row_copies
+) -> int:
+    """The most rows whose whole ``[rows, vocab]`` tile (and the rest of the memory model) fits
+    ``budget``: the model is linear in the rows."""
+    tallest = min(count, chunk_size or count)
+
+    def model(rows):
+        plan = _chunk_plan.ChunkPlan(rows, vocab, temps)
+        return _chunk_plan.extra_bytes(count, vocab, hidden_size, plan, sizes, need, bias=bias,
+                                       row_copies=row_copies)  # fmt: skip
+
+    fixed = model(0)
+    per_row = model(1) - fixed
+    return max(0, min(tallest, (budget - fixed) // per_row if budget > fixed else 0))
+
+
+def loss_plan(
+    hidden, weight, bias, count: int, need, spec: HeadSpec, *, vocab: int | None = None,
+    row_copies: bool = True,
+) -> LossPlan:  # fmt: skip
+    """The LossPlan of a call with ``count`` rows over ``vocab`` columns (default: the weight's
+    rows): kept or recomputed groups, whichever :func:`_chunk_plan.plan_seconds` predicts faster."""
+    vocab = weight.shape[0] if vocab is None else vocab
+    need = tuple(need)
+    hidden_size = weight.shape[1]
+    budget = head_budget_bytes(count, vocab, hidden_size, fused_loss=True)
+    head = make_head(
+        hidden, weight, bias, count, need, spec, row_copies=row_copies, vocab=vocab, budget=budget
+    )
+    sizes = gemm_sizes(hidden, weight, head_dtype(hidden, weight, bias), head.gemm16)
+    temps = _dispatch.row_ops(spec.implementation).TEMPS
+    keep_rows = _keep_rows(
+        count, vocab, hidden_size, sizes, need, budget, spec.chunk_size, temps, bias is not None,
+        row_copies,
+    )  # fmt: skip
+    recomputed = _chunk_plan.plan_seconds(count, vocab, hidden_size, head.plan, sizes, need)
+    kept = float("inf")
+    if keep_rows > 0:
+        plan = _chunk_plan.ChunkPlan(keep_rows, vocab, temps)
+        kept = _chunk_plan.plan_seconds(count, vocab, hidden_size, plan, sizes, need, keep=True)
+    return LossPlan(
+        head, kept < recomputed, keep_rows, sizes, budget, need, bias is not None, row_copies
+    )
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """A vocab-parallel rank's columns: its group, first global id and real (unpadded) rows."""
+
+    group: dist.ProcessGroup | None
+    vocab_start: int
+    real_rows: int
+
+
+def combine(local, targets_local, shard: VocabShard | None):
+    """``(m, s, a, zt - m)`` over the whole vocabulary (vocab-parallel: the exact all-reduces of
+    ``vocab_parallel._combine``)."""
+    if shard is None:
+        return local.m, local.s, local.a, local.zt - local.m
+    from . import vocab_parallel
+
+    return vocab_parallel._combine((local.m, local.s, local.a, local.zt), targets_local, shard)
+
+
+def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, call):
+    """``fused_loss._run`` on the chunked path (the module docstring): per group the
+    statistics, ``loss_fn``, the gradient pass. ``shard``: this rank's columns (vocab-parallel),
+    or None; ``row_mask``: the non-ignored rows, or None when every row is."""
+    from .fused_loss import _record_group
+
+    plan: LossPlan = call.plan
+    need_h, need_w, need_b = call.need
+    need_b = need_b and bias is not None
+    cdtype = head_dtype(hidden, weight, bias)
+    n, hidden_size = hidden.shape
+    real = weight.shape[0] if shard is None else shard.real_rows
+    local_w = weight[:real]
+    local_b = None if bias is None else bias[:real].to(cdtype)
+    local_t = targets if shard is None else targets - shard.vocab_start
+    logprob = hidden.new_empty(n, dtype=cdtype)
+    entropy = hidden.new_empty(n, dtype=cdtype) if plan.spec.with_entropy else None
+    grad_h = hidden.new_empty(hidden.shape) if need_h else None
+    # Summed over the groups in the weight's dtype, padding rows (vocab-parallel) left at 0.
+    grad_w = weight.new_zeros(weight.shape) if need_w else None
+    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
+    any_grad = need_h or need_w or need_b
+    losses = []
+    for start, end in call.groups:
+        rows = slice(start, end)
+        h, t = hidden[rows], local_t[rows]
+        mask = None if row_mask is None else row_mask[rows]
+        inv = None if inv_t is None else inv_t[rows]
+        head, keep = plan.head_for(end - start, max(1, real), hidden_size)
+        local, kept = stats_pass(head, h, local_w, local_b, t, None, mask, inv, keep=keep)
+        m, s, a, shifted = combine(local, t, shard)
+        log_s = s.log()
+        ent_all = None if a is None else log_s - a / s
+        values = (
+            _zero_unkept(shifted - log_s, mask),
+            None if ent_all is None else _zero_unkept(ent_all, mask),
+        )
+        g_lp, g_ent = _record_group(call, start, end, values, (logprob, entropy), losses)
+        if not any_grad:
+            continue
+        if g_lp is None and g_ent is None:  # the loss does not depend on these rows
+            if need_h:
+                grad_h[rows] = 0.0
+            continue
+        g_lp = upstream(g_lp, end - start, hidden, cdtype, mask, None)
+        if plan.spec.with_entropy:
+            g_ent = upstream(g_ent, end - start, hidden, cdtype, mask, None)
+        gh = None
+        if need_h:  # vocab-parallel: the shard's partial sum, summed over the group first
+            gh = grad_h[rows] if shard is None else h.new_zeros(h.shape, dtype=cdtype)
+        grad_pass(
+            head, (need_h, need_w, need_b), h, local_w, local_b, t, None, mask, inv, m, log_s,
+            ent_all, g_lp, g_ent, gh, None if grad_w is None else grad_w[:real],
+            None if grad_b is None else grad_b[:real], accumulate_w=True, kept=kept,
+        )  # fmt: skip
+        del kept
+        if need_h and shard is not None:
+            if shard.group is not None:
+                dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=shard.group)
+            grad_h[rows] = gh
+    total = torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
+    return total, logprob, entropy, (grad_h, grad_w, grad_b)
