@@ -141,15 +141,17 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _store(address: str, port: int, *, master: bool, world_size: int, timeout_s: float) -> Any:
+def _store(info: Any, *, master: bool) -> Any:
+    """The rendezvous of ``info`` (a ``GlooWeightTransferInitInfo``): a ``TCPStore`` the sender
+    hosts (``master``)."""
     from torch.distributed import TCPStore
 
     return TCPStore(
-        address,
-        port,
-        world_size,
+        info.master_address,
+        info.master_port,
+        info.world_size,
         is_master=master,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=info.timeout_s),
         wait_for_workers=False,
     )
 
@@ -243,13 +245,7 @@ def _vllm_classes() -> dict[str, type]:
             # Ranks as vLLM's NCCL engine numbers them: unique across data-parallel replicas.
             parallel = self.parallel_config
             worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
-            store = _store(
-                init_info.master_address,
-                init_info.master_port,
-                master=False,
-                world_size=init_info.world_size,
-                timeout_s=init_info.timeout_s,
-            )
+            store = _store(init_info, master=False)
             self.model_update_group = _GlooGroup(
                 store,
                 worker_rank + init_info.rank_offset,
@@ -361,13 +357,7 @@ def _vllm_classes() -> dict[str, type]:
             )
             if not engine.is_sender:
                 return engine
-            store = _store(
-                init_info.master_address,
-                init_info.master_port,
-                master=True,
-                world_size=init_info.world_size,
-                timeout_s=init_info.timeout_s,
-            )
+            store = _store(init_info, master=True)
             worker_info = GlooWeightTransferInitInfo(
                 master_address=init_info.master_address,
                 master_port=store.port,
