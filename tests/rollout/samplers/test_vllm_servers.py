@@ -414,10 +414,10 @@ def test_long_prompts_over_the_servers_token_budget(served, server_logs):
 
 @pytest.mark.slow
 def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
-    from microrl.rollout.weights import server_syncs as server_weight_syncs
+    from microrl.rollout.weights import server_syncs
 
     engine, rollout = served
-    real_export = server_weight_syncs.export_peft_adapter
+    real_export = server_syncs.export_peft_adapter
     old = {}
 
     def export_with_one_stale_tensor(module, path, **kwargs):
@@ -430,7 +430,7 @@ def test_a_stale_adapter_tensor_fails_the_sync_check(served, monkeypatch):
 
     batch = rollout.generate(PROMPTS, SamplingParams(num_samples=2, temperature=0.7)).batch
     _train_step(engine, batch)
-    monkeypatch.setattr(server_weight_syncs, "export_peft_adapter", export_with_one_stale_tensor)
+    monkeypatch.setattr(server_syncs, "export_peft_adapter", export_with_one_stale_tensor)
     rollout.sync(engine)
     job = rollout.submit(PROMPTS, SamplingParams(num_samples=2, temperature=0.7))
     with pytest.raises(SyncCheckError, match=r"policy version 5 .*rollout\.sync_check_tol"):

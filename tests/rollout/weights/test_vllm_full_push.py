@@ -186,7 +186,7 @@ def test_a_push_gathers_one_sharded_tensor_at_a_time(
     from torch.distributed.tensor import DTensor
 
     from microrl.rollout.samplers.vllm_servers import VLLMServerRollout
-    from microrl.rollout.weights.full_weights import gather_full_weights as gather_weights
+    from microrl.rollout.weights.full_weights import gather_full_weights
 
     engine = _engine(tokenizer, cpu_offload=True)
     assert all(isinstance(p, DTensor) for p in engine.module.parameters())
@@ -200,7 +200,7 @@ def test_a_push_gathers_one_sharded_tensor_at_a_time(
     prefix = "causal_lm."
     expected = {k[len(prefix) :]: float(v.double().sum()) for k, v in full.items()}
     assert {name: total for name, _, total in transfer.pushed} == pytest.approx(expected)
-    cpu = gather_weights(engine.module, prefix, trainable_only=False)  # the hf worker's copy
+    cpu = gather_full_weights(engine.module, prefix, trainable_only=False)  # the hf worker's copy
     assert sorted(cpu) == sorted(expected)
     assert all(t.device.type == "cpu" and not isinstance(t, DTensor) for t in cpu.values())
 
@@ -438,8 +438,7 @@ def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
     from pathlib import Path
 
     from microrl.rollout.samplers import vllm_launch, vllm_options, vllm_placement, vllm_servers
-    from microrl.rollout.weights import full_weights
-    from microrl.rollout.weights import server_syncs as server_weight_syncs
+    from microrl.rollout.weights import full_weights, server_syncs
     from microrl.rollout.weights.server_syncs import ServerSyncJoiner
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -455,11 +454,11 @@ def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
     iterate = full_weights.FullWeights.__iter__
     recorded((full_weights.FullWeights, "__iter__"), iterate, lambda weights: "gather")
     recorded((engine, "infer_batch"), engine.infer_batch, lambda batch: "probe")
-    export = server_weight_syncs.export_peft_adapter
-    recorded((server_weight_syncs, "export_peft_adapter"), export, lambda m, p, **k: Path(p).name)
+    export = server_syncs.export_peft_adapter
+    recorded((server_syncs, "export_peft_adapter"), export, lambda m, p, **k: Path(p).name)
     workdir = vllm_options.make_workdir
     recorded((vllm_options, "make_workdir"), workdir, lambda *args: "workdir")
-    for module in (server_weight_syncs, vllm_servers):  # the servers are stand-ins
+    for module in (server_syncs, vllm_servers):  # the servers are stand-ins
         recorded((module, "export_merged_model"), lambda *a, **k: None, lambda *a, **k: "base")
     monkeypatch.setattr(vllm_launch, "LocalVLLMServer", StubServer)
     for module in (vllm_placement, vllm_servers):
