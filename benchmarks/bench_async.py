@@ -15,8 +15,8 @@ configuration where overlapping the two gains most.
 
 k = 0 is the synchronous loop (sample with ``HFRollout`` in the trainer process, or a colocated
 ``vllm.LLM`` synced every step, then train); k >= 1 runs the same steps with the library's
-:class:`~microrl.run.RolloutPrefetcher` over an :class:`~microrl.remote.AsyncRollout`
-worker process, or a :class:`~microrl.remote.VLLMServerRollout` on a local ``vllm
+:class:`~microrl.run.RolloutSource` over an :class:`~microrl.rollout.AsyncRollout`
+worker process, or a :class:`~microrl.rollout.VLLMServerRollout` on a local ``vllm
 serve`` (weights pushed and checked every step), the same prompt stream. Each k starts from the same weights; after ``--warmup`` steps,
 ``--steps`` steps are timed; the ks run in turn ``--rounds`` times and the fastest round of each
 is reported (on a shared machine other jobs only ever slow a round down; every round is printed). For k = 0 the step splits into
@@ -39,11 +39,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import HFRollout, SamplingParams
 from microrl.losses import broadcast_to_tokens, grpo_advantages
-from microrl.remote.trainer.hf_worker import AsyncRollout
-from microrl.remote.trainer.protocol import SamplerOptions
-from microrl.run import Dist, RolloutPrefetcher, score_rollout
+from microrl.rollout import HFRollout, SamplingParams
+from microrl.rollout.sampler import SamplerOptions
+from microrl.rollout.samplers.hf_worker import AsyncRollout
+from microrl.run import RolloutSource, score_rollout
 from microrl.tasks import Problem
 
 
@@ -117,7 +117,7 @@ def _synchronous_sampler(engine, tokenizer, args):
     """k = 0: ``HFRollout`` on the trained model, or a colocated ``vllm.LLM``."""
     if args.backend == "hf":
         return HFRollout(engine, tokenizer)
-    from microrl.engine.rollout.vllm import VLLMRollout
+    from microrl.rollout.samplers.vllm import VLLMRollout
 
     return VLLMRollout(engine, tokenizer, _vllm_config())
 
@@ -126,7 +126,7 @@ def _asynchronous_sampler(engine, tokenizer, args):
     """k >= 1: an ``hf`` worker process, or a local ``vllm serve`` (one CPU thread each)."""
     if args.backend == "hf":
         return AsyncRollout(engine, tokenizer, SamplerOptions(version=0, num_threads=1))
-    from microrl.remote.trainer.vllm_servers import VLLMServerRollout
+    from microrl.rollout.samplers.vllm_servers import VLLMServerRollout
 
     return VLLMServerRollout(
         engine, tokenizer, _vllm_config(), SamplerOptions(version=0, num_threads=1)
@@ -157,18 +157,17 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
         sampler.close()
     else:
         worker = _asynchronous_sampler(engine, tokenizer, args)
-        prefetch = RolloutPrefetcher(
+        source = RolloutSource(
             worker, task, params, rng, args.prompts, max_staleness=k, last_step=total
         )
         try:
             for step in range(1, total + 1):
                 starts.append(time.perf_counter())
                 cpu_starts.append(time.process_time())
-                _, rollout, scores = prefetch.take(step)
+                _, rollout, scores, _ = source.take(step)  # staleness/* computed
                 waits.append(time.perf_counter() - starts[-1])
                 _train(engine, rollout, scores, args)
-                prefetch.sync(engine)  # gather + probe + push (the trainer's share of a sync)
-                prefetch.metrics(step, rollout, Dist())
+                source.sync(engine)  # gather + probe + push (the trainer's share of a sync)
                 rests.append(time.perf_counter() - starts[-1] - waits[-1])
             end, cpu_end = time.perf_counter(), time.process_time()
             jobs, syncs = worker.job_seconds[args.warmup :], worker.sync_seconds[args.warmup :]
@@ -178,7 +177,7 @@ def run(k: int, model, tokenizer, task, params, args) -> dict[str, float]:
             worker_cpu = sum(cpu[args.warmup :]) / max(len(jobs), 1)
             worker_sync = sum(syncs) / max(len(syncs), 1)
         finally:
-            prefetch.close()
+            source.close()
     timed = slice(args.warmup, None)
     elapsed = end - starts[args.warmup]
     out = {

@@ -150,8 +150,8 @@ def run_microrl(args: argparse.Namespace, row: str, size: str) -> dict[str, Any]
     from bench_async import RandomPromptTask, id_tokenizer
 
     from microrl.engine import ActorEngine
-    from microrl.engine.rollout import HFRollout
     from microrl.recipes.grpo import estimate_advantages
+    from microrl.rollout import HFRollout
     from microrl.run import sampling_params, score_rollout
 
     cfg = step_config(args, row)

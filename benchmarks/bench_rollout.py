@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import HFRollout, SamplingParams, VLLMRollout
+from microrl.rollout import HFRollout, SamplingParams, VLLMRollout
 
 
 def _tokenizer(vocab: int):

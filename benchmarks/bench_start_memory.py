@@ -2,10 +2,10 @@
 
     python benchmarks/bench_start_memory.py            # a 24M-parameter Qwen2-style model, ~1 min
 
-Starts an :class:`~microrl.remote.trainer.hf_worker.AsyncRollout` (spawn the worker, build its
+Starts an :class:`~microrl.rollout.samplers.hf_worker.AsyncRollout` (spawn the worker, build its
 model, the first full push, its check) over a LoRA and a full fine-tune engine on the CPU, and
 reports, in multiples of the model's bytes ``M`` (every tensor in its storage dtype), with the
-push's chunks (``microrl.remote.worker.stream.CHUNK_BYTES``, 256 MiB) scaled down to
+push's chunks (``microrl.rollout.worker.stream.CHUNK_BYTES``, 256 MiB) scaled down to
 ``--chunk-mib`` (8 MiB), so that the small model takes several, as a 7B model takes 60:
 
 * **trainer**: the peak of the tensors the trainer allocates during the start
@@ -31,8 +31,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.engine import ActorEngine
-from microrl.remote.trainer.hf_worker import AsyncRollout
-from microrl.remote.worker import stream
+from microrl.rollout.samplers.hf_worker import AsyncRollout
+from microrl.rollout.worker import stream
 from microrl.run.toy_model import build_tokenizer
 
 MiB = 2**20

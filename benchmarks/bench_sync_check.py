@@ -5,7 +5,7 @@
                                                     #   against depth (2-16 layers): ~30 minutes
 
 A weight push to a sampler is verified by scoring a fixed probe batch
-(``microrl.engine.rollout.sync_check.build_probe``: random tokens) on both sides. Per probe,
+(``microrl.rollout.weights.sync_check.build_probe``: random tokens) on both sides. Per probe,
 this measures ``max |d|``, ``mean |d|`` and the k3 statistic of ``d = trainer - sampler`` (the
 trainer: ``ActorEngine.infer_batch``, with its fp32 fused head; the sampler: the ``hf`` worker's
 plain forward under the engine's autocast, or a copy stored in bf16 as a vLLM server holds it)
@@ -32,10 +32,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout.hf import engine_autocast_dtype
-from microrl.engine.rollout.sync_check import build_probe, probe_stats
 from microrl.losses import broadcast_to_tokens
-from microrl.remote.worker.main import score_probe
+from microrl.rollout.samplers.hf import engine_autocast_dtype
+from microrl.rollout.weights.sync_check import build_probe, probe_stats
+from microrl.rollout.worker.main import score_probe
 
 TOKENIZER = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
 ROWS = 4  # rows of one probe (build_probe)

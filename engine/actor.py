@@ -23,7 +23,7 @@ __all__ = ["TRUNCATED_KEY", "ActorEngine", "mask_truncated_rows"]
 logger = logging.getLogger(__name__)
 
 #: The per-row ``[B]`` bool key marking responses cut at ``max_new_tokens`` (no ``<eos>``), set
-#: by :func:`microrl.engine.rollout.layout.build_rollout` (docs/batch.md).
+#: by :func:`microrl.rollout.layout.build_rollout` (docs/batch.md).
 TRUNCATED_KEY = "truncated"
 
 

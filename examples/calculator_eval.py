@@ -26,8 +26,8 @@ from typing import Any
 
 from microrl.agents.runner import AgentLimits, run_agent_episodes
 from microrl.agents.tool_parsers import make_tool_parser
-from microrl.engine.rollout import HFRollout
-from microrl.engine.rollout.base import SamplingParams
+from microrl.rollout import HFRollout
+from microrl.rollout.base import SamplingParams
 from microrl.run.toy_model import load_pretrained
 from microrl.tasks.calculator import CalculatorTask
 from microrl.tasks.rewards import resolve_reward_fn

@@ -44,10 +44,10 @@ def test_top_level_api() -> None:
         "from importlib.metadata import version\n"
         "assert microrl.__version__ == version('microrl'), microrl.__version__\n"
         "from microrl import ActorEngine, CriticEngine, ActorConfig, SamplingParams, make_rollout_backend\n"
-        "import microrl.engine, microrl.configs, microrl.engine.rollout\n"
+        "import microrl.engine, microrl.configs, microrl.rollout\n"
         "assert ActorEngine is microrl.engine.ActorEngine and CriticEngine is microrl.engine.CriticEngine\n"
         "assert ActorConfig is microrl.configs.ActorConfig\n"
-        "assert make_rollout_backend is microrl.engine.rollout.make_rollout_backend\n"
+        "assert make_rollout_backend is microrl.rollout.make_rollout_backend\n"
         "for name in microrl.__all__:\n"
         "    assert getattr(microrl, name) is not None, name\n"
         "try:\n"
@@ -111,18 +111,26 @@ DIRECTIONS = (
     ),
     Rule("microrl.engine", "microrl.run", "the engine is a library; the recipes use it"),
     Rule("microrl.engine", "microrl.tasks", "the engine is a library; the tasks feed it"),
-    Rule("microrl.engine", "microrl.remote", "out-of-process sampling builds on the engine"),
+    Rule("microrl.engine", "microrl.rollout", "sampling builds on the engine, never the reverse"),
     Rule("microrl.tasks", "microrl.run", "the recipes use the tasks"),
-    Rule("microrl.remote", "microrl.run", "the recipes drive the samplers, never the reverse"),
+    Rule("microrl.rollout", "microrl.run", "the recipes drive the samplers, never the reverse"),
+    Rule("microrl.rollout", "microrl.agents", "the agents' endpoint sits in front of a sampler"),
+    Rule("microrl.rollout", "microrl.tasks", "a task feeds the samplers; they know no task"),
     Rule("microrl.agents", "microrl.run", "the recipes run the agents, never the reverse"),
     Rule("microrl.agents", "microrl.tasks", "an agent task holds an agent; the endpoint no task"),
     Rule("microrl.engine", "microrl.agents", "the endpoint builds on the engine's samplers"),
     Rule(
-        "microrl.remote.vllm_plugin",
+        "microrl.rollout.vllm_plugin",
         "microrl.engine",
         "vLLM loads the plugin into every process it starts: it stays light",
     ),
 )
+# Deprecated re-exports of moved packages, kept for one release (docs/changelog.md): each imports
+# the package it moved to, which no rule holds against it.
+DEPRECATED_REEXPORTS = {
+    "microrl.engine.rollout": "microrl.rollout",
+    "microrl.remote": "microrl.rollout",
+}
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -186,7 +194,7 @@ def violations(modules: dict[str, list[Import]], rule: Rule) -> list[Import]:
     return [
         found
         for module, imports in sorted(modules.items())
-        if _under(module, rule.source)
+        if _under(module, rule.source) and module not in DEPRECATED_REEXPORTS
         for found in imports
         if _under(found.name, rule.target) and not any(_under(found.name, a) for a in rule.allowed)
     ]
@@ -198,8 +206,13 @@ def _library_scan() -> dict[str, list[Import]]:
 
 
 def _library_modules() -> dict[str, set[str]]:
-    """Module name -> the names of the modules it imports (:func:`scan` of the library)."""
-    return {module: {i.name for i in imports} for module, imports in _library_scan().items()}
+    """Module name -> the names of the modules it imports (:func:`scan` of the library), the
+    deprecated re-exports left out (each imports the package it moved to)."""
+    return {
+        module: {i.name for i in imports}
+        for module, imports in _library_scan().items()
+        if module not in DEPRECATED_REEXPORTS
+    }
 
 
 def _package(name: str) -> str | None:
@@ -243,15 +256,15 @@ def test_the_direction_check_sees_every_kind_of_import(tmp_path: Path) -> None:
             "    return importlib.import_module('microrl.engine.base')\n"  # 8
         ),
         "engine/parallel/sibling.py": "import microrl.engine.parallel.leaf\n",
-        "engine/rollout/sampler.py": (
-            "def make():\n    from microrl.remote.server import Server\n"  # 2
+        "engine/sampler.py": (
+            "def make():\n    from microrl.rollout.server import Server\n"  # 2
             "import microrl.run.recipe\n"  # 3
         ),
         "microrl/__init__.py": "",
-        "microrl/remote/__init__.py": "from microrl.engine import Engine\n",
-        "microrl/remote/server.py": "from microrl.run import recipe\n",
+        "microrl/rollout/__init__.py": "from microrl.engine import Engine\n",
+        "microrl/rollout/server.py": "from microrl.run import recipe\n",
         "microrl/run/__init__.py": "",
-        "microrl/run/recipe.py": "from microrl.remote.server import Server\n",
+        "microrl/run/recipe.py": "from microrl.rollout.server import Server\n",
     }
     for name, text in sources.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -272,12 +285,14 @@ def test_the_direction_check_sees_every_kind_of_import(tmp_path: Path) -> None:
         ("leaf.py:7", "microrl.engine.base"),
         ("leaf.py:8", "microrl.engine.base"),
     ]
-    assert found("microrl.engine", "microrl.remote") == [("sampler.py:2", "microrl.remote.server")]
+    assert found("microrl.engine", "microrl.rollout") == [
+        ("sampler.py:2", "microrl.rollout.server")
+    ]
     assert found("microrl.engine", "microrl.run") == [("sampler.py:3", "microrl.run.recipe")]
     assert found("microrl.engine", "microrl.tasks") == []
-    assert found("microrl.remote", "microrl.run") == [("server.py:1", "microrl.run.recipe")]
-    assert found("microrl.remote", "microrl.engine") == [("__init__.py:1", "microrl.engine")]
-    assert found("microrl.remote.server", "microrl.engine") == []
+    assert found("microrl.rollout", "microrl.run") == [("server.py:1", "microrl.run.recipe")]
+    assert found("microrl.rollout", "microrl.engine") == [("__init__.py:1", "microrl.engine")]
+    assert found("microrl.rollout.server", "microrl.engine") == []
 
 
 def _importers(modules: dict[str, set[str]], target: str, allowed: str) -> dict[str, list[str]]:
@@ -332,6 +347,21 @@ def test_packages_import_one_way() -> None:
             pairs = itertools.pairwise(cycle)
             where = "; ".join(f"{a} -> {b} in {sorted(set(edges[a][b]))}" for a, b in pairs)
             raise AssertionError(f"import cycle {' -> '.join(cycle)}: {where}")
+
+
+@pytest.mark.parametrize(
+    ("old", "name"),
+    [("microrl.engine.rollout", "SamplingParams"), ("microrl.remote", "AsyncRollout")],
+)
+def test_a_moved_package_reexports_its_names_with_a_warning(old: str, name: str) -> None:
+    import importlib
+
+    moved = importlib.import_module(DEPRECATED_REEXPORTS[old])
+    with pytest.warns(DeprecationWarning, match=f"import {name} from microrl.rollout"):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(moved, name)
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        _ = importlib.import_module(old).NoSuchThing
 
 
 @pytest.mark.parametrize("category", [FutureWarning, DeprecationWarning])

@@ -129,7 +129,7 @@ def test_the_mirror_finds_package_folders_and_only_them() -> None:
     assert _package_folder(Path("run")) == ROOT / "microrl" / "run"
     assert _package_folder(Path("engine/nowhere")) is None
     assert _package_folder(Path("benchmarks")) is None  # a folder, not a package
-    assert _package_folder(Path("rollout")) is None  # engine/rollout, not microrl/rollout
+    assert _package_folder(Path("rollout")) == ROOT / "microrl" / "rollout"
 
 
 def test_module_basenames_are_unique_under_tests() -> None:

@@ -130,7 +130,7 @@ def export_peft_adapter(
         peft_model: the ``PeftModel`` that injected the adapters (``engine.peft_model``); found
             inside ``model`` when omitted.
         dtype: the dtype its floating-point tensors are written in (a LoRA sync's: the one
-            vLLM holds the adapter in, :func:`~microrl.engine.rollout.vllm_options.adapter_dtype`,
+            vLLM holds the adapter in, :func:`~microrl.rollout.samplers.vllm_options.adapter_dtype`,
             half the bytes for bfloat16); None: as trained (float32).
     """
     from peft import PeftModel

@@ -5,7 +5,7 @@ the trainer process), gives each episode an ``openai`` client whose base URL nam
 agents concurrently on an event loop of their own (a plain function runs in a thread with the
 synchronous client), samples their calls with the run's backend from the calling thread
 (:meth:`~microrl.agents.sampler.BatchingSampler.pump`) and returns the recorded rows as one
-:class:`~microrl.engine.rollout.Rollout` in the episodes' layout (docs/rollouts.md#agents).
+:class:`~microrl.rollout.Rollout` in the episodes' layout (docs/rollouts.md#agents).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 from microrl.agents.endpoint import AgentEndpoint, EpisodeState
 from microrl.agents.sampler import BatchingSampler
 from microrl.configs.task import DEFAULT_AGENT_MAX_CONCURRENCY
-from microrl.engine.rollout.base import Rollout, RolloutBackend, SamplingParams
-from microrl.engine.rollout.episodes import EpisodeError, ObservationRenderer, episode_batch
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
+from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams
+from microrl.rollout.episodes import EpisodeError, ObservationRenderer, episode_batch
+from microrl.rollout.sampler import POLICY_VERSION_KEY
 
 __all__ = [
     "AGENT_METRICS",
@@ -102,7 +102,7 @@ def run_agent_episodes(
     function an ``openai.OpenAI``; it returns the episode's reward, or anything
     ``reward(result, problem)`` scores. An agent that raises, runs past ``limits.timeout_s``,
     exceeds ``limits.max_tokens`` or made no call stops the run with an
-    :class:`~microrl.engine.rollout.episodes.EpisodeError` naming the episode, or with
+    :class:`~microrl.rollout.episodes.EpisodeError` naming the episode, or with
     ``limits.skip_errors`` is dropped (``agent/errors``). Under ``torchrun`` it is collective.
     """
     if not isinstance(backend, RolloutBackend):

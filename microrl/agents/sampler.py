@@ -3,12 +3,12 @@
 The endpoint's handlers (on the server's event loop) queue calls here; one thread runs
 :meth:`BatchingSampler.pump`, which gathers the calls waiting within a short window into one
 sampling call. Synchronously (``rollout.max_staleness=0``) that is the trainer's main thread and
-:meth:`~microrl.engine.rollout.RolloutBackend._sample` (the ``hf`` backend's batched
+:meth:`~microrl.rollout.RolloutBackend._sample` (the ``hf`` backend's batched
 ``generate``, the colocated ``vllm`` backend's), where the backend (FSDP gathers, CUDA streams,
 collectives) expects it; under ``torchrun`` every rank pumps in lockstep: a round samples on
 every rank when any rank has calls (a rank with none samples a stand-in row it discards), as
-:mod:`microrl.engine.rollout.episodes` does per turn. Asynchronously it is a thread submitting
-jobs to the out-of-process sampler (:mod:`microrl.agents.async_sampler`).
+:mod:`microrl.rollout.episodes` does per turn. Asynchronously it is a thread submitting
+jobs to the out-of-process sampler (:mod:`microrl.agents.agent_sampler`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from microrl.engine.parallel import distributed
-from microrl.engine.rollout.base import RolloutBackend, Samples, SamplingParams
-from microrl.engine.rollout.turns import turn_terminators
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
+from microrl.rollout.base import RolloutBackend, Samples, SamplingParams
+from microrl.rollout.sampler import POLICY_VERSION_KEY
+from microrl.rollout.turns import turn_terminators
 
 __all__ = ["BatchingSampler", "Turn"]
 
@@ -60,7 +60,7 @@ class BatchingSampler:
 
     Args:
         sample: the batched sampling call: :meth:`over_backend` (a synchronous backend's) or
-            :meth:`over_async` (an :class:`~microrl.remote.AsyncSampler`'s jobs).
+            :meth:`over_async` (an :class:`~microrl.rollout.Sampler`'s jobs).
         tokenizer: the policy's.
         params: the run's sampling parameters (temperature, greedy, top-k/top-p); each call sets
             its own token limit.
@@ -70,7 +70,7 @@ class BatchingSampler:
             sampling is collective, e.g. FSDP-sharded ``generate``).
         stop_ids: the token ids that end a turn (default: the tokenizer's turn terminators, its
             chat template's turn end and ``eos_token_id``,
-            :func:`~microrl.engine.rollout.turns.turn_terminators`); a backend's own
+            :func:`~microrl.rollout.turns.turn_terminators`); a backend's own
             ``stop_token_ids`` (with ``generation_config``'s) where it has them.
     """
 

@@ -4,7 +4,7 @@ An agent resends its whole conversation on every call. Re-encoding it would give
 the ones sampled (docs/rollouts.md#agents), so each call is matched against the episode's rows:
 when the messages extend a row's conversation after one of its model turns with observations
 only (user, tool or system messages), the prompt is that row's recorded ids plus the
-observations' chat-template delta (:class:`~microrl.engine.rollout.episodes.ObservationRenderer`).
+observations' chat-template delta (:class:`~microrl.rollout.episodes.ObservationRenderer`).
 Any other conversation (the agent dropped, edited or summarised turns, or changed its tools)
 starts a new row, rendered once: a *branch*. Every row holds exactly the ids fed to the sampler
 and the ids it sampled, with their log-probs and policy versions. A call changes the rows only
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from microrl.engine.rollout.episodes import ObservationRenderer, Trajectory
+from microrl.rollout.episodes import ObservationRenderer, Trajectory
 
 __all__ = ["AgentTrajectory", "CallContext", "EpisodeRecorder", "normalize_messages"]
 

@@ -18,10 +18,10 @@ Each step below: 1 sample -> 2 score -> 3 old/ref log-probs -> 4 advantages -> 5
 The base model is warm-started with supervised steps the first time (microrl/run/base_model.py).
 Sampling is ``rollout.backend``: ``hf`` (transformers ``generate`` on the trained model) or ``vllm``
 (a colocated vLLM engine, synced after the updates; docs/rollouts.md). With
-``rollout.max_staleness=k > 0`` (``hf``) a worker process samples the next steps' rollouts while
-this one trains, with weights at most k steps old, pushed and checked after every step; the old
-log-probs (3 below) are then the trainer's own, the proximal policy, and the sampler's the
-behaviour policy (``actor.policy_loss.decoupled_is_cap``; docs/async.md).
+``rollout.max_staleness=k > 0`` worker processes (or vLLM servers) sample the next steps'
+rollouts while this one trains, with weights at most k steps old, pushed and checked after every
+step (the step reads the same for every k); the old log-probs (3 below) are then the trainer's
+own, the proximal policy, and the sampler's the behaviour policy (docs/async.md).
 """
 
 from __future__ import annotations
@@ -35,30 +35,27 @@ from tensordict import TensorDict
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import Rollout
 from microrl.losses import broadcast_to_tokens
 from microrl.recipes import recipe_help
+from microrl.rollout import Rollout
 from microrl.run import (
     StopOnInterrupt,
     close_on_exit,
-    dynamic_sample,
     evaluator,
     finish,
     group_advantages,
     overlong_shaping,
     parse_cli,
     rollout_metrics,
-    sample_and_score,
     sample_rows,
     sampling_params,
     save_if_due,
+    start_rollouts,
     start_run,
-    start_sampling,
     start_tracking,
     step_metrics,
-    whole_groups,
 )
-from microrl.run.distill import mix_teacher_advantages, scoring_in_producer, start_teacher
+from microrl.run.distill import mix_teacher_advantages, start_teacher
 
 __all__ = ["USAGE", "main"]
 
@@ -103,27 +100,28 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
     sampling, overlong = sampling_params(cfg), overlong_shaping(cfg)
     # teacher.path: on-policy distillation's frozen teacher (docs/recipes.md#teachers).
     teacher = start_teacher(cfg, run.tokenizer, dist_info)
-    # rollout.backend's sampler; with rollout.max_staleness > 0 (prefetch) a worker process
-    # samples the next steps (and a checkpoint's rollouts sampled ahead come first) while the
-    # sampler, the trainer's current weights, only evaluates.
-    sampler, prefetch = start_sampling(
+    # Every step's rollout: rollout.backend's sampler (with rollout.max_staleness > 0 in
+    # processes of its own, sampling ahead; a checkpoint's rounds first), the rows scored (the
+    # teacher's log-probs too) and, with dynamic sampling, filtered. Evaluation samples the
+    # policy: the trainer's current weights.
+    source, policy = start_rollouts(
         cfg, engine, run.tokenizer, task, sampling, rng, prompts_per_rank,
         start_step=start_step, restored=restored, dist_info=dist_info,
         image_encoder=run.image_encoder,  # a vision-language policy's (docs/rollouts.md#images)
-        **scoring_in_producer(teacher, dist_info),  # the teacher scores in the producer
+        shaping=overlong, teacher=teacher,
     )  # fmt: skip
-    evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens, cfg.rollout)
+    evaluate = evaluator(policy, task, dist_info, cfg.rollout.max_new_tokens, cfg.rollout)
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, run.t_setup)
 
     step, t_train, interrupted, metrics, extra = start_step, time.perf_counter(), False, {}, None
-    with close_on_exit(sampler, prefetch, teacher), StopOnInterrupt(dist_info) as stop:
+    with close_on_exit(source, teacher), StopOnInterrupt(dist_info) as stop:
         for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
-            # 1-2. Sample a group of responses per prompt from the current policy and score
-            #    them (a multi-turn task plays whole episodes instead: docs/rollouts.md).
-            problems, rollout, scores, sampled = sample_step(
-                cfg, run, step, sampler, prefetch, sampling, overlong, rng
-            )
+            # 1-2. A group of responses per prompt from the policy, scored (a multi-turn task
+            #    plays whole episodes instead: docs/rollouts.md), until the groups' rewards
+            #    differ (rollout.dynamic_sampling, DAPO), without the rows of failed episodes.
+            #    The batch carries the sampler's rollout_logprobs (the engine reports mismatch/*).
+            problems, rollout, scores, sampled = source.take(step)
             # Built on the host, moved to the engine's device once: from here on every tensor
             # is the engine's (docs/batch.md#devices).
             rollout, scores = rollout.to(engine.device), scores.to(engine.device)
@@ -132,7 +130,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             # 3-4. Old and reference log-probs, group-normalised advantages (+ the teacher's).
             old, distilled = estimate_advantages(
                 engine, rollout, scores + penalty, cfg, step=step, teacher=teacher,
-                dist_info=dist_info, teacher_wait_s=prefetch and prefetch.scorer_wait_s,
+                dist_info=dist_info, teacher_wait_s=source.scorer_wait_s,
             )  # fmt: skip
             # 5. PPO-style epochs over shuffled mini-batches; the engine splits each mini-batch
             #    into micro-batches and normalises the loss over the whole mini-batch.
@@ -142,11 +140,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 for rows in torch.randperm(batch.batch_size[0]).tensor_split(mini_batches):
                     updates.append(engine.train_batch(batch[rows]))
             engine.release_host_memory()  # offloaded copies: unpinned before sampling
-            is_eval_step = cfg.train.eval_due(step)
-            if prefetch is not None:  # push (and check) the new weights; sample a step further
-                prefetch.sync(engine)
-            elif step % cfg.rollout.sync_every == 0 or is_eval_step:
-                sampler.sync(engine)  # vllm: load the new weights; hf samples the live model
+            source.sync(engine)  # the new weights to the sampler (checked); sample further
             # 6. Metrics (counts summed over ranks), eval, checkpoint. The entropy comes from
             #    the old log-prob pass (none with the bypass), kl from the updates of a step
             #    with reference log-probs.
@@ -155,11 +149,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 overlong=cfg.task.rewards.overlong_buffer > 0,
                 groups=rollout.group_ids,  # frac_reward_zero_std: groups that teach nothing
             )  # fmt: skip
-            metrics.update(distilled | sampled)  # teacher/*, dynamic_sampling/*
+            # teacher/*, dynamic_sampling/*, staleness/* and sync/probe_* (docs/async.md)
+            metrics.update(distilled | sampled)
             metrics.update(rollout_metrics(task, rollout, dist_info))  # episodes/, agent/, judge/
-            if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)
-                metrics.update(prefetch.metrics(step, rollout, dist_info))
-            if is_eval_step:
+            if cfg.train.eval_due(step):
                 metrics["eval/accuracy"] = evaluate()
             tracker.log(step, metrics)
             # A few completions every output.log_samples_every steps (samples.jsonl, trackers).
@@ -169,12 +162,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 break
             save_if_due(
                 cfg, {"actor": engine}, step, rng=rng, dist_info=dist_info,
-                extra_state=prefetch and prefetch.extra_state,  # the rollouts sampled ahead
+                extra_state=source.extra_state,  # the rounds not trained yet
             )  # fmt: skip
             # The step's device tensors (its batch, with the images' pixels) go now, not once
             # the next step has sampled beside them (docs/batch.md#images).
             del rollout, batch, scores, penalty, old
-        extra = prefetch and prefetch.extra_state()  # the rollouts sampled ahead, for --resume
+        extra = source.extra_state()  # the rounds not trained yet, for --resume
 
     # 7. The end: a checkpoint, then (unless Ctrl-C stopped the run: exit code 130, --resume)
     #    the adapter, the curves and the summary.
@@ -185,33 +178,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
         tokenizer=run.tokenizer,  # saved beside the merged model (output.export_merged)
         extra_state=extra,
     )  # fmt: skip
-
-
-def sample_step(
-    cfg: GRPOExampleConfig, run, step: int, sampler, prefetch, sampling, overlong, rng
-) -> tuple[list, Rollout, torch.Tensor, dict[str, float]]:
-    """Steps 1-2: ``(problems, rollout, scores [B], dynamic-sampling metrics)`` of ``step``,
-    sampled now or ahead (``prefetch``: rollout.max_staleness), until the groups' rewards
-    differ (rollout.dynamic_sampling, DAPO), and without the rows of failed episodes."""
-    task, dist_info, count = run.task, run.dist_info, run.prompts_per_rank
-    sampled = {}
-    if prefetch is not None and cfg.rollout.dynamic_sampling:  # both: rounds sampled ahead
-        problems, rollout, scores, sampled = prefetch.take_groups(step, dist_info, shaping=overlong)
-    elif prefetch is not None:  # sampled (and scored) ahead by the worker
-        problems, rollout, scores = prefetch.take(step)
-    elif cfg.rollout.dynamic_sampling:
-        problems, rollout, scores, sampled = dynamic_sample(
-            task, sampler, sampling, rng, count, dist_info,
-            max_rounds=cfg.rollout.max_sampling_rounds, shaping=overlong, limits=cfg.rollout,
-        )  # fmt: skip
-    else:  # the plain ancestral sample at the loss's temperature; the batch carries the
-        # sampler's rollout_logprobs (the engine reports the mismatch/*). The score is the
-        # task's reward (addition: the answer text only; episodes: the environments' rewards).
-        problems = task.sample(rng, count)
-        rollout, scores = sample_and_score(sampler, task, problems, sampling, cfg.rollout)
-    if cfg.rollout.skip_env_errors:  # rows of failed episodes are gone: whole groups only
-        rollout, scores, problems = whole_groups(rollout, scores, problems, cfg.rollout.group_size)
-    return problems, rollout, scores, sampled
 
 
 def estimate_advantages(

@@ -13,9 +13,9 @@ statistics are those of the whole rollout over all ranks, so the update is the o
 process would make on the same rollout; under sequence parallelism the processes of an sp group
 are one data rank (docs/distributed.md).
 
-With ``rollout.max_staleness=k > 0`` (``hf``) a worker process samples the next steps' rollouts
-while this one trains, with the actor's weights at most k steps old, pushed and checked after
-every step. The old log-probs and the critic's values (3 below) are still computed here, on the
+With ``rollout.max_staleness=k > 0`` worker processes (or vLLM servers) sample the next steps'
+rollouts while this one trains, with the actor's weights at most k steps old, pushed and checked
+after every step (the step reads the same for every k). The old log-probs and the critic's values (3 below) are still computed here, on the
 collected rollout at the current weights: the old log-probs are the proximal policy the ratio is
 anchored on, the sampler's the behaviour policy (``actor.policy_loss.decoupled_is_cap``;
 docs/async.md).
@@ -45,12 +45,11 @@ from microrl.run import (
     overlong_shaping,
     parse_cli,
     rollout_metrics,
-    sample_and_score,
     sample_rows,
     sampling_params,
     save_if_due,
+    start_rollouts,
     start_run,
-    start_sampling,
     start_tracking,
     step_metrics,
 )
@@ -95,31 +94,28 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
     engines = {"actor": actor, "critic": critic}
     rng, start_step, restored = run.resume(engines)
     sampling, overlong = sampling_params(cfg), overlong_shaping(cfg)
-    # rollout.backend's sampler; with rollout.max_staleness > 0 (prefetch) a worker process
-    # samples the next steps with the actor's pushed weights (a checkpoint's rollouts sampled
-    # ahead come first) while the sampler, the trainer's current weights, only evaluates.
-    sampler, prefetch = start_sampling(
+    # Every step's rollout: rollout.backend's sampler (with rollout.max_staleness > 0 in
+    # processes of its own, sampling ahead with the actor's pushed weights; a checkpoint's rounds
+    # first), the rows scored. Evaluation samples the policy: the actor's current weights.
+    source, policy = start_rollouts(
         cfg, actor, run.tokenizer, task, sampling, rng, prompts_per_rank,
         start_step=start_step, restored=restored, dist_info=dist_info,
         image_encoder=run.image_encoder,  # a vision-language policy's (docs/rollouts.md#images)
+        shaping=overlong,
     )  # fmt: skip
-    evaluate = evaluator(sampler, task, dist_info, cfg.rollout.max_new_tokens)
+    evaluate = evaluator(policy, task, dist_info, cfg.rollout.max_new_tokens)
     tracker, first_accuracy = start_tracking(cfg, dist_info, start_step, evaluate, run.t_setup)
 
     step, t_train, interrupted, metrics, extra = start_step, time.perf_counter(), False, {}, None
-    with close_on_exit(sampler, prefetch), StopOnInterrupt(dist_info) as stop:
+    with close_on_exit(source), StopOnInterrupt(dist_info) as stop:
         for step in stop.steps(start_step + 1, cfg.train.steps + 1):  # an error names its step
             t0 = time.perf_counter()
-            # 1. Sample responses from the current policy (the loss's temperature); the batch
-            #    carries the sampler's rollout_logprobs (the engine reports the mismatch/*).
-            if prefetch is not None:  # 1-2 sampled ahead by the worker (rollout.max_staleness):
-                # rows of a policy up to k steps old, their rollout_logprobs the behaviour
-                # policy; the old log-probs and values (3) are the trainer's, computed now.
-                problems, rollout, scores = prefetch.take(step)
-            else:
-                problems = task.sample(rng, prompts_per_rank)
-                # 2. Score the answer text (the reward of the last response token, in step 4).
-                rollout, scores = sample_and_score(sampler, task, problems, sampling)
+            # 1-2. Responses from the policy (the loss's temperature), scored: the answer text's
+            #    score is the reward of the last response token (step 4). The batch carries the
+            #    sampler's rollout_logprobs (the engine reports the mismatch/*); sampled ahead
+            #    (rollout.max_staleness), its rows are a policy up to k steps old, and the old
+            #    log-probs and values (3) are the trainer's, computed now.
+            problems, rollout, scores, sampled = source.take(step)
             # Built on the host, moved to the engines' device once (docs/batch.md#devices).
             rollout, scores = rollout.to(actor.device), scores.to(actor.device)
             batch = rollout.batch
@@ -133,11 +129,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
             actor_updates, critic_updates = ppo_update(
                 actor, critic, batch, cfg, run.mini_batch_per_rank
             )
-            is_eval_step = cfg.train.eval_due(step)
-            if prefetch is not None:  # push (and check) the new weights; sample a step further
-                prefetch.sync(actor)
-            elif step % cfg.rollout.sync_every == 0 or is_eval_step:
-                sampler.sync(actor)  # vllm: load the new weights; hf samples the live model
+            source.sync(actor)  # the new weights to the sampler (checked); sample further
             # 6. Metrics (counts summed over ranks), eval, checkpoint. The entropy comes from
             #    the old log-prob pass (none with the bypass).
             metrics = step_metrics(
@@ -146,10 +138,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 # frac_reward_zero_std: a prompt's responses all scored alike (groups of 2+)
                 groups=rollout.group_ids if cfg.rollout.group_size > 1 else None,
             )  # fmt: skip
+            metrics.update(sampled)  # staleness/*, sync/probe_* (docs/async.md)
             metrics.update(rollout_metrics(task, rollout, dist_info))  # judge/, reward_model/
-            if prefetch is not None:  # staleness/*, sync/probe_* (docs/async.md)
-                metrics.update(prefetch.metrics(step, rollout, dist_info))
-            if is_eval_step:
+            if cfg.train.eval_due(step):
                 metrics["eval/accuracy"] = evaluate()
             tracker.log(step, metrics)
             # A few completions every output.log_samples_every steps (samples.jsonl, trackers).
@@ -159,12 +150,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None, usage: s
                 break
             save_if_due(
                 cfg, engines, step, rng=rng, dist_info=dist_info,
-                extra_state=prefetch and prefetch.extra_state,  # the rollouts sampled ahead
+                extra_state=source.extra_state,  # the rounds not trained yet
             )  # fmt: skip
             # The step's device tensors (its batch, with the images' pixels) go now, not once
             # the next step has sampled beside them (docs/batch.md#images).
             del rollout, batch, scores, penalty, old
-        extra = prefetch and prefetch.extra_state()  # the rollouts sampled ahead, for --resume
+        extra = source.extra_state()  # the rounds not trained yet, for --resume
 
     # 7. The end: a checkpoint, then (unless Ctrl-C stopped the run: exit code 130, --resume)
     #    the actor's adapter, the curves and the summary.

@@ -102,7 +102,7 @@ def save_run(
     ``extra_state``: more of this rank's loop state, saved beside its RNG states and given back
     by :func:`load_run` (tensors, strings, numbers, lists and dicts of them: it is read with
     ``weights_only=True``), e.g. the rollouts an asynchronous run sampled ahead
-    (:meth:`microrl.run.prefetcher.RolloutPrefetcher.state_dict`).
+    (:meth:`microrl.run.source.RolloutSource.state_dict`).
 
     Everything goes to ``.checkpoint.tmp`` first, ``run.json`` last (the completion marker), and
     replaces the previous checkpoint by the swap of :func:`~microrl.engine.checkpoint.atomic_io.replace_dir`:
@@ -120,7 +120,7 @@ def save_run(
         engine.save_checkpoint(tmp / name)
     state = {
         "step": step,
-        "python_rng": _to_lists(rng.getstate()),
+        "python_rng": rng_state(rng),
         "torch_rng": torch.get_rng_state(),
     }
     if extra_state is not None:
@@ -183,11 +183,21 @@ def load_run(
     for name, engine in engines.items():
         engine.load_checkpoint(directory / name)  # the resumed config's lr etc. take effect
     state = torch.load(state_path, weights_only=True)
-    rng.setstate(_to_tuples(state["python_rng"]))
+    set_rng_state(rng, state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
     if extra_state is not None:
         extra_state.update(state.get("extra", {}))
     return int(state["step"])
+
+
+def rng_state(rng: random.Random) -> list:
+    """``rng``'s state as nested lists (what ``torch.load(weights_only=True)`` reads back)."""
+    return _to_lists(rng.getstate())
+
+
+def set_rng_state(rng: random.Random, state: list) -> None:
+    """Put ``rng`` back at a :func:`rng_state`."""
+    rng.setstate(_to_tuples(state))
 
 
 def _to_lists(value: Any) -> Any:

@@ -34,8 +34,8 @@ from microrl.configs.loader import (
 )
 from microrl.engine.checkpoint.atomic_io import staging_paths
 from microrl.engine.parallel.nodes import check_shared_dir
-from microrl.engine.rollout.episodes import EpisodeError
 from microrl.hub import first_line
+from microrl.rollout.episodes import EpisodeError
 from microrl.run.checkpoint import (
     CHECKPOINT_DIR,
     RUN_OUTPUTS,

@@ -5,8 +5,8 @@ Per token of a response, the advantage trained on is
 ``task_advantage * [teacher.task_reward] + teacher.coef * distill_advantage``, with
 ``distill_advantage`` the teacher's minus the student's log-prob of the sampled token
 (:func:`microrl.losses.distillation_advantages`; discounted over later tokens with
-``teacher.gamma > 0``). The teacher's log-probs come with the rollout when the producer scored
-them (``rollout.max_staleness > 0``), else they are scored here.
+``teacher.gamma > 0``). The rollout source adds the teacher's log-probs to each round before
+its rewards (:func:`teacher_scoring`); a batch without them is scored here.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from microrl.engine.rollout import Rollout
 from microrl.losses import distillation_advantages
+from microrl.rollout import Rollout
 from microrl.run.dist import Dist, train_threads
 from microrl.run.teacher import TEACHER_LOGPROBS_KEY, Teacher, VLLMTeacher, make_teacher
 
 __all__ = [
     "mix_teacher_advantages",
-    "scoring_in_producer",
     "start_teacher",
     "teacher_scorer",
+    "teacher_scoring",
 ]
 
 
@@ -52,7 +52,7 @@ def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
 
 def teacher_scorer(teacher: Teacher):
     """``score(rollout)``: the teacher's log-probs added to the rollout's batch (kept when it
-    holds them already), for the producer (:class:`~microrl.run.RolloutPrefetcher`)."""
+    holds them already), for the rollout source (:class:`~microrl.run.RolloutSource`)."""
 
     def score(rollout: Rollout) -> None:
         if TEACHER_LOGPROBS_KEY not in rollout.batch:
@@ -98,11 +98,10 @@ def mix_teacher_advantages(
     return advantages, metrics
 
 
-def scoring_in_producer(teacher: Teacher | None, dist_info: Dist) -> dict[str, Any]:
-    """:func:`~microrl.run.start_sampling`'s keyword arguments that score the teacher in the
-    producer under ``rollout.max_staleness > 0`` (none without a teacher). On a thread, unless
-    the scoring is collective: an engine teacher under ``torchrun``, or an sp group's sampler
-    (its ``collect`` broadcasts); then when the trainer takes the rollout."""
+def teacher_scoring(teacher: Teacher | None, dist_info: Dist) -> dict[str, Any]:
+    """:func:`~microrl.run.start_rollouts`' scoring of ``teacher`` in the rollout source (none
+    without a teacher): its ``scorer`` and whether it is a collective (an engine teacher under
+    ``torchrun``, or an sp group's data rank), which scores on the trainer's thread."""
     if teacher is None:
         return {}
     collective = dist_info.replicas > 1 or (

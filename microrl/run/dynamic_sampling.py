@@ -6,83 +6,23 @@ A GRPO group whose rewards are all equal (every response right, or every one wro
 exactly 0 (:func:`microrl.losses.grpo_advantages`): it adds no gradient, only loss tokens to the
 token-mean denominator, which shrinks the update of the groups that do teach something. As the
 policy gets better, more groups are all right and the effective batch shrinks. Dynamic sampling
-keeps only the groups with a reward spread, sampling more prompts until there are enough.
-
-``examples/grpo_lora.py`` calls :func:`dynamic_sample` when ``rollout.dynamic_sampling`` is on;
-with ``rollout.max_staleness > 0`` the prefetcher filters the rounds it sampled ahead with the
-same :class:`GroupFilter` (docs/async.md#dynamic-sampling).
+keeps only the groups with a reward spread, sampling more prompts until there are enough: the
+rollout source (:mod:`microrl.run.source`) filters its rounds, in order, with a
+:class:`GroupFilter` (``rollout.dynamic_sampling``).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
-from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import (
-    Rollout,
-    RolloutBackend,
-    SamplingParams,
-    merge_rollouts,
-    select_groups,
-)
 from microrl.losses import group_stats
+from microrl.rollout import Rollout, merge_rollouts, select_groups
 from microrl.run.dist import Dist
-from microrl.run.sampling import sample_and_score
-from microrl.tasks import Problem, Task
+from microrl.tasks import Problem
 
-__all__ = ["DynamicSample", "GroupFilter", "dynamic_sample"]
-
-
-class DynamicSample(NamedTuple):
-    """This rank's groups of a step: ``problems[g]`` is the prompt of the rows of group ``g`` of
-    ``rollout`` (ids ``0 .. n_prompts - 1``, contiguous, rows grouped by prompt), ``scores``
-    ``[B]`` the task's score of each row (without the ``shaping`` term), ``metrics`` the
-    ``dynamic_sampling/*`` counts of all ranks."""
-
-    problems: list[Problem]
-    rollout: Rollout
-    scores: torch.Tensor
-    metrics: dict[str, float]
-
-
-def dynamic_sample(
-    task: Task,
-    sampler: RolloutBackend,
-    params: SamplingParams,
-    rng: random.Random,
-    n_prompts: int,
-    dist_info: Dist,
-    *,
-    max_rounds: int,
-    shaping: Callable[[Rollout], torch.Tensor] | None = None,
-    sample: Callable[[list[Problem]], tuple[Rollout, torch.Tensor]] | None = None,
-    limits: RolloutConfig | None = None,
-) -> DynamicSample:
-    """Sample rounds of ``n_prompts`` fresh prompts (``params.num_samples`` responses each) until
-    this rank holds ``n_prompts`` groups whose rewards are not all equal, on every rank, or
-    ``max_rounds`` rounds ran; :class:`GroupFilter` keeps the groups.
-
-    A round is ``sample(problems) -> (rollout, scores [B])``; by default
-    :func:`~microrl.run.sampling.sample_and_score` (``generate`` and the task's reward, or a
-    multi-turn task's episodes under ``limits``), as ``examples/grpo_lora.py`` samples without
-    dynamic sampling. Row ``i`` of a round's rollout answers ``problems[rollout.group_ids[i]]``.
-    ``shaping``: a per-row ``[B]`` term added to the scores before the spread is judged (e.g.
-    the overlong penalty); the returned scores are the task's, without it.
-    """
-    groups = GroupFilter(n_prompts, dist_info, max_rounds=max_rounds, shaping=shaping)
-    more = True
-    while more:
-        problems = task.sample(rng, n_prompts)
-        if sample is None:
-            rollout, scores = sample_and_score(sampler, task, problems, params, limits)
-        else:
-            rollout, scores = sample(problems)
-        more = groups.add(problems, rollout, scores)
-    return groups.result(pad_token_id=sampler.tokenizer.pad_token_id)
+__all__ = ["GroupFilter"]
 
 
 class GroupFilter:
@@ -102,9 +42,8 @@ class GroupFilter:
     first equal-reward groups of its last round (advantage 0: they add only to the loss's
     token-mean denominator), so a step always has ``n_prompts`` groups per rank.
 
-    Used by :func:`dynamic_sample` (rounds sampled on demand) and by
-    :meth:`~microrl.run.prefetcher.RolloutPrefetcher.take_groups` (rounds sampled ahead): the
-    same rounds keep the same groups.
+    The rollout source gives it its rounds (:class:`~microrl.run.source.RolloutSource`), sampled
+    now or ahead: the same rounds keep the same groups.
     """
 
     def __init__(
@@ -144,9 +83,13 @@ class GroupFilter:
             self._kept < self.n_prompts
         )
 
-    def result(self, *, pad_token_id: int) -> DynamicSample:
-        """The kept groups in sampling order (earlier rounds first), merged into one batch of the
-        rollout layout (:func:`microrl.engine.rollout.merge_rollouts`, ``pad_token_id`` in the
+    def result(
+        self, *, pad_token_id: int
+    ) -> tuple[list[Problem], Rollout, torch.Tensor, dict[str, float]]:
+        """``(problems, rollout, scores, metrics)``: ``problems[g]`` the prompt of the rows of
+        group ``g`` of ``rollout``, ``scores`` ``[B]`` each row's task score (without the
+        ``shaping`` term). The kept groups in sampling order (earlier rounds first), merged into one batch of the
+        rollout layout (:func:`microrl.rollout.merge_rollouts`, ``pad_token_id`` in the
         new padding). Metrics: ``dynamic_sampling/rounds`` (the same on every rank), and summed
         over ranks ``dynamic_sampling/groups_dropped`` (equal-reward groups left out),
         ``dynamic_sampling/groups_filled`` (equal-reward groups kept as the top-up) and
@@ -176,4 +119,4 @@ class GroupFilter:
             "dynamic_sampling/groups_filled": filled,
             "dynamic_sampling/groups_surplus": surplus,
         }
-        return DynamicSample(kept_problems, merged, torch.cat(kept_scores), metrics)
+        return kept_problems, merged, torch.cat(kept_scores), metrics

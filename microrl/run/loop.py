@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from microrl.engine.rollout import Rollout, SamplingParams
-from microrl.engine.rollout.positions import check_positions, position_limit
+from microrl.rollout import Rollout, SamplingParams
+from microrl.rollout.positions import check_positions, position_limit
 from microrl.run.base_model import prepare_base_model
 from microrl.run.checkpoint import load_run, save_run
 from microrl.run.cli import prepare_output
@@ -127,7 +127,7 @@ CHECKED_PROMPTS = 4096
 def check_prompt_positions(task: Task, tokenizer: Any, base_path: str, max_new_tokens: int) -> None:
     """``ValueError`` naming ``rollout.max_new_tokens`` when the task's longest prompt plus it
     runs past the positions of the model at ``base_path``
-    (:func:`~microrl.engine.rollout.positions.check_positions`): of a prompt file, the
+    (:func:`~microrl.rollout.positions.check_positions`): of a prompt file, the
     :data:`CHECKED_PROMPTS` rows with the most text (tokenizing every row of a large file
     costs more than reading it); of a generated task, its held-out prompts. The ``hf`` sampler checks every batch
     exactly; episodes' and agents' first inputs are rendered later (an environment's ``init``,
@@ -182,7 +182,7 @@ def save_if_due(
 ) -> None:
     """The run checkpoint (:func:`~microrl.run.checkpoint.save_run`) after every
     ``output.save_every``-th step (never with 0). ``extra_state``: returns more of the loop's
-    state (e.g. :meth:`RolloutPrefetcher.extra_state`), called only when a checkpoint is due,
+    state (e.g. :meth:`RolloutSource.extra_state`), called only when a checkpoint is due,
     since collecting it may wait (for the rollouts sampled ahead)."""
     if cfg.output.save_every and step % cfg.output.save_every == 0:
         save_run(

@@ -1,9 +1,9 @@
 """One call for a recipe's rollout: sample (or play episodes) and score, for every kind of task.
 
-A single-turn task is sampled with :meth:`~microrl.engine.rollout.RolloutBackend.generate` and
+A single-turn task is sampled with :meth:`~microrl.rollout.RolloutBackend.generate` and
 scored by its reward; a multi-turn task (one with ``make_env``,
 :mod:`microrl.tasks.environments`) is played with
-:meth:`~microrl.engine.rollout.RolloutBackend.run_episodes` under the ``rollout.max_turns``,
+:meth:`~microrl.rollout.RolloutBackend.run_episodes` under the ``rollout.max_turns``,
 ``rollout.max_episode_tokens`` and ``rollout.skip_env_errors`` limits and scored by its
 environments' summed rewards. Training steps and the greedy evaluation go through the same call.
 """
@@ -18,10 +18,10 @@ import torch
 from microrl.agents import EPISODE_KEY, AgentLimits, run_agent_episodes
 from microrl.agents.runner import agent_metric_means
 from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
 from microrl.losses import check_whole_groups, grpo_advantages
+from microrl.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
+from microrl.rollout.images import problem_images
 from microrl.run.dist import Dist
-from microrl.run.vision import problem_images
 from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
 __all__ = [
@@ -80,7 +80,7 @@ def sample_and_score(
 
 
 def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:
-    """An agent task's episode bounds: its ``task.agent_*`` settings and the rollout's token
+    """An agent task's episode bounds: its ``task.agent.*`` settings and the rollout's token
     budget (``rollout.max_episode_tokens``) and ``rollout.skip_env_errors``."""
     return AgentLimits(
         timeout_s=task.timeout_s,

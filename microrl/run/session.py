@@ -1,11 +1,14 @@
-"""The scaffolding every RL recipe shares around its step: evaluation, tracking, shutdown.
+"""The scaffolding every RL recipe shares around its step: its rollouts, evaluation, tracking,
+shutdown.
 
-The algorithm itself (sample, score, old/ref log-probs, advantages, update) stays in each recipe
-so it reads top to bottom; what is here is the same for GRPO and PPO.
+The algorithm itself (old/ref log-probs, advantages, update) stays in each recipe so it reads
+top to bottom; what is here is the same for GRPO and PPO.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,36 +17,48 @@ from typing import Any
 
 import yaml
 
+from microrl.agents.agent_sampler import AgentSampler
 from microrl.configs.loader import config_to_yaml
 from microrl.configs.run import RolloutConfig
 from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter
-from microrl.engine.rollout import (
+from microrl.rollout import (
     HFRollout,
+    InProcessSampler,
     Rollout,
     RolloutBackend,
     SamplingParams,
-    make_rollout_backend,
+    make_sampler,
+    turn_terminators,
 )
-from microrl.engine.rollout.episodes import EpisodeError
-from microrl.run.async_start import resumed_rollouts, start_prefetcher, warn_if_uncorrected
+from microrl.rollout.episodes import EpisodeError
 from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
 from microrl.run.dist import Dist, train_threads
-from microrl.run.prefetcher import RolloutPrefetcher
-from microrl.run.sampling import episode_rows, sample_and_score
+from microrl.run.distill import teacher_scoring
+from microrl.run.sampling import agent_limits, episode_rows, sample_and_score
+from microrl.run.source import ROLLOUT_BUFFER_KEY, RolloutSource
 from microrl.run.tracking import Tracker
-from microrl.tasks import Problem, RewardError, Task
+from microrl.tasks import Problem, RewardError, Task, is_agent_task, is_episode_task
 
 __all__ = [
+    "CORRECTIONS",
+    "close_on_exit",
     "evaluate_accuracy",
     "evaluator",
     "finish",
     "sample_rows",
-    "start_sampling",
+    "scores_ahead",
+    "start_rollouts",
     "start_tracking",
+    "warn_if_uncorrected",
 ]
 
+logger = logging.getLogger(__name__)
 
-def start_sampling(
+#: The policy-loss keys that correct for the behaviour policy (docs/async.md).
+CORRECTIONS = ("tis_cap", "token_ratio_band", "seq_ratio_band", "decoupled_is_cap")
+
+
+def start_rollouts(
     cfg: Any,
     engine: Any,
     tokenizer: Any,
@@ -55,58 +70,122 @@ def start_sampling(
     start_step: int,
     restored: Mapping[str, Any],
     dist_info: Dist,
-    scorer: Callable[[Any], None] | None = None,
-    scorer_collective: bool = False,
     image_encoder: Any = None,
-) -> tuple[RolloutBackend, RolloutPrefetcher | None]:
-    """The recipe's samplers for its ``rollout`` section: ``(sampler, prefetch)``.
+    shaping: Callable[[Rollout], Any] | None = None,
+    teacher: Any = None,
+) -> tuple[RolloutSource, Callable[[], RolloutBackend] | RolloutBackend]:
+    """The recipe's rollouts for its ``rollout`` section, for every ``rollout.max_staleness``:
+    ``(source, policy)``.
 
-    ``rollout.max_staleness=0``: the ``rollout.backend`` sampler (it samples every step's
-    rollout and evaluates) and None. ``k > 0``: an ``HFRollout`` of the trainer's current
-    weights (it evaluates) and a :class:`~microrl.run.RolloutPrefetcher` whose worker samples the
-    steps ahead with ``engine``'s pushed weights, drawing the prompts from ``rng``
-    (``prompts_per_step`` each, this rank's share, up to ``train.steps``), holding first the
-    rollouts a resumed checkpoint carried (``restored``: :func:`~microrl.run.load_run`'s
-    ``extra_state``); rank 0 warns once when ``actor.policy_loss`` sets no behaviour-policy
-    correction. A checkpoint holding rollouts sampled ahead, resumed with a smaller
-    ``max_staleness``, is a ``ValueError``. ``cfg``: a recipe config (its ``rollout``,
-    ``task.name``, ``train.steps``, ``train.num_threads`` and ``actor.policy_loss``).
-    ``scorer``, ``scorer_collective``: the prefetcher's producer-side scoring (a
-    teacher's log-probs; :class:`~microrl.run.RolloutPrefetcher`). ``image_encoder``: a
-    vision-language policy's (:attr:`~microrl.run.RunStart.image_encoder`), for the sampler."""
+    ``source``: a :class:`~microrl.run.RolloutSource` over :func:`~microrl.rollout.make_sampler`'s
+    sampler holding ``engine``'s weights as version ``start_step`` (a multi-turn task's
+    environments built by it, an agent task's agents played on its jobs), drawing the prompts
+    from ``rng`` (``prompts_per_step`` each, this rank's share, up to ``train.steps``), the
+    rounds a resumed checkpoint carried first (``restored``: :func:`~microrl.run.load_run`'s
+    ``extra_state``), ``teacher``'s log-probs added to each round before its rewards,
+    ``shaping`` the overlong term dynamic sampling judges a group's spread with. ``policy``:
+    what evaluation samples, the trainer's current weights (an in-process sampler's backend,
+    loaded when it is not; else ``hf`` generation on the live model). ``rollout.sync_every =
+    n`` lets a colocated copy of the weights be ``n - 1`` versions stale. Rank 0 warns once
+    when ``k > 0`` trains without a behaviour-policy correction. ``cfg``: a recipe config (its
+    ``rollout``, ``task.name``, ``train.steps``, ``train.num_threads``, ``output.dir`` and
+    ``actor.policy_loss``); ``image_encoder``: a vision-language policy's."""
     k = cfg.rollout.max_staleness
-    ahead = resumed_rollouts(restored, k)  # a checkpoint's, if any
-    if not k:
-        sampler = make_rollout_backend(
-            cfg.rollout.backend,
+    env_maker = task.make_env if is_episode_task(task) else None
+    try:
+        sampler = make_sampler(
             engine,
             tokenizer,
-            vllm=cfg.rollout.vllm,
-            sync_check_tol=cfg.rollout.sync_check_tol,
+            cfg.rollout,
+            version=start_step,
+            env_maker=env_maker,
+            num_threads=train_threads(cfg),
+            log_dir=str(Path(cfg.output.dir) / VLLM_SERVER_LOGS),
             image_encoder=image_encoder,
         )
-        return sampler, None
-    prefetch = start_prefetcher(
-        engine,
-        tokenizer,
-        task,
-        params,
-        rng,
-        prompts_per_step,
-        rollout=cfg.rollout,
-        task_name=cfg.task.name,
-        last_step=cfg.train.steps,
-        start_step=start_step,
-        num_threads=train_threads(cfg),
-        state=ahead,
-        log_dir=str(Path(cfg.output.dir) / VLLM_SERVER_LOGS),
-        scorer=scorer,
-        scorer_collective=scorer_collective,
-        image_encoder=image_encoder,
-    )
+    except Exception as err:
+        if env_maker is None or k == 0 or cfg.rollout.backend != "hf":
+            raise
+        raise ValueError(
+            f"task.name={cfg.task.name} with rollout.max_staleness={k}: the environments must "
+            f"be built in the rollout worker process, which failed: {err}"
+        ) from err
+    if isinstance(sampler, InProcessSampler):
+        policy, lag = sampler.current, sampler.max_lag
+    else:
+        policy, lag = HFRollout(engine, tokenizer, image_encoder=image_encoder), 0
+    if is_agent_task(task):  # the agents play on the sampler's jobs
+        # Turns end where the workers' sampling stops: the model's generation_config ids too.
+        config = getattr(getattr(engine, "model", None), "generation_config", None)
+        stops = turn_terminators(tokenizer, config, require_template=False)
+        limits = agent_limits(task, cfg.rollout)
+        sampler = AgentSampler(sampler, tokenizer, task, limits, stop_ids=stops)
+    scoring = teacher_scoring(teacher, dist_info)
+    try:
+        source = RolloutSource(
+            sampler,
+            task,
+            params,
+            rng,
+            prompts_per_step,
+            max_staleness=max(k, lag),
+            last_step=cfg.train.steps,
+            dist_info=dist_info,
+            limits=cfg.rollout,
+            state=restored.get(ROLLOUT_BUFFER_KEY),
+            pad_token_id=tokenizer.pad_token_id,
+            score_ahead=scores_ahead(task, sampler, **scoring),
+            scorer=scoring.get("scorer"),
+            shaping=shaping,
+        )
+    except BaseException:
+        sampler.close()
+        raise
     if dist_info.is_main:  # once: k > 0 without a behaviour-policy correction
         warn_if_uncorrected(cfg.actor.policy_loss, k)
-    return HFRollout(engine, tokenizer, image_encoder=image_encoder), prefetch
+    return source, policy
+
+
+def scores_ahead(
+    task: Task, sampler: Any, scorer: Callable | None = None, *, scorer_collective: bool = False
+) -> bool:
+    """Whether a round is scored in a background thread as soon as it is sampled: a reward
+    model, a judge or a teacher (``scorer``), unless ``collect``, the scorer or the reward is a
+    collective or runs on the trainer's thread (a sampler of this process, an sp group's,
+    torchrun's teacher or a reward model sharded over the ranks): every rank in step."""
+    reward = getattr(task, "reward", None)
+    collective = (
+        sampler.trainer_thread or scorer_collective or bool(getattr(reward, "collective", False))
+    )
+    model_based = bool(getattr(reward, "model_based", False))
+    return (model_based or scorer is not None) and not collective
+
+
+def warn_if_uncorrected(policy_loss: Any, max_staleness: int) -> bool:
+    """Log once (a warning) when ``max_staleness > 0`` trains without any behaviour-policy
+    correction, naming the ones there are; True when it warned."""
+    if max_staleness < 1 or any(getattr(policy_loss, key, None) is not None for key in CORRECTIONS):
+        return False
+    logger.warning(
+        "rollout.max_staleness=%d trains on rollouts up to %d policy versions old without a "
+        "behaviour-policy correction; the policy loss offers actor.policy_loss.decoupled_is_cap "
+        "(AReaL's decoupled objective), tis_cap (truncated IS), token_ratio_band (IcePop) and "
+        "seq_ratio_band (sequence masking), docs/async.md",
+        max_staleness,
+        max_staleness,
+    )
+    return True
+
+
+@contextlib.contextmanager
+def close_on_exit(*closables: Any) -> Iterator[None]:
+    """Close each of ``closables`` that is not None when the block exits, also on an error."""
+    try:
+        yield
+    finally:
+        for closable in closables:
+            if closable is not None:
+                closable.close()
 
 
 def evaluate_accuracy(
@@ -131,15 +210,18 @@ def evaluate_accuracy(
 
 
 def evaluator(
-    rollout: RolloutBackend,
+    policy: RolloutBackend | Callable[[], RolloutBackend],
     task: Task,
     dist_info: Dist,
     max_new_tokens: int,
     limits: RolloutConfig | None = None,
 ) -> Callable[[], float]:
-    """Greedy held-out accuracy of the policy, each rank scoring its share of the problems."""
+    """Greedy held-out accuracy of the policy, each rank scoring its share of the problems;
+    ``policy``: a rollout backend, or what returns the one to sample each time
+    (:func:`start_rollouts`' ``policy``: the trainer's current weights)."""
     problems = dist_info.shard(task.eval_problems())
-    return lambda: evaluate_accuracy(rollout, task, problems, dist_info, max_new_tokens, limits)
+    current = policy if not isinstance(policy, RolloutBackend) else (lambda: policy)
+    return lambda: evaluate_accuracy(current(), task, problems, dist_info, max_new_tokens, limits)
 
 
 def start_tracking(

@@ -28,10 +28,10 @@ from microrl.configs.engine import ActorConfig, LoraConfig
 from microrl.configs.rollout import VLLMConfig
 from microrl.configs.teacher import TeacherConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import vllm_options
-from microrl.engine.rollout.sync_check import probe_rows, rows_to_probe_layout
 from microrl.engine.setup import resolve_device
 from microrl.hub import download_on_main, is_hub_name
+from microrl.rollout.samplers import vllm_options
+from microrl.rollout.weights.sync_check import probe_rows, rows_to_probe_layout
 from microrl.run.dist import Dist
 from microrl.run.toy_model import is_checkpoint
 
@@ -147,7 +147,7 @@ class VLLMTeacher:
     names), or a server
     started on localhost (``vllm``: the rollout's vLLM settings; ``device``: the trainer
     process's device: the server runs on its GPU, as a colocated rollout server does,
-    :func:`~microrl.remote.trainer.vllm_placement.server_gpus`)."""
+    :func:`~microrl.rollout.samplers.vllm_placement.server_gpus`)."""
 
     def __init__(
         self,
@@ -160,9 +160,9 @@ class VLLMTeacher:
         log_dir: str | None = None,
     ) -> None:
         # The HTTP client and launcher live with the out-of-process samplers.
-        from microrl.remote.trainer.vllm_http import ServerClient
-        from microrl.remote.trainer.vllm_launch import LocalVLLMServer
-        from microrl.remote.trainer.vllm_placement import cuda_visible_devices, server_gpus
+        from microrl.rollout.samplers.vllm_http import ServerClient
+        from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
+        from microrl.rollout.samplers.vllm_placement import cuda_visible_devices, server_gpus
 
         self.server = None
         if config.server.url:
@@ -199,7 +199,7 @@ class VLLMTeacher:
     def score(self, batch: TensorDict) -> torch.Tensor:
         """The server's log-probs of ``batch``'s tokens (temperature 1), ``[B, T]`` float32 on
         the batch's device, 0 off ``loss_mask``."""
-        from microrl.remote.trainer.vllm_requests import (
+        from microrl.rollout.samplers.vllm_requests import (
             GENERATE_ROUTE,
             probe_body,
             prompt_logprobs,

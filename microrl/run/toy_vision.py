@@ -1,7 +1,7 @@
 """The toy vision-language base model, built locally for the toy vision task: nothing is downloaded.
 
 Three parts, saved together as a normal checkpoint (``config.json``, weights, tokenizer,
-``preprocessor_config.json``) that :meth:`~microrl.engine.rollout.images.ImageEncoder.from_pretrained`
+``preprocessor_config.json``) that :meth:`~microrl.rollout.images.ImageEncoder.from_pretrained`
 and :func:`~microrl.engine.vision.has_vision_config` read:
 
 - the toy character tokenizer (:func:`microrl.run.toy_model.build_tokenizer`) with the Qwen-VL
@@ -35,9 +35,9 @@ from transformers import (
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
 from microrl.configs.run import ModelConfig
-from microrl.engine.rollout import HFRollout
-from microrl.engine.rollout.images import ImageEncoder
 from microrl.engine.vision import pad_images
+from microrl.rollout import HFRollout
+from microrl.rollout.images import ImageEncoder
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
 from microrl.run.toy_model import build_tokenizer

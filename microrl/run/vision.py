@@ -1,7 +1,7 @@
 """Images in a run: the policy's image encoder, the checks at start, the problems' images.
 
 A policy checkpoint with a vision config samples with an
-:class:`~microrl.engine.rollout.images.ImageEncoder` of that checkpoint (the one preprocessing
+:class:`~microrl.rollout.images.ImageEncoder` of that checkpoint (the one preprocessing
 path the trainer shares); a task whose prompts carry images needs such a policy and a sampler
 that takes images. Both are checked when the run starts, naming the key, not at the first step
 (docs/rollouts.md#images).
@@ -9,24 +9,15 @@ that takes images. Both are checked when the run starts, naming the key, not at 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from microrl.configs.refusals import check_refusals
-from microrl.engine.rollout.images import ImageEncoder
-from microrl.engine.rollout.vllm_images import vision_unsupported
 from microrl.engine.vision import has_vision_config
-from microrl.tasks import Problem, Task
+from microrl.rollout.images import ImageEncoder
+from microrl.rollout.samplers.vllm_images import vision_unsupported
+from microrl.tasks import Task
 
-__all__ = ["image_encoder_for", "problem_images", "refuse_image_sampling", "task_has_images"]
-
-
-def problem_images(problems: Sequence[Problem]) -> list[list[Any]] | None:
-    """Each problem's images for :meth:`~microrl.engine.rollout.RolloutBackend.generate`, or
-    None when no problem has any (a text batch: sampled as text, no image keys)."""
-    if not any(p.images for p in problems):
-        return None
-    return [list(p.images) for p in problems]
+__all__ = ["image_encoder_for", "refuse_image_sampling", "task_has_images"]
 
 
 def task_has_images(task: Task) -> bool:

@@ -21,7 +21,7 @@ from microrl.configs import ActorConfig, LoraConfig, OptimConfig
 from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
 from microrl.engine.checkpoint.export import export_merged_model
-from microrl.engine.rollout import HFRollout
+from microrl.rollout import HFRollout
 from microrl.run.dist import Dist
 from microrl.run.session import evaluate_accuracy
 

@@ -15,7 +15,7 @@ class Problem:
     """One prompt and the reference answer its reward compares against; a dataset row's other
     columns (``columns``: name -> value) go to the reward functions too, by name. ``images``: the
     PIL images of a vision-language prompt, one per image placeholder in ``prompt``, in order
-    (:mod:`microrl.engine.rollout.images`)."""
+    (:mod:`microrl.rollout.images`)."""
 
     prompt: str  # the text the policy continues, e.g. "12+7="
     answer: str  # the reference answer, e.g. "19"

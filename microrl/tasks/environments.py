@@ -1,7 +1,7 @@
 """Multi-turn tasks: prompts whose episodes are played against an environment (docs/tasks.md).
 
 A task with a ``make_env(problem)`` method is played with
-:meth:`~microrl.engine.rollout.RolloutBackend.run_episodes` instead of sampled once: the recipe
+:meth:`~microrl.rollout.RolloutBackend.run_episodes` instead of sampled once: the recipe
 makes one environment per row, the episode's reward is the sum of the environment's per-turn
 rewards, and a held-out episode is solved when that sum is at least ``solved_threshold``.
 
@@ -12,7 +12,7 @@ rewards, and a held-out episode is solved when that sum is at least ``solved_thr
   environments ``task.env`` (``module:factory``) builds, e.g. skyrl-gym's.
 
 Environments follow skyrl-gym's text-environment API (``init``/``step``, see
-:class:`~microrl.engine.rollout.episodes.TextEnv`); skyrl-gym's own ``BaseTextEnv`` subclasses
+:class:`~microrl.rollout.episodes.TextEnv`); skyrl-gym's own ``BaseTextEnv`` subclasses
 run unchanged.
 """
 

@@ -3,7 +3,7 @@
 A vision-language prompt is a text in which each image stands as one :data:`IMAGE_PLACEHOLDER`
 (the Qwen-VL chat templates' ``<|vision_start|><|image_pad|><|vision_end|>``), with its images in
 :attr:`microrl.tasks.Problem.images`, in order; the image encoder
-(:mod:`microrl.engine.rollout.images`) expands each :data:`IMAGE_PAD` per image feature.
+(:mod:`microrl.rollout.images`) expands each :data:`IMAGE_PAD` per image feature.
 
 :func:`load_image` reads one dataset cell (``task.images.field``, docs/tasks.md#images-in-datasets):
 a path (relative to the data file's folder, or absolute), a ``file://`` or ``http(s)://`` URL

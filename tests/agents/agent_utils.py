@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from microrl.configs.run import ModelConfig
-from microrl.engine.rollout import HFRollout, Rollout, RolloutBackend, Samples
+from microrl.rollout import HFRollout, Rollout, RolloutBackend, Samples
 from microrl.run.toy_model import build_model
 
 CHATML = (

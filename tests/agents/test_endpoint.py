@@ -15,7 +15,7 @@ from agent_utils import byte_tokenizer, chat_tokenizer
 
 from microrl.agents import AgentEndpoint, Turn
 from microrl.agents.tool_parsers import HermesParser, ParsedCall
-from microrl.engine.rollout.episodes import ObservationRenderer
+from microrl.rollout.episodes import ObservationRenderer
 
 CALL = '{"name": "add", "arguments": {"a": 1}}'
 

@@ -16,7 +16,7 @@ from agent_utils import chat_tokenizer
 from microrl.agents import AgentEndpoint, Turn
 from microrl.agents import endpoint as endpoint_module
 from microrl.agents.tool_parsers import ParsedCall
-from microrl.engine.rollout.episodes import ObservationRenderer
+from microrl.rollout.episodes import ObservationRenderer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 CALL = '{"name": "add", "arguments": {"a": 1}}'

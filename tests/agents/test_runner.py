@@ -13,8 +13,8 @@ from agent_utils import RecordingHF, ScriptedBackend, assert_rows_exact, chat_to
 
 from microrl.agents import AgentLimits, run_agent_episodes
 from microrl.configs.run import TaskConfig
-from microrl.engine.rollout import SamplingParams
-from microrl.engine.rollout.episodes import EpisodeError
+from microrl.rollout import SamplingParams
+from microrl.rollout.episodes import EpisodeError
 from microrl.tasks import Problem
 
 PROBLEMS = [Problem("1+2=", "3"), Problem("4+5=", "9")]

@@ -139,7 +139,7 @@ def test_torchrun_with_several_processes_on_one_visible_gpu_is_refused(monkeypat
 
 
 def test_the_hf_generation_worker_takes_its_gpu_before_building_its_model(monkeypatch) -> None:
-    from microrl.remote.worker import main as worker_main_module
+    from microrl.rollout.worker import main as worker_main_module
 
     fake = FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
     built_on: list[int] = []
@@ -159,7 +159,7 @@ def test_the_hf_generation_worker_takes_its_gpu_before_building_its_model(monkey
 
 
 def test_the_hf_generation_worker_empties_the_cache_after_each_job(monkeypatch) -> None:
-    from microrl.remote.worker import main as worker_main_module
+    from microrl.rollout.worker import main as worker_main_module
 
     FakeCudaAndGroup(monkeypatch, visible=GPUS, initialized=False)
     emptied: list[bool] = []

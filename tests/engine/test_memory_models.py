@@ -15,7 +15,7 @@ from vlm_utils import IMAGE, picture, toy_vlm
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.engine import RewardModelEngine
 from microrl.engine.memory import estimate_memory
-from microrl.engine.rollout.images import ImageEncoder
+from microrl.rollout.images import ImageEncoder
 
 LORA = ActorConfig(max_tokens_per_micro_batch=256, lora=LoraConfig(rank=4))
 

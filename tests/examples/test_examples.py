@@ -2,7 +2,7 @@
 
 Their pieces are tested where they live: the addition task in ``tests/tasks/test_addition.py``,
 the toy tokenizer in ``tests/run/test_toy_model.py``, the transformers rollout in
-``tests/engine/rollout/test_rollout_hf.py``, ``--help`` in ``tests/run/test_example_runs.py``.
+``tests/rollout/samplers/test_rollout_hf.py``, ``--help`` in ``tests/run/test_example_runs.py``.
 """
 
 from __future__ import annotations
@@ -219,15 +219,16 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
     """With dynamic sampling the advantages come from the kept groups' task scores plus DAPO's
     overlong penalty of their responses (max_new_tokens 4, buffer 2: 0, 0, -0.5, -1 for 1-4
     tokens); the step logs the penalty's mean and the dynamic sampling counts."""
+    from microrl.run import RolloutSource
     from microrl.tasks import overlong_penalty
 
     grpo = load_recipe("grpo_lora")
     sampled, rewards, trained = [], [], []
-    real_sample, real_advantages = grpo.dynamic_sample, grpo.group_advantages
+    real_sample, real_advantages = RolloutSource.take, grpo.group_advantages
     real_train = grpo.ActorEngine.train_batch
 
-    def spy_sample(*args, **kwargs):
-        sampled.append(real_sample(*args, **kwargs))
+    def spy_sample(self, step):
+        sampled.append(real_sample(self, step))
         return sampled[-1]
 
     def spy_advantages(rollout, scores, group_size):
@@ -239,7 +240,7 @@ def test_grpo_trains_on_the_dynamic_groups_with_the_overlong_penalty(
             trained.append("truncated" in batch)
         return real_train(self, batch, loss_fn)
 
-    monkeypatch.setattr(grpo, "dynamic_sample", spy_sample)
+    monkeypatch.setattr(RolloutSource, "take", spy_sample)
     monkeypatch.setattr(grpo, "group_advantages", spy_advantages)
     monkeypatch.setattr(grpo.ActorEngine, "train_batch", spy_train)
     out = tmp_path / "dapo"

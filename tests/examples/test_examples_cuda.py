@@ -77,10 +77,10 @@ def test_multi_turn_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
 
 
 def test_asynchronous_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
-    """rollout.max_staleness=1: the prefetched host rollouts, the staleness metrics and each
+    """rollout.max_staleness=1: the host rollouts sampled ahead, the staleness metrics and each
     push's probe check on the trainer's GPU. The simulation reaches no other process: the hf
     worker samples on the CPU, where the real one takes the trainer's GPU."""
-    from microrl.remote.trainer import hf_worker
+    from microrl.rollout.samplers import hf_worker
 
     spec = hf_worker.WorkerSpec
     monkeypatch.setattr(hf_worker, "WorkerSpec", lambda **kw: spec(**{**kw, "device": "cpu"}))
@@ -161,20 +161,17 @@ def test_vision_recipes_free_the_steps_pixels_before_the_next_sampling(
 ):
     """A step's images leave the GPU with the step: when the next step samples (the hf
     generation, the largest transient), no pixel tensor of the last one is still referenced."""
-    import importlib
-
+    from microrl.run import RolloutSource
     from microrl.run.toy_vision import PATCH_SIZE, TEMPORAL_PATCH
 
-    module = importlib.import_module(f"microrl.recipes.{recipe}")
-    name = "sample_step" if recipe == "grpo" else "sample_and_score"  # each step's sampling
     patch_dim = 3 * TEMPORAL_PATCH * PATCH_SIZE**2
-    seen, real = [], getattr(module, name)
+    seen, real = [], RolloutSource.take  # each step's sampling
 
-    def checked(*args, **kwargs):
+    def checked(self, step):
         seen.append(_image_sized_on_gpu(patch_dim))
-        return real(*args, **kwargs)
+        return real(self, step)
 
-    monkeypatch.setattr(module, name, checked)
+    monkeypatch.setattr(RolloutSource, "take", checked)
     out = tmp_path / recipe
     args = _args(vision_base, out, "actor.device=cuda", "task.name=digits", "train.steps=3")
     if recipe == "ppo":

@@ -1,7 +1,7 @@
 """The GRPO recipe on multi-turn tasks (tiny sizes): the built-in hinted-addition game, and a
 prompt file played against environments given by import path, failing and skipped.
 
-The episode machinery itself is tested in ``tests/engine/rollout/test_episodes.py``; here the recipe's
+The episode machinery itself is tested in ``tests/rollout/test_episodes.py``; here the recipe's
 use of it: training and evaluation through episodes, the ``episodes/*`` metrics, dynamic sampling
 over episodes, an environment's error naming the step and row, and ``rollout.skip_env_errors``.
 """

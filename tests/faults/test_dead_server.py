@@ -1,6 +1,6 @@
 """A server that dies during a request is reported dead, with its exit code and its log, never as
 a timeout that did not happen; a request that did wait ``timeout_s`` says so
-(microrl/remote/trainer/vllm_http.py, docs/async.md#when-the-trainer-dies)."""
+(microrl/rollout/samplers/vllm_http.py, docs/async.md#when-the-trainer-dies)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from microrl.remote.trainer import vllm_launch
-from microrl.remote.trainer.vllm_http import ServerClient, ServerError
+from microrl.rollout.samplers import vllm_launch
+from microrl.rollout.samplers.vllm_http import ServerClient, ServerError
 
 # A stand-in for `vllm serve` that dies while it serves a request, as one killed by the OOM
 # killer or by its engine core's crash does.

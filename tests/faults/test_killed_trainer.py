@@ -1,5 +1,5 @@
 """A trainer SIGKILLed (the OOM killer, ``kill -9``) leaves no server, engine core or model
-directory behind (engine/rollout/watcher.py, docs/async.md#when-the-trainer-dies).
+directory behind (microrl/rollout/watcher.py, docs/async.md#when-the-trainer-dies).
 
 The trainer is a process of its own that starts a stand-in for ``vllm serve`` through
 ``LocalVLLMServer`` (the launch path of the rollout and teacher servers) with a child standing
@@ -40,9 +40,9 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 TRAINER = r"""
 import json, sys, time
 
-from microrl.engine.rollout import vllm_options
-from microrl.remote.trainer import vllm_launch
-from microrl.remote.trainer.server_weight_syncs import WORKDIR_PREFIX
+from microrl.rollout.samplers import vllm_options
+from microrl.rollout.samplers import vllm_launch
+from microrl.rollout.weights.server_syncs import WORKDIR_PREFIX
 
 server, core_pid_file = sys.argv[1], sys.argv[2]
 vllm_launch.serve_command = lambda model_dir, *, port, **options: [

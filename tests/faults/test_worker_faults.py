@@ -24,9 +24,9 @@ from fault_utils import by_step, checkpoint_step, dies_while_its_error_is_sent, 
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.configs.run import ModelConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout import SamplingParams
-from microrl.remote.trainer.hf_worker import AsyncRollout
-from microrl.remote.trainer.protocol import SamplerOptions, WorkerError
+from microrl.rollout import SamplingParams
+from microrl.rollout.sampler import SamplerOptions, WorkerError
+from microrl.rollout.samplers.hf_worker import AsyncRollout
 from microrl.run import StepFailed
 from microrl.run.toy_model import build_model, build_tokenizer
 from microrl.tasks import AdditionTask

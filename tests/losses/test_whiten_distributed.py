@@ -104,7 +104,7 @@ def test_grpo_groups_are_whole_on_each_rank_and_match_the_global_advantages():
     from microrl.configs.loader import load_config
     from microrl.configs.run import ModelConfig
     from microrl.engine import ActorEngine
-    from microrl.engine.rollout import HFRollout, SamplingParams
+    from microrl.rollout import HFRollout, SamplingParams
     from microrl.run.toy_model import build_model, build_tokenizer
     from microrl.tasks import AdditionTask
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from microrl.engine.rollout import Rollout
 from microrl.losses import grpo_advantages
+from microrl.rollout import Rollout
 from microrl.run import group_advantages, whole_groups
 from microrl.tasks import Problem
 

@@ -1,11 +1,12 @@
-"""DAPO's dynamic sampling (microrl/run/dynamic_sampling.py) with a scripted task and sampler.
+"""DAPO's dynamic sampling (microrl/run/dynamic_sampling.py, in the rollout source of
+microrl/run/source.py) with a scripted task and sampler.
 
 The task says which prompts' groups get a reward spread; the sampler answers every prompt the
 same way each time, so a step's kept groups can be sampled again directly and compared. The
 2-rank test launches this file on gloo ranks (``distributed_utils.launch``): every rank runs the
-same number of rounds, whichever needs them. With ``rollout.max_staleness=k`` the prefetcher
-filters rounds sampled ahead (microrl/run/prefetcher.py): the same rounds keep the same groups
-as the synchronous filter, no round is older than k, and every round drawn is counted.
+same number of rounds, whichever needs them. With ``rollout.max_staleness=k`` the source
+filters rounds sampled ahead: the same rounds keep the same groups as at ``k = 0`` (rounds
+sampled when the step takes them), no round is older than k, and every round drawn is counted.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the ranks
 
 from microrl.configs.run import RolloutConfig
-from microrl.engine.rollout import RolloutBackend, Samples, SamplingParams
 from microrl.losses import grpo_advantages
-from microrl.remote.trainer.protocol import POLICY_VERSION_KEY, Job
-from microrl.run import Dist, RolloutPrefetcher, dynamic_sample
+from microrl.rollout import InProcessSampler, RolloutBackend, Samples, SamplingParams
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job
+from microrl.run import Dist, GroupFilter, RolloutSource
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import Problem
 
@@ -78,19 +79,26 @@ class ScriptedSampler(RolloutBackend):
         return Samples(token_ids=ids, logprobs=logprobs)
 
 
-def _run(spread, n, max_rounds, dist_info=None, **kwargs):
-    task, sampler = ScriptedTask(spread), ScriptedSampler()
-    result = dynamic_sample(
+def _synchronous(task, sampler, n, max_rounds, dist_info=None, shaping=None):
+    """One step at ``k = 0``: its rounds sampled in this process when the step takes them."""
+    source = RolloutSource(
+        InProcessSampler(sampler, engine=None),
         task,
-        sampler,
         PARAMS,
         random.Random(0),
         n,
-        dist_info or Dist(),
-        max_rounds=max_rounds,
-        **kwargs,
+        last_step=1,
+        dist_info=dist_info or Dist(),
+        limits=RolloutConfig(dynamic_sampling=True, max_sampling_rounds=max_rounds),
+        pad_token_id=sampler.tokenizer.pad_token_id,
+        shaping=shaping,
     )
-    return result, sampler
+    return source.take(1)
+
+
+def _run(spread, n, max_rounds, dist_info=None, **kwargs):
+    task, sampler = ScriptedTask(spread), ScriptedSampler()
+    return _synchronous(task, sampler, n, max_rounds, dist_info, **kwargs), sampler
 
 
 def _check_is_sampled_directly(result, n: int, shaping=None) -> torch.Tensor:
@@ -98,7 +106,7 @@ def _check_is_sampled_directly(result, n: int, shaping=None) -> torch.Tensor:
     contiguous. Returns the rewards the advantages would use."""
     direct_sampler = ScriptedSampler()
     direct = direct_sampler.generate([p.prompt for p in result.problems], PARAMS)
-    assert set(result.rollout.batch.keys()) == set(direct.batch.keys())
+    assert set(result.rollout.batch.keys()) == {*direct.batch.keys(), POLICY_VERSION_KEY}
     for key in direct.batch.keys():  # noqa: SIM118 (a TensorDict iterates over its rows)
         assert torch.equal(result.rollout.batch[key], direct.batch[key]), key
     assert result.rollout.texts == direct.texts
@@ -169,21 +177,9 @@ def test_the_spread_is_that_of_the_shaped_reward() -> None:
     assert grpo_advantages(rewards, result.rollout.group_ids)[1].num_zero_variance_groups == 0
 
 
-def test_a_round_can_be_any_sampling_call() -> None:
-    sampler, task, seen = ScriptedSampler(), ScriptedTask([False, True, True]), []
-
-    def sample(problems):
-        seen.append(len(problems))
-        rollout = sampler.generate([p.prompt for p in problems], PARAMS)
-        answered = [problems[g] for g in rollout.group_ids.tolist()]
-        return rollout, torch.tensor(task.score(rollout.texts, answered))
-
-    result = dynamic_sample(
-        task, sampler, PARAMS, random.Random(0), 1, Dist(), max_rounds=3, sample=sample
-    )
-    assert seen == [1, 1] and _prompt_numbers(result) == [1]
+def test_a_step_needs_at_least_one_round() -> None:
     with pytest.raises(ValueError, match=r"rollout\.max_sampling_rounds"):
-        dynamic_sample(task, sampler, PARAMS, random.Random(0), 1, Dist(), max_rounds=0)
+        GroupFilter(1, Dist(), max_rounds=0)
 
 
 # ============================================================================ sampled ahead
@@ -192,6 +188,8 @@ def test_a_round_can_be_any_sampling_call() -> None:
 class ScriptedWorker:
     """The asynchronous job interface over :class:`ScriptedSampler`: a job samples at the version
     pushed last before it (``policy_version``)."""
+
+    trainer_thread = samples_at_collect = False
 
     def __init__(self, version: int = 0) -> None:
         self.sampler, self.version, self.sync_stats = ScriptedSampler(), version, {}
@@ -233,11 +231,11 @@ STEPS_SPREAD = [
 def _sampled_ahead(
     k: int, steps: int, *, start: int = 0, state=None, stop_after=None, score_ahead=False
 ):
-    """The recipe's loop over the prefetcher with dynamic sampling: take the groups, (train),
-    sync. The step results, the task (its prompt stream) and, when stopped, the checkpoint."""
+    """The recipe's loop over the source with dynamic sampling: take the groups, (train), sync.
+    The step results, the task (its prompt stream) and, when stopped, the checkpoint."""
     task = ScriptedTask(STEPS_SPREAD)
     task.drawn = 0 if state is None else state["drawn"]
-    prefetch = RolloutPrefetcher(
+    source = RolloutSource(
         ScriptedWorker(start),
         task,
         PARAMS,
@@ -252,13 +250,13 @@ def _sampled_ahead(
     )
     results = {}
     for step in range(start + 1, steps + 1):
-        results[step] = prefetch.take_groups(step, Dist())
-        prefetch.sync(engine=None)
+        results[step] = source.take(step)
+        source.sync(engine=None)
         if step == stop_after:
-            saved = {"ahead": prefetch.state_dict(), "drawn": task.drawn}
-            prefetch.close()
+            saved = {"ahead": source.state_dict(), "drawn": task.drawn}
+            source.close()
             return results, task, saved
-    prefetch.close()
+    source.close()
     return results, task, None
 
 
@@ -274,16 +272,15 @@ def test_rounds_sampled_ahead_keep_what_the_synchronous_filter_keeps(
     ahead, task, _ = _sampled_ahead(k, steps, score_ahead=score_ahead)
     sync_task, sync_sampler = ScriptedTask(STEPS_SPREAD), ScriptedSampler()
     for step in range(1, steps + 1):
-        expected = dynamic_sample(
-            sync_task, sync_sampler, PARAMS, random.Random(0), 2, Dist(), max_rounds=3
-        )
+        expected = _synchronous(sync_task, sync_sampler, 2, max_rounds=3)
         got = ahead[step]
         assert _prompt_numbers(got) == _prompt_numbers(expected), step
         for key in expected.rollout.batch.keys():  # noqa: SIM118 (a TensorDict iterates rows)
-            assert torch.equal(got.rollout.batch[key], expected.rollout.batch[key]), key
+            if key != POLICY_VERSION_KEY:  # (the synchronous rounds: version 0)
+                assert torch.equal(got.rollout.batch[key], expected.rollout.batch[key]), key
         assert got.rollout.texts == expected.rollout.texts
         assert torch.equal(got.scores, expected.scores)
-        metrics = dict(got.metrics)
+        metrics = {k: v for k, v in got.metrics.items() if k.startswith("dynamic_sampling/")}
         assert metrics.pop("dynamic_sampling/rounds_waited") == waited[step - 1]
         assert metrics == expected.metrics
         # Nothing older than k is trained: the trainer is at version step - 1.
@@ -304,7 +301,7 @@ def test_with_k1_the_next_steps_round_is_sampled_while_a_step_trains() -> None:
     staleness 0 on every step.)"""
     steps = 4
     task, worker = ScriptedTask([True, False] * 2 * steps), ScriptedWorker()
-    prefetch = RolloutPrefetcher(
+    source = RolloutSource(
         worker,
         task,
         PARAMS,
@@ -317,18 +314,18 @@ def test_with_k1_the_next_steps_round_is_sampled_while_a_step_trains() -> None:
     )
     queued, staleness = [], []
     for step in range(1, steps + 1):
-        result = prefetch.take_groups(step, Dist())
+        result = source.take(step)
         assert result.metrics["dynamic_sampling/rounds"] == 2.0
         queued.append(len(worker.jobs))  # what the worker samples while the step trains
-        staleness.append(prefetch.metrics(step, result.rollout, Dist())["staleness/max"])
-        prefetch.sync(engine=None)
-    prefetch.close()
+        staleness.append(result.metrics["staleness/max"])
+        source.sync(engine=None)
+    source.close()
     assert queued == [1, 1, 1, 0]  # none past the last step
     assert staleness == [0.0, 1.0, 1.0, 1.0]
     assert task.drawn == 2 * 2 * steps  # every round drawn was trained on
 
 
-def test_a_restored_prefetcher_filters_the_rounds_it_held() -> None:
+def test_a_restored_source_filters_the_rounds_it_held() -> None:
     full, _, _ = _sampled_ahead(2, 5)
     first, _, state = _sampled_ahead(2, 5, stop_after=3)
     # After step 3 (k = 2): the rounds of steps 4 and 5, at the latest, are held.
@@ -336,7 +333,10 @@ def test_a_restored_prefetcher_filters_the_rounds_it_held() -> None:
     second, task, _ = _sampled_ahead(2, 5, start=3, state=state)
     for step, result in {**first, **second}.items():
         assert _prompt_numbers(result) == _prompt_numbers(full[step])
-        assert result.metrics == full[step].metrics
+        assert {**result.metrics, "staleness/take_wait_s": 0} == {
+            **full[step].metrics,
+            "staleness/take_wait_s": 0,  # a duration
+        }
     assert task.drawn == len(STEPS_SPREAD)
 
 

@@ -21,7 +21,7 @@ from example_utils import TINY_MODEL, TINY_RL, load_example
 
 from microrl.configs.examples import GRPOExampleConfig
 from microrl.configs.loader import config_to_yaml, load_config
-from microrl.engine.rollout.episodes import EpisodeError
+from microrl.rollout.episodes import EpisodeError
 from microrl.run import Dist, StepFailed, StopOnInterrupt, parse_cli, start_tracking
 from microrl.run.cli import _one_line_error
 from microrl.run.dist import STOP_MESSAGE

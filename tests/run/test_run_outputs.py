@@ -19,7 +19,7 @@ from example_utils import TINY_MODEL, TINY_RL, load_example
 from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 from tensordict import TensorDict
 
-from microrl.engine.rollout import Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.rollout import Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.run import Tracker, read_metrics, sample_rows
 from microrl.run.toy_model import build_tokenizer
 from microrl.run.tracking import SAMPLES_FILE

@@ -4,8 +4,8 @@ The engine teacher's log-probs and the mixed advantages against a float64 hand c
 the teacher's own logits, under micro-batch splits and on 2 gloo ranks (one launch of this file;
 single-process references computed in the test; only rank 0 reads the checkpoint); the
 vocabulary check; ``teacher.path`` as a Hub id (the download stubbed: no network) or a missing
-path; the config's errors; the producer-side scoring of rounds sampled ahead
-(microrl/run/prefetcher.py's ``scorer``).
+path; the config's errors; the scoring of the rollout source's rounds
+(microrl/run/source.py's ``scorer``).
 """
 
 from __future__ import annotations
@@ -338,16 +338,18 @@ def test_teacher_config_errors_name_the_key(overrides, match: str) -> None:
 
 # ----------------------------------------------------------------------------- in the producer
 class ScoredWorker:
-    """The sampler protocol's minimum for a prefetcher: a job's rows answer its prompts."""
+    """The sampler protocol's minimum for a rollout source: a job's rows answer its prompts."""
+
+    trainer_thread = samples_at_collect = False
 
     def __init__(self) -> None:
-        from microrl.engine.rollout import SamplingParams
+        from microrl.rollout import SamplingParams
 
         self.version, self.sync_stats, self.jobs = 0, {}, {}
         self.params = SamplingParams(num_samples=2, max_new_tokens=3)
 
     def submit(self, prompts, params):
-        from microrl.remote.trainer.protocol import Job
+        from microrl.rollout.sampler import Job
 
         job = Job(len(self.jobs), self.version, "generate")
         self.jobs[job.id] = list(prompts)
@@ -356,8 +358,8 @@ class ScoredWorker:
     def collect(self, job):
         from tensordict import TensorDict
 
-        from microrl.engine.rollout import Rollout
-        from microrl.remote.trainer.protocol import POLICY_VERSION_KEY
+        from microrl.rollout import Rollout
+        from microrl.rollout.sampler import POLICY_VERSION_KEY
 
         prompts = self.jobs.pop(job.id)
         texts = [str(eval(p.rstrip("="))) for p in prompts for _ in range(2)]
@@ -379,10 +381,10 @@ class ScoredWorker:
 
 
 @pytest.mark.parametrize("background", [True, False])
-def test_rounds_are_scored_by_the_prefetcher_thread_while_the_trainer_works(background) -> None:
-    """A teacher scorer runs on the prefetcher's scoring thread (or, collective, on the
+def test_rounds_are_scored_by_the_sources_thread_while_the_trainer_works(background) -> None:
+    """A teacher scorer runs on the source's scoring thread (or, collective, on the
     trainer's), before the rewards; ``scorer_wait_s`` is the part of a take's wait it took."""
-    from microrl.run import RolloutPrefetcher
+    from microrl.run import RolloutSource
     from microrl.tasks import AdditionTask
 
     threads = []
@@ -393,18 +395,18 @@ def test_rounds_are_scored_by_the_prefetcher_thread_while_the_trainer_works(back
         rollout.batch["teacher_logprobs"] = torch.zeros(rollout.batch["input_ids"].shape)
 
     worker = ScoredWorker()
-    prefetch = RolloutPrefetcher(
+    source = RolloutSource(
         worker, AdditionTask(9, 8), worker.params, random.Random(0), 2,
         max_staleness=1, last_step=2, score_ahead=background, scorer=score,
     )  # fmt: skip
     time.sleep(0.4)  # the trainer trains meanwhile
-    _, rollout, scores = prefetch.take(1)
+    _, rollout, scores, _ = source.take(1)
     assert "teacher_logprobs" in rollout.batch and scores.tolist() == [1.0] * 4
     if background:
-        assert prefetch.scorer_wait_s < 0.1 and threads[0].startswith("microrl-score")
+        assert source.scorer_wait_s < 0.1 and threads[0].startswith("microrl-score")
     else:
-        assert prefetch.scorer_wait_s >= 0.2 and threads[0] == threading.current_thread().name
-    prefetch.close()
+        assert source.scorer_wait_s >= 0.2 and threads[0] == threading.current_thread().name
+    source.close()
 
 
 if __name__ == "__main__":

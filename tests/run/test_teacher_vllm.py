@@ -18,7 +18,7 @@ from microrl.run.distill import mix_teacher_advantages
 from microrl.run.teacher import EngineTeacher, VLLMTeacher
 
 # vLLM's CPU kernels and the engine's float32 head round differently (|Δ| ~1e-6 measured on such
-# log-probs, tests/remote/trainer/test_vllm_servers.py); 1e-4 leaves room for other CPUs.
+# log-probs, tests/rollout/samplers/test_vllm_servers.py); 1e-4 leaves room for other CPUs.
 LOGPROB_ATOL = 1e-4
 
 
@@ -73,7 +73,7 @@ def test_a_users_server_is_reached_with_its_key(served, monkeypatch) -> None:
         )
     finally:
         users.close()
-    from microrl.remote.trainer.vllm_http import ServerAuthError
+    from microrl.rollout.samplers.vllm_http import ServerAuthError
 
     endpoint = EndpointConfig(url=server.url, api_key_env="WRONG_KEY")
     wrong = VLLMTeacher(TeacherConfig(path=str(path), backend="vllm", server=endpoint))

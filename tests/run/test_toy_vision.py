@@ -14,8 +14,8 @@ import torch
 from microrl.configs import ActorConfig, LoraConfig
 from microrl.configs.run import ModelConfig, TaskConfig, WarmStartConfig
 from microrl.engine import ActorEngine
-from microrl.engine.rollout.images import ImageEncoder
 from microrl.engine.vision import has_vision_config
+from microrl.rollout.images import ImageEncoder
 from microrl.run import Dist, prepare_base_model
 from microrl.run import toy_vision as tv
 from microrl.run.toy_model import load_tokenizer

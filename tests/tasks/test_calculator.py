@@ -11,7 +11,7 @@ import random
 import pytest
 
 from microrl.agents.tool_parsers import HermesParser
-from microrl.engine.rollout import turn_terminators
+from microrl.rollout import turn_terminators
 from microrl.run.base_model import conversation_sft_batch
 from microrl.run.toy_model import build_tokenizer
 from microrl.tasks import Problem

@@ -29,7 +29,7 @@ ANSWERS = ["3", "42", "18", "3"]
 def served(tmp_path_factory):
     """A tiny random judge with a chat template (the messages' contents, concatenated) served by
     ``vllm serve`` on this CPU with the key ``JUDGE_KEY``: its URL, model name, digit ids."""
-    from microrl.remote.trainer.vllm_launch import LocalVLLMServer
+    from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
 
     path = tmp_path_factory.mktemp("judge") / "tiny-judge"
     tokenizer = build_tokenizer()

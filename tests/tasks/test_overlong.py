@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from microrl.engine.rollout import Samples, build_rollout
+from microrl.rollout import Samples, build_rollout
 from microrl.tasks import overlong_penalty
 
 

@@ -275,7 +275,7 @@ def test_collective_reward_models_refuse_agents_and_are_not_scored_ahead(
         def drain_metrics(self):
             return {}
 
-    from microrl.run.async_start import scores_ahead
+    from microrl.run.session import scores_ahead
     from microrl.tasks import Problem
     from microrl.tasks.rewards import RewardedTask
     from microrl.tasks.word_problems import WordProblemTask
@@ -285,7 +285,8 @@ def test_collective_reward_models_refuse_agents_and_are_not_scored_ahead(
     for fn, ahead in ((local, True), (Sharded(), False)):
         task = RewardedTask(WordProblemTask(9, 4, 0), Reward([fn]), 0.5)
         assert Reward([fn]).collective is not ahead
-        assert scores_ahead(task, object(), None) is ahead
+        out_of_process = type("Sampler", (), {"trainer_thread": False})()
+        assert scores_ahead(task, out_of_process, None) is ahead
         assert task.score(["1"], [Problem("1+0=", "1")]) == [0.0]
     (tmp_path / "agent.py").write_text("def agent(client, problem):\n    return 0.0\n")
     cfg = load_config(

@@ -1,0 +1,72 @@
+"""Sampling from the policy into the engine's batch layout: every sampler, in process or not.
+
+Backends turn prompts into a :class:`Rollout` (a token-aligned ``[B, T]`` batch with
+``rollout_logprobs``, the texts, each row's group id): ``hf`` (:class:`HFRollout`, transformers
+``generate`` on the engine's own model) and ``vllm`` (:class:`VLLMRollout`, a colocated
+``vllm.LLM``; the optional ``vllm`` extra), docs/rollouts.md. Samplers in processes of their own
+(``hf`` workers, ``vllm serve`` servers) sample ahead of the trainer, docs/async.md. The folders:
+
+- ``samplers/``: the backends and the samplers (in process, ``hf`` workers and their pool, vLLM
+  servers, the sequence-parallel group's);
+- ``weights/``: how trained weights reach a sampler (:class:`~microrl.rollout.weights.weight_sync.WeightSync`)
+  and the check of every push;
+- ``worker/`` and ``vllm_plugin/``: code that runs in a process of its own (the ``hf`` worker;
+  what vLLM loads through the plugin entry point, pyproject.toml).
+
+The engine never imports this package, nor this package the recipes' run library, the tasks or
+the agents. Names are imported on first use: vLLM loads ``vllm_plugin`` without the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+# name -> the module it comes from
+_API = {
+    "Rollout": "microrl.rollout.base",
+    "RolloutBackend": "microrl.rollout.base",
+    "SamplingParams": "microrl.rollout.base",
+    "Samples": "microrl.rollout.layout",
+    "build_rollout": "microrl.rollout.layout",
+    "merge_rollouts": "microrl.rollout.merge",
+    "select_groups": "microrl.rollout.merge",
+    "turn_terminators": "microrl.rollout.turns",
+    "HFRollout": "microrl.rollout.samplers.hf",
+    "VLLMRollout": "microrl.rollout.samplers.vllm",  # vllm: an optional dependency
+    "make_rollout_backend": "microrl.rollout.factory",
+    "Job": "microrl.rollout.sampler",
+    "SamplerOptions": "microrl.rollout.sampler",
+    "AsyncRollout": "microrl.rollout.samplers.hf_worker",
+    "AsyncRolloutPool": "microrl.rollout.samplers.hf_pool",
+    "VLLMServerRollout": "microrl.rollout.samplers.vllm_servers",
+    "make_sampler": "microrl.rollout.factory",
+    "InProcessSampler": "microrl.rollout.samplers.in_process",
+    "Sampler": "microrl.rollout.sampler",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_API[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))
+
+
+def moved_here(old: str):
+    """The ``__getattr__`` of ``old``, a package that moved here (a deprecated re-export for one
+    release): this package's names, each with a ``DeprecationWarning`` naming the new import."""
+
+    def reexport(name: str):
+        if name not in _API:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{old} is deprecated: import {name} from microrl.rollout", DeprecationWarning, 2
+        )
+        return __getattr__(name)
+
+    return reexport

@@ -1,0 +1,307 @@
+"""What every rollout backend shares: the sampling parameters, the result, the batch layout.
+
+A backend only turns prompt token ids into sampled response token ids and their log-probs
+(:meth:`RolloutBackend._sample`); everything else, prompt encoding, the cut after the first
+``<eos>`` and the token-aligned ``[B, T]`` layout (:mod:`microrl.rollout.layout`), is done
+once for all, so two backends given the same samples return identical batches (docs/rollouts.md).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from microrl.engine.vision import pad_images
+from microrl.rollout.episodes import episode_batch, play_episodes
+from microrl.rollout.images import ImageEncoder, ImagePrompts, check_image_prompts
+from microrl.rollout.layout import Samples, build_rollout
+from microrl.rollout.turns import turn_terminators
+
+__all__ = [
+    "SEED_RANGE",
+    "Rollout",
+    "RolloutBackend",
+    "Samples",
+    "SamplingParams",
+    "check_tokenizer",
+    "draw_seed",
+    "encode_prompts",
+]
+
+#: Sampling seeds are in ``[0, SEED_RANGE)``: vLLM's int32 range.
+SEED_RANGE = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: plain ancestral sampling at ``temperature`` unless asked otherwise.
+
+    ``temperature`` must be the loss's (``ActorConfig.temperature``): the engine scores
+    ``log_softmax(logits / temperature)``, so sampling from anything else (top-k, top-p, another
+    temperature) makes the first PPO ratio differ from 1 by construction. ``top_k=0`` and
+    ``top_p=1.0`` mean off; ``greedy`` takes the argmax (evaluation), and its rollout log-probs
+    are those of the tempered distribution all the same.
+    """
+
+    num_samples: int = 1
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    greedy: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SamplingParams.{name} must be an int >= 1, got {value!r}")
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number, got {self.temperature!r}"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(
+                f"SamplingParams.top_k must be an int >= 0 (0: off), got {self.top_k!r}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1: off), got {self.top_p!r}")
+
+
+def draw_seed(params: SamplingParams) -> int:
+    """A sampling call's seed: ``params.seed``, else drawn from torch's default generator, so a
+    run that checkpoints torch's RNG state (``microrl.run.save_run``) draws the same seeds when
+    resumed. Every sampler that seeds its calls (the ``vllm`` backend, the ``hf`` worker, its
+    pool, the vLLM servers) draws here."""
+    return params.seed if params.seed is not None else int(torch.randint(SEED_RANGE, ()))
+
+
+@dataclass
+class Rollout:
+    """Sampled responses in the engine's token-aligned layout.
+
+    ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, then the response, right-padded after
+    its first turn terminator, ``<eos>`` or the template's turn end: the backend's
+    ``stop_token_ids``), ``attention_mask``, ``loss_mask`` (the response tokens up to and including
+    that terminator) and ``rollout_logprobs`` (float32, the sampler's log-prob of each response
+    token, 0 off the response), and the per-row ``truncated`` ``[B]`` (bool: the response was cut
+    at ``max_new_tokens`` without an ``<eos>``; ``actor.mask_truncated`` drops such rows from the
+    loss). ``texts``: each response decoded, special tokens removed.
+    ``group_ids`` ``[B]`` int64: the index of the prompt a row answers (a GRPO group).
+
+    From :meth:`RolloutBackend.run_episodes`, a row is a whole multi-turn trajectory
+    (``loss_mask`` on the sampled turns only), ``texts`` are the trajectories after the prompt
+    with their special tokens, and ``rewards`` ``[B]`` float32 (each episode's per-turn rewards
+    summed), ``num_turns`` ``[B]`` int64 and ``metrics`` (``episodes/env_time_s``: seconds in
+    the environments; ``episodes/env_errors``: rows dropped by ``skip_env_errors``) are set.
+    ``metrics`` hold sums only, so merged rollouts add them up.
+    """
+
+    batch: TensorDict
+    texts: list[str]
+    group_ids: torch.Tensor
+    rewards: torch.Tensor | None = None
+    num_turns: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """This rollout with its tensors on ``device`` (texts and metrics as they are).
+
+        Backends build rollouts on the host; a recipe moves each to ``engine.device`` once, right
+        after sampling, so nothing mixes host and device tensors afterwards (docs/batch.md)."""
+        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Rollout(
+            batch=self.batch.to(device),
+            texts=self.texts,
+            group_ids=self.group_ids.to(device),
+            rewards=moved(self.rewards),
+            num_turns=moved(self.num_turns),
+            metrics=self.metrics,
+        )
+
+
+class RolloutBackend(ABC):
+    """Samples responses to prompts from the current policy.
+
+    Subclasses implement :meth:`_sample` (token ids in, :class:`Samples` out) and, when they hold
+    their own copy of the weights, :meth:`sync`. Under ``torchrun`` every rank owns a backend and
+    samples its own prompts (shard prompts over ranks, never the rows of one prompt).
+
+    ``stop_token_ids``: the ids that end a turn, which :meth:`_sample` stops at and the layout
+    cuts after: the chat template's turn end, the tokenizer's eos and ``generation_config``'s
+    (the model's; :func:`~microrl.rollout.turns.turn_terminators`). A template without
+    a turn end of its own adds none (episodes refuse it, text prompts do not need it).
+    """
+
+    #: Whether the backend samples a copy of the weights, loaded by :meth:`sync` (else the live
+    #: model: nothing to load).
+    holds_weights: bool = False
+
+    def __init__(
+        self, tokenizer, *, generation_config=None, image_encoder: ImageEncoder | None = None
+    ) -> None:
+        self.tokenizer = check_tokenizer(tokenizer)
+        #: Encodes prompts with images (a vision-language policy's); None: text prompts only.
+        self.image_encoder = image_encoder
+        self.stop_token_ids: tuple[int, ...] = turn_terminators(
+            tokenizer, generation_config, require_template=False
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> Rollout:
+        """Sample ``params.num_samples`` responses per prompt; rows are grouped by prompt.
+
+        ``prompts``: texts (tokenized with the tokenizer's special tokens, e.g. ``<bos>``; apply a
+        chat template before, see :func:`microrl.tasks.format_prompt`) or token-id lists.
+        ``images``: with text prompts of a vision-language policy, ``images[i]`` are prompt
+        ``i``'s PIL images, one per image placeholder (:mod:`~microrl.rollout.images`);
+        the rows then carry ``pixel_values`` and ``image_grid_thw`` (docs/batch.md#images).
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        encoded = None
+        if images is None:
+            prompt_ids = self._encode(prompts)
+            samples = self._sample(prompt_ids, params)
+        else:
+            check_image_prompts(self, prompts, images)
+            encoded = self.image_encoder.encode(self.tokenizer, prompts, images)
+            prompt_ids = encoded.ids
+            samples = self._sample_images(encoded, params)
+        batch = build_rollout(
+            prompt_ids,
+            samples,
+            num_samples=params.num_samples,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        if encoded is not None and any(row is not None for row in encoded.images):
+            per_row = [encoded.images[i // params.num_samples] for i in range(len(batch))]
+            batch.update(pad_images(per_row))
+        response = torch.where(batch["loss_mask"], batch["input_ids"], self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
+        group_ids = torch.arange(len(prompt_ids)).repeat_interleave(params.num_samples)
+        return Rollout(batch=batch, texts=texts, group_ids=group_ids)
+
+    def run_episodes(
+        self,
+        prompts: Sequence[Any],
+        make_env: Callable[[int], Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> Rollout:
+        """Play ``params.num_samples`` multi-turn episodes per prompt against environments.
+
+        ``make_env(i)`` builds a fresh environment for a row answering ``prompts[i]`` (one per
+        row: a group's episodes do not share state); each gets ``env.init(prompts[i])`` and then,
+        after every model turn, ``env.step(turn_text)`` (skyrl-gym's text-environment API,
+        :class:`~microrl.rollout.episodes.TextEnv`). An episode ends when the environment
+        says ``done``, after ``max_turns`` model turns, or when its tokens after the prompt
+        (turns and observations) reach ``max_tokens``; the last two mark it ``truncated``. A
+        turn is at most ``params.max_new_tokens`` tokens and ends at ``<eos>``.
+
+        Token in, token out: the batch holds exactly the sampled ids and their log-probs; only
+        observations are tokenized (docs/rollouts.md#multi-turn-episodes). An environment that
+        raises stops with an :class:`~microrl.rollout.episodes.EpisodeError` naming the
+        row and turn and carrying its traceback; with ``skip_env_errors`` its row is dropped
+        instead (``metrics["episodes/env_errors"]`` counts them; ``group_ids`` keeps the
+        prompts of the rows left). Under ``torchrun`` it is collective: every rank calls it.
+
+        ``images``: ``images[i]`` are prompt ``i``'s PIL images, one per image placeholder in
+        the first input its environment's ``init`` returns, encoded with ``self.image_encoder``;
+        every turn is sampled with them and each row carries its prompt's ``pixel_values`` and
+        ``image_grid_thw`` (observations are text; docs/rollouts.md#images).
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list (texts or chat messages)")
+        if not callable(make_env):
+            raise TypeError(f"make_env must be callable (index -> env), got {make_env!r}")
+        for name, value in (("max_turns", max_turns), ("max_tokens", max_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if images is not None:
+            check_image_prompts(self, prompts, images)
+        episodes = play_episodes(
+            self,
+            prompts,
+            make_env,
+            params,
+            max_turns=max_turns,
+            max_tokens=max_tokens,
+            skip_env_errors=skip_env_errors,
+            images=images,
+        )
+        trajectories = episodes.trajectories
+        return Rollout(
+            batch=episode_batch(trajectories, self.tokenizer.pad_token_id),
+            texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories],
+            group_ids=torch.tensor(episodes.group_ids, dtype=torch.long),
+            rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            num_turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),
+            metrics=episodes.metrics,
+        )
+
+    def sync(self, engine) -> None:  # noqa: B027 - a backend that reads the live model has none
+        """Load ``engine``'s current weights into the backend (after optimizer steps)."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release what the backend holds (worker processes, memory)."""
+
+    @abstractmethod
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples: ...
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
+        raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
+
+    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, prompts)
+
+
+def check_tokenizer(tokenizer):
+    """``tokenizer``, checked to have what a rollout needs: rows are cut at ``<eos>`` and padded."""
+    for name in ("eos_token_id", "pad_token_id"):
+        if getattr(tokenizer, name, None) is None:
+            raise ValueError(f"the tokenizer needs a {name} (rollouts cut at <eos> and pad)")
+    return tokenizer
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """Token ids of ``prompts``: texts (with the tokenizer's special tokens) or id lists; a
+    prompt of no token (an empty text, with a tokenizer that adds no BOS) is a ``ValueError``."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of texts or of token-id lists")
+    if all(isinstance(p, str) for p in prompts):
+        encoded = [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+        for i, ids in enumerate(encoded):
+            if not ids:  # a response at a row's first position: nothing predicts its token
+                raise ValueError(
+                    f"prompt {i} ({prompts[i]!r:.60}) encodes to no token (the tokenizer adds "
+                    "no BOS): every prompt needs at least one token before its response"
+                )
+        return encoded
+    encoded = []
+    for p in prompts:
+        if isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p:
+            raise ValueError("prompts must be all texts or all non-empty token-id lists, not a mix")
+        encoded.append(list(p))
+    return encoded

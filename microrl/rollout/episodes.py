@@ -1,0 +1,423 @@
+"""Multi-turn episodes: the policy talks to an environment, token in and token out.
+
+An episode alternates a model turn (sampled by the backend's ``_sample``, ended by a turn
+terminator: ``<eos>`` or the template's own turn end, :mod:`microrl.rollout.turns`)
+and the environment's answer (``env.step(turn_text)``: observations, a reward, ``done``). The
+trajectory is kept as token ids from the first turn to the last and is never re-tokenized: the
+ids the engine trains on are exactly the ids the sampler drew, with their log-probs. Only the
+environment's observations are tokenized, as the *delta* the chat template adds after an
+assistant turn (:class:`ObservationRenderer`). Re-encoding the decoded conversation instead can
+give other ids than the sampled ones (a template that rewrites past turns, BPE merges across a
+turn boundary), and the PPO ratio is then taken over tokens that were never sampled.
+
+The environment API is skyrl-gym's text environment (``skyrl_gym.envs.base_text_env``), so its
+environments run unchanged: ``init(prompt) -> (prompt_or_messages, metadata)`` and
+``step(action_text) -> {"observations": [messages], "reward": float, "done": bool, ...}``.
+:class:`TextEnv` documents the two methods for environments written without skyrl-gym.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict
+
+from microrl.engine.parallel import distributed
+from microrl.engine.vision import pad_images
+from microrl.rollout.images import ImagePrompts
+from microrl.rollout.layout import first_stop
+from microrl.rollout.turns import (
+    PLAIN_CHAT_TEMPLATE,
+    PROBE_CONVERSATION,
+    chat_template_of,
+    encode,
+    render,
+    template_turn_end,
+)
+
+__all__ = [
+    "PLAIN_CHAT_TEMPLATE",
+    "EpisodeError",
+    "ObservationRenderer",
+    "TextEnv",
+    "Trajectory",
+    "episode_batch",
+    "play_episodes",
+]
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """A text environment (skyrl-gym's ``BaseTextEnv`` API); ``close()`` is called if present.
+
+    ``init(prompt)`` gets the prompt as given to ``run_episodes`` and returns the first input of
+    the model, a text or a list of chat messages (``{"role", "content"}``), and a metadata dict.
+    ``step(action)`` gets the model's turn as text (special tokens removed) and returns a mapping
+    with ``observations`` (a list of chat messages; empty when there is none), ``reward`` (a
+    float or None, summed over the turns) and ``done`` (the episode ended).
+    """
+
+    def init(self, prompt: Any) -> tuple[Any, dict]: ...
+
+    def step(self, action: str) -> Mapping[str, Any]: ...
+
+
+class EpisodeError(RuntimeError):
+    """An environment raised (or answered malformed output); the message names the row, its
+    prompt, the call and the turn, and carries the environment's traceback."""
+
+
+@dataclass
+class Trajectory:
+    """One row's episode so far: the ids after the prompt and what each of them is."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    model_token: list[bool] = field(default_factory=list)  # sampled (loss) or observation
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+    failed: bool = False
+    #: The first input's images: ``(pixel_values, image_grid_thw)`` (its placeholders expanded
+    #: in ``prompt_ids``) and the PIL images; None for a text episode.
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
+    raw_images: list[Any] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return not (self.done or self.truncated or self.failed)
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        self.ids.extend(ids)
+        self.model_token.extend([logprobs is not None] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+class ObservationRenderer:
+    """Token ids of prompts and observations under the tokenizer's chat template.
+
+    An observation is tokenized as the ids the template puts after an assistant turn's end
+    (``<eos>``, ``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``: the token the template writes
+    after the content, :func:`~microrl.rollout.turns.template_turn_end`): the rendering of
+    ``[user, assistant, *observations]`` with the generation prompt, from the token after the
+    turn end on (its closing ``\\n``, the observation, the next assistant header). A turn cut
+    before its end gets the template's turn end too, unmasked (``with_eos``). Tokenizers without
+    a template use :data:`PLAIN_CHAT_TEMPLATE`.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.template = chat_template_of(tokenizer)
+        end = template_turn_end(tokenizer)
+        #: The token the template ends an assistant turn with.
+        self.turn_end_id = end.token_id
+        self._prefix = end.probe_ids  # the probe conversation up to its turn end
+
+    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        return encode(
+            self.tokenizer, render(self.tokenizer, messages, generation_prompt=generation_prompt)
+        )
+
+    def prompt(self, first: Any) -> list[int]:
+        """The ids of an episode's first input: a text (with the tokenizer's special tokens, as
+        :meth:`RolloutBackend.generate` encodes prompts) or chat messages (their rendering with
+        the generation prompt)."""
+        if isinstance(first, str):
+            return list(self.tokenizer(first)["input_ids"])
+        messages = _messages(first, "init()")
+        return self._ids(messages, generation_prompt=True)
+
+    def observation(self, messages: Any, *, with_eos: bool) -> list[int]:
+        messages = _messages(messages, "step()['observations']")
+        full = self._ids([*PROBE_CONVERSATION, *messages], generation_prompt=True)
+        cut = len(self._prefix)
+        if full[:cut] != self._prefix:
+            raise ValueError(
+                "the chat template renders the conversation before an observation differently "
+                "once the observation is added; the observation's tokens cannot be isolated"
+            )
+        return full[cut - 1 :] if with_eos else full[cut:]
+
+
+def _messages(value: Any, where: str) -> list[dict]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"an environment's {where} must be a text or a list of chat messages")
+    for message in value:
+        if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys():
+            raise TypeError(
+                f"an environment's {where} must hold chat messages {{'role', 'content'}}, "
+                f"got {message!r}"
+            )
+    return [dict(m) for m in value]
+
+
+def call_env(
+    fn: Callable[..., Any], arg: Any, *, row: int, prompt_index: int, turn: int, name: str
+) -> Any:
+    """``fn(arg)``, an exception turned into an :class:`EpisodeError` naming where it happened."""
+    try:
+        return fn(arg)
+    except Exception as exc:  # any environment failure is reported the same way
+        trace = "".join(traceback.format_exception(exc)).rstrip()
+        raise EpisodeError(
+            f"the environment of row {row} (prompt {prompt_index}) raised in {name}() at turn "
+            f"{turn}: {type(exc).__name__}: {exc}\nthe environment's traceback:\n{trace}"
+        ) from exc
+
+
+def check_step_output(output: Any) -> tuple[list, float, bool]:
+    """``(observations, reward, done)`` of a ``step()`` result, or a ``TypeError`` saying why not."""
+    if not isinstance(output, Mapping) or "done" not in output:
+        raise TypeError(
+            "an environment's step() must return a mapping with 'observations', 'reward' and "
+            f"'done' (skyrl-gym's BaseTextEnvStepOutput), got {type(output).__name__}"
+        )
+    reward = output.get("reward")
+    if reward is not None and not isinstance(reward, int | float):
+        raise TypeError(f"an environment's step()['reward'] must be a float, got {reward!r}")
+    return list(output.get("observations") or []), float(reward or 0.0), bool(output["done"])
+
+
+def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TensorDict:
+    """The ``[B, T]`` rows of finished episodes, in the layout of :func:`build_rollout`.
+
+    A row is ``[left-padded prompt | trajectory, right-padded]``. ``loss_mask`` marks the
+    sampled tokens only (observations are context: attended, never trained on);
+    ``rollout_logprobs`` holds their sampler log-probs; ``truncated`` ``[B]`` marks episodes
+    cut by ``max_turns`` or the token budget; rows whose first input had images carry
+    ``pixel_values`` and ``image_grid_thw`` (docs/batch.md#images).
+    """
+    prompt_width = max(len(t.prompt_ids) for t in trajectories)
+    width = prompt_width + max(1, max(len(t.ids) for t in trajectories))
+    rows = len(trajectories)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.bool)
+    loss_mask = torch.zeros(rows, width, dtype=torch.bool)
+    logprobs = torch.zeros(rows, width, dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        start, stop = prompt_width - len(t.prompt_ids), prompt_width + len(t.ids)
+        input_ids[row, start:prompt_width] = torch.tensor(t.prompt_ids, dtype=torch.long)
+        input_ids[row, prompt_width:stop] = torch.tensor(t.ids, dtype=torch.long)
+        attention[row, start:stop] = True
+        loss_mask[row, prompt_width:stop] = torch.tensor(t.model_token, dtype=torch.bool)
+        logprobs[row, prompt_width:stop] = torch.tensor(t.logprobs, dtype=torch.float32)
+    truncated = torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)
+    batch = TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "loss_mask": loss_mask,
+            "rollout_logprobs": logprobs,
+            "truncated": truncated,
+        },
+        batch_size=[rows],
+    )
+    if any(t.images is not None for t in trajectories):  # each row its prompt's images
+        batch.update(pad_images([t.images for t in trajectories]))
+    return batch
+
+
+@dataclass
+class Episodes:
+    """What :func:`play_episodes` returns: the kept rows, the prompt each answers, the metrics."""
+
+    trajectories: list[Trajectory]
+    group_ids: list[int]
+    metrics: dict[str, float]
+
+
+@dataclass
+class _Row:
+    index: int
+    trajectory: Trajectory
+    env: Any
+    prompt_index: int
+
+    def where(self, turn: int) -> dict[str, int]:
+        return {"index": self.index, "prompt": self.prompt_index, "turn": turn}
+
+
+class _Player:
+    """Runs the turns of a batch of episodes; one per :func:`play_episodes` call."""
+
+    def __init__(self, backend, params, skip_env_errors: bool) -> None:
+        self.backend = backend
+        self.tokenizer = backend.tokenizer
+        self.renderer = ObservationRenderer(backend.tokenizer)
+        self.stops = frozenset(backend.stop_token_ids)  # any of them ends a turn
+        self.params = params
+        self.skip = skip_env_errors
+        self.env_time = 0.0
+        self.errors = 0
+        # Each prompt's images encoded once: its group's rows share the tensors (and so one
+        # entry of the batch's pixel store, docs/batch.md#images).
+        self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def env_call(self, row: _Row | None, fn, arg, *, index: int, prompt: int, turn: int, name: str):
+        """``fn(arg)`` timed; a failure raises, or with ``skip_env_errors`` fails the row (None)."""
+        start = time.perf_counter()
+        try:
+            return call_env(fn, arg, row=index, prompt_index=prompt, turn=turn, name=name)
+        except EpisodeError:
+            if not self.skip:
+                raise
+            self.errors += 1
+            if row is not None:
+                row.trajectory.failed = True
+            return None
+        finally:
+            self.env_time += time.perf_counter() - start
+
+    def start(
+        self,
+        prompts: Sequence[Any],
+        make_env: Callable[[int], Any],
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> list[_Row]:
+        rows = []
+        for prompt_index, prompt in enumerate(prompts):
+            for _ in range(self.params.num_samples):
+                row = _Row(len(rows), Trajectory(prompt_ids=[]), None, prompt_index)
+                rows.append(row)
+                row.env = self.env_call(
+                    row, make_env, prompt_index, **row.where(0), name="make_env"
+                )
+                initial = None
+                if row.env is not None:
+                    initial = self.env_call(row, row.env.init, prompt, **row.where(0), name="init")
+                if initial is None:
+                    row.trajectory.failed = True
+                else:
+                    first = initial[0] if isinstance(initial, tuple) else initial
+                    row.trajectory.prompt_ids = self.renderer.prompt(first)
+                    if images is not None:
+                        self.add_images(row.trajectory, images[prompt_index], prompt_index)
+        return rows
+
+    def add_images(self, trajectory: Trajectory, images: Sequence[Any], index: int) -> None:
+        """The first input's images, encoded by the backend's image encoder (the one
+        preprocessing path) once per prompt: its placeholders expanded in ``prompt_ids``."""
+        trajectory.prompt_ids, trajectory.images = self.backend.image_encoder.encode_ids(
+            trajectory.prompt_ids, images, index, encoded=self.encoded.get(index)
+        )
+        self.encoded[index] = trajectory.images
+        trajectory.raw_images = list(images)
+
+    def turn(self, rows: list[_Row], number: int, max_turns: int, max_tokens: int) -> None:
+        """One model turn of every active row and the environment's answer to it."""
+        active = [r for r in rows if r.trajectory.active]
+        if not _any_rank_active(len(active)):
+            return
+        budgets = [max_tokens - len(r.trajectory.ids) for r in active]
+        limit = min(self.params.max_new_tokens, max(budgets, default=1))
+        seed = None if self.params.seed is None else self.params.seed + number - 1
+        params = replace(self.params, num_samples=1, max_new_tokens=limit, seed=seed)
+        # Under data parallelism every rank samples each turn (FSDP-sharded generation is a
+        # collective); a rank whose episodes all ended samples a stand-in row it discards.
+        contexts = [r.trajectory.prompt_ids + r.trajectory.ids for r in active]
+        samples = self.sample(
+            [r.trajectory for r in active] or [rows[0].trajectory],
+            contexts or [rows[0].trajectory.prompt_ids or [0]],
+            params,
+        )
+        if not active:
+            return
+        for row, budget, ids, logprobs in zip(
+            active, budgets, samples.token_ids, samples.logprobs, strict=True
+        ):
+            end = min(first_stop(ids, self.stops), budget)
+            self.answer(row, ids[:end], logprobs[:end], number, max_turns, max_tokens)
+
+    def sample(self, trajectories: list[Trajectory], contexts: list[list[int]], params):
+        """The backend's samples of ``contexts``: with their first inputs' images when any has
+        some (``_sample_images``), else as text (``_sample``)."""
+        if all(t.images is None for t in trajectories):
+            return self.backend._sample(contexts, params)
+        prompts = ImagePrompts(
+            ids=contexts,
+            images=[t.images for t in trajectories],
+            raw=[t.raw_images for t in trajectories],
+        )
+        return self.backend._sample_images(prompts, params)
+
+    def answer(self, row: _Row, ids, logprobs, number: int, max_turns: int, max_tokens: int):
+        trajectory = row.trajectory
+        trajectory.add(ids, logprobs)
+        trajectory.turns += 1
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        output = self.env_call(row, row.env.step, text, **row.where(number), name="step")
+        if output is None:
+            return
+        try:
+            observations, reward, done = check_step_output(output)
+        except TypeError:
+            if not self.skip:
+                raise
+            self.errors += 1
+            trajectory.failed = True
+            return
+        trajectory.reward += reward
+        if done:
+            trajectory.done = True
+            return
+        ended = bool(ids) and ids[-1] in self.stops
+        observation = self.renderer.observation(observations, with_eos=not ended)
+        # Stop before an observation that would leave no room for the next turn: cut, not
+        # crammed in (the trajectory is truncated, the batch layout is unaffected).
+        if number == max_turns or len(trajectory.ids) + len(observation) >= max_tokens:
+            trajectory.truncated = True
+        else:
+            trajectory.add(observation, None)
+
+    def finish(self, rows: list[_Row]) -> Episodes:
+        for row in rows:
+            if callable(getattr(row.env, "close", None)):
+                self.env_call(row, _close, row.env, **row.where(row.trajectory.turns), name="close")
+        kept = [r for r in rows if not r.trajectory.failed]
+        if not kept:
+            raise EpisodeError(
+                f"every one of the {len(rows)} episodes failed in its environment "
+                "(rollout.skip_env_errors drops failed rows, but none is left)"
+            )
+        # Additive only (merged rollouts sum them); per-row turns and cuts are in the rollout.
+        metrics = {"episodes/env_time_s": self.env_time, "episodes/env_errors": float(self.errors)}
+        return Episodes([r.trajectory for r in kept], [r.prompt_index for r in kept], metrics)
+
+
+def _close(env: Any) -> None:
+    env.close()
+
+
+def _any_rank_active(count: int) -> bool:
+    """Whether any rank still has an active episode (this rank's own count without a group)."""
+    return distributed.max_over_ranks(count) > 0
+
+
+def play_episodes(
+    backend,
+    prompts: Sequence[Any],
+    make_env: Callable[[int], Any],
+    params,
+    *,
+    max_turns: int,
+    max_tokens: int,
+    skip_env_errors: bool = False,
+    images: Sequence[Sequence[Any]] | None = None,
+) -> Episodes:
+    """Run ``params.num_samples`` episodes per prompt to their end (see
+    :meth:`RolloutBackend.run_episodes`)."""
+    player = _Player(backend, params, skip_env_errors)
+    rows = player.start(prompts, make_env, images)
+    for number in range(1, max_turns + 1):
+        player.turn(rows, number, max_turns, max_tokens)
+    for row in rows:  # still going after max_turns (no env said done): cut
+        if row.trajectory.active:
+            row.trajectory.truncated = True
+    return player.finish(rows)

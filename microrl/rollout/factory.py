@@ -1,0 +1,157 @@
+"""The one place a sampler is picked: :func:`make_sampler` from a run's rollout config (and
+:func:`make_rollout_backend`, a backend by name for a loop of one's own, docs/api.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
+from microrl.configs.run import RolloutConfig
+from microrl.rollout.base import RolloutBackend
+from microrl.rollout.images import ImageEncoder
+from microrl.rollout.sampler import Sampler, SamplerOptions
+from microrl.rollout.samplers.hf import HFRollout
+from microrl.rollout.samplers.in_process import InProcessSampler
+
+__all__ = ["make_rollout_backend", "make_sampler"]
+
+
+def make_rollout_backend(
+    backend: str,
+    engine,
+    tokenizer,
+    *,
+    vllm: VLLMConfig | None = None,
+    sync_check_tol: float | None = None,
+    image_encoder: ImageEncoder | None = None,
+) -> RolloutBackend:
+    """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.
+
+    ``vllm`` configures the ``vllm`` backend (defaults when omitted); the ``hf`` backend needs
+    nothing; ``sync_check_tol`` bounds the check of each ``vllm`` sync (None: by the engine's
+    precision). A ``vllm`` backend without vLLM installed raises ``ImportError`` with the command
+    that installs it. ``image_encoder``: a vision-language policy's (image prompts; the ``vllm``
+    backend refuses it where vLLM's Qwen-VL code cannot load, docs/rollouts.md#images).
+    """
+    if backend == "hf":
+        return HFRollout(engine, tokenizer, image_encoder=image_encoder)
+    if backend == "vllm":
+        from microrl.rollout.samplers.vllm import VLLMRollout
+
+        return VLLMRollout(
+            engine,
+            tokenizer,
+            vllm or VLLMConfig(),
+            sync_check_tol=sync_check_tol,
+            image_encoder=image_encoder,
+        )
+    raise ValueError(
+        f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got {backend!r}"
+    )
+
+
+def make_sampler(
+    engine,
+    tokenizer,
+    rollout: RolloutConfig,
+    *,
+    version: int,
+    env_maker: Callable[[Any], Any] | None = None,
+    num_threads: int = 1,
+    log_dir: str | None = None,
+    image_encoder: ImageEncoder | None = None,
+) -> Sampler:
+    """The sampler of ``rollout`` holding ``engine``'s weights as ``version`` (a recipe: its step).
+
+    ``rollout.max_staleness=0``: ``rollout.backend`` in this process
+    (:class:`~microrl.rollout.samplers.in_process.InProcessSampler`: it samples at ``collect``;
+    a colocated vLLM loads the weights every ``rollout.sync_every`` versions). ``k > 0``, in
+    processes of their own: ``hf``, ``rollout.num_workers`` worker processes (an
+    :class:`AsyncRollout`, or an :class:`AsyncRolloutPool`), environments built in the workers;
+    ``vllm``, a :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve``
+    processes (their logs in ``log_dir``) or the servers of ``rollout.server.url`` (key: in the
+    variable ``rollout.server.api_key_env`` names), environments stepped in this process. Under
+    sequence parallelism (``engine.sp_group``) either is one per sp group, on its first process
+    (:class:`~microrl.rollout.samplers.sp_group.SPGroupSampler`). ``env_maker``: a multi-turn
+    task's ``problem -> environment``; ``num_threads``: each worker's torch threads or each local
+    server's CPU threads; ``image_encoder``: a vision-language policy's (jobs may carry images).
+    """
+    if not isinstance(rollout, RolloutConfig):
+        raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
+    if rollout.max_staleness == 0:
+        backend = make_rollout_backend(
+            rollout.backend,
+            engine,
+            tokenizer,
+            vllm=rollout.vllm,
+            sync_check_tol=rollout.sync_check_tol,
+            image_encoder=image_encoder,
+        )
+        return InProcessSampler(
+            backend, engine, version=version, sync_every=rollout.sync_every, env_maker=env_maker
+        )
+    options = SamplerOptions(
+        version=version,
+        env_maker=env_maker,
+        timeout_s=rollout.worker_timeout_s,
+        sync_check_tol=rollout.sync_check_tol,
+        num_threads=num_threads,
+        image_encoder=image_encoder,
+    )
+    if rollout.backend == "vllm":
+        start, join = _servers(engine, tokenizer, rollout, options, log_dir)
+    elif rollout.backend == "hf":
+        start, join = _workers(engine, tokenizer, rollout, options)
+    else:
+        raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {rollout.backend!r}")
+    if getattr(engine, "sp_group", None) is None:
+        return start()
+    from microrl.rollout.samplers.sp_group import SPGroupSampler
+
+    return SPGroupSampler.start(engine, start, join, version=version, env_maker=env_maker)
+
+
+def _workers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions):
+    """``(start, join)``: the ``hf`` workers' sampler, and what an sp group's other processes run."""
+    from microrl.rollout.samplers.hf_pool import AsyncRolloutPool, check_num_workers
+    from microrl.rollout.samplers.hf_worker import AsyncRollout
+    from microrl.rollout.samplers.sp_group import HFPushJoiner
+
+    workers = check_num_workers(rollout.num_workers)
+
+    def start() -> Sampler:
+        if workers == 1:
+            return AsyncRollout(engine, tokenizer, options)
+        return AsyncRolloutPool(engine, tokenizer, options, num_workers=workers)
+
+    return start, lambda: HFPushJoiner(engine, tokenizer, num_workers=workers)
+
+
+def _servers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions, log_dir):
+    """``(start, join)``: the vLLM servers' sampler, and what an sp group's other processes run."""
+    from microrl.rollout.samplers.vllm_servers import VLLMServerRollout, check_arguments
+    from microrl.rollout.weights.server_syncs import ServerSyncJoiner
+
+    urls = rollout.server.urls
+    workers = rollout.num_workers
+    check_arguments(engine, rollout.vllm, urls, workers)  # on every process
+
+    def start() -> Sampler:
+        return VLLMServerRollout(
+            engine,
+            tokenizer,
+            rollout.vllm,
+            options,
+            urls=urls,
+            api_key=rollout.server.api_key(),
+            num_workers=workers,
+            log_dir=log_dir,
+        )
+
+    def join() -> Callable[[Any], None]:
+        return ServerSyncJoiner(
+            engine, tokenizer, version=options.version, urls=urls, num_workers=workers
+        )
+
+    return start, join

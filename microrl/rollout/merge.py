@@ -1,0 +1,208 @@
+"""Selecting groups of a rollout and merging rollouts into one ``[B, T]`` batch (docs/rollouts.md).
+
+Rollouts sampled in separate calls (e.g. the rounds of dynamic sampling, microrl/run/
+dynamic_sampling.py) have batches of different widths: each is as wide as its own longest prompt
+plus its own longest response. :func:`merge_rollouts` lays their rows out again in the one layout
+of :func:`microrl.rollout.layout.build_rollout` (``[left-padded prompt | response,
+right-padded]``), as wide as the longest prompt plus the longest response of the rows it keeps:
+the very batch ``build_rollout`` would have built from the same samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict, UnbatchedTensor
+
+from microrl.engine.vision_layout import (
+    IMAGE_GRID_KEY,
+    IMAGE_INDEX_KEY,
+    IMAGE_KEYS,
+    PIXEL_VALUES_KEY,
+    image_store,
+    kept_images,
+)
+from microrl.rollout.base import Rollout
+
+__all__ = ["merge_rollouts", "select_groups"]
+
+# Fields of every Rollout that are not per-row tensors handled generically.
+_LAYOUT_FIELDS = ("batch", "texts", "group_ids", "metrics")
+
+
+def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rollout:
+    """The rows of ``rollout`` answering the group ids in ``groups``, in their order in
+    ``rollout``; the kept group ids are renumbered ``0 .. len(groups) - 1`` in ascending order of
+    the old ids (for a rollout of :meth:`RolloutBackend.generate`, ``problems[g]`` for ``g`` in
+    ``sorted(groups)`` are the new groups' prompts). The batch keeps its width
+    (:func:`merge_rollouts` compacts it). Per-row tensor fields of the rollout are indexed too.
+
+    ``ValueError`` for a group id the rollout does not have.
+    """
+    wanted = torch.as_tensor(groups, dtype=torch.long).reshape(-1).unique()
+    present = torch.isin(wanted, rollout.group_ids)
+    if not present.all():
+        missing = wanted[~present].tolist()
+        raise ValueError(f"groups {missing} are not in the rollout (its ids: 0..)")
+    rows = torch.isin(rollout.group_ids, wanted).nonzero().squeeze(1)
+    _, group_ids = torch.unique(rollout.group_ids[rows], return_inverse=True)
+    extra = {}
+    for f in dataclasses.fields(rollout):
+        value = getattr(rollout, f.name)
+        if f.name not in _LAYOUT_FIELDS and _is_per_row(value, len(rollout.texts)):
+            extra[f.name] = value[rows]
+    return Rollout(
+        batch=kept_images(rollout.batch[rows]),  # the dropped groups' pixels freed
+        texts=[rollout.texts[i] for i in rows.tolist()],
+        group_ids=group_ids.to(torch.long),
+        metrics=dict(rollout.metrics),  # what sampling cost (env time, errors) stays spent
+        **extra,
+    )
+
+
+def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout:
+    """One rollout with the rows of ``rollouts``, in order, laid out as one batch.
+
+    The batch is ``[left-padded prompt | response, right-padded]`` as wide as the longest prompt
+    plus the longest response (at least one column) of all the rows: each part's per-token
+    entries (second dimension its width) move by whole columns, padded with ``pad_token_id``
+    (``input_ids``) or 0 / False (every other key); per-row entries (``truncated``, ...) are
+    concatenated; the image keys (docs/batch.md#images): the parts' pixel stores one after the
+    other (entries zero-padded to the widest), ``image_index`` shifted to match, grids
+    zero-padded to the most images; a part without images gives text rows (index -1). A part's prompts end where its first response
+    (``loss_mask``) column starts.
+    ``texts`` are concatenated; ``group_ids`` are renumbered contiguously: each part's ids in
+    ascending order, after the groups of the parts before it. Per-row tensor fields of
+    :class:`Rollout` (set on every part or on none) are concatenated, ``metrics`` (sums) added
+    up key by key.
+
+    ``ValueError`` when there is no part, when the parts' batches have different keys, or when
+    a part is not in the rollout layout (a row whose prompt does not reach the response column).
+    """
+    if not rollouts:
+        raise ValueError("merge_rollouts needs at least one rollout")
+    keys = set(rollouts[0].batch.keys()) - set(IMAGE_KEYS)
+    for part in rollouts[1:]:
+        if set(part.batch.keys()) - set(IMAGE_KEYS) != keys:
+            raise ValueError(
+                f"rollouts with different batch keys cannot be merged: {sorted(keys)} and "
+                f"{sorted(part.batch.keys())}"
+            )
+    spans = [_span(part.batch) for part in rollouts]
+    prompt_width = max(prompt for _, prompt, _ in spans)
+    response_width = max(1, *(response for _, _, response in spans))
+    width = prompt_width + response_width
+    columns: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+    for part, (boundary, _, _) in zip(rollouts, spans, strict=True):
+        offset = boundary - prompt_width  # the part's column of the merged column 0
+        for key in keys:
+            value = part.batch[key]
+            if value.dim() >= 2 and value.shape[1] == part.batch["input_ids"].shape[1]:
+                value = _shift_columns(
+                    value, offset, width, pad_token_id if key == "input_ids" else 0
+                )
+            columns[key].append(value)
+    rows = sum(part.batch.batch_size[0] for part in rollouts)
+    batch = TensorDict(
+        {key: torch.cat(values) for key, values in columns.items()}, batch_size=[rows]
+    )
+    if any(PIXEL_VALUES_KEY in part.batch for part in rollouts):
+        batch.update(_merged_images([part.batch for part in rollouts]))
+    group_ids, first = [], 0
+    for part in rollouts:
+        _, index = torch.unique(part.group_ids, return_inverse=True)
+        group_ids.append(index.to(torch.long) + first)
+        first += int(index.max()) + 1 if index.numel() else 0
+    extra = {}
+    for f in dataclasses.fields(Rollout):
+        if f.name in _LAYOUT_FIELDS:
+            continue
+        values = [getattr(part, f.name) for part in rollouts]
+        per_row = [
+            _is_per_row(v, len(part.texts)) for v, part in zip(values, rollouts, strict=True)
+        ]
+        if all(per_row):
+            extra[f.name] = torch.cat(values)
+        elif any(per_row):
+            raise ValueError(f"Rollout.{f.name} is set on some of the rollouts only")
+    metrics: dict[str, float] = {}
+    for part in rollouts:  # sums (env seconds, errors): they add up over the parts
+        for key, value in part.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    return Rollout(
+        batch=batch,
+        texts=[text for part in rollouts for text in part.texts],
+        group_ids=torch.cat(group_ids),
+        metrics=metrics,
+        **extra,
+    )
+
+
+def _is_per_row(value: object, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
+
+
+def _span(batch: TensorDict) -> tuple[int, int, int]:
+    """``(boundary, prompt, response)`` of a rollout batch: the column its responses start at,
+    its longest prompt and its longest response (real tokens before / from the boundary)."""
+    attention, loss = batch["attention_mask"].bool(), batch["loss_mask"].bool()
+    width = attention.shape[1]
+    if attention.shape[0] == 0:
+        return 0, 0, 0
+    cols = torch.arange(width, device=attention.device)
+    response_cols = loss.any(dim=0).nonzero()
+    if response_cols.numel():
+        boundary = int(response_cols[0])
+    else:  # no response token at all: every real token is prompt
+        boundary = int(torch.where(attention, cols + 1, 0).max())
+    if boundary == 0 or not attention[:, boundary - 1].all():
+        raise ValueError(
+            "a rollout batch must be [left-padded prompt | response, right-padded]: every row's "
+            f"prompt must end at column {boundary - 1}, before the first loss_mask column"
+        )
+    first = torch.where(attention, cols, width).min(dim=1).values
+    last = torch.where(attention, cols, -1).max(dim=1).values
+    prompt = int((boundary - first).max())
+    response = int((last + 1 - boundary).clamp_min(0).max())
+    return boundary, prompt, response
+
+
+def _shift_columns(value: torch.Tensor, offset: int, width: int, fill: int) -> torch.Tensor:
+    """``out[:, j] = value[:, offset + j]`` for ``j`` in ``[0, width)``, ``fill`` where that
+    column does not exist."""
+    out = value.new_full((value.shape[0], width, *value.shape[2:]), fill)
+    lo, hi = max(0, offset), min(value.shape[1], offset + width)
+    if hi > lo:
+        out[:, lo - offset : hi - offset] = value[:, lo:hi]
+    return out
+
+
+def _merged_images(batches: Sequence[TensorDict]) -> dict[str, torch.Tensor]:
+    """The parts' image keys as one: their pixel stores one after the other (each entry
+    zero-padded to the widest), each row's ``image_index`` shifted past the entries of the parts
+    before it (-1 kept), its grids zero-padded to the most images; a part without images
+    contributes rows of index -1 and zero grids (text rows)."""
+    parts = [image_store(b) if PIXEL_VALUES_KEY in b else None for b in batches]
+    like = next(store for store, _ in filter(None, parts))
+    width = max(store.shape[1] for store, _ in filter(None, parts))
+    count = max(b[IMAGE_GRID_KEY].shape[1] for b in batches if IMAGE_GRID_KEY in b)
+    stores, indices, grids, first = [], [], [], 0
+    for batch, part in zip(batches, parts, strict=True):
+        rows = batch.batch_size[0]
+        if part is None:
+            indices.append(torch.full((rows,), -1, dtype=torch.long, device=like.device))
+            grids.append(torch.zeros(rows, count, 3, dtype=torch.long, device=like.device))
+            continue
+        store, index = part
+        stores.append(torch.nn.functional.pad(store, (0, 0, 0, width - store.shape[1])))
+        indices.append(torch.where(index >= 0, index + first, index))
+        grid = batch[IMAGE_GRID_KEY]
+        grids.append(torch.nn.functional.pad(grid, (0, 0, 0, count - grid.shape[1])))
+        first += store.shape[0]
+    return {
+        PIXEL_VALUES_KEY: UnbatchedTensor(torch.cat(stores)),
+        IMAGE_INDEX_KEY: torch.cat(indices),
+        IMAGE_GRID_KEY: torch.cat(grids),
+    }

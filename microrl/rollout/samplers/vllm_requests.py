@@ -1,0 +1,170 @@
+"""The wire format of a rollout on a ``vllm serve`` server (docs/async.md#vllm-servers).
+
+Token ids in, token ids out: vLLM's ``/inference/v1/generate`` (``--enable-scale-out``) takes a
+prompt's ids and vLLM's own ``SamplingParams`` as JSON and answers every sample's ids, the
+sampled tokens' log-probs and the weight version of each span of tokens. Pure functions, so the
+format is tested without a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from microrl.rollout.base import SamplingParams
+from microrl.rollout.images import ImageEncoder, ImagePrompts
+from microrl.rollout.samplers import vllm_images, vllm_options
+from microrl.rollout.samplers.vllm_http import ServerError
+
+__all__ = [
+    "GENERATE_ROUTE",
+    "ServerPrompt",
+    "check_image_servers",
+    "generate_body",
+    "parse_samples",
+    "probe_body",
+    "prompt_logprobs",
+    "server_prompt",
+]
+
+#: vLLM's token-in, token-out route.
+GENERATE_ROUTE = "inference/v1/generate"
+
+
+def generate_body(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    seed: int,
+    eos_token_id: int | Sequence[int],
+    adapter: str | None,
+    images: Sequence[Any] = (),
+) -> dict[str, Any]:
+    """One prompt's request: vLLM's ``SamplingParams`` of ``params``, as the in-process engine
+    gets them (:func:`~microrl.rollout.samplers.vllm_options.sampling_args`: one sample when
+    greedy, the caller sends copies; stopped at ``eos_token_id``, one id or the backend's
+    ``stop_token_ids``: the server has no tokenizer to know them), ``adapter`` the LoRA adapter's name (None: the served weights).
+
+    ``images``: the prompt's PIL images, sent as the route's ``content_parts`` (lossless PNG
+    ``data:`` URLs, :func:`~microrl.rollout.samplers.vllm_images.image_content_parts`); the
+    prompt then holds one placeholder per image, which the server expands
+    (:func:`~microrl.rollout.samplers.vllm_images.collapse_placeholders`) and answers, expanded,
+    as ``prompt_token_ids`` (``return_token_ids``): the caller checks it is the trainer's."""
+    body: dict[str, Any] = {
+        "token_ids": list(prompt_ids),
+        "sampling_params": vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id),
+    }
+    if images:  # the server answers the prompt it ran, placeholders expanded, to check
+        body["content_parts"] = vllm_images.image_content_parts(list(images))
+        body["return_token_ids"] = True
+    if adapter is not None:
+        body["model"] = adapter
+    return body
+
+
+@dataclass(frozen=True)
+class ServerPrompt:
+    """One prompt as a server gets it: ``ids`` (one placeholder per image), its PIL ``images``
+    and, with images, the ids the server must answer it ran (``expected``, placeholders
+    expanded by the trainer's encoder) and the prompt's ``index`` in the call."""
+
+    ids: list[int]
+    images: tuple[Any, ...] = ()
+    expected: list[int] | None = None
+    index: int = 0
+
+    def check(self, response: dict[str, Any]) -> None:
+        """Raise when the server ran another prompt than the trainer's expanded one
+        (:func:`~microrl.rollout.samplers.vllm_images.check_expanded`)."""
+        if self.expected is not None:
+            ran = response.get("prompt_token_ids") or []
+            vllm_images.check_expanded(ran, self.expected, self.index)
+
+
+def server_prompt(
+    ids: list[int], images: ImagePrompts | None, index: int, encoder: ImageEncoder | None
+) -> ServerPrompt:
+    """Prompt ``index`` (``ids``: placeholders expanded, from ``images.ids`` when it has
+    images) as :func:`generate_body` sends it."""
+    if images is None or images.images[index] is None:
+        return ServerPrompt(list(ids))
+    grid = images.images[index][1]
+    collapsed = vllm_images.collapse_placeholders(
+        ids, grid, encoder.image_token_id, encoder.merge_size
+    )
+    return ServerPrompt(collapsed, tuple(images.raw[index]), list(ids), index)
+
+
+def check_image_servers(engine, tokenizer) -> None:
+    """What image prompts on vLLM servers need, checked at start: vLLM's Qwen-VL code
+    (torchvision), the tokenizer's video placeholder, and a frozen vision tower (the servers
+    keep each image's embedding in their encoder cache across pushes, right only while the
+    tower does not change)."""
+    if reason := vllm_images.vision_unsupported():
+        raise ValueError(
+            "rollout.backend=vllm (its servers under rollout.max_staleness > 0) cannot sample "
+            f"image prompts here: {reason}. Use rollout.backend=hf (docs/rollouts.md#images)"
+        )
+    vllm_images.check_tokenizer(tokenizer)
+    if not getattr(engine.config, "freeze_vision", True):
+        raise ValueError(
+            "actor.freeze_vision=False with images on vLLM servers: the servers cache image "
+            "embeddings across weight pushes, which a trained vision tower makes stale; keep "
+            "the tower frozen or use rollout.backend=hf"
+        )
+
+
+def parse_samples(
+    response: dict[str, Any], *, url: str, version: int | None
+) -> list[tuple[list[int], list[float], tuple[int, int]]]:
+    """Each sample of a response, in order: its token ids (``<eos>`` included when sampled),
+    their log-probs, and the policy versions of its first and last token. ``version``: the
+    version every token has (a LoRA adapter's); None: read from the response's weight-version
+    spans (labels microrl set when it pushed the weights)."""
+    samples = []
+    for choice in sorted(response["choices"], key=lambda c: c["index"]):
+        tokens = list(choice["token_ids"])
+        logprobs = [step["logprob"] for step in (choice.get("logprobs") or {}).get("content", [])]
+        if len(logprobs) != len(tokens):
+            raise ServerError(
+                f"the vLLM server at {url} returned {len(tokens)} tokens but {len(logprobs)} "
+                "log-probs"
+            )
+        if version is not None:
+            versions = (version, version)
+        else:
+            spans = choice.get("weight_versions") or []
+            if not spans:
+                raise ServerError(f"the vLLM server at {url} reports no weight versions")
+            versions = (_version(spans[0]["version"], url), _version(spans[-1]["version"], url))
+        samples.append((tokens, logprobs, versions))
+    return samples
+
+
+def probe_body(row: list[int], adapter: str | None) -> dict[str, Any]:
+    """A request for the log-probs of ``row``'s tokens (vLLM's prompt log-probs: at temperature
+    1, whatever the sampling temperature)."""
+    body: dict[str, Any] = {
+        "token_ids": list(row),
+        "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False},
+    }
+    if adapter is not None:
+        body["model"] = adapter
+    return body
+
+
+def prompt_logprobs(response: dict[str, Any], row: list[int]) -> list[float]:
+    """The log-probs of ``row[1:]`` from a :func:`probe_body` response."""
+    steps = response["prompt_logprobs"][1:]  # the first token has no prediction (null)
+    return [step[str(t)]["logprob"] for step, t in zip(steps, row[1:], strict=True)]
+
+
+def _version(label: str, url: str) -> int:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise ServerError(
+            f"the vLLM server at {url} reports weight version {label!r}: not one microrl pushed "
+            "(another trainer or a restart changed its weights?)"
+        ) from None

@@ -1,0 +1,536 @@
+"""Asynchronous ``vllm`` rollouts: vLLM servers sample while the trainer trains.
+
+:class:`VLLMServerRollout` has the ``hf`` worker's job interface (submit now, collect later,
+per-row ``policy_version``) over ``vllm serve`` processes: ``num_workers`` it starts on
+localhost (:class:`~microrl.rollout.samplers.vllm_launch.LocalVLLMServer`) or the user's
+(``urls``). Requests are token ids in, token ids and log-probs out (``/inference/v1/generate``),
+one prompt each, spread over the servers, so the batch layout is the shared one. Weights, by
+vLLM's machinery (:mod:`microrl.rollout.weights.server_syncs`): a LoRA version is a new adapter
+a job's requests name (a row's version is exact; a sync never waits for running jobs); full
+weights go over vLLM's weight-transfer API as an in-flight update (requests paused, then
+resumed; rows keep their first and last tokens' versions). Every push is checked on the probe
+before any job samples it. docs/async.md#vllm-servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from microrl.configs.refusals import check_vllm_servers
+from microrl.configs.rollout import VLLMConfig
+from microrl.engine.base import Engine
+from microrl.engine.checkpoint.export import (
+    export_merged_model,
+    locate_base_model,
+)
+from microrl.engine.parallel import distributed
+from microrl.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    Samples,
+    SamplingParams,
+    check_tokenizer,
+    draw_seed,
+    encode_prompts,
+)
+from microrl.rollout.images import ImagePrompts, check_image_prompts
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler, WorkerError
+from microrl.rollout.samplers import vllm_options
+from microrl.rollout.samplers.vllm_http import ServerClient, exit_status
+from microrl.rollout.samplers.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
+from microrl.rollout.samplers.vllm_placement import (
+    cuda_visible_devices,
+    data_rank,
+    pushes_per_sync,
+    server_gpus,
+    transfer_backend,
+    urls_of_data_rank,
+)
+from microrl.rollout.samplers.vllm_requests import (
+    GENERATE_ROUTE,
+    ServerPrompt,
+    check_image_servers,
+    generate_body,
+    parse_samples,
+    probe_body,
+    prompt_logprobs,
+    server_prompt,
+)
+from microrl.rollout.weights.server_syncs import (
+    WORKDIR_PREFIX,
+    HTTPAdapterSync,
+    TransferSync,
+)
+from microrl.rollout.weights.sync_check import engine_probe
+from microrl.rollout.weights.weight_sync import ProbeVerifier, WeightSync, pushed_weights
+
+if TYPE_CHECKING:  # annotations only
+    from microrl.rollout.sampler import SamplerOptions
+
+__all__ = ["POLICY_VERSION_LAST_KEY", "VLLMServerRollout", "check_arguments"]
+
+#: The per-row ``[B]`` int64 batch key: the policy version of a row's last sampled token.
+POLICY_VERSION_LAST_KEY = "policy_version_last"
+# Concurrent HTTP requests per server: enough to fill vLLM's continuous batch.
+_REQUESTS_PER_SERVER = 64
+
+
+class VLLMServerRollout(Sampler):
+    """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
+
+    Args:
+        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
+            weights are version ``version``.
+        tokenizer: its tokenizer.
+        config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts
+            (their GPUs: ``gpus``, ``tensor_parallel_size``), and ``trainer_address``.
+        options: the policy version of the engine's current weights, the environments (stepped
+            in this process), the longest wait for a server (start, one request, a push), the
+            check's tolerance and each local server's CPU threads
+            (:class:`~microrl.rollout.sampler.SamplerOptions`; None: the defaults).
+        urls: servers the user started (``rollout.server.url``); under ``torchrun`` data rank
+            ``r`` of ``w`` (:func:`~microrl.rollout.samplers.vllm_placement.data_rank`) uses every
+            ``w``-th one from the ``r``-th. Empty: start ``num_workers`` (per data rank).
+        api_key: their ``--api-key`` (None: ``$VLLM_API_KEY``).
+        num_workers: local servers to start (without ``urls``).
+        workdir: where the base model and the adapters are written (the servers must see it).
+        log_dir: where each local server's log is kept (the recipes: ``<output.dir>/vllm-servers``);
+            None: temporary files, kept only when a server fails (errors name them).
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        config: VLLMConfig | None = None,
+        options: SamplerOptions | None = None,
+        *,
+        urls: Sequence[str] = (),
+        api_key: str | None = None,
+        num_workers: int = 1,
+        workdir: str | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        self.tokenizer = check_tokenizer(tokenizer)
+        self.engine, self.config = engine, config or VLLMConfig()
+        check_arguments(engine, self.config, urls, num_workers)
+        options = self._take_options(engine, options)
+        if self.image_encoder is not None:
+            check_image_servers(engine, tokenizer)
+        #: The layout, episodes and decoding of every backend, sampling through these servers.
+        self.backend = _ServerBackend(
+            self, getattr(getattr(engine, "model", None), "generation_config", None)
+        )
+        self.log_dir = log_dir
+        self.is_lora = engine.peft_model is not None
+        self.sync_stats: dict[int, dict[str, float]] = {}
+        self.job_seconds: list[float] = []
+        self.sync_seconds: list[float] = []
+        self._prefix, base = locate_base_model(engine.module)
+        self.probe = engine_probe(engine, tokenizer)
+        self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, WORKDIR_PREFIX)
+        self._jobs = itertools.count()
+        self._run_id = secrets.token_hex(4)
+        self._futures: dict[int, tuple[Job, Future]] = {}
+        self._syncs: dict[int, Future] = {}  # version -> its check (after its load)
+        self._context = threading.local()
+        self._servers = []
+        self.weight_sync: WeightSync | None = None
+        self._server_gpus: list[list[int]] | None = None  # cuda:N of each local server
+        # The dtype full-weight pushes travel in: the local servers' (a bf16 server takes half
+        # the bytes of fp32 master weights); None, the trainer's, for servers the user started.
+        self._push_dtype: torch.dtype | None = None
+        # The dtype a LoRA sync writes the adapter in: the one the local servers hold it in
+        # (vLLM casts it on load; bf16 halves the bytes); None, as trained, for users' servers.
+        self._adapter_dtype: torch.dtype | None = None
+        self._pushes_per_sync = num_workers  # the most servers any rank pushes to
+        self._closed = False
+        self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
+        self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-sync")
+        try:
+            self.clients = self._connect(
+                base, list(urls), api_key, num_workers, options.num_threads
+            )
+            self._requests = ThreadPoolExecutor(
+                _REQUESTS_PER_SERVER * len(self.clients), thread_name_prefix="microrl-vllm-req"
+            )
+            #: How each sync reaches the servers: an adapter over HTTP, or full weights.
+            self.weight_sync = HTTPAdapterSync(self) if self.is_lora else TransferSync(self)
+            self._submit_sync(engine).result()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- servers
+    def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
+        rank = data_rank(self.engine)[0]  # servers belong to a data rank (an sp group's)
+        if urls:
+            self._pushes_per_sync = pushes_per_sync(self.engine, urls, num_workers)
+            mine = urls_of_data_rank(urls, *data_rank(self.engine))
+            clients = [ServerClient(url, api_key, timeout_s=self.timeout_s) for url in mine]
+            for client in clients:
+                client.get("v1/models")  # reachable, and the key is accepted: fail at start
+            return clients
+        from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
+
+        cfg = self.config
+        # Each server its GPUs (checked before anything starts): without CUDA_VISIBLE_DEVICES
+        # every server of every rank would start on the first GPU.
+        gpus = self._server_gpus = server_gpus(
+            self.engine.device,
+            num_workers=num_workers,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpus=cfg.gpus,
+            group_size=distributed.world_size() // data_rank(self.engine)[1],
+        )
+        model_dir = self.workdir / "base"
+        images = self.image_encoder is not None  # vLLM preprocesses: tokenizer and processor
+        vision_tokenizer = self.tokenizer if images else None
+        export_merged_model(
+            self.engine.module, model_dir, merge_lora=False, tokenizer=vision_tokenizer
+        )
+        if images:
+            self.image_encoder.image_processor.save_pretrained(str(model_dir))
+        device = self.engine.device
+        on_cpu = device.type == "cpu"
+        owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if on_cpu else {})}
+        if not self.is_lora:  # a cached block computed with old weights must not serve new ones
+            owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
+        dtype = vllm_options.resolve_dtype(cfg.dtype, self.engine, base)
+        self._push_dtype = getattr(torch, dtype)
+        self._adapter_dtype = vllm_options.adapter_dtype(dtype, cfg.engine_kwargs)
+        lora_rank = self.engine.config.lora.rank
+        options = dict(
+            dtype=dtype,
+            max_model_len=cfg.max_model_len,
+            kv_cache_mb=vllm_options.kv_cache_mb(cfg, device),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=vllm_options.enforce_eager(cfg, device),
+            lora_rank=vllm_options.max_lora_rank(lora_rank) if self.is_lora else 0,
+            max_loras=4,
+            weight_transfer=None if self.is_lora else transfer_backend(self.engine.device, gpus),
+            cpu=on_cpu,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            engine_args=user_engine_args(cfg.engine_kwargs, owned=owned),
+            images=images,
+        )
+
+        def start(i: int) -> LocalVLLMServer:
+            return LocalVLLMServer(
+                str(model_dir),
+                full_weights=not self.is_lora,
+                num_threads=num_threads,
+                timeout_s=self.timeout_s,
+                name=f"local vLLM server {i} of rank {rank}",
+                log_dir=self.log_dir,
+                seed=vllm_options.engine_seed(cfg.seed, rank=rank, index=i, per_rank=num_workers),
+                cuda_visible_devices=None if gpus is None else cuda_visible_devices(gpus[i]),
+                **options,
+            )
+
+        # Side by side (~20 s each on a CPU); one after the other where they share a GPU, whose
+        # free memory each vLLM measures as it starts.
+        shared = gpus is not None and len({tuple(g) for g in gpus}) < len(gpus)
+        with ThreadPoolExecutor(1 if shared else num_workers) as pool:
+            futures = [pool.submit(start, i) for i in range(num_workers)]
+            for future in futures:
+                with contextlib.suppress(Exception):
+                    self._servers.append(future.result())
+            for future in futures:
+                future.result()  # the first failure, after every server is kept for close()
+        return [server.client for server in self._servers]
+
+    def close(self) -> None:
+        """Stop the local servers, release the transfer groups, remove the work directory;
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in (self._job_thread, self._sync_thread, getattr(self, "_requests", None)):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        for server in self._servers:
+            server.close()
+        vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
+
+    # ----------------------------------------------------------------- weights
+    def sync(self, engine=None) -> None:
+        """Load the engine's current weights as the next version (``version + 1``); jobs
+        submitted from now on sample them. Returns once the weights are taken: a LoRA adapter
+        exported (its load runs in the background), full weights pushed (streamed from the
+        parameters). The check runs in the background; it and the load surface in
+        :meth:`poll` / :meth:`collect`. Collective under ``torchrun``."""
+        self._check_open()
+        self.poll()
+        self.version += 1
+        self._submit_sync(engine or self.engine)
+
+    def _submit_sync(self, engine) -> Future:
+        version = self.version
+        expected = ProbeVerifier.of(self).expected(engine)
+        if self.is_lora:  # the export on this thread, the load in the background
+            loaded = self.weight_sync.push(engine, version)
+        else:
+            # Streamed from the live parameters on this thread, before the optimizer changes
+            # them (collective under torchrun: each rank gathers the shards in step), after the
+            # previous version's check is done (it scores the probe on the servers' weights).
+            previous = self._syncs.get(version - 1)
+            if previous is not None:
+                previous.result()
+            self._timed(lambda: self.weight_sync.push(engine, version))
+            loaded = _done()
+        # The check scores the probe with prompt log-probs. LoRA: on the job thread, between
+        # jobs, alone on the servers (vLLM 0.32's CPU LoRA logits path fails a batch mixing
+        # prompt log-probs with other requests); it names its adapter, so a later load cannot
+        # interfere. Full weights: at once, before another push changes them.
+        thread = self._job_thread if self.is_lora else self._sync_thread
+        future = thread.submit(self._check, version, loaded, expected)
+        self._syncs[version] = future
+        return future
+
+    def _timed(self, load: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        load()
+        self.sync_seconds.append(time.perf_counter() - start)
+
+    def _check(self, version: int, loaded: Future, expected: torch.Tensor) -> None:
+        loaded.result()
+        verifier = ProbeVerifier.of(self)
+        detail = f"pushed: {pushed_weights(self.is_lora)}"
+        for i, client in enumerate(self.clients):
+            target = f"the vLLM server at {client.url} (server {i})"
+            verifier.verify(version, target, expected, self._score_probe(client, version), detail)
+
+    def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
+        """The server's log-probs of the probe rows, ``[B, T]`` like the engine's (0 off
+        ``loss_mask``), at temperature 1: vLLM's prompt log-probs are the model's raw ones."""
+        adapter = self._adapter(version) if self.is_lora else None
+        verifier = ProbeVerifier.of(self)
+        rows = verifier.rows()
+        scored = [
+            prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(r, adapter)), r) for r in rows
+        ]
+        return verifier.layout(scored)
+
+    # ----------------------------------------------------------------- jobs
+    def _submit(
+        self, run: Callable[[], Any], kind: str, params: SamplingParams, seed: int | None = None
+    ) -> Job:
+        self._check_open()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if seed is None:  # torch's generator here: a resumed run draws the same
+            seed = draw_seed(params)
+        job = Job(next(self._jobs), self.version, kind)
+        waits_for = self._syncs.get(job.version)
+        future = self._job_thread.submit(self._run_job, job, seed, waits_for, run)
+        self._futures[job.id] = (job, future)
+        return job
+
+    def _run_job(self, job: Job, seed: int, waits_for: Future | None, run) -> Rollout:
+        if waits_for is not None:
+            waits_for.result()  # the job's version is loaded (and checked) first
+        start = time.perf_counter()
+        self._context.job, self._context.seed, self._context.versions = job, seed, []
+        try:
+            rollout = run()
+        finally:
+            self._context.job = None
+        if isinstance(rollout, Samples):  # a bare _sample call
+            return rollout
+        versions = torch.tensor(self._context.versions, dtype=torch.long).reshape(-1, 2)
+        if len(versions) != rollout.batch.batch_size[0]:  # episodes: each row spans the job's
+            span = (
+                (int(versions[:, 0].min()), int(versions[:, 1].max()))
+                if len(versions)
+                else (
+                    job.version,
+                    job.version,
+                )
+            )
+            versions = torch.tensor([span] * rollout.batch.batch_size[0], dtype=torch.long)
+        rollout.batch[POLICY_VERSION_KEY] = versions[:, 0].reshape(-1)
+        rollout.batch[POLICY_VERSION_LAST_KEY] = versions[:, 1].reshape(-1)
+        self.job_seconds.append(time.perf_counter() - start)
+        return rollout
+
+    def submit(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[Sequence[Any]] | None = None,
+    ):
+        """Queue sampling ``params.num_samples`` responses per prompt; returns the :class:`Job`.
+        ``images``: each text prompt's PIL images, encoded by the policy's
+        :class:`~microrl.rollout.images.ImageEncoder` (the rows' image keys) and sent to
+        the servers as lossless PNGs; the prompt each server ran is checked against the
+        encoder's (docs/rollouts.md#images)."""
+        if images is not None:
+            check_image_prompts(self, prompts, images)
+            texts, rows = list(prompts), [list(row) for row in images]
+            run = lambda: self.backend.generate(texts, params, images=rows)  # noqa: E731
+            return self._submit(run, "generate", params)
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        return self._submit(lambda: self.backend.generate(prompt_ids, params), "generate", params)
+
+    def _submit_episodes(self, problems, params, limits, seed) -> Job:
+        """The episodes' environments step in this process while the servers sample (with
+        the problems' images, if any, every turn)."""
+        maker = self.env_maker
+        with_images = self.image_encoder is not None and any(p.images for p in problems)
+        images = [list(p.images) for p in problems] if with_images else None
+        run = lambda: self.backend.run_episodes(  # noqa: E731
+            [p.prompt for p in problems],
+            lambda i: maker(problems[i]),
+            params,
+            **limits,
+            images=images,
+        )
+        return self._submit(run, "episodes", params, seed)
+
+    def collect(self, job: Job) -> Rollout:
+        """The rollout of ``job`` (waiting for it, at most ``timeout_s`` while no server has
+        died); its batch carries ``policy_version`` and ``policy_version_last``."""
+        self._check_open()
+        if job.id not in self._futures:
+            raise ValueError(f"job {job.id} was not submitted here or was collected already")
+        _, future = self._futures[job.id]
+        deadline = time.monotonic() + self.timeout_s
+        while not future.done():
+            self._check_servers(f"the rollout of job {job.id} (policy version {job.version})")
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"the vLLM servers did not finish job {job.id} within {self.timeout_s:.0f} s "
+                    "(rollout.worker_timeout_s)"
+                )
+            with contextlib.suppress(TimeoutError):
+                future.result(timeout=0.5)
+        del self._futures[job.id]
+        return future.result()
+
+    def poll(self) -> None:
+        """Raise the error of a finished load or check, if any, without waiting."""
+        self._check_open()
+        for version, future in list(self._syncs.items()):
+            if future.done():
+                future.result()
+                if version < self.version:
+                    del self._syncs[version]
+
+    def sample_in_job(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        images: ImagePrompts | None = None,
+    ) -> Samples:
+        """The servers' samples of ``prompt_ids`` for the job running on this thread (the
+        backend's ``_sample``: every call of a job, an episode's turns included); ``images``:
+        the prompts encoded with their images (``prompt_ids`` is then ``images.ids``)."""
+        job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
+        if job is None:
+            raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
+        copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
+        prompts = [
+            server_prompt(ids, images, p, self.image_encoder) for p, ids in enumerate(prompt_ids)
+        ]
+        requests = [prompt for prompt in prompts for _ in range(copies)]
+        self._context.seed = seed + len(requests)  # the next call of an episode: fresh seeds
+        futures = [
+            self._requests.submit(self._request, i, prompt, params, seed + i, job.version)
+            for i, prompt in enumerate(requests)
+        ]
+        token_ids, logprobs = [], []
+        for future in futures:
+            for ids, lps, versions in future.result():
+                token_ids.append(ids)
+                logprobs.append(lps)
+                self._context.versions.extend(versions)
+        return Samples(token_ids=token_ids, logprobs=logprobs)
+
+    def _request(
+        self, i: int, prompt: ServerPrompt, params: SamplingParams, seed: int, version: int
+    ):
+        client = self.clients[i % len(self.clients)]
+        adapter = self._adapter(version) if self.is_lora else None
+        body = generate_body(
+            prompt.ids,
+            params,
+            seed=seed,
+            eos_token_id=self.backend.stop_token_ids,
+            adapter=adapter,
+            images=prompt.images,
+        )
+        response = client.post(GENERATE_ROUTE, body)
+        prompt.check(response)
+        # LoRA: every token comes from the request's adapter; full weights: from the spans.
+        return parse_samples(response, url=client.url, version=version if self.is_lora else None)
+
+    # ----------------------------------------------------------------- helpers
+    def _adapter(self, version: int) -> str:
+        """The served name of a version's adapter: unique to this run and rank, so trainers
+        and ranks sharing a server, or a resumed run meeting its crashed predecessor's adapters,
+        never collide."""
+        return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}"
+
+    def _check_servers(self, what: str) -> None:
+        for server in self._servers:
+            if not server.alive():
+                raise WorkerError(
+                    f"{server.name} died ({exit_status(server.process.returncode)}) while the "
+                    f"trainer waited for {what}; {server.diagnosis()}"
+                )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerError("the vLLM server rollout is closed")
+
+
+class _ServerBackend(RolloutBackend):
+    """A rollout backend whose samples come from a :class:`VLLMServerRollout`'s servers."""
+
+    def __init__(self, owner: VLLMServerRollout, generation_config=None) -> None:
+        super().__init__(
+            owner.tokenizer,
+            generation_config=generation_config,
+            image_encoder=getattr(owner, "image_encoder", None),
+        )
+        self.owner = owner
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return self.owner.sample_in_job(prompt_ids, params)
+
+    def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
+        return self.owner.sample_in_job(prompts.ids, params, prompts)
+
+
+def check_arguments(engine, config: VLLMConfig, urls: Sequence[str], num_workers: int) -> None:
+    """The checks of :class:`VLLMServerRollout`'s arguments, before anything starts (every
+    process of a sequence-parallel group runs them: none waits in a collective for one that
+    refused)."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
+    if not isinstance(config, VLLMConfig):
+        raise TypeError(f"config must be a VLLMConfig, got {type(config).__name__}")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    check_vllm_servers(config, urls)  # the rollout rows of microrl.configs.refusals
+    if urls:
+        urls_of_data_rank(urls, *data_rank(engine))
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future

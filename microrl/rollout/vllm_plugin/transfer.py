@@ -1,0 +1,441 @@
+"""Weights from the trainer into ``vllm serve`` processes, through vLLM's weight-transfer API.
+
+vLLM serves its RL control plane over HTTP (``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config``):
+each worker holds a ``WeightTransferEngine`` that joins a group with the trainer and loads what
+it broadcasts. This module adds a ``"gloo"`` engine for CPUs (vLLM's dense NCCL engine with a
+private gloo group as transport: the same init and update info, the same layerwise reload, so a
+pushed state dict loads as vLLM loads one from disk) and :func:`register`, the vLLM general
+plugin (pyproject.toml) that registers it, and the trainer side, in every vLLM process; it
+imports no vLLM until used, nor the training engine.
+
+Wire protocol (the trainer is rank 0 of 1 + the server's workers): ``start()`` opens the
+rendezvous and POSTs ``/init_weight_transfer_engine`` while it joins; ``push()`` POSTs
+``/start_weight_update``, then ``/update_weights`` (names, dtypes, shapes) on a thread while it
+broadcasts the tensors in that order, then ``/finish_weight_update`` with the version. Push the
+whole model, tied weights under each name (``state_dict()``): a name left out keeps its old
+value. Pause a server that may be sampling around a push (``/pause?mode=keep``, ``/resume``).
+
+Failures: every wait is bounded by ``timeout_s``; a tensor the server rejects surfaces as the
+``/update_weights`` error naming it (the round still completes, the reload is closed); a failed
+broadcast leaves the group unusable until closed. The RL routes and the rendezvous port are
+outside vLLM's ``--api-key``: a trusted network only (docs/async.md#vllm-servers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import ipaddress
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+#: The backend of microrl's CUDA-IPC engine, for a server on the trainer's own GPU
+#: (:mod:`microrl.rollout.vllm_plugin.ipc`).
+IPC_BACKEND = "microrl_ipc"
+BACKENDS = ("gloo", "nccl", IPC_BACKEND)
+DEFAULT_TIMEOUT_S = 300.0
+_GRACE_S = 2.0  # how long a failed server call waits for this side's half of the group op
+
+# The classes that subclass vLLM's are defined on first use (module __getattr__ below), so that
+# importing this module, as vLLM's plugin loader does in every process, imports nothing heavy.
+_VLLM_CLASSES = (
+    "GlooWeightTransferInitInfo",
+    "GlooWeightTransferEngine",
+    "GlooTrainerInitInfo",
+    "GlooTrainerWeightTransferEngine",
+)
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TIMEOUT_S",
+    "IPC_BACKEND",
+    "is_loopback",
+    "register",
+    *_VLLM_CLASSES,
+]
+
+
+def register() -> None:
+    """Register the ``"gloo"`` engines in vLLM's worker and trainer factories (idempotent).
+
+    vLLM calls it in each of its processes as the ``microrl_gloo_weight_transfer`` general
+    plugin; ``WeightPusher`` calls it in the trainer. Does nothing when vLLM is not installed.
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
+    except ImportError:
+        return
+    ipc = "microrl.rollout.vllm_plugin.ipc"
+    for factory, name, module, class_name in (
+        (WeightTransferEngineFactory, "gloo", __name__, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "gloo", __name__, "GlooTrainerWeightTransferEngine"),
+        (WeightTransferEngineFactory, IPC_BACKEND, ipc, "JsonIPCWeightTransferEngine"),
+        (WeightTransferTrainerFactory, IPC_BACKEND, ipc, "JsonIPCTrainerWeightTransferEngine"),
+    ):
+        # ValueError: registered already (by an earlier call in this process).
+        with contextlib.suppress(ValueError):
+            factory.register_engine(name, module, class_name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VLLM_CLASSES:
+        value = _vllm_classes()[name]
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------- transport
+class _GlooGroup:
+    """The trainer<->workers group: a ``ProcessGroupGloo`` on its own ``TCPStore``."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, address: str):
+        from torch.distributed import ProcessGroupGloo
+
+        options = ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        options._devices = [_gloo_device(address)]
+        self.store = store
+        self.rank = rank
+        self.group = ProcessGroupGloo(store, rank, world_size, options)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast a contiguous ``tensor``'s bytes from rank ``src`` (in place elsewhere)."""
+        import torch
+
+        self.group.broadcast(tensor.reshape(-1).view(torch.uint8), src).wait()
+
+    def destroy(self) -> None:
+        self.group = None
+        self.store = None
+
+
+def _gloo_device(address: str) -> Any:
+    from torch.distributed import ProcessGroupGloo
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return ProcessGroupGloo.create_device(interface=interface.split(",")[0])
+    if is_loopback(address):
+        return ProcessGroupGloo.create_device(hostname=address)
+    return ProcessGroupGloo.create_default_device()
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (a host name or IP) is this machine's loopback."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _store(info: Any, *, master: bool) -> Any:
+    """The rendezvous of ``info`` (a ``GlooWeightTransferInitInfo``): a ``TCPStore`` the sender
+    hosts (``master``)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        info.master_address,
+        info.master_port,
+        info.world_size,
+        is_master=master,
+        timeout=timedelta(seconds=info.timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _in_thread(fn: Callable[[], Any], name: str) -> Future:
+    """Run ``fn`` on a daemon thread (one left blocked never holds up the interpreter's exit)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as err:
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def _together(
+    post: Callable[[], Any], local: Callable[[], Any], *, route: str, timeout_s: float
+) -> Any:
+    """Run a server call and this side's half of a collective at once; return ``local()``'s.
+
+    Each blocks until the other side has joined. The first error is raised as soon as it
+    happens (the server's, which names the route, ahead of this side's), and ``TimeoutError``
+    after ``timeout_s``, without waiting on the other thread. The exception carries
+    ``local_done`` (whether this side's half completed: if not, the group is out of step).
+    """
+    post_future = _in_thread(post, f"microrl-{route.strip('/')}")
+    local_future = _in_thread(local, f"microrl-{route.strip('/')}-group")
+    done, _ = wait([post_future, local_future], timeout=timeout_s, return_when=FIRST_EXCEPTION)
+    if post_future in done and post_future.exception() is not None and local_future not in done:
+        # A server that rejected what it received has still drained the round (the gloo
+        # engine does): this side's half completes right away then, and the group is in step.
+        done |= wait([local_future], timeout=min(_GRACE_S, timeout_s)).done
+    local_done = local_future in done and local_future.exception() is None
+    error: BaseException | None = None
+    if post_future in done and post_future.exception() is not None:
+        error = post_future.exception()
+    elif local_future in done and local_future.exception() is not None:
+        err = local_future.exception()
+        error = RuntimeError(f"{route}: the weight-transfer group failed: {err}")
+        error.__cause__ = err
+    elif len(done) < 2:
+        waiting = "the server" if post_future not in done else "the weight-transfer group"
+        error = TimeoutError(f"{route}: no answer from {waiting} within {timeout_s:g} s")
+    if error is not None:
+        error.local_done = local_done  # type: ignore[attr-defined]
+        raise error
+    return local_future.result()
+
+
+# ----------------------------------------------------------------------------- vLLM's classes
+@functools.cache
+def _vllm_classes() -> dict[str, type]:
+    from dataclasses import asdict, dataclass
+
+    import torch
+    from vllm.distributed.weight_transfer.base import (
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferInitInfo,
+    )
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerWeightTransferEngine,
+        NCCLWeightTransferEngine,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    @dataclass(kw_only=True)
+    class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+        """Worker-side init info of the ``"gloo"`` engine: NCCL's TCP rendezvous fields."""
+
+        master_address: str
+        master_port: int
+        rank_offset: int
+        world_size: int
+        timeout_s: float = DEFAULT_TIMEOUT_S
+
+    class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+        """vLLM's dense NCCL engine over a private gloo group (see the module docstring).
+
+        Inherited: the update info (names, dtype names, shapes), ``start_weight_update`` /
+        ``finish_weight_update`` (vLLM's layerwise reload) and ``shutdown``.
+        """
+
+        init_info_cls = GlooWeightTransferInitInfo
+
+        def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+            self.shutdown()  # a new trainer replaces the previous one's group
+            # Ranks as vLLM's NCCL engine numbers them: unique across data-parallel replicas.
+            parallel = self.parallel_config
+            worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
+            store = _store(init_info, master=False)
+            self.model_update_group = _GlooGroup(
+                store,
+                worker_rank + init_info.rank_offset,
+                init_info.world_size,
+                init_info.timeout_s,
+                init_info.master_address,
+            )
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            # vLLM's base synchronises unconditionally, which raises where there is no
+            # accelerator (the CPU build); a GPU server's copies into its weights are async.
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            group = self.model_update_group
+            if group is None:
+                raise RuntimeError(
+                    "gloo weight transfer is not initialised: POST /init_weight_transfer_engine "
+                    "first"
+                )
+            # vLLM's worker ends the update on an error without finishing it, and a layer left
+            # waiting in the layerwise reload would serve meta tensors: on an error the reload
+            # is closed here, so the layers loaded keep their new values, the others their old.
+            try:
+                failure = self._receive_and_load(group, update_info)
+            except BaseException:
+                # The trainer is gone or out of step: drop its group (the next round needs a
+                # new one, not a wait for broadcasts that never come).
+                self.shutdown()
+                finalize_layerwise_reload(self.model, self.model_config)
+                raise
+            if failure is not None:
+                finalize_layerwise_reload(self.model, self.model_config)
+                name, err = failure
+                raise ValueError(
+                    f"the server could not load weight {name!r} "
+                    f"({type(err).__name__}: {err}); the weights before it in this update were "
+                    "loaded, the rest keep their old values"
+                ) from err
+
+        def _receive_and_load(
+            self, group: _GlooGroup, update_info: NCCLWeightTransferUpdateInfo
+        ) -> tuple[str, Exception] | None:
+            """Receive every tensor of the round, loading each; the first load error is
+            returned, not raised: the rest is still received, so the trainer's broadcasts
+            complete and the group stays in step for the next round."""
+            from vllm.model_executor.model_loader.mtp_validation import (
+                disable_mtp_completeness_check,
+            )
+
+            dtypes = []
+            for name, dtype_name in zip(update_info.names, update_info.dtype_names, strict=True):
+                dtype = getattr(torch, dtype_name, None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"weight {name!r}: unknown dtype name {dtype_name!r}")
+                dtypes.append(dtype)
+            failure: tuple[str, Exception] | None = None
+            with disable_mtp_completeness_check():
+                for name, dtype, shape in zip(
+                    update_info.names, dtypes, update_info.shapes, strict=True
+                ):
+                    weight = torch.empty(shape, dtype=dtype, device="cpu")
+                    group.broadcast(weight, src=0)
+                    if failure is None:
+                        try:
+                            self.model.load_weights([(name, weight)])
+                        except Exception as err:
+                            failure = (name, err)
+            return failure
+
+    @dataclass
+    class GlooTrainerInitInfo(TrainerInitInfo):
+        """Trainer-side init info of the ``"gloo"`` engine (``master_port`` 0: a free port)."""
+
+        backend: ClassVar[str] = "gloo"
+
+        master_address: str
+        master_port: int
+        world_size: int
+        timeout_s: float = DEFAULT_TIMEOUT_S
+
+    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+        """Trainer side of the ``"gloo"`` engine: rank 0 serves the store and broadcasts."""
+
+        init_info_cls = GlooTrainerInitInfo
+
+        def __init__(self, *, client: Any, source: Any, is_sender: bool, timeout_s: float):
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.timeout_s = timeout_s
+            self.model_update_group: _GlooGroup | None = None
+            # False once a failed round left the group out of step with the workers.
+            self.in_step = True
+
+        @classmethod
+        def trainer_init(
+            cls, init_info: GlooTrainerInitInfo, *, client: Any, source: Any = None
+        ) -> GlooTrainerWeightTransferEngine:
+            if source is None:
+                raise ValueError("gloo trainer weight transfer requires a WeightSource.")
+            engine = cls(
+                client=client,
+                source=source,
+                is_sender=init_info.is_sender,
+                timeout_s=init_info.timeout_s,
+            )
+            if not engine.is_sender:
+                return engine
+            store = _store(init_info, master=True)
+            worker_info = GlooWeightTransferInitInfo(
+                master_address=init_info.master_address,
+                master_port=store.port,
+                rank_offset=1,
+                world_size=init_info.world_size,
+                timeout_s=init_info.timeout_s,
+            )
+            engine.model_update_group = _together(
+                lambda: client.init_weight_transfer_engine(asdict(worker_info)),
+                lambda: _GlooGroup(
+                    store, 0, init_info.world_size, init_info.timeout_s, init_info.master_address
+                ),
+                route="/init_weight_transfer_engine",
+                timeout_s=init_info.timeout_s,
+            )
+            return engine
+
+        def send_weights(self) -> None:
+            meta = self.source.metadata()
+            if not self.is_sender:
+                for _ in self.source:
+                    pass
+                return
+            group = self.model_update_group
+            assert group is not None, "trainer_init() must be called before send_weights()"
+            update_info = NCCLWeightTransferUpdateInfo(
+                names=[m.name for m in meta],
+                dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+                shapes=[list(m.shape) for m in meta],
+            )
+
+            def broadcast_all() -> None:
+                # vLLM's check that iteration matches the metadata the workers were sent.
+                for _, tensor in NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta):
+                    group.broadcast(tensor.detach().contiguous(), src=0)
+
+            self.client.start_weight_update()
+            try:
+                _together(
+                    lambda: self.client.update_weights(asdict(update_info)),
+                    broadcast_all,
+                    route="/update_weights",
+                    timeout_s=self.timeout_s,
+                )
+            except BaseException as err:
+                self.in_step = getattr(err, "local_done", False)
+                raise
+            self.client.finish_weight_update()
+
+        def shutdown(self) -> None:
+            if self.model_update_group is not None:
+                self.model_update_group.destroy()
+                self.model_update_group = None
+
+    return {
+        "GlooWeightTransferInitInfo": GlooWeightTransferInitInfo,
+        "GlooWeightTransferEngine": GlooWeightTransferEngine,
+        "GlooTrainerInitInfo": GlooTrainerInitInfo,
+        "GlooTrainerWeightTransferEngine": GlooTrainerWeightTransferEngine,
+    }
+
+
+def _weight_source_class() -> type:
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    class _PushSource(WeightSource):
+        """The tensors of the current push: its declared metadata (vLLM ``ParamMeta``s) and a
+        fresh pass over its pairs on each iteration (checked against the metadata as they come,
+        so a lazy stream is never materialised)."""
+
+        def __init__(self) -> None:
+            self.meta: list[Any] = []
+            self.iterate: Callable[[], Iterator[tuple[str, torch.Tensor]]] = lambda: iter(())
+
+        def metadata(self) -> list[Any]:
+            return self.meta
+
+        def __iter__(self):
+            return self.iterate()
+
+    return _PushSource

@@ -1,0 +1,302 @@
+"""The trainer's side of a full-weight push into a ``vllm serve`` process: :class:`WeightPusher`.
+
+It drives vLLM's weight-transfer API over HTTP (the routes of ``VLLM_SERVER_DEV_MODE``) while it
+joins the transfer group itself; the engines on both ends are vLLM's or microrl's plugin
+(:mod:`microrl.rollout.vllm_plugin.transfer`). The wire protocol and its failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from microrl.rollout.vllm_plugin.transfer import (
+    BACKENDS,
+    DEFAULT_TIMEOUT_S,
+    IPC_BACKEND,
+    _vllm_classes,
+    _weight_source_class,
+    register,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["WeightPusher"]
+
+
+class _PostClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over the caller's ``post(route, json_body)``."""
+
+    def __init__(self, post: Callable[[str, dict | None], Any]):
+        self.post = post
+        self.version: str | None = None  # sent by finish_weight_update (vLLM's engines pass none)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.post("/start_weight_update", None)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        from microrl.rollout.vllm_plugin.ipc import encode_update_info
+
+        # CUDA IPC handles as JSON, never pickled (microrl.rollout.vllm_plugin.ipc).
+        if isinstance(update_info, list):
+            update_info = [encode_update_info(info) for info in update_info]
+        else:
+            update_info = encode_update_info(update_info)
+        self.post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else self.version
+        self.post("/finish_weight_update", None if version is None else {"weight_version": version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.post("/shutdown_weight_transfer_engine", None)
+
+
+def _free_port(address: str) -> int:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+class WeightPusher:
+    """Pushes full weights from this process into a ``vllm serve`` process's workers.
+
+    ``backend`` is the server's ``--weight-transfer-config`` backend: ``"nccl"`` (CUDA tensors
+    on this process's current device; vLLM's own trainer engine), :data:`IPC_BACKEND` (the same,
+    for a server on that very GPU; vLLM's IPC trainer engine) or ``"gloo"`` (CPU tensors;
+    ``GlooTrainerWeightTransferEngine``). ``post(route, json_body)`` POSTs to the server
+    (``route`` like ``"/update_weights"``; ``json_body`` a dict or None) and raises on an HTTP
+    error, naming the route and the server's message; it may return anything. ``world_size``
+    is 1 + the server's workers (TP x PP x DP). ``master_address`` is this process's address
+    as the server's workers reach it; ``master_port`` the rendezvous port (0: a free one).
+    ``timeout_s`` bounds (gloo) the group's operations and each wait on the server; with nccl,
+    vLLM's engine keeps its own waits. Pause the server around pushes when requests may be
+    running (module docstring).
+
+    ``start()``, then ``push(named_tensors, version)`` as often as needed, then ``close()``
+    (or use it as a context manager). Wire protocol: the module docstring.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        post: Callable[[str, dict | None], Any],
+        *,
+        world_size: int = 2,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"unknown weight-transfer backend {backend!r}: expected one of {BACKENDS}"
+            )
+        if not callable(post):
+            raise TypeError(f"post must be callable, got {type(post).__name__}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(
+                f"world_size must be an int >= 2 (the trainer + 1 worker or more), got {world_size!r}"
+            )
+        if not isinstance(master_port, int) or not 0 <= master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65535], got {master_port!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.backend = backend
+        self.world_size = world_size
+        self.master_address = master_address
+        self.master_port = master_port
+        self.timeout_s = float(timeout_s)
+        self.version: int | None = None  # the last version pushed
+        self._client = _PostClient(post)
+        self._engine: Any = None
+        self._source: Any = None
+        self._broken: str | None = None
+
+    # -- lifecycle
+    def trainer_init_info(self) -> Any:
+        """The vLLM ``TrainerInitInfo`` that ``start()`` hands to vLLM's trainer factory."""
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            port = self.master_port or _free_port(self.master_address)
+            return NCCLTrainerInitInfo(self.master_address, port, self.world_size, rank=0)
+        register()
+        if self.backend == IPC_BACKEND:
+            from microrl.rollout.vllm_plugin.ipc import JsonIPCTrainerInitInfo
+
+            return JsonIPCTrainerInitInfo(rank=0)
+        return _vllm_classes()["GlooTrainerInitInfo"](
+            self.master_address, self.master_port, self.world_size, self.timeout_s, rank=0
+        )
+
+    def start(self) -> None:
+        """Join the server's workers in a new transfer group (``/init_weight_transfer_engine``)."""
+        if self._engine is not None:
+            raise RuntimeError("WeightPusher.start(): started already")
+        if self.backend != "gloo":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"WeightPusher backend {self.backend!r} needs a CUDA device in this process "
+                    "(vLLM's NCCL and IPC transfer engines); on a CPU, serve with "
+                    '--weight-transfer-config \'{"backend":"gloo"}\' and push with '
+                    "backend='gloo'"
+                )
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        source = _weight_source_class()()
+        self._engine = WeightTransferTrainerFactory.trainer_init(
+            self.trainer_init_info(), client=self._client, source=source
+        )
+        self._source = source
+        self._broken = None
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Send every ``(name, tensor)`` (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``)
+        and make ``version`` the server's weight version.
+
+        Give the whole model as a checkpoint holds it, tied weights under each name (e.g.
+        ``model.state_dict().items()``; the module docstring says why). Names the server's model
+        does not have, or tensors it cannot load, raise the server's ``/update_weights`` error
+        naming the first one. Tensors must be on the backend's device (gloo: CPU; nccl and IPC:
+        the current CUDA device). ``named_tensors`` with a ``metadata()`` method (``(name, dtype,
+        shape)`` of each pair, in order) is iterated lazily, each pair checked against it as it
+        comes, so the caller can produce one tensor at a time (:class:`~microrl.rollout.weights.full_weights.FullWeights`).
+        """
+        if self._engine is None:
+            raise RuntimeError("WeightPusher.push(): call start() first")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"WeightPusher.push(): the transfer group is out of step after an earlier "
+                f"failure ({self._broken}); close() this pusher and start a new one"
+            )
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {version!r}")
+        if callable(getattr(named_tensors, "metadata", None)):  # lazy: one tensor at a time
+            self._source.meta = self._checked_metadata(named_tensors.metadata())
+            self._source.iterate = lambda: self._checked_stream(named_tensors)
+        else:
+            pairs = self._checked(named_tensors)
+            self._source.meta = self._checked_metadata(
+                [(name, t.dtype, tuple(t.shape)) for name, t in pairs]
+            )
+            self._source.iterate = lambda: iter(pairs)
+        self._client.version = str(version)
+        try:
+            self._engine.send_weights()
+        except BaseException as err:
+            # The gloo engine knows whether the group is still in step (it is after a tensor the
+            # server rejected: the worker drains the round); after vLLM's NCCL engine fails,
+            # assume it is not.
+            if not getattr(self._engine, "in_step", False):
+                self._broken = f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            # Hold no references to the caller's tensors.
+            self._source.meta, self._source.iterate = [], lambda: iter(())
+        self.version = version
+
+    def close(self) -> None:
+        """Release the server's side (best effort: the server may be gone) and this side."""
+        engine, self._engine, self._source = self._engine, None, None
+        if engine is None:
+            return
+        try:
+            if self._broken is None:
+                self._client.shutdown_weight_transfer_engine()
+        except Exception:
+            pass  # the server is gone or busy; its group dies with the trainer's store
+        finally:
+            engine.shutdown()
+
+    def __enter__(self) -> WeightPusher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- input checks
+    def _checked(self, named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        pairs: list[tuple[str, Any]] = []
+        seen: set[str] = set()
+        for item in named_tensors:
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise TypeError(f"push(): expected (name, tensor) pairs, got {item!r:.80}")
+            name, tensor = item
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
+            if name in seen:
+                raise ValueError(f"push(): weight {name!r} appears twice")
+            seen.add(name)
+            pairs.append((name, self._checked_tensor(name, tensor)))
+        if not pairs:
+            raise ValueError("push(): no weights given")
+        return pairs
+
+    def _checked_tensor(self, name: str, tensor: Any) -> Any:
+        import torch
+
+        device = "cpu" if self.backend == "gloo" else "cuda"
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"push(): weight {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.device.type != device:
+            raise ValueError(
+                f"push(): weight {name!r} is on {tensor.device}; the {self.backend} backend "
+                f"sends {device} tensors"
+            )
+        return tensor.detach()
+
+    @staticmethod
+    def _checked_metadata(entries: Iterable[Any]) -> list[Any]:
+        """vLLM ``ParamMeta``s of ``(name, dtype, shape)`` entries (or objects with those
+        attributes): non-empty, each name once."""
+        import torch
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        meta, seen = [], set()
+        for entry in entries:
+            name, dtype, shape = (
+                (entry.name, entry.dtype, entry.shape) if hasattr(entry, "name") else entry
+            )
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
+            if name in seen:
+                raise ValueError(f"push(): weight {name!r} appears twice")
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"push(): weight {name!r} has dtype {dtype!r}, not a torch.dtype")
+            seen.add(name)
+            meta.append(ParamMeta(name, dtype, tuple(int(s) for s in shape)))
+        if not meta:
+            raise ValueError("push(): no weights given")
+        return meta
+
+    def _checked_stream(self, stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``stream``'s pairs, each checked against the metadata declared for this push as it
+        comes (the workers sized their buffers from it) and on the backend's device."""
+        meta, count = self._source.meta, 0
+        for name, tensor in stream:
+            tensor = self._checked_tensor(name, tensor)
+            expected = meta[count] if count < len(meta) else None
+            if expected is None or (name, tensor.dtype, tuple(tensor.shape)) != (
+                expected.name,
+                expected.dtype,
+                expected.shape,
+            ):
+                raise ValueError(
+                    f"push(): the stream yielded {name!r} {tensor.dtype} "
+                    f"{tuple(tensor.shape)} where its metadata() declared "
+                    f"{'nothing more' if expected is None else expected}"
+                )
+            count += 1
+            yield name, tensor
+            del tensor
+        if count != len(meta):
+            raise ValueError(f"push(): the stream yielded {count} of {len(meta)} weights")

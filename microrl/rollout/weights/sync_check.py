@@ -1,0 +1,167 @@
+"""Every weight push is verified: a sampler scores a fixed probe batch, the trainer compares.
+
+A push that lands scores the probe as the engine does, within a tolerance set by the precision
+(docs/async.md, benchmarks/README.md#sync-check); one that leaves a tensor stale does not. Every
+sampler that holds its own weights, in process or out, checks its pushes with these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from tensordict import TensorDict
+
+from microrl.engine import setup
+from microrl.engine.checkpoint.export import locate_base_model
+from microrl.rollout.layout import Samples, build_rollout
+from microrl.rollout.samplers.hf import engine_autocast_dtype
+
+__all__ = [
+    "FP32_SYNC_CHECK_TOL",
+    "LOW_PRECISION_SYNC_CHECK_TOL",
+    "SYNC_CHECK_STAT",
+    "SyncCheckError",
+    "build_probe",
+    "default_sync_check_tol",
+    "engine_probe",
+    "engine_probe_logprobs",
+    "probe_rows",
+    "probe_stats",
+    "rows_to_probe_layout",
+    "sync_check_error",
+    "sync_check_fails",
+]
+
+#: The probe statistic ``sync_check_tol`` bounds: the mean |trainer - sampler| log-prob over the
+#: probe's tokens. Not the max: bf16 rounds a logit of ~20 by up to 0.06, so the largest of the
+#: ~50 differences is a few tokens' rounding, 2x apart from probe to probe (nor k3, which one
+#: token far below the trainer's log-prob dominates through its exp).
+SYNC_CHECK_STAT = "sync/probe_abs_diff_mean"
+#: Default ``sync_check_tol`` of a float32 engine: a float32 sampler's forward differs from the
+#: engine's (fused head, other batch shapes) by fp32 rounding, 10x below this; a push one
+#: optimizer step stale, even by one tensor at lr 1e-6, moves the probe by more
+#: (benchmarks/README.md#sync-check).
+FP32_SYNC_CHECK_TOL = 5e-5
+#: Default ``sync_check_tol`` of a 16-bit engine (a bf16/fp16 base or bf16 autocast): a bf16
+#: sampler (the ``hf`` worker's autocast, or bf16 weights as a vLLM server holds them) differs
+#: from the engine's fp32 head on bf16 activations by bf16 rounding, which grows with depth; this
+#: passes it with a 2x margin and fails a push that did not land (a sampler far behind, a lost
+#: tensor). A push one step stale is within the bf16 noise, which only the ``hf`` worker's
+#: per-tensor checksums see (benchmarks/README.md#sync-check).
+LOW_PRECISION_SYNC_CHECK_TOL = 0.25
+# Rows and length of the probe batch.
+_PROBE_ROWS, _PROBE_LEN = 4, 16
+# The vision token ids of a vision-language model's config, left out of the probe.
+_VISION_TOKEN_IDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
+
+class SyncCheckError(RuntimeError):
+    """A weight push whose probe log-probs or tensor checksums differ from the trainer's."""
+
+
+def build_probe(
+    vocab_size: int, max_positions: int, tokenizer, *, seed: int = 0, exclude: Iterable[int] = ()
+) -> TensorDict:
+    """The fixed probe batch of a sync check: a few rows of random tokens (never ``<eos>``,
+    padding or the ``exclude`` ids) with prompts of different lengths, in the rollout layout
+    (``input_ids``, ``attention_mask``, ``loss_mask`` on the "response")."""
+    gen = torch.Generator().manual_seed(seed)
+    specials = {tokenizer.eos_token_id, tokenizer.pad_token_id, *exclude}
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in specials])
+    length = max(_PROBE_ROWS + 2, min(_PROBE_LEN, max_positions))
+    prompts, responses = [], []
+    for row in range(_PROBE_ROWS):  # prompts of 1, 2, ... tokens: left padding of every width
+        draw = allowed[torch.randint(len(allowed), (length,), generator=gen)].tolist()
+        prompts.append(draw[: row + 1])
+        responses.append(draw[row + 1 : row + 1 + length - _PROBE_ROWS])
+    samples = Samples(token_ids=responses, logprobs=[[0.0] * len(r) for r in responses])
+    batch = build_rollout(
+        prompts,
+        samples,
+        num_samples=1,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return batch.select("input_ids", "attention_mask", "loss_mask")
+
+
+def engine_probe(engine, tokenizer) -> TensorDict:
+    """:func:`build_probe` for ``engine``'s vocabulary and its model's positions."""
+    base = locate_base_model(engine.module)[1]
+    max_positions = getattr(base.config, "max_position_embeddings", _PROBE_LEN)
+    # A vision-language model's image placeholders need pixels: a text probe has none.
+    vision = [getattr(base.config, name, None) for name in _VISION_TOKEN_IDS]
+    exclude = [t for t in vision if t is not None]
+    return build_probe(engine.vocab_size, max_positions, tokenizer, exclude=exclude)
+
+
+def engine_probe_logprobs(engine, probe: TensorDict) -> torch.Tensor:
+    """The engine's log-probs of ``probe`` at temperature 1 (what vLLM's prompt log-probs are),
+    ``[B, T]`` float32 on the CPU; the temperature travels in the batch (docs/batch.md)."""
+    batch = probe.clone()
+    batch["temperature"] = torch.ones(batch.batch_size[0], dtype=torch.float32)
+    return engine.infer_batch(batch)["logprobs"].float().cpu()
+
+
+def probe_rows(probe: TensorDict) -> list[list[int]]:
+    """The probe's rows without their padding: what a sampler scores."""
+    ids, mask = probe["input_ids"], probe["attention_mask"].bool()
+    return [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+
+
+def rows_to_probe_layout(probe: TensorDict, row_logprobs: list[list[float]]) -> torch.Tensor:
+    """A sampler's log-probs of each row's tokens after its first (:func:`probe_rows` order)
+    placed in the probe's ``[B, T]`` layout, 0 off ``loss_mask``, as the engine returns them."""
+    mask = probe["attention_mask"].bool().cpu()
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for b, values in enumerate(row_logprobs):
+        out[b, mask[b].nonzero().squeeze(1)[1:]] = torch.tensor(values, dtype=torch.float32)
+    return torch.where(probe["loss_mask"].cpu(), out, 0.0)
+
+
+def sync_check_error(
+    version: int, target: str, stats: dict[str, float], tol: float, detail: str
+) -> SyncCheckError:
+    """The error of a push to ``target`` whose probe (``stats``, :func:`probe_stats`) or tensors
+    failed the check: it names the version, the step whose weights they are, the difference
+    against ``tol`` (``rollout.sync_check_tol``) and ``detail`` (what differs, or was pushed)."""
+    return SyncCheckError(
+        f"the weight sync of policy version {version} (the weights after step {version}) to "
+        f"{target} failed its check: probe log-probs differ by "
+        f"{stats[SYNC_CHECK_STAT]:.3g} on average ({SYNC_CHECK_STAT}, the mean |difference| "
+        f"over the probe's tokens; tolerance {tol:g}, rollout.sync_check_tol; at most "
+        f"{stats['sync/probe_abs_diff_max']:.3g}, k3 KL {stats['sync/probe_kl']:.3g}); {detail}"
+    )
+
+
+def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The statistics of ``d = expected - actual`` over the probe's tokens (``mask``), from the
+    trainer's and the sampler's log-prob sets ``[B, T]``, in float64: ``sync/probe_kl`` (the
+    mean k3 estimator ``exp(d) - 1 - d``), ``sync/probe_abs_diff_max`` and
+    ``sync/probe_abs_diff_mean`` (:data:`SYNC_CHECK_STAT`, what the check bounds)."""
+    delta = (expected.double() - actual.double())[mask]
+    return {
+        "sync/probe_kl": float((torch.expm1(delta) - delta).mean()),
+        "sync/probe_abs_diff_max": float(delta.abs().max()),
+        SYNC_CHECK_STAT: float(delta.abs().mean()),
+    }
+
+
+def sync_check_fails(stats: dict[str, float], tol: float) -> bool:
+    """Whether a push's probe :func:`probe_stats` fail the check: :data:`SYNC_CHECK_STAT` above
+    ``tol`` (or not a number)."""
+    return not stats[SYNC_CHECK_STAT] <= tol
+
+
+def default_sync_check_tol(engine) -> float:
+    """The default ``sync_check_tol`` of ``engine``'s precision (:data:`FP32_SYNC_CHECK_TOL`,
+    :data:`LOW_PRECISION_SYNC_CHECK_TOL`)."""
+    autocast = engine_autocast_dtype(engine) is not None
+    full_precision = setup.base_dtype(engine.config).itemsize >= 4 and not autocast
+    return FP32_SYNC_CHECK_TOL if full_precision else LOW_PRECISION_SYNC_CHECK_TOL

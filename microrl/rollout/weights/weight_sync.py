@@ -1,0 +1,98 @@
+"""One interface for every way trained weights reach a sampler, and the check every push gets.
+
+A :class:`WeightSync` sends one policy version of the engine's weights to a sampler's copy; a
+sampler holds one and calls :meth:`WeightSync.push` on each sync, then checks the push with its
+:class:`ProbeVerifier`. The five implementations (docs/async.md#weight-syncs) live beside the
+sampler whose copy they write; the full-weight ones read :class:`FullWeights`, the LoRA ones
+``export_peft_adapter``, so no path gathers its own way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from microrl.rollout.weights.sync_check import (
+    engine_probe_logprobs,
+    probe_rows,
+    probe_stats,
+    rows_to_probe_layout,
+    sync_check_error,
+    sync_check_fails,
+)
+
+__all__ = ["ProbeVerifier", "WeightSync", "pushed_weights"]
+
+
+class WeightSync(ABC):
+    """How one sampler's copy of the weights follows the engine's."""
+
+    @abstractmethod
+    def push(self, engine: Any, version: int) -> Future | None:
+        """Send ``engine``'s current weights as policy ``version``. Returns once they are read
+        from the engine (the optimizer may step then): None when they have landed, else the
+        Future of a load still running. Collective under ``torchrun``."""
+
+    def close(self) -> None:
+        """Release what the path holds (transfer groups, loaded adapters); idempotent."""
+        return None
+
+
+def pushed_weights(is_lora: bool) -> str:
+    """What a failed check names as pushed: the adapter of a LoRA engine, else the full weights."""
+    return "the LoRA adapter" if is_lora else "the full weights"
+
+
+@dataclass
+class ProbeVerifier:
+    """The check of a sampler's pushes: its ``probe`` batch, the tolerance ``tol``
+    (``rollout.sync_check_tol``) and ``stats``, each verified version's
+    :func:`~microrl.rollout.weights.sync_check.probe_stats` (the sampler's ``sync_stats``)."""
+
+    probe: TensorDict
+    tol: float
+    stats: dict[int, dict[str, float]]
+
+    @classmethod
+    def of(cls, sampler: Any) -> ProbeVerifier:
+        """The verifier over a sampler's ``probe``, ``sync_check_tol`` and ``sync_stats``."""
+        return cls(sampler.probe, sampler.sync_check_tol, sampler.sync_stats)
+
+    def expected(self, engine) -> torch.Tensor:
+        """The engine's probe log-probs at temperature 1, ``[B, T]`` float32 on the CPU."""
+        return engine_probe_logprobs(engine, self.probe)
+
+    def rows(self) -> list[list[int]]:
+        """The probe's rows without their padding: what a sampler scores."""
+        return probe_rows(self.probe)
+
+    def layout(self, row_logprobs: list[list[float]]) -> torch.Tensor:
+        """A sampler's per-row log-probs (each row's tokens after its first) as ``[B, T]``."""
+        return rows_to_probe_layout(self.probe, row_logprobs)
+
+    def verify(
+        self,
+        version: int,
+        target: str,
+        expected: torch.Tensor,
+        actual: torch.Tensor,
+        detail: str,
+        *,
+        failed: bool = False,
+    ) -> dict[str, float]:
+        """Compare ``target``'s probe log-probs ``actual`` with the engine's ``expected`` (both
+        ``[B, T]``) for the push of ``version``; keep the largest statistics of the version's
+        targets in ``stats``. Raises :class:`~microrl.rollout.weights.sync_check.SyncCheckError`
+        over the tolerance, or when ``failed`` (another check of the push failed), naming
+        ``detail``."""
+        stats = probe_stats(expected, actual, self.probe["loss_mask"].cpu())
+        previous = self.stats.get(version, {})
+        self.stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
+        if failed or sync_check_fails(stats, self.tol):
+            raise sync_check_error(version, target, stats, self.tol, detail)
+        return stats

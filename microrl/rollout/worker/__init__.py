@@ -1,0 +1,1 @@
+"""The ``hf`` generation worker process, started by :mod:`microrl.rollout.samplers.hf_worker`."""

@@ -1,0 +1,362 @@
+"""The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
+
+``AsyncRollout`` spawns it: it builds the trainer's model from its config (the LoRA structure
+too) on its own device, holds its own copy of the weights and samples with ``HFRollout``'s code
+path, one job after the other, in the order the trainer sends them. Weights arrive over a
+private gloo group of two ranks (never torch's default group); everything else on two one-way
+pipes (:mod:`microrl.rollout.channel`: a dead writer is an end of file at its reader, even
+mid-message), as pickled tuples whose first item names the message:
+
+- trainer -> worker: ``("layout", layouts)`` once (each push layout's names, shapes, dtypes);
+  ``("weights", version, layout, chunk_bytes)`` (receive, load, score the probe, reply
+  ``synced``); ``("generate" | "episodes", job, seed, args)`` (sampled under that seed);
+  ``("close",)``.
+- worker -> trainer: ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs,
+  checksums, seconds)``, ``("done", job, version, payload, seconds)``, ``("job_error", job,
+  error)``, ``("error", traceback)`` (fatal).
+
+It ignores SIGINT (the trainer stops, then closes it) and exits when the trainer is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import os
+import pickle
+import re
+import signal
+import time
+import traceback
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from microrl.rollout.channel import ChannelClosed, Receiver, Sender
+from microrl.rollout.worker.stream import receive_stream, tensor_checksum
+
+__all__ = [
+    "WorkerSpec",
+    "build_sampler",
+    "dumps",
+    "loads",
+    "score_probe",
+    "tensor_checksums",
+    "tensor_family",
+    "worker_main",
+]
+
+# torchrun's variables: the worker is not a data-parallel rank and must never join that group.
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its copy of the policy (pickled to the spawned process)."""
+
+    name: str
+    model_config: Any  # the trainer's transformers config
+    lora: Any  # the engine's LoraConfig (rank 0: none)
+    tokenizer: Any
+    temperature: float
+    probe: dict[str, torch.Tensor]
+    store_port: int
+    timeout_s: float
+    num_threads: int = 1
+    device: str = "cpu"
+    env_maker: bytes | None = None  # pickled callable: Problem -> environment (multi-turn tasks)
+    store_host: str = "127.0.0.1"
+    # The engine's precision, so the worker samples what the trainer trains: the frozen base's
+    # storage dtype (engine.config.base_dtype) and the autocast dtype of its forwards (None: none).
+    base_dtype: torch.dtype = torch.float32
+    autocast_dtype: torch.dtype | None = None
+    # A vision-language policy's ImageEncoder (its PIL image processor pickles): jobs with images
+    # are encoded here, as the synchronous sampler encodes them. None: text jobs only.
+    image_encoder: Any = None
+    # The engine's freeze_vision: a frozen vision tower gets no LoRA adapter (as in the engine).
+    freeze_vision: bool = True
+
+
+def dumps(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)  # only ever the other side of this pair's own channel
+
+
+def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
+    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64: two copies of a tensor
+    agree on all three to rounding, a stale or wrong one does not (:func:`checksums_differ`)."""
+    return {name: tensor_checksum(tensor) for name, tensor in named}
+
+
+def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
+    """Whether two :func:`tensor_checksums` entries come from different tensors: beyond the
+    float64 rounding of summing the same values (relative 1e-9 of the sums of magnitudes)."""
+    if a is None or b is None:
+        return True
+    (sum_a, squares_a, magnitude_a), (sum_b, squares_b, magnitude_b) = a, b
+    # The sum of magnitudes bounds the rounding error of the sum (and of itself).
+    return (
+        abs(sum_a - sum_b) > 1e-9 * magnitude_a
+        or abs(squares_a - squares_b) > 1e-9 * squares_a
+        or abs(magnitude_a - magnitude_b) > 1e-9 * magnitude_a
+    )
+
+
+def tensor_family(name: str) -> str:
+    """A parameter name as a reader names it: ``model.layers.1.self_attn.q_proj.lora_A.default.
+    weight`` -> ``lora_A of layer 1 self_attn.q_proj``; others without the ``.weight``."""
+    match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.(.+)$", name)
+    where, rest = (f"layer {match.group(1)} ", match.group(2)) if match else ("", name)
+    parts = rest.split(".")
+    lora = next((p for p in parts if p.startswith("lora_")), None)
+    skip = {"default", "base_layer", "weight"}
+    module = ".".join(p for p in parts if p not in skip and not p.startswith("lora_"))
+    if lora is not None:
+        return f"{lora} of {where}{module}"
+    return f"{where}{module}".strip() or name
+
+
+@torch.no_grad()
+def score_probe(
+    model: torch.nn.Module,
+    probe: Mapping[str, torch.Tensor],
+    temperature: float,
+    autocast_dtype: torch.dtype | None = None,
+):
+    """The model's log-probs of the probe rows' tokens, token-aligned ``[B, T]`` float32 (column
+    ``t``: the log-prob of token ``t`` given the ones before; 0 off ``loss_mask``), at
+    ``temperature``, from one plain forward (left padding handled by the position ids) under
+    autocast to ``autocast_dtype`` (None: none), as the worker samples."""
+    from microrl.rollout.samplers.hf import autocast
+
+    device = next(model.parameters()).device
+    ids = probe["input_ids"].to(device)
+    attention = probe["attention_mask"].to(device)
+    positions = (attention.long().cumsum(1) - 1).clamp_min(0)
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast(device, autocast_dtype):
+            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    finally:
+        model.train(was_training)
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    taken = logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=device)
+    out[:, 1:] = taken
+    return torch.where(probe["loss_mask"].to(device), out, 0.0).cpu()
+
+
+def _build_model(spec: WorkerSpec) -> torch.nn.Module:
+    """The trainer's architecture with its LoRA structure, randomly initialised: the first
+    (``full``) push overwrites every tensor. Built in the base's storage dtype (parameters
+    only, as the engine stores them; the adapters fp32), never in fp32 first, and on
+    ``spec.device`` directly."""
+    from microrl.engine.setup import apply_lora, auto_model_class
+    from microrl.engine.vision import vision_spec
+
+    config = copy.deepcopy(spec.model_config)
+    attention = getattr(config, "_attn_implementation", None)
+    if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
+        config._attn_implementation = attention.removeprefix("microrl_varlen_")
+    # A vision-language policy: its image-text class (tower and lm head), as the engine loads it.
+    # Built on its device: on a GPU no host copy of the model ever exists in this process.
+    with torch.device(spec.device):
+        model = auto_model_class(config).from_config(config, dtype=spec.base_dtype)
+        tower = vision_spec(model) if spec.freeze_vision else None
+        exclude = tower.tower_module_names(model) if tower is not None else None
+        model, _ = apply_lora(model, spec.lora, exclude=exclude)
+    return model.to(spec.device).eval()
+
+
+def build_sampler(spec: WorkerSpec):
+    """The worker's :class:`~microrl.rollout.HFRollout` over its model
+    (:func:`_build_model`), sampling at the engine's precision (``spec.autocast_dtype``)."""
+    from microrl.rollout.samplers.hf import HFRollout
+
+    return HFRollout(
+        _build_model(spec),
+        spec.tokenizer,
+        autocast_dtype=spec.autocast_dtype,
+        image_encoder=spec.image_encoder,
+    )
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, commands, results) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        self.spec, self.commands, self.results = spec, commands, results
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            # Its GPU explicitly: a spawned process's current device is GPU 0 on every rank.
+            torch.cuda.set_device(device)
+        if spec.num_threads > 0:
+            torch.set_num_threads(spec.num_threads)
+        self.sampler = build_sampler(spec)
+        self.model = self.sampler.model
+        self.env_maker = None
+        if spec.env_maker is not None:
+            try:
+                self.env_maker = loads(spec.env_maker)
+            except Exception as err:
+                raise RuntimeError(
+                    f"{spec.name} could not load the task's environment factory ({err!r}): a "
+                    "multi-turn task sampled in a worker process needs a factory importable by "
+                    "its module path"
+                ) from err
+        self.tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        self.tensors.update(self.model.named_buffers(remove_duplicate=False))
+        self.layouts: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
+        self.version: int | None = None
+        results.put(("hello", os.getpid()))
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+        self.group = ProcessGroupGloo(PrefixStore("microrl-rollout", store), 1, 2, timeout)
+
+    def run(self) -> None:
+        while True:
+            command = self.commands.get()  # ChannelClosed when the trainer is gone, at once
+            kind = command[0]
+            if kind == "close":
+                return
+            if kind == "layout":
+                self._set_layouts(command[1])
+                self.results.put(("ready",))
+            elif kind == "weights":
+                self._receive(*command[1:])
+            elif kind in ("generate", "episodes"):
+                self._job(kind, *command[1:])
+            else:
+                raise ValueError(f"{self.spec.name}: unknown command {kind!r}")
+
+    def _set_layouts(self, layouts: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]]):
+        problems = []
+        for entries in layouts.values():
+            for name, shape, dtype in entries:
+                tensor = self.tensors.get(name)
+                if tensor is None:
+                    problems.append(f"{name} (missing here)")
+                elif tuple(tensor.shape) != tuple(shape):
+                    problems.append(f"{name} (shape {tuple(tensor.shape)} here, {shape} pushed)")
+                elif tensor.dtype != dtype:
+                    tensor.data = tensor.data.to(dtype)  # the trainer's storage dtype
+        if problems:
+            raise ValueError(
+                f"{self.spec.name} built a model whose tensors differ from the trainer's: "
+                + ", ".join(problems[:8])
+            )
+        self.layouts = layouts
+
+    @torch.no_grad()
+    def _receive(self, version: int, layout: str, chunk_bytes: int) -> None:
+        """A push's chunks (microrl.rollout.worker.stream), each scattered into the tensors
+        as it arrives: one chunk on the host, whatever the model's size."""
+        start = time.perf_counter()
+        entries = self.layouts[layout]
+        receive_stream(
+            self.tensors, entries, lambda chunk: self.group.broadcast(chunk, 0).wait(), chunk_bytes
+        )
+        self.version = version
+        probe = score_probe(
+            self.model, self.spec.probe, self.spec.temperature, self.spec.autocast_dtype
+        )
+        sums = tensor_checksums((n, self.tensors[n]) for n, _, _ in entries)
+        seconds = time.perf_counter() - start
+        self.results.put(("synced", version, dumps(probe), sums, seconds))
+
+    def _job(self, kind: str, job: int, seed: int, args: tuple) -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        torch.manual_seed(seed)
+        try:
+            if kind == "generate":
+                prompts, params, images = args
+                result = rollout_payload(self.sampler.generate(prompts, params, images=images))
+            else:
+                problems, params, limits = args
+                maker = self.env_maker
+                if maker is None:
+                    raise ValueError(f"{self.spec.name} was started without an env_maker")
+                images = (  # the problems' own images (they travel with the job)
+                    [list(p.images) for p in problems]
+                    if any(getattr(p, "images", ()) for p in problems)
+                    else None
+                )
+                result = rollout_payload(
+                    self.sampler.run_episodes(
+                        [p.prompt for p in problems],
+                        lambda i: maker(problems[i]),
+                        params,
+                        **limits,
+                        images=images,
+                    )
+                )
+        except Exception as err:
+            self.results.put(("job_error", job, _pickled_error(err)))
+            return
+        finally:
+            if torch.device(self.spec.device).type == "cuda":
+                torch.cuda.empty_cache()  # the KV cache of generate: back to the trainer's GPU
+        seconds = (time.perf_counter() - start, time.process_time() - cpu)
+        self.results.put(("done", job, self.version, dumps(result), seconds))
+
+
+def rollout_payload(rollout) -> dict[str, Any]:
+    """A :class:`~microrl.rollout.Rollout` as plain picklable parts."""
+    return {
+        "batch": {key: value for key, value in rollout.batch.items()},
+        "texts": rollout.texts,
+        "group_ids": rollout.group_ids,
+        "rewards": rollout.rewards,
+        "num_turns": rollout.num_turns,
+        "metrics": dict(rollout.metrics),
+    }
+
+
+def _pickled_error(err: Exception) -> bytes:
+    """The exception itself when it survives a round trip through pickle, else a RuntimeError
+    carrying its type, message and traceback."""
+    text = "".join(traceback.format_exception(err))
+    try:
+        data = dumps(err)
+        loads(data)
+        return data
+    except Exception:
+        return dumps(RuntimeError(f"{type(err).__name__}: {err}\n{text}"))
+
+
+def worker_main(spec: WorkerSpec, commands: Connection, results: Connection) -> None:
+    """The spawned process's entry point (see the module docstring): its ends of the channels
+    (:func:`microrl.rollout.channel.start_process`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    for var in _LAUNCHER_VARS:
+        os.environ.pop(var, None)
+    inbox, outbox = Receiver(commands), Sender(results)
+    try:
+        _Worker(spec, inbox, outbox).run()
+    except ChannelClosed:
+        raise SystemExit(0) from None  # the trainer is gone: nobody reads what this makes
+    except BaseException:
+        with contextlib.suppress(ChannelClosed):
+            outbox.put(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        outbox.close(timeout=spec.timeout_s)  # its last words, unless the trainer is gone
