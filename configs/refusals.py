@@ -389,6 +389,45 @@ REFUSALS: tuple[Refusal, ...] = (
         recipes=("ppo",),
         example=("task.agent.function=m:f",),
     ),
+    Refusal(
+        "rollout.routing_replay",
+        "false with a dense toy base (model.toy_arch=dense)",
+        "it has no experts to route; model.toy_arch=moe builds a mixture of experts",
+        lambda c, _: (
+            c.rollout.routing_replay
+            and c.model.toy_arch == "dense"
+            and c.model.toy_path() is not None
+        ),
+        example=("rollout.routing_replay=true",),
+    ),
+    Refusal(
+        "rollout.routing_replay",
+        "false with rollout.backend=hf for now",
+        "the hf sampler does not record the routing yet (microrl.engine.moe.RoutingRecorder is "
+        "not wired into it), so nothing would be replayed",
+        lambda c, _: c.rollout.routing_replay and c.rollout.backend == "hf",
+        example=("model.toy_arch=moe", "rollout.routing_replay=true"),
+    ),
+    Refusal(
+        "rollout.routing_replay",
+        "false with rollout.backend=vllm for now",
+        "vLLM's routing capture (enable_return_routed_experts) is not wired yet, neither for "
+        "the colocated engine nor for vLLM servers",
+        lambda c, _: c.rollout.routing_replay and c.rollout.backend == "vllm",
+        example=("model.path=/models/moe", "rollout.backend=vllm", "rollout.routing_replay=true"),
+    ),
+    Refusal(
+        "rollout.backend",
+        "hf with a mixture-of-experts toy base (model.toy_arch=moe) for now",
+        "vLLM's CPU build runs experts under LoRA with Triton kernels it lacks, and the adapter "
+        "sync does not pass adapters on fused experts yet",
+        lambda c, _: (
+            c.rollout.backend == "vllm"
+            and c.model.toy_arch == "moe"
+            and c.model.toy_path() is not None
+        ),
+        example=("model.toy_arch=moe", "rollout.backend=vllm"),
+    ),
     # ---- images: checked at start, when the task's prompts carry images
     Refusal(
         "rollout.backend",

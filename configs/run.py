@@ -10,6 +10,7 @@ message that names the key.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -23,6 +24,7 @@ __all__ = [
     "AGENT_TASK_NAMES",
     "EPISODE_TASK_NAMES",
     "TASK_NAMES",
+    "TOY_ARCHS",
     "TOY_MODEL_PATHS",
     "TRACKERS_INSTALL",
     "TRACKER_NAMES",
@@ -72,15 +74,21 @@ class WarmStartConfig:
         )
 
 
+#: The toy base's architectures (model.toy_arch): a dense Llama-architecture decoder, or a
+#: Qwen3-MoE mixture of experts (microrl/run/toy_model.py builds each).
+TOY_ARCHS = ("dense", "moe")
+
+
 @dataclass
 class ModelConfig:
     """Where the base model lives and, when it must be built, its size.
 
     ``path`` holding a transformers checkpoint (``config.json`` + tokenizer) is loaded as is, and
-    the size fields are ignored. A toy model (a tiny Llama-architecture decoder,
-    :mod:`microrl.run.toy_model`) is built, warm-started and saved there only at one of the
-    examples' own :data:`TOY_MODEL_PATHS` or with ``build_toy``; any other ``path`` that is not a
-    local directory is a Hugging Face Hub id, downloaded (:mod:`microrl.run.base_model`).
+    the size fields are ignored. A toy model (``toy_arch``: a tiny Llama-architecture decoder, or
+    a tiny Qwen3-MoE; :mod:`microrl.run.toy_model`) is built, warm-started and saved there only at
+    one of the examples' own :data:`TOY_MODEL_PATHS` (one toy per architecture: ``toy_arch=moe``
+    uses ``<path>-moe``) or with ``build_toy``; any other ``path`` that is not a local directory
+    is a Hugging Face Hub id, downloaded (:mod:`microrl.run.base_model`).
     """
 
     path: str = config_field(
@@ -92,6 +100,11 @@ class ModelConfig:
         False,
         "build and warm-start the toy model at model.path if it holds no checkpoint (always "
         "on at outputs/base/tiny-adder, tiny-words and tiny-digits under outputs/base)",
+    )
+    toy_arch: str = config_field(
+        "dense",
+        "architecture of a newly built toy base: dense (Llama) or moe (Qwen3-MoE, 4 experts, "
+        "top-2; at the examples' paths it lives at <model.path>-moe)",
     )
     hidden_size: int = config_field(64, "width of a newly built base model")
     intermediate_size: int = config_field(256, "MLP width of a newly built base model")
@@ -106,6 +119,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.path), "model.path", "a non-empty path", self.path)
+        require(
+            self.toy_arch in TOY_ARCHS,
+            "model.toy_arch",
+            f"one of {', '.join(TOY_ARCHS)}",
+            self.toy_arch,
+        )
         for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "max_positions"):
             require(getattr(self, key) >= 1, f"model.{key}", ">= 1", getattr(self, key))
         require(self.head_dim >= 0, "model.head_dim", ">= 0", self.head_dim)
@@ -115,6 +134,16 @@ class ModelConfig:
             f"a multiple of model.num_heads={self.num_heads} (or set model.head_dim)",
             self.hidden_size,
         )
+
+    def toy_path(self) -> str | None:
+        """Where this config's toy base is built and reused, None when ``path`` names no toy:
+        the examples' :data:`TOY_MODEL_PATHS` hold one toy per architecture (``toy_arch=moe``:
+        ``<path>-moe``, so the dense toy saved there is never taken for it); a path with
+        ``build_toy`` holds the toy asked for."""
+        normal = os.path.normpath(self.path)
+        if normal in TOY_MODEL_PATHS:
+            return self.path if self.toy_arch == "dense" else f"{normal}-{self.toy_arch}"
+        return self.path if self.build_toy else None
 
 
 # Where the examples build their toy base models without being asked (model.build_toy): the
@@ -184,6 +213,13 @@ class RolloutConfig:
         "group (hf: worker processes; vllm: local vllm serve processes), each sampling its "
         "share of a step's prompts",
     )
+    # Mixture-of-experts policies (docs/engine.md#mixture-of-experts): the sampler records each
+    # token's experts (routed_experts), which the engines replay (actor.routing_replay).
+    routing_replay: bool = config_field(
+        False,
+        "MoE policies: the sampler records every token's experts and the trainer routes through "
+        "them (docs/recipes.md#routing-replay; refused until a backend records)",
+    )
     server: EndpointConfig = field(default_factory=_vllm_servers)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -233,6 +269,12 @@ class RolloutConfig:
             "rollout.dynamic_sampling",
             "a bool (true or false)",
             self.dynamic_sampling,
+        )
+        require(
+            isinstance(self.routing_replay, bool),
+            "rollout.routing_replay",
+            "a bool (true or false)",
+            self.routing_replay,
         )
         require(
             self.max_sampling_rounds >= 1,

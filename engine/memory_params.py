@@ -30,7 +30,10 @@ def meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.
     spec = vision_spec(model)
     frozen = spec is not None and config.freeze_vision
     exclude = spec.tower_module_names(model) if frozen else None
-    model, _ = setup.apply_lora(model, config.lora, exclude=exclude)
+    # On meta too: peft builds the adapters of target_parameters (MoE experts) on the default
+    # device, which would allocate and initialise them for real (GBs for a large MoE).
+    with torch.device("meta"):
+        model, _ = setup.apply_lora(model, config.lora, exclude=exclude)
     if frozen:
         vision_spec(model).tower.requires_grad_(False)
     if value_head:  # the critic's Linear(H, 1) head, fp32 and trainable (engine/models.py)

@@ -4,7 +4,8 @@
 Hugging Face cache, and its snapshot directory is the checkpoint. When ``model.path`` is one of
 the examples' own toy-model paths (or ``model.build_toy`` is set), holds no checkpoint, and the
 task is one the toy model can learn (a task with a ``toy_alphabet``: the built-in ``addition``,
-``word_problems`` and ``calculator``), a fresh model is built (:mod:`microrl.run.toy_model`, its
+``word_problems`` and ``calculator``), a fresh model of ``model.toy_arch`` (dense, or a mixture
+of experts at ``<path>-moe``) is built (:mod:`microrl.run.toy_model`, its
 character tokenizer extended by the task's alphabet, and by a tool task's whole tokens and chat
 template; a tool task learns from its ``warm_start_conversations``, a share
 ``warm_start.tool_share`` of them through the tool, and is checked on its greedy first turn) and
@@ -32,8 +33,9 @@ from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
 from microrl.configs.judge import JudgeConfig
-from microrl.configs.run import AGENT_TASK_NAMES, TOY_MODEL_PATHS, ModelConfig, TaskConfig
+from microrl.configs.run import AGENT_TASK_NAMES, ModelConfig, TaskConfig
 from microrl.configs.task_sections import AgentConfig, RewardModelConfig
+from microrl.engine.memory_activations import moe_experts
 from microrl.engine.parallel.nodes import SEVERAL_NODES_DOC, gather_with_hosts, list_ranks
 from microrl.hub import download_on_main, is_hub_name
 from microrl.run.dist import Dist
@@ -74,22 +76,29 @@ def prepare_base_model(
     """Tokenizer and local checkpoint directory of the base model ``cfg.path`` names:
 
     - a local transformers checkpoint: as it is;
-    - one of the examples' :data:`TOY_MODEL_PATHS`, or any path with ``model.build_toy``: the toy
-      model built, warm-started and saved there first (only for a task with a ``toy_alphabet``;
-      for any other, such as a ``task.name=dataset`` file, a ``ValueError``);
+    - one of the examples' :data:`~microrl.configs.run.TOY_MODEL_PATHS`, or any path with
+      ``model.build_toy``: the toy model of ``model.toy_arch`` built, warm-started and saved there
+      first (only for a task with a ``toy_alphabet``; for any other, such as a
+      ``task.name=dataset`` file, a ``ValueError``); at the examples' paths a mixture-of-experts
+      toy lives beside the dense one, at ``<path>-moe`` (:meth:`ModelConfig.toy_path`, the
+      directory returned);
     - a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``; :func:`microrl.hub.is_hub_name`):
       its snapshot in the Hugging Face cache, downloaded by rank 0 first.
 
-    Anything else (a missing local path, a failed download) is a one-line ``ValueError`` that
-    says how to get the model. The engines load the returned directory themselves: under
+    Anything else (a missing local path, a failed download, ``model.toy_arch=moe`` with a
+    checkpoint that has no experts or a Hub id) is a one-line ``ValueError`` that says how to get
+    the model. The engines load the returned directory themselves: under
     torchrun only rank 0 reads it (engine/parallel/materialize.py).
     """
-    path = cfg.path
+    toy_path = cfg.toy_path()
+    path = toy_path or cfg.path
     found = is_checkpoint(path)
     _check_same_on_every_node(path, found, "holds a checkpoint (config.json and a tokenizer)")
     if found:
+        _check_toy_arch(cfg, path)
         return load_tokenizer(path), path
-    if cfg.build_toy or os.path.normpath(path) in TOY_MODEL_PATHS:
+    if toy_path is not None:
+        cfg = dataclasses.replace(cfg, path=toy_path)
         # The warm start teaches the task's prompts, also those an agent plays (task.agent).
         task = _plain_task(task_cfg)
         if getattr(task, "toy_alphabet", None) is None:
@@ -100,6 +109,11 @@ def prepare_base_model(
                 "give model.path a local checkpoint or a Hugging Face Hub id (docs/tasks.md)"
             )
         if getattr(task, "image_size", None):  # image prompts: the vision-language toy
+            if cfg.toy_arch != "dense":
+                raise ValueError(
+                    f"model.toy_arch must be dense for task.name={task_cfg.name}, got "
+                    f"{cfg.toy_arch!r}: its toy base is a vision-language model (docs/tasks.md)"
+                )
             from microrl.run.toy_vision import warm_start_vision
 
             warm_start_vision(cfg, task, dist_info, max_new_tokens, log)
@@ -108,6 +122,11 @@ def prepare_base_model(
         _check_same_on_every_node(path, is_checkpoint(path), "holds the base model rank 0 built")
         return load_tokenizer(path), path
     if is_hub_name(path):
+        if cfg.toy_arch != "dense":
+            raise ValueError(
+                f"model.toy_arch={cfg.toy_arch!r} chooses the architecture of a toy base, but "
+                f"model.path={path!r} names a Hugging Face Hub model: leave model.toy_arch=dense"
+            )
         path = download_on_main(path, "model.path", dist_info, log)
         return load_tokenizer(path), path
     what = "holds no transformers checkpoint (config.json and a tokenizer)"
@@ -116,6 +135,24 @@ def prepare_base_model(
         "checkpoint directory, a Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct), or "
         "model.build_toy=true to build a toy model there; to download a Hub model into it: "
         f"`hf download <org/name> --local-dir {path}`"
+    )
+
+
+def _check_toy_arch(cfg: ModelConfig, path: str) -> None:
+    """``ValueError`` naming ``model.toy_arch`` when it asks for a mixture of experts and the
+    checkpoint at ``path`` has none: a dense checkpoint would train in its place, unnoticed
+    (``dense``, the default, takes any checkpoint)."""
+    if cfg.toy_arch == "dense":
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if moe_experts(getattr(config, "text_config", config))[0]:
+        return
+    raise ValueError(
+        f"model.toy_arch={cfg.toy_arch!r}, but model.path={cfg.path!r} holds a checkpoint "
+        f"without experts at {path} ({type(config).__name__}): give model.path a new directory "
+        "to build the mixture-of-experts toy there (with model.build_toy=true)"
     )
 
 

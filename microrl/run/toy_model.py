@@ -2,10 +2,13 @@
 
 The tokenizer is a real one, built with the ``tokenizers`` library (one token per character over the
 task's alphabet, a ``<bos>`` added by its post-processor) and wrapped as a transformers
-``PreTrainedTokenizerFast``, so it saves, loads and pads like any hub tokenizer. The model is a small
-Llama-architecture decoder built from a config (biased attention projections, as in Qwen2, and
-32-wide heads, the narrowest vLLM's CPU attention runs, so the ``hf`` and ``vllm`` rollout
-backends both sample it); any local transformers checkpoint can replace it (``model.path``).
+``PreTrainedTokenizerFast``, so it saves, loads and pads like any hub tokenizer. The model
+(``model.toy_arch``) is a small Llama-architecture decoder built from a config (biased attention
+projections, as in Qwen2, and 32-wide heads, the narrowest vLLM's CPU attention runs, so the
+``hf`` and ``vllm`` rollout backends both sample it), or a small Qwen3-MoE mixture of experts of
+the same width and depth (:data:`MOE_EXPERTS` experts, top-:data:`MOE_TOP_K`, renormalised gate
+weights as in the released checkpoints); any local transformers checkpoint can replace it
+(``model.path``).
 """
 
 from __future__ import annotations
@@ -23,15 +26,28 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from microrl.configs.run import ModelConfig
 
-__all__ = ["build_model", "build_tokenizer", "is_checkpoint", "load_pretrained", "load_tokenizer"]
+__all__ = [
+    "MOE_EXPERTS",
+    "MOE_TOP_K",
+    "build_model",
+    "build_tokenizer",
+    "is_checkpoint",
+    "load_pretrained",
+    "load_tokenizer",
+]
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 ALPHABET = "0123456789+-*= "  # digits, the operators a task may use, '=' and space
+# The mixture-of-experts toy (model.toy_arch=moe): a few experts, each token through two of them.
+MOE_EXPERTS = 4
+MOE_TOP_K = 2
 
 
 def build_tokenizer(
@@ -70,9 +86,10 @@ def build_tokenizer(
     return out
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
-    """A freshly initialised Llama-architecture decoder sized by ``cfg`` (seeded by ``cfg.seed``)."""
-    config = LlamaConfig(
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A freshly initialised toy decoder of ``cfg.toy_arch`` sized by ``cfg`` (seeded by
+    ``cfg.seed``): a Llama-architecture one (``dense``) or a Qwen3-MoE (``moe``)."""
+    shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -80,19 +97,42 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaFo
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads,
         head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
-        attention_bias=True,
         max_position_embeddings=cfg.max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    config_cls, model_cls, own = _ARCHS[cfg.toy_arch]
+    config = config_cls(**shared, **own(cfg))
     # Built on the CPU: only its generator is forked (forking every GPU's would start a CUDA
     # context on each GPU of the machine, in every process).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     return model
+
+
+def _dense(cfg: ModelConfig) -> dict:
+    return {"attention_bias": True}
+
+
+def _moe(cfg: ModelConfig) -> dict:
+    # Each of a token's k experts is intermediate_size / k wide: a token computes as much as
+    # in the dense toy, with MOE_EXPERTS / k times its MLP parameters to choose from.
+    return {
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_TOP_K,
+        "moe_intermediate_size": max(1, cfg.intermediate_size // MOE_TOP_K),
+        "norm_topk_prob": True,  # as Qwen3-30B-A3B's config (transformers defaults to False)
+    }
+
+
+# model.toy_arch -> (config class, model class, its keys beyond the shared ones).
+_ARCHS = {
+    "dense": (LlamaConfig, LlamaForCausalLM, _dense),
+    "moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _moe),
+}
 
 
 def is_checkpoint(path: str | Path) -> bool:

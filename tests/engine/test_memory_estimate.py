@@ -462,3 +462,27 @@ def test_moe_estimate_counts_experts_and_matches_the_engine(lora: int) -> None:
     assert "active per token" in str(estimate) and "8 bytes per token" in str(estimate)
     dense = estimate_memory(_model_config(), ActorConfig(max_tokens_per_micro_batch=512))
     assert dense.num_active_params == dense.num_params and dense.routing_key_bytes_per_token == 0
+
+
+def test_moe_estimate_builds_the_expert_adapters_on_meta(monkeypatch) -> None:
+    """peft builds the adapters of ``target_parameters`` on the default device (then moves them
+    to the base's): the estimate builds them on ``meta`` from the start, or a large MoE's (1.3B
+    parameters for Qwen3-30B-A3B at rank 32) would be allocated and initialised on the host for
+    a count."""
+    from microrl.engine.memory_params import meta_model
+
+    initialised = []
+    kaiming = torch.nn.init.kaiming_uniform_
+
+    def record(tensor, *args, **kwargs):
+        initialised.append(tensor.device.type)
+        return kaiming(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", record)
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    config = ActorConfig(lora=LoraConfig(rank=8, target_parameters=experts))
+    model = meta_model(_moe_config(), config, value_head=False)
+    adapters = [n for n, _ in model.named_parameters() if ".experts." in n and "lora_" in n]
+    assert len(adapters) == 2 * 4  # layers x (gate_up, down) x (A, B)
+    assert initialised and set(initialised) == {"meta"}, initialised
+    assert all(p.is_meta for p in model.parameters())

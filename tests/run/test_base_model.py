@@ -127,6 +127,38 @@ def test_the_toy_model_is_built_at_the_examples_paths_or_when_asked(tmp_path, mo
     assert prepare_base_model(again, TINY_TASK, Dist(), 4, log=print)[1] == again.path
 
 
+def test_the_moe_toy_lives_beside_the_dense_one_and_never_loads_a_dense_checkpoint(
+    tmp_path, monkeypatch
+) -> None:
+    """``model.toy_arch=moe`` at an example's toy path builds its own toy at ``<path>-moe``, so
+    the dense toy saved there is not trained in its place; a ``build_toy`` path or a Hub id
+    that would give a model without experts is a ``ValueError`` naming the key (no download)."""
+    from transformers import AutoConfig
+
+    monkeypatch.chdir(tmp_path)
+    sizes = dict(TINY.__dict__, warm_start=WarmStartConfig(max_steps=1, eval_every=1, batch_size=8))
+    dense = ModelConfig(**{**sizes, "path": "outputs/base/tiny-adder"})
+    moe = ModelConfig(**{**sizes, "path": "./outputs/base/tiny-adder", "toy_arch": "moe"})
+    assert moe.toy_path() == "outputs/base/tiny-adder-moe" and dense.toy_path() == dense.path
+    quiet = dict(log=lambda _: None)
+    assert prepare_base_model(dense, TINY_TASK, Dist(), 4, **quiet)[1] == dense.path
+    _, path = prepare_base_model(moe, TINY_TASK, Dist(), 4, **quiet)
+    assert path == "outputs/base/tiny-adder-moe"
+    assert AutoConfig.from_pretrained(path).model_type == "qwen3_moe"
+    assert AutoConfig.from_pretrained(dense.path).model_type == "llama"  # left as it was
+    assert prepare_base_model(moe, TINY_TASK, Dist(), 4, **quiet)[1] == path  # reused
+    tokenizer, own = build_tokenizer(), str(tmp_path / "mine")
+    build_model(TINY, tokenizer).save_pretrained(own)  # a dense checkpoint
+    tokenizer.save_pretrained(own)
+    mine = ModelConfig(**{**sizes, "path": own, "build_toy": True, "toy_arch": "moe"})
+    assert mine.toy_path() == own  # the user's own path: the toy asked for, there
+    with pytest.raises(ValueError, match=r"^model.toy_arch='moe', but .* without experts"):
+        prepare_base_model(mine, TINY_TASK, Dist(), 4, **quiet)
+    hub = ModelConfig(path=HUB_ID, toy_arch="moe")
+    with pytest.raises(ValueError, match=r"^model.toy_arch='moe' chooses .* leave model.toy_arch"):
+        prepare_base_model(hub, TINY_TASK, Dist(), 4, **quiet)
+
+
 def test_hub_names_and_local_paths(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()

@@ -70,3 +70,33 @@ def test_building_the_toy_model_touches_no_gpu(monkeypatch) -> None:
     assert all(
         torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters(), strict=True)
     )
+
+
+def test_the_moe_toy_is_a_qwen3_moe_the_engine_routes() -> None:
+    """``model.toy_arch=moe``: a Qwen3-MoE of the dense toy's width, depth and tokens, its gate
+    weights renormalised over the top 2 of 4 experts (as the released checkpoints, unlike
+    transformers' default), whose routers the engine finds; a token computes as much as in the
+    dense toy (2 experts of half its MLP width). An unknown architecture names the key."""
+    import pytest
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from microrl.configs.run import TOY_ARCHS, ModelConfig
+    from microrl.engine.moe import find_routers
+    from microrl.run import toy_model
+    from microrl.run.toy_model import MOE_EXPERTS, MOE_TOP_K, build_model, build_tokenizer
+
+    assert set(TOY_ARCHS) == set(toy_model._ARCHS)
+    tokenizer = build_tokenizer()
+    sizes = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2)
+    model = build_model(ModelConfig(toy_arch="moe", **sizes), tokenizer)
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    config = model.config
+    assert (config.num_experts, config.num_experts_per_tok) == (MOE_EXPERTS, MOE_TOP_K) == (4, 2)
+    assert config.norm_topk_prob and config.moe_intermediate_size * MOE_TOP_K == 64
+    assert config.vocab_size == len(tokenizer) and config.pad_token_id == tokenizer.pad_token_id
+    assert len(find_routers(model)) == 2
+    batch = tokenizer(["1+2=", "12+7="], return_tensors="pt", padding=True)
+    assert torch.isfinite(model(**batch).logits).all()
+    with pytest.raises(ValueError, match=r"^model\.toy_arch must be one of dense, moe"):
+        ModelConfig(toy_arch="sparse")
