@@ -127,3 +127,70 @@ def test_a_dense_policy_or_another_backend_is_refused_naming_the_key():
     moe = ActorEngine(_policy(tok), ActorConfig())
     with pytest.raises(ValueError, match=r"rollout\.routing_replay.*rollout\.backend=vllm"):
         make_sampler(moe, tok, RolloutConfig(routing_replay=True, backend="vllm"), version=0)
+
+
+def test_episode_rows_carry_the_routing_of_their_last_turn():
+    """Multi-turn rows: each turn re-reads the whole context, so a row's routing is its last
+    turn's (its context's prefill, then its response); the observation after it has none."""
+    from microrl.tasks import HintedAdditionTask, Problem
+
+    tok = build_tokenizer()
+    model = _policy(tok)
+    task = HintedAdditionTask(max_operand=99, eval_size=10)
+    problems = [Problem("12+7=", "19"), Problem("45+45=", "90")]
+    rollout = HFRollout(model, tok, record_routing=True).run_episodes(
+        [p.prompt for p in problems],
+        lambda i: task.make_env(problems[i]),
+        SamplingParams(num_samples=2, max_new_tokens=4, seed=0),
+        max_turns=3,
+        max_tokens=20,
+    )
+    batch = rollout.batch
+    assert rollout.num_turns.max() > 1
+    routes, real = batch[ROUTED_EXPERTS_KEY], batch["attention_mask"]
+    recorded = routes[..., 0] >= 0  # [B, T, L]
+    assert not (recorded & ~real[..., None]).any()
+    expected = _whole_forward_routes(model, batch)
+    assert torch.equal(routes[recorded.all(-1)], expected[recorded.all(-1)])
+    cols = torch.arange(real.shape[1])
+    last_sampled = torch.where(batch["loss_mask"], cols, -1).max(1).values
+    before = real & (cols < last_sampled[:, None])
+    assert recorded.all(-1)[before].all()
+
+
+def test_the_worker_records_and_its_probe_catches_permuted_experts(monkeypatch):
+    """``rollout.max_staleness > 0``: the ``hf`` worker's rows carry the routing too. A full
+    push whose fused experts arrive permuted (the expert axis of ``gate_up_proj`` rolled: a
+    layout mismatch, SkyRL #1680's class) keeps every per-tensor checksum (sums are
+    permutation-invariant) but not the probe's log-probs: the sync check fails, nothing samples
+    (or trains) through it."""
+    from hf_worker_utils import stale_bytes
+
+    from microrl.configs import LoraConfig
+    from microrl.rollout.sampler import SamplerOptions
+    from microrl.rollout.samplers.hf_worker import AsyncRollout
+    from microrl.rollout.weights.sync_check import SyncCheckError
+
+    tok = build_tokenizer()
+    model = tiny_moe("qwen3_moe", vocab_size=len(tok))
+    engine = ActorEngine(model, ActorConfig(lora=LoraConfig(rank=0)))
+    with AsyncRollout(engine, tok, SamplerOptions(record_routing=True)) as worker:
+        rollout = worker.generate(PROMPTS, PARAMS)
+        here = HFRollout(engine, tok, record_routing=True).generate(PROMPTS, PARAMS)
+        routes, real = rollout.batch[ROUTED_EXPERTS_KEY], rollout.batch["attention_mask"]
+        assert (routes[~real] == -1).all() and torch.equal(
+            rollout.batch["input_ids"], here.batch["input_ids"]
+        )
+        assert (routes == here.batch[ROUTED_EXPERTS_KEY]).float().mean() > 0.98  # fp32, 2 processes
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        assert name in [entry for entry, _, _ in worker._layouts["trainable"]]
+        weight = dict(engine.model.named_parameters())[name].detach()
+        broadcast = AsyncRollout._broadcast
+
+        def permuted(self, buffer, chunk_bytes):
+            return broadcast(self, stale_bytes(self, buffer, name, weight.roll(1, 0)), chunk_bytes)
+
+        monkeypatch.setattr(AsyncRollout, "_broadcast", permuted)
+        worker.sync(engine)
+        with pytest.raises(SyncCheckError, match=r"rollout\.sync_check_tol"):
+            worker.generate(PROMPTS, PARAMS)
