@@ -106,6 +106,9 @@ def test_replay_removes_the_mismatch_of_a_sampler_routing_elsewhere():
         metrics[replay] = result["metrics"]
     agreement = {replay: m["router/agreement"] for replay, m in metrics.items()}
     assert 0.5 < agreement[False] < 0.95 and agreement[True] == pytest.approx(agreement[False])
+    # The routing the forward used: the sampler's for every token under replay only.
+    routed = {replay: m["router/routed_as_sampled"] for replay, m in metrics.items()}
+    assert routed == {True: 1.0, False: pytest.approx(agreement[False])}
     assert metrics[False]["mismatch/abs_diff_max"] > 1e-3, metrics[False]
     # fp64 forwards; the sampler's log-probs are stored as float32 (~2e-7 apart at |logp| ~ 3).
     assert metrics[True]["mismatch/abs_diff_max"] < 1e-6, metrics[True]
