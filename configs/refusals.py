@@ -402,11 +402,12 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "rollout.routing_replay",
-        "false with rollout.backend=hf for now",
-        "the hf sampler does not record the routing yet (microrl.engine.moe.RoutingRecorder is "
-        "not wired into it), so nothing would be replayed",
-        lambda c, _: c.rollout.routing_replay and c.rollout.backend == "hf",
-        example=("model.toy_arch=moe", "rollout.routing_replay=true"),
+        "false with an agent (task.agent.function) for now",
+        "an agent's turns come back through the endpoint as token ids and log-probs, without "
+        "their routing",
+        lambda c, _: c.rollout.routing_replay and c.task.agent.enabled,
+        recipes=("grpo",),  # PPO refuses agents
+        example=("model.toy_arch=moe", "task.agent.function=m:f", "rollout.routing_replay=true"),
     ),
     Refusal(
         "rollout.routing_replay",

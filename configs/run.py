@@ -218,7 +218,7 @@ class RolloutConfig:
     routing_replay: bool = config_field(
         False,
         "MoE policies: the sampler records every token's experts and the trainer routes through "
-        "them (docs/recipes.md#routing-replay; refused until a backend records)",
+        "them (docs/recipes.md#routing-replay; rollout.backend=hf records, vllm is refused)",
     )
     server: EndpointConfig = field(default_factory=_vllm_servers)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)

@@ -248,6 +248,11 @@ class _TorchMode(TorchFunctionMode):
             return out
         if func is torch.Tensor.cpu:
             return self._to(args[0], CPU, None, kwargs)
+        if func is torch.histc and not args[0].is_floating_point():
+            # CUDA's histc takes integer input (transformers' grouped-mm experts count tokens
+            # per expert so on a GPU); the CPU kernel takes floats only.
+            counts = func(args[0].float(), *args[1:], **kwargs)
+            return counts.to(args[0].dtype)
         if func is torch.Tensor.to:
             device, dtype = _to_target(args[1:], kwargs)
             if device is not None:

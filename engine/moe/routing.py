@@ -35,6 +35,7 @@ from microrl.losses.router import RouterDenominators, expert_counts
 __all__ = [
     "AGREEMENT",
     "AUX_LOSS",
+    "ROUTED_AS_SAMPLED",
     "Z_LOSS",
     "EngineRouting",
     "MicroBatchRouting",
@@ -45,6 +46,7 @@ __all__ = [
 AUX_LOSS = "router/aux_loss"
 Z_LOSS = "router/z_loss"
 AGREEMENT = "router/agreement"
+ROUTED_AS_SAMPLED = "router/routed_as_sampled"
 
 
 def refusal(causal_lm: nn.Module) -> str:
@@ -273,18 +275,21 @@ class MicroBatchRouting:
                 metrics[name] = Metric(value.detach().float())
                 term = coef * value if term is None else term + coef * value
         if router.n_recorded is not None:
-            metrics[AGREEMENT] = Metric(self._agreement(collected.own) / router.n_recorded.float())
+            recorded = router.n_recorded.float()
+            metrics[AGREEMENT] = Metric(self._agreement(collected.own) / recorded)
+            metrics[ROUTED_AS_SAMPLED] = Metric(self._agreement(collected.used) / recorded)
         self.owner._add_load(collected.used, self.valid)
         if term is not None and loss is not None:
             loss = loss + (term * self.denominators.grad_scale).to(loss.dtype)
         return loss, metrics
 
-    def _agreement(self, own: list[torch.Tensor]) -> torch.Tensor:
-        """Recorded (token, layer) rows where the router's own top-k is the recorded set."""
+    def _agreement(self, chosen: list[torch.Tensor]) -> torch.Tensor:
+        """Recorded (token, layer) rows whose ``chosen`` top-k (per layer ``[N, k]``: the
+        router's own, or the experts the forward used) is the recorded set."""
         total = torch.zeros((), dtype=torch.float32, device=self.valid.device)
         if self.routes is None:
             return total
-        for layer, experts in enumerate(own):
+        for layer, experts in enumerate(chosen):
             recorded = self.routes[:, layer]
             same = (experts.sort(-1).values == recorded.sort(-1).values).all(-1)
             counted = same & (recorded[:, 0] >= 0) & self.valid

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
+from microrl.engine.moe.routes import NO_ROUTE, ROUTED_EXPERTS_KEY
 from microrl.engine.parallel import distributed
 from microrl.engine.vision import pad_images
 from microrl.rollout.images import ImagePrompts
@@ -89,6 +90,10 @@ class Trajectory:
     #: in ``prompt_ids``) and the PIL images; None for a text episode.
     images: tuple[torch.Tensor, torch.Tensor] | None = None
     raw_images: list[Any] = field(default_factory=list)
+    #: With a backend recording the routing (``rollout.routing_replay``): the experts of the
+    #: first tokens of ``prompt_ids + ids`` ``[n, L, k]``, from the latest turn (its context's
+    #: prefill and its response); the observation after it has none yet. None: not recorded.
+    routes: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -221,7 +226,21 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
     )
     if any(t.images is not None for t in trajectories):  # each row its prompt's images
         batch.update(pad_images([t.images for t in trajectories]))
+    if any(t.routes is not None for t in trajectories):
+        batch[ROUTED_EXPERTS_KEY] = _episode_routes(trajectories, prompt_width, width)
     return batch
+
+
+def _episode_routes(trajectories: Sequence[Trajectory], prompt_width: int, width: int):
+    """The rows' recorded routing ``[B, T, L, k]`` (-1 where a token has none: padding, the
+    observation after the last turn)."""
+    like = next(t.routes for t in trajectories if t.routes is not None)
+    out = like.new_full((len(trajectories), width, *like.shape[1:]), NO_ROUTE)
+    for row, t in enumerate(trajectories):
+        if t.routes is not None:
+            start = prompt_width - len(t.prompt_ids)
+            out[row, start : start + len(t.routes)] = t.routes
+    return out
 
 
 @dataclass
@@ -329,10 +348,14 @@ class _Player:
         )
         if not active:
             return
-        for row, budget, ids, logprobs in zip(
-            active, budgets, samples.token_ids, samples.logprobs, strict=True
+        width = max(len(c) for c in contexts)
+        for i, (row, budget, ids, logprobs) in enumerate(
+            zip(active, budgets, samples.token_ids, samples.logprobs, strict=True)
         ):
             end = min(first_stop(ids, self.stops), budget)
+            if samples.routed_experts is not None:  # this turn's context and response
+                start = width - len(contexts[i])
+                row.trajectory.routes = samples.routed_experts[i, start : width + end].clone()
             self.answer(row, ids[:end], logprobs[:end], number, max_turns, max_tokens)
 
     def sample(self, trajectories: list[Trajectory], contexts: list[list[int]], params):

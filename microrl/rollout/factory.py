@@ -11,10 +11,10 @@ from microrl.configs.run import RolloutConfig
 from microrl.rollout.base import RolloutBackend
 from microrl.rollout.images import ImageEncoder
 from microrl.rollout.sampler import Sampler, SamplerOptions
-from microrl.rollout.samplers.hf import HFRollout
+from microrl.rollout.samplers.hf import HFRollout, routing_recorder
 from microrl.rollout.samplers.in_process import InProcessSampler
 
-__all__ = ["make_rollout_backend", "make_sampler"]
+__all__ = ["check_records_routing", "make_rollout_backend", "make_sampler"]
 
 
 def make_rollout_backend(
@@ -25,6 +25,7 @@ def make_rollout_backend(
     vllm: VLLMConfig | None = None,
     sync_check_tol: float | None = None,
     image_encoder: ImageEncoder | None = None,
+    record_routing: bool = False,
 ) -> RolloutBackend:
     """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.
 
@@ -33,9 +34,18 @@ def make_rollout_backend(
     precision). A ``vllm`` backend without vLLM installed raises ``ImportError`` with the command
     that installs it. ``image_encoder``: a vision-language policy's (image prompts; the ``vllm``
     backend refuses it where vLLM's Qwen-VL code cannot load, docs/rollouts.md#images).
+    ``record_routing``: a mixture-of-experts policy's rows carry their ``routed_experts``
+    (``rollout.routing_replay``; the ``hf`` backend only: ``ValueError`` for ``vllm``).
     """
     if backend == "hf":
-        return HFRollout(engine, tokenizer, image_encoder=image_encoder)
+        return HFRollout(
+            engine, tokenizer, image_encoder=image_encoder, record_routing=record_routing
+        )
+    if record_routing:
+        raise ValueError(
+            f"rollout.routing_replay=true: the {backend!r} backend does not record the routing "
+            "(only rollout.backend=hf does)"
+        )
     if backend == "vllm":
         from microrl.rollout.samplers.vllm import VLLMRollout
 
@@ -79,6 +89,8 @@ def make_sampler(
     """
     if not isinstance(rollout, RolloutConfig):
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
+    if rollout.routing_replay:
+        check_records_routing(engine, rollout.backend)
     if rollout.max_staleness == 0:
         backend = make_rollout_backend(
             rollout.backend,
@@ -87,6 +99,7 @@ def make_sampler(
             vllm=rollout.vllm,
             sync_check_tol=rollout.sync_check_tol,
             image_encoder=image_encoder,
+            record_routing=rollout.routing_replay,
         )
         return InProcessSampler(
             backend, engine, version=version, sync_every=rollout.sync_every, env_maker=env_maker
@@ -98,6 +111,7 @@ def make_sampler(
         sync_check_tol=rollout.sync_check_tol,
         num_threads=num_threads,
         image_encoder=image_encoder,
+        record_routing=rollout.routing_replay,
     )
     if rollout.backend == "vllm":
         start, join = _servers(engine, tokenizer, rollout, options, log_dir)
@@ -110,6 +124,17 @@ def make_sampler(
     from microrl.rollout.samplers.sp_group import SPGroupSampler
 
     return SPGroupSampler.start(engine, start, join, version=version, env_maker=env_maker)
+
+
+def check_records_routing(engine, backend: str) -> None:
+    """``rollout.routing_replay=true`` at start: ``ValueError`` naming the key unless the
+    backend records (``hf``) and ``engine``'s policy has mixture-of-experts routers."""
+    if backend != "hf":
+        raise ValueError(
+            f"rollout.routing_replay=true: rollout.backend={backend} does not record the routing "
+            "(only rollout.backend=hf does)"
+        )
+    routing_recorder(getattr(engine, "model", engine))
 
 
 def _workers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions):

@@ -13,16 +13,25 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-__all__ = ["Samples", "build_rollout", "first_stop"]
+from microrl.engine.moe.routes import NO_ROUTE, ROUTED_EXPERTS_KEY
+
+__all__ = ["Samples", "build_rollout", "first_stop", "routes_of_rows"]
 
 
 @dataclass
 class Samples:
     """What a backend returns: per row (prompts repeated ``num_samples`` times, grouped by prompt)
-    the sampled token ids and the log-prob of each under the sampling distribution."""
+    the sampled token ids and the log-prob of each under the sampling distribution.
+
+    ``routed_experts``: when the backend records a mixture-of-experts routing
+    (``rollout.routing_replay``), every fed token's experts ``[B, W + S, L, k]`` in the layout
+    the backend generated from: the prompts left-padded to the longest ``W``, then the ``S``
+    generated steps (what it generated past a row's stop included); None otherwise.
+    """
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
+    routed_experts: torch.Tensor | None = None
 
 
 def first_stop(ids: Sequence[int], stops: Collection[int]) -> int:
@@ -92,7 +101,7 @@ def build_rollout(
         ],
         dim=1,
     )
-    return TensorDict(
+    batch = TensorDict(
         {
             "input_ids": input_ids,
             "attention_mask": attention,
@@ -102,3 +111,23 @@ def build_rollout(
         },
         batch_size=[rows],
     )
+    if samples.routed_experts is not None:
+        batch[ROUTED_EXPERTS_KEY] = routes_of_rows(samples.routed_experts, attention)
+    return batch
+
+
+def routes_of_rows(routes: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """A backend's recorded routing ``[B, W + S, L, k]`` (its prompts left-padded to the longest,
+    as the rows' are) in the rows' layout ``[B, T]`` (``attention`` ``[B, T]``): cut or padded
+    to ``T``, :data:`NO_ROUTE` off the rows' real tokens (prompt padding, what was generated past
+    a row's stop)."""
+    rows, width = attention.shape
+    if routes.dim() != 4 or routes.shape[0] != rows:
+        raise ValueError(
+            f"a backend recorded {ROUTED_EXPERTS_KEY!r} of shape {tuple(routes.shape)} for "
+            f"{rows} rows: expected [B, W + S, L, k]"
+        )
+    out = routes.new_full((rows, width, *routes.shape[2:]), NO_ROUTE)
+    span = min(width, routes.shape[1])
+    out[:, :span] = routes[:, :span]
+    return torch.where(attention.bool()[:, :, None, None], out, NO_ROUTE)

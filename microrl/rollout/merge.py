@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict, UnbatchedTensor
 
+from microrl.engine.moe.routes import NO_ROUTE, ROUTED_EXPERTS_KEY
 from microrl.engine.vision_layout import (
     IMAGE_GRID_KEY,
     IMAGE_INDEX_KEY,
@@ -28,6 +29,8 @@ from microrl.rollout.base import Rollout
 
 __all__ = ["merge_rollouts", "select_groups"]
 
+# What a token-aligned key is padded with (0 / False for the others): no route.
+_FILLS = {ROUTED_EXPERTS_KEY: NO_ROUTE}
 # Fields of every Rollout that are not per-row tensors handled generically.
 _LAYOUT_FIELDS = ("batch", "texts", "group_ids", "metrics")
 
@@ -68,8 +71,8 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     The batch is ``[left-padded prompt | response, right-padded]`` as wide as the longest prompt
     plus the longest response (at least one column) of all the rows: each part's per-token
     entries (second dimension its width) move by whole columns, padded with ``pad_token_id``
-    (``input_ids``) or 0 / False (every other key); per-row entries (``truncated``, ...) are
-    concatenated; the image keys (docs/batch.md#images): the parts' pixel stores one after the
+    (``input_ids``), -1 (``routed_experts``: no route) or 0 / False (every other key);
+    per-row entries (``truncated``, ...) are concatenated; the image keys (docs/batch.md#images): the parts' pixel stores one after the
     other (entries zero-padded to the widest), ``image_index`` shifted to match, grids
     zero-padded to the most images; a part without images gives text rows (index -1). A part's prompts end where its first response
     (``loss_mask``) column starts.
@@ -95,14 +98,13 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     response_width = max(1, *(response for _, _, response in spans))
     width = prompt_width + response_width
     columns: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+    fills = {**_FILLS, "input_ids": pad_token_id}
     for part, (boundary, _, _) in zip(rollouts, spans, strict=True):
         offset = boundary - prompt_width  # the part's column of the merged column 0
         for key in keys:
             value = part.batch[key]
             if value.dim() >= 2 and value.shape[1] == part.batch["input_ids"].shape[1]:
-                value = _shift_columns(
-                    value, offset, width, pad_token_id if key == "input_ids" else 0
-                )
+                value = _shift_columns(value, offset, width, fills.get(key, 0))
             columns[key].append(value)
     rows = sum(part.batch.batch_size[0] for part in rollouts)
     batch = TensorDict(

@@ -63,6 +63,8 @@ class SamplerOptions:
         image_encoder: a vision-language policy's
             (:class:`~microrl.rollout.images.ImageEncoder`): jobs may then carry images
             (``submit(..., images=)``); None: text prompts only.
+        record_routing: the rows carry each token's mixture-of-experts routing
+            ``routed_experts`` (``rollout.routing_replay``; ``hf`` workers only).
 
     A bad value is a ``ValueError`` naming the field.
     """
@@ -73,6 +75,7 @@ class SamplerOptions:
     sync_check_tol: float | None = None
     num_threads: int = 1
     image_encoder: ImageEncoder | None = None
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

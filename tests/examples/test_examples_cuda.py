@@ -92,6 +92,23 @@ def test_asynchronous_grpo_on_a_gpu(base_model, tmp_path, monkeypatch) -> None:
     assert any("sync/probe_abs_diff_mean" in r for r in records), records
 
 
+def test_moe_grpo_with_routing_replay_on_a_gpu(tmp_path, monkeypatch) -> None:
+    """The toy mixture of experts with rollout.routing_replay: the sampler's host key
+    (``routed_experts``) meets the routers' device indices in every replayed forward."""
+    args = _args(
+        tmp_path / "base",
+        tmp_path / "moe",
+        "actor.device=cuda",
+        "model.toy_arch=moe",
+        "rollout.routing_replay=true",
+        "actor.router_loss.aux_loss_coef=0.01",
+    )
+    with simulated_cuda(monkeypatch):
+        assert load_example("grpo_lora").main(args) == 0
+    last = read_metrics(tmp_path / "moe" / "metrics.jsonl")[-1]
+    assert last["router/routed_as_sampled"] == 1.0 and "router/aux_loss" in last, last
+
+
 def test_ppo_on_a_gpu_keeps_every_tensor_on_it(base_model, tmp_path, monkeypatch) -> None:
     """GAE over the critic's device values and the rollout's rewards, the whitening, the
     entropy metric: all on the GPU. With activation offload, both engines' pinned host copies

@@ -17,13 +17,14 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from microrl.engine import setup
 from microrl.engine.base import Engine
+from microrl.engine.moe import RoutingRecorder
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.distributed import gathered
 from microrl.rollout.base import RolloutBackend, Samples, SamplingParams
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.positions import check_positions, position_limit
 
-__all__ = ["HFRollout", "engine_autocast_dtype", "seeded"]
+__all__ = ["HFRollout", "engine_autocast_dtype", "routing_recorder", "seeded"]
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -70,6 +71,18 @@ class _BanTokens(LogitsProcessor):
         return scores
 
 
+def routing_recorder(model: nn.Module) -> RoutingRecorder:
+    """A :class:`RoutingRecorder` on ``model``'s routers; ``ValueError`` naming
+    ``rollout.routing_replay`` for a model without mixture-of-experts routers."""
+    try:
+        return RoutingRecorder(model)
+    except ValueError as error:
+        raise ValueError(
+            f"rollout.routing_replay=true records the experts of a mixture-of-experts policy: "
+            f"{error} (set rollout.routing_replay=false for a dense model)"
+        ) from error
+
+
 def engine_autocast_dtype(engine: Engine) -> torch.dtype | None:
     """The dtype ``engine``'s forwards autocast to (None: none): what a sampler of its policy
     runs under to sample at the trainer's precision."""
@@ -112,6 +125,10 @@ class HFRollout(RolloutBackend):
             checkpoint): ``generate(prompts, params, images=...)`` then samples image prompts,
             the model's own ``generate`` taking each row's ``pixel_values`` and
             ``image_grid_thw`` (docs/rollouts.md#images).
+        record_routing: a mixture-of-experts policy's routing is recorded around ``generate``
+            (:class:`~microrl.engine.moe.RoutingRecorder`): every row carries the experts of
+            each of its tokens, ``routed_experts`` ``[B, T, L, k]`` (``rollout.routing_replay``,
+            docs/recipes.md#routing-replay); a model without routers is a ``ValueError``.
 
     ``generate`` runs at the trainer's precision: under the engine's autocast (bf16 on CUDA by
     default), so the samples come from the distribution the engine trains, not from an fp32
@@ -134,6 +151,7 @@ class HFRollout(RolloutBackend):
         *,
         autocast_dtype: torch.dtype | None = None,
         image_encoder: ImageEncoder | None = None,
+        record_routing: bool = False,
     ) -> None:
         is_engine = isinstance(engine, Engine)
         model = engine.model if is_engine else engine
@@ -164,6 +182,8 @@ class HFRollout(RolloutBackend):
         self.autocast_dtype = engine_autocast_dtype(engine) if is_engine else autocast_dtype
         #: The model's positions (None: its config states none): a row past them is refused.
         self.position_limit = position_limit(getattr(model, "config", None))
+        #: Records the routers' choices around ``generate`` (None: not asked).
+        self.recorder = routing_recorder(model) if record_routing else None
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         return self._generate(prompt_ids, params)
@@ -240,6 +260,7 @@ class HFRollout(RolloutBackend):
                 gathered(self._gather_root),
                 seeded(params.seed, device),
                 autocast(device, self.autocast_dtype),
+                self.recorder or nullcontext(),
             ):
                 sequences = self.model.generate(
                     input_ids=ids,
@@ -253,4 +274,10 @@ class HFRollout(RolloutBackend):
             self.model.train(was_training)
         response = sequences[:, width:]
         logprobs = recorder.finish(response[:, -1])
-        return Samples(token_ids=response.cpu().tolist(), logprobs=logprobs.tolist())
+        routes = None
+        if self.recorder is not None:  # [B, width + steps, L, k]; the layout masks past stops
+            routes = self.recorder.routes(len(ids), sequences.shape[1])
+            self.recorder.clear()
+        return Samples(
+            token_ids=response.cpu().tolist(), logprobs=logprobs.tolist(), routed_experts=routes
+        )

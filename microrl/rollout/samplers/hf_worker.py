@@ -146,12 +146,12 @@ class AsyncRollout(Sampler):
             warn_if_oversubscribed(self.name, [options.num_threads])
         #: How each sync reaches the worker: over its gloo group.
         self.weight_sync: WeightSync = GlooBroadcast([self])
-        self._spawn(engine, base, tokenizer, env_bytes, options.num_threads)
+        self._spawn(engine, base, tokenizer, env_bytes, options)
         if wait:
             self.wait_started()
 
     # ----------------------------------------------------------------- start and stop
-    def _spawn(self, engine, base, tokenizer, env_bytes, num_threads) -> None:
+    def _spawn(self, engine, base, tokenizer, env_bytes, options: SamplerOptions) -> None:
         from torch.distributed import TCPStore
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -168,13 +168,14 @@ class AsyncRollout(Sampler):
             probe={k: v.cpu() for k, v in self.probe.items()},
             store_port=self._store.port,
             timeout_s=self.timeout_s,
-            num_threads=num_threads,
+            num_threads=options.num_threads,
             device="cpu" if device.type == "cpu" else str(device),
             env_maker=env_bytes,
             base_dtype=setup.base_dtype(engine.config),
             autocast_dtype=engine_autocast_dtype(engine),
             image_encoder=self.image_encoder,
             freeze_vision=bool(getattr(engine.config, "freeze_vision", True)),
+            record_routing=options.record_routing,
         )
         self.process, self._commands, self._results = start_process(
             mp.get_context("spawn"),

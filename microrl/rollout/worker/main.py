@@ -90,6 +90,8 @@ class WorkerSpec:
     image_encoder: Any = None
     # The engine's freeze_vision: a frozen vision tower gets no LoRA adapter (as in the engine).
     freeze_vision: bool = True
+    # rollout.routing_replay: the rows carry their mixture-of-experts routing (routed_experts).
+    record_routing: bool = False
 
 
 def dumps(value: Any) -> bytes:
@@ -197,6 +199,7 @@ def build_sampler(spec: WorkerSpec):
         spec.tokenizer,
         autocast_dtype=spec.autocast_dtype,
         image_encoder=spec.image_encoder,
+        record_routing=spec.record_routing,
     )
 
 

@@ -109,6 +109,7 @@ def test_replaying_the_models_own_routing_changes_nothing(family):
     replay = _engine(family)
     got = replay.forward_backward_batch(batch, loss_fn=replay.sft_loss)
     assert got["metrics"].pop("router/agreement") == 1.0
+    assert got["metrics"].pop("router/routed_as_sampled") == 1.0
     assert got["metrics"] == pytest.approx(expected["metrics"], rel=1e-9)
     torch.testing.assert_close(
         got["model_output"]["logprobs"], expected["model_output"]["logprobs"], atol=1e-9, rtol=0
@@ -119,8 +120,9 @@ def test_replaying_the_models_own_routing_changes_nothing(family):
 def test_a_drifted_router_disagrees_and_replay_routes_as_the_sampler():
     """The sampler ran other router weights (a drifted policy): not every recorded top-k is the
     trainer's own (``router/agreement`` < 1, the same with replay on or off: it compares the
-    trainer's router with the record). Without replay the trainer routes its own way; with it,
-    its log-probs are those of its weights forced to the sampler's experts."""
+    trainer's router with the record). Without replay the trainer routes its own way
+    (``router/routed_as_sampled`` is that agreement); with it, every token goes through the
+    sampler's experts (1.0) and its log-probs are those of its weights forced to them."""
     batch = _batch()
     sampler = tiny_moe("qwen3_moe", dtype=torch.float64)
     with torch.no_grad():
@@ -129,13 +131,15 @@ def test_a_drifted_router_disagrees_and_replay_routes_as_the_sampler():
     batch[ROUTED_EXPERTS_KEY] = routes = _recorded(sampler, batch)
     forced = _forced_logprobs(tiny_moe("qwen3_moe", dtype=torch.float64), batch, routes).detach()
     mask = batch["attention_mask"]
-    agreement, gap = {}, {}
+    agreement, routed, gap = {}, {}, {}
     for replay in (False, True):
         engine = _engine("qwen3_moe", routing_replay=replay)
         result = engine.forward_backward_batch(batch, loss_fn=engine.sft_loss, forward_only=True)
         agreement[replay] = result["metrics"]["router/agreement"]
+        routed[replay] = result["metrics"]["router/routed_as_sampled"]
         gap[replay] = (result["model_output"]["logprobs"] - forced)[mask].abs().max().item()
     assert 0.5 < agreement[True] == agreement[False] < 1.0
+    assert routed == {True: 1.0, False: pytest.approx(agreement[False])}
     assert gap[True] < ATOL < 100 * ATOL < gap[False], gap
 
 

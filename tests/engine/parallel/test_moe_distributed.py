@@ -138,7 +138,8 @@ def scenario_moe(rank: int, tmp: Path) -> list[str]:
         metrics = engine.train_batch(batch[SHARDS[rank]])
     for name, value in full_params(engine).items():
         assert_max_close(value, ref_params[name], name, atol=ATOL)
-    for key in ("loss", "router/agreement", "router/aux_loss", "router/z_loss", "pg_loss"):
+    routing = ("router/agreement", "router/routed_as_sampled", "router/aux_loss", "router/z_loss")
+    for key in ("loss", *routing, "pg_loss"):
         assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-7), key
     passed.append("replay_with_lora_on_experts_is_the_one_process_update")
 
