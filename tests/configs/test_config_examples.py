@@ -245,11 +245,11 @@ def test_a_files_nested_error_names_the_key_and_the_file(tmp_path: Path) -> None
 
 
 # The recipes' config keys: the leaves `--help` lists (describe_config). A key is a choice to
-# defend (GRPO 164 / PPO 191 before the endpoint type gave the rollout and teacher servers a
-# `model`; + 4 per engine for mixture-of-experts models: routing_replay, router_loss's two
-# coefficients, lora.target_parameters; + 2 for the toy MoE base and the sampler's routing:
-# model.toy_arch, rollout.routing_replay), so the counts are pinned: a new key updates them with
-# its docs.
+# defend (GRPO 164 / PPO 191 after the nested task and the endpoint type, which renamed keys and
+# added none but task.images.max_pixels; + 4 per engine for mixture-of-experts models:
+# routing_replay, router_loss's two coefficients, lora.target_parameters; + 2 for the toy MoE
+# base and the sampler's routing: model.toy_arch, rollout.routing_replay), so the counts are
+# pinned: a new key updates them with its docs.
 KEY_COUNTS = {GRPOExampleConfig: 170, PPOExampleConfig: 201}
 
 
