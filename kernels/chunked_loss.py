@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 
 from . import _chunk_plan, _dispatch
@@ -156,6 +157,18 @@ def combine(local, targets_local, shard: VocabShard | None):
     from . import vocab_parallel
 
     return vocab_parallel._combine((local.m, local.s, local.a, local.zt), targets_local, shard)
+
+
+def shard_hidden_grad(gh: torch.Tensor, hidden: torch.Tensor, rows_idx, group) -> torch.Tensor:
+    """The hidden gradient ``[N, H]`` in ``hidden``'s dtype from this shard's partial sums
+    ``gh`` (``[M, H]``, G_local @ W_local of the processed rows, summed over ``group`` here in
+    place: the group's sum is the full gradient), scattered to ``rows_idx`` (zeros elsewhere)."""
+    if group is not None:
+        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
+    if rows_idx is None:
+        return gh.to(hidden.dtype)
+    grad_h = hidden.new_zeros(hidden.shape)
+    return grad_h.index_copy_(0, rows_idx, gh.to(hidden.dtype))
 
 
 def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, call):
