@@ -35,7 +35,6 @@ __all__ = [
     "find_run_checkpoint",
     "load_run",
     "recover_run_checkpoint",
-    "save_checkpoint",
     "save_run",
 ]
 
@@ -144,28 +143,6 @@ def save_run(
         replace_dir(tmp, final, old)
     dist_info.barrier()
     return final
-
-
-def save_checkpoint(
-    cfg: Any,
-    engines: Mapping[str, Any],
-    step: int,
-    *,
-    rng: random.Random,
-    dist_info: Dist,
-    extra_state: Mapping[str, Any] | None = None,
-) -> Path:
-    """The run checkpoint of step ``step`` in ``cfg.output.dir``, with ``cfg`` saved beside it
-    (what ``--resume`` reads): :func:`~microrl.run.checkpoint.save_run`; its path."""
-    return save_run(
-        cfg.output.dir,
-        engines,
-        step=step,
-        rng=rng,
-        dist_info=dist_info,
-        config=cfg,
-        extra_state=extra_state,
-    )
 
 
 def _fsync_file(path: Path) -> None:

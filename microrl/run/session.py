@@ -31,7 +31,7 @@ from microrl.rollout import (
     turn_terminators,
 )
 from microrl.rollout.episodes import EpisodeError
-from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_checkpoint
+from microrl.run.checkpoint import VLLM_SERVER_LOGS, save_run
 from microrl.run.dist import Dist, train_threads
 from microrl.run.distill import teacher_scoring
 from microrl.run.sampling import agent_limits, episode_rows, sample_and_score
@@ -340,8 +340,14 @@ def finish(
     ``output.export_merged`` the merged model, ``tokenizer`` beside it) or, in a full fine-tune,
     the trained model, plot, and print the summary (exit code 0)."""
     log = print if dist_info.is_main else (lambda *_: None)
-    path = save_checkpoint(
-        cfg, engines, step, rng=rng, dist_info=dist_info, extra_state=extra_state
+    path = save_run(
+        cfg.output.dir,
+        engines,
+        step=step,
+        rng=rng,
+        dist_info=dist_info,
+        config=cfg,
+        extra_state=extra_state,
     )
     if interrupted:
         tracker.close(plot=cfg.output.plot)
