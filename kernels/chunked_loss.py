@@ -159,34 +159,41 @@ def combine(local, targets_local, shard: VocabShard | None):
     return vocab_parallel._combine((local.m, local.s, local.a, local.zt), targets_local, shard)
 
 
+def shard_hidden_grad(gh: torch.Tensor, hidden: torch.Tensor, rows_idx, group) -> torch.Tensor:
+    """The hidden gradient ``[N, H]`` in ``hidden``'s dtype from this shard's partial sums
+    ``gh`` (``[M, H]``, G_local @ W_local of the processed rows, summed over ``group`` here in
+    place: the group's sum is the full gradient), scattered to ``rows_idx`` (zeros elsewhere)."""
+    if group is not None:
+        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
+    if rows_idx is None:
+        return gh.to(hidden.dtype)
+    grad_h = hidden.new_zeros(hidden.shape)
+    return grad_h.index_copy_(0, rows_idx, gh.to(hidden.dtype))
+
+
 def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, call):
     """``fused_loss._run`` on the chunked path (the module docstring): per group the
     statistics, ``loss_fn``, the gradient pass. ``shard``: this rank's columns (vocab-parallel),
     or None; ``row_mask``: the non-ignored rows, or None when every row is."""
-    from .fused_loss import _record_group
+    from .fused_loss import _loss_buffers, _no_gradient, _record_group, _row_groups, _total
 
     plan: LossPlan = call.plan
     need_h, need_w, need_b = call.need
     need_b = need_b and bias is not None
     cdtype = head_dtype(hidden, weight, bias)
-    n, hidden_size = hidden.shape
+    hidden_size = hidden.shape[1]
     real = weight.shape[0] if shard is None else shard.real_rows
     local_w = weight[:real]
     local_b = None if bias is None else bias[:real].to(cdtype)
     local_t = targets if shard is None else targets - shard.vocab_start
-    logprob = hidden.new_empty(n, dtype=cdtype)
-    entropy = hidden.new_empty(n, dtype=cdtype) if plan.spec.with_entropy else None
-    grad_h = hidden.new_empty(hidden.shape) if need_h else None
-    # Summed over the groups in the weight's dtype, padding rows (vocab-parallel) left at 0.
-    grad_w = weight.new_zeros(weight.shape) if need_w else None
-    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
+    # The weight gradient is summed over the groups in the weight's dtype.
+    outputs = _loss_buffers(hidden, weight, bias, call, cdtype, weight.dtype)
+    logprob, entropy, grad_h, grad_w, grad_b = outputs
     any_grad = need_h or need_w or need_b
     losses = []
-    for start, end in call.groups:
+    for start, end, mask, inv in _row_groups(call, row_mask, inv_t):
         rows = slice(start, end)
         h, t = hidden[rows], local_t[rows]
-        mask = None if row_mask is None else row_mask[rows]
-        inv = None if inv_t is None else inv_t[rows]
         head, keep = plan.head_for(end - start, max(1, real), hidden_size)
         local, kept = stats_pass(head, h, local_w, local_b, t, None, mask, inv, keep=keep)
         m, s, a, shifted = combine(local, t, shard)
@@ -197,11 +204,7 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
             None if ent_all is None else _zero_unkept(ent_all, mask),
         )
         g_lp, g_ent = _record_group(call, start, end, values, (logprob, entropy), losses)
-        if not any_grad:
-            continue
-        if g_lp is None and g_ent is None:  # the loss does not depend on these rows
-            if need_h:
-                grad_h[rows] = 0.0
+        if _no_gradient(any_grad, g_lp, g_ent, grad_h, rows):
             continue
         g_lp = upstream(g_lp, end - start, hidden, cdtype, mask, None)
         if plan.spec.with_entropy:
@@ -219,5 +222,4 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
             if shard.group is not None:
                 dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=shard.group)
             grad_h[rows] = gh
-    total = torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
-    return total, logprob, entropy, (grad_h, grad_w, grad_b)
+    return _total(losses, hidden, cdtype), logprob, entropy, (grad_h, grad_w, grad_b)

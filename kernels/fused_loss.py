@@ -118,30 +118,18 @@ def _run(hidden, weight, bias, targets, row_mask, inv_t, call: _LossCall):
     need_h, need_w, need_b = call.need
     need_b = need_b and bias is not None
     cdtype = head_dtype(hidden, weight, bias)
-    n = hidden.shape[0]
-    logprob = hidden.new_empty(n, dtype=cdtype)
-    entropy = hidden.new_empty(n, dtype=cdtype) if call.plan.spec.with_entropy else None
-    grad_h = hidden.new_empty(hidden.shape) if need_h else None
-    # The weight (bias) gradient sums over the groups: accumulated in the compute dtype, rounded
-    # once in backward.
-    grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None
-    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
+    # The weight gradient is accumulated in the compute dtype, rounded once in backward.
+    logprob, entropy, grad_h, grad_w, grad_b = _loss_buffers(hidden, weight, bias, call, cdtype)
     any_grad = need_h or need_w or need_b
     losses = []
-    for start, end in call.groups:
+    for start, end, mask, inv in _row_groups(call, row_mask, inv_t):
         rows = slice(start, end)
         h, t = hidden[rows], targets[rows]
-        mask = None if row_mask is None else row_mask[rows]
-        inv = None if inv_t is None else inv_t[rows]
         plan = _group_plan(call.plan, end - start, any_grad)
         out, saved = _forward(h, weight, bias, t, None, mask, inv, plan)
         lp, ent = out if plan.spec.with_entropy else (out, None)
         g_lp, g_ent = _record_group(call, start, end, (lp, ent), (logprob, entropy), losses)
-        if not any_grad:
-            continue
-        if g_lp is None and g_ent is None:  # the loss does not depend on these rows
-            if need_h:
-                grad_h[rows] = 0.0
+        if _no_gradient(any_grad, g_lp, g_ent, grad_h, rows):
             continue
         gh, _, gb = _backward(
             (h, weight, bias, t, None, mask, inv, *saved),
@@ -157,8 +145,49 @@ def _run(hidden, weight, bias, targets, row_mask, inv_t, call: _LossCall):
             grad_h[rows] = gh
         if need_b:
             grad_b += gb.to(cdtype)
-    total = torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
-    return total, logprob, entropy, (grad_h, grad_w, grad_b)
+    return _total(losses, hidden, cdtype), logprob, entropy, (grad_h, grad_w, grad_b)
+
+
+def _loss_buffers(hidden, weight, bias, call: _LossCall, cdtype, grad_w_dtype=None):
+    """A fused loss forward's outputs, written group by group: ``(logprob [N], entropy [N] or
+    None, grad_h [N, H] or None, grad_w [V, H] or None, grad_b [V] or None)``, a gradient only
+    where ``call.need`` asks for it. The log-probs, entropy and bias gradient are in ``cdtype``,
+    ``grad_w`` in ``grad_w_dtype`` (default ``cdtype``); the weight and bias gradients are zeros,
+    since the groups add to them (a vocab-parallel shard's padding rows stay 0)."""
+    need_h, need_w, need_b = call.need
+    n = hidden.shape[0]
+    logprob = hidden.new_empty(n, dtype=cdtype)
+    entropy = hidden.new_empty(n, dtype=cdtype) if call.plan.spec.with_entropy else None
+    grad_h = hidden.new_empty(hidden.shape) if need_h else None
+    grad_w = weight.new_zeros(weight.shape, dtype=grad_w_dtype or cdtype) if need_w else None
+    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b and bias is not None else None
+    return logprob, entropy, grad_h, grad_w, grad_b
+
+
+def _row_groups(call: _LossCall, row_mask, inv_t):
+    """``(start, end, mask, inv)`` per row group of ``call``: its rows' slices of ``row_mask``
+    and of the per-row inverse temperatures ``inv_t`` (each None when the call has none)."""
+    for start, end in call.groups:
+        mask = None if row_mask is None else row_mask[start:end]
+        inv = None if inv_t is None else inv_t[start:end]
+        yield start, end, mask, inv
+
+
+def _no_gradient(any_grad: bool, g_lp, g_ent, grad_h, rows: slice) -> bool:
+    """Whether a group has no backward to run: no input needs a gradient, or the loss does not
+    depend on its rows (their hidden gradient is then 0)."""
+    if not any_grad:
+        return True
+    if g_lp is None and g_ent is None:
+        if grad_h is not None:
+            grad_h[rows] = 0.0
+        return True
+    return False
+
+
+def _total(losses: list, hidden: torch.Tensor, cdtype) -> torch.Tensor:
+    """The sum of the groups' losses (a 0-d tensor in ``cdtype`` with no group)."""
+    return torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
 
 
 def _record_group(call: _LossCall, start: int, end: int, values, outputs, losses: list):

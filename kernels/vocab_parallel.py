@@ -48,7 +48,7 @@ from ._tiles import (
     _tile_stats,
     _zero_unkept,
 )
-from .chunked_loss import VocabShard
+from .chunked_loss import VocabShard, shard_hidden_grad
 from .vocab_parallel_chunked import vocab_parallel_chunked
 
 __all__ = ["vocab_parallel_linear_logprob"]
@@ -287,15 +287,7 @@ def _backward(saved, plan: _Plan, need, grad_logprob, grad_entropy):
                     gh.addmm_(g, w_c)
                 if need_w:
                     grad_w[j : j + w].addmm_(g.T, h_c)
-    grad_h = None
-    if need_h:
-        # The shard's partial sum G_local @ W_local: the group's sum is the full hidden gradient.
-        _all_reduce(gh_all, dist.ReduceOp.SUM, plan.shard.group)
-        if rows_idx is None:
-            grad_h = gh_all.to(hidden.dtype)
-        else:
-            grad_h = hidden.new_zeros(hidden.shape)
-            grad_h.index_copy_(0, rows_idx, gh_all.to(hidden.dtype))
+    grad_h = shard_hidden_grad(gh_all, hidden, rows_idx, plan.shard.group) if need_h else None
     grad_w = None if grad_w is None else grad_w.to(weight.dtype)
     return grad_h, grad_w, _cast(grad_b, bias.dtype if need_b else None)
 

@@ -9,12 +9,11 @@ partial sums over the group. Contract and math: docs/kernels.md, "Vocab-parallel
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ._checks import HeadInputs, HeadSpec, head_dtype, no_autocast
 from .chunked import Head, grad_pass, make_head, scatter_rows, stats_pass, upstream
-from .chunked_loss import VocabShard, combine
+from .chunked_loss import VocabShard, combine, shard_hidden_grad
 
 __all__ = ["vocab_parallel_chunked"]
 
@@ -75,15 +74,7 @@ class _VocabParallelChunked(torch.autograd.Function):
                 inv_t, m, log_s, ent, g_lp, g_ent, gh, None if grad_w is None else grad_w[:real],
                 None if grad_b is None else grad_b[:real], put_original=False,
             )  # fmt: skip
-        grad_h = None
-        if need_h:
-            if shard.group is not None:
-                dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=shard.group)
-            if rows_idx is None:
-                grad_h = gh.to(hidden.dtype)
-            else:
-                grad_h = hidden.new_zeros(hidden.shape)
-                grad_h.index_copy_(0, rows_idx, gh.to(hidden.dtype))
+        grad_h = shard_hidden_grad(gh, hidden, rows_idx, shard.group) if need_h else None
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 

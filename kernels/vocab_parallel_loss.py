@@ -37,8 +37,12 @@ from .fused_loss import (
     FusedLossOutput,
     GroupLossFn,
     _group_plan,
+    _loss_buffers,
     _LossCall,
+    _no_gradient,
     _record_group,
+    _row_groups,
+    _total,
     run_loss,
 )
 from .linear_logprob import _backward
@@ -53,20 +57,14 @@ def _run_sharded(
     need_h, need_w, need_b = call.need
     need_b = need_b and bias is not None
     cdtype = head_dtype(hidden, weight, bias)
-    n, real = hidden.shape[0], shard.real_rows
-    logprob = hidden.new_empty(n, dtype=cdtype)
-    entropy = hidden.new_empty(n, dtype=cdtype) if call.plan.spec.with_entropy else None
-    grad_h = hidden.new_empty(hidden.shape) if need_h else None
-    grad_w = weight.new_zeros(weight.shape, dtype=cdtype) if need_w else None  # padding rows: 0
-    grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
+    real = shard.real_rows
+    logprob, entropy, grad_h, grad_w, grad_b = _loss_buffers(hidden, weight, bias, call, cdtype)
     any_grad = need_h or need_w or need_b
     local_targets = targets - shard.vocab_start
     losses = []
-    for start, end in call.groups:
+    for start, end, mask, inv in _row_groups(call, row_mask, inv_t):
         rows = slice(start, end)
         h, t = hidden[rows], local_targets[rows]
-        mask = None if row_mask is None else row_mask[rows]
-        inv = None if inv_t is None else inv_t[rows]
         plan = _group_plan(call.plan, end - start, any_grad)
         kept: tuple[list, list, int] = ([], [], plan.kept_tiles if real else 0)
         sharded = vp._Plan(shard, plan.rows, plan.vocab_tile, plan.spec)  # the same tiles
@@ -79,11 +77,7 @@ def _run_sharded(
         ent_all = log_sum - a / total if a is not None else None
         ent = None if ent_all is None else _zero_unkept(ent_all, mask)
         g_lp, g_ent = _record_group(call, start, end, (lp, ent), (logprob, entropy), losses)
-        if not any_grad:
-            continue
-        if g_lp is None and g_ent is None:  # the loss does not depend on these rows
-            if need_h:
-                grad_h[rows] = 0.0
+        if _no_gradient(any_grad, g_lp, g_ent, grad_h, rows):
             continue
         gh = h.new_zeros(h.shape, dtype=cdtype) if need_h else None
         if real:
@@ -101,8 +95,7 @@ def _run_sharded(
         if need_h:  # the shard's partial sum: the group's sum is the full hidden gradient
             vp._all_reduce(gh, dist.ReduceOp.SUM, shard.group)
             grad_h[rows] = gh
-    total_loss = torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=cdtype)
-    return total_loss, logprob, entropy, (grad_h, grad_w, grad_b)
+    return _total(losses, hidden, cdtype), logprob, entropy, (grad_h, grad_w, grad_b)
 
 
 def vocab_parallel_linear_loss(

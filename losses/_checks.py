@@ -79,6 +79,28 @@ def check_token_inputs(
     return mask
 
 
+def check_reward_inputs(
+    response_mask: torch.Tensor, tensors: dict[str, torch.Tensor], fractions: dict[str, float]
+) -> torch.Tensor:
+    """The checks of the advantage estimators (GAE, REINFORCE++): each of ``tensors`` a float
+    ``[B, T]`` of ``response_mask``'s shape, finite on the response tokens (one host sync), each
+    of ``fractions`` (gamma, lambda) in [0, 1]; returns the mask as bool. Errors name the key."""
+    for name, t in tensors.items():
+        if t.shape != response_mask.shape or t.dim() != 2:
+            raise ValueError(
+                f"{name} must have the [B, T] shape of response_mask "
+                f"{tuple(response_mask.shape)}, got {tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    for name, x in fractions.items():
+        if not 0.0 <= x <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {x}")
+    mask = response_mask.to(torch.bool)
+    check_finite(mask, tensors)
+    return mask
+
+
 def check_finite(mask: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
     """One fused check (a single host sync): every unmasked value of every tensor is finite."""
     flags = torch.stack(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite
+from ._checks import check_reward_inputs
 
 __all__ = ["gae_advantages"]
 
@@ -39,19 +39,8 @@ def gae_advantages(
         gamma: discount in [0, 1].
         lam: GAE lambda in [0, 1] (1: Monte-Carlo returns minus V; 0: one-step TD).
     """
-    for name, t in (("rewards", rewards), ("values", values)):
-        if t.shape != response_mask.shape or t.dim() != 2:
-            raise ValueError(
-                f"{name} must have the [B, T] shape of response_mask "
-                f"{tuple(response_mask.shape)}, got {tuple(t.shape)}"
-            )
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {t.dtype}")
-    for name, x in (("gamma", gamma), ("lam", lam)):
-        if not 0.0 <= x <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {x}")
-    mask = response_mask.to(torch.bool)
-    check_finite(mask, {"rewards": rewards, "values": values})
+    tensors, fractions = {"rewards": rewards, "values": values}, {"gamma": gamma, "lam": lam}
+    mask = check_reward_inputs(response_mask, tensors, fractions)
     r = torch.where(mask, rewards.double(), 0.0)
     v = torch.where(mask, values.double(), 0.0)
     batch = mask.shape[0]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._checks import check_finite
+from ._checks import check_reward_inputs
 from .gae import _active_columns
 from .group import GroupAdvantageInfo, _info, group_stats
 from .whiten import whiten
@@ -53,17 +53,7 @@ def reinforce_pp_advantages(
         ``(advantages [B, T], info)``, ``info`` a :class:`GroupAdvantageInfo` with
         ``group_ids``, else ``None``. Advantages have the dtype of ``token_rewards``.
     """
-    if token_rewards.shape != response_mask.shape or token_rewards.dim() != 2:
-        raise ValueError(
-            f"token_rewards must have the [B, T] shape of response_mask "
-            f"{tuple(response_mask.shape)}, got {tuple(token_rewards.shape)}"
-        )
-    if not token_rewards.is_floating_point():
-        raise ValueError(f"token_rewards must be floating point, got {token_rewards.dtype}")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    mask = response_mask.to(torch.bool)
-    check_finite(mask, {"token_rewards": token_rewards})
+    mask = check_reward_inputs(response_mask, {"token_rewards": token_rewards}, {"gamma": gamma})
     r = torch.where(mask, token_rewards.double(), 0.0)
     info = None
     if group_ids is not None:

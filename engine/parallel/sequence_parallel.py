@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
 from microrl.engine.parallel import distributed
-from microrl.engine.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES
+from microrl.engine.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES, dp_by_mesh
 from microrl.engine.parallel.tp_layers import ReduceFromGroup
 from microrl.engine.parallel.ulysses_attention import (
     SHARD_KWARG,
@@ -59,24 +59,7 @@ def init_mesh(sequence_parallel_size: int, device: torch.device) -> DeviceMesh |
         ValueError: naming ``sequence_parallel_size``: a single process, or a size that does not
             divide the number of processes.
     """
-    if sequence_parallel_size == 1:
-        return None
-    if not distributed.is_distributed():
-        raise ValueError(
-            f"sequence_parallel_size={sequence_parallel_size} needs {sequence_parallel_size} "
-            "processes (or a multiple) under torchrun; this is a single process"
-        )
-    world = dist.get_world_size()
-    if world % sequence_parallel_size:
-        raise ValueError(
-            f"sequence_parallel_size={sequence_parallel_size} must divide the number of "
-            f"processes ({world})"
-        )
-    return init_device_mesh(
-        device.type,
-        (world // sequence_parallel_size, sequence_parallel_size),
-        mesh_dim_names=("dp", "sp"),
-    )
+    return dp_by_mesh(sequence_parallel_size, "sequence_parallel_size", "sp", device)
 
 
 def check_supported(config: Any, size: int) -> None:

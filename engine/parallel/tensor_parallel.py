@@ -56,27 +56,31 @@ def init_mesh(tensor_parallel_size: int, device: torch.device) -> DeviceMesh | N
     Consecutive ranks form a tp group (on one node they share the fast interconnect).
 
     Raises:
-        ValueError: naming ``tensor_parallel_size``: no process group (a single process), or a
-            size that does not divide the number of processes.
+        ValueError: naming ``tensor_parallel_size``: a single process, or a size that does not
+            divide the number of processes.
     """
-    if tensor_parallel_size == 1:
+    return dp_by_mesh(tensor_parallel_size, "tensor_parallel_size", "tp", device)
+
+
+def dp_by_mesh(size: int, key: str, name: str, device: torch.device) -> DeviceMesh | None:
+    """The ``("dp", name)`` mesh of ``(world // size, size)`` ranks, consecutive ranks in one
+    ``name`` group, or None for ``size == 1``: the mesh of tensor and of sequence parallelism.
+
+    Raises:
+        ValueError: naming ``key`` (the config key of ``size``): a single process, or a size
+            that does not divide the number of processes.
+    """
+    if size == 1:
         return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} processes "
-            "(or a multiple) under torchrun; this is a single process"
+            f"{key}={size} needs {size} processes (or a multiple) under torchrun; this is a "
+            "single process"
         )
     world = dist.get_world_size()
-    if world % tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} must divide the number of processes "
-            f"({world})"
-        )
-    return init_device_mesh(
-        device.type,
-        (world // tensor_parallel_size, tensor_parallel_size),
-        mesh_dim_names=("dp", "tp"),
-    )
+    if world % size:
+        raise ValueError(f"{key}={size} must divide the number of processes ({world})")
+    return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", name))
 
 
 def _base_model(module: nn.Module) -> nn.Module:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from microrl.tasks.base import Problem
+from microrl.tasks.base import Problem, answers_for
 
 __all__ = ["AdditionTask", "exact_match_reward", "parse_answer"]
 
@@ -71,9 +71,8 @@ class AdditionTask:
         return [self.make(a, b) for a, b in self._eval_pairs]
 
     def score(self, responses: list[str], problems: list[Problem]) -> list[float]:
-        if len(responses) != len(problems):
-            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
-        return [exact_match_reward(r, p.answer) for r, p in zip(responses, problems, strict=True)]
+        answers = answers_for(responses, problems)
+        return [exact_match_reward(r, a) for r, a in zip(responses, answers, strict=True)]
 
     @property
     def max_answer_chars(self) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Problem", "Task"]
+__all__ = ["Problem", "Task", "answers_for"]
 
 
 @dataclass(frozen=True)
@@ -39,3 +39,11 @@ class Task(Protocol):
     def eval_problems(self) -> list[Problem]: ...
 
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]: ...
+
+
+def answers_for(responses: Sequence[str], problems: Sequence[Problem]) -> list[str]:
+    """The reference answers of ``problems``, one per response: what a ``score`` compares the
+    responses against; a ValueError when the counts differ (``zip`` would drop rows silently)."""
+    if len(responses) != len(problems):
+        raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
+    return [p.answer for p in problems]

@@ -24,7 +24,7 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from microrl.tasks.base import Problem
+from microrl.tasks.base import Problem, answers_for
 from microrl.tasks.rewards import numeric_match
 
 __all__ = [
@@ -211,9 +211,7 @@ class CalculatorTask:
 
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
         """1.0 where the last number of a final answer is the sum (the agent's last message)."""
-        if len(responses) != len(problems):
-            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
-        return numeric_match(responses, [p.answer for p in problems])
+        return numeric_match(responses, answers_for(responses, problems))
 
     def render_prompt(self, tokenizer: Any, prompt: str) -> str:
         """``prompt`` as the agent's first call renders it: the user's message with the tools,
@@ -232,8 +230,7 @@ class CalculatorTask:
         answer at once, or for a well-formed calculator call whose result is the sum (the agent
         would then read the answer back); else 0.0. What the warm start checks: one greedy turn,
         no agent."""
-        if len(responses) != len(problems):
-            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
+        answers_for(responses, problems)  # the counts must match
         from microrl.agents.tool_parsers import HermesParser
 
         parser = HermesParser()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from microrl.hub import download_hint, first_line, is_hub_name
-from microrl.tasks.base import Problem
+from microrl.tasks.base import Problem, answers_for
 from microrl.tasks.images import ImageLoader, count_placeholders, mark_images
 from microrl.tasks.rewards import Reward, RewardFn, score_problems
 
@@ -338,8 +338,7 @@ class DatasetTask:
         return [self.problem(row) for row in self._eval]
 
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(responses) != len(problems):
-            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
+        answers_for(responses, problems)  # the counts first: a ValueError before the TypeError
         if self.reward is None:
             raise TypeError("this DatasetTask has no reward: its prompts are scored elsewhere")
         return score_problems(self.reward, responses, problems)

@@ -24,7 +24,7 @@ import random
 from PIL import Image, ImageDraw
 
 from microrl.tasks.addition import exact_match_reward
-from microrl.tasks.base import Problem
+from microrl.tasks.base import Problem, answers_for
 from microrl.tasks.images import IMAGE_PLACEHOLDER
 
 __all__ = ["IMAGE_PLACEHOLDER", "DigitsTask", "draw_number"]
@@ -135,9 +135,8 @@ class DigitsTask:
         return [self.make(i) for i in self._eval]
 
     def score(self, responses: list[str], problems: list[Problem]) -> list[float]:
-        if len(responses) != len(problems):
-            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
-        return [exact_match_reward(r, p.answer) for r, p in zip(responses, problems, strict=True)]
+        answers = answers_for(responses, problems)
+        return [exact_match_reward(r, a) for r, a in zip(responses, answers, strict=True)]
 
     @property
     def max_answer_chars(self) -> int:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from microrl.tasks.base import Problem, Task
+from microrl.tasks.base import Problem, Task, answers_for
 
 __all__ = [
     "Reward",
@@ -366,8 +366,6 @@ class RewardedTask:
         return self.task.eval_problems()
 
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(responses) != len(problems):
-            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
         return score_problems(self.reward, responses, problems)
 
 
@@ -375,6 +373,7 @@ def score_problems(
     reward: Reward, responses: Sequence[str], problems: Sequence[Problem]
 ) -> list[float]:
     """``reward`` on ``responses`` to ``problems``: their answers, prompts and columns."""
+    answers = answers_for(responses, problems)
     names = dict.fromkeys(name for p in problems for name in p.columns)
     columns = {name: [p.columns.get(name) for p in problems] for name in names}
-    return reward(responses, [p.answer for p in problems], [p.prompt for p in problems], **columns)
+    return reward(responses, answers, [p.prompt for p in problems], **columns)

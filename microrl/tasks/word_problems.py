@@ -19,7 +19,7 @@ import random
 import string
 from collections.abc import Sequence
 
-from microrl.tasks.base import Problem
+from microrl.tasks.base import Problem, answers_for
 from microrl.tasks.rewards import numeric_match
 
 __all__ = ["WORD_ALPHABET", "WordProblemTask"]
@@ -86,6 +86,4 @@ class WordProblemTask:
         return list(self._eval)
 
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(responses) != len(problems):
-            raise ValueError(f"got {len(responses)} responses for {len(problems)} problems")
-        return numeric_match(responses, [p.answer for p in problems])
+        return numeric_match(responses, answers_for(responses, problems))
