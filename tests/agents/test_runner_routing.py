@@ -11,12 +11,12 @@ import threading
 import pytest
 import torch
 from agent_utils import chat_tokenizer
-from moe_utils import NUM_LAYERS, TOP_K, positions, tiny_moe
+from moe_utils import NUM_LAYERS, TOP_K, tiny_moe, whole_forward_routes
 
 from microrl.agents import AgentLimits, run_agent_episodes
 from microrl.agents.runner import play_agents
 from microrl.agents.sampler import BatchingSampler
-from microrl.engine.moe import ROUTED_EXPERTS_KEY, RoutingRecorder
+from microrl.engine.moe import ROUTED_EXPERTS_KEY
 from microrl.rollout import HFRollout, SamplingParams
 from microrl.rollout.samplers.in_process import InProcessSampler
 from microrl.tasks import Problem
@@ -39,14 +39,6 @@ async def talk_then_rewrite(client, problem):
     return 1.0
 
 
-def _whole_forward_routes(model, batch) -> torch.Tensor:
-    mask = batch["attention_mask"]
-    with torch.no_grad(), RoutingRecorder(model) as recorder:
-        model(input_ids=batch["input_ids"], attention_mask=mask.long(),
-              position_ids=positions(mask), use_cache=False)  # fmt: skip
-    return recorder.routes(batch.batch_size[0])
-
-
 @pytest.mark.parametrize("calls", ["backend", "jobs"])
 def test_agent_rows_carry_the_routing_of_their_latest_turn(calls):
     tok = chat_tokenizer()
@@ -66,7 +58,7 @@ def test_agent_rows_carry_the_routing_of_their_latest_turn(calls):
     recorded = (routes >= 0).all(-1).all(-1)  # [B, T]
     assert ((routes >= 0) == recorded[..., None, None]).all()  # a token has all or none
     assert not (recorded & ~real).any()  # padding: -1
-    expected = _whole_forward_routes(model, batch)
+    expected = whole_forward_routes(model, batch)
     assert torch.equal(routes[recorded], expected[recorded])
     # Every token before a row's last sampled one was fed by its latest turn: all recorded,
     # the prompt, earlier turns and the observations between them included.
