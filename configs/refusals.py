@@ -402,15 +402,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "rollout.routing_replay",
-        "false with an agent (task.agent.function) for now",
-        "an agent's turns come back through the endpoint as token ids and log-probs, without "
-        "their routing",
-        lambda c, _: c.rollout.routing_replay and c.task.agent.enabled,
-        recipes=("grpo",),  # PPO refuses agents
-        example=("model.toy_arch=moe", "task.agent.function=m:f", "rollout.routing_replay=true"),
-    ),
-    Refusal(
-        "rollout.routing_replay",
         "false with rollout.backend=vllm for now",
         "vLLM's routing capture (enable_return_routed_experts) is not wired yet, neither for "
         "the colocated engine nor for vLLM servers",

@@ -101,6 +101,18 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(1) - 1).clamp_min(0)
 
 
+def whole_forward_routes(model, batch) -> torch.Tensor:
+    """The experts one cache-free forward over ``batch``'s rows routes each token through
+    ``[B, T, L, k]``: what a recorded ``routed_experts`` must equal where it was fed."""
+    from microrl.engine.moe import RoutingRecorder
+
+    mask = batch["attention_mask"]
+    with torch.no_grad(), RoutingRecorder(model) as recorder:
+        model(input_ids=batch["input_ids"], attention_mask=mask.long(),
+              position_ids=positions(mask), use_cache=False)  # fmt: skip
+    return recorder.routes(batch.batch_size[0])
+
+
 def forced_router_forward(router, routes: torch.Tensor):
     """A router forward that routes token ``n`` through ``routes[n]`` (``[N, k]``) with the
     family's gate weights over those experts, written from the modeling code independently of

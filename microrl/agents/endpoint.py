@@ -236,7 +236,7 @@ class AgentEndpoint:
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = calls
-        episode.recorder.record(context, turn.ids, turn.logprobs, turn.version, reply, turn.ended)
+        episode.recorder.record(context, turn, reply)
         finish = "tool_calls" if calls else ("stop" if turn.ended else "length")
         usage = wire.usage(len(context.prompt_ids), len(turn.ids))
         if body.stream:
@@ -256,7 +256,7 @@ class AgentEndpoint:
             raise
         text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
         reply = {"role": "assistant", "content": text}
-        episode.recorder.record(context, turn.ids, turn.logprobs, turn.version, reply, turn.ended)
+        episode.recorder.record(context, turn, reply)
         finish = "stop" if turn.ended else "length"
         usage = wire.usage(len(context.prompt_ids), len(turn.ids))
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}

@@ -20,6 +20,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
+from microrl.engine.moe.routes import NO_ROUTE, ROUTED_EXPERTS_KEY
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import RolloutBackend, Samples, SamplingParams
 from microrl.rollout.sampler import POLICY_VERSION_KEY
@@ -35,12 +38,15 @@ _IDLE_WAIT_S = 0.05
 class Turn:
     """A sampled model turn: ids up to and including its terminator (``ended``), or cut at the
     call's token limit; their log-probs; the policy version that sampled them (None: the
-    trainer's own weights, synchronously)."""
+    trainer's own weights, synchronously). ``routes``: with a sampler recording the routing
+    (``rollout.routing_replay``), the experts of the call's prompt and of these ids ``[n, L, k]``
+    from this turn's forwards (-1 for a token it sampled but never fed); None otherwise."""
 
     ids: list[int]
     logprobs: list[float]
     version: int | None
     ended: bool
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -131,7 +137,8 @@ class BatchingSampler:
                 mask = batch["loss_mask"][row].bool()
                 ids.append(batch["input_ids"][row][mask].tolist())
                 logprobs.append(batch["rollout_logprobs"][row][mask].tolist())
-            return Samples(ids, logprobs), batch[POLICY_VERSION_KEY].tolist()
+            routes = _relaid_routes(batch, prompts)
+            return Samples(ids, logprobs, routes), batch[POLICY_VERSION_KEY].tolist()
 
         if not kwargs.get("stop_ids"):  # else the tokenizer's turn terminators (the default)
             kwargs["stop_ids"] = getattr(sampler, "stop_token_ids", None)
@@ -188,9 +195,15 @@ class BatchingSampler:
             for call in calls:
                 call.future.set_exception(err)
             raise
+        width = max(len(p) for p in prompts)
         rows = zip(calls, samples.token_ids, samples.logprobs, versions, strict=False)
-        for call, ids, logprobs, version in rows:
-            call.future.set_result(self._turn(ids, logprobs, call.max_tokens, version))
+        for i, (call, ids, logprobs, version) in enumerate(rows):
+            turn = self._turn(ids, logprobs, call.max_tokens, version)
+            if samples.routed_experts is not None:  # the call's prompt, then its turn's ids
+                start = width - len(call.prompt_ids)
+                routes = samples.routed_experts[i, start : width + len(turn.ids)].clone()
+                turn = replace(turn, routes=routes)
+            call.future.set_result(turn)
 
     def _turn(self, ids: list[int], logprobs: list[float], max_tokens: int, version) -> Turn:
         end = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
@@ -198,3 +211,19 @@ class BatchingSampler:
         ids = list(ids[:end])
         ended = bool(ids) and ids[-1] in self.stop_ids
         return Turn(ids, list(logprobs[:end]), version, ended)
+
+
+def _relaid_routes(batch: Any, prompts: list[list[int]]) -> torch.Tensor | None:
+    """A job's recorded ``routed_experts`` (rows' layout ``[B, T, L, k]``) in the layout of
+    :class:`~microrl.rollout.Samples`: each row's real tokens (prompt, then response) with the
+    prompts left-padded to the longest; None when the job recorded none."""
+    if ROUTED_EXPERTS_KEY not in batch:
+        return None
+    routes, real = batch[ROUTED_EXPERTS_KEY], batch["attention_mask"].bool()
+    width = max(len(p) for p in prompts)
+    out = routes.new_full((len(prompts), width + routes.shape[1], *routes.shape[2:]), NO_ROUTE)
+    for row, prompt in enumerate(prompts):
+        tokens = routes[row][real[row]]
+        start = width - len(prompt)
+        out[row, start : start + len(tokens)] = tokens
+    return out

@@ -20,6 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from microrl.agents.sampler import Turn
 from microrl.rollout.episodes import ObservationRenderer, Trajectory
 
 __all__ = ["AgentTrajectory", "CallContext", "EpisodeRecorder", "normalize_messages"]
@@ -101,23 +104,19 @@ class EpisodeRecorder:
             self.first_prompt, context.first = len(context.prompt_ids), True
         return context
 
-    def record(
-        self,
-        context: CallContext,
-        ids: Sequence[int],
-        logprobs: Sequence[float],
-        version: int | None,
-        reply: Mapping[str, Any],
-        ended: bool,
-    ) -> None:
-        """Add the turn sampled for ``context`` (``ids``, their ``logprobs``) and the assistant
-        message returned for it (``reply``), which a later call's history must repeat."""
-        row = context.row
+    def record(self, context: CallContext, turn: Turn, reply: Mapping[str, Any]) -> None:
+        """Add the ``turn`` sampled for ``context`` (its ids, log-probs, version and routing)
+        and the assistant message returned for it (``reply``), which a later call's history
+        must repeat. A call's prompt is its whole row so far, so the routing of the row's
+        latest turn covers every token of it (``routes``, :class:`Trajectory`)."""
+        row, ids, ended = context.row, turn.ids, turn.ended
         if context.new:
             self.rows.append(row)
         row.add(context.delta, None)
-        row.add(list(ids), list(logprobs))
-        row.versions.extend([version] * len(ids))
+        row.add(list(ids), list(turn.logprobs))
+        row.versions.extend([turn.version] * len(ids))
+        if turn.routes is not None:
+            row.routes = _row_routes(turn.routes, len(row.all_ids))
         row.turns += 1
         row.pending = False
         self.calls += 1
@@ -183,6 +182,16 @@ class EpisodeRecorder:
             add_generation_prompt=True,
         )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _row_routes(routes: torch.Tensor, length: int) -> torch.Tensor:
+    """A turn's routing ``[n, L, k]`` as its row's: it covers exactly the row's ``length`` ids
+    (the call's prompt was the row so far, then the turn)."""
+    if len(routes) != length:
+        raise ValueError(
+            f"a turn's recorded routing covers {len(routes)} tokens, its row holds {length}"
+        )
+    return routes
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:

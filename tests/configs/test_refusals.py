@@ -75,6 +75,14 @@ def test_docs_show_the_table_as_it_is() -> None:
     )
 
 
+@pytest.mark.parametrize("staleness", ["0", "1"])
+def test_routing_replay_composes_with_an_agent(staleness) -> None:
+    """Agent rows carry their turns' routing (tests/agents/test_runner_routing.py)."""
+    overrides = ["model.toy_arch=moe", "task.agent.function=m:f", "rollout.routing_replay=true"]
+    cfg = load_config(GRPOExampleConfig, None, [*overrides, f"rollout.max_staleness={staleness}"])
+    assert cfg.rollout.routing_replay and cfg.task.agent.enabled
+
+
 def test_an_unknown_scope_is_an_error() -> None:
     with pytest.raises(ValueError, match="scope must be one of"):
         check_refusals("recipes", GRPOExampleConfig())

@@ -14,15 +14,15 @@ from moe_utils import (
     NUM_LAYERS,
     TOP_K,
     forced_router_forward,
-    positions,
     router_modules,
     tiny_moe,
+    whole_forward_routes,
 )
 
 from microrl.configs import ActorConfig, OptimConfig
 from microrl.configs.run import RolloutConfig
 from microrl.engine import ActorEngine
-from microrl.engine.moe import ROUTED_EXPERTS_KEY, RoutingRecorder
+from microrl.engine.moe import ROUTED_EXPERTS_KEY
 from microrl.rollout import HFRollout, SamplingParams, make_sampler
 from microrl.rollout.merge import merge_rollouts
 from microrl.run.source import _rollout_from_plain, _rollout_to_plain
@@ -38,14 +38,6 @@ def _policy(tok):
     return tiny_moe("qwen3_moe", dtype=torch.float64, vocab_size=len(tok)).eval()
 
 
-def _whole_forward_routes(model, batch) -> torch.Tensor:
-    mask = batch["attention_mask"]
-    with torch.no_grad(), RoutingRecorder(model) as recorder:
-        model(input_ids=batch["input_ids"], attention_mask=mask.long(),
-              position_ids=positions(mask), use_cache=False)  # fmt: skip
-    return recorder.routes(batch.batch_size[0])
-
-
 def test_rows_carry_the_experts_of_every_token_they_fed():
     tok = build_tokenizer()
     model = _policy(tok)
@@ -59,7 +51,7 @@ def test_rows_carry_the_experts_of_every_token_they_fed():
     fed = real.clone()
     fed[torch.arange(len(fed)), last] = False
     assert (routes[fed] >= 0).all()
-    expected = _whole_forward_routes(model, batch)
+    expected = whole_forward_routes(model, batch)
     assert torch.equal(routes[fed], expected[fed])
     # Merged with a wider rollout (prompts shift right): the key moves with its tokens, -1 pads.
     other = HFRollout(model, tok, record_routing=True).generate(["123+456="], PARAMS)
@@ -153,7 +145,7 @@ def test_episode_rows_carry_the_routing_of_their_last_turn():
     routes, real = batch[ROUTED_EXPERTS_KEY], batch["attention_mask"]
     recorded = routes[..., 0] >= 0  # [B, T, L]
     assert not (recorded & ~real[..., None]).any()
-    expected = _whole_forward_routes(model, batch)
+    expected = whole_forward_routes(model, batch)
     assert torch.equal(routes[recorded.all(-1)], expected[recorded.all(-1)])
     cols = torch.arange(real.shape[1])
     last_sampled = torch.where(batch["loss_mask"], cols, -1).max(1).values
