@@ -411,8 +411,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "rollout.backend",
         "hf with a mixture-of-experts toy base (model.toy_arch=moe) for now",
-        "vLLM's CPU build runs experts under LoRA with Triton kernels it lacks, and the adapter "
-        "sync does not pass adapters on fused experts yet",
+        "vLLM's CPU build runs a LoRA model's experts with Triton kernels it lacks, and a full "
+        "fine-tune's fused expert tensors are not mapped by vLLM's loader yet",
         lambda c, _: (
             c.rollout.backend == "vllm"
             and c.model.toy_arch == "moe"

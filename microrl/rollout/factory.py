@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 from microrl.configs.run import RolloutConfig
 from microrl.rollout.base import RolloutBackend
@@ -91,6 +93,8 @@ def make_sampler(
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
     if rollout.routing_replay:
         check_records_routing(engine, rollout.backend)
+    if rollout.backend == "vllm":
+        check_vllm_takes_the_experts(engine)
     if rollout.max_staleness == 0:
         backend = make_rollout_backend(
             rollout.backend,
@@ -135,6 +139,29 @@ def check_records_routing(engine, backend: str) -> None:
             "(only rollout.backend=hf does)"
         )
     routing_recorder(getattr(engine, "model", engine))
+
+
+def check_vllm_takes_the_experts(engine) -> None:
+    """``rollout.backend=vllm`` at start: ``ValueError`` naming the key when the pushes would
+    carry a mixture of experts' expert tensors (a full fine-tune, or LoRA on
+    ``lora.target_parameters``): they are transformers' fused 3-D tensors, which vLLM's loader
+    does not map (its sync probe failed at the first push), where an adapter on the attention
+    alone syncs as any adapter."""
+    from microrl.engine.moe.routers import find_routers
+
+    model = getattr(engine, "model", engine)
+    if not isinstance(model, torch.nn.Module) or not find_routers(model):
+        return
+    lora = getattr(getattr(engine, "config", None), "lora", None)
+    if lora is not None and lora.rank > 0 and not lora.target_parameters:
+        return
+    pushed = "the full weights" if lora is None or lora.rank == 0 else "adapters on the experts"
+    raise ValueError(
+        f"rollout.backend=vllm with a mixture-of-experts policy whose pushes carry {pushed}: "
+        "microrl sends transformers' fused expert tensors, which vLLM's loader does not map yet "
+        "(the sync probe fails at the first push); use rollout.backend=hf, or LoRA on the "
+        "attention alone (lora.target_parameters empty)"
+    )
 
 
 def _workers(engine, tokenizer, rollout: RolloutConfig, options: SamplerOptions):
