@@ -145,8 +145,8 @@ def check_vllm_takes_the_experts(engine) -> None:
     """``rollout.backend=vllm`` at start: ``ValueError`` naming the key when the pushes would
     carry a mixture of experts' expert tensors (a full fine-tune, or LoRA on
     ``lora.target_parameters``): they are transformers' fused 3-D tensors, which vLLM's loader
-    does not map (its sync probe failed at the first push), where an adapter on the attention
-    alone syncs as any adapter."""
+    does not map (its sync probe failed at the first push); an adapter on the attention alone
+    pushes no expert tensor."""
     from microrl.engine.moe.routers import find_routers
 
     model = getattr(engine, "model", engine)
