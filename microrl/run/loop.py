@@ -22,9 +22,10 @@ import torch
 from microrl.rollout import Rollout, SamplingParams
 from microrl.rollout.positions import check_positions, position_limit
 from microrl.run.base_model import prepare_base_model
-from microrl.run.checkpoint import load_run, save_run
+from microrl.run.checkpoint import load_run
 from microrl.run.cli import prepare_output
 from microrl.run.dist import Dist, per_rank, train_threads
+from microrl.run.session import save_checkpoint
 from microrl.run.vision import image_encoder_for
 from microrl.tasks import Task, is_agent_task, is_episode_task, make_task, overlong_penalty
 
@@ -185,12 +186,5 @@ def save_if_due(
     state (e.g. :meth:`RolloutSource.extra_state`), called only when a checkpoint is due,
     since collecting it may wait (for the rollouts sampled ahead)."""
     if cfg.output.save_every and step % cfg.output.save_every == 0:
-        save_run(
-            cfg.output.dir,
-            engines,
-            step=step,
-            rng=rng,
-            dist_info=dist_info,
-            config=cfg,
-            extra_state=extra_state and extra_state(),
-        )
+        extra = extra_state and extra_state()
+        save_checkpoint(cfg, engines, step, rng=rng, dist_info=dist_info, extra_state=extra)

@@ -319,6 +319,27 @@ def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:
     return tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
 
+def save_checkpoint(
+    cfg: Any,
+    engines: Mapping[str, Any],
+    step: int,
+    *,
+    rng: random.Random,
+    dist_info: Dist,
+    extra_state: Mapping[str, Any] | None = None,
+) -> Path:
+    """:func:`~microrl.run.checkpoint.save_run` of a recipe config (``output.dir``)."""
+    return save_run(
+        cfg.output.dir,
+        engines,
+        step=step,
+        rng=rng,
+        dist_info=dist_info,
+        config=cfg,
+        extra_state=extra_state,
+    )
+
+
 def finish(
     cfg: Any,
     engines: Mapping[str, Any],
@@ -340,14 +361,8 @@ def finish(
     ``output.export_merged`` the merged model, ``tokenizer`` beside it) or, in a full fine-tune,
     the trained model, plot, and print the summary (exit code 0)."""
     log = print if dist_info.is_main else (lambda *_: None)
-    path = save_run(
-        cfg.output.dir,
-        engines,
-        step=step,
-        rng=rng,
-        dist_info=dist_info,
-        config=cfg,
-        extra_state=extra_state,
+    path = save_checkpoint(
+        cfg, engines, step, rng=rng, dist_info=dist_info, extra_state=extra_state
     )
     if interrupted:
         tracker.close(plot=cfg.output.plot)

@@ -13,6 +13,7 @@ from microrl.configs.loader import load_config
 from microrl.configs.run import LoopConfig
 from microrl.run import Dist, overlong_shaping, sampling_params
 from microrl.run import loop as loop_module
+from microrl.run import session as session_module
 from microrl.tasks import overlong_penalty
 
 
@@ -43,7 +44,7 @@ def test_sampling_and_the_overlong_shaping_follow_the_config() -> None:
 
 def test_a_checkpoint_is_saved_every_save_every_steps_with_the_extra_state(monkeypatch) -> None:
     saved, asked = [], []
-    monkeypatch.setattr(loop_module, "save_run", lambda *a, **kw: saved.append(kw))
+    monkeypatch.setattr(session_module, "save_run", lambda *a, **kw: saved.append(kw))
 
     def extra_state():  # may wait for the rollouts sampled ahead: only when a save is due
         asked.append(True)
