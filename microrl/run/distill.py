@@ -1,12 +1,6 @@
 """On-policy distillation in a recipe: the teacher it starts, and the step's mixed advantages
+``task_advantage * [teacher.task_reward] + teacher.coef * distill_advantage`` per token
 (docs/recipes.md#teachers).
-
-Per token of a response, the advantage trained on is
-``task_advantage * [teacher.task_reward] + teacher.coef * distill_advantage``, with
-``distill_advantage`` the teacher's minus the student's log-prob of the sampled token
-(:func:`microrl.losses.distillation_advantages`; discounted over later tokens with
-``teacher.gamma > 0``). The rollout source adds the teacher's log-probs to each round before
-its rewards (:func:`teacher_scoring`); a batch without them is scored here.
 """
 
 from __future__ import annotations
@@ -31,10 +25,8 @@ __all__ = [
 
 
 def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
-    """The teacher of ``cfg.teacher`` (None without ``teacher.path``; a Hub id downloaded once,
-    on the main process first), its vocabulary checked against the student's ``tokenizer``.
-    ``cfg``: a recipe config (``teacher``, ``actor``, ``rollout.vllm``,
-    ``rollout.worker_timeout_s``, ``train.num_threads``, ``output.dir``)."""
+    """The teacher of ``cfg.teacher`` (None without ``teacher.path``), its vocabulary checked
+    against the student's ``tokenizer``."""
     if not cfg.teacher.enabled:
         return None
     return make_teacher(
@@ -51,8 +43,7 @@ def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
 
 
 def teacher_scorer(teacher: Teacher):
-    """``score(rollout)``: the teacher's log-probs added to the rollout's batch (kept when it
-    holds them already), for the rollout source (:class:`~microrl.run.RolloutSource`)."""
+    """``score(rollout)``: adds the teacher's log-probs to the batch unless it holds them."""
 
     def score(rollout: Rollout) -> None:
         if TEACHER_LOGPROBS_KEY not in rollout.batch:
@@ -70,14 +61,10 @@ def mix_teacher_advantages(
     *,
     waited_s: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The advantages ``[B, T]`` trained on, mixed from ``task_advantages`` ``[B, T]`` and the
-    distillation advantages (``config``: the ``teacher`` section), and the metrics:
-    ``teacher/reverse_kl`` (the token mean of ``log pi_student - log pi_teacher`` on the
-    sampled tokens, over every rank), ``teacher/wait_s`` (how long the trainer waited for the
-    teacher: the whole scoring when it runs here; ``waited_s`` when the producer scored).
-
-    The student's log-probs are ``old_logprobs`` (the trainer's, at ``actor.temperature``), or
-    with the bypass the sampler's ``rollout_logprobs``, which are the trainer's own then."""
+    """The advantages ``[B, T]`` mixed from ``task_advantages`` ``[B, T]`` and the distillation
+    advantages (``config``: the ``teacher`` section), and ``teacher/reverse_kl`` (token mean
+    over every rank), ``teacher/wait_s`` (``waited_s`` when the source scored ahead). The
+    student's log-probs: ``old_logprobs``, or with the bypass ``rollout_logprobs``."""
     student_key = "old_logprobs" if "old_logprobs" in batch else "rollout_logprobs"
     wait = waited_s or 0.0
     if TEACHER_LOGPROBS_KEY not in batch:
@@ -99,9 +86,8 @@ def mix_teacher_advantages(
 
 
 def teacher_scoring(teacher: Teacher | None, dist_info: Dist) -> dict[str, Any]:
-    """:func:`~microrl.run.start_rollouts`' scoring of ``teacher`` in the rollout source (none
-    without a teacher): its ``scorer`` and whether it is a collective (an engine teacher under
-    ``torchrun``, or an sp group's data rank), which scores on the trainer's thread."""
+    """The rollout source's ``scorer`` of ``teacher`` and whether it is a collective (an engine
+    teacher under ``torchrun``, an sp group's data rank); {} without a teacher."""
     if teacher is None:
         return {}
     collective = dist_info.replicas > 1 or (

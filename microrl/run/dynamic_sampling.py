@@ -1,14 +1,8 @@
 """DAPO's dynamic sampling: sample fresh prompts until a step has enough groups whose rewards
-differ (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", arXiv
-2503.14476, section 3.2; docs/recipes.md#dapos-knobs).
+differ (Yu et al. 2025, arXiv 2503.14476, section 3.2; docs/recipes.md#dapos-knobs).
 
-A GRPO group whose rewards are all equal (every response right, or every one wrong) has advantage
-exactly 0 (:func:`microrl.losses.grpo_advantages`): it adds no gradient, only loss tokens to the
-token-mean denominator, which shrinks the update of the groups that do teach something. As the
-policy gets better, more groups are all right and the effective batch shrinks. Dynamic sampling
-keeps only the groups with a reward spread, sampling more prompts until there are enough: the
-rollout source (:mod:`microrl.run.source`) filters its rounds, in order, with a
-:class:`GroupFilter` (``rollout.dynamic_sampling``).
+An equal-reward group has advantage 0: it adds no gradient, only tokens to the token-mean
+denominator. The rollout source filters its rounds, in order, with a :class:`GroupFilter`.
 """
 
 from __future__ import annotations
@@ -27,23 +21,12 @@ __all__ = ["GroupFilter"]
 
 class GroupFilter:
     """The groups of one step, kept round by round: the first ``n_prompts`` groups whose rewards
-    are not all equal, in sampling order (docs/recipes.md#dapos-knobs).
+    (task score plus ``shaping(rollout)``) are not all equal, in sampling order; "equal" is
+    :func:`microrl.losses.group_stats`' float64 spread, as the advantages decide.
 
-    The reward of a row is its task score plus ``shaping(rollout)``, so a group is kept exactly
-    when the advantages computed from that reward are not all zero (the float64 spread of
-    :func:`microrl.losses.group_stats`, as :func:`~microrl.losses.grpo_advantages` decides).
-
-    **Rounds.** :meth:`add` takes a round and says whether the step needs another; every rank
-    runs the same number of rounds (one all-reduce per round, ``dist_info``), since the ``hf``
-    sampler generates collectively under data parallelism. A rank that already has enough keeps
-    none of the later rounds' groups: the spread ones are surplus.
-
-    **Top-up.** When ``max_rounds`` rounds leave a rank short, it tops its groups up with the
-    first equal-reward groups of its last round (advantage 0: they add only to the loss's
-    token-mean denominator), so a step always has ``n_prompts`` groups per rank.
-
-    The rollout source gives it its rounds (:class:`~microrl.run.source.RolloutSource`), sampled
-    now or ahead: the same rounds keep the same groups.
+    Every rank runs the same number of rounds (one all-reduce each): the ``hf`` sampler
+    generates collectively. When ``max_rounds`` rounds leave a rank short, it tops up with the
+    first equal-reward groups of its last round, so a step always has ``n_prompts`` groups.
     """
 
     def __init__(
@@ -65,9 +48,8 @@ class GroupFilter:
         self._equal: list[int] = []  # the last round's equal-reward groups
 
     def add(self, problems: list[Problem], rollout: Rollout, scores: torch.Tensor) -> bool:
-        """Take a round (``scores`` ``[B]``, the task's, row ``i`` answering
-        ``problems[rollout.group_ids[i]]``); True while the step needs another round (on some
-        rank, below ``max_rounds``). Collective under ``torchrun`` while it can return True."""
+        """Take a round (``scores`` ``[B]``, the task's); True while the step needs another
+        (on some rank, below ``max_rounds``). Collective while it can return True."""
         rewards = scores if self.shaping is None else scores + self.shaping(rollout)
         spread = torch.zeros(len(problems), dtype=torch.bool)
         spread[rollout.group_ids[~group_stats(rewards, rollout.group_ids).zero_spread]] = True
@@ -86,15 +68,11 @@ class GroupFilter:
     def result(
         self, *, pad_token_id: int
     ) -> tuple[list[Problem], Rollout, torch.Tensor, dict[str, float]]:
-        """``(problems, rollout, scores, metrics)``: ``problems[g]`` the prompt of the rows of
-        group ``g`` of ``rollout``, ``scores`` ``[B]`` each row's task score (without the
-        ``shaping`` term). The kept groups in sampling order (earlier rounds first), merged into one batch of the
-        rollout layout (:func:`microrl.rollout.merge_rollouts`, ``pad_token_id`` in the
-        new padding). Metrics: ``dynamic_sampling/rounds`` (the same on every rank), and summed
-        over ranks ``dynamic_sampling/groups_dropped`` (equal-reward groups left out),
-        ``dynamic_sampling/groups_filled`` (equal-reward groups kept as the top-up) and
-        ``dynamic_sampling/groups_surplus`` (spread groups beyond ``n_prompts`` left out).
-        Collective under ``torchrun``."""
+        """``(problems, rollout, scores, metrics)`` of the kept groups in sampling order, merged
+        into one batch (:func:`microrl.rollout.merge_rollouts`); ``scores`` ``[B]`` without
+        ``shaping``. Metrics: ``dynamic_sampling/rounds`` and, summed over ranks,
+        ``dynamic_sampling/groups_dropped``, ``groups_filled`` (the top-up) and
+        ``groups_surplus``. Collective under ``torchrun``."""
         if not self._rounds:
             raise RuntimeError("GroupFilter.result needs at least one round (add)")
         rounds, dropped = list(self._rounds), self._dropped

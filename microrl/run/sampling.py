@@ -1,12 +1,5 @@
-"""One call for a recipe's rollout: sample (or play episodes) and score, for every kind of task.
-
-A single-turn task is sampled with :meth:`~microrl.rollout.RolloutBackend.generate` and
-scored by its reward; a multi-turn task (one with ``make_env``,
-:mod:`microrl.tasks.environments`) is played with
-:meth:`~microrl.rollout.RolloutBackend.run_episodes` under the ``rollout.max_turns``,
-``rollout.max_episode_tokens`` and ``rollout.skip_env_errors`` limits and scored by its
-environments' summed rewards. Training steps and the greedy evaluation go through the same call.
-"""
+"""One call for a recipe's rollout: sample (or play episodes) and score, for every kind of task,
+and the step's rollout metrics."""
 
 from __future__ import annotations
 
@@ -44,15 +37,11 @@ def sample_and_score(
     params: SamplingParams,
     limits: RolloutConfig | None = None,
 ) -> tuple[Rollout, torch.Tensor]:
-    """The rollout of ``params.num_samples`` rows per problem and each row's reward ``[B]``.
-
-    ``limits``: the episode limits of a multi-turn task (``RolloutConfig``'s defaults if None).
-    Row ``i`` answers ``problems[rollout.group_ids[i]]``; with ``rollout.skip_env_errors`` the
-    rows whose environment raised are gone (``rollout.metrics["episodes/env_errors"]``).
-    """
+    """The rollout of ``params.num_samples`` rows per problem and each row's reward ``[B]``;
+    row ``i`` answers ``problems[rollout.group_ids[i]]``. ``limits``: a multi-turn task's."""
     prompts = [p.prompt for p in problems]
+    limits = limits or RolloutConfig()
     if is_agent_task(task):  # the user's agent, through the endpoint (docs/rollouts.md#agents)
-        limits = limits or RolloutConfig()
         rollout = run_agent_episodes(
             sampler,
             problems,
@@ -66,7 +55,6 @@ def sample_and_score(
     if not is_episode_task(task):  # a problem's images go with it (docs/rollouts.md#images)
         rollout = sampler.generate(prompts, params, images=problem_images(problems))
         return rollout, score_rollout(task, problems, rollout)
-    limits = limits or RolloutConfig()
     rollout = sampler.run_episodes(
         prompts,
         lambda i: task.make_env(problems[i]),
@@ -80,8 +68,7 @@ def sample_and_score(
 
 
 def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:
-    """An agent task's episode bounds: its ``task.agent.*`` settings and the rollout's token
-    budget (``rollout.max_episode_tokens``) and ``rollout.skip_env_errors``."""
+    """An agent task's episode bounds: its ``task.agent.*`` and the rollout's limits."""
     return AgentLimits(
         timeout_s=task.timeout_s,
         max_tokens=limits.max_episode_tokens,
@@ -92,8 +79,8 @@ def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:
 
 
 def episode_rows(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For an agent rollout, whose episodes may have several rows (branches): each row's
-    episode ``[B]`` (0..E-1) and each episode's first row ``[E]``; None when a row is an episode."""
+    """An agent rollout's (branches: several rows an episode) row episodes ``[B]`` and each
+    episode's first row ``[E]``; None when a row is an episode."""
     if EPISODE_KEY not in rollout.batch.keys():  # noqa: SIM118 - a TensorDict
         return None
     _, episode = torch.unique(rollout.batch[EPISODE_KEY], return_inverse=True)
@@ -103,8 +90,7 @@ def episode_rows(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def group_advantages(rollout: Rollout, scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO advantages ``[B]`` of ``rollout``'s rows, over its episodes: the branches of an
-    agent's episode count once in their group and share its advantage."""
+    """GRPO advantages ``[B]``; an agent episode's branches count once and share its advantage."""
     episodes = episode_rows(rollout)
     if episodes is None:
         check_whole_groups(rollout.group_ids, group_size)
@@ -115,9 +101,7 @@ def group_advantages(rollout: Rollout, scores: torch.Tensor, group_size: int) ->
 
 
 def score_rollout(task: Task, problems: Sequence[Problem], rollout: Rollout) -> torch.Tensor:
-    """Each row's reward ``[B]`` float32: the task's score of its text against the problem it
-    answers (row ``i`` answers ``problems[rollout.group_ids[i]]``), or, for episodes, the
-    environments' summed rewards the rollout carries."""
+    """Each row's reward ``[B]`` float32: the task's score, or the episodes' summed rewards."""
     if rollout.rewards is not None:
         return rollout.rewards
     answered = [problems[i] for i in rollout.group_ids.tolist()]
@@ -127,12 +111,8 @@ def score_rollout(task: Task, problems: Sequence[Problem], rollout: Rollout) -> 
 def whole_groups(
     rollout: Rollout, scores: torch.Tensor, problems: Sequence[Problem], group_size: int
 ) -> tuple[Rollout, torch.Tensor, list[Problem]]:
-    """The groups of ``rollout`` that still have all ``group_size`` rows, their scores and
-    problems; as given when none is missing.
-
-    Rows go missing only when ``rollout.skip_env_errors`` dropped episodes whose environment
-    raised: a group's advantages need all of its rows. ``ValueError`` when no group is whole.
-    """
+    """The groups of ``rollout`` that still have all ``group_size`` rows (``skip_env_errors``
+    drops rows; advantages need whole groups), their scores and problems. ``ValueError``: none."""
     episodes = episode_rows(rollout)
     groups = rollout.group_ids if episodes is None else rollout.group_ids[episodes[1]]
     counts = torch.bincount(groups, minlength=len(problems))
@@ -149,8 +129,7 @@ def whole_groups(
 
 
 def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
-    """``episodes/*`` of a multi-turn rollout over every rank: turns per episode, the fraction
-    cut (``truncated``), seconds in the environments (summed over ranks) and rows dropped."""
+    """``episodes/*`` of a multi-turn rollout over every rank."""
     turns, rows, cut = dist_info.sum(
         [
             float(rollout.num_turns.sum()),
@@ -170,8 +149,7 @@ def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
 
 
 def agent_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
-    """``agent/*`` of an agent rollout over every rank: calls per episode, tool calls, tool-call
-    parse errors, branches, seconds in the agents and episodes dropped (docs/rollouts.md#agents)."""
+    """``agent/*`` of an agent rollout over every rank (docs/rollouts.md#agents)."""
     keys = ("agent/episodes", "agent/calls", "agent/tool_calls", "agent/tool_parse_errors")
     keys += ("agent/branches", "agent/time_s", "agent/errors")
     sums = dist_info.sum([rollout.metrics.get(k, 0.0) for k in keys])
@@ -179,11 +157,8 @@ def agent_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
 
 
 def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:
-    """The model-based reward terms' counters since the last call, summed over every rank:
-    ``judge/requests``, ``judge/retries``, ``judge/cache_hits``, ``judge/failures`` and
-    ``reward_model/score_mean`` (the raw score's mean over the rows scored, when some were); {} for a task
-    without such terms (docs/tasks.md#reward-models). Counted when scored: with
-    ``rollout.max_staleness > 0`` a step may count rows scored ahead for a later step."""
+    """The model-based reward terms' counters since the last call, summed over every rank
+    (``judge/*``, ``reward_model/score_mean``; docs/tasks.md#reward-models); {} without any."""
     reward = getattr(task, "reward", None)
     drain = getattr(reward, "drain_metrics", None)
     local = drain() if drain is not None else {}
@@ -199,9 +174,8 @@ def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:
 
 
 def rollout_metrics(task: Task, rollout: Rollout, dist_info: Dist) -> dict[str, float]:
-    """The step's task-specific metrics over every rank: ``episodes/*`` (multi-turn tasks),
-    ``agent/*`` (agent tasks) and the model-based reward terms' counters (``judge/*``,
-    ``reward_model/*``); one call for every recipe."""
+    """The step's task-specific metrics over every rank: ``episodes/*``, ``agent/*``,
+    ``judge/*``, ``reward_model/*``."""
     metrics = reward_metrics(task, dist_info)
     if is_episode_task(task):
         metrics.update(episode_metrics(rollout, dist_info))

@@ -74,22 +74,13 @@ def start_rollouts(
     shaping: Callable[[Rollout], Any] | None = None,
     teacher: Any = None,
 ) -> tuple[RolloutSource, Callable[[], RolloutBackend] | RolloutBackend]:
-    """The recipe's rollouts for its ``rollout`` section, for every ``rollout.max_staleness``:
-    ``(source, policy)``.
+    """The recipe's rollouts, for every ``rollout.max_staleness``: ``(source, policy)``.
 
     ``source``: a :class:`~microrl.run.RolloutSource` over :func:`~microrl.rollout.make_sampler`'s
-    sampler holding ``engine``'s weights as version ``start_step`` (a multi-turn task's
-    environments built by it, an agent task's agents played on its jobs), drawing the prompts
-    from ``rng`` (``prompts_per_step`` each, this rank's share, up to ``train.steps``), the
-    rounds a resumed checkpoint carried first (``restored``: :func:`~microrl.run.load_run`'s
-    ``extra_state``), ``teacher``'s log-probs added to each round before its rewards,
-    ``shaping`` the overlong term dynamic sampling judges a group's spread with. ``policy``:
-    what evaluation samples, the trainer's current weights (an in-process sampler's backend,
-    loaded when it is not; else ``hf`` generation on the live model). ``rollout.sync_every =
-    n`` lets a colocated copy of the weights be ``n - 1`` versions stale. Rank 0 warns once
-    when ``k > 0`` trains without a behaviour-policy correction. ``cfg``: a recipe config (its
-    ``rollout``, ``task.name``, ``train.steps``, ``train.num_threads``, ``output.dir`` and
-    ``actor.policy_loss``); ``image_encoder``: a vision-language policy's."""
+    sampler holding ``engine``'s weights as version ``start_step``, the rounds of ``restored``
+    (:func:`~microrl.run.load_run`'s ``extra_state``) first, ``teacher``'s log-probs added before
+    the rewards. ``policy``: what evaluation samples, the trainer's current weights. Rank 0
+    warns once when ``k > 0`` trains without a behaviour-policy correction."""
     k = cfg.rollout.max_staleness
     env_maker = task.make_env if is_episode_task(task) else None
     try:
@@ -115,7 +106,6 @@ def start_rollouts(
     else:
         policy, lag = HFRollout(engine, tokenizer, image_encoder=image_encoder), 0
     if is_agent_task(task):  # the agents play on the sampler's jobs
-        # Turns end where the workers' sampling stops: the model's generation_config ids too.
         config = getattr(getattr(engine, "model", None), "generation_config", None)
         stops = turn_terminators(tokenizer, config, require_template=False)
         limits = agent_limits(task, cfg.rollout)
@@ -149,10 +139,9 @@ def start_rollouts(
 def scores_ahead(
     task: Task, sampler: Any, scorer: Callable | None = None, *, scorer_collective: bool = False
 ) -> bool:
-    """Whether a round is scored in a background thread as soon as it is sampled: a reward
-    model, a judge or a teacher (``scorer``), unless ``collect``, the scorer or the reward is a
-    collective or runs on the trainer's thread (a sampler of this process, an sp group's,
-    torchrun's teacher or a reward model sharded over the ranks): every rank in step."""
+    """Whether a round is scored in a background thread as soon as it is sampled: a
+    model-based reward or a ``scorer``, unless anything there is a collective or runs on the
+    trainer's thread (every rank must stay in step)."""
     reward = getattr(task, "reward", None)
     collective = (
         sampler.trainer_thread or scorer_collective or bool(getattr(reward, "collective", False))
@@ -162,8 +151,7 @@ def scores_ahead(
 
 
 def warn_if_uncorrected(policy_loss: Any, max_staleness: int) -> bool:
-    """Log once (a warning) when ``max_staleness > 0`` trains without any behaviour-policy
-    correction, naming the ones there are; True when it warned."""
+    """Warn when ``max_staleness > 0`` trains without a behaviour-policy correction; True if it did."""
     if max_staleness < 1 or any(getattr(policy_loss, key, None) is not None for key in CORRECTIONS):
         return False
     logger.warning(
@@ -197,8 +185,7 @@ def evaluate_accuracy(
     limits: RolloutConfig | None = None,
 ) -> float:
     """Greedy accuracy (reward >= ``task.solved_threshold``) over every rank's share of
-    ``problems``, summed over ranks; a multi-turn task's greedy episodes are played under
-    ``limits`` (a row whose environment raised, with ``rollout.skip_env_errors``, is unsolved)."""
+    ``problems``; episodes are played under ``limits``."""
     greedy = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
     sampled, scores = sample_and_score(rollout, task, problems, greedy, limits)
     episodes = episode_rows(sampled)  # an agent's branches: one episode, counted once
@@ -216,9 +203,8 @@ def evaluator(
     max_new_tokens: int,
     limits: RolloutConfig | None = None,
 ) -> Callable[[], float]:
-    """Greedy held-out accuracy of the policy, each rank scoring its share of the problems;
-    ``policy``: a rollout backend, or what returns the one to sample each time
-    (:func:`start_rollouts`' ``policy``: the trainer's current weights)."""
+    """Greedy held-out accuracy; ``policy``: a rollout backend, or what returns the one to
+    sample each time (:func:`start_rollouts`' ``policy``)."""
     problems = dist_info.shard(task.eval_problems())
     current = policy if not isinstance(policy, RolloutBackend) else (lambda: policy)
     return lambda: evaluate_accuracy(current(), task, problems, dist_info, max_new_tokens, limits)
@@ -227,11 +213,8 @@ def evaluator(
 def start_tracking(
     cfg: Any, dist_info: Dist, start_step: int, evaluate: Callable[[], float], t_setup: float
 ) -> tuple[Tracker, float]:
-    """Open the tracker and its experiment trackers (rank 0 writes), save the config, and
-    measure the starting accuracy.
-
-    An environment's or a reward's error in that evaluation keeps its type and names it
-    (``evaluation at step 0: ...``): it runs before the step loop, which names the steps after."""
+    """Open the tracker (rank 0 writes), save the config, and measure the starting accuracy
+    (an environment's or reward's error there is named ``evaluation at step N: ...``)."""
     config_text = config_to_yaml(cfg)
     tracker = Tracker(
         cfg.output.dir,
@@ -268,14 +251,11 @@ def sample_rows(
     scores: Sequence[float],
     tokenizer: Any = None,
 ) -> Iterator[dict[str, Any]]:
-    """The rows of ``rollout`` in the order :meth:`Tracker.log_samples` shows them: the first
-    response of each prompt, prompts in sampling order, then the second of each, and so on; a
-    row is ``{"group", "reward", "prompt", "response"}`` (``group``: the prompt's index in
-    ``problems``, this rank's). Lazy: nothing is computed on a step that logs no samples.
+    """The rows of ``rollout`` as :meth:`Tracker.log_samples` shows them (each prompt's first
+    response, then each one's second, ...): ``{"group", "reward", "prompt", "response"}``, lazily.
 
-    ``prompt`` is what the model saw: a single-turn row's problem prompt; a multi-turn row's
-    first input as the environment's ``init`` gave it and the chat template rendered it (decoded
-    by ``tokenizer``, needed then, with its special tokens, as the trajectory in ``response``).
+    ``prompt`` is what the model saw: a multi-turn row's first input as rendered, decoded by
+    ``tokenizer`` (needed then) with its special tokens.
     """
     episodes = rollout.num_turns is not None
     if episodes and tokenizer is None:
@@ -308,8 +288,7 @@ def _sample_rows(
 
 
 def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:
-    """Row ``row``'s prompt tokens decoded with their special tokens: the attended columns before
-    the first response column (the rollout layout, ``[left-padded prompt | response]``)."""
+    """Row ``row``'s attended prompt tokens (before the first response column), decoded."""
     batch = rollout.batch
     response_cols = batch["loss_mask"].bool().any(dim=0).nonzero()
     width = batch["input_ids"].shape[1]
@@ -356,10 +335,8 @@ def finish(
     tokenizer: Any = None,
     extra_state: Mapping[str, Any] | None = None,
 ) -> int:
-    """Checkpoint (with ``extra_state``: :func:`~microrl.run.checkpoint.save_run`); then either
-    stop for ``--resume`` (exit code 130) or export the actor's LoRA adapter (and with
-    ``output.export_merged`` the merged model, ``tokenizer`` beside it) or, in a full fine-tune,
-    the trained model, plot, and print the summary (exit code 0)."""
+    """Checkpoint; then stop for ``--resume`` (exit code 130), or export the adapter (and the
+    merged model) or the fully fine-tuned model, plot, and print the summary (exit code 0)."""
     log = print if dist_info.is_main else (lambda *_: None)
     path = save_checkpoint(
         cfg, engines, step, rng=rng, dist_info=dist_info, extra_state=extra_state
@@ -369,8 +346,7 @@ def finish(
         log(f"\ninterrupted after step {step}: checkpoint in {path}; continue with --resume")
         dist_info.close()
         return 130
-    actor = engines["actor"]
-    # Every rank takes part in gathering the weights.
+    actor = engines["actor"]  # every rank takes part in gathering the weights
     merge = cfg.output.export_merged and actor.peft_model is not None
     if actor.peft_model is None:  # a full fine-tune: the trained model itself
         export_merged_model(actor.module, f"{cfg.output.dir}/model", tokenizer=tokenizer)

@@ -1,20 +1,11 @@
 """Every step's rollout, for any ``rollout.max_staleness = k >= 0``: one source, one path.
 
 A :class:`RolloutSource` drives a :class:`~microrl.rollout.Sampler` with the recipe's prompt
-stream (``task.sample(rng, n)`` in step order, so every ``k`` trains the same prompts). Its
-schedule is fixed: once the weights after step ``u`` are synced (version ``u``), the rounds of
-every step ``t <= u + 1 + k`` are submitted; the sampler runs jobs in order, so step ``t``'s
-rollout has a version in ``[t - 1 - k, t - 1]``, checked before anything trains on it. With
-``k = 0`` and a sampler of this process a round samples when its step takes it: the synchronous
-loop. :meth:`RolloutSource.take` returns a step's problems, rollout, rewards and metrics, the
-teacher's log-probs added and the rewards scored (in a background thread when nothing there is
-a collective), the rounds filtered by DAPO's dynamic sampling when it is on.
-
-Checkpoints (:meth:`RolloutSource.state_dict`) hold the rounds not trained yet (their
-problems, rollouts and versions; a round of a sampler of this process not sampled yet, the
-prompt stream's position before it, drawn again when resumed) and the next step to sample; the Python RNG the run saves is the prompt
-stream's position after them. A resumed run trains on exactly the prompts, and samples, it
-would have (docs/async.md).
+stream (drawn in step order, so every ``k`` trains the same prompts). Once version ``u`` is
+synced, the rounds of every step ``t <= u + 1 + k`` are submitted, so step ``t``'s rollout has
+a version in ``[t - 1 - k, t - 1]`` (checked before training). With ``k = 0`` and a sampler of
+this process this is the synchronous loop. Checkpoints hold the rounds not trained yet, so a
+resumed run trains on exactly the prompts and samples it would have (docs/async.md).
 """
 
 from __future__ import annotations
@@ -51,14 +42,12 @@ logger = logging.getLogger(__name__)
 
 #: The key of the rounds not trained yet in a run checkpoint's loop state (``extra_state``).
 ROLLOUT_BUFFER_KEY = "rollout_buffer"
-# The probe statistics of a push's check, reported once per push (docs/rollouts.md).
 _PROBE_METRICS = ("sync/probe_kl", "sync/probe_abs_diff_max", "sync/probe_abs_diff_mean")
 
 
 class StepRollout(NamedTuple):
-    """A step's rollout: ``problems[g]`` is the prompt of the rows of group ``g`` of ``rollout``,
-    ``scores`` ``[B]`` each row's reward (the task's, without the overlong ``shaping``),
-    ``metrics`` the ``dynamic_sampling/*``, ``staleness/*`` and ``sync/probe_*`` of every rank."""
+    """``problems[g]``: the prompt of group ``g``; ``scores`` ``[B]``: the task's rewards
+    (without ``shaping``); ``metrics``: ``dynamic_sampling/*``, ``staleness/*``, ``sync/probe_*``."""
 
     problems: list[Problem]
     rollout: Rollout
@@ -68,8 +57,7 @@ class StepRollout(NamedTuple):
 
 @dataclass
 class _Round:
-    """A round of prompts sampled (or being sampled) ahead: a step's rollout, or with dynamic
-    sampling one of the rounds the steps filter in order."""
+    """A round of prompts sampled (or being sampled) ahead: a step's, or one dynamic sampling filters."""
 
     problems: list[Problem]
     version: int
@@ -84,36 +72,25 @@ class RolloutSource:
     versions behind the trainer (see the module docstring).
 
     Args:
-        sampler: what samples (:func:`~microrl.rollout.make_sampler`); its ``version`` is the
-            trainer's step now (``start``).
-        task: the task (its ``sample`` draws the prompts; its ``score``, or the episodes'
-            rewards, scores the rows).
+        sampler: what samples; its ``version`` is the trainer's step now (``start``).
+        task: draws the prompts (``sample``) and scores the rows.
         params: sampling parameters of every job.
-        rng: the recipe's prompt stream (``random.Random``), drawn here in step order.
+        rng: the recipe's prompt stream, drawn here in step order.
         prompts_per_step: prompts per step (this rank's share).
         max_staleness: ``k >= 0``, the rounds sampled ahead and the bound every row is held to.
         last_step: the run's last step: nothing is sampled past it.
         dist_info: the data ranks (dynamic sampling and the metrics sum over them).
-        limits: the rollout config: a multi-turn task's episode limits (``skip_env_errors``
-            keeps whole groups of ``group_size``), ``dynamic_sampling`` and its
-            ``max_sampling_rounds``.
-        state: a :meth:`state_dict` from a checkpoint (the rounds it holds come first).
-        pad_token_id: the tokenizer's, which pads merged rounds (dynamic sampling).
-        score_ahead: collect and score each round in a background thread as soon as the
-            sampler has it, so the trainer does not wait for a slow reward (a reward model, an
-            LLM judge, a teacher). The thread is then the only caller of the sampler's
-            ``collect`` and ``poll``: never for a sampler whose ``collect`` runs on the trainer's
-            thread (``trainer_thread``), nor a ``scorer`` or a reward that is a collective.
-        scorer: ``scorer(rollout)`` adds keys to each round's batch before its rewards are
-            scored (a teacher's log-probs; docs/recipes.md#teachers).
-        shaping: a per-row ``[B]`` term added to the scores before dynamic sampling judges a
-            group's spread (the overlong penalty); the scores returned are the task's.
+        limits: the rollout config (episode limits, ``dynamic_sampling``).
+        state: a :meth:`state_dict` from a checkpoint (its rounds come first).
+        pad_token_id: pads merged rounds (dynamic sampling).
+        score_ahead: collect and score each round in a background thread, so the trainer does
+            not wait for a slow reward; never for a ``trainer_thread`` sampler or a collective.
+        scorer: ``scorer(rollout)`` adds keys (a teacher's log-probs) before the rewards.
+        shaping: a per-row ``[B]`` term dynamic sampling adds to judge a group's spread.
 
-    Metrics (:attr:`StepRollout.metrics`): dynamic sampling's ``dynamic_sampling/*``; with
-    ``max_staleness > 0`` also ``staleness/mean``, ``staleness/max``, ``staleness/take_wait_s``
-    (the seconds the trainer waited for the step's rollout and its rewards),
-    ``dynamic_sampling/rounds_waited`` and ``sync/probe_*``. :attr:`scorer_wait_s`: the part of
-    the last take's wait that ``scorer`` took.
+    Metrics: ``dynamic_sampling/*``; with ``max_staleness > 0`` also ``staleness/mean``,
+    ``staleness/max``, ``staleness/take_wait_s``, ``dynamic_sampling/rounds_waited`` and
+    ``sync/probe_*``. :attr:`scorer_wait_s`: the part of the last take's wait ``scorer`` took.
     """
 
     def __init__(
@@ -148,13 +125,11 @@ class RolloutSource:
             raise ValueError("rollout.dynamic_sampling needs the tokenizer's pad_token_id")
         self.pad_token_id = pad_token_id
         self.start = sampler.version
-        # The rounds ahead, in prompt-stream order, and the next step to train: round i is
-        # trained at step _next_take + i at the latest (each step takes one or more).
+        # Round i is trained at step _next_take + i at the latest.
         self._rounds: deque[_Round] = deque()
         self._next_take = self.start + 1
         self._reported = self.start - 1  # the newest version whose sync check was reported
         self._checks: dict[int, dict[str, float]] = {}  # checks a checkpoint carried over
-        # One thread: rounds are collected and scored in submission order, polls between them.
         self._scorer = (
             ThreadPoolExecutor(1, thread_name_prefix="microrl-score") if score_ahead else None
         )
@@ -164,14 +139,9 @@ class RolloutSource:
             self._restore(state)
         self.fill()
 
-    # ----------------------------------------------------------------- the schedule
     def fill(self) -> None:
         """Submit rounds until one is sampled ahead for every step up to
-        ``version + 1 + max_staleness`` (and ``last_step``), drawing their prompts now, in
-        order. Without dynamic sampling round ``i`` is step ``next + i``'s rollout; with it the
-        rounds a step takes are refilled here (after the step took them, and after the sync),
-        so every round is trained on within ``max_staleness`` versions (a step takes at least
-        one)."""
+        ``version + 1 + max_staleness`` (and ``last_step``), drawing their prompts now."""
         horizon = min(self.last_step, self.sampler.version + 1 + self.max_staleness)
         while self._next_take + len(self._rounds) <= horizon:
             self._rounds.append(self._submit())
@@ -213,8 +183,7 @@ class RolloutSource:
         return rollout, score_rollout(self.task, round_.problems, rollout), span
 
     def _scored(self, step: int, round_: _Round) -> tuple[Rollout, torch.Tensor]:
-        """``round_``'s rollout, its staleness at ``step`` checked, and its rewards (scored in
-        the background with ``score_ahead``; the wait counts in ``staleness/take_wait_s``)."""
+        """``round_``'s rollout, its staleness at ``step`` checked, and its rewards."""
         t0 = time.perf_counter()
         if round_.scored is not None:
             rollout, scores, span = round_.scored.result()
@@ -229,8 +198,7 @@ class RolloutSource:
         return rollout, scores
 
     def _poll(self) -> None:
-        """The sampler's ``poll``: now, or queued behind the background thread's collects
-        (never beside one); a failure surfaces at the next take."""
+        """The sampler's ``poll``: now, or queued behind the background thread's collects."""
         if self._scorer is None:
             self.sampler.poll()
             return
@@ -245,9 +213,7 @@ class RolloutSource:
 
     def sync(self, engine) -> None:
         """After step ``u``'s updates: sync the weights (version ``u``) when a step still to be
-        sampled needs them (with dynamic sampling: any step still to train, whose extra rounds
-        sample the newest weights; a sampler of this process: always, evaluation samples it),
-        and submit the rounds that become allowed. Collective under ``torchrun``."""
+        sampled (or evaluation) needs them, and submit the rounds now allowed. Collective."""
         needed = self._next_take if self.dynamic else self._next_take + len(self._rounds)
         if needed <= self.last_step or self.sampler.samples_at_collect:
             self.sampler.sync(engine)
@@ -255,8 +221,7 @@ class RolloutSource:
         self._poll()  # a failed check of an earlier push surfaces now
 
     def take(self, step: int) -> StepRollout:
-        """Step ``step``'s problems, rollout (``policy_version`` per row), rewards and metrics
-        (see the class docstring). Collective under ``torchrun``."""
+        """Step ``step``'s problems, rollout, rewards and metrics. Collective under ``torchrun``."""
         self._check_step(step)
         self._waited = 0.0
         if self.dynamic:
@@ -278,12 +243,8 @@ class RolloutSource:
 
     def _filtered(self, step: int) -> tuple[list[Problem], Rollout, torch.Tensor, dict]:
         """Step ``step``'s groups under dynamic sampling: the rounds ahead, in order, filtered
-        by :class:`~microrl.run.dynamic_sampling.GroupFilter` until enough groups have a reward
-        spread or ``rollout.max_sampling_rounds`` rounds ran; a round the step needs beyond
-        those ahead is submitted now, with the newest weights. Then the rounds it took are
-        replaced (:meth:`fill`), before it trains: the sampler samples them meanwhile, up to
-        ``max_staleness`` rounds ahead. ``dynamic_sampling/rounds_waited`` (``k > 0``): the
-        rounds submitted now (the trainer waited for them)."""
+        by :class:`~microrl.run.dynamic_sampling.GroupFilter`, more submitted now if needed
+        (``dynamic_sampling/rounds_waited``); then the rounds taken are replaced."""
         groups = GroupFilter(
             self.prompts_per_step,
             self.dist_info,
@@ -299,10 +260,7 @@ class RolloutSource:
             rollout, scores = self._scored(step, round_)
             more = groups.add(round_.problems, rollout, scores)
         self._next_take += 1
-        # The rounds this step freed, submitted now with the weights it trains from, so they
-        # are sampled while it trains (at sync() only, a step that took every round ahead left
-        # the sampler idle through its update, and the next step's rounds were all fresh).
-        self.fill()
+        self.fill()  # now, so the freed rounds are sampled while this step trains
         problems, rollout, scores, metrics = groups.result(pad_token_id=self.pad_token_id)
         if self.max_staleness:
             metrics["dynamic_sampling/rounds_waited"] = float(waited)
@@ -314,8 +272,6 @@ class RolloutSource:
             raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps {have})")
 
     def _check_staleness(self, step: int, rollout: Rollout) -> None:
-        """Raise when ``rollout``'s staleness at ``step`` is beyond ``max_staleness`` (a
-        rollout past it is never trained on)."""
         staleness = (step - 1) - rollout.batch[POLICY_VERSION_KEY]
         worst = int(staleness.max()) if len(staleness) else 0
         if int(staleness.min()) < 0 or worst > self.max_staleness:  # never by construction
@@ -339,14 +295,9 @@ class RolloutSource:
             if self._scorer is not None:
                 self._scorer.shutdown(wait=True, cancel_futures=True)
 
-    # ----------------------------------------------------------------- metrics
     def _staleness_metrics(self, step: int, rollout: Rollout) -> dict[str, float]:
-        """``staleness/mean`` and ``staleness/max`` (trainer version ``step - 1`` minus each
-        trained row's version, over every rank), ``staleness/take_wait_s`` and the checks of
-        the pushes this rollout's version completed: ``sync/probe_kl``,
-        ``sync/probe_abs_diff_max`` and ``sync/probe_abs_diff_mean`` (the statistic
-        ``rollout.sync_check_tol`` bounds; the largest of each when several complete at once;
-        none before a step's version has a new push)."""
+        """``staleness/*`` over every rank and the ``sync/probe_*`` of the pushes this
+        rollout's version completed (the largest of each when several complete at once)."""
         dist_info = self.dist_info
         staleness = ((step - 1) - rollout.batch[POLICY_VERSION_KEY]).double()
         rows, total = dist_info.sum([float(len(staleness)), float(staleness.sum())])
@@ -366,14 +317,11 @@ class RolloutSource:
                     metrics[name] = max(values)
         return metrics
 
-    # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The rounds not trained yet (waiting for running jobs first; a round of a sampler of
-        this process not sampled yet: where the prompt stream drew it), for the run checkpoint:
+        """The rounds not trained yet (waiting for running jobs), for the run checkpoint:
         tensors, strings and numbers only (``torch.load(weights_only=True)``)."""
         items = []
         for i, round_ in enumerate(self._rounds):
-            # The step that trains it, at the latest.
             item = {"step": self._next_take + i, "version": round_.version}
             if round_.rollout is None and self.sampler.samples_at_collect:
                 item["drawn_from"] = round_.drawn_from  # sampled when resumed, as it would be
@@ -395,8 +343,7 @@ class RolloutSource:
         }
 
     def extra_state(self) -> dict[str, Any]:
-        """:meth:`state_dict` as the ``extra_state`` of :func:`~microrl.run.save_run` (read
-        back from a resumed run's ``restored`` under :data:`ROLLOUT_BUFFER_KEY`)."""
+        """:meth:`state_dict` as the ``extra_state`` of :func:`~microrl.run.save_run`."""
         return {ROLLOUT_BUFFER_KEY: self.state_dict()}
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -452,8 +399,7 @@ def _rollout_from_plain(saved: dict[str, Any]) -> Rollout:
 
 
 def _problem_to_json(problem: Problem) -> str:
-    """A problem as JSON text; its images (if any) as base64 PNGs: lossless, so a resumed run
-    samples and scores the very pixels (and image modes) it drew."""
+    """A problem as JSON text; its images as base64 PNGs (lossless: a resumed run sees the same pixels)."""
     row: dict[str, Any] = {
         "prompt": problem.prompt,
         "answer": problem.answer,
