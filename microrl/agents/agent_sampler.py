@@ -1,14 +1,10 @@
 """Agent episodes as a sampler's jobs, for every ``rollout.max_staleness`` (docs/rollouts.md#agents).
 
-:class:`AgentSampler` is a :class:`~microrl.rollout.Sampler` composed over the run's sampler.
-Over one in this process (:class:`~microrl.rollout.InProcessSampler`) a job's episodes are played
-when it is collected, on the trainer's thread, sampling through the backend in batched calls
-(collective under ``torchrun``, as :func:`~microrl.agents.runner.run_agent_episodes`). Over one in other processes (the
-``hf`` workers, vLLM servers) a job runs on a thread of the trainer process (the endpoint and the
-agents with it, :func:`play_agents`) and its calls become jobs of that sampler, so each sampled
-token carries the policy version that drew it. A row's ``policy_version`` is its oldest token's:
-the staleness the rollout source bounds. One lock orders the sampler's use between that thread
-and the trainer (pushes, polls).
+:class:`AgentSampler` composes over the run's sampler. Over one in this process a job's
+episodes are played at ``collect``, on the trainer's thread; over one in other processes a job
+runs on a thread of the trainer process and its calls become jobs of that sampler, so a row's
+``policy_version`` is its oldest token's. One lock orders the sampler's use between that thread
+and the trainer.
 """
 
 from __future__ import annotations
@@ -33,16 +29,10 @@ _KIND = "agents"
 
 
 class AgentSampler(Sampler):
-    """Plays ``task``'s agent on ``inner``'s jobs (see the module docstring).
+    """Plays ``task``'s agent (an :class:`~microrl.tasks.AgentTask`) on ``inner``'s jobs.
 
-    Args:
-        inner: the run's sampler (in this process, or holding the pushed weights).
-        tokenizer: the policy's.
-        task: an agent task (:class:`~microrl.tasks.AgentTask`: its ``agent``, ``reward`` and
-            ``tool_parser``).
-        limits: the episodes' bounds; each job's token budget and ``skip_errors`` are its own.
-        stop_ids: the ids that end a turn, the workers' ``stop_token_ids`` (None: the
-            tokenizer's turn terminators; the model's ``generation_config`` adds its own).
+    ``limits``: the episodes' bounds (each job's token budget and ``skip_errors`` its own);
+    ``stop_ids``: the workers' ``stop_token_ids`` (None: the tokenizer's turn terminators).
     """
 
     needs_env_maker = False  # the task's agent plays the episodes
@@ -62,11 +52,10 @@ class AgentSampler(Sampler):
         self.task = task
         self.limits = limits
         self.lock = threading.RLock()
-        # Jobs of episodes run one after the other, in submission (version) order.
+        # Episode jobs run one after the other, in submission (version) order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="microrl-agents")
         self._jobs: dict[int, Future | Callable[[], Rollout]] = {}
         self._ids = itertools.count()
-        #: Episodes are played at ``collect`` on the caller's thread: ``inner`` samples there.
         self.at_collect = isinstance(inner, InProcessSampler)
 
     @property
@@ -86,8 +75,7 @@ class AgentSampler(Sampler):
         return self.inner.sync_stats
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
-        """``params.num_samples`` agent episodes per problem (``max_turns`` does not apply: an
-        agent decides its calls; ``max_tokens`` bounds each row; ``seed``: unused)."""
+        """``params.num_samples`` agent episodes per problem (``max_turns`` and ``seed`` unused)."""
         limits = replace(
             self.limits, max_tokens=limits["max_tokens"], skip_errors=limits["skip_env_errors"]
         )

@@ -1,20 +1,11 @@
 """Sampling from the policy into the engine's batch layout: every sampler, in process or not.
 
-Backends turn prompts into a :class:`Rollout` (a token-aligned ``[B, T]`` batch with
-``rollout_logprobs``, the texts, each row's group id): ``hf`` (:class:`HFRollout`, transformers
-``generate`` on the engine's own model) and ``vllm`` (:class:`VLLMRollout`, a colocated
-``vllm.LLM``; the optional ``vllm`` extra), docs/rollouts.md. Samplers in processes of their own
-(``hf`` workers, ``vllm serve`` servers) sample ahead of the trainer, docs/async.md. The folders:
-
-- ``samplers/``: the backends and the samplers (in process, ``hf`` workers and their pool, vLLM
-  servers, the sequence-parallel group's);
-- ``weights/``: how trained weights reach a sampler (:class:`~microrl.rollout.weights.weight_sync.WeightSync`)
-  and the check of every push;
-- ``worker/`` and ``vllm_plugin/``: code that runs in a process of its own (the ``hf`` worker;
-  what vLLM loads through the plugin entry point, pyproject.toml).
-
-The engine never imports this package, nor this package the recipes' run library, the tasks or
-the agents. Names are imported on first use: vLLM loads ``vllm_plugin`` without the engine.
+Backends turn prompts into a :class:`Rollout` (``hf``: :class:`HFRollout`; ``vllm``:
+:class:`VLLMRollout`, docs/rollouts.md); samplers in processes of their own sample ahead of the
+trainer (docs/async.md). ``samplers/``: backends and samplers; ``weights/``: how trained weights
+reach a sampler; ``worker/`` and ``vllm_plugin/``: code run in a process of its own. The engine
+never imports this package, nor this package the run library, tasks or agents. Names are
+imported on first use: vLLM loads ``vllm_plugin`` without the engine.
 """
 
 from __future__ import annotations
@@ -58,8 +49,8 @@ def __dir__() -> list[str]:
 
 
 def moved_here(old: str):
-    """The ``__getattr__`` of ``old``, a package that moved here (a deprecated re-export for one
-    release): this package's names, each with a ``DeprecationWarning`` naming the new import."""
+    """The ``__getattr__`` of ``old``, a package that moved here: this package's names, each with
+    a ``DeprecationWarning`` naming the new import."""
 
     def reexport(name: str):
         if name not in _API:

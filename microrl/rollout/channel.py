@@ -1,13 +1,10 @@
 """Message channels between microrl's processes that end when either side dies, at any point.
 
-A ``multiprocessing.Queue`` does not: ``get(timeout=...)`` bounds only the wait for a message's
-first bytes, so a writer killed in the middle of a message blocks its reader for good, and EOF
-never comes because every process holding the queue holds its write end too. Here each direction
-is one pipe (``Pipe(duplex=False)``) of which each process keeps one end (:func:`start_process`
-closes the child's ends in the parent; the child is given only its own). A writer's death is then
-an EOF at the reader, even mid-message, and a reader's death a broken pipe at the writer:
-:class:`ChannelClosed` either way. :class:`Receiver` waits with a deadline until a message's last
-byte; :class:`Sender` writes from a thread, so its caller never waits for the reader.
+Not a ``multiprocessing.Queue``: a writer killed mid-message blocks its reader for good. Here
+each direction is one pipe of which each process keeps one end, so a writer's death is an EOF
+at the reader and a reader's death a broken pipe at the writer: :class:`ChannelClosed` either
+way. :class:`Receiver` waits with a deadline until a message's last byte; :class:`Sender`
+writes from a thread, so its caller never waits for the reader.
 """
 
 from __future__ import annotations
@@ -36,20 +33,16 @@ class ChannelClosed(EOFError):
 
 
 class Receiver:
-    """The reading end of a channel: :meth:`get` returns the next whole message.
-
-    A message cut off by its writer's death raises :class:`ChannelClosed` as soon as the pipe
-    says EOF; the bytes of a message still arriving when a ``get`` times out are kept for the
-    next one (nothing is lost or read twice).
-    """
+    """The reading end of a channel: :meth:`get` returns the next whole message (the bytes
+    of one still arriving at a timeout are kept for the next call)."""
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
         self._buffer = bytearray()
 
     def get(self, timeout: float | None = None) -> Any:
-        """The next message; waits at most ``timeout`` seconds (None: without end) for its last
-        byte, then raises ``queue.Empty``; :class:`ChannelClosed` when the writer is gone."""
+        """The next message, waiting at most ``timeout`` seconds (None: without end), else
+        ``queue.Empty``; :class:`ChannelClosed` when the writer is gone."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while (size := self._whole_message()) is None:
             self._read(deadline)
@@ -87,9 +80,8 @@ class Receiver:
 
 
 class Sender:
-    """The writing end of a channel: :meth:`put` pickles a message and returns; a thread writes
-    it (as a ``multiprocessing.Queue``'s feeder does), so a reader that is busy elsewhere never
-    blocks the caller, and two processes that send to each other at once never deadlock."""
+    """The writing end of a channel: :meth:`put` pickles a message and a thread writes it, so
+    two processes that send to each other at once never deadlock."""
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
@@ -102,8 +94,8 @@ class Sender:
         self._thread.start()
 
     def put(self, message: Any) -> None:
-        """Send ``message`` (picklable); :class:`ChannelClosed` when the reader is gone (seen
-        by an earlier write: a message in flight when the reader died is lost with it)."""
+        """Send ``message`` (picklable); :class:`ChannelClosed` when an earlier write saw the
+        reader gone."""
         if self._closed:
             raise ChannelClosed("this end of the channel was closed")
         if self._error is not None:
@@ -111,8 +103,7 @@ class Sender:
         self._pending.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def close(self, timeout: float = 5.0) -> None:
-        """Write what was put (waiting at most ``timeout`` seconds for the reader to take it),
-        then close this end; idempotent."""
+        """Write what was put (at most ``timeout`` seconds), then close this end; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -144,13 +135,10 @@ def start_process(
     args: Sequence[Any],
     **process_options: Any,
 ) -> tuple[Any, Sender, Receiver]:
-    """Start ``target(*args, commands, results)`` in a new process of ``context``, with a channel
-    each way: the child gets the reading end of ``commands`` and the writing end of ``results``
-    (connections: it wraps them in :class:`Receiver` and :class:`Sender`), and this process keeps
-    the other two. Returns the process, this side's :class:`Sender` of commands and
-    :class:`Receiver` of results. ``process_options``: ``Process``'s (``name``, ``daemon``).
-
-    ``context`` must not fork: a forked child would inherit this side's ends too."""
+    """Start ``target(*args, commands, results)`` in a new process of ``context`` (not
+    ``fork``: the child would inherit this side's ends), the child getting the connections to
+    wrap in :class:`Receiver` and :class:`Sender`. Returns the process, this side's
+    :class:`Sender` of commands and :class:`Receiver` of results."""
     if context.get_start_method() == "fork":
         raise ValueError("start_process needs a 'spawn' or 'forkserver' context, not 'fork'")
     commands_read, commands_write = context.Pipe(duplex=False)

@@ -1,19 +1,11 @@
 """Multi-turn episodes: the policy talks to an environment, token in and token out.
 
-An episode alternates a model turn (sampled by the backend's ``_sample``, ended by a turn
-terminator: ``<eos>`` or the template's own turn end, :mod:`microrl.rollout.turns`)
-and the environment's answer (``env.step(turn_text)``: observations, a reward, ``done``). The
-trajectory is kept as token ids from the first turn to the last and is never re-tokenized: the
-ids the engine trains on are exactly the ids the sampler drew, with their log-probs. Only the
-environment's observations are tokenized, as the *delta* the chat template adds after an
-assistant turn (:class:`ObservationRenderer`). Re-encoding the decoded conversation instead can
-give other ids than the sampled ones (a template that rewrites past turns, BPE merges across a
-turn boundary), and the PPO ratio is then taken over tokens that were never sampled.
-
-The environment API is skyrl-gym's text environment (``skyrl_gym.envs.base_text_env``), so its
-environments run unchanged: ``init(prompt) -> (prompt_or_messages, metadata)`` and
-``step(action_text) -> {"observations": [messages], "reward": float, "done": bool, ...}``.
-:class:`TextEnv` documents the two methods for environments written without skyrl-gym.
+An episode alternates a model turn (ended by a turn terminator, :mod:`microrl.rollout.turns`)
+and the environment's answer. The trajectory is kept as the sampled token ids, never
+re-tokenized (re-encoding the decoded conversation can give other ids, and the PPO ratio is then
+taken over tokens never sampled); only observations are tokenized, as the delta the chat
+template adds after an assistant turn (:class:`ObservationRenderer`). The environment API is
+skyrl-gym's text environment (:class:`TextEnv`).
 """
 
 from __future__ import annotations
@@ -56,11 +48,9 @@ __all__ = [
 class TextEnv(Protocol):
     """A text environment (skyrl-gym's ``BaseTextEnv`` API); ``close()`` is called if present.
 
-    ``init(prompt)`` gets the prompt as given to ``run_episodes`` and returns the first input of
-    the model, a text or a list of chat messages (``{"role", "content"}``), and a metadata dict.
-    ``step(action)`` gets the model's turn as text (special tokens removed) and returns a mapping
-    with ``observations`` (a list of chat messages; empty when there is none), ``reward`` (a
-    float or None, summed over the turns) and ``done`` (the episode ended).
+    ``init(prompt)`` returns the model's first input (a text or chat messages) and a metadata
+    dict. ``step(action)`` gets the model's turn as text (special tokens removed) and returns
+    ``{"observations": [messages], "reward": float | None (summed), "done": bool}``.
     """
 
     def init(self, prompt: Any) -> tuple[Any, dict]: ...
@@ -69,8 +59,7 @@ class TextEnv(Protocol):
 
 
 class EpisodeError(RuntimeError):
-    """An environment raised (or answered malformed output); the message names the row, its
-    prompt, the call and the turn, and carries the environment's traceback."""
+    """An environment raised (or answered malformed output); names the row, call and turn."""
 
 
 @dataclass
@@ -86,13 +75,11 @@ class Trajectory:
     done: bool = False
     truncated: bool = False
     failed: bool = False
-    #: The first input's images: ``(pixel_values, image_grid_thw)`` (its placeholders expanded
-    #: in ``prompt_ids``) and the PIL images; None for a text episode.
+    #: The first input's ``(pixel_values, image_grid_thw)`` and PIL images; None for text.
     images: tuple[torch.Tensor, torch.Tensor] | None = None
     raw_images: list[Any] = field(default_factory=list)
-    #: With a backend recording the routing (``rollout.routing_replay``): the experts of the
-    #: first tokens of ``prompt_ids + ids`` ``[n, L, k]``, from the latest turn (its context's
-    #: prefill and its response); the observation after it has none yet. None: not recorded.
+    #: ``rollout.routing_replay``: the experts ``[n, L, k]`` of the first ``n`` tokens of
+    #: ``prompt_ids + ids``, from the latest turn; None: not recorded.
     routes: torch.Tensor | None = None
 
     @property
@@ -108,20 +95,16 @@ class Trajectory:
 class ObservationRenderer:
     """Token ids of prompts and observations under the tokenizer's chat template.
 
-    An observation is tokenized as the ids the template puts after an assistant turn's end
-    (``<eos>``, ``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``: the token the template writes
-    after the content, :func:`~microrl.rollout.turns.template_turn_end`): the rendering of
-    ``[user, assistant, *observations]`` with the generation prompt, from the token after the
-    turn end on (its closing ``\\n``, the observation, the next assistant header). A turn cut
-    before its end gets the template's turn end too, unmasked (``with_eos``). Tokenizers without
-    a template use :data:`PLAIN_CHAT_TEMPLATE`.
+    An observation is the ids the template puts after an assistant turn's end
+    (:func:`~microrl.rollout.turns.template_turn_end`) in ``[user, assistant, *observations]``
+    rendered with the generation prompt; a turn cut before its end gets the turn end too
+    (``with_eos``).
     """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.template = chat_template_of(tokenizer)
         end = template_turn_end(tokenizer)
-        #: The token the template ends an assistant turn with.
         self.turn_end_id = end.token_id
         self._prefix = end.probe_ids  # the probe conversation up to its turn end
 
@@ -131,9 +114,8 @@ class ObservationRenderer:
         )
 
     def prompt(self, first: Any) -> list[int]:
-        """The ids of an episode's first input: a text (with the tokenizer's special tokens, as
-        :meth:`RolloutBackend.generate` encodes prompts) or chat messages (their rendering with
-        the generation prompt)."""
+        """The ids of an episode's first input: a text (encoded as ``generate`` encodes prompts)
+        or chat messages (rendered with the generation prompt)."""
         if isinstance(first, str):
             return list(self.tokenizer(first)["input_ids"])
         messages = _messages(first, "init()")
@@ -163,20 +145,6 @@ def _messages(value: Any, where: str) -> list[dict]:
     return [dict(m) for m in value]
 
 
-def call_env(
-    fn: Callable[..., Any], arg: Any, *, row: int, prompt_index: int, turn: int, name: str
-) -> Any:
-    """``fn(arg)``, an exception turned into an :class:`EpisodeError` naming where it happened."""
-    try:
-        return fn(arg)
-    except Exception as exc:  # any environment failure is reported the same way
-        trace = "".join(traceback.format_exception(exc)).rstrip()
-        raise EpisodeError(
-            f"the environment of row {row} (prompt {prompt_index}) raised in {name}() at turn "
-            f"{turn}: {type(exc).__name__}: {exc}\nthe environment's traceback:\n{trace}"
-        ) from exc
-
-
 def check_step_output(output: Any) -> tuple[list, float, bool]:
     """``(observations, reward, done)`` of a ``step()`` result, or a ``TypeError`` saying why not."""
     if not isinstance(output, Mapping) or "done" not in output:
@@ -191,13 +159,9 @@ def check_step_output(output: Any) -> tuple[list, float, bool]:
 
 
 def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TensorDict:
-    """The ``[B, T]`` rows of finished episodes, in the layout of :func:`build_rollout`.
-
-    A row is ``[left-padded prompt | trajectory, right-padded]``. ``loss_mask`` marks the
-    sampled tokens only (observations are context: attended, never trained on);
-    ``rollout_logprobs`` holds their sampler log-probs; ``truncated`` ``[B]`` marks episodes
-    cut by ``max_turns`` or the token budget; rows whose first input had images carry
-    ``pixel_values`` and ``image_grid_thw`` (docs/batch.md#images).
+    """The ``[B, T]`` rows ``[left-padded prompt | trajectory, right-padded]`` of finished
+    episodes; ``loss_mask`` marks the sampled tokens only (observations are context),
+    ``truncated`` ``[B]`` the episodes cut by ``max_turns`` or the token budget.
     """
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     width = prompt_width + max(1, max(len(t.ids) for t in trajectories))
@@ -232,8 +196,7 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
 
 
 def _episode_routes(trajectories: Sequence[Trajectory], prompt_width: int, width: int):
-    """The rows' recorded routing ``[B, T, L, k]`` (-1 where a token has none: padding, the
-    observation after the last turn)."""
+    """The rows' recorded routing ``[B, T, L, k]`` (-1 where a token has none)."""
     like = next(t.routes for t in trajectories if t.routes is not None)
     out = like.new_full((len(trajectories), width, *like.shape[1:]), NO_ROUTE)
     for row, t in enumerate(trajectories):
@@ -275,24 +238,32 @@ class _Player:
         self.skip = skip_env_errors
         self.env_time = 0.0
         self.errors = 0
-        # Each prompt's images encoded once: its group's rows share the tensors (and so one
-        # entry of the batch's pixel store, docs/batch.md#images).
+        # Each prompt's images encoded once: its group's rows share one pixel-store entry.
         self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def env_call(self, row: _Row | None, fn, arg, *, index: int, prompt: int, turn: int, name: str):
-        """``fn(arg)`` timed; a failure raises, or with ``skip_env_errors`` fails the row (None)."""
+        """``fn(arg)`` timed; a failure raises an :class:`EpisodeError` naming where it happened,
+        or with ``skip_env_errors`` fails the row (None)."""
         start = time.perf_counter()
         try:
-            return call_env(fn, arg, row=index, prompt_index=prompt, turn=turn, name=name)
-        except EpisodeError:
+            return fn(arg)
+        except Exception as exc:  # any environment failure is reported the same way
             if not self.skip:
-                raise
-            self.errors += 1
-            if row is not None:
-                row.trajectory.failed = True
+                trace = "".join(traceback.format_exception(exc)).rstrip()
+                raise EpisodeError(
+                    f"the environment of row {index} (prompt {prompt}) raised in {name}() at "
+                    f"turn {turn}: {type(exc).__name__}: {exc}\nthe environment's traceback:"
+                    f"\n{trace}"
+                ) from exc
+            self.fail(row)
             return None
         finally:
             self.env_time += time.perf_counter() - start
+
+    def fail(self, row: _Row | None) -> None:
+        self.errors += 1
+        if row is not None:
+            row.trajectory.failed = True
 
     def start(
         self,
@@ -321,8 +292,7 @@ class _Player:
         return rows
 
     def add_images(self, trajectory: Trajectory, images: Sequence[Any], index: int) -> None:
-        """The first input's images, encoded by the backend's image encoder (the one
-        preprocessing path) once per prompt: its placeholders expanded in ``prompt_ids``."""
+        """The first input's images, encoded once per prompt, placeholders expanded."""
         trajectory.prompt_ids, trajectory.images = self.backend.image_encoder.encode_ids(
             trajectory.prompt_ids, images, index, encoded=self.encoded.get(index)
         )
@@ -332,7 +302,7 @@ class _Player:
     def turn(self, rows: list[_Row], number: int, max_turns: int, max_tokens: int) -> None:
         """One model turn of every active row and the environment's answer to it."""
         active = [r for r in rows if r.trajectory.active]
-        if not _any_rank_active(len(active)):
+        if distributed.max_over_ranks(len(active)) == 0:  # no rank has an active episode
             return
         budgets = [max_tokens - len(r.trajectory.ids) for r in active]
         limit = min(self.params.max_new_tokens, max(budgets, default=1))
@@ -359,8 +329,7 @@ class _Player:
             self.answer(row, ids[:end], logprobs[:end], number, max_turns, max_tokens)
 
     def sample(self, trajectories: list[Trajectory], contexts: list[list[int]], params):
-        """The backend's samples of ``contexts``: with their first inputs' images when any has
-        some (``_sample_images``), else as text (``_sample``)."""
+        """The backend's samples of ``contexts``, with their images when any has some."""
         if all(t.images is None for t in trajectories):
             return self.backend._sample(contexts, params)
         prompts = ImagePrompts(
@@ -383,8 +352,7 @@ class _Player:
         except TypeError:
             if not self.skip:
                 raise
-            self.errors += 1
-            trajectory.failed = True
+            self.fail(row)
             return
         trajectory.reward += reward
         if done:
@@ -392,8 +360,7 @@ class _Player:
             return
         ended = bool(ids) and ids[-1] in self.stops
         observation = self.renderer.observation(observations, with_eos=not ended)
-        # Stop before an observation that would leave no room for the next turn: cut, not
-        # crammed in (the trajectory is truncated, the batch layout is unaffected).
+        # Cut before an observation that would leave no room for the next turn.
         if number == max_turns or len(trajectory.ids) + len(observation) >= max_tokens:
             trajectory.truncated = True
         else:
@@ -416,11 +383,6 @@ class _Player:
 
 def _close(env: Any) -> None:
     env.close()
-
-
-def _any_rank_active(count: int) -> bool:
-    """Whether any rank still has an active episode (this rank's own count without a group)."""
-    return distributed.max_over_ranks(count) > 0
 
 
 def play_episodes(

@@ -1,5 +1,5 @@
 """The one place a sampler is picked: :func:`make_sampler` from a run's rollout config (and
-:func:`make_rollout_backend`, a backend by name for a loop of one's own, docs/api.md)."""
+:func:`make_rollout_backend`, a backend by name, docs/api.md)."""
 
 from __future__ import annotations
 
@@ -31,23 +31,17 @@ def make_rollout_backend(
 ) -> RolloutBackend:
     """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.
 
-    ``vllm`` configures the ``vllm`` backend (defaults when omitted); the ``hf`` backend needs
-    nothing; ``sync_check_tol`` bounds the check of each ``vllm`` sync (None: by the engine's
-    precision). A ``vllm`` backend without vLLM installed raises ``ImportError`` with the command
-    that installs it. ``image_encoder``: a vision-language policy's (image prompts; the ``vllm``
-    backend refuses it where vLLM's Qwen-VL code cannot load, docs/rollouts.md#images).
-    ``record_routing``: a mixture-of-experts policy's rows carry their ``routed_experts``
-    (``rollout.routing_replay``; the ``hf`` backend only: ``ValueError`` for ``vllm``).
+    ``vllm``: the ``vllm`` backend's config (defaults when omitted); ``sync_check_tol`` bounds
+    each ``vllm`` sync's check (None: by the engine's precision); ``image_encoder``: a
+    vision-language policy's (docs/rollouts.md#images); ``record_routing``: rows carry their
+    ``routed_experts`` (``rollout.routing_replay``, ``hf`` only).
     """
     if backend == "hf":
         return HFRollout(
             engine, tokenizer, image_encoder=image_encoder, record_routing=record_routing
         )
     if record_routing:
-        raise ValueError(
-            f"rollout.routing_replay=true: the {backend!r} backend does not record the routing "
-            "(only rollout.backend=hf does)"
-        )
+        check_records_routing(engine, backend)
     if backend == "vllm":
         from microrl.rollout.samplers.vllm import VLLMRollout
 
@@ -76,18 +70,10 @@ def make_sampler(
 ) -> Sampler:
     """The sampler of ``rollout`` holding ``engine``'s weights as ``version`` (a recipe: its step).
 
-    ``rollout.max_staleness=0``: ``rollout.backend`` in this process
-    (:class:`~microrl.rollout.samplers.in_process.InProcessSampler`: it samples at ``collect``;
-    a colocated vLLM loads the weights every ``rollout.sync_every`` versions). ``k > 0``, in
-    processes of their own: ``hf``, ``rollout.num_workers`` worker processes (an
-    :class:`AsyncRollout`, or an :class:`AsyncRolloutPool`), environments built in the workers;
-    ``vllm``, a :class:`VLLMServerRollout` on ``rollout.num_workers`` local ``vllm serve``
-    processes (their logs in ``log_dir``) or the servers of ``rollout.server.url`` (key: in the
-    variable ``rollout.server.api_key_env`` names), environments stepped in this process. Under
-    sequence parallelism (``engine.sp_group``) either is one per sp group, on its first process
-    (:class:`~microrl.rollout.samplers.sp_group.SPGroupSampler`). ``env_maker``: a multi-turn
-    task's ``problem -> environment``; ``num_threads``: each worker's torch threads or each local
-    server's CPU threads; ``image_encoder``: a vision-language policy's (jobs may carry images).
+    ``rollout.max_staleness=0``: ``rollout.backend`` in this process (:class:`InProcessSampler`);
+    ``k > 0``: ``hf`` worker processes or ``vllm serve`` servers (logs in ``log_dir``), one per
+    sp group under sequence parallelism (docs/async.md). ``env_maker``: a multi-turn task's
+    ``problem -> environment``; ``num_threads``: each worker's or local server's CPU threads.
     """
     if not isinstance(rollout, RolloutConfig):
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
@@ -119,10 +105,8 @@ def make_sampler(
     )
     if rollout.backend == "vllm":
         start, join = _servers(engine, tokenizer, rollout, options, log_dir)
-    elif rollout.backend == "hf":
+    else:  # "hf": RolloutConfig checked the name
         start, join = _workers(engine, tokenizer, rollout, options)
-    else:
-        raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {rollout.backend!r}")
     if getattr(engine, "sp_group", None) is None:
         return start()
     from microrl.rollout.samplers.sp_group import SPGroupSampler
@@ -142,11 +126,8 @@ def check_records_routing(engine, backend: str) -> None:
 
 
 def check_vllm_takes_the_experts(engine) -> None:
-    """``rollout.backend=vllm`` at start: ``ValueError`` naming the key when the pushes would
-    carry a mixture of experts' expert tensors (a full fine-tune, or LoRA on
-    ``lora.target_parameters``): they are transformers' fused 3-D tensors, which vLLM's loader
-    does not map (its sync probe failed at the first push); an adapter on the attention alone
-    pushes no expert tensor."""
+    """``rollout.backend=vllm`` at start: ``ValueError`` when the pushes would carry a mixture of
+    experts' fused 3-D expert tensors, which vLLM's loader does not map."""
     from microrl.engine.moe.routers import find_routers
 
     model = getattr(engine, "model", engine)

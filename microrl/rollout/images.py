@@ -1,15 +1,10 @@
 """Image prompts: the one preprocessing path the trainer and every sampler share.
 
-A prompt with images is a text in which each image stands as one image placeholder token (the
-Qwen-VL chat templates' ``<|image_pad|>``, between ``<|vision_start|>`` and ``<|vision_end|>``)
-plus its images, in order. :meth:`ImageEncoder.encode` turns such prompts into what every backend
-samples from and the engine scores: the token ids with each placeholder repeated once per image
-feature (``t * h * w / merge**2``) and the image processor's ``(pixel_values [p, D],
-image_grid_thw [n, 3])`` per prompt, laid out per row by :func:`~microrl.engine.vision.pad_images`.
-
-The image processor is always transformers' PIL backend (``backend="pil"``): it needs no
-torchvision and computes the same pixels on every machine, so a sampler and the trainer that
-read one checkpoint never disagree on preprocessing (docs/rollouts.md#images).
+A prompt with images is a text with one placeholder token per image (Qwen-VL's
+``<|image_pad|>``). :meth:`ImageEncoder.encode` expands each placeholder once per image feature
+(``t * h * w / merge**2``) and gives ``(pixel_values [p, D], image_grid_thw [n, 3])`` per
+prompt. The processor is always transformers' PIL backend, so a sampler and the trainer never
+disagree on pixels (docs/rollouts.md#images).
 """
 
 from __future__ import annotations
@@ -26,11 +21,8 @@ __all__ = ["ImageEncoder", "ImagePrompts", "bounded_size", "check_image_prompts"
 
 @dataclass
 class ImagePrompts:
-    """Encoded image prompts, one entry per prompt.
-
-    ``ids``: token ids, placeholders expanded; ``images``: ``(pixel_values [p, D],
-    image_grid_thw [n, 3])`` or None for a prompt without images; ``raw``: the PIL images as given
-    (backends that preprocess themselves, vLLM, get these)."""
+    """Encoded image prompts, one entry per prompt: ``ids`` (placeholders expanded), ``images``
+    (``(pixel_values, image_grid_thw)`` or None) and ``raw``, the PIL images (for vLLM)."""
 
     ids: list[list[int]]
     images: list[tuple[torch.Tensor, torch.Tensor] | None]
@@ -51,13 +43,9 @@ class ImageEncoder:
     ) -> ImageEncoder:
         """The encoder of a local vision-language checkpoint (its ``preprocessor_config.json``).
 
-        ``max_pixels``: the most pixels an image keeps, applied as the Qwen-VL image processor
-        applies its own ``max_pixels`` (``size["longest_edge"]``: an image above it is resized,
-        aspect kept, to a multiple of ``patch_size x merge_size`` pixels per side that fits);
-        the checkpoint's own bound stays when it is smaller; None keeps it. The bound is part of
-        the processor, so vLLM, given it saved beside the weights, sizes images the same.
-        Raises ``ValueError`` naming ``key`` for a bound below one image token or below the
-        processor's ``min_pixels``."""
+        ``max_pixels``: the most pixels an image keeps (the processor's ``size["longest_edge"]``,
+        the checkpoint's own when smaller; see :func:`bounded_size`, whose ``ValueError`` names
+        ``key``); None keeps the checkpoint's."""
         from transformers import AutoConfig, AutoImageProcessor
 
         config = AutoConfig.from_pretrained(path)
@@ -74,10 +62,7 @@ class ImageEncoder:
     def encode(
         self, tokenizer, prompts: Sequence[str], images: Sequence[Sequence[Any]]
     ) -> ImagePrompts:
-        """Token ids and image tensors of ``prompts[i]`` with ``images[i]`` (PIL images, maybe none).
-
-        Raises ``ValueError`` naming the prompt when its placeholder count and image count differ.
-        """
+        """Token ids and image tensors of ``prompts[i]`` with ``images[i]`` (PIL images, maybe none)."""
         if len(prompts) != len(images) or not all(isinstance(p, str) for p in prompts):
             raise ValueError(
                 f"image prompts must be texts with one image list each, got {len(prompts)} "
@@ -99,11 +84,10 @@ class ImageEncoder:
         *,
         encoded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
-        """One prompt's token ids (already tokenized, e.g. an episode's rendered first input)
-        with ``images``: the ids with the placeholders expanded and ``(pixel_values,
-        image_grid_thw)`` (None without images). ``index`` names the prompt in the error.
-        ``encoded``: these images' ``(pixel_values, image_grid_thw)`` from an earlier call,
-        returned as they are (the same tensors: a group's rows share them)."""
+        """One tokenized prompt with ``images``: the ids, placeholders expanded, and
+        ``(pixel_values, image_grid_thw)`` (None without images); ``encoded``: an earlier call's,
+        reused (a group's rows share the tensors). ``ValueError`` naming prompt ``index`` when
+        placeholders and images differ in number."""
         slots = ids.count(self.image_token_id)
         if slots != len(images):
             raise ValueError(
@@ -127,8 +111,7 @@ class ImageEncoder:
 
 
 def bounded_size(processor: Any, max_pixels: int, key: str = "max_pixels") -> dict[str, int]:
-    """A Qwen-VL image processor's ``size`` (``shortest_edge``: its ``min_pixels``,
-    ``longest_edge``: its ``max_pixels``) with ``longest_edge`` at most ``max_pixels``.
+    """A Qwen-VL image processor's ``size`` with ``longest_edge`` (its max pixels) at most ``max_pixels``.
 
     Raises:
         ValueError: naming ``key``: ``max_pixels`` below one image token
@@ -154,8 +137,7 @@ def bounded_size(processor: Any, max_pixels: int, key: str = "max_pixels") -> di
 def check_image_prompts(
     sampler: Any, prompts: Sequence[Any], images: Sequence[Sequence[Any]]
 ) -> None:
-    """``images`` fit ``prompts`` (texts, one image list each) and ``sampler`` (a rollout backend
-    or a sampler) has an ``image_encoder``; a ``ValueError`` naming them otherwise."""
+    """``ValueError`` unless ``images`` fit ``prompts`` and ``sampler`` has an ``image_encoder``."""
     if getattr(sampler, "image_encoder", None) is None:
         raise ValueError(
             f"images were given but this {type(sampler).__name__} has no image_encoder "
@@ -171,8 +153,7 @@ def check_image_prompts(
 
 
 def problem_images(problems: Sequence[Any]) -> list[list[Any]] | None:
-    """Each problem's images (its ``images``) for :meth:`~microrl.rollout.RolloutBackend.generate`,
-    or None when no problem has any (a text batch: sampled as text, no image keys)."""
+    """Each problem's images for ``generate``, or None when none has any (a text batch)."""
     if not any(getattr(p, "images", ()) for p in problems):
         return None
     return [list(p.images) for p in problems]

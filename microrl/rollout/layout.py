@@ -1,9 +1,5 @@
-"""Rows of prompts and responses in the engine's token-aligned ``[B, T]`` layout (docs/batch.md).
-
-A row is ``[left-padded prompt | response, right-padded]``, with ``loss_mask`` on the response:
-exactly the layout the engine scores, so the log-probs it computes refer to the very tokens that
-were sampled (:func:`build_rollout`).
-"""
+"""Rows ``[left-padded prompt | response, right-padded]`` in the engine's token-aligned
+``[B, T]`` layout, ``loss_mask`` on the response (docs/batch.md)."""
 
 from __future__ import annotations
 
@@ -20,13 +16,10 @@ __all__ = ["Samples", "build_rollout", "first_stop", "routes_of_rows"]
 
 @dataclass
 class Samples:
-    """What a backend returns: per row (prompts repeated ``num_samples`` times, grouped by prompt)
-    the sampled token ids and the log-prob of each under the sampling distribution.
+    """What a backend returns per row (grouped by prompt): the sampled ids and their log-probs.
 
-    ``routed_experts``: when the backend records a mixture-of-experts routing
-    (``rollout.routing_replay``), every fed token's experts ``[B, W + S, L, k]`` in the layout
-    the backend generated from: the prompts left-padded to the longest ``W``, then the ``S``
-    generated steps (what it generated past a row's stop included); None otherwise.
+    ``routed_experts`` (``rollout.routing_replay``): every fed token's experts
+    ``[B, W + S, L, k]``, prompts left-padded to ``W``, then ``S`` generated steps.
     """
 
     token_ids: list[list[int]]
@@ -49,12 +42,8 @@ def build_rollout(
 ) -> TensorDict:
     """Lay out prompts and sampled responses as the engine's ``[B, T]`` batch (see :class:`Rollout`).
 
-    ``prompt_ids`` has one entry per prompt; row ``i`` of ``samples`` answers prompt
-    ``i // num_samples``. ``eos_token_id``: the id, or the ids, that end a turn (a backend's
-    ``stop_token_ids``, :func:`~microrl.rollout.turns.turn_terminators`). A response is
-    cut after its first one: what a backend generated past it (HF keeps stepping finished rows
-    in a batch) is padding. A response without one was cut by ``max_new_tokens``:
-    ``truncated`` ``[B]`` (bool) marks it.
+    Row ``i`` of ``samples`` answers prompt ``i // num_samples``. A response is cut after its
+    first ``eos_token_id`` (one id or several); one without any is ``truncated`` ``[B]``.
     """
     stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     rows = len(samples.token_ids)
@@ -71,8 +60,7 @@ def build_rollout(
         responses.append(list(ids[:end]))
         logprobs.append(list(lps[:end]))
         truncated.append(not (end and ids[end - 1] in stops))
-    # One tensor per column family, built from padded lists (a per-row loop of small tensor
-    # copies cost ~20 ms for 1024 rows, a few percent of a toy step).
+    # Built from padded lists: a per-row loop of tensor copies cost ~20 ms for 1024 rows.
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(1, max(len(r) for r in responses))
     prompts = torch.tensor([[pad_token_id] * (prompt_width - len(p)) + list(p) for p in prompt_ids])
@@ -117,10 +105,8 @@ def build_rollout(
 
 
 def routes_of_rows(routes: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    """A backend's recorded routing ``[B, W + S, L, k]`` (its prompts left-padded to the longest,
-    as the rows' are) in the rows' layout ``[B, T]`` (``attention`` ``[B, T]``): cut or padded
-    to ``T``, :data:`NO_ROUTE` off the rows' real tokens (prompt padding, what was generated past
-    a row's stop)."""
+    """A backend's recorded routing ``[B, W + S, L, k]`` in the rows' layout ``[B, T]``
+    (``attention`` ``[B, T]``), :data:`NO_ROUTE` off the rows' real tokens."""
     rows, width = attention.shape
     if routes.dim() != 4 or routes.shape[0] != rows:
         raise ValueError(

@@ -1,11 +1,8 @@
 """Selecting groups of a rollout and merging rollouts into one ``[B, T]`` batch (docs/rollouts.md).
 
-Rollouts sampled in separate calls (e.g. the rounds of dynamic sampling, microrl/run/
-dynamic_sampling.py) have batches of different widths: each is as wide as its own longest prompt
-plus its own longest response. :func:`merge_rollouts` lays their rows out again in the one layout
-of :func:`microrl.rollout.layout.build_rollout` (``[left-padded prompt | response,
-right-padded]``), as wide as the longest prompt plus the longest response of the rows it keeps:
-the very batch ``build_rollout`` would have built from the same samples.
+Rollouts sampled in separate calls (dynamic sampling's rounds) have batches of different widths;
+:func:`merge_rollouts` lays their rows out again as :func:`~microrl.rollout.layout.build_rollout`
+would have from the same samples.
 """
 
 from __future__ import annotations
@@ -29,20 +26,14 @@ from microrl.rollout.base import Rollout
 
 __all__ = ["merge_rollouts", "select_groups"]
 
-# What a token-aligned key is padded with (0 / False for the others): no route.
-_FILLS = {ROUTED_EXPERTS_KEY: NO_ROUTE}
-# Fields of every Rollout that are not per-row tensors handled generically.
+_FILLS = {ROUTED_EXPERTS_KEY: NO_ROUTE}  # a token-aligned key's padding (0 / False: others)
 _LAYOUT_FIELDS = ("batch", "texts", "group_ids", "metrics")
 
 
 def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rollout:
-    """The rows of ``rollout`` answering the group ids in ``groups``, in their order in
-    ``rollout``; the kept group ids are renumbered ``0 .. len(groups) - 1`` in ascending order of
-    the old ids (for a rollout of :meth:`RolloutBackend.generate`, ``problems[g]`` for ``g`` in
-    ``sorted(groups)`` are the new groups' prompts). The batch keeps its width
-    (:func:`merge_rollouts` compacts it). Per-row tensor fields of the rollout are indexed too.
-
-    ``ValueError`` for a group id the rollout does not have.
+    """The rows of ``rollout`` answering ``groups``, in order, the kept ids renumbered
+    ``0 .. len(groups) - 1`` ascending (the new group ``i`` is ``sorted(groups)[i]``); the batch
+    keeps its width. ``ValueError`` for a group id the rollout does not have.
     """
     wanted = torch.as_tensor(groups, dtype=torch.long).reshape(-1).unique()
     present = torch.isin(wanted, rollout.group_ids)
@@ -69,20 +60,11 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     """One rollout with the rows of ``rollouts``, in order, laid out as one batch.
 
     The batch is ``[left-padded prompt | response, right-padded]`` as wide as the longest prompt
-    plus the longest response (at least one column) of all the rows: each part's per-token
-    entries (second dimension its width) move by whole columns, padded with ``pad_token_id``
-    (``input_ids``), -1 (``routed_experts``: no route) or 0 / False (every other key);
-    per-row entries (``truncated``, ...) are concatenated; the image keys (docs/batch.md#images): the parts' pixel stores one after the
-    other (entries zero-padded to the widest), ``image_index`` shifted to match, grids
-    zero-padded to the most images; a part without images gives text rows (index -1). A part's prompts end where its first response
-    (``loss_mask``) column starts.
-    ``texts`` are concatenated; ``group_ids`` are renumbered contiguously: each part's ids in
-    ascending order, after the groups of the parts before it. Per-row tensor fields of
-    :class:`Rollout` (set on every part or on none) are concatenated, ``metrics`` (sums) added
-    up key by key.
-
-    ``ValueError`` when there is no part, when the parts' batches have different keys, or when
-    a part is not in the rollout layout (a row whose prompt does not reach the response column).
+    plus the longest response (at least one column): per-token entries move by whole columns,
+    padded with ``pad_token_id`` (``input_ids``), -1 (``routed_experts``) or 0; the image keys
+    are merged (docs/batch.md#images); ``group_ids`` are renumbered contiguously part after
+    part; ``metrics`` (sums) added up. ``ValueError`` for no part, different batch keys, or a
+    part not in the rollout layout.
     """
     if not rollouts:
         raise ValueError("merge_rollouts needs at least one rollout")
@@ -147,8 +129,7 @@ def _is_per_row(value: object, rows: int) -> bool:
 
 
 def _span(batch: TensorDict) -> tuple[int, int, int]:
-    """``(boundary, prompt, response)`` of a rollout batch: the column its responses start at,
-    its longest prompt and its longest response (real tokens before / from the boundary)."""
+    """``(boundary, prompt, response)``: the first response column, the longest prompt and response."""
     attention, loss = batch["attention_mask"].bool(), batch["loss_mask"].bool()
     width = attention.shape[1]
     if attention.shape[0] == 0:
@@ -172,8 +153,7 @@ def _span(batch: TensorDict) -> tuple[int, int, int]:
 
 
 def _shift_columns(value: torch.Tensor, offset: int, width: int, fill: int) -> torch.Tensor:
-    """``out[:, j] = value[:, offset + j]`` for ``j`` in ``[0, width)``, ``fill`` where that
-    column does not exist."""
+    """``out[:, j] = value[:, offset + j]`` for ``j`` in ``[0, width)``, else ``fill``."""
     out = value.new_full((value.shape[0], width, *value.shape[2:]), fill)
     lo, hi = max(0, offset), min(value.shape[1], offset + width)
     if hi > lo:
@@ -182,10 +162,9 @@ def _shift_columns(value: torch.Tensor, offset: int, width: int, fill: int) -> t
 
 
 def _merged_images(batches: Sequence[TensorDict]) -> dict[str, torch.Tensor]:
-    """The parts' image keys as one: their pixel stores one after the other (each entry
-    zero-padded to the widest), each row's ``image_index`` shifted past the entries of the parts
-    before it (-1 kept), its grids zero-padded to the most images; a part without images
-    contributes rows of index -1 and zero grids (text rows)."""
+    """The parts' image keys as one: pixel stores concatenated (entries zero-padded), each
+    ``image_index`` shifted past the parts before (-1 kept), grids zero-padded; a part without
+    images gives text rows."""
     parts = [image_store(b) if PIXEL_VALUES_KEY in b else None for b in batches]
     like = next(store for store, _ in filter(None, parts))
     width = max(store.shape[1] for store, _ in filter(None, parts))

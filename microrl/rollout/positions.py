@@ -1,10 +1,5 @@
-"""The model's positions: a rollout row (prompt + response) must fit in them.
-
-A model with a learned position table (GPT-2's ``n_positions``) fails past it with an
-``IndexError`` deep in its embedding; a RoPE model (``max_position_embeddings``) runs on
-silently at positions it never trained on. Both are refused before sampling, naming the budget
-(``rollout.max_new_tokens`` in the recipes).
-"""
+"""The model's positions: a rollout row (prompt + response) must fit in them, checked before
+sampling (past them GPT-2 fails deep in its embedding, a RoPE model runs on silently)."""
 
 from __future__ import annotations
 
@@ -14,14 +9,11 @@ __all__ = ["PositionLimit", "check_positions", "position_limit"]
 
 #: ``(positions, attribute)``: the most positions a model takes and the config attribute saying so.
 PositionLimit = tuple[int, str]
-
-# GPT-2-style configs name it n_positions (max_position_embeddings is an alias there).
 _ATTRIBUTES = ("n_positions", "max_position_embeddings")
 
 
 def position_limit(config: Any) -> PositionLimit | None:
-    """The positions of a transformers ``config`` (a vision-language model's: its text
-    config's) and the attribute that states them; None when it states none."""
+    """The positions of a transformers ``config`` (its text config's) and the attribute; or None."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attribute in _ATTRIBUTES:
         value = getattr(text, attribute, None)

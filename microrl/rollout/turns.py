@@ -1,13 +1,6 @@
-"""What ends a model turn: the chat template's own turn end, not only ``tokenizer.eos_token``.
-
-Many chat models end an assistant turn with a token that is not their tokenizer's
-``eos_token``: Gemma closes turns with ``<end_of_turn>`` (its eos is ``<eos>``), a Llama 3 base
-tokenizer's eos is ``<|end_of_text|>`` while its chat turns end with ``<|eot_id|>``. So the turn
-end is read from the template itself (the token it writes right after an assistant message's
-content) and joined with the tokenizer's eos and the model's ``generation_config.eos_token_id``
-(an int or a list): a sampler stops at any of them, a response's ``loss_mask`` runs up to and
-including the first, and an observation's delta starts after the template's turn end
-(docs/rollouts.md#turn-terminators).
+"""What ends a model turn: the chat template's own turn end, not only ``tokenizer.eos_token``
+(Gemma ends turns with ``<end_of_turn>``, Llama 3 with ``<|eot_id|>``), read from the template
+and joined with the eos ids (docs/rollouts.md#turn-terminators).
 """
 
 from __future__ import annotations
@@ -24,14 +17,12 @@ __all__ = [
     "turn_terminators",
 ]
 
-# For tokenizers without a chat template (base models, the toy model): messages are their
-# contents one after the other, an assistant turn closed by <eos>.
+# For tokenizers without a chat template: the contents in order, an assistant turn closed by <eos>.
 PLAIN_CHAT_TEMPLATE = (
     "{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}"
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
 )
-# A fixed conversation: what the template writes after the assistant's content is its turn end.
-# Rendered with two contents, the texts differ exactly at the content, whatever surrounds it.
+# Rendered with two contents, the texts differ exactly at the content: what follows is the turn end.
 PROBE_CONVERSATION = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 _OTHER_CONTENT = "z"
 
@@ -66,11 +57,8 @@ class TurnEnd:
 
 
 def template_turn_end(tokenizer: Any) -> TurnEnd:
-    """The token the chat template writes right after an assistant message's content.
-
-    Raises ``ValueError`` when the template writes nothing after the content, or when what it
-    writes is no token of its own (it merges with the content: a turn's end could not be told
-    from the turn).
+    """The token the chat template writes right after an assistant message's content;
+    ``ValueError`` when there is none, or it is no token of its own (it merges with the content).
     """
     other = [PROBE_CONVERSATION[0], {"role": "assistant", "content": _OTHER_CONTENT}]
     try:
@@ -109,13 +97,11 @@ def template_turn_end(tokenizer: Any) -> TurnEnd:
 def turn_terminators(
     tokenizer: Any, generation_config: Any = None, *, require_template: bool = True
 ) -> tuple[int, ...]:
-    """Every id that ends a model turn, the template's turn end first: then the tokenizer's
-    ``eos_token_id`` and ``generation_config.eos_token_id`` (None, an int or a list), once each.
+    """Every id that ends a model turn, once each: the template's turn end, the tokenizer's
+    ``eos_token_id`` and ``generation_config.eos_token_id`` (None, an int or a list).
 
-    Raises ``ValueError`` for a ``generation_config.eos_token_id`` that is not token ids of this
-    tokenizer, and, with ``require_template``, for a template without a turn end
-    (:func:`template_turn_end`). Without it such a template adds no id: sampling from text
-    prompts needs no template (the backends), playing episodes does (and refuses it then).
+    ``ValueError`` for a ``generation_config.eos_token_id`` that is not this tokenizer's ids,
+    and with ``require_template`` (episodes need it) for a template without a turn end.
     """
     try:
         stops = [template_turn_end(tokenizer).token_id, tokenizer.eos_token_id]

@@ -1,21 +1,12 @@
 """What a trainer starts ends with it, however the trainer ended (docs/async.md#when-the-trainer-dies).
 
-:func:`watch` hands the trainer's ``vllm serve`` servers (process groups), ``hf`` workers and
-temporary model directories to one small watcher process per trainer process; the trainer
-:func:`release` s what it stopped itself. The watcher reads a pipe whose only write end the
-trainer holds (not inheritable; a ``fork`` child closes its copy), so the kernel ends the pipe
-when the trainer ends, SIGKILL included. The watcher then SIGTERMs what is still watched, a
-server's whole process group (vLLM's engine core and workers), SIGKILLs what is left after
-:data:`GRACE_S`, and removes the directories. It runs this file with ``python -I -S`` (the
-standard library only), in its own session, ignoring SIGINT, SIGTERM and SIGHUP.
-
-Not ``PR_SET_PDEATHSIG``: the kernel sends it when the *thread* that started the child ends
-(servers start on a thread pool's short-lived threads); it reaches the child only, not vLLM's
-engine core; it needs an unsafe ``preexec_fn`` in a threaded process; it is Linux only; and it
-removes no directory. A pid is checked against its start time (``/proc``) before a signal, so a
-reused pid is never signalled. When the watcher dies with the trainer (``scancel
---signal=KILL`` signals every process of a job; its cgroup ends the servers), the next start
-sweeps the directories (:func:`sweep_stale_dirs`) whose owner (:func:`mark_owner`) is dead.
+:func:`watch` hands the trainer's servers (process groups), workers and temporary directories
+to one watcher process per trainer process, which reads a pipe whose only write end the trainer
+holds: the pipe ends with the trainer, SIGKILL included. The watcher then SIGTERMs (SIGKILLs
+after :data:`GRACE_S`) what is still watched and removes the directories. Not
+``PR_SET_PDEATHSIG``: it fires when the starting *thread* ends and reaches the child only. A pid
+is checked against its start time before a signal (never a reused pid). Directories of a
+watcher killed with its trainer are swept at the next start (:func:`sweep_stale_dirs`).
 """
 
 from __future__ import annotations
@@ -57,9 +48,8 @@ _ABANDONED: list[subprocess.Popen] = []
 
 # ----------------------------------------------------------------- the trainer's side
 def watch(kind: str, target: int | str | os.PathLike, *, label: str = "") -> None:
-    """Have ``target`` stopped (``group``: SIGTERM then SIGKILL to the process group;
-    ``process``: to the process) or removed (``directory``) once this process is gone, unless
-    :func:`release` d first. ``label`` names it in what the watcher prints.
+    """Have ``target`` stopped (a process ``group`` or ``process``) or removed (``directory``)
+    once this process is gone, unless :func:`release` d first; ``label`` names it.
 
     Raises:
         ValueError: an unknown ``kind``; a pid <= 1, this process or its own process group; a
@@ -94,8 +84,7 @@ def _key(kind: str, target) -> tuple[str, int | str]:
 
 
 class _Watcher:
-    """This process's watcher: the pipe to it and what it watches (replayed to a new watcher
-    if it died)."""
+    """This process's watcher: the pipe to it and what it watches (replayed to a new one)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -156,8 +145,8 @@ class _Watcher:
 
 
 def _after_fork() -> None:
-    """A ``fork`` child closes its copy of the parent's pipe (which would keep the parent's
-    watcher waiting while the child lives) and starts its own watcher if it needs one."""
+    """A ``fork`` child closes its copy of the parent's pipe (else the parent's watcher waits
+    for the child too)."""
     global _watcher
     _watcher.forget()
     _watcher = _Watcher()
@@ -227,9 +216,8 @@ def _group_alive(pgid: int) -> bool:
 
 # ----------------------------------------------------------------- the watcher process
 def _same_process(kind: str, target: int, start: str | None) -> bool:
-    """Whether ``target`` is still what was watched: its pid (a group: its leader's) started
-    when it did; a group whose leader is gone is its own (a pgid is not reused while the group
-    has a member)."""
+    """Whether ``target`` started when it did (a group whose leader is gone: yes, a pgid is
+    not reused while the group has a member)."""
     now = _start_time(target)
     if kind == "group" and now is None:
         return True
@@ -246,8 +234,7 @@ def _alive(kind: str, target: int) -> bool:
 
 
 def _stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """SIGTERM (and SIGCONT, for a stopped one), SIGKILL after :data:`GRACE_S`; what still runs
-    :data:`GRACE_S` after that."""
+    """SIGTERM (and SIGCONT), SIGKILL after :data:`GRACE_S`; what still runs after that."""
     for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S)):
         for kind, target in processes:
             _signal(kind, target, sig)
@@ -316,15 +303,14 @@ def _identity() -> dict[str, str | None]:
 
 
 def mark_owner(directory: str | os.PathLike) -> None:
-    """Write :data:`OWNER_FILE` into ``directory``: this process (host, boot, pid namespace,
-    pid and start time), so a later start can tell whether it is dead (:func:`sweep_stale_dirs`)."""
+    """Write :data:`OWNER_FILE` (this process's identity) into ``directory`` for :func:`sweep_stale_dirs`."""
     owner = {**_identity(), "pid": os.getpid(), "start": _start_time(os.getpid())}
     (Path(directory) / OWNER_FILE).write_text(json.dumps(owner))
 
 
 def _owner_dead(owner: dict) -> bool:
-    """Whether the owner recorded by :func:`mark_owner` is dead for sure: it ran on this host, and
-    in an earlier boot, or in this boot and pid namespace as a process that is gone."""
+    """Whether the owner :func:`mark_owner` recorded is dead for sure (this host; an earlier
+    boot, or this boot and pid namespace and gone)."""
     here = _identity()
     if owner.get("host") != here["host"]:
         return False
@@ -341,9 +327,8 @@ def _owner_dead(owner: dict) -> bool:
 
 
 def sweep_stale_dirs(prefix: str, parent: str | os.PathLike | None = None) -> list[Path]:
-    """Remove the directories named ``<prefix>*`` in ``parent`` (the temporary directory) whose
-    :data:`OWNER_FILE` names a dead owner (a trainer killed with its watcher); the removed
-    paths. Directories without the file, or not ours to remove, are left alone."""
+    """Remove the directories ``<prefix>*`` in ``parent`` (the temporary directory) whose
+    :data:`OWNER_FILE` names a dead owner; the removed paths."""
     parent = Path(parent if parent is not None else tempfile.gettempdir())
     removed = []
     with contextlib.suppress(OSError):
