@@ -23,7 +23,7 @@ from microrl.engine.moe.routes import NO_ROUTE, ROUTED_EXPERTS_KEY
 from microrl.engine.parallel import distributed
 from microrl.engine.vision import pad_images
 from microrl.rollout.images import ImagePrompts
-from microrl.rollout.layout import first_stop
+from microrl.rollout.layout import first_stop, rollout_batch
 from microrl.rollout.turns import (
     PLAIN_CHAT_TEMPLATE,
     PROBE_CONVERSATION,
@@ -177,17 +177,8 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
         attention[row, start:stop] = True
         loss_mask[row, prompt_width:stop] = torch.tensor(t.model_token, dtype=torch.bool)
         logprobs[row, prompt_width:stop] = torch.tensor(t.logprobs, dtype=torch.float32)
-    truncated = torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)
-    batch = TensorDict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention,
-            "loss_mask": loss_mask,
-            "rollout_logprobs": logprobs,
-            "truncated": truncated,
-        },
-        batch_size=[rows],
-    )
+    truncated = [t.truncated for t in trajectories]
+    batch = rollout_batch(input_ids, attention, loss_mask, logprobs, truncated)
     if any(t.images is not None for t in trajectories):  # each row its prompt's images
         batch.update(pad_images([t.images for t in trajectories]))
     if any(t.routes is not None for t in trajectories):
@@ -222,9 +213,6 @@ class _Row:
     env: Any
     prompt_index: int
 
-    def where(self, turn: int) -> dict[str, int]:
-        return {"index": self.index, "prompt": self.prompt_index, "turn": turn}
-
 
 class _Player:
     """Runs the turns of a batch of episodes; one per :func:`play_episodes` call."""
@@ -241,29 +229,28 @@ class _Player:
         # Each prompt's images encoded once: its group's rows share one pixel-store entry.
         self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
-    def env_call(self, row: _Row | None, fn, arg, *, index: int, prompt: int, turn: int, name: str):
-        """``fn(arg)`` timed; a failure raises an :class:`EpisodeError` naming where it happened,
-        or with ``skip_env_errors`` fails the row (None)."""
+    def env_call(self, row: _Row, name: str, fn, *args, turn: int = 0):
+        """``fn(*args)`` timed; a failure raises an :class:`EpisodeError` naming where it
+        happened, or with ``skip_env_errors`` fails the row (None)."""
         start = time.perf_counter()
         try:
-            return fn(arg)
+            return fn(*args)
         except Exception as exc:  # any environment failure is reported the same way
             if not self.skip:
                 trace = "".join(traceback.format_exception(exc)).rstrip()
                 raise EpisodeError(
-                    f"the environment of row {index} (prompt {prompt}) raised in {name}() at "
-                    f"turn {turn}: {type(exc).__name__}: {exc}\nthe environment's traceback:"
-                    f"\n{trace}"
+                    f"the environment of row {row.index} (prompt {row.prompt_index}) raised in "
+                    f"{name}() at turn {turn}: {type(exc).__name__}: {exc}\nthe environment's "
+                    f"traceback:\n{trace}"
                 ) from exc
             self.fail(row)
             return None
         finally:
             self.env_time += time.perf_counter() - start
 
-    def fail(self, row: _Row | None) -> None:
+    def fail(self, row: _Row) -> None:
         self.errors += 1
-        if row is not None:
-            row.trajectory.failed = True
+        row.trajectory.failed = True
 
     def start(
         self,
@@ -276,12 +263,10 @@ class _Player:
             for _ in range(self.params.num_samples):
                 row = _Row(len(rows), Trajectory(prompt_ids=[]), None, prompt_index)
                 rows.append(row)
-                row.env = self.env_call(
-                    row, make_env, prompt_index, **row.where(0), name="make_env"
+                row.env = self.env_call(row, "make_env", make_env, prompt_index)
+                initial = (
+                    None if row.env is None else self.env_call(row, "init", row.env.init, prompt)
                 )
-                initial = None
-                if row.env is not None:
-                    initial = self.env_call(row, row.env.init, prompt, **row.where(0), name="init")
                 if initial is None:
                     row.trajectory.failed = True
                 else:
@@ -344,7 +329,7 @@ class _Player:
         trajectory.add(ids, logprobs)
         trajectory.turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        output = self.env_call(row, row.env.step, text, **row.where(number), name="step")
+        output = self.env_call(row, "step", row.env.step, text, turn=number)
         if output is None:
             return
         try:
@@ -369,7 +354,7 @@ class _Player:
     def finish(self, rows: list[_Row]) -> Episodes:
         for row in rows:
             if callable(getattr(row.env, "close", None)):
-                self.env_call(row, _close, row.env, **row.where(row.trajectory.turns), name="close")
+                self.env_call(row, "close", row.env.close, turn=row.trajectory.turns)
         kept = [r for r in rows if not r.trajectory.failed]
         if not kept:
             raise EpisodeError(
@@ -379,10 +364,6 @@ class _Player:
         # Additive only (merged rollouts sum them); per-row turns and cuts are in the rollout.
         metrics = {"episodes/env_time_s": self.env_time, "episodes/env_errors": float(self.errors)}
         return Episodes([r.trajectory for r in kept], [r.prompt_index for r in kept], metrics)
-
-
-def _close(env: Any) -> None:
-    env.close()
 
 
 def play_episodes(

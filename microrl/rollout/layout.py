@@ -89,19 +89,28 @@ def build_rollout(
         ],
         dim=1,
     )
-    batch = TensorDict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention,
-            "loss_mask": loss_mask,
-            "rollout_logprobs": rollout_logprobs,
-            "truncated": torch.tensor(truncated, dtype=torch.bool),
-        },
-        batch_size=[rows],
-    )
+    batch = rollout_batch(input_ids, attention, loss_mask, rollout_logprobs, truncated)
     if samples.routed_experts is not None:
         batch[ROUTED_EXPERTS_KEY] = routes_of_rows(samples.routed_experts, attention)
     return batch
+
+
+def rollout_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    truncated: Sequence[bool],
+) -> TensorDict:
+    """The ``[B, T]`` batch of the rollout layout's keys (``truncated`` ``[B]``)."""
+    columns = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "rollout_logprobs": rollout_logprobs,
+        "truncated": torch.tensor(truncated, dtype=torch.bool),
+    }
+    return TensorDict(columns, batch_size=[len(input_ids)])
 
 
 def routes_of_rows(routes: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:

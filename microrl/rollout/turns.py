@@ -75,11 +75,8 @@ def template_turn_end(tokenizer: Any) -> TurnEnd:
             "is: the end of a model turn cannot be found in it"
         )
     at = max(i for i in range(len(text)) if text[i] != other_text[i]) + 1  # after the content
-    head, tail, full = (
-        encode(tokenizer, text[:at]),
-        encode(tokenizer, text[at:]),
-        encode(tokenizer, text),
-    )
+    head, tail = encode(tokenizer, text[:at]), encode(tokenizer, text[at:])
+    full = encode(tokenizer, text)
     if not tail:
         raise ValueError(
             "the tokenizer's chat template writes nothing after an assistant turn: a model turn "

@@ -347,14 +347,13 @@ def finish(
         dist_info.close()
         return 130
     actor = engines["actor"]  # every rank takes part in gathering the weights
-    merge = cfg.output.export_merged and actor.peft_model is not None
     if actor.peft_model is None:  # a full fine-tune: the trained model itself
         export_merged_model(actor.module, f"{cfg.output.dir}/model", tokenizer=tokenizer)
         trained = "model/ (the trained model, transformers format), "
     else:
         export_peft_adapter(actor.module, f"{cfg.output.dir}/adapter", peft_model=actor.peft_model)
         trained = "adapter/ (the actor's LoRA adapter, PEFT format), "
-    if merge:
+    if cfg.output.export_merged and actor.peft_model is not None:
         export_merged_model(actor.module, f"{cfg.output.dir}/merged", tokenizer=tokenizer)
         trained += "merged/ (LoRA merged in, transformers format), "
     final_accuracy = last_metrics.get("eval/accuracy", first_accuracy)

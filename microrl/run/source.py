@@ -11,6 +11,7 @@ resumed run trains on exactly the prompts and samples it would have (docs/async.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import logging
@@ -222,13 +223,13 @@ class RolloutSource:
 
     def take(self, step: int) -> StepRollout:
         """Step ``step``'s problems, rollout, rewards and metrics. Collective under ``torchrun``."""
-        self._check_step(step)
+        have = list(range(self._next_take, self._next_take + len(self._rounds)))
+        if step != self._next_take or not (have or self.dynamic):
+            raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps {have})")
         self._waited = 0.0
         if self.dynamic:
             problems, rollout, scores, metrics = self._filtered(step)
         else:
-            if not self._rounds:
-                raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps [])")
             round_ = self._rounds.popleft()
             self._next_take += 1
             rollout, scores = self._scored(step, round_)
@@ -265,11 +266,6 @@ class RolloutSource:
         if self.max_staleness:
             metrics["dynamic_sampling/rounds_waited"] = float(waited)
         return problems, rollout, scores, metrics
-
-    def _check_step(self, step: int) -> None:
-        if step != self._next_take:
-            have = list(range(self._next_take, self._next_take + len(self._rounds)))
-            raise RuntimeError(f"step {step} has no rollout sampled ahead (holding steps {have})")
 
     def _check_staleness(self, step: int, rollout: Rollout) -> None:
         staleness = (step - 1) - rollout.batch[POLICY_VERSION_KEY]
@@ -377,25 +373,13 @@ class RolloutSource:
 
 
 def _rollout_to_plain(rollout: Rollout) -> dict[str, Any]:
-    return {
-        "batch": to_plain_tensors(rollout.batch),  # weights_only loads it
-        "texts": list(rollout.texts),
-        "group_ids": rollout.group_ids,
-        "rewards": rollout.rewards,
-        "num_turns": rollout.num_turns,
-        "metrics": dict(rollout.metrics),
-    }
+    saved = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+    return {**saved, "batch": to_plain_tensors(rollout.batch)}  # weights_only loads it
 
 
 def _rollout_from_plain(saved: dict[str, Any]) -> Rollout:
-    return Rollout(
-        batch=from_plain_tensors(saved["batch"], len(saved["texts"])),
-        texts=list(saved["texts"]),
-        group_ids=saved["group_ids"],
-        rewards=saved["rewards"],
-        num_turns=saved["num_turns"],
-        metrics=dict(saved["metrics"]),
-    )
+    batch = from_plain_tensors(saved["batch"], len(saved["texts"]))
+    return Rollout(**{**saved, "batch": batch})
 
 
 def _problem_to_json(problem: Problem) -> str:
