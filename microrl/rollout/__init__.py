@@ -49,8 +49,7 @@ def __dir__() -> list[str]:
 
 
 def moved_here(old: str):
-    """The ``__getattr__`` of ``old``, a package that moved here: this package's names, each with
-    a ``DeprecationWarning`` naming the new import."""
+    """The ``__getattr__`` of ``old``, a package that moved here (with a ``DeprecationWarning``)."""
 
     def reexport(name: str):
         if name not in _API:

@@ -33,8 +33,7 @@ class ChannelClosed(EOFError):
 
 
 class Receiver:
-    """The reading end of a channel: :meth:`get` returns the next whole message (the bytes
-    of one still arriving at a timeout are kept for the next call)."""
+    """The reading end of a channel: :meth:`get` returns the next whole message."""
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
@@ -80,8 +79,7 @@ class Receiver:
 
 
 class Sender:
-    """The writing end of a channel: :meth:`put` pickles a message and a thread writes it, so
-    two processes that send to each other at once never deadlock."""
+    """The writing end of a channel: :meth:`put` pickles a message, a thread writes it."""
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
@@ -94,8 +92,7 @@ class Sender:
         self._thread.start()
 
     def put(self, message: Any) -> None:
-        """Send ``message`` (picklable); :class:`ChannelClosed` when an earlier write saw the
-        reader gone."""
+        """Send ``message``; :class:`ChannelClosed` when an earlier write saw the reader gone."""
         if self._closed:
             raise ChannelClosed("this end of the channel was closed")
         if self._error is not None:

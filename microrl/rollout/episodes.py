@@ -48,9 +48,9 @@ __all__ = [
 class TextEnv(Protocol):
     """A text environment (skyrl-gym's ``BaseTextEnv`` API); ``close()`` is called if present.
 
-    ``init(prompt)`` returns the model's first input (a text or chat messages) and a metadata
-    dict. ``step(action)`` gets the model's turn as text (special tokens removed) and returns
-    ``{"observations": [messages], "reward": float | None (summed), "done": bool}``.
+    ``init(prompt)`` returns the model's first input (a text or chat messages) and metadata;
+    ``step(action)`` gets the turn's text (special tokens removed) and returns
+    ``{"observations": [messages], "reward": float | None, "done": bool}``.
     """
 
     def init(self, prompt: Any) -> tuple[Any, dict]: ...
@@ -93,13 +93,9 @@ class Trajectory:
 
 
 class ObservationRenderer:
-    """Token ids of prompts and observations under the tokenizer's chat template.
-
-    An observation is the ids the template puts after an assistant turn's end
-    (:func:`~microrl.rollout.turns.template_turn_end`) in ``[user, assistant, *observations]``
-    rendered with the generation prompt; a turn cut before its end gets the turn end too
-    (``with_eos``).
-    """
+    """Token ids of prompts and observations under the tokenizer's chat template: an observation
+    is the ids after an assistant turn's end in ``[user, assistant, *observations]`` rendered for
+    generation (a turn cut before its end gets the turn end too, ``with_eos``)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -114,8 +110,7 @@ class ObservationRenderer:
         )
 
     def prompt(self, first: Any) -> list[int]:
-        """The ids of an episode's first input: a text (encoded as ``generate`` encodes prompts)
-        or chat messages (rendered with the generation prompt)."""
+        """The ids of an episode's first input: a text, or chat messages rendered for generation."""
         if isinstance(first, str):
             return list(self.tokenizer(first)["input_ids"])
         messages = _messages(first, "init()")
@@ -230,8 +225,7 @@ class _Player:
         self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def env_call(self, row: _Row, name: str, fn, *args, turn: int = 0):
-        """``fn(*args)`` timed; a failure raises an :class:`EpisodeError` naming where it
-        happened, or with ``skip_env_errors`` fails the row (None)."""
+        """``fn(*args)`` timed; a failure raises an :class:`EpisodeError`, or fails the row (None)."""
         start = time.perf_counter()
         try:
             return fn(*args)
@@ -377,8 +371,7 @@ def play_episodes(
     skip_env_errors: bool = False,
     images: Sequence[Sequence[Any]] | None = None,
 ) -> Episodes:
-    """Run ``params.num_samples`` episodes per prompt to their end (see
-    :meth:`RolloutBackend.run_episodes`)."""
+    """Run ``params.num_samples`` episodes per prompt (:meth:`RolloutBackend.run_episodes`)."""
     player = _Player(backend, params, skip_env_errors)
     rows = player.start(prompts, make_env, images)
     for number in range(1, max_turns + 1):

@@ -115,8 +115,7 @@ def make_sampler(
 
 
 def check_records_routing(engine, backend: str) -> None:
-    """``rollout.routing_replay=true`` at start: ``ValueError`` naming the key unless the
-    backend records (``hf``) and ``engine``'s policy has mixture-of-experts routers."""
+    """``rollout.routing_replay=true``: ``ValueError`` unless ``hf`` and a policy with routers."""
     if backend != "hf":
         raise ValueError(
             f"rollout.routing_replay=true: rollout.backend={backend} does not record the routing "

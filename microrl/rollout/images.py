@@ -21,8 +21,7 @@ __all__ = ["ImageEncoder", "ImagePrompts", "bounded_size", "check_image_prompts"
 
 @dataclass
 class ImagePrompts:
-    """Encoded image prompts, one entry per prompt: ``ids`` (placeholders expanded), ``images``
-    (``(pixel_values, image_grid_thw)`` or None) and ``raw``, the PIL images (for vLLM)."""
+    """Per prompt: ``ids`` (placeholders expanded), ``images`` (tensors or None), ``raw`` (PIL)."""
 
     ids: list[list[int]]
     images: list[tuple[torch.Tensor, torch.Tensor] | None]
@@ -111,12 +110,8 @@ class ImageEncoder:
 
 
 def bounded_size(processor: Any, max_pixels: int, key: str = "max_pixels") -> dict[str, int]:
-    """A Qwen-VL image processor's ``size`` with ``longest_edge`` (its max pixels) at most ``max_pixels``.
-
-    Raises:
-        ValueError: naming ``key``: ``max_pixels`` below one image token
-            (``(patch_size x merge_size)**2`` pixels) or below the processor's ``min_pixels``.
-    """
+    """A Qwen-VL image processor's ``size`` with ``longest_edge`` at most ``max_pixels``;
+    ``ValueError`` naming ``key`` below one image token or the processor's ``min_pixels``."""
     side = int(getattr(processor, "patch_size", 1)) * int(getattr(processor, "merge_size", 1))
     if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < side**2:
         raise ValueError(

@@ -29,8 +29,7 @@ def check_positions(
     *,
     what: str = "the longest prompt",
 ) -> None:
-    """``ValueError`` when ``prompt_tokens`` plus ``max_new_tokens`` run past ``limit``
-    (:func:`position_limit`; None: no check); ``what`` names the prompt in the message."""
+    """``ValueError`` when ``prompt_tokens + max_new_tokens`` run past ``limit`` (None: no check)."""
     if limit is None or prompt_tokens + max_new_tokens <= limit[0]:
         return
     positions, attribute = limit

@@ -49,8 +49,7 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 @dataclass(frozen=True)
 class TurnEnd:
-    """The chat template's assistant-turn end: its ``token_id``, and ``probe_ids``, the ids of
-    :data:`PROBE_CONVERSATION` up to and including that token."""
+    """The template's turn end ``token_id`` and :data:`PROBE_CONVERSATION`'s ids up to it."""
 
     token_id: int
     probe_ids: list[int]

@@ -46,15 +46,10 @@ _SCRIPT = os.path.abspath(__file__)
 _ABANDONED: list[subprocess.Popen] = []
 
 
-# ----------------------------------------------------------------- the trainer's side
 def watch(kind: str, target: int | str | os.PathLike, *, label: str = "") -> None:
     """Have ``target`` stopped (a process ``group`` or ``process``) or removed (``directory``)
-    once this process is gone, unless :func:`release` d first; ``label`` names it.
-
-    Raises:
-        ValueError: an unknown ``kind``; a pid <= 1, this process or its own process group; a
-            relative path or ``/``.
-    """
+    once this process is gone, unless :func:`release` d first; ``label`` names it. ``ValueError``:
+    an unknown ``kind``, a pid <= 1, this process or its group, a relative path or ``/``."""
     _watcher.watch(kind, target, label)
 
 
@@ -145,8 +140,7 @@ class _Watcher:
 
 
 def _after_fork() -> None:
-    """A ``fork`` child closes its copy of the parent's pipe (else the parent's watcher waits
-    for the child too)."""
+    """A ``fork`` child closes its copy of the parent's pipe (the parent's watcher would wait)."""
     global _watcher
     _watcher.forget()
     _watcher = _Watcher()
@@ -159,7 +153,6 @@ def _write(fd: int, message: list) -> None:
         data = data[os.write(fd, data) :]
 
 
-# ----------------------------------------------------------------- /proc
 def _stat(pid: int) -> tuple[str, int, str] | None:
     """``(state, process group, start time)`` of ``pid`` from ``/proc`` (Linux), else None."""
     try:
@@ -214,10 +207,8 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-# ----------------------------------------------------------------- the watcher process
 def _same_process(kind: str, target: int, start: str | None) -> bool:
-    """Whether ``target`` started when it did (a group whose leader is gone: yes, a pgid is
-    not reused while the group has a member)."""
+    """Whether ``target`` started when it did (a leaderless group: yes, its pgid is not reused)."""
     now = _start_time(target)
     if kind == "group" and now is None:
         return True
@@ -291,7 +282,6 @@ def _watch_pipe(fd: int, trainer: int) -> None:
         _clean_up(entries, trainer)
 
 
-# ----------------------------------------------------------------- stale directories
 def _identity() -> dict[str, str | None]:
     """This machine, boot and pid namespace: where a pid means the same process."""
     boot = namespace = None
@@ -309,8 +299,7 @@ def mark_owner(directory: str | os.PathLike) -> None:
 
 
 def _owner_dead(owner: dict) -> bool:
-    """Whether the owner :func:`mark_owner` recorded is dead for sure (this host; an earlier
-    boot, or this boot and pid namespace and gone)."""
+    """Whether the owner :func:`mark_owner` recorded is dead for sure."""
     here = _identity()
     if owner.get("host") != here["host"]:
         return False
@@ -327,8 +316,7 @@ def _owner_dead(owner: dict) -> bool:
 
 
 def sweep_stale_dirs(prefix: str, parent: str | os.PathLike | None = None) -> list[Path]:
-    """Remove the directories ``<prefix>*`` in ``parent`` (the temporary directory) whose
-    :data:`OWNER_FILE` names a dead owner; the removed paths."""
+    """Remove (and return) the directories ``<prefix>*`` in ``parent`` of a dead owner."""
     parent = Path(parent if parent is not None else tempfile.gettempdir())
     removed = []
     with contextlib.suppress(OSError):

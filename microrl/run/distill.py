@@ -25,8 +25,7 @@ __all__ = [
 
 
 def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
-    """The teacher of ``cfg.teacher`` (None without ``teacher.path``), its vocabulary checked
-    against the student's ``tokenizer``."""
+    """The teacher of ``cfg.teacher`` (None without ``teacher.path``), vocabulary checked."""
     if not cfg.teacher.enabled:
         return None
     return make_teacher(

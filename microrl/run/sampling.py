@@ -79,8 +79,7 @@ def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:
 
 
 def episode_rows(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """An agent rollout's (branches: several rows an episode) row episodes ``[B]`` and each
-    episode's first row ``[E]``; None when a row is an episode."""
+    """An agent rollout's row episodes ``[B]`` and their first rows ``[E]``; None: a row each."""
     if EPISODE_KEY not in rollout.batch.keys():  # noqa: SIM118 - a TensorDict
         return None
     _, episode = torch.unique(rollout.batch[EPISODE_KEY], return_inverse=True)
@@ -174,8 +173,7 @@ def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:
 
 
 def rollout_metrics(task: Task, rollout: Rollout, dist_info: Dist) -> dict[str, float]:
-    """The step's task-specific metrics over every rank: ``episodes/*``, ``agent/*``,
-    ``judge/*``, ``reward_model/*``."""
+    """The step's task metrics over every rank: ``episodes/*``, ``agent/*``, ``judge/*``, ..."""
     metrics = reward_metrics(task, dist_info)
     if is_episode_task(task):
         metrics.update(episode_metrics(rollout, dist_info))

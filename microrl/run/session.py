@@ -184,8 +184,7 @@ def evaluate_accuracy(
     max_new_tokens: int,
     limits: RolloutConfig | None = None,
 ) -> float:
-    """Greedy accuracy (reward >= ``task.solved_threshold``) over every rank's share of
-    ``problems``; episodes are played under ``limits``."""
+    """Greedy accuracy (reward >= ``task.solved_threshold``) over every rank's share of ``problems``."""
     greedy = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
     sampled, scores = sample_and_score(rollout, task, problems, greedy, limits)
     episodes = episode_rows(sampled)  # an agent's branches: one episode, counted once
@@ -203,8 +202,7 @@ def evaluator(
     max_new_tokens: int,
     limits: RolloutConfig | None = None,
 ) -> Callable[[], float]:
-    """Greedy held-out accuracy; ``policy``: a rollout backend, or what returns the one to
-    sample each time (:func:`start_rollouts`' ``policy``)."""
+    """Greedy held-out accuracy; ``policy``: a rollout backend, or what returns one each time."""
     problems = dist_info.shard(task.eval_problems())
     current = policy if not isinstance(policy, RolloutBackend) else (lambda: policy)
     return lambda: evaluate_accuracy(current(), task, problems, dist_info, max_new_tokens, limits)

@@ -47,8 +47,7 @@ _PROBE_METRICS = ("sync/probe_kl", "sync/probe_abs_diff_max", "sync/probe_abs_di
 
 
 class StepRollout(NamedTuple):
-    """``problems[g]``: the prompt of group ``g``; ``scores`` ``[B]``: the task's rewards
-    (without ``shaping``); ``metrics``: ``dynamic_sampling/*``, ``staleness/*``, ``sync/probe_*``."""
+    """``problems[g]``: group ``g``'s prompt; ``scores`` ``[B]``: the task's rewards (no ``shaping``)."""
 
     problems: list[Problem]
     rollout: Rollout
@@ -74,18 +73,13 @@ class RolloutSource:
 
     Args:
         sampler: what samples; its ``version`` is the trainer's step now (``start``).
-        task: draws the prompts (``sample``) and scores the rows.
-        params: sampling parameters of every job.
         rng: the recipe's prompt stream, drawn here in step order.
-        prompts_per_step: prompts per step (this rank's share).
+        prompts_per_step: this rank's share.
         max_staleness: ``k >= 0``, the rounds sampled ahead and the bound every row is held to.
-        last_step: the run's last step: nothing is sampled past it.
-        dist_info: the data ranks (dynamic sampling and the metrics sum over them).
         limits: the rollout config (episode limits, ``dynamic_sampling``).
         state: a :meth:`state_dict` from a checkpoint (its rounds come first).
-        pad_token_id: pads merged rounds (dynamic sampling).
-        score_ahead: collect and score each round in a background thread, so the trainer does
-            not wait for a slow reward; never for a ``trainer_thread`` sampler or a collective.
+        score_ahead: collect and score each round in a background thread (a slow reward);
+            never for a ``trainer_thread`` sampler or a collective.
         scorer: ``scorer(rollout)`` adds keys (a teacher's log-probs) before the rewards.
         shaping: a per-row ``[B]`` term dynamic sampling adds to judge a group's spread.
 
@@ -141,8 +135,7 @@ class RolloutSource:
         self.fill()
 
     def fill(self) -> None:
-        """Submit rounds until one is sampled ahead for every step up to
-        ``version + 1 + max_staleness`` (and ``last_step``), drawing their prompts now."""
+        """Submit rounds for every step up to ``version + 1 + max_staleness`` (and ``last_step``)."""
         horizon = min(self.last_step, self.sampler.version + 1 + self.max_staleness)
         while self._next_take + len(self._rounds) <= horizon:
             self._rounds.append(self._submit())
@@ -292,8 +285,7 @@ class RolloutSource:
                 self._scorer.shutdown(wait=True, cancel_futures=True)
 
     def _staleness_metrics(self, step: int, rollout: Rollout) -> dict[str, float]:
-        """``staleness/*`` over every rank and the ``sync/probe_*`` of the pushes this
-        rollout's version completed (the largest of each when several complete at once)."""
+        """``staleness/*`` and the ``sync/probe_*`` (the largest) of the pushes now completed."""
         dist_info = self.dist_info
         staleness = ((step - 1) - rollout.batch[POLICY_VERSION_KEY]).double()
         rows, total = dist_info.sum([float(len(staleness)), float(staleness.sum())])
@@ -314,8 +306,7 @@ class RolloutSource:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The rounds not trained yet (waiting for running jobs), for the run checkpoint:
-        tensors, strings and numbers only (``torch.load(weights_only=True)``)."""
+        """The rounds not trained yet, as ``torch.load(weights_only=True)`` reads them."""
         items = []
         for i, round_ in enumerate(self._rounds):
             item = {"step": self._next_take + i, "version": round_.version}
