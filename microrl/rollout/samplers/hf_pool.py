@@ -34,10 +34,12 @@ __all__ = [
     "split_sizes",
 ]
 
-# The start of the message of the EpisodeError a worker raises when every episode of its part
-# failed under skip_env_errors (microrl.rollout.episodes._Player.finish): in a pool that
-# part is only dropped, as its rows would be from one worker, unless every part's are.
-_ALL_EPISODES_FAILED = "every one of the "
+
+def _all_episodes_failed(err: Exception) -> bool:
+    """Whether ``err`` is a worker's when every episode of its part failed under
+    ``skip_env_errors`` (``microrl.rollout.episodes._Player.finish``): in a pool that part is
+    only dropped, as its rows would be from one worker, unless every part's are."""
+    return isinstance(err, EpisodeError) and str(err).startswith("every one of the ")
 
 
 def check_num_workers(num_workers: Any) -> int:
@@ -148,17 +150,14 @@ class AsyncRolloutPool(WorkerSampler):
 
     @property
     def sync_stats(self) -> dict[int, dict[str, float]]:
-        """The probe statistics of each push every worker has checked (``sync/probe_kl``,
-        ``sync/probe_abs_diff_max``, ``sync/probe_abs_diff_mean``), by version: the largest
-        of the workers'."""
+        """The probe statistics of each push every worker has checked: the largest."""
         stats = [worker.sync_stats for worker in self.workers]
         checked = [v for v in sorted(stats[0]) if all(v in s for s in stats[1:])]
         return {v: {k: max(s[v][k] for s in stats) for k in stats[0][v]} for v in checked}
 
     @property
     def sync_seconds(self) -> list[float]:
-        """Per push every worker has loaded (in version order): the slowest worker's seconds
-        to load it and score the probe."""
+        """Per push every worker has loaded: the slowest worker's seconds."""
         loaded = zip(*(w.sync_seconds for w in self.workers), strict=False)  # shortest: by all
         return [max(seconds) for seconds in loaded]
 
@@ -226,13 +225,10 @@ class AsyncRolloutPool(WorkerSampler):
             worker = self.workers[part.worker]
             try:
                 results.append((part, *worker.collect_timed(part.job)))
-            except EpisodeError as err:
-                if job.skip_env_errors and str(err).startswith(_ALL_EPISODES_FAILED):
+            except Exception as err:
+                if job.skip_env_errors and _all_episodes_failed(err):
                     dropped.append(part)
                 elif error is None:
-                    error = _located(err, worker, part)
-            except Exception as err:
-                if error is None:
                     error = _located(err, worker, part)
         if error is not None:
             raise error

@@ -127,7 +127,6 @@ class AsyncRollout(WorkerSampler):
         if wait:
             self.wait_started()
 
-    # ----------------------------------------------------------------- start and stop
     def _spawn(self, engine, base, tokenizer, env_bytes, options: SamplerOptions) -> None:
         from torch.distributed import TCPStore
 
@@ -209,7 +208,6 @@ class AsyncRollout(WorkerSampler):
             with contextlib.suppress(ChannelClosed):
                 self._commands.put(("close",))
 
-    # ----------------------------------------------------------------- weights
     def _layout(self, engine, *, trainable_only: bool) -> list[Entry]:
         """``(name, shape, dtype)`` of each tensor a push of this kind sends (no gather)."""
         weights = FullWeights(engine.module, self.prefix, trainable_only=trainable_only)
@@ -282,7 +280,6 @@ class AsyncRollout(WorkerSampler):
         for work in send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
             self._pending_works.append((work, [buffer]))
 
-    # ----------------------------------------------------------------- jobs
     def _submit(self, kind: str, args: tuple, params: SamplingParams, seed: int | None) -> Job:
         job, seed = self._new_job(kind, params, seed)  # the worker seeds the job with it
         self._send((kind, job.id, seed, args), f"job {job.id}")
@@ -335,7 +332,6 @@ class AsyncRollout(WorkerSampler):
                 raise self._died("its next message") from None
             self._handle(message)
 
-    # ----------------------------------------------------------------- messages
     def _wait_for(self, kind: str, what: str) -> None:
         while True:
             message = self._next_message(what)
