@@ -60,9 +60,8 @@ class SamplerOptions:
 
     Attributes:
         version: the policy version of the engine's current weights (the recipe: its step).
-        env_maker: for multi-turn tasks, ``problem -> environment``; ``submit_episodes`` needs
-            it. ``hf`` workers build the environments in their process (so it must pickle by
-            reference, as a task's ``make_env`` does); with vLLM servers they step in the trainer.
+        env_maker: for multi-turn tasks, ``problem -> environment``; ``hf`` workers build the
+            environments in their process, so it must pickle (as a task's ``make_env`` does).
         timeout_s: the longest wait for a worker or a server (its start, a job, a push) before
             :class:`WorkerError`, > 0 (``rollout.worker_timeout_s``).
         sync_check_tol: the largest mean probe log-prob difference
@@ -71,8 +70,7 @@ class SamplerOptions:
         num_threads: each ``hf`` worker's torch threads (0: torch's default), or each local
             vLLM server's CPU threads.
         image_encoder: a vision-language policy's
-            (:class:`~microrl.rollout.images.ImageEncoder`): jobs may then carry images
-            (``submit(..., images=)``); None: text prompts only.
+            (:class:`~microrl.rollout.images.ImageEncoder`): jobs may then carry images.
         record_routing: the rows carry each token's mixture-of-experts routing
             ``routed_experts`` (``rollout.routing_replay``; ``hf`` workers only).
 
@@ -105,7 +103,7 @@ class Sampler(ABC):
     ``samples_at_collect``: whether a job samples only when collected (nothing runs before).
     A sampler implements :meth:`submit`, :meth:`collect`, :meth:`poll`, :meth:`sync`,
     :meth:`close` and, for multi-turn tasks, :meth:`_submit_episodes`; samplers compose backends
-    and each other, never subclass one another.
+    and each other (those in other processes share :class:`WorkerSampler`'s bookkeeping).
     """
 
     version: int
@@ -208,8 +206,7 @@ class WorkerSampler(Sampler):
         self, engine: Any, tokenizer: Any, options: SamplerOptions | None, *, checks: bool = True
     ) -> SamplerOptions:
         """:meth:`_take_options`, keeping ``engine`` and the checked ``tokenizer`` too;
-        ``checks``: the sampler checks its own pushes (its ``probe``, ``sync_stats`` and the
-        seconds of each load, ``sync_seconds``)."""
+        ``checks``: it checks its own pushes (``probe``, ``sync_stats``, ``sync_seconds``)."""
         self.tokenizer = check_tokenizer(tokenizer)
         options = self._take_options(engine, options)
         self.engine = engine

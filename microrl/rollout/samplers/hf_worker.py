@@ -166,8 +166,8 @@ class AsyncRollout(WorkerSampler):
         )
 
     def wait_started(self) -> None:
-        """Complete the start of a worker spawned with ``wait=False``: wait for it, push the
-        engine's weights (version ``version``) and check them; closes the worker on failure."""
+        """Complete the start (``wait=False``): push the engine's weights as ``version`` and
+        check them; closes the worker on failure."""
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
         engine = self.engine
@@ -232,8 +232,8 @@ class AsyncRollout(WorkerSampler):
         self.weight_sync.push(engine, version)
 
     def pack(self, engine) -> Packed:
-        """The trainable tensors, gathered one at a time into one host buffer
-        (:func:`~microrl.rollout.worker.stream.pack`). Collective under ``torchrun``."""
+        """The trainable tensors, gathered one at a time into one host buffer (collective under
+        ``torchrun``)."""
         entries = self._layouts["trainable"]
         weights = FullWeights(engine.module, self.prefix, trainable_only=True)
         check_layout(self._layout(engine, trainable_only=True), entries, self.name)
@@ -265,8 +265,7 @@ class AsyncRollout(WorkerSampler):
         self._broadcast(state.buffer, stream.CHUNK_BYTES)
 
     def expected_of(self, engine, state: Packed | Mapping[str, torch.Tensor]):
-        """What the worker must answer to a push of ``state``: the engine's probe log-probs
-        now and the tensors' checksums."""
+        """What the worker must answer to a push of ``state``: the probe's log-probs, checksums."""
         sums = state.checksums if isinstance(state, Packed) else tensor_checksums(state.items())
         return self._probe_logprobs(engine), sums
 
@@ -410,9 +409,8 @@ class AsyncRollout(WorkerSampler):
 
 
 def unwrapped_attention(config):
-    """A copy of the model ``config`` whose attention is the plain one the engine's wrappers
-    (sequence parallelism's Ulysses, packing's varlen) run: the worker's model samples whole,
-    unpacked rows in its own process, where those wrappers are not registered."""
+    """A copy of the model ``config`` with the plain attention the engine's wrappers (Ulysses,
+    varlen) run: the worker's process samples whole rows and registers no wrapper."""
     config = copy.deepcopy(config)
     name = getattr(config, "_attn_implementation", None)
     while (plain := base_implementation(name)) != name:
@@ -445,8 +443,7 @@ def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
 
 
 def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:
-    """Ask the worker to exit (it answers between jobs), then terminate, then kill; close the
-    channels."""
+    """Ask the worker to exit (between jobs), then terminate, then kill; close the channels."""
     if process.is_alive():
         with contextlib.suppress(ChannelClosed):
             commands.put(("close",))

@@ -99,7 +99,7 @@ class VLLMServerRollout(WorkerSampler):
     def __init__(
         self,
         engine: Engine,
-        tokenizer: Any,
+        tokenizer,
         config: VLLMConfig | None = None,
         options: SamplerOptions | None = None,
         *,
@@ -310,8 +310,6 @@ class VLLMServerRollout(WorkerSampler):
             rollout = run()
         finally:
             self._context.job = None
-        if isinstance(rollout, Samples):  # a bare _sample call
-            return rollout
         versions = torch.tensor(self._context.versions, dtype=torch.long).reshape(-1, 2)
         if len(versions) != rollout.batch.batch_size[0]:  # episodes: each row spans the job's
             span = (job.version, job.version)
