@@ -29,6 +29,7 @@ __all__ = [
     "RolloutBackend",
     "Samples",
     "SamplingParams",
+    "check_params",
     "check_tokenizer",
     "draw_seed",
     "encode_prompts",
@@ -36,6 +37,9 @@ __all__ = [
 
 #: Sampling seeds are in ``[0, SEED_RANGE)``: vLLM's int32 range.
 SEED_RANGE = 2**31 - 1
+#: Prompts: texts or token-id lists; each text prompt's PIL images, or None.
+Prompts = Sequence[str] | Sequence[Sequence[int]]
+Images = Sequence[Sequence[Any]] | None
 
 
 @dataclass(frozen=True)
@@ -76,33 +80,32 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1: off), got {self.top_p!r}")
 
 
+def check_params(params: Any) -> SamplingParams:
+    """``params``, or a ``TypeError`` when it is not a :class:`SamplingParams`."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
 def draw_seed(params: SamplingParams) -> int:
     """A sampling call's seed: ``params.seed``, else drawn from torch's default generator, so a
     run that checkpoints torch's RNG state (``microrl.run.save_run``) draws the same seeds when
-    resumed. Every sampler that seeds its calls (the ``vllm`` backend, the ``hf`` worker, its
-    pool, the vLLM servers) draws here."""
+    resumed."""
     return params.seed if params.seed is not None else int(torch.randint(SEED_RANGE, ()))
 
 
 @dataclass
 class Rollout:
-    """Sampled responses in the engine's token-aligned layout.
+    """Sampled responses in the engine's token-aligned layout (docs/rollouts.md#the-result).
 
     ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, then the response, right-padded after
-    its first turn terminator, ``<eos>`` or the template's turn end: the backend's
-    ``stop_token_ids``), ``attention_mask``, ``loss_mask`` (the response tokens up to and including
-    that terminator) and ``rollout_logprobs`` (float32, the sampler's log-prob of each response
-    token, 0 off the response), and the per-row ``truncated`` ``[B]`` (bool: the response was cut
-    at ``max_new_tokens`` without an ``<eos>``; ``actor.mask_truncated`` drops such rows from the
-    loss). ``texts``: each response decoded, special tokens removed.
-    ``group_ids`` ``[B]`` int64: the index of the prompt a row answers (a GRPO group).
-
-    From :meth:`RolloutBackend.run_episodes`, a row is a whole multi-turn trajectory
-    (``loss_mask`` on the sampled turns only), ``texts`` are the trajectories after the prompt
-    with their special tokens, and ``rewards`` ``[B]`` float32 (each episode's per-turn rewards
-    summed), ``num_turns`` ``[B]`` int64 and ``metrics`` (``episodes/env_time_s``: seconds in
-    the environments; ``episodes/env_errors``: rows dropped by ``skip_env_errors``) are set.
-    ``metrics`` hold sums only, so merged rollouts add them up.
+    its first turn terminator: the backend's ``stop_token_ids``), ``attention_mask``,
+    ``loss_mask`` (the response up to and including that terminator), ``rollout_logprobs``
+    (float32, 0 off the response) and the per-row ``truncated`` ``[B]`` bool. ``texts``: each
+    response decoded, special tokens removed. ``group_ids`` ``[B]`` int64: the index of the
+    prompt a row answers (a GRPO group). From :meth:`RolloutBackend.run_episodes` a row is a
+    whole trajectory, with ``rewards`` ``[B]`` float32, ``num_turns`` ``[B]`` int64 and
+    ``metrics`` (sums only, so merged rollouts add them up).
     """
 
     batch: TensorDict
@@ -113,10 +116,8 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> Rollout:
-        """This rollout with its tensors on ``device`` (texts and metrics as they are).
-
-        Backends build rollouts on the host; a recipe moves each to ``engine.device`` once, right
-        after sampling, so nothing mixes host and device tensors afterwards (docs/batch.md)."""
+        """This rollout with its tensors on ``device`` (backends build rollouts on the host;
+        docs/batch.md#devices)."""
         moved = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Rollout(
             batch=self.batch.to(device),
@@ -136,9 +137,7 @@ class RolloutBackend(ABC):
     samples its own prompts (shard prompts over ranks, never the rows of one prompt).
 
     ``stop_token_ids``: the ids that end a turn, which :meth:`_sample` stops at and the layout
-    cuts after: the chat template's turn end, the tokenizer's eos and ``generation_config``'s
-    (the model's; :func:`~microrl.rollout.turns.turn_terminators`). A template without
-    a turn end of its own adds none (episodes refuse it, text prompts do not need it).
+    cuts after (:func:`~microrl.rollout.turns.turn_terminators`).
     """
 
     #: Whether the backend samples a copy of the weights, loaded by :meth:`sync` (else the live
@@ -156,22 +155,17 @@ class RolloutBackend(ABC):
         )
 
     def generate(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        images: Sequence[Sequence[Any]] | None = None,
+        self, prompts: Prompts, params: SamplingParams, *, images: Images = None
     ) -> Rollout:
         """Sample ``params.num_samples`` responses per prompt; rows are grouped by prompt.
 
         ``prompts``: texts (tokenized with the tokenizer's special tokens, e.g. ``<bos>``; apply a
         chat template before, see :func:`microrl.tasks.format_prompt`) or token-id lists.
         ``images``: with text prompts of a vision-language policy, ``images[i]`` are prompt
-        ``i``'s PIL images, one per image placeholder (:mod:`~microrl.rollout.images`);
-        the rows then carry ``pixel_values`` and ``image_grid_thw`` (docs/batch.md#images).
+        ``i``'s PIL images, one per image placeholder; the rows then carry ``pixel_values`` and
+        ``image_grid_thw`` (docs/batch.md#images).
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_params(params)
         encoded = None
         if images is None:
             prompt_ids = self._encode(prompts)
@@ -205,32 +199,22 @@ class RolloutBackend(ABC):
         max_turns: int,
         max_tokens: int,
         skip_env_errors: bool = False,
-        images: Sequence[Sequence[Any]] | None = None,
+        images: Images = None,
     ) -> Rollout:
-        """Play ``params.num_samples`` multi-turn episodes per prompt against environments.
+        """Play ``params.num_samples`` multi-turn episodes per prompt against environments
+        (docs/rollouts.md#multi-turn-episodes).
 
         ``make_env(i)`` builds a fresh environment for a row answering ``prompts[i]`` (one per
-        row: a group's episodes do not share state); each gets ``env.init(prompts[i])`` and then,
-        after every model turn, ``env.step(turn_text)`` (skyrl-gym's text-environment API,
-        :class:`~microrl.rollout.episodes.TextEnv`). An episode ends when the environment
-        says ``done``, after ``max_turns`` model turns, or when its tokens after the prompt
-        (turns and observations) reach ``max_tokens``; the last two mark it ``truncated``. A
-        turn is at most ``params.max_new_tokens`` tokens and ends at ``<eos>``.
-
-        Token in, token out: the batch holds exactly the sampled ids and their log-probs; only
-        observations are tokenized (docs/rollouts.md#multi-turn-episodes). An environment that
-        raises stops with an :class:`~microrl.rollout.episodes.EpisodeError` naming the
-        row and turn and carrying its traceback; with ``skip_env_errors`` its row is dropped
-        instead (``metrics["episodes/env_errors"]`` counts them; ``group_ids`` keeps the
-        prompts of the rows left). Under ``torchrun`` it is collective: every rank calls it.
-
-        ``images``: ``images[i]`` are prompt ``i``'s PIL images, one per image placeholder in
-        the first input its environment's ``init`` returns, encoded with ``self.image_encoder``;
-        every turn is sampled with them and each row carries its prompt's ``pixel_values`` and
-        ``image_grid_thw`` (observations are text; docs/rollouts.md#images).
+        row: a group's episodes share no state; :class:`~microrl.rollout.episodes.TextEnv`). An
+        episode ends when the environment says ``done``, or, marked ``truncated``, after
+        ``max_turns`` model turns or at ``max_tokens`` tokens after the prompt. An environment
+        that raises stops with an :class:`~microrl.rollout.episodes.EpisodeError` naming the row
+        and turn; with ``skip_env_errors`` its row is dropped instead. Collective under
+        ``torchrun``. ``images``: ``images[i]`` are prompt ``i``'s PIL images, one per
+        placeholder in the first input its environment's ``init`` returns, sampled with every
+        turn (docs/rollouts.md#images).
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_params(params)
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list (texts or chat messages)")
         if not callable(make_env):
@@ -273,7 +257,7 @@ class RolloutBackend(ABC):
         """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
         raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
 
-    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    def _encode(self, prompts: Prompts) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts)
 
 
@@ -285,7 +269,7 @@ def check_tokenizer(tokenizer):
     return tokenizer
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: Prompts) -> list[list[int]]:
     """Token ids of ``prompts``: texts (with the tokenizer's special tokens) or id lists; a
     prompt of no token (an empty text, with a tokenizer that adds no BOS) is a ``ValueError``."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:

@@ -8,15 +8,25 @@ jobs, so each job's policy version is known when it is submitted; one in this pr
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from microrl.engine.base import Engine
-from microrl.rollout.base import Rollout, SamplingParams
-from microrl.rollout.images import ImageEncoder
-from microrl.rollout.weights.sync_check import default_sync_check_tol
+from microrl.rollout.base import (
+    Images,
+    Prompts,
+    Rollout,
+    SamplingParams,
+    check_params,
+    check_tokenizer,
+    draw_seed,
+    encode_prompts,
+)
+from microrl.rollout.images import ImageEncoder, check_image_prompts
+from microrl.rollout.weights.sync_check import default_sync_check_tol, engine_probe
 
 __all__ = [
     "POLICY_VERSION_KEY",
@@ -24,6 +34,7 @@ __all__ = [
     "Sampler",
     "SamplerOptions",
     "WorkerError",
+    "WorkerSampler",
 ]
 
 #: The per-row ``[B]`` int64 batch key holding the policy version a row was sampled with.
@@ -45,14 +56,12 @@ class Job:
 
 @dataclass(frozen=True)
 class SamplerOptions:
-    """What every out-of-process sampler starts with (``AsyncRollout``, ``AsyncRolloutPool`` for
-    each of its workers, ``VLLMServerRollout``); the recipes fill it from ``rollout.*``.
+    """What every out-of-process sampler starts with; the recipes fill it from ``rollout.*``.
 
     Attributes:
         version: the policy version of the engine's current weights (the recipe: its step).
-        env_maker: for multi-turn tasks, ``problem -> environment``; ``submit_episodes`` needs
-            it. ``hf`` workers build the environments in their process (so it must pickle by
-            reference, as a task's ``make_env`` does); with vLLM servers they step in the trainer.
+        env_maker: for multi-turn tasks, ``problem -> environment``; ``hf`` workers build the
+            environments in their process, so it must pickle (as a task's ``make_env`` does).
         timeout_s: the longest wait for a worker or a server (its start, a job, a push) before
             :class:`WorkerError`, > 0 (``rollout.worker_timeout_s``).
         sync_check_tol: the largest mean probe log-prob difference
@@ -61,8 +70,7 @@ class SamplerOptions:
         num_threads: each ``hf`` worker's torch threads (0: torch's default), or each local
             vLLM server's CPU threads.
         image_encoder: a vision-language policy's
-            (:class:`~microrl.rollout.images.ImageEncoder`): jobs may then carry images
-            (``submit(..., images=)``); None: text prompts only.
+            (:class:`~microrl.rollout.images.ImageEncoder`): jobs may then carry images.
         record_routing: the rows carry each token's mixture-of-experts routing
             ``routed_experts`` (``rollout.routing_replay``; ``hf`` workers only).
 
@@ -95,7 +103,7 @@ class Sampler(ABC):
     ``samples_at_collect``: whether a job samples only when collected (nothing runs before).
     A sampler implements :meth:`submit`, :meth:`collect`, :meth:`poll`, :meth:`sync`,
     :meth:`close` and, for multi-turn tasks, :meth:`_submit_episodes`; samplers compose backends
-    and each other, never subclass one another.
+    and each other (those in other processes share :class:`WorkerSampler`'s bookkeeping).
     """
 
     version: int
@@ -108,13 +116,7 @@ class Sampler(ABC):
     samples_at_collect: bool = False
 
     @abstractmethod
-    def submit(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        images: Sequence[Sequence[Any]] | None = None,
-    ) -> Job:
+    def submit(self, prompts: Prompts, params: SamplingParams, *, images: Images = None) -> Job:
         """Queue sampling ``params.num_samples`` responses per prompt; ``images``: with text
         prompts, each prompt's PIL images (as :meth:`RolloutBackend.generate
         <microrl.rollout.RolloutBackend.generate>` takes them), sent with the job."""
@@ -133,8 +135,7 @@ class Sampler(ABC):
         ``env_maker(problem)``); ``seed``: the job's seed (None: drawn from ``params``)."""
         if self.env_maker is None and self.needs_env_maker:
             raise ValueError(f"submit_episodes needs the env_maker given to {type(self).__name__}")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_params(params)
         problems = list(problems)
         if not problems:
             raise ValueError("problems must be a non-empty list")
@@ -163,11 +164,7 @@ class Sampler(ABC):
         """Stop the sampler (its processes, its backend); idempotent."""
 
     def generate(
-        self,
-        prompts: Sequence[Any],
-        params: SamplingParams,
-        *,
-        images: Sequence[Sequence[Any]] | None = None,
+        self, prompts: Prompts, params: SamplingParams, *, images: Images = None
     ) -> Rollout:
         """Sample now, at the latest pushed version (:meth:`submit`, then :meth:`collect`)."""
         return self.collect(self.submit(prompts, params, images=images))
@@ -194,3 +191,67 @@ class Sampler(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class WorkerSampler(Sampler):
+    """The bookkeeping every sampler in other processes shares: its engine, tokenizer and
+    options, the ids of its jobs, their seeds, and closing once; it implements :meth:`_push`
+    and :meth:`_close`."""
+
+    #: How errors name the sampler.
+    name = "the sampler"
+    _closed = False
+
+    def _start(
+        self, engine: Any, tokenizer: Any, options: SamplerOptions | None, *, checks: bool = True
+    ) -> SamplerOptions:
+        """:meth:`_take_options`, keeping ``engine`` and the checked ``tokenizer`` too;
+        ``checks``: it checks its own pushes (``probe``, ``sync_stats``, ``sync_seconds``)."""
+        self.tokenizer = check_tokenizer(tokenizer)
+        options = self._take_options(engine, options)
+        self.engine = engine
+        self._jobs = itertools.count()
+        #: The seconds of each job, in the order they ran.
+        self.job_seconds: list[float] = []
+        if checks:
+            self.probe = engine_probe(engine, tokenizer)
+            self.sync_stats: dict[int, dict[str, float]] = {}
+            self.sync_seconds: list[float] = []
+        return options
+
+    def _job_prompts(self, prompts: Prompts, images: Images) -> tuple[list, list | None]:
+        """Text prompts' token ids, or (with ``images``, checked) the texts and their images."""
+        if images is None:
+            return encode_prompts(self.tokenizer, prompts), None
+        check_image_prompts(self, prompts, images)
+        return list(prompts), [list(row) for row in images]
+
+    def _new_job(self, kind: str, params: SamplingParams, seed: int | None = None):
+        """The next job, at ``version``, and its seed (None: :func:`draw_seed` here, from
+        torch's generator, so a resumed run samples what it would have)."""
+        self._check_open()
+        check_params(params)
+        job = Job(next(self._jobs), self.version, kind)
+        return job, draw_seed(params) if seed is None else seed
+
+    def sync(self, engine: Any = None) -> None:
+        self._check_open()
+        version = self.version + 1
+        self._push(engine or self.engine, version)
+        self.version = version
+
+    @abstractmethod
+    def _push(self, engine: Any, version: int) -> None:
+        """Push ``engine``'s weights as ``version`` (the check answers later: :meth:`poll`)."""
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerError(f"{self.name} is closed")

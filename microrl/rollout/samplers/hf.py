@@ -31,10 +31,9 @@ class _LogprobRecorder(LogitsProcessor):
     """Records ``log_softmax(scores / T)`` at each sampled token, one step late.
 
     transformers applies a user's logits processors *before* its temperature warper, and a
-    processor does not see the token drawn from its scores, only, at the next step, ``input_ids``
-    with that token appended. So each call gathers the previous step's log-probs at the newest
-    token and keeps its own ``[B, V]`` log-probs for the next call (one step's worth of memory,
-    not ``output_scores``' ``[steps, B, V]``); :meth:`finish` gathers the last step's.
+    processor sees the token drawn from its scores only at the next step, so each call gathers
+    the previous step's ``[B, V]`` log-probs at the newest token (one step's memory, not
+    ``output_scores``' ``[steps, B, V]``); :meth:`finish` gathers the last step's.
     """
 
     def __init__(self, temperature: float) -> None:
@@ -58,10 +57,9 @@ class _LogprobRecorder(LogitsProcessor):
 
 
 class _BanTokens(LogitsProcessor):
-    """Never samples ``token_ids``: a vision-language policy's image placeholder, which in a
-    response would stand for an image the row does not have (the engine refuses such a row).
-    It runs after :class:`_LogprobRecorder`, so it truncates the sampling, as top-k does, but
-    not the recorded log-probs: those stay the engine's (docs/rollouts.md#images)."""
+    """Never samples ``token_ids``: a vision-language policy's image placeholder (the engine
+    refuses a row with one in its response). After :class:`_LogprobRecorder`, so it truncates
+    the sampling, as top-k does, but not the recorded log-probs (docs/rollouts.md#images)."""
 
     def __init__(self, token_ids: list[int]) -> None:
         self.token_ids = token_ids
@@ -122,26 +120,18 @@ class HFRollout(RolloutBackend):
         autocast_dtype: for a bare causal LM, the dtype ``generate`` autocasts to (None: none);
             an engine's is its own (:func:`engine_autocast_dtype`).
         image_encoder: a vision-language policy's (:meth:`ImageEncoder.from_pretrained` of its
-            checkpoint): ``generate(prompts, params, images=...)`` then samples image prompts,
-            the model's own ``generate`` taking each row's ``pixel_values`` and
-            ``image_grid_thw`` (docs/rollouts.md#images).
-        record_routing: a mixture-of-experts policy's routing is recorded around ``generate``
-            (:class:`~microrl.engine.moe.RoutingRecorder`): every row carries the experts of
-            each of its tokens, ``routed_experts`` ``[B, T, L, k]`` (``rollout.routing_replay``,
+            checkpoint): ``generate(prompts, params, images=...)`` then samples image prompts
+            (docs/rollouts.md#images).
+        record_routing: every row carries the experts of each of its tokens,
+            ``routed_experts`` ``[B, T, L, k]`` (``rollout.routing_replay``,
             docs/recipes.md#routing-replay); a model without routers is a ``ValueError``.
 
-    ``generate`` runs at the trainer's precision: under the engine's autocast (bf16 on CUDA by
-    default), so the samples come from the distribution the engine trains, not from an fp32
-    forward beside a bf16 trainer. A seeded call (``params.seed``) leaves the caller's
-    generators as they were, the engine's CUDA device's included.
-
-    Under data parallelism ``generate`` runs with ``synced_gpus=True``: a rank whose rows all ended
-    keeps stepping until every rank is done, so all ranks run the same number of forwards, which
-    sharded (FSDP2) weights need. ``rollout_logprobs`` are ``log_softmax(logits / temperature)``
-    at the sampled tokens, computed in float32 by the model's own forward (top-k/top-p, when asked
-    for, truncate the sampling but not these log-probs). A text batch whose longest prompt plus
-    ``params.max_new_tokens`` runs past the model's positions is a ``ValueError`` before any
-    forward (:mod:`~microrl.rollout.positions`).
+    ``generate`` runs under the engine's autocast, so the samples come from the distribution
+    the engine trains; a seeded call leaves the caller's generators as they were. Under data
+    parallelism it runs with ``synced_gpus=True`` (sharded weights need every rank to run the
+    same forwards). ``rollout_logprobs`` are ``log_softmax(logits / temperature)`` in float32
+    (top-k/top-p truncate the sampling, not these). A text batch that runs past the model's
+    positions is a ``ValueError`` before any forward (:mod:`~microrl.rollout.positions`).
     """
 
     def __init__(
@@ -177,8 +167,7 @@ class HFRollout(RolloutBackend):
         self._gather_root = engine.module if is_engine else model
         # The engine's compute device: under optim.cpu_offload its parameters live on the host.
         self._device = engine.device if is_engine else None
-        #: The autocast dtype ``generate`` runs under: the engine's (the trainer's precision, so
-        #: the samples come from the distribution it trains), else ``autocast_dtype``.
+        #: The autocast dtype ``generate`` runs under: the engine's, else ``autocast_dtype``.
         self.autocast_dtype = engine_autocast_dtype(engine) if is_engine else autocast_dtype
         #: The model's positions (None: its config states none): a row past them is refused.
         self.position_limit = position_limit(getattr(model, "config", None))
@@ -190,9 +179,8 @@ class HFRollout(RolloutBackend):
 
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """Image prompts through the model's own ``generate``, all rows in one batch: the rows'
-        patches concatenated in row order (each prompt's repeated for its ``num_samples`` rows,
-        as its ids are), their grids, and ``mm_token_type_ids`` marking the placeholders, from
-        which the model computes the mRoPE positions the engine computes (``get_rope_index``)."""
+        patches concatenated in row order (each prompt's repeated for its ``num_samples``
+        rows) and their grids."""
         rows = [img for img in prompts.images for _ in range(params.num_samples)]
         present = [img for img in rows if img is not None]
         if not present:
@@ -208,7 +196,7 @@ class HFRollout(RolloutBackend):
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Samples:
         """Sample ``params.num_samples`` rows per prompt; ``images``: every row's patches and
-        grids, rows in order (prompts repeated), as the model's ``generate`` takes them."""
+        grids, as the model's ``generate`` takes them."""
         device = self._device or next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         if images is None:  # an image's tokens take fewer (mRoPE) positions than their count
@@ -224,16 +212,9 @@ class HFRollout(RolloutBackend):
         mask = mask.repeat_interleave(params.num_samples, dim=0)
         # Plain sampling: top-k / top-p off unless asked (an unset top_k falls back to
         # transformers' default of 50, a truncated distribution the loss does not score).
-        sampling = (
-            {"do_sample": False}
-            if params.greedy
-            else {
-                "do_sample": True,
-                "temperature": params.temperature,
-                "top_k": params.top_k,
-                "top_p": params.top_p,
-            }
-        )
+        sampling: dict[str, Any] = {"do_sample": not params.greedy}
+        if not params.greedy:
+            sampling.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             eos_token_id=list(self.stop_token_ids),  # stops at any turn terminator

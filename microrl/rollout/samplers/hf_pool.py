@@ -1,38 +1,26 @@
 """Several asynchronous ``hf`` generation workers behind one trainer (``rollout.num_workers``).
 
 A job's prompts are cut into ``num_workers`` contiguous chunks of whole prompts (a group never
-straddles two workers; :func:`split_sizes`), each a job of its worker, sampled at the same time
-and merged back in the job's order (``merge_rollouts``). One seed is drawn per job as
-``AsyncRollout`` draws it and each part's derives from it (:func:`part_seeds`), so a resumed run
-samples what it would have. ``sync`` gathers the weights once and pushes them to every worker
-(:class:`~microrl.rollout.weights.gloo.GlooBroadcast`); each checks its push, and
-``sync_stats`` holds the largest statistics once every worker has. The workers are spawned
-together and given their first weights one after the other; a failed start closes them all.
+straddles two workers), each a job of its worker, sampled at the same time and merged back in
+the job's order. One seed is drawn per job and each part's derives from it (:func:`part_seeds`),
+so a resumed run samples what it would have. ``sync`` gathers the weights once for every worker
+(:class:`~microrl.rollout.weights.gloo.GlooBroadcast`); ``sync_stats`` holds the largest
+statistics once every worker has checked its push. docs/async.md#several-workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from microrl.engine.parallel import distributed
-from microrl.rollout.base import (
-    SEED_RANGE,
-    Rollout,
-    SamplingParams,
-    check_tokenizer,
-    draw_seed,
-    encode_prompts,
-)
+from microrl.rollout.base import SEED_RANGE, Images, Prompts, Rollout, SamplingParams
 from microrl.rollout.episodes import EpisodeError
-from microrl.rollout.images import check_image_prompts
 from microrl.rollout.merge import merge_rollouts
-from microrl.rollout.sampler import Job, Sampler, SamplerOptions, WorkerError
+from microrl.rollout.sampler import Job, SamplerOptions, WorkerError, WorkerSampler
 from microrl.rollout.samplers.hf_worker import AsyncRollout, warn_if_oversubscribed
 from microrl.rollout.weights.gloo import GlooBroadcast
 from microrl.rollout.weights.sync_check import SyncCheckError
@@ -46,10 +34,12 @@ __all__ = [
     "split_sizes",
 ]
 
-# The start of the message of the EpisodeError a worker raises when every episode of its part
-# failed under skip_env_errors (microrl.rollout.episodes._Player.finish): in a pool that
-# part is only dropped, as its rows would be from one worker, unless every part's are.
-_ALL_EPISODES_FAILED = "every one of the "
+
+def _all_episodes_failed(err: Exception) -> bool:
+    """Whether ``err`` is a worker's when every episode of its part failed under
+    ``skip_env_errors`` (``microrl.rollout.episodes._Player.finish``): in a pool that part is
+    only dropped, as its rows would be from one worker, unless every part's are."""
+    return isinstance(err, EpisodeError) and str(err).startswith("every one of the ")
 
 
 def check_num_workers(num_workers: Any) -> int:
@@ -99,9 +89,8 @@ class PoolJob(Job):
     skip_env_errors: bool = False
 
 
-class AsyncRolloutPool(Sampler):
-    """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together
-    (see the module docstring).
+class AsyncRolloutPool(WorkerSampler):
+    """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together.
 
     Args:
         engine, tokenizer, options: as :class:`AsyncRollout`'s, for every worker
@@ -121,19 +110,14 @@ class AsyncRolloutPool(Sampler):
         num_workers: int,
         name: str | None = None,
     ) -> None:
-        self.tokenizer = check_tokenizer(tokenizer)
         count = check_num_workers(num_workers)
-        options = self._take_options(engine, options)
-        self.engine = engine
+        options = self._start(engine, tokenizer, options, checks=False)
         rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
         base = name or "the rollout worker"
         #: How errors name the pool.
         self.name = f"the {count} rollout workers{rank}" if name is None else f"{name} 1-{count}"
-        self._jobs = itertools.count()
-        self._closed = False
-        #: Per collected job (in collect order): the wall seconds of its slowest part (the
-        #: parts run at once) and the CPU seconds of all its parts.
-        self.job_seconds: list[float] = []
+        #: Per collected job: the wall seconds of its slowest part (``job_seconds``: the parts
+        #: run at once) and the CPU seconds of all its parts.
         self.job_cpu_seconds: list[float] = []
         warn_if_oversubscribed(self.name, [options.num_threads] * count)
         #: The workers, in the order of the chunks they sample.
@@ -166,110 +150,73 @@ class AsyncRolloutPool(Sampler):
 
     @property
     def sync_stats(self) -> dict[int, dict[str, float]]:
-        """The probe statistics of each push every worker has checked (``sync/probe_kl``,
-        ``sync/probe_abs_diff_max``, ``sync/probe_abs_diff_mean``), by version: the largest
-        of the workers'."""
+        """The probe statistics of each push every worker has checked: the largest."""
         stats = [worker.sync_stats for worker in self.workers]
         checked = [v for v in sorted(stats[0]) if all(v in s for s in stats[1:])]
         return {v: {k: max(s[v][k] for s in stats) for k in stats[0][v]} for v in checked}
 
     @property
     def sync_seconds(self) -> list[float]:
-        """Per push every worker has loaded (in version order): the slowest worker's seconds
-        to load it and score the probe."""
+        """Per push every worker has loaded: the slowest worker's seconds."""
         loaded = zip(*(w.sync_seconds for w in self.workers), strict=False)  # shortest: by all
         return [max(seconds) for seconds in loaded]
 
-    # ----------------------------------------------------------------- start and stop
-    def close(self) -> None:
-        """Stop every worker (all asked at once, then each closed); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
         for worker in self.workers:  # an idle worker exits as soon as it reads this
             worker.request_stop()
         for worker in self.workers:
             worker.close()
 
-    # ----------------------------------------------------------------- weights
-    def sync(self, engine=None) -> None:
-        """Push the engine's current weights to every worker as the next version
-        (``version + 1``): gathered once, checked by each worker (see :meth:`AsyncRollout.sync`).
-        Returns at once. Collective under ``torchrun``."""
-        self._check_open()
-        version = self.version + 1
-        self.weight_sync.push(engine or self.engine, version)
-        self.version = version
+    def _push(self, engine, version: int) -> None:
+        self.weight_sync.push(engine, version)  # gathered once, checked by each worker
 
     def poll(self) -> None:
-        """Handle what every worker has sent so far (checks of finished syncs; errors)."""
         self._check_open()
         for worker in self.workers:
             worker.poll()
 
-    # ----------------------------------------------------------------- jobs
-    def submit(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        images: Sequence[Sequence[Any]] | None = None,
-    ) -> PoolJob:
-        """Queue sampling ``params.num_samples`` responses per prompt, the prompts split over
-        the workers; returns the :class:`PoolJob`, whose rollout :meth:`collect` returns.
-        ``images``: each text prompt's PIL images, split with their prompts."""
-        self._check_open()
-        _check_params(params)
-        if images is not None:
-            check_image_prompts(self, prompts, images)
+    def submit(self, prompts: Prompts, params: SamplingParams, *, images: Images = None) -> PoolJob:
+        prompts, images = self._job_prompts(prompts, images)
 
-            def submit(worker: AsyncRollout, chunk: list, part_params: SamplingParams, seed: int):
-                texts, rows = [p for p, _ in chunk], [row for _, row in chunk]
-                return worker.submit(texts, part_params, images=rows, seed=seed)
+        def submit(worker: AsyncRollout, part: slice, part_params: SamplingParams, seed: int):
+            rows = None if images is None else images[part]
+            return worker.submit(prompts[part], part_params, images=rows, seed=seed)
 
-            return self._split(list(zip(prompts, images, strict=True)), params, submit)
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
-        return self._split(
-            prompt_ids, params, lambda worker, chunk, p, seed: worker.submit(chunk, p, seed=seed)
-        )
+        return self._split(len(prompts), params, submit)
 
     def _submit_episodes(self, problems, params, limits, seed) -> PoolJob:
-        """Split over the workers (as :meth:`AsyncRollout.submit_episodes`); with
-        ``skip_env_errors`` a part whose every episode failed is dropped like its rows
+        """With ``skip_env_errors`` a part whose every episode failed is dropped like its rows
         (``episodes/env_errors`` counts them). ``seed``: unused, a pool draws part seeds."""
-        self._check_open()
 
-        def submit(worker: AsyncRollout, chunk: list, part_params: SamplingParams, seed: int):
-            return worker.submit_episodes(chunk, part_params, **limits, seed=seed)
+        def submit(worker: AsyncRollout, part: slice, part_params: SamplingParams, seed: int):
+            return worker.submit_episodes(problems[part], part_params, **limits, seed=seed)
 
-        return self._split(problems, params, submit, "episodes", limits["skip_env_errors"])
+        return self._split(len(problems), params, submit, "episodes", limits["skip_env_errors"])
 
     def _split(
-        self, items: list, params: SamplingParams, submit, kind="generate", skip_env_errors=False
+        self, items: int, params: SamplingParams, submit, kind="generate", skip_env_errors=False
     ) -> PoolJob:
-        """``submit(worker, chunk, params, seed)`` for each worker's contiguous chunk."""
-        seeds = part_seeds(draw_seed(params), len(self.workers))
+        """``submit(worker, part, params, seed)`` for each worker's contiguous slice ``part``
+        of the ``items``."""
+        job, seed = self._new_job(kind, params)
+        seeds = part_seeds(seed, len(self.workers))
         parts, start = [], 0
-        for index, size in enumerate(split_sizes(len(items), len(self.workers))):
+        for index, size in enumerate(split_sizes(items, len(self.workers))):
             if size == 0:
                 break  # the sizes do not increase: no worker after this one has prompts
-            part_params = params if params.seed is None else _with_seed(params, seeds[index])
-            chunk = items[start : start + size]
-            job = submit(self.workers[index], chunk, part_params, seeds[index])
-            parts.append(Part(index, job, start, size))
+            seed = seeds[index]
+            part_params = params if params.seed in (None, seed) else replace(params, seed=seed)
+            worker_job = submit(self.workers[index], slice(start, start + size), part_params, seed)
+            parts.append(Part(index, worker_job, start, size))
             start += size
         return PoolJob(
-            next(self._jobs),
-            self.version,
-            kind,
+            **vars(job),
             parts=tuple(parts),
             num_samples=params.num_samples,
             skip_env_errors=skip_env_errors,
         )
 
     def collect(self, job: PoolJob) -> Rollout:
-        """The rollout of ``job`` (waiting for each of its parts), its rows in the order of
-        the job's prompts; its batch carries ``policy_version``."""
         self._check_open()
         if not isinstance(job, PoolJob):
             raise TypeError(f"job must be a PoolJob of this pool, got {type(job).__name__}")
@@ -278,13 +225,10 @@ class AsyncRolloutPool(Sampler):
             worker = self.workers[part.worker]
             try:
                 results.append((part, *worker.collect_timed(part.job)))
-            except EpisodeError as err:
-                if job.skip_env_errors and str(err).startswith(_ALL_EPISODES_FAILED):
+            except Exception as err:
+                if job.skip_env_errors and _all_episodes_failed(err):
                     dropped.append(part)
                 elif error is None:
-                    error = _located(err, worker, part)
-            except Exception as err:
-                if error is None:
                     error = _located(err, worker, part)
         if error is not None:
             raise error
@@ -313,19 +257,9 @@ class AsyncRolloutPool(Sampler):
         group_ids = torch.cat([rollout.group_ids + part.start for part, rollout, _ in results])
         return dataclasses.replace(merged, group_ids=group_ids, metrics=metrics)
 
-    # ----------------------------------------------------------------- helpers
     def _check_open(self) -> None:
         if self._closed:
             raise WorkerError(f"{self.name} are closed")
-
-
-def _check_params(params: Any) -> None:
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return params if params.seed == seed else dataclasses.replace(params, seed=seed)
 
 
 def _located(err: Exception, worker: AsyncRollout, part: Part) -> Exception:

@@ -1,15 +1,12 @@
 """Asynchronous ``hf`` rollouts: a generation worker process that samples while the trainer trains.
 
 :class:`AsyncRollout` spawns one worker (:mod:`microrl.rollout.worker.main`) holding its own
-copy of the policy. Jobs run one after the other in submission order and a weight push is
-queued between them like a job, so the version a job samples is known when it is submitted;
-every row carries it (``policy_version``). The first push streams every tensor of the model in
-chunks (no process holds a second copy on the host); later ones send what the optimizer changes,
-packed once and broadcast asynchronously (:class:`~microrl.rollout.weights.gloo.GlooBroadcast`).
-Every push is verified: the worker scores the probe batch and checksums every tensor it
-received; the trainer compares both with its own when the answer arrives and raises
-``SyncCheckError`` naming the version and the tensors. Every wait polls the worker's liveness
-and gives up after ``timeout_s``; ``close`` (also at exit) stops it.
+copy of the policy. Jobs run in submission order with each weight push queued between them, so
+a job's version is known when it is submitted. The first push streams every tensor in chunks
+(no process holds a second host copy); later ones send what the optimizer changes, packed once
+and broadcast asynchronously (:class:`~microrl.rollout.weights.gloo.GlooBroadcast`). The worker
+answers each push with its probe log-probs and the tensors' checksums, checked when the answer
+arrives (``SyncCheckError`` names the version and the tensors). docs/async.md.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import itertools
 import logging
 import multiprocessing
 import os
@@ -38,20 +34,12 @@ from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.ulysses_attention import base_implementation
 from microrl.rollout import watcher
-from microrl.rollout.base import (
-    Rollout,
-    SamplingParams,
-    check_tokenizer,
-    draw_seed,
-    encode_prompts,
-)
+from microrl.rollout.base import Images, Prompts, Rollout, SamplingParams
 from microrl.rollout.channel import ChannelClosed, Receiver, Sender, close_all, start_process
-from microrl.rollout.images import check_image_prompts
-from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler, WorkerError
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, WorkerError, WorkerSampler
 from microrl.rollout.samplers.hf import engine_autocast_dtype
 from microrl.rollout.weights.full_weights import FullWeights
 from microrl.rollout.weights.gloo import GlooBroadcast
-from microrl.rollout.weights.sync_check import engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, WeightSync
 from microrl.rollout.worker import stream
 from microrl.rollout.worker.main import (
@@ -73,6 +61,7 @@ from microrl.rollout.worker.stream import (
 )
 
 if TYPE_CHECKING:  # annotations only
+    from microrl.engine.base import Engine
     from microrl.rollout.sampler import SamplerOptions
 
 __all__ = ["AsyncRollout"]
@@ -80,19 +69,17 @@ __all__ = ["AsyncRollout"]
 logger = logging.getLogger(__name__)
 
 
-class AsyncRollout(Sampler):
+class AsyncRollout(WorkerSampler):
     """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
 
     Args:
         engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its weights
             now are pushed as ``version``.
         tokenizer: its tokenizer (picklable: it is sent to the worker).
-        options: the policy version of the engine's current weights, the environments, the
-            timeout, the check's tolerance and the worker's threads
-            (:class:`~microrl.rollout.sampler.SamplerOptions`; None: the defaults).
+        options: :class:`~microrl.rollout.sampler.SamplerOptions` (None: the defaults).
         name: how errors name the worker.
         wait: False: spawn the worker and return at once; :meth:`wait_started` completes the
-            start (the first push and its check). A pool spawns its workers together this way.
+            start (the first push and its check), so a pool spawns its workers together.
         check_threads: warn when the trainer's and the worker's threads oversubscribe the
             cores (a pool checks all its workers together instead).
 
@@ -101,37 +88,27 @@ class AsyncRollout(Sampler):
 
     def __init__(
         self,
-        engine,
-        tokenizer,
+        engine: Engine,
+        tokenizer: Any,
         options: SamplerOptions | None = None,
         *,
         name: str | None = None,
         wait: bool = True,
         check_threads: bool = True,
     ) -> None:
-        self.tokenizer = check_tokenizer(tokenizer)
-        options = self._take_options(engine, options)
-        self.engine = engine
+        options = self._start(engine, tokenizer, options)
         self.name = name or (
             f"the rollout worker of rank {distributed.rank()}"
             if distributed.is_distributed()
             else "the rollout worker"
         )
-        #: The :func:`probe_stats` of each verified push, by version.
-        self.sync_stats: dict[int, dict[str, float]] = {}
-        #: The worker's seconds per job and per weight load (+ probe), in the order they ran,
-        #: and its CPU seconds per job (less than the wall time: it waited for a core).
-        self.job_seconds: list[float] = []
+        #: The worker's CPU seconds per job (less than the wall time: it waited for a core).
         self.job_cpu_seconds: list[float] = []
-        self.sync_seconds: list[float] = []
         #: Where the causal LM sits in the engine's module (its tensors are named from there).
         self.prefix, base = locate_base_model(engine.module)
-        self.probe = engine_probe(engine, tokenizer)
         self._expected: dict[int, tuple[torch.Tensor, dict[str, tuple[float, ...]]]] = {}
         self._done: dict[int, tuple[int, Any, tuple[float, float]]] = {}
-        self._jobs = itertools.count()
         self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
-        self._closed = False
         self.process = None
         env_bytes = None
         if self.env_maker is not None:
@@ -150,7 +127,6 @@ class AsyncRollout(Sampler):
         if wait:
             self.wait_started()
 
-    # ----------------------------------------------------------------- start and stop
     def _spawn(self, engine, base, tokenizer, env_bytes, options: SamplerOptions) -> None:
         from torch.distributed import TCPStore
 
@@ -190,8 +166,8 @@ class AsyncRollout(Sampler):
         )
 
     def wait_started(self) -> None:
-        """Complete the start of a worker spawned with ``wait=False``: wait for it, push the
-        engine's weights (version ``version``) and check them; closes the worker on failure."""
+        """Complete the start (``wait=False``): push the engine's weights as ``version`` and
+        check them; closes the worker on failure."""
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
         engine = self.engine
@@ -209,17 +185,14 @@ class AsyncRollout(Sampler):
             self._send(("layout", self._layouts), "its layout")
             self._wait_for("ready", "it to check the model's tensors")
             self._stream_full(engine)
-            self._wait_for_sync(self.version)
+            while self.version not in self.sync_stats:
+                self._receive(f"the check of the weights of policy version {self.version}")
         except BaseException:
             self.close()
             raise
 
-    def close(self) -> None:
-        """Stop the worker (a ``close`` command, then terminate/kill if it does not exit) and
-        release the group; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        """Stop the worker (a ``close`` command, then terminate/kill) and release the group."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:  # first: a live worker still takes a push in flight
             finalizer()
@@ -230,23 +203,19 @@ class AsyncRollout(Sampler):
         self._pending_works.clear()
 
     def request_stop(self) -> None:
-        """Ask a live worker to exit once idle, without waiting (a pool asks all before closing
-        each)."""
+        """Ask a live worker to exit once idle, without waiting (a pool asks all at once)."""
         if self.process is not None and self.process.is_alive():
             with contextlib.suppress(ChannelClosed):
                 self._commands.put(("close",))
 
-    # ----------------------------------------------------------------- weights
     def _layout(self, engine, *, trainable_only: bool) -> list[Entry]:
         """``(name, shape, dtype)`` of each tensor a push of this kind sends (no gather)."""
         weights = FullWeights(engine.module, self.prefix, trainable_only=trainable_only)
         return [(name, shape, dtype) for name, dtype, shape in weights.metadata()]
 
     def _stream_full(self, engine) -> None:
-        """The first push: every tensor, gathered one at a time and streamed in chunks
-        (:func:`~microrl.rollout.worker.stream.send_stream`), so neither process holds a second
-        copy of the model on the host; then the engine's probe log-probs, what the worker must
-        answer. Synchronous: the start waits for the worker's check anyway."""
+        """The first push: every tensor, gathered one at a time and streamed in chunks, so no
+        process holds a second host copy; synchronous (the start waits for its check anyway)."""
         entries = self._layouts["full"]
         chunk = stream.CHUNK_BYTES
         self._send(("weights", self.version, "full", chunk), "the first weights")
@@ -257,18 +226,14 @@ class AsyncRollout(Sampler):
     def _broadcast_chunk(self, chunk: torch.Tensor):
         return self._group.broadcast(chunk, 0)
 
-    def sync(self, engine=None) -> None:
-        """Push the engine's current weights as the next version (``version + 1``) through
-        :attr:`weight_sync`; jobs submitted from now on sample them. Returns at once: the worker
-        loads them after the jobs before; the check of this push runs when its answer arrives
-        (:meth:`collect`, :meth:`poll`). Collective under ``torchrun`` (the weights are
-        gathered)."""
-        self._check_open()
-        self.weight_sync.push(engine or self.engine, self.version + 1)
+    def _push(self, engine, version: int) -> None:
+        """Through :attr:`weight_sync`; returns at once (the worker loads it after the jobs
+        before). Collective under ``torchrun`` (the weights are gathered)."""
+        self.weight_sync.push(engine, version)
 
     def pack(self, engine) -> Packed:
-        """The trainable tensors, gathered one at a time into one host buffer
-        (:func:`~microrl.rollout.worker.stream.pack`). Collective under ``torchrun``."""
+        """The trainable tensors, gathered one at a time into one host buffer (collective under
+        ``torchrun``)."""
         entries = self._layouts["trainable"]
         weights = FullWeights(engine.module, self.prefix, trainable_only=True)
         check_layout(self._layout(engine, trainable_only=True), entries, self.name)
@@ -300,8 +265,7 @@ class AsyncRollout(Sampler):
         self._broadcast(state.buffer, stream.CHUNK_BYTES)
 
     def expected_of(self, engine, state: Packed | Mapping[str, torch.Tensor]):
-        """What the worker must answer to a push of ``state``: the engine's probe log-probs
-        now and the tensors' checksums."""
+        """What the worker must answer to a push of ``state``: the probe's log-probs, checksums."""
         sums = state.checksums if isinstance(state, Packed) else tensor_checksums(state.items())
         return self._probe_logprobs(engine), sums
 
@@ -309,57 +273,35 @@ class AsyncRollout(Sampler):
         return engine.infer_batch(self.probe)["logprobs"].float().cpu()
 
     def _broadcast(self, buffer: torch.Tensor, chunk_bytes: int) -> None:
-        """A packed push's chunks, broadcast asynchronously (the worker receives them when it
-        reaches the ``weights`` command): the trainer does not wait for the worker here; the
-        buffer is kept until every chunk has left."""
+        """A packed push's chunks, broadcast without waiting for the worker (it receives them
+        at its ``weights`` command); the buffer is kept until every chunk has left."""
         self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
         for work in send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
             self._pending_works.append((work, [buffer]))
 
-    # ----------------------------------------------------------------- jobs
-    def _submit(
-        self, kind: str, args: tuple, params: SamplingParams, seed: int | None = None
-    ) -> Job:
-        self._check_open()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        # The worker seeds each job: from params.seed, else from torch's generator here, so a
-        # run that checkpoints torch's RNG state resumes with the very samples it would draw
-        # (``seed``: a pool's part seed, drawn the same way).
-        if seed is None:
-            seed = draw_seed(params)
-        job = Job(next(self._jobs), self.version, kind)
+    def _submit(self, kind: str, args: tuple, params: SamplingParams, seed: int | None) -> Job:
+        job, seed = self._new_job(kind, params, seed)  # the worker seeds the job with it
         self._send((kind, job.id, seed, args), f"job {job.id}")
         return job
 
     def submit(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompts,
         params: SamplingParams,
         *,
-        images: Sequence[Sequence[Any]] | None = None,
+        images: Images = None,
         seed: int | None = None,
     ) -> Job:
-        """Queue sampling ``params.num_samples`` responses per prompt (``HFRollout.generate``
-        in the worker); returns the :class:`Job`, whose rollout :meth:`collect` returns.
-        ``images``: each text prompt's PIL images, sent with the job and encoded in the worker
-        by the policy's :class:`~microrl.rollout.images.ImageEncoder` (the one
-        preprocessing path). ``seed``: the job's seed (a pool's part seed); None:
-        :func:`draw_seed`."""
-        if images is not None:
-            check_image_prompts(self, prompts, images)
-            args = (list(prompts), params, [list(row) for row in images])
-            return self._submit("generate", args, params, seed)
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
-        return self._submit("generate", (prompt_ids, params, None), params, seed)
+        """``HFRollout.generate`` in the worker, which encodes the ``images``; ``seed``: the
+        job's seed (a pool's part seed; None: drawn here)."""
+        prompts, images = self._job_prompts(prompts, images)
+        return self._submit("generate", (prompts, params, images), params, seed)
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
-        """The episodes run in the worker (``HFRollout.run_episodes``), each row's environment
-        built there by ``env_maker``."""
+        # HFRollout.run_episodes in the worker, each row's environment built there by env_maker
         return self._submit("episodes", (problems, params, limits), params, seed)
 
     def collect(self, job: Job) -> Rollout:
-        """The rollout of ``job`` (waiting for it); its batch carries ``policy_version``."""
         return self.collect_timed(job)[0]
 
     def collect_timed(self, job: Job) -> tuple[Rollout, tuple[float, float]]:
@@ -373,22 +315,12 @@ class AsyncRollout(Sampler):
                 f"{self.name} sampled job {job.id} with policy version {version}, but "
                 f"version {job.version} was the last pushed before it"
             )
-        rows = len(payload["texts"])
-        batch = TensorDict(payload["batch"], batch_size=[rows])
+        rows = len(payload["texts"])  # the parts of worker.main.rollout_payload
+        batch = payload["batch"] = TensorDict(payload["batch"], batch_size=[rows])
         batch[POLICY_VERSION_KEY] = torch.full((rows,), version, dtype=torch.long)
-        rollout = Rollout(
-            batch=batch,
-            texts=payload["texts"],
-            group_ids=payload["group_ids"],
-            rewards=payload["rewards"],
-            num_turns=payload["num_turns"],
-            metrics=payload["metrics"],
-        )
-        return rollout, seconds
+        return Rollout(**payload), seconds
 
     def poll(self) -> None:
-        """Handle what the worker has sent so far (checks of finished syncs; errors) without
-        waiting."""
         self._check_open()
         while True:
             try:
@@ -399,7 +331,6 @@ class AsyncRollout(Sampler):
                 raise self._died("its next message") from None
             self._handle(message)
 
-    # ----------------------------------------------------------------- messages
     def _wait_for(self, kind: str, what: str) -> None:
         while True:
             message = self._next_message(what)
@@ -407,17 +338,12 @@ class AsyncRollout(Sampler):
                 return
             self._handle(message)
 
-    def _wait_for_sync(self, version: int) -> None:
-        while version not in self.sync_stats:
-            self._receive(f"the check of the weights of policy version {version}")
-
     def _receive(self, what: str) -> None:
         self._handle(self._next_message(what))
 
     def _next_message(self, what: str):
-        """The worker's next message; :class:`WorkerError` when it died (at any point, also in
-        the middle of a message: its end of the pipe closes) or sent nothing for
-        ``timeout_s``."""
+        """The worker's next message; :class:`WorkerError` when it died (its end of the pipe
+        closes, also mid-message) or sent nothing for ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -442,8 +368,7 @@ class AsyncRollout(Sampler):
             raise self._died(f"it to take {what}") from None
 
     def _died(self, what: str) -> WorkerError:
-        """The error of a worker whose channel closed: its exit code, once the process is
-        reaped (a moment after its pipe closes)."""
+        """The error of a worker whose channel closed, with its exit code once reaped."""
         self.process.join(timeout=5)
         return WorkerError(
             f"{self.name} (pid {self.process.pid}) died with exit code "
@@ -482,16 +407,10 @@ class AsyncRollout(Sampler):
         verifier = ProbeVerifier.of(self)
         verifier.verify(version, self.name, expected_probe, probe, tensors, failed=bool(differ))
 
-    # ----------------------------------------------------------------- helpers
-    def _check_open(self) -> None:
-        if self._closed:
-            raise WorkerError(f"{self.name} is closed")
-
 
 def unwrapped_attention(config):
-    """A copy of the model ``config`` whose attention is the plain one the engine's wrappers
-    (sequence parallelism's Ulysses, packing's varlen) run: the worker's model samples whole,
-    unpacked rows in its own process, where those wrappers are not registered."""
+    """A copy of the model ``config`` with the plain attention the engine's wrappers (Ulysses,
+    varlen) run: the worker's process samples whole rows and registers no wrapper."""
     config = copy.deepcopy(config)
     name = getattr(config, "_attn_implementation", None)
     while (plain := base_implementation(name)) != name:
@@ -524,8 +443,7 @@ def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
 
 
 def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:
-    """Ask the worker to exit (it answers between jobs), then terminate, then kill; close the
-    channels."""
+    """Ask the worker to exit (between jobs), then terminate, then kill; close the channels."""
     if process.is_alive():
         with contextlib.suppress(ChannelClosed):
             commands.put(("close",))

@@ -8,12 +8,12 @@ model) and the colocated ``vllm`` one exactly as it drives samplers in other pro
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams
+from microrl.rollout.base import Images, Prompts, Rollout, RolloutBackend, SamplingParams
 from microrl.rollout.images import problem_images
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler
 
@@ -66,14 +66,7 @@ class InProcessSampler(Sampler):
         holding a copy of the weights, 0 for the live model."""
         return self.sync_every - 1 if self.backend.holds_weights else 0
 
-    def submit(
-        self,
-        prompts: Sequence[Any],
-        params: SamplingParams,
-        *,
-        images: Sequence[Sequence[Any]] | None = None,
-    ) -> Job:
-        """A job of ``params.num_samples`` responses per prompt, sampled at :meth:`collect`."""
+    def submit(self, prompts: Prompts, params: SamplingParams, *, images: Images = None) -> Job:
         prompts = list(prompts)
         return self._queue(
             "generate", lambda: self.backend.generate(prompts, params, images=images)
@@ -96,8 +89,8 @@ class InProcessSampler(Sampler):
         return job
 
     def collect(self, job: Job) -> Rollout:
-        """``job``'s rollout, sampled now with the weights of version :attr:`loaded` (each row's
-        ``policy_version``). Collective under ``torchrun``, as the backend's sampling is."""
+        """Sampled now with the weights of version :attr:`loaded` (each row's
+        ``policy_version``); collective under ``torchrun``, as the backend's sampling is."""
         rollout = self._jobs.pop(job.id)()
         rows = len(rollout.texts)
         rollout.batch[POLICY_VERSION_KEY] = torch.full((rows,), self.loaded, dtype=torch.long)
@@ -119,7 +112,7 @@ class InProcessSampler(Sampler):
             self.current()
 
     def poll(self) -> None:
-        """Nothing runs between calls: a failed load raises where it samples."""
+        pass  # nothing runs between calls: a failed load raises where it samples
 
     def close(self) -> None:
         self._jobs.clear()

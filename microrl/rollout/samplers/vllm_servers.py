@@ -4,18 +4,16 @@
 per-row ``policy_version``) over ``vllm serve`` processes: ``num_workers`` it starts on
 localhost (:class:`~microrl.rollout.samplers.vllm_launch.LocalVLLMServer`) or the user's
 (``urls``). Requests are token ids in, token ids and log-probs out (``/inference/v1/generate``),
-one prompt each, spread over the servers, so the batch layout is the shared one. Weights, by
-vLLM's machinery (:mod:`microrl.rollout.weights.server_syncs`): a LoRA version is a new adapter
-a job's requests name (a row's version is exact; a sync never waits for running jobs); full
-weights go over vLLM's weight-transfer API as an in-flight update (requests paused, then
-resumed; rows keep their first and last tokens' versions). Every push is checked on the probe
-before any job samples it. docs/async.md#vllm-servers.
+one prompt each, spread over the servers. Weights (:mod:`microrl.rollout.weights.server_syncs`):
+a LoRA version is a new adapter a job's requests name (a row's version is exact); full weights
+are an in-flight update over vLLM's weight-transfer API (rows keep their first and last tokens'
+versions). Every push is checked on the probe before any job samples it.
+docs/async.md#vllm-servers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import secrets
 import threading
 import time
@@ -33,17 +31,9 @@ from microrl.engine.checkpoint.export import (
     locate_base_model,
 )
 from microrl.engine.parallel import distributed
-from microrl.rollout.base import (
-    Rollout,
-    RolloutBackend,
-    Samples,
-    SamplingParams,
-    check_tokenizer,
-    draw_seed,
-    encode_prompts,
-)
-from microrl.rollout.images import ImagePrompts, check_image_prompts
-from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler, WorkerError
+from microrl.rollout.base import Images, Prompts, Rollout, RolloutBackend, Samples, SamplingParams
+from microrl.rollout.images import ImagePrompts
+from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, WorkerError, WorkerSampler
 from microrl.rollout.samplers import vllm_options
 from microrl.rollout.samplers.vllm_http import ServerClient, exit_status
 from microrl.rollout.samplers.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
@@ -70,7 +60,6 @@ from microrl.rollout.weights.server_syncs import (
     HTTPAdapterSync,
     TransferSync,
 )
-from microrl.rollout.weights.sync_check import engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 
 if TYPE_CHECKING:  # annotations only
@@ -84,7 +73,7 @@ POLICY_VERSION_LAST_KEY = "policy_version_last"
 _REQUESTS_PER_SERVER = 64
 
 
-class VLLMServerRollout(Sampler):
+class VLLMServerRollout(WorkerSampler):
     """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
 
     Args:
@@ -93,10 +82,8 @@ class VLLMServerRollout(Sampler):
         tokenizer: its tokenizer.
         config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts
             (their GPUs: ``gpus``, ``tensor_parallel_size``), and ``trainer_address``.
-        options: the policy version of the engine's current weights, the environments (stepped
-            in this process), the longest wait for a server (start, one request, a push), the
-            check's tolerance and each local server's CPU threads
-            (:class:`~microrl.rollout.sampler.SamplerOptions`; None: the defaults).
+        options: :class:`~microrl.rollout.sampler.SamplerOptions` (None: the defaults); the
+            environments step in this process.
         urls: servers the user started (``rollout.server.url``); under ``torchrun`` data rank
             ``r`` of ``w`` (:func:`~microrl.rollout.samplers.vllm_placement.data_rank`) uses every
             ``w``-th one from the ``r``-th. Empty: start ``num_workers`` (per data rank).
@@ -107,9 +94,11 @@ class VLLMServerRollout(Sampler):
             None: temporary files, kept only when a server fails (errors name them).
     """
 
+    name = "the vLLM server rollout"
+
     def __init__(
         self,
-        engine,
+        engine: Engine,
         tokenizer,
         config: VLLMConfig | None = None,
         options: SamplerOptions | None = None,
@@ -120,10 +109,9 @@ class VLLMServerRollout(Sampler):
         workdir: str | None = None,
         log_dir: str | None = None,
     ) -> None:
-        self.tokenizer = check_tokenizer(tokenizer)
-        self.engine, self.config = engine, config or VLLMConfig()
+        self.config = config or VLLMConfig()
         check_arguments(engine, self.config, urls, num_workers)
-        options = self._take_options(engine, options)
+        options = self._start(engine, tokenizer, options)
         if self.image_encoder is not None:
             check_image_servers(engine, tokenizer)
         #: The layout, episodes and decoding of every backend, sampling through these servers.
@@ -132,13 +120,8 @@ class VLLMServerRollout(Sampler):
         )
         self.log_dir = log_dir
         self.is_lora = engine.peft_model is not None
-        self.sync_stats: dict[int, dict[str, float]] = {}
-        self.job_seconds: list[float] = []
-        self.sync_seconds: list[float] = []
         self._prefix, base = locate_base_model(engine.module)
-        self.probe = engine_probe(engine, tokenizer)
         self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, WORKDIR_PREFIX)
-        self._jobs = itertools.count()
         self._run_id = secrets.token_hex(4)
         self._futures: dict[int, tuple[Job, Future]] = {}
         self._syncs: dict[int, Future] = {}  # version -> its check (after its load)
@@ -146,14 +129,11 @@ class VLLMServerRollout(Sampler):
         self._servers = []
         self.weight_sync: WeightSync | None = None
         self._server_gpus: list[list[int]] | None = None  # cuda:N of each local server
-        # The dtype full-weight pushes travel in: the local servers' (a bf16 server takes half
-        # the bytes of fp32 master weights); None, the trainer's, for servers the user started.
+        # The dtypes full weights travel and a LoRA adapter is written in: the local servers'
+        # (bf16 halves the bytes; vLLM casts on load); None, as trained, for users' servers.
         self._push_dtype: torch.dtype | None = None
-        # The dtype a LoRA sync writes the adapter in: the one the local servers hold it in
-        # (vLLM casts it on load; bf16 halves the bytes); None, as trained, for users' servers.
         self._adapter_dtype: torch.dtype | None = None
         self._pushes_per_sync = num_workers  # the most servers any rank pushes to
-        self._closed = False
         self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
         self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-sync")
         try:
@@ -165,12 +145,11 @@ class VLLMServerRollout(Sampler):
             )
             #: How each sync reaches the servers: an adapter over HTTP, or full weights.
             self.weight_sync = HTTPAdapterSync(self) if self.is_lora else TransferSync(self)
-            self._submit_sync(engine).result()
+            self._submit_sync(engine, self.version).result()
         except BaseException:
             self.close()
             raise
 
-    # ----------------------------------------------------------------- servers
     def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
         rank = data_rank(self.engine)[0]  # servers belong to a data rank (an sp group's)
         if urls:
@@ -249,12 +228,8 @@ class VLLMServerRollout(Sampler):
                 future.result()  # the first failure, after every server is kept for close()
         return [server.client for server in self._servers]
 
-    def close(self) -> None:
-        """Stop the local servers, release the transfer groups, remove the work directory;
-        idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        """Stop the local servers, release the transfer groups, remove the work directory."""
         for pool in (self._job_thread, self._sync_thread, getattr(self, "_requests", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -264,27 +239,21 @@ class VLLMServerRollout(Sampler):
             server.close()
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
 
-    # ----------------------------------------------------------------- weights
-    def sync(self, engine=None) -> None:
-        """Load the engine's current weights as the next version (``version + 1``); jobs
-        submitted from now on sample them. Returns once the weights are taken: a LoRA adapter
-        exported (its load runs in the background), full weights pushed (streamed from the
-        parameters). The check runs in the background; it and the load surface in
-        :meth:`poll` / :meth:`collect`. Collective under ``torchrun``."""
-        self._check_open()
+    def _push(self, engine, version: int) -> None:
+        """Returns once the weights are taken: a LoRA adapter exported (loaded in the
+        background), full weights streamed from the parameters; the check runs in the
+        background. Collective under ``torchrun``."""
         self.poll()
-        self.version += 1
-        self._submit_sync(engine or self.engine)
+        self.version = version
+        self._submit_sync(engine, version)
 
-    def _submit_sync(self, engine) -> Future:
-        version = self.version
+    def _submit_sync(self, engine, version: int) -> Future:
         expected = ProbeVerifier.of(self).expected(engine)
         if self.is_lora:  # the export on this thread, the load in the background
             loaded = self.weight_sync.push(engine, version)
         else:
-            # Streamed from the live parameters on this thread, before the optimizer changes
-            # them (collective under torchrun: each rank gathers the shards in step), after the
-            # previous version's check is done (it scores the probe on the servers' weights).
+            # Streamed from the live parameters (collective under torchrun) before the optimizer
+            # changes them, once the previous check (on the servers' weights) is done.
             previous = self._syncs.get(version - 1)
             if previous is not None:
                 previous.result()
@@ -313,8 +282,8 @@ class VLLMServerRollout(Sampler):
             verifier.verify(version, target, expected, self._score_probe(client, version), detail)
 
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
-        """The server's log-probs of the probe rows, ``[B, T]`` like the engine's (0 off
-        ``loss_mask``), at temperature 1: vLLM's prompt log-probs are the model's raw ones."""
+        """The server's log-probs of the probe rows, ``[B, T]`` like the engine's, at
+        temperature 1: vLLM's prompt log-probs are the model's raw ones."""
         adapter = self._adapter(version) if self.is_lora else None
         verifier = ProbeVerifier.of(self)
         rows = verifier.rows()
@@ -323,16 +292,10 @@ class VLLMServerRollout(Sampler):
         ]
         return verifier.layout(scored)
 
-    # ----------------------------------------------------------------- jobs
     def _submit(
         self, run: Callable[[], Any], kind: str, params: SamplingParams, seed: int | None = None
     ) -> Job:
-        self._check_open()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if seed is None:  # torch's generator here: a resumed run draws the same
-            seed = draw_seed(params)
-        job = Job(next(self._jobs), self.version, kind)
+        job, seed = self._new_job(kind, params, seed)
         waits_for = self._syncs.get(job.version)
         future = self._job_thread.submit(self._run_job, job, seed, waits_for, run)
         self._futures[job.id] = (job, future)
@@ -347,47 +310,26 @@ class VLLMServerRollout(Sampler):
             rollout = run()
         finally:
             self._context.job = None
-        if isinstance(rollout, Samples):  # a bare _sample call
-            return rollout
         versions = torch.tensor(self._context.versions, dtype=torch.long).reshape(-1, 2)
         if len(versions) != rollout.batch.batch_size[0]:  # episodes: each row spans the job's
-            span = (
-                (int(versions[:, 0].min()), int(versions[:, 1].max()))
-                if len(versions)
-                else (
-                    job.version,
-                    job.version,
-                )
-            )
+            span = (job.version, job.version)
+            if len(versions):
+                span = (int(versions[:, 0].min()), int(versions[:, 1].max()))
             versions = torch.tensor([span] * rollout.batch.batch_size[0], dtype=torch.long)
         rollout.batch[POLICY_VERSION_KEY] = versions[:, 0].reshape(-1)
         rollout.batch[POLICY_VERSION_LAST_KEY] = versions[:, 1].reshape(-1)
         self.job_seconds.append(time.perf_counter() - start)
         return rollout
 
-    def submit(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        images: Sequence[Sequence[Any]] | None = None,
-    ):
-        """Queue sampling ``params.num_samples`` responses per prompt; returns the :class:`Job`.
-        ``images``: each text prompt's PIL images, encoded by the policy's
-        :class:`~microrl.rollout.images.ImageEncoder` (the rows' image keys) and sent to
-        the servers as lossless PNGs; the prompt each server ran is checked against the
-        encoder's (docs/rollouts.md#images)."""
-        if images is not None:
-            check_image_prompts(self, prompts, images)
-            texts, rows = list(prompts), [list(row) for row in images]
-            run = lambda: self.backend.generate(texts, params, images=rows)  # noqa: E731
-            return self._submit(run, "generate", params)
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
-        return self._submit(lambda: self.backend.generate(prompt_ids, params), "generate", params)
+    def submit(self, prompts: Prompts, params: SamplingParams, *, images: Images = None) -> Job:
+        """``images`` go to the servers as lossless PNGs; the prompt each server ran is
+        checked against the encoder's (docs/rollouts.md#images)."""
+        prompts, images = self._job_prompts(prompts, images)
+        run = lambda: self.backend.generate(prompts, params, images=images)  # noqa: E731
+        return self._submit(run, "generate", params)
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
-        """The episodes' environments step in this process while the servers sample (with
-        the problems' images, if any, every turn)."""
+        """The environments step in this process while the servers sample."""
         maker = self.env_maker
         with_images = self.image_encoder is not None and any(p.images for p in problems)
         images = [list(p.images) for p in problems] if with_images else None
@@ -401,8 +343,8 @@ class VLLMServerRollout(Sampler):
         return self._submit(run, "episodes", params, seed)
 
     def collect(self, job: Job) -> Rollout:
-        """The rollout of ``job`` (waiting for it, at most ``timeout_s`` while no server has
-        died); its batch carries ``policy_version`` and ``policy_version_last``."""
+        """Waits at most ``timeout_s`` while no server has died; the batch carries
+        ``policy_version_last`` too."""
         self._check_open()
         if job.id not in self._futures:
             raise ValueError(f"job {job.id} was not submitted here or was collected already")
@@ -421,7 +363,6 @@ class VLLMServerRollout(Sampler):
         return future.result()
 
     def poll(self) -> None:
-        """Raise the error of a finished load or check, if any, without waiting."""
         self._check_open()
         for version, future in list(self._syncs.items()):
             if future.done():
@@ -436,8 +377,7 @@ class VLLMServerRollout(Sampler):
         images: ImagePrompts | None = None,
     ) -> Samples:
         """The servers' samples of ``prompt_ids`` for the job running on this thread (the
-        backend's ``_sample``: every call of a job, an episode's turns included); ``images``:
-        the prompts encoded with their images (``prompt_ids`` is then ``images.ids``)."""
+        backend's ``_sample``); ``images``: the prompts encoded with their images."""
         job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
         if job is None:
             raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
@@ -477,11 +417,9 @@ class VLLMServerRollout(Sampler):
         # LoRA: every token comes from the request's adapter; full weights: from the spans.
         return parse_samples(response, url=client.url, version=version if self.is_lora else None)
 
-    # ----------------------------------------------------------------- helpers
     def _adapter(self, version: int) -> str:
         """The served name of a version's adapter: unique to this run and rank, so trainers
-        and ranks sharing a server, or a resumed run meeting its crashed predecessor's adapters,
-        never collide."""
+        and ranks sharing a server, or a resumed run, never collide."""
         return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}"
 
     def _check_servers(self, what: str) -> None:
@@ -491,10 +429,6 @@ class VLLMServerRollout(Sampler):
                     f"{server.name} died ({exit_status(server.process.returncode)}) while the "
                     f"trainer waited for {what}; {server.diagnosis()}"
                 )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise WorkerError("the vLLM server rollout is closed")
 
 
 class _ServerBackend(RolloutBackend):
@@ -517,8 +451,7 @@ class _ServerBackend(RolloutBackend):
 
 def check_arguments(engine, config: VLLMConfig, urls: Sequence[str], num_workers: int) -> None:
     """The checks of :class:`VLLMServerRollout`'s arguments, before anything starts (every
-    process of a sequence-parallel group runs them: none waits in a collective for one that
-    refused)."""
+    process of an sp group runs them: none waits in a collective for one that refused)."""
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
     if not isinstance(config, VLLMConfig):
