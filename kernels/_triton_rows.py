@@ -55,6 +55,23 @@ def _final_logits(x, b, inv, scale, cap, HAS_CAP: tl.constexpr):
 
 
 @triton.jit
+def _block_logits(
+    base, bias_ptr, start, n_cols, inv, scale, cap,
+    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``(cols, mask, z, tanh)`` of a row's ``BLOCK`` columns from ``start`` (``_final_logits``;
+    ``mask``: the columns below ``n_cols``, whose ``z`` is garbage elsewhere)."""
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(base + cols, mask=mask, other=0.0)
+    b = tl.zeros((BLOCK,), tl.float32)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=mask, other=0.0)
+    z, t = _final_logits(x, b, inv, scale, cap, HAS_CAP)
+    return cols, mask, z, t
+
+
+@triton.jit
 def _stats_kernel(
     tile_ptr, ld, n_cols, col0, tgt_ptr, inv_ptr, inv_scalar, bias_ptr, scale, cap,
     m_ptr, s_ptr, a_ptr, zt_ptr,
@@ -70,13 +87,9 @@ def _stats_kernel(
     s_run = tl.zeros((), tl.float32)
     a_run = tl.zeros((), tl.float32)
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(base + cols, mask=mask, other=0.0)
-        b = tl.zeros((BLOCK,), tl.float32)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + cols, mask=mask, other=0.0)
-        z, _t = _final_logits(x, b, inv, scale, cap, HAS_CAP)
+        _cols, mask, z, _t = _block_logits(
+            base, bias_ptr, start, n_cols, inv, scale, cap, HAS_BIAS, HAS_CAP, BLOCK
+        )
         z = tl.where(mask, z, _NEG)
         m_new = tl.maximum(m_run, tl.max(z, 0))
         e = tl.exp(z - m_new)  # 0 on the masked columns
@@ -136,13 +149,9 @@ def _grads_kernel(
         bb = tl.load(bb_ptr + row)
     t = tl.load(tgt_ptr + row) - col0
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(base + cols, mask=mask, other=0.0)
-        b = tl.zeros((BLOCK,), tl.float32)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + cols, mask=mask, other=0.0)
-        z, th = _final_logits(x, b, inv, scale, cap, HAS_CAP)
+        cols, mask, z, th = _block_logits(
+            base, bias_ptr, start, n_cols, inv, scale, cap, HAS_BIAS, HAS_CAP, BLOCK
+        )
         s = z - m
         g = -tl.exp(s - log_s) * (cc + bb * s)
         g = tl.where(cols == t, g + g_t, g)

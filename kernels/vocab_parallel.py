@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,13 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import linear_logprob
 from ._checks import (
-    IGNORE_INDEX,
     HeadInputs,
+    HeadOptions,
     HeadSpec,
     check_linear_logprob_inputs,
     flatten,
     head_dtype,
+    head_spec,
     no_autocast,
 )
 from ._dispatch import resolve
@@ -50,6 +52,10 @@ from ._tiles import (
 )
 from .chunked_loss import VocabShard, shard_hidden_grad
 from .vocab_parallel_chunked import vocab_parallel_chunked
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 __all__ = ["vocab_parallel_linear_logprob"]
 
@@ -370,15 +376,7 @@ def vocab_parallel_linear_logprob(
     group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    with_entropy: bool = True,
-    chunk_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    validate: bool = True,
-    bias: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    implementation: str = "auto",
+    **head: Unpack[HeadOptions],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head whose vocabulary is split over a TP group.
 
@@ -424,10 +422,7 @@ def vocab_parallel_linear_logprob(
         TypeError / ValueError: as ``fused_linear_logprob``, and for a bad ``group``,
             ``vocab_start``, ``vocab_size`` or DTensor layout, and a DTensor ``hidden``/``targets``.
     """
-    spec = HeadSpec(
-        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
-        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
-    )  # fmt: skip
+    spec, temperature, bias = head_spec("vocab_parallel_linear_logprob", head)
     spec, inputs, shard = checked_inputs(
         hidden, weight, targets, temperature, bias, spec, group, vocab_start, vocab_size
     )
