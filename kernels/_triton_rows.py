@@ -175,36 +175,38 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def stats(tile, col0, targets, inv_t, bias, scale, softcap, m, s, a, zt, first) -> None:
-    """``kernels/_row_ops.stats`` in one Triton launch (tile, statistics and targets on the
-    device; the statistics float32)."""
+def _launch(kernel, tile, inv_t, bias, scale, softcap, head: tuple, tail: tuple, **flags) -> None:
+    """One program per row of ``tile`` (none when it is empty):
+    ``kernel(*head, <temperature, bias, scale, cap>, *tail)`` with their flags, the block and
+    ``flags``."""
     rows, cols = tile.shape
     if rows == 0 or cols == 0:
         return
     inv_arg, inv_scalar, per_row = _per_row(inv_t, tile)
     block = _block(cols)
-    _stats_kernel[(rows,)](
-        tile, tile.stride(0), cols, col0, targets, inv_arg, inv_scalar,
-        tile if bias is None else bias, float(scale), float(softcap or 1.0),
-        m, s, s if a is None else a, zt,
-        FIRST=bool(first), PER_ROW_T=per_row, HAS_BIAS=bias is not None,
-        HAS_CAP=softcap is not None, WITH_ENT=a is not None, BLOCK=block,
-        num_warps=_warps(block),
+    kernel[(rows,)](
+        *head, inv_arg, inv_scalar, tile if bias is None else bias, float(scale),
+        float(softcap or 1.0), *tail,
+        PER_ROW_T=per_row, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, BLOCK=block,
+        num_warps=_warps(block), **flags,
+    )  # fmt: skip
+
+
+def stats(tile, col0, targets, inv_t, bias, scale, softcap, m, s, a, zt, first) -> None:
+    """``kernels/_row_ops.stats`` in one Triton launch (tile, statistics and targets on the
+    device; the statistics float32)."""
+    _launch(
+        _stats_kernel, tile, inv_t, bias, scale, softcap,
+        (tile, tile.stride(0), tile.shape[1], col0, targets), (m, s, s if a is None else a, zt),
+        FIRST=bool(first), WITH_ENT=a is not None,
     )  # fmt: skip
 
 
 def grads(tile, out, col0, targets, inv_t, bias, scale, softcap, m, log_s, g_t, cc, bb) -> None:
     """``kernels/_row_ops.grads`` in one Triton launch (``out`` may be a view of the tile's
     storage with the same byte offset per row, module docstring)."""
-    rows, cols = tile.shape
-    if rows == 0 or cols == 0:
-        return
-    inv_arg, inv_scalar, per_row = _per_row(inv_t, tile)
-    block = _block(cols)
-    _grads_kernel[(rows,)](
-        tile, tile.stride(0), out, out.stride(0), cols, col0, targets, inv_arg, inv_scalar,
-        tile if bias is None else bias, float(scale), float(softcap or 1.0),
-        m, log_s, g_t, cc, cc if bb is None else bb,
-        PER_ROW_T=per_row, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
-        WITH_ENT=bb is not None, BLOCK=block, num_warps=_warps(block),
+    _launch(
+        _grads_kernel, tile, inv_t, bias, scale, softcap,
+        (tile, tile.stride(0), out, out.stride(0), tile.shape[1], col0, targets),
+        (m, log_s, g_t, cc, cc if bb is None else bb), WITH_ENT=bb is not None,
     )  # fmt: skip

@@ -360,11 +360,13 @@ def make_head(
     vocab = weight.shape[0] if vocab is None else vocab
     hidden_size = weight.shape[1]
     native16 = not gemm16 or _native_out_dtype(hidden.device, hidden.dtype)
-    plan = _chunk_plan.plan_tiles(
+    problem = _chunk_plan.Problem(
         count, vocab, hidden_size, gemm_sizes(hidden, weight, cdtype, gemm16), tuple(need),
-        budget=budget or _chunk_plan.budget_bytes(count, vocab, hidden_size),
+        bias is not None, row_copies, native16,
+    )  # fmt: skip
+    plan = _chunk_plan.plan_tiles(
+        problem, budget=budget or _chunk_plan.budget_bytes(count, vocab, hidden_size),
         chunk_size=spec.chunk_size, temps=_dispatch.row_ops(spec.implementation).TEMPS,
-        bias=bias is not None, row_copies=row_copies, native16=native16,
     )  # fmt: skip
     return Head(plan, spec, gemm16)
 

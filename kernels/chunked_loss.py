@@ -66,11 +66,8 @@ class LossPlan:
     head: Head
     keep: bool
     keep_rows: int  # the tallest group whose [rows, V] tile fits the budget (0: none)
-    sizes: _chunk_plan.Sizes
+    problem: _chunk_plan.Problem  # the whole call's
     budget: int
-    need: tuple[bool, bool, bool]
-    bias: bool
-    row_copies: bool = True  # row blocks are masked copies (some row may be ignored)
 
     @property
     def rows(self) -> int:
@@ -86,25 +83,20 @@ class LossPlan:
         temps = self.head.plan.temps
         if self.keep and rows <= self.keep_rows:
             return replace(self.head, plan=_chunk_plan.ChunkPlan(rows, vocab, temps)), True
+        problem = replace(self.problem, m=rows, v=vocab, h=hidden_size)
         plan = _chunk_plan.plan_tiles(
-            rows, vocab, hidden_size, self.sizes, self.need, budget=self.budget,
-            chunk_size=self.spec.chunk_size, temps=temps, bias=self.bias,
-            row_copies=self.row_copies,
-        )  # fmt: skip
+            problem, budget=self.budget, chunk_size=self.spec.chunk_size, temps=temps
+        )
         return replace(self.head, plan=plan), False
 
 
-def _keep_rows(
-    count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias, row_copies
-) -> int:
+def _keep_rows(problem: _chunk_plan.Problem, budget: int, chunk_size, temps: int) -> int:
     """The most rows whose whole ``[rows, vocab]`` tile (and the rest of the memory model) fits
     ``budget``: the model is linear in the rows."""
-    tallest = min(count, chunk_size or count)
+    tallest = min(problem.m, chunk_size or problem.m)
 
     def model(rows):
-        plan = _chunk_plan.ChunkPlan(rows, vocab, temps)
-        return _chunk_plan.extra_bytes(count, vocab, hidden_size, plan, sizes, need, bias=bias,
-                                       row_copies=row_copies)  # fmt: skip
+        return _chunk_plan.extra_bytes(problem, _chunk_plan.ChunkPlan(rows, problem.v, temps))
 
     fixed = model(0)
     per_row = model(1) - fixed
@@ -125,19 +117,17 @@ def loss_plan(
         hidden, weight, bias, count, need, spec, row_copies=row_copies, vocab=vocab, budget=budget
     )
     sizes = gemm_sizes(hidden, weight, head_dtype(hidden, weight, bias), head.gemm16)
+    problem = _chunk_plan.Problem(
+        count, vocab, hidden_size, sizes, need, bias is not None, row_copies
+    )
     temps = _dispatch.row_ops(spec.implementation).TEMPS
-    keep_rows = _keep_rows(
-        count, vocab, hidden_size, sizes, need, budget, spec.chunk_size, temps, bias is not None,
-        row_copies,
-    )  # fmt: skip
-    recomputed = _chunk_plan.plan_seconds(count, vocab, hidden_size, head.plan, sizes, need)
+    keep_rows = _keep_rows(problem, budget, spec.chunk_size, temps)
+    recomputed = _chunk_plan.plan_seconds(problem, head.plan)
     kept = float("inf")
     if keep_rows > 0:
         plan = _chunk_plan.ChunkPlan(keep_rows, vocab, temps)
-        kept = _chunk_plan.plan_seconds(count, vocab, hidden_size, plan, sizes, need, keep=True)
-    return LossPlan(
-        head, kept < recomputed, keep_rows, sizes, budget, need, bias is not None, row_copies
-    )
+        kept = _chunk_plan.plan_seconds(problem, plan, keep=True)
+    return LossPlan(head, kept < recomputed, keep_rows, problem, budget)
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import (
-    HeadInputs,
-    HeadOptions,
-    HeadSpec,
-    checked_inputs,
-    head_dtype,
-    head_spec,
-    no_autocast,
-)
+from ._checks import HeadInputs, HeadSpec, checked_inputs, head_dtype, head_spec, no_autocast
 from ._dispatch import resolve
 from .chunked_loss import VocabShard, loss_plan, run_chunked
 from .linear_logprob import (
@@ -43,6 +35,8 @@ from .linear_logprob import (
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
 
 
 __all__ = ["FusedLossOutput", "GroupLossFn", "fused_linear_loss"]

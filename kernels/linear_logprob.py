@@ -16,14 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import (
-    HeadOptions,
-    HeadSpec,
-    checked_inputs,
-    head_dtype,
-    head_spec,
-    no_autocast,
-)
+from ._checks import HeadSpec, checked_inputs, head_dtype, head_spec, no_autocast
 from ._dispatch import resolve
 from ._tiles import (
     _cap_slope_,
@@ -48,6 +41,8 @@ from .chunked import chunked_linear_logprob
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
 
 
 __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]

@@ -13,16 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._checks import (
-    HeadOptions,
-    check_linear_logprob_inputs,
-    head_dtype,
-    head_spec,
-    no_autocast,
-)
+from ._checks import check_linear_logprob_inputs, head_dtype, head_spec, no_autocast
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
 
 
 __all__ = ["reference_linear_logprob"]

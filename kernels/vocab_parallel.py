@@ -24,7 +24,6 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from . import linear_logprob
 from ._checks import (
     HeadInputs,
-    HeadOptions,
     HeadSpec,
     check_linear_logprob_inputs,
     flatten,
@@ -55,6 +54,8 @@ from .vocab_parallel_chunked import vocab_parallel_chunked
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
 
 
 __all__ = ["vocab_parallel_linear_logprob"]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import vocab_parallel as vp
-from ._checks import HeadOptions, head_dtype, head_spec
+from ._checks import head_dtype, head_spec
 from ._tiles import _zero_unkept
 from .chunked_loss import VocabShard
 from .fused_loss import (
@@ -50,6 +50,8 @@ from .linear_logprob import _backward
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
 
 
 __all__ = ["vocab_parallel_linear_loss"]
