@@ -22,19 +22,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 import torch.distributed as dist
 
 from . import _chunk_plan, _dispatch
 from ._checks import HeadSpec, head_dtype
 from ._tiles import _zero_unkept
-from .chunked import Head, gemm_sizes, grad_pass, make_head, stats_pass, upstream
+from .chunked import (
+    Head,
+    VocabShard,
+    finalize,
+    gemm_sizes,
+    grad_pass,
+    make_head,
+    stats_pass,
+    upstream,
+)
 
 __all__ = [
     "LOSS_BUDGET_FACTOR",
     "LossPlan",
-    "VocabShard",
-    "combine",
     "head_budget_bytes",
     "loss_plan",
     "run_chunked",
@@ -130,37 +136,6 @@ def loss_plan(
     return LossPlan(head, kept < recomputed, keep_rows, problem, budget)
 
 
-@dataclass(frozen=True)
-class VocabShard:
-    """A vocab-parallel rank's columns: its group, first global id and real (unpadded) rows."""
-
-    group: dist.ProcessGroup | None
-    vocab_start: int
-    real_rows: int
-
-
-def combine(local, targets_local, shard: VocabShard | None):
-    """``(m, s, a, zt - m)`` over the whole vocabulary (vocab-parallel: the exact all-reduces of
-    ``vocab_parallel._combine``)."""
-    if shard is None:
-        return local.m, local.s, local.a, local.zt - local.m
-    from . import vocab_parallel
-
-    return vocab_parallel._combine((local.m, local.s, local.a, local.zt), targets_local, shard)
-
-
-def shard_hidden_grad(gh: torch.Tensor, hidden: torch.Tensor, rows_idx, group) -> torch.Tensor:
-    """The hidden gradient ``[N, H]`` in ``hidden``'s dtype from this shard's partial sums
-    ``gh`` (``[M, H]``, G_local @ W_local of the processed rows, summed over ``group`` here in
-    place: the group's sum is the full gradient), scattered to ``rows_idx`` (zeros elsewhere)."""
-    if group is not None:
-        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
-    if rows_idx is None:
-        return gh.to(hidden.dtype)
-    grad_h = hidden.new_zeros(hidden.shape)
-    return grad_h.index_copy_(0, rows_idx, gh.to(hidden.dtype))
-
-
 def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, call):
     """``fused_loss._run`` on the chunked path (the module docstring): per group the
     statistics, ``loss_fn``, the gradient pass. ``shard``: this rank's columns (vocab-parallel),
@@ -186,13 +161,8 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
         h, t = hidden[rows], local_t[rows]
         head, keep = plan.head_for(end - start, max(1, real), hidden_size)
         local, kept = stats_pass(head, h, local_w, local_b, t, None, mask, inv, keep=keep)
-        m, s, a, shifted = combine(local, t, shard)
-        log_s = s.log()
-        ent_all = None if a is None else log_s - a / s
-        values = (
-            _zero_unkept(shifted - log_s, mask),
-            None if ent_all is None else _zero_unkept(ent_all, mask),
-        )
+        m, lp, ent_all, log_s = finalize(local, t, shard)
+        values = (_zero_unkept(lp, mask), None if ent_all is None else _zero_unkept(ent_all, mask))
         g_lp, g_ent = _record_group(call, start, end, values, (logprob, entropy), losses)
         if _no_gradient(any_grad, g_lp, g_ent, grad_h, rows):
             continue

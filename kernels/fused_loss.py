@@ -22,7 +22,8 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ._checks import HeadInputs, HeadSpec, checked_inputs, head_dtype, head_spec, no_autocast
 from ._dispatch import resolve
-from .chunked_loss import VocabShard, loss_plan, run_chunked
+from .chunked import VocabShard
+from .chunked_loss import loss_plan, run_chunked
 from .linear_logprob import (
     _BUFFER_TILES,
     WORKING_TILE_ELEMENTS,

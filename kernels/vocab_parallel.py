@@ -49,8 +49,7 @@ from ._tiles import (
     _tile_stats,
     _zero_unkept,
 )
-from .chunked_loss import VocabShard, shard_hidden_grad
-from .vocab_parallel_chunked import vocab_parallel_chunked
+from .chunked import VocabShard, chunked_linear_logprob, shard_hidden_grad
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -430,7 +429,7 @@ def vocab_parallel_linear_logprob(
     hidden_2d, weight, bias = inputs.hidden, inputs.weight, inputs.bias  # the shard's
     spec = resolve(hidden_2d, weight, bias, spec, "vocab_parallel_linear_logprob")
     if spec.implementation != "tiles":
-        out = vocab_parallel_chunked(inputs, shard, spec)
+        out = chunked_linear_logprob(inputs, spec, shard)
         return _shaped(out, targets.shape, spec.with_entropy)
     rows_idx, row_mask, inv_t = inputs.rows()
     configured = spec.chunk_size or _DEFAULT_ROWS

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import vocab_parallel as vp
 from ._checks import head_dtype, head_spec
 from ._tiles import _zero_unkept
-from .chunked_loss import VocabShard
+from .chunked import VocabShard
 from .fused_loss import (
     FusedLossOutput,
     GroupLossFn,
