@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from microrl.configs.fields import config_field, require
+from microrl.configs.fields import config_field, require_bool
 from microrl.losses.aggregation import AggMode
 from microrl.losses.config import PolicyLossConfig, RouterLossConfig
 
@@ -75,12 +75,7 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.schedule is not Schedule.CONSTANT and not (self.total_steps or 0) > 0:
             raise ValueError(f"optim.total_steps must be > 0 for schedule {self.schedule.value!r}")
-        require(
-            isinstance(self.cpu_offload, bool),
-            "optim.cpu_offload",
-            "a bool (true or false)",
-            self.cpu_offload,
-        )
+        require_bool(self.cpu_offload, "optim.cpu_offload")
 
 
 @dataclass
@@ -287,24 +282,9 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} cannot be combined yet: "
                 "set one of them to 1"
             )
-        require(
-            isinstance(self.freeze_vision, bool),
-            "freeze_vision",
-            "a bool (true or false)",
-            self.freeze_vision,
-        )
-        require(
-            isinstance(self.routing_replay, bool),
-            "routing_replay",
-            "a bool (true or false)",
-            self.routing_replay,
-        )
-        require(
-            isinstance(self.activation_offload, bool),
-            "activation_offload",
-            "a bool (true or false)",
-            self.activation_offload,
-        )
+        require_bool(self.freeze_vision, "freeze_vision")
+        require_bool(self.routing_replay, "routing_replay")
+        require_bool(self.activation_offload, "activation_offload")
         if self.optim.cpu_offload and self.tensor_parallel_size > 1:
             raise ValueError(
                 "optim.cpu_offload and tensor_parallel_size > 1 cannot be combined (CPU offload "
@@ -373,12 +353,7 @@ class ActorConfig(EngineConfig):
         super().__post_init__()
         if not (self.temperature > 0 and self.temperature != float("inf")):
             raise ValueError(f"temperature must be a finite float > 0, got {self.temperature}")
-        require(
-            isinstance(self.mask_truncated, bool),
-            "mask_truncated",
-            "a bool (true or false)",
-            self.mask_truncated,
-        )
+        require_bool(self.mask_truncated, "mask_truncated")
 
 
 @dataclass

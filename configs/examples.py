@@ -11,6 +11,7 @@ change them (:func:`microrl.configs.loader.load_config`). The library never impo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from microrl.configs.engine import ActorConfig, CriticConfig, LoraConfig, OptimConfig
 from microrl.configs.fields import config_field, require
@@ -28,13 +29,14 @@ from microrl.losses.config import PolicyLossConfig
 __all__ = ["GAEConfig", "GRPOExampleConfig", "PPOExampleConfig"]
 
 
-def _grpo_actor() -> ActorConfig:
+def _lora_actor(surrogate: str, kl_coef: float) -> ActorConfig:
+    """Both examples' actor but for its policy loss."""
     return ActorConfig(
         micro_batch_size=128,
         temperature=1.0,
         optim=OptimConfig(lr=2e-3, grad_clip=1.0),
         lora=LoraConfig(rank=8, alpha=16.0),
-        policy_loss=PolicyLossConfig(name="grpo", kl_coef=0.0),
+        policy_loss=PolicyLossConfig(name=surrogate, kl_coef=kl_coef),
     )
 
 
@@ -54,7 +56,7 @@ class GRPOExampleConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=_grpo_rollout)
-    actor: ActorConfig = field(default_factory=_grpo_actor)
+    actor: ActorConfig = field(default_factory=partial(_lora_actor, "grpo", kl_coef=0.0))
     train: LoopConfig = field(default_factory=_grpo_train)
     output: OutputConfig = field(default_factory=OutputConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -73,16 +75,6 @@ class GAEConfig:
     def __post_init__(self) -> None:
         require(0 <= self.gamma <= 1, "gae.gamma", "in [0, 1]", self.gamma)
         require(0 <= self.lam <= 1, "gae.lam", "in [0, 1]", self.lam)
-
-
-def _ppo_actor() -> ActorConfig:
-    return ActorConfig(
-        micro_batch_size=128,
-        temperature=1.0,
-        optim=OptimConfig(lr=2e-3, grad_clip=1.0),
-        lora=LoraConfig(rank=8, alpha=16.0),
-        policy_loss=PolicyLossConfig(name="ppo", kl_coef=0.01),
-    )
 
 
 def _ppo_critic() -> CriticConfig:
@@ -112,7 +104,7 @@ class PPOExampleConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=_ppo_rollout)
-    actor: ActorConfig = field(default_factory=_ppo_actor)
+    actor: ActorConfig = field(default_factory=partial(_lora_actor, "ppo", kl_coef=0.01))
     critic: CriticConfig = field(default_factory=_ppo_critic)
     gae: GAEConfig = field(default_factory=GAEConfig)
     train: LoopConfig = field(default_factory=_ppo_train)

@@ -1,8 +1,9 @@
-"""The two helpers every config section is written with: a field with its help, a range check.
+"""The helpers every config section is written with: a field with its help, a range check.
 
 A field's one-line ``--help`` description is its ``metadata["help"]``, written beside it with
 :func:`config_field` (:func:`microrl.configs.loader.describe_config` reads it back). A section's
-``__post_init__`` checks its ranges with :func:`require`, whose message names the key.
+``__post_init__`` checks its ranges with :func:`require` (:func:`require_bool` for a flag),
+whose message names the key.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-__all__ = ["config_field", "require"]
+__all__ = ["config_field", "require", "require_bool"]
 
 
 def config_field(default: Any, help: str) -> Any:
@@ -33,3 +34,8 @@ def require(condition: bool, key: str, rule: str, value: object) -> None:
     """
     if not condition:
         raise ValueError(f"{key} must be {rule}, got {value!r}")
+
+
+def require_bool(value: object, key: str) -> None:
+    """:func:`require` that ``key`` is a bool: YAML's true or false (a string "false" is truthy)."""
+    require(isinstance(value, bool), key, "a bool (true or false)", value)

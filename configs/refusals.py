@@ -1,19 +1,15 @@
 """What composes: every rule that ties keys of two config sections, in one table.
 
-A section checks its own keys (types, ranges, and rules among its own keys) in its
-``__post_init__``. A rule that ties two sections -- ``task.name`` and ``task.dataset``, an agent
-and the environments, the vLLM servers and the synchronous loop, a teacher and multi-turn tasks,
-a recipe and what it cannot train -- is a :class:`Refusal` row of :data:`REFUSALS`: the key it
-names, what that key must be, why, and which recipes it binds. The sections and the recipes'
-configs check their rows (:func:`check_refusals`); docs/recipes.md#what-composes is rendered from
-this table (:func:`refusals_markdown`, ``python -m microrl.configs.refusals``), and a test keeps
-it current.
-
-Each row's ``scope`` says where it is checked and what its predicate gets:
+A section checks its own keys in its ``__post_init__``; a rule that ties two sections
+(``task.name`` and ``task.dataset``, the vLLM servers and the synchronous loop, a teacher and
+multi-turn tasks, a recipe and what it cannot train, ...) is a :class:`Refusal` row of
+:data:`REFUSALS`, checked by :func:`check_refusals`. docs/recipes.md#what-composes is rendered
+from this table (:func:`refusals_markdown`, ``python -m microrl.configs.refusals``; a test keeps
+it current). A row's ``scope`` says when it is checked and what its predicate gets:
 
 - ``task``, ``rollout``, ``teacher``: that section, when it is built (also outside a recipe);
 - ``recipe``: the recipe's whole config, when it is built (``recipes``: which);
-- ``images``: the recipe's config when the run starts and its task gives prompts with images
+- ``images``: the recipe's config when the run starts and its task's prompts carry images
   (``facts["vllm_vision"]``: why vLLM cannot sample them on this machine, or None).
 """
 
@@ -22,6 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from microrl.configs.task_names import AGENT_TASK_NAMES, EPISODE_TASK_NAMES, FILE_TASK_NAMES
@@ -87,6 +84,10 @@ def _rollout_size(c: Any) -> int:
     return c.rollout.prompts_per_step * c.rollout.group_size
 
 
+# A section's rows, and the images scope's; a plain Refusal binds the recipe's config.
+_task, _rollout, _teacher, _images = (
+    partial(Refusal, scope=scope) for scope in ("task", "rollout", "teacher", "images")
+)
 _FILE_TASKS = " or ".join(FILE_TASK_NAMES)
 _EPISODE_TASKS = " or ".join(EPISODE_TASK_NAMES)
 _AGENT_TASKS = " or ".join(AGENT_TASK_NAMES)
@@ -102,96 +103,85 @@ _PPO_MULTI_TURN = (
 
 REFUSALS: tuple[Refusal, ...] = (
     # ---- task: task.name and the sections it nests
-    Refusal(
+    _task(
         "task.dataset.train_file",
         f"a .jsonl or .parquet file or a Hub dataset name for task.name={_FILE_TASKS}",
         "their prompts are its rows",
         lambda t, _: t.name in FILE_TASK_NAMES and not t.dataset.train_file,
-        "task",
         example=("task.name=dataset", "task.rewards.functions=[m:f]"),
     ),
-    Refusal(
+    _task(
         "task.dataset.train_file",
         f"null unless task.name={_FILE_TASKS}",
         "the built-in tasks make their own prompts: set task.name=dataset to train on a file",
         lambda t, _: t.name not in FILE_TASK_NAMES and t.dataset.train_file is not None,
-        "task",
         example=("task.dataset.train_file=x.jsonl",),
     ),
-    Refusal(
+    _task(
         "task.dataset.eval_file",
         f"null unless task.name={_FILE_TASKS}",
         "the built-in tasks make their own held-out prompts",
         lambda t, _: t.name not in FILE_TASK_NAMES and t.dataset.eval_file is not None,
-        "task",
         example=("task.dataset.eval_file=x.jsonl",),
     ),
-    Refusal(
+    _task(
         "task.images.field",
         "null unless task.name=dataset",
         "only a dataset's rows hold images; task.name=digits draws its own",
         lambda t, _: t.images.field is not None and t.name != "dataset",
-        "task",
         example=("task.images.field=image",),
     ),
-    Refusal(
+    _task(
         "task.env",
         "an environment factory (module:function) for task.name=env, and null otherwise",
         "the env task plays the dataset's prompts against the environments it builds",
         lambda t, _: (t.name == "env") != bool(t.env),
-        "task",
         example=("task.env=my_envs:make_env",),
     ),
-    Refusal(
+    _task(
         "task.rewards.functions",
         "a non-empty list of reward functions for task.name=dataset, e.g. [my_reward:score] or "
         "[microrl.tasks.rewards:exact_match], unless task.reward_model.path, task.judge.url or "
         "a task.agent.function that returns the reward is set",
         "a dataset has no reward of its own",
         lambda t, _: t.name == "dataset" and not t.reward_terms() and not t.agent.enabled,
-        "task",
         example=("task.name=dataset", "task.dataset.train_file=x.jsonl"),
     ),
-    Refusal(
+    _task(
         "task.rewards.weights",
         "empty or one weight per reward term",
         "they weigh task.rewards.functions, task.reward_model and task.judge, in that order",
         lambda t, _: bool(t.rewards.weights) and len(t.rewards.weights) != len(t.reward_terms()),
-        "task",
         detail=lambda t, _: f" ({len(t.reward_terms())}: {', '.join(t.reward_terms()) or 'none'})",
         example=("task.rewards.weights=[1.0]",),
     ),
-    Refusal(
+    _task(
         "task.agent.function",
         f"null for task.name={_EPISODE_TASKS}",
         "their environments play the episodes",
         lambda t, _: t.agent.enabled and t.name in EPISODE_TASK_NAMES,
-        "task",
         example=("task.name=hinted_addition", "task.agent.function=m:f"),
     ),
-    Refusal(
+    _task(
         "task.agent.function",
         f"an agent (module:function or file.py:function) for task.name={_AGENT_TASKS}, e.g. "
         "examples/calculator_agent.py:agent",
         "an agent plays that task, nothing else does",
         lambda t, _: t.name in AGENT_TASK_NAMES and not t.agent.enabled,
-        "task",
         example=("task.name=calculator", "task.max_operand=999"),
     ),
-    Refusal(
+    _task(
         "task.reward_model.path",
         f"empty with task.name={_EPISODE_TASKS}",
         "their environments give the rewards",
         lambda t, _: t.reward_model.enabled and t.name in EPISODE_TASK_NAMES,
-        "task",
         example=("task.name=hinted_addition", "task.reward_model.path=my/rm"),
     ),
-    Refusal(
+    _task(
         "task.judge.url",
         f"empty with task.name={_EPISODE_TASKS}",
         "their environments give the rewards",
         lambda t, _: t.judge.enabled and t.name in EPISODE_TASK_NAMES,
-        "task",
         example=(
             "task.name=hinted_addition",
             "task.judge.url=http://j:8000/v1",
@@ -199,63 +189,56 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     # ---- rollout: the backends, the servers and the synchronous loop
-    Refusal(
+    _rollout(
         "rollout.server.url",
         "empty unless rollout.backend=vllm",
         "vLLM servers sample for the vllm backend only",
         lambda r, _: bool(r.server.url) and r.backend != "vllm",
-        "rollout",
         example=("rollout.max_staleness=1", "rollout.server.url=http://h:8000"),
     ),
-    Refusal(
+    _rollout(
         "rollout.server.url",
         "empty with rollout.max_staleness=0",
         "the synchronous loop samples with a colocated vLLM engine; servers serve asynchronous RL",
         lambda r, _: bool(r.server.url) and r.max_staleness == 0,
-        "rollout",
         example=("rollout.backend=vllm", "rollout.server.url=http://h:8000"),
     ),
-    Refusal(
+    _rollout(
         "rollout.vllm.gpus",
         f"'' unless {_LOCAL_SERVERS}",
         "it places the vLLM servers microrl starts; a server you start takes its GPUs itself",
         lambda r, _: bool(r.vllm.gpus) and not _local_servers(r),
-        "rollout",
         example=("rollout.vllm.gpus=2",),
     ),
-    Refusal(
+    _rollout(
         "rollout.vllm.tensor_parallel_size",
         f"1 unless {_LOCAL_SERVERS}",
         "it places the vLLM servers microrl starts; a server you start takes its "
         "--tensor-parallel-size itself",
         lambda r, _: r.vllm.tensor_parallel_size != 1 and not _local_servers(r),
-        "rollout",
         example=("rollout.vllm.tensor_parallel_size=2",),
     ),
-    Refusal(
+    _rollout(
         "rollout.vllm.tensor_parallel_size",
         "1 without rollout.vllm.gpus",
         "a server beside its trainer process takes that process's one GPU; list dedicated GPUs "
         "in rollout.vllm.gpus",
         lambda r, _: r.vllm.tensor_parallel_size != 1 and not r.vllm.gpus,
-        "rollout",
         example=(*_SERVERS, "rollout.vllm.tensor_parallel_size=2"),
     ),
-    Refusal(
+    _rollout(
         "rollout.vllm.sleep_level",
         "0 for vLLM servers (rollout.backend=vllm with rollout.max_staleness >= 1)",
         "they sample while the trainer trains; sleep mode is the in-process engine's",
         lambda r, _: r.vllm.sleep_level != 0 and r.backend == "vllm" and r.max_staleness >= 1,
-        "rollout",
         example=(*_SERVERS, "rollout.vllm.sleep_level=1"),
     ),
-    Refusal(
+    _rollout(
         "rollout.vllm.engine_kwargs",
         "empty with rollout.server.url",
         "it configures the engines microrl starts; servers you started take vLLM's flags on "
         "their own command line",
         lambda r, _: bool(r.vllm.engine_kwargs) and bool(r.server.url),
-        "rollout",
         example=(
             *_SERVERS,
             "rollout.server.url=http://h:8000",
@@ -263,22 +246,20 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     # ---- teacher
-    Refusal(
+    _teacher(
         "teacher.server.url",
         "empty unless teacher.backend=vllm",
         "the engine teacher runs in the trainer process",
         lambda t, _: bool(t.server.url) and t.backend != "vllm",
-        "teacher",
         recipes=("grpo",),
         example=("teacher.path=my/teacher", "teacher.server.url=http://h:8000"),
     ),
-    Refusal(
+    _teacher(
         "teacher.server.url",
         "empty without teacher.path",
         "teacher.path names the served model's checkpoint or Hub id, whose tokenizer is checked "
         "against the student's",
         lambda t, _: bool(t.server.url) and not t.enabled,
-        "teacher",
         recipes=("grpo",),
         example=("teacher.backend=vllm", "teacher.server.url=http://h:8000"),
     ),
@@ -421,30 +402,27 @@ REFUSALS: tuple[Refusal, ...] = (
         example=("model.toy_arch=moe", "rollout.backend=vllm"),
     ),
     # ---- images: checked at start, when the task's prompts carry images
-    Refusal(
+    _images(
         "rollout.backend",
         "hf for prompts with images on this machine",
         "vLLM's Qwen-VL code does not load here; docs/rollouts.md#with-the-vllm-backend",
         lambda c, f: c.rollout.backend == "vllm" and bool(f.get("vllm_vision")),
-        "images",
         detail=lambda c, f: f": {f['vllm_vision']}",
         example=("rollout.backend=vllm",),
     ),
-    Refusal(
+    _images(
         "teacher.path",
         "empty for a task with images",
         "a distillation teacher does not score image prompts yet",
         lambda c, _: getattr(c, "teacher", None) is not None and c.teacher.enabled,
-        "images",
         recipes=("grpo",),
         example=("teacher.path=my/teacher",),
     ),
-    Refusal(
+    _images(
         "task.agent.function",
         "null for a task with images",
         "an agent's episodes do not take prompts with images yet",
         lambda c, _: c.task.agent.enabled,
-        "images",
         recipes=("grpo",),  # PPO refuses agents at load
         example=("task.agent.function=m:f",),
     ),

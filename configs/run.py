@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from microrl.configs.endpoint import EndpointConfig
-from microrl.configs.fields import config_field, require
+from microrl.configs.fields import config_field, require, require_bool
 from microrl.configs.refusals import check_refusals
 from microrl.configs.rollout import ROLLOUT_BACKENDS, VLLMConfig
 from microrl.configs.task import AGENT_TASK_NAMES, EPISODE_TASK_NAMES, TASK_NAMES, TaskConfig
@@ -251,31 +251,13 @@ class RolloutConfig:
             f"one of {', '.join(ROLLOUT_BACKENDS)}",
             self.backend,
         )
-        require(self.sync_every >= 1, "rollout.sync_every", ">= 1", self.sync_every)
-        require(
-            self.prompts_per_step >= 1, "rollout.prompts_per_step", ">= 1", self.prompts_per_step
-        )
-        require(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
-        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
-        require(self.max_turns >= 1, "rollout.max_turns", ">= 1", self.max_turns)
-        require(
-            self.max_episode_tokens >= 1,
-            "rollout.max_episode_tokens",
-            ">= 1",
-            self.max_episode_tokens,
-        )
-        require(
-            isinstance(self.dynamic_sampling, bool),
-            "rollout.dynamic_sampling",
-            "a bool (true or false)",
-            self.dynamic_sampling,
-        )
-        require(
-            isinstance(self.routing_replay, bool),
-            "rollout.routing_replay",
-            "a bool (true or false)",
-            self.routing_replay,
-        )
+        for key in (
+            "sync_every", "prompts_per_step", "group_size", "max_new_tokens", "max_turns",
+            "max_episode_tokens",
+        ):  # fmt: skip
+            require(getattr(self, key) >= 1, f"rollout.{key}", ">= 1", getattr(self, key))
+        require_bool(self.dynamic_sampling, "rollout.dynamic_sampling")
+        require_bool(self.routing_replay, "rollout.routing_replay")
         require(
             self.max_sampling_rounds >= 1,
             "rollout.max_sampling_rounds",
@@ -380,14 +362,8 @@ class OutputConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.dir), "output.dir", "a non-empty path", self.dir)
-        require(self.save_every >= 0, "output.save_every", ">= 0", self.save_every)
-        require(self.log_every >= 0, "output.log_every", ">= 0", self.log_every)
-        require(
-            self.log_samples_every >= 0,
-            "output.log_samples_every",
-            ">= 0",
-            self.log_samples_every,
-        )
+        for key in ("save_every", "log_every", "log_samples_every"):
+            require(getattr(self, key) >= 0, f"output.{key}", ">= 0", getattr(self, key))
         require(self.log_samples >= 1, "output.log_samples", ">= 1", self.log_samples)
         require(
             all(name in TRACKER_NAMES for name in self.trackers)

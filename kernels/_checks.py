@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 
@@ -22,6 +22,7 @@ __all__ = [
     "IGNORE_INDEX",
     "IMPLEMENTATIONS",
     "HeadInputs",
+    "HeadOptions",
     "HeadSpec",
     "check_implementation",
     "check_linear_logprob_inputs",
@@ -29,6 +30,7 @@ __all__ = [
     "compute_dtype",
     "flatten",
     "head_dtype",
+    "head_spec",
     "no_autocast",
 ]
 
@@ -47,9 +49,10 @@ class HeadSpec:
     take one checked object instead of re-listing the keywords. A per-token temperature is a tensor and
     travels beside it (``HeadInputs.inv_t``); ``temperature`` is then 1.
 
-    Built unchecked by a public function from its keywords; :func:`check_linear_logprob_inputs`
-    returns it checked, numbers as Python floats; :func:`~microrl.kernels._dispatch.resolve`
-    replaces ``"auto"`` by the implementation that runs."""
+    Built unchecked by :func:`head_spec` from a public function's keywords;
+    :func:`check_linear_logprob_inputs` returns it checked, numbers as Python floats;
+    :func:`~microrl.kernels._dispatch.resolve` replaces ``"auto"`` by the implementation that
+    runs."""
 
     with_entropy: bool = True
     chunk_size: int | None = None
@@ -63,6 +66,36 @@ class HeadSpec:
     @property
     def inv_temperature(self) -> float:
         return 1.0 / self.temperature
+
+
+class HeadOptions(TypedDict, total=False):
+    """The keywords the five public functions share, typed once for their ``**head`` (PEP 692:
+    type checkers and IDEs list them). Documented in
+    :func:`~microrl.kernels.fused_linear_logprob`; defaults: ``temperature=1.0``, ``bias=None``,
+    the others :class:`HeadSpec`'s (``with_entropy`` is False for the fused losses)."""
+
+    temperature: float | torch.Tensor
+    with_entropy: bool
+    chunk_size: int | None
+    ignore_index: int
+    validate: bool
+    bias: torch.Tensor | None
+    logit_scale: float
+    softcap: float | None
+    implementation: str
+
+
+def head_spec(
+    function: str, head: HeadOptions, *, with_entropy: bool = True
+) -> tuple[HeadSpec, Any, Any]:
+    """``(spec unchecked, temperature, bias)`` of a public ``function``'s ``**head`` keywords;
+    an unknown keyword is the TypeError Python raises for one. ``with_entropy``: its default."""
+    unknown = sorted(head.keys() - HeadOptions.__annotations__.keys())
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    options: dict[str, Any] = {"with_entropy": with_entropy, **head}
+    temperature, bias = options.pop("temperature", 1.0), options.pop("bias", None)
+    return HeadSpec(**options), temperature, bias
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

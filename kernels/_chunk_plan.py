@@ -14,9 +14,17 @@ path is built", gives the numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["ChunkPlan", "Machine", "budget_bytes", "extra_bytes", "plan_seconds", "plan_tiles"]
+__all__ = [
+    "ChunkPlan",
+    "Machine",
+    "Problem",
+    "budget_bytes",
+    "extra_bytes",
+    "plan_seconds",
+    "plan_tiles",
+]
 
 # Smallest budget (bytes): tiny problems would be launch-bound below it.
 MIN_BUDGET_BYTES = 8 * 1024 * 1024
@@ -66,6 +74,24 @@ class Sizes:
 
 
 @dataclass(frozen=True)
+class Problem:
+    """What a tile is planned for: ``m`` processed rows of a ``v``-column vocabulary, hidden size
+    ``h``, bytes per element (``sizes``) and the gradients needed (hidden, weight, bias).
+    ``bias``: the head has one; ``row_copies``: row blocks are gathered or masked copies
+    (ignored rows); ``native16``: 16-bit GEMMs write float32 themselves (on a CPU they are
+    emulated on upcast copies)."""
+
+    m: int
+    v: int
+    h: int
+    sizes: Sizes
+    need: tuple[bool, bool, bool]
+    bias: bool = False
+    row_copies: bool = False
+    native16: bool = True
+
+
+@dataclass(frozen=True)
 class ChunkPlan:
     """A tile of ``rows x cols`` logits. ``temps``: tile-sized temporaries of the row kernels
     (0 for the Triton ones, which work in registers; the torch twins allocate some)."""
@@ -88,25 +114,11 @@ def budget_bytes(m: int, v: int, h: int) -> int:
     return max(MIN_BUDGET_BYTES, 4 * v * per_chunk * _BUDGET_SHARE[0] // _BUDGET_SHARE[1])
 
 
-def extra_bytes(
-    m: int,
-    v: int,
-    h: int,
-    plan: ChunkPlan,
-    sizes: Sizes,
-    need: tuple[bool, bool, bool],
-    *,
-    bias: bool = False,
-    row_copies: bool = False,
-    native16: bool = True,
-) -> int:
-    """Peak bytes the chunked head allocates beyond its inputs, outputs and returned gradients,
-    for ``m`` processed rows of ``v`` columns (the memory model; a test checks it against the
-    allocations of a run).
-
-    ``need``: gradients to (hidden, weight, bias); ``row_copies``: row blocks are gathered or
-    masked copies (ignored rows); ``native16``: 16-bit GEMMs write float32 themselves (on a CPU
-    they are emulated on upcast copies)."""
+def extra_bytes(problem: Problem, plan: ChunkPlan) -> int:
+    """Peak bytes the chunked head allocates beyond its inputs, outputs and returned gradients
+    (the memory model; a test checks it against the allocations of a run)."""
+    m, v, h, sizes, need = problem.m, problem.v, problem.h, problem.sizes, problem.need
+    row_copies = problem.row_copies
     rows, cols = min(plan.rows, m), min(plan.cols, v)
     c = sizes.compute
     total = rows * cols * c * (1 + plan.temps)
@@ -114,7 +126,7 @@ def extra_bytes(
         total += rows * h * c
     if sizes.gemm != sizes.weight:  # the weight slice upcast
         total += cols * h * c
-    if sizes.gemm == 2 and not native16:  # emulated 16-bit GEMMs: both operands upcast
+    if sizes.gemm == 2 and not problem.native16:  # emulated 16-bit GEMMs: both operands upcast
         total += (rows + cols) * h * 4
     if row_copies:
         total += rows * h * sizes.hidden
@@ -126,16 +138,17 @@ def extra_bytes(
             total += rows * h * c
     if need[1] and sizes.gemm != sizes.weight:  # weight-gradient slice formed, then cast
         total += cols * h * c
-    if bias:
+    if problem.bias:
         total += v * c * (2 if need[2] else 1)  # the bias in the compute dtype; its gradient
     # Per row: max, sum, entropy term, target logit, log-sum and entropy kept for backward, and
     # the three per-row factors of a gradient block; the flattened temperature and targets.
     return total + m * (c * 6 + 8 + 4) + rows * c * 3
 
 
-def _tile_ops(plan, m, v, h, sizes, need, keep, with_recompute):
+def _tile_ops(problem: Problem, plan: ChunkPlan, keep: bool):
     """``(count, flops, bytes)`` of the average tile's ops, forward and backward (docstring of
     :func:`plan_seconds`)."""
+    m, v, h, sizes, need = problem.m, problem.v, problem.h, problem.sizes, problem.need
     n_rows, n_cols = -(-m // plan.rows), -(-v // plan.cols)
     r, c = m / n_rows, v / n_cols
     g, cd = sizes.gemm, sizes.compute
@@ -144,7 +157,7 @@ def _tile_ops(plan, m, v, h, sizes, need, keep, with_recompute):
     ops = [(tiles, *gemm), (tiles, 0, r * c * cd)]  # forward: logits GEMM, statistics kernel
     if not any(need):
         return ops
-    if with_recompute and not keep:
+    if not keep:
         ops.append((tiles, *gemm))
     ops.append((tiles, 0, r * c * (cd + g)))  # the gradient kernel: float32 in, GEMM dtype out
     if need[0]:
@@ -161,22 +174,14 @@ def _tile_ops(plan, m, v, h, sizes, need, keep, with_recompute):
 
 
 def plan_seconds(
-    m: int,
-    v: int,
-    h: int,
-    plan: ChunkPlan,
-    sizes: Sizes,
-    need: tuple[bool, bool, bool],
-    machine: Machine = PLAN_MACHINE,
-    *,
-    keep: bool = False,
+    problem: Problem, plan: ChunkPlan, machine: Machine = PLAN_MACHINE, *, keep: bool = False
 ) -> float:
     """Roofline time of forward + backward: per op, ``max(FLOPs / peak, bytes / bandwidth)`` plus
     a launch, summed over an average tile's ops times the number of tiles. ``keep``: the tile is
     kept from forward to the gradient pass (the fused loss), so backward runs no GEMM again."""
-    flops = machine.flops16 if sizes.gemm == 2 else machine.flops32
+    flops = machine.flops16 if problem.sizes.gemm == 2 else machine.flops32
     total = 0.0
-    for count, f, b in _tile_ops(plan, m, v, h, sizes, need, keep, True):
+    for count, f, b in _tile_ops(problem, plan, keep):
         total += count * (max(f / flops, b / machine.bandwidth) + machine.launch)
     return total
 
@@ -189,31 +194,20 @@ def _candidate_rows(m: int, chunk_size: int | None) -> list[int]:
 
 
 def plan_tiles(
-    m: int,
-    v: int,
-    h: int,
-    sizes: Sizes,
-    need: tuple[bool, bool, bool],
-    *,
-    budget: int,
-    chunk_size: int | None = None,
-    temps: int = 0,
-    bias: bool = False,
-    row_copies: bool = False,
-    native16: bool = True,
+    problem: Problem, *, budget: int, chunk_size: int | None = None, temps: int = 0
 ) -> ChunkPlan:
     """The tile the roofline model (:func:`plan_seconds` on :data:`PLAN_MACHINE`) predicts
     fastest among those whose :func:`extra_bytes` fit ``budget``: blocks of equal height (at
     most ``chunk_size`` rows), slices as wide as the rest of the budget allows (a multiple of
     :data:`COL_ALIGN` columns, or the whole vocabulary). Near-ties go to the taller block. When
     nothing fits, the smallest tile (``MIN_ROWS x COL_ALIGN``)."""
-    m, v = max(1, m), max(1, v)
+    problem = replace(problem, m=max(1, problem.m), v=max(1, problem.v))
+    m, v = problem.m, problem.v
     feasible = []  # (plan, seconds), tallest block first
     for rows in _candidate_rows(m, chunk_size):
 
         def model(cols, rows=rows):
-            return extra_bytes(m, v, h, ChunkPlan(rows, cols, temps), sizes, need, bias=bias,
-                               row_copies=row_copies, native16=native16)  # fmt: skip
+            return extra_bytes(problem, ChunkPlan(rows, cols, temps))
 
         fixed = model(0)
         per_col = model(1) - fixed  # the model is linear in the columns below v
@@ -223,7 +217,7 @@ def plan_tiles(
             if cols < COL_ALIGN:
                 continue
         plan = ChunkPlan(rows, min(cols, v), temps)
-        feasible.append((plan, plan_seconds(m, v, h, plan, sizes, need)))
+        feasible.append((plan, plan_seconds(problem, plan)))
     if not feasible:
         return ChunkPlan(min(m, MIN_ROWS), min(v, COL_ALIGN), temps)
     fastest = min(seconds for _, seconds in feasible)

@@ -55,6 +55,23 @@ def _final_logits(x, b, inv, scale, cap, HAS_CAP: tl.constexpr):
 
 
 @triton.jit
+def _block_logits(
+    base, bias_ptr, start, n_cols, inv, scale, cap,
+    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``(cols, mask, z, tanh)`` of a row's ``BLOCK`` columns from ``start`` (``_final_logits``;
+    ``mask``: the columns below ``n_cols``, whose ``z`` is garbage elsewhere)."""
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(base + cols, mask=mask, other=0.0)
+    b = tl.zeros((BLOCK,), tl.float32)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=mask, other=0.0)
+    z, t = _final_logits(x, b, inv, scale, cap, HAS_CAP)
+    return cols, mask, z, t
+
+
+@triton.jit
 def _stats_kernel(
     tile_ptr, ld, n_cols, col0, tgt_ptr, inv_ptr, inv_scalar, bias_ptr, scale, cap,
     m_ptr, s_ptr, a_ptr, zt_ptr,
@@ -70,13 +87,9 @@ def _stats_kernel(
     s_run = tl.zeros((), tl.float32)
     a_run = tl.zeros((), tl.float32)
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(base + cols, mask=mask, other=0.0)
-        b = tl.zeros((BLOCK,), tl.float32)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + cols, mask=mask, other=0.0)
-        z, _t = _final_logits(x, b, inv, scale, cap, HAS_CAP)
+        _cols, mask, z, _t = _block_logits(
+            base, bias_ptr, start, n_cols, inv, scale, cap, HAS_BIAS, HAS_CAP, BLOCK
+        )
         z = tl.where(mask, z, _NEG)
         m_new = tl.maximum(m_run, tl.max(z, 0))
         e = tl.exp(z - m_new)  # 0 on the masked columns
@@ -136,13 +149,9 @@ def _grads_kernel(
         bb = tl.load(bb_ptr + row)
     t = tl.load(tgt_ptr + row) - col0
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(base + cols, mask=mask, other=0.0)
-        b = tl.zeros((BLOCK,), tl.float32)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + cols, mask=mask, other=0.0)
-        z, th = _final_logits(x, b, inv, scale, cap, HAS_CAP)
+        cols, mask, z, th = _block_logits(
+            base, bias_ptr, start, n_cols, inv, scale, cap, HAS_BIAS, HAS_CAP, BLOCK
+        )
         s = z - m
         g = -tl.exp(s - log_s) * (cc + bb * s)
         g = tl.where(cols == t, g + g_t, g)
@@ -166,36 +175,38 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def stats(tile, col0, targets, inv_t, bias, scale, softcap, m, s, a, zt, first) -> None:
-    """``kernels/_row_ops.stats`` in one Triton launch (tile, statistics and targets on the
-    device; the statistics float32)."""
+def _launch(kernel, tile, inv_t, bias, scale, softcap, head: tuple, tail: tuple, **flags) -> None:
+    """One program per row of ``tile`` (none when it is empty):
+    ``kernel(*head, <temperature, bias, scale, cap>, *tail)`` with their flags, the block and
+    ``flags``."""
     rows, cols = tile.shape
     if rows == 0 or cols == 0:
         return
     inv_arg, inv_scalar, per_row = _per_row(inv_t, tile)
     block = _block(cols)
-    _stats_kernel[(rows,)](
-        tile, tile.stride(0), cols, col0, targets, inv_arg, inv_scalar,
-        tile if bias is None else bias, float(scale), float(softcap or 1.0),
-        m, s, s if a is None else a, zt,
-        FIRST=bool(first), PER_ROW_T=per_row, HAS_BIAS=bias is not None,
-        HAS_CAP=softcap is not None, WITH_ENT=a is not None, BLOCK=block,
-        num_warps=_warps(block),
+    kernel[(rows,)](
+        *head, inv_arg, inv_scalar, tile if bias is None else bias, float(scale),
+        float(softcap or 1.0), *tail,
+        PER_ROW_T=per_row, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, BLOCK=block,
+        num_warps=_warps(block), **flags,
+    )  # fmt: skip
+
+
+def stats(tile, col0, targets, inv_t, bias, scale, softcap, m, s, a, zt, first) -> None:
+    """``kernels/_row_ops.stats`` in one Triton launch (tile, statistics and targets on the
+    device; the statistics float32)."""
+    _launch(
+        _stats_kernel, tile, inv_t, bias, scale, softcap,
+        (tile, tile.stride(0), tile.shape[1], col0, targets), (m, s, s if a is None else a, zt),
+        FIRST=bool(first), WITH_ENT=a is not None,
     )  # fmt: skip
 
 
 def grads(tile, out, col0, targets, inv_t, bias, scale, softcap, m, log_s, g_t, cc, bb) -> None:
     """``kernels/_row_ops.grads`` in one Triton launch (``out`` may be a view of the tile's
     storage with the same byte offset per row, module docstring)."""
-    rows, cols = tile.shape
-    if rows == 0 or cols == 0:
-        return
-    inv_arg, inv_scalar, per_row = _per_row(inv_t, tile)
-    block = _block(cols)
-    _grads_kernel[(rows,)](
-        tile, tile.stride(0), out, out.stride(0), cols, col0, targets, inv_arg, inv_scalar,
-        tile if bias is None else bias, float(scale), float(softcap or 1.0),
-        m, log_s, g_t, cc, cc if bb is None else bb,
-        PER_ROW_T=per_row, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
-        WITH_ENT=bb is not None, BLOCK=block, num_warps=_warps(block),
+    _launch(
+        _grads_kernel, tile, inv_t, bias, scale, softcap,
+        (tile, tile.stride(0), out, out.stride(0), tile.shape[1], col0, targets),
+        (m, log_s, g_t, cc, cc if bb is None else bb), WITH_ENT=bb is not None,
     )  # fmt: skip

@@ -6,9 +6,10 @@ tile one GEMM into the float32 tile (16-bit inputs multiply with float32 accumul
 output: the logits are never rounded to 16 bits) and one row kernel that reads it once and
 merges the rows' softmax statistics. Only O(N) statistics are kept for backward, which per tile
 recomputes the GEMM, forms the logit gradient in place (in the GEMM dtype) and runs the hidden-
-and weight-gradient GEMMs. The passes here serve the plain kernel (this module's Function), the
-vocab-parallel one (``kernels/vocab_parallel_chunked.py``) and the fused losses
-(``kernels/chunked_loss.py``). Contract: docs/kernels.md; how: its "How the CUDA path is built".
+and weight-gradient GEMMs. The passes here serve the plain kernel and the vocab-parallel one
+(this module's Function, with a :class:`VocabShard` for the latter: its statistics combined over
+the group) and the fused losses (``kernels/chunked_loss.py``). Contract: docs/kernels.md; how:
+its "How the CUDA path is built".
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import _chunk_plan, _dispatch
@@ -25,11 +27,14 @@ from ._tiles import _masked_rows, _or_zeros, _row_factors, _take, _zero_unkept
 __all__ = [
     "Head",
     "RowStats",
+    "VocabShard",
     "chunked_linear_logprob",
+    "combine",
     "finalize",
     "grad_pass",
     "make_head",
     "scatter_rows",
+    "shard_hidden_grad",
     "stats_pass",
     "upstream",
 ]
@@ -265,13 +270,45 @@ def _put_rows(grad_h, rows: slice, idx, dz, w, dest) -> None:
     grad_h.index_copy_(0, idx, block)
 
 
-def finalize(stats: RowStats):
-    """``(logprob, entropy | None, log_s)`` of complete statistics: ``log p = (zt - m) - log s``
-    and ``H = log s - a / s``."""
-    log_s = stats.s.log()
-    logprob = (stats.zt - stats.m) - log_s
-    entropy = None if stats.a is None else log_s - stats.a / stats.s
-    return logprob, entropy, log_s
+@dataclass(frozen=True)
+class VocabShard:
+    """A vocab-parallel rank's columns: its group, first global id and real (unpadded) rows."""
+
+    group: dist.ProcessGroup | None
+    vocab_start: int
+    real_rows: int
+
+
+def combine(local, targets_local, shard: VocabShard | None):
+    """``(m, s, a, zt - m)`` over the whole vocabulary (vocab-parallel: the exact all-reduces of
+    ``vocab_parallel._combine``)."""
+    if shard is None:
+        return local.m, local.s, local.a, local.zt - local.m
+    from . import vocab_parallel
+
+    return vocab_parallel._combine((local.m, local.s, local.a, local.zt), targets_local, shard)
+
+
+def shard_hidden_grad(gh: torch.Tensor, hidden: torch.Tensor, rows_idx, group) -> torch.Tensor:
+    """The hidden gradient ``[N, H]`` in ``hidden``'s dtype from this shard's partial sums
+    ``gh`` (``[M, H]``, G_local @ W_local of the processed rows, summed over ``group`` here in
+    place: the group's sum is the full gradient), scattered to ``rows_idx`` (zeros elsewhere)."""
+    if group is not None:
+        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
+    if rows_idx is None:
+        return gh.to(hidden.dtype)
+    grad_h = hidden.new_zeros(hidden.shape)
+    return grad_h.index_copy_(0, rows_idx, gh.to(hidden.dtype))
+
+
+def finalize(local: RowStats, targets, shard: VocabShard | None):
+    """``(m, logprob, entropy | None, log_s)`` of the processed rows over the whole vocabulary
+    (a ``shard``'s statistics combined over its group; ``targets``: the rows' ids local to it):
+    ``log p = (zt - m) - log s`` and ``H = log s - a / s``."""
+    m, s, a, shifted = combine(local, targets, shard)
+    log_s = s.log()
+    entropy = None if a is None else log_s - a / s
+    return m, shifted - log_s, entropy, log_s
 
 
 def upstream(grad, count: int, like, dtype, row_mask, rows_idx):
@@ -284,56 +321,74 @@ def upstream(grad, count: int, like, dtype, row_mask, rows_idx):
 
 
 class _ChunkedLinearLogProb(torch.autograd.Function):
+    # Never ctx.set_materialize_grads(False): an unused output's gradient must arrive as zeros.
     @staticmethod
     def forward(
-        ctx: FunctionCtx, hidden, weight, bias, targets, rows_idx, row_mask, inv_t, head: Head
-    ):
+        ctx: FunctionCtx, hidden, weight, bias, targets, rows_idx, row_mask, inv_t,
+        head: Head, shard: VocabShard | None,
+    ):  # fmt: skip
         # As linear_logprob._FusedLinearLogProb: hidden [N, H], weight [V, H], bias [V] or None,
         # targets [N] (ignored ones 0), rows_idx [M] or None, row_mask [N] or None, inv_t [N] or
-        # None.
+        # None. With a shard (vocab-parallel): hidden replicated, weight this rank's [V_local, H]
+        # rows (past shard.real_rows: padding, never read), bias its [V_local], targets global.
         cdtype = head_dtype(hidden, weight, bias)
+        real = weight.shape[0] if shard is None else shard.real_rows
         with no_autocast(hidden.device.type):
-            bias_c = None if bias is None else bias.to(cdtype)
-            stats, _ = stats_pass(head, hidden, weight, bias_c, targets, rows_idx, row_mask, inv_t)
-            logprob, entropy, log_s = finalize(stats)
+            local_t = targets if shard is None else targets - shard.vocab_start
+            bias_c = None if bias is None else bias[:real].to(cdtype)
+            local, _ = stats_pass(
+                head, hidden, weight[:real], bias_c, local_t, rows_idx, row_mask, inv_t
+            )
+            t_proc = local_t
+            if shard is not None and rows_idx is not None:
+                t_proc = local_t.index_select(0, rows_idx)
+            m, logprob, entropy, log_s = finalize(local, t_proc, shard)
             n = hidden.shape[0]
             outs = [scatter_rows(logprob, n, rows_idx, row_mask)]
             if head.spec.with_entropy:
                 outs.append(scatter_rows(entropy, n, rows_idx, row_mask))
         ctx.save_for_backward(
-            hidden, weight, bias, targets, rows_idx, row_mask, inv_t, stats.m, log_s, entropy
+            hidden, weight, bias, local_t, rows_idx, row_mask, inv_t, m, log_s, entropy
         )
-        ctx.head = head
+        ctx.head, ctx.shard = head, shard
         return tuple(outs) if head.spec.with_entropy else outs[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprob, grad_entropy=None):
-        hidden, weight, bias, targets, rows_idx, row_mask, inv_t, m, log_s, ent = ctx.saved_tensors
+        hidden, weight, bias, local_t, rows_idx, row_mask, inv_t, m, log_s, ent = ctx.saved_tensors
         head: Head = ctx.head
+        shard: VocabShard | None = ctx.shard
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
-        cdtype = m.dtype
-        n = hidden.shape[0]
+        cdtype, n = m.dtype, hidden.shape[0]
+        real = weight.shape[0] if shard is None else shard.real_rows
         with no_autocast(hidden.device.type):
             g_lp = upstream(grad_logprob, n, hidden, cdtype, row_mask, rows_idx)
             g_ent = None
             if head.spec.with_entropy:
                 g_ent = upstream(grad_entropy, n, hidden, cdtype, row_mask, rows_idx)
             grad_h = None
-            if need_h:  # every row is written when all are processed
+            if need_h and shard is not None:  # the shard's partial sums G_local @ W_local
+                grad_h = hidden.new_zeros((m.numel(), hidden.shape[1]), dtype=cdtype)
+            elif need_h:  # every row is written when all are processed
                 grad_h = (hidden.new_empty if rows_idx is None else hidden.new_zeros)(hidden.shape)
             grad_w = None
-            if need_w:
-                grad_w = (weight.new_empty if m.numel() else weight.new_zeros)(weight.shape)
+            if need_w:  # written whole when a row is processed; a shard's padding rows stay 0
+                written = shard is None and m.numel() > 0
+                grad_w = (weight.new_empty if written else weight.new_zeros)(weight.shape)
             grad_b = bias.new_zeros(bias.shape, dtype=cdtype) if need_b else None
             grad_pass(
-                head, (need_h, need_w, need_b), hidden, weight,
-                None if bias is None else bias.to(cdtype), targets, rows_idx, row_mask, inv_t,
-                m, log_s, ent, g_lp, g_ent, grad_h, grad_w, grad_b,
+                head, (need_h, need_w, need_b), hidden, weight[:real],
+                None if bias is None else bias[:real].to(cdtype), local_t, rows_idx, row_mask,
+                inv_t, m, log_s, ent, g_lp, g_ent, grad_h,
+                None if grad_w is None else grad_w[:real],
+                None if grad_b is None else grad_b[:real], put_original=shard is None,
             )  # fmt: skip
+        if need_h and shard is not None:  # summed over the group
+            grad_h = shard_hidden_grad(grad_h, hidden, rows_idx, shard.group)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def scatter_rows(values: torch.Tensor, n: int, rows_idx, row_mask) -> torch.Tensor:
@@ -360,11 +415,13 @@ def make_head(
     vocab = weight.shape[0] if vocab is None else vocab
     hidden_size = weight.shape[1]
     native16 = not gemm16 or _native_out_dtype(hidden.device, hidden.dtype)
-    plan = _chunk_plan.plan_tiles(
+    problem = _chunk_plan.Problem(
         count, vocab, hidden_size, gemm_sizes(hidden, weight, cdtype, gemm16), tuple(need),
-        budget=budget or _chunk_plan.budget_bytes(count, vocab, hidden_size),
+        bias is not None, row_copies, native16,
+    )  # fmt: skip
+    plan = _chunk_plan.plan_tiles(
+        problem, budget=budget or _chunk_plan.budget_bytes(count, vocab, hidden_size),
         chunk_size=spec.chunk_size, temps=_dispatch.row_ops(spec.implementation).TEMPS,
-        bias=bias is not None, row_copies=row_copies, native16=native16,
     )  # fmt: skip
     return Head(plan, spec, gemm16)
 
@@ -375,14 +432,18 @@ def gemm_sizes(hidden, weight, cdtype: torch.dtype, gemm16: bool) -> _chunk_plan
     return _chunk_plan.Sizes(hidden.dtype.itemsize, weight.dtype.itemsize, cdtype.itemsize, gemm)
 
 
-def chunked_linear_logprob(inputs: HeadInputs, spec: HeadSpec):
-    """``fused_linear_logprob`` on the chunked path, from its checked inputs. Returns the
+def chunked_linear_logprob(inputs: HeadInputs, spec: HeadSpec, shard: VocabShard | None = None):
+    """``fused_linear_logprob`` on the chunked path, from its checked inputs; with a ``shard``
+    (the inputs' weight and bias its own), ``vocab_parallel_linear_logprob``'s. Returns the
     Function's output."""
     hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
     rows_idx, row_mask, inv_t = inputs.rows()
     count = hidden.shape[0] if rows_idx is None else rows_idx.numel()
-    row_copies = rows_idx is not None or row_mask is not None
-    head = make_head(hidden, weight, bias, count, inputs.need, spec, row_copies=row_copies)
+    head = make_head(
+        hidden, weight, bias, count, inputs.need, spec,
+        vocab=None if shard is None else max(1, shard.real_rows),
+        row_copies=rows_idx is not None or row_mask is not None,
+    )  # fmt: skip
     return _ChunkedLinearLogProb.apply(
-        hidden, weight, bias, inputs.targets, rows_idx, row_mask, inv_t, head
+        hidden, weight, bias, inputs.targets, rows_idx, row_mask, inv_t, head, shard
     )

@@ -22,19 +22,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 import torch.distributed as dist
 
 from . import _chunk_plan, _dispatch
 from ._checks import HeadSpec, head_dtype
 from ._tiles import _zero_unkept
-from .chunked import Head, gemm_sizes, grad_pass, make_head, stats_pass, upstream
+from .chunked import (
+    Head,
+    VocabShard,
+    finalize,
+    gemm_sizes,
+    grad_pass,
+    make_head,
+    stats_pass,
+    upstream,
+)
 
 __all__ = [
     "LOSS_BUDGET_FACTOR",
     "LossPlan",
-    "VocabShard",
-    "combine",
     "head_budget_bytes",
     "loss_plan",
     "run_chunked",
@@ -66,11 +72,8 @@ class LossPlan:
     head: Head
     keep: bool
     keep_rows: int  # the tallest group whose [rows, V] tile fits the budget (0: none)
-    sizes: _chunk_plan.Sizes
+    problem: _chunk_plan.Problem  # the whole call's
     budget: int
-    need: tuple[bool, bool, bool]
-    bias: bool
-    row_copies: bool = True  # row blocks are masked copies (some row may be ignored)
 
     @property
     def rows(self) -> int:
@@ -86,25 +89,20 @@ class LossPlan:
         temps = self.head.plan.temps
         if self.keep and rows <= self.keep_rows:
             return replace(self.head, plan=_chunk_plan.ChunkPlan(rows, vocab, temps)), True
+        problem = replace(self.problem, m=rows, v=vocab, h=hidden_size)
         plan = _chunk_plan.plan_tiles(
-            rows, vocab, hidden_size, self.sizes, self.need, budget=self.budget,
-            chunk_size=self.spec.chunk_size, temps=temps, bias=self.bias,
-            row_copies=self.row_copies,
-        )  # fmt: skip
+            problem, budget=self.budget, chunk_size=self.spec.chunk_size, temps=temps
+        )
         return replace(self.head, plan=plan), False
 
 
-def _keep_rows(
-    count, vocab, hidden_size, sizes, need, budget, chunk_size, temps, bias, row_copies
-) -> int:
+def _keep_rows(problem: _chunk_plan.Problem, budget: int, chunk_size, temps: int) -> int:
     """The most rows whose whole ``[rows, vocab]`` tile (and the rest of the memory model) fits
     ``budget``: the model is linear in the rows."""
-    tallest = min(count, chunk_size or count)
+    tallest = min(problem.m, chunk_size or problem.m)
 
     def model(rows):
-        plan = _chunk_plan.ChunkPlan(rows, vocab, temps)
-        return _chunk_plan.extra_bytes(count, vocab, hidden_size, plan, sizes, need, bias=bias,
-                                       row_copies=row_copies)  # fmt: skip
+        return _chunk_plan.extra_bytes(problem, _chunk_plan.ChunkPlan(rows, problem.v, temps))
 
     fixed = model(0)
     per_row = model(1) - fixed
@@ -125,50 +123,17 @@ def loss_plan(
         hidden, weight, bias, count, need, spec, row_copies=row_copies, vocab=vocab, budget=budget
     )
     sizes = gemm_sizes(hidden, weight, head_dtype(hidden, weight, bias), head.gemm16)
+    problem = _chunk_plan.Problem(
+        count, vocab, hidden_size, sizes, need, bias is not None, row_copies
+    )
     temps = _dispatch.row_ops(spec.implementation).TEMPS
-    keep_rows = _keep_rows(
-        count, vocab, hidden_size, sizes, need, budget, spec.chunk_size, temps, bias is not None,
-        row_copies,
-    )  # fmt: skip
-    recomputed = _chunk_plan.plan_seconds(count, vocab, hidden_size, head.plan, sizes, need)
+    keep_rows = _keep_rows(problem, budget, spec.chunk_size, temps)
+    recomputed = _chunk_plan.plan_seconds(problem, head.plan)
     kept = float("inf")
     if keep_rows > 0:
         plan = _chunk_plan.ChunkPlan(keep_rows, vocab, temps)
-        kept = _chunk_plan.plan_seconds(count, vocab, hidden_size, plan, sizes, need, keep=True)
-    return LossPlan(
-        head, kept < recomputed, keep_rows, sizes, budget, need, bias is not None, row_copies
-    )
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """A vocab-parallel rank's columns: its group, first global id and real (unpadded) rows."""
-
-    group: dist.ProcessGroup | None
-    vocab_start: int
-    real_rows: int
-
-
-def combine(local, targets_local, shard: VocabShard | None):
-    """``(m, s, a, zt - m)`` over the whole vocabulary (vocab-parallel: the exact all-reduces of
-    ``vocab_parallel._combine``)."""
-    if shard is None:
-        return local.m, local.s, local.a, local.zt - local.m
-    from . import vocab_parallel
-
-    return vocab_parallel._combine((local.m, local.s, local.a, local.zt), targets_local, shard)
-
-
-def shard_hidden_grad(gh: torch.Tensor, hidden: torch.Tensor, rows_idx, group) -> torch.Tensor:
-    """The hidden gradient ``[N, H]`` in ``hidden``'s dtype from this shard's partial sums
-    ``gh`` (``[M, H]``, G_local @ W_local of the processed rows, summed over ``group`` here in
-    place: the group's sum is the full gradient), scattered to ``rows_idx`` (zeros elsewhere)."""
-    if group is not None:
-        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
-    if rows_idx is None:
-        return gh.to(hidden.dtype)
-    grad_h = hidden.new_zeros(hidden.shape)
-    return grad_h.index_copy_(0, rows_idx, gh.to(hidden.dtype))
+        kept = _chunk_plan.plan_seconds(problem, plan, keep=True)
+    return LossPlan(head, kept < recomputed, keep_rows, problem, budget)
 
 
 def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mask, inv_t, call):
@@ -196,13 +161,8 @@ def run_chunked(shard: VocabShard | None, hidden, weight, bias, targets, row_mas
         h, t = hidden[rows], local_t[rows]
         head, keep = plan.head_for(end - start, max(1, real), hidden_size)
         local, kept = stats_pass(head, h, local_w, local_b, t, None, mask, inv, keep=keep)
-        m, s, a, shifted = combine(local, t, shard)
-        log_s = s.log()
-        ent_all = None if a is None else log_s - a / s
-        values = (
-            _zero_unkept(shifted - log_s, mask),
-            None if ent_all is None else _zero_unkept(ent_all, mask),
-        )
+        m, lp, ent_all, log_s = finalize(local, t, shard)
+        values = (_zero_unkept(lp, mask), None if ent_all is None else _zero_unkept(ent_all, mask))
         g_lp, g_ent = _record_group(call, start, end, values, (logprob, entropy), losses)
         if _no_gradient(any_grad, g_lp, g_ent, grad_h, rows):
             continue

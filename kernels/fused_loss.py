@@ -15,14 +15,15 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import IGNORE_INDEX, HeadInputs, HeadSpec, checked_inputs, head_dtype, no_autocast
+from ._checks import HeadInputs, HeadSpec, checked_inputs, head_dtype, head_spec, no_autocast
 from ._dispatch import resolve
-from .chunked_loss import VocabShard, loss_plan, run_chunked
+from .chunked import VocabShard
+from .chunked_loss import loss_plan, run_chunked
 from .linear_logprob import (
     _BUFFER_TILES,
     WORKING_TILE_ELEMENTS,
@@ -32,6 +33,12 @@ from .linear_logprob import (
     _Plan,
     _plan,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
+
 
 __all__ = ["FusedLossOutput", "GroupLossFn", "fused_linear_loss"]
 
@@ -299,15 +306,7 @@ def fused_linear_loss(
     loss_fn: GroupLossFn,
     *,
     segments: Sequence[int] | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    with_entropy: bool = False,
-    chunk_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    validate: bool = True,
-    bias: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    implementation: str = "auto",
+    **head: Unpack[HeadOptions],
 ) -> FusedLossOutput:
     """A loss of the lm-head's log-probs (and entropy), with its gradients formed in forward.
 
@@ -339,10 +338,7 @@ def fused_linear_loss(
         TypeError, ValueError: as ``fused_linear_logprob``; ``loss_fn`` not callable, bad
         ``segments``; a ``loss_fn`` that does not return a 0-d tensor (TypeError).
     """
-    spec = HeadSpec(
-        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
-        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
-    )  # fmt: skip
+    spec, temperature, bias = head_spec("fused_linear_loss", head, with_entropy=False)
     spec, inputs = checked_inputs(hidden, weight, targets, temperature, bias, spec)
     return run_loss(inputs, targets.shape, loss_fn, segments, spec, "fused_linear_loss")
 

@@ -11,11 +11,12 @@ kernel is built".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ._checks import IGNORE_INDEX, HeadSpec, checked_inputs, head_dtype, no_autocast
+from ._checks import HeadSpec, checked_inputs, head_dtype, head_spec, no_autocast
 from ._dispatch import resolve
 from ._tiles import (
     _cap_slope_,
@@ -37,6 +38,12 @@ from ._tiles import (
     _zero_unkept,
 )
 from .chunked import chunked_linear_logprob
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
+
 
 __all__ = ["WORKING_TILE_ELEMENTS", "fused_linear_logprob"]
 
@@ -475,16 +482,7 @@ def fused_linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    *,
-    temperature: float | torch.Tensor = 1.0,
-    with_entropy: bool = True,
-    chunk_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    validate: bool = True,
-    bias: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    implementation: str = "auto",
+    **head: Unpack[HeadOptions],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head, without materialising the logits.
 
@@ -497,42 +495,42 @@ def fused_linear_logprob(
     ``hidden``, ``weight`` and ``bias``, each only when it requires grad, in its own dtype. Full
     contract: ``docs/kernels.md``.
 
-    Args:
+    Args (the keywords are :class:`~microrl.kernels._checks.HeadOptions`, defaults in brackets):
         hidden: ``[..., H]`` float32/bfloat16/float16/float64, any strides.
         weight: ``[V, H]`` lm-head weight, any of those dtypes; it need not match ``hidden``'s
             (e.g. bf16 activations with a float32 weight): both are upcast to the compute dtype.
         targets: ``[...]`` integer ids in ``[0, V)``, or ``ignore_index``: those positions give
             log-prob 0 and entropy 0, and no gradient (their hidden rows are never read).
-        temperature: float > 0, or a tensor broadcastable to ``targets.shape`` (per token / per
-            row; no gradient flows to it).
-        with_entropy: False returns ``None`` for the entropy and skips its passes.
-        chunk_size: rows per chunk (at most; small problems may use fewer); ``None`` uses 1024.
-            It sets the vocabulary tile, ``WORKING_TILE_ELEMENTS // chunk_size`` columns (at least
-            128, at most V), independently of the row count. Extra memory: compute-dtype tile
-            buffers (two working tiles and the tiles kept from forward for backward, one block
+        temperature: [1.0] float > 0, or a tensor broadcastable to ``targets.shape`` (per token /
+            per row; no gradient flows to it).
+        with_entropy: [True] False returns ``None`` for the entropy and skips its passes.
+        chunk_size: [None] rows per chunk (at most; small problems may use fewer); ``None`` uses
+            1024. It sets the vocabulary tile, ``WORKING_TILE_ELEMENTS // chunk_size`` columns
+            (at least 128, at most V), independently of the row count. Extra memory: compute-dtype
+            tile buffers (two working tiles and the tiles kept from forward for backward, one block
             held from forward to the end of backward) within four full tiles (4 x 32 MiB in
             float32 by default) whatever N, and within a quarter of the materialised
             computation's extra memory for small problems (docs/kernels.md), plus
             ``[rows, H]`` row copies and O(N) statistics. A weight not in the compute dtype also
             gets a ``[vocab_tile, H]`` upcast buffer and, when it requires grad and there is more
             than one row chunk, a compute-dtype ``[V, H]`` gradient accumulator.
-        ignore_index: target id that marks a position with no prediction.
-        validate: True checks the target range and the temperature values on the device, with one
-            device-to-host sync per call (which also counts the non-ignored rows, so only those
-            are computed). False issues no sync at all (forward and backward), for callers in a
-            hot loop that validated the values already, as the engine does for ``input_ids``
+        ignore_index: [-100] target id that marks a position with no prediction.
+        validate: [True] True checks the target range and the temperature values on the device,
+            with one device-to-host sync per call (which also counts the non-ignored rows, so only
+            those are computed). False issues no sync at all (forward and backward), for callers
+            in a hot loop that validated the values already, as the engine does for ``input_ids``
             against the vocabulary at the batch boundary. Only skip when every target is known to
             be in ``[0, V)`` or ``ignore_index`` and every temperature finite and > 0: otherwise
             the results are silently wrong (no error). It then computes every row, ignored ones
             included (masked, docs/kernels.md): same results, more work when many
             positions are ignored.
-        bias: ``[V]`` lm-head bias (Phi), any float dtype, or None; gets a gradient when it
+        bias: [None] ``[V]`` lm-head bias (Phi), any float dtype, or None; gets a gradient when it
             requires grad.
-        logit_scale: finite float > 0 multiplying the logits after the bias and before the
+        logit_scale: [1.0] finite float > 0 multiplying the logits after the bias and before the
             soft-capping (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).
-        softcap: None, or a finite float ``c > 0``: final-logit soft-capping
+        softcap: [None] None, or a finite float ``c > 0``: final-logit soft-capping
             ``c * tanh(x / c)`` (Gemma 2/3 ``final_logit_softcapping``), before the temperature.
-        implementation: ``"auto"`` (CUDA tensors take the GPU path, ``"triton"``, or
+        implementation: [``"auto"``] ``"auto"`` (CUDA tensors take the GPU path, ``"triton"``, or
             ``"chunks"`` without Triton; other devices ``"tiles"``), or one of those names to
             force it (docs/kernels.md, "Implementations"); on the GPU path ``chunk_size`` caps the
             rows of a tile and the tile is sized by a budget of about ``4 * N * H`` bytes.
@@ -552,10 +550,7 @@ def fused_linear_logprob(
             ``implementation`` (or ``"triton"`` with float64 inputs); with ``validate``, also
             out-of-range targets and temperatures <= 0 or non-finite.
     """
-    spec = HeadSpec(
-        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
-        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
-    )  # fmt: skip
+    spec, temperature, bias = head_spec("fused_linear_logprob", head)
     spec, inputs = checked_inputs(hidden, weight, targets, temperature, bias, spec)
     spec = resolve(hidden, weight, bias, spec, "fused_linear_logprob")
     if spec.implementation != "tiles":

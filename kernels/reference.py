@@ -9,9 +9,17 @@ is exact and what is within tolerance"). The contract both implement is in ``doc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ._checks import IGNORE_INDEX, HeadSpec, check_linear_logprob_inputs, head_dtype, no_autocast
+from ._checks import check_linear_logprob_inputs, head_dtype, head_spec, no_autocast
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
+
 
 __all__ = ["reference_linear_logprob"]
 
@@ -20,16 +28,7 @@ def reference_linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    *,
-    temperature: float | torch.Tensor = 1.0,
-    with_entropy: bool = True,
-    chunk_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    validate: bool = True,
-    bias: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    implementation: str = "auto",
+    **head: Unpack[HeadOptions],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(cap((hidden.float() @ weight.float().T + bias) * logit_scale) / temperature)``
     at ``targets``, with ``cap(x) = softcap * tanh(x / softcap)`` (the identity for
@@ -53,10 +52,7 @@ def reference_linear_logprob(
         ``(logprobs [...], entropy [...] | None)`` in float32 (float64 when an input is
         float64). Gradients come back in each input's own dtype (autograd of the upcast).
     """
-    spec = HeadSpec(
-        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
-        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
-    )  # fmt: skip
+    spec, temperature, bias = head_spec("reference_linear_logprob", head)
     spec, per_token, _ = check_linear_logprob_inputs(
         hidden, weight, targets, temperature, bias, spec
     )
@@ -72,11 +68,11 @@ def reference_linear_logprob(
         logits = logits / (spec.temperature if per_token is None else per_token.unsqueeze(-1))
         log_probs = torch.log_softmax(logits, dim=-1)
     targets = targets.long()  # compared as int64: in uint8, -100 would equal 156
-    valid = targets != ignore_index
+    valid = targets != spec.ignore_index
     safe_targets = torch.where(valid, targets, 0)
     picked = log_probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
     logprobs = torch.where(valid, picked, 0.0)
-    if not with_entropy:
+    if not spec.with_entropy:
         return logprobs, None
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logprobs, torch.where(valid, entropy, 0.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,12 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import linear_logprob
 from ._checks import (
-    IGNORE_INDEX,
     HeadInputs,
     HeadSpec,
     check_linear_logprob_inputs,
     flatten,
     head_dtype,
+    head_spec,
     no_autocast,
 )
 from ._dispatch import resolve
@@ -48,8 +49,13 @@ from ._tiles import (
     _tile_stats,
     _zero_unkept,
 )
-from .chunked_loss import VocabShard, shard_hidden_grad
-from .vocab_parallel_chunked import vocab_parallel_chunked
+from .chunked import VocabShard, chunked_linear_logprob, shard_hidden_grad
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
+
 
 __all__ = ["vocab_parallel_linear_logprob"]
 
@@ -370,15 +376,7 @@ def vocab_parallel_linear_logprob(
     group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    with_entropy: bool = True,
-    chunk_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    validate: bool = True,
-    bias: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    implementation: str = "auto",
+    **head: Unpack[HeadOptions],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of an lm-head whose vocabulary is split over a TP group.
 
@@ -424,17 +422,14 @@ def vocab_parallel_linear_logprob(
         TypeError / ValueError: as ``fused_linear_logprob``, and for a bad ``group``,
             ``vocab_start``, ``vocab_size`` or DTensor layout, and a DTensor ``hidden``/``targets``.
     """
-    spec = HeadSpec(
-        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
-        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
-    )  # fmt: skip
+    spec, temperature, bias = head_spec("vocab_parallel_linear_logprob", head)
     spec, inputs, shard = checked_inputs(
         hidden, weight, targets, temperature, bias, spec, group, vocab_start, vocab_size
     )
     hidden_2d, weight, bias = inputs.hidden, inputs.weight, inputs.bias  # the shard's
     spec = resolve(hidden_2d, weight, bias, spec, "vocab_parallel_linear_logprob")
     if spec.implementation != "tiles":
-        out = vocab_parallel_chunked(inputs, shard, spec)
+        out = chunked_linear_logprob(inputs, spec, shard)
         return _shaped(out, targets.shape, spec.with_entropy)
     rows_idx, row_mask, inv_t = inputs.rows()
     configured = spec.chunk_size or _DEFAULT_ROWS

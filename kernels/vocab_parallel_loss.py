@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import vocab_parallel as vp
-from ._checks import IGNORE_INDEX, HeadSpec, head_dtype
+from ._checks import head_dtype, head_spec
 from ._tiles import _zero_unkept
-from .chunked_loss import VocabShard
+from .chunked import VocabShard
 from .fused_loss import (
     FusedLossOutput,
     GroupLossFn,
@@ -46,6 +47,12 @@ from .fused_loss import (
     run_loss,
 )
 from .linear_logprob import _backward
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._checks import HeadOptions
+
 
 __all__ = ["vocab_parallel_linear_loss"]
 
@@ -108,15 +115,7 @@ def vocab_parallel_linear_loss(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     segments: Sequence[int] | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    with_entropy: bool = False,
-    chunk_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    validate: bool = True,
-    bias: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    implementation: str = "auto",
+    **head: Unpack[HeadOptions],
 ) -> FusedLossOutput:
     """:func:`microrl.kernels.fused_linear_loss` of an lm head whose vocabulary is split over a
     tensor-parallel group: every rank gets the single-device result on the whole vocabulary, to
@@ -141,10 +140,7 @@ def vocab_parallel_linear_loss(
     Raises:
         TypeError, ValueError: as the two functions above.
     """
-    spec = HeadSpec(
-        with_entropy=with_entropy, chunk_size=chunk_size, ignore_index=ignore_index,
-        validate=validate, logit_scale=logit_scale, softcap=softcap, implementation=implementation,
-    )  # fmt: skip
+    spec, temperature, bias = head_spec("vocab_parallel_linear_loss", head, with_entropy=False)
     spec, inputs, shard = vp.checked_inputs(
         hidden, weight, targets, temperature, bias, spec, group, vocab_start, vocab_size
     )

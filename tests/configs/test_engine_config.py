@@ -3,7 +3,8 @@
 import pytest
 
 from microrl.configs import ActorConfig, CriticConfig
-from microrl.configs.engine import DEFAULT_MICRO_BATCH_SIZE
+from microrl.configs.engine import DEFAULT_MICRO_BATCH_SIZE, OptimConfig
+from microrl.configs.run import RolloutConfig
 
 
 def test_micro_batching_defaults_to_rows_and_a_token_budget_alone_is_enough() -> None:
@@ -31,3 +32,21 @@ def test_bad_actor_config_names_the_key(kwargs: dict, key: str) -> None:
 def test_bad_critic_config_names_the_key() -> None:
     with pytest.raises(ValueError, match="cliprange_value"):
         CriticConfig(cliprange_value=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("build", "key"),
+    [
+        (lambda: ActorConfig(optim=OptimConfig(cpu_offload="yes")), "optim.cpu_offload"),
+        (lambda: ActorConfig(freeze_vision="false"), "freeze_vision"),
+        (lambda: CriticConfig(routing_replay=1), "routing_replay"),
+        (lambda: ActorConfig(activation_offload="no"), "activation_offload"),
+        (lambda: ActorConfig(mask_truncated=0), "mask_truncated"),
+        (lambda: RolloutConfig(dynamic_sampling="true"), "rollout.dynamic_sampling"),
+        (lambda: RolloutConfig(routing_replay="off"), "rollout.routing_replay"),
+    ],
+)
+def test_a_flag_that_is_not_a_bool_is_refused_by_its_key(build, key: str) -> None:
+    """A YAML string such as "false" is truthy: every flag must be a real bool."""
+    with pytest.raises(ValueError, match=rf"^{key} must be a bool \(true or false\), got "):
+        build()

@@ -131,7 +131,7 @@ def fixed_tiles(monkeypatch, rows: int, cols: int) -> None:
     at test sizes."""
     from microrl.kernels import _chunk_plan
 
-    def plan(m, v, h, sizes, need, *, temps=0, **_):
+    def plan(problem, *, temps=0, **_):
         return _chunk_plan.ChunkPlan(rows, cols, temps)
 
     monkeypatch.setattr(_chunk_plan, "plan_tiles", plan)

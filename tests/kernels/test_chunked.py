@@ -320,18 +320,20 @@ def test_the_plan_fits_ligers_memory_and_is_compute_bound(shape):
     n, h, v = shape
     budget = _chunk_plan.budget_bytes(n, v, h)
     assert budget <= liger_extra_bytes(n, h, v)
-    plan = _chunk_plan.plan_tiles(n, v, h, BF16, NEED, budget=budget)
-    assert _chunk_plan.extra_bytes(n, v, h, plan, BF16, NEED) <= budget
+    problem = _chunk_plan.Problem(n, v, h, BF16, NEED)
+    plan = _chunk_plan.plan_tiles(problem, budget=budget)
+    assert _chunk_plan.extra_bytes(problem, plan) <= budget
     floor = 8 * n * h * v / _chunk_plan.H200.flops16
-    seconds = _chunk_plan.plan_seconds(n, v, h, plan, BF16, NEED, _chunk_plan.H200)
+    seconds = _chunk_plan.plan_seconds(problem, plan, _chunk_plan.H200)
     assert seconds <= 1.25 * floor, (plan, seconds, floor)
     assert plan.rows >= 1024 and plan.cols >= 1024  # tall blocks: at most a few dW roundings
 
 
 def test_the_plan_respects_chunk_size_and_tiny_budgets():
-    plan = _chunk_plan.plan_tiles(8192, 32768, 1024, BF16, NEED, budget=2**30, chunk_size=100)
+    problem = _chunk_plan.Problem(8192, 32768, 1024, BF16, NEED)
+    plan = _chunk_plan.plan_tiles(problem, budget=2**30, chunk_size=100)
     assert plan.rows <= 100
-    tiny = _chunk_plan.plan_tiles(8192, 32768, 1024, BF16, NEED, budget=1)
+    tiny = _chunk_plan.plan_tiles(problem, budget=1)
     assert tiny == _chunk_plan.ChunkPlan(_chunk_plan.MIN_ROWS, _chunk_plan.COL_ALIGN)
 
 
@@ -372,10 +374,11 @@ def test_the_memory_model_bounds_the_allocations(case, monkeypatch):
     count = int((targets != -100).sum())
     sizes = _chunk_plan.Sizes(dtype.itemsize, dtype.itemsize, 4, dtype.itemsize)
     need = (True, weight.requires_grad, bias is not None)
-    model = _chunk_plan.extra_bytes(
-        count, v, h, _chunk_plan.ChunkPlan(16, cols, _row_ops.TEMPS), sizes,
-        need, bias=bias is not None, row_copies=case == "bias_ignored", native16=False,
+    problem = _chunk_plan.Problem(
+        count, v, h, sizes, need, bias=bias is not None, row_copies=case == "bias_ignored",
+        native16=False,
     )  # fmt: skip
+    model = _chunk_plan.extra_bytes(problem, _chunk_plan.ChunkPlan(16, cols, _row_ops.TEMPS))
     measured = live.peak - returned
     assert 0.7 * model <= measured <= model, (case, measured, model)
 

@@ -14,6 +14,7 @@ from kernel_utils import assert_close, run, shrink_tiles
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from microrl import kernels
 from microrl.kernels import (
     WORKING_TILE_ELEMENTS,
     fused_linear_logprob,
@@ -358,3 +359,22 @@ def test_bad_input_raises_value_error(fn, override, message):
 def test_non_tensor_raises_type_error():
     with pytest.raises(TypeError, match="hidden"):
         fused_linear_logprob([[0.0] * H], torch.randn(V, H), torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fused_linear_logprob",
+        "reference_linear_logprob",
+        "fused_linear_loss",
+        "vocab_parallel_linear_logprob",
+        "vocab_parallel_linear_loss",
+    ],
+)
+def test_unknown_keyword_raises_type_error_naming_it(name):
+    """The shared keywords are typed once (``**head: Unpack[HeadOptions]``): a misspelt one is
+    still the TypeError Python raises for an unknown keyword."""
+    fn = getattr(kernels, name)
+    loss_fn = (lambda start, end, lp, ent: (lp.sum(), None),) if name.endswith("loss") else ()
+    with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'tempe'"):
+        fn(*_GOOD, *loss_fn, tempe=2.0)

@@ -98,7 +98,7 @@ CASES = [
     ),
     Case("softcap_no_entropy", vocab=37, shard_rows=19, softcap=2.0, with_entropy=False),
 ]
-# The GPU path (kernels/vocab_parallel_chunked.py) on CPU tensors, with its torch row ops and,
+# The GPU path (kernels/chunked.py with a shard) on CPU tensors, with its torch row ops and,
 # in the 2-rank launch, its Triton kernels under the interpreter.
 _BY_NAME = {c.name: c for c in CASES}
 GPU_CASES = [

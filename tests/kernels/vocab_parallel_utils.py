@@ -99,7 +99,7 @@ def gpu_path_tiles(case: Case):
     saved = _chunk_plan.plan_tiles, _chunk_plan.budget_bytes
     if case.tiles and case.implementation != "auto":
 
-        def plan(m, v, h, sizes, need, *, temps=0, **_):
+        def plan(problem, *, temps=0, **_):
             return _chunk_plan.ChunkPlan(4, 64, temps)
 
         _chunk_plan.plan_tiles, _chunk_plan.budget_bytes = plan, lambda m, v, h: 1
