@@ -1,24 +1,12 @@
 """The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's.
 
-vLLM keeps its own copy of the weights, so it must be told about every update
-(:meth:`VLLMRollout.sync`, after optimizer steps):
-
-- LoRA engines: vLLM holds the base model (written once, adapters left out) and serves the
-  adapter as a ``LoRARequest``. A sync exports the adapter in PEFT's format (atomically, into a
-  new directory) and registers it under a new id, dropping the previous one: ids never repeat, so
-  vLLM can never serve a cached, stale adapter.
-- Full fine-tunes: a sync streams the full weights into the running engine in place (vLLM's
-  ``reload_weights``), no restart: one parameter at a time is gathered (FSDP2 shards), cast to
-  vLLM's dtype, loaded and dropped, so a sync never holds a second copy of the model.
-
-With ``rollout.vllm.sleep_level`` (GPU only) the engine sleeps between sampling calls (vLLM's sleep
-mode: KV cache freed, weights offloaded or discarded), so the trainer gets its memory back.
-
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights pass as tensors,
-not through a pipe, and no worker processes need a ``__main__`` guard. The sampled tokens'
-log-probs are vLLM's *processed* log-probs, i.e. at the sampling temperature, the distribution the
-engine's loss scores. How far they are from the trainer's own log-probs is measured by the mismatch
-metrics (docs/losses.md); install notes for GPU and CPU are in docs/rollouts.md.
+Each :meth:`VLLMRollout.sync` serves a LoRA engine's adapter as a new ``LoRARequest`` (ids never
+repeat: no cached, stale adapter) or streams a full fine-tune's weights in place
+(``reload_weights``, one gathered tensor at a time: never a second copy). With
+``rollout.vllm.sleep_level`` (GPU only) vLLM sleeps between sampling calls, giving the trainer
+its memory back. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights
+pass as tensors. Its log-probs are *processed* ones, at the sampling temperature the loss scores
+(mismatch metrics: docs/losses.md; install notes: docs/rollouts.md).
 """
 
 from __future__ import annotations
@@ -79,10 +67,8 @@ _USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
 def set_vllm_log_level(verbose: bool) -> str:
-    """vLLM's log level: ``INFO`` when ``verbose`` (its default), else ``ERROR``: its ~30 start-up
-    lines would bury the run's own. Read by vLLM when it is imported (the environment variable)
-    and applied to its logger should it be imported already; a ``VLLM_LOGGING_LEVEL`` set before
-    this process started wins. Returns the level."""
+    """Set and return vLLM's log level: ``INFO`` when ``verbose``, else ``ERROR`` (its ~30
+    start-up lines would bury the run's own); a ``VLLM_LOGGING_LEVEL`` set before us wins."""
     level = _USER_LOG_LEVEL or ("INFO" if verbose else "ERROR")
     os.environ["VLLM_LOGGING_LEVEL"] = level
     logging.getLogger("vllm").setLevel(level.upper())
@@ -91,10 +77,8 @@ def set_vllm_log_level(verbose: bool) -> str:
 
 @contextlib.contextmanager
 def _without_vllm_deprecations():
-    """vLLM 0.32 on torch 2.13 touches deprecated torch APIs as it loads its model code
-    (TorchScript's ``script_method``) and starts (its Triton dispatcher reads
-    ``torch.distributed.reduce_op``): warnings for vLLM's authors, not for the trainer's user;
-    only these two are silenced."""
+    """Silence the two deprecated torch APIs vLLM 0.32 touches on torch 2.13 (``script_method``,
+    ``reduce_op``): warnings for vLLM's authors, not the trainer's user."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op`", FutureWarning)
         warnings.filterwarnings("ignore", r"`torch\.jit\.script_method`", DeprecationWarning)
@@ -134,25 +118,20 @@ def _check_cpu_head_dim(model_config) -> None:
 
 
 class VLLMRollout(RolloutBackend):
-    """Samples with a colocated ``vllm.LLM``, synced from ``engine`` (see the module docstring).
+    """Samples with a colocated ``vllm.LLM``, synced from ``engine`` (module docstring).
 
     Args:
-        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
-            weights are loaded at construction.
+        engine: the :class:`~microrl.engine.ActorEngine` sampled; its weights load at start.
         tokenizer: its tokenizer (``eos_token_id``, ``pad_token_id``).
         config: :class:`~microrl.configs.rollout.VLLMConfig`.
-        workdir: where the base model and the adapters vLLM loads are written; every rank must
-            see it (a shared file system across nodes). Default: a fresh temporary directory,
-            removed by :meth:`close`.
-        image_encoder: the policy's :class:`~microrl.rollout.images.ImageEncoder` (a
-            vision-language policy): ``generate(..., images=)`` then samples image prompts.
+        workdir: where the exports vLLM loads go, seen by every rank; default: a temporary
+            directory, removed by :meth:`close`.
+        image_encoder: a vision-language policy's :class:`~microrl.rollout.images.ImageEncoder`.
 
     Raises:
-        ImportError: vLLM is not installed (the message gives the install command).
-        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size,
-            image prompts without torchvision: docs/rollouts.md#images),
-            ``rollout.vllm.sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns
-            or vLLM does not know.
+        ImportError: no vLLM (the message gives the install command).
+        ValueError: a model vLLM cannot run here (CPU head size, docs/rollouts.md#images),
+            ``sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns or vLLM lacks.
     """
 
     holds_weights = True
@@ -298,9 +277,8 @@ class VLLMRollout(RolloutBackend):
 
     # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
-        """Load the engine's current weights into vLLM. Collective under ``torchrun``: every rank
-        calls it (the weights are gathered across ranks). With sleep mode the engine's weights
-        wake for it (its KV cache stays asleep until the next sampling call)."""
+        """Load the engine's current weights into vLLM; collective under ``torchrun``. In sleep
+        mode only the weights wake for it."""
         engine = engine or self.engine
         self._version += 1
         self._wake_weights()
@@ -308,14 +286,12 @@ class VLLMRollout(RolloutBackend):
         self._check_sync(engine)
 
     def _check_sync(self, engine) -> None:
-        """Check the push just made: the engine's probe log-probs now, before the optimizer
-        changes its weights; vLLM's when it next wakes to sample (:meth:`_finish_check`), as
-        sleep mode wakes the weights alone for a sync."""
+        """The engine's probe log-probs now, before the optimizer steps; vLLM's are scored when
+        it next wakes to sample (:meth:`_finish_check`)."""
         self._pending_check = (self._version, ProbeVerifier.of(self).expected(engine))
 
     def _finish_check(self) -> None:
-        """Score the probe with the weights the last sync loaded: a
-        :class:`~microrl.rollout.weights.sync_check.SyncCheckError` when the push did not land."""
+        """Score the probe on the last sync's weights: ``SyncCheckError`` if the push missed."""
         (version, expected), self._pending_check = self._pending_check, None
         verifier = ProbeVerifier.of(self)
         scored = [row[1:] for row in self.score(verifier.rows())]  # row[0]: no prediction
@@ -324,15 +300,13 @@ class VLLMRollout(RolloutBackend):
         verifier.verify(version, target, expected, verifier.layout(scored), detail)
 
     def reload_base(self) -> None:
-        """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
-        no weights reads the model's own path); vLLM drops its adapters with it."""
+        """Read a LoRA engine's frozen base back from its export (vLLM drops its adapters)."""
         self.llm.collective_rpc("reload_weights")
         self.weights_lost = False
 
     def reset_encoder_cache(self) -> None:
-        """Image prompts: drop vLLM's cached image embeddings after a push (computed with the
-        old weights; its scheduler and worker caches are reset together, or the next image
-        prompt fails with vLLM's 'Encoder cache miss')."""
+        """Drop vLLM's image embeddings (of the old weights) after a push, scheduler and worker
+        caches together (else vLLM's 'Encoder cache miss')."""
         if self.image_encoder is not None:
             self.llm.llm_engine.reset_encoder_cache()
 
@@ -352,8 +326,7 @@ class VLLMRollout(RolloutBackend):
             self._weights_asleep = False
 
     def _wake(self) -> None:
-        """Everything back before sampling: the weights (reloaded when level 2 discarded them
-        and no sync has reloaded them since), then the KV cache."""
+        """Wake the weights (reloaded if level 2 discarded them), then the KV cache."""
         if not self._asleep:
             return
         self._wake_weights()
@@ -392,9 +365,8 @@ class VLLMRollout(RolloutBackend):
         return self._sample_requests([{"prompt_token_ids": ids} for ids in prompt_ids], params)
 
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
-        """Image prompts: vLLM gets each prompt with one placeholder per image and the PIL
-        images (:mod:`~microrl.rollout.samplers.vllm_images`); the prompt it ran is checked to be
-        the trainer's, token for token."""
+        """One placeholder per image plus the PIL images (``vllm_images``); the prompt vLLM ran
+        is checked to be the trainer's."""
         encoder = self.image_encoder
         requests = [
             vllm_images.image_request(
@@ -443,9 +415,8 @@ class VLLMRollout(RolloutBackend):
         return Samples(token_ids=token_ids, logprobs=logprobs)
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """vLLM's log-probs of given token sequences at temperature 1, token-aligned (the first
-        token of each sequence has none: 0.0), under the current weights and adapter. For checking
-        a sync, and the mismatch, against the engine's own log-probs of the same sequences."""
+        """vLLM's log-probs of ``sequences`` at temperature 1, token-aligned (0.0 for each first
+        token), under the current weights: for the sync check and the mismatch."""
         from vllm import SamplingParams as VSamplingParams
 
         sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
@@ -480,8 +451,8 @@ class VLLMRollout(RolloutBackend):
 
 @contextlib.contextmanager
 def _keep_default_group(keep: bool):
-    """vLLM's shutdown destroys torch's default process group, as if it owned the process; when
-    the trainer's group is that one (under torchrun), it has to outlive vLLM."""
+    """Keep the trainer's default process group (``keep``) through vLLM's shutdown, which
+    destroys it as if it owned the process."""
     original = dist.destroy_process_group
 
     def destroy(group=None):

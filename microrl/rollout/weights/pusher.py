@@ -1,8 +1,7 @@
 """The trainer's side of a full-weight push into a ``vllm serve`` process: :class:`WeightPusher`.
 
-It drives vLLM's weight-transfer API over HTTP (the routes of ``VLLM_SERVER_DEV_MODE``) while it
-joins the transfer group itself; the engines on both ends are vLLM's or microrl's plugin
-(:mod:`microrl.rollout.vllm_plugin.transfer`). The wire protocol and its failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
+It drives vLLM's weight-transfer routes over HTTP while joining the transfer group; protocol and
+failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
 """
 
 from __future__ import annotations
@@ -64,23 +63,24 @@ def _free_port(address: str) -> int:
         return sock.getsockname()[1]
 
 
+def _check_name(name: Any, seen: set[str]) -> None:
+    """A non-empty str, not in ``seen`` (then added)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
+    if name in seen:
+        raise ValueError(f"push(): weight {name!r} appears twice")
+    seen.add(name)
+
+
 class WeightPusher:
-    """Pushes full weights from this process into a ``vllm serve`` process's workers.
+    """Pushes full weights from this process into a ``vllm serve`` process's workers:
+    ``start()``, ``push()`` as often as needed, ``close()`` (or a ``with`` block).
 
-    ``backend`` is the server's ``--weight-transfer-config`` backend: ``"nccl"`` (CUDA tensors
-    on this process's current device; vLLM's own trainer engine), :data:`IPC_BACKEND` (the same,
-    for a server on that very GPU; vLLM's IPC trainer engine) or ``"gloo"`` (CPU tensors;
-    ``GlooTrainerWeightTransferEngine``). ``post(route, json_body)`` POSTs to the server
-    (``route`` like ``"/update_weights"``; ``json_body`` a dict or None) and raises on an HTTP
-    error, naming the route and the server's message; it may return anything. ``world_size``
-    is 1 + the server's workers (TP x PP x DP). ``master_address`` is this process's address
-    as the server's workers reach it; ``master_port`` the rendezvous port (0: a free one).
-    ``timeout_s`` bounds (gloo) the group's operations and each wait on the server; with nccl,
-    vLLM's engine keeps its own waits. Pause the server around pushes when requests may be
-    running (module docstring).
-
-    ``start()``, then ``push(named_tensors, version)`` as often as needed, then ``close()``
-    (or use it as a context manager). Wire protocol: the module docstring.
+    ``backend``: the server's ``--weight-transfer-config`` backend: ``"nccl"`` or
+    :data:`IPC_BACKEND` (CUDA tensors on the current device) or ``"gloo"`` (CPU tensors).
+    ``post(route, json_body)`` POSTs to the server, raising on an HTTP error. ``world_size``: 1 +
+    the server's workers (TP x PP x DP); ``master_address``: ours as they reach it;
+    ``master_port`` 0: a free one. ``timeout_s`` bounds gloo's group operations and server waits.
     """
 
     def __init__(
@@ -120,7 +120,7 @@ class WeightPusher:
 
     # -- lifecycle
     def trainer_init_info(self) -> Any:
-        """The vLLM ``TrainerInitInfo`` that ``start()`` hands to vLLM's trainer factory."""
+        """The vLLM ``TrainerInitInfo`` ``start()`` hands to vLLM's trainer factory."""
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -159,16 +159,13 @@ class WeightPusher:
         self._broken = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send every ``(name, tensor)`` (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``)
-        and make ``version`` the server's weight version.
+        """Send every ``(name, tensor)`` of the whole model, checkpoint names, tied weights under
+        each (``state_dict().items()``), on the backend's device; make ``version`` the server's.
 
-        Give the whole model as a checkpoint holds it, tied weights under each name (e.g.
-        ``model.state_dict().items()``; the module docstring says why). Names the server's model
-        does not have, or tensors it cannot load, raise the server's ``/update_weights`` error
-        naming the first one. Tensors must be on the backend's device (gloo: CPU; nccl and IPC:
-        the current CUDA device). ``named_tensors`` with a ``metadata()`` method (``(name, dtype,
-        shape)`` of each pair, in order) is iterated lazily, each pair checked against it as it
-        comes, so the caller can produce one tensor at a time (:class:`~microrl.rollout.weights.full_weights.FullWeights`).
+        A name or tensor the server cannot load raises its ``/update_weights`` error. With a
+        ``metadata()`` method (``(name, dtype, shape)`` in order, as
+        :class:`~microrl.rollout.weights.full_weights.FullWeights` has) ``named_tensors`` is
+        iterated lazily, each pair checked as it comes: one tensor at a time.
         """
         if self._engine is None:
             raise RuntimeError("WeightPusher.push(): call start() first")
@@ -192,9 +189,8 @@ class WeightPusher:
         try:
             self._engine.send_weights()
         except BaseException as err:
-            # The gloo engine knows whether the group is still in step (it is after a tensor the
-            # server rejected: the worker drains the round); after vLLM's NCCL engine fails,
-            # assume it is not.
+            # The gloo engine knows whether the group is still in step (a rejected tensor: the
+            # worker drains the round); after vLLM's NCCL engine fails, assume not.
             if not getattr(self._engine, "in_step", False):
                 self._broken = f"{type(err).__name__}: {err}"
             raise
@@ -231,14 +227,8 @@ class WeightPusher:
             if not (isinstance(item, tuple | list) and len(item) == 2):
                 raise TypeError(f"push(): expected (name, tensor) pairs, got {item!r:.80}")
             name, tensor = item
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
-            if name in seen:
-                raise ValueError(f"push(): weight {name!r} appears twice")
-            seen.add(name)
+            _check_name(name, seen)
             pairs.append((name, self._checked_tensor(name, tensor)))
-        if not pairs:
-            raise ValueError("push(): no weights given")
         return pairs
 
     def _checked_tensor(self, name: str, tensor: Any) -> Any:
@@ -266,13 +256,9 @@ class WeightPusher:
             name, dtype, shape = (
                 (entry.name, entry.dtype, entry.shape) if hasattr(entry, "name") else entry
             )
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
-            if name in seen:
-                raise ValueError(f"push(): weight {name!r} appears twice")
+            _check_name(name, seen)
             if not isinstance(dtype, torch.dtype):
                 raise TypeError(f"push(): weight {name!r} has dtype {dtype!r}, not a torch.dtype")
-            seen.add(name)
             meta.append(ParamMeta(name, dtype, tuple(int(s) for s in shape)))
         if not meta:
             raise ValueError("push(): no weights given")
@@ -281,15 +267,13 @@ class WeightPusher:
     def _checked_stream(self, stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """``stream``'s pairs, each checked against the metadata declared for this push as it
         comes (the workers sized their buffers from it) and on the backend's device."""
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
         meta, count = self._source.meta, 0
         for name, tensor in stream:
             tensor = self._checked_tensor(name, tensor)
             expected = meta[count] if count < len(meta) else None
-            if expected is None or (name, tensor.dtype, tuple(tensor.shape)) != (
-                expected.name,
-                expected.dtype,
-                expected.shape,
-            ):
+            if expected != ParamMeta(name, tensor.dtype, tuple(tensor.shape)):
                 raise ValueError(
                     f"push(): the stream yielded {name!r} {tensor.dtype} "
                     f"{tuple(tensor.shape)} where its metadata() declared "
