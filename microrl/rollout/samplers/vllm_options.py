@@ -59,7 +59,7 @@ CPU_KV_CACHE_MB = 256
 #: The LoRA ranks vLLM supports (``max_lora_rank``).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
-#: Engine arguments microrl sets itself in both integrations, and why a user value cannot win.
+#: Engine arguments microrl sets in both integrations, and why a user value cannot win.
 OWNED: dict[str, str] = {
     "model": "vLLM serves microrl's own export of the trained model",
     "skip_tokenizer_init": "microrl sends and reads token ids, never text",
@@ -195,7 +195,7 @@ def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
 
 
 def remove_workdir(workdir: Path, *, owned: bool) -> None:
-    """Remove ``workdir`` (rank 0, which made it) when :func:`make_workdir` made it."""
+    """Remove ``workdir`` on rank 0 when :func:`make_workdir` made it."""
     if owned and distributed.rank() == 0:
         shutil.rmtree(workdir, ignore_errors=True)
         watcher.release("directory", workdir)
@@ -266,10 +266,11 @@ def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
     return {}, {}
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback address now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` now."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 

@@ -122,8 +122,10 @@ def decode_handles(data: dict | list[dict]) -> dict | list[dict]:
     return out
 
 
-def encode_update_info(update_info: dict[str, Any]) -> dict[str, Any]:
-    """An ``update_info`` with its ``ipc_handles`` as JSON (``ipc_handles_json``)."""
+def encode_update_info(update_info: dict[str, Any] | list[dict]) -> dict[str, Any] | list[dict]:
+    """An ``update_info`` (or a list) with its ``ipc_handles`` as JSON (``ipc_handles_json``)."""
+    if isinstance(update_info, list):
+        return [encode_update_info(info) for info in update_info]
     if update_info.get("ipc_handles") is None:
         return update_info
     out = {k: v for k, v in update_info.items() if k not in ("ipc_handles", "ipc_handles_pickled")}

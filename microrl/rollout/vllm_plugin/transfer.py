@@ -81,7 +81,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ----------------------------------------------------------------------------- transport
 class _GlooGroup:
     """The trainer<->workers group: a ``ProcessGroupGloo`` on its own ``TCPStore``."""
 
@@ -118,7 +117,7 @@ def _gloo_device(address: str) -> Any:
 
 
 def is_loopback(address: str) -> bool:
-    """Whether ``address`` (a host name or IP) is this machine's loopback."""
+    """Whether ``address`` (a host name or IP) is loopback."""
     if address == "localhost":
         return True
     try:
@@ -186,7 +185,6 @@ def _together(
     return local_future.result()
 
 
-# ----------------------------------------------------------------------------- vLLM's classes
 @functools.cache
 def _vllm_classes() -> dict[str, type]:
     from dataclasses import asdict, dataclass

@@ -6,10 +6,10 @@ failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from microrl.rollout.samplers.vllm_options import free_port as _free_port
 from microrl.rollout.vllm_plugin.transfer import (
     BACKENDS,
     DEFAULT_TIMEOUT_S,
@@ -42,11 +42,7 @@ class _PostClient:
         from microrl.rollout.vllm_plugin.ipc import encode_update_info
 
         # CUDA IPC handles as JSON, never pickled (microrl.rollout.vllm_plugin.ipc).
-        if isinstance(update_info, list):
-            update_info = [encode_update_info(info) for info in update_info]
-        else:
-            update_info = encode_update_info(update_info)
-        self.post("/update_weights", {"update_info": update_info})
+        self.post("/update_weights", {"update_info": encode_update_info(update_info)})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = weight_version if weight_version is not None else self.version
@@ -54,13 +50,6 @@ class _PostClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.post("/shutdown_weight_transfer_engine", None)
-
-
-def _free_port(address: str) -> int:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
 
 
 def _check_name(name: Any, seen: set[str]) -> None:
@@ -118,7 +107,6 @@ class WeightPusher:
         self._source: Any = None
         self._broken: str | None = None
 
-    # -- lifecycle
     def trainer_init_info(self) -> Any:
         """The vLLM ``TrainerInitInfo`` ``start()`` hands to vLLM's trainer factory."""
         if self.backend == "nccl":
@@ -219,7 +207,6 @@ class WeightPusher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- input checks
     def _checked(self, named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
         pairs: list[tuple[str, Any]] = []
         seen: set[str] = set()
@@ -246,8 +233,7 @@ class WeightPusher:
 
     @staticmethod
     def _checked_metadata(entries: Iterable[Any]) -> list[Any]:
-        """vLLM ``ParamMeta``s of ``(name, dtype, shape)`` entries (or objects with those
-        attributes): non-empty, each name once."""
+        """vLLM ``ParamMeta``s of ``(name, dtype, shape)`` entries: non-empty, each name once."""
         import torch
         from vllm.distributed.weight_transfer.base import ParamMeta
 
@@ -265,8 +251,7 @@ class WeightPusher:
         return meta
 
     def _checked_stream(self, stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """``stream``'s pairs, each checked against the metadata declared for this push as it
-        comes (the workers sized their buffers from it) and on the backend's device."""
+        """``stream``'s pairs, each checked against the declared metadata as it comes."""
         from vllm.distributed.weight_transfer.base import ParamMeta
 
         meta, count = self._source.meta, 0

@@ -108,7 +108,6 @@ class TransferSync(WeightSync):
         backend = transfer_backend(engine.device, owner._server_gpus)
         try:
             for client in owner.clients:
-                # The transfer group: this process and the server's workers (its TP x PP x DP).
                 workers = config.tensor_parallel_size if owner._servers else _workers(client)
                 pusher = WeightPusher(
                     backend,

@@ -81,8 +81,7 @@ class WorkerSpec:
     autocast_dtype: torch.dtype | None = None
     image_encoder: Any = None  # a vision-language policy's; None: text jobs only
     freeze_vision: bool = True  # the engine's: a frozen tower gets no LoRA adapter
-    # rollout.routing_replay: the rows carry their mixture-of-experts routing (routed_experts).
-    record_routing: bool = False
+    record_routing: bool = False  # rollout.routing_replay: rows carry routed_experts
 
 
 def dumps(value: Any) -> bytes:

@@ -28,8 +28,7 @@ __all__ = [
     "total_bytes",
 ]
 
-#: Bytes per broadcast of a push: what each side holds on the host for it (the trainer two while
-#: streaming, one filling while the other is sent), whatever the model's size.
+#: Bytes per broadcast of a push: what each side holds on the host (the streaming trainer two).
 CHUNK_BYTES = 256 * 2**20
 
 #: Elements whose float64 copy a checksum makes at a time (8 MiB).
@@ -47,7 +46,6 @@ class Packed(NamedTuple):
 
 
 def total_bytes(entries: Sequence[Entry]) -> int:
-    """The bytes of a push of ``entries``."""
     return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries)
 
 
@@ -91,15 +89,11 @@ def _checked(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]
 
 
 def pack(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]) -> Packed:
-    """Every tensor of ``named`` (in ``entries``' order) copied into one host buffer."""
-    buffer = torch.empty(total_bytes(entries), dtype=torch.uint8)
-    checksums, offset = {}, 0
-    for name, tensor in _checked(named, entries):
-        data = as_bytes(tensor)
-        buffer[offset : offset + data.numel()].copy_(data)
-        offset += data.numel()
-        checksums[name] = tensor_checksum(tensor)
-    return Packed(buffer, checksums)
+    """Every tensor of ``named`` (in ``entries``' order) copied into one host buffer: a
+    :func:`send_stream` of one chunk, kept."""
+    chunks: list[torch.Tensor] = []
+    checksums = send_stream(named, entries, chunks.append, max(1, total_bytes(entries)))
+    return Packed(chunks[0] if chunks else torch.empty(0, dtype=torch.uint8), checksums)
 
 
 def send_chunks(buffer: torch.Tensor, broadcast: Callable[[torch.Tensor], Any], chunk_bytes: int):
