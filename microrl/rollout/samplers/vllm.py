@@ -34,16 +34,6 @@ from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_s
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
 from microrl.rollout.samplers import vllm_images, vllm_options
-from microrl.rollout.samplers.vllm_options import (
-    CPU_OWNED,
-    IN_PROCESS_OWNED,
-    OWNED,
-    cpu_scheduler_args,
-    environ,
-    gpu_index,
-    placement,
-    user_engine_args,
-)
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
 from microrl.rollout.weights.sync_check import (
     default_sync_check_tol,
@@ -235,15 +225,17 @@ class VLLMRollout(RolloutBackend):
             kwargs["enable_sleep_mode"] = True
         if self.image_encoder is not None:  # images only: no video processor is profiled
             kwargs["limit_mm_per_prompt"] = {"video": 0}
+        owned = {**vllm_options.OWNED, **vllm_options.IN_PROCESS_OWNED}
         if on_cpu:
-            kwargs.update(cpu_scheduler_args())
-        owned = {**OWNED, **IN_PROCESS_OWNED, **(CPU_OWNED if on_cpu else {})}
-        kwargs.update(user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm)))
+            kwargs.update(vllm_options.cpu_scheduler_args())
+            owned.update(vllm_options.CPU_OWNED)
+        args = vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
+        kwargs.update(args)
         return kwargs
 
     def _start(self, vllm, base_dir: Path):
         kwargs = self._engine_args(vllm, base_dir)
-        executor, env = placement(self.device)
+        executor, env = vllm_options.placement(self.device)
         kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
@@ -251,13 +243,13 @@ class VLLMRollout(RolloutBackend):
         # the trainer's threads and random streams (a resumed run's too) are put back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         python_state, numpy_state = random.getstate(), np.random.get_state()
-        cuda = [gpu_index(self.device)] if self.device.type == "cuda" else []
+        cuda = [vllm_options.gpu_index(self.device)] if self.device.type == "cuda" else []
         try:
             if cuda:
                 torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
             with (
                 torch.random.fork_rng(devices=cuda),
-                environ(env),
+                vllm_options.environ(env),
                 _without_vllm_deprecations(),
             ):
                 return vllm.LLM(**kwargs)
