@@ -43,15 +43,11 @@ def generate_body(
     (:func:`~microrl.rollout.samplers.vllm_options.sampling_args`); ``adapter``: the LoRA
     adapter's name (None: the served weights). ``images`` go as ``content_parts``, one
     placeholder each in the ids; the server answers the expanded prompt for the caller to check."""
-    body: dict[str, Any] = {
-        "token_ids": list(prompt_ids),
-        "sampling_params": vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id),
-    }
+    sampling = vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id)
+    body = _body(prompt_ids, sampling, adapter)
     if images:  # the server answers the prompt it ran, placeholders expanded, to check
         body["content_parts"] = vllm_images.image_content_parts(list(images))
         body["return_token_ids"] = True
-    if adapter is not None:
-        body["model"] = adapter
     return body
 
 
@@ -129,10 +125,12 @@ def parse_samples(
 
 def probe_body(row: list[int], adapter: str | None) -> dict[str, Any]:
     """A request for ``row``'s prompt log-probs (at temperature 1)."""
-    body: dict[str, Any] = {
-        "token_ids": list(row),
-        "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False},
-    }
+    return _body(row, {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}, adapter)
+
+
+def _body(ids: list[int], sampling: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+    """A request of ``ids``; ``adapter``: the LoRA adapter's name (None: the served weights)."""
+    body: dict[str, Any] = {"token_ids": list(ids), "sampling_params": sampling}
     if adapter is not None:
         body["model"] = adapter
     return body

@@ -90,8 +90,7 @@ class _GlooGroup:
         options = ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [_gloo_device(address)]
-        self.store = store
-        self.rank = rank
+        self.store = store  # the rendezvous lives as long as the group
         self.group = ProcessGroupGloo(store, rank, world_size, options)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:

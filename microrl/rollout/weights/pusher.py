@@ -165,14 +165,12 @@ class WeightPusher:
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {version!r}")
         if callable(getattr(named_tensors, "metadata", None)):  # lazy: one tensor at a time
-            self._source.meta = self._checked_metadata(named_tensors.metadata())
-            self._source.iterate = lambda: self._checked_stream(named_tensors)
+            metadata, stream = named_tensors.metadata(), named_tensors
         else:
-            pairs = self._checked(named_tensors)
-            self._source.meta = self._checked_metadata(
-                [(name, t.dtype, tuple(t.shape)) for name, t in pairs]
-            )
-            self._source.iterate = lambda: iter(pairs)
+            stream = self._checked(named_tensors)
+            metadata = [(name, t.dtype, tuple(t.shape)) for name, t in stream]
+        self._source.meta = self._checked_metadata(metadata)
+        self._source.iterate = lambda: self._checked_stream(stream)
         self._client.version = str(version)
         try:
             self._engine.send_weights()
