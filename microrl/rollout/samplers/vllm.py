@@ -1,12 +1,10 @@
 """The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's.
 
-Each :meth:`VLLMRollout.sync` serves a LoRA engine's adapter as a new ``LoRARequest`` (ids never
-repeat: no cached, stale adapter) or streams a full fine-tune's weights in place
-(``reload_weights``, one gathered tensor at a time: never a second copy). With
-``rollout.vllm.sleep_level`` (GPU only) vLLM sleeps between sampling calls, giving the trainer
-its memory back. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights
-pass as tensors. Its log-probs are *processed* ones, at the sampling temperature the loss scores
-(mismatch metrics: docs/losses.md; install notes: docs/rollouts.md).
+Each :meth:`VLLMRollout.sync` serves a LoRA adapter as a new ``LoRARequest`` or streams the full
+weights in place (``reload_weights``, one tensor at a time); ``rollout.vllm.sleep_level`` frees
+vLLM's GPU memory between sampling calls. The engine runs in this process: weights pass as
+tensors. Log-probs are vLLM's *processed* ones, at the sampling temperature the loss scores
+(docs/losses.md; install notes: docs/rollouts.md).
 """
 
 from __future__ import annotations

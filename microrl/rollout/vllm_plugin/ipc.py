@@ -181,12 +181,8 @@ def _vllm_classes() -> dict[str, type]:
 
     class JsonIPCTrainerWeightTransferEngine(IPCTrainerWeightTransferEngine):
         """vLLM's IPC trainer engine for one process and its own server: the buffer grown to
-        the largest tensor (vLLM refuses a larger one), and no default-group collective.
-
-        vLLM all-gathers the handles over the default group, assumed to share *one* server;
-        microrl's data ranks each push to their own (an sp group's others join no push), so
-        those collectives would mis-pair or hang. Each ``/update_weights`` answer is the wait
-        before the buffer is reused."""
+        the largest tensor, and no default-group collective (vLLM assumes one server per group;
+        microrl's data ranks each push to their own: they would mis-pair or hang)."""
 
         init_info_cls = JsonIPCTrainerInitInfo
 

@@ -1,13 +1,12 @@
 """Weights from the trainer into ``vllm serve`` processes, through vLLM's weight-transfer API.
 
-Adds a ``"gloo"`` engine for CPUs (vLLM's dense NCCL engine over a private gloo group: the same
-info and layerwise reload) and :func:`register`, the vLLM plugin (pyproject.toml) registering
-it; importing it imports no vLLM. The trainer, rank 0, POSTs ``/init_weight_transfer_engine``
-as it joins, then per push ``/start_weight_update``, ``/update_weights`` (names, dtypes,
-shapes) while it broadcasts, ``/finish_weight_update``. A name left out keeps its old value.
-Every wait is bounded; a rejected tensor is the ``/update_weights`` error naming it (the round
-completes); a failed broadcast breaks the group until closed. The RL routes and the rendezvous
-are outside vLLM's ``--api-key``: a trusted network only (docs/async.md#vllm-servers).
+A ``"gloo"`` engine for CPUs (vLLM's dense NCCL engine over a private gloo group) and
+:func:`register`, the vLLM plugin (pyproject.toml); importing this imports no vLLM. The trainer
+(rank 0) joins with ``/init_weight_transfer_engine``, then per push ``/start_weight_update``,
+``/update_weights`` while broadcasting, ``/finish_weight_update``; a name left out keeps its old
+value. Waits are bounded; a rejected tensor is the ``/update_weights`` error (the round
+completes); a failed broadcast breaks the group. The RL routes are outside vLLM's
+``--api-key``: a trusted network only (docs/async.md#vllm-servers).
 """
 
 from __future__ import annotations
@@ -68,8 +67,7 @@ def register() -> None:
         (WeightTransferEngineFactory, IPC_BACKEND, ipc, "JsonIPCWeightTransferEngine"),
         (WeightTransferTrainerFactory, IPC_BACKEND, ipc, "JsonIPCTrainerWeightTransferEngine"),
     ):
-        # ValueError: registered already (by an earlier call in this process).
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError):  # registered already, by an earlier call
             factory.register_engine(name, module, class_name)
 
 

@@ -16,8 +16,7 @@ __all__ = ["FullWeights", "gather_full_weights"]
 
 
 class FullWeights:
-    """``(name, full tensor)`` pairs of the causal LM at ``prefix`` in ``module``
-    (:func:`~microrl.engine.checkpoint.export.locate_base_model`), re-read on every pass.
+    """``(name, full tensor)`` pairs of the causal LM at ``prefix`` in ``module``, per pass.
 
     Args:
         module: the engine's module (FSDP2-sharded or not).

@@ -147,14 +147,9 @@ class WeightPusher:
         self._broken = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send every ``(name, tensor)`` of the whole model, checkpoint names, tied weights under
-        each (``state_dict().items()``), on the backend's device; make ``version`` the server's.
-
-        A name or tensor the server cannot load raises its ``/update_weights`` error. With a
-        ``metadata()`` method (``(name, dtype, shape)`` in order, as
-        :class:`~microrl.rollout.weights.full_weights.FullWeights` has) ``named_tensors`` is
-        iterated lazily, each pair checked as it comes: one tensor at a time.
-        """
+        """Send the whole model's ``(name, tensor)`` pairs (``state_dict().items()``) on the
+        backend's device as the server's ``version``; one it cannot load is its error. With a
+        ``metadata()`` (as ``FullWeights``) they are iterated lazily, one tensor at a time."""
         if self._engine is None:
             raise RuntimeError("WeightPusher.push(): call start() first")
         if self._broken is not None:

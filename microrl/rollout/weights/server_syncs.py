@@ -160,13 +160,9 @@ class TransferSync(WeightSync):
 
 
 class ServerSyncJoiner:
-    """A ``VLLMServerRollout``'s collectives on the other processes of a sequence-parallel group
-    (its first holds the sampler): built as the sampler starts, called once per sync.
-
-    It mirrors ``VLLMServerRollout.__init__`` and ``_submit_sync`` (workdir, base export, then
-    per push the probe and the push): change both together
-    (tests/examples/test_examples_sequence_parallel_servers.py runs both).
-    """
+    """A ``VLLMServerRollout``'s collectives on the other processes of its sequence-parallel
+    group, called once per sync. It mirrors ``VLLMServerRollout.__init__`` and ``_submit_sync``:
+    change both (tests/examples/test_examples_sequence_parallel_servers.py runs both)."""
 
     def __init__(
         self,

@@ -38,7 +38,6 @@ FP32_SYNC_CHECK_TOL = 5e-5
 #: Default ``sync_check_tol`` of a 16-bit engine: bf16 rounding with a 2x margin; it fails a push
 #: that did not land, not one a step stale (only the ``hf`` worker's checksums see that).
 LOW_PRECISION_SYNC_CHECK_TOL = 0.25
-# Rows and length of the probe batch.
 _PROBE_ROWS, _PROBE_LEN = 4, 16
 # The vision token ids of a vision-language model's config, left out of the probe.
 _VISION_TOKEN_IDS = (

@@ -1,16 +1,13 @@
 """The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
 
-``AsyncRollout`` spawns it: its own copy of the trainer's model, sampled with ``HFRollout``, one
-job after the other. Weights arrive over a private two-rank gloo group; the rest as pickled
-tuples on two pipes (:mod:`microrl.rollout.channel`), named by their first item:
+``AsyncRollout`` spawns it to sample its own copy of the model with ``HFRollout``. Weights come
+over a private two-rank gloo group; the rest as pickled tuples named by their first item:
 
 - trainer -> worker: ``("layout", layouts)`` once; ``("weights", version, layout, chunk_bytes)``;
   ``("generate" | "episodes", job, seed, args)``; ``("close",)``.
 - worker -> trainer: ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs,
   checksums, seconds)``, ``("done", job, version, payload, seconds)``, ``("job_error", job,
-  error)``, ``("error", traceback)`` (fatal).
-
-It ignores SIGINT and exits when the trainer is gone.
+  error)``, ``("error", traceback)`` (fatal). It ignores SIGINT, and exits when the trainer does.
 """
 
 from __future__ import annotations
