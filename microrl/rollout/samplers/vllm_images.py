@@ -1,11 +1,7 @@
 """Image prompts as vLLM takes them: the in-process ``LLM.generate`` and the servers' route.
 
-vLLM preprocesses the images itself (its copy of the checkpoint's image processor, saved beside
-the weights from the trainer's :class:`~microrl.rollout.images.ImageEncoder`) and expands
-each image placeholder itself: it is given the prompt with ONE placeholder token per image and
-the PIL images. :func:`check_expanded` then compares the prompt vLLM ran with the trainer's
-expanded ids, so the two never disagree on where the image features sit
-(docs/rollouts.md#images).
+vLLM gets ONE placeholder per image and the PIL images and expands them itself;
+:func:`check_expanded` compares its prompt with the trainer's (docs/rollouts.md#images).
 """
 
 from __future__ import annotations
@@ -29,11 +25,8 @@ __all__ = [
 
 
 def vision_unsupported() -> str | None:
-    """Why vLLM cannot sample image prompts in this environment, None when it can.
-
-    vLLM 0.32's Qwen-VL model code imports transformers' torchvision image processor module and
-    builds transformers' ``Qwen2VLProcessor`` (its video processor needs torchvision): without
-    torchvision (the CPU machines microrl is tested on) neither loads."""
+    """Why vLLM cannot sample image prompts here (vLLM 0.32's Qwen-VL needs torchvision), or
+    None."""
     if importlib.util.find_spec("torchvision") is None:
         return (
             "vLLM's Qwen-VL models need torchvision (vLLM 0.32 imports "
@@ -49,9 +42,7 @@ VIDEO_TOKEN = "<|video_pad|>"
 
 
 def check_tokenizer(tokenizer) -> None:
-    """vLLM 0.32's Qwen-VL processor reads both placeholders from the vocabulary (a
-    ``KeyError`` deep inside it otherwise): the tokenizer must have ``<|video_pad|>`` too, as the
-    Qwen-VL tokenizers do."""
+    """``<|video_pad|>`` must be in the vocabulary: vLLM 0.32's Qwen-VL processor reads it."""
     if VIDEO_TOKEN not in tokenizer.get_vocab():
         raise ValueError(
             f"rollout.backend=vllm with images needs {VIDEO_TOKEN} in the tokenizer's vocabulary "
@@ -62,9 +53,8 @@ def check_tokenizer(tokenizer) -> None:
 def collapse_placeholders(
     ids: list[int], grid: torch.Tensor, image_token_id: int, merge_size: int
 ) -> list[int]:
-    """``ids`` (placeholders expanded by the encoder) with each image's run of placeholder tokens
-    back to one token: the prompt vLLM expands itself. ``grid``: the images' ``[n, 3]``
-    ``image_grid_thw``, in order."""
+    """``ids`` with each image's run of placeholders back to one token; ``grid``: the images'
+    ``[n, 3]`` ``image_grid_thw``."""
     counts = (grid.prod(-1) // merge_size**2).tolist()
     out: list[int] = []
     i = k = 0
@@ -94,8 +84,7 @@ def image_request(
     image_token_id: int,
     merge_size: int,
 ) -> dict[str, Any]:
-    """One prompt as ``vllm.LLM.generate`` takes it (a ``TokensPrompt``): its ids with one
-    placeholder per image and, with images, ``multi_modal_data={"image": [PIL images]}``."""
+    """One ``TokensPrompt`` for ``vllm.LLM.generate``, with ``multi_modal_data`` for images."""
     if images is None:
         return {"prompt_token_ids": list(ids)}
     collapsed = collapse_placeholders(ids, images[1], image_token_id, merge_size)
@@ -103,9 +92,8 @@ def image_request(
 
 
 def image_content_parts(raw: list[Any]) -> list[dict[str, str]]:
-    """The images of one prompt as the servers' ``/inference/v1/generate`` takes them
-    (``content_parts``): each a lossless PNG ``data:`` URL, so the server decodes the very
-    pixels the trainer's encoder read."""
+    """One prompt's images as the servers' ``content_parts``: lossless PNG ``data:`` URLs, so
+    the server decodes the very pixels the trainer read."""
     parts = []
     for image in raw:
         buffer = io.BytesIO()
@@ -116,8 +104,7 @@ def image_content_parts(raw: list[Any]) -> list[dict[str, str]]:
 
 
 def check_expanded(ran: list[int], expected: list[int], index: int) -> None:
-    """Raise when the prompt vLLM ran (its placeholders expanded by its own image processor)
-    is not the trainer's: the rollout's log-probs would belong to another layout."""
+    """Raise when the prompt vLLM ran is not the trainer's (log-probs of another layout)."""
     if list(ran) != list(expected):
         raise RuntimeError(
             f"prompt {index}: vLLM expanded its image placeholders to {len(ran)} tokens, the "

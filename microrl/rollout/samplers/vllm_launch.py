@@ -1,21 +1,14 @@
 """A ``vllm serve`` process started and owned by the trainer (docs/async.md#vllm-servers).
 
-:class:`LocalVLLMServer` runs vLLM's own OpenAI-compatible server (``AsyncLLM`` behind it) on
-``127.0.0.1`` with a fresh random API key, for the asynchronous ``vllm`` backend when no
-``rollout.server.url`` is given. The command is the one the docs give users who start servers
-themselves, so both modes exercise the same server. It is never reachable from another machine,
-and it is stopped (its whole process group: the API server and its engine-core process) when
-the trainer closes it or exits, or by the trainer's watcher when the trainer is killed
-(:mod:`~microrl.rollout.watcher`). Its log is kept under the run's ``log_dir`` (or in a
-temporary file kept only when it failed), and an error about it carries the traceback its
-engine core logged (:func:`engine_traceback`): vLLM's own HTTP answer names no cause; a server
-that died mid-request is reported dead, with its exit code and its log.
+:class:`LocalVLLMServer` runs the command the docs give users, on ``127.0.0.1`` with a fresh API
+key; its process group dies with the trainer (:mod:`~microrl.rollout.watcher` when killed). An
+error about it carries its engine core's logged traceback (:func:`engine_traceback`), as vLLM's
+HTTP answer names no cause.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -55,70 +48,41 @@ def serve_command(
     engine_args: Mapping[str, Any] | None = None,
     images: bool = False,
 ) -> list[str]:
-    """The ``vllm serve`` arguments of a rollout server (without the API key, which travels in
-    the ``VLLM_API_KEY`` environment variable, not on a command line ``ps`` shows).
-
-    ``--skip-tokenizer-init`` and ``--enable-scale-out``: the trainer sends token ids and reads
-    token ids (``/inference/v1/generate``); ``--logprobs-mode processed_logprobs``: the sampled
-    tokens' log-probs at the sampling temperature, the distribution the loss scores. LoRA
-    (``lora_rank > 0``) enables runtime adapter loading; full weights (``weight_transfer``)
-    enable vLLM's weight-transfer engine of that backend, and prefix caching is off then: a
-    cached block computed with old weights must not serve a request of the new ones.
-    ``tensor_parallel_size > 1`` splits the model over that many GPUs (those of the server's
-    ``CUDA_VISIBLE_DEVICES``, :func:`server_env`). On a CPU, no chunked prefill
-    (:func:`~microrl.rollout.samplers.vllm_options.cpu_scheduler_args`).
-    ``engine_args`` (``rollout.vllm.engine_kwargs``, checked by the caller) come last as flags:
-    where one sets what a default above set, argparse keeps the last.
-    ``images``: a vision-language policy's servers: they load the tokenizer and the image
-    processor saved beside the weights (no ``--skip-tokenizer-init``: vLLM's multimodal
-    processor needs them) and take no video (``--limit-mm-per-prompt``).
-    """
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        *([] if images else ["--skip-tokenizer-init"]),
-        "--enable-scale-out",
-        "--dtype",
-        dtype,
-        "--seed",
-        str(seed),
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--generation-config",
-        "vllm",
-        "--gpu-memory-utilization",
-        str(gpu_memory_utilization),
-    ]
+    """The ``vllm serve`` arguments of a rollout server (the API key travels in ``VLLM_API_KEY``,
+    not on a command line ``ps`` shows). Full weights turn prefix caching off (old weights' blocks);
+    ``engine_args`` (checked by the caller) come last: argparse keeps the last of a flag."""
+    args: dict[str, Any] = {
+        "model": str(model_dir),
+        "host": host,
+        "port": port,
+        "skip_tokenizer_init": None if images else True,
+        "enable_scale_out": True,
+        "dtype": dtype,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",
+        "gpu_memory_utilization": gpu_memory_utilization,
+    }
     if cpu:
-        # The model runs in the engine-core process (with server_env's
-        # VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's default on a CPU adds a worker process the
-        # engine core busy-waits for, a second core burnt (1.0 against 0.65 CPU-s per job).
-        command += ["--distributed-executor-backend", "uni"]
-        command += cli_flags(cpu_scheduler_args())
-    if images:  # images only: no video processor is profiled
-        command += ["--limit-mm-per-prompt", json.dumps({"video": 0})]
+        # The model in the engine-core process (server_env): vLLM's default on a CPU adds a
+        # worker the engine core busy-waits for, a second core burnt.
+        args["distributed_executor_backend"] = "uni"
+        args.update(cpu_scheduler_args())
+    if images:  # no video processor is profiled
+        args["limit_mm_per_prompt"] = {"video": 0}
     if tensor_parallel_size > 1:
-        command += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    if enforce_eager:
-        command.append("--enforce-eager")
-    if max_model_len:
-        command += ["--max-model-len", str(max_model_len)]
-    if kv_cache_mb:
-        command += ["--kv-cache-memory-bytes", str(kv_cache_mb * 1024 * 1024)]
+        args["tensor_parallel_size"] = tensor_parallel_size
+    args["enforce_eager"] = enforce_eager or None
+    args["max_model_len"] = max_model_len or None
+    args["kv_cache_memory_bytes"] = kv_cache_mb * 1024 * 1024 or None
     if lora_rank:
-        command += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
-        command += ["--max-loras", str(max_loras)]
+        args.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras)
     if weight_transfer:
-        command += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
-        command.append("--no-enable-prefix-caching")
-    return command + cli_flags(engine_args or {})
+        args.update(
+            weight_transfer_config={"backend": weight_transfer}, enable_prefix_caching=False
+        )
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return command + cli_flags(args) + cli_flags(engine_args or {})
 
 
 def server_env(
@@ -129,13 +93,9 @@ def server_env(
     cpu: bool = False,
     cuda_visible_devices: str | None = None,
 ) -> dict[str, str]:
-    """The environment of a local server: this process's, with the API key (never on the
-    command line), unpinned CPU threads, runtime LoRA loading, and vLLM's RL routes
-    (``VLLM_SERVER_DEV_MODE``) only for full weights; never vLLM's insecure pickle
-    serialization, and none of torchrun's variables (the server is no rank of the trainer's
-    group). ``cuda_visible_devices`` (physical ids,
-    :func:`~microrl.rollout.samplers.vllm_placement.cuda_visible_devices`) are the server's GPUs:
-    without it a GPU server would start on the first GPU it sees, whichever rank started it."""
+    """A local server's environment: this process's with the API key, unpinned threads, runtime
+    LoRA loading, vLLM's RL routes only for full weights; no insecure pickling, no torchrun
+    variables. ``cuda_visible_devices`` (physical ids): else a GPU server takes the first GPU."""
     env = dict(os.environ)
     env.update(
         VLLM_API_KEY=api_key,
@@ -149,8 +109,7 @@ def server_env(
         env.pop("VLLM_SERVER_DEV_MODE", None)
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
-    # CPU: the model in the engine-core process (serve_command's cpu); else vLLM's default, not
-    # the trainer's "0" (set in this process by the colocated vllm backend).
+    # CPU: the model in the engine core (serve_command); else vLLM's default, not the trainer's.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cpu else "1"
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
@@ -161,20 +120,18 @@ def server_env(
 
 
 class LocalVLLMServer:
-    """A ``vllm serve`` subprocess on localhost, up and answering when the constructor returns.
+    """A ``vllm serve`` subprocess on localhost, answering when the constructor returns.
 
     Args:
         model_dir: the model to serve (the trainer's base model, exported).
-        full_weights: also mount vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``: weight transfer,
-            pause/resume); LoRA-only servers need none of them.
-        num_threads: the server's OpenMP threads on a CPU (0: vLLM's default).
-        timeout_s: the longest wait for it to answer ``/health``.
-        name: how errors name it, and its log file's name.
+        full_weights: mount vLLM's RL routes (weight transfer, pause/resume).
+        num_threads: its OpenMP threads on a CPU (0: vLLM's default).
+        timeout_s: the longest wait for ``/health``.
+        name: how errors and its log file name it.
         api_key: its ``--api-key``; None: a fresh random one.
-        cuda_visible_devices: its GPUs (:func:`server_env`); None: this process's (a CPU).
-        log_dir: where its log is written (``<log_dir>/<name>.log``, appended to, kept); None:
-            a temporary file, removed at :meth:`close` unless the server failed.
-        options: :func:`serve_command`'s keyword arguments but ``port`` (a free one is chosen).
+        cuda_visible_devices: its GPUs (:func:`server_env`).
+        log_dir: where ``<name>.log`` is appended to; None: a temporary file, kept on failure.
+        options: :func:`serve_command`'s keyword arguments but ``port`` (a free one).
     """
 
     def __init__(
@@ -203,7 +160,7 @@ class LocalVLLMServer:
         )
         self.command = serve_command(model_dir, port=self.port, **options)
         self._log, self.log_path = _open_log(log_dir, name, self.command)
-        # Whether close() keeps the log: always in log_dir; a temporary one once the server failed.
+        # Whether close() keeps the log: in log_dir, or once the server failed.
         self._keep_log = [log_dir is not None]
         self.process = subprocess.Popen(
             self.command,
@@ -247,14 +204,12 @@ class LocalVLLMServer:
             time.sleep(0.5)
 
     def log_tail(self, lines: int = 30) -> str:
-        """The last lines of the server's log."""
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return "(no log)"
 
     def diagnosis(self) -> str:
-        """What an error about this server adds: the engine core's own traceback from its log
-        (:func:`engine_traceback`), else the log's last lines; the log is kept from now on."""
+        """What an error adds: the engine core's traceback, else the log's tail (log kept)."""
         self._keep_log[0] = True
         with contextlib.suppress(OSError):
             trace = engine_traceback(self.log_path.read_text(errors="replace"))
@@ -266,15 +221,13 @@ class LocalVLLMServer:
         return self.process.poll() is None
 
     def exit_code(self, wait_s: float = 0.0) -> int | None:
-        """The server's exit code once it exited (``-N``: killed by signal ``N``), waiting at
-        most ``wait_s`` for it; None while it runs."""
+        """Its exit code (``-N``: signal ``N``) within ``wait_s``; None while it runs."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             return self.process.wait(timeout=wait_s)
         return None
 
     def close(self) -> None:
-        """Stop the server's process group (SIGTERM, then SIGKILL); remove its log if it is a
-        temporary one and the server did not fail."""
+        """Stop its process group (SIGTERM, then SIGKILL); a temporary log goes unless it failed."""
         self._finalizer()
 
 
@@ -285,10 +238,9 @@ _MAX_TRACEBACK_LINES = 40
 
 
 def engine_traceback(log: str) -> str | None:
-    """The last error traceback in a ``vllm serve`` log, without vLLM's line heads: the engine
-    core's when it logged one (a server answering ``HTTP 500 EngineCore encountered an issue``
-    logged the cause there), else the last one logged at ``ERROR`` or printed bare (a crash at
-    start-up); None without one. Long tracebacks keep their first line and last lines."""
+    """The last traceback in a ``vllm serve`` log, without vLLM's line heads: the engine core's
+    (the cause of an ``HTTP 500``), else the last at ``ERROR`` or printed bare; None without one.
+    Long ones keep their first and last lines."""
     lines = log.splitlines()
     starts = []
     for i, line in enumerate(lines):
@@ -315,8 +267,7 @@ def engine_traceback(log: str) -> str | None:
 
 
 def _open_log(log_dir, name: str, command: list[str]):
-    """The server's log file, open for appending, and its path: ``<log_dir>/<name>.log`` (a
-    resumed run's server appends to its predecessor's), or a temporary file."""
+    """The server's log, open to append, and its path: ``<log_dir>/<name>.log`` or a temp file."""
     if log_dir is None:
         log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             prefix="microrl-vllm-serve-", suffix=".log", delete=False

@@ -1,21 +1,7 @@
-"""vLLM's options: the rules the in-process engine and the local servers share.
+"""vLLM's options: the rules the in-process ``vllm.LLM`` and the ``vllm serve`` servers share.
 
-Both integrations start the same vLLM engine, one as ``vllm.LLM(**kwargs)`` (the colocated
-``vllm`` backend) and one as ``vllm serve --flags`` (:mod:`microrl.rollout`), and sample from it
-the same way, so every rule they both apply is here, once (docs/rollouts.md#vllm-engine-arguments):
-
-- the engine: :func:`resolve_dtype` (``dtype=auto``), :func:`adapter_dtype` (what a LoRA sync
-  writes), :func:`kv_cache_mb` (the CPU KV cache),
-  :func:`enforce_eager`, :func:`engine_seed`, :func:`max_lora_rank`, :func:`cpu_scheduler_args`;
-- ``rollout.vllm.engine_kwargs``: :func:`user_engine_args`, refused where a key is one microrl
-  must own (:data:`OWNED`, :data:`TYPED_KEYS`), and :func:`cli_flags` for ``vllm serve``;
-- sampling: :func:`sampling_args` (vLLM's ``SamplingParams`` fields) and
-  :func:`requests_per_prompt` (greedy copies), seeded from
-  :func:`~microrl.rollout.base.draw_seed`;
-- the exports vLLM reads: :func:`make_workdir` and :func:`remove_workdir`;
-- :func:`placement`: the executor and environment that start the in-process engine on the
-  engine's GPU.
-
+Engine arguments, the ``rollout.vllm.engine_kwargs`` checks (docs/rollouts.md#vllm-engine-arguments),
+sampling fields, the export directory and the in-process engine's placement, each once.
 Importable without vLLM.
 """
 
@@ -73,7 +59,7 @@ CPU_KV_CACHE_MB = 256
 #: The LoRA ranks vLLM supports (``max_lora_rank``).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
-#: Engine arguments microrl sets itself in both integrations, and why a user value cannot win.
+#: Engine arguments microrl sets in both integrations, and why a user value cannot win.
 OWNED: dict[str, str] = {
     "model": "vLLM serves microrl's own export of the trained model",
     "skip_tokenizer_init": "microrl sends and reads token ids, never text",
@@ -97,8 +83,7 @@ SERVER_OWNED: dict[str, str] = {
     "enable_scale_out": "microrl samples through /inference/v1/generate",
     "weight_transfer_config": "full weights are pushed over microrl's chosen transfer backend",
 }
-#: Owned on a CPU: a prompt split across scheduler steps (chunked prefill) crashes vLLM's CPU
-#: sampler on a seeded request (docs/rollouts.md#long-prompts-on-a-cpu).
+#: Owned on a CPU (:func:`cpu_scheduler_args`, docs/rollouts.md#long-prompts-on-a-cpu).
 CPU_OWNED: dict[str, str] = {
     key: "vLLM's CPU build cannot sample a seeded prompt that is split across scheduler steps, "
     "so microrl turns chunked prefill off on a CPU"
@@ -120,10 +105,8 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(requested: str, engine, base) -> str:
-    """vLLM's compute dtype: ``requested`` unless it is ``auto``; ``auto`` is what the trainer
-    computes in: ``bfloat16`` on CUDA, where the engine autocasts to bf16 (``actor.dtype`` auto
-    or bfloat16), else the storage dtype of ``base``'s weights (float32 on a CPU). A float32
-    vLLM on a GPU would hold twice the weights of its memory share (30.5 GB for a 7B)."""
+    """vLLM's compute dtype: ``requested``, or for ``auto`` the trainer's: ``bfloat16`` on CUDA
+    under bf16 autocast (a float32 vLLM would hold twice the weights), else ``base``'s storage."""
     if requested != "auto":
         return requested
     if engine.device.type == "cuda" and engine.config.dtype in ("auto", "bfloat16"):
@@ -132,10 +115,8 @@ def resolve_dtype(requested: str, engine, base) -> str:
 
 
 def adapter_dtype(served: str, engine_kwargs: Mapping[str, Any]) -> torch.dtype:
-    """The dtype vLLM holds a LoRA adapter in: ``rollout.vllm.engine_kwargs.lora_dtype`` when
-    set, else the dtype it serves (``served``, :func:`resolve_dtype`). vLLM casts an adapter to
-    it as it loads it, so an adapter written in it loads into the same tensors as one written in
-    float32, from fewer bytes (half for bfloat16): what a LoRA sync writes."""
+    """The dtype vLLM holds a LoRA adapter in (``engine_kwargs.lora_dtype``, else ``served``):
+    what a LoRA sync writes, as vLLM casts to it anyway (half the bytes of float32 for bf16)."""
     args = {str(key).replace("-", "_"): value for key, value in engine_kwargs.items()}
     requested = args.get("lora_dtype", "auto")
     if isinstance(requested, torch.dtype):
@@ -151,33 +132,23 @@ def adapter_dtype(served: str, engine_kwargs: Mapping[str, Any]) -> torch.dtype:
 
 
 def kv_cache_mb(config: VLLMConfig, device: torch.device) -> int:
-    """vLLM's KV cache in MiB: ``rollout.vllm.kv_cache_memory_mb``, else
-    :data:`CPU_KV_CACHE_MB` on a CPU, else 0 (vLLM sizes it from ``gpu_memory_utilization``).
-    On a CPU vLLM would reserve that fraction of the machine's memory, and fail when the
-    trainer already holds it."""
+    """vLLM's KV cache in MiB: ``rollout.vllm.kv_cache_memory_mb``, else :data:`CPU_KV_CACHE_MB`
+    on a CPU (a fraction of the machine's memory would clash with the trainer's), else 0."""
     return config.kv_cache_memory_mb or (CPU_KV_CACHE_MB if device.type == "cpu" else 0)
 
 
 def enforce_eager(config: VLLMConfig, device: torch.device) -> bool:
-    """Whether vLLM runs without CUDA graphs: ``rollout.vllm.enforce_eager``, else on a CPU
-    only (a CPU has no CUDA graphs to capture)."""
+    """Whether vLLM runs without CUDA graphs: ``rollout.vllm.enforce_eager``, else on a CPU."""
     return device.type == "cpu" if config.enforce_eager is None else config.enforce_eager
 
 
 def engine_seed(seed: int, *, rank: int, index: int = 0, per_rank: int = 1) -> int:
-    """The seed of the ``index``-th of the ``per_rank`` vLLM engines of trainer ``rank``:
-    ``rollout.vllm.seed`` plus the engine's place among all of the run's engines, so no two
-    engines of a run share a seed."""
+    """``rollout.vllm.seed`` plus the engine's place among the run's: no two engines share one."""
     return seed + rank * per_rank + index
 
 
 def max_lora_rank(rank: int) -> int:
-    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest rank vLLM supports
-    that holds it.
-
-    Raises:
-        ValueError: ``rank`` is above vLLM's largest (512), naming ``lora.rank``.
-    """
+    """The smallest rank vLLM supports that holds ``rank``; ``ValueError`` above 512."""
     for supported in VLLM_LORA_RANKS:
         if rank <= supported:
             return supported
@@ -185,19 +156,15 @@ def max_lora_rank(rank: int) -> int:
 
 
 def requests_per_prompt(params: SamplingParams) -> int:
-    """vLLM requests per prompt: one for all ``params.num_samples`` samples, or, greedy, one
-    per sample (vLLM refuses ``n > 1`` without randomness: the copies are separate requests)."""
+    """vLLM requests per prompt: one, or one per sample when greedy (vLLM refuses ``n > 1``)."""
     return params.num_samples if params.greedy else 1
 
 
 def sampling_args(
     params: SamplingParams, *, seed: int, eos_token_id: int | Sequence[int]
 ) -> dict[str, Any]:
-    """The fields of vLLM's ``SamplingParams`` for one request of ``params``
-    (:func:`requests_per_prompt` requests per prompt): its samples, greedy as temperature 0,
-    top-k off as -1, the sampled token's log-prob only, stopped at ``eos_token_id`` (one id or
-    the backend's ``stop_token_ids``: vLLM runs without a tokenizer, ids in, ids out), ``seed``
-    wrapped into vLLM's int32 range."""
+    """vLLM's ``SamplingParams`` fields for one request of ``params``: stopped at
+    ``eos_token_id`` (vLLM has no tokenizer), ``seed`` wrapped into vLLM's int32 range."""
     return {
         "n": 1 if params.greedy else params.num_samples,
         "temperature": 0.0 if params.greedy else params.temperature,
@@ -212,14 +179,9 @@ def sampling_args(
 
 
 def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
-    """Where the exports vLLM reads (the base model, adapters) are written, and whether it is
-    ours to remove: ``workdir``, else a fresh temporary directory, rank 0's on every rank,
-    checked visible on every node (:func:`~microrl.engine.parallel.nodes.shared_tempdir`:
-    rank 0 writes the exports every rank's engine reads). Collective without ``workdir``.
-
-    A temporary one is removed by rank 0's watcher if rank 0 dies before
-    :func:`remove_workdir` (:mod:`~microrl.rollout.watcher`); the ones of killed runs
-    whose watcher died too are swept first."""
+    """Where vLLM's exports go, and whether it is ours to remove: ``workdir``, else rank 0's
+    fresh temporary directory, checked visible on every node (collective), removed by rank 0's
+    watcher if rank 0 dies; those of killed runs are swept first."""
     if workdir:
         return Path(workdir), False
     if distributed.rank() == 0:
@@ -233,35 +195,24 @@ def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
 
 
 def remove_workdir(workdir: Path, *, owned: bool) -> None:
-    """Remove ``workdir`` (rank 0, which made it) when :func:`make_workdir` made it."""
+    """Remove ``workdir`` on rank 0 when :func:`make_workdir` made it."""
     if owned and distributed.rank() == 0:
         shutil.rmtree(workdir, ignore_errors=True)
         watcher.release("directory", workdir)
 
 
 def cpu_scheduler_args() -> dict[str, Any]:
-    """The scheduler arguments of vLLM on a CPU: no chunked prefill.
-
-    vLLM 0.32 splits a step's prompts at its token budget (``max_num_batched_tokens``, 2048 for
-    ``vllm serve`` and 4096 for ``vllm.LLM`` on a CPU) and, for a request whose prompt is only
-    partly computed, rewinds its seeded generator (``gpu_model_runner._bookkeeping_sync``:
-    ``gen.set_offset``), which a CPU generator refuses (``CPU Generator does not use offset``).
-    Without chunked prefill a prompt is scheduled whole or waits for the next step, and vLLM
-    raises its budget to at least ``max_model_len``, so every prompt fits in one step; the
-    requests keep their seeds, so seeded sampling stays reproducible."""
+    """vLLM's scheduler arguments on a CPU: no chunked prefill. vLLM 0.32 rewinds the seeded
+    generator of a partly computed prompt (``gen.set_offset``), which a CPU generator refuses;
+    whole prompts keep seeded sampling reproducible."""
     return {"enable_chunked_prefill": False}
 
 
 def user_engine_args(
     engine_kwargs: Mapping[str, Any], *, owned: Mapping[str, str], valid: Iterable[str] = ()
 ) -> dict[str, Any]:
-    """``rollout.vllm.engine_kwargs`` with dashes in names made underscores, checked.
-
-    Raises:
-        ValueError: naming ``rollout.vllm.engine_kwargs.<key>``: a key in ``owned`` (and why
-            microrl owns it), one with its own ``rollout.vllm`` key (:data:`TYPED_KEYS`), or,
-            when ``valid`` names vLLM's arguments, one that is not among them.
-    """
+    """``rollout.vllm.engine_kwargs``, dashes made underscores; ``ValueError`` naming the key
+    for one in ``owned``, in :data:`TYPED_KEYS`, or (given ``valid``) not among vLLM's."""
     valid = set(valid)
     args = {}
     for name, value in engine_kwargs.items():
@@ -282,9 +233,8 @@ def user_engine_args(
 
 
 def cli_flags(kwargs: Mapping[str, Any]) -> list[str]:
-    """``vllm serve`` flags of keyword arguments: ``max_num_seqs=64`` -> ``--max-num-seqs 64``;
-    a bool is ``--flag`` or ``--no-flag``, a list its items after the flag, a dict its JSON
-    (vLLM parses JSON for its config-valued arguments), None leaves vLLM's default."""
+    """``vllm serve`` flags: ``max_num_seqs=64`` -> ``--max-num-seqs 64``; a bool ``--flag`` or
+    ``--no-flag``, a list its items, a dict its JSON, None nothing (vLLM's default)."""
     flags: list[str] = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
@@ -302,13 +252,9 @@ def cli_flags(kwargs: Mapping[str, Any]) -> list[str]:
 
 
 def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
-    """vLLM's executor and the environment it starts in, so that it runs on ``device``.
-
-    vLLM's in-process executor (``uni``) takes GPU 0 whatever the current device; its
-    ``external_launcher`` takes GPU ``LOCAL_RANK``. Under ``torchrun`` (the trainer's group
-    exists) every rank uses the launcher with ``LOCAL_RANK`` set to its engine's GPU; one
-    process on ``cuda:N``, N > 0, does too, as a group of one (``RANK=0``, ``WORLD_SIZE=1``
-    and a free local port, only while vLLM starts)."""
+    """vLLM's executor and start environment for ``device``: ``uni`` takes GPU 0 whatever the
+    current device, so under ``torchrun`` or on ``cuda:N > 0`` vLLM's ``external_launcher``
+    with ``LOCAL_RANK=N`` (alone: as a group of one on a free local port)."""
     on_gpu = device.type == "cuda"
     index = gpu_index(device) if on_gpu else 0
     env = {"LOCAL_RANK": str(index)} if on_gpu else {}
@@ -320,10 +266,11 @@ def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
     return {}, {}
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback address now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` now."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 
@@ -334,7 +281,7 @@ def gpu_index(device: torch.device) -> int:
 
 @contextlib.contextmanager
 def environ(env: dict[str, str]):
-    """``env`` set in ``os.environ`` for the block, the previous values put back after it."""
+    """``env`` set in ``os.environ`` for the block."""
     previous = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:

@@ -1,16 +1,6 @@
 """Where ``vllm serve`` servers run and how full weights reach them (docs/async.md#vllm-servers).
 
-* :func:`server_gpus`: the GPUs of each local server, in this process's ``cuda:N`` numbering:
-  the trainer process's own GPU (colocated, the default), or this process's share of a
-  dedicated list (``rollout.vllm.gpus``), ``tensor_parallel_size`` GPUs per server.
-  :func:`cuda_visible_devices` turns them into the server's ``CUDA_VISIBLE_DEVICES`` through the
-  trainer's own mapping, so a server never lands on GPU 0 by default.
-* :func:`transfer_backend`: vLLM's weight-transfer engine for a full fine-tune: ``gloo`` on a
-  CPU, microrl's CUDA-IPC engine for a server on the trainer's own GPU (NCCL refuses two ranks
-  of one communicator on one GPU: "Duplicate GPU detected"), ``nccl`` otherwise.
-* :func:`trainer_address`: the address a server's workers reach the trainer's rendezvous at.
-* :func:`data_rank` and :func:`urls_of_data_rank`: servers belong to a data rank, not a process
-  (a sequence-parallel group shares one set, docs/async.md#sequence-parallelism).
+Servers belong to a data rank, not a process (docs/async.md#sequence-parallelism).
 """
 
 from __future__ import annotations
@@ -41,20 +31,17 @@ __all__ = [
 
 
 def data_rank(engine) -> tuple[int, int]:
-    """``(rank, world)`` of this process's data rank: under sequence parallelism its sp group's
-    index among the groups (the rank in ``engine.dp_group``, one process of each group); else
-    this process's rank among all (``(0, 1)`` in one process)."""
+    """``(rank, world)`` of this process's data rank: its sp group's (``engine.dp_group``)
+    under sequence parallelism, else the process's."""
     if getattr(engine, "sp_group", None) is not None:
         return dist.get_rank(engine.dp_group), dist.get_world_size(engine.dp_group)
     return distributed.rank(), distributed.world_size()
 
 
 def urls_of_data_rank(urls: Sequence[str], rank: int, world: int) -> list[str]:
-    """The servers of ``rollout.server.url`` that data rank ``rank`` of ``world`` samples on:
-    every ``world``-th one from the ``rank``-th, so each data rank has its own (a full
-    fine-tune's pushes would overwrite each other's, and vLLM 0.32's CPU LoRA path fails a batch
-    mixing one rank's probe with another's samples). ``ValueError`` when there are fewer servers
-    than data ranks."""
+    """Data rank ``rank``'s own servers of ``rollout.server.url`` (every ``world``-th): shared
+    ones would mix ranks' pushes, or (vLLM 0.32's CPU LoRA path) probes and samples in a batch.
+    ``ValueError`` when there are fewer servers than data ranks."""
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     mine = [url.strip() for url in urls[rank::world]]
@@ -67,9 +54,7 @@ def urls_of_data_rank(urls: Sequence[str], rank: int, world: int) -> list[str]:
 
 
 def pushes_per_sync(engine, urls: Sequence[str], num_workers: int) -> int:
-    """The full-weight pushes of one sync on every process: the most servers a data rank has
-    (``num_workers`` local ones, or its share of ``urls``); one with fewer joins the others'
-    gathers."""
+    """The full-weight pushes of one sync on every process: the most servers a data rank has."""
     return -(-len(urls) // data_rank(engine)[1]) if urls else num_workers
 
 
@@ -89,15 +74,12 @@ def server_gpus(
     gpus: str = "",
     group_size: int = 1,
 ) -> list[list[int]] | None:
-    """The ``cuda:N`` indices of each of this trainer process's ``num_workers`` local servers
-    (``tensor_parallel_size`` each), or None when the trainer runs on a CPU.
+    """The ``cuda:N`` indices of each of this process's ``num_workers`` local servers
+    (``tensor_parallel_size`` each); None on a CPU.
 
-    Empty ``gpus``: every server on the trainer's own GPU (``device``). Else ``gpus`` lists GPUs
-    dedicated to the servers of this node: local data rank ``r`` (local rank // ``group_size``,
-    the processes of a sequence-parallel group, consecutive, sharing one server set) takes the
-    ``r``-th block of ``num_workers * tensor_parallel_size`` GPUs, server ``i`` the ``i``-th
-    ``tensor_parallel_size`` of its block. Raises ``ValueError`` naming the keys: GPUs on a CPU, TP beside the trainer,
-    too few GPUs, one this process cannot see, or one a trainer process of this node trains on.
+    Empty ``gpus``: all on the trainer's GPU. Else local data rank ``r`` (local rank //
+    ``group_size``) takes the ``r``-th block of ``num_workers * tensor_parallel_size`` of the
+    node's dedicated ``gpus``. ``ValueError`` naming the keys for a placement that cannot work.
     """
     listed = parse_gpu_list(gpus)
     tp = tensor_parallel_size
@@ -148,9 +130,8 @@ def server_gpus(
 
 
 def cuda_visible_devices(indices: Sequence[int]) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for a child process that must use this process's ``cuda:i``
-    for each ``i`` of ``indices``: their entries in this process's own ``CUDA_VISIBLE_DEVICES``
-    (``"4,5,6,7"`` and ``cuda:1``: ``"5"``), the indices themselves when it is unset."""
+    """A child's ``CUDA_VISIBLE_DEVICES`` for this process's ``cuda:i`` of ``indices``: their
+    entries in ours (``"4,5,6,7"`` and ``cuda:1``: ``"5"``), else the indices."""
     parent = os.environ.get("CUDA_VISIBLE_DEVICES")
     if parent is None:
         return ",".join(str(i) for i in indices)
@@ -164,10 +145,8 @@ def cuda_visible_devices(indices: Sequence[int]) -> str:
 
 
 def transfer_backend(device: torch.device, gpus: list[list[int]] | None) -> str:
-    """The weight-transfer backend of a full fine-tune's servers placed on ``gpus``
-    (:func:`server_gpus`; None: servers the user started, on other GPUs or nodes): ``gloo``
-    for a CPU trainer, :data:`IPC_BACKEND` when a server shares the trainer's GPU, else
-    ``nccl``."""
+    """The weight-transfer backend for servers on ``gpus`` (None: the user's): ``gloo`` on a CPU,
+    :data:`IPC_BACKEND` on the trainer's GPU (NCCL refuses a duplicate GPU), else ``nccl``."""
     if device.type != "cuda":
         return "gloo"
     own = trainer_gpu(device)
@@ -177,10 +156,8 @@ def transfer_backend(device: torch.device, gpus: list[list[int]] | None) -> str:
 
 
 def trainer_address(server_url: str, configured: str = "") -> str:
-    """The address of this host as the server at ``server_url`` reaches it: ``configured``
-    (``rollout.vllm.trainer_address``) when set; ``127.0.0.1`` for a server on this host's
-    loopback; else the local address of the route to the server's host (a UDP ``connect``,
-    which only picks the route: it sends nothing)."""
+    """This host's address as ``server_url`` reaches it: ``configured``, loopback for a local
+    server, else the local address of the route there (a UDP ``connect`` sends nothing)."""
     if configured:
         return configured
     parts = urlsplit(server_url)
@@ -204,13 +181,10 @@ def trainer_address(server_url: str, configured: str = "") -> str:
 
 
 def _local_rank_and_world() -> tuple[int, int]:
-    """This process's rank among the trainer processes of its node, and their number
-    (torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; 0 and 1 outside it)."""
+    """torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (0 and 1 outside it)."""
     return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def _training_gpus(own: int, local_world: int, count: int) -> set[int]:
-    """The GPUs this node's trainer processes train on: ``cuda:LOCAL_RANK`` each under torchrun
-    when this process sees that many (:func:`~microrl.engine.parallel.distributed.local_cuda_index`),
-    and this process's own."""
+    """The GPUs this node's trainer processes train on (``cuda:LOCAL_RANK`` each, and ours)."""
     return ({own} | set(range(local_world))) if 1 < local_world <= count else {own}

@@ -1,9 +1,7 @@
 """The wire format of a rollout on a ``vllm serve`` server (docs/async.md#vllm-servers).
 
-Token ids in, token ids out: vLLM's ``/inference/v1/generate`` (``--enable-scale-out``) takes a
-prompt's ids and vLLM's own ``SamplingParams`` as JSON and answers every sample's ids, the
-sampled tokens' log-probs and the weight version of each span of tokens. Pure functions, so the
-format is tested without a server.
+vLLM's ``/inference/v1/generate`` takes ids and ``SamplingParams`` and answers ids, log-probs and
+weight-version spans; pure functions, tested without a server.
 """
 
 from __future__ import annotations
@@ -41,33 +39,22 @@ def generate_body(
     adapter: str | None,
     images: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """One prompt's request: vLLM's ``SamplingParams`` of ``params``, as the in-process engine
-    gets them (:func:`~microrl.rollout.samplers.vllm_options.sampling_args`: one sample when
-    greedy, the caller sends copies; stopped at ``eos_token_id``, one id or the backend's
-    ``stop_token_ids``: the server has no tokenizer to know them), ``adapter`` the LoRA adapter's name (None: the served weights).
-
-    ``images``: the prompt's PIL images, sent as the route's ``content_parts`` (lossless PNG
-    ``data:`` URLs, :func:`~microrl.rollout.samplers.vllm_images.image_content_parts`); the
-    prompt then holds one placeholder per image, which the server expands
-    (:func:`~microrl.rollout.samplers.vllm_images.collapse_placeholders`) and answers, expanded,
-    as ``prompt_token_ids`` (``return_token_ids``): the caller checks it is the trainer's."""
-    body: dict[str, Any] = {
-        "token_ids": list(prompt_ids),
-        "sampling_params": vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id),
-    }
+    """One prompt's request, sampled as the in-process engine does
+    (:func:`~microrl.rollout.samplers.vllm_options.sampling_args`); ``adapter``: the LoRA
+    adapter's name (None: the served weights). ``images`` go as ``content_parts``, one
+    placeholder each in the ids; the server answers the expanded prompt for the caller to check."""
+    sampling = vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id)
+    body = _body(prompt_ids, sampling, adapter)
     if images:  # the server answers the prompt it ran, placeholders expanded, to check
         body["content_parts"] = vllm_images.image_content_parts(list(images))
         body["return_token_ids"] = True
-    if adapter is not None:
-        body["model"] = adapter
     return body
 
 
 @dataclass(frozen=True)
 class ServerPrompt:
-    """One prompt as a server gets it: ``ids`` (one placeholder per image), its PIL ``images``
-    and, with images, the ids the server must answer it ran (``expected``, placeholders
-    expanded by the trainer's encoder) and the prompt's ``index`` in the call."""
+    """One prompt as a server gets it: ``ids`` (one placeholder per image), its PIL ``images``,
+    the expanded ids the server must have run (``expected``) and its ``index`` in the call."""
 
     ids: list[int]
     images: tuple[Any, ...] = ()
@@ -75,8 +62,7 @@ class ServerPrompt:
     index: int = 0
 
     def check(self, response: dict[str, Any]) -> None:
-        """Raise when the server ran another prompt than the trainer's expanded one
-        (:func:`~microrl.rollout.samplers.vllm_images.check_expanded`)."""
+        """Raise when the server ran another prompt than the trainer's expanded one."""
         if self.expected is not None:
             ran = response.get("prompt_token_ids") or []
             vllm_images.check_expanded(ran, self.expected, self.index)
@@ -85,8 +71,7 @@ class ServerPrompt:
 def server_prompt(
     ids: list[int], images: ImagePrompts | None, index: int, encoder: ImageEncoder | None
 ) -> ServerPrompt:
-    """Prompt ``index`` (``ids``: placeholders expanded, from ``images.ids`` when it has
-    images) as :func:`generate_body` sends it."""
+    """Prompt ``index`` (``ids`` expanded) as :func:`generate_body` sends it."""
     if images is None or images.images[index] is None:
         return ServerPrompt(list(ids))
     grid = images.images[index][1]
@@ -97,10 +82,8 @@ def server_prompt(
 
 
 def check_image_servers(engine, tokenizer) -> None:
-    """What image prompts on vLLM servers need, checked at start: vLLM's Qwen-VL code
-    (torchvision), the tokenizer's video placeholder, and a frozen vision tower (the servers
-    keep each image's embedding in their encoder cache across pushes, right only while the
-    tower does not change)."""
+    """Check at start what image prompts on servers need: torchvision, the tokenizer's video
+    placeholder, a frozen tower (the servers cache image embeddings across pushes)."""
     if reason := vllm_images.vision_unsupported():
         raise ValueError(
             "rollout.backend=vllm (its servers under rollout.max_staleness > 0) cannot sample "
@@ -118,10 +101,8 @@ def check_image_servers(engine, tokenizer) -> None:
 def parse_samples(
     response: dict[str, Any], *, url: str, version: int | None
 ) -> list[tuple[list[int], list[float], tuple[int, int]]]:
-    """Each sample of a response, in order: its token ids (``<eos>`` included when sampled),
-    their log-probs, and the policy versions of its first and last token. ``version``: the
-    version every token has (a LoRA adapter's); None: read from the response's weight-version
-    spans (labels microrl set when it pushed the weights)."""
+    """Each sample's token ids, log-probs and the policy versions of its first and last token:
+    ``version`` (a LoRA adapter's), or None to read the response's weight-version spans."""
     samples = []
     for choice in sorted(response["choices"], key=lambda c: c["index"]):
         tokens = list(choice["token_ids"])
@@ -143,12 +124,13 @@ def parse_samples(
 
 
 def probe_body(row: list[int], adapter: str | None) -> dict[str, Any]:
-    """A request for the log-probs of ``row``'s tokens (vLLM's prompt log-probs: at temperature
-    1, whatever the sampling temperature)."""
-    body: dict[str, Any] = {
-        "token_ids": list(row),
-        "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False},
-    }
+    """A request for ``row``'s prompt log-probs (at temperature 1)."""
+    return _body(row, {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}, adapter)
+
+
+def _body(ids: list[int], sampling: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+    """A request of ``ids``; ``adapter``: the LoRA adapter's name (None: the served weights)."""
+    body: dict[str, Any] = {"token_ids": list(ids), "sampling_params": sampling}
     if adapter is not None:
         body["model"] = adapter
     return body

@@ -1,20 +1,11 @@
 """Full weights into a ``vllm serve`` on the trainer's own GPU: vLLM's CUDA-IPC engine over JSON.
 
-A server beside its trainer process (the default placement, docs/async.md#vllm-servers)
-cannot join an NCCL group with it: NCCL refuses two ranks of one communicator on one GPU
-("Duplicate GPU detected"). vLLM's ``ipc`` weight-transfer engine is made for this case: the
-trainer packs the tensors into one CUDA buffer and hands the server a CUDA IPC handle of it, and
-the server's worker maps the same memory and loads from it (vLLM's layerwise reload, as for
-NCCL). Over HTTP vLLM sends those handles pickled, which its server only reads with
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: anyone reaching the route could then run code in it.
-The backend :data:`~microrl.rollout.vllm_plugin.transfer.IPC_BACKEND` (a vLLM plugin, with
-``gloo``) is vLLM's engine with the handles as plain JSON instead (:func:`encode_handles`: the
-arguments of torch's ``rebuild_cuda_tensor``, classes from a fixed list, bytes in base64), so
-the server never unpickles anything. Both ends are vLLM's classes; only the encoding of ``/update_weights`` is
-microrl's (the trainer's ``_PostClient`` encodes, the worker's ``parse_update_info`` decodes).
-Packed (one reusable buffer, sized to at least the largest tensor), so a push holds one buffer
-and one gathered tensor on the GPU at a time. CUDA only; this machine's tests cover the encoding
-and the registration, not a transfer.
+NCCL refuses two ranks on one GPU, so a server beside its trainer gets vLLM's ``ipc`` engine.
+vLLM sends its handles pickled, which a server reads only with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (code execution for anyone reaching the route); the
+:data:`~microrl.rollout.vllm_plugin.transfer.IPC_BACKEND` plugin sends them as plain JSON
+(:func:`encode_handles`: fixed classes, bytes in base64), packed in one reusable buffer. CUDA
+only; the CPU tests cover the encoding and the registration.
 """
 
 from __future__ import annotations
@@ -101,8 +92,7 @@ def _decode_arg(kind: str, name: str, value: Any) -> Any:
 
 
 def encode_handles(handles: dict | list[dict]) -> dict | list[dict]:
-    """vLLM's IPC handles (``{gpu_uuid: rebuild_cuda_tensor args}``, one dict or a list) as
-    JSON: each args tuple a dict of its named, plain values."""
+    """vLLM's IPC handles (``{gpu_uuid: rebuild_cuda_tensor args}``, or a list) as JSON."""
     if isinstance(handles, list):
         return [encode_handles(h) for h in handles]
     out = {}
@@ -119,8 +109,7 @@ def encode_handles(handles: dict | list[dict]) -> dict | list[dict]:
 
 
 def decode_handles(data: dict | list[dict]) -> dict | list[dict]:
-    """:func:`encode_handles`'s inverse; a ``ValueError`` for any field or class it does not
-    allow (the server decodes what a client sent)."""
+    """:func:`encode_handles`'s inverse; ``ValueError`` for a field or class it does not allow."""
     if isinstance(data, list):
         return [decode_handles(d) for d in data]
     if not isinstance(data, dict):
@@ -133,9 +122,10 @@ def decode_handles(data: dict | list[dict]) -> dict | list[dict]:
     return out
 
 
-def encode_update_info(update_info: dict[str, Any]) -> dict[str, Any]:
-    """An ``/update_weights`` ``update_info`` with its ``ipc_handles`` as JSON
-    (``ipc_handles_json``); one without handles (another backend's) unchanged."""
+def encode_update_info(update_info: dict[str, Any] | list[dict]) -> dict[str, Any] | list[dict]:
+    """An ``update_info`` (or a list) with its ``ipc_handles`` as JSON (``ipc_handles_json``)."""
+    if isinstance(update_info, list):
+        return [encode_update_info(info) for info in update_info]
     if update_info.get("ipc_handles") is None:
         return update_info
     out = {k: v for k, v in update_info.items() if k not in ("ipc_handles", "ipc_handles_pickled")}
@@ -190,19 +180,9 @@ def _vllm_classes() -> dict[str, type]:
         packed: bool = True
 
     class JsonIPCTrainerWeightTransferEngine(IPCTrainerWeightTransferEngine):
-        """vLLM's IPC trainer engine for one trainer process and its own server: its buffer
-        grown to the largest tensor of a push (vLLM refuses a tensor larger than the buffer;
-        its size is the trainer's alone), and no collective on the default process group.
-
-        vLLM's engine assumes the default group is the set of trainer ranks colocated with
-        *one* server, and all-gathers the IPC handles over it (plus barriers) per chunk. In
-        microrl each data rank pushes to its own server alone (every rank under data
-        parallelism; an sp group's first process under sequence parallelism, while the
-        group's others only join the FSDP2 gathers, ``ServerSyncJoiner``): those default-group
-        collectives would pair with other ranks' pushes, or, under sequence parallelism, wait
-        forever for processes that never make them. So the engine runs as vLLM's does in one
-        process: this process's handles only, and the server's answer to each
-        ``/update_weights`` (the chunk loaded) is the wait before the buffer is reused."""
+        """vLLM's IPC trainer engine for one process and its own server: the buffer grown to
+        the largest tensor, and no default-group collective (vLLM assumes one server per group;
+        microrl's data ranks each push to their own: they would mis-pair or hang)."""
 
         init_info_cls = JsonIPCTrainerInitInfo
 

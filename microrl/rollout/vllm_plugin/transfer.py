@@ -1,24 +1,12 @@
 """Weights from the trainer into ``vllm serve`` processes, through vLLM's weight-transfer API.
 
-vLLM serves its RL control plane over HTTP (``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config``):
-each worker holds a ``WeightTransferEngine`` that joins a group with the trainer and loads what
-it broadcasts. This module adds a ``"gloo"`` engine for CPUs (vLLM's dense NCCL engine with a
-private gloo group as transport: the same init and update info, the same layerwise reload, so a
-pushed state dict loads as vLLM loads one from disk) and :func:`register`, the vLLM general
-plugin (pyproject.toml) that registers it, and the trainer side, in every vLLM process; it
-imports no vLLM until used, nor the training engine.
-
-Wire protocol (the trainer is rank 0 of 1 + the server's workers): ``start()`` opens the
-rendezvous and POSTs ``/init_weight_transfer_engine`` while it joins; ``push()`` POSTs
-``/start_weight_update``, then ``/update_weights`` (names, dtypes, shapes) on a thread while it
-broadcasts the tensors in that order, then ``/finish_weight_update`` with the version. Push the
-whole model, tied weights under each name (``state_dict()``): a name left out keeps its old
-value. Pause a server that may be sampling around a push (``/pause?mode=keep``, ``/resume``).
-
-Failures: every wait is bounded by ``timeout_s``; a tensor the server rejects surfaces as the
-``/update_weights`` error naming it (the round still completes, the reload is closed); a failed
-broadcast leaves the group unusable until closed. The RL routes and the rendezvous port are
-outside vLLM's ``--api-key``: a trusted network only (docs/async.md#vllm-servers).
+A ``"gloo"`` engine for CPUs (vLLM's dense NCCL engine over a private gloo group) and
+:func:`register`, the vLLM plugin (pyproject.toml); importing this imports no vLLM. The trainer
+(rank 0) joins with ``/init_weight_transfer_engine``, then per push ``/start_weight_update``,
+``/update_weights`` while broadcasting, ``/finish_weight_update``; a name left out keeps its old
+value. Waits are bounded; a rejected tensor is the ``/update_weights`` error (the round
+completes); a failed broadcast breaks the group. The RL routes are outside vLLM's
+``--api-key``: a trusted network only (docs/async.md#vllm-servers).
 """
 
 from __future__ import annotations
@@ -63,11 +51,8 @@ __all__ = [
 
 
 def register() -> None:
-    """Register the ``"gloo"`` engines in vLLM's worker and trainer factories (idempotent).
-
-    vLLM calls it in each of its processes as the ``microrl_gloo_weight_transfer`` general
-    plugin; ``WeightPusher`` calls it in the trainer. Does nothing when vLLM is not installed.
-    """
+    """Register microrl's engines in vLLM's factories (idempotent; nothing without vLLM): vLLM
+    calls it in each of its processes, ``WeightPusher`` in the trainer."""
     try:
         from vllm.distributed.weight_transfer.factory import (
             WeightTransferEngineFactory,
@@ -82,8 +67,7 @@ def register() -> None:
         (WeightTransferEngineFactory, IPC_BACKEND, ipc, "JsonIPCWeightTransferEngine"),
         (WeightTransferTrainerFactory, IPC_BACKEND, ipc, "JsonIPCTrainerWeightTransferEngine"),
     ):
-        # ValueError: registered already (by an earlier call in this process).
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError):  # registered already, by an earlier call
             factory.register_engine(name, module, class_name)
 
 
@@ -95,7 +79,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ----------------------------------------------------------------------------- transport
 class _GlooGroup:
     """The trainer<->workers group: a ``ProcessGroupGloo`` on its own ``TCPStore``."""
 
@@ -105,12 +88,11 @@ class _GlooGroup:
         options = ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [_gloo_device(address)]
-        self.store = store
-        self.rank = rank
+        self.store = store  # the rendezvous lives as long as the group
         self.group = ProcessGroupGloo(store, rank, world_size, options)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Broadcast a contiguous ``tensor``'s bytes from rank ``src`` (in place elsewhere)."""
+        """Broadcast a contiguous ``tensor``'s bytes from ``src`` (in place elsewhere)."""
         import torch
 
         self.group.broadcast(tensor.reshape(-1).view(torch.uint8), src).wait()
@@ -132,7 +114,7 @@ def _gloo_device(address: str) -> Any:
 
 
 def is_loopback(address: str) -> bool:
-    """Whether ``address`` (a host name or IP) is this machine's loopback."""
+    """Whether ``address`` (a host name or IP) is loopback."""
     if address == "localhost":
         return True
     try:
@@ -142,8 +124,7 @@ def is_loopback(address: str) -> bool:
 
 
 def _store(info: Any, *, master: bool) -> Any:
-    """The rendezvous of ``info`` (a ``GlooWeightTransferInitInfo``): a ``TCPStore`` the sender
-    hosts (``master``)."""
+    """The ``TCPStore`` rendezvous of ``info``, hosted by the sender (``master``)."""
     from torch.distributed import TCPStore
 
     return TCPStore(
@@ -175,17 +156,14 @@ def _together(
 ) -> Any:
     """Run a server call and this side's half of a collective at once; return ``local()``'s.
 
-    Each blocks until the other side has joined. The first error is raised as soon as it
-    happens (the server's, which names the route, ahead of this side's), and ``TimeoutError``
-    after ``timeout_s``, without waiting on the other thread. The exception carries
-    ``local_done`` (whether this side's half completed: if not, the group is out of step).
+    The first error is raised at once (the server's, naming the route, first), ``TimeoutError``
+    after ``timeout_s``; it carries ``local_done`` (False: the group is out of step).
     """
     post_future = _in_thread(post, f"microrl-{route.strip('/')}")
     local_future = _in_thread(local, f"microrl-{route.strip('/')}-group")
     done, _ = wait([post_future, local_future], timeout=timeout_s, return_when=FIRST_EXCEPTION)
     if post_future in done and post_future.exception() is not None and local_future not in done:
-        # A server that rejected what it received has still drained the round (the gloo
-        # engine does): this side's half completes right away then, and the group is in step.
+        # A server that rejected a tensor still drained the round: our half completes at once.
         done |= wait([local_future], timeout=min(_GRACE_S, timeout_s)).done
     local_done = local_future in done and local_future.exception() is None
     error: BaseException | None = None
@@ -204,7 +182,6 @@ def _together(
     return local_future.result()
 
 
-# ----------------------------------------------------------------------------- vLLM's classes
 @functools.cache
 def _vllm_classes() -> dict[str, type]:
     from dataclasses import asdict, dataclass
@@ -232,11 +209,7 @@ def _vllm_classes() -> dict[str, type]:
         timeout_s: float = DEFAULT_TIMEOUT_S
 
     class GlooWeightTransferEngine(NCCLWeightTransferEngine):
-        """vLLM's dense NCCL engine over a private gloo group (see the module docstring).
-
-        Inherited: the update info (names, dtype names, shapes), ``start_weight_update`` /
-        ``finish_weight_update`` (vLLM's layerwise reload) and ``shutdown``.
-        """
+        """vLLM's dense NCCL engine over a private gloo group: only the transport is ours."""
 
         init_info_cls = GlooWeightTransferInitInfo
 
@@ -256,8 +229,7 @@ def _vllm_classes() -> dict[str, type]:
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
-            # vLLM's base synchronises unconditionally, which raises where there is no
-            # accelerator (the CPU build); a GPU server's copies into its weights are async.
+            # vLLM's base synchronises unconditionally, which raises on its CPU build.
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
 
@@ -270,14 +242,12 @@ def _vllm_classes() -> dict[str, type]:
                     "gloo weight transfer is not initialised: POST /init_weight_transfer_engine "
                     "first"
                 )
-            # vLLM's worker ends the update on an error without finishing it, and a layer left
-            # waiting in the layerwise reload would serve meta tensors: on an error the reload
-            # is closed here, so the layers loaded keep their new values, the others their old.
+            # On an error vLLM leaves the layerwise reload open (layers serving meta tensors):
+            # close it here; the layers loaded keep their new values, the others their old.
             try:
                 failure = self._receive_and_load(group, update_info)
             except BaseException:
-                # The trainer is gone or out of step: drop its group (the next round needs a
-                # new one, not a wait for broadcasts that never come).
+                # The trainer is gone or out of step: the next round needs a new group.
                 self.shutdown()
                 finalize_layerwise_reload(self.model, self.model_config)
                 raise
@@ -293,9 +263,8 @@ def _vllm_classes() -> dict[str, type]:
         def _receive_and_load(
             self, group: _GlooGroup, update_info: NCCLWeightTransferUpdateInfo
         ) -> tuple[str, Exception] | None:
-            """Receive every tensor of the round, loading each; the first load error is
-            returned, not raised: the rest is still received, so the trainer's broadcasts
-            complete and the group stays in step for the next round."""
+            """Receive and load every tensor; the first load error is returned, not raised, so
+            the round completes and the group stays in step."""
             from vllm.model_executor.model_loader.mtp_validation import (
                 disable_mtp_completeness_check,
             )
@@ -424,9 +393,7 @@ def _weight_source_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightSource
 
     class _PushSource(WeightSource):
-        """The tensors of the current push: its declared metadata (vLLM ``ParamMeta``s) and a
-        fresh pass over its pairs on each iteration (checked against the metadata as they come,
-        so a lazy stream is never materialised)."""
+        """The current push: its ``ParamMeta``s and a fresh pass over its pairs per iteration."""
 
         def __init__(self) -> None:
             self.meta: list[Any] = []

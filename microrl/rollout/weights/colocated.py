@@ -18,10 +18,8 @@ __all__ = ["LoRARequestSync", "ReloadWeightsSync"]
 
 
 class LoRARequestSync(WeightSync):
-    """Path 2: the adapter exported in PEFT's format into a new directory, in the dtype vLLM
-    holds it in (:func:`~microrl.rollout.samplers.vllm_options.adapter_dtype`), and served as a
-    new ``LoRARequest`` (ids never repeat: vLLM never serves a cached, stale adapter). vLLM 0.32
-    takes an adapter by path only, so it travels as a file."""
+    """Path 2: the adapter exported in vLLM's dtype into a new directory (vLLM 0.32 takes a path
+    only), served as a new ``LoRARequest`` (ids never repeat: no cached, stale adapter)."""
 
     def __init__(self, rollout: Any) -> None:
         self.rollout = rollout
@@ -49,8 +47,7 @@ class LoRARequestSync(WeightSync):
 
 
 class ReloadWeightsSync(WeightSync):
-    """Path 3: the full weights streamed into the running engine in place (vLLM's
-    ``reload_weights``): one full tensor at a time in vLLM's dtype, never a second copy."""
+    """Path 3: the full weights streamed in place (``reload_weights``), one tensor at a time."""
 
     def __init__(self, rollout: Any) -> None:
         self.rollout = rollout

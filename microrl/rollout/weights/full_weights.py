@@ -1,12 +1,7 @@
 """A trained model's full tensors, gathered one at a time (docs/async.md#vllm-servers).
 
-:class:`FullWeights` is what a weight push reads: the causal LM's tensors by their checkpoint
-names, each FSDP2/tensor-parallel ``DTensor`` all-gathered (``full_tensor()``, on every rank)
-only when iteration reaches it and dropped by the time the next one is gathered, so a push
-never holds the whole model on a GPU (nor on the CPU). Its ``metadata()`` (names, dtypes,
-global shapes) needs no gather: vLLM's weight-transfer engines size their receive buffers from
-it (it follows vLLM's ``WeightSource`` protocol). :func:`gather_full_weights` is the eager form
-(CPU copies of every tensor), for the ``hf`` worker's flat buffers.
+:class:`FullWeights` all-gathers each ``DTensor`` only when iteration reaches it, so a push never
+holds the whole model; its ``metadata()`` needs no gather (vLLM's ``WeightSource`` protocol).
 """
 
 from __future__ import annotations
@@ -21,22 +16,17 @@ __all__ = ["FullWeights", "gather_full_weights"]
 
 
 class FullWeights:
-    """``(name, full tensor)`` pairs of the causal LM at ``prefix`` in ``module``
-    (:func:`~microrl.engine.checkpoint.export.locate_base_model`), re-read on every pass.
+    """``(name, full tensor)`` pairs of the causal LM at ``prefix`` in ``module``, per pass.
 
     Args:
         module: the engine's module (FSDP2-sharded or not).
         prefix: the causal LM's path in ``module``; names are given without it.
-        trainable_only: only the tensors that train (an adapter's), else every tensor,
-            tied ones under each of their names as a checkpoint holds them.
-        device: where each full tensor is handed over (``"cpu"``: a CPU copy, what gloo
-            sends); None: where it was gathered (the trainer's GPU under NCCL).
-        dtype: the dtype each is handed over in (the sampler's: a bf16 vLLM takes half the
-            bytes of the trainer's fp32 master weights); None: its own.
+        trainable_only: only the tensors that train, else every one (tied ones under each name).
+        device: where each full tensor is handed over; None: where it was gathered.
+        dtype: the dtype each is handed over in (the sampler's); None: its own.
 
-    Iterating is collective under ``torchrun`` when the model is sharded: every rank must
-    iterate the same passes in the same order. Pair ``i`` is valid until pair ``i + 1`` is
-    requested (the generator drops its reference then).
+    Iterating a sharded model is collective under ``torchrun``. Pair ``i`` is valid until pair
+    ``i + 1`` is requested.
     """
 
     def __init__(
@@ -54,7 +44,7 @@ class FullWeights:
         self.dtype = dtype
 
     def _sharded(self) -> dict[str, torch.Tensor]:
-        """The state dict as the ranks hold it (shards as DTensors: nothing gathered or copied)."""
+        """The state dict as the ranks hold it (DTensor shards: nothing gathered)."""
         options = StateDictOptions(
             full_state_dict=False, cpu_offload=False, ignore_frozen_params=self.trainable_only
         )
@@ -77,9 +67,8 @@ class FullWeights:
 
 
 def materialize(value: torch.Tensor) -> torch.Tensor:
-    """The full, local tensor of ``value``: a ``DTensor`` all-gathered on its mesh's device
-    type (a CPU-offloaded shard moved there first, as torch's own full state dict does), any
-    other tensor as it is (detached)."""
+    """``value`` detached, a ``DTensor`` all-gathered on its mesh's device type (a CPU-offloaded
+    shard moved there first, as torch's full state dict does)."""
     if isinstance(value, DTensor):
         if value.device.type != value.device_mesh.device_type:
             value = value.to(value.device_mesh.device_type)
@@ -90,6 +79,5 @@ def materialize(value: torch.Tensor) -> torch.Tensor:
 def gather_full_weights(
     module: torch.nn.Module, prefix: str, *, trainable_only: bool
 ) -> dict[str, torch.Tensor]:
-    """Every pair of :class:`FullWeights` as a dict of CPU tensors (gathered one at a time, so
-    a GPU never holds more than one full tensor). Collective under ``torchrun``."""
+    """Every pair of :class:`FullWeights` as CPU tensors, gathered one at a time (collective)."""
     return dict(FullWeights(module, prefix, trainable_only=trainable_only, device="cpu"))

@@ -11,9 +11,8 @@ __all__ = ["GlooBroadcast"]
 
 
 class GlooBroadcast(WeightSync):
-    """Path 1: the trainable tensors gathered once (``AsyncRollout.pack``) and broadcast over
-    each ``hf`` worker's gloo group; each worker answers with its probe log-probs and the
-    tensors' checksums, checked when the answer arrives (``AsyncRollout.poll``)."""
+    """Path 1: the trainable tensors gathered once and broadcast to each ``hf`` worker, which
+    answers its probe log-probs and checksums (checked by ``AsyncRollout.poll``)."""
 
     def __init__(self, workers: Sequence[Any]) -> None:
         self.workers = workers  # the pool's list, filled as its workers start

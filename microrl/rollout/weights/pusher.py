@@ -1,16 +1,15 @@
 """The trainer's side of a full-weight push into a ``vllm serve`` process: :class:`WeightPusher`.
 
-It drives vLLM's weight-transfer API over HTTP (the routes of ``VLLM_SERVER_DEV_MODE``) while it
-joins the transfer group itself; the engines on both ends are vLLM's or microrl's plugin
-(:mod:`microrl.rollout.vllm_plugin.transfer`). The wire protocol and its failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
+It drives vLLM's weight-transfer routes over HTTP while joining the transfer group; protocol and
+failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from microrl.rollout.samplers.vllm_options import free_port as _free_port
 from microrl.rollout.vllm_plugin.transfer import (
     BACKENDS,
     DEFAULT_TIMEOUT_S,
@@ -43,11 +42,7 @@ class _PostClient:
         from microrl.rollout.vllm_plugin.ipc import encode_update_info
 
         # CUDA IPC handles as JSON, never pickled (microrl.rollout.vllm_plugin.ipc).
-        if isinstance(update_info, list):
-            update_info = [encode_update_info(info) for info in update_info]
-        else:
-            update_info = encode_update_info(update_info)
-        self.post("/update_weights", {"update_info": update_info})
+        self.post("/update_weights", {"update_info": encode_update_info(update_info)})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = weight_version if weight_version is not None else self.version
@@ -57,30 +52,24 @@ class _PostClient:
         self.post("/shutdown_weight_transfer_engine", None)
 
 
-def _free_port(address: str) -> int:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
+def _check_name(name: Any, seen: set[str]) -> None:
+    """A non-empty str, not in ``seen`` (then added)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
+    if name in seen:
+        raise ValueError(f"push(): weight {name!r} appears twice")
+    seen.add(name)
 
 
 class WeightPusher:
-    """Pushes full weights from this process into a ``vllm serve`` process's workers.
+    """Pushes full weights from this process into a ``vllm serve`` process's workers:
+    ``start()``, ``push()`` as often as needed, ``close()`` (or a ``with`` block).
 
-    ``backend`` is the server's ``--weight-transfer-config`` backend: ``"nccl"`` (CUDA tensors
-    on this process's current device; vLLM's own trainer engine), :data:`IPC_BACKEND` (the same,
-    for a server on that very GPU; vLLM's IPC trainer engine) or ``"gloo"`` (CPU tensors;
-    ``GlooTrainerWeightTransferEngine``). ``post(route, json_body)`` POSTs to the server
-    (``route`` like ``"/update_weights"``; ``json_body`` a dict or None) and raises on an HTTP
-    error, naming the route and the server's message; it may return anything. ``world_size``
-    is 1 + the server's workers (TP x PP x DP). ``master_address`` is this process's address
-    as the server's workers reach it; ``master_port`` the rendezvous port (0: a free one).
-    ``timeout_s`` bounds (gloo) the group's operations and each wait on the server; with nccl,
-    vLLM's engine keeps its own waits. Pause the server around pushes when requests may be
-    running (module docstring).
-
-    ``start()``, then ``push(named_tensors, version)`` as often as needed, then ``close()``
-    (or use it as a context manager). Wire protocol: the module docstring.
+    ``backend``: the server's ``--weight-transfer-config`` backend: ``"nccl"`` or
+    :data:`IPC_BACKEND` (CUDA tensors on the current device) or ``"gloo"`` (CPU tensors).
+    ``post(route, json_body)`` POSTs to the server, raising on an HTTP error. ``world_size``: 1 +
+    the server's workers (TP x PP x DP); ``master_address``: ours as they reach it;
+    ``master_port`` 0: a free one. ``timeout_s`` bounds gloo's group operations and server waits.
     """
 
     def __init__(
@@ -118,9 +107,8 @@ class WeightPusher:
         self._source: Any = None
         self._broken: str | None = None
 
-    # -- lifecycle
     def trainer_init_info(self) -> Any:
-        """The vLLM ``TrainerInitInfo`` that ``start()`` hands to vLLM's trainer factory."""
+        """The vLLM ``TrainerInitInfo`` ``start()`` hands to vLLM's trainer factory."""
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -159,17 +147,9 @@ class WeightPusher:
         self._broken = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send every ``(name, tensor)`` (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``)
-        and make ``version`` the server's weight version.
-
-        Give the whole model as a checkpoint holds it, tied weights under each name (e.g.
-        ``model.state_dict().items()``; the module docstring says why). Names the server's model
-        does not have, or tensors it cannot load, raise the server's ``/update_weights`` error
-        naming the first one. Tensors must be on the backend's device (gloo: CPU; nccl and IPC:
-        the current CUDA device). ``named_tensors`` with a ``metadata()`` method (``(name, dtype,
-        shape)`` of each pair, in order) is iterated lazily, each pair checked against it as it
-        comes, so the caller can produce one tensor at a time (:class:`~microrl.rollout.weights.full_weights.FullWeights`).
-        """
+        """Send the whole model's ``(name, tensor)`` pairs (``state_dict().items()``) on the
+        backend's device as the server's ``version``; one it cannot load is its error. With a
+        ``metadata()`` (as ``FullWeights``) they are iterated lazily, one tensor at a time."""
         if self._engine is None:
             raise RuntimeError("WeightPusher.push(): call start() first")
         if self._broken is not None:
@@ -180,21 +160,18 @@ class WeightPusher:
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {version!r}")
         if callable(getattr(named_tensors, "metadata", None)):  # lazy: one tensor at a time
-            self._source.meta = self._checked_metadata(named_tensors.metadata())
-            self._source.iterate = lambda: self._checked_stream(named_tensors)
+            metadata, stream = named_tensors.metadata(), named_tensors
         else:
-            pairs = self._checked(named_tensors)
-            self._source.meta = self._checked_metadata(
-                [(name, t.dtype, tuple(t.shape)) for name, t in pairs]
-            )
-            self._source.iterate = lambda: iter(pairs)
+            stream = self._checked(named_tensors)
+            metadata = [(name, t.dtype, tuple(t.shape)) for name, t in stream]
+        self._source.meta = self._checked_metadata(metadata)
+        self._source.iterate = lambda: self._checked_stream(stream)
         self._client.version = str(version)
         try:
             self._engine.send_weights()
         except BaseException as err:
-            # The gloo engine knows whether the group is still in step (it is after a tensor the
-            # server rejected: the worker drains the round); after vLLM's NCCL engine fails,
-            # assume it is not.
+            # The gloo engine knows whether the group is still in step (a rejected tensor: the
+            # worker drains the round); after vLLM's NCCL engine fails, assume not.
             if not getattr(self._engine, "in_step", False):
                 self._broken = f"{type(err).__name__}: {err}"
             raise
@@ -223,7 +200,6 @@ class WeightPusher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- input checks
     def _checked(self, named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
         pairs: list[tuple[str, Any]] = []
         seen: set[str] = set()
@@ -231,14 +207,8 @@ class WeightPusher:
             if not (isinstance(item, tuple | list) and len(item) == 2):
                 raise TypeError(f"push(): expected (name, tensor) pairs, got {item!r:.80}")
             name, tensor = item
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
-            if name in seen:
-                raise ValueError(f"push(): weight {name!r} appears twice")
-            seen.add(name)
+            _check_name(name, seen)
             pairs.append((name, self._checked_tensor(name, tensor)))
-        if not pairs:
-            raise ValueError("push(): no weights given")
         return pairs
 
     def _checked_tensor(self, name: str, tensor: Any) -> Any:
@@ -256,8 +226,7 @@ class WeightPusher:
 
     @staticmethod
     def _checked_metadata(entries: Iterable[Any]) -> list[Any]:
-        """vLLM ``ParamMeta``s of ``(name, dtype, shape)`` entries (or objects with those
-        attributes): non-empty, each name once."""
+        """vLLM ``ParamMeta``s of ``(name, dtype, shape)`` entries: non-empty, each name once."""
         import torch
         from vllm.distributed.weight_transfer.base import ParamMeta
 
@@ -266,30 +235,23 @@ class WeightPusher:
             name, dtype, shape = (
                 (entry.name, entry.dtype, entry.shape) if hasattr(entry, "name") else entry
             )
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
-            if name in seen:
-                raise ValueError(f"push(): weight {name!r} appears twice")
+            _check_name(name, seen)
             if not isinstance(dtype, torch.dtype):
                 raise TypeError(f"push(): weight {name!r} has dtype {dtype!r}, not a torch.dtype")
-            seen.add(name)
             meta.append(ParamMeta(name, dtype, tuple(int(s) for s in shape)))
         if not meta:
             raise ValueError("push(): no weights given")
         return meta
 
     def _checked_stream(self, stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """``stream``'s pairs, each checked against the metadata declared for this push as it
-        comes (the workers sized their buffers from it) and on the backend's device."""
+        """``stream``'s pairs, each checked against the declared metadata as it comes."""
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
         meta, count = self._source.meta, 0
         for name, tensor in stream:
             tensor = self._checked_tensor(name, tensor)
             expected = meta[count] if count < len(meta) else None
-            if expected is None or (name, tensor.dtype, tuple(tensor.shape)) != (
-                expected.name,
-                expected.dtype,
-                expected.shape,
-            ):
+            if expected != ParamMeta(name, tensor.dtype, tuple(tensor.shape)):
                 raise ValueError(
                     f"push(): the stream yielded {name!r} {tensor.dtype} "
                     f"{tuple(tensor.shape)} where its metadata() declared "

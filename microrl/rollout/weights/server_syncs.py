@@ -1,6 +1,5 @@
 """How the weights reach ``vllm serve`` servers: a LoRA adapter over HTTP, or the full weights
-over vLLM's weight-transfer API (docs/async.md#weight-syncs); each runs in the trainer. The other
-processes of a sequence-parallel group join their collectives (:class:`ServerSyncJoiner`)."""
+over vLLM's weight-transfer API (docs/async.md#weight-syncs)."""
 
 from __future__ import annotations
 
@@ -40,11 +39,9 @@ WORKDIR_PREFIX = "microrl-vllm-servers-"
 
 
 class HTTPAdapterSync(WeightSync):
-    """Path 4: the adapter exported in PEFT's format (on the caller's thread, collective) in the
-    dtype the servers hold it in, then loaded on every server with ``/v1/load_lora_adapter`` in
-    the background under a name unique to its version; adapters no job uses are unloaded and
-    their directories removed. vLLM 0.32 loads an adapter from a path only (``LoRARequest``
-    and the route take ``lora_path``), so the adapter travels as a file."""
+    """Path 4: the adapter exported (collective, in the servers' dtype), then loaded on every
+    server in the background under a name unique to its version (vLLM 0.32 takes a path only);
+    adapters no job uses are unloaded and removed."""
 
     def __init__(self, owner: VLLMServerRollout) -> None:
         self.owner = owner
@@ -53,9 +50,8 @@ class HTTPAdapterSync(WeightSync):
 
     def push(self, engine, version: int) -> Future:
         owner = self.owner
-        # Rank 0 writes the adapter every rank loads, and deletes the ones no job uses: once
-        # this rank's previous load is done, the collective export below means every rank's
-        # is, so no rank can still be about to read a directory rank 0 deletes.
+        # Once this rank's previous load is done, the collective export below means every
+        # rank's is: no rank still reads a directory rank 0 deletes.
         previous = self._loads.get(version - 1)
         if previous is not None:
             previous.result()
@@ -68,10 +64,8 @@ class HTTPAdapterSync(WeightSync):
 
     @staticmethod
     def join(engine, workdir: Path, version: int, dtype: torch.dtype | None = None) -> Path:
-        """The push's collectives: the adapter's export (rank 0 writes it under ``workdir``, in
-        ``dtype``: the servers', None as trained). A process of a sequence-parallel group whose
-        sampler another process holds calls it alone (:class:`ServerSyncJoiner`; global rank 0
-        holds a sampler, so the dtype it passes is the one written)."""
+        """The push's collectives: the adapter's export (rank 0 writes it, in ``dtype``; None:
+        as trained), also called alone by :class:`ServerSyncJoiner`."""
         path = workdir / f"adapter-{version}"
         return export_peft_adapter(engine.module, path, peft_model=engine.peft_model, dtype=dtype)
 
@@ -101,9 +95,8 @@ class HTTPAdapterSync(WeightSync):
 
 
 class TransferSync(WeightSync):
-    """Path 5: full weights over vLLM's weight-transfer API (a ``WeightPusher`` per server:
-    NCCL, IPC or gloo), one full tensor at a time (:class:`FullWeights`); after the first push,
-    each server pauses its requests in flight for the push and resumes them on the new weights."""
+    """Path 5: full weights through a ``WeightPusher`` per server, one full tensor at a time;
+    after the first push, requests in flight pause for it and resume on the new weights."""
 
     def __init__(self, owner: VLLMServerRollout) -> None:
         from microrl.rollout.weights.pusher import WeightPusher
@@ -115,7 +108,6 @@ class TransferSync(WeightSync):
         backend = transfer_backend(engine.device, owner._server_gpus)
         try:
             for client in owner.clients:
-                # The transfer group: this process and the server's workers (its TP x PP x DP).
                 workers = config.tensor_parallel_size if owner._servers else _workers(client)
                 pusher = WeightPusher(
                     backend,
@@ -132,8 +124,7 @@ class TransferSync(WeightSync):
             raise
 
     def push(self, engine, version: int) -> None:
-        """Push ``engine``'s weights to every server: on the trainer's GPU for NCCL and IPC, CPU
-        tensors for gloo."""
+        """Push ``engine``'s weights to every server (CPU tensors for gloo)."""
         owner, pause, self._first = self.owner, not self._first, False
         on_gpu = self.pushers and self.pushers[0].backend != "gloo"
         weights = FullWeights(
@@ -156,9 +147,7 @@ class TransferSync(WeightSync):
 
     @staticmethod
     def join(engine, prefix: str, passes: int) -> None:
-        """The collectives of ``passes`` pushes (one per server): every full tensor gathered,
-        then dropped. A process of a sequence-parallel group whose sampler another process
-        holds calls it alone (:class:`~microrl.rollout.samplers.vllm_servers.ServerSyncJoiner`)."""
+        """The gathers of ``passes`` pushes, also called alone by :class:`ServerSyncJoiner`."""
         for _ in range(passes):
             for _ in FullWeights(engine.module, prefix):
                 pass
@@ -171,17 +160,9 @@ class TransferSync(WeightSync):
 
 
 class ServerSyncJoiner:
-    """A :class:`~microrl.rollout.samplers.vllm_servers.VLLMServerRollout`'s collectives, on a
-    process of a sequence-parallel group whose first process holds it (``SPGroupSampler``):
-    built on every other process as the sampler starts, then called once per sync.
-
-    The collectives, in the sampler's order: the shared work directory, the base model's export
-    (local servers only), then per push the probe's scoring (the check's expected log-probs)
-    and the push (the adapter's export, or one pass of full-tensor gathers per server the
-    data ranks push to). It mirrors ``VLLMServerRollout.__init__`` and ``_submit_sync``: a
-    change there must change this too (the group's collectives would not pair;
-    tests/examples/test_examples_sequence_parallel_servers.py runs both).
-    """
+    """A ``VLLMServerRollout``'s collectives on the other processes of its sequence-parallel
+    group, called once per sync. It mirrors ``VLLMServerRollout.__init__`` and ``_submit_sync``:
+    change both (tests/examples/test_examples_sequence_parallel_servers.py runs both)."""
 
     def __init__(
         self,
@@ -216,16 +197,14 @@ class ServerSyncJoiner:
 
 
 def _on_gpu(device: torch.device):
-    """The engine's GPU as the current device (vLLM's trainer engines use the current one);
-    nothing to do on a CPU or when it is current already."""
+    """The engine's GPU made current (vLLM's trainer engines use the current one)."""
     if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
 
 def _workers(client: ServerClient) -> int:
-    """The workers of a server the user started (tensor x pipeline x data parallel), from its
-    ``/server_info`` (a route of ``VLLM_SERVER_DEV_MODE``, which full weights need anyway)."""
+    """The workers (TP x PP x DP) of a server the user started, from its ``/server_info``."""
     info = client.get("server_info?config_format=json")
     try:
         parallel = info["vllm_config"]["parallel_config"]

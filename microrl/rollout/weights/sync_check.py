@@ -1,9 +1,5 @@
-"""Every weight push is verified: a sampler scores a fixed probe batch, the trainer compares.
-
-A push that lands scores the probe as the engine does, within a tolerance set by the precision
-(docs/async.md, benchmarks/README.md#sync-check); one that leaves a tensor stale does not. Every
-sampler that holds its own weights, in process or out, checks its pushes with these functions.
-"""
+"""Every weight push is verified: a sampler scores a fixed probe batch, the trainer compares,
+within a tolerance set by the precision (docs/async.md, benchmarks/README.md#sync-check)."""
 
 from __future__ import annotations
 
@@ -33,24 +29,15 @@ __all__ = [
     "sync_check_fails",
 ]
 
-#: The probe statistic ``sync_check_tol`` bounds: the mean |trainer - sampler| log-prob over the
-#: probe's tokens. Not the max: bf16 rounds a logit of ~20 by up to 0.06, so the largest of the
-#: ~50 differences is a few tokens' rounding, 2x apart from probe to probe (nor k3, which one
-#: token far below the trainer's log-prob dominates through its exp).
+#: The probe statistic ``sync_check_tol`` bounds: the mean |trainer - sampler| log-prob. Not the
+#: max (a few tokens' bf16 rounding, 2x apart from probe to probe), nor k3 (one token dominates).
 SYNC_CHECK_STAT = "sync/probe_abs_diff_mean"
-#: Default ``sync_check_tol`` of a float32 engine: a float32 sampler's forward differs from the
-#: engine's (fused head, other batch shapes) by fp32 rounding, 10x below this; a push one
-#: optimizer step stale, even by one tensor at lr 1e-6, moves the probe by more
-#: (benchmarks/README.md#sync-check).
+#: Default ``sync_check_tol`` of a float32 engine: 10x its samplers' fp32 rounding, below a push
+#: one step stale (benchmarks/README.md#sync-check).
 FP32_SYNC_CHECK_TOL = 5e-5
-#: Default ``sync_check_tol`` of a 16-bit engine (a bf16/fp16 base or bf16 autocast): a bf16
-#: sampler (the ``hf`` worker's autocast, or bf16 weights as a vLLM server holds them) differs
-#: from the engine's fp32 head on bf16 activations by bf16 rounding, which grows with depth; this
-#: passes it with a 2x margin and fails a push that did not land (a sampler far behind, a lost
-#: tensor). A push one step stale is within the bf16 noise, which only the ``hf`` worker's
-#: per-tensor checksums see (benchmarks/README.md#sync-check).
+#: Default ``sync_check_tol`` of a 16-bit engine: bf16 rounding with a 2x margin; it fails a push
+#: that did not land, not one a step stale (only the ``hf`` worker's checksums see that).
 LOW_PRECISION_SYNC_CHECK_TOL = 0.25
-# Rows and length of the probe batch.
 _PROBE_ROWS, _PROBE_LEN = 4, 16
 # The vision token ids of a vision-language model's config, left out of the probe.
 _VISION_TOKEN_IDS = (
@@ -68,9 +55,8 @@ class SyncCheckError(RuntimeError):
 def build_probe(
     vocab_size: int, max_positions: int, tokenizer, *, seed: int = 0, exclude: Iterable[int] = ()
 ) -> TensorDict:
-    """The fixed probe batch of a sync check: a few rows of random tokens (never ``<eos>``,
-    padding or the ``exclude`` ids) with prompts of different lengths, in the rollout layout
-    (``input_ids``, ``attention_mask``, ``loss_mask`` on the "response")."""
+    """The fixed probe batch: a few rows of random tokens (no ``<eos>``, padding or ``exclude``
+    ids), prompts of different lengths, in the rollout layout (``loss_mask`` on the response)."""
     gen = torch.Generator().manual_seed(seed)
     specials = {tokenizer.eos_token_id, tokenizer.pad_token_id, *exclude}
     allowed = torch.tensor([t for t in range(vocab_size) if t not in specials])
@@ -102,8 +88,8 @@ def engine_probe(engine, tokenizer) -> TensorDict:
 
 
 def engine_probe_logprobs(engine, probe: TensorDict) -> torch.Tensor:
-    """The engine's log-probs of ``probe`` at temperature 1 (what vLLM's prompt log-probs are),
-    ``[B, T]`` float32 on the CPU; the temperature travels in the batch (docs/batch.md)."""
+    """The engine's log-probs of ``probe`` at temperature 1 (as vLLM's prompt log-probs),
+    ``[B, T]`` float32 on the CPU."""
     batch = probe.clone()
     batch["temperature"] = torch.ones(batch.batch_size[0], dtype=torch.float32)
     return engine.infer_batch(batch)["logprobs"].float().cpu()
@@ -116,8 +102,8 @@ def probe_rows(probe: TensorDict) -> list[list[int]]:
 
 
 def rows_to_probe_layout(probe: TensorDict, row_logprobs: list[list[float]]) -> torch.Tensor:
-    """A sampler's log-probs of each row's tokens after its first (:func:`probe_rows` order)
-    placed in the probe's ``[B, T]`` layout, 0 off ``loss_mask``, as the engine returns them."""
+    """A sampler's log-probs of each row's tokens after its first, in the probe's ``[B, T]``
+    layout (0 off ``loss_mask``), as the engine returns them."""
     mask = probe["attention_mask"].bool().cpu()
     out = torch.zeros(mask.shape, dtype=torch.float32)
     for b, values in enumerate(row_logprobs):
@@ -128,9 +114,8 @@ def rows_to_probe_layout(probe: TensorDict, row_logprobs: list[list[float]]) -> 
 def sync_check_error(
     version: int, target: str, stats: dict[str, float], tol: float, detail: str
 ) -> SyncCheckError:
-    """The error of a push to ``target`` whose probe (``stats``, :func:`probe_stats`) or tensors
-    failed the check: it names the version, the step whose weights they are, the difference
-    against ``tol`` (``rollout.sync_check_tol``) and ``detail`` (what differs, or was pushed)."""
+    """The error of a push to ``target`` that failed the check, naming the version, ``stats``
+    against ``tol`` and ``detail`` (what differs, or was pushed)."""
     return SyncCheckError(
         f"the weight sync of policy version {version} (the weights after step {version}) to "
         f"{target} failed its check: probe log-probs differ by "
@@ -141,10 +126,8 @@ def sync_check_error(
 
 
 def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The statistics of ``d = expected - actual`` over the probe's tokens (``mask``), from the
-    trainer's and the sampler's log-prob sets ``[B, T]``, in float64: ``sync/probe_kl`` (the
-    mean k3 estimator ``exp(d) - 1 - d``), ``sync/probe_abs_diff_max`` and
-    ``sync/probe_abs_diff_mean`` (:data:`SYNC_CHECK_STAT`, what the check bounds)."""
+    """Statistics of ``d = expected - actual`` (``[B, T]``) over ``mask``, in float64: the mean
+    k3 ``exp(d) - 1 - d``, the max and the mean (:data:`SYNC_CHECK_STAT`) of ``|d|``."""
     delta = (expected.double() - actual.double())[mask]
     return {
         "sync/probe_kl": float((torch.expm1(delta) - delta).mean()),
@@ -154,14 +137,12 @@ def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor
 
 
 def sync_check_fails(stats: dict[str, float], tol: float) -> bool:
-    """Whether a push's probe :func:`probe_stats` fail the check: :data:`SYNC_CHECK_STAT` above
-    ``tol`` (or not a number)."""
+    """Whether :data:`SYNC_CHECK_STAT` is above ``tol`` (or not a number)."""
     return not stats[SYNC_CHECK_STAT] <= tol
 
 
 def default_sync_check_tol(engine) -> float:
-    """The default ``sync_check_tol`` of ``engine``'s precision (:data:`FP32_SYNC_CHECK_TOL`,
-    :data:`LOW_PRECISION_SYNC_CHECK_TOL`)."""
+    """The default ``sync_check_tol`` of ``engine``'s precision."""
     autocast = engine_autocast_dtype(engine) is not None
     full_precision = setup.base_dtype(engine.config).itemsize >= 4 and not autocast
     return FP32_SYNC_CHECK_TOL if full_precision else LOW_PRECISION_SYNC_CHECK_TOL

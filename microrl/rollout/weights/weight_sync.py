@@ -1,10 +1,7 @@
 """One interface for every way trained weights reach a sampler, and the check every push gets.
 
-A :class:`WeightSync` sends one policy version of the engine's weights to a sampler's copy; a
-sampler holds one and calls :meth:`WeightSync.push` on each sync, then checks the push with its
-:class:`ProbeVerifier`. The five implementations (docs/async.md#weight-syncs) live beside the
-sampler whose copy they write; the full-weight ones read :class:`FullWeights`, the LoRA ones
-``export_peft_adapter``, so no path gathers its own way.
+A sampler holds a :class:`WeightSync` (five paths: docs/async.md#weight-syncs), pushes each
+version with it and checks the push with its :class:`ProbeVerifier`.
 """
 
 from __future__ import annotations
@@ -34,9 +31,9 @@ class WeightSync(ABC):
 
     @abstractmethod
     def push(self, engine: Any, version: int) -> Future | None:
-        """Send ``engine``'s current weights as policy ``version``. Returns once they are read
-        from the engine (the optimizer may step then): None when they have landed, else the
-        Future of a load still running. Collective under ``torchrun``."""
+        """Send ``engine``'s weights as policy ``version``; collective under ``torchrun``.
+        Returns once they are read (the optimizer may step): None, or a still-running load's
+        Future."""
 
     def close(self) -> None:
         """Release what the path holds (transfer groups, loaded adapters); idempotent."""
@@ -50,9 +47,8 @@ def pushed_weights(is_lora: bool) -> str:
 
 @dataclass
 class ProbeVerifier:
-    """The check of a sampler's pushes: its ``probe`` batch, the tolerance ``tol``
-    (``rollout.sync_check_tol``) and ``stats``, each verified version's
-    :func:`~microrl.rollout.weights.sync_check.probe_stats` (the sampler's ``sync_stats``)."""
+    """The check of a sampler's pushes: its ``probe``, ``tol`` (``rollout.sync_check_tol``) and
+    ``stats`` of each verified version (the sampler's ``sync_stats``)."""
 
     probe: TensorDict
     tol: float
@@ -85,11 +81,9 @@ class ProbeVerifier:
         *,
         failed: bool = False,
     ) -> dict[str, float]:
-        """Compare ``target``'s probe log-probs ``actual`` with the engine's ``expected`` (both
-        ``[B, T]``) for the push of ``version``; keep the largest statistics of the version's
-        targets in ``stats``. Raises :class:`~microrl.rollout.weights.sync_check.SyncCheckError`
-        over the tolerance, or when ``failed`` (another check of the push failed), naming
-        ``detail``."""
+        """Compare ``target``'s probe log-probs ``actual`` with ``expected`` (both ``[B, T]``),
+        keeping the largest statistics per version; ``SyncCheckError`` over the tolerance or
+        when ``failed`` (another check of the push failed)."""
         stats = probe_stats(expected, actual, self.probe["loss_mask"].cpu())
         previous = self.stats.get(version, {})
         self.stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}

@@ -1,21 +1,13 @@
 """The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
 
-``AsyncRollout`` spawns it: it builds the trainer's model from its config (the LoRA structure
-too) on its own device, holds its own copy of the weights and samples with ``HFRollout``'s code
-path, one job after the other, in the order the trainer sends them. Weights arrive over a
-private gloo group of two ranks (never torch's default group); everything else on two one-way
-pipes (:mod:`microrl.rollout.channel`: a dead writer is an end of file at its reader, even
-mid-message), as pickled tuples whose first item names the message:
+``AsyncRollout`` spawns it to sample its own copy of the model with ``HFRollout``. Weights come
+over a private two-rank gloo group; the rest as pickled tuples named by their first item:
 
-- trainer -> worker: ``("layout", layouts)`` once (each push layout's names, shapes, dtypes);
-  ``("weights", version, layout, chunk_bytes)`` (receive, load, score the probe, reply
-  ``synced``); ``("generate" | "episodes", job, seed, args)`` (sampled under that seed);
-  ``("close",)``.
+- trainer -> worker: ``("layout", layouts)`` once; ``("weights", version, layout, chunk_bytes)``;
+  ``("generate" | "episodes", job, seed, args)``; ``("close",)``.
 - worker -> trainer: ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs,
   checksums, seconds)``, ``("done", job, version, payload, seconds)``, ``("job_error", job,
-  error)``, ``("error", traceback)`` (fatal).
-
-It ignores SIGINT (the trainer stops, then closes it) and exits when the trainer is gone.
+  error)``, ``("error", traceback)`` (fatal). It ignores SIGINT, and exits when the trainer does.
 """
 
 from __future__ import annotations
@@ -81,17 +73,12 @@ class WorkerSpec:
     device: str = "cpu"
     env_maker: bytes | None = None  # pickled callable: Problem -> environment (multi-turn tasks)
     store_host: str = "127.0.0.1"
-    # The engine's precision, so the worker samples what the trainer trains: the frozen base's
-    # storage dtype (engine.config.base_dtype) and the autocast dtype of its forwards (None: none).
+    # The engine's precision: the base's storage dtype and its forwards' autocast (None: none).
     base_dtype: torch.dtype = torch.float32
     autocast_dtype: torch.dtype | None = None
-    # A vision-language policy's ImageEncoder (its PIL image processor pickles): jobs with images
-    # are encoded here, as the synchronous sampler encodes them. None: text jobs only.
-    image_encoder: Any = None
-    # The engine's freeze_vision: a frozen vision tower gets no LoRA adapter (as in the engine).
-    freeze_vision: bool = True
-    # rollout.routing_replay: the rows carry their mixture-of-experts routing (routed_experts).
-    record_routing: bool = False
+    image_encoder: Any = None  # a vision-language policy's; None: text jobs only
+    freeze_vision: bool = True  # the engine's: a frozen tower gets no LoRA adapter
+    record_routing: bool = False  # rollout.routing_replay: rows carry routed_experts
 
 
 def dumps(value: Any) -> bytes:
@@ -103,18 +90,16 @@ def loads(data: bytes) -> Any:
 
 
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
-    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64: two copies of a tensor
-    agree on all three to rounding, a stale or wrong one does not (:func:`checksums_differ`)."""
+    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64 (:func:`checksums_differ`)."""
     return {name: tensor_checksum(tensor) for name, tensor in named}
 
 
 def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
-    """Whether two :func:`tensor_checksums` entries come from different tensors: beyond the
-    float64 rounding of summing the same values (relative 1e-9 of the sums of magnitudes)."""
+    """Whether two :func:`tensor_checksums` entries differ beyond float64 rounding (relative
+    1e-9 of the sums of magnitudes, which bound the rounding error)."""
     if a is None or b is None:
         return True
     (sum_a, squares_a, magnitude_a), (sum_b, squares_b, magnitude_b) = a, b
-    # The sum of magnitudes bounds the rounding error of the sum (and of itself).
     return (
         abs(sum_a - sum_b) > 1e-9 * magnitude_a
         or abs(squares_a - squares_b) > 1e-9 * squares_a
@@ -123,8 +108,8 @@ def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -
 
 
 def tensor_family(name: str) -> str:
-    """A parameter name as a reader names it: ``model.layers.1.self_attn.q_proj.lora_A.default.
-    weight`` -> ``lora_A of layer 1 self_attn.q_proj``; others without the ``.weight``."""
+    """A readable parameter name: ``...layers.1.self_attn.q_proj.lora_A.default.weight`` ->
+    ``lora_A of layer 1 self_attn.q_proj``."""
     match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.(.+)$", name)
     where, rest = (f"layer {match.group(1)} ", match.group(2)) if match else ("", name)
     parts = rest.split(".")
@@ -143,10 +128,8 @@ def score_probe(
     temperature: float,
     autocast_dtype: torch.dtype | None = None,
 ):
-    """The model's log-probs of the probe rows' tokens, token-aligned ``[B, T]`` float32 (column
-    ``t``: the log-prob of token ``t`` given the ones before; 0 off ``loss_mask``), at
-    ``temperature``, from one plain forward (left padding handled by the position ids) under
-    autocast to ``autocast_dtype`` (None: none), as the worker samples."""
+    """The model's log-probs of the probe's tokens at ``temperature``, token-aligned ``[B, T]``
+    float32 (0 off ``loss_mask``), from one forward under ``autocast_dtype``, as it samples."""
     from microrl.rollout.samplers.hf import autocast
 
     device = next(model.parameters()).device
@@ -168,10 +151,8 @@ def score_probe(
 
 
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
-    """The trainer's architecture with its LoRA structure, randomly initialised: the first
-    (``full``) push overwrites every tensor. Built in the base's storage dtype (parameters
-    only, as the engine stores them; the adapters fp32), never in fp32 first, and on
-    ``spec.device`` directly."""
+    """The trainer's architecture and LoRA structure, randomly initialised (the first push
+    overwrites every tensor), built on ``spec.device`` in the base's storage dtype."""
     from microrl.engine.setup import apply_lora, auto_model_class
     from microrl.engine.vision import vision_spec
 
@@ -179,9 +160,7 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     attention = getattr(config, "_attn_implementation", None)
     if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
         config._attn_implementation = attention.removeprefix("microrl_varlen_")
-    # A vision-language policy: its image-text class (tower and lm head), as the engine loads it.
-    # Built on its device: on a GPU no host copy of the model ever exists in this process.
-    with torch.device(spec.device):
+    with torch.device(spec.device):  # on a GPU no host copy of the model ever exists
         model = auto_model_class(config).from_config(config, dtype=spec.base_dtype)
         tower = vision_spec(model) if spec.freeze_vision else None
         exclude = tower.tower_module_names(model) if tower is not None else None
@@ -190,8 +169,7 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
 
 
 def build_sampler(spec: WorkerSpec):
-    """The worker's :class:`~microrl.rollout.HFRollout` over its model
-    (:func:`_build_model`), sampling at the engine's precision (``spec.autocast_dtype``)."""
+    """The worker's :class:`~microrl.rollout.HFRollout`, at the engine's precision."""
     from microrl.rollout.samplers.hf import HFRollout
 
     return HFRollout(
@@ -271,8 +249,7 @@ class _Worker:
 
     @torch.no_grad()
     def _receive(self, version: int, layout: str, chunk_bytes: int) -> None:
-        """A push's chunks (microrl.rollout.worker.stream), each scattered into the tensors
-        as it arrives: one chunk on the host, whatever the model's size."""
+        """A push's chunks, each scattered into the tensors as it arrives (one on the host)."""
         start = time.perf_counter()
         entries = self.layouts[layout]
         receive_stream(
@@ -335,8 +312,7 @@ def rollout_payload(rollout) -> dict[str, Any]:
 
 
 def _pickled_error(err: Exception) -> bytes:
-    """The exception itself when it survives a round trip through pickle, else a RuntimeError
-    carrying its type, message and traceback."""
+    """The exception if it survives pickling, else a RuntimeError with its traceback."""
     text = "".join(traceback.format_exception(err))
     try:
         data = dumps(err)
@@ -347,8 +323,7 @@ def _pickled_error(err: Exception) -> bytes:
 
 
 def worker_main(spec: WorkerSpec, commands: Connection, results: Connection) -> None:
-    """The spawned process's entry point (see the module docstring): its ends of the channels
-    (:func:`microrl.rollout.channel.start_process`)."""
+    """The spawned process's entry point, given its ends of the channels."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     for var in _LAUNCHER_VARS:
         os.environ.pop(var, None)

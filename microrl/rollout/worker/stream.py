@@ -1,17 +1,9 @@
 """The bytes of a weight push between the trainer and an ``hf`` worker, in bounded chunks.
 
-A push is one byte stream: every tensor of a layout, in layout order, each as the raw bytes of
-its storage dtype (no cast: the worker holds the dtypes the trainer stores), cut into chunks of
-at most ``chunk_bytes`` bytes, one gloo broadcast each. Chunks ignore tensor boundaries: a large
-tensor spans several, and a chunk may hold the end of one tensor and the start of the next.
-
-Neither side ever holds the whole layout on the host for the *first* push (every tensor of the
-model, a 7B model's 15 GB in bf16): :func:`send_stream` copies each tensor (gathered one at a
-time, possibly on a GPU) into two alternating chunk buffers, and :func:`receive_stream` scatters
-each received chunk straight into the worker's tensors. The later pushes (what the optimizer
-changes) are broadcast asynchronously so the trainer never waits for the worker: their bytes are
-packed once (:func:`pack`, shared by a pool's workers) and kept until every chunk has left.
-How the pieces fit: :mod:`microrl.rollout.worker.main`.
+A push is every tensor of a layout, in order, as raw bytes of its storage dtype, cut into chunks
+of at most ``chunk_bytes`` (one gloo broadcast each) regardless of tensor boundaries. The first
+push (the whole model) is streamed, never whole on the host (:func:`send_stream`,
+:func:`receive_stream`); later ones are packed once (:func:`pack`) and broadcast asynchronously.
 """
 
 from __future__ import annotations
@@ -36,8 +28,7 @@ __all__ = [
     "total_bytes",
 ]
 
-#: Bytes per broadcast of a push: what each side holds on the host for it (the trainer two while
-#: streaming, one filling while the other is sent), whatever the model's size.
+#: Bytes per broadcast of a push: what each side holds on the host (the streaming trainer two).
 CHUNK_BYTES = 256 * 2**20
 
 #: Elements whose float64 copy a checksum makes at a time (8 MiB).
@@ -48,28 +39,24 @@ Entry = tuple[str, tuple[int, ...], torch.dtype]
 
 
 class Packed(NamedTuple):
-    """A push's bytes in one host buffer (uint8 ``[total_bytes(entries)]``) and each tensor's
-    :func:`tensor_checksum`, by name."""
+    """A push's bytes (uint8 ``[total_bytes(entries)]`` on the host) and checksums by name."""
 
     buffer: torch.Tensor
     checksums: dict[str, tuple[float, float, float]]
 
 
 def total_bytes(entries: Sequence[Entry]) -> int:
-    """The bytes of a push of ``entries``."""
     return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of ``tensor`` as a flat uint8 tensor on its device: a view of its storage
-    when it is contiguous (writing into the view writes the tensor), else of a contiguous copy."""
+    """``tensor``'s raw bytes, flat uint8 on its device: a view when contiguous, else a copy's."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float, float]:
     """``(sum, sum of squares, sum of |x|)`` of ``tensor`` in float64, a bounded slice at a time
-    (a whole float64 copy of a 7B model's embedding would be 4.4 GB); two copies of a tensor
-    agree on all three to rounding, a stale or wrong one does not."""
+    (a 7B embedding's float64 copy is 4.4 GB): a stale or wrong copy differs beyond rounding."""
     total = squares = magnitude = 0.0
     for part in tensor.detach().reshape(-1).split(_CHECKSUM_ELEMENTS):
         x = part.double()
@@ -80,8 +67,7 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float, float]:
 
 
 def check_layout(found: Sequence[Entry], expected: Sequence[Entry], what: str) -> None:
-    """``RuntimeError`` unless ``found`` (the tensors about to be pushed) are ``expected``
-    (the layout the worker was told at its start), naming ``what`` pushes them."""
+    """``RuntimeError`` unless the tensors about to be pushed are the worker's start layout."""
     if [(n, tuple(s), d) for n, s, d in found] != [(n, tuple(s), d) for n, s, d in expected]:
         raise RuntimeError(
             f"the engine's tensors changed since {what} started (names, shapes or dtypes): a "
@@ -103,17 +89,11 @@ def _checked(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]
 
 
 def pack(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]) -> Packed:
-    """Every tensor of ``named`` (in ``entries``' order, one at a time: a
-    :class:`~microrl.rollout.weights.full_weights.FullWeights` pass) copied into one host buffer,
-    with its checksum."""
-    buffer = torch.empty(total_bytes(entries), dtype=torch.uint8)
-    checksums, offset = {}, 0
-    for name, tensor in _checked(named, entries):
-        data = as_bytes(tensor)
-        buffer[offset : offset + data.numel()].copy_(data)
-        offset += data.numel()
-        checksums[name] = tensor_checksum(tensor)
-    return Packed(buffer, checksums)
+    """Every tensor of ``named`` (in ``entries``' order) copied into one host buffer: a
+    :func:`send_stream` of one chunk, kept."""
+    chunks: list[torch.Tensor] = []
+    checksums = send_stream(named, entries, chunks.append, max(1, total_bytes(entries)))
+    return Packed(chunks[0] if chunks else torch.empty(0, dtype=torch.uint8), checksums)
 
 
 def send_chunks(buffer: torch.Tensor, broadcast: Callable[[torch.Tensor], Any], chunk_bytes: int):
@@ -130,11 +110,9 @@ def send_stream(
     broadcast: Callable[[torch.Tensor], Any],
     chunk_bytes: int = CHUNK_BYTES,
 ) -> dict[str, tuple[float, float, float]]:
-    """Send ``named`` (in ``entries``' order) as the chunks of one push: each tensor is copied
-    into two alternating host buffers of ``chunk_bytes`` (one filling while the other's
-    ``broadcast`` runs), so at most two chunks are held, whatever the push's size. Returns each
-    tensor's checksum once every chunk has been sent. ``broadcast(chunk)`` returns a work with
-    ``wait()``."""
+    """Send ``named`` (in ``entries``' order) through two alternating ``chunk_bytes`` host
+    buffers (one fills while the other's ``broadcast`` runs, returning a work with ``wait()``);
+    returns the checksums once every chunk has left."""
     total = total_bytes(entries)
     size = max(1, min(chunk_bytes, total))
     buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(1 if total <= size else 2)]
@@ -173,9 +151,8 @@ def receive_stream(
     receive: Callable[[torch.Tensor], None],
     chunk_bytes: int = CHUNK_BYTES,
 ) -> None:
-    """Receive a push of ``entries`` into ``tensors`` (the worker's, contiguous, on any device):
-    ``receive(buffer)`` fills one chunk (it returns when the chunk has arrived), whose bytes are
-    copied into the tensors they belong to before the next; one chunk buffer on the host."""
+    """Receive a push of ``entries`` into the contiguous ``tensors``: ``receive(buffer)`` fills
+    one chunk, copied into its tensors before the next (one chunk buffer on the host)."""
     for name, _, _ in entries:
         if not tensors[name].is_contiguous():  # its bytes would land in a copy
             raise RuntimeError(f"cannot receive {name} in place: it is not contiguous")
