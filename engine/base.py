@@ -1,27 +1,12 @@
 """The micro-batched training loop every engine role shares (docs/engine.md).
 
 :meth:`Engine.forward_backward_batch` validates the mini-batch, counts its global loss
-denominators once, plans the micro-batches, and runs each one through the public
-:meth:`Engine.forward_step` (forward, loss, detached outputs, metrics: a
-:class:`~microrl.engine.outputs.StepResult`) followed by ``backward``; then it aggregates the
-metrics and restores the caller's row order. :meth:`Engine.train_batch` adds the
-optimizer step.
-
-A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`,
-:class:`~microrl.engine.RewardModelEngine`, or a user's own) overrides
-:meth:`Engine._build_module` (the ``nn.Module`` that is differentiated),
-:meth:`Engine._model_forward` (one call of it) and :meth:`Engine.default_loss` (with
-:attr:`Engine.loss_keys`, :attr:`Engine.row_keys` and :attr:`Engine.count_key`); optionally
-:meth:`Engine.fuses_loss` (the loss runs inside the module) and :meth:`Engine._role_metrics`.
-The loop itself is written once, here.
-
-Outputs of a role are per-position ``[b, L]`` (token-aligned by the loop) or per-row ``[b]`` (one
-value per sequence, e.g. a reward model's score at the last real token; the loop only restores
-the caller's row order). A role whose :meth:`Engine._model_forward` declares a ``last_index``
-parameter gets the flat index of each sequence's last real token (docs/engine.md).
-
-Hook points for distributed training and checkpoints: :attr:`dp_group`, :meth:`_wrap_model`,
-:meth:`_agree_num_micro_batches`, :meth:`save_checkpoint` / :meth:`load_checkpoint`.
+denominators once, plans the micro-batches, runs each through :meth:`Engine.forward_step` and
+``backward``, then aggregates the metrics and restores the caller's row order;
+:meth:`Engine.train_batch` adds the optimizer step. A role overrides :meth:`Engine._build_module`,
+:meth:`Engine._model_forward` and :meth:`Engine.default_loss` (with :attr:`Engine.loss_keys`,
+:attr:`Engine.row_keys`, :attr:`Engine.count_key`), optionally :meth:`Engine.fuses_loss` and
+:meth:`Engine._role_metrics` (docs/engine.md#writing-a-role); the loop is written once, here.
 """
 
 from __future__ import annotations
@@ -258,6 +243,13 @@ class Engine:
         """
         raise NotImplementedError
 
+    def _module_forward(
+        self, *inputs: torch.Tensor | None, training: bool, temperature: Any = None, **kw: Any
+    ) -> torch.Tensor:
+        """:attr:`module` on ``inputs[:3]`` (ids, positions, mask) and the model kwargs: the
+        :meth:`_model_forward` of a head that reads neither ``targets`` nor ``temperature``."""
+        return self.module(*inputs[:3], **kw)
+
     def default_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
     ) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -356,7 +348,8 @@ class Engine:
         )
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
-        with self._routing_scope():
+        # A mixture-of-experts model's router hooks, installed for the whole pass.
+        with nullcontext() if self.routing is None else self.routing.hooks.installed():
             if denominators is not None and self.routing is not None:
                 denominators = self._with_router(denominators, batch, micro_batches, placeholder)
             # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
@@ -403,18 +396,13 @@ class Engine:
         """One micro-batch: forward, loss (when its inputs are present), detached outputs, metrics.
 
         The body of :meth:`forward_backward_batch`'s loop, which passes each planned
-        :class:`~microrl.engine.microbatch.MicroBatch` (compact, validated) with the mini-batch's
-        global ``denominators`` and runs ``backward`` on the loss. Called directly with a
-        ``[b, T]`` batch, the rows are validated and run as one micro-batch; ``denominators``
-        then default to their own counts, i.e. the rows are treated as a whole mini-batch.
+        :class:`~microrl.engine.microbatch.MicroBatch` with the mini-batch's ``denominators`` and
+        runs ``backward`` on the loss. A plain ``[b, T]`` batch is validated and run as one
+        micro-batch that is its own mini-batch (``denominators`` default to its counts).
 
-        Returns :class:`~microrl.engine.outputs.StepResult` ``(loss, output, metrics)``: ``loss``
-        a 0-d tensor *with* its graph (the caller runs ``backward``), or None without the loss's
-        inputs; ``output`` detached, token-aligned, in the layout of ``micro_batch`` (its compact
-        ``[b, L]`` for a ``MicroBatch``, else the caller's ``[b, T]``); ``metrics`` the loss's
-        detached ``Metric`` values (empty without a loss). An override must return the same
-        (checked by the loop: a ``TypeError`` otherwise). Train mode for a gradient pass, eval
-        mode for ``forward_only``, the module's mode restored after.
+        Returns a :class:`~microrl.engine.outputs.StepResult` whose ``output`` is in the layout of
+        ``micro_batch`` (compact ``[b, L]`` for a ``MicroBatch``, else ``[b, T]``); an override
+        must return the same (the loop raises ``TypeError`` otherwise).
         """
         if isinstance(micro_batch, MicroBatch):
             return self._forward_micro(micro_batch, loss_fn, forward_only, denominators)
@@ -475,7 +463,8 @@ class Engine:
                 denominators=denominators if with_loss else None,
                 keep=training and self.config.gradient_checkpointing,
             )
-        with self._mode(training=training), self._grad(forward_only), offload or nullcontext():
+        grad = torch.no_grad() if forward_only else nullcontext()
+        with self._mode(training=training), grad, offload or nullcontext():
             with (
                 setup.autocast_context(self.config, self.device),
                 router.forward() if router is not None else nullcontext(),
@@ -511,14 +500,11 @@ class Engine:
     def optimizer_step(self, *, has_loss_tokens: bool | torch.Tensor = True) -> float:
         """Clip to the global grad norm and step; a non-finite norm skips the step.
 
-        ``has_loss_tokens``: False (or a 0-d bool tensor holding False, e.g. the
-        ``has_loss_tokens`` of the mini-batch's :class:`LossDenominators`) skips the step too: a
-        mini-batch without a single loss token (on any rank) has nothing to learn, yet AdamW
-        would still move every parameter (momentum, weight decay) and the schedule would advance.
-        :meth:`train_batch` passes it; it costs one host read of a flag already on the device.
-
-        A skipped step leaves parameters, optimizer state, LR schedule and :attr:`global_step`
-        untouched and zeroes the gradients. Returns the grad norm (before clipping; may be nan/inf).
+        ``has_loss_tokens``: False (or a 0-d bool tensor holding False, e.g.
+        :class:`LossDenominators`'s) skips the step too: without a loss token AdamW would still
+        move every parameter (momentum, weight decay). A skipped step leaves parameters, optimizer
+        state, schedule and :attr:`global_step` untouched and zeroes the gradients.
+        Returns the grad norm (before clipping; may be nan/inf).
         """
         self._check_trains()
         params = self._trainable_params()
@@ -549,13 +535,9 @@ class Engine:
     ) -> dict[str, float]:
         """zero_grad + :meth:`forward_backward_batch` + :meth:`optimizer_step` (+ LR schedule).
 
-        ``loss_fn`` as in :meth:`forward_backward_batch` (None: the role's configured loss).
-        The step is skipped (parameters, optimizer state, schedule and :attr:`global_step`
-        untouched) when the grad norm is not finite or when the mini-batch has no loss token on
-        any rank.
-
-        Returns the loss metrics plus ``loss``, ``grad_norm``, ``step_skipped`` (0/1) and ``lr``
-        (the learning rate this step used).
+        The step is skipped as in :meth:`optimizer_step` (a non-finite grad norm, or no loss
+        token on any rank). Returns the loss metrics plus ``loss``, ``grad_norm``,
+        ``step_skipped`` (0/1) and ``lr`` (the learning rate this step used).
         """
         self._check_trains()
         self.optimizer.zero_grad(set_to_none=True)
@@ -590,45 +572,36 @@ class Engine:
     def save_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
         """Save module, optimizer, LR schedule, step, RNG and config (microrl.engine.checkpoint).
 
-        Atomic (written to a temporary directory, then renamed); under LoRA only the trainable
-        parameters (adapters, value head) are stored. Under data parallelism a rank that fails
-        makes every rank raise, a killed or hung one after ``timeout_s`` (None: the
-        ``MICRORL_CHECKPOINT_TIMEOUT_S`` environment variable, else 600 s); the previous
-        checkpoint stays complete (docs/checkpoints.md).
+        Atomic; under LoRA only the trainable parameters are stored. Under data parallelism a
+        failed rank makes every rank raise, a killed or hung one after ``timeout_s`` (None:
+        ``MICRORL_CHECKPOINT_TIMEOUT_S``, else 600 s); the previous checkpoint stays complete
+        (docs/checkpoints.md).
         """
         from microrl.engine import checkpoint
 
-        checkpoint.save_checkpoint(
-            path,
-            model=self.module,
-            optimizer=self.optimizer,
-            scheduler=self.lr_scheduler,
-            step=self.global_step,
-            config=self.config,
-            timeout_s=timeout_s,
-        )
+        checkpoint.save_checkpoint(path, step=self.global_step, **self._checkpoint_parts(timeout_s))
 
     def load_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step;
-        ``timeout_s`` bounds the ranks' agreements as in :meth:`save_checkpoint`.
+        """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step.
 
-        Optimizer state (moments, step counts) comes from the checkpoint; its hyper-parameters
-        (lr, betas, eps, weight decay, the schedule's base lr) from this engine's config, so a
-        learning rate changed on resume takes effect."""
+        Optimizer state comes from the checkpoint, its hyper-parameters (lr, betas, eps, weight
+        decay, the schedule's base lr) from this engine's config: a changed lr takes effect."""
         from microrl.engine import checkpoint
 
-        info = checkpoint.load_checkpoint(
-            path,
-            model=self.module,
-            optimizer=self.optimizer,
-            scheduler=self.lr_scheduler,
-            config=self.config,
-            timeout_s=timeout_s,
-        )
-        # The current config's optimizer settings win over the saved ones (a changed lr on
-        # resume); unchanged settings are written back as they were, so resuming stays exact.
+        info = checkpoint.load_checkpoint(path, **self._checkpoint_parts(timeout_s))
+        # Unchanged settings are written back as they were, so resuming stays exact.
         apply_optim_config(self.optimizer, self.lr_scheduler, self.config.optim)
         self.global_step = info.step
+
+    def _checkpoint_parts(self, timeout_s: float | None) -> dict[str, Any]:
+        """The keyword arguments :meth:`save_checkpoint` and :meth:`load_checkpoint` share."""
+        return {
+            "model": self.module,
+            "optimizer": self.optimizer,
+            "scheduler": self.lr_scheduler,
+            "config": self.config,
+            "timeout_s": timeout_s,
+        }
 
     @property
     def uses_fused_kernel(self) -> bool:
@@ -694,25 +667,18 @@ class Engine:
         parameters without gradient, and for a vision-language model the ``freeze_vision``
         decision (docs/engine.md#images); a tower that may train is not expected to get a
         gradient from a mini-batch without images on any rank."""
-        mode, tower = self.config.check_grad_flow, None
-        if self.vision is not None:
-            tower = {id(p) for p in self.vision.tower.parameters()}
-            has_images = torch.tensor(
-                float(
-                    vision.PIXEL_VALUES_KEY in batch and bool(batch[vision.IMAGE_GRID_KEY].any())
-                ),
-                device=self.device,
-            )
-            if self.dp_group is not None:
-                has_images = distributed.all_reduce(has_images, dist.ReduceOp.MAX, self.dp_group)
-            skip = () if bool(has_images) else tower
-            audit_grad_flow(self.module, self._count_mask(batch), mode, skip=skip)
-            key = vision.config_key(self.config, "freeze_vision")
-            audit_vision_tower(
-                self.module, tower, frozen=self.config.freeze_vision, key=key, mode=mode
-            )
-            return
-        audit_grad_flow(self.module, self._count_mask(batch), mode)
+        mode = self.config.check_grad_flow
+        if self.vision is None:
+            return audit_grad_flow(self.module, self._count_mask(batch), mode)
+        tower = {id(p) for p in self.vision.tower.parameters()}
+        images = vision.PIXEL_VALUES_KEY in batch and bool(batch[vision.IMAGE_GRID_KEY].any())
+        has_images = torch.tensor(float(images), device=self.device)
+        if self.dp_group is not None:
+            has_images = distributed.all_reduce(has_images, dist.ReduceOp.MAX, self.dp_group)
+        skip = () if bool(has_images) else tower
+        audit_grad_flow(self.module, self._count_mask(batch), mode, skip=skip)
+        key = vision.config_key(self.config, "freeze_vision")
+        audit_vision_tower(self.module, tower, frozen=self.config.freeze_vision, key=key, mode=mode)
 
     def _has_loss_inputs(self, batch: TensorDict, loss_fn: LossFn | None) -> bool:
         return all(key in batch for key in self._loss_inputs(loss_fn))
@@ -727,12 +693,6 @@ class Engine:
                 denominators, self.config.sequence_parallel_size
             )
         return denominators
-
-    def _routing_scope(self) -> Any:
-        """A mixture-of-experts model's router hooks installed for a whole pass (the counting
-        pass, every micro-batch and its backward), else nothing; a micro-batch's forward
-        installs them itself when called alone (:meth:`forward_step`)."""
-        return nullcontext() if self.routing is None else self.routing.hooks.installed()
 
     def _with_router(
         self,
@@ -814,8 +774,7 @@ class Engine:
         if self.vision is not None:  # [4, 1, N]: per-sequence text positions, then mRoPE's
             packed_rope = None if rope is None else packing.pack(rope, index)
             packed_positions = vision.model_positions(packed_positions, packed_rope, packed=True)
-        args = (packing.pack(ids, index), packed_positions, None)
-        args = (*args, packing.pack(targets, index))
+        args = (packing.pack(ids, index), packed_positions, None, packing.pack(targets, index))
         if temperature is not None:
             temperature = packing.pack(temperature, index)
         if self._varlen_attention:
@@ -854,10 +813,6 @@ class Engine:
             yield
         finally:
             self.module.train(previous)
-
-    @staticmethod
-    def _grad(forward_only: bool) -> Any:
-        return torch.no_grad() if forward_only else nullcontext()
 
 
 def _host_lengths_and_groups(

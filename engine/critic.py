@@ -36,18 +36,8 @@ class CriticEngine(Engine):
         hidden_size = causal_lm.get_input_embeddings().embedding_dim
         return ValueModel(decoder_body(causal_lm), hidden_size, seed=self.config.seed)
 
-    def _model_forward(
-        self,
-        input_ids,
-        position_ids,
-        attention_mask,
-        targets,
-        *,
-        training,
-        temperature=None,
-        **model_kwargs,
-    ):
-        return {"values": self.module(input_ids, position_ids, attention_mask, **model_kwargs)}
+    def _model_forward(self, *inputs, **kwargs):
+        return {"values": self._module_forward(*inputs, **kwargs)}
 
     def default_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators

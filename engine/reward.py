@@ -103,22 +103,8 @@ class RewardModelEngine(Engine):
                 module.value_head.weight.copy_(head.weight)
         return module
 
-    def _model_forward(
-        self,
-        input_ids,
-        position_ids,
-        attention_mask,
-        targets,
-        *,
-        training,
-        last_index,
-        temperature=None,
-        **model_kwargs,
-    ):
-        scores = self.module(
-            input_ids, position_ids, attention_mask, last_index=last_index, **model_kwargs
-        )
-        return {"scores": scores}  # [b]: per row
+    def _model_forward(self, *inputs, last_index, **kwargs):  # declared: the engine passes it
+        return {"scores": self._module_forward(*inputs, last_index=last_index, **kwargs)}  # [b]
 
     def _check_role_batch(self, batch: TensorDict) -> None:
         """Each ``group`` is one pair: two rows, exactly one of them ``chosen`` (one host sync)."""
