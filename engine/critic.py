@@ -20,12 +20,10 @@ class CriticEngine(Engine):
     """The value engine: ``model_output`` holds ``values`` ``[B, T]``.
 
     Token alignment as for log-probs: ``values[b, t]`` is the value of the state *before* token
-    ``t`` (computed from the hidden state of token ``t - 1``), the baseline of the action
-    ``input_ids[b, t]``; 0 where there is no prediction (first real token, padding).
-    The causal LM's lm head is dropped: the value head replaces it (``Linear(H, 1)``, trainable
-    also under LoRA). ``microrl.engine.checkpoint.export.export_merged_model(engine.module, path)`` writes a
-    ``*ForTokenClassification`` model (``num_labels=1``, the value head as its ``score``) whose
-    ``logits[b, j, 0]`` is ``values[b, j + 1]``.
+    ``t`` (from the hidden state of token ``t - 1``), the baseline of the action
+    ``input_ids[b, t]``; 0 where there is no prediction (first real token, padding). A
+    ``Linear(H, 1)`` value head (trainable also under LoRA) replaces the lm head; exports:
+    docs/engine.md#exports-of-critics-and-reward-models.
     """
 
     config: CriticConfig
