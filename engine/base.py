@@ -27,10 +27,7 @@ from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine import moe, packing, setup, vision
-from microrl.engine.alignment import (
-    next_token_targets,
-    predicting_temperature,
-)
+from microrl.engine.alignment import next_token_targets, predicting_temperature
 from microrl.engine.group_loss import GroupLoss
 from microrl.engine.microbatch import (
     MicroBatch,
@@ -88,21 +85,18 @@ class Engine:
     Args:
         model: a transformers causal LM (``PreTrainedModel``) or a local checkpoint directory.
         config: an :class:`~microrl.configs.EngineConfig` (or a role's subclass of it).
-        frozen: a scoring-only engine (e.g. a reward model that scores rollouts): its weights
-            are stored in the dtype it computes in (:func:`~microrl.engine.setup.frozen_dtype`:
-            bf16 under autocast), every parameter is frozen, and it has no optimizer; it runs
-            forward-only passes (:meth:`infer_batch`), training calls raise ``RuntimeError``.
+        frozen: a scoring-only engine: weights in its compute dtype
+            (:func:`~microrl.engine.setup.frozen_dtype`), all frozen, no optimizer; training
+            calls raise ``RuntimeError``.
     """
 
-    #: per-token ``[B, T]`` batch keys the default loss needs (besides ``input_ids`` and
-    #: ``attention_mask``).
+    #: per-token ``[B, T]`` batch keys the default loss needs (besides ids and mask).
     loss_keys: tuple[str, ...] = ("loss_mask",)
     #: per-row ``[B]`` batch keys the default loss needs (validated as ``[B]``, indexed by row).
     row_keys: tuple[str, ...] = ()
-    #: the key the mini-batch's global denominators count (docs/losses.md): ``loss_mask``
-    #: (``[B, T]``: loss tokens and loss sequences), or a per-row ``[B]`` key of :attr:`row_keys`
-    #: (then ``n_tokens = n_seqs`` = its nonzero rows, e.g. a reward model's pairs). A custom
-    #: ``loss_fn`` needs it too; an empty (padding) micro-batch gets it zeroed.
+    #: the key the global denominators count (docs/losses.md): ``loss_mask`` ``[B, T]``, or a
+    #: per-row key of :attr:`row_keys` (``n_tokens = n_seqs`` = its nonzero rows); a custom
+    #: ``loss_fn`` needs it too.
     count_key: str = "loss_mask"
     config_class: type[EngineConfig] = EngineConfig
 
@@ -121,11 +115,9 @@ class Engine:
         #: environment; None in a single process. First, so each rank picks its own GPU.
         self.dp_group: dist.ProcessGroup | None = distributed.init_distributed()
         self.device = setup.resolve_device(config)
-        #: the ``("dp", "tp")`` device mesh under tensor parallelism (docs/engine.md), else None;
-        #: then only its ``dp`` dimension reduces denominators and metrics.
+        #: the ``("dp", "tp")`` (or ``("dp", "sp")``) device mesh, else None (docs/distributed.md).
         self.device_mesh = tensor_parallel.init_mesh(config.tensor_parallel_size, self.device)
-        #: the sequence-parallel group (``sequence_parallel_size > 1``: its ranks split every
-        #: micro-batch's tokens, docs/distributed.md) of the ``("dp", "sp")`` mesh, else None.
+        #: the sequence-parallel group (its ranks split every micro-batch's tokens), else None.
         self.sp_group: dist.ProcessGroup | None = None
         if config.sequence_parallel_size > 1:
             self.device_mesh = sequence_parallel.init_mesh(
@@ -135,11 +127,9 @@ class Engine:
         if self.device_mesh is not None:
             self.dp_group = self.device_mesh["dp"].get_group()
         self.global_step = 0
-        # A checkpoint path under torchrun: rank 0 reads it, the others build on meta, and every
-        # rank materialises only its shards once sharded (engine/parallel/materialize.py).
+        # A checkpoint path under torchrun: rank 0 reads it (engine/parallel/materialize.py).
         self._rank0_loading = isinstance(model, (str, os.PathLike)) and distributed.is_distributed()
-        # The frozen base's storage dtype (config.base_dtype; a frozen engine's compute dtype),
-        # set before the model reaches the device, so a 16-bit base never sits there in fp32.
+        # Set before the model reaches the device: a 16-bit base never sits there in fp32.
         base_dtype = setup.frozen_dtype(config, self.device) if frozen else setup.base_dtype(config)
         if self._rank0_loading:
             causal_lm = materialize.load_on_rank0(model, base_dtype, self._load_model)
@@ -171,16 +161,13 @@ class Engine:
         )
         if frozen_tower:  # a full fine-tune trains the rest of the model
             self.vision.tower.requires_grad_(False)
-        #: a mixture-of-experts model's routing (replay of the batch's ``routed_experts``,
-        #: router losses, routing metrics; docs/engine.md#mixture-of-experts), else None.
+        #: a mixture-of-experts model's routing (docs/engine.md#mixture-of-experts), else None.
         self.routing = moe.EngineRouting.of(causal_lm, config)
-        # Data parallel: every rank runs the sharded tower on every micro-batch (FSDP2's
-        # collectives), on a placeholder image when its micro-batch has none.
+        # Data parallel: every rank runs the sharded tower on every micro-batch (placeholder image).
         self._tower_every_micro_batch = self.vision is not None and self.dp_group is not None
         if config.gradient_checkpointing:
             setup.enable_gradient_checkpointing(causal_lm)
-        # Packed rows on SDPA/eager: attention per sequence (cost sum n_i^2, results independent
-        # of the companions in the row); flash-attention handles packed rows natively.
+        # Packed rows on SDPA/eager: attention per sequence (flash-attention does it natively).
         self._varlen_attention = config.pack_sequences and enable_varlen_attention(causal_lm)
         #: the transformers model (with LoRA layers injected), e.g. for ``generate``.
         self.model = causal_lm
@@ -193,8 +180,7 @@ class Engine:
         if full_state is not None:
             materialize.load_full_state(self.module, full_state, self.device)
             distributed.finish_sharding(self.module)
-        # Sequence-level roles opt in to the last real token's index by naming the parameter;
-        # roles that forward **kwargs to the transformers model never receive it.
+        # Sequence-level roles opt in to the last real token's index by naming the parameter.
         self._passes_last_index = "last_index" in inspect.signature(self._model_forward).parameters
         self.optimizer = None if frozen else build_optimizer(self._trainable_params(), config.optim)
         self.lr_scheduler = None if frozen else build_scheduler(self.optimizer, config.optim)
@@ -203,9 +189,8 @@ class Engine:
 
     # ----------------------------------------------------------------- role hooks (override)
     def _load_model(self, model: nn.Module | str | os.PathLike, dtype: torch.dtype) -> nn.Module:
-        """The transformers model the role is built on, its frozen weights in ``dtype``, on the
-        CPU: a causal LM (:func:`~microrl.engine.setup.load_causal_lm`). Under rank-0 loading
-        only global rank 0 calls it, with a path (engine/parallel/materialize.py)."""
+        """The transformers model the role is built on (a causal LM), its frozen weights in
+        ``dtype``, on the CPU; under rank-0 loading only global rank 0 calls it."""
         return setup.load_causal_lm(model, dtype)
 
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
@@ -223,23 +208,17 @@ class Engine:
         temperature: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> dict[str, torch.Tensor]:
-        """One call of :attr:`module` on a compact micro-batch of ``b`` sequences.
+        """One call of :attr:`module` on a compact micro-batch of ``b`` sequences
+        (docs/engine.md#writing-a-role).
 
-        Returns a dict of tensors, each either
-          * per-position, shaped like ``input_ids`` (``[b, L]``, or ``[1, N]`` packed) and aligned
-            to the *predicting* position: the loop zeroes it where ``targets`` is ``-100``, unpacks
-            it and shifts it to token alignment (entry ``j`` lands at column ``j + 1``); or
-          * per-row, ``[b]``: one value per sequence in row order (also when packed); the loop
-            neither masks nor shifts it and returns it as ``[B]`` in the caller's row order.
-
-        ``targets[b, j]`` is the token that follows position ``j`` (``-100`` where none does).
-        ``temperature``: the batch's per-row/per-token sampling temperature at the predicting
-        positions (same shape as ``targets``), or None (then the role's configured one).
-        ``model_kwargs`` (e.g. the packed sequence lengths) go to the transformers forward.
-        An override that declares a ``last_index`` parameter also gets ``last_index`` ``[b]``:
-        the index of each sequence's last real token in ``input_ids.flatten()`` (row-major;
-        ``row * L + length - 1`` padded, ``cumsum(lengths) - 1`` packed), for per-row outputs
-        such as a score at the last token (:func:`microrl.engine.models.gather_last`).
+        Returns a dict of tensors, each per-position, shaped like ``input_ids`` (``[b, L]``, or
+        ``[1, N]`` packed) and aligned to the *predicting* position (the loop masks, unpacks and
+        shifts it to token alignment), or per-row ``[b]`` in row order (returned as ``[B]``).
+        ``targets[b, j]``: the token after position ``j`` (``-100`` where none); ``temperature``:
+        the batch's, shaped like ``targets``, or None (the configured one); ``model_kwargs`` go to
+        the transformers forward. An override declaring ``last_index`` gets each sequence's last
+        real token's index ``[b]`` in ``input_ids.flatten()``
+        (:func:`~microrl.engine.outputs.last_token_index`).
         """
         raise NotImplementedError
 
@@ -303,14 +282,13 @@ class Engine:
         Args:
             batch: ``[B, T]`` TensorDict (docs/batch.md); the loss keys are required unless
                 ``forward_only`` (then the loss is computed only when they are present).
-            loss_fn: ``loss_fn(output, micro_batch, denominators) -> (loss, metrics)``; None uses
-                :meth:`default_loss`. ``denominators`` are the mini-batch's global counts.
+            loss_fn: a :data:`LossFn` (``denominators``: the mini-batch's global counts); None
+                uses :meth:`default_loss`.
             forward_only: no gradients, eval mode (old/ref log-probs, values).
 
         Returns:
             ``{"model_output": TensorDict [B, T] fp32 detached in the caller's row order,
-            "loss": float, "metrics": dict[str, float]}``. A MIN/MAX metric with no value in the
-            mini-batch (e.g. ``ratio_min`` when no token has a loss) is NaN.
+            "loss": float, "metrics": dict[str, float]}``; a MIN/MAX metric without a value is NaN.
         """
         return self._forward_backward(batch, loss_fn, forward_only)[0]
 
@@ -507,8 +485,7 @@ class Engine:
         Returns the grad norm (before clipping; may be nan/inf).
         """
         self._check_trains()
-        params = self._trainable_params()
-        norm = clip_and_check(params, self.config.optim.grad_clip)
+        norm = clip_and_check(self._trainable_params(), self.config.optim.grad_clip)
         norm_value = float(norm)  # one sync per optimizer step
         self.last_step_skipped = not math.isfinite(norm_value)
         if self.last_step_skipped:
@@ -524,9 +501,8 @@ class Engine:
         return norm_value
 
     def release_host_memory(self) -> None:
-        """Unpin the host blocks the training phase's offloaded copies left cached (a no-op off
-        CUDA or without offload). Call it once the updates of a step are done: between
-        optimizer steps the cached blocks are reused, and pinning them again costs host time."""
+        """Unpin the host blocks offloaded copies left cached (a no-op off CUDA or without
+        offload); call it once a step's updates are done (between them the blocks are reused)."""
         if self.config.activation_offload or self.config.optim.cpu_offload:
             release_pinned_memory(self.device)
 
@@ -545,22 +521,14 @@ class Engine:
         result, denominators = self._forward_backward(batch, loss_fn, forward_only=False)
         has_tokens = getattr(denominators, "has_loss_tokens", None)
         grad_norm = self.optimizer_step(has_loss_tokens=True if has_tokens is None else has_tokens)
-        metrics = dict(result["metrics"])
-        metrics.update(
-            loss=result["loss"],
-            grad_norm=grad_norm,
-            step_skipped=float(self.last_step_skipped),
-            lr=lr,
-        )
-        return metrics
+        skipped = float(self.last_step_skipped)
+        step = {"loss": result["loss"], "grad_norm": grad_norm, "step_skipped": skipped, "lr": lr}
+        return {**result["metrics"], **step}
 
     @contextmanager
     def disable_adapter(self) -> Iterator[None]:
         """Run the base weights (the reference policy) inside the block; LoRA is re-enabled after.
-
-        Raises ``RuntimeError`` without LoRA: the "reference" would silently be the trained policy
-        itself (KL always 0); keep a separate frozen engine as reference for a full fine-tune.
-        """
+        ``RuntimeError`` without LoRA (the "reference" would silently be the trained policy)."""
         if self.peft_model is None:
             raise RuntimeError(
                 "disable_adapter() needs LoRA (config.lora.rank > 0); with a full fine-tune the "
@@ -663,10 +631,8 @@ class Engine:
         return vision.prepare_batch(batch, self.vision)
 
     def _audit_grad_flow(self, batch: TensorDict) -> None:
-        """The grad-flow audit after a training pass (``config.check_grad_flow``): trainable
-        parameters without gradient, and for a vision-language model the ``freeze_vision``
-        decision (docs/engine.md#images); a tower that may train is not expected to get a
-        gradient from a mini-batch without images on any rank."""
+        """The grad-flow audit after a training pass (``config.check_grad_flow``), with the
+        ``freeze_vision`` decision of a vision-language model (docs/engine.md#images)."""
         mode = self.config.check_grad_flow
         if self.vision is None:
             return audit_grad_flow(self.module, self._count_mask(batch), mode)
@@ -702,8 +668,7 @@ class Engine:
         placeholder: bool = False,
     ) -> LossDenominators:
         """``denominators`` with a mixture-of-experts model's router counts over the mini-batch
-        (docs/losses.md#router-losses), its forward-only counting pass over ``micro_batches()``
-        run here when the load-balancing loss needs one."""
+        (docs/losses.md#router-losses), counted by a forward-only pass when needed."""
 
         def count() -> tuple[torch.Tensor, torch.Tensor]:
             micros = (micro for _, micro in micro_batches())
@@ -717,8 +682,7 @@ class Engine:
         return moe_routing.with_router(denominators, router)
 
     def _forward_only(self, micro: MicroBatch) -> None:
-        """The module's forward on ``micro`` in eval mode without gradients, outputs dropped:
-        the router's counting pass (what its hooks collect is the result)."""
+        """The router's counting pass on ``micro``: eval mode, no gradients, outputs dropped."""
         args, kwargs, _, _ = self._model_inputs(micro, None)
         autocast = setup.autocast_context(self.config, self.device)
         with self._mode(training=False), torch.no_grad(), autocast:
