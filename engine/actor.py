@@ -52,16 +52,13 @@ class ActorEngine(Engine):
     def __init__(
         self, model: nn.Module | str | os.PathLike, config: ActorConfig, *, frozen: bool = False
     ) -> None:
-        if isinstance(config, ActorConfig) and config.policy_loss.kl_coef > 0:
-            self.loss_keys = (*type(self).loss_keys, "ref_logprobs")
-        if isinstance(config, ActorConfig) and config.policy_loss.corrects_mismatch:
-            self.loss_keys = (*self.loss_keys, "rollout_logprobs")
-        if isinstance(config, ActorConfig) and config.policy_loss.bypass_mode:
-            # The sampler's log-probs are the ratio's anchor: no old_logprobs needed.
-            self.loss_keys = (
-                *(key for key in self.loss_keys if key != "old_logprobs"),
-                "rollout_logprobs",
-            )
+        if isinstance(config, ActorConfig):  # the keys the configured policy loss reads
+            loss, keys = config.policy_loss, type(self).loss_keys
+            keys = (*keys, "ref_logprobs") if loss.kl_coef > 0 else keys
+            keys = (*keys, "rollout_logprobs") if loss.corrects_mismatch else keys
+            if loss.bypass_mode:  # the sampler's log-probs anchor the ratio: no old_logprobs
+                keys = (*(key for key in keys if key != "old_logprobs"), "rollout_logprobs")
+            self.loss_keys = keys
         super().__init__(model, config, frozen=frozen)
 
     def fuses_loss(self, loss_fn: LossFn | None, *, training: bool = True) -> bool:
@@ -124,7 +121,7 @@ class ActorEngine(Engine):
                 "loss_fn": group_loss,
                 "loss_segments": group_loss.segments,
             }
-        logprobs, *extra = self.module(
+        logprobs, entropy, *loss = self.module(
             input_ids,
             position_ids,
             attention_mask,
@@ -133,12 +130,11 @@ class ActorEngine(Engine):
             with_entropy=with_entropy,
             **model_kwargs,
         )
-        entropy = extra[0]
         out = {"logprobs": logprobs}
         if entropy is not None:
             out["entropy"] = entropy
         if group_loss is not None:  # the micro-batch's loss, from the head (with its graph)
-            out[FUSED_LOSS_KEY] = extra[1]
+            out[FUSED_LOSS_KEY] = loss[0]
         return out
 
     def default_loss(
@@ -148,7 +144,6 @@ class ActorEngine(Engine):
 
         ``ref_logprobs`` and ``rollout_logprobs`` are used whenever the batch carries them; with
         ``policy_loss.bypass_mode`` the ``rollout_logprobs`` are the old log-probs."""
-        keys = micro_batch.keys()
         bypass = self.config.policy_loss.bypass_mode
         return policy_loss(
             output["logprobs"],
@@ -158,11 +153,9 @@ class ActorEngine(Engine):
             denominators,
             self.config.policy_loss,
             self.config.loss_agg_mode,
-            ref_logprobs=micro_batch["ref_logprobs"] if "ref_logprobs" in keys else None,
+            ref_logprobs=micro_batch.get("ref_logprobs", None),
             entropy=output.get("entropy", None),
-            rollout_logprobs=micro_batch["rollout_logprobs"]
-            if "rollout_logprobs" in keys
-            else None,
+            rollout_logprobs=micro_batch.get("rollout_logprobs", None),
             validate=False,  # the engine checked the batch once at its boundary
         )
 
