@@ -476,13 +476,11 @@ class Engine:
         return self.forward_backward_batch(batch, forward_only=True)["model_output"]
 
     def optimizer_step(self, *, has_loss_tokens: bool | torch.Tensor = True) -> float:
-        """Clip to the global grad norm and step; a non-finite norm skips the step.
+        """Clip to the global grad norm and step; returns the norm (before clipping; may be inf).
 
-        ``has_loss_tokens``: False (or a 0-d bool tensor holding False, e.g.
-        :class:`LossDenominators`'s) skips the step too: without a loss token AdamW would still
-        move every parameter (momentum, weight decay). A skipped step leaves parameters, optimizer
-        state, schedule and :attr:`global_step` untouched and zeroes the gradients.
-        Returns the grad norm (before clipping; may be nan/inf).
+        A non-finite norm or a False ``has_loss_tokens`` (a bool or 0-d bool tensor: without a
+        loss token AdamW would still move every parameter) skips the step: parameters, optimizer
+        state, schedule and :attr:`global_step` untouched, gradients zeroed.
         """
         self._check_trains()
         norm = clip_and_check(self._trainable_params(), self.config.optim.grad_clip)
@@ -538,13 +536,10 @@ class Engine:
             yield
 
     def save_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
-        """Save module, optimizer, LR schedule, step, RNG and config (microrl.engine.checkpoint).
-
-        Atomic; under LoRA only the trainable parameters are stored. Under data parallelism a
-        failed rank makes every rank raise, a killed or hung one after ``timeout_s`` (None:
-        ``MICRORL_CHECKPOINT_TIMEOUT_S``, else 600 s); the previous checkpoint stays complete
-        (docs/checkpoints.md).
-        """
+        """Save module, optimizer, LR schedule, step, RNG and config, atomically (under LoRA the
+        trainable parameters only). Under data parallelism a failed rank makes every rank raise,
+        a hung one after ``timeout_s`` (None: ``MICRORL_CHECKPOINT_TIMEOUT_S``, else 600 s)
+        (docs/checkpoints.md)."""
         from microrl.engine import checkpoint
 
         checkpoint.save_checkpoint(path, step=self.global_step, **self._checkpoint_parts(timeout_s))

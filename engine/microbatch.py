@@ -33,14 +33,9 @@ __all__ = [
 
 @dataclass
 class MicroBatch:
-    """A micro-batch as the engine's loop plans it (:meth:`Engine.forward_step` also takes one).
-
-    ``data``: validated, compact and right-padded ``[b, L]`` (:func:`compact_rows`), ``L`` the
-    longest row. ``lengths``: the rows' real-token counts on the host, so the forward needs no
-    device-to-host sync (packing, varlen attention, the fused loss's row groups).
-    ``filler``: a stand-in the loop runs only so that every data-parallel rank runs the same
-    forwards (its loss mask zeroed); nothing of it counts, router losses included.
-    """
+    """A planned micro-batch: ``data`` validated, compact, right-padded ``[b, L]``; ``lengths``
+    the rows' real-token counts on the host (the forward needs no sync); ``filler`` a stand-in
+    run only so every data-parallel rank runs the same forwards (nothing of it counts)."""
 
     data: TensorDict
     lengths: list[int]

@@ -40,12 +40,9 @@ def build_optimizer(params: Iterable[nn.Parameter], config: OptimConfig) -> torc
 
 
 def lr_factor(step: int, config: OptimConfig) -> float:
-    """Multiplier of ``optim.lr`` at optimizer step ``step`` (0-based).
-
-    Linear warmup over ``warmup_steps`` (the first step already uses ``1 / warmup_steps``, never
-    a zero learning rate), then constant, cosine or linear decay to ``min_lr_ratio`` at
-    ``total_steps``.
-    """
+    """Multiplier of ``optim.lr`` at optimizer step ``step`` (0-based): linear warmup over
+    ``warmup_steps`` (the first step at ``1 / warmup_steps``, never 0), then constant, cosine or
+    linear decay to ``min_lr_ratio`` at ``total_steps``."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
     if config.schedule is Schedule.CONSTANT:

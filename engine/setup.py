@@ -140,12 +140,8 @@ def load_causal_lm(
 
 @torch.no_grad()
 def cast_base_weights(model: nn.Module, dtype: torch.dtype) -> None:
-    """Store every floating-point parameter of ``model`` in ``dtype``, in place, before LoRA.
-
-    Parameters only, as ``from_pretrained(dtype=...)`` does: buffers keep their dtype (rotary
-    ``inv_freq`` stays fp32). Tied weights stay tied: ``param.data`` is replaced, not the
-    ``Parameter``.
-    """
+    """Store every floating-point parameter of ``model`` in ``dtype``, in place, before LoRA;
+    buffers keep theirs (rotary ``inv_freq`` stays fp32), tied weights stay tied."""
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
