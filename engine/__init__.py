@@ -1,10 +1,8 @@
 """microrl.engine: the micro-batched training engine (docs/engine.md).
 
-``ActorEngine`` (policy log-probs + policy loss), ``CriticEngine`` (values + value loss) and
-``RewardModelEngine`` (a score per sequence + the Bradley-Terry pairwise loss) share the loop of
-``Engine``; a new role overrides the head and the loss, not the loop (``forward_step`` returns a
-``StepResult``). ``estimate_memory`` tells the bytes per device an engine config needs for a
-model, before building it.
+``ActorEngine`` (log-probs, policy loss), ``CriticEngine`` (values, value loss) and
+``RewardModelEngine`` (a score per sequence, Bradley-Terry loss) share ``Engine``'s loop; a new
+role overrides the head and the loss. ``estimate_memory``: the bytes per device a config needs.
 """
 
 from microrl.engine.actor import ActorEngine

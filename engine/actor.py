@@ -31,40 +31,18 @@ class ActorEngine(Engine):
     """The policy engine: ``model_output`` holds ``logprobs`` (and ``entropy``) ``[B, T]``.
 
     The head runs through :func:`microrl.kernels.fused_linear_logprob` when that is exact for the
-    model: a linear lm head, with a bias, logit scaling and final-logit soft-capping when the model
-    has them (Phi, Cohere, Granite, Gemma 2/3: :func:`~microrl.engine.models.logit_transform`), and
-    nothing else the probe of :func:`~microrl.engine.models.fused_head_blocker` detects; otherwise, or with
-    ``config.use_fused_kernel=False``, through the model's own forward and an fp32 log-softmax.
-    :attr:`uses_fused_kernel` tells which, and the choice is logged.
-
-    Entropy is computed by :meth:`infer_batch` and by training passes whose loss uses it
-    (``policy_loss.entropy_coef > 0``) or that ask for it (``config.compute_entropy=True``: a
-    custom ``loss_fn`` then reads ``output["entropy"]``, with its gradient); otherwise a training
-    pass does not compute it, and its output has no ``entropy`` key.
-
-    Temperature: ``config.temperature``, unless the batch carries ``temperature``: ``[B]`` per
-    row, or ``[B, T]`` token-aligned (``temperature[b, t]`` is the one token ``t`` was sampled at).
-
-    Rollout/trainer mismatch: whenever the batch carries ``rollout_logprobs``, every pass with a
-    loss reports the ``mismatch/*`` metrics (docs/losses.md#rollouttrainer-mismatch) comparing
-    them with ``old_logprobs`` (the trainer's log-probs at the sampling weights), or, for a
-    custom ``loss_fn`` on a batch without ``old_logprobs`` and with ``policy_loss.bypass_mode``
-    (where ``rollout_logprobs`` are the old log-probs), with the current ``logprobs``. The
-    default loss also applies the corrections configured in ``config.policy_loss``.
-
-    Fused loss path (``config.fuse_loss``, docs/engine.md): a training pass of the built-in loss
-    (``loss_fn=None``) or of :meth:`sft_loss` on the fused head runs the loss inside the head,
-    per group of whole sequences, with :func:`microrl.kernels.fused_linear_loss`, which forms
-    the head's gradients in forward; custom losses take the kernel + loss path. Loss, metrics
-    and gradients are the same to fp32 rounding. :meth:`fuses_loss` tells which path a loss takes.
-
-    Truncated responses (``config.mask_truncated``, DAPO): the ``loss_mask`` of the rows the
-    batch's per-row ``truncated`` key marks (responses cut at ``max_new_tokens``) is zeroed where
-    the batch enters the engine, before the mini-batch's global denominators are counted, so
-    every loss (built-in or custom, fused or not) sees only the kept tokens and the
-    normalisation counts only them, exact under any split
-    (docs/losses.md#truncated-responses-mask_truncated). A training pass on a batch without
-    ``truncated`` is a ``ValueError`` naming ``actor.mask_truncated``.
+    model (:func:`~microrl.engine.models.fused_head_blocker` probes it), else through the
+    model's own forward and an fp32 log-softmax; :attr:`uses_fused_kernel` tells which
+    (docs/engine.md#head-paths).
+    Entropy: computed by :meth:`infer_batch`, and by training passes when
+    ``policy_loss.entropy_coef > 0`` or ``config.compute_entropy``; otherwise no ``entropy`` key.
+    Temperature: ``config.temperature``, unless the batch carries ``temperature`` (``[B]`` per row,
+    or ``[B, T]`` token-aligned). With ``rollout_logprobs`` in the batch every pass with a loss
+    reports the ``mismatch/*`` metrics (docs/losses.md#rollouttrainer-mismatch).
+    ``config.fuse_loss``: the built-in loss and :meth:`sft_loss` run inside the fused head
+    (:meth:`fuses_loss`; docs/engine.md#the-fused-loss-path). ``config.mask_truncated`` zeroes the
+    ``loss_mask`` of ``truncated`` rows before the denominators are counted
+    (docs/losses.md#truncated-responses-mask_truncated).
     """
 
     config: ActorConfig
@@ -74,24 +52,19 @@ class ActorEngine(Engine):
     def __init__(
         self, model: nn.Module | str | os.PathLike, config: ActorConfig, *, frozen: bool = False
     ) -> None:
-        if isinstance(config, ActorConfig) and config.policy_loss.kl_coef > 0:
-            self.loss_keys = (*type(self).loss_keys, "ref_logprobs")
-        if isinstance(config, ActorConfig) and config.policy_loss.corrects_mismatch:
-            self.loss_keys = (*self.loss_keys, "rollout_logprobs")
-        if isinstance(config, ActorConfig) and config.policy_loss.bypass_mode:
-            # The sampler's log-probs are the ratio's anchor: no old_logprobs needed.
-            self.loss_keys = (
-                *(key for key in self.loss_keys if key != "old_logprobs"),
-                "rollout_logprobs",
-            )
+        if isinstance(config, ActorConfig):  # the keys the configured policy loss reads
+            loss, keys = config.policy_loss, type(self).loss_keys
+            keys = (*keys, "ref_logprobs") if loss.kl_coef > 0 else keys
+            keys = (*keys, "rollout_logprobs") if loss.corrects_mismatch else keys
+            if loss.bypass_mode:  # the sampler's log-probs anchor the ratio: no old_logprobs
+                keys = (*(key for key in keys if key != "old_logprobs"), "rollout_logprobs")
+            self.loss_keys = keys
         super().__init__(model, config, frozen=frozen)
 
     def fuses_loss(self, loss_fn: LossFn | None, *, training: bool = True) -> bool:
         """Whether a pass with ``loss_fn`` (None: the configured loss) takes the fused loss path:
         a training pass, ``config.fuse_loss``, the fused head, and the built-in policy loss or
-        :meth:`sft_loss` (not overridden by a subclass): losses that are sums over sequences of
-        functions of their log-probs and entropy, which the fused path evaluates per group of
-        whole sequences. Anything else takes the kernel + loss path."""
+        :meth:`sft_loss` not overridden (sums over sequences, evaluable per group of them)."""
         if not (training and self.config.fuse_loss and self.uses_fused_kernel):
             return False
         if loss_fn is None:
@@ -102,10 +75,8 @@ class ActorEngine(Engine):
         )
 
     def _checked(self, batch, loss_fn, forward_only, *, role_checks):
-        """The validated batch (:meth:`Engine._checked`), with ``config.mask_truncated`` also
-        the ``loss_mask`` of its ``truncated`` rows zeroed: the one place every pass goes
-        through before the denominators are counted (:meth:`forward_backward_batch`,
-        :meth:`train_batch`, :meth:`forward_step` on a plain batch)."""
+        """The validated batch, with ``config.mask_truncated`` the ``loss_mask`` of its
+        ``truncated`` rows zeroed: every pass goes through here before the denominators count."""
         batch = super()._checked(batch, loss_fn, forward_only, role_checks=role_checks)
         if self.config.mask_truncated:
             batch = mask_truncated_rows(batch, required=not forward_only)
@@ -150,7 +121,7 @@ class ActorEngine(Engine):
                 "loss_fn": group_loss,
                 "loss_segments": group_loss.segments,
             }
-        logprobs, *extra = self.module(
+        logprobs, entropy, *loss = self.module(
             input_ids,
             position_ids,
             attention_mask,
@@ -159,12 +130,11 @@ class ActorEngine(Engine):
             with_entropy=with_entropy,
             **model_kwargs,
         )
-        entropy = extra[0]
         out = {"logprobs": logprobs}
         if entropy is not None:
             out["entropy"] = entropy
         if group_loss is not None:  # the micro-batch's loss, from the head (with its graph)
-            out[FUSED_LOSS_KEY] = extra[1]
+            out[FUSED_LOSS_KEY] = loss[0]
         return out
 
     def default_loss(
@@ -172,12 +142,8 @@ class ActorEngine(Engine):
     ) -> tuple[torch.Tensor, dict[str, Metric]]:
         """``policy_loss`` per ``config.policy_loss`` (surrogate + KL + entropy bonus).
 
-        ``ref_logprobs`` (and ``rollout_logprobs``) are used whenever the batch carries them (the
-        ``kl`` metric is then reported even with ``kl_coef = 0``). With
-        ``policy_loss.bypass_mode`` the ``rollout_logprobs`` are the old log-probs (a batch's
-        ``old_logprobs`` are then not read).
-        """
-        keys = micro_batch.keys()
+        ``ref_logprobs`` and ``rollout_logprobs`` are used whenever the batch carries them; with
+        ``policy_loss.bypass_mode`` the ``rollout_logprobs`` are the old log-probs."""
         bypass = self.config.policy_loss.bypass_mode
         return policy_loss(
             output["logprobs"],
@@ -187,11 +153,9 @@ class ActorEngine(Engine):
             denominators,
             self.config.policy_loss,
             self.config.loss_agg_mode,
-            ref_logprobs=micro_batch["ref_logprobs"] if "ref_logprobs" in keys else None,
+            ref_logprobs=micro_batch.get("ref_logprobs", None),
             entropy=output.get("entropy", None),
-            rollout_logprobs=micro_batch["rollout_logprobs"]
-            if "rollout_logprobs" in keys
-            else None,
+            rollout_logprobs=micro_batch.get("rollout_logprobs", None),
             validate=False,  # the engine checked the batch once at its boundary
         )
 
@@ -214,12 +178,9 @@ class ActorEngine(Engine):
     def sft_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
     ) -> tuple[torch.Tensor, dict[str, Metric]]:
-        """Negative log-likelihood of the ``loss_mask`` tokens: pass as ``loss_fn`` for SFT.
-
-        Needs only ``input_ids``, ``attention_mask`` and ``loss_mask`` in the batch, e.g.
-        ``engine.forward_backward_batch(batch, loss_fn=engine.sft_loss)``; for a full SFT step use
-        :meth:`train_batch` with ``loss_fn=engine.sft_loss``.
-        """
+        """Negative log-likelihood of the ``loss_mask`` tokens: pass as ``loss_fn`` for SFT, e.g.
+        ``engine.train_batch(batch, loss_fn=engine.sft_loss)`` (needs only ``input_ids``,
+        ``attention_mask`` and ``loss_mask``)."""
         return sft_loss(
             output["logprobs"],
             micro_batch["loss_mask"],
@@ -230,14 +191,9 @@ class ActorEngine(Engine):
 
 
 def mask_truncated_rows(batch: TensorDict, *, required: bool = True) -> TensorDict:
-    """``batch`` (validated, the engine's own shallow copy) with its ``loss_mask`` entry replaced
-    by one that is 0 on the rows its ``truncated`` ``[B]`` key marks (a new tensor: the caller's
-    mask is left alone); no host sync.
-
-    ``required``: a batch without ``truncated`` is a ``ValueError`` naming
-    ``actor.mask_truncated`` (a training pass); otherwise it is returned unchanged (a
-    forward-only pass needs only ``input_ids``).
-    """
+    """``batch`` (validated, the engine's own shallow copy) with a new ``loss_mask``, 0 on the
+    rows its ``truncated`` ``[B]`` key marks; no host sync. Without ``truncated``: a
+    ``ValueError`` naming ``actor.mask_truncated`` if ``required`` (training), else unchanged."""
     if TRUNCATED_KEY not in batch:
         if not required:
             return batch

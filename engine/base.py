@@ -1,27 +1,12 @@
 """The micro-batched training loop every engine role shares (docs/engine.md).
 
 :meth:`Engine.forward_backward_batch` validates the mini-batch, counts its global loss
-denominators once, plans the micro-batches, and runs each one through the public
-:meth:`Engine.forward_step` (forward, loss, detached outputs, metrics: a
-:class:`~microrl.engine.outputs.StepResult`) followed by ``backward``; then it aggregates the
-metrics and restores the caller's row order. :meth:`Engine.train_batch` adds the
-optimizer step.
-
-A role (:class:`~microrl.engine.ActorEngine`, :class:`~microrl.engine.CriticEngine`,
-:class:`~microrl.engine.RewardModelEngine`, or a user's own) overrides
-:meth:`Engine._build_module` (the ``nn.Module`` that is differentiated),
-:meth:`Engine._model_forward` (one call of it) and :meth:`Engine.default_loss` (with
-:attr:`Engine.loss_keys`, :attr:`Engine.row_keys` and :attr:`Engine.count_key`); optionally
-:meth:`Engine.fuses_loss` (the loss runs inside the module) and :meth:`Engine._role_metrics`.
-The loop itself is written once, here.
-
-Outputs of a role are per-position ``[b, L]`` (token-aligned by the loop) or per-row ``[b]`` (one
-value per sequence, e.g. a reward model's score at the last real token; the loop only restores
-the caller's row order). A role whose :meth:`Engine._model_forward` declares a ``last_index``
-parameter gets the flat index of each sequence's last real token (docs/engine.md).
-
-Hook points for distributed training and checkpoints: :attr:`dp_group`, :meth:`_wrap_model`,
-:meth:`_agree_num_micro_batches`, :meth:`save_checkpoint` / :meth:`load_checkpoint`.
+denominators once, plans the micro-batches, runs each through :meth:`Engine.forward_step` and
+``backward``, then aggregates the metrics and restores the caller's row order;
+:meth:`Engine.train_batch` adds the optimizer step. A role overrides :meth:`Engine._build_module`,
+:meth:`Engine._model_forward` and :meth:`Engine.default_loss` (with :attr:`Engine.loss_keys`,
+:attr:`Engine.row_keys`, :attr:`Engine.count_key`), optionally :meth:`Engine.fuses_loss` and
+:meth:`Engine._role_metrics` (docs/engine.md#writing-a-role); the loop is written once, here.
 """
 
 from __future__ import annotations
@@ -42,10 +27,7 @@ from torch import nn
 
 from microrl.configs.engine import EngineConfig
 from microrl.engine import moe, packing, setup, vision
-from microrl.engine.alignment import (
-    next_token_targets,
-    predicting_temperature,
-)
+from microrl.engine.alignment import next_token_targets, predicting_temperature
 from microrl.engine.group_loss import GroupLoss
 from microrl.engine.microbatch import (
     MicroBatch,
@@ -103,21 +85,18 @@ class Engine:
     Args:
         model: a transformers causal LM (``PreTrainedModel``) or a local checkpoint directory.
         config: an :class:`~microrl.configs.EngineConfig` (or a role's subclass of it).
-        frozen: a scoring-only engine (e.g. a reward model that scores rollouts): its weights
-            are stored in the dtype it computes in (:func:`~microrl.engine.setup.frozen_dtype`:
-            bf16 under autocast), every parameter is frozen, and it has no optimizer; it runs
-            forward-only passes (:meth:`infer_batch`), training calls raise ``RuntimeError``.
+        frozen: a scoring-only engine: weights in its compute dtype
+            (:func:`~microrl.engine.setup.frozen_dtype`), all frozen, no optimizer; training
+            calls raise ``RuntimeError``.
     """
 
-    #: per-token ``[B, T]`` batch keys the default loss needs (besides ``input_ids`` and
-    #: ``attention_mask``).
+    #: per-token ``[B, T]`` batch keys the default loss needs (besides ids and mask).
     loss_keys: tuple[str, ...] = ("loss_mask",)
     #: per-row ``[B]`` batch keys the default loss needs (validated as ``[B]``, indexed by row).
     row_keys: tuple[str, ...] = ()
-    #: the key the mini-batch's global denominators count (docs/losses.md): ``loss_mask``
-    #: (``[B, T]``: loss tokens and loss sequences), or a per-row ``[B]`` key of :attr:`row_keys`
-    #: (then ``n_tokens = n_seqs`` = its nonzero rows, e.g. a reward model's pairs). A custom
-    #: ``loss_fn`` needs it too; an empty (padding) micro-batch gets it zeroed.
+    #: the key the global denominators count (docs/losses.md): ``loss_mask`` ``[B, T]``, or a
+    #: per-row key of :attr:`row_keys` (``n_tokens = n_seqs`` = its nonzero rows); a custom
+    #: ``loss_fn`` needs it too.
     count_key: str = "loss_mask"
     config_class: type[EngineConfig] = EngineConfig
 
@@ -136,11 +115,9 @@ class Engine:
         #: environment; None in a single process. First, so each rank picks its own GPU.
         self.dp_group: dist.ProcessGroup | None = distributed.init_distributed()
         self.device = setup.resolve_device(config)
-        #: the ``("dp", "tp")`` device mesh under tensor parallelism (docs/engine.md), else None;
-        #: then only its ``dp`` dimension reduces denominators and metrics.
+        #: the ``("dp", "tp")`` (or ``("dp", "sp")``) device mesh, else None (docs/distributed.md).
         self.device_mesh = tensor_parallel.init_mesh(config.tensor_parallel_size, self.device)
-        #: the sequence-parallel group (``sequence_parallel_size > 1``: its ranks split every
-        #: micro-batch's tokens, docs/distributed.md) of the ``("dp", "sp")`` mesh, else None.
+        #: the sequence-parallel group (its ranks split every micro-batch's tokens), else None.
         self.sp_group: dist.ProcessGroup | None = None
         if config.sequence_parallel_size > 1:
             self.device_mesh = sequence_parallel.init_mesh(
@@ -150,11 +127,9 @@ class Engine:
         if self.device_mesh is not None:
             self.dp_group = self.device_mesh["dp"].get_group()
         self.global_step = 0
-        # A checkpoint path under torchrun: rank 0 reads it, the others build on meta, and every
-        # rank materialises only its shards once sharded (engine/parallel/materialize.py).
+        # A checkpoint path under torchrun: rank 0 reads it (engine/parallel/materialize.py).
         self._rank0_loading = isinstance(model, (str, os.PathLike)) and distributed.is_distributed()
-        # The frozen base's storage dtype (config.base_dtype; a frozen engine's compute dtype),
-        # set before the model reaches the device, so a 16-bit base never sits there in fp32.
+        # Set before the model reaches the device: a 16-bit base never sits there in fp32.
         base_dtype = setup.frozen_dtype(config, self.device) if frozen else setup.base_dtype(config)
         if self._rank0_loading:
             causal_lm = materialize.load_on_rank0(model, base_dtype, self._load_model)
@@ -186,16 +161,13 @@ class Engine:
         )
         if frozen_tower:  # a full fine-tune trains the rest of the model
             self.vision.tower.requires_grad_(False)
-        #: a mixture-of-experts model's routing (replay of the batch's ``routed_experts``,
-        #: router losses, routing metrics; docs/engine.md#mixture-of-experts), else None.
+        #: a mixture-of-experts model's routing (docs/engine.md#mixture-of-experts), else None.
         self.routing = moe.EngineRouting.of(causal_lm, config)
-        # Data parallel: every rank runs the sharded tower on every micro-batch (FSDP2's
-        # collectives), on a placeholder image when its micro-batch has none.
+        # Data parallel: every rank runs the sharded tower on every micro-batch (placeholder image).
         self._tower_every_micro_batch = self.vision is not None and self.dp_group is not None
         if config.gradient_checkpointing:
             setup.enable_gradient_checkpointing(causal_lm)
-        # Packed rows on SDPA/eager: attention per sequence (cost sum n_i^2, results independent
-        # of the companions in the row); flash-attention handles packed rows natively.
+        # Packed rows on SDPA/eager: attention per sequence (flash-attention does it natively).
         self._varlen_attention = config.pack_sequences and enable_varlen_attention(causal_lm)
         #: the transformers model (with LoRA layers injected), e.g. for ``generate``.
         self.model = causal_lm
@@ -208,8 +180,7 @@ class Engine:
         if full_state is not None:
             materialize.load_full_state(self.module, full_state, self.device)
             distributed.finish_sharding(self.module)
-        # Sequence-level roles opt in to the last real token's index by naming the parameter;
-        # roles that forward **kwargs to the transformers model never receive it.
+        # Sequence-level roles opt in to the last real token's index by naming the parameter.
         self._passes_last_index = "last_index" in inspect.signature(self._model_forward).parameters
         self.optimizer = None if frozen else build_optimizer(self._trainable_params(), config.optim)
         self.lr_scheduler = None if frozen else build_scheduler(self.optimizer, config.optim)
@@ -218,9 +189,8 @@ class Engine:
 
     # ----------------------------------------------------------------- role hooks (override)
     def _load_model(self, model: nn.Module | str | os.PathLike, dtype: torch.dtype) -> nn.Module:
-        """The transformers model the role is built on, its frozen weights in ``dtype``, on the
-        CPU: a causal LM (:func:`~microrl.engine.setup.load_causal_lm`). Under rank-0 loading
-        only global rank 0 calls it, with a path (engine/parallel/materialize.py)."""
+        """The transformers model the role is built on (a causal LM), its frozen weights in
+        ``dtype``, on the CPU; under rank-0 loading only global rank 0 calls it."""
         return setup.load_causal_lm(model, dtype)
 
     def _build_module(self, causal_lm: nn.Module) -> nn.Module:
@@ -238,25 +208,26 @@ class Engine:
         temperature: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> dict[str, torch.Tensor]:
-        """One call of :attr:`module` on a compact micro-batch of ``b`` sequences.
+        """One call of :attr:`module` on a compact micro-batch of ``b`` sequences
+        (docs/engine.md#writing-a-role).
 
-        Returns a dict of tensors, each either
-          * per-position, shaped like ``input_ids`` (``[b, L]``, or ``[1, N]`` packed) and aligned
-            to the *predicting* position: the loop zeroes it where ``targets`` is ``-100``, unpacks
-            it and shifts it to token alignment (entry ``j`` lands at column ``j + 1``); or
-          * per-row, ``[b]``: one value per sequence in row order (also when packed); the loop
-            neither masks nor shifts it and returns it as ``[B]`` in the caller's row order.
-
-        ``targets[b, j]`` is the token that follows position ``j`` (``-100`` where none does).
-        ``temperature``: the batch's per-row/per-token sampling temperature at the predicting
-        positions (same shape as ``targets``), or None (then the role's configured one).
-        ``model_kwargs`` (e.g. the packed sequence lengths) go to the transformers forward.
-        An override that declares a ``last_index`` parameter also gets ``last_index`` ``[b]``:
-        the index of each sequence's last real token in ``input_ids.flatten()`` (row-major;
-        ``row * L + length - 1`` padded, ``cumsum(lengths) - 1`` packed), for per-row outputs
-        such as a score at the last token (:func:`microrl.engine.models.gather_last`).
+        Returns a dict of tensors, each per-position, shaped like ``input_ids`` (``[b, L]``, or
+        ``[1, N]`` packed) and aligned to the *predicting* position (the loop masks, unpacks and
+        shifts it to token alignment), or per-row ``[b]`` in row order (returned as ``[B]``).
+        ``targets[b, j]``: the token after position ``j`` (``-100`` where none); ``temperature``:
+        the batch's, shaped like ``targets``, or None (the configured one); ``model_kwargs`` go to
+        the transformers forward. An override declaring ``last_index`` gets each sequence's last
+        real token's index ``[b]`` in ``input_ids.flatten()``
+        (:func:`~microrl.engine.outputs.last_token_index`).
         """
         raise NotImplementedError
+
+    def _module_forward(
+        self, *inputs: torch.Tensor | None, training: bool, temperature: Any = None, **kw: Any
+    ) -> torch.Tensor:
+        """:attr:`module` on ``inputs[:3]`` (ids, positions, mask) and the model kwargs: the
+        :meth:`_model_forward` of a head that reads neither ``targets`` nor ``temperature``."""
+        return self.module(*inputs[:3], **kw)
 
     def default_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators
@@ -311,14 +282,13 @@ class Engine:
         Args:
             batch: ``[B, T]`` TensorDict (docs/batch.md); the loss keys are required unless
                 ``forward_only`` (then the loss is computed only when they are present).
-            loss_fn: ``loss_fn(output, micro_batch, denominators) -> (loss, metrics)``; None uses
-                :meth:`default_loss`. ``denominators`` are the mini-batch's global counts.
+            loss_fn: a :data:`LossFn` (``denominators``: the mini-batch's global counts); None
+                uses :meth:`default_loss`.
             forward_only: no gradients, eval mode (old/ref log-probs, values).
 
         Returns:
             ``{"model_output": TensorDict [B, T] fp32 detached in the caller's row order,
-            "loss": float, "metrics": dict[str, float]}``. A MIN/MAX metric with no value in the
-            mini-batch (e.g. ``ratio_min`` when no token has a loss) is NaN.
+            "loss": float, "metrics": dict[str, float]}``; a MIN/MAX metric without a value is NaN.
         """
         return self._forward_backward(batch, loss_fn, forward_only)[0]
 
@@ -356,7 +326,8 @@ class Engine:
         )
         outputs: dict[str, torch.Tensor] = {}
         losses, metrics = [], []
-        with self._routing_scope():
+        # A mixture-of-experts model's router hooks, installed for the whole pass.
+        with nullcontext() if self.routing is None else self.routing.hooks.installed():
             if denominators is not None and self.routing is not None:
                 denominators = self._with_router(denominators, batch, micro_batches, placeholder)
             # One mode for the whole pass: a checkpointed layer recomputes in backward as it ran.
@@ -403,18 +374,13 @@ class Engine:
         """One micro-batch: forward, loss (when its inputs are present), detached outputs, metrics.
 
         The body of :meth:`forward_backward_batch`'s loop, which passes each planned
-        :class:`~microrl.engine.microbatch.MicroBatch` (compact, validated) with the mini-batch's
-        global ``denominators`` and runs ``backward`` on the loss. Called directly with a
-        ``[b, T]`` batch, the rows are validated and run as one micro-batch; ``denominators``
-        then default to their own counts, i.e. the rows are treated as a whole mini-batch.
+        :class:`~microrl.engine.microbatch.MicroBatch` with the mini-batch's ``denominators`` and
+        runs ``backward`` on the loss. A plain ``[b, T]`` batch is validated and run as one
+        micro-batch that is its own mini-batch (``denominators`` default to its counts).
 
-        Returns :class:`~microrl.engine.outputs.StepResult` ``(loss, output, metrics)``: ``loss``
-        a 0-d tensor *with* its graph (the caller runs ``backward``), or None without the loss's
-        inputs; ``output`` detached, token-aligned, in the layout of ``micro_batch`` (its compact
-        ``[b, L]`` for a ``MicroBatch``, else the caller's ``[b, T]``); ``metrics`` the loss's
-        detached ``Metric`` values (empty without a loss). An override must return the same
-        (checked by the loop: a ``TypeError`` otherwise). Train mode for a gradient pass, eval
-        mode for ``forward_only``, the module's mode restored after.
+        Returns a :class:`~microrl.engine.outputs.StepResult` whose ``output`` is in the layout of
+        ``micro_batch`` (compact ``[b, L]`` for a ``MicroBatch``, else ``[b, T]``); an override
+        must return the same (the loop raises ``TypeError`` otherwise).
         """
         if isinstance(micro_batch, MicroBatch):
             return self._forward_micro(micro_batch, loss_fn, forward_only, denominators)
@@ -475,7 +441,8 @@ class Engine:
                 denominators=denominators if with_loss else None,
                 keep=training and self.config.gradient_checkpointing,
             )
-        with self._mode(training=training), self._grad(forward_only), offload or nullcontext():
+        grad = torch.no_grad() if forward_only else nullcontext()
+        with self._mode(training=training), grad, offload or nullcontext():
             with (
                 setup.autocast_context(self.config, self.device),
                 router.forward() if router is not None else nullcontext(),
@@ -509,20 +476,14 @@ class Engine:
         return self.forward_backward_batch(batch, forward_only=True)["model_output"]
 
     def optimizer_step(self, *, has_loss_tokens: bool | torch.Tensor = True) -> float:
-        """Clip to the global grad norm and step; a non-finite norm skips the step.
+        """Clip to the global grad norm and step; returns the norm (before clipping; may be inf).
 
-        ``has_loss_tokens``: False (or a 0-d bool tensor holding False, e.g. the
-        ``has_loss_tokens`` of the mini-batch's :class:`LossDenominators`) skips the step too: a
-        mini-batch without a single loss token (on any rank) has nothing to learn, yet AdamW
-        would still move every parameter (momentum, weight decay) and the schedule would advance.
-        :meth:`train_batch` passes it; it costs one host read of a flag already on the device.
-
-        A skipped step leaves parameters, optimizer state, LR schedule and :attr:`global_step`
-        untouched and zeroes the gradients. Returns the grad norm (before clipping; may be nan/inf).
+        A non-finite norm or a False ``has_loss_tokens`` (a bool or 0-d bool tensor: without a
+        loss token AdamW would still move every parameter) skips the step: parameters, optimizer
+        state, schedule and :attr:`global_step` untouched, gradients zeroed.
         """
         self._check_trains()
-        params = self._trainable_params()
-        norm = clip_and_check(params, self.config.optim.grad_clip)
+        norm = clip_and_check(self._trainable_params(), self.config.optim.grad_clip)
         norm_value = float(norm)  # one sync per optimizer step
         self.last_step_skipped = not math.isfinite(norm_value)
         if self.last_step_skipped:
@@ -538,9 +499,8 @@ class Engine:
         return norm_value
 
     def release_host_memory(self) -> None:
-        """Unpin the host blocks the training phase's offloaded copies left cached (a no-op off
-        CUDA or without offload). Call it once the updates of a step are done: between
-        optimizer steps the cached blocks are reused, and pinning them again costs host time."""
+        """Unpin the host blocks offloaded copies left cached (a no-op off CUDA or without
+        offload); call it once a step's updates are done (between them the blocks are reused)."""
         if self.config.activation_offload or self.config.optim.cpu_offload:
             release_pinned_memory(self.device)
 
@@ -549,13 +509,9 @@ class Engine:
     ) -> dict[str, float]:
         """zero_grad + :meth:`forward_backward_batch` + :meth:`optimizer_step` (+ LR schedule).
 
-        ``loss_fn`` as in :meth:`forward_backward_batch` (None: the role's configured loss).
-        The step is skipped (parameters, optimizer state, schedule and :attr:`global_step`
-        untouched) when the grad norm is not finite or when the mini-batch has no loss token on
-        any rank.
-
-        Returns the loss metrics plus ``loss``, ``grad_norm``, ``step_skipped`` (0/1) and ``lr``
-        (the learning rate this step used).
+        The step is skipped as in :meth:`optimizer_step` (a non-finite grad norm, or no loss
+        token on any rank). Returns the loss metrics plus ``loss``, ``grad_norm``,
+        ``step_skipped`` (0/1) and ``lr`` (the learning rate this step used).
         """
         self._check_trains()
         self.optimizer.zero_grad(set_to_none=True)
@@ -563,22 +519,14 @@ class Engine:
         result, denominators = self._forward_backward(batch, loss_fn, forward_only=False)
         has_tokens = getattr(denominators, "has_loss_tokens", None)
         grad_norm = self.optimizer_step(has_loss_tokens=True if has_tokens is None else has_tokens)
-        metrics = dict(result["metrics"])
-        metrics.update(
-            loss=result["loss"],
-            grad_norm=grad_norm,
-            step_skipped=float(self.last_step_skipped),
-            lr=lr,
-        )
-        return metrics
+        skipped = float(self.last_step_skipped)
+        step = {"loss": result["loss"], "grad_norm": grad_norm, "step_skipped": skipped, "lr": lr}
+        return {**result["metrics"], **step}
 
     @contextmanager
     def disable_adapter(self) -> Iterator[None]:
         """Run the base weights (the reference policy) inside the block; LoRA is re-enabled after.
-
-        Raises ``RuntimeError`` without LoRA: the "reference" would silently be the trained policy
-        itself (KL always 0); keep a separate frozen engine as reference for a full fine-tune.
-        """
+        ``RuntimeError`` without LoRA (the "reference" would silently be the trained policy)."""
         if self.peft_model is None:
             raise RuntimeError(
                 "disable_adapter() needs LoRA (config.lora.rank > 0); with a full fine-tune the "
@@ -588,47 +536,35 @@ class Engine:
             yield
 
     def save_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
-        """Save module, optimizer, LR schedule, step, RNG and config (microrl.engine.checkpoint).
-
-        Atomic (written to a temporary directory, then renamed); under LoRA only the trainable
-        parameters (adapters, value head) are stored. Under data parallelism a rank that fails
-        makes every rank raise, a killed or hung one after ``timeout_s`` (None: the
-        ``MICRORL_CHECKPOINT_TIMEOUT_S`` environment variable, else 600 s); the previous
-        checkpoint stays complete (docs/checkpoints.md).
-        """
+        """Save module, optimizer, LR schedule, step, RNG and config, atomically (under LoRA the
+        trainable parameters only). Under data parallelism a failed rank makes every rank raise,
+        a hung one after ``timeout_s`` (None: ``MICRORL_CHECKPOINT_TIMEOUT_S``, else 600 s)
+        (docs/checkpoints.md)."""
         from microrl.engine import checkpoint
 
-        checkpoint.save_checkpoint(
-            path,
-            model=self.module,
-            optimizer=self.optimizer,
-            scheduler=self.lr_scheduler,
-            step=self.global_step,
-            config=self.config,
-            timeout_s=timeout_s,
-        )
+        checkpoint.save_checkpoint(path, step=self.global_step, **self._checkpoint_parts(timeout_s))
 
     def load_checkpoint(self, path: str | os.PathLike, *, timeout_s: float | None = None) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step;
-        ``timeout_s`` bounds the ranks' agreements as in :meth:`save_checkpoint`.
+        """Restore what :meth:`save_checkpoint` wrote (same model and config) and its step.
 
-        Optimizer state (moments, step counts) comes from the checkpoint; its hyper-parameters
-        (lr, betas, eps, weight decay, the schedule's base lr) from this engine's config, so a
-        learning rate changed on resume takes effect."""
+        Optimizer state comes from the checkpoint, its hyper-parameters (lr, betas, eps, weight
+        decay, the schedule's base lr) from this engine's config: a changed lr takes effect."""
         from microrl.engine import checkpoint
 
-        info = checkpoint.load_checkpoint(
-            path,
-            model=self.module,
-            optimizer=self.optimizer,
-            scheduler=self.lr_scheduler,
-            config=self.config,
-            timeout_s=timeout_s,
-        )
-        # The current config's optimizer settings win over the saved ones (a changed lr on
-        # resume); unchanged settings are written back as they were, so resuming stays exact.
+        info = checkpoint.load_checkpoint(path, **self._checkpoint_parts(timeout_s))
+        # Unchanged settings are written back as they were, so resuming stays exact.
         apply_optim_config(self.optimizer, self.lr_scheduler, self.config.optim)
         self.global_step = info.step
+
+    def _checkpoint_parts(self, timeout_s: float | None) -> dict[str, Any]:
+        """The keyword arguments :meth:`save_checkpoint` and :meth:`load_checkpoint` share."""
+        return {
+            "model": self.module,
+            "optimizer": self.optimizer,
+            "scheduler": self.lr_scheduler,
+            "config": self.config,
+            "timeout_s": timeout_s,
+        }
 
     @property
     def uses_fused_kernel(self) -> bool:
@@ -690,29 +626,20 @@ class Engine:
         return vision.prepare_batch(batch, self.vision)
 
     def _audit_grad_flow(self, batch: TensorDict) -> None:
-        """The grad-flow audit after a training pass (``config.check_grad_flow``): trainable
-        parameters without gradient, and for a vision-language model the ``freeze_vision``
-        decision (docs/engine.md#images); a tower that may train is not expected to get a
-        gradient from a mini-batch without images on any rank."""
-        mode, tower = self.config.check_grad_flow, None
-        if self.vision is not None:
-            tower = {id(p) for p in self.vision.tower.parameters()}
-            has_images = torch.tensor(
-                float(
-                    vision.PIXEL_VALUES_KEY in batch and bool(batch[vision.IMAGE_GRID_KEY].any())
-                ),
-                device=self.device,
-            )
-            if self.dp_group is not None:
-                has_images = distributed.all_reduce(has_images, dist.ReduceOp.MAX, self.dp_group)
-            skip = () if bool(has_images) else tower
-            audit_grad_flow(self.module, self._count_mask(batch), mode, skip=skip)
-            key = vision.config_key(self.config, "freeze_vision")
-            audit_vision_tower(
-                self.module, tower, frozen=self.config.freeze_vision, key=key, mode=mode
-            )
-            return
-        audit_grad_flow(self.module, self._count_mask(batch), mode)
+        """The grad-flow audit after a training pass (``config.check_grad_flow``), with the
+        ``freeze_vision`` decision of a vision-language model (docs/engine.md#images)."""
+        mode = self.config.check_grad_flow
+        if self.vision is None:
+            return audit_grad_flow(self.module, self._count_mask(batch), mode)
+        tower = {id(p) for p in self.vision.tower.parameters()}
+        images = vision.PIXEL_VALUES_KEY in batch and bool(batch[vision.IMAGE_GRID_KEY].any())
+        has_images = torch.tensor(float(images), device=self.device)
+        if self.dp_group is not None:
+            has_images = distributed.all_reduce(has_images, dist.ReduceOp.MAX, self.dp_group)
+        skip = () if bool(has_images) else tower
+        audit_grad_flow(self.module, self._count_mask(batch), mode, skip=skip)
+        key = vision.config_key(self.config, "freeze_vision")
+        audit_vision_tower(self.module, tower, frozen=self.config.freeze_vision, key=key, mode=mode)
 
     def _has_loss_inputs(self, batch: TensorDict, loss_fn: LossFn | None) -> bool:
         return all(key in batch for key in self._loss_inputs(loss_fn))
@@ -728,12 +655,6 @@ class Engine:
             )
         return denominators
 
-    def _routing_scope(self) -> Any:
-        """A mixture-of-experts model's router hooks installed for a whole pass (the counting
-        pass, every micro-batch and its backward), else nothing; a micro-batch's forward
-        installs them itself when called alone (:meth:`forward_step`)."""
-        return nullcontext() if self.routing is None else self.routing.hooks.installed()
-
     def _with_router(
         self,
         denominators: LossDenominators,
@@ -742,8 +663,7 @@ class Engine:
         placeholder: bool = False,
     ) -> LossDenominators:
         """``denominators`` with a mixture-of-experts model's router counts over the mini-batch
-        (docs/losses.md#router-losses), its forward-only counting pass over ``micro_batches()``
-        run here when the load-balancing loss needs one."""
+        (docs/losses.md#router-losses), counted by a forward-only pass when needed."""
 
         def count() -> tuple[torch.Tensor, torch.Tensor]:
             micros = (micro for _, micro in micro_batches())
@@ -757,8 +677,7 @@ class Engine:
         return moe_routing.with_router(denominators, router)
 
     def _forward_only(self, micro: MicroBatch) -> None:
-        """The module's forward on ``micro`` in eval mode without gradients, outputs dropped:
-        the router's counting pass (what its hooks collect is the result)."""
+        """The router's counting pass on ``micro``: eval mode, no gradients, outputs dropped."""
         args, kwargs, _, _ = self._model_inputs(micro, None)
         autocast = setup.autocast_context(self.config, self.device)
         with self._mode(training=False), torch.no_grad(), autocast:
@@ -814,8 +733,7 @@ class Engine:
         if self.vision is not None:  # [4, 1, N]: per-sequence text positions, then mRoPE's
             packed_rope = None if rope is None else packing.pack(rope, index)
             packed_positions = vision.model_positions(packed_positions, packed_rope, packed=True)
-        args = (packing.pack(ids, index), packed_positions, None)
-        args = (*args, packing.pack(targets, index))
+        args = (packing.pack(ids, index), packed_positions, None, packing.pack(targets, index))
         if temperature is not None:
             temperature = packing.pack(temperature, index)
         if self._varlen_attention:
@@ -854,10 +772,6 @@ class Engine:
             yield
         finally:
             self.module.train(previous)
-
-    @staticmethod
-    def _grad(forward_only: bool) -> Any:
-        return torch.no_grad() if forward_only else nullcontext()
 
 
 def _host_lengths_and_groups(

@@ -20,12 +20,10 @@ class CriticEngine(Engine):
     """The value engine: ``model_output`` holds ``values`` ``[B, T]``.
 
     Token alignment as for log-probs: ``values[b, t]`` is the value of the state *before* token
-    ``t`` (computed from the hidden state of token ``t - 1``), the baseline of the action
-    ``input_ids[b, t]``; 0 where there is no prediction (first real token, padding).
-    The causal LM's lm head is dropped: the value head replaces it (``Linear(H, 1)``, trainable
-    also under LoRA). ``microrl.engine.checkpoint.export.export_merged_model(engine.module, path)`` writes a
-    ``*ForTokenClassification`` model (``num_labels=1``, the value head as its ``score``) whose
-    ``logits[b, j, 0]`` is ``values[b, j + 1]``.
+    ``t`` (from the hidden state of token ``t - 1``), the baseline of the action
+    ``input_ids[b, t]``; 0 where there is no prediction (first real token, padding). A
+    ``Linear(H, 1)`` value head (trainable also under LoRA) replaces the lm head; exports:
+    docs/engine.md#exports-of-critics-and-reward-models.
     """
 
     config: CriticConfig
@@ -36,18 +34,8 @@ class CriticEngine(Engine):
         hidden_size = causal_lm.get_input_embeddings().embedding_dim
         return ValueModel(decoder_body(causal_lm), hidden_size, seed=self.config.seed)
 
-    def _model_forward(
-        self,
-        input_ids,
-        position_ids,
-        attention_mask,
-        targets,
-        *,
-        training,
-        temperature=None,
-        **model_kwargs,
-    ):
-        return {"values": self.module(input_ids, position_ids, attention_mask, **model_kwargs)}
+    def _model_forward(self, *inputs, **kwargs):
+        return {"values": self._module_forward(*inputs, **kwargs)}
 
     def default_loss(
         self, output: TensorDict, micro_batch: TensorDict, denominators: LossDenominators

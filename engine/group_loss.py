@@ -1,13 +1,9 @@
 """The loss of the fused loss path, one group of whole sequences at a time (docs/engine.md).
 
-On the fused loss path the loss runs inside the lm head: :func:`microrl.kernels.fused_linear_loss`
-calls a :class:`GroupLoss` with the predicting-position log-probs (and entropy) of a group of
-whole rows, and forms the head's gradients right there, so the ``[N, V]`` logits never exist.
-The engine builds a :class:`GroupLoss` per micro-batch and passes it to the role's
-``_model_forward`` as an argument. It aligns the group's outputs to tokens exactly as the loop
-does (:func:`~microrl.engine.outputs.align_outputs`) and calls the engine's loss on those rows
-with the mini-batch's denominators. Every built-in loss is a sum over rows, so the group losses
-add up to the micro-batch's loss, and their metrics combine to its metrics (:meth:`metrics`).
+:func:`microrl.kernels.fused_linear_loss` calls a :class:`GroupLoss` with the log-probs (and
+entropy) of a group of whole rows inside the lm head, so the ``[N, V]`` logits never exist. It
+aligns them as the loop does and calls the engine's loss on those rows; the built-in losses are
+sums over rows, so the group losses add up to the micro-batch's loss.
 """
 
 from __future__ import annotations
@@ -29,16 +25,11 @@ RowsLoss = Callable[[TensorDict, TensorDict], tuple[torch.Tensor, dict[str, Metr
 
 
 class GroupLoss:
-    """The engine's loss on the row groups of one compact micro-batch.
+    """The engine's loss on the row groups of one compact right-padded ``[b, L]`` micro-batch.
 
-    Args:
-        micro: the compact right-padded micro-batch ``[b, L]``.
-        lengths: its rows' real-token counts, on the host.
-        loss: ``loss(output, rows) -> (partial loss, metrics)`` on a slice of ``micro``.
-        packed: whether the head sees the rows packed into ``[1, N]``.
-
-    :attr:`segments` are the row boundaries in the flattened head rows (what the kernel's groups
-    never split). The head returns the micro-batch's loss; :meth:`metrics` are its metrics.
+    ``lengths``: its rows' real-token counts (host); ``loss(output, rows) -> (partial loss,
+    metrics)`` on a slice of ``micro``; ``packed``: the head sees the rows as ``[1, N]``.
+    :attr:`segments`: the row boundaries in the flat head rows (the kernel never splits a row).
     """
 
     def __init__(
@@ -61,18 +52,14 @@ class GroupLoss:
         """The kernel's callback for flat head rows ``[start, end)``: the rows' partial loss."""
         r0, r1 = self._row_of[start], self._row_of[end]
         valid, has_next = self.valid[r0:r1], self.has_next[r0:r1]
-        raw = (
-            {"logprobs": logprobs}
-            if entropy is None
-            else {"logprobs": logprobs, "entropy": entropy}
-        )
         if self.packed:
             index = packing.packed_index(valid, end - start)
             shape = (1, end - start)
             unpack = lambda v: packing.unpack(v, index, valid)  # noqa: E731
         else:
             shape, unpack = (r1 - r0, valid.shape[1]), None
-        raw = {key: value.view(shape) for key, value in raw.items()}
+        raw = {"logprobs": logprobs, "entropy": entropy}
+        raw = {key: value.view(shape) for key, value in raw.items() if value is not None}
         aligned = align_outputs(raw, r1 - r0, shape, has_next, unpack, "ActorEngine")
         output = TensorDict(aligned, batch_size=[r1 - r0], device=logprobs.device)
         loss, metrics = self.loss_of_rows(output, self.micro[r0:r1])

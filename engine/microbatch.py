@@ -1,26 +1,12 @@
-"""Micro-batch planning and the compact layout (pure functions, no model).
+"""Micro-batch planning and the compact layout (pure functions, no model; docs/engine.md).
 
-Two jobs, both independent of the model:
-
-1. **Planning** (:func:`plan_micro_batches`): which rows of a mini-batch go into which micro-batch,
-   either ``micro_batch_size`` rows at a time or under a strict token budget. Rows are sorted by
-   length first so each micro-batch holds similar lengths (little padding); the caller restores
-   the original row order afterwards, and the loss contract (docs/losses.md) makes the result
-   independent of the split. Rows sharing a ``group`` id are never separated.
-2. **Compaction** (:func:`compact_rows` / :func:`scatter_rows`): a micro-batch is gathered into a
-   *right-padded* ``[b, L]`` block where ``L`` is its longest real span. Left, right and mixed
-   padding of the caller's batch therefore all run the very same computation (identical
-   log-probs), and no compute is spent on columns that are padding in every row.
-
-A row's real tokens must be one contiguous span (padding on the left, the right, or both); the
-engine validates that at its public boundary.
-
-Per-token and per-row entries (docs/batch.md): an entry ``[B, T, ...]`` (second dimension ``T``,
-the width of ``input_ids``) is per-token and is gathered along the token axis; any other entry
-(``[B]``, or ``[B, K]`` with ``K != T``) is per-row and is indexed by row only, as are the image
-keys (``pixel_values``, ``image_grid_thw``: microrl.engine.vision) whatever their shape. Outputs follow the
-same rule on the way back: ``[b, L]`` outputs are scattered to ``[B, T]``, per-row ``[b]`` outputs
-to ``[B]``.
+**Planning** (:func:`plan_micro_batches`): which rows go into which micro-batch,
+``micro_batch_size`` rows at a time or under a strict token budget; rows are sorted by length
+(little padding) and rows sharing a ``group`` id are never separated. **Compaction**
+(:func:`compact_rows` / :func:`scatter_rows`): a micro-batch is gathered into a *right-padded*
+``[b, L]`` block, ``L`` its longest real span (one contiguous span per row), so any padding side
+runs the same computation. An entry ``[B, T, ...]`` is per-token, any other (and the image keys)
+per-row (docs/batch.md); outputs go back the same way, ``[b, L]`` to ``[B, T]``, ``[b]`` to ``[B]``.
 """
 
 from __future__ import annotations
@@ -47,14 +33,9 @@ __all__ = [
 
 @dataclass
 class MicroBatch:
-    """A micro-batch as the engine's loop plans it (:meth:`Engine.forward_step` also takes one).
-
-    ``data``: validated, compact and right-padded ``[b, L]`` (:func:`compact_rows`), ``L`` the
-    longest row. ``lengths``: the rows' real-token counts on the host, so the forward needs no
-    device-to-host sync (packing, varlen attention, the fused loss's row groups).
-    ``filler``: a stand-in the loop runs only so that every data-parallel rank runs the same
-    forwards (its loss mask zeroed); nothing of it counts, router losses included.
-    """
+    """A planned micro-batch: ``data`` validated, compact, right-padded ``[b, L]``; ``lengths``
+    the rows' real-token counts on the host (the forward needs no sync); ``filler`` a stand-in
+    run only so every data-parallel rank runs the same forwards (nothing of it counts)."""
 
     data: TensorDict
     lengths: list[int]
@@ -82,24 +63,18 @@ def plan_micro_batches(
     Args:
         lengths: real-token count of each row of the mini-batch (``[B]``).
         micro_batch_size: fixed number of rows per micro-batch (exclusive with ``max_tokens``).
-        max_tokens: strict budget of :func:`micro_batch_cost` per micro-batch. No micro-batch
-            exceeds it, except a single row that is longer on its own.
+        max_tokens: strict budget of :func:`micro_batch_cost` per micro-batch, exceeded only by
+            a single row that is longer on its own.
         packed: whether the cost counts real tokens (sequence packing) or padded ``rows * L``.
-        min_micro_batches: at least this many micro-batches (empty ones appended when there are
-            fewer rows), so every data-parallel rank can run the same count.
-        groups: a group id per row (the batch's ``group`` key), or None. Rows with the same id
-            always land in the same micro-batch (a chosen/rejected pair, the samples of one
-            prompt), so a loss that compares the rows of a group sees all of them. The planner
-            then places whole groups: the units below are groups instead of rows, ordered by
-            their longest row. A group never exceeds a limit: a group of more than
-            ``micro_batch_size`` rows, or of more than one row costing more than ``max_tokens``,
-            is a ``ValueError`` (splitting it would change the loss; running it alone would
-            silently exceed the configured memory bound).
+        min_micro_batches: at least this many (empty ones appended), so every data-parallel
+            rank can run the same count.
+        groups: a group id per row, or None: rows with one id land in one micro-batch, so a
+            loss comparing them sees all of them. A group over ``micro_batch_size`` rows, or of
+            several rows costing over ``max_tokens``, is a ``ValueError``.
 
     Returns:
-        A list of row-index lists; every row appears exactly once. Rows are grouped by length
-        (longest first) and the groups are balanced: their largest cost is as small as the
-        number of groups allows.
+        Row-index lists, every row exactly once, by length (longest first) and balanced: the
+        largest cost is as small as the number of micro-batches allows.
     """
     if (micro_batch_size is None) == (max_tokens is None):
         raise ValueError("set exactly one of micro_batch_size or max_tokens")
@@ -153,10 +128,7 @@ def plan_micro_batches(
 def _units(
     lengths: list[int], groups: Sequence[int] | None
 ) -> tuple[list[list[int]], list[object]]:
-    """The indivisible units of a plan: one per row, or one per group id (rows in their order).
-
-    Returns the units and an id for each (the group id, or the row index without groups).
-    """
+    """The indivisible units of a plan (one per row, or per group id) and an id for each."""
     if groups is None:
         return [[i] for i in range(len(lengths))], list(range(len(lengths)))
     groups = list(groups)
@@ -171,11 +143,8 @@ def _units(
 def _plan_padded(
     order: list[int], units: list[list[int]], lengths: list[int], budget: int, k_min: int
 ) -> list[list[int]]:
-    """Consecutive runs of the width-sorted units (similar lengths share padding).
-
-    The fewest runs under ``budget`` come from a greedy pass; then a binary search finds the
-    smallest cap that still needs no more runs, which balances them.
-    """
+    """Consecutive runs of the width-sorted units: the fewest runs under ``budget`` (a greedy
+    pass), balanced by a binary search for the smallest cap that needs no more runs."""
     if not order:
         return []
     widths = {u: max(lengths[i] for i in units[u]) for u in order}
@@ -210,11 +179,8 @@ def _plan_padded(
 def _plan_packed(
     order: list[int], units: list[list[int]], lengths: list[int], budget: int, k_min: int
 ) -> list[list[int]]:
-    """Longest-processing-time bin packing: each unit to the least-loaded of ``k`` bins.
-
-    ``k`` starts at the lower bound ``ceil(total / budget)`` and grows until every bin fits,
-    which also balances the bins (LPT is within 4/3 of the optimal makespan).
-    """
+    """Longest-processing-time bin packing: each unit to the least-loaded of ``k`` bins, ``k``
+    from ``ceil(total / budget)`` up until every bin fits (LPT: within 4/3 of the optimum)."""
     loads_of = {u: sum(lengths[i] for i in units[u]) for u in order}
     order = sorted(order, key=lambda u: (-loads_of[u], units[u][0]))  # LPT: largest load first
     # A row over the budget runs alone; the others are packed around it.
@@ -244,11 +210,9 @@ def planned_micro_batches(
     filler_count_key: str | None,
     placeholder: bool = False,
 ) -> Iterator[tuple[list[int], MicroBatch]]:
-    """The compact micro-batches of ``plan`` (rows of ``batch``; ``spans`` the rows' starts and
-    lengths, :func:`span_starts_and_lengths`), with their rows. An empty plan entry, or every
-    entry of a ``placeholder`` share, is a filler of row 0 that keeps the collective count equal
-    across ranks and contributes nothing: its ``filler_count_key`` (the loss's count key, None
-    without a loss) is zeroed."""
+    """The compact micro-batches of ``plan``, with their rows (``spans``: the rows' starts and
+    lengths). An empty entry, or any of a ``placeholder`` share, is a filler of row 0 that keeps
+    the collective count equal across ranks; its ``filler_count_key`` (if any) is zeroed."""
     starts, lengths = spans
     for rows in plan:
         filler = not rows or placeholder
@@ -276,12 +240,10 @@ def compact_rows(
 ) -> TensorDict:
     """Gather ``rows`` of ``batch`` into a right-padded ``[b, width]`` micro-batch.
 
-    Every ``[B, T]`` entry is gathered along the token axis so that column ``j`` of the result is
-    column ``starts[row] + j`` of the input; columns past a row's length hold 0 / False. Entries
-    of another shape (per-row: ``[B]``, or ``[B, K]`` with ``K != T``), and the image keys, are
-    indexed by row, in the order of ``rows``; an ``UnbatchedTensor`` (the shared pixel store,
-    docs/batch.md#images) is kept whole. ``attention_mask``
-    and ``position_ids`` are rebuilt from the lengths (position ``j`` for the ``j``-th real token).
+    Column ``j`` of a ``[B, T]`` entry is column ``starts[row] + j`` of the input (0 / False past
+    the row's length); per-row entries and the image keys are indexed by row, an
+    ``UnbatchedTensor`` (the pixel store) kept whole. ``attention_mask`` and ``position_ids``
+    are rebuilt from the lengths.
     """
     device = batch.device if batch.device is not None else batch["input_ids"].device
     index = torch.as_tensor(list(rows), dtype=torch.long, device=device)
@@ -316,10 +278,8 @@ def scatter_rows(
     lengths: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """Inverse of :func:`compact_rows` for one ``[b, width]`` output: write it into ``out [B, T]``.
-
-    Only each row's real span is written; the rest of ``out`` keeps its zeros.
-    """
+    """Inverse of :func:`compact_rows` for one ``[b, width]`` output: each row's real span is
+    written into ``out [B, T]``, the rest keeps its zeros."""
     if not len(rows):
         return
     device = out.device
@@ -327,8 +287,7 @@ def scatter_rows(
     num_cols = out.shape[1]
     cols = torch.arange(compact.shape[1], device=device)
     valid = cols.unsqueeze(0) < lengths.index_select(0, index).unsqueeze(1)
-    # Padding columns of the compact block go to one extra scratch column, dropped afterwards, so
-    # no two writes ever target the same place.
+    # Padding columns go to one scratch column, dropped after: no two writes hit one place.
     target_cols = torch.where(valid, starts.index_select(0, index).unsqueeze(1) + cols, num_cols)
     block = torch.cat([out.index_select(0, index), out.new_zeros(len(index), 1)], dim=1)
     block.scatter_(1, target_cols, compact.to(out.dtype))

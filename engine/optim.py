@@ -40,12 +40,9 @@ def build_optimizer(params: Iterable[nn.Parameter], config: OptimConfig) -> torc
 
 
 def lr_factor(step: int, config: OptimConfig) -> float:
-    """Multiplier of ``optim.lr`` at optimizer step ``step`` (0-based).
-
-    Linear warmup over ``warmup_steps`` (the first step already uses ``1 / warmup_steps``, never
-    a zero learning rate), then constant, cosine or linear decay to ``min_lr_ratio`` at
-    ``total_steps``.
-    """
+    """Multiplier of ``optim.lr`` at optimizer step ``step`` (0-based): linear warmup over
+    ``warmup_steps`` (the first step at ``1 / warmup_steps``, never 0), then constant, cosine or
+    linear decay to ``min_lr_ratio`` at ``total_steps``."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
     if config.schedule is Schedule.CONSTANT:
@@ -71,14 +68,9 @@ def apply_optim_config(
     scheduler: torch.optim.lr_scheduler.LambdaLR | None,
     config: OptimConfig,
 ) -> None:
-    """Give a loaded optimizer (and schedule) the hyper-parameters of ``config``.
-
-    Loading a checkpoint restores the saved param groups and the schedule's base learning rates,
-    which would silently undo a changed config (a new ``optim.lr`` given on resume): the config
-    says one learning rate, the optimizer steps with another. With the saved config unchanged this
-    writes back the values the checkpoint restored (``lr = base_lr * factor(step)`` computed as
-    ``LambdaLR`` does), so a resume stays exact.
-    """
+    """Give a loaded optimizer (and schedule) the hyper-parameters of ``config``: a checkpoint's
+    saved param groups would silently undo a changed ``optim.lr`` on resume. An unchanged config
+    writes back the restored values (``lr = base_lr * factor(step)`` as ``LambdaLR``): exact."""
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"] = config.lr
         group["weight_decay"] = config.weight_decay
@@ -94,11 +86,8 @@ def apply_optim_config(
 
 def clip_and_check(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Global grad norm (clipping to ``max_norm`` when set); a 0-d tensor, possibly non-finite.
-
-    ``clip_grad_norm_`` reduces over DTensor shards too, so this is the global norm under FSDP.
-    Gradient shards offloaded to the host (``optim.cpu_offload``) on a mesh of another device
-    (NCCL cannot reduce host tensors) go through :func:`clip_host_shards` instead.
-    """
+    FSDP's DTensor shards reduce in ``clip_grad_norm_``; host-offloaded shards on an accelerator
+    mesh (NCCL cannot reduce host tensors) go through :func:`clip_host_shards`."""
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return torch.zeros(())
@@ -117,10 +106,8 @@ def _is_offloaded(grad: torch.Tensor) -> bool:
 @torch.no_grad()
 def clip_host_shards(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """:func:`clip_and_check` for FSDP2 ``DTensor`` gradient shards (a 1-D mesh) wherever they
-    live: the norm of each rank's shards is computed where they are, the squares are summed over
-    the ranks with one all-reduce of a scalar on the mesh's device, and the shards are scaled in
-    place as ``clip_grad_norm_`` scales them (``min(max_norm / (norm + 1e-6), 1)``). Returns the
-    global norm (a 0-d host tensor; nan/inf when non-finite)."""
+    live: local norms, one scalar all-reduce on the mesh's device, in-place scaling as
+    ``clip_grad_norm_``'s. Returns the global norm (a 0-d host tensor; nan/inf if non-finite)."""
     grads = [p.grad.to_local() for p in params]
     nonempty = [g for g in grads if g.numel()]
     norms = torch._foreach_norm(nonempty, 2.0) if nonempty else []
@@ -139,13 +126,8 @@ def clip_host_shards(params: list[nn.Parameter], max_norm: float) -> torch.Tenso
 
 
 def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
-    """Names of trainable parameters whose gradient is ``None`` or all zero.
-
-    One fused reduction over all gradients (``torch._foreach_norm``) and one host sync, so the
-    audit costs about one extra read of the gradients. Under FSDP each rank holds a shard of each
-    gradient (possibly an empty one): the per-shard maxima are combined over the ranks with one
-    all-reduce, so every rank reports the same names.
-    """
+    """Names of trainable parameters whose gradient is ``None`` or all zero: one fused
+    reduction and one host sync; FSDP shards' maxima are all-reduced, so every rank agrees."""
     dead = [name for name, p in named_params if p.grad is None]
     with_grad = [(name, p.grad) for name, p in named_params if p.grad is not None]
     if with_grad:
@@ -168,10 +150,8 @@ def grad_flow_report(named_params: list[tuple[str, nn.Parameter]]) -> list[str]:
 
 
 def _shard_group(grads) -> dist.ProcessGroup | None:
-    """The process group a sharded (DTensor) gradient is split over; None if none is sharded.
-
-    On a 2-D (data, tensor) mesh the shards of one gradient span both dimensions: the reduction
-    then runs over every rank (the mesh is the whole job's, and every rank runs the audit)."""
+    """The process group a sharded (DTensor) gradient is split over (every rank on a 2-D
+    mesh, whose shards span both dimensions); None if none is sharded."""
     for grad in grads:
         mesh = getattr(grad, "device_mesh", None)
         if mesh is not None:
@@ -183,12 +163,9 @@ def audit_grad_flow(
     module: nn.Module, loss_mask: torch.Tensor, mode: str, *, skip: Collection[int] = ()
 ) -> None:
     """Warn (``mode="warn"``) or raise ``RuntimeError`` (``"error"``) naming the trainable
-    parameters of ``module`` left without gradient by a backward over a batch with loss tokens.
-
-    A batch without a single loss token (on any data-parallel rank) is skipped: zero gradients
-    are the right answer there. ``skip``: ids of parameters this batch is not expected to reach
-    (a trainable vision tower on a mini-batch without images); the same on every rank.
-    """
+    parameters of ``module`` left without gradient by a backward over a batch with loss tokens
+    (on any rank). ``skip``: ids of parameters this batch is not expected to reach (a vision
+    tower on a mini-batch without images), the same on every rank."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in skip]
     has_tokens = loss_mask.any().float().reshape(1)
     group = _shard_group(p for _, p in named)
@@ -197,39 +174,33 @@ def audit_grad_flow(
     if not bool(has_tokens):
         return
     dead = grad_flow_report(named)
-    if not dead:
-        return
-    shown = ", ".join(dead[:8]) + (f", ... ({len(dead)} in all)" if len(dead) > 8 else "")
-    message = f"grad-flow audit: trainable parameters without gradient: {shown}"
-    if mode == "error":
-        raise RuntimeError(message)
-    logger.warning(message)
+    if dead:
+        _report(f"trainable parameters without gradient: {_shown(dead)}", mode)
 
 
 def audit_vision_tower(
     module: nn.Module, tower: Collection[int], *, frozen: bool, key: str, mode: str
 ) -> None:
-    """The ``freeze_vision`` half of the audit (after :func:`audit_grad_flow`, which proves that
-    every trainable tower parameter got a gradient from a mini-batch with images).
-
-    ``tower``: ids of the vision tower's parameters. Frozen: none of them may be trainable or
-    hold a gradient; not frozen: at least one must be trainable. Warns or raises
-    ``RuntimeError`` as :func:`audit_grad_flow`, naming ``key``.
-    """
+    """The ``freeze_vision`` half of the audit, naming ``key``: frozen, no parameter of
+    ``tower`` (ids) may be trainable or hold a gradient; not frozen, one must be trainable."""
     named = [(n, p) for n, p in module.named_parameters() if id(p) in tower]
-    if frozen:
-        leaks = [n for n, p in named if p.requires_grad or p.grad is not None]
-        if not leaks:
-            return
-        shown = ", ".join(leaks[:8]) + (f", ... ({len(leaks)} in all)" if len(leaks) > 8 else "")
-        message = (
-            f"grad-flow audit: {key}=True, but vision tower parameters are trainable or hold a "
-            f"gradient: {shown}"
+    leaks = [n for n, p in named if p.requires_grad or p.grad is not None]
+    if frozen and leaks:
+        _report(
+            f"{key}=True, but vision tower parameters are trainable or hold a gradient: "
+            f"{_shown(leaks)}",
+            mode,
         )
-    elif any(p.requires_grad for _, p in named):
-        return
-    else:
-        message = f"grad-flow audit: {key}=False, but no vision tower parameter is trainable"
+    elif not frozen and not any(p.requires_grad for _, p in named):
+        _report(f"{key}=False, but no vision tower parameter is trainable", mode)
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+
+
+def _report(problem: str, mode: str) -> None:
+    """The audit's finding: a ``RuntimeError`` for ``mode="error"``, else a warning."""
     if mode == "error":
-        raise RuntimeError(message)
-    logger.warning(message)
+        raise RuntimeError(f"grad-flow audit: {problem}")
+    logger.warning("grad-flow audit: %s", problem)

@@ -1,11 +1,8 @@
 """A role's outputs, its loss's result and a step's result at the loop's boundary (docs/engine.md).
 
-A role's ``_model_forward`` returns per-position ``[b, L]`` tensors (aligned to the *predicting*
-position, or packed ``[1, N]``) and/or per-row ``[b]`` tensors; :func:`align_outputs` brings the
-former to token alignment and leaves the latter in row order. On the fused loss path it also
-returns the loss under :data:`FUSED_LOSS_KEY` (:func:`split_fused_loss`). :func:`check_loss_result`
-and :func:`check_step_result` check what a ``loss_fn`` and a ``forward_step`` override returned,
-at the boundary, instead of failing later inside backward or the metric reduction.
+:func:`align_outputs` brings a role's per-position outputs to token alignment;
+:func:`check_loss_result` and :func:`check_step_result` check what a ``loss_fn`` and a
+``forward_step`` override returned, instead of failing later inside backward or the reduction.
 """
 
 from __future__ import annotations
@@ -34,12 +31,9 @@ FUSED_LOSS_KEY = "loss"
 
 
 class StepResult(NamedTuple):
-    """What ``Engine.forward_step`` returns for one micro-batch.
-
-    ``loss``: a 0-d tensor *with* its graph (the caller runs ``backward``), or None without the
-    loss's inputs. ``output``: the detached, token-aligned outputs. ``metrics``: the loss's
-    :class:`~microrl.losses.Metric` values, detached (empty without a loss).
-    """
+    """What ``Engine.forward_step`` returns for one micro-batch: ``loss`` a 0-d tensor *with*
+    its graph (the caller runs ``backward``) or None without the loss's inputs; ``output`` the
+    detached, token-aligned outputs; ``metrics`` the loss's detached ``Metric`` values."""
 
     loss: torch.Tensor | None
     output: TensorDict
@@ -48,9 +42,8 @@ class StepResult(NamedTuple):
 
 def last_token_index(valid: torch.Tensor, *, packed: bool) -> torch.Tensor:
     """``[b]`` flat index of each sequence's last real token in ``input_ids.flatten()`` of a
-    compact right-padded ``[b, L]`` micro-batch (``row * L + length - 1``), or of its packed
-    ``[1, N]`` row (``cumsum(lengths) - 1``). Computed on the device from the mask: no host sync.
-    """
+    compact ``[b, L]`` micro-batch (``row * L + length - 1``), or of its packed ``[1, N]`` row
+    (``cumsum(lengths) - 1``); from the mask, no host sync."""
     ends = valid.sum(dim=1)
     if packed:
         return ends.cumsum(0) - 1
@@ -68,8 +61,7 @@ def align_outputs(
 ) -> dict[str, torch.Tensor]:
     """Per-position outputs (``position_shape``: that of the ids the module saw) -> token-aligned
     ``[b, L]`` (unpacked first when ``unpack`` is given); per-row ``[num_rows]`` outputs as they
-    are. float32 for the loss (bf16 under autocast is too coarse); float64 stays float64 so
-    exactness tests compare at fp64 precision. Any other shape is a ValueError naming the key."""
+    are; float32 (float64 stays). Any other shape is a ValueError naming the key."""
     aligned = {}
     for key, value in raw.items():
         value = value if value.dtype == torch.float64 else value.float()

@@ -1,18 +1,11 @@
 """RewardModelEngine: one score per sequence at its last real token; the Bradley-Terry loss.
 
 A sequence-level role (docs/engine.md#sequence-level-roles): the decoder body, then a bias-free
-``Linear(H, 1)`` score head applied to the hidden state of each sequence's *last real token*
-(the only position that has seen the whole sequence). The batch holds preference pairs:
-
-* ``group`` ``[B]`` int: the pair id; the two rows of a pair share it, so the micro-batch planner
-  keeps them in one micro-batch (any padding side, any split, packed or not);
-* ``chosen`` ``[B]`` bool (or 0/1 ints): which row of the pair is preferred.
-
-Every group must be exactly one chosen and one rejected row. The loss is the mean over the
-mini-batch's pairs of ``-log sigmoid(s_chosen - s_rejected)``; the pair count is the global
-denominator (``count_key = "chosen"``: the chosen rows of all micro-batches and data-parallel
-ranks, counted before the first micro-batch), so the loss and its gradient do not depend on the
-split. ``infer_batch`` returns ``scores`` ``[B]`` in the caller's row order.
+``Linear(H, 1)`` score head on each sequence's *last real token* (the only position that has
+seen the whole sequence). The batch holds preference pairs: ``group`` ``[B]`` int, the pair id
+(the planner keeps a pair in one micro-batch), and ``chosen`` ``[B]`` bool (or 0/1), the preferred
+row; every group is one chosen and one rejected row. The loss is the mean over the mini-batch's
+pairs (``count_key = "chosen"``) of ``-log sigmoid(s_chosen - s_rejected)``, split-independent.
 """
 
 from __future__ import annotations
@@ -40,19 +33,11 @@ class RewardModelEngine(Engine):
     """Reward model: ``model_output["scores"]`` ``[B]``, trained on chosen/rejected pairs.
 
     ``model``: a causal LM (a fresh score head, seeded by ``config.seed``), a transformers
-    ``*ForSequenceClassification`` with one label (its own score head: a trained reward model
-    to score with, ``frozen=True``, or to train further), as objects or checkpoints; or, with
-    ``base`` (the base model it was trained from), a directory this engine's
-    ``save_checkpoint`` wrote. ``frozen``: :class:`~microrl.engine.Engine`'s (scoring only,
-    the weights in the compute dtype; what ``task.reward_model`` uses).
-
-    Config: any :class:`~microrl.configs.EngineConfig` (``loss_agg_mode`` and ``seq_len_norm``
-    do not apply: the loss is a mean over pairs).
-    ``microrl.engine.checkpoint.export.export_merged_model(engine.module, path)`` writes a
-    ``*ForSequenceClassification`` model (``num_labels=1``) that transformers loads with the
-    trained head; ``export_peft_adapter`` the matching adapter (task type ``SEQ_CLS``);
-    ``microrl.engine.checkpoint.reward_model.load_reward_model_checkpoint(dir, base)`` reads a
-    ``save_checkpoint`` directory back as that classifier (``task.reward_model``).
+    ``*ForSequenceClassification`` with one label (its own score head), as objects or
+    checkpoints; or, with ``base`` (the base model it was trained from), a directory this
+    engine's ``save_checkpoint`` wrote. ``frozen``: scoring only (what ``task.reward_model``
+    uses). Config: any :class:`~microrl.configs.EngineConfig` (``loss_agg_mode`` and
+    ``seq_len_norm`` do not apply). Exports: docs/engine.md#exports-of-critics-and-reward-models.
     """
 
     config_class = EngineConfig
@@ -72,9 +57,8 @@ class RewardModelEngine(Engine):
         super().__init__(model, config, frozen=frozen)
 
     def _load_model(self, model: nn.Module | str | os.PathLike, dtype: torch.dtype) -> nn.Module:
-        """A causal LM, a ``*ForSequenceClassification`` (its ``config.architectures`` say so;
-        a local directory or a Hub id), or, given ``base``, a ``save_checkpoint`` directory read
-        back as the classifier it trained (:mod:`~microrl.engine.checkpoint.reward_model`)."""
+        """A causal LM, a ``*ForSequenceClassification`` (its ``config.architectures`` say so), or,
+        given ``base``, a ``save_checkpoint`` directory read back as the classifier it trained."""
         from microrl.engine.checkpoint import reward_model as engine_rm
 
         if not isinstance(model, (str, os.PathLike)):
@@ -103,22 +87,8 @@ class RewardModelEngine(Engine):
                 module.value_head.weight.copy_(head.weight)
         return module
 
-    def _model_forward(
-        self,
-        input_ids,
-        position_ids,
-        attention_mask,
-        targets,
-        *,
-        training,
-        last_index,
-        temperature=None,
-        **model_kwargs,
-    ):
-        scores = self.module(
-            input_ids, position_ids, attention_mask, last_index=last_index, **model_kwargs
-        )
-        return {"scores": scores}  # [b]: per row
+    def _model_forward(self, *inputs, last_index, **kwargs):  # declared: the engine passes it
+        return {"scores": self._module_forward(*inputs, last_index=last_index, **kwargs)}  # [b]
 
     def _check_role_batch(self, batch: TensorDict) -> None:
         """Each ``group`` is one pair: two rows, exactly one of them ``chosen`` (one host sync)."""
@@ -188,15 +158,9 @@ def bradley_terry_loss(
     """``-log sigmoid(s_chosen - s_rejected)`` summed over the pairs present, over the global
     pair count ``denominators.n_seqs`` (times ``grad_scale``): this micro-batch's partial loss.
 
-    Args:
-        scores, group, chosen: ``[b]`` per row; a pair is a chosen and a rejected row of one
-            group (the planner keeps both in the same micro-batch).
-        denominators: from the mini-batch's ``chosen`` rows (``count_key``), so ``n_seqs`` is
-            the number of pairs over all micro-batches and ranks.
-
-    Metrics (partial means over the pairs, ``SUM``-reduced): ``bt_loss``, ``accuracy`` (the
-    fraction of pairs with ``s_chosen > s_rejected``; ties count as wrong) and ``margin`` (the
-    mean ``s_chosen - s_rejected``). No host sync: the pairs are a ``[b, b]`` mask.
+    ``scores``, ``group``, ``chosen``: ``[b]`` per row; ``denominators`` count the mini-batch's
+    ``chosen`` rows (its pairs). Metrics (partial means over pairs, ``SUM``): ``bt_loss``,
+    ``accuracy`` (``s_chosen > s_rejected``; ties count as wrong) and ``margin``. No host sync.
     """
     picked = chosen.to(torch.bool)
     pairs = (

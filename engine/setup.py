@@ -30,23 +30,15 @@ __all__ = [
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    """The engine's device, always with an index on a GPU: ``device="auto"`` is this rank's GPU
-    when there is one (``LOCAL_RANK`` under torchrun:
-    :func:`~microrl.engine.parallel.distributed.local_cuda_index`), else the CPU; ``"cuda"`` is
-    this rank's GPU; an explicit one must exist on this machine.
-
-    Checked here, at construction, because torch only fails at the first allocation, deep inside
-    (``AssertionError: Torch not compiled with CUDA enabled``), without naming the setting.
-
-    Raises:
-        ValueError: naming ``device``: not a device string, or a device this machine lacks.
-    """
+    """The engine's device, always with an index on a GPU: ``"auto"`` is this rank's GPU when
+    there is one (``LOCAL_RANK`` under torchrun), else the CPU; ``"cuda"`` is this rank's GPU; an
+    explicit one must exist here (a ``ValueError`` naming ``device`` otherwise: torch would only
+    fail at the first allocation, without naming the setting)."""
     if config.device == "auto":
         index = distributed.local_cuda_index()
         return torch.device("cpu") if index is None else torch.device("cuda", index)
     if config.device == "cuda" and torch.cuda.is_available():
-        # This rank's own GPU, by index: a bare "cuda" means the current device, which a
-        # process that never set one (a spawned worker, vLLM) reads as GPU 0.
+        # By index: a bare "cuda" is the current device, GPU 0 in a process that never set one.
         return torch.device("cuda", distributed.local_cuda_index())
     try:
         device = torch.device(config.device)
@@ -94,11 +86,8 @@ def autocast_dtype(config: EngineConfig, device: torch.device | str) -> torch.dt
 
 
 def autocast_context(config: EngineConfig, device: torch.device) -> Any:
-    """bf16 autocast on CUDA for ``dtype="auto"`` (and anywhere for ``"bfloat16"``), else none.
-
-    Parameters and optimizer state stay in their own dtype (fp32 by default); the engine casts every
-    output to fp32.
-    """
+    """Autocast to :func:`autocast_dtype`, else none; parameters and optimizer state keep their
+    dtype (fp32 by default) and the engine casts every output to fp32."""
     dtype = autocast_dtype(config, device)
     if dtype is None:
         return nullcontext()
@@ -106,10 +95,9 @@ def autocast_context(config: EngineConfig, device: torch.device) -> Any:
 
 
 def frozen_dtype(config: EngineConfig, device: torch.device | str) -> torch.dtype:
-    """The storage dtype of a frozen engine's weights (``Engine(..., frozen=True)``, a reward
-    model that only scores): the dtype it computes in, bf16 under autocast, else
-    ``config.base_dtype``. Nothing trains, so no fp32 master weights are needed (the
-    ``base_dtype`` rule for a full fine-tune does not apply)."""
+    """The storage dtype of a frozen engine's weights (``Engine(..., frozen=True)``): the dtype
+    it computes in (bf16 under autocast, else ``config.base_dtype``); nothing trains, so no fp32
+    master weights are needed."""
     return autocast_dtype(config, device) or base_dtype(config)
 
 
@@ -132,10 +120,8 @@ def load_causal_lm(
 ) -> nn.Module:
     """A transformers ``PreTrainedModel``, or one loaded from a local checkpoint path.
 
-    ``dtype``: the base weights' storage dtype (:func:`base_dtype`). A path is loaded straight
-    into it (``from_pretrained(..., dtype=dtype)``: a 16-bit base never exists in fp32 here); a
-    model object keeps its own dtype for float32 (fp64 models of exactness tests stay fp64) and
-    has its parameters cast for a 16-bit dtype (:func:`cast_base_weights`).
+    ``dtype``: the base weights' storage dtype (:func:`base_dtype`); a path is loaded straight
+    into it, a model object is cast only to a 16-bit one (fp64 test models stay fp64).
     """
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoConfig
@@ -154,25 +140,15 @@ def load_causal_lm(
 
 @torch.no_grad()
 def cast_base_weights(model: nn.Module, dtype: torch.dtype) -> None:
-    """Store every floating-point parameter of ``model`` in ``dtype``, in place, before LoRA.
-
-    Parameters only, as ``from_pretrained(dtype=...)`` does: buffers keep their dtype (rotary
-    ``inv_freq`` stays fp32, so positions are not rounded). LoRA comes after and peft stores the
-    adapters in fp32 (``autocast_adapter_dtype``); the role's new heads are fp32 too, so only the
-    frozen base is 16-bit. Tied weights stay tied (``param.data`` is replaced, the shared
-    ``Parameter`` object is kept).
-    """
+    """Store every floating-point parameter of ``model`` in ``dtype``, in place, before LoRA;
+    buffers keep theirs (rotary ``inv_freq`` stays fp32), tied weights stay tied."""
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
 
 
 def checkpoint_dir(model: str | os.PathLike) -> str:
-    """``model`` as a path string, checked to be a local directory.
-
-    Raises:
-        ValueError: naming the path when it is not a directory (no hub download happens here).
-    """
+    """``model`` as a path string; a ``ValueError`` naming it unless a local directory."""
     path = os.fspath(model)
     if not os.path.isdir(path):
         raise ValueError(f"model path {path!r} is not a local checkpoint directory")
@@ -182,16 +158,10 @@ def checkpoint_dir(model: str | os.PathLike) -> str:
 def disable_dropout(model: nn.Module) -> list[str]:
     """Set every dropout probability of ``model`` to 0, in place; returns what was non-zero.
 
-    RL needs the training forward to be the function that produced the rollout's and the old
-    log-probs (eval mode): dropout would make the first on-policy ratio differ from 1 and feed
-    noise into clipping, KL and importance weights. Three places hold the rates:
-
-    * ``nn.Dropout*`` modules (GPT-2's ``attn_pdrop``/``resid_pdrop``/``embd_pdrop``; its SDPA
-      path reads ``self.attn_dropout.p``);
-    * float attributes of modules named like a drop rate, read functionally in ``forward``
-      (Qwen2/Llama attention's ``attention_dropout``, OPT's ``dropout`` and ``layerdrop``);
-    * the model config (and its sub-configs), which some models read in ``forward`` (Gemma 2's
-      ``self.config.attention_dropout``) -- so an exported checkpoint carries the zeros too.
+    RL needs the training forward to be the function that produced the old log-probs: dropout
+    would make the first on-policy ratio differ from 1. The rates live in ``nn.Dropout*``
+    modules, in float attributes named like a drop rate (Qwen2's ``attention_dropout``), and in
+    the model config and its sub-configs (read in ``forward`` by Gemma 2; exported too).
     """
     changed: list[str] = []
     for name, module in model.named_modules():
@@ -233,27 +203,15 @@ def apply_lora(
 ) -> tuple[nn.Module, nn.Module | None]:
     """Inject LoRA adapters with peft when ``config.rank > 0``.
 
-    ``config.target_modules``: None adapts every linear layer but the output head (peft's
-    ``"all-linear"``, which also covers GPT-2's ``Conv1D``); a string goes to peft as is; a list
-    is checked first, so that a name matching nothing is an error naming the setting and the
-    model's own layer names rather than peft's bare "not found" (or a silently smaller adapter).
+    ``config.target_modules``: None is peft's ``"all-linear"`` (every linear layer but the output
+    head, GPT-2's ``Conv1D`` too), a string goes to peft as is, a list is checked first so that a
+    name matching nothing is an error naming the setting and the model's own layer names.
+    ``config.target_parameters`` (fused MoE expert weights) are checked likewise. ``exclude``:
+    module names that get no adapter (a frozen vision tower's).
 
-    Returns ``(model, peft_model)``: ``model`` is the same causal LM object with adapter layers
-    injected (its base weights frozen by peft), ``peft_model`` the ``PeftModel`` that owns the
-    adapters (``disable_adapter()``, ``save_pretrained()``), or ``None`` without LoRA. The
-    adapters are float32 whatever the base's dtype (``autocast_adapter_dtype``: over a 16-bit
-    base, peft initialises them, rounds them to the base's dtype and stores them in float32).
-
-    ``exclude``: full module names that get no adapter whatever the targets (a frozen vision
-    tower's, docs/engine.md#images).
-
-    ``config.target_parameters``: parameters adapted directly by peft (a mixture-of-experts
-    model's fused expert weights), each name checked against the model's parameters first.
-
-    Raises:
-        ValueError: naming ``lora.target_modules`` (or ``lora.target_parameters``) when its names
-            select no (or not every) layer (parameter), and ``lora.dropout`` when an adapted
-            parameter cannot take dropout.
+    Returns ``(model, peft_model)``: the same causal LM with adapters injected (base frozen,
+    adapters in fp32 whatever the base's dtype) and the ``PeftModel`` owning them, or ``None``.
+    ``ValueError`` naming ``lora.target_modules``/``target_parameters``/``dropout`` when bad.
     """
     if config.rank == 0:
         return model, None
@@ -290,15 +248,11 @@ def apply_lora(
     with warnings.catch_warnings():
         # GPT-2's Conv1D stores its weight transposed; peft notices and adapts correctly.
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
-        # peft's PeftModel reads the model's `is_gradient_checkpointing`, a deprecated alias of
-        # `is_activation_checkpointing` since transformers 5.24 (a FutureWarning on every run);
-        # it is False here either way: checkpointing is enabled after LoRA.
+        # A deprecated alias peft reads (transformers >= 5.24); False here: checkpointing is later.
         warnings.filterwarnings(
             "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
         )
-        # peft maps Qwen2/Qwen3-MoE's pre-v5 module names onto the fused expert parameters and
-        # sets a doubled rank for the fused gate_up_proj by a module pattern that parameter
-        # targets never match: the adapter keeps lora.rank, as configured.
+        # Qwen MoE's doubled gate_up_proj rank pattern never matches parameter targets: rank kept.
         warnings.filterwarnings(
             "ignore", message="The following (rank|alpha)_pattern keys did not match"
         )
@@ -320,14 +274,9 @@ def apply_lora(
 
 
 def _unmatched(targets: list[str], named: Iterable[tuple[str, object]]) -> list[str]:
-    """The ``targets`` no name of ``named`` (modules or parameters) matches."""
+    """The ``targets`` no name of ``named`` matches by peft's rule (the name or a dotted suffix)."""
     names = [name for name, _ in named]
-    return [t for t in targets if not any(_matches(n, t) for n in names)]
-
-
-def _matches(module_name: str, target: str) -> bool:
-    """peft's rule for a list entry: the full module name or its dotted suffix."""
-    return module_name == target or module_name.endswith(f".{target}")
+    return [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
 
 
 def _adaptable_names(model: nn.Module, limit: int = 20) -> str:
@@ -335,26 +284,23 @@ def _adaptable_names(model: nn.Module, limit: int = 20) -> str:
     from transformers.pytorch_utils import Conv1D
 
     kinds = (nn.Linear, nn.Embedding, Conv1D)
-    names = sorted(
-        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, kinds)}
-    )
+    names = _short_names((n, m) for n, m in model.named_modules() if n and isinstance(m, kinds))
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def _fused_names(model: nn.Module) -> str:
     """The distinct short names of the model's 3-D parameters (fused MoE expert weights)."""
-    names = sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() == 3})
-    return ", ".join(names) or "none"
+    return ", ".join(_short_names(p for p in model.named_parameters() if p[1].dim() == 3)) or "none"
+
+
+def _short_names(named: Iterable[tuple[str, object]]) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in named})
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing of every decoder layer.
-
-    Non-reentrant checkpointing re-runs the layer under autograd's saved-tensor hooks, so the
-    LoRA parameters inside get gradients even when the embedding (the checkpoint's only input) is
-    frozen; the reentrant variant would need ``enable_input_require_grads``.
-    """
+    """Non-reentrant activation checkpointing of every decoder layer: LoRA parameters inside get
+    gradients even when the embedding (the checkpoint's only input) is frozen."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

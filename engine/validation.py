@@ -38,27 +38,20 @@ def check_batch(
     device: torch.device,
     row_keys: Iterable[str] = (),
 ) -> TensorDict:
-    """Validate a ``[B, T]`` batch and return it as a TensorDict on ``device``.
+    """Validate a ``[B, T]`` batch (docs/batch.md) and return it as a TensorDict on ``device``.
 
-    Checks: a non-empty batch of ``[B, T]`` tensors, ``input_ids`` int64 within ``[0, vocab)`` on
-    real tokens, each row's real tokens one contiguous non-empty span, ``position_ids`` (when
-    given) equal to ``cumsum(attention_mask) - 1`` on real tokens, the ``required`` keys present
-    and ``[B, T]``, float inputs floating point, and ``loss_mask`` only on tokens that have a
-    prediction (a real token after the first one: the token-alignment contract of
-    docs/batch.md). ``attention_mask`` defaults to all ones.
-
-    ``row_keys``: keys that are per-row ``[B]`` (a role's per-row loss inputs); when present (and
-    they must be when also ``required``) they must have shape ``[B]``, while every other required
-    key must be ``[B, T]``. The planner's ``group`` key, when present, must be an integer ``[B]``.
+    Checks: ``input_ids`` non-empty int64 within ``[0, vocab)`` on real tokens, one contiguous
+    non-empty span of real tokens per row, ``position_ids`` equal to ``cumsum(attention_mask) - 1``
+    on real tokens, the ``required`` keys present and ``[B, T]`` (``row_keys``, and an integer
+    ``group``: ``[B]``), float inputs floating point and finite on loss tokens, and ``loss_mask``
+    only on tokens with a prediction. ``attention_mask`` defaults to all ones.
     """
-    if isinstance(batch, Mapping) and not isinstance(batch, TensorDict):
-        if "input_ids" not in batch:
-            raise ValueError("batch is missing 'input_ids'")
-        batch = from_plain_tensors(dict(batch), batch["input_ids"].shape[0])
-    if not isinstance(batch, TensorDict):
+    if not isinstance(batch, (Mapping, TensorDict)):
         raise TypeError(f"batch must be a TensorDict [B], got {type(batch).__name__}")
     if "input_ids" not in batch:
         raise ValueError("batch is missing 'input_ids'")
+    if not isinstance(batch, TensorDict):
+        batch = from_plain_tensors(dict(batch), batch["input_ids"].shape[0])
     ids = batch["input_ids"]
     if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {tuple(ids.shape)}")
