@@ -6,7 +6,8 @@ dtypes; ``reference_linear_logprob`` is its eager, obviously-correct definition 
 benchmarks compare against it); ``fused_linear_loss`` runs a loss of those log-probs inside the
 head and forms its gradients in forward; ``vocab_parallel_linear_logprob`` and
 ``vocab_parallel_linear_loss`` are the same two with the vocabulary split over tensor-parallel
-ranks. ``IGNORE_INDEX`` (-100) is their default ``ignore_index``. Each call runs one of
+ranks. ``IGNORE_INDEX`` (-100) is their default ``ignore_index``; ``HeadOptions`` types the head
+keywords they share. Each call runs one of
 ``IMPLEMENTATIONS`` (CUDA tensors a GPU path, other devices CPU tiles): ``head_implementation``
 says which one a call would take, ``last_implementation`` which one the last call took. Their
 contract is in ``docs/kernels.md``.
@@ -38,7 +39,7 @@ def _hand_over_to_hub_kernels() -> bool:
 
 
 if __name__ != "kernels" or not _hand_over_to_hub_kernels():
-    from ._checks import IGNORE_INDEX
+    from ._checks import IGNORE_INDEX, HeadOptions
     from ._dispatch import IMPLEMENTATIONS, head_implementation, last_implementation
     from .chunked_loss import head_budget_bytes
     from .fused_loss import FusedLossOutput, fused_linear_loss
@@ -52,6 +53,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "WORKING_TILE_ELEMENTS",
     "FusedLossOutput",
+    "HeadOptions",
     "fused_linear_logprob",
     "fused_linear_loss",
     "head_budget_bytes",
