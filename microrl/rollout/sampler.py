@@ -1,9 +1,7 @@
 """The one interface the trainer drives every sampler through, in process or out of it.
 
 A sampler takes *jobs* (prompts to sample, episodes to play) now and returns their rollouts
-later. One in other processes samples while the trainer trains, a weight push queued between
-jobs, so each job's policy version is known when it is submitted; one in this process samples at
-``collect`` on the weights synced last (synchronous RL is staleness 0). docs/async.md.
+later, each at the policy version known when it was submitted (docs/async.md).
 """
 
 from __future__ import annotations
@@ -97,13 +95,10 @@ class Sampler(ABC):
 
     ``version`` is the policy version the next job samples (one more per :meth:`sync`);
     ``sync_stats[version]`` holds each verified push's probe statistics
-    (:func:`~microrl.rollout.weights.sync_check.probe_stats`); ``trainer_thread``: whether
-    ``collect`` must run on the trainer's thread, every rank in step (it samples in this process,
-    or it is a collective), so nothing collects ahead on a thread of its own;
-    ``samples_at_collect``: whether a job samples only when collected (nothing runs before).
-    A sampler implements :meth:`submit`, :meth:`collect`, :meth:`poll`, :meth:`sync`,
-    :meth:`close` and, for multi-turn tasks, :meth:`_submit_episodes`; samplers compose backends
-    and each other (those in other processes share :class:`WorkerSampler`'s bookkeeping).
+    (:func:`~microrl.rollout.weights.sync_check.probe_stats`); ``trainer_thread``: ``collect``
+    must run on the trainer's thread, every rank in step (it samples in this process, or it is
+    a collective); ``samples_at_collect``: a job samples only when collected. A subclass
+    implements the abstract methods and, for multi-turn tasks, :meth:`_submit_episodes`.
     """
 
     version: int
@@ -170,9 +165,8 @@ class Sampler(ABC):
         return self.collect(self.submit(prompts, params, images=images))
 
     def _take_options(self, engine: Any, options: SamplerOptions | None) -> SamplerOptions:
-        """Keep ``options`` (None: the defaults) and the state read from them: ``version``,
-        ``env_maker``, ``timeout_s`` and ``sync_check_tol`` (None: ``engine``'s default);
-        ``TypeError`` when ``engine`` is not a microrl engine."""
+        """Keep ``options`` (None: the defaults) and the state read from them
+        (``sync_check_tol`` None: ``engine``'s default)."""
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
         options = SamplerOptions() if options is None else options
@@ -194,9 +188,8 @@ class Sampler(ABC):
 
 
 class WorkerSampler(Sampler):
-    """The bookkeeping every sampler in other processes shares: its engine, tokenizer and
-    options, the ids of its jobs, their seeds, and closing once; it implements :meth:`_push`
-    and :meth:`_close`."""
+    """The bookkeeping every sampler in other processes shares (job ids and seeds, closing
+    once); a subclass implements :meth:`_push` and :meth:`_close`."""
 
     #: How errors name the sampler.
     name = "the sampler"

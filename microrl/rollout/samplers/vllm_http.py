@@ -1,9 +1,7 @@
 """A minimal, authenticated JSON client for a ``vllm serve`` server (docs/async.md#vllm-servers).
 
 Standard library only; the bearer key goes on every route. Every request has a timeout, and a
-failure names the server, the route and its message: :class:`ServerAuthError` (a refused key,
-naming its source), :class:`ServerDied` (a local server exited mid-request), else
-:class:`ServerError`.
+failure names the server, the route and its message.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ def generate_body(
 ) -> dict[str, Any]:
     """One prompt's request, sampled as the in-process engine does
     (:func:`~microrl.rollout.samplers.vllm_options.sampling_args`); ``adapter``: the LoRA
-    adapter's name (None: the served weights). ``images`` go as ``content_parts``, one
-    placeholder each in the ids; the server answers the expanded prompt for the caller to check."""
+    adapter's name (None: the served weights); ``images`` go as ``content_parts``, one
+    placeholder each in the ids."""
     sampling = vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id)
     body = _body(prompt_ids, sampling, adapter)
     if images:  # the server answers the prompt it ran, placeholders expanded, to check

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from microrl.rollout.vllm_plugin.transfer import IPC_BACKEND
+from microrl.rollout.vllm_plugin.transfer import IPC_BACKEND, lazy_classes, torch_dtype
 
 __all__ = ["decode_update_info", "encode_handles", "encode_update_info"]
 
@@ -73,10 +73,7 @@ def _decode_arg(kind: str, name: str, value: Any) -> Any:
     if kind == "ints":
         return torch.Size(int(v) for v in value) if name == "tensor_size" else tuple(value)
     if kind == "dtype":
-        dtype = getattr(torch, str(value), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"IPC handle field {name!r}: unknown dtype {value!r}")
-        return dtype
+        return torch_dtype(value, f"IPC handle field {name!r}")
     if kind == "bytes":
         try:
             return None if value is None else base64.b64decode(value, validate=True)
@@ -141,14 +138,6 @@ def decode_update_info(update_info: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def __getattr__(name: str) -> Any:
-    if name in _VLLM_CLASSES:
-        value = _vllm_classes()[name]
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 _VLLM_CLASSES = (
     "JsonIPCWeightTransferEngine",
     "JsonIPCTrainerInitInfo",
@@ -200,8 +189,12 @@ def _vllm_classes() -> dict[str, type]:
         def _post_send_sync() -> None:
             torch.cuda.ipc_collect()  # vLLM's own step, without its default-group barrier
 
-    return {
-        "JsonIPCWeightTransferEngine": JsonIPCWeightTransferEngine,
-        "JsonIPCTrainerInitInfo": JsonIPCTrainerInitInfo,
-        "JsonIPCTrainerWeightTransferEngine": JsonIPCTrainerWeightTransferEngine,
-    }
+    classes = (
+        JsonIPCWeightTransferEngine,
+        JsonIPCTrainerInitInfo,
+        JsonIPCTrainerWeightTransferEngine,
+    )
+    return {cls.__name__: cls for cls in classes}
+
+
+__getattr__ = lazy_classes(__name__, _VLLM_CLASSES, _vllm_classes)

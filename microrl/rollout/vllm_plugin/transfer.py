@@ -71,12 +71,26 @@ def register() -> None:
             factory.register_engine(name, module, class_name)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _VLLM_CLASSES:
-        value = _vllm_classes()[name]
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def lazy_classes(module: str, names: tuple[str, ...], build: Callable[[], dict]) -> Callable:
+    """A module ``__getattr__`` giving ``build()``'s classes ``names`` on first use (vLLM
+    imported then, not at the module's import)."""
+
+    def module_getattr(name: str) -> Any:
+        if name in names:
+            return build()[name]
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return module_getattr
+
+
+def torch_dtype(name: Any, what: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``); ``ValueError`` naming ``what`` if none."""
+    import torch
+
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{what}: unknown dtype {name!r}")
+    return dtype
 
 
 class _GlooGroup:
@@ -190,6 +204,7 @@ def _vllm_classes() -> dict[str, type]:
     from vllm.distributed.weight_transfer.base import (
         TrainerInitInfo,
         TrainerWeightTransferEngine,
+        WeightSource,
         WeightTransferInitInfo,
     )
     from vllm.distributed.weight_transfer.nccl_engine import (
@@ -234,6 +249,9 @@ def _vllm_classes() -> dict[str, type]:
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+            from vllm.model_executor.model_loader.mtp_validation import (
+                disable_mtp_completeness_check,
+            )
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             group = self.model_update_group
@@ -242,10 +260,26 @@ def _vllm_classes() -> dict[str, type]:
                     "gloo weight transfer is not initialised: POST /init_weight_transfer_engine "
                     "first"
                 )
-            # On an error vLLM leaves the layerwise reload open (layers serving meta tensors):
-            # close it here; the layers loaded keep their new values, the others their old.
+            info = update_info
+            # The first load error is kept, not raised, so the round completes and the group
+            # stays in step. On an error vLLM leaves the layerwise reload open (layers serving
+            # meta tensors): close it here; the layers loaded keep their new values, the others
+            # their old.
+            failure: tuple[str, Exception] | None = None
             try:
-                failure = self._receive_and_load(group, update_info)
+                dtypes = [
+                    torch_dtype(d, f"weight {n!r}")
+                    for n, d in zip(info.names, info.dtype_names, strict=True)
+                ]
+                with disable_mtp_completeness_check():
+                    for name, dtype, shape in zip(info.names, dtypes, info.shapes, strict=True):
+                        weight = torch.empty(shape, dtype=dtype, device="cpu")
+                        group.broadcast(weight, src=0)
+                        if failure is None:
+                            try:
+                                self.model.load_weights([(name, weight)])
+                            except Exception as err:
+                                failure = (name, err)
             except BaseException:
                 # The trainer is gone or out of step: the next round needs a new group.
                 self.shutdown()
@@ -259,35 +293,6 @@ def _vllm_classes() -> dict[str, type]:
                     f"({type(err).__name__}: {err}); the weights before it in this update were "
                     "loaded, the rest keep their old values"
                 ) from err
-
-        def _receive_and_load(
-            self, group: _GlooGroup, update_info: NCCLWeightTransferUpdateInfo
-        ) -> tuple[str, Exception] | None:
-            """Receive and load every tensor; the first load error is returned, not raised, so
-            the round completes and the group stays in step."""
-            from vllm.model_executor.model_loader.mtp_validation import (
-                disable_mtp_completeness_check,
-            )
-
-            dtypes = []
-            for name, dtype_name in zip(update_info.names, update_info.dtype_names, strict=True):
-                dtype = getattr(torch, dtype_name, None)
-                if not isinstance(dtype, torch.dtype):
-                    raise ValueError(f"weight {name!r}: unknown dtype name {dtype_name!r}")
-                dtypes.append(dtype)
-            failure: tuple[str, Exception] | None = None
-            with disable_mtp_completeness_check():
-                for name, dtype, shape in zip(
-                    update_info.names, dtypes, update_info.shapes, strict=True
-                ):
-                    weight = torch.empty(shape, dtype=dtype, device="cpu")
-                    group.broadcast(weight, src=0)
-                    if failure is None:
-                        try:
-                            self.model.load_weights([(name, weight)])
-                        except Exception as err:
-                            failure = (name, err)
-            return failure
 
     @dataclass
     class GlooTrainerInitInfo(TrainerInitInfo):
@@ -381,17 +386,6 @@ def _vllm_classes() -> dict[str, type]:
                 self.model_update_group.destroy()
                 self.model_update_group = None
 
-    return {
-        "GlooWeightTransferInitInfo": GlooWeightTransferInitInfo,
-        "GlooWeightTransferEngine": GlooWeightTransferEngine,
-        "GlooTrainerInitInfo": GlooTrainerInitInfo,
-        "GlooTrainerWeightTransferEngine": GlooTrainerWeightTransferEngine,
-    }
-
-
-def _weight_source_class() -> type:
-    from vllm.distributed.weight_transfer.base import WeightSource
-
     class _PushSource(WeightSource):
         """The current push: its ``ParamMeta``s and a fresh pass over its pairs per iteration."""
 
@@ -405,4 +399,16 @@ def _weight_source_class() -> type:
         def __iter__(self):
             return self.iterate()
 
-    return _PushSource
+    return {
+        cls.__name__: cls
+        for cls in (
+            GlooWeightTransferInitInfo,
+            GlooWeightTransferEngine,
+            GlooTrainerInitInfo,
+            GlooTrainerWeightTransferEngine,
+            _PushSource,
+        )
+    }
+
+
+__getattr__ = lazy_classes(__name__, _VLLM_CLASSES, _vllm_classes)

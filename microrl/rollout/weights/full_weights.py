@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FullWeights", "gather_full_weights"]
+__all__ = ["FullWeights"]
 
 
 class FullWeights:
@@ -74,10 +74,3 @@ def materialize(value: torch.Tensor) -> torch.Tensor:
             value = value.to(value.device_mesh.device_type)
         value = value.full_tensor()
     return value.detach()
-
-
-def gather_full_weights(
-    module: torch.nn.Module, prefix: str, *, trainable_only: bool
-) -> dict[str, torch.Tensor]:
-    """Every pair of :class:`FullWeights` as CPU tensors, gathered one at a time (collective)."""
-    return dict(FullWeights(module, prefix, trainable_only=trainable_only, device="cpu"))

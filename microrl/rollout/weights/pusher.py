@@ -15,7 +15,6 @@ from microrl.rollout.vllm_plugin.transfer import (
     DEFAULT_TIMEOUT_S,
     IPC_BACKEND,
     _vllm_classes,
-    _weight_source_class,
     register,
 )
 
@@ -50,15 +49,6 @@ class _PostClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.post("/shutdown_weight_transfer_engine", None)
-
-
-def _check_name(name: Any, seen: set[str]) -> None:
-    """A non-empty str, not in ``seen`` (then added)."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
-    if name in seen:
-        raise ValueError(f"push(): weight {name!r} appears twice")
-    seen.add(name)
 
 
 class WeightPusher:
@@ -139,7 +129,7 @@ class WeightPusher:
                 )
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        source = _weight_source_class()()
+        source = _vllm_classes()["_PushSource"]()
         self._engine = WeightTransferTrainerFactory.trainer_init(
             self.trainer_init_info(), client=self._client, source=source
         )
@@ -161,8 +151,8 @@ class WeightPusher:
             raise TypeError(f"version must be an int, got {version!r}")
         if callable(getattr(named_tensors, "metadata", None)):  # lazy: one tensor at a time
             metadata, stream = named_tensors.metadata(), named_tensors
-        else:
-            stream = self._checked(named_tensors)
+        else:  # each pair's tensor checked here, its name by _checked_metadata
+            stream = [self._checked_pair(item) for item in named_tensors]
             metadata = [(name, t.dtype, tuple(t.shape)) for name, t in stream]
         self._source.meta = self._checked_metadata(metadata)
         self._source.iterate = lambda: self._checked_stream(stream)
@@ -200,16 +190,10 @@ class WeightPusher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _checked(self, named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        pairs: list[tuple[str, Any]] = []
-        seen: set[str] = set()
-        for item in named_tensors:
-            if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise TypeError(f"push(): expected (name, tensor) pairs, got {item!r:.80}")
-            name, tensor = item
-            _check_name(name, seen)
-            pairs.append((name, self._checked_tensor(name, tensor)))
-        return pairs
+    def _checked_pair(self, item: Any) -> tuple[Any, Any]:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise TypeError(f"push(): expected (name, tensor) pairs, got {item!r:.80}")
+        return item[0], self._checked_tensor(item[0], item[1])
 
     def _checked_tensor(self, name: str, tensor: Any) -> Any:
         import torch
@@ -235,7 +219,11 @@ class WeightPusher:
             name, dtype, shape = (
                 (entry.name, entry.dtype, entry.shape) if hasattr(entry, "name") else entry
             )
-            _check_name(name, seen)
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"push(): a weight name must be a non-empty str, got {name!r}")
+            if name in seen:
+                raise ValueError(f"push(): weight {name!r} appears twice")
+            seen.add(name)
             if not isinstance(dtype, torch.dtype):
                 raise TypeError(f"push(): weight {name!r} has dtype {dtype!r}, not a torch.dtype")
             meta.append(ParamMeta(name, dtype, tuple(int(s) for s in shape)))

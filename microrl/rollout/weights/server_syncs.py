@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import shutil
 from concurrent.futures import Future
 from pathlib import Path
@@ -208,13 +209,12 @@ def _workers(client: ServerClient) -> int:
     info = client.get("server_info?config_format=json")
     try:
         parallel = info["vllm_config"]["parallel_config"]
-        sizes = [int(parallel.get(key, 1)) for key in _PARALLEL_SIZES]
+        sizes = [
+            int(parallel.get(f"{key}_parallel_size", 1)) for key in ("tensor", "pipeline", "data")
+        ]
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(
             f"the vLLM server at {client.url} answered /server_info without its parallel "
             f"sizes ({type(err).__name__}: {err})"
         ) from err
-    return sizes[0] * sizes[1] * sizes[2]
-
-
-_PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    return math.prod(sizes)

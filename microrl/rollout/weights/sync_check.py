@@ -25,8 +25,6 @@ __all__ = [
     "probe_rows",
     "probe_stats",
     "rows_to_probe_layout",
-    "sync_check_error",
-    "sync_check_fails",
 ]
 
 #: The probe statistic ``sync_check_tol`` bounds: the mean |trainer - sampler| log-prob. Not the
@@ -111,20 +109,6 @@ def rows_to_probe_layout(probe: TensorDict, row_logprobs: list[list[float]]) -> 
     return torch.where(probe["loss_mask"].cpu(), out, 0.0)
 
 
-def sync_check_error(
-    version: int, target: str, stats: dict[str, float], tol: float, detail: str
-) -> SyncCheckError:
-    """The error of a push to ``target`` that failed the check, naming the version, ``stats``
-    against ``tol`` and ``detail`` (what differs, or was pushed)."""
-    return SyncCheckError(
-        f"the weight sync of policy version {version} (the weights after step {version}) to "
-        f"{target} failed its check: probe log-probs differ by "
-        f"{stats[SYNC_CHECK_STAT]:.3g} on average ({SYNC_CHECK_STAT}, the mean |difference| "
-        f"over the probe's tokens; tolerance {tol:g}, rollout.sync_check_tol; at most "
-        f"{stats['sync/probe_abs_diff_max']:.3g}, k3 KL {stats['sync/probe_kl']:.3g}); {detail}"
-    )
-
-
 def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor) -> dict:
     """Statistics of ``d = expected - actual`` (``[B, T]``) over ``mask``, in float64: the mean
     k3 ``exp(d) - 1 - d``, the max and the mean (:data:`SYNC_CHECK_STAT`) of ``|d|``."""
@@ -134,11 +118,6 @@ def probe_stats(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor
         "sync/probe_abs_diff_max": float(delta.abs().max()),
         SYNC_CHECK_STAT: float(delta.abs().mean()),
     }
-
-
-def sync_check_fails(stats: dict[str, float], tol: float) -> bool:
-    """Whether :data:`SYNC_CHECK_STAT` is above ``tol`` (or not a number)."""
-    return not stats[SYNC_CHECK_STAT] <= tol
 
 
 def default_sync_check_tol(engine) -> float:

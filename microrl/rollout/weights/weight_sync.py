@@ -15,12 +15,12 @@ import torch
 from tensordict import TensorDict
 
 from microrl.rollout.weights.sync_check import (
+    SYNC_CHECK_STAT,
+    SyncCheckError,
     engine_probe_logprobs,
     probe_rows,
     probe_stats,
     rows_to_probe_layout,
-    sync_check_error,
-    sync_check_fails,
 )
 
 __all__ = ["ProbeVerifier", "WeightSync", "pushed_weights"]
@@ -87,6 +87,13 @@ class ProbeVerifier:
         stats = probe_stats(expected, actual, self.probe["loss_mask"].cpu())
         previous = self.stats.get(version, {})
         self.stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
-        if failed or sync_check_fails(stats, self.tol):
-            raise sync_check_error(version, target, stats, self.tol, detail)
+        if failed or not stats[SYNC_CHECK_STAT] <= self.tol:  # NaN fails too
+            raise SyncCheckError(
+                f"the weight sync of policy version {version} (the weights after step {version}) "
+                f"to {target} failed its check: probe log-probs differ by "
+                f"{stats[SYNC_CHECK_STAT]:.3g} on average ({SYNC_CHECK_STAT}, the mean "
+                f"|difference| over the probe's tokens; tolerance {self.tol:g}, "
+                f"rollout.sync_check_tol; at most {stats['sync/probe_abs_diff_max']:.3g}, k3 KL "
+                f"{stats['sync/probe_kl']:.3g}); {detail}"
+            )
         return stats

@@ -186,7 +186,7 @@ def test_a_push_gathers_one_sharded_tensor_at_a_time(
     from torch.distributed.tensor import DTensor
 
     from microrl.rollout.samplers.vllm_servers import VLLMServerRollout
-    from microrl.rollout.weights.full_weights import gather_full_weights
+    from microrl.rollout.weights.full_weights import FullWeights
 
     engine = _engine(tokenizer, cpu_offload=True)
     assert all(isinstance(p, DTensor) for p in engine.module.parameters())
@@ -200,7 +200,7 @@ def test_a_push_gathers_one_sharded_tensor_at_a_time(
     prefix = "causal_lm."
     expected = {k[len(prefix) :]: float(v.double().sum()) for k, v in full.items()}
     assert {name: total for name, _, total in transfer.pushed} == pytest.approx(expected)
-    cpu = gather_full_weights(engine.module, prefix, trainable_only=False)  # the hf worker's copy
+    cpu = dict(FullWeights(engine.module, prefix, device="cpu"))  # the hf worker's copy
     assert sorted(cpu) == sorted(expected)
     assert all(t.device.type == "cpu" and not isinstance(t, DTensor) for t in cpu.values())
 

@@ -171,13 +171,13 @@ def test_a_server_push_that_does_not_land_fails_the_check(monkeypatch):
 
 def test_an_hf_worker_push_of_the_old_weights_fails_the_check() -> None:
     from microrl.rollout.samplers.hf_worker import AsyncRollout
-    from microrl.rollout.weights.full_weights import gather_full_weights
+    from microrl.rollout.weights.full_weights import FullWeights
     from microrl.rollout.weights.gloo import GlooBroadcast
 
     engine, tok = make_engine()
     with AsyncRollout(engine, tok) as worker:
         assert isinstance(worker.weight_sync, GlooBroadcast)
-        state = gather_full_weights(engine.module, worker.prefix, trainable_only=True)
+        state = dict(FullWeights(engine.module, worker.prefix, trainable_only=True, device="cpu"))
         old = {name: tensor.clone() for name, tensor in state.items()}  # CPU: views until copied
         update(engine, tok)
 
