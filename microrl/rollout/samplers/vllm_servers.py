@@ -189,15 +189,11 @@ class VLLMServerRollout(WorkerSampler):
         self._adapter_dtype = vllm_options.adapter_dtype(dtype, cfg.engine_kwargs)
         lora_rank = self.engine.config.lora.rank
         options = dict(
+            vllm_options.config_options(cfg, device),
             dtype=dtype,
-            max_model_len=cfg.max_model_len,
-            kv_cache_mb=vllm_options.kv_cache_mb(cfg, device),
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=vllm_options.enforce_eager(cfg, device),
             lora_rank=vllm_options.max_lora_rank(lora_rank) if self.is_lora else 0,
             max_loras=4,
             weight_transfer=None if self.is_lora else transfer_backend(self.engine.device, gpus),
-            cpu=on_cpu,
             tensor_parallel_size=cfg.tensor_parallel_size,
             engine_args=user_engine_args(cfg.engine_kwargs, owned=owned),
             images=images,
