@@ -23,27 +23,17 @@ import torch
 import torch.distributed as dist
 
 from microrl.configs.rollout import VLLMConfig
-from microrl.engine.checkpoint.export import (
-    export_merged_model,
-    locate_base_model,
-)
+from microrl.engine.checkpoint.export import export_merged_model, locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
 from microrl.rollout.samplers import vllm_images, vllm_options
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
-from microrl.rollout.weights.sync_check import (
-    default_sync_check_tol,
-    engine_probe,
-)
+from microrl.rollout.weights.sync_check import default_sync_check_tol, engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, pushed_weights
 
-__all__ = [
-    "INSTALL_HINT",
-    "VLLMRollout",
-    "set_vllm_log_level",
-]
+__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "

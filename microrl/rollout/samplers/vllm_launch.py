@@ -1,9 +1,8 @@
 """A ``vllm serve`` process started and owned by the trainer (docs/async.md#vllm-servers).
 
-:class:`LocalVLLMServer` runs the command the docs give users, on ``127.0.0.1`` with a fresh API
-key; its process group dies with the trainer (:mod:`~microrl.rollout.watcher` when killed). An
-error about it carries its engine core's logged traceback (:func:`engine_traceback`), as vLLM's
-HTTP answer names no cause.
+Its process group dies with the trainer (:mod:`~microrl.rollout.watcher` when killed); an error
+carries its engine core's logged traceback (:func:`engine_traceback`): vLLM's HTTP answer names
+no cause.
 """
 
 from __future__ import annotations
@@ -41,9 +40,9 @@ def serve_command(
     **options: Any,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a rollout server: :func:`~.vllm_options.engine_args` of
-    ``options`` (the API key travels in ``VLLM_API_KEY``, not on a command line ``ps`` shows).
-    Full weights turn prefix caching off (old weights' blocks); ``engine_args`` (checked by the
-    caller) come last: argparse keeps the last of a flag."""
+    ``options``, no API key (``VLLM_API_KEY``: ``ps`` shows a command line). Full weights turn
+    prefix caching off (old weights' blocks); ``engine_args`` (checked by the caller) come last:
+    argparse keeps the last of a flag."""
     args: dict[str, Any] = {"host": host, "port": port, "enable_scale_out": True}
     args.update(vllm_options.engine_args(model_dir, **options))
     for key in ("skip_tokenizer_init", "enforce_eager"):  # False: vLLM's default, no flag
@@ -180,19 +179,16 @@ class LocalVLLMServer:
                 )
             time.sleep(0.5)
 
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return "(no log)"
-
     def diagnosis(self) -> str:
         """What an error adds: the engine core's traceback, else the log's tail (log kept)."""
         self._keep_log[0] = True
+        log = "(no log)"
         with contextlib.suppress(OSError):
-            trace = engine_traceback(self.log_path.read_text(errors="replace"))
-            if trace:
+            log = self.log_path.read_text(errors="replace")
+            if trace := engine_traceback(log):
                 return f"{self.name} failed with this traceback (log: {self.log_path}):\n{trace}"
-        return f"{self.name}'s log ends ({self.log_path}):\n{self.log_tail()}"
+            log = "\n".join(log.splitlines()[-30:])
+        return f"{self.name}'s log ends ({self.log_path}):\n{log}"
 
     def alive(self) -> bool:
         return self.process.poll() is None
