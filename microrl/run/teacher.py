@@ -1,16 +1,10 @@
 """The teacher of on-policy distillation: the log-probs of the student's sampled tokens under a
 frozen model (docs/recipes.md#teachers).
 
-:class:`EngineTeacher` scores with a frozen :class:`~microrl.engine.ActorEngine` in this
-process (the batch's per-row ``temperature`` at ``teacher.temperature``, the engine's one
-micro-batch path); :class:`VLLMTeacher` with a ``vllm serve`` server's prompt log-probs of the
-rows' token ids (``/inference/v1/generate``, ``prompt_logprobs=0``: the sampled tokens' own,
-at temperature 1), on the user's server (``teacher.server.url``) or one started on localhost.
-Both return ``[B, T]`` float32 token-aligned log-probs, 0 off ``loss_mask``, so they are
-interchangeable (tests/run/test_teacher_vllm.py). :func:`check_same_vocabulary` refuses a
-teacher whose tokenizer differs from the student's: its log-probs would score other tokens.
-``teacher.path`` is a local checkpoint or a Hugging Face Hub id, downloaded once
-(:func:`teacher_checkpoint`).
+:class:`EngineTeacher` scores with a frozen engine in this process (at ``teacher.temperature``),
+:class:`VLLMTeacher` with a ``vllm serve`` server's prompt log-probs (temperature 1), the user's
+or one started on localhost. Both return ``[B, T]`` float32 token-aligned log-probs, 0 off
+``loss_mask``, so they are interchangeable (tests/run/test_teacher_vllm.py).
 """
 
 from __future__ import annotations
@@ -100,15 +94,10 @@ def scored_batch(batch: TensorDict, temperature: float) -> TensorDict:
 
 
 class EngineTeacher:
-    """A frozen engine (``frozen=True``) of ``config.path`` (a local checkpoint) in this process,
-    computing like the student's (``actor``'s device, dtypes, kernels and parallel layout; its
-    weights stored in the dtype it computes in, else ``actor.base_dtype`` as the student's frozen
-    base; no LoRA, no optimizer).
-
-    Under ``torchrun`` it is loaded as the student is: global rank 0 reads the checkpoint on
-    the CPU, the other ranks build it on ``meta``, and each rank materialises only its FSDP2
-    shards (engine/parallel/materialize.py), so no GPU ever holds the whole teacher. Its
-    :meth:`score` is collective then: every rank calls it in the same order."""
+    """A frozen engine of ``config.path`` (a local checkpoint) in this process, computing like
+    the student's (``actor``'s device, dtypes, kernels and parallel layout; stored in
+    ``actor.base_dtype``; no LoRA, no optimizer). Under ``torchrun`` it is loaded and sharded as
+    the student is (no GPU holds the whole teacher) and :meth:`score` is collective."""
 
     def __init__(self, config: TeacherConfig, actor: ActorConfig) -> None:
         # The student's token budget when it has one (the memory plan's), else rows.
@@ -143,11 +132,9 @@ class EngineTeacher:
 
 class VLLMTeacher:
     """The prompt log-probs of a ``vllm serve`` server of ``config.path``: the user's at
-    ``config.server.url`` (key: in the environment variable ``config.server.api_key_env``
-    names), or a server
-    started on localhost (``vllm``: the rollout's vLLM settings; ``device``: the trainer
-    process's device: the server runs on its GPU, as a colocated rollout server does,
-    :func:`~microrl.rollout.samplers.vllm_placement.server_gpus`)."""
+    ``config.server.url`` (key: in ``$<config.server.api_key_env>``), or one started on
+    localhost with the rollout's ``vllm`` settings, on ``device``'s GPU as a colocated rollout
+    server is (:func:`~microrl.rollout.samplers.vllm_placement.server_gpus`)."""
 
     def __init__(
         self,
@@ -175,8 +162,6 @@ class VLLMTeacher:
             vllm = vllm or VLLMConfig()
             device = torch.device(device)
             on_cpu = device.type == "cpu"
-            # Placed as a rollout server is: on this trainer process's own GPU (without
-            # CUDA_VISIBLE_DEVICES every rank's teacher would start on GPU 0).
             gpus = server_gpus(device, num_workers=1)
             self.server = LocalVLLMServer(
                 config.path,
@@ -185,12 +170,9 @@ class VLLMTeacher:
                 timeout_s=timeout_s,
                 name="the teacher's local vLLM server",
                 log_dir=log_dir,
-                dtype="float32" if vllm.dtype == "auto" and on_cpu else _dtype(vllm.dtype),
-                max_model_len=vllm.max_model_len,
-                kv_cache_mb=vllm_options.kv_cache_mb(vllm, device),
-                gpu_memory_utilization=vllm.gpu_memory_utilization,
-                enforce_eager=vllm_options.enforce_eager(vllm, device),
-                cpu=on_cpu,
+                # auto: exact on a CPU, bf16 on a GPU
+                dtype=vllm.dtype if vllm.dtype != "auto" else "float32" if on_cpu else "bfloat16",
+                **vllm_options.config_options(vllm, device),
                 cuda_visible_devices=None if gpus is None else cuda_visible_devices(gpus[0]),
             )
             self.client = self.server.client
@@ -248,10 +230,6 @@ def teacher_checkpoint(
         "Face Hub id (e.g. Qwen/Qwen2.5-7B-Instruct); to download a Hub model into it: "
         f"`hf download <org/name> --local-dir {path}`"
     )
-
-
-def _dtype(requested: str) -> str:
-    return "bfloat16" if requested == "auto" else requested
 
 
 def make_teacher(

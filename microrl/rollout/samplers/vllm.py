@@ -23,27 +23,17 @@ import torch
 import torch.distributed as dist
 
 from microrl.configs.rollout import VLLMConfig
-from microrl.engine.checkpoint.export import (
-    export_merged_model,
-    locate_base_model,
-)
+from microrl.engine.checkpoint.export import export_merged_model, locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
 from microrl.rollout.samplers import vllm_images, vllm_options
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
-from microrl.rollout.weights.sync_check import (
-    default_sync_check_tol,
-    engine_probe,
-)
+from microrl.rollout.weights.sync_check import default_sync_check_tol, engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, pushed_weights
 
-__all__ = [
-    "INSTALL_HINT",
-    "VLLMRollout",
-    "set_vllm_log_level",
-]
+__all__ = ["INSTALL_HINT", "VLLMRollout", "set_vllm_log_level"]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on a GPU `pip install vllm`; on a CPU "
@@ -197,38 +187,26 @@ class VLLMRollout(RolloutBackend):
     def _engine_args(self, vllm, base_dir: Path) -> dict:
         """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``."""
         cfg = self.config
-        on_cpu = self.device.type == "cpu"
-        kv_mb = vllm_options.kv_cache_mb(cfg, self.device)
-        kwargs = {
-            "model": str(base_dir),
-            # vLLM's multimodal processor needs the tokenizer; text prompts need none.
-            "skip_tokenizer_init": self.image_encoder is None,
-            "dtype": self.dtype,
-            "seed": vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
-            "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "enforce_eager": vllm_options.enforce_eager(cfg, self.device),
-            "logprobs_mode": "processed_logprobs",
-            "generation_config": "vllm",  # our SamplingParams only, not the model's defaults
-            "use_tqdm_on_load": cfg.verbose,
-        }
-        if kv_mb:
-            kwargs["kv_cache_memory_bytes"] = kv_mb * 1024 * 1024
-        if cfg.max_model_len:
-            kwargs["max_model_len"] = cfg.max_model_len
-        if self.is_lora:
-            peft_config = self.engine.peft_model.peft_config["default"]
-            max_rank = vllm_options.max_lora_rank(peft_config.r)
-            kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
+        options = vllm_options.config_options(cfg, self.device)
+        lora_rank = self.engine.peft_model.peft_config["default"].r if self.is_lora else 0
+        args = vllm_options.engine_args(
+            base_dir,
+            dtype=self.dtype,
+            seed=vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
+            lora_rank=vllm_options.max_lora_rank(lora_rank) if lora_rank else 0,
+            images=self.image_encoder is not None,
+            **options,
+        )
+        kwargs = {key: value for key, value in args.items() if value is not None}
+        kwargs["use_tqdm_on_load"] = cfg.verbose
         if cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True
-        if self.image_encoder is not None:  # images only: no video processor is profiled
-            kwargs["limit_mm_per_prompt"] = {"video": 0}
         owned = {**vllm_options.OWNED, **vllm_options.IN_PROCESS_OWNED}
-        if on_cpu:
-            kwargs.update(vllm_options.cpu_scheduler_args())
+        if options["cpu"]:
             owned.update(vllm_options.CPU_OWNED)
-        args = vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
-        kwargs.update(args)
+        kwargs.update(
+            vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
+        )
         return kwargs
 
     def _start(self, vllm, base_dir: Path):

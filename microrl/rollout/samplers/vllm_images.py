@@ -25,8 +25,7 @@ __all__ = [
 
 
 def vision_unsupported() -> str | None:
-    """Why vLLM cannot sample image prompts here (vLLM 0.32's Qwen-VL needs torchvision), or
-    None."""
+    """Why vLLM cannot sample image prompts here, or None."""
     if importlib.util.find_spec("torchvision") is None:
         return (
             "vLLM's Qwen-VL models need torchvision (vLLM 0.32 imports "

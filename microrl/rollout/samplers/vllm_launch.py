@@ -1,9 +1,8 @@
 """A ``vllm serve`` process started and owned by the trainer (docs/async.md#vllm-servers).
 
-:class:`LocalVLLMServer` runs the command the docs give users, on ``127.0.0.1`` with a fresh API
-key; its process group dies with the trainer (:mod:`~microrl.rollout.watcher` when killed). An
-error about it carries its engine core's logged traceback (:func:`engine_traceback`), as vLLM's
-HTTP answer names no cause.
+Its process group dies with the trainer (:mod:`~microrl.rollout.watcher` when killed); an error
+carries its engine core's logged traceback (:func:`engine_traceback`): vLLM's HTTP answer names
+no cause.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from microrl.rollout import watcher
+from microrl.rollout.samplers import vllm_options
 from microrl.rollout.samplers.vllm_http import ServerClient, ServerError, exit_status
-from microrl.rollout.samplers.vllm_options import cli_flags, cpu_scheduler_args, free_port
+from microrl.rollout.samplers.vllm_options import free_port
 
 __all__ = ["LocalVLLMServer", "engine_traceback", "serve_command", "server_env"]
 
@@ -34,55 +34,31 @@ def serve_command(
     *,
     port: int,
     host: str = "127.0.0.1",
-    dtype: str = "float32",
-    max_model_len: int = 0,
-    kv_cache_mb: int = 0,
-    gpu_memory_utilization: float = 0.3,
-    enforce_eager: bool = False,
-    seed: int = 0,
-    lora_rank: int = 0,
-    max_loras: int = 1,
     weight_transfer: str | None = None,
-    cpu: bool = False,
     tensor_parallel_size: int = 1,
     engine_args: Mapping[str, Any] | None = None,
-    images: bool = False,
+    **options: Any,
 ) -> list[str]:
-    """The ``vllm serve`` arguments of a rollout server (the API key travels in ``VLLM_API_KEY``,
-    not on a command line ``ps`` shows). Full weights turn prefix caching off (old weights' blocks);
-    ``engine_args`` (checked by the caller) come last: argparse keeps the last of a flag."""
-    args: dict[str, Any] = {
-        "model": str(model_dir),
-        "host": host,
-        "port": port,
-        "skip_tokenizer_init": None if images else True,
-        "enable_scale_out": True,
-        "dtype": dtype,
-        "seed": seed,
-        "logprobs_mode": "processed_logprobs",
-        "generation_config": "vllm",
-        "gpu_memory_utilization": gpu_memory_utilization,
-    }
-    if cpu:
+    """The ``vllm serve`` arguments of a rollout server: :func:`~.vllm_options.engine_args` of
+    ``options``, no API key (``VLLM_API_KEY``: ``ps`` shows a command line). Full weights turn
+    prefix caching off (old weights' blocks); ``engine_args`` (checked by the caller) come last:
+    argparse keeps the last of a flag."""
+    args: dict[str, Any] = {"host": host, "port": port, "enable_scale_out": True}
+    args.update(vllm_options.engine_args(model_dir, **options))
+    for key in ("skip_tokenizer_init", "enforce_eager"):  # False: vLLM's default, no flag
+        args[key] = args[key] or None
+    if options.get("cpu"):
         # The model in the engine-core process (server_env): vLLM's default on a CPU adds a
         # worker the engine core busy-waits for, a second core burnt.
         args["distributed_executor_backend"] = "uni"
-        args.update(cpu_scheduler_args())
-    if images:  # no video processor is profiled
-        args["limit_mm_per_prompt"] = {"video": 0}
     if tensor_parallel_size > 1:
         args["tensor_parallel_size"] = tensor_parallel_size
-    args["enforce_eager"] = enforce_eager or None
-    args["max_model_len"] = max_model_len or None
-    args["kv_cache_memory_bytes"] = kv_cache_mb * 1024 * 1024 or None
-    if lora_rank:
-        args.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras)
     if weight_transfer:
         args.update(
             weight_transfer_config={"backend": weight_transfer}, enable_prefix_caching=False
         )
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    return command + cli_flags(args) + cli_flags(engine_args or {})
+    return command + vllm_options.cli_flags(args) + vllm_options.cli_flags(engine_args or {})
 
 
 def server_env(
@@ -203,19 +179,16 @@ class LocalVLLMServer:
                 )
             time.sleep(0.5)
 
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return "(no log)"
-
     def diagnosis(self) -> str:
         """What an error adds: the engine core's traceback, else the log's tail (log kept)."""
         self._keep_log[0] = True
+        log = "(no log)"
         with contextlib.suppress(OSError):
-            trace = engine_traceback(self.log_path.read_text(errors="replace"))
-            if trace:
+            log = self.log_path.read_text(errors="replace")
+            if trace := engine_traceback(log):
                 return f"{self.name} failed with this traceback (log: {self.log_path}):\n{trace}"
-        return f"{self.name}'s log ends ({self.log_path}):\n{self.log_tail()}"
+            log = "\n".join(log.splitlines()[-30:])
+        return f"{self.name}'s log ends ({self.log_path}):\n{log}"
 
     def alive(self) -> bool:
         return self.process.poll() is None

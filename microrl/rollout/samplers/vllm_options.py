@@ -38,8 +38,9 @@ __all__ = [
     "VLLM_LORA_RANKS",
     "adapter_dtype",
     "cli_flags",
-    "cpu_scheduler_args",
+    "config_options",
     "enforce_eager",
+    "engine_args",
     "engine_seed",
     "environ",
     "gpu_index",
@@ -83,7 +84,7 @@ SERVER_OWNED: dict[str, str] = {
     "enable_scale_out": "microrl samples through /inference/v1/generate",
     "weight_transfer_config": "full weights are pushed over microrl's chosen transfer backend",
 }
-#: Owned on a CPU (:func:`cpu_scheduler_args`, docs/rollouts.md#long-prompts-on-a-cpu).
+#: Owned on a CPU (:func:`engine_args`, docs/rollouts.md#long-prompts-on-a-cpu).
 CPU_OWNED: dict[str, str] = {
     key: "vLLM's CPU build cannot sample a seeded prompt that is split across scheduler steps, "
     "so microrl turns chunked prefill off on a CPU"
@@ -201,11 +202,56 @@ def remove_workdir(workdir: Path, *, owned: bool) -> None:
         watcher.release("directory", workdir)
 
 
-def cpu_scheduler_args() -> dict[str, Any]:
-    """vLLM's scheduler arguments on a CPU: no chunked prefill. vLLM 0.32 rewinds the seeded
-    generator of a partly computed prompt (``gen.set_offset``), which a CPU generator refuses;
-    whole prompts keep seeded sampling reproducible."""
-    return {"enable_chunked_prefill": False}
+def config_options(config: VLLMConfig, device: torch.device) -> dict[str, Any]:
+    """The ``rollout.vllm`` keys every vLLM microrl starts reads, as :func:`engine_args`'s
+    keywords, resolved for ``device``."""
+    return {
+        "max_model_len": config.max_model_len,
+        "kv_cache_mb": kv_cache_mb(config, device),
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "enforce_eager": enforce_eager(config, device),
+        "cpu": device.type == "cpu",
+    }
+
+
+def engine_args(
+    model: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_model_len: int = 0,
+    kv_cache_mb: int = 0,
+    gpu_memory_utilization: float = 0.3,
+    enforce_eager: bool = False,
+    lora_rank: int = 0,
+    max_loras: int = 1,
+    images: bool = False,
+    cpu: bool = False,
+) -> dict[str, Any]:
+    """The engine arguments both integrations give vLLM (:data:`OWNED` among them): the
+    in-process ``vllm.LLM``'s keywords without the None ones, the servers' :func:`cli_flags`.
+    ``lora_rank``: one of :data:`VLLM_LORA_RANKS` (0: no LoRA)."""
+    args: dict[str, Any] = {
+        "model": str(model),
+        "skip_tokenizer_init": not images,  # vLLM's multimodal processor reads the tokenizer
+        "dtype": dtype,
+        "seed": seed,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "enforce_eager": enforce_eager,
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",  # our SamplingParams only, not the model's defaults
+        "kv_cache_memory_bytes": kv_cache_mb * 1024 * 1024 or None,
+        "max_model_len": max_model_len or None,
+    }
+    if lora_rank:
+        args.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras)
+    if images:  # no video processor is profiled
+        args["limit_mm_per_prompt"] = {"video": 0}
+    if cpu:
+        # vLLM 0.32 rewinds the seeded generator of a partly computed prompt (gen.set_offset),
+        # which a CPU generator refuses: whole prompts keep seeded sampling reproducible.
+        args["enable_chunked_prefill"] = False
+    return args
 
 
 def user_engine_args(

@@ -106,7 +106,8 @@ def server_gpus(
             f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})"
         )
-    local_rank, local_world = _local_rank_and_world()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     blocks = max(local_world // group_size, 1)  # the data ranks of this node
     per_rank = num_workers * tp
     if len(listed) < blocks * per_rank:
@@ -116,7 +117,8 @@ def server_gpus(
             f"node x rollout.num_workers={num_workers} servers x "
             f"rollout.vllm.tensor_parallel_size={tp} need {blocks * per_rank}"
         )
-    training = _training_gpus(own, local_world, count)
+    # This node's trainer processes train on cuda:LOCAL_RANK each, and we on ``own``.
+    training = ({own} | set(range(local_world))) if 1 < local_world <= count else {own}
     shared = sorted(set(listed[: blocks * per_rank]) & training)
     if shared:
         raise ValueError(
@@ -178,13 +180,3 @@ def trainer_address(server_url: str, configured: str = "") -> str:
             f"cannot find this host's address on the route to the vLLM server at {server_url} "
             f"({err}); set rollout.vllm.trainer_address to an address of this host it reaches"
         ) from err
-
-
-def _local_rank_and_world() -> tuple[int, int]:
-    """torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (0 and 1 outside it)."""
-    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-
-
-def _training_gpus(own: int, local_world: int, count: int) -> set[int]:
-    """The GPUs this node's trainer processes train on (``cuda:LOCAL_RANK`` each, and ours)."""
-    return ({own} | set(range(local_world))) if 1 < local_world <= count else {own}

@@ -26,10 +26,7 @@ import torch
 from microrl.configs.refusals import check_vllm_servers
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine.base import Engine
-from microrl.engine.checkpoint.export import (
-    export_merged_model,
-    locate_base_model,
-)
+from microrl.engine.checkpoint.export import export_merged_model, locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import Images, Prompts, Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.rollout.images import ImagePrompts
@@ -180,8 +177,7 @@ class VLLMServerRollout(WorkerSampler):
         if images:
             self.image_encoder.image_processor.save_pretrained(str(model_dir))
         device = self.engine.device
-        on_cpu = device.type == "cpu"
-        owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if on_cpu else {})}
+        owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if device.type == "cpu" else {})}
         if not self.is_lora:  # a cached block computed with old weights must not serve new ones
             owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
         dtype = vllm_options.resolve_dtype(cfg.dtype, self.engine, base)
@@ -189,15 +185,11 @@ class VLLMServerRollout(WorkerSampler):
         self._adapter_dtype = vllm_options.adapter_dtype(dtype, cfg.engine_kwargs)
         lora_rank = self.engine.config.lora.rank
         options = dict(
+            vllm_options.config_options(cfg, device),
             dtype=dtype,
-            max_model_len=cfg.max_model_len,
-            kv_cache_mb=vllm_options.kv_cache_mb(cfg, device),
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=vllm_options.enforce_eager(cfg, device),
             lora_rank=vllm_options.max_lora_rank(lora_rank) if self.is_lora else 0,
             max_loras=4,
-            weight_transfer=None if self.is_lora else transfer_backend(self.engine.device, gpus),
-            cpu=on_cpu,
+            weight_transfer=None if self.is_lora else transfer_backend(device, gpus),
             tensor_parallel_size=cfg.tensor_parallel_size,
             engine_args=user_engine_args(cfg.engine_kwargs, owned=owned),
             images=images,
