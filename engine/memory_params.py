@@ -1,7 +1,4 @@
-"""The trained model's parameter, gradient and optimizer bytes for
-:func:`~microrl.engine.memory.estimate_memory`: the model built on ``meta`` as the engine prepares
-it, each tensor counted exactly (docs/gpu.md).
-"""
+"""Parameter, gradient and optimizer bytes for :func:`~microrl.engine.memory.estimate_memory`."""
 
 from __future__ import annotations
 
@@ -59,6 +56,22 @@ class ParamBytes:
     base_itemsize: int
     base_numel: int  # the causal LM's own elements (no adapters): what vLLM holds
     expert_numel: int = 0  # a mixture of experts' expert weights (all layers, no adapters)
+
+    def placement(self, cpu_offload: bool) -> dict[str, int]:
+        """The device and ``host_*`` bytes of parameters and optimizer state: on the host with
+        ``optim.cpu_offload`` (with this rank's fp32 gradient shards; the device still
+        accumulates full-size gradients over the micro-batches)."""
+        device = {
+            "weights": self.frozen,
+            "trainable_params": self.trainable,
+            "optimizer_state": self.optimizer,
+        }
+        host = {
+            "host_params": self.frozen + self.trainable,
+            "host_gradients": self.trainable,
+            "host_optimizer_state": self.optimizer,
+        }
+        return {**device, **host, **dict.fromkeys(device if cpu_offload else host, 0)}
 
     @staticmethod
     def count(model: nn.Module, world_size: int) -> ParamBytes:
