@@ -41,7 +41,8 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device of one engine's training step (:func:`estimate_memory`); fields: docs/gpu.md.
+    """Bytes per device of one engine's training step (:func:`estimate_memory`); fields:
+    docs/gpu.md.
 
     Persistent: ``weights`` (frozen, ``base_dtype``), fp32 ``trainable_params``, ``gradients``
     (full size on every rank until the mini-batch's last backward) and ``optimizer_state``

@@ -1,4 +1,5 @@
-"""The modules the engine differentiates: one ``nn.Module`` call from token ids to per-token outputs.
+"""The modules the engine differentiates: one ``nn.Module`` call from token ids to per-token
+outputs.
 
 Each wrapper owns the transformers model (or its body) and is the root the engine trains, so
 FSDP2 on it unshards the lm-head weight before its forward and the fused kernel sees it whole.
@@ -205,13 +206,15 @@ class PolicyModel(nn.Module):
         images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> tuple[torch.Tensor, ...]:
-        """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
+        """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b,
+        L]``.
 
         ``targets[b, j]`` is the token predicted from position ``j`` (``-100``: none, output 0).
         ``loss_fn`` (fused head only): the loss runs inside the head
-        (:func:`microrl.kernels.fused_linear_loss`, row groups never splitting ``loss_segments``) and
-        the result is ``(logprobs, entropy, loss)``, outputs detached. ``images``: a vision-language
-        model's (``position_ids`` then its mRoPE positions, ``[3, b, L]`` or packed ``[4, 1, N]``).
+        (:func:`microrl.kernels.fused_linear_loss`, row groups never splitting ``loss_segments``)
+        and the result is ``(logprobs, entropy, loss)``, outputs detached. ``images``: a
+        vision-language model's (``position_ids`` then its mRoPE positions, ``[3, b, L]`` or packed
+        ``[4, 1, N]``).
         """
         inputs = {
             "input_ids": input_ids,
@@ -254,7 +257,8 @@ class PolicyModel(nn.Module):
 
 
 def _fused_loss_head(loss_fn: GroupLossFn, segments: list[int] | None):
-    """:func:`fused_linear_loss` with ``fused_linear_logprob``'s signature -> ``(logprobs, entropy, loss)``."""
+    """:func:`fused_linear_loss` with ``fused_linear_logprob``'s signature -> ``(logprobs, entropy,
+    loss)``."""
 
     def head(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         out = fused_linear_loss(*args, loss_fn, segments=segments, **kwargs)
@@ -288,7 +292,8 @@ def eager_logprob(
     temperature: float | torch.Tensor,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log_softmax(logits / T)`` gathered at ``targets`` (fp32); entropy of the same distribution."""
+    """``log_softmax(logits / T)`` gathered at ``targets`` (fp32); entropy of the same
+    distribution."""
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
         temperature = temperature.unsqueeze(-1)
     logits = logits if logits.dtype == torch.float64 else logits.float()
@@ -353,7 +358,8 @@ class ValueModel(nn.Module):
         images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor:
-        """``[b, L]`` ids -> ``[b, L]`` fp32 values, or with ``last_index`` ``[b]`` (:func:`gather_last`)."""
+        """``[b, L]`` ids -> ``[b, L]`` fp32 values, or with ``last_index`` ``[b]``
+        (:func:`gather_last`)."""
         hidden = body_hidden(
             self.body,
             images,
@@ -380,5 +386,6 @@ def fp32_linear(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 
 def _replicated_local(param: torch.Tensor | None) -> torch.Tensor | None:
-    """A tensor-parallel head's replicated parameter as this rank's plain tensor; others as they are."""
+    """A tensor-parallel head's replicated parameter as this rank's plain tensor; others as they
+    are."""
     return param.to_local() if isinstance(param, DTensor) else param

@@ -63,7 +63,8 @@ class OffloadStats:
 
 
 class _Kept:
-    """A saved tensor left in place: a detached alias (no cycle through ``grad_fn``) and its version."""
+    """A saved tensor left in place: a detached alias (no cycle through ``grad_fn``) and its
+    version."""
 
     __slots__ = ("tensor", "version")
 
@@ -88,7 +89,8 @@ class _Offloaded:
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors of the forward inside the block go to host memory; one instance per micro-batch.
+    """Saved tensors of the forward inside the block go to host memory; one instance per
+    micro-batch.
 
     Args:
         params: the module's parameters and buffers (``DTensor`` shards too): a saved tensor
@@ -169,7 +171,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return packed
 
     def _is_weight(self, tensor: torch.Tensor) -> bool:
-        """A parameter or buffer, a view of one, or autocast's copy of a weight (docs/distributed.md)."""
+        """A parameter or buffer, a view of one, or autocast's copy of a weight
+        (docs/distributed.md)."""
         base = tensor._base if tensor._base is not None else tensor
         if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
             return True
@@ -242,8 +245,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         packed.fetched = fetched
 
     def _queue_end_of_backward(self, device: torch.device) -> None:
-        """At the end of the backward the compute stream waits for the side stream (a prefetched tensor
-        never unpacked must not be freed under its copy).
+        """At the end of the backward the compute stream waits for the side stream (a prefetched
+        tensor never unpacked must not be freed under its copy).
         """
         if self._cleanup_queued:
             return

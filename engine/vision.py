@@ -1,4 +1,5 @@
-"""Images through the engine: the batch's image keys, their checks, mRoPE positions, the vision body.
+"""Images through the engine: the batch's image keys, their checks, mRoPE positions, the vision
+body.
 
 A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) reads images from these batch keys
 (docs/batch.md#images): ``pixel_values`` ``[G, P, D]``, a store of each distinct image set's
@@ -132,8 +133,8 @@ class VisionSpec:
         return [n for n, _ in causal_lm.named_modules() if n.startswith(prefix)]
 
     def placeholder_images(self, device: torch.device) -> ImageInputs:
-        """One image of one feature, run when a micro-batch has none, so every rank runs the (sharded)
-        tower equally often.
+        """One image of one feature, run when a micro-batch has none, so every rank runs the
+        (sharded) tower equally often.
         """
         pixels = torch.zeros(self.merge**2, self.patch_dim, device=device)
         grid = torch.tensor([[1, self.merge, self.merge]], device=device)
@@ -179,8 +180,8 @@ def vision_spec(causal_lm: nn.Module) -> VisionSpec | None:
 
 @dataclass
 class ImageInputs:
-    """A micro-batch's images: ``pixel_values`` ``[P, D]`` (patches in row order), ``grid`` ``[n, 3]``;
-    ``placeholder``: features added as ``0 *`` for the collectives only.
+    """A micro-batch's images: ``pixel_values`` ``[P, D]`` (patches in row order), ``grid`` ``[n,
+    3]``; ``placeholder``: features added as ``0 *`` for the collectives only.
     """
 
     pixel_values: torch.Tensor
@@ -341,7 +342,8 @@ def _check_image_tensors(batch: TensorDict, spec: VisionSpec) -> torch.Tensor:
 def _check_rows(
     batch: TensorDict, is_image: torch.Tensor, grid: torch.Tensor, spec: VisionSpec
 ) -> None:
-    """Per-row consistency of tokens, grids, entries and patches (small summaries read on the host)."""
+    """Per-row consistency of tokens, grids, entries and patches (small summaries read on the
+    host)."""
     counts = grid.prod(-1)  # [B, I] patches per image
     partial = ((grid <= 0).any(-1) & (grid != 0).any(-1)) | (grid < 0).any(-1)
     unmerged = (counts > 0) & ((grid[..., 1:] % spec.merge) != 0).any(-1)

@@ -39,8 +39,8 @@ _MAX_REASON = 400  # characters of one rank's error text in an agreement's messa
 
 
 class CheckpointAbortedError(RuntimeError):
-    """A multi-rank save or load that failed because of other ranks (``failed_ranks``), raised on the
-    ranks whose own part succeeded; the failed ranks re-raise their own exception.
+    """A multi-rank save or load that failed because of other ranks (``failed_ranks``), raised on
+    the ranks whose own part succeeded; the failed ranks re-raise their own exception.
     """
 
     def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:

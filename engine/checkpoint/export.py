@@ -70,7 +70,8 @@ def _is_export(path: Path) -> bool:
 
 
 def _write_atomically(path: str | os.PathLike, write) -> Path:
-    """Rank 0 runs ``write(tmp_dir)`` and renames it to ``path``; every rank raises if rank 0 fails."""
+    """Rank 0 runs ``write(tmp_dir)`` and renames it to ``path``; every rank raises if rank 0
+    fails."""
     target = Path(path).absolute()
     refuse_foreign_dir(target, _is_export, "a model export")
     with rank_agreement(f"export to {target}"):
@@ -210,8 +211,8 @@ def _param_wrapper_delta(
 
 
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The plain transformers state dict under LoRA layers, updates left out (``lora_`` keys dropped,
-    ``base_layer`` levels removed): what a ``vllm`` backend loads once under the adapter.
+    """The plain transformers state dict under LoRA layers, updates left out (``lora_`` keys
+    dropped, ``base_layer`` levels removed): what a ``vllm`` backend loads once under the adapter.
     """
     kept = {k: v for k, v in state.items() if ".lora_" not in k}
     return {_BASE_LAYERS.sub(".", k): v for k, v in kept.items()}
@@ -245,7 +246,8 @@ def export_merged_model(
 
 # ----------------------------------------------------------------- critics and reward models
 class ClassifierTarget(NamedTuple):
-    """The transformers classifier a critic / reward model exports as (:func:`classifier_target`)."""
+    """The transformers classifier a critic / reward model exports as
+    (:func:`classifier_target`)."""
 
     config: Any  # the body's config with num_labels=1 and the classifier's architectures
     base_prefix: str  # the attribute holding the body in that class ("model" for Llama/Qwen2)
@@ -329,7 +331,8 @@ def classifier_state_dict(
     """The state dict of ``target``'s classifier from ``value_model``'s full ``state`` (``body.*``,
     ``value_head.*``), LoRA merged into the body.
 
-    Raises ``ValueError`` when the keys are not exactly the classifier's (missing or random weights).
+    Raises ``ValueError`` when the keys are not exactly the classifier's (missing or random
+    weights).
     """
     body = merged_state_dict(value_model.body, _sub_state(state, "body."))
     out = {f"{target.base_prefix}.{k}": v for k, v in body.items()}

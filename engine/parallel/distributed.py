@@ -143,13 +143,14 @@ def init_distributed(
 
 
 def default_backend(cuda_index: int | None) -> str:
-    """``"cpu:gloo,cuda:nccl"`` on GPUs, so a collective takes a host tensor too; ``"gloo"`` on CPUs."""
+    """``"cpu:gloo,cuda:nccl"`` on GPUs, so a collective takes a host tensor too; ``"gloo"`` on
+    CPUs."""
     return "gloo" if cuda_index is None else "cpu:gloo,cuda:nccl"
 
 
 def collective_device(device: torch.device | str, group: dist.ProcessGroup | None = None):
-    """Where a collective on ``group`` takes a tensor on ``device``: there if the group has a backend
-    for it, else this rank's GPU (a caller's NCCL-only group).
+    """Where a collective on ``group`` takes a tensor on ``device``: there if the group has a
+    backend for it, else this rank's GPU (a caller's NCCL-only group).
     """
     device = torch.device(device)
     if not (dist.is_available() and dist.is_initialized()):

@@ -180,8 +180,8 @@ class SequenceShard:
         return _GatherSequence.apply(x, self.group, self.rank, self.width)
 
     def localize_last_index(self, last_index: torch.Tensor) -> torch.Tensor:
-        """Flat indices into the full ``[b, W]`` inputs -> into this rank's ``[b, W']`` slice (the row's
-        first local token where the last is on another rank); sets :attr:`last_local`.
+        """Flat indices into the full ``[b, W]`` inputs -> into this rank's ``[b, W']`` slice (the
+        row's first local token where the last is on another rank); sets :attr:`last_local`.
         """
         row, col = last_index // self.width, last_index % self.width
         self.last_local = col // self.local == self.rank
@@ -190,8 +190,8 @@ class SequenceShard:
 
     def gather_outputs(self, raw: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
         """A role's raw outputs on this rank's slice -> the whole micro-batch's, on every rank:
-        per-position ``[b, W']`` all-gathered into ``[b, W]``; per-row ``[b]`` values summed over the
-        group with the entries of ranks without the last token zeroed.
+        per-position ``[b, W']`` all-gathered into ``[b, W]``; per-row ``[b]`` values summed over
+        the group with the entries of ranks without the last token zeroed.
         """
         if self.attention_calls == 0:
             raise RuntimeError(

@@ -56,8 +56,9 @@ _WRAPPED: dict[str, str] = {}
 
 
 def is_flash(base: str | None) -> bool:
-    """Whether transformers runs ``base`` through its flash-attention function (``flash_attention_2``,
-    ``_3``, ``_4``, hub kernels), whose varlen path takes :func:`flash_varlen_kwargs`.
+    """Whether transformers runs ``base`` through its flash-attention function
+    (``flash_attention_2``, ``_3``, ``_4``, hub kernels), whose varlen path takes
+    :func:`flash_varlen_kwargs`.
     """
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -75,7 +76,8 @@ def wrapper_name(base: str) -> str:
 
 
 def base_implementation(name: str | None) -> str | None:
-    """The plain implementation under a microrl wrapper name (``microrl_varlen_sdpa`` -> ``sdpa``)."""
+    """The plain implementation under a microrl wrapper name (``microrl_varlen_sdpa`` ->
+    ``sdpa``)."""
     if name in _WRAPPED:
         return _WRAPPED[name]
     for prefix in (_PREFIX, VARLEN_PREFIX):
@@ -85,8 +87,8 @@ def base_implementation(name: str | None) -> str | None:
 
 
 def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
-    """Raise ``ValueError`` naming ``sequence_parallel_size`` unless ``size`` divides the query heads
-    (key/value heads are replicated instead: :func:`kv_head_repeats`).
+    """Raise ``ValueError`` naming ``sequence_parallel_size`` unless ``size`` divides the query
+    heads (key/value heads are replicated instead: :func:`kv_head_repeats`).
     """
     if num_heads % size or num_heads % num_kv_heads:
         raise ValueError(
@@ -102,14 +104,16 @@ def kv_head_repeats(num_kv_heads: int, size: int) -> int:
 
 
 def split_chunks(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
-    """``x`` cut into ``size`` chunks along ``dim``, stacked ``[size, ...]`` (chunk ``j`` to rank ``j``)."""
+    """``x`` cut into ``size`` chunks along ``dim``, stacked ``[size, ...]`` (chunk ``j`` to rank
+    ``j``)."""
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of {tuple(x.shape)} does not divide by {size}")
     return torch.stack(x.chunk(size, dim=dim)).contiguous()
 
 
 def join_chunks(chunks: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`split_chunks` on what an all-to-all received: concatenated along ``dim``."""
+    """Inverse of :func:`split_chunks` on what an all-to-all received: concatenated along
+    ``dim``."""
     return torch.cat(chunks.unbind(0), dim=dim)
 
 
@@ -122,7 +126,8 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: i
 
 
 class _AllToAll(torch.autograd.Function):
-    """Scatter ``scatter`` over the group, gather ``gather``; the backward is the inverse exchange."""
+    """Scatter ``scatter`` over the group, gather ``gather``; the backward is the inverse
+    exchange."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int):

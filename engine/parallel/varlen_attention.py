@@ -96,7 +96,8 @@ def _model_eager_attention(module: nn.Module):
 def _causal_mask(
     length: int, window: int | None, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Additive ``[1, 1, n, n]`` mask: 0 where query ``i`` sees key ``j`` (``i - window < j <= i``)."""
+    """Additive ``[1, 1, n, n]`` mask: 0 where query ``i`` sees key ``j`` (``i - window < j <=
+    i``)."""
     rows = torch.arange(length, device=device).unsqueeze(1)
     cols = torch.arange(length, device=device).unsqueeze(0)
     allowed = cols <= rows
