@@ -41,18 +41,10 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device of one engine's training step (:func:`estimate_memory`); fields:
-    docs/gpu.md.
-
-    Persistent: ``weights`` (frozen, ``base_dtype``), fp32 ``trainable_params``, ``gradients``
-    (full size on every rank until the mini-batch's last backward) and ``optimizer_state``
-    (sharded). Per micro-batch: ``activations``, ``head_buffers``, ``autocast_copies``,
-    ``backward_gradients``; ``compute_peak`` is the larger of the forward at the head and the
-    backward. ``total`` = persistent + ``fsdp_buffers`` + ``vllm`` + max(``compute_peak``,
-    ``optimizer_transient``), or with vLLM's sleep mode the larger of that without ``vllm`` and
-    persistent + ``vllm`` (``peak_phase`` ``"sampling"``). The ``host_*`` fields (0 without the
-    offloads) are host memory. Not counted: the CUDA context and allocator fragmentation.
-    """
+    """Bytes per device of one engine's training step (:func:`estimate_memory`), and host bytes per
+    rank under the offloads (``host_*``, 0 without them); every field: docs/gpu.md,
+    "``estimate_memory``". ``total`` is the device's peak (``peak_phase`` names the phase). Not
+    counted: the CUDA context and allocator fragmentation."""
 
     weights: int
     trainable_params: int
@@ -95,9 +87,7 @@ class MemoryEstimate:
     # Images: pixel bytes per image token, and the step's pixels (one copy per group).
     image_token_bytes: int = 0
     image_pixels: int = 0
-    # A mixture of experts: the parameters one token uses (the k of E experts of each MoE
-    # layer; num_params for a dense model) and the routing key's bytes per token
-    # (routed_experts: MoE layers x k, int16; docs/engine.md#mixture-of-experts).
+    # A mixture of experts: parameters one token uses, routing key (routed_experts) bytes.
     num_active_params: int = 0
     routing_key_bytes_per_token: int = 0
 
@@ -200,28 +190,13 @@ def estimate_memory(
     reward_model_tokens: int | None = None,
     hf_generation: bool | None = None,
 ) -> MemoryEstimate:
-    """The bytes one device needs to train ``model_config``'s model with ``config``.
+    """The bytes one device needs to train ``model_config``'s model (a transformers
+    ``PretrainedConfig``) with ``config`` (default ``EngineConfig()``).
 
-    Args:
-        model_config: a transformers ``PretrainedConfig`` of a causal LM.
-        config: the engine config (default ``EngineConfig()``).
-        tokens_per_micro_batch: tokens of one micro-batch; default
-            ``config.max_tokens_per_micro_batch``, required without it.
-        world_size: FSDP data-parallel ranks (``optim.cpu_offload`` shards over one in a process).
-        device: ``"cuda"`` or ``"cpu"``: resolves ``dtype="auto"`` and FSDP's mixed precision.
-        value_head: a critic's ``Linear(H, 1)`` head instead of the lm head (no logits).
-        vllm_gpu_memory_utilization: vLLM's colocated share of ``device_memory`` (bytes of one
-            device; with it the estimate also tells whether the total fits).
-        vllm_sleep_level: ``rollout.vllm.sleep_level``: 1 or 2, vLLM holds its share only while
-            it samples (1 offloads its weights to the host).
-        image_tokens_per_micro_batch: a vision-language model's image placeholder tokens per
-            micro-batch (its tower's activations); ``image_tokens_per_step``: those of this rank's
-            distinct prompts in one step (their pixels stay on the device).
-        teacher_config: an in-process distillation teacher's ``PretrainedConfig``, or None.
-        reward_model_config: a ``task.reward_model``'s ``PretrainedConfig``, or None;
-            ``reward_model_tokens``: one of its micro-batches (default the trainer's).
-        hf_generation: the ``hf`` backend samples in the trainer, gathering the policy's full
-            weights under FSDP2 (None: when no vLLM share is given).
+    ``tokens_per_micro_batch`` defaults to ``config.max_tokens_per_micro_batch``; ``world_size``
+    counts FSDP2 ranks; ``device`` resolves ``dtype="auto"`` and FSDP's mixed precision. vLLM's
+    colocated share, a teacher, a reward model, images and ``hf`` generation are described with
+    every argument in docs/gpu.md, "``estimate_memory``".
 
     Raises:
         ValueError: naming the argument: no token budget, ``world_size < 1``, a vLLM share
@@ -299,19 +274,16 @@ def estimate_memory(
     compute_phase = max(phases, key=phases.get)
     gathered = 0
     if sharded:
-        # In the gather dtype: the root unit (final norm and head), unsharded for the whole
-        # step, plus the decoder layer being computed and the next one (prefetch).
+        # The root unit (final norm, head) for the whole step, the current and next layer.
         gather_size = 2 if fsdp_bf16 else params.base_itemsize
         gathered = (params.root_numel + 2 * params.layer_numel) * gather_size
-    # AdamW (foreach) holds one fp32 temporary per trainable element during its step: on the
-    # host with optim.cpu_offload (the optimizer steps there).
+    # AdamW (foreach)'s fp32 temporary per trainable element: on the host with cpu_offload.
     step = params.trainable_numel_per_rank * 4 if config.optim.name == "adamw" else 0
     host_step = step if cpu_offload else 0
     step -= host_step
     peak_phase = compute_phase if phases[compute_phase] >= step else "optimizer step"
     placed = params.placement(cpu_offload)  # the offload's host_* bytes too
-    # Sleep level 1: vLLM's weights wait in host memory, in its dtype (bf16 where the trainer
-    # autocasts, else the base's storage dtype; docs/rollouts.md#sleep-mode).
+    # Sleep level 1: vLLM's weights wait in host memory, in its dtype.
     host_vllm = 0
     if vllm and vllm_sleep_level == 1:
         host_vllm = params.base_numel * (2 if autocast else params.base_itemsize)
@@ -337,9 +309,7 @@ def estimate_memory(
         per_token = image_token_bytes(model_config.vision_config)
         images = {"image_token_bytes": per_token, "image_pixels": image_tokens_per_step * per_token}
         total += images["image_pixels"]
-    # hf sampling: the trainer idle (its gradients freed by the last optimizer step), its
-    # parameters and optimizer state, the frozen models' weights and the policy gathered whole
-    # (FSDP2); the KV cache is not counted (docs/gpu.md).
+    # hf sampling: the idle trainer without gradients, frozen models, the policy gathered whole.
     hf = vllm_gpu_memory_utilization is None if hf_generation is None else hf_generation
     gathered_hf = hf_gathered_bytes(model, world_size, device, sharded) if hf else 0
     frozen = teacher.get("teacher_weights", 0) + rm.get("reward_model_weights", 0)
@@ -360,14 +330,12 @@ def estimate_memory(
         vllm=vllm,
         total=total,
         peak_phase=peak_phase,
-        # What the numbers were computed for.
         num_params=params.num_params,
         num_trainable=params.num_trainable,
         tokens=tokens,
         world_size=world_size,
         device_memory=device_memory,
         vllm_sleep_level=vllm_sleep_level,
-        # Host memory.
         host_activations=host_activations,
         host_vllm_weights=host_vllm,
         host_total=host_total,

@@ -137,8 +137,7 @@ def layer_tensors(
     shape: Shape, num: Numerics, adapted: set[str], rank: int, *, own_inputs: bool = False
 ) -> list[int]:
     """Per-token bytes of each tensor autograd keeps in one decoder layer; ``own_inputs``: each
-    trainable linear layer's input counted on its own (activation offload copies each view).
-    """
+    trainable linear layer's input counted on its own (activation offload copies each view)."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tensors = [h * 4, h * 4, 4, 4]  # the two RMSNorms: their input upcast to fp32, 1/rms per token
@@ -217,8 +216,7 @@ def backward_bytes_per_token(shape: Shape, num: Numerics) -> int:
 
 def other_bytes_per_token(shape: Shape, num: Numerics) -> int:
     """Outside the layers: the final norm, the final hidden state and its gradient, rotary cos/sin,
-    and the micro-batch's own tensors.
-    """
+    and the micro-batch's own tensors."""
     h = shape.hidden
     return h * 4 + 2 * h * num.stream + 2 * shape.head_dim * num.act + BATCH_BYTES_PER_TOKEN
 
@@ -226,8 +224,7 @@ def other_bytes_per_token(shape: Shape, num: Numerics) -> int:
 def head_bytes(shape: Shape, num: Numerics, config: EngineConfig, tokens: int, device: str) -> int:
     """The lm head's buffers: the fused kernel's fp32 logits tiles (CPU: its tile budget and a fp32
     copy of a 16-bit vocabulary tile; CUDA: its byte budget, at most the logits and a gradient
-    accumulator), or the eager head's ``[N, V]`` fp32 buffers.
-    """
+    accumulator), or the eager head's ``[N, V]`` fp32 buffers."""
     if not config.use_fused_kernel:
         return EAGER_HEAD_BUFFERS * tokens * shape.vocab * 4
     if device == "cuda":
@@ -256,8 +253,7 @@ def vision_tower_bytes(
 ) -> tuple[int, int]:
     """``(kept, forward_peak)``: bytes a vision tower keeps for the backward over ``image_tokens``
     placeholders (``merge**2`` patches each), each block modelled as a decoder layer; a frozen
-    tower keeps nothing and holds one block at a time.
-    """
+    tower keeps nothing and holds one block at a time."""
     patches = image_tokens * vision_config.spatial_merge_size**2
     hidden = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
     intermediate = getattr(vision_config, "intermediate_size", None)

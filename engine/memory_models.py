@@ -55,8 +55,7 @@ def frozen_model_bytes(
 ) -> tuple[int, int]:
     """``(weights, forward)`` of a frozen meta ``model``: its parameters sharded over
     ``world_size``, and a no-grad forward over ``tokens`` (one layer in flight, ``logits`` fp32
-    elements, under FSDP2 the gathered root and two layers).
-    """
+    elements, under FSDP2 the gathered root and two layers)."""
     weights = sum(shard_numel(p, world_size) * p.element_size() for p in model.parameters())
     forward = tokens * backward_bytes_per_token(Shape.of(model_config), num) + logits * 4
     if world_size > 1:
@@ -72,8 +71,7 @@ def reward_model_bytes(
     model_config: Any, config: EngineConfig, tokens: int, world_size: int, device: str
 ) -> dict[str, int]:
     """A ``task.reward_model``: weights in the run's compute dtype (fp32 score head), sharded, and
-    its no-grad forward over ``tokens`` (no logits).
-    """
+    its no-grad forward over ``tokens`` (no logits)."""
     from transformers import AutoModelForSequenceClassification
 
     dtype = setup.autocast_dtype(config, device) or torch.float32
@@ -118,8 +116,7 @@ def teacher_logits(shape: Shape, config: EngineConfig, tokens: int) -> int:
 
 def hf_gathered_bytes(model: nn.Module, world_size: int, device: str, sharded: bool) -> int:
     """The policy's full weights FSDP2 gathers beside the shards for ``hf`` generation (bf16 on
-    CUDA); 0 for an unsharded model.
-    """
+    CUDA); 0 for an unsharded model."""
     if not sharded:
         return 0
     return sum(
@@ -129,8 +126,7 @@ def hf_gathered_bytes(model: nn.Module, world_size: int, device: str, sharded: b
 
 def image_token_bytes(vision_config: Any) -> int:
     """Pixel bytes of one image placeholder token: ``merge**2`` patches of fp32 values (Qwen2-VL:
-    18816).
-    """
+    18816)."""
     patch_dim = (
         vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
     )

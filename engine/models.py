@@ -1,10 +1,9 @@
-"""The modules the engine differentiates: one ``nn.Module`` call from token ids to per-token
-outputs.
+"""The modules the engine differentiates: one ``nn.Module`` call from ids to per-token outputs.
 
 Each wrapper owns the transformers model (or its body) and is the root the engine trains, so
-FSDP2 on it unshards the lm-head weight before its forward and the fused kernel sees it whole.
-No transformers class is patched. Outputs are aligned to the *predicting* position: entry
-``[.., j]`` comes from token ``j``'s hidden state and concerns token ``j + 1``.
+FSDP2 on it unshards the lm-head weight before its forward; no transformers class is patched.
+Outputs are aligned to the *predicting* position: entry ``[.., j]`` comes from token ``j``'s
+hidden state and concerns token ``j + 1``.
 """
 
 from __future__ import annotations
@@ -60,8 +59,7 @@ _PROBE_TOKENS = 8  # a handful of tokens suffice to reveal a transformation of t
 
 def decoder_body(causal_lm: nn.Module) -> nn.Module:
     """The model without its head (``get_decoder()``), returning ``last_hidden_state``; for a
-    vision-language model the multimodal body (vision tower + language model).
-    """
+    vision-language model the multimodal body (vision tower + language model)."""
     body = multimodal_body(causal_lm)
     if body is not None:
         return body
@@ -78,8 +76,7 @@ def decoder_body(causal_lm: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class LogitTransform:
     """What the model does to ``z = lm_head(hidden)`` before its logits come out:
-    ``cap(z * scale)`` with ``cap(x) = softcap * tanh(x / softcap)`` (identity for None).
-    """
+    ``cap(z * scale)`` with ``cap(x) = softcap * tanh(x / softcap)`` (identity for None)."""
 
     scale: float = 1.0
     softcap: float | None = None
@@ -206,15 +203,12 @@ class PolicyModel(nn.Module):
         images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> tuple[torch.Tensor, ...]:
-        """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b,
-        L]``.
+        """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
 
         ``targets[b, j]`` is the token predicted from position ``j`` (``-100``: none, output 0).
-        ``loss_fn`` (fused head only): the loss runs inside the head
-        (:func:`microrl.kernels.fused_linear_loss`, row groups never splitting ``loss_segments``)
-        and the result is ``(logprobs, entropy, loss)``, outputs detached. ``images``: a
-        vision-language model's (``position_ids`` then its mRoPE positions, ``[3, b, L]`` or packed
-        ``[4, 1, N]``).
+        ``loss_fn`` (fused head only): the loss runs inside the head (:func:`fused_linear_loss`, row
+        groups never splitting ``loss_segments``), returning ``(logprobs, entropy, loss)``.
+        ``images``: a vision-language model's (``position_ids`` then its mRoPE positions).
         """
         inputs = {
             "input_ids": input_ids,
@@ -269,8 +263,7 @@ def _fused_loss_head(loss_fn: GroupLossFn, segments: list[int] | None):
 
 def _vocab_parallel_head(loss_fn: GroupLossFn | None, segments: list[int] | None):
     """:func:`microrl.kernels.vocab_parallel_linear_logprob` (weight and bias ``Shard(0)`` DTensors
-    over the tp ranks) with the fused head's signature; with ``loss_fn``, its fused-loss twin.
-    """
+    over the tp ranks) with the fused head's signature; with ``loss_fn``, its fused-loss twin."""
 
     def head(hidden, weight, targets, **kwargs):
         from microrl.kernels import vocab_parallel_linear_logprob
@@ -310,8 +303,7 @@ def eager_logprob(
 
 def gather_last(values: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
     """Each sequence's entry at its last real token: ``[b, L, ...]`` (or packed ``[1, N, ...]``) and
-    flat ``last_index [b]`` -> ``[b, ...]``. Differentiable; no host sync.
-    """
+    flat ``last_index [b]`` -> ``[b, ...]``. Differentiable; no host sync."""
     return values.flatten(0, 1).index_select(0, last_index)
 
 
@@ -376,8 +368,7 @@ class ValueModel(nn.Module):
 
 def fp32_linear(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """``linear(hidden)`` in float32 outside autocast (float64 for a float64 weight), so a scalar
-    head's value is never rounded to 16 bits: ``[..., H]`` -> ``[..., out]``.
-    """
+    head's value is never rounded to 16 bits: ``[..., H]`` -> ``[..., out]``."""
     dtype = torch.float64 if linear.weight.dtype == torch.float64 else torch.float32
     weight, bias = _replicated_local(linear.weight), _replicated_local(linear.bias)
     bias = None if bias is None else bias.to(dtype)

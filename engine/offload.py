@@ -42,8 +42,7 @@ class OffloadStats:
     """What a block offloaded: ``tensors`` and ``bytes`` copied to the host (each tensor once;
     ``shared``: later saves reusing a copy), and the saved tensors kept on the device as small
     (``kept_small``) or parameters and weight copies (``kept_params``); ``records``: ``(shape,
-    dtype, bytes)`` per copy with ``record=True``.
-    """
+    dtype, bytes)`` per copy with ``record=True``."""
 
     tensors: int = 0
     bytes: int = 0
@@ -75,8 +74,7 @@ class _Kept:
 
 class _Offloaded:
     """A saved tensor's host copy, its device, its saving order and, on CUDA, its copy back with the
-    event recorded when that copy is done.
-    """
+    event recorded when that copy is done."""
 
     __slots__ = ("device", "fetched", "host", "index", "ready")
 
@@ -246,8 +244,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def _queue_end_of_backward(self, device: torch.device) -> None:
         """At the end of the backward the compute stream waits for the side stream (a prefetched
-        tensor never unpacked must not be freed under its copy).
-        """
+        tensor never unpacked must not be freed under its copy)."""
         if self._cleanup_queued:
             return
         side = _side_stream(device)
@@ -266,8 +263,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 def release_pinned_memory(device: torch.device) -> None:
     """Return the cached, unused pinned host blocks of torch's CUDA host allocator to the system (a
     no-op off CUDA): it never frees them itself, so activation copies and offloaded gradients would
-    stay pinned through sampling. Blocks in use stay. Called by ``Engine.release_host_memory``.
-    """
+    stay pinned through sampling. Blocks in use stay. Called by ``Engine.release_host_memory``."""
     if torch.device(device).type != "cuda":
         return
     empty = getattr(torch.accelerator, "empty_host_cache", None)  # else the CUDA-only name

@@ -79,8 +79,7 @@ def has_vision_config(model: nn.Module | str | os.PathLike) -> bool:
 
 def refuse_parallel(model: nn.Module | str | os.PathLike, config: object) -> None:
     """Sequence and tensor parallelism do not split images and mRoPE positions yet: a ``ValueError``
-    naming the key, before any process group is touched.
-    """
+    naming the key, before any process group is touched."""
     for name in ("sequence_parallel_size", "tensor_parallel_size"):
         size = getattr(config, name)
         if size > 1 and has_vision_config(model):
@@ -134,8 +133,7 @@ class VisionSpec:
 
     def placeholder_images(self, device: torch.device) -> ImageInputs:
         """One image of one feature, run when a micro-batch has none, so every rank runs the
-        (sharded) tower equally often.
-        """
+        (sharded) tower equally often."""
         pixels = torch.zeros(self.merge**2, self.patch_dim, device=device)
         grid = torch.tensor([[1, self.merge, self.merge]], device=device)
         return ImageInputs(pixels, grid, placeholder=True)
@@ -181,8 +179,7 @@ def vision_spec(causal_lm: nn.Module) -> VisionSpec | None:
 @dataclass
 class ImageInputs:
     """A micro-batch's images: ``pixel_values`` ``[P, D]`` (patches in row order), ``grid`` ``[n,
-    3]``; ``placeholder``: features added as ``0 *`` for the collectives only.
-    """
+    3]``; ``placeholder``: features added as ``0 *`` for the collectives only."""
 
     pixel_values: torch.Tensor
     grid: torch.Tensor
@@ -191,8 +188,7 @@ class ImageInputs:
 
 def image_inputs(data: TensorDict, spec: VisionSpec) -> ImageInputs | None:
     """The images of a compact micro-batch flattened in row order (each row gets its copy of its
-    entry), or None without any; reads grids and entries on the host.
-    """
+    entry), or None without any; reads grids and entries on the host."""
     if PIXEL_VALUES_KEY not in data:
         return None
     store, index = image_store(data)

@@ -28,8 +28,7 @@ IMAGE_KEYS = (PIXEL_VALUES_KEY, IMAGE_GRID_KEY, IMAGE_INDEX_KEY)
 
 def image_store(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(store [G, P, D], index [B])`` of a batch with images, in either layout (per-row
-    ``pixel_values``: ``index`` is ``arange(B)``); the store as a plain tensor.
-    """
+    ``pixel_values``: ``index`` is ``arange(B)``); the store as a plain tensor."""
     store = _plain(batch[PIXEL_VALUES_KEY])
     if IMAGE_INDEX_KEY in batch:
         return store, batch[IMAGE_INDEX_KEY]
@@ -42,8 +41,7 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
 
 def to_plain_tensors(batch: TensorDict) -> dict[str, torch.Tensor]:
     """``batch``'s entries as plain tensors (the store unwrapped), as
-    ``torch.load(weights_only=True)`` reads them back.
-    """
+    ``torch.load(weights_only=True)`` reads them back."""
     return {key: _plain(value) for key, value in batch.items()}
 
 
@@ -57,8 +55,7 @@ def from_plain_tensors(tensors: dict[str, torch.Tensor], rows: int) -> TensorDic
 
 def kept_images(batch: TensorDict) -> TensorDict:
     """``batch`` (rows selected from a bigger one) with only the store entries its rows use,
-    ``image_index`` renumbered, in place; unchanged without a shared store.
-    """
+    ``image_index`` renumbered, in place; unchanged without a shared store."""
     if IMAGE_INDEX_KEY not in batch or PIXEL_VALUES_KEY not in batch:
         return batch
     store, index = image_store(batch)

@@ -40,8 +40,7 @@ _MAX_REASON = 400  # characters of one rank's error text in an agreement's messa
 
 class CheckpointAbortedError(RuntimeError):
     """A multi-rank save or load that failed because of other ranks (``failed_ranks``), raised on
-    the ranks whose own part succeeded; the failed ranks re-raise their own exception.
-    """
+    the ranks whose own part succeeded; the failed ranks re-raise their own exception."""
 
     def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -183,8 +182,7 @@ def phase(sync: RankSync | None, name: str) -> contextlib.AbstractContextManager
 def rank_agreement(what: str, timeout_s: float | None = None) -> contextlib.AbstractContextManager:
     """A block that returns on every rank only if it succeeded on all: an exception on one makes
     the others raise :class:`CheckpointAbortedError` naming it, a rank that never arrives is named
-    after ``timeout_s``. For single-writer steps (exports). A no-op in one process.
-    """
+    after ``timeout_s``. For single-writer steps (exports). A no-op in one process."""
     timeout = resolve_timeout(timeout_s)
     sync = RankSync(what, timeout) if distributed.world_size() > 1 else None
     return phase(sync, "write")

@@ -68,8 +68,7 @@ def fsync_dir(path: Path) -> None:
 
 def staging_paths(target: Path) -> tuple[Path, Path]:
     """``(.<name>.tmp, .<name>.old)`` next to ``target``: the new version, and the previous one
-    during the swap.
-    """
+    during the swap."""
     return target.parent / f".{target.name}.tmp", target.parent / f".{target.name}.old"
 
 
@@ -103,8 +102,7 @@ def recover_swap(target: Path, is_complete: Callable[[Path], bool] | None = None
 
 def replace_dir(tmp: Path, target: Path, old: Path) -> None:
     """Move the complete directory ``tmp`` to ``target``; a previous ``target`` survives in ``old``
-    until the new one is in place (and is moved back if moving ``tmp`` fails).
-    """
+    until the new one is in place (and is moved back if moving ``tmp`` fails)."""
     moved_aside = target.exists()
     if moved_aside:
         shutil.rmtree(old, ignore_errors=True)  # superseded: target is the current copy
@@ -127,8 +125,7 @@ def refuse_foreign_dir(
     error: type[Exception] = ValueError,
 ) -> None:
     """Raise ``error`` when ``target`` is a non-empty directory that is not ``what`` (replacing it
-    would delete someone's files), after restoring an interrupted swap's ``.old``.
-    """
+    would delete someone's files), after restoring an interrupted swap's ``.old``."""
     recover_swap(target)
     if target.is_dir() and any(target.iterdir()) and not is_ours(target):
         raise error(f"refusing to replace {target}: a non-empty directory that is not {what}")

@@ -45,8 +45,7 @@ _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped tra
 
 def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The unsharded state dict of ``model`` on the CPU on rank 0 (``{}`` elsewhere);
-    ``trainable_only``: the trainable parameters alone (the frozen base is not gathered).
-    """
+    ``trainable_only``: the trainable parameters alone (the frozen base is not gathered)."""
     options = StateDictOptions(
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
@@ -192,9 +191,8 @@ def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
 def _param_wrapper_delta(
     name: str, module: nn.Module, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[str, torch.Tensor]:
-    """The state key of a ``ParamWrapper``'s parameter (one ``base_layer`` level per nested wrapper)
-    and its unscaled update from ``a`` ``[r * E, in]`` and ``b`` ``[out, r * E]`` (peft's layout).
-    """
+    """The state key of a ``ParamWrapper``'s parameter (a ``base_layer`` per nested wrapper) and its
+    unscaled update from ``a`` ``[r * E, in]`` and ``b`` ``[out, r * E]`` (peft's layout)."""
     from peft.tuners.lora import ParamWrapper
 
     levels, inner = 1, module.base_layer
@@ -211,9 +209,8 @@ def _param_wrapper_delta(
 
 
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The plain transformers state dict under LoRA layers, updates left out (``lora_`` keys
-    dropped, ``base_layer`` levels removed): what a ``vllm`` backend loads once under the adapter.
-    """
+    """The plain transformers state dict under LoRA layers, updates left out (``lora_`` keys dropped,
+    ``base_layer`` levels removed): what a ``vllm`` backend loads once under the adapter."""
     kept = {k: v for k, v in state.items() if ".lora_" not in k}
     return {_BASE_LAYERS.sub(".", k): v for k, v in kept.items()}
 
@@ -331,8 +328,7 @@ def classifier_state_dict(
     """The state dict of ``target``'s classifier from ``value_model``'s full ``state`` (``body.*``,
     ``value_head.*``), LoRA merged into the body.
 
-    Raises ``ValueError`` when the keys are not exactly the classifier's (missing or random
-    weights).
+    Raises ``ValueError`` when the keys are not exactly the classifier's.
     """
     body = merged_state_dict(value_model.body, _sub_state(state, "body."))
     out = {f"{target.base_prefix}.{k}": v for k, v in body.items()}
@@ -380,8 +376,7 @@ def _export_classifier_adapter(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """:func:`export_peft_adapter` of a critic / reward model: the body's adapter plus the trained
-    head as a module to save, loaded by ``PeftModel.from_pretrained(classifier, path)``.
-    """
+    head as a module to save, loaded by ``PeftModel.from_pretrained(classifier, path)``."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 

@@ -44,14 +44,9 @@ def load_reward_model_checkpoint(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """The ``*ForSequenceClassification`` (``num_labels=1``, eval mode, CPU) that a
-    ``RewardModelEngine`` checkpoint and its base model make, its weights in ``dtype``.
-
-    Args:
-        checkpoint: a directory written by ``RewardModelEngine.save_checkpoint``.
-        base: the base causal LM it was trained from: a local directory, or the model itself (a
-            fresh copy: LoRA layers are injected into it).
-        dtype: the classifier's weights (restored and merged in float32, then cast once).
+    """The ``*ForSequenceClassification`` (``num_labels=1``, eval mode, CPU, weights in ``dtype``)
+    that a ``RewardModelEngine`` checkpoint and its ``base`` causal LM (a local directory, or a
+    fresh model that LoRA layers are injected into) make.
 
     Raises :class:`~microrl.engine.checkpoint.CheckpointError` for an incomplete checkpoint, one
     that is not a reward model's, or one whose tensors do not fit ``base``.

@@ -48,8 +48,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def _set_cuda_states(states: list[torch.Tensor], state: Mapping[str, Any]) -> None:
     """One state per GPU visible at the save, each to its GPU; if the visible GPUs changed, the
     state of the GPU the save drew from goes to the current GPU, with a warning (never an
-    ``IndexError``).
-    """
+    ``IndexError``)."""
     visible = torch.cuda.device_count()
     if len(states) == visible:
         torch.cuda.set_rng_state_all(states)

@@ -88,8 +88,7 @@ class CheckpointInfo:
 def _dcp_call(rank: int) -> Iterator[None]:
     """Around a DCP save or load: this rank's own error raised as itself (DCP wraps it in a
     ``CheckpointException`` that ``except Exception`` misses and that names only ranks), without
-    DCP's ``no_dist`` warning; another rank's failure stays DCP's (the agreement names it).
-    """
+    DCP's ``no_dist`` warning; another rank's failure stays DCP's (the agreement names it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:

@@ -57,8 +57,7 @@ def split_state(
 
 def drop_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
     """Keep one name per storage (tied embeddings: safetensors refuses shared tensors); returns the
-    state and ``{alias: kept name}`` (loading the kept name fills the alias too).
-    """
+    state and ``{alias: kept name}`` (loading the kept name fills the alias too)."""
     seen: dict[tuple, str] = {}
     kept: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}

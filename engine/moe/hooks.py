@@ -24,8 +24,7 @@ __all__ = ["Collected", "RouterHooks"]
 class Collected:
     """What the routers produced in one micro-batch's forward, per MoE layer: ``logits`` ``[N, E]``
     (with their graph), ``own`` ``[N, k]`` the router's own choice, ``used`` ``[N, k]`` the experts
-    the tokens went through (the recorded ones under replay).
-    """
+    the tokens went through (the recorded ones under replay)."""
 
     logits: list[torch.Tensor] = field(default_factory=list)
     own: list[torch.Tensor] = field(default_factory=list)
@@ -46,8 +45,7 @@ class RouterHooks:
     @contextmanager
     def installed(self, *, keep: bool = False) -> Iterator[RouterHooks]:
         """The hooks on the routers inside the block (nested blocks change nothing); ``keep``: leave
-        them armed after it, for a backward that recomputes checkpointed layers later.
-        """
+        them armed after it, for a backward that recomputes checkpointed layers later."""
         if self._depth:
             yield self
             return
@@ -75,8 +73,7 @@ class RouterHooks:
     def micro_batch(self, routes: torch.Tensor | None, *, collect: bool) -> Iterator[Collected]:
         """Arm the hooks for one micro-batch's forward: ``routes`` ``[N, L, k]`` to replay (None:
         each router routes itself); with ``collect`` the forward fills the yielded
-        :class:`Collected`.
-        """
+        :class:`Collected`."""
         self.routes = routes
         collected = Collected()
         self.collected = collected if collect else None

@@ -91,8 +91,7 @@ def find_routers(model: nn.Module) -> list[RouterSite]:
 
 def gate_weights(site: RouterSite, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """The gate weights ``[N, k]`` the router of ``site`` gives ``experts`` ``[N, k]`` from its
-    ``logits`` ``[N, E]``, differentiable, in the family's own arithmetic and dtypes.
-    """
+    ``logits`` ``[N, E]``, differentiable, in the family's own arithmetic and dtypes."""
     if site.gate is GateKind.TOPK_SOFTMAX:
         return torch.softmax(logits.gather(1, experts), dim=1, dtype=logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)

@@ -77,8 +77,7 @@ def micro_batch_routes(
 ) -> torch.Tensor:
     """A compact micro-batch's routing in the model's token order: ``routes`` ``[b, L', l, k]`` and
     ``valid`` ``[b, L']`` -> int64 ``[N, l, k]`` (padded rows flattened, or packed, the real
-    tokens); :data:`NO_ROUTE` on padding.
-    """
+    tokens); :data:`NO_ROUTE` on padding."""
     routes = torch.where(valid[:, :, None, None], routes.long(), NO_ROUTE)
     if num_tokens is not None:
         routes = packing.pack(routes, packing.packed_index(valid, num_tokens))

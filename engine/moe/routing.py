@@ -109,8 +109,7 @@ class EngineRouting:
     ) -> RouterDenominators:
         """The mini-batch's router denominators summed over the DP ranks (one all-reduce); starts
         the pass's load metrics. ``count()`` runs the counting pass when the load-balancing loss
-        needs ``f`` without replay; ``placeholder``: this rank's share is empty.
-        """
+        needs ``f`` without replay; ``placeholder``: this rank's share is empty."""
         real = batch["attention_mask"].to(torch.bool)
         if placeholder:
             real = torch.zeros_like(real)
@@ -146,8 +145,7 @@ class EngineRouting:
         packed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward-only counting pass (each router's own top-k over real tokens, no grad): local
-        expert counts ``[E]`` and routed rows (float64).
-        """
+        expert counts ``[E]`` and routed rows (float64)."""
         counts, rows = None, None
         for micro in micro_batches:
             step = MicroBatchRouting(self, micro, packed=packed, denominators=None, collect=True)
@@ -169,8 +167,7 @@ class EngineRouting:
         keep: bool = False,
     ) -> MicroBatchRouting:
         """The routing of one micro-batch; ``keep``: its hooks outlive its forward (a checkpointed
-        backward may recompute layers after the engine call returned).
-        """
+        backward may recompute layers after the engine call returned)."""
         router = None if denominators is None else denominators.router
         return MicroBatchRouting(
             self,
@@ -183,8 +180,7 @@ class EngineRouting:
 
     def pass_metrics(self, group: dist.ProcessGroup | None) -> dict[str, Metric]:
         """Per MoE layer, the min and max share of top-k assignments over the experts (``1 / E``
-        when balanced); ends the pass.
-        """
+        when balanced); ends the pass."""
         load, self._load = self._load, None
         if load is None:
             return {}
@@ -206,8 +202,7 @@ class EngineRouting:
 
 class MicroBatchRouting:
     """One micro-batch's routing: ``valid`` ``[N]``, recorded ``routes`` ``[N, L, k]`` (or None),
-    what its forward collected, and its router loss terms.
-    """
+    what its forward collected, and its router loss terms."""
 
     def __init__(
         self,
@@ -240,8 +235,7 @@ class MicroBatchRouting:
     @contextmanager
     def forward(self) -> Iterator[None]:
         """The model's forward inside: recorded experts replayed (with ``routing_replay``), router
-        outputs collected when asked.
-        """
+        outputs collected when asked."""
         replayed = self.routes if self.owner.replay else None
         hooks = self.owner.hooks
         with (
@@ -255,8 +249,7 @@ class MicroBatchRouting:
         self, loss: torch.Tensor | None, metrics: dict[str, Metric]
     ) -> tuple[torch.Tensor | None, dict[str, Metric]]:
         """The micro-batch's loss plus its partial router losses (scaled), and its metrics plus the
-        router metrics' partials; frees what the forward collected.
-        """
+        router metrics' partials; frees what the forward collected."""
         collected, self.collected = self.collected, None
         if collected is None:
             return loss, metrics

@@ -150,8 +150,7 @@ def default_backend(cuda_index: int | None) -> str:
 
 def collective_device(device: torch.device | str, group: dist.ProcessGroup | None = None):
     """Where a collective on ``group`` takes a tensor on ``device``: there if the group has a
-    backend for it, else this rank's GPU (a caller's NCCL-only group).
-    """
+    backend for it, else this rank's GPU (a caller's NCCL-only group)."""
     device = torch.device(device)
     if not (dist.is_available() and dist.is_initialized()):
         return device
@@ -197,8 +196,7 @@ def shutdown() -> None:
 
 def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
     """bf16 compute with fp32 gradient reduction on CUDA (as exact as one process's accumulation);
-    ``None`` (fp32) elsewhere: CPU bf16 matmuls are slow.
-    """
+    ``None`` (fp32) elsewhere: CPU bf16 matmuls are slow."""
     if device_type == "cuda":
         # cast_forward_inputs=False: the root's float inputs (a per-token temperature tensor)
         # must keep fp32; the layers get bf16 activations from the bf16 embedding anyway.
@@ -238,8 +236,7 @@ def find_shard_units(module: nn.Module) -> list[nn.Module]:
 
 def _untied_input_embeddings(module: nn.Module) -> list[nn.Module]:
     """Input embeddings inside ``module`` whose weight is not tied: a tied one is the lm head's,
-    which the root's forward reads, so it stays in the root unit.
-    """
+    which the root's forward reads, so it stays in the root unit."""
     uses: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -268,21 +265,12 @@ def shard_model(
 ) -> nn.Module:
     """Shard ``module`` with FSDP2 over ``mesh``: each decoder layer a unit, then the root.
 
-    An untied input embedding is a unit of its own (gathered only around the lookup); the final
-    norm, lm head and a value head belong to the root, which stays gathered from its forward to the
-    end of the backward (the fused kernel reads the full ``[V, H]`` head weight once per
-    micro-batch). Call it after LoRA and gradient checkpointing and *before* building the optimizer
-    (it must hold the ``DTensor`` parameters). ``module`` must be the module the engine calls;
-    while gradients are enabled its outputs that require a gradient are returned as copies (FSDP2
-    could lose its pre-backward hook on a view).
-
-    Args:
-        module: the model (or the engine's wrapper around it); modified in place and returned.
-        mesh: 1-D data-parallel mesh; default: all ranks of the default group on this device type.
-        mp_policy: FSDP2 mixed precision; ``"auto"`` = :func:`default_mp_policy` for the device.
-        reshard_after_forward: free each layer's gathered weights after its forward.
-        offload_policy: FSDP2's ``CPUOffloadPolicy`` for ``optim.cpu_offload``; None keeps all on
-            the device.
+    An untied input embedding is a unit of its own; the final norm, lm head and a value head belong
+    to the root, gathered from its forward to the end of the backward (the fused kernel reads the
+    full head weight once per micro-batch). Call it after LoRA and gradient checkpointing and
+    *before* building the optimizer. ``module`` is the module the engine calls; its outputs that
+    require a gradient are returned as copies (FSDP2 could lose its pre-backward hook on a view).
+    ``mp_policy="auto"``: :func:`default_mp_policy`; ``offload_policy``: for ``optim.cpu_offload``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -334,8 +322,7 @@ def finish_sharding(module: nn.Module) -> None:
 @torch.no_grad()
 def broadcast_from_rank0(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Copy rank 0's parameters and buffers to every rank, in place, before sharding: FSDP2 keeps
-    each rank's own shard, so different random inits would train a silent mixture.
-    """
+    each rank's own shard, so different random inits would train a silent mixture."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*module.parameters(), *module.buffers()]:
         # A tensor-parallel DTensor: its local slice, from the dp rank 0 of the same tp slice.
@@ -418,16 +405,14 @@ def gathered(module: nn.Module) -> Iterator[None]:
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn FSDP2's gradient reduce-scatter on (last micro-batch) or off (the ones before it, which
-    accumulate full-size gradients locally). A no-op for an unsharded module.
-    """
+    accumulate full-size gradients locally). A no-op for an unsharded module."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
 
 
 def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | None = None) -> int:
     """The largest local micro-batch count over all ranks: ranks with fewer run empty ones, so every
-    rank enters the same number of FSDP collectives.
-    """
+    rank enters the same number of FSDP collectives."""
     if not isinstance(num_micro_batches, int) or num_micro_batches < 0:
         raise ValueError(f"num_micro_batches must be an int >= 0, got {num_micro_batches!r}")
     return max_over_ranks(num_micro_batches, group)

@@ -51,8 +51,7 @@ __all__ = [
 
 def init_mesh(sequence_parallel_size: int, device: torch.device) -> DeviceMesh | None:
     """The ``("dp", "sp")`` mesh (:func:`~microrl.engine.parallel.tensor_parallel.dp_by_mesh`), or
-    None for ``s == 1``.
-    """
+    None for ``s == 1``."""
     return dp_by_mesh(sequence_parallel_size, "sequence_parallel_size", "sp", device)
 
 
@@ -85,8 +84,7 @@ def wrap(
 ) -> nn.Module:
     """Switch the transformers model inside ``module`` to Ulysses attention and shard ``module``
     with FSDP2 over all ``dp x sp`` ranks (``offload_policy``: for ``optim.cpu_offload``; the
-    sequence split touches activations only).
-    """
+    sequence split touches activations only)."""
     size = mesh["sp"].size()
     model = next((m for m in module.modules() if hasattr(m, "set_attn_implementation")), None)
     if model is None:
@@ -103,8 +101,7 @@ def padded_width(width: int, size: int) -> int:
 
 def split_sequence(x: torch.Tensor, size: int, rank: int, fill: float | int) -> torch.Tensor:
     """Rank ``rank``'s slice ``[b, W', ...]`` of ``x`` ``[b, W, ...]`` padded with ``fill`` to
-    ``padded_width(W, size)``: ``W' = ceil(W / size)``.
-    """
+    ``padded_width(W, size)``: ``W' = ceil(W / size)``."""
     width = x.shape[1]
     pad = padded_width(width, size) - width
     if pad:
@@ -116,8 +113,7 @@ def split_sequence(x: torch.Tensor, size: int, rank: int, fill: float | int) -> 
 
 class _GatherSequence(torch.autograd.Function):
     """All-gather ``[b, W', ...]`` slices into ``[b, W, ...]``; the backward keeps this rank's slice
-    of the gradient (every rank computes the same loss downstream).
-    """
+    of the gradient (every rank computes the same loss downstream)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, rank: int, width: int):
@@ -181,8 +177,7 @@ class SequenceShard:
 
     def localize_last_index(self, last_index: torch.Tensor) -> torch.Tensor:
         """Flat indices into the full ``[b, W]`` inputs -> into this rank's ``[b, W']`` slice (the
-        row's first local token where the last is on another rank); sets :attr:`last_local`.
-        """
+        row's first local token where the last is on another rank); sets :attr:`last_local`."""
         row, col = last_index // self.width, last_index % self.width
         self.last_local = col // self.local == self.rank
         local_col = torch.where(self.last_local, col % self.local, 0)
@@ -191,8 +186,7 @@ class SequenceShard:
     def gather_outputs(self, raw: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
         """A role's raw outputs on this rank's slice -> the whole micro-batch's, on every rank:
         per-position ``[b, W']`` all-gathered into ``[b, W]``; per-row ``[b]`` values summed over
-        the group with the entries of ranks without the last token zeroed.
-        """
+        the group with the entries of ranks without the last token zeroed."""
         if self.attention_calls == 0:
             raise RuntimeError(
                 f"sequence_parallel_size={self.size}: {role}._model_forward did not pass its "
@@ -221,8 +215,7 @@ class SequenceShard:
 class ShardedGroupLoss:
     """The engine's :class:`~microrl.engine.group_loss.GroupLoss` for a head that sees this rank's
     tokens only: the local log-probs (and entropy) are gathered over the sp group before the loss,
-    so a per-sequence loss sees whole sequences; the backward hands the kernel this rank's slice.
-    """
+    so a per-sequence loss sees whole sequences; the backward hands the kernel this rank's slice."""
 
     def __init__(self, inner: Any, shard: SequenceShard, local_shape: tuple[int, int]) -> None:
         self.inner, self.shard, self.local_shape = inner, shard, local_shape
@@ -286,8 +279,7 @@ def shard_model_inputs(
 
 def scale_denominators(denominators: LossDenominators, size: int) -> LossDenominators:
     """``denominators`` with ``grad_scale`` times ``size``: the sp ranks' gradients are parts of one
-    sum, not copies, yet FSDP2 averages over them.
-    """
+    sum, not copies, yet FSDP2 averages over them."""
     return dataclasses.replace(denominators, grad_scale=denominators.grad_scale * size)
 
 

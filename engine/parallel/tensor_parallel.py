@@ -184,8 +184,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def _distribute(module: nn.Module, name: str, tp: DeviceMesh, placement) -> None:
     """Replace the plain parameter ``module.<name>`` (if any) by a DTensor with ``placement``,
-    from tp rank 0's values (a meta one is sliced without communication).
-    """
+    from tp rank 0's values (a meta one is sliced without communication)."""
     param = module._parameters.get(name)
     if param is None or isinstance(param, DTensor):
         return

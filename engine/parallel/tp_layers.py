@@ -32,8 +32,7 @@ __all__ = [
 
 class CopyToGroup(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over ``group`` (each rank's use of the
-    replicated input gives only part of it).
-    """
+    replicated input gives only part of it)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -63,8 +62,7 @@ class ReduceFromGroup(torch.autograd.Function):
 
 class _GatherLastDim(torch.autograd.Function):
     """All-gather torch.chunk-sized ``[..., V_local]`` slices into ``[..., V]``; the backward keeps
-    this rank's slice.
-    """
+    this rank's slice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, start: int, size: int):
@@ -108,8 +106,7 @@ def install_rowwise(linear: nn.Linear, group: dist.ProcessGroup) -> None:
 
 def install_gathered_head(linear: nn.Linear, group: dist.ProcessGroup, start: int) -> None:
     """The vocab-sharded lm head called as a module (``generate``): local logits all-gathered into
-    ``[..., V]``. Training reads the weight shard through the vocab-parallel kernel instead.
-    """
+    ``[..., V]``. Training reads the weight shard through the vocab-parallel kernel instead."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         local = _colwise_forward(linear, group, x)
@@ -120,8 +117,7 @@ def install_gathered_head(linear: nn.Linear, group: dist.ProcessGroup, start: in
 
 def install_vocab_embedding(embedding: nn.Embedding, group: dist.ProcessGroup, start: int) -> None:
     """The vocab-sharded embedding: each rank looks up the ids of its rows, zeros the rest, and the
-    partial embeddings are summed (no ``[V, H]`` gradient is formed).
-    """
+    partial embeddings are summed (no ``[V, H]`` gradient is formed)."""
     for name in ("max_norm", "sparse", "scale_grad_by_freq"):
         if getattr(embedding, name):
             raise ValueError(f"tensor parallelism: the input embedding's {name} is not supported")

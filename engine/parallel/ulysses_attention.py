@@ -58,8 +58,7 @@ _WRAPPED: dict[str, str] = {}
 def is_flash(base: str | None) -> bool:
     """Whether transformers runs ``base`` through its flash-attention function
     (``flash_attention_2``, ``_3``, ``_4``, hub kernels), whose varlen path takes
-    :func:`flash_varlen_kwargs`.
-    """
+    :func:`flash_varlen_kwargs`."""
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -67,9 +66,8 @@ def is_flash(base: str | None) -> bool:
 
 
 def wrapper_name(base: str) -> str:
-    """``microrl_ulysses_<base>``, with "flash" written "fa" and "/" written "--" for flash bases:
-    transformers would import a name with "flash" as flash-attention, an ``org/repo`` as a kernel.
-    """
+    """``microrl_ulysses_<base>``, "flash" written "fa" and "/" "--": transformers would import a
+    name with "flash" as flash-attention, an ``org/repo`` as a hub kernel."""
     if not is_flash(base):
         return f"{_PREFIX}{base}"
     return _PREFIX + base.replace("flash", "fa").replace("/", "--")
@@ -88,8 +86,7 @@ def base_implementation(name: str | None) -> str | None:
 
 def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
     """Raise ``ValueError`` naming ``sequence_parallel_size`` unless ``size`` divides the query
-    heads (key/value heads are replicated instead: :func:`kv_head_repeats`).
-    """
+    heads (key/value heads are replicated instead: :func:`kv_head_repeats`)."""
     if num_heads % size or num_heads % num_kv_heads:
         raise ValueError(
             f"sequence_parallel_size={size} must divide the model's num_attention_heads "
@@ -279,8 +276,7 @@ def _flash_attention(
     module: nn.Module, *tensors: torch.Tensor | None, base: str, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
     """transformers' flash-attention function for ``base`` (``[b, H, S, D]`` -> ``[b, S, H, D]``),
-    given ``module`` with a config naming ``base``: the kernel is picked by that name.
-    """
+    given ``module`` with a config naming ``base``: the kernel is picked by that name."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = _ReadThrough(module.config, _attn_implementation=base)

@@ -27,8 +27,7 @@ _BASES = ("sdpa", "eager")
 
 def enable_varlen_attention(model: nn.Module) -> bool:
     """Switch ``model`` to the varlen variant of its SDPA/eager attention; False if not applicable
-    (flash-attention has its own varlen path, other implementations are left alone).
-    """
+    (flash-attention has its own varlen path, other implementations are left alone)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
