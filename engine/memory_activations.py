@@ -103,8 +103,7 @@ class Numerics:
             return Numerics(stream=2, act=2, saved_input=2, copies=False, full=full)
         if autocast:  # linear outputs bf16; each linear casts its own input to bf16
             return Numerics(stream=base, act=2, saved_input=2, copies=True, full=full)
-        # No autocast: the base computes in its own dtype; a 16-bit input is cast to the fp32
-        # adapters (peft) once per adapted layer, an fp32 one is shared.
+        # No autocast: peft casts a 16-bit input to the fp32 adapters once per adapted layer.
         return Numerics(
             stream=base,
             act=base,
@@ -154,8 +153,7 @@ def layer_tensors(
         tensors.append(i * num.saved_input)
     # Attention (SDPA / flash): rotated q and k, v, the output, and a logsumexp per head.
     tensors += [q * num.act, kv * num.act, kv * num.act, q * num.act, shape.heads * 4]
-    # Gated MLP: the gate (SiLU's input), SiLU's output and the up projection (the product's
-    # factors); for a mixture of experts, of each of the token's k experts (``i`` covers them).
+    # Gated MLP: the gate, SiLU's output, the up projection (of all k experts for a MoE).
     tensors += [i * num.act] * 3
     if shape.experts:
         # k dispatched inputs, the gated product, k weighted outputs; router logits, softmax.

@@ -27,8 +27,7 @@ def meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.
     spec = vision_spec(model)
     frozen = spec is not None and config.freeze_vision
     exclude = spec.tower_module_names(model) if frozen else None
-    # On meta too: peft builds the adapters of target_parameters (MoE experts) on the default
-    # device, which would allocate and initialise them for real (GBs for a large MoE).
+    # On meta too: peft builds target_parameters' adapters (MoE experts) on the default device.
     with torch.device("meta"):
         model, _ = setup.apply_lora(model, config.lora, exclude=exclude)
     if frozen:

@@ -219,8 +219,7 @@ class PolicyModel(nn.Module):
         }
         if self.plain_head:
             hidden = body_hidden(decoder_body(self.causal_lm), images, **inputs)
-            # Mixed dtypes (bf16 activations under autocast, fp32 weight) are the head's business:
-            # both are upcast to fp32 there, so the logits are never rounded to 16 bits.
+            # The head upcasts mixed dtypes to fp32: logits are never rounded to 16 bits.
             lm_head = self.causal_lm.get_output_embeddings()
             weight, transform = lm_head.weight, self.logit_transform
             # Targets below the input vocabulary are in range only if the head is at least as wide.

@@ -137,7 +137,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             torch.cuda.current_stream(stream.device).wait_stream(stream)
             self._in_flight.clear()
 
-    # ------------------------------------------------------------------ pack (forward)
     def _pack(self, tensor: torch.Tensor) -> _Kept | _Offloaded:
         if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
             if isinstance(tensor, nn.Parameter):
@@ -187,8 +186,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _pack_cuda(self, tensor: torch.Tensor, index: int) -> _Offloaded:
         compute = torch.cuda.current_stream(tensor.device)
         side = _side_stream(tensor.device)
-        # Drop the copies that have landed; past the limit, the compute stream waits for the
-        # oldest (its memory may then be reused: any later kernel runs after that copy).
+        # Drop landed copies; past the limit the compute stream waits for the oldest.
         while self._in_flight and self._in_flight[0][1].query():
             self._in_flight.popleft()
         while len(self._in_flight) >= MAX_IN_FLIGHT:
@@ -203,7 +201,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._pending[index] = packed
         return packed
 
-    # ------------------------------------------------------------------ unpack (backward)
     def _unpack(self, packed: _Kept | _Offloaded) -> torch.Tensor:
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:

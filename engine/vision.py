@@ -1,14 +1,11 @@
-"""Images through the engine: the batch's image keys, their checks, mRoPE positions, the vision
-body.
+"""Images through the engine: the batch's image keys, checks, mRoPE positions, the vision body.
 
-A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) reads images from these batch keys
-(docs/batch.md#images): ``pixel_values`` ``[G, P, D]``, a store of each distinct image set's
-zero-padded patch rows (an ``UnbatchedTensor``, shared by a group's rows); ``image_index``
-``[B]`` int64, row ``b``'s entry (-1: none; absent: per-row ``[B, P, D]``); ``image_grid_thw``
-``[B, I, 3]``, each image's ``(t, h, w)`` patch grid, zero rows padding. Image placeholder
-tokens (``t * h * w / merge**2`` per image) never carry ``loss_mask``. The 3-D rotary positions
-are computed once per mini-batch (``get_rope_index``) and travel as the per-token key
-:data:`ROPE_KEY` ``[B, T, 3]``. Nothing here imports transformers.
+A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) reads ``pixel_values`` ``[G, P, D]``
+(a store of each distinct image set's zero-padded patches, an ``UnbatchedTensor``),
+``image_index`` ``[B]`` (each row's entry, -1: none) and ``image_grid_thw`` ``[B, I, 3]``
+(docs/batch.md#images). Placeholder tokens (``t * h * w / merge**2`` per image) never carry
+``loss_mask``. The 3-D rotary positions are computed once per mini-batch and travel as the
+per-token key :data:`ROPE_KEY` ``[B, T, 3]``. Nothing here imports transformers.
 """
 
 from __future__ import annotations

@@ -70,8 +70,7 @@ def resolve_timeout(timeout_s: float | None) -> float:
 
 # Side gloo groups for DCP's collectives, one per timeout (a group's timeout is fixed at creation).
 _side_groups: dict[float, dist.ProcessGroup] = {}
-# Numbers the multi-rank saves/loads of this process; every rank calls them in the same order, so
-# the numbers (and the store keys built from them) agree across ranks.
+# Numbers this process's multi-rank operations, in the same order on every rank (store keys).
 _sequence = itertools.count()
 # This rank's status keys that every rank has read: deleted at its next completed agreement.
 _read_keys: list[str] = []

@@ -243,8 +243,7 @@ def export_merged_model(
 
 # ----------------------------------------------------------------- critics and reward models
 class ClassifierTarget(NamedTuple):
-    """The transformers classifier a critic / reward model exports as
-    (:func:`classifier_target`)."""
+    """What a critic / reward model exports as (:func:`classifier_target`)."""
 
     config: Any  # the body's config with num_labels=1 and the classifier's architectures
     base_prefix: str  # the attribute holding the body in that class ("model" for Llama/Qwen2)

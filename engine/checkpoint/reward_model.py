@@ -79,7 +79,6 @@ def load_reward_model_checkpoint(
     del module, state  # the merged tensors in ``out`` are all the classifier needs
     with torch.device("meta"):  # its class, without initialising weights that are replaced
         cls = type(AutoModelForSequenceClassification.from_config(target.config))
-    # transformers' own loading from a state dict: no random init, buffers (rotary) built as
-    # from a checkpoint; ``out`` holds exactly the classifier's keys (classifier_state_dict).
+    # transformers' own loading from a state dict: no random init, buffers built as from a file.
     model = cls.from_pretrained(None, config=target.config, state_dict=out, dtype=dtype)
     return model.eval()

@@ -100,9 +100,6 @@ def _dcp_call(rank: int) -> Iterator[None]:
             raise own[0] from None
 
 
-# ----------------------------------------------------------------------------- save
-
-
 def save_checkpoint(
     path: str | os.PathLike,
     *,
@@ -198,9 +195,6 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
-
-
-# ----------------------------------------------------------------------------- load
 
 
 def _has_manifest(directory: Path) -> bool:

@@ -98,7 +98,6 @@ class EngineRouting:
         if ROUTED_EXPERTS_KEY in batch:
             check_routes(batch[ROUTED_EXPERTS_KEY], batch["attention_mask"], self.routers)
 
-    # ----------------------------------------------------------------- per pass
     def denominators(
         self,
         batch: TensorDict,

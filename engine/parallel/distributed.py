@@ -186,9 +186,7 @@ def shutdown() -> None:
         return
     global _exit_barrier
     if is_distributed():
-        # Kept, not dropped: a gloo worker thread releasing the last reference would free the
-        # finished works the barrier waited on, and their tensors' Python objects need the GIL,
-        # which kills that thread (std::terminate) once the interpreter is finalizing.
+        # Kept: a gloo thread freeing the last reference at exit needs the GIL (std::terminate).
         _exit_barrier = dist.barrier(async_op=True)
         _exit_barrier.wait()
     dist.destroy_process_group()
@@ -198,8 +196,7 @@ def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
     """bf16 compute with fp32 gradient reduction on CUDA (as exact as one process's accumulation);
     ``None`` (fp32) elsewhere: CPU bf16 matmuls are slow."""
     if device_type == "cuda":
-        # cast_forward_inputs=False: the root's float inputs (a per-token temperature tensor)
-        # must keep fp32; the layers get bf16 activations from the bf16 embedding anyway.
+        # cast_forward_inputs=False: the root's float inputs (a temperature) must keep fp32.
         return MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
         )

@@ -1,12 +1,10 @@
 """Rank-0 loading: a distributed engine reads its checkpoint once, never a full model per rank.
 
-A checkpoint path under ``torchrun``: global rank 0 loads it on the CPU, every other rank builds
-the architecture on ``meta`` from rank 0's config (:func:`load_on_rank0`); every rank prepares
-the model identically; rank 0 takes out the full state (LoRA and value-head inits included,
-:func:`take_full_state`) and goes ``meta`` too; the meta model is sharded, materialised as
-shards only and filled from rank 0 (:func:`load_full_state`: one full tensor broadcast at a
-time, buffers such as rotary frequencies as they are). The result equals loading on every rank
-and sharding (tests/engine/parallel/). An ``nn.Module`` model is sharded as it is.
+Under ``torchrun`` global rank 0 loads a checkpoint path on the CPU and the others build it on
+``meta`` (:func:`load_on_rank0`); after the same preparation rank 0 takes out the full state
+(:func:`take_full_state`) and goes ``meta`` too; the sharded meta model is materialised as
+shards and filled from rank 0 one broadcast tensor at a time (:func:`load_full_state`). The
+result equals loading on every rank and sharding (tests/engine/parallel/).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Tensor parallelism (TP) with torch's DTensor plans, composed with FSDP2 on a 2-D mesh.
 
-``tensor_parallel_size = t > 1`` builds a ``(dp, tp) = (N // t, t)`` mesh (:func:`init_mesh`);
-a tp group's ranks hold slices of one model and see the *same* share of the mini-batch.
-:func:`parallelize` shards every decoder layer after ``config.base_model_tp_plan``, the embedding
-and lm head over the vocabulary (logits are never gathered) and LoRA adapters with their base;
-every other parameter becomes a ``Replicate()`` DTensor, so clipping, optimizer and checkpoints
-see one set of DTensors on one mesh. Layers compute on local tensors
-(:mod:`microrl.engine.parallel.tp_layers`); FSDP2 then shards over ``dp``. Layout and limits:
-docs/engine.md, "Tensor parallelism".
+``tensor_parallel_size = t > 1`` builds a ``(dp, tp)`` mesh (:func:`init_mesh`); a tp group's
+ranks hold slices of one model and see the *same* share of the mini-batch. :func:`parallelize`
+shards the decoder layers after ``config.base_model_tp_plan``, the embedding and lm head over
+the vocabulary (logits never gathered) and LoRA with its base; every other parameter becomes a
+``Replicate()`` DTensor, so clipping, optimizer and checkpoints see one mesh. Layers compute on
+local tensors (:mod:`microrl.engine.parallel.tp_layers`). Limits: docs/engine.md, "Tensor
+parallelism".
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ __all__ = [
 # Attention reshapes with -1 heads and the plan is only colwise/rowwise Linears; each is tested.
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _STYLES = ("colwise", "rowwise")
-# transformers' style of Qwen3's per-head q_norm / k_norm: replicated weights applied to
-# [.., heads / t, head_dim] slices (inputs sharded on dim -2), gradients summed over the ranks.
+# Qwen3's per-head q_norm / k_norm: replicated weights on [.., heads / t, head_dim] slices.
 _HEAD_SHARDED = "replicated_with_grad_allreduce"
 _LAYER_PREFIX = "layers.*."
 # Attribute of a parallelized module: its (dp, tp) mesh.
@@ -217,8 +215,7 @@ def _parallelize_linear(layer: nn.Module, tp: DeviceMesh, style: str) -> None:
     base, lora_a, lora_b = _lora_parts(layer)
     if type(base) is not nn.Linear:
         raise ValueError(f"tensor parallelism needs nn.Linear layers, got {type(base).__name__}")
-    # Column-wise base: B produces this rank's output slice from the replicated A x.
-    # Row-wise base: A consumes this rank's input slice (partial [.., r] summed), B replicated.
+    # Column-wise: B gives this rank's output slice; row-wise: A takes its input slice.
     for linear in [base, *(lora_b if style == "colwise" else lora_a)]:
         _shard_linear(linear, tp, style)
 

@@ -59,8 +59,7 @@ def varlen_attention(
     -> ``[1, N, heads, d]``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    # "eager" is not in the registry: each modeling file has its own ``eager_attention_forward``,
-    # which its attention layers use as the default.
+    # "eager" is not in the registry: each modeling file has its own eager_attention_forward.
     attend = _model_eager_attention(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
     lengths = kwargs.pop(PACKED_LENGTHS_KWARG, None)
     if lengths is None:
@@ -70,8 +69,7 @@ def varlen_attention(
     for length in lengths:
         end = start + length
         mask = None
-        # SDPA infers a causal mask itself when given none; eager, or a sliding window shorter
-        # than the sequence, needs it explicitly.
+        # SDPA infers a causal mask; eager, or a window shorter than the sequence, needs one.
         if base == "eager" or (window is not None and length > window):
             mask = _causal_mask(length, window, query.dtype, query.device)
         out, _ = attend(
