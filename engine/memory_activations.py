@@ -114,8 +114,7 @@ class Numerics:
 
 
 def adapted_roles(model: nn.Module, config: EngineConfig) -> set[str]:
-    """Which linear layers of a decoder layer train (keep their input): all of them in a full
-    fine-tune, the adapted ones under LoRA."""
+    """The linear layers of a decoder layer that train (all, or the adapted ones under LoRA)."""
     layers = decoder_layers(model)
     return _trained_names(layers[0], config) if layers else set()
 
@@ -213,8 +212,7 @@ def backward_bytes_per_token(shape: Shape, num: Numerics) -> int:
 
 
 def other_bytes_per_token(shape: Shape, num: Numerics) -> int:
-    """Outside the layers: the final norm, the final hidden state and its gradient, rotary cos/sin,
-    and the micro-batch's own tensors."""
+    """Outside the layers: final norm, hidden state and gradient, rotary, batch tensors."""
     h = shape.hidden
     return h * 4 + 2 * h * num.stream + 2 * shape.head_dim * num.act + BATCH_BYTES_PER_TOKEN
 

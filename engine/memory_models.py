@@ -106,8 +106,7 @@ def teacher_bytes(
 
 
 def teacher_logits(shape: Shape, config: EngineConfig, tokens: int) -> int:
-    """Float32 logits a frozen lm head holds over ``tokens`` (tiles past the fused kernel's
-    budget)."""
+    """Float32 logits a frozen lm head holds over ``tokens`` (tiles past the kernel's budget)."""
     logits = tokens * shape.vocab
     if config.use_fused_kernel:
         logits = min(logits, KERNEL_TILES * WORKING_TILE_ELEMENTS)
@@ -125,8 +124,7 @@ def hf_gathered_bytes(model: nn.Module, world_size: int, device: str, sharded: b
 
 
 def image_token_bytes(vision_config: Any) -> int:
-    """Pixel bytes of one image placeholder token: ``merge**2`` patches of fp32 values (Qwen2-VL:
-    18816)."""
+    """Pixel bytes of one image token: ``merge**2`` fp32 patches (Qwen2-VL: 18816)."""
     patch_dim = (
         vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
     )

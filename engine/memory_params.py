@@ -18,8 +18,7 @@ __all__ = ["ParamBytes", "meta_model"]
 
 
 def meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.Module:
-    """The model as the engine prepares it, on ``meta``: base dtype, LoRA (not on a frozen
-    vision tower), a value head."""
+    """The model as the engine prepares it, on ``meta``: base dtype, LoRA, a value head."""
     with torch.device("meta"):
         model = setup.auto_model_class(model_config).from_config(
             model_config, dtype=setup.base_dtype(config)

@@ -203,7 +203,7 @@ class PolicyModel(nn.Module):
         images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> tuple[torch.Tensor, ...]:
-        """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
+        """``[b, L]`` tensors (``attention_mask`` None for packed rows) -> fp32 ``[b, L]``.
 
         ``targets[b, j]`` is the token predicted from position ``j`` (``-100``: none, output 0).
         ``loss_fn`` (fused head only): the loss runs inside the head (:func:`fused_linear_loss`, row
@@ -250,8 +250,7 @@ class PolicyModel(nn.Module):
 
 
 def _fused_loss_head(loss_fn: GroupLossFn, segments: list[int] | None):
-    """:func:`fused_linear_loss` with ``fused_linear_logprob``'s signature -> ``(logprobs, entropy,
-    loss)``."""
+    """:func:`fused_linear_loss` as a head -> ``(logprobs, entropy, loss)``."""
 
     def head(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         out = fused_linear_loss(*args, loss_fn, segments=segments, **kwargs)
@@ -284,8 +283,7 @@ def eager_logprob(
     temperature: float | torch.Tensor,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log_softmax(logits / T)`` gathered at ``targets`` (fp32); entropy of the same
-    distribution."""
+    """``log_softmax(logits / T)`` at ``targets`` (fp32) and the distribution's entropy."""
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
         temperature = temperature.unsqueeze(-1)
     logits = logits if logits.dtype == torch.float64 else logits.float()
@@ -349,8 +347,7 @@ class ValueModel(nn.Module):
         images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor:
-        """``[b, L]`` ids -> ``[b, L]`` fp32 values, or with ``last_index`` ``[b]``
-        (:func:`gather_last`)."""
+        """``[b, L]`` ids -> ``[b, L]`` fp32 values, or ``[b]`` with ``last_index``."""
         hidden = body_hidden(
             self.body,
             images,
@@ -376,6 +373,5 @@ def fp32_linear(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 
 def _replicated_local(param: torch.Tensor | None) -> torch.Tensor | None:
-    """A tensor-parallel head's replicated parameter as this rank's plain tensor; others as they
-    are."""
+    """A tensor-parallel replicated parameter as this rank's plain tensor."""
     return param.to_local() if isinstance(param, DTensor) else param

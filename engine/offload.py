@@ -62,8 +62,7 @@ class OffloadStats:
 
 
 class _Kept:
-    """A saved tensor left in place: a detached alias (no cycle through ``grad_fn``) and its
-    version."""
+    """A saved tensor left in place: a detached alias and its version."""
 
     __slots__ = ("tensor", "version")
 
@@ -168,8 +167,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return packed
 
     def _is_weight(self, tensor: torch.Tensor) -> bool:
-        """A parameter or buffer, a view of one, or autocast's copy of a weight
-        (docs/distributed.md)."""
+        """A parameter or buffer, a view of one, or autocast's copy of a weight."""
         base = tensor._base if tensor._base is not None else tensor
         if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
             return True

@@ -129,8 +129,7 @@ class VisionSpec:
         return [n for n, _ in causal_lm.named_modules() if n.startswith(prefix)]
 
     def placeholder_images(self, device: torch.device) -> ImageInputs:
-        """One image of one feature, run when a micro-batch has none, so every rank runs the
-        (sharded) tower equally often."""
+        """One one-feature image, for a micro-batch without: every rank runs the tower."""
         pixels = torch.zeros(self.merge**2, self.patch_dim, device=device)
         grid = torch.tensor([[1, self.merge, self.merge]], device=device)
         return ImageInputs(pixels, grid, placeholder=True)
@@ -335,8 +334,7 @@ def _check_image_tensors(batch: TensorDict, spec: VisionSpec) -> torch.Tensor:
 def _check_rows(
     batch: TensorDict, is_image: torch.Tensor, grid: torch.Tensor, spec: VisionSpec
 ) -> None:
-    """Per-row consistency of tokens, grids, entries and patches (small summaries read on the
-    host)."""
+    """Per-row consistency of tokens, grids, entries and patches (host summaries)."""
     counts = grid.prod(-1)  # [B, I] patches per image
     partial = ((grid <= 0).any(-1) & (grid != 0).any(-1)) | (grid < 0).any(-1)
     unmerged = (counts > 0) & ((grid[..., 1:] % spec.merge) != 0).any(-1)

@@ -40,8 +40,7 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
 
 
 def to_plain_tensors(batch: TensorDict) -> dict[str, torch.Tensor]:
-    """``batch``'s entries as plain tensors (the store unwrapped), as
-    ``torch.load(weights_only=True)`` reads them back."""
+    """``batch``'s entries as plain tensors, as ``torch.load(weights_only=True)`` reads them."""
     return {key: _plain(value) for key, value in batch.items()}
 
 

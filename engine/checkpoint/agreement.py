@@ -113,8 +113,7 @@ class RankSync:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Run this rank's part of phase ``name``, then agree with the other ranks on its outcome:
-        returns only if every rank succeeded."""
+        """Run this rank's part of phase ``name``; returns only if every rank succeeded."""
         try:
             yield
         except BaseException as error:

@@ -67,8 +67,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def staging_paths(target: Path) -> tuple[Path, Path]:
-    """``(.<name>.tmp, .<name>.old)`` next to ``target``: the new version, and the previous one
-    during the swap."""
+    """``(.<name>.tmp, .<name>.old)`` next to ``target``: the new version and the previous one."""
     return target.parent / f".{target.name}.tmp", target.parent / f".{target.name}.old"
 
 

@@ -69,8 +69,7 @@ def _is_export(path: Path) -> bool:
 
 
 def _write_atomically(path: str | os.PathLike, write) -> Path:
-    """Rank 0 runs ``write(tmp_dir)`` and renames it to ``path``; every rank raises if rank 0
-    fails."""
+    """Rank 0 writes into a temporary directory renamed to ``path``; all raise if it fails."""
     target = Path(path).absolute()
     refuse_foreign_dir(target, _is_export, "a model export")
     with rank_agreement(f"export to {target}"):
@@ -209,8 +208,7 @@ def _param_wrapper_delta(
 
 
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The plain transformers state dict under LoRA layers, updates left out (``lora_`` keys dropped,
-    ``base_layer`` levels removed): what a ``vllm`` backend loads once under the adapter."""
+    """The plain state dict under LoRA layers, updates left out (what ``vllm`` loads once)."""
     kept = {k: v for k, v in state.items() if ".lora_" not in k}
     return {_BASE_LAYERS.sub(".", k): v for k, v in kept.items()}
 
@@ -374,8 +372,7 @@ def _export_classifier_adapter(
     value_model: ValueModel,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """:func:`export_peft_adapter` of a critic / reward model: the body's adapter plus the trained
-    head as a module to save, loaded by ``PeftModel.from_pretrained(classifier, path)``."""
+    """:func:`export_peft_adapter` of a critic / reward model: adapter plus head to save."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 

@@ -38,8 +38,7 @@ _GATES = {
 
 @dataclass(frozen=True)
 class RouterSite:
-    """One MoE layer's router: name, instance, gating, ``top_k`` of ``num_experts``,
-    renormalisation."""
+    """One MoE layer's router: name, instance, gating, ``top_k`` of ``num_experts``, renorm."""
 
     name: str
     module: nn.Module

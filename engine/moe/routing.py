@@ -93,8 +93,7 @@ class EngineRouting:
         return cls(routers, config)
 
     def check(self, batch: TensorDict) -> None:
-        """Validate the batch's routing key when it carries one
-        (:func:`~microrl.engine.moe.routes.check_routes`)."""
+        """Validate the batch's routing key if any (``routes.check_routes``)."""
         if ROUTED_EXPERTS_KEY in batch:
             check_routes(batch[ROUTED_EXPERTS_KEY], batch["attention_mask"], self.routers)
 
@@ -165,8 +164,7 @@ class EngineRouting:
         denominators: LossDenominators | None,
         keep: bool = False,
     ) -> MicroBatchRouting:
-        """The routing of one micro-batch; ``keep``: its hooks outlive its forward (a checkpointed
-        backward may recompute layers after the engine call returned)."""
+        """One micro-batch's routing; ``keep``: hooks outlive its forward (checkpointing)."""
         router = None if denominators is None else denominators.router
         return MicroBatchRouting(
             self,
@@ -178,8 +176,7 @@ class EngineRouting:
         )
 
     def pass_metrics(self, group: dist.ProcessGroup | None) -> dict[str, Metric]:
-        """Per MoE layer, the min and max share of top-k assignments over the experts (``1 / E``
-        when balanced); ends the pass."""
+        """Per MoE layer, the min and max expert share of top-k assignments; ends the pass."""
         load, self._load = self._load, None
         if load is None:
             return {}
@@ -233,8 +230,7 @@ class MicroBatchRouting:
 
     @contextmanager
     def forward(self) -> Iterator[None]:
-        """The model's forward inside: recorded experts replayed (with ``routing_replay``), router
-        outputs collected when asked."""
+        """The forward inside: recorded experts replayed, router outputs collected if asked."""
         replayed = self.routes if self.owner.replay else None
         hooks = self.owner.hooks
         with (
@@ -272,8 +268,7 @@ class MicroBatchRouting:
         return loss, metrics
 
     def _agreement(self, chosen: list[torch.Tensor]) -> torch.Tensor:
-        """Recorded (token, layer) rows whose ``chosen`` top-k (per layer ``[N, k]``) is the
-        recorded set."""
+        """Recorded (token, layer) rows whose ``chosen`` ``[N, k]`` is the recorded set."""
         total = torch.zeros((), dtype=torch.float32, device=self.valid.device)
         if self.routes is None:
             return total

@@ -143,8 +143,7 @@ def init_distributed(
 
 
 def default_backend(cuda_index: int | None) -> str:
-    """``"cpu:gloo,cuda:nccl"`` on GPUs, so a collective takes a host tensor too; ``"gloo"`` on
-    CPUs."""
+    """``"cpu:gloo,cuda:nccl"`` on GPUs (host tensors reduce too), ``"gloo"`` on CPUs."""
     return "gloo" if cuda_index is None else "cpu:gloo,cuda:nccl"
 
 
@@ -193,8 +192,7 @@ def shutdown() -> None:
 
 
 def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
-    """bf16 compute with fp32 gradient reduction on CUDA (as exact as one process's accumulation);
-    ``None`` (fp32) elsewhere: CPU bf16 matmuls are slow."""
+    """bf16 compute, fp32 reduction on CUDA; ``None`` (fp32) elsewhere (CPU bf16 is slow)."""
     if device_type == "cuda":
         # cast_forward_inputs=False: the root's float inputs (a temperature) must keep fp32.
         return MixedPrecisionPolicy(
@@ -232,8 +230,7 @@ def find_shard_units(module: nn.Module) -> list[nn.Module]:
 
 
 def _untied_input_embeddings(module: nn.Module) -> list[nn.Module]:
-    """Input embeddings inside ``module`` whose weight is not tied: a tied one is the lm head's,
-    which the root's forward reads, so it stays in the root unit."""
+    """Untied input embeddings inside ``module`` (a tied one stays in the root with the head)."""
     uses: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -408,8 +405,7 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
 
 
 def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | None = None) -> int:
-    """The largest local micro-batch count over all ranks: ranks with fewer run empty ones, so every
-    rank enters the same number of FSDP collectives."""
+    """The largest local micro-batch count over the ranks (the others run empty ones)."""
     if not isinstance(num_micro_batches, int) or num_micro_batches < 0:
         raise ValueError(f"num_micro_batches must be an int >= 0, got {num_micro_batches!r}")
     return max_over_ranks(num_micro_batches, group)

@@ -85,8 +85,8 @@ def share_from_rank0(value):
 
 @torch.no_grad()
 def take_full_state(module: nn.Module) -> FullState:
-    """Rank 0: the module's full tensors, then the module itself on ``meta``; other ranks: empty.
-    Call before sharding."""
+    """Rank 0: the full tensors, then the module on ``meta`` (call before sharding); others:
+    empty."""
     if distributed.rank() != 0:
         return FullState()
     state = FullState(
@@ -98,8 +98,7 @@ def take_full_state(module: nn.Module) -> FullState:
 
 
 def _to_meta(module: nn.Module) -> None:
-    """Every parameter and buffer of ``module`` on ``meta``, in place, keeping shared ones shared
-    (``module.to("meta")`` would untie a tied embedding and lm head)."""
+    """Every parameter and buffer on ``meta`` in place, tied ones still tied (unlike ``.to``)."""
     memo: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):

@@ -50,8 +50,7 @@ __all__ = [
 
 
 def init_mesh(sequence_parallel_size: int, device: torch.device) -> DeviceMesh | None:
-    """The ``("dp", "sp")`` mesh (:func:`~microrl.engine.parallel.tensor_parallel.dp_by_mesh`), or
-    None for ``s == 1``."""
+    """The ``("dp", "sp")`` mesh (``tensor_parallel.dp_by_mesh``), or None for ``s == 1``."""
     return dp_by_mesh(sequence_parallel_size, "sequence_parallel_size", "sp", device)
 
 
@@ -112,8 +111,7 @@ def split_sequence(x: torch.Tensor, size: int, rank: int, fill: float | int) -> 
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather ``[b, W', ...]`` slices into ``[b, W, ...]``; the backward keeps this rank's slice
-    of the gradient (every rank computes the same loss downstream)."""
+    """All-gather ``[b, W', ...]`` into ``[b, W, ...]``; the backward keeps this rank's slice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, rank: int, width: int):
@@ -278,8 +276,7 @@ def shard_model_inputs(
 
 
 def scale_denominators(denominators: LossDenominators, size: int) -> LossDenominators:
-    """``denominators`` with ``grad_scale`` times ``size``: the sp ranks' gradients are parts of one
-    sum, not copies, yet FSDP2 averages over them."""
+    """``grad_scale`` times ``size``: FSDP2 averages sp ranks' gradients, parts of one sum."""
     return dataclasses.replace(denominators, grad_scale=denominators.grad_scale * size)
 
 

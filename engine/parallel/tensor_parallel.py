@@ -126,7 +126,7 @@ def check_supported(config: Any, tensor_parallel_size: int) -> dict[str, str]:
 
 
 def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """:func:`parallelize` over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` when it has > 1
+    """:func:`parallelize` over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` if it has > 1
     rank."""
     from microrl.engine.parallel import distributed
 

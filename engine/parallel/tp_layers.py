@@ -29,8 +29,7 @@ __all__ = [
 
 
 class CopyToGroup(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over ``group`` (each rank's use of the
-    replicated input gives only part of it)."""
+    """Identity forward; the backward sums the gradient of the replicated input over ``group``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -59,8 +58,8 @@ class ReduceFromGroup(torch.autograd.Function):
 
 
 class _GatherLastDim(torch.autograd.Function):
-    """All-gather torch.chunk-sized ``[..., V_local]`` slices into ``[..., V]``; the backward keeps
-    this rank's slice."""
+    """All-gather ``[..., V_local]`` chunks into ``[..., V]``; the backward keeps this rank's
+    slice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, start: int, size: int):

@@ -72,8 +72,7 @@ def wrapper_name(base: str) -> str:
 
 
 def base_implementation(name: str | None) -> str | None:
-    """The plain implementation under a microrl wrapper name (``microrl_varlen_sdpa`` ->
-    ``sdpa``)."""
+    """The plain implementation under a wrapper name (``microrl_varlen_sdpa`` -> ``sdpa``)."""
     if name in _WRAPPED:
         return _WRAPPED[name]
     for prefix in (_PREFIX, VARLEN_PREFIX):
@@ -107,8 +106,7 @@ def split_chunks(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
 
 
 def join_chunks(chunks: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`split_chunks` on what an all-to-all received: concatenated along
-    ``dim``."""
+    """Inverse of :func:`split_chunks`: the received chunks concatenated along ``dim``."""
     return torch.cat(chunks.unbind(0), dim=dim)
 
 
@@ -121,8 +119,7 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: i
 
 
 class _AllToAll(torch.autograd.Function):
-    """Scatter ``scatter`` over the group, gather ``gather``; the backward is the inverse
-    exchange."""
+    """Scatter ``scatter`` over the group, gather ``gather``; the backward is the inverse."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int):
