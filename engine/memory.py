@@ -41,10 +41,9 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device of one engine's training step (:func:`estimate_memory`), and host bytes per
-    rank under the offloads (``host_*``, 0 without them); every field: docs/gpu.md,
-    "``estimate_memory``". ``total`` is the device's peak (``peak_phase`` names the phase). Not
-    counted: the CUDA context and allocator fragmentation."""
+    """Bytes per device of one engine's training step, and host bytes under the offloads
+    (``host_*``); fields: docs/gpu.md, "``estimate_memory``". Not counted: the CUDA context,
+    fragmentation."""
 
     weights: int
     trainable_params: int

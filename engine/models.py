@@ -119,11 +119,9 @@ def logit_transform(causal_lm: nn.Module) -> LogitTransform:
 
 
 def fused_head_blocker(causal_lm: nn.Module) -> str | None:
-    """Why the fused kernel would not be exact for this model, or ``None`` when it is.
-
-    The kernel computes ``log_softmax(cap((hidden @ W.T + b) * scale) / T)``; checked by the head's
-    type, the config (:func:`logit_transform`) and a tiny numerical probe of the model's logits.
-    """
+    """Why the fused kernel (``log_softmax(cap((hidden @ W.T + b) * scale) / T)``) would not be
+    exact for this model, or ``None``: checks the head's type, the config and a tiny numerical
+    probe."""
     head = causal_lm.get_output_embeddings()
     if type(head) is not nn.Linear:
         return f"the lm head is a {type(head).__name__}, not a plain nn.Linear"

@@ -105,12 +105,8 @@ def multimodal_body(causal_lm: nn.Module) -> nn.Module | None:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """What the engine needs to know about a vision-language model.
-
-    ``body``: the multimodal body (returns ``last_hidden_state``); ``tower``: its vision encoder
-    with the merger (what ``freeze_vision`` freezes); ``tower_prefix``: its module name (LoRA's
-    exclusions); ``merge``: the spatial merge size; ``patch_dim``: ``D``.
-    """
+    """What the engine needs to know about a vision-language model: ``body`` (multimodal), ``tower``
+    (what ``freeze_vision`` freezes) and its module name, ``merge``, ``patch_dim`` (``D``)."""
 
     body: nn.Module
     tower: nn.Module
@@ -136,11 +132,8 @@ class VisionSpec:
 
 
 def vision_spec(causal_lm: nn.Module) -> VisionSpec | None:
-    """The :class:`VisionSpec` of a supported vision-language model; None for a text model.
-
-    Raises:
-        TypeError: a config with a vision tower but a layout the engine does not know.
-    """
+    """The :class:`VisionSpec` of a supported vision-language model, None for a text model;
+    ``TypeError`` for a vision tower in a layout the engine does not know."""
     config = getattr(causal_lm, "config", None)
     if getattr(config, "vision_config", None) is None:
         return None
@@ -213,12 +206,9 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
 
 
 def body_hidden(body: nn.Module, images: ImageInputs | None, **inputs: Any) -> torch.Tensor:
-    """``last_hidden_state`` of the (multimodal) ``body`` on ``inputs``, with ``images``.
-
-    The features are computed here, without the text's keyword arguments (packed lengths concern
-    the text), and passed as ``mm_encoder_outputs``: the model scatters them into the placeholders
-    and runs its deepstack. Placeholder images add ``0 *`` their features (zero gradients).
-    """
+    """``last_hidden_state`` of ``body`` with ``images``: their features, computed without the
+    text's keyword arguments, go in as ``mm_encoder_outputs``; placeholder images add ``0 *``
+    features."""
     if images is None:
         return body(**inputs).last_hidden_state
     features = body.get_image_features(images.pixel_values, images.grid, return_dict=True)
@@ -232,12 +222,9 @@ def body_hidden(body: nn.Module, images: ImageInputs | None, **inputs: Any) -> t
 def model_positions(
     positions: torch.Tensor, rope: torch.Tensor | None, *, packed: bool
 ) -> torch.Tensor:
-    """The ``position_ids`` a Qwen-VL text model takes: ``[3, b, L]`` padded; ``[4, 1, N]`` packed
-    (row 0 the per-sequence text positions, which give transformers the boundaries).
-
-    ``positions``: ``[b, L]`` text positions; ``rope``: ``[b, L, 3]`` mRoPE positions, or None
-    without images (the text positions on all three axes).
-    """
+    """The ``position_ids`` a Qwen-VL text model takes from ``positions`` ``[b, L]`` and ``rope``
+    ``[b, L, 3]`` (None: text positions on all axes): ``[3, b, L]``, or packed ``[4, 1, N]`` with
+    the text positions first (transformers reads sequence boundaries there)."""
     rope3 = positions.unsqueeze(0).expand(3, -1, -1) if rope is None else rope.permute(2, 0, 1)
     return torch.cat([positions.unsqueeze(0), rope3]) if packed else rope3
 

@@ -72,12 +72,9 @@ def staging_paths(target: Path) -> tuple[Path, Path]:
 
 
 def recover_swap(target: Path, is_complete: Callable[[Path], bool] | None = None) -> bool:
-    """Finish or undo a :func:`replace_dir` that a killed process left between its two renames.
-
-    Only acts when ``target`` is missing: a ``.tmp`` that ``is_complete`` accepts is renamed into
-    place (without ``is_complete`` a ``.tmp`` is never trusted), else ``.old`` is renamed back.
-    Safe from several processes at once. Returns whether ``target`` exists afterwards.
-    """
+    """Finish or undo a :func:`replace_dir` killed between its renames, when ``target`` is missing:
+    a ``.tmp`` that ``is_complete`` accepts is renamed into place, else ``.old`` back. Safe from
+    several processes at once; returns whether ``target`` exists afterwards."""
     target = Path(target)
     if target.exists():
         return True

@@ -87,11 +87,8 @@ def _write_atomically(path: str | os.PathLike, write) -> Path:
 
 
 def locate_base_model(model: nn.Module) -> tuple[str, nn.Module]:
-    """``(prefix, base)``: the outermost transformers ``PreTrainedModel`` inside ``model`` and the
-    prefix of its names in ``model``'s state dict (``"causal_lm."`` in an actor's module).
-
-    Raises ``ValueError`` when ``model`` holds no transformers model.
-    """
+    """``(prefix, base)``: the outermost transformers model inside ``model`` and its names' prefix
+    in ``model``'s state dict (``"causal_lm."`` in an actor's module); ``ValueError`` if none."""
     from transformers import PreTrainedModel
 
     found = _find(model, PreTrainedModel)
@@ -150,12 +147,9 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str
 
 
 def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
-    """Fold each LoRA update ``scaling * B @ A`` into its base weight (float64 sum).
-
-    ``state`` is ``base``'s full state dict; returns the plain transformers model's. Supported:
-    ``lora.Linear`` and peft's ``ParamWrapper`` (MoE expert weights, a router) with one active
-    adapter each; anything else is a ``ValueError`` rather than a silently wrong merge.
-    """
+    """Fold each LoRA update ``scaling * B @ A`` into its base weight (float64 sum) in ``base``'s
+    full ``state``: ``lora.Linear`` and ``ParamWrapper`` (MoE experts, routers), one adapter each;
+    anything else is a ``ValueError`` rather than a silently wrong merge."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer, ParamWrapper
     from peft.utils import ModulesToSaveWrapper
@@ -322,11 +316,8 @@ def _head_state(
 def classifier_state_dict(
     target: ClassifierTarget, value_model: ValueModel, state: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The state dict of ``target``'s classifier from ``value_model``'s full ``state`` (``body.*``,
-    ``value_head.*``), LoRA merged into the body.
-
-    Raises ``ValueError`` when the keys are not exactly the classifier's.
-    """
+    """``target``'s classifier state from ``value_model``'s full ``state``, LoRA merged into the
+    body; ``ValueError`` when the keys are not exactly the classifier's."""
     body = merged_state_dict(value_model.body, _sub_state(state, "body."))
     out = {f"{target.base_prefix}.{k}": v for k, v in body.items()}
     out.update(_head_state(state, "", target.head_name))

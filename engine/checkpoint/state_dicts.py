@@ -23,12 +23,9 @@ __all__ = ["drop_aliases", "join_optimizer_state", "split_state", "tensor_specs"
 def split_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, str]]:
-    """Model and optimizer state as ``(tensors, optimizer JSON, aliases)``.
-
-    ``tensors``: ``{"model": {fqn: tensor}, "optim": {fqn: {key: tensor}}}`` (``DTensor`` shards
-    under FSDP); ``optimizer JSON``: the class, param groups and non-tensor state; ``aliases``:
-    each dropped tied name -> the name kept.
-    """
+    """Model and optimizer state as ``(tensors, optimizer JSON, aliases)``: ``{"model": {fqn:
+    tensor}, "optim": {fqn: {key: tensor}}}`` (DTensor shards under FSDP); the optimizer's class,
+    param groups and non-tensor state; each dropped tied name -> the name kept."""
     options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is None:
         model_sd, optim_sd = get_model_state_dict(model, options=options), None

@@ -60,11 +60,8 @@ def moe_router_class(model: nn.Module) -> type[nn.Module] | None:
 
 
 def find_routers(model: nn.Module) -> list[RouterSite]:
-    """The routers of ``model`` in module order (the routing key's layer axis); ``[]`` if dense.
-
-    Raises:
-        ValueError: a mixture-of-experts model whose router class has no registered gating.
-    """
+    """The routers of ``model`` in module order (the routing key's layer axis), ``[]`` if dense;
+    ``ValueError`` for a MoE router class without registered gating."""
     router_class = moe_router_class(model)
     if router_class is None:
         return []

@@ -72,12 +72,8 @@ class EngineRouting:
 
     @classmethod
     def of(cls, causal_lm: nn.Module, config) -> EngineRouting | None:
-        """The routing of ``causal_lm`` under ``config``; None for a dense model or unsupported
-        router.
-
-        Raises:
-            ValueError: ``router_loss.*`` configured for a model without a supported router.
-        """
+        """The routing of ``causal_lm`` under ``config`` (None: dense or unsupported);
+        ``ValueError`` when ``router_loss.*`` is set for a model without a supported router."""
         try:
             routers = find_routers(causal_lm)
             why = f"{type(causal_lm).__name__} has no mixture-of-experts router"

@@ -174,11 +174,9 @@ def all_reduce(
 
 
 def shutdown() -> None:
-    """Wait for every rank, then destroy the default process group; a no-op without one.
-
-    Registered at exit by :func:`init_distributed`. Skipped after an uncaught exception: the peers
-    may be inside another collective, which a barrier would pair with.
-    """
+    """Wait for every rank, then destroy the default group (registered at exit; a no-op without
+    one). Skipped after an uncaught exception: the peers may be in a collective a barrier would pair
+    with."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if getattr(sys, "last_value", None) is not None:  # set when an uncaught exception was printed
@@ -202,11 +200,8 @@ def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
 
 
 def find_shard_units(module: nn.Module) -> list[nn.Module]:
-    """The decoder blocks of a transformers model (also under PEFT or a wrapper), in order.
-
-    From the models' ``_no_split_modules``, else the children of a ``ModuleList`` named like
-    ``layers``; units nested in another unit are dropped (they would shard twice).
-    """
+    """The decoder blocks of a transformers model (also under PEFT or a wrapper), in order: from
+    ``_no_split_modules``, else a ``ModuleList`` named like ``layers``; nested units dropped."""
     names: set[str] = set()
     for sub in module.modules():
         declared = getattr(type(sub), "_no_split_modules", None) or getattr(
@@ -350,12 +345,9 @@ def _no_forward(*args: object, **kwargs: object) -> None:
 
 
 def _copy_grad_outputs(module: nn.Module, args: object, output: object) -> object:
-    """Forward hook of the sharded root, run before FSDP's: outputs that need a gradient are copied.
-
-    FSDP's post-forward hook puts the root's pre-backward hook on those outputs and warns when one
-    is a view (an in-place op would drop the hook); the heads' outputs are views. A copy costs one
-    ``[b, L]`` tensor per output. Inference is left alone (FSDP hooks nothing there).
-    """
+    """Forward hook of the sharded root, before FSDP's: outputs that need a gradient are copied, as
+    FSDP puts its pre-backward hook on them and an in-place op on a view (the heads' outputs) would
+    drop it; one ``[b, L]`` tensor per output. Inference is left alone."""
     if not torch.is_grad_enabled():
         return None
     return _copy_grad_tensors(output)
@@ -373,12 +365,9 @@ def _copy_grad_tensors(value: object) -> object:
 
 @contextmanager
 def gathered(module: nn.Module) -> Iterator[None]:
-    """Inside the block every parameter of a sharded ``module`` is the full tensor.
-
-    For calls that bypass ``module``'s forward (``engine.model.generate``): each unit is gathered
-    once for the block (the full model's memory until it ends). Collective: every rank enters it
-    and runs the same number of forwards. A no-op for an unsharded module.
-    """
+    """Inside the block every parameter of a sharded ``module`` is the full tensor, each unit
+    gathered once (for ``engine.model.generate``). Collective: every rank enters it and runs the
+    same number of forwards. A no-op for an unsharded module."""
     if not isinstance(module, FSDPModule):
         yield
         return
@@ -424,12 +413,9 @@ def is_empty_batch(batch: Mapping[str, torch.Tensor]) -> bool:
 
 
 def placeholder_row(batch: Mapping[str, torch.Tensor]) -> TensorDict:
-    """One row ``[1, T]`` standing in for a rank's empty share ``[0, T]`` of a mini-batch.
-
-    Its one real token (id 0, position 0) has no loss, so loss, gradient and metrics get nothing
-    from it; the rank still runs the FSDP collectives of the ranks with data. Every key gets a zero
-    row of its dtype (a temperature gets 1).
-    """
+    """One row ``[1, T]`` standing in for a rank's empty share ``[0, T]``, so it runs the FSDP
+    collectives of the ranks with data: one real token (id 0) and no loss; every key a zero row of
+    its dtype (a temperature 1)."""
     columns = batch["input_ids"].shape[1]
     if columns == 0:
         raise ValueError("input_ids must have at least one column (T >= 1), got [0, 0]")

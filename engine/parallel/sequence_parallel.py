@@ -81,9 +81,8 @@ def check_supported(config: Any, size: int) -> None:
 def wrap(
     module: nn.Module, mesh: DeviceMesh, *, offload_policy: OffloadPolicy | None = None
 ) -> nn.Module:
-    """Switch the transformers model inside ``module`` to Ulysses attention and shard ``module``
-    with FSDP2 over all ``dp x sp`` ranks (``offload_policy``: for ``optim.cpu_offload``; the
-    sequence split touches activations only)."""
+    """Switch the model inside ``module`` to Ulysses attention and shard ``module`` with FSDP2 over
+    all ``dp x sp`` ranks (``offload_policy``: ``optim.cpu_offload``'s)."""
     size = mesh["sp"].size()
     model = next((m for m in module.modules() if hasattr(m, "set_attn_implementation")), None)
     if model is None:
@@ -281,11 +280,8 @@ def scale_denominators(denominators: LossDenominators, size: int) -> LossDenomin
 
 
 def check_same_batch(batch: TensorDict, group: dist.ProcessGroup) -> None:
-    """Raise ``ValueError`` unless every rank of the sp group passed the same mini-batch.
-
-    One all-gather of a 4-number fingerprint per engine call: a loader sharding by global rank
-    instead of dp rank would otherwise train on a silent mixture of rows.
-    """
+    """Raise ``ValueError`` unless every sp rank passed the same mini-batch (one all-gather of a
+    4-number fingerprint): a loader sharding by global rank would silently mix rows."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     weight = torch.arange(1, ids.numel() + 1, device=ids.device).view_as(ids)
     fingerprint = torch.stack(

@@ -137,10 +137,8 @@ def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard the engine's module over ``mesh["tp"]``, in place, from tp rank 0's weights.
-
-    Call after LoRA and gradient checkpointing, before FSDP2 and the optimizer.
-    """
+    """Shard the engine's module over ``mesh["tp"]`` in place, from tp rank 0's weights: after LoRA
+    and gradient checkpointing, before FSDP2 and the optimizer."""
     tp = mesh["tp"]
     group = tp.get_group()
     configs = (getattr(sub, "config", None) for sub in module.modules())

@@ -135,12 +135,9 @@ def install_vocab_embedding(embedding: nn.Embedding, group: dist.ProcessGroup, s
 def install_local_params(
     module: nn.Module, group: dist.ProcessGroup, *, partial_grads: bool = False
 ) -> None:
-    """Run ``module``'s own forward on the local tensors of its (replicated) DTensor parameters.
-
-    A pre-hook shadows each parameter with ``to_local()`` as an instance attribute, removed after
-    the call even when it raises. ``partial_grads``: the module computes on this rank's heads
-    (Qwen3's ``q_norm`` / ``k_norm``), so its weight gradient is summed by :class:`CopyToGroup`.
-    """
+    """Run ``module``'s own forward on the local tensors of its replicated DTensor parameters,
+    shadowed as instance attributes during the call; ``partial_grads``: it computes on this
+    rank's heads (Qwen3's ``q_norm``), so its weight gradient is summed (:class:`CopyToGroup`)."""
     names = [
         name
         for name, p in module.named_parameters(recurse=False)

@@ -180,11 +180,9 @@ def ulysses_attention(
     base: str,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``base`` attention over the whole sequence from this rank's tokens.
-
-    ``query`` ``[b, H, S/s, D]``, ``key``/``value`` ``[b, Hkv, S/s, D]`` (RoPE applied) ->
-    ``[b, S/s, H, D]``. Without a shard in ``kwargs`` it is the ``base`` implementation itself.
-    """
+    """The ``base`` attention over the whole sequence from this rank's tokens: ``query``
+    ``[b, H, S/s, D]``, ``key``/``value`` ``[b, Hkv, S/s, D]`` (RoPE applied) -> ``[b, S/s, H, D]``;
+    without a shard in ``kwargs``, the ``base`` implementation itself."""
     shard: SequenceShard | None = kwargs.pop(SHARD_KWARG, None)
     flash = is_flash(base)
     if shard is None:
@@ -236,12 +234,9 @@ def ulysses_attention(
 def flash_varlen_kwargs(
     lengths: tuple[int, ...], rows: int, device: torch.device | str
 ) -> dict[str, Any]:
-    """transformers' flash-attention varlen arguments for ``rows`` rows of sequences ``lengths``.
-
-    ``cu_seq_lens_q/k``: int32 offsets of every sequence in the flattened ``[rows * width]``
-    tokens; ``max_length_q/k``: the longest, a host int. Padded rows are one sequence each, causal
-    over the row, which is what their real tokens at the front see in one process.
-    """
+    """transformers' flash-attention varlen arguments for ``rows`` rows of sequences ``lengths``:
+    ``cu_seq_lens_q/k``, int32 offsets in the flattened ``[rows * width]`` tokens, and
+    ``max_length_q/k``, a host int. A padded row is one sequence, causal as in one process."""
     offsets, end = [0], 0
     for _ in range(rows):
         for length in lengths:
