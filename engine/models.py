@@ -88,13 +88,9 @@ class LogitTransform:
 
 
 def logit_transform(causal_lm: nn.Module) -> LogitTransform:
-    """The logit transform the model's config declares (Gemma 2/3 ``final_logit_softcapping``,
-    Cohere ``logit_scale``, Granite ``logits_scaling``); identity for other models.
-
-    Raises:
-        ValueError: a declared value that is not a finite number > 0, or a non-trivial value of
-            another logit-transforming attribute (muP-style multipliers...).
-    """
+    """The logit transform the config declares (Gemma 2/3 ``final_logit_softcapping``, Cohere
+    ``logit_scale``, Granite ``logits_scaling``), else identity; ``ValueError`` for a value that is
+    not a finite number > 0 or another non-trivial logit transform (muP-style multipliers...)."""
     config = getattr(causal_lm, "config", None)
     for attr in _LOGIT_TRANSFORM_ATTRS:
         value = getattr(config, attr, None)

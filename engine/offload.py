@@ -86,8 +86,7 @@ class _Offloaded:
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors of the forward inside the block go to host memory; one instance per
-    micro-batch.
+    """Saved tensors of the forward inside the block go to host memory; one per micro-batch.
 
     Args:
         params: the module's parameters and buffers (``DTensor`` shards too): a saved tensor

@@ -71,14 +71,11 @@ def kept_images(batch: TensorDict) -> TensorDict:
 def pad_images(
     rows: list[tuple[torch.Tensor, torch.Tensor] | None],
 ) -> dict[str, torch.Tensor]:
-    """Per-row processor outputs -> the batch's image keys.
-
-    ``rows[b]``: ``(pixel_values [p_b, D], image_grid_thw [n_b, 3])`` or None. Rows holding the same
-    ``pixel_values`` tensor (a group's) share one store entry. Returns ``pixel_values``
-    (``UnbatchedTensor [G, P, D]``, zero-padded), ``image_index`` ``[B]`` (-1 without images) and
-    ``image_grid_thw`` ``[B, I, 3]`` (zero-padded). Raises ``ValueError`` when no row has images or
-    a row's patch count does not match its grids.
-    """
+    """Per-row processor outputs -> the batch's image keys: ``rows[b]`` is ``(pixel_values [p_b, D],
+    image_grid_thw [n_b, 3])`` or None; rows holding the same ``pixel_values`` tensor share a store
+    entry. Returns ``pixel_values`` (``UnbatchedTensor [G, P, D]``), ``image_index`` ``[B]`` (-1:
+    none), ``image_grid_thw`` ``[B, I, 3]``, zero-padded; ``ValueError`` when no row has images or
+    a row's patch count does not match its grids."""
     present = [r for r in rows if r is not None]
     if not present:
         raise ValueError("pad_images needs at least one row with images")

@@ -44,13 +44,10 @@ def load_reward_model_checkpoint(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """The ``*ForSequenceClassification`` (``num_labels=1``, eval mode, CPU, weights in ``dtype``)
-    that a ``RewardModelEngine`` checkpoint and its ``base`` causal LM (a local directory, or a
-    fresh model that LoRA layers are injected into) make.
-
-    Raises :class:`~microrl.engine.checkpoint.CheckpointError` for an incomplete checkpoint, one
-    that is not a reward model's, or one whose tensors do not fit ``base``.
-    """
+    """The ``*ForSequenceClassification`` (``num_labels=1``, eval, CPU, weights in ``dtype``) that a
+    ``RewardModelEngine`` checkpoint and its ``base`` causal LM (a local directory, or a fresh model
+    LoRA is injected into) make; ``CheckpointError`` for an incomplete checkpoint, one that is not
+    a reward model's, or tensors that do not fit ``base``."""
     from transformers import AutoModelForSequenceClassification
 
     from microrl.engine import setup

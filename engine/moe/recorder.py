@@ -23,11 +23,8 @@ class RoutingRecorder:
             sequences = model.generate(ids, attention_mask=mask, ...)
         routes = recorder.routes(len(ids), sequences.shape[1])  # [B, T, L, k], int16, on the CPU
 
-    Consecutive forwards continue the rows in time (prefill, then decoding steps), so all must be
-    over the same ``B`` rows. The hooks only observe.
-
-    Raises:
-        ValueError: ``model`` has no supported mixture-of-experts router.
+    Consecutive forwards continue the same ``B`` rows in time (prefill, then decoding steps); the
+    hooks only observe. ``ValueError`` for a model without a supported mixture-of-experts router.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -63,14 +60,10 @@ class RoutingRecorder:
         return hook
 
     def routes(self, batch_size: int, length: int | None = None) -> torch.Tensor:
-        """The recorded routing of ``batch_size`` rows: ``[B, T, L, k]`` in ``routes_dtype``, on the
-        CPU; ``length`` pads the token axis with ``-1`` or cuts forwards past a row's end
-        (``synced_gpus``).
-
-        Raises:
-            ValueError: nothing recorded, or a forward whose token count is not a multiple of
-                ``batch_size``.
-        """
+        """The recorded routing of ``batch_size`` rows, ``[B, T, L, k]`` on the CPU; ``length`` pads
+        the token axis with ``-1`` or cuts forwards past a row's end (``synced_gpus``).
+        ``ValueError``: nothing recorded, or a forward's token count is not a multiple of
+        ``batch_size``."""
         if not self._calls[0]:
             raise ValueError("RoutingRecorder: no forward was recorded")
         top_k = self.routers[0].top_k

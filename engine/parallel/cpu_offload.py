@@ -25,14 +25,9 @@ def offload_policy(device: torch.device) -> CPUOffloadPolicy:
 
 
 def single_process_group(device: torch.device) -> None:
-    """Make sure a process group exists for a one-rank FSDP2 mesh in this single process.
-
-    A caller's one-rank group is used as is; otherwise one is started on an in-memory store and
-    ended at exit. With one rank the rest of microrl still sees a single process.
-
-    Raises:
-        ValueError: when an initialised group has more than one rank.
-    """
+    """Make sure a process group exists for a one-rank FSDP2 mesh in this single process: a caller's
+    one-rank group as is, else one on an in-memory store, ended at exit (the rest of microrl still
+    sees a single process); ``ValueError`` for an initialised group of more than one rank."""
     if dist.is_initialized():
         if dist.get_world_size() != 1:
             raise ValueError(

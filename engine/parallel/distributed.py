@@ -90,12 +90,8 @@ def dp_group() -> dist.ProcessGroup | None:
 
 def local_cuda_index() -> int | None:
     """The GPU this rank owns: ``LOCAL_RANK`` under torchrun, the one visible GPU (a launcher that
-    gives each rank its own), else the current GPU; None without CUDA.
-
-    Raises:
-        ValueError: torchrun started more processes on this node (``LOCAL_WORLD_SIZE``) than it has
-            visible GPUs, one visible GPU included (its processes would all run on GPU 0).
-    """
+    gives each rank its own), else the current GPU; None without CUDA. ``ValueError`` when torchrun
+    starts more processes on a node than it has visible GPUs (they would share GPU 0)."""
     if not torch.cuda.is_available():
         return None
     local = os.environ.get("LOCAL_RANK")
@@ -321,13 +317,9 @@ def broadcast_from_rank0(module: nn.Module, *, group: dist.ProcessGroup | None =
 
 @torch.no_grad()
 def _init_root_state(module: FSDPModule) -> None:
-    """Make ``module`` the FSDP root now rather than at its first forward.
-
-    A call that bypasses the root first (``generate`` inside :func:`gathered`) would make a decoder
-    layer the root, and training would fail with "FSDP requires running forward through the root
-    module first". The root is called once with a no-op ``forward`` (FSDP's hooks run, no model
-    code; a collective), then resharded.
-    """
+    """Make ``module`` the FSDP root now: a call bypassing the root first (``generate`` in
+    :func:`gathered`) would make a decoder layer the root and training fail ("FSDP requires running
+    forward through the root module first"). A collective no-op forward, then a reshard."""
     own = module.__dict__.get("forward")  # an instance-level forward is put back as it was
     module.forward = _no_forward
     try:

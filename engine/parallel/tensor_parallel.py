@@ -46,12 +46,8 @@ def init_mesh(tensor_parallel_size: int, device: torch.device) -> DeviceMesh | N
 
 def dp_by_mesh(size: int, key: str, name: str, device: torch.device) -> DeviceMesh | None:
     """The ``("dp", name)`` mesh of ``(world // size, size)`` ranks, consecutive ranks (one node's
-    fast interconnect) in one ``name`` group, or None for ``size == 1``.
-
-    Raises:
-        ValueError: naming ``key`` (the config key of ``size``): a single process, or a size that
-            does not divide the number of processes.
-    """
+    fast interconnect) in one ``name`` group, or None for ``size == 1``; ``ValueError`` naming
+    ``key`` for a single process or a size that does not divide the number of processes."""
     if size == 1:
         return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -86,13 +82,8 @@ def _causal_lm(module: nn.Module) -> nn.Module | None:
 
 
 def check_supported(config: Any, tensor_parallel_size: int) -> dict[str, str]:
-    """The per-layer TP plan (``{"self_attn.q_proj": "colwise", ...}``) from the config's
-    ``base_model_tp_plan``.
-
-    Raises:
-        ValueError: naming the family when it is not supported, or the size that ``t`` does not
-            divide (attention heads, key/value heads, MLP width).
-    """
+    """The per-layer TP plan (``{"self_attn.q_proj": "colwise", ...}``) from ``base_model_tp_plan``;
+    ``ValueError`` naming an unsupported family or what ``t`` does not divide (heads, MLP width)."""
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
