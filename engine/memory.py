@@ -221,7 +221,13 @@ def estimate_memory(
         vllm = int(vllm_gpu_memory_utilization * device_memory)
     if vllm_sleep_level not in (0, 1, 2):
         raise ValueError(f"vllm_sleep_level must be 0, 1 or 2, got {vllm_sleep_level!r}")
-
+    # What the numbers are computed for.
+    inputs = {
+        "tokens": tokens,
+        "world_size": world_size,
+        "device_memory": device_memory,
+        "vllm_sleep_level": vllm_sleep_level,
+    }
     model = meta_model(model_config, config, value_head)
     if image_tokens_per_micro_batch and getattr(model_config, "vision_config", None) is None:
         raise ValueError(
@@ -287,7 +293,6 @@ def estimate_memory(
     if vllm and vllm_sleep_level == 1:
         host_vllm = params.base_numel * (2 if autocast else params.base_itemsize)
     hosted = sum(value for name, value in placed.items() if name.startswith("host_"))
-    host_total = hosted + host_vllm + max(host_activations, host_step)
     persistent = sum(placed.values()) - hosted + params.gradients
     training = persistent + gathered + max(phases[compute_phase], step)
     if vllm and vllm_sleep_level:  # vLLM's share only while it samples, the trainer idle
@@ -315,29 +320,32 @@ def estimate_memory(
     sampling = persistent - params.gradients + frozen + gathered_hf
     if gathered_hf and sampling > total:
         total, peak_phase = sampling, "hf sampling"
+    compute = {
+        "activations": max(forward, backward),
+        "head_buffers": head,
+        "autocast_copies": copies,
+        "backward_gradients": in_flight,
+        "compute_peak": phases[compute_phase],
+        "vision_activations": vision,
+    }
+    host = {
+        "host_activations": host_activations,
+        "host_vllm_weights": host_vllm,
+        "host_total": hosted + host_vllm + max(host_activations, host_step),
+    }
     return MemoryEstimate(
         **placed,
+        **compute,
+        **host,
+        **inputs,
         gradients=params.gradients,
-        activations=max(forward, backward),
-        head_buffers=head,
-        autocast_copies=copies,
-        backward_gradients=in_flight,
-        compute_peak=phases[compute_phase],
-        vision_activations=vision,
+        num_params=params.num_params,
+        num_trainable=params.num_trainable,
         fsdp_buffers=gathered,
         optimizer_transient=step,
         vllm=vllm,
         total=total,
         peak_phase=peak_phase,
-        num_params=params.num_params,
-        num_trainable=params.num_trainable,
-        tokens=tokens,
-        world_size=world_size,
-        device_memory=device_memory,
-        vllm_sleep_level=vllm_sleep_level,
-        host_activations=host_activations,
-        host_vllm_weights=host_vllm,
-        host_total=host_total,
         hf_gathered_weights=gathered_hf,
         **teacher,
         **rm,

@@ -90,7 +90,6 @@ class ParamBytes:
                 itemsize = p.element_size()
         # Full-size gradients (fp32, like the trainable parameters) on every rank.
         gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        optimizer = 8 * trainable_numel + 4 * n_tensors
         layers = decoder_layers(model)
         head = model.get_output_embeddings()
         norm = getattr(model.get_decoder(), "norm", None)
@@ -98,7 +97,7 @@ class ParamBytes:
             frozen=frozen,
             trainable=trainable,
             gradients=gradients,
-            optimizer=optimizer,
+            optimizer=8 * trainable_numel + 4 * n_tensors,
             num_params=n_params,
             num_trainable=n_trainable,
             trainable_numel_per_rank=trainable_numel,
