@@ -1,19 +1,11 @@
 """How many bytes an engine needs per device, before building it: :func:`estimate_memory`.
 
 Parameters, gradients and optimizer state are counted exactly: the model is built from its
-transformers config on the ``meta`` device (no memory, no download) and prepared as the engine
-prepares it (``base_dtype``, LoRA through :func:`microrl.engine.setup.apply_lora`, a critic's
-value head), so every tensor's shape and dtype is the engine's. Activations follow a per-layer
-model of the tensors autograd saves in a Llama/Qwen decoder layer (docs/gpu.md, "The activation
-model"), checked against measured live bytes on the CPU (tests/engine/test_memory_estimate.py).
-
-The offloads move bytes from the device to host memory, and the estimate reports both:
-``optim.cpu_offload`` puts the parameter shards, their gradients and the optimizer state on the
-host (the device keeps FSDP2's gathered weights and the gradients while micro-batches
-accumulate); ``activation_offload`` copies the saved tensors of at least
-:data:`microrl.engine.offload.MIN_OFFLOAD_BYTES` to the host (with gradient checkpointing only
-the layer inputs), and the device keeps the smaller ones plus the few tensors whose copies are
-in flight or back for the backward (docs/gpu.md, "Offloads").
+config on ``meta`` and prepared as the engine prepares it (``base_dtype``, LoRA, a value head).
+Activations follow a per-layer model of what autograd saves in a Llama/Qwen decoder layer,
+checked against measured bytes on the CPU (tests/engine/test_memory_estimate.py). The offloads
+(``optim.cpu_offload``, ``activation_offload``) move bytes to the host, reported apart.
+Fields, the activation model and the offloads: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -49,54 +41,9 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device of one engine's training step (:func:`estimate_memory`).
-
-    Persistent: ``weights`` (the frozen parameters, in ``base_dtype``), ``trainable_params``
-    (fp32: adapters and heads under LoRA, every parameter in a full fine-tune),
-    ``gradients`` (fp32) and ``optimizer_state`` (AdamW: two fp32 moments per element and a
-    step per tensor). Parameters and optimizer state are sharded over the FSDP ranks; the
-    gradients are not: the engine reduces them once per mini-batch, so each rank accumulates
-    full-size gradients until the last micro-batch's backward.
-
-    Per micro-batch: ``activations`` (what autograd keeps for the token budget, at their
-    largest: every layer's saved tensors, or with gradient checkpointing the layer inputs plus
-    one recomputed layer), ``head_buffers`` (the lm head's logits tiles), ``autocast_copies``
-    (the bf16 copies autocast caches of trainable weights during the forward),
-    ``backward_gradients`` (the activation gradients in flight in one layer's backward).
-    ``compute_peak`` is the larger of the forward at the head (activations, head buffers,
-    autocast copies) and the backward (activations, gradients in flight) -- with
-    checkpointing the two phases hold different activations, so the rows can add up to more.
-    ``fsdp_buffers``: the gathered full weights of the units being computed;
-    ``optimizer_transient``: AdamW's temporary copy during its step (after the backward, so
-    only the larger of it and ``compute_peak`` counts); ``vllm``: vLLM's reserved share.
-
-    ``total`` = persistent + ``fsdp_buffers`` + ``vllm`` + max(``compute_peak``,
-    ``optimizer_transient``): the device's bytes. With vLLM's sleep mode
-    (``vllm_sleep_level`` 1 or 2) vLLM holds its share only while it samples, when the trainer
-    holds its persistent bytes alone: ``total`` = max(persistent + ``vllm``, persistent +
-    ``fsdp_buffers`` + max(``compute_peak``, ``optimizer_transient``)), and ``peak_phase`` says
-    which (``"sampling"``). Not counted: the CUDA context and allocator fragmentation (often
-    0.5-2 GiB), what vLLM allocates outside its sleep-mode pool (it stays through a sleep), and
-    nothing measured it on a GPU (docs/gpu.md).
-
-    Host memory, 0 without the offloads: with ``optim.cpu_offload`` the parameter shards
-    (``host_params``: frozen and trainable), the reduced gradient shards (``host_gradients``)
-    and the optimizer state (``host_optimizer_state``) live there instead of on the device
-    (``weights``, ``trainable_params`` and ``optimizer_state`` are then 0, and the optimizer's
-    step transient is the host's; ``gradients`` stays: the device accumulates full-size
-    gradients over a mini-batch's micro-batches); with ``activation_offload``,
-    ``host_activations`` is what a micro-batch's forward copies there (``activations`` is then
-    what stays on the device); with sleep level 1, ``host_vllm_weights`` is vLLM's copy of the
-    weights offloaded there while the trainer trains (level 2 discards it). ``host_total`` = the
-    host parameters, gradients and optimizer state + ``host_vllm_weights`` +
-    max(``host_activations``, the optimizer step's transient).
-
-    A distillation teacher in the trainer process (``teacher.backend=engine``) adds
-    ``teacher_weights`` (its parameters in ``base_dtype``, sharded like the student's) and
-    ``teacher_forward`` (its no-grad forward over one micro-batch: one layer's activations,
-    the head's buffers and, sharded, its gathered units) to ``total``, both in full: with
-    ``rollout.max_staleness > 0`` its forward overlaps the trainer's step.
-    """
+    """Bytes per device of one engine's training step, and host bytes under the offloads
+    (``host_*``); fields: docs/gpu.md, "``estimate_memory``". Not counted: the CUDA context,
+    fragmentation."""
 
     weights: int
     trainable_params: int
@@ -139,9 +86,7 @@ class MemoryEstimate:
     # Images: pixel bytes per image token, and the step's pixels (one copy per group).
     image_token_bytes: int = 0
     image_pixels: int = 0
-    # A mixture of experts: the parameters one token uses (the k of E experts of each MoE
-    # layer; num_params for a dense model) and the routing key's bytes per token
-    # (routed_experts: MoE layers x k, int16; docs/engine.md#mixture-of-experts).
+    # A mixture of experts: parameters one token uses, routing key (routed_experts) bytes.
     num_active_params: int = 0
     routing_key_bytes_per_token: int = 0
 
@@ -191,14 +136,15 @@ class MemoryEstimate:
             rows.append(("hf generation: gathered weights", self.hf_gathered_weights))
         rows.append((f"total (peak: {self.peak_phase})", self.total))
         if self.host_total:
-            rows += [
-                ("host: parameters", self.host_params),
-                ("host: gradients", self.host_gradients),
-                ("host: optimizer state", self.host_optimizer_state),
-                ("host: activations", self.host_activations),
-                ("host: vLLM weights (asleep)", self.host_vllm_weights),
-                ("host: total", self.host_total),
-            ]
+            host = {
+                "parameters": self.host_params,
+                "gradients": self.host_gradients,
+                "optimizer state": self.host_optimizer_state,
+                "activations": self.host_activations,
+                "vLLM weights (asleep)": self.host_vllm_weights,
+                "total": self.host_total,
+            }
+            rows += [(f"host: {name}", value) for name, value in host.items()]
         width = max(len(name) for name, _ in rows) + 2
         active = ""
         if self.num_active_params and self.num_active_params != self.num_params:
@@ -243,45 +189,13 @@ def estimate_memory(
     reward_model_tokens: int | None = None,
     hf_generation: bool | None = None,
 ) -> MemoryEstimate:
-    """The bytes one device needs to train ``model_config``'s model with ``config``.
+    """The bytes one device needs to train ``model_config``'s model (a transformers
+    ``PretrainedConfig``) with ``config`` (default ``EngineConfig()``).
 
-    Args:
-        model_config: a transformers ``PretrainedConfig`` of a causal LM (e.g.
-            ``AutoConfig.from_pretrained(model_id)``, or one built from known shapes).
-        config: the engine config (default ``EngineConfig()``): LoRA rank and targets,
-            ``base_dtype``, ``dtype`` (autocast), optimizer (``optim.cpu_offload`` too),
-            ``gradient_checkpointing``, ``activation_offload``, ``use_fused_kernel``,
-            ``kernel_chunk_size`` and the token budget ``max_tokens_per_micro_batch``.
-        tokens_per_micro_batch: tokens of one micro-batch (padded rows x longest row, or packed
-            tokens); default ``config.max_tokens_per_micro_batch``, required without it.
-        world_size: FSDP data-parallel ranks; parameters and optimizer state are sharded
-            over them, each rank runs its own micro-batches. With ``optim.cpu_offload`` the
-            engine shards with FSDP2 also in one process (over one rank).
-        device: ``"cuda"`` or ``"cpu"``: resolves ``dtype="auto"`` (bf16 autocast on CUDA) and
-            the FSDP mixed precision (bf16 compute on CUDA).
-        value_head: a critic's ``Linear(H, 1)`` head instead of the lm head (no logits).
-        vllm_gpu_memory_utilization: vLLM's colocated share of ``device_memory``.
-        device_memory: bytes of one device (needed for the vLLM share; then also tells
-            whether the total fits).
-        vllm_sleep_level: ``rollout.vllm.sleep_level``: 0, vLLM holds its share throughout;
-            1 or 2, only while it samples (1 offloads its weights, in the trainer's compute
-            dtype, to the host).
-        image_tokens_per_micro_batch: of a vision-language model's micro-batch tokens, how many
-            are image placeholders: its tower runs over ``merge**2`` patches per such token,
-            keeping their activations when it trains (``freeze_vision=False``), else one
-            block's at a time (docs/gpu.md, "Vision-language models").
-        image_tokens_per_step: the image tokens of this rank's distinct prompts in one step:
-            the batch holds one copy of a prompt's pixels per group, on the device through the
-            step (``image_pixels``; ``image_token_bytes`` per token).
-        teacher_config: the ``PretrainedConfig`` of an in-process distillation teacher
-            (``teacher.backend=engine``), or None: computed with ``config``'s numerics.
-        reward_model_config: the ``PretrainedConfig`` of a ``task.reward_model`` (a frozen
-            classifier in the run's compute dtype, sharded over the ranks), or None.
-        reward_model_tokens: tokens of one reward-model micro-batch
-            (``task.reward_model.batch_size`` rows x their longest text); default the trainer's.
-        hf_generation: the ``hf`` backend samples in the trainer (None: when no vLLM share is
-            given): under FSDP2 it gathers the policy's full weights for ``generate``
-            (``hf_gathered_weights``, a phase of its own: ``"hf sampling"``).
+    ``tokens_per_micro_batch`` defaults to ``config.max_tokens_per_micro_batch``; ``world_size``
+    counts FSDP2 ranks; ``device`` resolves ``dtype="auto"`` and FSDP's mixed precision. vLLM's
+    colocated share, a teacher, a reward model, images and ``hf`` generation are described with
+    every argument in docs/gpu.md, "``estimate_memory``".
 
     Raises:
         ValueError: naming the argument: no token budget, ``world_size < 1``, a vLLM share
@@ -307,7 +221,13 @@ def estimate_memory(
         vllm = int(vllm_gpu_memory_utilization * device_memory)
     if vllm_sleep_level not in (0, 1, 2):
         raise ValueError(f"vllm_sleep_level must be 0, 1 or 2, got {vllm_sleep_level!r}")
-
+    # What the numbers are computed for.
+    inputs = {
+        "tokens": tokens,
+        "world_size": world_size,
+        "device_memory": device_memory,
+        "vllm_sleep_level": vllm_sleep_level,
+    }
     model = meta_model(model_config, config, value_head)
     if image_tokens_per_micro_batch and getattr(model_config, "vision_config", None) is None:
         raise ValueError(
@@ -359,36 +279,21 @@ def estimate_memory(
     compute_phase = max(phases, key=phases.get)
     gathered = 0
     if sharded:
-        # In the gather dtype: the root unit (final norm and head), unsharded for the whole
-        # step, plus the decoder layer being computed and the next one (prefetch).
+        # The root unit (final norm, head) for the whole step, the current and next layer.
         gather_size = 2 if fsdp_bf16 else params.base_itemsize
         gathered = (params.root_numel + 2 * params.layer_numel) * gather_size
-    # AdamW (foreach) holds one fp32 temporary per trainable element during its step: on the
-    # host with optim.cpu_offload (the optimizer steps there).
+    # AdamW (foreach)'s fp32 temporary per trainable element: on the host with cpu_offload.
     step = params.trainable_numel_per_rank * 4 if config.optim.name == "adamw" else 0
     host_step = step if cpu_offload else 0
     step -= host_step
     peak_phase = compute_phase if phases[compute_phase] >= step else "optimizer step"
-    # optim.cpu_offload: the parameter shards, their gradients and the optimizer state on the
-    # host; the device accumulates full-size gradients over the micro-batches (FSDP2 reduces
-    # and offloads them after the last one).
-    if cpu_offload:
-        host = {
-            "host_params": params.frozen + params.trainable,
-            "host_gradients": params.trainable,  # this rank's fp32 shards
-            "host_optimizer_state": params.optimizer,
-        }
-        weights = trainable = optimizer = 0
-    else:
-        host = dict.fromkeys(("host_params", "host_gradients", "host_optimizer_state"), 0)
-        weights, trainable, optimizer = params.frozen, params.trainable, params.optimizer
-    # Sleep level 1: vLLM's weights wait in host memory, in its dtype (bf16 where the trainer
-    # autocasts, else the base's storage dtype; docs/rollouts.md#sleep-mode).
+    placed = params.placement(cpu_offload)  # the offload's host_* bytes too
+    # Sleep level 1: vLLM's weights wait in host memory, in its dtype.
     host_vllm = 0
     if vllm and vllm_sleep_level == 1:
         host_vllm = params.base_numel * (2 if autocast else params.base_itemsize)
-    host_total = sum(host.values()) + host_vllm + max(host_activations, host_step)
-    persistent = weights + trainable + params.gradients + optimizer
+    hosted = sum(value for name, value in placed.items() if name.startswith("host_"))
+    persistent = sum(placed.values()) - hosted + params.gradients
     training = persistent + gathered + max(phases[compute_phase], step)
     if vllm and vllm_sleep_level:  # vLLM's share only while it samples, the trainer idle
         total = max(training, persistent + vllm)
@@ -408,44 +313,42 @@ def estimate_memory(
         per_token = image_token_bytes(model_config.vision_config)
         images = {"image_token_bytes": per_token, "image_pixels": image_tokens_per_step * per_token}
         total += images["image_pixels"]
-    # hf sampling: the trainer idle (its gradients freed by the last optimizer step), its
-    # parameters and optimizer state, the frozen models' weights and the policy gathered whole
-    # (FSDP2); the KV cache is not counted (docs/gpu.md).
+    # hf sampling: the idle trainer without gradients, frozen models, the policy gathered whole.
     hf = vllm_gpu_memory_utilization is None if hf_generation is None else hf_generation
     gathered_hf = hf_gathered_bytes(model, world_size, device, sharded) if hf else 0
     frozen = teacher.get("teacher_weights", 0) + rm.get("reward_model_weights", 0)
     sampling = persistent - params.gradients + frozen + gathered_hf
     if gathered_hf and sampling > total:
         total, peak_phase = sampling, "hf sampling"
+    compute = {
+        "activations": max(forward, backward),
+        "head_buffers": head,
+        "autocast_copies": copies,
+        "backward_gradients": in_flight,
+        "compute_peak": phases[compute_phase],
+        "vision_activations": vision,
+    }
+    host = {
+        "host_activations": host_activations,
+        "host_vllm_weights": host_vllm,
+        "host_total": hosted + host_vllm + max(host_activations, host_step),
+    }
     return MemoryEstimate(
-        weights=weights,
-        trainable_params=trainable,
+        **placed,
+        **compute,
+        **host,
+        **inputs,
         gradients=params.gradients,
-        optimizer_state=optimizer,
-        activations=max(forward, backward),
-        head_buffers=head,
-        autocast_copies=copies,
-        backward_gradients=in_flight,
-        compute_peak=phases[compute_phase],
+        num_params=params.num_params,
+        num_trainable=params.num_trainable,
         fsdp_buffers=gathered,
         optimizer_transient=step,
         vllm=vllm,
         total=total,
-        num_params=params.num_params,
-        num_trainable=params.num_trainable,
-        tokens=tokens,
-        world_size=world_size,
         peak_phase=peak_phase,
-        device_memory=device_memory,
-        **host,
-        host_activations=host_activations,
-        host_total=host_total,
-        vllm_sleep_level=vllm_sleep_level,
-        vision_activations=vision,
-        host_vllm_weights=host_vllm,
+        hf_gathered_weights=gathered_hf,
         **teacher,
         **rm,
-        hf_gathered_weights=gathered_hf,
         **images,
         **_moe_counts(model, shape, params),
     )

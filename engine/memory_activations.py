@@ -1,8 +1,6 @@
-"""The activation model of :func:`~microrl.engine.memory.estimate_memory`: bytes per token.
-
-Per-token bytes of the tensors autograd keeps in a Llama/Qwen decoder layer, what the offloads
-move, the lm head's buffers, and for a vision-language model its tower (docs/gpu.md, "The
-activation model"); :mod:`microrl.engine.memory` adds them up with the parameters.
+"""The activation model of :func:`~microrl.engine.memory.estimate_memory`: bytes per token of what
+autograd keeps in a Llama/Qwen decoder layer, what the offloads move, the lm head's buffers and
+a vision tower (docs/gpu.md, "The activation model").
 """
 
 from __future__ import annotations
@@ -16,18 +14,14 @@ from microrl.configs.engine import EngineConfig
 from microrl.engine import offload, setup
 from microrl.kernels import WORKING_TILE_ELEMENTS, head_budget_bytes
 
-# The fused kernel's tile budget: at most four full working tiles of float32 (docs/kernels.md,
-# "Memory and chunk_size"); rows per chunk when kernel_chunk_size is unset.
+# The fused kernel's CPU budget in fp32 working tiles; rows per chunk without kernel_chunk_size.
 KERNEL_TILES = 4
 KERNEL_ROWS = 1024
-# Per-token bytes outside the model: the micro-batch's ids, positions, masks, targets, loss
-# inputs and fp32 outputs in the compact layout (about eight 8-byte values).
+# The micro-batch's own tensors per token (about eight 8-byte values).
 BATCH_BYTES_PER_TOKEN = 64
-# The eager fp32 head (use_fused_kernel=False) holds about five [N, V] float32 buffers at its
-# peak (docs/kernels.md).
+# [N, V] fp32 buffers of the eager head at its peak (docs/kernels.md).
 EAGER_HEAD_BUFFERS = 5
-# Per-token bytes of the tensors a policy loss saves (log-probs, ratios, advantages, clipping
-# masks: about eight float32 values and three masks); activation offload copies them.
+# A policy loss's saved tensors per token (about eight fp32 values and three masks).
 LOSS_SAVED_BYTES_PER_TOKEN = 36
 # The linear layers of a Llama/Qwen decoder layer, by role (the activation model's layout).
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
@@ -109,8 +103,7 @@ class Numerics:
             return Numerics(stream=2, act=2, saved_input=2, copies=False, full=full)
         if autocast:  # linear outputs bf16; each linear casts its own input to bf16
             return Numerics(stream=base, act=2, saved_input=2, copies=True, full=full)
-        # No autocast: the base computes in its own dtype; a 16-bit input is cast to the fp32
-        # adapters (peft) once per adapted layer, an fp32 one is shared.
+        # No autocast: peft casts a 16-bit input to the fp32 adapters once per adapted layer.
         return Numerics(
             stream=base,
             act=base,
@@ -121,17 +114,16 @@ class Numerics:
 
 
 def adapted_roles(model: nn.Module, config: EngineConfig) -> set[str]:
-    """Which linear layers of a decoder layer train (keep their input): all of them in a full
-    fine-tune, the adapted ones under LoRA."""
+    """The linear layers of a decoder layer that train (all, or the adapted ones under LoRA)."""
     layers = decoder_layers(model)
-    if not layers:
-        return set()
-    trains = (lambda m: hasattr(m, "lora_A")) if config.lora.rank else _is_linear
-    return {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules() if trains(m)}
+    return _trained_names(layers[0], config) if layers else set()
 
 
-def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear)
+def _trained_names(module: nn.Module, config: EngineConfig) -> set[str]:
+    """Last name parts of ``module``'s trained linear layers (the adapted ones under LoRA)."""
+    if config.lora.rank:
+        return {n.rsplit(".", 1)[-1] for n, m in module.named_modules() if hasattr(m, "lora_A")}
+    return {n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, nn.Linear)}
 
 
 def layer_bytes_per_token(shape: Shape, num: Numerics, adapted: set[str], rank: int) -> int:
@@ -142,10 +134,8 @@ def layer_bytes_per_token(shape: Shape, num: Numerics, adapted: set[str], rank: 
 def layer_tensors(
     shape: Shape, num: Numerics, adapted: set[str], rank: int, *, own_inputs: bool = False
 ) -> list[int]:
-    """Per-token bytes of each tensor autograd keeps in one decoder layer.
-
-    ``own_inputs``: every trainable linear layer's input is a tensor of its own, also where the
-    layers of a group share one (activation offload copies each layer's saved view of it)."""
+    """Per-token bytes of each tensor autograd keeps in one decoder layer; ``own_inputs``: each
+    trainable linear layer's input counted on its own (activation offload copies each view)."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tensors = [h * 4, h * 4, 4, 4]  # the two RMSNorms: their input upcast to fp32, 1/rms per token
@@ -162,13 +152,10 @@ def layer_tensors(
         tensors.append(i * num.saved_input)
     # Attention (SDPA / flash): rotated q and k, v, the output, and a logsumexp per head.
     tensors += [q * num.act, kv * num.act, kv * num.act, q * num.act, shape.heads * 4]
-    # Gated MLP: the gate (SiLU's input), SiLU's output and the up projection (the product's
-    # factors); for a mixture of experts, of each of the token's k experts (``i`` covers them).
+    # Gated MLP: the gate, SiLU's output, the up projection (of all k experts for a MoE).
     tensors += [i * num.act] * 3
     if shape.experts:
-        # The grouped expert path also keeps the k dispatched inputs, the gated product (the
-        # down projections' input) and the k weighted outputs; the router its fp32 logits and
-        # softmax.
+        # k dispatched inputs, the gated product, k weighted outputs; router logits, softmax.
         tensors += [2 * shape.top_k * h * num.act, i * num.act, shape.experts * 4 * 2]
     if rank:  # each adapter's low-rank activation (lora_B's input)
         tensors += [rank * num.saved_input] * len(adapted)
@@ -186,16 +173,12 @@ def offloaded_activations(
     """``(forward, backward, host)`` bytes of a micro-batch's saved tensors under
     ``activation_offload`` (docs/gpu.md, "Offloads").
 
-    A saved tensor of at least :data:`~microrl.engine.offload.MIN_OFFLOAD_BYTES` is copied to the
-    host; the smaller ones stay on the device. Without checkpointing that is every tensor of the
-    activation model, each layer's saved views of a shared input and of the rotary cos/sin
-    copied on their own; with checkpointing, each layer's input (the checkpoint saves it).
-    Outside the layers the final norm's input and ``1/rms`` (and its normalised input when its
-    weight trains) and the loss's tensors are copied; the final hidden state, its gradient
-    formed in the fused head's forward, rotary cos/sin and the batch's tensors are not saved
-    tensors and stay. The device also holds the largest copies: ``offload.MAX_IN_FLIGHT`` in
-    flight in the forward, and in the backward the one unpacked and the ``offload.PREFETCH``
-    fetched ahead; with checkpointing, one recomputed layer."""
+    Saved tensors of at least :data:`~microrl.engine.offload.MIN_OFFLOAD_BYTES` go to the host:
+    every tensor of the activation model, or with checkpointing each layer's input, plus the final
+    norm's and the loss's. The device keeps the smaller ones and the largest copies in flight
+    (``offload.MAX_IN_FLIGHT`` forward, ``1 + offload.PREFETCH`` backward); with checkpointing
+    also one recomputed layer.
+    """
     h, min_bytes = shape.hidden, offload.MIN_OFFLOAD_BYTES
     if config.gradient_checkpointing:
         layer = copied = [h * num.stream]
@@ -212,8 +195,7 @@ def offloaded_activations(
 
     moved = [b for b in copied if moves(b)]
     host = tokens * (shape.layers * sum(moved) + sum(b for b in outside if moves(b)))
-    # What stays is what the model without offload keeps, less what moved: the same tensors,
-    # sharing storage as they do without the hooks (nothing moves: the same bytes).
+    # What the model without offload keeps, less what moved (storage shared as without hooks).
     kept = shape.layers * sum(b for b in layer if not moves(b)) + other_bytes_per_token(shape, num)
     kept -= h * 4 if moves(h * 4) else 0  # the final norm's fp32 input
     largest = sorted(moved * shape.layers, reverse=True)
@@ -225,24 +207,20 @@ def offloaded_activations(
 
 
 def backward_bytes_per_token(shape: Shape, num: Numerics) -> int:
-    """Activation gradients in flight in one layer's backward: the layer output's gradient and
-    one MLP-wide gradient, in the wider of the activations' and the adapter inputs' dtypes."""
+    """Activation gradients in flight in one layer's backward: the output's and one MLP-wide one."""
     return shape.hidden * num.stream + shape.intermediate * max(num.act, num.saved_input)
 
 
 def other_bytes_per_token(shape: Shape, num: Numerics) -> int:
-    """Outside the layers: the final norm, the final hidden state the head keeps and its
-    gradient formed in forward, rotary cos/sin, and the micro-batch's own tensors."""
+    """Outside the layers: final norm, hidden state and gradient, rotary, batch tensors."""
     h = shape.hidden
     return h * 4 + 2 * h * num.stream + 2 * shape.head_dim * num.act + BATCH_BYTES_PER_TOKEN
 
 
 def head_bytes(shape: Shape, num: Numerics, config: EngineConfig, tokens: int, device: str) -> int:
-    """The lm head's buffers: the fused kernel's float32 logits tiles (on a CPU all of the logits
-    when they fit its budget of four full tiles, plus two working tiles, and for a 16-bit weight
-    a float32 copy of one vocabulary tile; on CUDA its GPU path's byte budget, twice it for the
-    fused loss, at most the logits and a hidden-gradient accumulator); the eager head's [N, V]
-    float32 buffers."""
+    """The lm head's buffers: the fused kernel's fp32 logits tiles (CPU: its tile budget and a fp32
+    copy of a 16-bit vocabulary tile; CUDA: its byte budget, at most the logits and a gradient
+    accumulator), or the eager head's ``[N, V]`` fp32 buffers."""
     if not config.use_fused_kernel:
         return EAGER_HEAD_BUFFERS * tokens * shape.vocab * 4
     if device == "cuda":
@@ -257,8 +235,7 @@ def head_bytes(shape: Shape, num: Numerics, config: EngineConfig, tokens: int, d
     return tiles * 4 + upcast
 
 
-# The linear layers of a Qwen-VL vision block, by the decoder-layer role whose input and
-# output widths they share (the activation model above counts the block as a decoder layer).
+# A Qwen-VL vision block's linear layers by the decoder-layer role of the same widths.
 _VISION_ROLES = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "proj": ("o_proj",),
@@ -270,12 +247,9 @@ _VISION_ROLES = {
 def vision_tower_bytes(
     vision_config: Any, tower: nn.Module, config: EngineConfig, num: Numerics, image_tokens: int
 ) -> tuple[int, int]:
-    """``(kept, forward_peak)``: bytes a vision tower keeps for the backward over a micro-batch's
-    ``image_tokens`` placeholders (``merge**2`` patches each), and its forward's peak.
-
-    Each block is modelled as a decoder layer over the patches (two norms, attention, a gated
-    MLP: Qwen2.5-VL's and Qwen3-VL's; Qwen2-VL's GELU MLP keeps one tensor fewer). A frozen
-    tower builds no graph, so it holds one block's tensors at a time and keeps nothing."""
+    """``(kept, forward_peak)``: bytes a vision tower keeps for the backward over ``image_tokens``
+    placeholders (``merge**2`` patches each), each block modelled as a decoder layer; a frozen
+    tower keeps nothing and holds one block at a time."""
     patches = image_tokens * vision_config.spatial_merge_size**2
     hidden = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
     intermediate = getattr(vision_config, "intermediate_size", None)
@@ -303,6 +277,5 @@ def _tower_roles(tower: nn.Module, config: EngineConfig) -> set[str]:
     blocks = next((m for m in tower.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
     if blocks is None:
         return set()
-    trains = (lambda m: hasattr(m, "lora_A")) if config.lora.rank else _is_linear
-    names = {n.rsplit(".", 1)[-1] for n, m in blocks[0].named_modules() if trains(m)}
+    names = _trained_names(blocks[0], config)
     return {role for name in names for role in _VISION_ROLES.get(name, (name,))}

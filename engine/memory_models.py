@@ -1,8 +1,6 @@
-"""What :func:`~microrl.engine.memory.estimate_memory` adds beside the trained model's step.
-
-The frozen models a run holds in the trainer process (a distillation teacher, a
-``task.reward_model``: weights and one no-grad forward), the policy's full weights gathered for
-``hf`` generation under FSDP2, and the pixel bytes of an image token (docs/gpu.md).
+"""What :func:`~microrl.engine.memory.estimate_memory` adds beside the trained model's step: frozen
+models in the trainer process (a teacher, a ``task.reward_model``), the weights ``hf``
+generation gathers under FSDP2, and an image token's pixels (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -55,10 +53,9 @@ def frozen_model_bytes(
     device: str,
     logits: int,
 ) -> tuple[int, int]:
-    """``(weights, forward)`` of a frozen ``model`` (built on ``meta`` in its storage dtype): its
-    parameters sharded over ``world_size`` ranks, and the transient of a no-grad forward over
-    ``tokens``: one layer's tensors in flight, ``logits`` float32 elements at the head, and under
-    FSDP2 the gathered root unit and two decoder layers (bf16 on CUDA)."""
+    """``(weights, forward)`` of a frozen meta ``model``: its parameters sharded over
+    ``world_size``, and a no-grad forward over ``tokens`` (one layer in flight, ``logits`` fp32
+    elements, under FSDP2 the gathered root and two layers)."""
     weights = sum(shard_numel(p, world_size) * p.element_size() for p in model.parameters())
     forward = tokens * backward_bytes_per_token(Shape.of(model_config), num) + logits * 4
     if world_size > 1:
@@ -73,10 +70,8 @@ def frozen_model_bytes(
 def reward_model_bytes(
     model_config: Any, config: EngineConfig, tokens: int, world_size: int, device: str
 ) -> dict[str, int]:
-    """A ``task.reward_model`` (a frozen ``RewardModelEngine``, docs/tasks.md#reward-models):
-    its weights in the run's compute dtype (bf16 under autocast, else float32) with a float32
-    score head, sharded over the ranks, and its no-grad forward over ``tokens`` (a score per
-    row: no logits)."""
+    """A ``task.reward_model``: weights in the run's compute dtype (fp32 score head), sharded, and
+    its no-grad forward over ``tokens`` (no logits)."""
     from transformers import AutoModelForSequenceClassification
 
     dtype = setup.autocast_dtype(config, device) or torch.float32
@@ -111,8 +106,7 @@ def teacher_bytes(
 
 
 def teacher_logits(shape: Shape, config: EngineConfig, tokens: int) -> int:
-    """Float32 logits a frozen lm head holds over ``tokens`` (tiles of them past the fused
-    kernel's budget)."""
+    """Float32 logits a frozen lm head holds over ``tokens`` (tiles past the kernel's budget)."""
     logits = tokens * shape.vocab
     if config.use_fused_kernel:
         logits = min(logits, KERNEL_TILES * WORKING_TILE_ELEMENTS)
@@ -120,10 +114,8 @@ def teacher_logits(shape: Shape, config: EngineConfig, tokens: int) -> int:
 
 
 def hf_gathered_bytes(model: nn.Module, world_size: int, device: str, sharded: bool) -> int:
-    """The policy's full weights that FSDP2 gathers for ``hf`` generation
-    (``engine.parallel.distributed.gathered``: every unit unsharded for the whole ``generate``),
-    beside the shards: bf16 on CUDA (the mixed-precision policy), each parameter's own dtype
-    elsewhere; 0 for an unsharded model (``generate`` runs on the module as it is)."""
+    """The policy's full weights FSDP2 gathers beside the shards for ``hf`` generation (bf16 on
+    CUDA); 0 for an unsharded model."""
     if not sharded:
         return 0
     return sum(
@@ -132,9 +124,7 @@ def hf_gathered_bytes(model: nn.Module, world_size: int, device: str, sharded: b
 
 
 def image_token_bytes(vision_config: Any) -> int:
-    """Pixel bytes of one image placeholder token: ``spatial_merge_size**2`` patches of
-    ``in_channels x temporal_patch_size x patch_size**2`` float32 values (Qwen2-VL: 4 x 1176 x 4
-    = 18816 bytes)."""
+    """Pixel bytes of one image token: ``merge**2`` fp32 patches (Qwen2-VL: 18816)."""
     patch_dim = (
         vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
     )

@@ -1,7 +1,4 @@
-"""The trained model's parameter, gradient and optimizer bytes for
-:func:`~microrl.engine.memory.estimate_memory`: the model built on ``meta`` as the engine prepares
-it, each tensor counted exactly (docs/gpu.md).
-"""
+"""Parameter, gradient and optimizer bytes for :func:`~microrl.engine.memory.estimate_memory`."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ __all__ = ["ParamBytes", "meta_model"]
 
 
 def meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.Module:
-    """The model as the engine prepares it, on ``meta``: base dtype, LoRA (not on a frozen
-    vision tower), a value head."""
+    """The model as the engine prepares it, on ``meta``: base dtype, LoRA, a value head."""
     with torch.device("meta"):
         model = setup.auto_model_class(model_config).from_config(
             model_config, dtype=setup.base_dtype(config)
@@ -30,8 +26,7 @@ def meta_model(model_config: Any, config: EngineConfig, value_head: bool) -> nn.
     spec = vision_spec(model)
     frozen = spec is not None and config.freeze_vision
     exclude = spec.tower_module_names(model) if frozen else None
-    # On meta too: peft builds the adapters of target_parameters (MoE experts) on the default
-    # device, which would allocate and initialise them for real (GBs for a large MoE).
+    # On meta too: peft builds target_parameters' adapters (MoE experts) on the default device.
     with torch.device("meta"):
         model, _ = setup.apply_lora(model, config.lora, exclude=exclude)
     if frozen:
@@ -60,6 +55,22 @@ class ParamBytes:
     base_numel: int  # the causal LM's own elements (no adapters): what vLLM holds
     expert_numel: int = 0  # a mixture of experts' expert weights (all layers, no adapters)
 
+    def placement(self, cpu_offload: bool) -> dict[str, int]:
+        """The device and ``host_*`` bytes of parameters and optimizer state: on the host with
+        ``optim.cpu_offload`` (with this rank's fp32 gradient shards; the device still
+        accumulates full-size gradients over the micro-batches)."""
+        device = {
+            "weights": self.frozen,
+            "trainable_params": self.trainable,
+            "optimizer_state": self.optimizer,
+        }
+        host = {
+            "host_params": self.frozen + self.trainable,
+            "host_gradients": self.trainable,
+            "host_optimizer_state": self.optimizer,
+        }
+        return {**device, **host, **dict.fromkeys(device if cpu_offload else host, 0)}
+
     @staticmethod
     def count(model: nn.Module, world_size: int) -> ParamBytes:
         """Bytes per rank: each tensor sharded on dim 0 (FSDP2 pads it to a multiple of the
@@ -79,7 +90,6 @@ class ParamBytes:
                 itemsize = p.element_size()
         # Full-size gradients (fp32, like the trainable parameters) on every rank.
         gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        optimizer = 8 * trainable_numel + 4 * n_tensors
         layers = decoder_layers(model)
         head = model.get_output_embeddings()
         norm = getattr(model.get_decoder(), "norm", None)
@@ -87,7 +97,7 @@ class ParamBytes:
             frozen=frozen,
             trainable=trainable,
             gradients=gradients,
-            optimizer=optimizer,
+            optimizer=8 * trainable_numel + 4 * n_tensors,
             num_params=n_params,
             num_trainable=n_trainable,
             trainable_numel_per_rank=trainable_numel,

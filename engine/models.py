@@ -1,19 +1,15 @@
-"""The modules the engine differentiates: one ``nn.Module`` call from token ids to per-token outputs.
+"""The modules the engine differentiates: one ``nn.Module`` call from ids to per-token outputs.
 
-Each wrapper owns the transformers model (or its decoder body) as a submodule and is the root the
-engine trains, so a sharding wrapper (FSDP2) installed on it unshards the lm-head weight in its
-pre-forward hook and the fused kernel sees the full weight. No transformers class is patched: the
-wrappers only call the model's public ``forward`` / ``get_decoder()`` / ``get_output_embeddings()``.
-
-All outputs are aligned to the *predicting* position: entry ``[.., j]`` is computed from the hidden
-state of token ``j`` and concerns token ``j + 1`` (the engine shifts them to token alignment).
+Each wrapper owns the transformers model (or its body) and is the root the engine trains, so
+FSDP2 on it unshards the lm-head weight before its forward; no transformers class is patched.
+Outputs are aligned to the *predicting* position: entry ``[.., j]`` comes from token ``j``'s
+hidden state and concerns token ``j + 1``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +37,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# Config attributes of transformers models that change the logits after the lm-head matmul, and
-# how the kernel reproduces them (``logit_transform``): Gemma 2/3 ``tanh(logits / c) * c``, Cohere
-# ``logits * logit_scale``, Granite ``logits / logits_scaling``. None (or, for the scales, 1)
-# means off. The numerical probe still checks the result: a family that uses one of these names
-# differently falls back to the eager path.
+# Config attributes that change the logits after the lm-head matmul (``logit_transform``); the
+# probe still checks them: a family using a name differently falls back to the eager path.
 _SOFTCAP_ATTR = "final_logit_softcapping"
 _MULTIPLY_ATTR = "logit_scale"
 _DIVIDE_ATTR = "logits_scaling"
-# Other attributes that transform the logits in ways the kernel does not reproduce
-# (muP-style multipliers, ...): a non-trivial value of any of them blocks the fused path.
+# Logit transforms the kernel does not reproduce: a non-trivial value blocks the fused path.
 _LOGIT_TRANSFORM_ATTRS = (
     "logit_softcapping",
     "logit_multiplier",
@@ -60,17 +52,14 @@ _LOGIT_TRANSFORM_ATTRS = (
     "width_multiplier",
     "dim_model_base",
 )
-# Relative tolerance of the probe that compares the model's logits with the kernel's transform of
-# ``lm_head(hidden)``: both run the same fp32 matmul and elementwise ops, so anything beyond
-# rounding noise is a transformation the kernel does not reproduce.
+# The probe's tolerance: both sides run the same fp32 ops, so more than rounding is a transform.
 _PROBE_RTOL = 1e-4
 _PROBE_TOKENS = 8  # a handful of tokens suffice to reveal a transformation of the logits
 
 
 def decoder_body(causal_lm: nn.Module) -> nn.Module:
     """The model without its head (``get_decoder()``), returning ``last_hidden_state``; for a
-    vision-language model the multimodal body (vision tower + language model, which takes the
-    image features), not ``get_decoder()``'s text-only language model."""
+    vision-language model the multimodal body (vision tower + language model)."""
     body = multimodal_body(causal_lm)
     if body is not None:
         return body
@@ -86,9 +75,8 @@ def decoder_body(causal_lm: nn.Module) -> nn.Module:
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """What the model does to ``lm_head(hidden)`` (bias included) before its logits come out:
-    ``logits = cap(z * scale)`` with ``cap(x) = softcap * tanh(x / softcap)`` (identity for
-    None). Passed to the kernel as ``logit_scale`` / ``softcap``."""
+    """What the model does to ``z = lm_head(hidden)`` before its logits come out:
+    ``cap(z * scale)`` with ``cap(x) = softcap * tanh(x / softcap)`` (identity for None)."""
 
     scale: float = 1.0
     softcap: float | None = None
@@ -100,13 +88,9 @@ class LogitTransform:
 
 
 def logit_transform(causal_lm: nn.Module) -> LogitTransform:
-    """The logit transform the model's config declares (Gemma 2/3 ``final_logit_softcapping``,
-    Cohere ``logit_scale``, Granite ``logits_scaling``); identity for other models.
-
-    Raises:
-        ValueError: a declared value the kernel cannot reproduce (not a finite number > 0), or a
-            non-trivial value of another logit-transforming attribute (muP-style multipliers...).
-    """
+    """The logit transform the config declares (Gemma 2/3 ``final_logit_softcapping``, Cohere
+    ``logit_scale``, Granite ``logits_scaling``), else identity; ``ValueError`` for a value that is
+    not a finite number > 0 or another non-trivial logit transform (muP-style multipliers...)."""
     config = getattr(causal_lm, "config", None)
     for attr in _LOGIT_TRANSFORM_ATTRS:
         value = getattr(config, attr, None)
@@ -131,15 +115,9 @@ def logit_transform(causal_lm: nn.Module) -> LogitTransform:
 
 
 def fused_head_blocker(causal_lm: nn.Module) -> str | None:
-    """Why the fused kernel would not be exact for this model, or ``None`` when it is.
-
-    The fused path computes ``log_softmax(cap((hidden @ W.T + b) * scale) / T)`` (bias, scale
-    and soft-capping from :func:`logit_transform`); it is exact only when the model's logits are
-    exactly that transform of a linear map of the body's final hidden state. Checked three ways:
-    the head's type, the config attributes (:func:`logit_transform`), and a tiny numerical probe
-    (the model's own logits against the transform of ``lm_head(body(x))``) that catches anything
-    else.
-    """
+    """Why the fused kernel (``log_softmax(cap((hidden @ W.T + b) * scale) / T)``) would not be
+    exact for this model, or ``None``: checks the head's type, the config and a tiny numerical
+    probe."""
     head = causal_lm.get_output_embeddings()
     if type(head) is not nn.Linear:
         return f"the lm head is a {type(head).__name__}, not a plain nn.Linear"
@@ -178,22 +156,13 @@ def _probe_logits(
 class PolicyModel(nn.Module):
     """Causal LM -> per-position log-probs of the next token (and the entropy of its distribution).
 
-    ``fused=True``: body to final hidden states, then :func:`microrl.kernels.fused_linear_logprob`
-    with the lm-head weight and bias and the config's logit transform (:func:`logit_transform`:
-    scale, soft-capping), so the ``[N, V]`` logits never exist. ``fused=False`` with
-    ``plain_head=True`` (a linear head the kernel reproduces exactly, see
-    :func:`fused_head_blocker`): the same body, then
-    :func:`microrl.kernels.reference_linear_logprob`, the kernel's eager twin with the same
-    arguments, so both paths compute ``log_softmax(cap((h.float() @ W.float().T + b) * scale) / T)``
-    and switching ``use_fused_kernel`` changes results by fp32 rounding only, also under autocast
-    (docs/kernels.md). Otherwise the model's own forward (its head and whatever follows it, in the
-    model's dtype) then an fp32 ``log_softmax``.
-
-    ``trusted_targets=True``: the caller guarantees every target is ``-100`` or a token id below
-    the input embeddings' size (the engine's ``check_batch`` validates ``input_ids`` against it at
-    the batch boundary) and every temperature is finite and > 0; the kernel then skips its own
-    value checks and issues no host sync (docs/engine.md), whenever the head has at least
-    that many rows.
+    ``fused=True``: body, then :func:`microrl.kernels.fused_linear_logprob` with the head's weight,
+    bias and logit transform, so the ``[N, V]`` logits never exist. ``fused=False`` with
+    ``plain_head=True``: the same body, then the kernel's eager twin
+    :func:`microrl.kernels.reference_linear_logprob`, so switching ``use_fused_kernel`` changes
+    results by fp32 rounding only (docs/kernels.md). Otherwise the model's own forward, then an
+    fp32 ``log_softmax``. ``trusted_targets=True``: the caller validated targets and temperatures
+    (the engine's ``check_batch``), so the kernel skips its checks and host sync (docs/engine.md).
     """
 
     def __init__(
@@ -210,8 +179,7 @@ class PolicyModel(nn.Module):
         self.fused = fused
         # The fused kernel needs a plain head; the eager path uses it whenever the head is plain.
         self.plain_head = fused if plain_head is None else (plain_head or fused)
-        # Read once: config values. The bias is read at each forward (a sharded head is unsharded
-        # by then).
+        # Config values, read once (the bias is read per forward: unsharded by then).
         self.logit_transform = logit_transform(causal_lm) if self.plain_head else None
         self.chunk_size = chunk_size
         self.trusted_targets = trusted_targets
@@ -229,15 +197,12 @@ class PolicyModel(nn.Module):
         images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> tuple[torch.Tensor, ...]:
-        """All tensors ``[b, L]`` (``attention_mask`` None for packed rows); returns fp32 ``[b, L]``.
+        """``[b, L]`` tensors (``attention_mask`` None for packed rows) -> fp32 ``[b, L]``.
 
         ``targets[b, j]`` is the token predicted from position ``j`` (``-100``: none, output 0).
-        ``loss_fn`` (fused head only): the loss runs inside the head through
-        :func:`microrl.kernels.fused_linear_loss` (its per-group callback, row groups never
-        splitting ``loss_segments``), and the result is ``(logprobs, entropy, loss)``: the
-        outputs detached, the loss with its gradients (docs/kernels.md, fused loss path).
-        ``images``: a vision-language model's images (:func:`microrl.engine.vision.body_hidden`);
-        ``position_ids`` are then its mRoPE positions (``[3, b, L]``, packed ``[4, 1, N]``).
+        ``loss_fn`` (fused head only): the loss runs inside the head (:func:`fused_linear_loss`, row
+        groups never splitting ``loss_segments``), returning ``(logprobs, entropy, loss)``.
+        ``images``: a vision-language model's (``position_ids`` then its mRoPE positions).
         """
         inputs = {
             "input_ids": input_ids,
@@ -248,8 +213,7 @@ class PolicyModel(nn.Module):
         }
         if self.plain_head:
             hidden = body_hidden(decoder_body(self.causal_lm), images, **inputs)
-            # Mixed dtypes (bf16 activations under autocast, fp32 weight) are the head's business:
-            # both are upcast to fp32 there, so the logits are never rounded to 16 bits.
+            # The head upcasts mixed dtypes to fp32: logits are never rounded to 16 bits.
             lm_head = self.causal_lm.get_output_embeddings()
             weight, transform = lm_head.weight, self.logit_transform
             # Targets below the input vocabulary are in range only if the head is at least as wide.
@@ -259,9 +223,7 @@ class PolicyModel(nn.Module):
                 if not self.fused:
                     raise ValueError("loss_fn needs the fused head (use_fused_kernel=True)")
                 head = _fused_loss_head(loss_fn, loss_segments)
-            if _is_dtensor(
-                weight
-            ):  # tensor parallel (engine/parallel/tensor_parallel.py): Shard(0)
+            if isinstance(weight, DTensor):  # tensor parallel: Shard(0) over the vocabulary
                 head = _vocab_parallel_head(loss_fn, loss_segments)
             return head(
                 hidden,
@@ -282,8 +244,7 @@ class PolicyModel(nn.Module):
 
 
 def _fused_loss_head(loss_fn: GroupLossFn, segments: list[int] | None):
-    """:func:`fused_linear_loss` with ``fused_linear_logprob``'s call signature, returning
-    ``(logprobs, entropy, loss)``."""
+    """:func:`fused_linear_loss` as a head -> ``(logprobs, entropy, loss)``."""
 
     def head(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         out = fused_linear_loss(*args, loss_fn, segments=segments, **kwargs)
@@ -292,18 +253,9 @@ def _fused_loss_head(loss_fn: GroupLossFn, segments: list[int] | None):
     return head
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """Without importing ``torch.distributed.tensor`` when nothing has (it is slow to import)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 def _vocab_parallel_head(loss_fn: GroupLossFn | None, segments: list[int] | None):
-    """:func:`microrl.kernels.vocab_parallel_linear_logprob` (the weight a ``Shard(0)`` DTensor
-    over the tp ranks, hidden replicated; a bias a ``Shard(0)`` DTensor too) with the fused head's
-    call signature; with ``loss_fn``, :func:`~microrl.kernels.vocab_parallel_loss.
-    vocab_parallel_linear_loss` (the fused loss path on the shard, returning
-    ``(logprobs, entropy, loss)``)."""
+    """:func:`microrl.kernels.vocab_parallel_linear_logprob` (weight and bias ``Shard(0)`` DTensors
+    over the tp ranks) with the fused head's signature; with ``loss_fn``, its fused-loss twin."""
 
     def head(hidden, weight, targets, **kwargs):
         from microrl.kernels import vocab_parallel_linear_logprob
@@ -325,7 +277,7 @@ def eager_logprob(
     temperature: float | torch.Tensor,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log_softmax(logits / T)`` gathered at ``targets`` (fp32); entropy of the same distribution."""
+    """``log_softmax(logits / T)`` at ``targets`` (fp32) and the distribution's entropy."""
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
         temperature = temperature.unsqueeze(-1)
     logits = logits if logits.dtype == torch.float64 else logits.float()
@@ -341,25 +293,19 @@ def eager_logprob(
 
 
 def gather_last(values: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
-    """Each sequence's entry at its last real token: ``[b, L, ...]`` (or packed ``[1, N, ...]``)
-    and ``last_index [b]`` (flat indices into the first two dimensions, as the engine passes to
-    ``_model_forward``) -> ``[b, ...]``. Differentiable; no host sync."""
+    """Each sequence's entry at its last real token: ``[b, L, ...]`` (or packed ``[1, N, ...]``) and
+    flat ``last_index [b]`` -> ``[b, ...]``. Differentiable; no host sync."""
     return values.flatten(0, 1).index_select(0, last_index)
 
 
 class ValueModel(nn.Module):
     """Decoder body -> a scalar per position, or per sequence, through a ``Linear(H, 1)`` head.
 
-    The head starts from ``N(0, 1/(H+1))`` weights and a zero bias: small values, but not a zero
-    weight, which would give the backbone no gradient on the first steps.
-
-    ``bias``: whether the head has a bias (the critic's does; a Bradley-Terry reward model's does
-    not: its loss only sees score differences, so a bias would get no gradient, and transformers'
-    ``*ForSequenceClassification`` heads have none). ``sequence_level``: what the module
-    computes, which also decides the export (microrl.engine.checkpoint.export): False, a value per position
-    (exported as ``*ForTokenClassification``); True, one score per sequence from the hidden
-    state of its last real token, given ``last_index`` (exported as
-    ``*ForSequenceClassification``).
+    The head starts from ``N(0, 1/(H+1))`` weights (not zero: the body would get no gradient) and a
+    zero bias. ``bias``: the critic's head has one; a Bradley-Terry reward model's does not (its
+    loss sees only score differences). ``sequence_level``: False, a value per position (exported as
+    ``*ForTokenClassification``); True, one score per sequence at its last real token, given
+    ``last_index`` (exported as ``*ForSequenceClassification``).
     """
 
     def __init__(
@@ -395,9 +341,7 @@ class ValueModel(nn.Module):
         images: ImageInputs | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor:
-        """``[b, L]`` ids -> ``[b, L]`` fp32 values (one per position), or with ``last_index``
-        (:func:`gather_last`) ``[b]``: the head at each sequence's last real token.
-        ``images``: as for :class:`PolicyModel`."""
+        """``[b, L]`` ids -> ``[b, L]`` fp32 values, or ``[b]`` with ``last_index``."""
         hidden = body_hidden(
             self.body,
             images,
@@ -413,9 +357,8 @@ class ValueModel(nn.Module):
 
 
 def fp32_linear(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(hidden)`` computed in float32 outside autocast (float64 for a float64 weight):
-    a scalar head's value is never rounded to 16 bits, as the lm head's logits are not
-    (docs/kernels.md). ``hidden`` ``[..., H]`` in any dtype -> ``[..., out]``."""
+    """``linear(hidden)`` in float32 outside autocast (float64 for a float64 weight), so a scalar
+    head's value is never rounded to 16 bits: ``[..., H]`` -> ``[..., out]``."""
     dtype = torch.float64 if linear.weight.dtype == torch.float64 else torch.float32
     weight, bias = _replicated_local(linear.weight), _replicated_local(linear.bias)
     bias = None if bias is None else bias.to(dtype)
@@ -424,6 +367,5 @@ def fp32_linear(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 
 def _replicated_local(param: torch.Tensor | None) -> torch.Tensor | None:
-    """A tensor-parallel head's replicated parameter as this rank's plain tensor (the module's
-    own call would shadow it so, engine/parallel/tp_layers.py); any other tensor as it is."""
+    """A tensor-parallel replicated parameter as this rank's plain tensor."""
     return param.to_local() if isinstance(param, DTensor) else param

@@ -1,13 +1,10 @@
 """Activation offload: the tensors autograd saves for backward live in host memory in between.
 
-A micro-batch's activation memory then stays about what one layer's forward and backward hold,
-not the whole graph: the longest sequences need that after checkpointing and sequence
-parallelism. :class:`ActivationOffload` is a ``saved_tensors_hooks`` context: its pack hook
-copies a saved tensor to the host, its unpack hook brings it back when the backward needs it.
-The engine enters it around the training forward of every micro-batch when
-``EngineConfig.activation_offload`` is on; inference passes save nothing and never enter it.
-What is offloaded, how it composes with gradient checkpointing and how the CUDA copies overlap
-are in docs/distributed.md, "Activation offload".
+A micro-batch's activation memory stays about one layer's forward and backward, not the whole
+graph. :class:`ActivationOffload` is a ``saved_tensors_hooks`` context (pack: copy to the host;
+unpack: bring back) the engine enters around each training forward with
+``EngineConfig.activation_offload``. What is offloaded, checkpointing and CUDA copy overlap:
+docs/distributed.md, "Activation offload".
 """
 
 from __future__ import annotations
@@ -42,11 +39,10 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 @dataclass
 class OffloadStats:
-    """What a block offloaded: ``tensors`` and ``bytes`` copied to host memory (each tensor once:
-    ``shared`` counts the later saves of a tensor already copied, which reuse its copy), and the
-    saved tensors kept on the device because they were small (``kept_small``) or parameters,
-    buffers or weight copies (``kept_params``). ``records`` holds ``(shape, dtype, bytes)`` of
-    each copied tensor when the block was built with ``record=True``."""
+    """What a block offloaded: ``tensors`` and ``bytes`` copied to the host (each tensor once;
+    ``shared``: later saves reusing a copy), and the saved tensors kept on the device as small
+    (``kept_small``) or parameters and weight copies (``kept_params``); ``records``: ``(shape,
+    dtype, bytes)`` per copy with ``record=True``."""
 
     tensors: int = 0
     bytes: int = 0
@@ -66,8 +62,7 @@ class OffloadStats:
 
 
 class _Kept:
-    """A saved tensor left where it is: a detached alias (no reference cycle through its
-    ``grad_fn``) and its version, to refuse an in-place change as autograd would."""
+    """A saved tensor left in place: a detached alias and its version."""
 
     __slots__ = ("tensor", "version")
 
@@ -77,8 +72,8 @@ class _Kept:
 
 
 class _Offloaded:
-    """A saved tensor's host copy, the device it returns to, its saving order (``index``) and,
-    on CUDA, its copy back (``fetched``) with the event recorded when that copy is done."""
+    """A saved tensor's host copy, its device, its saving order and, on CUDA, its copy back with the
+    event recorded when that copy is done."""
 
     __slots__ = ("device", "fetched", "host", "index", "ready")
 
@@ -91,17 +86,13 @@ class _Offloaded:
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors of the forward inside the block go to host memory (docs/distributed.md).
+    """Saved tensors of the forward inside the block go to host memory; one per micro-batch.
 
     Args:
-        params: the module's parameters and buffers (``DTensor`` shards are fine): a saved
-            tensor sharing their storage is kept on the device.
-        min_bytes: saved tensors smaller than this stay on the device (None:
-            :data:`MIN_OFFLOAD_BYTES`, read when the block is built).
+        params: the module's parameters and buffers (``DTensor`` shards too): a saved tensor
+            sharing their storage stays on the device.
+        min_bytes: smaller saved tensors stay on the device (None: :data:`MIN_OFFLOAD_BYTES`).
         record: keep ``(shape, dtype, bytes)`` of every offloaded tensor in ``stats.records``.
-
-    ``stats`` (:class:`OffloadStats`) counts what the block's forward offloaded. One instance
-    serves one forward (and its backward): build a new one per micro-batch.
     """
 
     def __init__(
@@ -125,12 +116,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             if isinstance(tensor, nn.Parameter) and tensor.dim() >= 2:
                 self._shapes.add(tuple(tensor.shape))
                 self._shapes.add(tuple(reversed(tensor.shape)))
-        # CUDA bookkeeping: copies in flight (tensor kept alive, event), offloaded tensors by
-        # index (for prefetching in backward), whether the end-of-backward wait is queued.
+        # CUDA: copies in flight, offloaded tensors by index (prefetch), end-of-backward queued.
         self._in_flight: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._pending: dict[int, _Offloaded] = {}
-        # Tensors copied so far, by id: a tensor saved by several operations is copied once
-        # (the weak reference and the version tell that it is still the same, unchanged tensor).
+        # Copied tensors by id (a weak reference and the version tell it is unchanged): once each.
         self._copied: dict[int, tuple[weakref.ref, int, _Offloaded]] = {}
         self._count = 0
         self._cleanup_queued = False
@@ -138,18 +127,14 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        # The forward is over: no later save can reuse a copy. From here on only the graph holds
-        # the copies, so each one is freed (on CUDA with the device tensor it was unpacked into)
-        # when the backward releases the last node that saved it. Kept here, they would live
-        # until Python's cycle collector reclaims this block (its hooks are bound methods of it):
-        # past the backward, where they would all be alive at once.
+        # Only the graph holds the copies now, so the backward frees each with its last node;
+        # kept here they would live until the cycle collector reclaims this block.
         self._copied.clear()
         if self._in_flight:  # every copy must land before the compute stream reuses memory
             stream = _side_stream(self._in_flight[0][0].device)
             torch.cuda.current_stream(stream.device).wait_stream(stream)
             self._in_flight.clear()
 
-    # ------------------------------------------------------------------ pack (forward)
     def _pack(self, tensor: torch.Tensor) -> _Kept | _Offloaded:
         if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
             if isinstance(tensor, nn.Parameter):
@@ -181,8 +166,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return packed
 
     def _is_weight(self, tensor: torch.Tensor) -> bool:
-        """A parameter or buffer, a view of one, or autocast's copy of a weight (the rule of
-        docs/distributed.md, "How the hooks decide and copy")."""
+        """A parameter or buffer, a view of one, or autocast's copy of a weight."""
         base = tensor._base if tensor._base is not None else tensor
         if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
             return True
@@ -199,8 +183,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _pack_cuda(self, tensor: torch.Tensor, index: int) -> _Offloaded:
         compute = torch.cuda.current_stream(tensor.device)
         side = _side_stream(tensor.device)
-        # Drop the copies that have landed; past the limit, the compute stream waits for the
-        # oldest (its memory may then be reused: any later kernel runs after that copy).
+        # Drop landed copies; past the limit the compute stream waits for the oldest.
         while self._in_flight and self._in_flight[0][1].query():
             self._in_flight.popleft()
         while len(self._in_flight) >= MAX_IN_FLIGHT:
@@ -215,7 +198,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._pending[index] = packed
         return packed
 
-    # ------------------------------------------------------------------ unpack (backward)
     def _unpack(self, packed: _Kept | _Offloaded) -> torch.Tensor:
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
@@ -245,8 +227,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return packed.fetched
 
     def _fetch(self, packed: _Offloaded, compute: torch.cuda.Stream) -> None:
-        """Host-to-device copy on the side stream, into memory allocated on the compute stream
-        (freed there later, after the compute stream waited for this copy)."""
+        """Host-to-device copy on the side stream, into memory allocated on the compute stream."""
         side = _side_stream(packed.device)
         fetched = torch.empty_like(packed.host, device=packed.device)
         side.wait_stream(compute)  # the memory's previous users on the compute stream are done
@@ -274,14 +255,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
 
 def release_pinned_memory(device: torch.device) -> None:
-    """Return to the system the pinned host blocks that torch's CUDA host allocator keeps
-    cached but unused (a no-op off CUDA). The allocator never gives a freed block back on its
-    own: the host copies of a mini-batch's activations (and ``optim.cpu_offload``'s gradient
-    shards, freed by ``zero_grad``) would stay pinned, unswappable, through sampling and for
-    the rest of the run, and a block serves only later requests of its power-of-two size, so
-    micro-batches of other shapes pin more. Blocks still in use (FSDP2's offloaded parameter
-    shards) stay. ``Engine.release_host_memory`` calls it once a step's updates are done
-    (docs/distributed.md)."""
+    """Return the cached, unused pinned host blocks of torch's CUDA host allocator to the system (a
+    no-op off CUDA): it never frees them itself, so activation copies and offloaded gradients would
+    stay pinned through sampling. Blocks in use stay. Called by ``Engine.release_host_memory``."""
     if torch.device(device).type != "cuda":
         return
     empty = getattr(torch.accelerator, "empty_host_cache", None)  # else the CUDA-only name

@@ -1,24 +1,11 @@
-"""Images through the engine: the batch's image keys, their checks, mRoPE positions, the vision body.
+"""Images through the engine: the batch's image keys, checks, mRoPE positions, the vision body.
 
-A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a transformers model whose multimodal
-body has ``visual``, ``get_image_features`` and ``get_rope_index``) reads images from these batch
-keys (docs/batch.md#images):
-
-- ``pixel_values`` ``[G, P, D]``: the pixel store, one entry per distinct set of images (a
-  prompt's: the rows of its group share it), each entry the processor's patch rows for those
-  images, in order, zero-padded to the largest count ``P``; ``D`` the patch size. An
-  ``UnbatchedTensor`` (tensordict's) in the ``TensorDict [B]``: splits, indexing and packing
-  keep it whole, ``.to(device)`` moves it;
-- ``image_index`` ``[B]`` int64: row ``b``'s entry of the store, -1 for a row without images;
-  without it ``pixel_values`` is per row (``[B, P, D]``, entry ``b`` is row ``b``'s);
-- ``image_grid_thw`` ``[B, I, 3]``: the ``(t, h, w)`` patch grid of each of row ``b``'s images,
-  all-zero rows padding it to ``I`` images.
-
-The image placeholder tokens stand in ``input_ids`` (one per feature: ``t * h * w / merge**2``
-for an image) and never carry ``loss_mask``. The model's own 3-D rotary positions are computed
-once per mini-batch from that layout (``get_rope_index``) and travel as a per-token key
-:data:`ROPE_KEY` ``[B, T, 3]``, so compaction, packing and splits carry them like any token key.
-Nothing here imports transformers: the model's own methods do the work.
+A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) reads ``pixel_values`` ``[G, P, D]``
+(a store of each distinct image set's zero-padded patches, an ``UnbatchedTensor``),
+``image_index`` ``[B]`` (each row's entry, -1: none) and ``image_grid_thw`` ``[B, I, 3]``
+(docs/batch.md#images). Placeholder tokens (``t * h * w / merge**2`` per image) never carry
+``loss_mask``. The 3-D rotary positions are computed once per mini-batch and travel as the
+per-token key :data:`ROPE_KEY` ``[B, T, 3]``. Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -88,8 +75,8 @@ def has_vision_config(model: nn.Module | str | os.PathLike) -> bool:
 
 
 def refuse_parallel(model: nn.Module | str | os.PathLike, config: object) -> None:
-    """Sequence and tensor parallelism do not split a vision-language model's images and mRoPE
-    positions yet: a ``ValueError`` naming the key, before any process group is touched."""
+    """Sequence and tensor parallelism do not split images and mRoPE positions yet: a ``ValueError``
+    naming the key, before any process group is touched."""
     for name in ("sequence_parallel_size", "tensor_parallel_size"):
         size = getattr(config, name)
         if size > 1 and has_vision_config(model):
@@ -118,13 +105,8 @@ def multimodal_body(causal_lm: nn.Module) -> nn.Module | None:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """What the engine needs to know about a vision-language model.
-
-    ``body``: the multimodal body (text + vision, returns ``last_hidden_state``); ``tower``: its
-    vision encoder with the merger (what ``freeze_vision`` freezes); ``tower_prefix``: the
-    tower's module name in the causal LM (LoRA's exclusions); ``image_token_id``; ``merge``:
-    the spatial merge size (``merge**2`` patches per feature); ``patch_dim``: ``D``.
-    """
+    """What the engine needs to know about a vision-language model: ``body`` (multimodal), ``tower``
+    (what ``freeze_vision`` freezes) and its module name, ``merge``, ``patch_dim`` (``D``)."""
 
     body: nn.Module
     tower: nn.Module
@@ -143,19 +125,15 @@ class VisionSpec:
         return [n for n, _ in causal_lm.named_modules() if n.startswith(prefix)]
 
     def placeholder_images(self, device: torch.device) -> ImageInputs:
-        """One image of a single feature, run when a micro-batch has none so that every
-        data-parallel rank runs the (sharded) tower the same number of times."""
+        """One one-feature image, for a micro-batch without: every rank runs the tower."""
         pixels = torch.zeros(self.merge**2, self.patch_dim, device=device)
         grid = torch.tensor([[1, self.merge, self.merge]], device=device)
         return ImageInputs(pixels, grid, placeholder=True)
 
 
 def vision_spec(causal_lm: nn.Module) -> VisionSpec | None:
-    """The :class:`VisionSpec` of a supported vision-language model; None for a text model.
-
-    Raises:
-        TypeError: a config with a vision tower but a layout the engine does not know.
-    """
+    """The :class:`VisionSpec` of a supported vision-language model, None for a text model;
+    ``TypeError`` for a vision tower in a layout the engine does not know."""
     config = getattr(causal_lm, "config", None)
     if getattr(config, "vision_config", None) is None:
         return None
@@ -189,9 +167,8 @@ def vision_spec(causal_lm: nn.Module) -> VisionSpec | None:
 
 @dataclass
 class ImageInputs:
-    """A micro-batch's images as the model takes them: ``pixel_values`` ``[P, D]`` (every
-    image's patches, rows in order), ``grid`` ``[n, 3]``; ``placeholder``: features computed for
-    the collectives only and added as ``0 *`` (no image token in the micro-batch)."""
+    """A micro-batch's images: ``pixel_values`` ``[P, D]`` (patches in row order), ``grid`` ``[n,
+    3]``; ``placeholder``: features added as ``0 *`` for the collectives only."""
 
     pixel_values: torch.Tensor
     grid: torch.Tensor
@@ -199,10 +176,8 @@ class ImageInputs:
 
 
 def image_inputs(data: TensorDict, spec: VisionSpec) -> ImageInputs | None:
-    """The images of a compact micro-batch (:data:`IMAGE_KEYS`) flattened in row order: each
-    row's patches gathered from the store (a group's rows each get their copy here, the
-    micro-batch's only), or None when it has none. Reads the grids and entries on the host (the
-    model's tower reads the grids too)."""
+    """The images of a compact micro-batch flattened in row order (each row gets its copy of its
+    entry), or None without any; reads grids and entries on the host."""
     if PIXEL_VALUES_KEY not in data:
         return None
     store, index = image_store(data)
@@ -231,14 +206,9 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
 
 
 def body_hidden(body: nn.Module, images: ImageInputs | None, **inputs: Any) -> torch.Tensor:
-    """``last_hidden_state`` of the (multimodal) ``body`` on ``inputs``, with ``images``.
-
-    The image features are computed here, without the text forward's keyword arguments (a
-    packed row's lengths concern the text, not the patches), and handed to the model as its
-    ``mm_encoder_outputs``: the model scatters them into the placeholder tokens and runs its
-    own deepstack (Qwen3-VL). Placeholder images add ``0 *`` their features, so their tower
-    parameters get (zero) gradients on every rank.
-    """
+    """``last_hidden_state`` of ``body`` with ``images``: their features, computed without the
+    text's keyword arguments, go in as ``mm_encoder_outputs``; placeholder images add ``0 *``
+    features."""
     if images is None:
         return body(**inputs).last_hidden_state
     features = body.get_image_features(images.pixel_values, images.grid, return_dict=True)
@@ -252,28 +222,21 @@ def body_hidden(body: nn.Module, images: ImageInputs | None, **inputs: Any) -> t
 def model_positions(
     positions: torch.Tensor, rope: torch.Tensor | None, *, packed: bool
 ) -> torch.Tensor:
-    """The ``position_ids`` a Qwen-VL text model takes: ``[3, b, L]`` padded; ``[4, 1, N]``
-    packed (row 0 the per-sequence text positions, from which transformers derives the packed
-    sequences' boundaries, then the three mRoPE rows).
-
-    ``positions``: ``[b, L]`` text positions; ``rope``: ``[b, L, 3]`` mRoPE positions, or None
-    for a micro-batch without images (then the text positions on all three axes, as the model
-    itself does for text).
-    """
+    """The ``position_ids`` a Qwen-VL text model takes from ``positions`` ``[b, L]`` and ``rope``
+    ``[b, L, 3]`` (None: text positions on all axes): ``[3, b, L]``, or packed ``[4, 1, N]`` with
+    the text positions first (transformers reads sequence boundaries there)."""
     rope3 = positions.unsqueeze(0).expand(3, -1, -1) if rope is None else rope.permute(2, 0, 1)
     return torch.cat([positions.unsqueeze(0), rope3]) if packed else rope3
 
 
 def prepare_batch(batch: TensorDict, spec: VisionSpec | None) -> TensorDict:
-    """The validated batch with its images checked, in the shared layout (per-row
-    ``pixel_values`` become the store, ``image_index`` added) and :data:`ROPE_KEY` added (in
-    place on the engine's shallow copy). One pass per public call, before the micro-batches.
+    """The validated batch with its images checked, in the shared store layout, and :data:`ROPE_KEY`
+    added (in place on the engine's shallow copy); once per public call.
 
     Raises:
         ValueError: naming the row and the field: image keys for a text model, image tokens
-            without images (or the reverse), a row whose image tokens do not match its images'
-            features, malformed ``pixel_values`` / ``image_grid_thw`` / ``image_index``,
-            ``loss_mask`` on an image token, or a :data:`ROPE_KEY` given by the caller.
+            without images (or the reverse), token counts that do not match the images' features,
+            malformed image keys, ``loss_mask`` on an image token, or a caller's :data:`ROPE_KEY`.
     """
     if ROPE_KEY in batch:
         raise ValueError(
@@ -358,8 +321,7 @@ def _check_image_tensors(batch: TensorDict, spec: VisionSpec) -> torch.Tensor:
 def _check_rows(
     batch: TensorDict, is_image: torch.Tensor, grid: torch.Tensor, spec: VisionSpec
 ) -> None:
-    """Per-row consistency of tokens, grids, entries and patches; reads small summaries on the
-    host."""
+    """Per-row consistency of tokens, grids, entries and patches (host summaries)."""
     counts = grid.prod(-1)  # [B, I] patches per image
     partial = ((grid <= 0).any(-1) & (grid != 0).any(-1)) | (grid < 0).any(-1)
     unmerged = (counts > 0) & ((grid[..., 1:] % spec.merge) != 0).any(-1)

@@ -1,6 +1,5 @@
-"""The batch layout of images (docs/batch.md#images): its keys, the shared pixel store, and the
-one function that lays processor outputs out (:func:`pad_images`), for the trainer and every
-sampler. :mod:`microrl.engine.vision` checks and consumes it.
+"""The batch layout of images (docs/batch.md#images): its keys, the shared pixel store, and
+:func:`pad_images`, which lays processor outputs out for the trainer and every sampler.
 """
 
 from __future__ import annotations
@@ -28,9 +27,8 @@ IMAGE_KEYS = (PIXEL_VALUES_KEY, IMAGE_GRID_KEY, IMAGE_INDEX_KEY)
 
 
 def image_store(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(store [G, P, D], index [B])`` of a batch with images, in either layout: the shared
-    store with ``image_index``, or per-row ``pixel_values`` (then ``index`` is ``arange(B)``).
-    The store as a plain tensor (so the tower never computes on tensordict's subclass)."""
+    """``(store [G, P, D], index [B])`` of a batch with images, in either layout (per-row
+    ``pixel_values``: ``index`` is ``arange(B)``); the store as a plain tensor."""
     store = _plain(batch[PIXEL_VALUES_KEY])
     if IMAGE_INDEX_KEY in batch:
         return store, batch[IMAGE_INDEX_KEY]
@@ -42,14 +40,12 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
 
 
 def to_plain_tensors(batch: TensorDict) -> dict[str, torch.Tensor]:
-    """``batch``'s entries as plain tensors (the pixel store unwrapped): what
-    ``torch.load(weights_only=True)`` reads back (a run checkpoint's rollouts)."""
+    """``batch``'s entries as plain tensors, as ``torch.load(weights_only=True)`` reads them."""
     return {key: _plain(value) for key, value in batch.items()}
 
 
 def from_plain_tensors(tensors: dict[str, torch.Tensor], rows: int) -> TensorDict:
-    """The ``TensorDict [rows]`` of :func:`to_plain_tensors`' entries: a shared pixel store
-    (with ``image_index``) wrapped again as an ``UnbatchedTensor``."""
+    """The ``TensorDict [rows]`` of :func:`to_plain_tensors`' entries, the store wrapped again."""
     tensors = dict(tensors)
     if IMAGE_INDEX_KEY in tensors and PIXEL_VALUES_KEY in tensors:
         tensors[PIXEL_VALUES_KEY] = UnbatchedTensor(_plain(tensors[PIXEL_VALUES_KEY]))
@@ -57,9 +53,8 @@ def from_plain_tensors(tensors: dict[str, torch.Tensor], rows: int) -> TensorDic
 
 
 def kept_images(batch: TensorDict) -> TensorDict:
-    """``batch`` (rows selected from a bigger one) with only the pixel-store entries its rows
-    use, ``image_index`` renumbered: the pixels of rows left out are not kept alive. In place;
-    unchanged without a shared store."""
+    """``batch`` (rows selected from a bigger one) with only the store entries its rows use,
+    ``image_index`` renumbered, in place; unchanged without a shared store."""
     if IMAGE_INDEX_KEY not in batch or PIXEL_VALUES_KEY not in batch:
         return batch
     store, index = image_store(batch)
@@ -76,18 +71,11 @@ def kept_images(batch: TensorDict) -> TensorDict:
 def pad_images(
     rows: list[tuple[torch.Tensor, torch.Tensor] | None],
 ) -> dict[str, torch.Tensor]:
-    """Per-row processor outputs -> the batch's image keys (the one layout trainer and
-    samplers share): ``rows[b]`` is ``(pixel_values [p_b, D], image_grid_thw [n_b, 3])`` (what a
-    Qwen-VL processor returns for row ``b``'s images) or None for a row without images.
-
-    Rows that hold the same ``pixel_values`` tensor (a group's rows: its prompt's images, encoded
-    once) share one entry of the store, so a group of ``n`` rows holds its pixels once, not
-    ``n`` times. Returns ``{"pixel_values": UnbatchedTensor [G, P, D], "image_index": [B],
-    "image_grid_thw": [B, I, 3]}``: the ``G`` distinct entries zero-padded to the largest
-    ``p_b``, each row's entry (-1 without images) and its grids zero-padded to the largest
-    ``n_b`` (at least 1 each). Raises ``ValueError`` when no row has images (a text batch
-    carries no image keys) or a row's patch count does not match its grids.
-    """
+    """Per-row processor outputs -> the batch's image keys: ``rows[b]`` is ``(pixel_values [p_b, D],
+    image_grid_thw [n_b, 3])`` or None; rows holding the same ``pixel_values`` tensor share a store
+    entry. Returns ``pixel_values`` (``UnbatchedTensor [G, P, D]``), ``image_index`` ``[B]`` (-1:
+    none), ``image_grid_thw`` ``[B, I, 3]``, zero-padded; ``ValueError`` when no row has images or
+    a row's patch count does not match its grids."""
     present = [r for r in rows if r is not None]
     if not present:
         raise ValueError("pad_images needs at least one row with images")

@@ -1,10 +1,6 @@
-"""Checkpoints and exports (docs/checkpoints.md).
-
-:mod:`~microrl.engine.checkpoint.save_load` writes and restores an engine's training state
-atomically; :mod:`~microrl.engine.checkpoint.export` writes the trained model in the ecosystem's
-formats (a merged transformers model, a PEFT adapter). The other modules are their parts: the
-directory swap (``atomic_io``), the ranks' agreement on an outcome (``agreement``), the state-dict
-layout (``state_dicts``) and the RNG streams (``rng``).
+"""Checkpoints and exports (docs/checkpoints.md): ``save_load`` writes and restores an engine's
+training state atomically, ``export`` writes the trained model in the ecosystem's formats; the
+rest are their parts (``atomic_io``, ``agreement``, ``state_dicts``, ``rng``).
 """
 
 from microrl.engine.checkpoint.export import export_merged_model, export_peft_adapter

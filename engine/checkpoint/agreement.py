@@ -1,11 +1,9 @@
 """Agreements of the ranks on the outcome of a step, in bounded time, instead of bare barriers.
 
-A failure on one rank must fail every rank within ``timeout_s``, and name the failed rank: a bare
-barrier would hang until the group's timeout. Each rank posts "ok" or its error text in the
-process group's rendezvous store and waits for all the others. The store can tell *which* rank
-never posted, which a broken collective cannot. DCP's own collectives run on a side gloo group
-whose timeout is ``timeout_s``. The protocol, its bounds and why the store is used are in
-docs/checkpoints.md, "A failure on one rank".
+A failure on one rank must fail every rank within ``timeout_s`` and name the failed rank. Each
+rank posts "ok" or its error text in the rendezvous store and waits for the others; the store
+tells which rank never posted, which a broken collective cannot. DCP runs on a side gloo group
+with ``timeout_s``. Protocol and bounds: docs/checkpoints.md, "A failure on one rank".
 """
 
 from __future__ import annotations
@@ -33,9 +31,7 @@ __all__ = [
     "resolve_timeout",
 ]
 
-# How long a multi-rank save/load waits for the other ranks at each step (seconds), unless
-# ``timeout_s`` is passed: the environment variable, else the default. It must cover the slowest
-# rank's write of its shard after the fastest one finished (and the side group's collectives).
+# Seconds a rank waits for the others at each step: the slowest rank's write after the fastest.
 TIMEOUT_ENV = "MICRORL_CHECKPOINT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 _STORE_PREFIX = "microrl/checkpoint"
@@ -43,11 +39,8 @@ _MAX_REASON = 400  # characters of one rank's error text in an agreement's messa
 
 
 class CheckpointAbortedError(RuntimeError):
-    """A multi-rank save or load that failed because of other ranks (``failed_ranks``).
-
-    Raised on every rank whose own part succeeded (or failed only as a consequence, e.g. a
-    connection closed by a dead peer); the failed ranks themselves re-raise their own exception.
-    """
+    """A multi-rank save or load that failed because of other ranks (``failed_ranks``), raised on
+    the ranks whose own part succeeded; the failed ranks re-raise their own exception."""
 
     def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -77,8 +70,7 @@ def resolve_timeout(timeout_s: float | None) -> float:
 
 # Side gloo groups for DCP's collectives, one per timeout (a group's timeout is fixed at creation).
 _side_groups: dict[float, dist.ProcessGroup] = {}
-# Numbers the multi-rank saves/loads of this process; every rank calls them in the same order, so
-# the numbers (and the store keys built from them) agree across ranks.
+# Numbers this process's multi-rank operations, in the same order on every rank (store keys).
 _sequence = itertools.count()
 # This rank's status keys that every rank has read: deleted at its next completed agreement.
 _read_keys: list[str] = []
@@ -121,8 +113,7 @@ class RankSync:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Run this rank's part of phase ``name``, then agree with the other ranks on its outcome:
-        returns only if every rank succeeded."""
+        """Run this rank's part of phase ``name``; returns only if every rank succeeded."""
         try:
             yield
         except BaseException as error:
@@ -187,11 +178,9 @@ def phase(sync: RankSync | None, name: str) -> contextlib.AbstractContextManager
 
 
 def rank_agreement(what: str, timeout_s: float | None = None) -> contextlib.AbstractContextManager:
-    """A block that every rank enters and that returns on every rank only if it succeeded on all
-    of them: an exception on one rank makes the others raise :class:`CheckpointAbortedError`
-    naming it, and a rank that never arrives is named after ``timeout_s``. A no-op in one
-    process. Used around single-writer steps (rank 0 writes, the others wait) such as exports,
-    where a bare barrier would leave the other ranks blocked when the writer fails."""
+    """A block that returns on every rank only if it succeeded on all: an exception on one makes
+    the others raise :class:`CheckpointAbortedError` naming it, a rank that never arrives is named
+    after ``timeout_s``. For single-writer steps (exports). A no-op in one process."""
     timeout = resolve_timeout(timeout_s)
     sync = RankSync(what, timeout) if distributed.world_size() > 1 else None
     return phase(sync, "write")

@@ -1,14 +1,9 @@
 """Small filesystem helpers for checkpoints and exports: JSON, fsync, atomic directory swaps.
 
-A directory is written under a temporary name next to its target and renamed into place only
-when complete, so readers see either the previous complete directory or the new one.
-
-The swap (:func:`replace_dir`) is two renames, ``target -> .<name>.old`` then
-``.<name>.tmp -> target``; a process killed between them leaves ``target`` missing and the
-previous copy in ``.<name>.old``. :func:`recover_swap` puts it back (or, given a test of the
-completion marker, renames a complete ``.tmp`` into place), and :func:`replace_dir` deletes
-``.old`` only while ``target`` exists, so whenever ``target`` is missing an ``.old`` that exists is
-complete: no step of the swap, interrupted, loses the only complete copy.
+A directory is written under a temporary name next to its target and renamed into place when
+complete. The swap (:func:`replace_dir`) is ``target -> .<name>.old`` then ``.<name>.tmp ->
+target``; :func:`recover_swap` repairs a swap killed between them, and ``.old`` is deleted only
+while ``target`` exists, so no interrupted step loses the only complete copy.
 """
 
 from __future__ import annotations
@@ -72,22 +67,14 @@ def fsync_dir(path: Path) -> None:
 
 
 def staging_paths(target: Path) -> tuple[Path, Path]:
-    """``(.<name>.tmp, .<name>.old)`` next to ``target``: where a new version is written, and
-    where the previous one waits during the swap."""
+    """``(.<name>.tmp, .<name>.old)`` next to ``target``: the new version and the previous one."""
     return target.parent / f".{target.name}.tmp", target.parent / f".{target.name}.old"
 
 
 def recover_swap(target: Path, is_complete: Callable[[Path], bool] | None = None) -> bool:
-    """Finish or undo a :func:`replace_dir` that a killed process left between its two renames.
-
-    Only acts when ``target`` is missing. With ``is_complete`` (a test of the directory's
-    completion marker, e.g. a checkpoint's manifest) a complete ``.<name>.tmp`` is renamed into
-    place (the newest copy: the swap is finished) and ``.old`` deleted after; otherwise
-    ``.<name>.old`` is renamed back (the swap is undone; ``.old`` is complete: it is deleted only
-    while ``target`` exists). Without ``is_complete`` a ``.tmp`` is never trusted: it is left for
-    the next save to clear. Safe to call from several processes at once (a rename another process
-    already did is not an error). Returns whether ``target`` exists afterwards.
-    """
+    """Finish or undo a :func:`replace_dir` killed between its renames, when ``target`` is missing:
+    a ``.tmp`` that ``is_complete`` accepts is renamed into place, else ``.old`` back. Safe from
+    several processes at once; returns whether ``target`` exists afterwards."""
     target = Path(target)
     if target.exists():
         return True
@@ -110,14 +97,8 @@ def recover_swap(target: Path, is_complete: Callable[[Path], bool] | None = None
 
 
 def replace_dir(tmp: Path, target: Path, old: Path) -> None:
-    """Move the complete directory ``tmp`` to ``target``; a previous ``target`` survives until the
-    new one is in place (if moving ``tmp`` fails, the previous one is moved back before the error
-    propagates).
-
-    Steps: delete a superseded ``old`` (only while ``target`` exists), ``target -> old``,
-    ``tmp -> target``, delete ``old``. Killed at any point, ``target`` holds a complete copy, or
-    is missing with the previous one in ``old`` and the new one in ``tmp`` (:func:`recover_swap`).
-    """
+    """Move the complete directory ``tmp`` to ``target``; a previous ``target`` survives in ``old``
+    until the new one is in place (and is moved back if moving ``tmp`` fails)."""
     moved_aside = target.exists()
     if moved_aside:
         shutil.rmtree(old, ignore_errors=True)  # superseded: target is the current copy
@@ -139,13 +120,8 @@ def refuse_foreign_dir(
     what: str,
     error: type[Exception] = ValueError,
 ) -> None:
-    """Raise ``error`` when ``target`` is a non-empty directory that is not ``what``: replacing
-    it would delete someone's files.
-
-    Called before every save and export, it first restores a copy that an interrupted swap left
-    in ``.<name>.old`` (:func:`recover_swap`, which trusts no ``.tmp`` here: ``is_ours`` is not a
-    completeness test), so the check sees the previous version and the save replaces it.
-    """
+    """Raise ``error`` when ``target`` is a non-empty directory that is not ``what`` (replacing it
+    would delete someone's files), after restoring an interrupted swap's ``.old``."""
     recover_swap(target)
     if target.is_dir() and any(target.iterdir()) and not is_ours(target):
         raise error(f"refusing to replace {target}: a non-empty directory that is not {what}")

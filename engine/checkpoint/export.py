@@ -1,22 +1,11 @@
 """Export a trained model for the ecosystem: a PEFT adapter, or a merged transformers model.
 
-Both work on a plain or an FSDP2-sharded module: the full state dict is gathered to rank 0 on the
-CPU first (``full_state_dict=True, cpu_offload=True``: one parameter at a time, so no rank ever
-holds two full copies on the accelerator), then rank 0 writes. Every rank must call them.
-
-* :func:`export_peft_adapter` writes what ``PeftModel.from_pretrained(base, path)`` loads.
-* :func:`export_merged_model` writes what ``AutoModelForCausalLM.from_pretrained(path)`` loads:
-  the base weights with each LoRA update ``W + scaling * B @ A`` folded in.
-
-A critic or a reward model (a :class:`~microrl.engine.models.ValueModel`: decoder body plus a
-``Linear(H, 1)`` head) is not a causal LM: it exports as the architecture's transformers
-classifier with ``num_labels=1`` and the trained head as its ``score`` layer --
-``*ForTokenClassification`` for a critic (a value per position; the head's bias is kept), and
-``*ForSequenceClassification`` for a reward model (a score pooled at the last token; no bias).
-An architecture without that class, or whose class has a different head layout, is a
-``ValueError`` that says so: never a model that loads with a random head.
-
-Writes are atomic like checkpoints (a temporary directory renamed into place).
+Plain or FSDP2-sharded: the full state dict is gathered to rank 0 on the CPU one parameter at a
+time, then rank 0 writes atomically; every rank must call them. A critic or reward model
+(:class:`~microrl.engine.models.ValueModel`) exports as the architecture's transformers
+classifier with ``num_labels=1`` and the trained head as ``score`` (``*ForTokenClassification``
+for a critic, ``*ForSequenceClassification`` for a reward model); an architecture without a
+matching class is a ``ValueError``, never a model that loads with a random head.
 """
 
 from __future__ import annotations
@@ -55,9 +44,8 @@ _PEFT_BASE_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped tra
 
 
 def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded state dict of ``model`` on the CPU on rank 0 (``{}`` on the other ranks);
-    ``trainable_only``: the parameters that train alone (an adapter: the frozen base, most of
-    the bytes, is neither gathered nor copied)."""
+    """The unsharded state dict of ``model`` on the CPU on rank 0 (``{}`` elsewhere);
+    ``trainable_only``: the trainable parameters alone (the frozen base is not gathered)."""
     options = StateDictOptions(
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
@@ -81,8 +69,7 @@ def _is_export(path: Path) -> bool:
 
 
 def _write_atomically(path: str | os.PathLike, write) -> Path:
-    """Rank 0 runs ``write(tmp_dir)`` and renames ``tmp_dir`` to ``path``; all ranks wait, and
-    all raise if rank 0 fails (a bare barrier would leave the others blocked)."""
+    """Rank 0 writes into a temporary directory renamed to ``path``; all raise if it fails."""
     target = Path(path).absolute()
     refuse_foreign_dir(target, _is_export, "a model export")
     with rank_agreement(f"export to {target}"):
@@ -100,13 +87,8 @@ def _write_atomically(path: str | os.PathLike, write) -> Path:
 
 
 def locate_base_model(model: nn.Module) -> tuple[str, nn.Module]:
-    """``(prefix, base)``: the outermost transformers ``PreTrainedModel`` inside ``model`` (e.g.
-    ``engine.module``, plain, peft-wrapped or FSDP2-sharded) and the prefix of its parameter
-    names in ``model``'s state dict (``"causal_lm."`` in an actor's module; ``""`` when ``model``
-    is it).
-
-    Raises ``ValueError`` when ``model`` holds no transformers model.
-    """
+    """``(prefix, base)``: the outermost transformers model inside ``model`` and its names' prefix
+    in ``model``'s state dict (``"causal_lm."`` in an actor's module); ``ValueError`` if none."""
     from transformers import PreTrainedModel
 
     found = _find(model, PreTrainedModel)
@@ -129,9 +111,8 @@ def export_peft_adapter(
         path: output directory, loadable with ``PeftModel.from_pretrained(base, path)``.
         peft_model: the ``PeftModel`` that injected the adapters (``engine.peft_model``); found
             inside ``model`` when omitted.
-        dtype: the dtype its floating-point tensors are written in (a LoRA sync's: the one
-            vLLM holds the adapter in, :func:`~microrl.rollout.samplers.vllm_options.adapter_dtype`,
-            half the bytes for bfloat16); None: as trained (float32).
+        dtype: the floating-point dtype written (a LoRA sync's: vLLM's adapter dtype); None: as
+            trained (float32).
     """
     from peft import PeftModel
 
@@ -166,18 +147,9 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str
 
 
 def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
-    """Fold each LoRA update ``scaling * B @ A`` into its base weight (float64 sum).
-
-    Args:
-        base: the transformers model with LoRA layers injected by peft.
-        state: its full state dict (keys relative to ``base``).
-
-    Returns the state dict of the plain transformers model (no ``base_layer`` or ``lora_`` keys).
-    Supported: plain ``lora.Linear`` layers and peft's ``ParamWrapper`` (LoRA on a parameter: a
-    mixture-of-experts model's fused 3-D expert weights, its router), one active adapter each
-    (what the engine builds); anything else is a ``ValueError`` rather than a silently wrong
-    merge.
-    """
+    """Fold each LoRA update ``scaling * B @ A`` into its base weight (float64 sum) in ``base``'s
+    full ``state``: ``lora.Linear`` and ``ParamWrapper`` (MoE experts, routers), one adapter each;
+    anything else is a ``ValueError`` rather than a silently wrong merge."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer, ParamWrapper
     from peft.utils import ModulesToSaveWrapper
@@ -212,10 +184,8 @@ def merged_state_dict(base: nn.Module, state: dict[str, torch.Tensor]) -> dict:
 def _param_wrapper_delta(
     name: str, module: nn.Module, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[str, torch.Tensor]:
-    """The state key of the parameter a peft ``ParamWrapper`` adapts and its unscaled update
-    from the factors ``a`` ``[r * E, in]`` and ``b`` ``[out, r * E]`` (peft's own layout, as its
-    ``get_delta_weight``). Wrappers nest, one per adapted parameter of a module, each adding a
-    ``base_layer`` level to the names below it."""
+    """The state key of a ``ParamWrapper``'s parameter (a ``base_layer`` per nested wrapper) and its
+    unscaled update from ``a`` ``[r * E, in]`` and ``b`` ``[out, r * E]`` (peft's layout)."""
     from peft.tuners.lora import ParamWrapper
 
     levels, inner = 1, module.base_layer
@@ -232,10 +202,7 @@ def _param_wrapper_delta(
 
 
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The plain transformers state dict under LoRA layers, without their updates: ``lora_``
-    keys dropped, ``base_layer`` weights under their original names (every nested level: a
-    module with two adapted parameters has two), which a ``vllm`` rollout backend loads once and
-    applies the adapter on top of."""
+    """The plain state dict under LoRA layers, updates left out (what ``vllm`` loads once)."""
     kept = {k: v for k, v in state.items() if ".lora_" not in k}
     return {_BASE_LAYERS.sub(".", k): v for k, v in kept.items()}
 
@@ -245,14 +212,10 @@ def export_merged_model(
 ) -> Path:
     """Write the trained transformers model inside ``model`` in its own format, LoRA merged in.
 
-    ``AutoModelForCausalLM.from_pretrained(path)`` loads it. Without LoRA it is the fine-tuned
-    model itself; the weights keep their training dtype. ``merge_lora=False`` writes the base
-    model under the adapters instead (their updates left out). A critic or a reward model (a
-    :class:`~microrl.engine.models.ValueModel` inside ``model``) is written as a transformers
-    classifier instead (see :func:`classifier_target`): ``AutoModelForTokenClassification`` /
-    ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it with the trained head.
-    A ``tokenizer`` given is saved beside the weights (``save_pretrained``), in the same atomic
-    write, so the directory serves on its own (vLLM, transformers).
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads it, in the training dtype;
+    ``merge_lora=False`` writes the base under the adapters instead. A critic or reward model is
+    written as a classifier (:func:`classifier_target`). A ``tokenizer`` is saved beside the
+    weights in the same atomic write, so the directory serves on its own.
     """
     found = _find(model, ValueModel)
     if found is not None:
@@ -272,7 +235,7 @@ def export_merged_model(
 
 # ----------------------------------------------------------------- critics and reward models
 class ClassifierTarget(NamedTuple):
-    """The transformers classifier a critic / reward model exports as (:func:`classifier_target`)."""
+    """What a critic / reward model exports as (:func:`classifier_target`)."""
 
     config: Any  # the body's config with num_labels=1 and the classifier's architectures
     base_prefix: str  # the attribute holding the body in that class ("model" for Llama/Qwen2)
@@ -282,20 +245,15 @@ class ClassifierTarget(NamedTuple):
 
 
 def classifier_target(value_model: ValueModel) -> ClassifierTarget:
-    """The transformers classifier a critic (``sequence_level=False``) or a reward model
-    (``sequence_level=True``) exports as.
+    """The transformers classifier a critic (``sequence_level=False``) or a reward model exports as.
 
-    A critic maps to ``AutoModelForTokenClassification``: its logits ``[b, L, 1]`` are the values
-    at each *predicting* position (the engine's token-aligned ``values[b, t]`` is
-    ``logits[b, t - 1]``); the config gets ``classifier_dropout=0.0`` (the engine trains without
-    dropout) and ``token_classification_bias`` to match the head. A reward model maps to
-    ``AutoModelForSequenceClassification``, which pools the logits at the last token that is not
-    ``config.pad_token_id`` (transformers' rule; with no pad token it takes the last column and
-    accepts one row at a time).
+    A critic: ``AutoModelForTokenClassification``, whose logits ``[b, L, 1]`` are the values at
+    each *predicting* position (the engine's ``values[b, t]`` is ``logits[b, t - 1]``), with
+    ``classifier_dropout=0.0`` and ``token_classification_bias`` matching the head. A reward model:
+    ``AutoModelForSequenceClassification``, pooled at the last non-pad token.
 
-    Raises ``ValueError`` when the architecture has no such class, or when that class's head is
-    not a single ``Linear(H, 1)`` with the trained head's bias: the export would otherwise load
-    with a head that is not the trained one.
+    Raises ``ValueError`` when the architecture has no such class, or its head is not one
+    ``Linear(H, 1)`` with the trained head's bias.
     """
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
@@ -358,12 +316,8 @@ def _head_state(
 def classifier_state_dict(
     target: ClassifierTarget, value_model: ValueModel, state: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The state dict of ``target``'s classifier from ``value_model``'s full ``state`` (keys
-    relative to it: ``body.*``, ``value_head.*``), LoRA merged into the body.
-
-    Raises ``ValueError`` when the keys are not exactly the classifier's (e.g. a buffer it
-    stores differently): never a model that loads with missing or random weights.
-    """
+    """``target``'s classifier state from ``value_model``'s full ``state``, LoRA merged into the
+    body; ``ValueError`` when the keys are not exactly the classifier's."""
     body = merged_state_dict(value_model.body, _sub_state(state, "body."))
     out = {f"{target.base_prefix}.{k}": v for k, v in body.items()}
     out.update(_head_state(state, "", target.head_name))
@@ -409,15 +363,7 @@ def _export_classifier_adapter(
     value_model: ValueModel,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """:func:`export_peft_adapter` of a critic / reward model: the body's LoRA adapter plus the
-    trained head as a module to save, for the classifier of :func:`classifier_target`::
-
-        base = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1)
-        model = PeftModel.from_pretrained(base, path)   # adapters + the trained ``score``
-
-    (``AutoModelForTokenClassification`` for a critic.) The adapter config is the training one
-    with ``task_type`` set and ``modules_to_save=[head_name]``.
-    """
+    """:func:`export_peft_adapter` of a critic / reward model: adapter plus head to save."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 

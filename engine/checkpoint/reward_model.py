@@ -1,14 +1,10 @@
 """A :class:`~microrl.engine.RewardModelEngine` checkpoint read back as a transformers classifier.
 
-``engine.save_checkpoint(dir)`` stores only the trained tensors (under LoRA: the adapters and the
-score head; without: the body and the head), so the base model it was trained from is needed
-too. :func:`load_reward_model_checkpoint` rebuilds the engine's module on the CPU from that base
-(the checkpoint's own LoRA config), restores the tensors in this process alone (a checkpoint
-saved on any number of ranks: DCP reshards), and returns the
-``*ForSequenceClassification`` that :func:`~microrl.engine.checkpoint.export.export_merged_model`
-would write, in memory: the same head mapping and LoRA merge
-(:func:`~microrl.engine.checkpoint.export.classifier_state_dict`). ``model.save_pretrained(dir)``
-turns it into an export. Used by ``task.reward_model`` (docs/tasks.md#reward-models).
+A checkpoint stores only the trained tensors, so :func:`load_reward_model_checkpoint` rebuilds
+the engine's module on the CPU from the base model, restores them in this process alone (DCP
+reshards), and returns in memory the ``*ForSequenceClassification`` that
+:func:`~microrl.engine.checkpoint.export.export_merged_model` would write. Used by
+``task.reward_model`` (docs/tasks.md#reward-models).
 """
 
 from __future__ import annotations
@@ -48,19 +44,10 @@ def load_reward_model_checkpoint(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """The ``*ForSequenceClassification`` (``num_labels=1``, eval mode, on the CPU) that a
-    ``RewardModelEngine`` checkpoint and its base model make, its weights in ``dtype``.
-
-    Args:
-        checkpoint: a directory written by ``RewardModelEngine.save_checkpoint``.
-        base: the base causal LM it was trained from: a local checkpoint directory, or the
-            model itself (a fresh copy: LoRA layers are injected into it).
-        dtype: the classifier's weights (restored and merged in float32 first, then cast once).
-
-    Raises :class:`~microrl.engine.checkpoint.CheckpointError` (a ``ValueError``) for an
-    incomplete checkpoint, one that is not a reward model's (an actor's or a critic's), or one
-    whose tensors do not fit ``base`` (another architecture, size or LoRA layout).
-    """
+    """The ``*ForSequenceClassification`` (``num_labels=1``, eval, CPU, weights in ``dtype``) that a
+    ``RewardModelEngine`` checkpoint and its ``base`` causal LM (a local directory, or a fresh model
+    LoRA is injected into) make; ``CheckpointError`` for an incomplete checkpoint, one that is not
+    a reward model's, or tensors that do not fit ``base``."""
     from transformers import AutoModelForSequenceClassification
 
     from microrl.engine import setup
@@ -89,7 +76,6 @@ def load_reward_model_checkpoint(
     del module, state  # the merged tensors in ``out`` are all the classifier needs
     with torch.device("meta"):  # its class, without initialising weights that are replaced
         cls = type(AutoModelForSequenceClassification.from_config(target.config))
-    # transformers' own loading from a state dict: no random init, buffers (rotary) built as
-    # from a checkpoint; ``out`` holds exactly the classifier's keys (classifier_state_dict).
+    # transformers' own loading from a state dict: no random init, buffers built as from a file.
     model = cls.from_pretrained(None, config=target.config, state_dict=out, dtype=dtype)
     return model.eval()

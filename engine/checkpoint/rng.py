@@ -46,11 +46,9 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _set_cuda_states(states: list[torch.Tensor], state: Mapping[str, Any]) -> None:
-    """One state per GPU visible at the save. As many visible now: each to its GPU. Otherwise
-    (``CUDA_VISIBLE_DEVICES`` changed, e.g. narrowed to each rank's own GPU) the state of the
-    GPU this process drew from at the save goes to the current GPU, what the run draws from
-    now (a checkpoint that did not record it: the GPUs both runs see, by index), with a
-    warning; never an ``IndexError`` for a GPU that is not there."""
+    """One state per GPU visible at the save, each to its GPU; if the visible GPUs changed, the
+    state of the GPU the save drew from goes to the current GPU, with a warning (never an
+    ``IndexError``)."""
     visible = torch.cuda.device_count()
     if len(states) == visible:
         torch.cuda.set_rng_state_all(states)

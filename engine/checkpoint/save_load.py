@@ -1,12 +1,10 @@
 """Checkpoints that resume exactly, on 1 or N ranks, written atomically, loaded without pickle.
 
-Sharded tensors go through DCP with its safetensors storage, so a checkpoint saved on N ranks loads
-on M ranks (DCP reshards) and nothing is unpickled: DCP's default ``.metadata`` file is a pickle,
-the safetensors reader rebuilds the metadata from the files' JSON headers instead. Everything that
-is not a tensor is JSON. All ranks write into ``.<name>.tmp``, and rank 0 swaps it into place
-after every rank agreed (:mod:`microrl.engine.checkpoint.agreement`), so a crash never replaces a
-good checkpoint with a half-written one. The directory layout, the atomic swap and exact resume
-are in docs/checkpoints.md.
+Sharded tensors go through DCP with its safetensors storage: saved on N ranks, loadable on M,
+and nothing is unpickled (the reader rebuilds DCP's metadata from the JSON headers); the rest
+is JSON. All ranks write into ``.<name>.tmp``, which rank 0 swaps into place once every rank
+agreed (:mod:`microrl.engine.checkpoint.agreement`), so a crash never replaces a good
+checkpoint with a half-written one. Layout and exact resume: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -69,8 +67,7 @@ MANIFEST = "manifest.json"
 CONFIG = "config.json"
 STATE_DIR = "state"
 RNG_DIR = "rng"
-# Config sections that change the set or shapes of saved tensors: a difference is an error. Any
-# other difference (a new learning rate, more total steps) is allowed and reported as a warning.
+# Config sections that change the saved tensors: a difference is an error, any other a warning.
 _STRUCTURAL_CONFIG_KEYS = ("lora",)
 _MAX_LISTED = 8  # names shown in a mismatch error before "... and N more"
 
@@ -90,10 +87,8 @@ class CheckpointInfo:
 @contextlib.contextmanager
 def _dcp_call(rank: int) -> Iterator[None]:
     """Around a DCP save or load: this rank's own error raised as itself (DCP wraps it in a
-    ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses and whose
-    message names only ranks: a full disk read "CheckpointException ranks:dict_keys([0])"),
-    and without DCP's warning that it 'assumes' a single process when told so with
-    ``no_dist``. Another rank's failure stays DCP's exception (the agreement names it)."""
+    ``CheckpointException`` that ``except Exception`` misses and that names only ranks), without
+    DCP's ``no_dist`` warning; another rank's failure stays DCP's (the agreement names it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -103,9 +98,6 @@ def _dcp_call(rank: int) -> Iterator[None]:
             if own is None:
                 raise
             raise own[0] from None
-
-
-# ----------------------------------------------------------------------------- save
 
 
 def save_checkpoint(
@@ -123,25 +115,21 @@ def save_checkpoint(
     """Save everything a resume needs into ``path``, atomically; every rank must call it.
 
     Args:
-        path: the checkpoint directory; an existing checkpoint there is replaced only once the new
-            one is complete.
+        path: the checkpoint directory; one already there is replaced once the new one is complete.
         model: the trained module (sharded with FSDP2 or not).
-        optimizer, scheduler: their states (the scheduler's ``state_dict`` must be JSON-able,
-            as ``LambdaLR`` / ``LinearLR`` / ... with function lambdas are).
+        optimizer, scheduler: their states (the scheduler's ``state_dict`` must be JSON-able).
         step: the optimizer-step counter to resume from.
         config: a dataclass or mapping, stored as JSON and checked on load.
         rng: save each rank's RNG states.
-        trainable_only: save only parameters with ``requires_grad`` (the adapter under LoRA; the
-            frozen base comes from the base model on load).
+        trainable_only: save only parameters with ``requires_grad`` (the base comes from the base
+            model on load).
         timeout_s: with several ranks, how long a rank waits for the others at each step before
-            naming the missing ones in an error (default: ``$MICRORL_CHECKPOINT_TIMEOUT_S``, else
-            600); the same on every rank. Unused in a single process (but checked).
+            naming the missing ones (default ``$MICRORL_CHECKPOINT_TIMEOUT_S``, else 600).
 
     Raises:
-        CheckpointAbortedError: on a rank whose part succeeded when another rank's failed (named
-            in the message and ``failed_ranks``); the failed ranks raise their own exception.
-            Either way ``path`` still holds a complete checkpoint: the previous one (the only
-            exception: a rank lost in the last agreement, after rank 0 put the new one in place).
+        CheckpointAbortedError: on a rank whose part succeeded when another's failed (named in
+            ``failed_ranks``); the failed ranks raise their own. ``path`` still holds the previous
+            complete checkpoint (unless a rank is lost in the last agreement).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -202,15 +190,11 @@ def save_checkpoint(
                     fsync_dir(sub)
                 replace_dir(tmp, target, old)
     except BaseException:
-        # With several ranks every exception leaves an agreement, so the ranks that are still
-        # alive have stopped writing into the temporary directory.
+        # Every exception leaves an agreement: the live ranks have stopped writing.
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
-
-
-# ----------------------------------------------------------------------------- load
 
 
 def _has_manifest(directory: Path) -> bool:
@@ -329,20 +313,12 @@ def load_checkpoint(
 ) -> CheckpointInfo:
     """Restore a :func:`save_checkpoint` directory into ``model`` (and optimizer, scheduler, RNG).
 
-    Every rank must call it. The model and optimizer must be built as for the save (same
-    architecture, LoRA config, sharding may differ). Raises :class:`CheckpointError` naming what
-    differs before any parameter is modified (building the template of an optimizer that has no
-    state yet gives it zero state, as its first step would). RNG states are restored only when the
-    world size equals the saving one (per-rank streams cannot be mapped to a different number of
-    ranks).
-
-    With several ranks, a failure on one fails all of them as in :func:`save_checkpoint` (same
-    ``timeout_s``): one in the checks leaves every rank's model untouched, one while restoring
-    may leave the ranks partly restored (load again).
-
-    ``local``: this process alone loads into an unsharded ``model``, whatever the world size (no
-    agreements, no collectives, no RNG state restored; e.g. each rank's own frozen reward model,
-    docs/tasks.md).
+    Every rank must call it, with model and optimizer built as for the save (sharding may differ).
+    Raises :class:`CheckpointError` naming what differs before any parameter is modified. RNG
+    states are restored only at the saving world size. With several ranks a failure on one fails
+    all (as in :func:`save_checkpoint`); one while restoring may leave them partly restored.
+    ``local``: this process alone loads into an unsharded ``model`` (no collectives, no RNG; e.g.
+    each rank's frozen reward model).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -379,8 +355,7 @@ def load_checkpoint(
                 f"checkpoint {root} has {len(saved_opt['param_groups'])} optimizer param groups, "
                 f"the optimizer {len(optimizer.param_groups)}"
             )
-    # Every check passed on every rank: from here on the model (DCP loads into its tensors in
-    # place), optimizer, scheduler and RNG are overwritten.
+    # Every check passed on every rank: from here on model, optimizer and RNG are overwritten.
     with phase(sync, "restore"):
         with _dcp_call(0 if world == 1 else distributed.rank()):
             dcp.load(

@@ -1,8 +1,5 @@
-"""Model and optimizer state dicts split into tensors (for DCP) and JSON (everything else).
-
-``torch.distributed.checkpoint.state_dict`` gives state keyed by parameter FQNs, identical for a
-sharded and an unsharded model; here it is split so that DCP only ever stores tensors (its
-non-tensor "bytes" entries would be pickled) and put back together on load.
+"""Model and optimizer state dicts split into tensors (for DCP) and JSON (everything else):
+DCP would pickle non-tensor entries. Keys are parameter FQNs, the same sharded or not.
 """
 
 from __future__ import annotations
@@ -26,14 +23,9 @@ __all__ = ["drop_aliases", "join_optimizer_state", "split_state", "tensor_specs"
 def split_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, str]]:
-    """Model and optimizer state as ``(tensors, optimizer JSON, aliases)``.
-
-    ``tensors`` is ``{"model": {fqn: tensor}, "optim": {fqn: {key: tensor}}}`` (``DTensor``
-    shards under FSDP; DCP saves and loads them in place); ``optimizer JSON`` holds the
-    optimizer class, its param groups (hyper-parameters, parameter FQNs) and any non-tensor state;
-    ``aliases`` maps each dropped tied name to the name kept. Keys are parameter FQNs, the same
-    sharded or not, so a checkpoint reshards.
-    """
+    """Model and optimizer state as ``(tensors, optimizer JSON, aliases)``: ``{"model": {fqn:
+    tensor}, "optim": {fqn: {key: tensor}}}`` (DTensor shards under FSDP); the optimizer's class,
+    param groups and non-tensor state; each dropped tied name -> the name kept."""
     options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is None:
         model_sd, optim_sd = get_model_state_dict(model, options=options), None
@@ -61,11 +53,8 @@ def split_state(
 
 
 def drop_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Keep one name per storage (tied embeddings): safetensors refuses shared tensors.
-
-    Returns the de-duplicated state and ``{alias: kept name}``; loading the kept name fills the
-    alias too, since both are the same parameter.
-    """
+    """Keep one name per storage (tied embeddings: safetensors refuses shared tensors); returns the
+    state and ``{alias: kept name}`` (loading the kept name fills the alias too)."""
     seen: dict[tuple, str] = {}
     kept: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}

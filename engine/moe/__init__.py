@@ -1,11 +1,6 @@
-"""Mixture-of-experts models in the engine (docs/engine.md, "Mixture-of-experts").
-
-:mod:`~microrl.engine.moe.routers` finds a model's routers and knows each family's gating;
-:mod:`~microrl.engine.moe.routes` the per-token routing key ``routed_experts`` (layout, checks,
-micro-batch form); :mod:`~microrl.engine.moe.hooks` the engine's hooks on the routers (replay,
-collection); :mod:`~microrl.engine.moe.routing` what a pass does with them (router losses over
-the whole mini-batch, routing metrics); :mod:`~microrl.engine.moe.recorder` records the routing
-a sampler's forwards choose.
+"""Mixture-of-experts models in the engine (docs/engine.md, "Mixture-of-experts"): ``routers``
+(finding routers, each family's gating), ``routes`` (the ``routed_experts`` key), ``hooks``
+(replay, collection), ``routing`` (router losses, metrics) and ``recorder`` (a sampler's routing).
 """
 
 from microrl.engine.moe.recorder import RoutingRecorder

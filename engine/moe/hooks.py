@@ -1,11 +1,9 @@
 """Forward hooks on a model's routers: replay recorded routing, collect what the router losses use.
 
-Installed on the router instances for the duration of an engine pass, or of one micro-batch's
-forward when :meth:`~microrl.engine.base.Engine.forward_step` is called alone (no class is
-patched). Per micro-batch the engine arms them with that micro-batch's recorded experts (or
-none) and asks for collection during the forward only. The routes stay armed after the forward, so a
-gradient-checkpointed layer that recomputes its forward in backward routes its tokens exactly as
-the forward did; collection is off by then, so the recompute adds nothing to the losses.
+Installed on the router instances for an engine pass (no class is patched) and armed per
+micro-batch with its recorded experts; collection runs during the forward only. The routes stay
+armed after it, so a checkpointed layer recomputed in backward routes its tokens as the forward
+did, and adds nothing to the losses.
 """
 
 from __future__ import annotations
@@ -24,10 +22,9 @@ __all__ = ["Collected", "RouterHooks"]
 
 @dataclass
 class Collected:
-    """What the routers produced in one micro-batch's forward, one entry per MoE layer:
-    ``logits`` ``[N, E]`` (with their graph, for the router losses; dropped after the
-    micro-batch), ``own`` ``[N, k]`` the experts each router chose itself, ``used`` ``[N, k]``
-    the experts the tokens went through (the recorded ones under replay)."""
+    """What the routers produced in one micro-batch's forward, per MoE layer: ``logits`` ``[N, E]``
+    (with their graph), ``own`` ``[N, k]`` the router's own choice, ``used`` ``[N, k]`` the experts
+    the tokens went through (the recorded ones under replay)."""
 
     logits: list[torch.Tensor] = field(default_factory=list)
     own: list[torch.Tensor] = field(default_factory=list)
@@ -35,8 +32,7 @@ class Collected:
 
 
 class RouterHooks:
-    """The engine's hooks on the routers of one model (:func:`~microrl.engine.moe.routers.
-    find_routers` order)."""
+    """The engine's hooks on the routers of one model (``find_routers`` order)."""
 
     def __init__(self, routers: list[RouterSite]):
         self.routers = routers
@@ -48,9 +44,8 @@ class RouterHooks:
 
     @contextmanager
     def installed(self, *, keep: bool = False) -> Iterator[RouterHooks]:
-        """The hooks on the routers inside the block (a block inside another one changes
-        nothing). ``keep``: leave them (and the routes armed last) after it, for a backward
-        that recomputes checkpointed layers later; the next block removes them first."""
+        """The hooks on the routers inside the block (nested blocks change nothing); ``keep``: leave
+        them armed after it, for a backward that recomputes checkpointed layers later."""
         if self._depth:
             yield self
             return
@@ -77,7 +72,7 @@ class RouterHooks:
     @contextmanager
     def micro_batch(self, routes: torch.Tensor | None, *, collect: bool) -> Iterator[Collected]:
         """Arm the hooks for one micro-batch's forward: ``routes`` ``[N, L, k]`` to replay (None:
-        each router routes itself); with ``collect`` the block's forward fills the yielded
+        each router routes itself); with ``collect`` the forward fills the yielded
         :class:`Collected`."""
         self.routes = routes
         collected = Collected()

@@ -1,10 +1,8 @@
 """Record the experts a mixture-of-experts model routes every token through, for replay.
 
-A sampler wraps its forwards (``model.generate``: the prefill over the prompts, then one step per
-new token) in a :class:`RoutingRecorder`; forward hooks on the routers keep each call's top-k
-choices, and :meth:`RoutingRecorder.routes` lays them out as the batch key ``routed_experts``
-``[B, T, L, k]`` (docs/batch.md). The last token of a generated row is sampled but never fed
-back, so it has no routing: ``-1``, which the trainer routes itself.
+A sampler wraps ``model.generate`` in a :class:`RoutingRecorder`; hooks on the routers keep each
+forward's top-k, laid out as the batch key ``routed_experts`` ``[B, T, L, k]`` (docs/batch.md).
+A generated row's last token is never fed back: ``-1``, which the trainer routes itself.
 """
 
 from __future__ import annotations
@@ -25,13 +23,8 @@ class RoutingRecorder:
             sequences = model.generate(ids, attention_mask=mask, ...)
         routes = recorder.routes(len(ids), sequences.shape[1])  # [B, T, L, k], int16, on the CPU
 
-    Every forward of the block appends, per MoE layer, the router's own choice for each of its
-    ``B * t`` tokens (row-major over ``[B, t]``); consecutive forwards continue the rows in time
-    (a cache's prefill then its decoding steps), so the forwards must all be over the same ``B``
-    rows. The hooks observe only: the model computes exactly what it would without them.
-
-    Raises:
-        ValueError: ``model`` has no supported mixture-of-experts router.
+    Consecutive forwards continue the same ``B`` rows in time (prefill, then decoding steps); the
+    hooks only observe. ``ValueError`` for a model without a supported mixture-of-experts router.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -67,15 +60,10 @@ class RoutingRecorder:
         return hook
 
     def routes(self, batch_size: int, length: int | None = None) -> torch.Tensor:
-        """The recorded routing of ``batch_size`` rows: ``[B, T, L, k]`` in :func:`~microrl.
-        engine.moe.routes.routes_dtype`, on the CPU; ``length`` pads the token axis with ``-1``
-        (a generated row's last token) or cuts it (forwards past a row's end, as a rank that
-        finished early makes under ``synced_gpus``).
-
-        Raises:
-            ValueError: nothing recorded, or a forward whose token count is not a multiple of
-                ``batch_size``.
-        """
+        """The recorded routing of ``batch_size`` rows, ``[B, T, L, k]`` on the CPU; ``length`` pads
+        the token axis with ``-1`` or cuts forwards past a row's end (``synced_gpus``).
+        ``ValueError``: nothing recorded, or a forward's token count is not a multiple of
+        ``batch_size``."""
         if not self._calls[0]:
             raise ValueError("RoutingRecorder: no forward was recorded")
         top_k = self.routers[0].top_k

@@ -1,11 +1,9 @@
 """The routers of a transformers mixture-of-experts model and how each family gates its experts.
 
-transformers keeps each MoE layer's router as its own module under every expert backend
-(``model._can_record_outputs["router_logits"]`` names its class), returning
-``(logits [N, E], weights [N, k], experts [N, k])`` for the ``N`` flattened tokens. Hooks on
-those instances record and replay routing (no class is patched). A family is supported when the
-registry below knows how its router turns logits into gate weights over a given set of experts:
-that is what replay needs to keep the router training.
+transformers keeps each MoE layer's router as a module (named by
+``model._can_record_outputs["router_logits"]``) returning ``(logits [N, E], weights [N, k],
+experts [N, k])``. A family is supported when the registry below knows how its router turns
+logits into gate weights over given experts: what replay needs to keep the router training.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ class GateKind(str, Enum):
     TOPK_SOFTMAX = "topk-softmax"
 
 
-# Router classes whose gating the replay reproduces, each tested against the model's own code
-# (tests/engine/moe/). A router of another class keeps the engine's plain path (no replay, no
-# router loss): replaying it with the wrong gate would train a different model silently.
+# Gating replay reproduces, tested against each model's own code; other routers get no replay
+# (a wrong gate would silently train a different model).
 _GATES = {
     "Qwen3MoeTopKRouter": GateKind.SOFTMAX_TOPK,
     "OlmoeTopKRouter": GateKind.SOFTMAX_TOPK,
@@ -41,8 +38,7 @@ _GATES = {
 
 @dataclass(frozen=True)
 class RouterSite:
-    """One MoE layer's router: its module name and instance, gating, ``top_k`` experts of
-    ``num_experts``, and whether the top-k weights are renormalised."""
+    """One MoE layer's router: name, instance, gating, ``top_k`` of ``num_experts``, renorm."""
 
     name: str
     module: nn.Module
@@ -53,8 +49,7 @@ class RouterSite:
 
 
 def moe_router_class(model: nn.Module) -> type[nn.Module] | None:
-    """The router class a transformers MoE model declares (its ``router_logits`` recorder), or
-    None for a dense model."""
+    """The router class a transformers MoE model declares, or None for a dense model."""
     for candidate in model.modules():
         recorders = getattr(type(candidate), "_can_record_outputs", None) or {}
         recorder = recorders.get("router_logits")
@@ -65,11 +60,8 @@ def moe_router_class(model: nn.Module) -> type[nn.Module] | None:
 
 
 def find_routers(model: nn.Module) -> list[RouterSite]:
-    """The routers of ``model`` in module order (the order of the routing key's layer axis).
-
-    Returns ``[]`` for a dense model. Raises:
-        ValueError: a mixture-of-experts model whose router class has no registered gating.
-    """
+    """The routers of ``model`` in module order (the routing key's layer axis), ``[]`` if dense;
+    ``ValueError`` for a MoE router class without registered gating."""
     router_class = moe_router_class(model)
     if router_class is None:
         return []
@@ -94,9 +86,8 @@ def find_routers(model: nn.Module) -> list[RouterSite]:
 
 
 def gate_weights(site: RouterSite, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """The gate weights ``[N, k]`` the router of ``site`` gives ``experts`` ``[N, k]`` (ids in
-    ``[0, E)``) from its ``logits`` ``[N, E]``, with gradients to the logits: the family's own
-    arithmetic and dtypes, so a router's own choice gets its own weights back."""
+    """The gate weights ``[N, k]`` the router of ``site`` gives ``experts`` ``[N, k]`` from its
+    ``logits`` ``[N, E]``, differentiable, in the family's own arithmetic and dtypes."""
     if site.gate is GateKind.TOPK_SOFTMAX:
         return torch.softmax(logits.gather(1, experts), dim=1, dtype=logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)

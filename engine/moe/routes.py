@@ -1,10 +1,8 @@
 """The per-token routing key ``routed_experts``: its layout, its checks, its micro-batch form.
 
-``routed_experts[b, t, l, j]`` is the ``j``-th expert MoE layer ``l`` (the routers in module
-order) chose for token ``input_ids[b, t]``: ``[B, T, L, k]``, a compact integer dtype
-(:func:`routes_dtype`), ``-1`` where nothing was recorded (padding, a token the sampler never
-fed back such as the last one). Token-aligned like ``rollout_logprobs``, so the micro-batch
-compaction, packing and per-rank splits carry it like any per-token key (docs/batch.md).
+``routed_experts[b, t, l, j]``: the ``j``-th expert MoE layer ``l`` chose for token
+``input_ids[b, t]``, ``[B, T, L, k]`` in :func:`routes_dtype`, ``-1`` where nothing was
+recorded; token-aligned, so batch plumbing carries it like any per-token key (docs/batch.md).
 """
 
 from __future__ import annotations
@@ -23,24 +21,18 @@ NO_ROUTE = -1
 
 
 def routes_dtype(num_experts: int) -> torch.dtype:
-    """The key's dtype for ``num_experts`` experts: int16 (2 bytes per entry) up to 32767
-    experts, int32 beyond."""
+    """int16 up to 32767 experts, int32 beyond."""
     return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
 
 def check_routes(routes: torch.Tensor, mask: torch.Tensor, routers: list[RouterSite]) -> None:
-    """Validate a batch's ``routed_experts`` against the model (one host sync).
-
-    Args:
-        routes: the key, ``[B, T, L, k]`` integer.
-        mask: the batch's ``attention_mask`` ``[B, T]`` bool (padding is not checked).
-        routers: the model's routers (:func:`~microrl.engine.moe.routers.find_routers`).
+    """Validate a batch's ``routed_experts`` ``[B, T, L, k]`` against the model (one host sync);
+    ``mask``: ``attention_mask`` ``[B, T]`` (padding is not checked).
 
     Raises:
-        ValueError: a shape other than ``[B, T, L, k]`` for the model's ``L`` MoE layers and
-            top-``k`` (naming the layer axis and the routers), a non-integer dtype, or on a real
-            token an expert id outside ``[-1, E)``, a (token, layer) with some but not all ``k``
-            entries recorded, or an expert chosen twice: naming the row, token and layer.
+        ValueError: a wrong shape for the model's ``L`` layers and top-``k``, a non-integer dtype,
+            or on a real token an expert outside ``[-1, E)``, a partly recorded (token, layer) or a
+            repeated expert: naming the row, token and layer.
     """
     layers, top_k = len(routers), routers[0].top_k
     expected = (*mask.shape, layers, top_k)
@@ -83,10 +75,9 @@ def check_routes(routes: torch.Tensor, mask: torch.Tensor, routers: list[RouterS
 def micro_batch_routes(
     routes: torch.Tensor, valid: torch.Tensor, num_tokens: int | None
 ) -> torch.Tensor:
-    """A compact micro-batch's routing in the model's token order: ``routes`` ``[b, L', l, k]``
-    and ``valid`` ``[b, L']`` -> int64 ``[N, l, k]``, ``N = b * L'`` (padded rows flattened as
-    the MoE blocks flatten them) or, packed, the ``num_tokens`` real tokens in row order;
-    :data:`NO_ROUTE` on padding."""
+    """A compact micro-batch's routing in the model's token order: ``routes`` ``[b, L', l, k]`` and
+    ``valid`` ``[b, L']`` -> int64 ``[N, l, k]`` (padded rows flattened, or packed, the real
+    tokens); :data:`NO_ROUTE` on padding."""
     routes = torch.where(valid[:, :, None, None], routes.long(), NO_ROUTE)
     if num_tokens is not None:
         routes = packing.pack(routes, packing.packed_index(valid, num_tokens))

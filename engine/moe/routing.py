@@ -1,12 +1,9 @@
 """A mixture-of-experts engine's routing: replay, router losses over the mini-batch, metrics.
 
-Per pass with a loss the engine asks :meth:`EngineRouting.denominators` once, before the first
-micro-batch: tokens, recorded rows and the load fractions ``f`` of the whole mini-batch over
-every DP rank (from the routing key under replay, else a forward-only counting pass,
-:meth:`EngineRouting.count_pass`). Each micro-batch's forward runs inside
-:meth:`MicroBatchRouting.forward` (replay armed, router outputs collected), then
-:meth:`MicroBatchRouting.add_terms` adds its partial router losses and metrics to its loss;
-:meth:`EngineRouting.pass_metrics` reports the expert loads at the end. docs/engine.md,
+Per pass with a loss, :meth:`EngineRouting.denominators` gives the whole mini-batch's tokens,
+rows and load fractions ``f`` over every DP rank first (from the routing key, else a counting
+pass); each micro-batch's forward runs in :meth:`MicroBatchRouting.forward` and
+:meth:`MicroBatchRouting.add_terms` adds its router losses. docs/engine.md,
 "Mixture-of-experts", and docs/losses.md, "Router losses".
 """
 
@@ -50,8 +47,7 @@ ROUTED_AS_SAMPLED = "router/routed_as_sampled"
 
 
 def refusal(causal_lm: nn.Module) -> str:
-    """Why a batch's routing key cannot be used with ``causal_lm`` (a dense model, or a router
-    family replay does not support)."""
+    """Why a batch's routing key cannot be used with ``causal_lm``."""
     try:
         find_routers(causal_lm)
     except ValueError as error:
@@ -76,13 +72,8 @@ class EngineRouting:
 
     @classmethod
     def of(cls, causal_lm: nn.Module, config) -> EngineRouting | None:
-        """The routing of ``causal_lm`` under ``config`` (an ``EngineConfig``), None for a dense
-        model or an unsupported router family.
-
-        Raises:
-            ValueError: router losses configured (naming ``router_loss.*``) for a model without
-                a supported router.
-        """
+        """The routing of ``causal_lm`` under ``config`` (None: dense or unsupported);
+        ``ValueError`` when ``router_loss.*`` is set for a model without a supported router."""
         try:
             routers = find_routers(causal_lm)
             why = f"{type(causal_lm).__name__} has no mixture-of-experts router"
@@ -98,12 +89,10 @@ class EngineRouting:
         return cls(routers, config)
 
     def check(self, batch: TensorDict) -> None:
-        """Validate the batch's routing key when it carries one (ValueError, see
-        :func:`~microrl.engine.moe.routes.check_routes`)."""
+        """Validate the batch's routing key if any (``routes.check_routes``)."""
         if ROUTED_EXPERTS_KEY in batch:
             check_routes(batch[ROUTED_EXPERTS_KEY], batch["attention_mask"], self.routers)
 
-    # ----------------------------------------------------------------- per pass
     def denominators(
         self,
         batch: TensorDict,
@@ -112,10 +101,9 @@ class EngineRouting:
         group: dist.ProcessGroup | None,
         count: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     ) -> RouterDenominators:
-        """The mini-batch's router denominators, summed over the DP ranks (one all-reduce);
-        starts the pass's load metrics. ``count()`` runs the counting pass (local expert counts
-        ``[E]`` and routed rows) when the load-balancing loss needs ``f`` and the routing is not
-        replayed; ``placeholder``: this rank's share is empty (it counts nothing)."""
+        """The mini-batch's router denominators summed over the DP ranks (one all-reduce); starts
+        the pass's load metrics. ``count()`` runs the counting pass when the load-balancing loss
+        needs ``f`` without replay; ``placeholder``: this rank's share is empty."""
         real = batch["attention_mask"].to(torch.bool)
         if placeholder:
             real = torch.zeros_like(real)
@@ -150,9 +138,8 @@ class EngineRouting:
         *,
         packed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward-only counting pass: each router's own top-k over the real tokens of every
-        micro-batch (``forward(micro)`` runs the module, no grad). Returns the local expert
-        counts ``[E]`` and routed rows (float64)."""
+        """The forward-only counting pass (each router's own top-k over real tokens, no grad): local
+        expert counts ``[E]`` and routed rows (float64)."""
         counts, rows = None, None
         for micro in micro_batches:
             step = MicroBatchRouting(self, micro, packed=packed, denominators=None, collect=True)
@@ -173,9 +160,7 @@ class EngineRouting:
         denominators: LossDenominators | None,
         keep: bool = False,
     ) -> MicroBatchRouting:
-        """The routing of one micro-batch of a pass with (or without) a loss; ``keep``: its
-        hooks outlive its forward (a training forward with gradient checkpointing, whose
-        backward may recompute layers after the engine call returned)."""
+        """One micro-batch's routing; ``keep``: hooks outlive its forward (checkpointing)."""
         router = None if denominators is None else denominators.router
         return MicroBatchRouting(
             self,
@@ -187,8 +172,7 @@ class EngineRouting:
         )
 
     def pass_metrics(self, group: dist.ProcessGroup | None) -> dict[str, Metric]:
-        """The pass's expert load per MoE layer: min and max over the experts of the share of
-        the layer's top-k assignments each expert got (``1 / E`` when balanced); ends the pass."""
+        """Per MoE layer, the min and max expert share of top-k assignments; ends the pass."""
         load, self._load = self._load, None
         if load is None:
             return {}
@@ -209,9 +193,8 @@ class EngineRouting:
 
 
 class MicroBatchRouting:
-    """One micro-batch's routing: its tokens in the model's order (``valid`` ``[N]``), the
-    recorded experts (``routes`` ``[N, L, k]``, None without the key), what its forward
-    collected, and its router loss terms."""
+    """One micro-batch's routing: ``valid`` ``[N]``, recorded ``routes`` ``[N, L, k]`` (or None),
+    what its forward collected, and its router loss terms."""
 
     def __init__(
         self,
@@ -243,9 +226,7 @@ class MicroBatchRouting:
 
     @contextmanager
     def forward(self) -> Iterator[None]:
-        """The model's forward inside: the recorded experts replayed (when the key is present
-        and ``routing_replay`` is on), the routers' outputs collected (when asked). The hooks are
-        installed for the block (a no-op inside an engine pass, which holds them already)."""
+        """The forward inside: recorded experts replayed, router outputs collected if asked."""
         replayed = self.routes if self.owner.replay else None
         hooks = self.owner.hooks
         with (
@@ -258,9 +239,8 @@ class MicroBatchRouting:
     def add_terms(
         self, loss: torch.Tensor | None, metrics: dict[str, Metric]
     ) -> tuple[torch.Tensor | None, dict[str, Metric]]:
-        """The micro-batch's loss plus its partial router losses (times their coefficients and
-        the DP gradient scale), and its metrics plus the router metrics' partials; frees what
-        the forward collected."""
+        """The micro-batch's loss plus its partial router losses (scaled), and its metrics plus the
+        router metrics' partials; frees what the forward collected."""
         collected, self.collected = self.collected, None
         if collected is None:
             return loss, metrics
@@ -284,8 +264,7 @@ class MicroBatchRouting:
         return loss, metrics
 
     def _agreement(self, chosen: list[torch.Tensor]) -> torch.Tensor:
-        """Recorded (token, layer) rows whose ``chosen`` top-k (per layer ``[N, k]``: the
-        router's own, or the experts the forward used) is the recorded set."""
+        """Recorded (token, layer) rows whose ``chosen`` ``[N, k]`` is the recorded set."""
         total = torch.zeros((), dtype=torch.float32, device=self.valid.device)
         if self.routes is None:
             return total

@@ -1,21 +1,11 @@
 """Data parallelism with FSDP2: process-group setup, sharding, gradient sync, empty shares.
 
-Launch any script that builds an engine with ``torchrun --nproc_per_node N script.py``; each rank
-passes its own share of the mini-batch. With no process group every helper here is a no-op, so a
-single process and N ranks run the same loop. What changes under data parallelism:
-
-* :func:`shard_model` applies FSDP2 to every decoder layer, the untied input embedding, then the
-  root: the module whose ``forward`` the engine calls. Its pre-forward hook gathers the final
-  norm and ``lm_head``, so the fused kernel reads the full ``[V, H]`` weight inside that forward.
-  The root stays gathered from its forward to the end of the backward: once per micro-batch.
-* :func:`set_gradient_sync` turns the reduce-scatter off for all but the last micro-batch.
-* :func:`agree_num_micro_batches` and :func:`placeholder_row` make every rank run the same number
-  of micro-batches: FSDP's collectives run per forward and backward, so a rank that stops early
-  deadlocks the others.
-* :func:`gathered` gives full weights to calls that bypass the root's forward (``generate``).
-
-Losses need nothing from here: ``microrl.losses.global_denominators`` already scales by the world
-size, because FSDP *averages* gradients over ranks. The contract is docs/engine.md, "Distributed".
+Launch with ``torchrun --nproc_per_node N script.py``; each rank passes its own share of the
+mini-batch. Without a process group every helper is a no-op, so one process and N ranks run the
+same loop. FSDP's collectives run per forward and backward, so every rank must run the same
+number of micro-batches (:func:`agree_num_micro_batches`, :func:`placeholder_row`). Losses need
+nothing from here: ``microrl.losses.global_denominators`` scales by the world size because FSDP
+*averages* gradients. The contract is docs/engine.md, "Distributed".
 """
 
 from __future__ import annotations
@@ -59,15 +49,13 @@ __all__ = [
     "world_size",
 ]
 
-# Container names under which transformers models keep their decoder blocks; only used when a model
-# does not declare ``_no_split_modules`` (every causal LM in transformers does).
+# Decoder-block containers, for a model without ``_no_split_modules``.
 _LAYER_CONTAINER_NAMES = ("layers", "h", "blocks", "layer")
 
 # Attribute of a module sharded by shard_model: its units' reshard_after_forward setting.
 _RESHARD_ATTR = "_microrl_reshard_after_forward"
 
-# NCCL's default 10 min is too short for a first compile or a slow shared filesystem; gloo on CPU
-# uses the same so a hung rank fails loudly instead of waiting forever.
+# NCCL's default 10 min is too short for a first compile or a slow filesystem; gloo uses it too.
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 # The exit barrier of the last shutdown(), kept referenced until the interpreter is torn down.
@@ -101,16 +89,9 @@ def dp_group() -> dist.ProcessGroup | None:
 
 
 def local_cuda_index() -> int | None:
-    """The GPU this rank owns: ``LOCAL_RANK`` under torchrun, or the one GPU this process sees (a
-    launcher other than torchrun that gives each rank its own, e.g. SLURM's
-    ``--gpus-per-task=1``), the current GPU outside torchrun; None without CUDA.
-
-    Raises:
-        ValueError: torchrun started more processes on this node (``LOCAL_WORLD_SIZE``) than it
-            has visible GPUs: two ranks would share a GPU (NCCL then fails, or they run slowly).
-            One visible GPU counts too under torchrun (``TORCHELASTIC_RUN_ID`` set): its
-            processes inherit one ``CUDA_VISIBLE_DEVICES``, so they would all run on GPU 0.
-    """
+    """The GPU this rank owns: ``LOCAL_RANK`` under torchrun, the one visible GPU (a launcher that
+    gives each rank its own), else the current GPU; None without CUDA. ``ValueError`` when torchrun
+    starts more processes on a node than it has visible GPUs (they would share GPU 0)."""
     if not torch.cuda.is_available():
         return None
     local = os.environ.get("LOCAL_RANK")
@@ -135,18 +116,11 @@ def init_distributed(
 ) -> dist.ProcessGroup | None:
     """Return the DP process group: the initialised one, or one started from torchrun's environment.
 
-    The one place a process joins the ranks (the engine and ``microrl.run.Dist.init`` both call
-    it). First, on CUDA, the rank takes its own GPU (:func:`local_cuda_index`), also when the
-    caller initialised the group without doing so: an NCCL group created on the current device
-    would otherwise put every rank on GPU 0.
-
-    * A process group already initialised by the caller is used as is.
-    * Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the default group is initialised
-      with ``backend`` (default: :func:`default_backend`) and ``timeout``, and torn down
-      at interpreter exit (:func:`shutdown`). Multi-node runs need nothing else: torchrun sets the
-      rendezvous variables.
-    * Otherwise (a plain ``python`` process, or torchrun with one process) it returns ``None`` and
-      the engine runs unsharded.
+    The one place a process joins the ranks. On CUDA the rank first takes its own GPU
+    (:func:`local_cuda_index`), also for a caller's group: NCCL would otherwise put every rank on
+    GPU 0. Under ``torchrun`` (``WORLD_SIZE`` > 1) it initialises the default group with
+    ``backend`` (default :func:`default_backend`) and ``timeout``, torn down at exit
+    (:func:`shutdown`); otherwise it returns ``None`` and the engine runs unsharded.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
@@ -165,15 +139,13 @@ def init_distributed(
 
 
 def default_backend(cuda_index: int | None) -> str:
-    """The default group's backends: ``"cpu:gloo,cuda:nccl"`` on GPUs, so a collective takes
-    a host tensor (a metric, a count) as well as a device one; ``"gloo"`` on CPUs."""
+    """``"cpu:gloo,cuda:nccl"`` on GPUs (host tensors reduce too), ``"gloo"`` on CPUs."""
     return "gloo" if cuda_index is None else "cpu:gloo,cuda:nccl"
 
 
 def collective_device(device: torch.device | str, group: dist.ProcessGroup | None = None):
-    """Where a collective on ``group`` takes a tensor that lives on ``device``: there, when the
-    group has a backend for its type (the default group has one for both), else this rank's GPU
-    (a group whose one backend is NCCL, created by a caller)."""
+    """Where a collective on ``group`` takes a tensor on ``device``: there if the group has a
+    backend for it, else this rank's GPU (a caller's NCCL-only group)."""
     device = torch.device(device)
     if not (dist.is_available() and dist.is_initialized()):
         return device
@@ -188,8 +160,7 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """``tensor`` reduced over ``group`` (itself without a process group), on ``tensor``'s
-    device; it travels to :func:`collective_device` and back when the group needs that."""
+    """``tensor`` reduced over ``group`` (itself without one), returned on ``tensor``'s device."""
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     device = collective_device(tensor.device, group)
@@ -199,35 +170,25 @@ def all_reduce(
 
 
 def shutdown() -> None:
-    """Wait for every rank, then destroy the default process group; a no-op without one.
-
-    Registered at exit when :func:`init_distributed` created the group, so a script that never
-    calls it still exits cleanly; calling it earlier (``Dist.close()``) is fine. A process
-    leaving on an uncaught exception skips it: its peers may be inside another collective, which
-    a barrier would pair with, and the launcher stops them anyway."""
+    """Wait for every rank, then destroy the default group (registered at exit; a no-op without
+    one). Skipped after an uncaught exception: the peers may be in a collective a barrier would pair
+    with."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if getattr(sys, "last_value", None) is not None:  # set when an uncaught exception was printed
         return
     global _exit_barrier
     if is_distributed():
-        # Kept, not dropped: a gloo worker thread releasing the last reference would free the
-        # finished works the barrier waited on, and their tensors' Python objects need the GIL,
-        # which kills that thread (std::terminate) once the interpreter is finalizing.
+        # Kept: a gloo thread freeing the last reference at exit needs the GIL (std::terminate).
         _exit_barrier = dist.barrier(async_op=True)
         _exit_barrier.wait()
     dist.destroy_process_group()
 
 
 def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
-    """bf16 compute with fp32 gradient reduction on CUDA; ``None`` (exact fp32) elsewhere.
-
-    Reducing in fp32 keeps the sum over ranks as exact as the single-process accumulation; CPU
-    bf16 matmuls are slow and gloo cannot reduce bf16 faster, so CPU stays fp32.
-    """
+    """bf16 compute, fp32 reduction on CUDA; ``None`` (fp32) elsewhere (CPU bf16 is slow)."""
     if device_type == "cuda":
-        # cast_forward_inputs=False: the root's float inputs (a per-token temperature tensor)
-        # must keep fp32; the layers get bf16 activations from the bf16 embedding anyway.
+        # cast_forward_inputs=False: the root's float inputs (a temperature) must keep fp32.
         return MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
@@ -235,12 +196,8 @@ def default_mp_policy(device_type: str) -> MixedPrecisionPolicy | None:
 
 
 def find_shard_units(module: nn.Module) -> list[nn.Module]:
-    """The decoder blocks of a transformers model (also under PEFT or a wrapper), in order.
-
-    Uses the models' own ``_no_split_modules`` (the class names transformers never splits across
-    devices: exactly the decoder layers), falling back to the children of a ``ModuleList`` named
-    like ``layers``. Nested matches are skipped: a unit inside a unit would shard twice.
-    """
+    """The decoder blocks of a transformers model (also under PEFT or a wrapper), in order: from
+    ``_no_split_modules``, else a ``ModuleList`` named like ``layers``; nested units dropped."""
     names: set[str] = set()
     for sub in module.modules():
         declared = getattr(type(sub), "_no_split_modules", None) or getattr(
@@ -255,7 +212,6 @@ def find_shard_units(module: nn.Module) -> list[nn.Module]:
         for name, sub in module.named_modules():
             if isinstance(sub, nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_CONTAINER_NAMES:
                 units.extend(sub)
-    # Drop units nested in another unit (keep the outermost).
     inner: set[int] = set()
     for unit in units:
         for sub in unit.modules():
@@ -265,11 +221,7 @@ def find_shard_units(module: nn.Module) -> list[nn.Module]:
 
 
 def _untied_input_embeddings(module: nn.Module) -> list[nn.Module]:
-    """Input embeddings of the transformers models inside ``module`` whose weight is not tied.
-
-    A tied embedding shares its weight with the lm head, whose weight the engine's wrapper reads
-    directly inside the root's forward: it must stay in the root unit.
-    """
+    """Untied input embeddings inside ``module`` (a tied one stays in the root with the head)."""
     uses: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -298,28 +250,12 @@ def shard_model(
 ) -> nn.Module:
     """Shard ``module`` with FSDP2 over ``mesh``: each decoder layer a unit, then the root.
 
-    An input embedding that is not tied to the lm head is a unit of its own, so its full weight
-    exists only around the lookup; everything else outside the layers (final norm, lm head, a
-    value head) belongs to the root unit.
-
-    Call it after LoRA and gradient checkpointing are applied and *before* building the optimizer
-    (the optimizer must hold the sharded ``DTensor`` parameters). Frozen base weights and trainable
-    LoRA weights share a unit: FSDP2 reduces gradients only for parameters that have them.
-
-    ``module`` must be the module the engine calls: its forward may read any parameter that is not
-    inside a decoder layer (e.g. ``lm_head.weight`` for the fused kernel) and gets the full tensor.
-    It becomes the FSDP root here (one collective call of its hooks, no model code), and, while
-    gradients are enabled, its tensor outputs that require a gradient are returned as copies: the
-    heads' outputs are views, on which FSDP2 could lose its pre-backward hook (and warns).
-
-    Args:
-        module: the model (or the engine's wrapper around it); modified in place and returned.
-        mesh: 1-D data-parallel mesh; default: all ranks of the default group on this device type.
-        mp_policy: FSDP2 mixed precision; ``"auto"`` = :func:`default_mp_policy` for the device.
-        reshard_after_forward: free each layer's gathered weights after its forward (saves memory,
-            costs a second all-gather in backward).
-        offload_policy: FSDP2's ``CPUOffloadPolicy`` for ``optim.cpu_offload``
-            (engine/parallel/cpu_offload.py); None keeps everything on the device.
+    An untied input embedding is a unit of its own; the final norm, lm head and a value head belong
+    to the root, gathered from its forward to the end of the backward (the fused kernel reads the
+    full head weight once per micro-batch). Call it after LoRA and gradient checkpointing and
+    *before* building the optimizer. ``module`` is the module the engine calls; its outputs that
+    require a gradient are returned as copies (FSDP2 could lose its pre-backward hook on a view).
+    ``mp_policy="auto"``: :func:`default_mp_policy`; ``offload_policy``: for ``optim.cpu_offload``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -350,12 +286,9 @@ def shard_model(
     for unit in units:
         fully_shard(unit, **kwargs)
     for embedding in _untied_input_embeddings(module):
-        # Its own unit: gathered for the embedding lookup only, not kept for the whole forward
-        # and backward like the root's parameters (it is often the largest matrix of the model).
+        # Its own unit, gathered only for the lookup: often the model's largest matrix.
         fully_shard(embedding, **kwargs)
-    # The root keeps its gathered parameters from forward to backward, so the lm-head weight is
-    # gathered once per micro-batch. Said explicitly: FSDP2 keeps the root gathered only when its
-    # reshard_after_forward is left unset (torch 2.13 honours an explicit True on the root too).
+    # The root stays gathered forward to backward; explicit, as torch 2.13 honours True there too.
     fully_shard(module, **{**kwargs, "reshard_after_forward": False})
     # Before FSDP's post-forward hook (prepend): it hooks the pre-backward all-gather on outputs.
     module.register_forward_hook(_copy_grad_outputs, prepend=True)
@@ -366,21 +299,15 @@ def shard_model(
 
 
 def finish_sharding(module: nn.Module) -> None:
-    """After a meta-device module sharded by :func:`shard_model` got its values
-    (engine/parallel/materialize.py): make it the FSDP root, as ``shard_model`` does for a real one."""
+    """Make a meta-device module sharded by :func:`shard_model` the FSDP root, once filled."""
     if isinstance(module, FSDPModule):
         _init_root_state(module)
 
 
 @torch.no_grad()
 def broadcast_from_rank0(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
-    """Copy rank 0's parameters and buffers to every rank, in place, before sharding.
-
-    FSDP2 keeps each rank's *own* shard of every tensor, so ranks that built the model or its
-    LoRA adapters from different random states would otherwise train a silent mixture of their
-    initialisations. One broadcast per tensor at set-up makes the start identical on every rank
-    whatever the seeding.
-    """
+    """Copy rank 0's parameters and buffers to every rank, in place, before sharding: FSDP2 keeps
+    each rank's own shard, so different random inits would train a silent mixture."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*module.parameters(), *module.buffers()]:
         # A tensor-parallel DTensor: its local slice, from the dp rank 0 of the same tp slice.
@@ -390,19 +317,9 @@ def broadcast_from_rank0(module: nn.Module, *, group: dist.ProcessGroup | None =
 
 @torch.no_grad()
 def _init_root_state(module: FSDPModule) -> None:
-    """Make ``module`` the FSDP root now rather than at its first real forward.
-
-    FSDP2 decides which unit is the root lazily, at the first forward any unit runs (and then
-    registers the state-dict hooks that ``load_checkpoint`` relies on). A call that bypasses the
-    root before any training step (``generate`` on the inner causal LM, inside :func:`gathered`)
-    would otherwise make a decoder layer the root, and the first training forward would fail with
-    "FSDP requires running forward through the root module first".
-
-    Public behaviour only (no FSDP internals): the root is *called* once with its ``forward``
-    swapped for a no-op, so FSDP's forward pre-hook and hook run around nothing -- that first
-    forward marks the root -- and no model code runs. The pre-hook all-gathers the root's own
-    parameters (a collective: every rank runs ``shard_model``); ``reshard`` frees them again.
-    """
+    """Make ``module`` the FSDP root now: a call bypassing the root first (``generate`` in
+    :func:`gathered`) would make a decoder layer the root and training fail ("FSDP requires running
+    forward through the root module first"). A collective no-op forward, then a reshard."""
     own = module.__dict__.get("forward")  # an instance-level forward is put back as it was
     module.forward = _no_forward
     try:
@@ -420,17 +337,9 @@ def _no_forward(*args: object, **kwargs: object) -> None:
 
 
 def _copy_grad_outputs(module: nn.Module, args: object, output: object) -> object:
-    """Forward hook of the sharded root, run before FSDP's: outputs that need a gradient are copied.
-
-    FSDP's post-forward hook registers the root's pre-backward hook (it unshards the root's
-    parameters for backward if needed and queues the end-of-backward callback) on every output
-    that requires a gradient, and warns when such an output is a view ("returned a view tensor
-    ... can cause backward to fail or produce wrong gradients"): an in-place op on a view would
-    drop that hook. The heads' outputs are views (the fused kernel's ``.view(targets.shape)``,
-    the value head's ``.squeeze(-1)``); a copy is not, costs one ``[b, L]`` tensor per output,
-    and keeps the hook whatever the caller does with the output. Inference (no grad) is left
-    alone: FSDP registers no hook there.
-    """
+    """Forward hook of the sharded root, before FSDP's: outputs that need a gradient are copied, as
+    FSDP puts its pre-backward hook on them and an in-place op on a view (the heads' outputs) would
+    drop it; one ``[b, L]`` tensor per output. Inference is left alone."""
     if not torch.is_grad_enabled():
         return None
     return _copy_grad_tensors(output)
@@ -448,16 +357,9 @@ def _copy_grad_tensors(value: object) -> object:
 
 @contextmanager
 def gathered(module: nn.Module) -> Iterator[None]:
-    """Inside the block every parameter of a sharded ``module`` is the full tensor.
-
-    For calls that do not go through ``module``'s own forward, such as
-    ``engine.model.generate(...)``: the root's parameters (final norm, lm head) are otherwise
-    ``DTensor`` shards there. Each unit is gathered once for the whole block instead of once per
-    decoding step; the memory is that of the full model (plus shards) until the block ends.
-    Collective: every rank must enter the block and run the same number of forwards (e.g.
-    ``generate`` with ``min_new_tokens == max_new_tokens`` or ``synced_gpus=True``).
-    A no-op for an unsharded module.
-    """
+    """Inside the block every parameter of a sharded ``module`` is the full tensor, each unit
+    gathered once (for ``engine.model.generate``). Collective: every rank enters it and runs the
+    same number of forwards. A no-op for an unsharded module."""
     if not isinstance(module, FSDPModule):
         yield
         return
@@ -477,21 +379,14 @@ def gathered(module: nn.Module) -> Iterator[None]:
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
-    """Turn FSDP2's gradient reduce-scatter on (last micro-batch) or off (the ones before it).
-
-    Off, each rank accumulates full-size gradients locally; the next backward with sync on reduces
-    the accumulated sum once. A no-op for an unsharded module.
-    """
+    """Turn FSDP2's gradient reduce-scatter on (last micro-batch) or off (the ones before it, which
+    accumulate full-size gradients locally). A no-op for an unsharded module."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
 
 
 def agree_num_micro_batches(num_micro_batches: int, group: dist.ProcessGroup | None = None) -> int:
-    """The largest local micro-batch count over all ranks (``num_micro_batches`` alone otherwise).
-
-    Ranks whose share needs fewer micro-batches run empty ones (all loss-masked, zero gradient) up
-    to this count, so every rank enters the same number of FSDP collectives.
-    """
+    """The largest local micro-batch count over the ranks (the others run empty ones)."""
     if not isinstance(num_micro_batches, int) or num_micro_batches < 0:
         raise ValueError(f"num_micro_batches must be an int >= 0, got {num_micro_batches!r}")
     return max_over_ranks(num_micro_batches, group)
@@ -510,13 +405,9 @@ def is_empty_batch(batch: Mapping[str, torch.Tensor]) -> bool:
 
 
 def placeholder_row(batch: Mapping[str, torch.Tensor]) -> TensorDict:
-    """One row standing in for a rank's empty share ``[0, T]`` of a mini-batch: ``[1, T]``.
-
-    Its only real token is token id 0 at position 0 and it has no loss token, so the loss, the
-    gradient and every metric get nothing from it; it exists so that the rank runs the same
-    forwards and backwards (FSDP all-gathers and reduce-scatters) as the ranks with data.
-    Every key of ``batch`` gets a zero row of its own dtype (a temperature gets 1).
-    """
+    """One row ``[1, T]`` standing in for a rank's empty share ``[0, T]``, so it runs the FSDP
+    collectives of the ranks with data: one real token (id 0) and no loss; every key a zero row of
+    its dtype (a temperature 1)."""
     columns = batch["input_ids"].shape[1]
     if columns == 0:
         raise ValueError("input_ids must have at least one column (T >= 1), got [0, 0]")

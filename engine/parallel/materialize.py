@@ -1,25 +1,10 @@
 """Rank-0 loading: a distributed engine reads its checkpoint once, never a full model per rank.
 
-A model given as a checkpoint path to an engine under ``torchrun`` (data parallel, tensor
-parallel, or both) is set up like this, so that no rank other than global rank 0 ever holds the
-whole model, and no rank holds it on its accelerator:
-
-1. global rank 0 loads the checkpoint on the CPU; every other rank builds the same architecture
-   on the ``meta`` device (no memory) from rank 0's config, sent to it (:func:`load_on_rank0`:
-   only rank 0 reads the path);
-2. every rank prepares the model identically (dropout off, LoRA, checkpointing, the role's
-   wrapper: a critic's value head, the policy head's probe, run on rank 0 and shared);
-3. rank 0 takes the full state out of its model (:func:`take_full_state`: every parameter and
-   buffer, LoRA and value-head initialisations included) and turns the model into ``meta`` too;
-4. the meta model is sharded (tensor-parallel DTensors with no communication, FSDP2 units) and
-   materialised on the device as shards only (``to_empty``), then filled from rank 0
-   (:func:`load_full_state`): ``set_model_state_dict(..., broadcast_from_rank0=True)`` broadcasts
-   one full tensor at a time and each rank keeps its slice; buffers (also the non-persistent ones
-   such as rotary frequencies, absent from state dicts) are broadcast as they are.
-
-The result equals loading the model on every rank and sharding it (tested in
-tests/engine/parallel/: ``test_tensor_parallel.py``, ``test_distributed.py``). A model passed as
-an ``nn.Module`` was already built by the caller on every rank and is sharded as it is.
+Under ``torchrun`` global rank 0 loads a checkpoint path on the CPU and the others build it on
+``meta`` (:func:`load_on_rank0`); after the same preparation rank 0 takes out the full state
+(:func:`take_full_state`) and goes ``meta`` too; the sharded meta model is materialised as
+shards and filled from rank 0 one broadcast tensor at a time (:func:`load_full_state`). The
+result equals loading on every rank and sharding (tests/engine/parallel/).
 """
 
 from __future__ import annotations
@@ -62,12 +47,9 @@ def load_on_rank0(
     dtype: torch.dtype,
     load: Callable[[str | os.PathLike, torch.dtype], nn.Module],
 ) -> nn.Module:
-    """The checkpoint's model in ``dtype`` (the engine's ``base_dtype``): ``load(path,
-    dtype)`` on the CPU on global rank 0 (the engine passes its role's loader: a causal LM,
-    ``setup.load_causal_lm``, which checks for a local directory; a reward model's classifier),
-    built on ``meta`` elsewhere as the same class from rank 0's config and generation config
-    (shared by a broadcast, so the other ranks never read the path: on a multi-node run it need
-    not exist on their file systems).
+    """The checkpoint's model in ``dtype``: ``load(path, dtype)`` on the CPU on global rank 0, built
+    on ``meta`` elsewhere as the same class from rank 0's broadcast configs (the other ranks never
+    read the path, which need not exist on their nodes).
 
     Raises:
         ValueError: on every rank, when rank 0 cannot load the path (naming it and rank 0's
@@ -87,8 +69,7 @@ def load_on_rank0(
     if model is not None:
         return model
     cls, config, generation_config = found
-    # The class rank 0 loaded (a causal LM, an image-text model, a classifier), built as the
-    # transformers auto classes build a config (their from_config calls it).
+    # As the transformers auto classes' from_config builds a config.
     with torch.device("meta"):
         model = cls._from_config(config, dtype=dtype)
     model.generation_config = generation_config
@@ -104,8 +85,8 @@ def share_from_rank0(value):
 
 @torch.no_grad()
 def take_full_state(module: nn.Module) -> FullState:
-    """Rank 0: the module's full tensors, then the module itself on ``meta``; other ranks: their
-    module is meta already. Call before sharding."""
+    """Rank 0: the full tensors, then the module on ``meta`` (call before sharding); others:
+    empty."""
     if distributed.rank() != 0:
         return FullState()
     state = FullState(
@@ -117,8 +98,7 @@ def take_full_state(module: nn.Module) -> FullState:
 
 
 def _to_meta(module: nn.Module) -> None:
-    """Every parameter and buffer of ``module`` on ``meta``, in place, keeping shared ones shared
-    (``module.to("meta")`` would give a tied embedding and lm head two new parameters)."""
+    """Every parameter and buffer on ``meta`` in place, tied ones still tied (unlike ``.to``)."""
     memo: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):

@@ -1,16 +1,11 @@
 """Runs across several machines: which paths every rank must see, checked before they are used.
 
-torchrun starts one agent per node and the ranks of different nodes share only the network:
-each node has its own disk and its own ``/tmp``. A path one rank writes and another reads must
-be on a file system every node mounts, or be the same read-only copy on each: ``output.dir``
-(checkpoint shards, per-rank loop states), a base model rank 0 built, the models and adapters
-exported for vLLM. Without a check, a node that cannot see such a path fails alone (its peers
-then wait in a collective until the group's timeout) or, worse, writes its share of a checkpoint
-to its own disk. The helpers here are collective: every rank calls them, and every rank raises
-the same ``ValueError`` naming the path, the ranks and their hosts (docs/distributed.md#several-nodes).
-
-On one machine (and in a single process) they always pass; they use ``all_gather_object`` and
-``broadcast_object_list``, which work on any default group (gloo, NCCL, both).
+Nodes share only the network: each has its own disk and ``/tmp``. A path one rank writes and
+another reads (``output.dir``, a base model rank 0 built, the exports for vLLM) must be on a
+file system every node mounts; otherwise one node fails alone (its peers wait in a collective
+until the timeout) or writes its checkpoint share to its own disk. These helpers are
+collective: every rank raises the same ``ValueError`` naming the path, ranks and hosts
+(docs/distributed.md#several-nodes). On one machine they always pass.
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ __all__ = [
     "shared_tempdir",
 ]
 
-# How long a rank looks for rank 0's marker file: a network file system may show a new file to
-# another client a moment after it was written (attribute caches); a missing file costs this.
+# A network file system may show another client a new file a moment late (attribute caches).
 _VISIBILITY_WAIT_S = 2.0
 
 SEVERAL_NODES_DOC = "docs/distributed.md#several-nodes"
@@ -44,8 +38,7 @@ _MARKER_PREFIX = ".microrl-shared-check-"
 
 
 def gather_with_hosts(value: object) -> list[tuple[object, str]]:
-    """Collective: every rank's ``(value, host name)``, by rank (``[(value, host)]`` in a single
-    process). ``value`` must be picklable."""
+    """Collective: every rank's ``(value, host name)``, by rank; ``value`` must be picklable."""
     mine = (value, socket.gethostname())
     if not distributed.is_distributed():
         return [mine]
@@ -63,13 +56,12 @@ def list_ranks(ranks: list[tuple[int, str]], limit: int = 4) -> str:
 def check_shared_dir(path: str | os.PathLike, key: str) -> None:
     """Collective: make sure every rank sees the directory ``path`` that rank 0 sees.
 
-    Rank 0 creates ``path`` (and its parents) and writes a marker file with a random token into
-    it; every rank reads the marker back, then rank 0 removes it. ``key`` names the setting in
-    the error (``output.dir``). A no-op in a single process.
+    Rank 0 creates ``path`` and writes a marker with a random token; every rank reads it back.
+    ``key`` names the setting in the error (``output.dir``). A no-op in a single process.
 
     Raises:
-        ValueError: on every rank, naming ``key``, ``path`` and the ranks (and hosts) that do
-            not see rank 0's file, or rank 0's own error when it cannot write there.
+        ValueError: on every rank, naming ``key``, ``path`` and the ranks (and hosts) that do not
+            see rank 0's file, or rank 0's own error when it cannot write there.
     """
     _check_visible(
         Path(path),
@@ -80,14 +72,13 @@ def check_shared_dir(path: str | os.PathLike, key: str) -> None:
 
 
 def shared_tempdir(prefix: str) -> str:
-    """Collective: a fresh temporary directory rank 0 makes (under its ``TMPDIR``), the same
-    path on every rank, checked to be visible on every rank: for what rank 0 writes once and
-    every rank (or a process it starts) reads, such as the models and adapters exported for
-    vLLM. The caller removes it (rank 0).
+    """Collective: a fresh temporary directory rank 0 makes (under its ``TMPDIR``), the same path on
+    every rank and checked visible there, for what rank 0 writes once and every rank reads (the
+    exports for vLLM). The caller removes it (rank 0).
 
     Raises:
-        ValueError: on every rank, when a rank does not see it (another node's ``/tmp``), naming
-            ``TMPDIR`` as the fix; the directory is removed then.
+        ValueError: on every rank that does not see it, naming ``TMPDIR`` (the directory is
+            removed then).
     """
     box = [tempfile.mkdtemp(prefix=prefix) if distributed.rank() == 0 else None]
     if not distributed.is_distributed():

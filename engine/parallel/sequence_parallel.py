@@ -1,15 +1,12 @@
 """Sequence parallelism (Ulysses): each rank of an sp group holds 1/s of every micro-batch's tokens.
 
-A token budget cannot split one sequence; splitting its tokens over ``s`` ranks can.
-``EngineConfig.sequence_parallel_size = s > 1`` builds a ``("dp", "sp")`` device mesh
-(:func:`init_mesh`). The ``s`` ranks of an sp group pass the same mini-batch (checked,
-:func:`check_same_batch`), and each takes an equal slice of every micro-batch's tokens
-(:func:`shard_model_inputs`, :class:`SequenceShard`). Attention gathers the sequence with
-all-to-alls (:mod:`microrl.engine.parallel.ulysses_attention`). The per-position outputs are
-all-gathered back (:meth:`SequenceShard.gather_outputs`), so the loss and metrics are the whole
-micro-batch's on every sp rank. FSDP2 averages gradients over all ``dp x sp`` ranks, so every
-partial loss carries ``grad_scale = dp * sp`` (:func:`scale_denominators`). The split, its
-exactness and its tests are in docs/distributed.md, "Sequence parallelism (Ulysses)".
+``sequence_parallel_size = s > 1`` builds a ``("dp", "sp")`` mesh (:func:`init_mesh`); the ``s``
+ranks of an sp group pass the same mini-batch (:func:`check_same_batch`) and each takes an
+equal slice of every micro-batch's tokens (:class:`SequenceShard`). Attention gathers the
+sequence with all-to-alls (:mod:`microrl.engine.parallel.ulysses_attention`); outputs are
+all-gathered back, so loss and metrics are the whole micro-batch's on every sp rank. FSDP2
+averages over all ``dp x sp`` ranks, hence ``grad_scale = dp * sp`` (:func:`scale_denominators`).
+Details: docs/distributed.md, "Sequence parallelism (Ulysses)".
 """
 
 from __future__ import annotations
@@ -53,12 +50,7 @@ __all__ = [
 
 
 def init_mesh(sequence_parallel_size: int, device: torch.device) -> DeviceMesh | None:
-    """The ``("dp", "sp")`` mesh of ``(world // s, s)`` ranks, or None for ``s == 1``.
-
-    Raises:
-        ValueError: naming ``sequence_parallel_size``: a single process, or a size that does not
-            divide the number of processes.
-    """
+    """The ``("dp", "sp")`` mesh (``tensor_parallel.dp_by_mesh``), or None for ``s == 1``."""
     return dp_by_mesh(sequence_parallel_size, "sequence_parallel_size", "sp", device)
 
 
@@ -89,13 +81,8 @@ def check_supported(config: Any, size: int) -> None:
 def wrap(
     module: nn.Module, mesh: DeviceMesh, *, offload_policy: OffloadPolicy | None = None
 ) -> nn.Module:
-    """Switch the transformers model inside ``module`` to Ulysses attention and shard ``module``
-    with FSDP2 over all ``dp x sp`` ranks (the engine's default data-parallel sharding).
-
-    ``offload_policy``: FSDP2's ``CPUOffloadPolicy`` for ``optim.cpu_offload``
-    (engine/parallel/cpu_offload.py). The parameters are sharded over the same flat ``dp x sp``
-    ranks as without it, so it changes where the shards, their gradients and the optimizer
-    state live, nothing that the sequence split touches (that is activations only)."""
+    """Switch the model inside ``module`` to Ulysses attention and shard ``module`` with FSDP2 over
+    all ``dp x sp`` ranks (``offload_policy``: ``optim.cpu_offload``'s)."""
     size = mesh["sp"].size()
     model = next((m for m in module.modules() if hasattr(m, "set_attn_implementation")), None)
     if model is None:
@@ -111,9 +98,8 @@ def padded_width(width: int, size: int) -> int:
 
 
 def split_sequence(x: torch.Tensor, size: int, rank: int, fill: float | int) -> torch.Tensor:
-    """Rank ``rank``'s slice of dimension 1 of ``x`` ``[b, W, ...]``: ``x`` padded with ``fill``
-    to ``padded_width(W, size)`` columns, then cut into ``size`` equal slices: ``[b, W', ...]``
-    with ``W' = ceil(W / size)``."""
+    """Rank ``rank``'s slice ``[b, W', ...]`` of ``x`` ``[b, W, ...]`` padded with ``fill`` to
+    ``padded_width(W, size)``: ``W' = ceil(W / size)``."""
     width = x.shape[1]
     pad = padded_width(width, size) - width
     if pad:
@@ -124,9 +110,7 @@ def split_sequence(x: torch.Tensor, size: int, rank: int, fill: float | int) -> 
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather ``[b, W', ...]`` slices into ``[b, W, ...]``; the backward keeps this rank's
-    slice of the gradient, which every rank of the group holds whole (the loss downstream is
-    computed identically on each)."""
+    """All-gather ``[b, W', ...]`` into ``[b, W, ...]``; the backward keeps this rank's slice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, rank: int, width: int):
@@ -152,18 +136,14 @@ class SequenceShard:
     Attributes:
         group, size, rank: the sp group, its size ``s`` and this rank's index in it.
         rows: the micro-batch's rows ``b`` (its sequences).
-        width: the token dimension of the model inputs: ``L`` of padded ``[b, L]`` rows, ``N``
-            of a packed ``[1, N]`` row; padded to :attr:`padded` and split into ``s`` slices of
-            :attr:`local` tokens.
-        attention_lengths: what attention runs per sequence over the gathered dimension: the
-            packed sequences' lengths (and the padding tail), or the padded width for rows.
-        last_local: ``[b]`` bool, whether each sequence's last real token is on this rank (set
-            when the role takes ``last_index``).
-        attention_calls: counted by the attention wrapper (a check that the role passed the
-            shard to the transformers model).
-        flash_varlen: flash-attention's varlen arguments over the gathered dimension
-            (``cu_seq_lens_q`` ..., from :attr:`attention_lengths`), built by the micro-batch's
-            first attention call and reused by the others (one host-to-device copy).
+        width: ``L`` of padded ``[b, L]`` rows or ``N`` of a packed ``[1, N]`` row; padded to
+            :attr:`padded` and split into ``s`` slices of :attr:`local` tokens.
+        attention_lengths: the per-sequence attention lengths over the gathered dimension (packed
+            lengths and the padding tail, or the padded width for rows).
+        last_local: ``[b]`` bool, whether each sequence's last real token is on this rank.
+        attention_calls: counted by the attention wrapper (checks the shard reached the model).
+        flash_varlen: flash-attention's varlen arguments, built by the first attention call and
+            reused by the others (one host-to-device copy).
     """
 
     group: dist.ProcessGroup
@@ -193,9 +173,8 @@ class SequenceShard:
         return _GatherSequence.apply(x, self.group, self.rank, self.width)
 
     def localize_last_index(self, last_index: torch.Tensor) -> torch.Tensor:
-        """Flat indices into the full ``[b, W]`` inputs -> into this rank's ``[b, W']`` slice
-        (row ``r``'s own first local token where the last token is on another rank); sets
-        :attr:`last_local`."""
+        """Flat indices into the full ``[b, W]`` inputs -> into this rank's ``[b, W']`` slice (the
+        row's first local token where the last is on another rank); sets :attr:`last_local`."""
         row, col = last_index // self.width, last_index % self.width
         self.last_local = col // self.local == self.rank
         local_col = torch.where(self.last_local, col % self.local, 0)
@@ -203,9 +182,8 @@ class SequenceShard:
 
     def gather_outputs(self, raw: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
         """A role's raw outputs on this rank's slice -> the whole micro-batch's, on every rank:
-        per-position ``[b, W']`` all-gathered into ``[b, W]``; per-row ``[b]`` values (computed
-        at each sequence's last real token, on the rank that holds it) summed over the group
-        with the other ranks' entries zeroed."""
+        per-position ``[b, W']`` all-gathered into ``[b, W]``; per-row ``[b]`` values summed over
+        the group with the entries of ranks without the last token zeroed."""
         if self.attention_calls == 0:
             raise RuntimeError(
                 f"sequence_parallel_size={self.size}: {role}._model_forward did not pass its "
@@ -232,12 +210,9 @@ class SequenceShard:
 
 
 class ShardedGroupLoss:
-    """The engine's :class:`~microrl.engine.group_loss.GroupLoss` for a head that sees this
-    rank's tokens only: one group of all local rows (``segments = [0, n]``), whose log-probs
-    (and entropy) are gathered over the sp group into the micro-batch's full layout before the
-    loss runs on every row, so a per-sequence loss sees whole sequences. The gather's backward
-    hands the kernel this rank's slice of ``dL/dlogp``: the head's gradients then come from the
-    local tokens only, as on the kernel + loss path."""
+    """The engine's :class:`~microrl.engine.group_loss.GroupLoss` for a head that sees this rank's
+    tokens only: the local log-probs (and entropy) are gathered over the sp group before the loss,
+    so a per-sequence loss sees whole sequences; the backward hands the kernel this rank's slice."""
 
     def __init__(self, inner: Any, shard: SequenceShard, local_shape: tuple[int, int]) -> None:
         self.inner, self.shard, self.local_shape = inner, shard, local_shape
@@ -268,12 +243,10 @@ def shard_model_inputs(
     """The engine's model inputs for one micro-batch -> this rank's slice of them.
 
     ``args``: ``(input_ids, position_ids, attention_mask, targets)``, ``[b, L]`` padded rows or a
-    packed ``[1, N]`` row (``packed_lengths``: its sequences' lengths). Every per-token tensor
-    (also a ``temperature`` ``[b, L]``) is split along the token dimension; ``attention_mask``
-    becomes a prepared 4-D placeholder, which transformers' mask builders return as it is (the
-    Ulysses attention masks per row or per packed sequence itself, so no mask of the local
-    length is ever built); ``last_index`` is localised; a fused-loss ``group_loss`` is wrapped
-    (:class:`ShardedGroupLoss`); the shard itself rides along as a model keyword argument.
+    packed ``[1, N]`` row (``packed_lengths``). Per-token tensors (a ``temperature`` too) are split;
+    ``attention_mask`` becomes a 4-D placeholder that transformers' mask builders pass through
+    (the wrapper masks itself); ``last_index`` is localised, ``group_loss`` wrapped
+    (:class:`ShardedGroupLoss`), and the shard rides along as a model keyword argument.
     """
     ids, positions, _, targets = args
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -302,20 +275,13 @@ def shard_model_inputs(
 
 
 def scale_denominators(denominators: LossDenominators, size: int) -> LossDenominators:
-    """``denominators`` (counted once over the dp ranks) with ``grad_scale`` times ``size``:
-    FSDP2 averages gradients over all ``dp x sp`` ranks, and the ``sp`` ranks' gradients are
-    parts of one sum (each rank's tokens), not copies."""
+    """``grad_scale`` times ``size``: FSDP2 averages sp ranks' gradients, parts of one sum."""
     return dataclasses.replace(denominators, grad_scale=denominators.grad_scale * size)
 
 
 def check_same_batch(batch: TensorDict, group: dist.ProcessGroup) -> None:
-    """Raise ``ValueError`` unless every rank of the sp group passed the same mini-batch.
-
-    One all-gather of a 4-number fingerprint (shape and position-weighted sums of
-    ``input_ids`` and ``attention_mask``) and one host read, once per engine call: a data
-    loader that shards by global rank instead of by dp rank would otherwise train on a silent
-    mixture of different rows' tokens.
-    """
+    """Raise ``ValueError`` unless every sp rank passed the same mini-batch (one all-gather of a
+    4-number fingerprint): a loader sharding by global rank would silently mix rows."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     weight = torch.arange(1, ids.numel() + 1, device=ids.device).view_as(ids)
     fingerprint = torch.stack(

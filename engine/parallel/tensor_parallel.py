@@ -1,20 +1,12 @@
 """Tensor parallelism (TP) with torch's DTensor plans, composed with FSDP2 on a 2-D mesh.
 
-For layers too large for one GPU. ``EngineConfig.tensor_parallel_size = t > 1`` builds a
-``(dp, tp) = (N // t, t)`` device mesh (:func:`init_mesh`); the ``t`` ranks of a tp group hold
-slices of the same model and see the *same* share of the mini-batch. :func:`parallelize` shards
-every decoder layer after the model's own ``config.base_model_tp_plan`` (column-wise
-``q/k/v/gate/up``, row-wise ``o/down``), the embedding and the lm head over the vocabulary (the
-head runs :func:`microrl.kernels.vocab_parallel_linear_logprob`: logits are never gathered), and
-LoRA adapters with their base layer. Every other parameter becomes a ``Replicate()`` DTensor, so
-clipping, the optimizer and checkpoints handle one set of DTensors on one mesh.
-
-The layers compute on plain local tensors (:mod:`microrl.engine.parallel.tp_layers`,
-Megatron-style collectives): a new micro-batch width costs no sharding propagation. Hidden
-states between layers are replicated on the tp ranks, so the engine's loop and losses see
-ordinary tensors; denominators and metrics reduce over ``dp`` only. With ``N > t``, FSDP2 then
-shards over ``dp`` (:func:`microrl.engine.parallel.distributed.shard_model`). The layout table
-and the limits are in docs/engine.md, "Tensor parallelism".
+``tensor_parallel_size = t > 1`` builds a ``(dp, tp)`` mesh (:func:`init_mesh`); a tp group's
+ranks hold slices of one model and see the *same* share of the mini-batch. :func:`parallelize`
+shards the decoder layers after ``config.base_model_tp_plan``, the embedding and lm head over
+the vocabulary (logits never gathered) and LoRA with its base; every other parameter becomes a
+``Replicate()`` DTensor, so clipping, optimizer and checkpoints see one mesh. Layers compute on
+local tensors (:mod:`microrl.engine.parallel.tp_layers`). Limits: docs/engine.md, "Tensor
+parallelism".
 """
 
 from __future__ import annotations
@@ -37,13 +29,10 @@ __all__ = [
     "wrap",
 ]
 
-# Families whose attention reshapes with -1 heads (so local heads need no config change) and
-# whose base_model_tp_plan is only colwise/rowwise Linear layers; each is tested against one
-# process (tests/engine/parallel/test_tensor_parallel.py).
+# Attention reshapes with -1 heads and the plan is only colwise/rowwise Linears; each is tested.
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _STYLES = ("colwise", "rowwise")
-# transformers' style of Qwen3's per-head q_norm / k_norm: replicated weights applied to
-# [.., heads / t, head_dim] slices (inputs sharded on dim -2), gradients summed over the ranks.
+# Qwen3's per-head q_norm / k_norm: replicated weights on [.., heads / t, head_dim] slices.
 _HEAD_SHARDED = "replicated_with_grad_allreduce"
 _LAYER_PREFIX = "layers.*."
 # Attribute of a parallelized module: its (dp, tp) mesh.
@@ -51,25 +40,14 @@ _MESH_ATTR = "_microrl_device_mesh"
 
 
 def init_mesh(tensor_parallel_size: int, device: torch.device) -> DeviceMesh | None:
-    """The ``("dp", "tp")`` mesh of ``(world // t, t)`` ranks, or None for ``t == 1``.
-
-    Consecutive ranks form a tp group (on one node they share the fast interconnect).
-
-    Raises:
-        ValueError: naming ``tensor_parallel_size``: a single process, or a size that does not
-            divide the number of processes.
-    """
+    """The ``("dp", "tp")`` mesh (:func:`dp_by_mesh`), or None for ``t == 1``."""
     return dp_by_mesh(tensor_parallel_size, "tensor_parallel_size", "tp", device)
 
 
 def dp_by_mesh(size: int, key: str, name: str, device: torch.device) -> DeviceMesh | None:
-    """The ``("dp", name)`` mesh of ``(world // size, size)`` ranks, consecutive ranks in one
-    ``name`` group, or None for ``size == 1``: the mesh of tensor and of sequence parallelism.
-
-    Raises:
-        ValueError: naming ``key`` (the config key of ``size``): a single process, or a size
-            that does not divide the number of processes.
-    """
+    """The ``("dp", name)`` mesh of ``(world // size, size)`` ranks, consecutive ranks (one node's
+    fast interconnect) in one ``name`` group, or None for ``size == 1``; ``ValueError`` naming
+    ``key`` for a single process or a size that does not divide the number of processes."""
     if size == 1:
         return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -104,13 +82,8 @@ def _causal_lm(module: nn.Module) -> nn.Module | None:
 
 
 def check_supported(config: Any, tensor_parallel_size: int) -> dict[str, str]:
-    """The per-layer TP plan (``{"self_attn.q_proj": "colwise", ...}``) of a model config
-    (transformers' ``base_model_tp_plan``, its decoder-layer entries).
-
-    Raises:
-        ValueError: naming the family when it is not supported, or the size that ``t`` does not
-            divide (attention heads, key/value heads, MLP width).
-    """
+    """The per-layer TP plan (``{"self_attn.q_proj": "colwise", ...}``) from ``base_model_tp_plan``;
+    ``ValueError`` naming an unsupported family or what ``t`` does not divide (heads, MLP width)."""
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -144,7 +117,8 @@ def check_supported(config: Any, tensor_parallel_size: int) -> dict[str, str]:
 
 
 def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """:func:`parallelize` over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` when it has > 1 rank."""
+    """:func:`parallelize` over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` if it has > 1
+    rank."""
     from microrl.engine.parallel import distributed
 
     parallelize(module, mesh)
@@ -154,11 +128,8 @@ def wrap(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard the engine's module (policy or value wrapper) over ``mesh["tp"]``, in place.
-
-    Call after LoRA and gradient checkpointing, before FSDP2 and the optimizer. Every tp rank
-    starts from tp rank 0's weights (``distribute_tensor`` scatters / broadcasts from it).
-    """
+    """Shard the engine's module over ``mesh["tp"]`` in place, from tp rank 0's weights: after LoRA
+    and gradient checkpointing, before FSDP2 and the optimizer."""
     tp = mesh["tp"]
     group = tp.get_group()
     configs = (getattr(sub, "config", None) for sub in module.modules())
@@ -200,12 +171,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def _distribute(module: nn.Module, name: str, tp: DeviceMesh, placement) -> None:
     """Replace the plain parameter ``module.<name>`` (if any) by a DTensor with ``placement``,
-    from tp rank 0's values, keeping ``requires_grad``."""
+    from tp rank 0's values (a meta one is sliced without communication)."""
     param = module._parameters.get(name)
     if param is None or isinstance(param, DTensor):
         return
-    # A meta parameter (rank-0 loading, engine/parallel/materialize.py) is sliced without communication;
-    # its values come later.
     source = None if param.is_meta else 0
     dparam = distribute_tensor(param.detach(), tp, [placement], src_data_rank=source)
     module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
@@ -218,8 +187,7 @@ def _vocab_start(weight: DTensor, tp: DeviceMesh) -> int:
 
 
 def _lora_parts(layer: nn.Module) -> tuple[nn.Module, list[nn.Linear], list[nn.Linear]]:
-    """``(base linear, [lora_A per adapter], [lora_B per adapter])`` of a peft LoRA layer, or
-    ``(layer, [], [])`` for a plain linear layer."""
+    """``(base linear, [lora_A...], [lora_B...])`` of a peft LoRA layer, or ``(layer, [], [])``."""
     base = getattr(layer, "base_layer", None)
     if base is None:
         return layer, [], []
@@ -236,8 +204,7 @@ def _parallelize_linear(layer: nn.Module, tp: DeviceMesh, style: str) -> None:
     base, lora_a, lora_b = _lora_parts(layer)
     if type(base) is not nn.Linear:
         raise ValueError(f"tensor parallelism needs nn.Linear layers, got {type(base).__name__}")
-    # Column-wise base: B produces this rank's output slice from the replicated A x.
-    # Row-wise base: A consumes this rank's input slice (partial [.., r] summed), B replicated.
+    # Column-wise: B gives this rank's output slice; row-wise: A takes its input slice.
     for linear in [base, *(lora_b if style == "colwise" else lora_a)]:
         _shard_linear(linear, tp, style)
 

@@ -1,23 +1,10 @@
 """Tensor-parallel layers that compute on local shards; the parameters stay ``DTensor``s.
 
-:func:`microrl.engine.parallel.tensor_parallel.parallelize` shards each parameter as a ``DTensor`` on the
-``tp`` mesh (so FSDP2, gradient clipping, the optimizer and checkpoints see one consistent set)
-and then installs the forwards below, which read ``param.to_local()`` and place the
-communication themselves, Megatron-LM style (Shoeybi et al. 2019, "Megatron-LM", section 3):
-
-* ``f`` (:class:`CopyToGroup`): identity forward, ``all_reduce(SUM)`` backward, in front of a
-  column-parallel layer whose input is replicated;
-* ``g`` (:class:`ReduceFromGroup`): ``all_reduce(SUM)`` forward, identity backward, after a
-  row-parallel layer (or a vocab-parallel embedding) whose outputs are partial sums.
-
-Why not DTensor's own ``parallelize_module`` styles: they run every op of the layer as a DTensor
-op, and DTensor propagates shardings per input shape, so each new micro-batch width paid seconds
-of planning on a CPU (and every op pays Python dispatch on a GPU). Here the layers see only plain
-tensors; the one DTensor operation per parameter and call is ``to_local()``, whose backward hands
-the gradient back as a ``DTensor`` with the parameter's placement.
-
-Every tp rank must call each layer with the same (replicated) input, except a row-parallel
-layer, which takes this rank's slice of the last dimension.
+The forwards read ``param.to_local()`` and place the communication themselves, Megatron-LM style
+(Shoeybi et al. 2019, section 3): ``f`` (:class:`CopyToGroup`) before a column-parallel layer,
+``g`` (:class:`ReduceFromGroup`) after a row-parallel one. DTensor's ``parallelize_module``
+re-plans shardings per input shape (seconds per new micro-batch width on a CPU). Every tp rank
+calls a layer with the same input, but a row-parallel one (its slice of the last dimension).
 """
 
 from __future__ import annotations
@@ -42,8 +29,7 @@ __all__ = [
 
 
 class CopyToGroup(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over ``group``: the input is replicated
-    and each rank's use of it contributes only part of its gradient."""
+    """Identity forward; the backward sums the gradient of the replicated input over ``group``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -58,8 +44,7 @@ class CopyToGroup(torch.autograd.Function):
 
 
 class ReduceFromGroup(torch.autograd.Function):
-    """``all_reduce(SUM)`` forward of partial sums; the backward passes the (replicated)
-    gradient through unchanged."""
+    """``all_reduce(SUM)`` forward of partial sums; identity backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -73,8 +58,8 @@ class ReduceFromGroup(torch.autograd.Function):
 
 
 class _GatherLastDim(torch.autograd.Function):
-    """All-gather ``[..., V_local]`` slices of torch.chunk-sized shards into ``[..., V]``; the
-    backward keeps this rank's slice of the (replicated) gradient."""
+    """All-gather ``[..., V_local]`` chunks into ``[..., V]``; the backward keeps this rank's
+    slice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, start: int, size: int):
@@ -101,8 +86,7 @@ def _colwise_forward(self: nn.Linear, group: dist.ProcessGroup, x: torch.Tensor)
 
 
 def _rowwise_forward(self: nn.Linear, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
-    # [..., in / t] this rank's input features -> [..., out] replicated; the (replicated) bias is
-    # added once, after the sum.
+    # [..., in / t] this rank's input features -> [..., out] replicated; bias added after the sum.
     out = ReduceFromGroup.apply(F.linear(x, _local(self.weight)), group)
     return out if self.bias is None else out + _local(self.bias)
 
@@ -118,9 +102,8 @@ def install_rowwise(linear: nn.Linear, group: dist.ProcessGroup) -> None:
 
 
 def install_gathered_head(linear: nn.Linear, group: dist.ProcessGroup, start: int) -> None:
-    """The vocab-sharded lm head (``Shard(0)``) called as a module (``generate``): the local
-    logits, all-gathered into the full ``[..., V]``. Training never calls it: the engine's head
-    reads the weight shard and runs the vocab-parallel kernel, which never gathers logits."""
+    """The vocab-sharded lm head called as a module (``generate``): local logits all-gathered into
+    ``[..., V]``. Training reads the weight shard through the vocab-parallel kernel instead."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         local = _colwise_forward(linear, group, x)
@@ -130,9 +113,8 @@ def install_gathered_head(linear: nn.Linear, group: dist.ProcessGroup, start: in
 
 
 def install_vocab_embedding(embedding: nn.Embedding, group: dist.ProcessGroup, start: int) -> None:
-    """The vocab-sharded embedding (``Shard(0)``): each rank looks up the ids of its rows, zeros
-    the rest and the partial embeddings are summed. The weight gradient is this rank's rows only
-    (no ``[V, H]`` gradient is ever formed)."""
+    """The vocab-sharded embedding: each rank looks up the ids of its rows, zeros the rest, and the
+    partial embeddings are summed (no ``[V, H]`` gradient is formed)."""
     for name in ("max_norm", "sparse", "scale_grad_by_freq"):
         if getattr(embedding, name):
             raise ValueError(f"tensor parallelism: the input embedding's {name} is not supported")
@@ -153,14 +135,9 @@ def install_vocab_embedding(embedding: nn.Embedding, group: dist.ProcessGroup, s
 def install_local_params(
     module: nn.Module, group: dist.ProcessGroup, *, partial_grads: bool = False
 ) -> None:
-    """Run ``module``'s own forward on the local tensors of its (replicated) DTensor parameters.
-
-    A forward pre-hook shadows each such parameter with ``param.to_local()`` for the duration of
-    the call (an instance attribute wins over ``nn.Module.__getattr__``'s parameter lookup); the
-    hook after the call removes the shadows, also when the forward raises. ``partial_grads``: the
-    module computes on this rank's slice of heads (Qwen3's ``q_norm`` / ``k_norm``), so its
-    weight gradient is a partial sum, summed over the group by :class:`CopyToGroup`.
-    """
+    """Run ``module``'s own forward on the local tensors of its replicated DTensor parameters,
+    shadowed as instance attributes during the call; ``partial_grads``: it computes on this
+    rank's heads (Qwen3's ``q_norm``), so its weight gradient is summed (:class:`CopyToGroup`)."""
     names = [
         name
         for name, p in module.named_parameters(recurse=False)

@@ -1,21 +1,11 @@
 """Ulysses attention: all-to-alls around the model's own attention under sequence parallelism.
 
-Every layer but attention is token-wise, so it runs on a rank's local tokens unchanged (they carry
-their *global* position ids). Attention needs every token of a sequence (Jacobs et al. 2023,
-"DeepSpeed Ulysses"): one all-to-all per query, key and value turns "all ``H`` heads of ``S/s``
-tokens" into "``H/s`` heads of all ``S`` tokens". The model's own attention function then runs
-per padded row or per packed sequence (flash-attention on its varlen path,
-:func:`flash_varlen_kwargs`), and one all-to-all brings the output back. Key/value heads are
-replicated first when ``s`` does not divide them (:func:`kv_head_repeats`). With ``H % s == 0``
-(:func:`check_heads`) and ``H % Hkv == 0``, ``lcm(Hkv, s)`` divides ``H``, so every rank's query
-heads find their key/value heads on the same rank.
-
-It is installed through transformers' public ``AttentionInterface`` (no model class is patched):
-:func:`enable_ulysses_attention` registers ``microrl_ulysses_<base>``. The engine passes the
-micro-batch's :class:`~microrl.engine.parallel.sequence_parallel.SequenceShard` as a model keyword
-argument, which reaches every attention call, also the recompute of a checkpointed layer. A call
-without it (``generate``, the lm-head probe) is exactly the base implementation. The layout and
-the flash-attention boundaries are in docs/distributed.md, "Sequence parallelism (Ulysses)".
+Attention needs the whole sequence (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all per
+query, key and value turns "``H`` heads of ``S/s`` tokens" into "``H/s`` heads of ``S``
+tokens", the model's own attention runs per row or packed sequence, and one all-to-all brings
+the output back. Registered as ``microrl_ulysses_<base>`` through transformers'
+``AttentionInterface``; without the ``SequenceShard`` model keyword (``generate``) it is the base
+implementation. Layout: docs/distributed.md, "Sequence parallelism (Ulysses)".
 """
 
 from __future__ import annotations
@@ -65,9 +55,8 @@ _WRAPPED: dict[str, str] = {}
 
 def is_flash(base: str | None) -> bool:
     """Whether transformers runs ``base`` through its flash-attention function
-    (``transformers.integrations.flash_attention.flash_attention_forward``): ``flash_attention_2``,
-    ``_3``, ``_4`` and the hub kernels that have a varlen function. Its varlen path takes
-    ``cu_seq_lens_q/k`` and ``max_length_q/k`` (:func:`flash_varlen_kwargs`)."""
+    (``flash_attention_2``, ``_3``, ``_4``, hub kernels), whose varlen path takes
+    :func:`flash_varlen_kwargs`."""
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -75,18 +64,15 @@ def is_flash(base: str | None) -> bool:
 
 
 def wrapper_name(base: str) -> str:
-    """The name the Ulysses wrapper of ``base`` is registered under: ``microrl_ulysses_<base>``,
-    for flash-attention with "flash" written "fa" and "/" written "--"
-    (``flash_attention_2`` -> ``microrl_ulysses_fa_attention_2``). transformers takes an
-    implementation whose name contains "flash" for a flash-attention it must import by that
-    name, and an ``org/repo`` name for a hub kernel to download."""
+    """``microrl_ulysses_<base>``, "flash" written "fa" and "/" "--": transformers would import a
+    name with "flash" as flash-attention, an ``org/repo`` as a hub kernel."""
     if not is_flash(base):
         return f"{_PREFIX}{base}"
     return _PREFIX + base.replace("flash", "fa").replace("/", "--")
 
 
 def base_implementation(name: str | None) -> str | None:
-    """The plain implementation under a microrl wrapper name (``microrl_varlen_sdpa`` -> ``sdpa``)."""
+    """The plain implementation under a wrapper name (``microrl_varlen_sdpa`` -> ``sdpa``)."""
     if name in _WRAPPED:
         return _WRAPPED[name]
     for prefix in (_PREFIX, VARLEN_PREFIX):
@@ -96,13 +82,8 @@ def base_implementation(name: str | None) -> str | None:
 
 
 def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
-    """Whether ``size`` ranks can split the heads: ``num_heads % size == 0``.
-
-    Key/value heads need no check of their own: they are replicated (:func:`kv_head_repeats`).
-
-    Raises:
-        ValueError: naming ``sequence_parallel_size`` when the heads do not divide.
-    """
+    """Raise ``ValueError`` naming ``sequence_parallel_size`` unless ``size`` divides the query
+    heads (key/value heads are replicated instead: :func:`kv_head_repeats`)."""
     if num_heads % size or num_heads % num_kv_heads:
         raise ValueError(
             f"sequence_parallel_size={size} must divide the model's num_attention_heads "
@@ -112,22 +93,20 @@ def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
 
 
 def kv_head_repeats(num_kv_heads: int, size: int) -> int:
-    """How many copies of each key/value head make their count divisible by ``size``:
-    ``size / gcd(num_kv_heads, size)`` (1 when ``size`` divides it already)."""
+    """Copies of each key/value head that make their count divisible by ``size``."""
     return size // math.gcd(num_kv_heads, size)
 
 
 def split_chunks(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
-    """``x`` cut into ``size`` equal chunks along ``dim``, stacked as ``[size, ...]``: chunk ``j``
-    is what an all-to-all sends to rank ``j`` (``x.shape[dim]`` must divide by ``size``)."""
+    """``x`` cut into ``size`` chunks along ``dim``, stacked ``[size, ...]`` (chunk ``j`` to rank
+    ``j``)."""
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of {tuple(x.shape)} does not divide by {size}")
     return torch.stack(x.chunk(size, dim=dim)).contiguous()
 
 
 def join_chunks(chunks: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`split_chunks` on what an all-to-all received (``[size, ...]``, chunk
-    ``p`` from rank ``p``): the chunks concatenated along ``dim`` in rank order."""
+    """Inverse of :func:`split_chunks`: the received chunks concatenated along ``dim``."""
     return torch.cat(chunks.unbind(0), dim=dim)
 
 
@@ -140,8 +119,7 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: i
 
 
 class _AllToAll(torch.autograd.Function):
-    """Scatter ``scatter`` over the group and gather ``gather``; the backward is the inverse
-    exchange (the gradient of the chunk received from rank ``p`` goes back to rank ``p``)."""
+    """Scatter ``scatter`` over the group, gather ``gather``; the backward is the inverse."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int):
@@ -157,20 +135,16 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(
     x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
 ) -> torch.Tensor:
-    """Differentiable all-to-all over ``group``: ``x`` is cut into ``s`` chunks along
-    ``scatter_dim`` (chunk ``j`` to rank ``j``) and the ``s`` chunks received are concatenated
-    along ``gather_dim`` in rank order. ``[b, H, S/s, D]`` with ``(1, 2)`` -> ``[b, H/s, S, D]``."""
+    """Differentiable all-to-all: ``[b, H, S/s, D]`` with ``(1, 2)`` -> ``[b, H/s, S, D]``."""
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
 def enable_ulysses_attention(model: nn.Module, size: int) -> str:
-    """Switch ``model`` (a transformers ``PreTrainedModel``) to the Ulysses wrapper of its
-    attention implementation; returns the base implementation.
+    """Switch ``model`` to the Ulysses wrapper of its attention implementation; returns the base.
 
     Raises:
-        ValueError: naming ``sequence_parallel_size``: an implementation other than SDPA, eager
-            or flash-attention (:func:`is_flash`; flex, ...), or heads that ``size`` ranks
-            cannot split.
+        ValueError: naming ``sequence_parallel_size``: an implementation other than SDPA, eager or
+            flash-attention, or heads that ``size`` ranks cannot split.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -189,8 +163,7 @@ def enable_ulysses_attention(model: nn.Module, size: int) -> str:
     name = wrapper_name(base)
     _WRAPPED[name] = base
     AttentionInterface.register(name, partial(ulysses_attention, base=base))
-    # Without a shard (generate, a probe) the base's mask; with one, the engine passes a prepared
-    # placeholder mask, so no [S/s, S/s] mask is ever built (the wrapper masks itself).
+    # With a shard the engine passes a placeholder mask, so no [S/s, S/s] mask is ever built.
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     if current != name:
         model.set_attn_implementation(name)
@@ -207,13 +180,9 @@ def ulysses_attention(
     base: str,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``base`` attention over the whole sequence from this rank's tokens.
-
-    ``query`` ``[b, H, S/s, D]``, ``key``/``value`` ``[b, Hkv, S/s, D]`` (transformers' layout;
-    this rank's tokens, RoPE applied) -> ``[b, S/s, H, D]``, this rank's tokens with every head.
-    Without a shard in ``kwargs`` it is the ``base`` implementation itself (with per-sequence
-    attention when the engine passes packed lengths).
-    """
+    """The ``base`` attention over the whole sequence from this rank's tokens: ``query``
+    ``[b, H, S/s, D]``, ``key``/``value`` ``[b, Hkv, S/s, D]`` (RoPE applied) -> ``[b, S/s, H, D]``;
+    without a shard in ``kwargs``, the ``base`` implementation itself."""
     shard: SequenceShard | None = kwargs.pop(SHARD_KWARG, None)
     flash = is_flash(base)
     if shard is None:
@@ -222,8 +191,7 @@ def ulysses_attention(
         return varlen_attention(module, query, key, value, attention_mask, base=base, **kwargs)
     shard.attention_calls += 1
     kwargs.pop(PACKED_LENGTHS_KWARG, None)
-    # This rank's slice of the position ids, which describe no gathered sequence: the sequences
-    # are the shard's (flash-attention would otherwise look for packed rows in them).
+    # This rank's position ids describe no gathered sequence (flash would seek packed rows).
     kwargs.pop("position_ids", None)
     group, size = shard.group, shard.size
     repeats = kv_head_repeats(key.shape[1], size)
@@ -266,17 +234,9 @@ def ulysses_attention(
 def flash_varlen_kwargs(
     lengths: tuple[int, ...], rows: int, device: torch.device | str
 ) -> dict[str, Any]:
-    """transformers' flash-attention varlen arguments for ``rows`` rows that each hold sequences
-    of ``lengths`` (their sum is the row's width): ``cu_seq_lens_q`` = ``cu_seq_lens_k``, the
-    int32 offsets of every sequence in the flattened ``[rows * width]`` tokens (``0``, the
-    running sums, ``rows * width``), and ``max_length_q`` = ``max_length_k``, the longest, as a
-    host int (no device read).
-
-    A packed row is one row of its sequences' lengths (the padding tail is a sequence of its own,
-    attending to itself only); padded rows are ``b`` rows of one sequence each, the padded width:
-    causal over the row, which is what their real tokens, at the front, see in one process
-    (there flash-attention unpads them by the attention mask).
-    """
+    """transformers' flash-attention varlen arguments for ``rows`` rows of sequences ``lengths``:
+    ``cu_seq_lens_q/k``, int32 offsets in the flattened ``[rows * width]`` tokens, and
+    ``max_length_q/k``, a host int. A padded row is one sequence, causal as in one process."""
     offsets, end = [0], 0
     for _ in range(rows):
         for length in lengths:
@@ -303,21 +263,12 @@ class _ReadThrough:
 
 
 def _flash_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    base: str,
-    **kwargs: Any,
+    module: nn.Module, *tensors: torch.Tensor | None, base: str, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
-    """transformers' flash-attention function for ``base`` (``[b, H, S, D]`` in,
-    ``[b, S, H, D]`` out). It picks its kernel by ``module.config._attn_implementation``, which
-    names the Ulysses wrapper here: it gets ``module`` with a config that names ``base``
-    (everything else read through: ``is_causal``, ``layer_idx``, the weights' dtype)."""
+    """transformers' flash-attention function for ``base`` (``[b, H, S, D]`` -> ``[b, S, H, D]``),
+    given ``module`` with a config naming ``base``: the kernel is picked by that name."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = _ReadThrough(module.config, _attn_implementation=base)
     attend = ALL_ATTENTION_FUNCTIONS[base]
-    return attend(_ReadThrough(module, config=config), query, key, value, attention_mask, **kwargs)
+    return attend(_ReadThrough(module, config=config), *tensors, **kwargs)

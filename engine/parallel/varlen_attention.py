@@ -1,19 +1,11 @@
 """Variable-length attention for packed rows on the SDPA / eager kernels.
 
-transformers runs a packed row ``[1, N]`` (position ids restarting at 0) with a block-diagonal
-``[N, N]`` mask on SDPA/eager: correct, but the attention costs ``N^2`` instead of
-``sum(n_i^2)`` and each sequence's softmax reductions depend on where it sits in the row, so a
-sequence's log-probs change in the last bits with its companions. Flash-attention avoids both
-with its varlen kernel; this module gives SDPA/eager the same property.
-
-It registers, through transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``
-(no class is patched), an implementation named ``microrl_varlen_<base>`` that runs the model's
-own ``<base>`` attention function once per sequence when the forward carries
-``packed_seq_lens`` (a tuple of sequence lengths), and is exactly ``<base>`` otherwise (padded
-batches, ``generate``). The model is switched to it per instance with
-``set_attn_implementation``. The Ulysses wrapper of sequence parallelism runs the same
-per-sequence attention on the gathered sequences (:func:`varlen_attention`), which is why it
-lives in ``parallel/``, a leaf that the engine imports and that imports nothing back.
+transformers runs a packed row ``[1, N]`` on SDPA/eager with a block-diagonal ``[N, N]`` mask:
+correct, but it costs ``N^2`` instead of ``sum(n_i^2)`` and a sequence's log-probs change in the
+last bits with its companions. ``microrl_varlen_<base>`` (registered through transformers'
+``AttentionInterface``) runs the model's own ``<base>`` attention once per sequence when the
+forward carries ``packed_seq_lens``, and is exactly ``<base>`` otherwise, like flash-attention's
+varlen path. It lives in ``parallel/`` because the Ulysses wrapper runs it too.
 """
 
 from __future__ import annotations
@@ -34,13 +26,8 @@ _BASES = ("sdpa", "eager")
 
 
 def enable_varlen_attention(model: nn.Module) -> bool:
-    """Switch ``model`` to the varlen variant of its SDPA/eager attention; False if not applicable.
-
-    Not applicable (and nothing changes) for flash-attention (it has its own varlen path:
-    transformers derives ``cu_seq_lens`` from the packed position ids; under sequence parallelism
-    the Ulysses wrapper passes it the same boundaries from the micro-batch's lengths,
-    :mod:`microrl.engine.parallel.ulysses_attention`) or other implementations.
-    """
+    """Switch ``model`` to the varlen variant of its SDPA/eager attention; False if not applicable
+    (flash-attention has its own varlen path, other implementations are left alone)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -72,8 +59,7 @@ def varlen_attention(
     -> ``[1, N, heads, d]``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    # "eager" is not in the registry: each modeling file has its own ``eager_attention_forward``,
-    # which its attention layers use as the default.
+    # "eager" is not in the registry: each modeling file has its own eager_attention_forward.
     attend = _model_eager_attention(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
     lengths = kwargs.pop(PACKED_LENGTHS_KWARG, None)
     if lengths is None:
@@ -83,8 +69,7 @@ def varlen_attention(
     for length in lengths:
         end = start + length
         mask = None
-        # SDPA infers a causal mask itself when given none; eager, or a sliding window shorter
-        # than the sequence, needs it explicitly.
+        # SDPA infers a causal mask; eager, or a window shorter than the sequence, needs one.
         if base == "eager" or (window is not None and length > window):
             mask = _causal_mask(length, window, query.dtype, query.device)
         out, _ = attend(
@@ -108,7 +93,8 @@ def _model_eager_attention(module: nn.Module):
 def _causal_mask(
     length: int, window: int | None, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Additive ``[1, 1, n, n]`` mask: 0 where query ``i`` sees key ``j`` (``i - window < j <= i``)."""
+    """Additive ``[1, 1, n, n]`` mask: 0 where query ``i`` sees key ``j`` (``i - window < j <=
+    i``)."""
     rows = torch.arange(length, device=device).unsqueeze(1)
     cols = torch.arange(length, device=device).unsqueeze(0)
     allowed = cols <= rows
