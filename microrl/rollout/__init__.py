@@ -1,11 +1,9 @@
 """Sampling from the policy into the engine's batch layout: every sampler, in process or not.
 
-Backends turn prompts into a :class:`Rollout` (``hf``: :class:`HFRollout`; ``vllm``:
-:class:`VLLMRollout`, docs/rollouts.md); samplers in processes of their own sample ahead of the
-trainer (docs/async.md). ``samplers/``: backends and samplers; ``weights/``: how trained weights
-reach a sampler; ``worker/`` and ``vllm_plugin/``: code run in a process of its own. The engine
-never imports this package, nor this package the run library, tasks or agents. Names are
-imported on first use: vLLM loads ``vllm_plugin`` without the engine.
+Backends turn prompts into a :class:`Rollout` (docs/rollouts.md); samplers in processes of their
+own sample ahead of the trainer (docs/async.md). ``weights/``: how trained weights reach a
+sampler; ``worker/``, ``vllm_plugin/``: code run in other processes. The engine never imports
+this package. Names load on first use: vLLM loads ``vllm_plugin`` without the engine.
 """
 
 from __future__ import annotations

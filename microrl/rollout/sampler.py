@@ -1,7 +1,7 @@
 """The one interface the trainer drives every sampler through, in process or out of it.
 
-A sampler takes *jobs* (prompts to sample, episodes to play) now and returns their rollouts
-later, each at the policy version known when it was submitted (docs/async.md).
+A sampler takes *jobs* now and returns their rollouts later, each at the policy version known
+when it was submitted (docs/async.md).
 """
 
 from __future__ import annotations
@@ -58,17 +58,14 @@ class SamplerOptions:
 
     Attributes:
         version: the policy version of the engine's current weights (the recipe: its step).
-        env_maker: for multi-turn tasks, ``problem -> environment``; ``hf`` workers build the
-            environments in their process, so it must pickle (as a task's ``make_env`` does).
+        env_maker: for multi-turn tasks, ``problem -> environment``; must pickle (``hf`` workers).
         timeout_s: the longest wait for a worker or a server (its start, a job, a push) before
             :class:`WorkerError`, > 0 (``rollout.worker_timeout_s``).
-        sync_check_tol: the largest mean probe log-prob difference
-            (:data:`~microrl.rollout.weights.sync_check.SYNC_CHECK_STAT`) a push may show, > 0;
-            None: by the engine's precision (``rollout.sync_check_tol``).
+        sync_check_tol: the largest :data:`~microrl.rollout.weights.sync_check.SYNC_CHECK_STAT`
+            a push may show, > 0; None: by the engine's precision.
         num_threads: each ``hf`` worker's torch threads (0: torch's default), or each local
             vLLM server's CPU threads.
-        image_encoder: a vision-language policy's
-            (:class:`~microrl.rollout.images.ImageEncoder`): jobs may then carry images.
+        image_encoder: a vision-language policy's: jobs may then carry images.
         record_routing: the rows carry each token's mixture-of-experts routing
             ``routed_experts`` (``rollout.routing_replay``; ``hf`` workers only).
 
@@ -93,18 +90,15 @@ class SamplerOptions:
 class Sampler(ABC):
     """Samples for the trainer: submit jobs now, collect their rollouts later.
 
-    ``version`` is the policy version the next job samples (one more per :meth:`sync`);
-    ``sync_stats[version]`` holds each verified push's probe statistics
-    (:func:`~microrl.rollout.weights.sync_check.probe_stats`); ``trainer_thread``: ``collect``
-    must run on the trainer's thread, every rank in step (it samples in this process, or it is
-    a collective); ``samples_at_collect``: a job samples only when collected. A subclass
+    ``version``: the policy version the next job samples; ``sync_stats[version]``: each verified
+    push's probe statistics; ``trainer_thread``: ``collect`` must run on the trainer's thread,
+    every rank in step; ``samples_at_collect``: a job samples only when collected. A subclass
     implements the abstract methods and, for multi-turn tasks, :meth:`_submit_episodes`.
     """
 
     version: int
     sync_stats: dict[int, dict[str, float]]
-    #: For multi-turn tasks, ``problem -> environment``; :meth:`submit_episodes` needs it
-    #: (``needs_env_maker``) unless the sampler plays episodes its own way (agents).
+    #: ``problem -> environment``; needed unless the sampler plays episodes its own way (agents).
     env_maker: Callable[[Any], Any] | None = None
     needs_env_maker: bool = True
     trainer_thread: bool = False  # out-of-process samplers: neither
@@ -112,9 +106,8 @@ class Sampler(ABC):
 
     @abstractmethod
     def submit(self, prompts: Prompts, params: SamplingParams, *, images: Images = None) -> Job:
-        """Queue sampling ``params.num_samples`` responses per prompt; ``images``: with text
-        prompts, each prompt's PIL images (as :meth:`RolloutBackend.generate
-        <microrl.rollout.RolloutBackend.generate>` takes them), sent with the job."""
+        """Queue sampling ``params.num_samples`` responses per prompt; ``images``: each text
+        prompt's PIL images (as ``RolloutBackend.generate`` takes them)."""
 
     def submit_episodes(
         self,
@@ -198,8 +191,8 @@ class WorkerSampler(Sampler):
     def _start(
         self, engine: Any, tokenizer: Any, options: SamplerOptions | None, *, checks: bool = True
     ) -> SamplerOptions:
-        """:meth:`_take_options`, keeping ``engine`` and the checked ``tokenizer`` too;
-        ``checks``: it checks its own pushes (``probe``, ``sync_stats``, ``sync_seconds``)."""
+        """:meth:`_take_options`, keeping ``engine`` and ``tokenizer``; ``checks``: it checks
+        its own pushes."""
         self.tokenizer = check_tokenizer(tokenizer)
         options = self._take_options(engine, options)
         self.engine = engine

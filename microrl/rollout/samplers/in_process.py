@@ -1,8 +1,7 @@
 """A rollout backend of this process as a :class:`~microrl.rollout.sampler.Sampler`.
 
-Synchronous RL is staleness 0: a job submitted now samples when it is collected, on the
-trainer's thread, with the weights synced last, so a recipe drives the ``hf`` backend (the live
-model) and the colocated ``vllm`` one exactly as it drives samplers in other processes.
+Staleness 0: a job samples when it is collected, on the trainer's thread, with the weights synced
+last, so recipes drive in-process backends as they drive samplers in other processes.
 """
 
 from __future__ import annotations
@@ -28,9 +27,8 @@ class InProcessSampler(Sampler):
             :class:`~microrl.rollout.VLLMRollout` holding a copy of the weights).
         engine: the engine whose weights a sync loads.
         version: the policy version of the engine's weights now (the recipe: its step).
-        sync_every: a backend holding a copy loads the weights at every ``sync_every``-th
-            version only (``rollout.sync_every``), so its rows are up to ``sync_every - 1``
-            versions stale; :meth:`current` loads them at once.
+        sync_every: a backend holding a copy loads every ``sync_every``-th version only
+            (``rollout.sync_every``); :meth:`current` loads them at once.
         env_maker: for multi-turn tasks, ``problem -> environment``.
     """
 
@@ -62,8 +60,7 @@ class InProcessSampler(Sampler):
 
     @property
     def max_lag(self) -> int:
-        """The most versions a row is behind the trainer: ``sync_every - 1`` for a backend
-        holding a copy of the weights, 0 for the live model."""
+        """The most versions a row is behind the trainer (0 for the live model)."""
         return self.sync_every - 1 if self.backend.holds_weights else 0
 
     def submit(self, prompts: Prompts, params: SamplingParams, *, images: Images = None) -> Job:
@@ -73,8 +70,7 @@ class InProcessSampler(Sampler):
         )
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
-        """The episodes of ``problems`` (``seed``: unused, the backend draws from torch's
-        generator as it samples); each problem's images go with it."""
+        """``seed``: unused, the backend draws from torch's generator as it samples."""
         prompts, images = [p.prompt for p in problems], problem_images(problems)
 
         def play() -> Rollout:
@@ -89,8 +85,7 @@ class InProcessSampler(Sampler):
         return job
 
     def collect(self, job: Job) -> Rollout:
-        """Sampled now with the weights of version :attr:`loaded` (each row's
-        ``policy_version``); collective under ``torchrun``, as the backend's sampling is."""
+        """Sampled now at version :attr:`loaded`; collective under ``torchrun``."""
         rollout = self._jobs.pop(job.id)()
         rows = len(rollout.texts)
         rollout.batch[POLICY_VERSION_KEY] = torch.full((rows,), self.loaded, dtype=torch.long)
@@ -104,8 +99,7 @@ class InProcessSampler(Sampler):
         return self.backend
 
     def sync(self, engine: Any = None) -> None:
-        """A new version of the engine's weights (``engine``: None, the one it was given):
-        loaded now, or by a backend holding a copy at every ``sync_every``-th version."""
+        """A new version of the engine's weights, loaded now or (a copy) every ``sync_every``."""
         self.engine = engine if engine is not None else self.engine
         self.version += 1
         if not self.backend.holds_weights or self.version % self.sync_every == 0:

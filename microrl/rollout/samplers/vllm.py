@@ -1,10 +1,7 @@
 """The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's.
 
-Each :meth:`VLLMRollout.sync` serves a LoRA adapter as a new ``LoRARequest`` or streams the full
-weights in place (``reload_weights``, one tensor at a time); ``rollout.vllm.sleep_level`` frees
-vLLM's GPU memory between sampling calls. The engine runs in this process: weights pass as
-tensors. Log-probs are vLLM's *processed* ones, at the sampling temperature the loss scores
-(docs/losses.md; install notes: docs/rollouts.md).
+Each sync serves a new ``LoRARequest`` or streams full weights in place; log-probs are vLLM's
+*processed* ones, at the sampling temperature (docs/rollouts.md#weight-sync-vllm).
 """
 
 from __future__ import annotations
@@ -44,8 +41,8 @@ _USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
 def set_vllm_log_level(verbose: bool) -> str:
-    """Set and return vLLM's log level: ``INFO`` when ``verbose``, else ``ERROR`` (its ~30
-    start-up lines would bury the run's own); a ``VLLM_LOGGING_LEVEL`` set before us wins."""
+    """Set and return vLLM's log level: ``INFO`` when ``verbose``, else ``ERROR``; a
+    ``VLLM_LOGGING_LEVEL`` set before us wins."""
     level = _USER_LOG_LEVEL or ("INFO" if verbose else "ERROR")
     os.environ["VLLM_LOGGING_LEVEL"] = level
     logging.getLogger("vllm").setLevel(level.upper())
@@ -54,8 +51,7 @@ def set_vllm_log_level(verbose: bool) -> str:
 
 @contextlib.contextmanager
 def _without_vllm_deprecations():
-    """Silence the two deprecated torch APIs vLLM 0.32 touches on torch 2.13 (``script_method``,
-    ``reduce_op``): warnings for vLLM's authors, not the trainer's user."""
+    """Silence the deprecated torch APIs vLLM 0.32 touches: warnings for vLLM's authors."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op`", FutureWarning)
         warnings.filterwarnings("ignore", r"`torch\.jit\.script_method`", DeprecationWarning)
@@ -99,14 +95,12 @@ class VLLMRollout(RolloutBackend):
         engine: the :class:`~microrl.engine.ActorEngine` sampled; its weights load at start.
         tokenizer: its tokenizer (``eos_token_id``, ``pad_token_id``).
         config: :class:`~microrl.configs.rollout.VLLMConfig`.
-        workdir: where the exports vLLM loads go, seen by every rank; default: a temporary
-            directory, removed by :meth:`close`.
+        workdir: where the exports vLLM loads go, seen by every rank (None: a temporary one).
         image_encoder: a vision-language policy's :class:`~microrl.rollout.images.ImageEncoder`.
 
     Raises:
         ImportError: no vLLM (the message gives the install command).
-        ValueError: a model vLLM cannot run here (CPU head size, docs/rollouts.md#images),
-            ``sleep_level > 0`` on a CPU, or an ``engine_kwargs`` key microrl owns or vLLM lacks.
+        ValueError: a model or ``rollout.vllm`` setting vLLM cannot run here.
     """
 
     holds_weights = True
@@ -160,10 +154,8 @@ class VLLMRollout(RolloutBackend):
         self.dtype = vllm_options.resolve_dtype(config.dtype, engine, base)
         self.workdir, self._own_workdir = vllm_options.make_workdir(workdir, "microrl-vllm-")
         self._version = 0
-        # Sleep mode (sleep_level > 0): what is asleep, and whether the weights were discarded.
         self._asleep = self._weights_asleep = self.weights_lost = False
         self._sampling = 0  # nested sampling calls (an episode's turns): sleep after the outer
-        #: The probe every sync is checked with, its tolerance, and each check's statistics.
         self.probe = engine_probe(engine, tokenizer)
         self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
         self.sync_stats: dict[int, dict[str, float]] = {}
@@ -215,8 +207,7 @@ class VLLMRollout(RolloutBackend):
         kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
-        # vLLM's CPU worker replaces torch.set_num_threads, and vLLM seeds the global generators:
-        # the trainer's threads and random streams (a resumed run's too) are put back.
+        # vLLM replaces torch.set_num_threads and seeds the global generators: put them back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         python_state, numpy_state = random.getstate(), np.random.get_state()
         cuda = [vllm_options.gpu_index(self.device)] if self.device.type == "cuda" else []
@@ -369,14 +360,12 @@ class VLLMRollout(RolloutBackend):
         return Samples(token_ids=token_ids, logprobs=logprobs)
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """vLLM's log-probs of ``sequences`` at temperature 1, token-aligned (0.0 for each first
-        token), under the current weights: for the sync check and the mismatch."""
+        """vLLM's log-probs of ``sequences`` at temperature 1, token-aligned (0.0 first)."""
         from vllm import SamplingParams as VSamplingParams
 
         sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         requests = [{"prompt_token_ids": list(ids)} for ids in sequences]
-        # vLLM 0.32's CPU LoRA logits path fails a batch of prompt log-probs (an einsum shape
-        # error, Llama): one request per call with an adapter.
+        # vLLM 0.32's CPU LoRA logits fail a batch of prompt log-probs: one request per call.
         batches = [[r] for r in requests] if self._lora_request is not None else [requests]
         with self._awake():
             outputs = [

@@ -1,7 +1,6 @@
 """A minimal, authenticated JSON client for a ``vllm serve`` server (docs/async.md#vllm-servers).
 
-Standard library only; the bearer key goes on every route. Every request has a timeout, and a
-failure names the server, the route and its message.
+Every request has a timeout; a failure names the server, the route and its message.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ class ServerClient:
         api_key: sent as a bearer token; None: ``$VLLM_API_KEY`` if set (:func:`resolve_api_key`).
         timeout_s: the longest wait for one answer.
         explain: what to add to an error's message (a local server's log tail), or None.
-        exit_code: a local server's exit code within the given seconds (None while it runs),
-            asked when a request fails; None for a server the user started.
+        exit_code: a local server's exit code within the given seconds (None while it runs);
+            None for a server the user started.
     """
 
     def __init__(

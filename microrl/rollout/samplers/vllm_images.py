@@ -1,7 +1,5 @@
-"""Image prompts as vLLM takes them: the in-process ``LLM.generate`` and the servers' route.
-
-vLLM gets ONE placeholder per image and the PIL images and expands them itself;
-:func:`check_expanded` compares its prompt with the trainer's (docs/rollouts.md#images).
+"""Image prompts as vLLM takes them: ONE placeholder per image plus the PIL images, expanded
+by vLLM and checked against the trainer's (:func:`check_expanded`, docs/rollouts.md#images).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ def vision_unsupported() -> str | None:
     return None
 
 
-#: vLLM's Qwen-VL processor looks its video placeholder up in the vocabulary, images only or not.
+#: Looked up by vLLM's Qwen-VL processor even for images only.
 VIDEO_TOKEN = "<|video_pad|>"
 
 
@@ -91,8 +89,7 @@ def image_request(
 
 
 def image_content_parts(raw: list[Any]) -> list[dict[str, str]]:
-    """One prompt's images as the servers' ``content_parts``: lossless PNG ``data:`` URLs, so
-    the server decodes the very pixels the trainer read."""
+    """One prompt's images as lossless PNG ``data:`` URLs: the server sees the trainer's pixels."""
     parts = []
     for image in raw:
         buffer = io.BytesIO()

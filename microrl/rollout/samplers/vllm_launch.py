@@ -1,8 +1,6 @@
 """A ``vllm serve`` process started and owned by the trainer (docs/async.md#vllm-servers).
 
-Its process group dies with the trainer (:mod:`~microrl.rollout.watcher` when killed); an error
-carries its engine core's logged traceback (:func:`engine_traceback`): vLLM's HTTP answer names
-no cause.
+Its process group dies with the trainer; errors carry the engine core's logged traceback.
 """
 
 from __future__ import annotations
@@ -39,17 +37,14 @@ def serve_command(
     engine_args: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> list[str]:
-    """The ``vllm serve`` arguments of a rollout server: :func:`~.vllm_options.engine_args` of
-    ``options``, no API key (``VLLM_API_KEY``: ``ps`` shows a command line). Full weights turn
-    prefix caching off (old weights' blocks); ``engine_args`` (checked by the caller) come last:
-    argparse keeps the last of a flag."""
+    """The ``vllm serve`` arguments of a rollout server, no API key (``ps`` shows them);
+    ``engine_args`` (checked by the caller) come last: argparse keeps the last of a flag."""
     args: dict[str, Any] = {"host": host, "port": port, "enable_scale_out": True}
     args.update(vllm_options.engine_args(model_dir, **options))
     for key in ("skip_tokenizer_init", "enforce_eager"):  # False: vLLM's default, no flag
         args[key] = args[key] or None
     if options.get("cpu"):
-        # The model in the engine-core process (server_env): vLLM's default on a CPU adds a
-        # worker the engine core busy-waits for, a second core burnt.
+        # vLLM's CPU default adds a worker the engine core busy-waits for: a core burnt.
         args["distributed_executor_backend"] = "uni"
     if tensor_parallel_size > 1:
         args["tensor_parallel_size"] = tensor_parallel_size
@@ -69,8 +64,7 @@ def server_env(
     cpu: bool = False,
     cuda_visible_devices: str | None = None,
 ) -> dict[str, str]:
-    """A local server's environment: this process's with the API key, unpinned threads, runtime
-    LoRA loading, vLLM's RL routes only for full weights; no insecure pickling, no torchrun
+    """A local server's environment: this process's with the API key, without torchrun
     variables. ``cuda_visible_devices`` (physical ids): else a GPU server takes the first GPU."""
     env = dict(os.environ)
     env.update(
@@ -99,7 +93,7 @@ class LocalVLLMServer:
     """A ``vllm serve`` subprocess on localhost, answering when the constructor returns.
 
     Args:
-        model_dir: the model to serve (the trainer's base model, exported).
+        model_dir: the model to serve.
         full_weights: mount vLLM's RL routes (weight transfer, pause/resume).
         num_threads: its OpenMP threads on a CPU (0: vLLM's default).
         timeout_s: the longest wait for ``/health``.
@@ -107,7 +101,7 @@ class LocalVLLMServer:
         api_key: its ``--api-key``; None: a fresh random one.
         cuda_visible_devices: its GPUs (:func:`server_env`).
         log_dir: where ``<name>.log`` is appended to; None: a temporary file, kept on failure.
-        options: :func:`serve_command`'s keyword arguments but ``port`` (a free one).
+        options: :func:`serve_command`'s keyword arguments but ``port``.
     """
 
     def __init__(
@@ -136,7 +130,6 @@ class LocalVLLMServer:
         )
         self.command = serve_command(model_dir, port=self.port, **options)
         self._log, self.log_path = _open_log(log_dir, name, self.command)
-        # Whether close() keeps the log: in log_dir, or once the server failed.
         self._keep_log = [log_dir is not None]
         self.process = subprocess.Popen(
             self.command,
@@ -204,16 +197,14 @@ class LocalVLLMServer:
         self._finalizer()
 
 
-# A line vLLM logs: "(EngineCore pid=7) ERROR 12-03 17:54:19 [core.py:1512] <text>"; the head
-# before <text> is the same on every line of one record (one traceback).
+# A logged line: "(EngineCore pid=7) ERROR 12-03 17:54:19 [core.py:1512] <text>", one head a record.
 _TRACEBACK = "Traceback (most recent call last):"
 _MAX_TRACEBACK_LINES = 40
 
 
 def engine_traceback(log: str) -> str | None:
-    """The last traceback in a ``vllm serve`` log, without vLLM's line heads: the engine core's
-    (the cause of an ``HTTP 500``), else the last at ``ERROR`` or printed bare; None without one.
-    Long ones keep their first and last lines."""
+    """The last traceback in a ``vllm serve`` log, without line heads: the engine core's (the
+    cause of an ``HTTP 500``), else the last at ``ERROR`` or printed bare; None without one."""
     lines = log.splitlines()
     starts = []
     for i, line in enumerate(lines):

@@ -1,8 +1,6 @@
-"""vLLM's options: the rules the in-process ``vllm.LLM`` and the ``vllm serve`` servers share.
+"""vLLM's options the in-process ``vllm.LLM`` and the ``vllm serve`` servers share; no vLLM import.
 
-Engine arguments, the ``rollout.vllm.engine_kwargs`` checks (docs/rollouts.md#vllm-engine-arguments),
-sampling fields, the export directory and the in-process engine's placement, each once.
-Importable without vLLM.
+docs/rollouts.md#vllm-engine-arguments.
 """
 
 from __future__ import annotations
@@ -100,7 +98,7 @@ TYPED_KEYS: dict[str, str] = {
     "kv_cache_memory_bytes": "kv_cache_memory_mb",
 }
 _KEY = "rollout.vllm.engine_kwargs"
-# The temporary directories a start sweeps when their owner died (only those it marked).
+# Temporary directories swept when their (marked) owner died.
 _SWEPT_PREFIX = "microrl-"
 logger = logging.getLogger(__name__)
 
@@ -116,8 +114,7 @@ def resolve_dtype(requested: str, engine, base) -> str:
 
 
 def adapter_dtype(served: str, engine_kwargs: Mapping[str, Any]) -> torch.dtype:
-    """The dtype vLLM holds a LoRA adapter in (``engine_kwargs.lora_dtype``, else ``served``):
-    what a LoRA sync writes, as vLLM casts to it anyway (half the bytes of float32 for bf16)."""
+    """The dtype a LoRA sync writes: vLLM's (``engine_kwargs.lora_dtype``, else ``served``)."""
     args = {str(key).replace("-", "_"): value for key, value in engine_kwargs.items()}
     requested = args.get("lora_dtype", "auto")
     if isinstance(requested, torch.dtype):
@@ -180,9 +177,8 @@ def sampling_args(
 
 
 def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
-    """Where vLLM's exports go, and whether it is ours to remove: ``workdir``, else rank 0's
-    fresh temporary directory, checked visible on every node (collective), removed by rank 0's
-    watcher if rank 0 dies; those of killed runs are swept first."""
+    """Where vLLM's exports go, and whether it is ours to remove: ``workdir``, else a shared
+    temporary directory (collective) the watcher removes if rank 0 dies."""
     if workdir:
         return Path(workdir), False
     if distributed.rank() == 0:
@@ -203,8 +199,7 @@ def remove_workdir(workdir: Path, *, owned: bool) -> None:
 
 
 def config_options(config: VLLMConfig, device: torch.device) -> dict[str, Any]:
-    """The ``rollout.vllm`` keys every vLLM microrl starts reads, as :func:`engine_args`'s
-    keywords, resolved for ``device``."""
+    """The ``rollout.vllm`` keys as :func:`engine_args`'s keywords, resolved for ``device``."""
     return {
         "max_model_len": config.max_model_len,
         "kv_cache_mb": kv_cache_mb(config, device),
@@ -228,8 +223,7 @@ def engine_args(
     images: bool = False,
     cpu: bool = False,
 ) -> dict[str, Any]:
-    """The engine arguments both integrations give vLLM (:data:`OWNED` among them): the
-    in-process ``vllm.LLM``'s keywords without the None ones, the servers' :func:`cli_flags`.
+    """The engine arguments both integrations give vLLM (:data:`OWNED` among them);
     ``lora_rank``: one of :data:`VLLM_LORA_RANKS` (0: no LoRA)."""
     args: dict[str, Any] = {
         "model": str(model),
@@ -248,8 +242,7 @@ def engine_args(
     if images:  # no video processor is profiled
         args["limit_mm_per_prompt"] = {"video": 0}
     if cpu:
-        # vLLM 0.32 rewinds the seeded generator of a partly computed prompt (gen.set_offset),
-        # which a CPU generator refuses: whole prompts keep seeded sampling reproducible.
+        # vLLM 0.32 rewinds a partly computed prompt's generator, which a CPU one refuses.
         args["enable_chunked_prefill"] = False
     return args
 

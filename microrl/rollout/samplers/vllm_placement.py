@@ -31,8 +31,7 @@ __all__ = [
 
 
 def data_rank(engine) -> tuple[int, int]:
-    """``(rank, world)`` of this process's data rank: its sp group's (``engine.dp_group``)
-    under sequence parallelism, else the process's."""
+    """``(rank, world)`` of this process's data rank (under sp: ``engine.dp_group``'s)."""
     if getattr(engine, "sp_group", None) is not None:
         return dist.get_rank(engine.dp_group), dist.get_world_size(engine.dp_group)
     return distributed.rank(), distributed.world_size()
@@ -40,8 +39,7 @@ def data_rank(engine) -> tuple[int, int]:
 
 def urls_of_data_rank(urls: Sequence[str], rank: int, world: int) -> list[str]:
     """Data rank ``rank``'s own servers of ``rollout.server.url`` (every ``world``-th): shared
-    ones would mix ranks' pushes, or (vLLM 0.32's CPU LoRA path) probes and samples in a batch.
-    ``ValueError`` when there are fewer servers than data ranks."""
+    ones would mix ranks' pushes, or (vLLM 0.32's CPU LoRA path) probes and samples in a batch."""
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     mine = [url.strip() for url in urls[rank::world]]
@@ -75,12 +73,8 @@ def server_gpus(
     group_size: int = 1,
 ) -> list[list[int]] | None:
     """The ``cuda:N`` indices of each of this process's ``num_workers`` local servers
-    (``tensor_parallel_size`` each); None on a CPU.
-
-    Empty ``gpus``: all on the trainer's GPU. Else local data rank ``r`` (local rank //
-    ``group_size``) takes the ``r``-th block of ``num_workers * tensor_parallel_size`` of the
-    node's dedicated ``gpus``. ``ValueError`` naming the keys for a placement that cannot work.
-    """
+    (``tensor_parallel_size`` each); None on a CPU. Empty ``gpus``: the trainer's GPU; else local
+    data rank ``r`` takes the ``r``-th block of the node's dedicated ``gpus``."""
     listed = parse_gpu_list(gpus)
     tp = tensor_parallel_size
     if device.type != "cuda":
@@ -158,8 +152,8 @@ def transfer_backend(device: torch.device, gpus: list[list[int]] | None) -> str:
 
 
 def trainer_address(server_url: str, configured: str = "") -> str:
-    """This host's address as ``server_url`` reaches it: ``configured``, loopback for a local
-    server, else the local address of the route there (a UDP ``connect`` sends nothing)."""
+    """This host's address as ``server_url`` reaches it: ``configured``, loopback, else the
+    local address of the route there (a UDP ``connect`` sends nothing)."""
     if configured:
         return configured
     parts = urlsplit(server_url)

@@ -1,7 +1,5 @@
-"""The wire format of a rollout on a ``vllm serve`` server (docs/async.md#vllm-servers).
-
-vLLM's ``/inference/v1/generate`` takes ids and ``SamplingParams`` and answers ids, log-probs and
-weight-version spans; pure functions, tested without a server.
+"""The wire format of ``/inference/v1/generate`` on a ``vllm serve`` server: ids and
+``SamplingParams`` in, ids, log-probs and weight-version spans out (docs/async.md#vllm-servers).
 """
 
 from __future__ import annotations
@@ -39,10 +37,8 @@ def generate_body(
     adapter: str | None,
     images: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """One prompt's request, sampled as the in-process engine does
-    (:func:`~microrl.rollout.samplers.vllm_options.sampling_args`); ``adapter``: the LoRA
-    adapter's name (None: the served weights); ``images`` go as ``content_parts``, one
-    placeholder each in the ids."""
+    """One prompt's request, sampled as the in-process engine does; ``adapter``: the LoRA
+    adapter's name (None: the served weights); ``images``: one placeholder each in the ids."""
     sampling = vllm_options.sampling_args(params, seed=seed, eos_token_id=eos_token_id)
     body = _body(prompt_ids, sampling, adapter)
     if images:  # the server answers the prompt it ran, placeholders expanded, to check
@@ -82,8 +78,8 @@ def server_prompt(
 
 
 def check_image_servers(engine, tokenizer) -> None:
-    """Check at start what image prompts on servers need: torchvision, the tokenizer's video
-    placeholder, a frozen tower (the servers cache image embeddings across pushes)."""
+    """Check at start what image prompts on servers need (a frozen tower: servers cache
+    image embeddings across pushes)."""
     if reason := vllm_images.vision_unsupported():
         raise ValueError(
             "rollout.backend=vllm (its servers under rollout.max_staleness > 0) cannot sample "

@@ -1,14 +1,8 @@
-"""Asynchronous ``vllm`` rollouts: vLLM servers sample while the trainer trains.
+"""Asynchronous ``vllm`` rollouts: ``vllm serve`` processes sample while the trainer trains.
 
-:class:`VLLMServerRollout` has the ``hf`` worker's job interface (submit now, collect later,
-per-row ``policy_version``) over ``vllm serve`` processes: ``num_workers`` it starts on
-localhost (:class:`~microrl.rollout.samplers.vllm_launch.LocalVLLMServer`) or the user's
-(``urls``). Requests are token ids in, token ids and log-probs out (``/inference/v1/generate``),
-one prompt each, spread over the servers. Weights (:mod:`microrl.rollout.weights.server_syncs`):
-a LoRA version is a new adapter a job's requests name (a row's version is exact); full weights
-are an in-flight update over vLLM's weight-transfer API (rows keep their first and last tokens'
-versions). Every push is checked on the probe before any job samples it.
-docs/async.md#vllm-servers.
+The ``hf`` worker's job interface over local servers or the user's (``urls``); token ids in,
+token ids and log-probs out. A LoRA version is an adapter the requests name (exact per row);
+full weights update in flight (rows keep first and last tokens' versions). docs/async.md#vllm-servers.
 """
 
 from __future__ import annotations
@@ -74,21 +68,16 @@ class VLLMServerRollout(WorkerSampler):
     """vLLM servers sampling for the trainer: submit jobs now, collect their rollouts later.
 
     Args:
-        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its current
-            weights are version ``version``.
+        engine: the :class:`~microrl.engine.ActorEngine` sampled (its weights: ``version``).
         tokenizer: its tokenizer.
-        config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts
-            (their GPUs: ``gpus``, ``tensor_parallel_size``), and ``trainer_address``.
-        options: :class:`~microrl.rollout.sampler.SamplerOptions` (None: the defaults); the
-            environments step in this process.
-        urls: servers the user started (``rollout.server.url``); under ``torchrun`` data rank
-            ``r`` of ``w`` (:func:`~microrl.rollout.samplers.vllm_placement.data_rank`) uses every
-            ``w``-th one from the ``r``-th. Empty: start ``num_workers`` (per data rank).
+        config: :class:`~microrl.configs.rollout.VLLMConfig` of the servers this class starts.
+        options: :class:`~microrl.rollout.sampler.SamplerOptions` (None: the defaults).
+        urls: servers the user started (``rollout.server.url``), every ``w``-th one per data
+            rank. Empty: start ``num_workers`` (per data rank).
         api_key: their ``--api-key`` (None: ``$VLLM_API_KEY``).
         num_workers: local servers to start (without ``urls``).
-        workdir: where the base model and the adapters are written (the servers must see it).
-        log_dir: where each local server's log is kept (the recipes: ``<output.dir>/vllm-servers``);
-            None: temporary files, kept only when a server fails (errors name them).
+        workdir: where the base model and adapters go (the servers must see it).
+        log_dir: where local servers' logs are kept; None: temporary, kept only on failure.
     """
 
     name = "the vLLM server rollout"
@@ -126,8 +115,7 @@ class VLLMServerRollout(WorkerSampler):
         self._servers = []
         self.weight_sync: WeightSync | None = None
         self._server_gpus: list[list[int]] | None = None  # cuda:N of each local server
-        # The dtypes full weights travel and a LoRA adapter is written in: the local servers'
-        # (bf16 halves the bytes; vLLM casts on load); None, as trained, for users' servers.
+        # The push dtypes: the local servers' (vLLM casts on load); None for users' servers.
         self._push_dtype: torch.dtype | None = None
         self._adapter_dtype: torch.dtype | None = None
         self._pushes_per_sync = num_workers  # the most servers any rank pushes to
@@ -232,9 +220,8 @@ class VLLMServerRollout(WorkerSampler):
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
 
     def _push(self, engine, version: int) -> None:
-        """Returns once the weights are taken: a LoRA adapter exported (loaded in the
-        background), full weights streamed from the parameters; the check runs in the
-        background. Collective under ``torchrun``."""
+        """Returns once the weights are taken; load (LoRA) and check run in the background.
+        Collective under ``torchrun``."""
         self.poll()
         self.version = version
         self._submit_sync(engine, version)
@@ -244,17 +231,14 @@ class VLLMServerRollout(WorkerSampler):
         if self.is_lora:  # the export on this thread, the load in the background
             loaded = self.weight_sync.push(engine, version)
         else:
-            # Streamed from the live parameters (collective under torchrun) before the optimizer
-            # changes them, once the previous check (on the servers' weights) is done.
+            # Streamed (collective) before the optimizer steps, after the previous check.
             previous = self._syncs.get(version - 1)
             if previous is not None:
                 previous.result()
             self._timed(lambda: self.weight_sync.push(engine, version))
             loaded = _done()
-        # The check scores the probe with prompt log-probs. LoRA: on the job thread, between
-        # jobs, alone on the servers (vLLM 0.32's CPU LoRA logits path fails a batch mixing
-        # prompt log-probs with other requests); it names its adapter, so a later load cannot
-        # interfere. Full weights: at once, before another push changes them.
+        # LoRA: checked between jobs, alone (vLLM 0.32's CPU LoRA logits fail a batch mixing
+        # prompt log-probs with other requests); full weights: at once, before the next push.
         thread = self._job_thread if self.is_lora else self._sync_thread
         future = thread.submit(self._check, version, loaded, expected)
         self._syncs[version] = future
@@ -274,8 +258,7 @@ class VLLMServerRollout(WorkerSampler):
             verifier.verify(version, target, expected, self._score_probe(client, version), detail)
 
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
-        """The server's log-probs of the probe rows, ``[B, T]`` like the engine's, at
-        temperature 1: vLLM's prompt log-probs are the model's raw ones."""
+        """The server's probe log-probs at temperature 1, ``[B, T]`` like the engine's."""
         adapter = self._adapter(version) if self.is_lora else None
         verifier = ProbeVerifier.of(self)
         rows = verifier.rows()
@@ -368,8 +351,7 @@ class VLLMServerRollout(WorkerSampler):
         params: SamplingParams,
         images: ImagePrompts | None = None,
     ) -> Samples:
-        """The servers' samples of ``prompt_ids`` for the job running on this thread (the
-        backend's ``_sample``); ``images``: the prompts encoded with their images."""
+        """The servers' samples of ``prompt_ids`` for this thread's job (the backend's ``_sample``)."""
         job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
         if job is None:
             raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
@@ -410,8 +392,7 @@ class VLLMServerRollout(WorkerSampler):
         return parse_samples(response, url=client.url, version=version if self.is_lora else None)
 
     def _adapter(self, version: int) -> str:
-        """The served name of a version's adapter: unique to this run and rank, so trainers
-        and ranks sharing a server, or a resumed run, never collide."""
+        """A version's adapter name, unique to this run and rank: sharers never collide."""
         return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}"
 
     def _check_servers(self, what: str) -> None:
@@ -442,8 +423,8 @@ class _ServerBackend(RolloutBackend):
 
 
 def check_arguments(engine, config: VLLMConfig, urls: Sequence[str], num_workers: int) -> None:
-    """The checks of :class:`VLLMServerRollout`'s arguments, before anything starts (every
-    process of an sp group runs them: none waits in a collective for one that refused)."""
+    """Check :class:`VLLMServerRollout`'s arguments before anything starts (on every process of
+    an sp group: none waits in a collective for one that refused)."""
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be a microrl engine, got {type(engine).__name__}")
     if not isinstance(config, VLLMConfig):

@@ -1,11 +1,8 @@
 """Full weights into a ``vllm serve`` on the trainer's own GPU: vLLM's CUDA-IPC engine over JSON.
 
-NCCL refuses two ranks on one GPU, so a server beside its trainer gets vLLM's ``ipc`` engine.
-vLLM sends its handles pickled, which a server reads only with
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (code execution for anyone reaching the route); the
-:data:`~microrl.rollout.vllm_plugin.transfer.IPC_BACKEND` plugin sends them as plain JSON
-(:func:`encode_handles`: fixed classes, bytes in base64), packed in one reusable buffer. CUDA
-only; the CPU tests cover the encoding and the registration.
+NCCL refuses two ranks on one GPU. vLLM's own ``ipc`` engine sends pickled handles (a server
+reads them only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: code execution for anyone reaching
+the route); this plugin sends them as JSON (:func:`encode_handles`: fixed classes, base64 bytes).
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from microrl.rollout.vllm_plugin.transfer import IPC_BACKEND, lazy_classes, torc
 
 __all__ = ["decode_update_info", "encode_handles", "encode_update_info"]
 
-# torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments, in order, as
-# reduce_tensor makes them for a CUDA tensor, with how each travels in JSON.
+# rebuild_cuda_tensor's arguments, in order, with how each travels in JSON.
 _ARGS = (
     ("tensor_cls", "class"),
     ("tensor_size", "ints"),
@@ -170,8 +166,7 @@ def _vllm_classes() -> dict[str, type]:
 
     class JsonIPCTrainerWeightTransferEngine(IPCTrainerWeightTransferEngine):
         """vLLM's IPC trainer engine for one process and its own server: the buffer grown to
-        the largest tensor, and no default-group collective (vLLM assumes one server per group;
-        microrl's data ranks each push to their own: they would mis-pair or hang)."""
+        the largest tensor, no default-group collective (each data rank has its own server)."""
 
         init_info_cls = JsonIPCTrainerInitInfo
 

@@ -1,11 +1,10 @@
 """Weights from the trainer into ``vllm serve`` processes, through vLLM's weight-transfer API.
 
-A ``"gloo"`` engine for CPUs (vLLM's dense NCCL engine over a private gloo group) and
-:func:`register`, the vLLM plugin (pyproject.toml); importing this imports no vLLM. The trainer
-(rank 0) joins with ``/init_weight_transfer_engine``, then per push ``/start_weight_update``,
-``/update_weights`` while broadcasting, ``/finish_weight_update``; a name left out keeps its old
-value. Waits are bounded; a rejected tensor is the ``/update_weights`` error (the round
-completes); a failed broadcast breaks the group. The RL routes are outside vLLM's
+A ``"gloo"`` engine for CPUs (vLLM's NCCL engine over a private gloo group) and :func:`register`,
+the vLLM plugin; importing this imports no vLLM. The trainer joins with
+``/init_weight_transfer_engine``, then per push ``/start_weight_update``, ``/update_weights``
+while broadcasting, ``/finish_weight_update``. A rejected tensor is the ``/update_weights`` error
+(the round completes); a failed broadcast breaks the group. The RL routes are outside vLLM's
 ``--api-key``: a trusted network only (docs/async.md#vllm-servers).
 """
 
@@ -25,15 +24,13 @@ if TYPE_CHECKING:
     import torch
 
 
-#: The backend of microrl's CUDA-IPC engine, for a server on the trainer's own GPU
-#: (:mod:`microrl.rollout.vllm_plugin.ipc`).
+#: The backend of microrl's CUDA-IPC engine (:mod:`microrl.rollout.vllm_plugin.ipc`).
 IPC_BACKEND = "microrl_ipc"
 BACKENDS = ("gloo", "nccl", IPC_BACKEND)
 DEFAULT_TIMEOUT_S = 300.0
 _GRACE_S = 2.0  # how long a failed server call waits for this side's half of the group op
 
-# The classes that subclass vLLM's are defined on first use (module __getattr__ below), so that
-# importing this module, as vLLM's plugin loader does in every process, imports nothing heavy.
+# Subclasses of vLLM's are built on first use: vLLM's plugin loader imports this everywhere.
 _VLLM_CLASSES = (
     "GlooWeightTransferInitInfo",
     "GlooWeightTransferEngine",
@@ -51,8 +48,7 @@ __all__ = [
 
 
 def register() -> None:
-    """Register microrl's engines in vLLM's factories (idempotent; nothing without vLLM): vLLM
-    calls it in each of its processes, ``WeightPusher`` in the trainer."""
+    """Register microrl's engines in vLLM's factories (idempotent; nothing without vLLM)."""
     try:
         from vllm.distributed.weight_transfer.factory import (
             WeightTransferEngineFactory,
@@ -169,10 +165,7 @@ def _together(
     post: Callable[[], Any], local: Callable[[], Any], *, route: str, timeout_s: float
 ) -> Any:
     """Run a server call and this side's half of a collective at once; return ``local()``'s.
-
-    The first error is raised at once (the server's, naming the route, first), ``TimeoutError``
-    after ``timeout_s``; it carries ``local_done`` (False: the group is out of step).
-    """
+    The first error (the server's first) or ``TimeoutError`` carries ``local_done``."""
     post_future = _in_thread(post, f"microrl-{route.strip('/')}")
     local_future = _in_thread(local, f"microrl-{route.strip('/')}-group")
     done, _ = wait([post_future, local_future], timeout=timeout_s, return_when=FIRST_EXCEPTION)
@@ -261,10 +254,8 @@ def _vllm_classes() -> dict[str, type]:
                     "first"
                 )
             info = update_info
-            # The first load error is kept, not raised, so the round completes and the group
-            # stays in step. On an error vLLM leaves the layerwise reload open (layers serving
-            # meta tensors): close it here; the layers loaded keep their new values, the others
-            # their old.
+            # The first load error is kept so the round completes (the group stays in step);
+            # vLLM then leaves the layerwise reload open (meta tensors): close it here.
             failure: tuple[str, Exception] | None = None
             try:
                 dtypes = [

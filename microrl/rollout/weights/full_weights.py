@@ -1,8 +1,5 @@
-"""A trained model's full tensors, gathered one at a time (docs/async.md#vllm-servers).
-
-:class:`FullWeights` all-gathers each ``DTensor`` only when iteration reaches it, so a push never
-holds the whole model; its ``metadata()`` needs no gather (vLLM's ``WeightSource`` protocol).
-"""
+"""A trained model's full tensors, gathered one at a time so a push never holds the whole model;
+``metadata()`` needs no gather (vLLM's ``WeightSource`` protocol, docs/async.md#vllm-servers)."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ class FullWeights:
         device: where each full tensor is handed over; None: where it was gathered.
         dtype: the dtype each is handed over in (the sampler's); None: its own.
 
-    Iterating a sharded model is collective under ``torchrun``. Pair ``i`` is valid until pair
-    ``i + 1`` is requested.
+    Iterating a sharded model is collective; pair ``i`` is valid until pair ``i + 1`` is requested.
     """
 
     def __init__(
@@ -67,8 +63,7 @@ class FullWeights:
 
 
 def materialize(value: torch.Tensor) -> torch.Tensor:
-    """``value`` detached, a ``DTensor`` all-gathered on its mesh's device type (a CPU-offloaded
-    shard moved there first, as torch's full state dict does)."""
+    """``value`` detached, a ``DTensor`` all-gathered on its mesh's device type."""
     if isinstance(value, DTensor):
         if value.device.type != value.device_mesh.device_type:
             value = value.to(value.device_mesh.device_type)

@@ -1,7 +1,6 @@
 """The trainer's side of a full-weight push into a ``vllm serve`` process: :class:`WeightPusher`.
 
-It drives vLLM's weight-transfer routes over HTTP while joining the transfer group; protocol and
-failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
+Protocol and failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
 """
 
 from __future__ import annotations
@@ -55,11 +54,9 @@ class WeightPusher:
     """Pushes full weights from this process into a ``vllm serve`` process's workers:
     ``start()``, ``push()`` as often as needed, ``close()`` (or a ``with`` block).
 
-    ``backend``: the server's ``--weight-transfer-config`` backend: ``"nccl"`` or
-    :data:`IPC_BACKEND` (CUDA tensors on the current device) or ``"gloo"`` (CPU tensors).
-    ``post(route, json_body)`` POSTs to the server, raising on an HTTP error. ``world_size``: 1 +
-    the server's workers (TP x PP x DP); ``master_address``: ours as they reach it;
-    ``master_port`` 0: a free one. ``timeout_s`` bounds gloo's group operations and server waits.
+    ``backend``: the server's ``--weight-transfer-config`` backend: ``"nccl"``, :data:`IPC_BACKEND`
+    (CUDA tensors) or ``"gloo"`` (CPU). ``post(route, json_body)`` raises on an HTTP error.
+    ``world_size``: 1 + the server's workers (TP x PP x DP); ``master_port`` 0: a free one.
     """
 
     def __init__(
@@ -137,9 +134,8 @@ class WeightPusher:
         self._broken = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send the whole model's ``(name, tensor)`` pairs (``state_dict().items()``) on the
-        backend's device as the server's ``version``; one it cannot load is its error. With a
-        ``metadata()`` (as ``FullWeights``) they are iterated lazily, one tensor at a time."""
+        """Send the whole model's ``(name, tensor)`` pairs on the backend's device as ``version``;
+        with a ``metadata()`` (as ``FullWeights``) they stream one tensor at a time."""
         if self._engine is None:
             raise RuntimeError("WeightPusher.push(): call start() first")
         if self._broken is not None:
@@ -160,13 +156,11 @@ class WeightPusher:
         try:
             self._engine.send_weights()
         except BaseException as err:
-            # The gloo engine knows whether the group is still in step (a rejected tensor: the
-            # worker drains the round); after vLLM's NCCL engine fails, assume not.
+            # gloo knows whether the group is still in step; after NCCL fails, assume not.
             if not getattr(self._engine, "in_step", False):
                 self._broken = f"{type(err).__name__}: {err}"
             raise
         finally:
-            # Hold no references to the caller's tensors.
             self._source.meta, self._source.iterate = [], lambda: iter(())
         self.version = version
 

@@ -40,9 +40,8 @@ WORKDIR_PREFIX = "microrl-vllm-servers-"
 
 
 class HTTPAdapterSync(WeightSync):
-    """Path 4: the adapter exported (collective, in the servers' dtype), then loaded on every
-    server in the background under a name unique to its version (vLLM 0.32 takes a path only);
-    adapters no job uses are unloaded and removed."""
+    """Path 4: the adapter exported (collective), loaded on every server in the background under
+    a per-version name (vLLM 0.32 takes a path only); adapters no job uses are removed."""
 
     def __init__(self, owner: VLLMServerRollout) -> None:
         self.owner = owner
@@ -51,8 +50,7 @@ class HTTPAdapterSync(WeightSync):
 
     def push(self, engine, version: int) -> Future:
         owner = self.owner
-        # Once this rank's previous load is done, the collective export below means every
-        # rank's is: no rank still reads a directory rank 0 deletes.
+        # After the previous load and this collective, no rank reads a directory rank 0 deletes.
         previous = self._loads.get(version - 1)
         if previous is not None:
             previous.result()
@@ -65,8 +63,7 @@ class HTTPAdapterSync(WeightSync):
 
     @staticmethod
     def join(engine, workdir: Path, version: int, dtype: torch.dtype | None = None) -> Path:
-        """The push's collectives: the adapter's export (rank 0 writes it, in ``dtype``; None:
-        as trained), also called alone by :class:`ServerSyncJoiner`."""
+        """The push's collective: the adapter's export (``dtype`` None: as trained)."""
         path = workdir / f"adapter-{version}"
         return export_peft_adapter(engine.module, path, peft_model=engine.peft_model, dtype=dtype)
 
@@ -96,8 +93,8 @@ class HTTPAdapterSync(WeightSync):
 
 
 class TransferSync(WeightSync):
-    """Path 5: full weights through a ``WeightPusher`` per server, one full tensor at a time;
-    after the first push, requests in flight pause for it and resume on the new weights."""
+    """Path 5: full weights through a ``WeightPusher`` per server, one tensor at a time;
+    requests in flight pause for a push and resume on the new weights."""
 
     def __init__(self, owner: VLLMServerRollout) -> None:
         from microrl.rollout.weights.pusher import WeightPusher
@@ -148,7 +145,7 @@ class TransferSync(WeightSync):
 
     @staticmethod
     def join(engine, prefix: str, passes: int) -> None:
-        """The gathers of ``passes`` pushes, also called alone by :class:`ServerSyncJoiner`."""
+        """The gathers of ``passes`` pushes."""
         for _ in range(passes):
             for _ in FullWeights(engine.module, prefix):
                 pass

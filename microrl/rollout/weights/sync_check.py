@@ -1,5 +1,5 @@
 """Every weight push is verified: a sampler scores a fixed probe batch, the trainer compares,
-within a tolerance set by the precision (docs/async.md, benchmarks/README.md#sync-check)."""
+within a tolerance set by the precision (docs/async.md#every-push-is-checked)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ __all__ = [
 #: The probe statistic ``sync_check_tol`` bounds: the mean |trainer - sampler| log-prob. Not the
 #: max (a few tokens' bf16 rounding, 2x apart from probe to probe), nor k3 (one token dominates).
 SYNC_CHECK_STAT = "sync/probe_abs_diff_mean"
-#: Default ``sync_check_tol`` of a float32 engine: 10x its samplers' fp32 rounding, below a push
-#: one step stale (benchmarks/README.md#sync-check).
+#: Default ``sync_check_tol`` of a float32 engine: 10x fp32 rounding, below a push a step stale.
 FP32_SYNC_CHECK_TOL = 5e-5
 #: Default ``sync_check_tol`` of a 16-bit engine: bf16 rounding with a 2x margin; it fails a push
 #: that did not land, not one a step stale (only the ``hf`` worker's checksums see that).
@@ -54,7 +53,7 @@ def build_probe(
     vocab_size: int, max_positions: int, tokenizer, *, seed: int = 0, exclude: Iterable[int] = ()
 ) -> TensorDict:
     """The fixed probe batch: a few rows of random tokens (no ``<eos>``, padding or ``exclude``
-    ids), prompts of different lengths, in the rollout layout (``loss_mask`` on the response)."""
+    ids), in the rollout layout."""
     gen = torch.Generator().manual_seed(seed)
     specials = {tokenizer.eos_token_id, tokenizer.pad_token_id, *exclude}
     allowed = torch.tensor([t for t in range(vocab_size) if t not in specials])
@@ -86,8 +85,7 @@ def engine_probe(engine, tokenizer) -> TensorDict:
 
 
 def engine_probe_logprobs(engine, probe: TensorDict) -> torch.Tensor:
-    """The engine's log-probs of ``probe`` at temperature 1 (as vLLM's prompt log-probs),
-    ``[B, T]`` float32 on the CPU."""
+    """The engine's log-probs of ``probe`` at temperature 1, ``[B, T]`` float32 on the CPU."""
     batch = probe.clone()
     batch["temperature"] = torch.ones(batch.batch_size[0], dtype=torch.float32)
     return engine.infer_batch(batch)["logprobs"].float().cpu()

@@ -1,8 +1,5 @@
-"""One interface for every way trained weights reach a sampler, and the check every push gets.
-
-A sampler holds a :class:`WeightSync` (five paths: docs/async.md#weight-syncs), pushes each
-version with it and checks the push with its :class:`ProbeVerifier`.
-"""
+"""One interface for every way trained weights reach a sampler (docs/async.md#weight-syncs),
+and the check every push gets (:class:`ProbeVerifier`)."""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ class WeightSync(ABC):
 
     @abstractmethod
     def push(self, engine: Any, version: int) -> Future | None:
-        """Send ``engine``'s weights as policy ``version``; collective under ``torchrun``.
-        Returns once they are read (the optimizer may step): None, or a still-running load's
-        Future."""
+        """Send ``engine``'s weights as ``version`` (collective); returns once they are read
+        (the optimizer may step): None, or a still-running load's Future."""
 
     def close(self) -> None:
         """Release what the path holds (transfer groups, loaded adapters); idempotent."""
@@ -47,8 +43,7 @@ def pushed_weights(is_lora: bool) -> str:
 
 @dataclass
 class ProbeVerifier:
-    """The check of a sampler's pushes: its ``probe``, ``tol`` (``rollout.sync_check_tol``) and
-    ``stats`` of each verified version (the sampler's ``sync_stats``)."""
+    """The check of a sampler's pushes: its ``probe``, ``tol`` and per-version ``stats``."""
 
     probe: TensorDict
     tol: float
@@ -81,9 +76,8 @@ class ProbeVerifier:
         *,
         failed: bool = False,
     ) -> dict[str, float]:
-        """Compare ``target``'s probe log-probs ``actual`` with ``expected`` (both ``[B, T]``),
-        keeping the largest statistics per version; ``SyncCheckError`` over the tolerance or
-        when ``failed`` (another check of the push failed)."""
+        """Compare ``target``'s probe log-probs ``actual`` with ``expected`` (both ``[B, T]``);
+        ``SyncCheckError`` over the tolerance or when ``failed``."""
         stats = probe_stats(expected, actual, self.probe["loss_mask"].cpu())
         previous = self.stats.get(version, {})
         self.stats[version] = {k: max(v, previous.get(k, v)) for k, v in stats.items()}
