@@ -1,8 +1,5 @@
-"""The one interface the trainer drives every sampler through, in process or out of it.
-
-A sampler takes *jobs* now and returns their rollouts later, each at the policy version known
-when it was submitted (docs/async.md).
-"""
+"""The one interface the trainer drives every sampler through, in process or out of it: jobs
+now, rollouts later, each at the policy version known when submitted (docs/async.md)."""
 
 from __future__ import annotations
 

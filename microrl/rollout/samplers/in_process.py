@@ -1,8 +1,5 @@
-"""A rollout backend of this process as a :class:`~microrl.rollout.sampler.Sampler`.
-
-Staleness 0: a job samples when it is collected, on the trainer's thread, with the weights synced
-last, so recipes drive in-process backends as they drive samplers in other processes.
-"""
+"""A rollout backend of this process as a :class:`~microrl.rollout.sampler.Sampler`: a job samples
+when collected, on the trainer's thread, with the weights synced last (staleness 0)."""
 
 from __future__ import annotations
 

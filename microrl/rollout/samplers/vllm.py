@@ -1,8 +1,5 @@
-"""The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's.
-
-Each sync serves a new ``LoRARequest`` or streams full weights in place; log-probs are vLLM's
-*processed* ones, at the sampling temperature (docs/rollouts.md#weight-sync-vllm).
-"""
+"""The ``vllm`` rollout backend: a colocated ``vllm.LLM`` whose weights follow the engine's; its
+log-probs are vLLM's *processed* ones, at the sampling temperature (docs/rollouts.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A minimal, authenticated JSON client for a ``vllm serve`` server (docs/async.md#vllm-servers).
-
-Every request has a timeout; a failure names the server, the route and its message.
-"""
+"""A minimal, authenticated JSON client for a ``vllm serve`` server: every request has a timeout,
+a failure names the server, the route and its message (docs/async.md#vllm-servers)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Image prompts as vLLM takes them: ONE placeholder per image plus the PIL images, expanded
-by vLLM and checked against the trainer's (:func:`check_expanded`, docs/rollouts.md#images).
-"""
+by vLLM and checked against the trainer's (:func:`check_expanded`, docs/rollouts.md#images)."""
 
 from __future__ import annotations
 

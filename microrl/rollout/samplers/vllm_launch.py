@@ -1,7 +1,5 @@
-"""A ``vllm serve`` process started and owned by the trainer (docs/async.md#vllm-servers).
-
-Its process group dies with the trainer; errors carry the engine core's logged traceback.
-"""
+"""A ``vllm serve`` process owned by the trainer: its process group dies with the trainer, its
+errors carry the engine core's logged traceback (docs/async.md#vllm-servers)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""vLLM's options the in-process ``vllm.LLM`` and the ``vllm serve`` servers share; no vLLM import.
-
-docs/rollouts.md#vllm-engine-arguments.
-"""
+"""vLLM's options the in-process ``vllm.LLM`` and the ``vllm serve`` servers share; no vLLM import
+(docs/rollouts.md#vllm-engine-arguments)."""
 
 from __future__ import annotations
 

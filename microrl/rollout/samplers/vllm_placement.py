@@ -1,7 +1,5 @@
-"""Where ``vllm serve`` servers run and how full weights reach them (docs/async.md#vllm-servers).
-
-Servers belong to a data rank, not a process (docs/async.md#sequence-parallelism).
-"""
+"""Where ``vllm serve`` servers run and how full weights reach them: servers belong to a data
+rank, not a process (docs/async.md#vllm-servers, docs/async.md#sequence-parallelism)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The wire format of ``/inference/v1/generate`` on a ``vllm serve`` server: ids and
-``SamplingParams`` in, ids, log-probs and weight-version spans out (docs/async.md#vllm-servers).
-"""
+``SamplingParams`` in, ids, log-probs and weight-version spans out (docs/async.md#vllm-servers)."""
 
 from __future__ import annotations
 

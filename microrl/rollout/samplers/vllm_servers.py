@@ -1,8 +1,8 @@
 """Asynchronous ``vllm`` rollouts: ``vllm serve`` processes sample while the trainer trains.
 
-The ``hf`` worker's job interface over local servers or the user's (``urls``); token ids in,
-token ids and log-probs out. A LoRA version is an adapter the requests name (exact per row);
-full weights update in flight (rows keep first and last tokens' versions). docs/async.md#vllm-servers.
+The ``hf`` worker's job interface over local servers or the user's (``urls``). A LoRA version is
+an adapter the requests name (exact per row); full weights update in flight (rows keep their
+first and last tokens' versions). docs/async.md#vllm-servers.
 """
 
 from __future__ import annotations

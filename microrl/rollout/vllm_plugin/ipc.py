@@ -1,8 +1,8 @@
-"""Full weights into a ``vllm serve`` on the trainer's own GPU: vLLM's CUDA-IPC engine over JSON.
+"""Full weights into a ``vllm serve`` on the trainer's own GPU (NCCL refuses two ranks on one).
 
-NCCL refuses two ranks on one GPU. vLLM's own ``ipc`` engine sends pickled handles (a server
-reads them only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: code execution for anyone reaching
-the route); this plugin sends them as JSON (:func:`encode_handles`: fixed classes, base64 bytes).
+vLLM's own ``ipc`` engine sends pickled handles (a server reads them only with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: code execution for anyone reaching the route); this
+plugin sends them as JSON (:func:`encode_handles`: fixed classes, base64 bytes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The trainer's side of a full-weight push into a ``vllm serve`` process: :class:`WeightPusher`.
-
-Protocol and failures: :mod:`microrl.rollout.vllm_plugin.transfer`.
-"""
+"""The trainer's side of a full-weight push into a ``vllm serve`` process: :class:`WeightPusher`
+(protocol and failures: :mod:`microrl.rollout.vllm_plugin.transfer`)."""
 
 from __future__ import annotations
 
