@@ -1,9 +1,7 @@
-"""Sampling from the policy into the engine's batch layout: every sampler, in process or not.
+"""Sampling from the policy into the engine's batch layout (docs/rollouts.md, docs/async.md).
 
-Backends turn prompts into a :class:`Rollout` (docs/rollouts.md); samplers in processes of their
-own sample ahead of the trainer (docs/async.md). ``weights/``: how trained weights reach a
-sampler; ``worker/``, ``vllm_plugin/``: code run in other processes. The engine never imports
-this package. Names load on first use: vLLM loads ``vllm_plugin`` without the engine.
+``weights/``: how trained weights reach a sampler; ``worker/``, ``vllm_plugin/``: code run in other
+processes. Names load on first use: vLLM loads ``vllm_plugin`` without the engine.
 """
 
 from __future__ import annotations

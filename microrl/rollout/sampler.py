@@ -56,15 +56,12 @@ class SamplerOptions:
     Attributes:
         version: the policy version of the engine's current weights (the recipe: its step).
         env_maker: for multi-turn tasks, ``problem -> environment``; must pickle (``hf`` workers).
-        timeout_s: the longest wait for a worker or a server (its start, a job, a push) before
-            :class:`WorkerError`, > 0 (``rollout.worker_timeout_s``).
+        timeout_s: the longest wait for a worker or server before :class:`WorkerError`, > 0.
         sync_check_tol: the largest :data:`~microrl.rollout.weights.sync_check.SYNC_CHECK_STAT`
             a push may show, > 0; None: by the engine's precision.
-        num_threads: each ``hf`` worker's torch threads (0: torch's default), or each local
-            vLLM server's CPU threads.
+        num_threads: each ``hf`` worker's torch threads or local vLLM server's CPU threads.
         image_encoder: a vision-language policy's: jobs may then carry images.
-        record_routing: the rows carry each token's mixture-of-experts routing
-            ``routed_experts`` (``rollout.routing_replay``; ``hf`` workers only).
+        record_routing: rows carry each token's MoE ``routed_experts`` (``hf`` workers only).
 
     A bad value is a ``ValueError`` naming the field.
     """
@@ -188,8 +185,7 @@ class WorkerSampler(Sampler):
     def _start(
         self, engine: Any, tokenizer: Any, options: SamplerOptions | None, *, checks: bool = True
     ) -> SamplerOptions:
-        """:meth:`_take_options`, keeping ``engine`` and ``tokenizer``; ``checks``: it checks
-        its own pushes."""
+        """:meth:`_take_options`, keeping ``engine`` and ``tokenizer``; ``checks``: own pushes."""
         self.tokenizer = check_tokenizer(tokenizer)
         options = self._take_options(engine, options)
         self.engine = engine

@@ -20,8 +20,7 @@ class InProcessSampler(Sampler):
     """Samples ``backend`` at :meth:`collect` (see the module docstring).
 
     Args:
-        backend: the backend (:class:`~microrl.rollout.HFRollout` on the live model, or
-            :class:`~microrl.rollout.VLLMRollout` holding a copy of the weights).
+        backend: ``HFRollout`` (the live model) or ``VLLMRollout`` (a copy of the weights).
         engine: the engine whose weights a sync loads.
         version: the policy version of the engine's weights now (the recipe: its step).
         sync_every: a backend holding a copy loads every ``sync_every``-th version only

@@ -38,7 +38,7 @@ _USER_LOG_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
 def set_vllm_log_level(verbose: bool) -> str:
-    """Set and return vLLM's log level: ``INFO`` when ``verbose``, else ``ERROR``; a
+    """Set and return vLLM's log level: ``INFO`` if ``verbose``, else ``ERROR``; a
     ``VLLM_LOGGING_LEVEL`` set before us wins."""
     level = _USER_LOG_LEVEL or ("INFO" if verbose else "ERROR")
     os.environ["VLLM_LOGGING_LEVEL"] = level

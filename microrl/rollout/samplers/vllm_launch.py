@@ -195,7 +195,7 @@ class LocalVLLMServer:
         self._finalizer()
 
 
-# A logged line: "(EngineCore pid=7) ERROR 12-03 17:54:19 [core.py:1512] <text>", one head a record.
+# A record's lines share one head: "(EngineCore pid=7) ERROR 12-03 17:54:19 [core.py:1512] ".
 _TRACEBACK = "Traceback (most recent call last):"
 _MAX_TRACEBACK_LINES = 40
 

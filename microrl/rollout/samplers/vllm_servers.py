@@ -1,9 +1,6 @@
-"""Asynchronous ``vllm`` rollouts: ``vllm serve`` processes sample while the trainer trains.
-
-The ``hf`` worker's job interface over local servers or the user's (``urls``). A LoRA version is
-an adapter the requests name (exact per row); full weights update in flight (rows keep their
-first and last tokens' versions). docs/async.md#vllm-servers.
-"""
+"""Asynchronous ``vllm`` rollouts: ``vllm serve`` processes (ours or ``urls``) sample while the
+trainer trains. A LoRA version is an adapter the requests name (exact per row); full weights
+update in flight (rows keep first and last tokens' versions). docs/async.md#vllm-servers."""
 
 from __future__ import annotations
 
@@ -147,8 +144,7 @@ class VLLMServerRollout(WorkerSampler):
         from microrl.rollout.samplers.vllm_launch import LocalVLLMServer
 
         cfg = self.config
-        # Each server its GPUs (checked before anything starts): without CUDA_VISIBLE_DEVICES
-        # every server of every rank would start on the first GPU.
+        # Without CUDA_VISIBLE_DEVICES every server of every rank would start on the first GPU.
         gpus = self._server_gpus = server_gpus(
             self.engine.device,
             num_workers=num_workers,
@@ -220,8 +216,7 @@ class VLLMServerRollout(WorkerSampler):
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
 
     def _push(self, engine, version: int) -> None:
-        """Returns once the weights are taken; load (LoRA) and check run in the background.
-        Collective under ``torchrun``."""
+        """Returns once the weights are taken (collective); load and check run in the background."""
         self.poll()
         self.version = version
         self._submit_sync(engine, version)
@@ -351,7 +346,7 @@ class VLLMServerRollout(WorkerSampler):
         params: SamplingParams,
         images: ImagePrompts | None = None,
     ) -> Samples:
-        """The servers' samples of ``prompt_ids`` for this thread's job (the backend's ``_sample``)."""
+        """The servers' samples of ``prompt_ids`` for this thread's job (the backend's sampler)."""
         job, seed = getattr(self._context, "job", None), getattr(self._context, "seed", None)
         if job is None:
             raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")

@@ -1,9 +1,6 @@
-"""Full weights into a ``vllm serve`` on the trainer's own GPU (NCCL refuses two ranks on one).
-
-vLLM's own ``ipc`` engine sends pickled handles (a server reads them only with
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: code execution for anyone reaching the route); this
-plugin sends them as JSON (:func:`encode_handles`: fixed classes, base64 bytes).
-"""
+"""Full weights into a ``vllm serve`` on the trainer's own GPU (NCCL refuses two ranks on one):
+vLLM's IPC engine with its handles as JSON (:func:`encode_handles`), not pickled (a server reads
+pickles only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: code execution for any caller)."""
 
 from __future__ import annotations
 

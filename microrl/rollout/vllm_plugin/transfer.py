@@ -1,11 +1,10 @@
 """Weights from the trainer into ``vllm serve`` processes, through vLLM's weight-transfer API.
 
-A ``"gloo"`` engine for CPUs (vLLM's NCCL engine over a private gloo group) and :func:`register`,
-the vLLM plugin; importing this imports no vLLM. The trainer joins with
-``/init_weight_transfer_engine``, then per push ``/start_weight_update``, ``/update_weights``
-while broadcasting, ``/finish_weight_update``. A rejected tensor is the ``/update_weights`` error
-(the round completes); a failed broadcast breaks the group. The RL routes are outside vLLM's
-``--api-key``: a trusted network only (docs/async.md#vllm-servers).
+A ``"gloo"`` engine for CPUs and :func:`register`, the vLLM plugin (imports no vLLM). The trainer
+joins with ``/init_weight_transfer_engine``, then per push ``/start_weight_update``,
+``/update_weights`` while broadcasting, ``/finish_weight_update``. A rejected tensor is the
+``/update_weights`` error (the round completes); a failed broadcast breaks the group. The RL
+routes are outside vLLM's ``--api-key``: a trusted network only (docs/async.md#vllm-servers).
 """
 
 from __future__ import annotations
@@ -68,8 +67,7 @@ def register() -> None:
 
 
 def lazy_classes(module: str, names: tuple[str, ...], build: Callable[[], dict]) -> Callable:
-    """A module ``__getattr__`` giving ``build()``'s classes ``names`` on first use (vLLM
-    imported then, not at the module's import)."""
+    """A module ``__getattr__`` giving ``build()``'s classes ``names`` on first use."""
 
     def module_getattr(name: str) -> Any:
         if name in names:

@@ -1,2 +1,1 @@
-"""How trained weights reach a sampler (``WeightSync``), gathered or exported, and the probe
-check every push gets."""
+"""How trained weights reach a sampler (``WeightSync``) and the probe check every push gets."""

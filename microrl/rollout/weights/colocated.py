@@ -1,5 +1,4 @@
-"""How the weights reach a colocated ``vllm.LLM`` (:class:`~microrl.rollout.samplers.vllm.VLLMRollout`):
-an adapter as a new ``LoRARequest``, or the full weights through vLLM's ``reload_weights``."""
+"""How the weights reach a colocated ``vllm.LLM``: a new ``LoRARequest`` or ``reload_weights``."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ __all__ = ["LoRARequestSync", "ReloadWeightsSync"]
 
 
 class LoRARequestSync(WeightSync):
-    """Path 2: the adapter exported in vLLM's dtype into a new directory (vLLM 0.32 takes a path
-    only), served as a new ``LoRARequest`` (ids never repeat: no cached, stale adapter)."""
+    """Path 2: the adapter exported to a new directory, served as a new ``LoRARequest`` (ids
+    never repeat: no cached, stale adapter; vLLM 0.32 takes a path only)."""
 
     def __init__(self, rollout: Any) -> None:
         self.rollout = rollout

@@ -158,9 +158,9 @@ class TransferSync(WeightSync):
 
 
 class ServerSyncJoiner:
-    """A ``VLLMServerRollout``'s collectives on the other processes of its sequence-parallel
-    group, called once per sync. It mirrors ``VLLMServerRollout.__init__`` and ``_submit_sync``:
-    change both (tests/examples/test_examples_sequence_parallel_servers.py runs both)."""
+    """A ``VLLMServerRollout``'s collectives on the rest of its sp group, once per sync. It
+    mirrors ``__init__`` and ``_submit_sync``: change both
+    (tests/examples/test_examples_sequence_parallel_servers.py runs both)."""
 
     def __init__(
         self,
