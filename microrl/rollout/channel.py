@@ -9,7 +9,6 @@ writes from a thread, so its caller never waits for the reader.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import queue
@@ -21,7 +20,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
 
-__all__ = ["ChannelClosed", "Receiver", "Sender", "close_all", "start_process"]
+from microrl.rollout.watcher import write_all
+
+__all__ = ["ChannelClosed", "Receiver", "Sender", "start_process"]
 
 # Each message: its length (8 bytes, big-endian), then its pickle.
 _HEADER = struct.Struct("!Q")
@@ -113,17 +114,11 @@ class Sender:
         fd = self._connection.fileno()
         while (data := self._pending.get()) is not None:
             try:
-                _write_all(fd, _HEADER.pack(len(data)))
-                _write_all(fd, data)
+                write_all(fd, _HEADER.pack(len(data)))
+                write_all(fd, data)
             except OSError as err:  # BrokenPipeError: no process holds the reading end
                 self._error = err
                 return
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def start_process(
@@ -153,10 +148,3 @@ def start_process(
         for end in (commands_read, results_write):
             end.close()
     return process, Sender(commands_write), Receiver(results_read)
-
-
-def close_all(*ends: Sender | Receiver) -> None:
-    """Close each end, whatever fails (a process's exit path)."""
-    for end in ends:
-        with contextlib.suppress(Exception):
-            end.close()

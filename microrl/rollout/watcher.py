@@ -33,6 +33,7 @@ __all__ = [
     "sweep_stale_dirs",
     "watch",
     "watched",
+    "write_all",
 ]
 
 #: What can be watched: a process group (a server and its children), one process, a directory.
@@ -148,9 +149,14 @@ def _after_fork() -> None:
 
 def _write(fd: int, message: list) -> None:
     """One line of JSON, written whole (a pipe write of <= PIPE_BUF bytes is atomic)."""
-    data = (json.dumps(message) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data) :]
+    write_all(fd, (json.dumps(message) + "\n").encode())
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` to ``fd`` (``os.write`` may write fewer)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _stat(pid: int) -> tuple[str, int, str] | None:
@@ -169,17 +175,13 @@ def _start_time(pid: int) -> str | None:
     return None if stat is None else stat[2]
 
 
-def _has_proc() -> bool:
-    return os.path.isdir("/proc/self")
-
-
 def _exists(signal_target, pid: int) -> bool:
     try:
         signal_target(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, another user's
+        pass
     return True
 
 
@@ -189,7 +191,7 @@ def _process_alive(pid: int) -> bool:
         return False
     stat = _stat(pid)
     if stat is None:  # no /proc (it runs), or it ended just now
-        return not _has_proc()
+        return not os.path.isdir("/proc/self")
     return stat[0] not in "ZX"
 
 
@@ -197,7 +199,7 @@ def _group_alive(pgid: int) -> bool:
     """Whether a process of group ``pgid`` runs (zombies aside)."""
     if not _exists(os.killpg, pgid):
         return False
-    if not _has_proc():
+    if not os.path.isdir("/proc/self"):
         return True
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -226,18 +228,14 @@ def _alive(kind: str, target: int) -> bool:
 
 def _stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """SIGTERM (and SIGCONT), SIGKILL after :data:`GRACE_S`; what still runs after that."""
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         for kind, target in processes:
             _signal(kind, target, sig)
             if sig == signal.SIGTERM:
                 _signal(kind, target, signal.SIGCONT)
-        deadline = time.monotonic() + wait
-        while processes and time.monotonic() < deadline:
-            processes = [p for p in processes if _alive(*p)]
+        deadline = time.monotonic() + GRACE_S
+        while (processes := [p for p in processes if _alive(*p)]) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-        processes = [p for p in processes if _alive(*p)]
-        if not processes:
-            break
     return processes
 
 

@@ -35,7 +35,7 @@ from microrl.engine.parallel import distributed
 from microrl.engine.parallel.ulysses_attention import base_implementation
 from microrl.rollout import watcher
 from microrl.rollout.base import Images, Prompts, Rollout, SamplingParams
-from microrl.rollout.channel import ChannelClosed, Receiver, Sender, close_all, start_process
+from microrl.rollout.channel import ChannelClosed, Receiver, Sender, start_process
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, WorkerError, WorkerSampler
 from microrl.rollout.samplers.hf import engine_autocast_dtype
 from microrl.rollout.weights.full_weights import FullWeights
@@ -45,8 +45,6 @@ from microrl.rollout.worker import stream
 from microrl.rollout.worker.main import (
     WorkerSpec,
     checksums_differ,
-    dumps,
-    loads,
     tensor_checksums,
     tensor_family,
     worker_main,
@@ -113,7 +111,7 @@ class AsyncRollout(WorkerSampler):
         env_bytes = None
         if self.env_maker is not None:
             try:
-                env_bytes = dumps(self.env_maker)
+                env_bytes = pickle.dumps(self.env_maker)
             except (pickle.PicklingError, TypeError, AttributeError) as err:
                 raise ValueError(
                     "env_maker cannot be sent to the rollout worker process (it must be "
@@ -174,7 +172,7 @@ class AsyncRollout(WorkerSampler):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             self._check_open()
-            self._wait_for("hello", "it to start")
+            self._receive("it to start", until="hello")
             self._group = ProcessGroupGloo(
                 PrefixStore("microrl-rollout", self._store), 0, 2, timeout
             )
@@ -183,7 +181,7 @@ class AsyncRollout(WorkerSampler):
                 "trainable": self._layout(engine, trainable_only=True),
             }
             self._send(("layout", self._layouts), "its layout")
-            self._wait_for("ready", "it to check the model's tensors")
+            self._receive("it to check the model's tensors", until="ready")
             self._stream_full(engine)
             while self.version not in self.sync_stats:
                 self._receive(f"the check of the weights of policy version {self.version}")
@@ -331,15 +329,12 @@ class AsyncRollout(WorkerSampler):
                 raise self._died("its next message") from None
             self._handle(message)
 
-    def _wait_for(self, kind: str, what: str) -> None:
-        while True:
-            message = self._next_message(what)
-            if message[0] == kind:
-                return
+    def _receive(self, what: str, until: str | None = None) -> None:
+        """Handle the worker's next message, or (``until``) each one before one of that kind."""
+        while (message := self._next_message(what))[0] != until:
             self._handle(message)
-
-    def _receive(self, what: str) -> None:
-        self._handle(self._next_message(what))
+            if until is None:
+                return
 
     def _next_message(self, what: str):
         """The worker's next message; :class:`WorkerError` when it died (its end of the pipe
@@ -379,15 +374,15 @@ class AsyncRollout(WorkerSampler):
         kind = message[0]
         if kind == "done":
             _, job, version, payload, (seconds, cpu_seconds) = message
-            self._done[job] = (version, loads(payload), (seconds, cpu_seconds))
+            self._done[job] = (version, payload, (seconds, cpu_seconds))
             self.job_seconds.append(seconds)
             self.job_cpu_seconds.append(cpu_seconds)
         elif kind == "synced":
             _, version, probe, sums, seconds = message
             self.sync_seconds.append(seconds)
-            self._verify(version, loads(probe), sums)
+            self._verify(version, probe, sums)
         elif kind == "job_error":
-            raise loads(message[2])
+            raise message[2]
         elif kind == "error":
             raise WorkerError(f"{self.name} failed:\n{message[1]}")
         elif kind in ("hello", "ready"):
@@ -456,6 +451,8 @@ def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Re
     if process.is_alive():
         process.kill()
         process.join(timeout=5)
-    close_all(commands, results)
+    for end in (commands, results):
+        with contextlib.suppress(Exception):
+            end.close()
     if not process.is_alive():
         watcher.release("process", process.pid)
