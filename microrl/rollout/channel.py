@@ -1,10 +1,8 @@
 """Message channels between microrl's processes that end when either side dies, at any point.
 
-Not a ``multiprocessing.Queue``: a writer killed mid-message blocks its reader for good. Here
-each direction is one pipe of which each process keeps one end, so a writer's death is an EOF
-at the reader and a reader's death a broken pipe at the writer: :class:`ChannelClosed` either
-way. :class:`Receiver` waits with a deadline until a message's last byte; :class:`Sender`
-writes from a thread, so its caller never waits for the reader.
+Not a ``multiprocessing.Queue`` (a writer killed mid-message blocks its reader for good): each
+direction is one pipe of which each process keeps one end, so either side's death is
+:class:`ChannelClosed` at the other. :class:`Sender` writes from a thread.
 """
 
 from __future__ import annotations
@@ -127,10 +125,10 @@ def start_process(
     args: Sequence[Any],
     **process_options: Any,
 ) -> tuple[Any, Sender, Receiver]:
-    """Start ``target(*args, commands, results)`` in a new process of ``context`` (not
-    ``fork``: the child would inherit this side's ends), the child getting the connections to
-    wrap in :class:`Receiver` and :class:`Sender`. Returns the process, this side's
-    :class:`Sender` of commands and :class:`Receiver` of results."""
+    """Start ``target(*args, commands, results)`` (connections to wrap in :class:`Receiver` and
+    :class:`Sender`) in a process of ``context``, not ``fork`` (the child would inherit this
+    side's ends). Returns the process, the :class:`Sender` of commands, :class:`Receiver` of
+    results."""
     if context.get_start_method() == "fork":
         raise ValueError("start_process needs a 'spawn' or 'forkserver' context, not 'fork'")
     commands_read, commands_write = context.Pipe(duplex=False)

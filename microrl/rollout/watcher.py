@@ -1,12 +1,10 @@
 """What a trainer starts ends with it, however the trainer ended (docs/async.md#when-the-trainer-dies).
 
-:func:`watch` hands the trainer's servers (process groups), workers and temporary directories
-to one watcher process per trainer process, which reads a pipe whose only write end the trainer
-holds: the pipe ends with the trainer, SIGKILL included. The watcher then SIGTERMs (SIGKILLs
-after :data:`GRACE_S`) what is still watched and removes the directories. Not
-``PR_SET_PDEATHSIG``: it fires when the starting *thread* ends and reaches the child only. A pid
-is checked against its start time before a signal (never a reused pid). Directories of a
-watcher killed with its trainer are swept at the next start (:func:`sweep_stale_dirs`).
+:func:`watch` hands servers (process groups), workers and temporary directories to one watcher
+process per trainer process, reading a pipe whose only write end the trainer holds: at its EOF
+(SIGKILL included) the watcher stops what is still watched and removes the directories. Not
+``PR_SET_PDEATHSIG``: it fires when the starting *thread* ends. A pid is checked against its
+start time before a signal (never a reused pid). Stdlib only: it runs as a script.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ __all__ = [
     "OWNER_FILE",
     "mark_owner",
     "release",
+    "stop",
     "sweep_stale_dirs",
     "watch",
     "watched",
@@ -226,8 +225,9 @@ def _alive(kind: str, target: int) -> bool:
     return _group_alive(target) if kind == "group" else _process_alive(target)
 
 
-def _stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """SIGTERM (and SIGCONT), SIGKILL after :data:`GRACE_S`; what still runs after that."""
+def stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """SIGTERM (and SIGCONT: a stopped process gets it now) each ``(kind, pid)``, SIGKILL after
+    :data:`GRACE_S`; what still runs :data:`GRACE_S` after that."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for kind, target in processes:
             _signal(kind, target, sig)
@@ -246,7 +246,7 @@ def _clean_up(entries: dict[tuple[str, int | str], tuple], trainer: int) -> None
         for (kind, target), (start, _) in entries.items()
         if kind != "directory" and _same_process(kind, target, start)
     ]
-    left = _stop(processes)
+    left = stop(processes)
     directories = [target for kind, target in entries if kind == "directory"]
     for path in directories:
         shutil.rmtree(path, ignore_errors=True)

@@ -1,12 +1,9 @@
 """Asynchronous ``hf`` rollouts: a generation worker process that samples while the trainer trains.
 
-:class:`AsyncRollout` spawns one worker (:mod:`microrl.rollout.worker.main`) holding its own
-copy of the policy. Jobs run in submission order with each weight push queued between them, so
-a job's version is known when it is submitted. The first push streams every tensor in chunks
-(no process holds a second host copy); later ones send what the optimizer changes, packed once
-and broadcast asynchronously (:class:`~microrl.rollout.weights.gloo.GlooBroadcast`). The worker
-answers each push with its probe log-probs and the tensors' checksums, checked when the answer
-arrives (``SyncCheckError`` names the version and the tensors). docs/async.md.
+:class:`AsyncRollout` spawns one worker (:mod:`microrl.rollout.worker.main`) with its own copy
+of the policy. Jobs and weight pushes run in submission order, so a job's version is known when
+it is submitted; each push is checked by the worker's probe log-probs and tensor checksums
+(``SyncCheckError``). docs/async.md.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import signal
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -52,7 +48,6 @@ from microrl.rollout.worker.main import (
 from microrl.rollout.worker.stream import (
     Entry,
     Packed,
-    check_layout,
     pack,
     send_chunks,
     send_stream,
@@ -132,7 +127,6 @@ class AsyncRollout(WorkerSampler):
         self._store = TCPStore(
             "127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout
         )
-        device = engine.device  # the compute device (parameters may be offloaded to the host)
         spec = WorkerSpec(
             name=self.name,
             model_config=unwrapped_attention(base.config),
@@ -143,7 +137,7 @@ class AsyncRollout(WorkerSampler):
             store_port=self._store.port,
             timeout_s=self.timeout_s,
             num_threads=options.num_threads,
-            device="cpu" if device.type == "cpu" else str(device),
+            device="cpu" if engine.device.type == "cpu" else str(engine.device),
             env_maker=env_bytes,
             base_dtype=setup.base_dtype(engine.config),
             autocast_dtype=engine_autocast_dtype(engine),
@@ -190,7 +184,6 @@ class AsyncRollout(WorkerSampler):
             raise
 
     def _close(self) -> None:
-        """Stop the worker (a ``close`` command, then terminate/kill) and release the group."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:  # first: a live worker still takes a push in flight
             finalizer()
@@ -225,17 +218,12 @@ class AsyncRollout(WorkerSampler):
         return self._group.broadcast(chunk, 0)
 
     def _push(self, engine, version: int) -> None:
-        """Through :attr:`weight_sync`; returns at once (the worker loads it after the jobs
-        before). Collective under ``torchrun`` (the weights are gathered)."""
-        self.weight_sync.push(engine, version)
+        self.weight_sync.push(engine, version)  # collective under torchrun: a gather
 
     def pack(self, engine) -> Packed:
-        """The trainable tensors, gathered one at a time into one host buffer (collective under
-        ``torchrun``)."""
-        entries = self._layouts["trainable"]
+        """The trainable tensors, gathered one at a time into one host buffer (collective)."""
         weights = FullWeights(engine.module, self.prefix, trainable_only=True)
-        check_layout(self._layout(engine, trainable_only=True), entries, self.name)
-        return pack(weights, entries)
+        return pack(weights, self._layouts["trainable"])  # RuntimeError: the layout changed
 
     def push_version(
         self,
@@ -244,16 +232,11 @@ class AsyncRollout(WorkerSampler):
         version: int,
         expected=None,
     ) -> None:
-        """Send ``state`` (the trainable tensors: :meth:`pack`'s, or gathered by name) as
-        ``version``; ``expected``: its :meth:`expected_of` when the caller computed it (a pool:
-        once for all its workers)."""
+        """Send ``state`` (the trainable tensors: :meth:`pack`'s, or by name) as ``version``;
+        ``expected``: its :meth:`expected_of` when the caller computed it (a pool: once)."""
         self._check_open()
-        entries = self._layouts["trainable"]
         if not isinstance(state, Packed):
-            check_layout(
-                [(n, tuple(t.shape), t.dtype) for n, t in state.items()], entries, self.name
-            )
-            state = pack(state.items(), entries)
+            state = pack(state.items(), self._layouts["trainable"])
         self.version = version
         self._expected[version] = expected or self.expected_of(engine, state)
         self._send(
@@ -271,8 +254,7 @@ class AsyncRollout(WorkerSampler):
         return engine.infer_batch(self.probe)["logprobs"].float().cpu()
 
     def _broadcast(self, buffer: torch.Tensor, chunk_bytes: int) -> None:
-        """A packed push's chunks, broadcast without waiting for the worker (it receives them
-        at its ``weights`` command); the buffer is kept until every chunk has left."""
+        """A packed push's chunks, broadcast without waiting; the buffer is kept until they left."""
         self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
         for work in send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
             self._pending_works.append((work, [buffer]))
@@ -296,7 +278,6 @@ class AsyncRollout(WorkerSampler):
         return self._submit("generate", (prompts, params, images), params, seed)
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
-        # HFRollout.run_episodes in the worker, each row's environment built there by env_maker
         return self._submit("episodes", (problems, params, limits), params, seed)
 
     def collect(self, job: Job) -> Rollout:
@@ -320,13 +301,7 @@ class AsyncRollout(WorkerSampler):
 
     def poll(self) -> None:
         self._check_open()
-        while True:
-            try:
-                message = self._results.get_nowait()
-            except queue.Empty:
-                return
-            except ChannelClosed:
-                raise self._died("its next message") from None
+        while (message := self._next_message("its next message", wait=False)) is not None:
             self._handle(message)
 
     def _receive(self, what: str, until: str | None = None) -> None:
@@ -336,15 +311,17 @@ class AsyncRollout(WorkerSampler):
             if until is None:
                 return
 
-    def _next_message(self, what: str):
-        """The worker's next message; :class:`WorkerError` when it died (its end of the pipe
-        closes, also mid-message) or sent nothing for ``timeout_s``."""
+    def _next_message(self, what: str, wait: bool = True):
+        """The worker's next message (``wait=False``: None unless one is here whole);
+        :class:`WorkerError` when it died or sent nothing for ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                return self._results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                timeout = min(1.0, max(0.01, deadline - time.monotonic())) if wait else 0
+                return self._results.get(timeout=timeout)
             except queue.Empty:
-                pass
+                if not wait:
+                    return None
             except ChannelClosed:
                 raise self._died(what) from None
             if not self.process.is_alive():  # dead, its pipe held open by a process it started
@@ -363,7 +340,6 @@ class AsyncRollout(WorkerSampler):
             raise self._died(f"it to take {what}") from None
 
     def _died(self, what: str) -> WorkerError:
-        """The error of a worker whose channel closed, with its exit code once reaped."""
         self.process.join(timeout=5)
         return WorkerError(
             f"{self.name} (pid {self.process.pid}) died with exit code "
@@ -438,18 +414,13 @@ def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
 
 
 def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:
-    """Ask the worker to exit (between jobs), then terminate, then kill; close the channels."""
+    """Ask the worker to exit, then terminate, then kill; close the channels."""
     if process.is_alive():
         with contextlib.suppress(ChannelClosed):
             commands.put(("close",))
         process.join(timeout=3)  # an idle worker exits at once; a busy one is stopped
     if process.is_alive():
-        process.terminate()
-        with contextlib.suppress(OSError):  # a stopped (SIGSTOP) process gets the SIGTERM now
-            os.kill(process.pid, signal.SIGCONT)
-        process.join(timeout=5)
-    if process.is_alive():
-        process.kill()
+        watcher.stop([("process", process.pid)])  # our child: its pid is not reused unreaped
         process.join(timeout=5)
     for end in (commands, results):
         with contextlib.suppress(Exception):

@@ -1,13 +1,12 @@
-"""The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
-
-``AsyncRollout`` spawns it to sample its own copy of the model with ``HFRollout``. Weights come
-over a private two-rank gloo group; the rest as pickled tuples named by their first item:
+"""The generation worker process of ``AsyncRollout`` (docs/async.md): ``HFRollout`` on its own
+copy of the model. Weights come over a private two-rank gloo group; the rest as tuples named by
+their first item:
 
 - trainer -> worker: ``("layout", layouts)`` once; ``("weights", version, layout, chunk_bytes)``;
   ``("generate" | "episodes", job, seed, args)``; ``("close",)``.
 - worker -> trainer: ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs,
   checksums, seconds)``, ``("done", job, version, payload, seconds)``, ``("job_error", job,
-  error)``, ``("error", traceback)`` (fatal). It ignores SIGINT, and exits when the trainer does.
+  error)``, ``("error", traceback)`` (fatal).
 """
 
 from __future__ import annotations
@@ -141,7 +140,7 @@ def score_probe(
 
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     """The trainer's architecture and LoRA structure, randomly initialised (the first push
-    overwrites every tensor), built on ``spec.device`` in the base's storage dtype."""
+    overwrites it) on ``spec.device`` in the base's storage dtype."""
     from microrl.engine.setup import apply_lora, auto_model_class
     from microrl.engine.vision import vision_spec
 
@@ -286,15 +285,8 @@ class _Worker:
 
 
 def rollout_payload(rollout) -> dict[str, Any]:
-    """A :class:`~microrl.rollout.Rollout` as plain picklable parts."""
-    return {
-        "batch": {key: value for key, value in rollout.batch.items()},
-        "texts": rollout.texts,
-        "group_ids": rollout.group_ids,
-        "rewards": rollout.rewards,
-        "num_turns": rollout.num_turns,
-        "metrics": dict(rollout.metrics),
-    }
+    """A :class:`~microrl.rollout.Rollout`'s fields, its batch a plain dict."""
+    return {**vars(rollout), "batch": dict(rollout.batch.items())}
 
 
 def _picklable(err: Exception) -> Exception:

@@ -19,7 +19,6 @@ __all__ = [
     "Entry",
     "Packed",
     "as_bytes",
-    "check_layout",
     "pack",
     "receive_stream",
     "send_chunks",
@@ -64,15 +63,6 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float, float]:
         squares += float((x * x).sum())
         magnitude += float(x.abs().sum())
     return total, squares, magnitude
-
-
-def check_layout(found: Sequence[Entry], expected: Sequence[Entry], what: str) -> None:
-    """``RuntimeError`` unless the tensors about to be pushed are the worker's start layout."""
-    if [(n, tuple(s), d) for n, s, d in found] != [(n, tuple(s), d) for n, s, d in expected]:
-        raise RuntimeError(
-            f"the engine's tensors changed since {what} started (names, shapes or dtypes): a "
-            "worker copies a fixed set"
-        )
 
 
 def _checked(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]):
