@@ -39,8 +39,8 @@ class Receiver:
         self._buffer = bytearray()
 
     def get(self, timeout: float | None = None) -> Any:
-        """The next message, waiting at most ``timeout`` seconds (None: without end), else
-        ``queue.Empty``; :class:`ChannelClosed` when the writer is gone."""
+        """The next message, waiting at most ``timeout`` seconds (None: without end; 0: if it is
+        here whole), else ``queue.Empty``; :class:`ChannelClosed` when the writer is gone."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while (size := self._whole_message()) is None:
             self._read(deadline)
@@ -49,10 +49,6 @@ class Receiver:
             message = pickle.loads(view[_HEADER.size : end])  # a Sender of ours, never a stranger
         del self._buffer[:end]
         return message
-
-    def get_nowait(self) -> Any:
-        """The next message if it is here whole, else ``queue.Empty``."""
-        return self.get(0)
 
     def close(self) -> None:
         self._connection.close()
@@ -125,10 +121,9 @@ def start_process(
     args: Sequence[Any],
     **process_options: Any,
 ) -> tuple[Any, Sender, Receiver]:
-    """Start ``target(*args, commands, results)`` (connections to wrap in :class:`Receiver` and
-    :class:`Sender`) in a process of ``context``, not ``fork`` (the child would inherit this
-    side's ends). Returns the process, the :class:`Sender` of commands, :class:`Receiver` of
-    results."""
+    """Start ``target(*args, commands, results)`` (connections for a :class:`Receiver`, a
+    :class:`Sender`) in a process of ``context``, not ``fork`` (it would inherit this side's
+    ends). Returns the process, the :class:`Sender` of commands, :class:`Receiver` of results."""
     if context.get_start_method() == "fork":
         raise ValueError("start_process needs a 'spawn' or 'forkserver' context, not 'fork'")
     commands_read, commands_write = context.Pipe(duplex=False)

@@ -87,8 +87,7 @@ class AsyncRolloutPool(WorkerSampler):
     """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together.
 
     Args:
-        engine, tokenizer, options: as :class:`AsyncRollout`'s, for every worker
-            (``options.num_threads`` each).
+        engine, tokenizer, options: as :class:`AsyncRollout`'s, for every worker.
         num_workers: the worker processes (``rollout.num_workers``), >= 1.
         name: how errors name the workers (each ``"<name> <i> of <num_workers>"``).
 
@@ -108,14 +107,13 @@ class AsyncRolloutPool(WorkerSampler):
         options = self._start(engine, tokenizer, options, checks=False)
         rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
         base = name or "the rollout worker"
-        #: How errors name the pool.
         self.name = f"the {count} rollout workers{rank}" if name is None else f"{name} 1-{count}"
         #: Per collected job: the CPU seconds of all its parts (``job_seconds``: the slowest's).
         self.job_cpu_seconds: list[float] = []
         warn_if_oversubscribed(self.name, [options.num_threads] * count)
         #: The workers, in the order of the chunks they sample.
         self.workers: list[AsyncRollout] = []
-        #: How each sync reaches the workers: gathered once, broadcast to each.
+        #: Gathered once, broadcast to each worker.
         self.weight_sync = GlooBroadcast(self.workers)
         try:
             for index in range(count):  # spawned together: each builds its model meanwhile
@@ -134,11 +132,6 @@ class AsyncRolloutPool(WorkerSampler):
         except BaseException:
             self.close()
             raise
-
-    @property
-    def processes(self) -> list:
-        """The workers' processes."""
-        return [worker.process for worker in self.workers]
 
     @property
     def sync_stats(self) -> dict[int, dict[str, float]]:

@@ -45,13 +45,6 @@ from microrl.rollout.worker.main import (
     tensor_family,
     worker_main,
 )
-from microrl.rollout.worker.stream import (
-    Entry,
-    Packed,
-    pack,
-    send_chunks,
-    send_stream,
-)
 
 if TYPE_CHECKING:  # annotations only
     from microrl.engine.base import Engine
@@ -66,15 +59,12 @@ class AsyncRollout(WorkerSampler):
     """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
 
     Args:
-        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its weights
-            now are pushed as ``version``.
+        engine: the :class:`~microrl.engine.ActorEngine` sampled; its weights are ``version``.
         tokenizer: its tokenizer (picklable: it is sent to the worker).
         options: :class:`~microrl.rollout.sampler.SamplerOptions` (None: the defaults).
         name: how errors name the worker.
-        wait: False: spawn the worker and return at once; :meth:`wait_started` completes the
-            start (the first push and its check), so a pool spawns its workers together.
-        check_threads: warn when the trainer's and the worker's threads oversubscribe the
-            cores (a pool checks all its workers together instead).
+        wait: False: return once spawned; :meth:`wait_started` completes the start.
+        check_threads: warn when the trainer's and the worker's threads oversubscribe the cores.
 
     Under ``torchrun`` each rank owns one (its own worker); :meth:`sync` is collective.
     """
@@ -90,18 +80,15 @@ class AsyncRollout(WorkerSampler):
         check_threads: bool = True,
     ) -> None:
         options = self._start(engine, tokenizer, options)
-        self.name = name or (
-            f"the rollout worker of rank {distributed.rank()}"
-            if distributed.is_distributed()
-            else "the rollout worker"
-        )
+        rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
+        self.name = name or f"the rollout worker{rank}"
         #: The worker's CPU seconds per job (less than the wall time: it waited for a core).
         self.job_cpu_seconds: list[float] = []
         #: Where the causal LM sits in the engine's module (its tensors are named from there).
         self.prefix, base = locate_base_model(engine.module)
         self._expected: dict[int, tuple[torch.Tensor, dict[str, tuple[float, ...]]]] = {}
         self._done: dict[int, tuple[int, Any, tuple[float, float]]] = {}
-        self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
+        self._pending_works: list[tuple[Any, torch.Tensor]] = []  # a work and what it sends
         self.process = None
         env_bytes = None
         if self.env_maker is not None:
@@ -114,7 +101,6 @@ class AsyncRollout(WorkerSampler):
                 ) from err
         if check_threads:
             warn_if_oversubscribed(self.name, [options.num_threads])
-        #: How each sync reaches the worker: over its gloo group.
         self.weight_sync: WeightSync = GlooBroadcast([self])
         self._spawn(engine, base, tokenizer, env_bytes, options)
         if wait:
@@ -199,7 +185,7 @@ class AsyncRollout(WorkerSampler):
             with contextlib.suppress(ChannelClosed):
                 self._commands.put(("close",))
 
-    def _layout(self, engine, *, trainable_only: bool) -> list[Entry]:
+    def _layout(self, engine, *, trainable_only: bool) -> list[stream.Entry]:
         """``(name, shape, dtype)`` of each tensor a push of this kind sends (no gather)."""
         weights = FullWeights(engine.module, self.prefix, trainable_only=trainable_only)
         return [(name, shape, dtype) for name, dtype, shape in weights.metadata()]
@@ -211,7 +197,7 @@ class AsyncRollout(WorkerSampler):
         chunk = stream.CHUNK_BYTES
         self._send(("weights", self.version, "full", chunk), "the first weights")
         weights = FullWeights(engine.module, self.prefix)
-        checksums = send_stream(weights, entries, self._broadcast_chunk, chunk)
+        checksums = stream.send_stream(weights, entries, self._broadcast_chunk, chunk)
         self._expected[self.version] = (self._probe_logprobs(engine), checksums)
 
     def _broadcast_chunk(self, chunk: torch.Tensor):
@@ -220,23 +206,23 @@ class AsyncRollout(WorkerSampler):
     def _push(self, engine, version: int) -> None:
         self.weight_sync.push(engine, version)  # collective under torchrun: a gather
 
-    def pack(self, engine) -> Packed:
+    def pack(self, engine) -> stream.Packed:
         """The trainable tensors, gathered one at a time into one host buffer (collective)."""
         weights = FullWeights(engine.module, self.prefix, trainable_only=True)
-        return pack(weights, self._layouts["trainable"])  # RuntimeError: the layout changed
+        return stream.pack(weights, self._layouts["trainable"])  # RuntimeError: out of layout
 
     def push_version(
         self,
         engine,
-        state: Packed | Mapping[str, torch.Tensor],
+        state: stream.Packed | Mapping[str, torch.Tensor],
         version: int,
         expected=None,
     ) -> None:
         """Send ``state`` (the trainable tensors: :meth:`pack`'s, or by name) as ``version``;
         ``expected``: its :meth:`expected_of` when the caller computed it (a pool: once)."""
         self._check_open()
-        if not isinstance(state, Packed):
-            state = pack(state.items(), self._layouts["trainable"])
+        if not isinstance(state, stream.Packed):
+            state = stream.pack(state.items(), self._layouts["trainable"])
         self.version = version
         self._expected[version] = expected or self.expected_of(engine, state)
         self._send(
@@ -245,9 +231,11 @@ class AsyncRollout(WorkerSampler):
         )
         self._broadcast(state.buffer, stream.CHUNK_BYTES)
 
-    def expected_of(self, engine, state: Packed | Mapping[str, torch.Tensor]):
+    def expected_of(self, engine, state: stream.Packed | Mapping[str, torch.Tensor]):
         """What the worker must answer to a push of ``state``: the probe's log-probs, checksums."""
-        sums = state.checksums if isinstance(state, Packed) else tensor_checksums(state.items())
+        sums = (
+            state.checksums if isinstance(state, stream.Packed) else tensor_checksums(state.items())
+        )
         return self._probe_logprobs(engine), sums
 
     def _probe_logprobs(self, engine) -> torch.Tensor:
@@ -256,8 +244,8 @@ class AsyncRollout(WorkerSampler):
     def _broadcast(self, buffer: torch.Tensor, chunk_bytes: int) -> None:
         """A packed push's chunks, broadcast without waiting; the buffer is kept until they left."""
         self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
-        for work in send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
-            self._pending_works.append((work, [buffer]))
+        for work in stream.send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
+            self._pending_works.append((work, buffer))
 
     def _submit(self, kind: str, args: tuple, params: SamplingParams, seed: int | None) -> Job:
         job, seed = self._new_job(kind, params, seed)  # the worker seeds the job with it
@@ -294,7 +282,7 @@ class AsyncRollout(WorkerSampler):
                 f"{self.name} sampled job {job.id} with policy version {version}, but "
                 f"version {job.version} was the last pushed before it"
             )
-        rows = len(payload["texts"])  # the parts of worker.main.rollout_payload
+        rows = len(payload["texts"])  # a Rollout's fields, its batch a dict (worker.main)
         batch = payload["batch"] = TensorDict(payload["batch"], batch_size=[rows])
         batch[POLICY_VERSION_KEY] = torch.full((rows,), version, dtype=torch.long)
         return Rollout(**payload), seconds

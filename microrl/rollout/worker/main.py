@@ -254,26 +254,22 @@ class _Worker:
         try:
             if kind == "generate":
                 prompts, params, images = args
-                result = rollout_payload(self.sampler.generate(prompts, params, images=images))
+                rollout = self.sampler.generate(prompts, params, images=images)
             else:
-                problems, params, limits = args
-                maker = self.env_maker
-                if maker is None:
-                    raise ValueError(f"{self.spec.name} was started without an env_maker")
+                problems, params, limits = args  # submit_episodes checked the env_maker
                 images = (  # the problems' own images (they travel with the job)
                     [list(p.images) for p in problems]
                     if any(getattr(p, "images", ()) for p in problems)
                     else None
                 )
-                result = rollout_payload(
-                    self.sampler.run_episodes(
-                        [p.prompt for p in problems],
-                        lambda i: maker(problems[i]),
-                        params,
-                        **limits,
-                        images=images,
-                    )
+                rollout = self.sampler.run_episodes(
+                    [p.prompt for p in problems],
+                    lambda i: self.env_maker(problems[i]),
+                    params,
+                    **limits,
+                    images=images,
                 )
+            result = {**vars(rollout), "batch": dict(rollout.batch.items())}  # a plain batch
         except Exception as err:
             self.results.put(("job_error", job, _picklable(err)))
             return
@@ -282,11 +278,6 @@ class _Worker:
                 torch.cuda.empty_cache()  # the KV cache of generate: back to the trainer's GPU
         seconds = (time.perf_counter() - start, time.process_time() - cpu)
         self.results.put(("done", job, self.version, result, seconds))
-
-
-def rollout_payload(rollout) -> dict[str, Any]:
-    """A :class:`~microrl.rollout.Rollout`'s fields, its batch a plain dict."""
-    return {**vars(rollout), "batch": dict(rollout.batch.items())}
 
 
 def _picklable(err: Exception) -> Exception:

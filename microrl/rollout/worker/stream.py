@@ -1,9 +1,8 @@
 """The bytes of a weight push between the trainer and an ``hf`` worker, in bounded chunks.
 
 A push is every tensor of a layout, in order, as raw bytes of its storage dtype, cut into chunks
-of at most ``chunk_bytes`` (one gloo broadcast each) regardless of tensor boundaries. The first
-push (the whole model) is streamed, never whole on the host (:func:`send_stream`,
-:func:`receive_stream`); later ones are packed once (:func:`pack`) and broadcast asynchronously.
+of at most ``chunk_bytes`` (one gloo broadcast each). The first push (the whole model) is
+streamed, never whole on the host; later ones are packed once (:func:`pack`).
 """
 
 from __future__ import annotations
@@ -101,8 +100,7 @@ def send_stream(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> dict[str, tuple[float, float, float]]:
     """Send ``named`` (in ``entries``' order) through two alternating ``chunk_bytes`` host
-    buffers (one fills while the other's ``broadcast`` runs, returning a work with ``wait()``);
-    returns the checksums once every chunk has left."""
+    buffers (one fills while the other's ``broadcast`` work runs); returns the checksums."""
     total = total_bytes(entries)
     size = max(1, min(chunk_bytes, total))
     buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(1 if total <= size else 2)]
