@@ -1,15 +1,12 @@
 """Message channels between microrl's processes that end when either side dies, at any point.
 
-Not a ``multiprocessing.Queue``: a writer killed mid-message blocks its reader for good. Here
-each direction is one pipe of which each process keeps one end, so a writer's death is an EOF
-at the reader and a reader's death a broken pipe at the writer: :class:`ChannelClosed` either
-way. :class:`Receiver` waits with a deadline until a message's last byte; :class:`Sender`
-writes from a thread, so its caller never waits for the reader.
+Not a ``multiprocessing.Queue`` (a writer killed mid-message blocks its reader for good): each
+direction is one pipe of which each process keeps one end, so either side's death is
+:class:`ChannelClosed` at the other. :class:`Sender` writes from a thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import queue
@@ -21,7 +18,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
 
-__all__ = ["ChannelClosed", "Receiver", "Sender", "close_all", "start_process"]
+from microrl.rollout.watcher import write_all
+
+__all__ = ["ChannelClosed", "Receiver", "Sender", "start_process"]
 
 # Each message: its length (8 bytes, big-endian), then its pickle.
 _HEADER = struct.Struct("!Q")
@@ -40,8 +39,8 @@ class Receiver:
         self._buffer = bytearray()
 
     def get(self, timeout: float | None = None) -> Any:
-        """The next message, waiting at most ``timeout`` seconds (None: without end), else
-        ``queue.Empty``; :class:`ChannelClosed` when the writer is gone."""
+        """The next message, waiting at most ``timeout`` seconds (None: without end; 0: if it is
+        here whole), else ``queue.Empty``; :class:`ChannelClosed` when the writer is gone."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while (size := self._whole_message()) is None:
             self._read(deadline)
@@ -50,10 +49,6 @@ class Receiver:
             message = pickle.loads(view[_HEADER.size : end])  # a Sender of ours, never a stranger
         del self._buffer[:end]
         return message
-
-    def get_nowait(self) -> Any:
-        """The next message if it is here whole, else ``queue.Empty``."""
-        return self.get(0)
 
     def close(self) -> None:
         self._connection.close()
@@ -113,17 +108,11 @@ class Sender:
         fd = self._connection.fileno()
         while (data := self._pending.get()) is not None:
             try:
-                _write_all(fd, _HEADER.pack(len(data)))
-                _write_all(fd, data)
+                write_all(fd, _HEADER.pack(len(data)))
+                write_all(fd, data)
             except OSError as err:  # BrokenPipeError: no process holds the reading end
                 self._error = err
                 return
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def start_process(
@@ -132,10 +121,9 @@ def start_process(
     args: Sequence[Any],
     **process_options: Any,
 ) -> tuple[Any, Sender, Receiver]:
-    """Start ``target(*args, commands, results)`` in a new process of ``context`` (not
-    ``fork``: the child would inherit this side's ends), the child getting the connections to
-    wrap in :class:`Receiver` and :class:`Sender`. Returns the process, this side's
-    :class:`Sender` of commands and :class:`Receiver` of results."""
+    """Start ``target(*args, commands, results)`` (connections for a :class:`Receiver`, a
+    :class:`Sender`) in a process of ``context``, not ``fork`` (it would inherit this side's
+    ends). Returns the process, the :class:`Sender` of commands, :class:`Receiver` of results."""
     if context.get_start_method() == "fork":
         raise ValueError("start_process needs a 'spawn' or 'forkserver' context, not 'fork'")
     commands_read, commands_write = context.Pipe(duplex=False)
@@ -153,10 +141,3 @@ def start_process(
         for end in (commands_read, results_write):
             end.close()
     return process, Sender(commands_write), Receiver(results_read)
-
-
-def close_all(*ends: Sender | Receiver) -> None:
-    """Close each end, whatever fails (a process's exit path)."""
-    for end in ends:
-        with contextlib.suppress(Exception):
-            end.close()

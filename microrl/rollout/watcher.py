@@ -1,12 +1,10 @@
 """What a trainer starts ends with it, however the trainer ended (docs/async.md#when-the-trainer-dies).
 
-:func:`watch` hands the trainer's servers (process groups), workers and temporary directories
-to one watcher process per trainer process, which reads a pipe whose only write end the trainer
-holds: the pipe ends with the trainer, SIGKILL included. The watcher then SIGTERMs (SIGKILLs
-after :data:`GRACE_S`) what is still watched and removes the directories. Not
-``PR_SET_PDEATHSIG``: it fires when the starting *thread* ends and reaches the child only. A pid
-is checked against its start time before a signal (never a reused pid). Directories of a
-watcher killed with its trainer are swept at the next start (:func:`sweep_stale_dirs`).
+:func:`watch` hands servers (process groups), workers and temporary directories to one watcher
+process per trainer process, reading a pipe whose only write end the trainer holds: at its EOF
+(SIGKILL included) the watcher stops what is still watched and removes the directories. Not
+``PR_SET_PDEATHSIG``: it fires when the starting *thread* ends. A pid is checked against its
+start time before a signal (never a reused pid). Stdlib only: it runs as a script.
 """
 
 from __future__ import annotations
@@ -30,9 +28,11 @@ __all__ = [
     "OWNER_FILE",
     "mark_owner",
     "release",
+    "stop",
     "sweep_stale_dirs",
     "watch",
     "watched",
+    "write_all",
 ]
 
 #: What can be watched: a process group (a server and its children), one process, a directory.
@@ -148,9 +148,14 @@ def _after_fork() -> None:
 
 def _write(fd: int, message: list) -> None:
     """One line of JSON, written whole (a pipe write of <= PIPE_BUF bytes is atomic)."""
-    data = (json.dumps(message) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data) :]
+    write_all(fd, (json.dumps(message) + "\n").encode())
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` to ``fd`` (``os.write`` may write fewer)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _stat(pid: int) -> tuple[str, int, str] | None:
@@ -169,17 +174,13 @@ def _start_time(pid: int) -> str | None:
     return None if stat is None else stat[2]
 
 
-def _has_proc() -> bool:
-    return os.path.isdir("/proc/self")
-
-
 def _exists(signal_target, pid: int) -> bool:
     try:
         signal_target(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, another user's
+        pass
     return True
 
 
@@ -189,7 +190,7 @@ def _process_alive(pid: int) -> bool:
         return False
     stat = _stat(pid)
     if stat is None:  # no /proc (it runs), or it ended just now
-        return not _has_proc()
+        return not os.path.isdir("/proc/self")
     return stat[0] not in "ZX"
 
 
@@ -197,7 +198,7 @@ def _group_alive(pgid: int) -> bool:
     """Whether a process of group ``pgid`` runs (zombies aside)."""
     if not _exists(os.killpg, pgid):
         return False
-    if not _has_proc():
+    if not os.path.isdir("/proc/self"):
         return True
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -224,20 +225,17 @@ def _alive(kind: str, target: int) -> bool:
     return _group_alive(target) if kind == "group" else _process_alive(target)
 
 
-def _stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """SIGTERM (and SIGCONT), SIGKILL after :data:`GRACE_S`; what still runs after that."""
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S)):
+def stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """SIGTERM (and SIGCONT: a stopped process gets it now) each ``(kind, pid)``, SIGKILL after
+    :data:`GRACE_S`; what still runs :data:`GRACE_S` after that."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         for kind, target in processes:
             _signal(kind, target, sig)
             if sig == signal.SIGTERM:
                 _signal(kind, target, signal.SIGCONT)
-        deadline = time.monotonic() + wait
-        while processes and time.monotonic() < deadline:
-            processes = [p for p in processes if _alive(*p)]
+        deadline = time.monotonic() + GRACE_S
+        while (processes := [p for p in processes if _alive(*p)]) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-        processes = [p for p in processes if _alive(*p)]
-        if not processes:
-            break
     return processes
 
 
@@ -248,7 +246,7 @@ def _clean_up(entries: dict[tuple[str, int | str], tuple], trainer: int) -> None
         for (kind, target), (start, _) in entries.items()
         if kind != "directory" and _same_process(kind, target, start)
     ]
-    left = _stop(processes)
+    left = stop(processes)
     directories = [target for kind, target in entries if kind == "directory"]
     for path in directories:
         shutil.rmtree(path, ignore_errors=True)

@@ -51,7 +51,7 @@ def test_messages_cross_both_ways_and_a_timed_out_get_loses_nothing() -> None:
     process, commands, results = start_process(SPAWN, echoes, (), daemon=True)
     try:
         with pytest.raises(queue.Empty):
-            results.get_nowait()
+            results.get(timeout=0)
         for _ in range(3):  # 12 MiB each way: neither side waits for the other to read
             commands.put(BIG)
         got = []

@@ -1,11 +1,9 @@
 """Several asynchronous ``hf`` generation workers behind one trainer (``rollout.num_workers``).
 
-A job's prompts are cut into ``num_workers`` contiguous chunks of whole prompts (a group never
-straddles two workers), each a job of its worker, sampled at the same time and merged back in
-the job's order. One seed is drawn per job and each part's derives from it (:func:`part_seeds`),
-so a resumed run samples what it would have. ``sync`` gathers the weights once for every worker
-(:class:`~microrl.rollout.weights.gloo.GlooBroadcast`); ``sync_stats`` holds the largest
-statistics once every worker has checked its push. docs/async.md#several-workers.
+A job's prompts are cut into contiguous chunks of whole prompts, one job per worker, sampled at
+once and merged back in order; each part's seed derives from the job's (:func:`part_seeds`), so
+a resumed run samples what it would have. ``sync`` gathers the weights once for every worker.
+docs/async.md#several-workers.
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ __all__ = [
 
 
 def _all_episodes_failed(err: Exception) -> bool:
-    """Whether ``err`` is a worker's when every episode of its part failed under
-    ``skip_env_errors`` (``microrl.rollout.episodes._Player.finish``): in a pool that part is
-    only dropped, as its rows would be from one worker, unless every part's are."""
+    """Whether every episode of a part failed under ``skip_env_errors`` (``_Player.finish``'s
+    error): the part is dropped like its rows, unless every part's are."""
     return isinstance(err, EpisodeError) and str(err).startswith("every one of the ")
 
 
@@ -59,9 +56,8 @@ def split_sizes(items: int, parts: int) -> list[int]:
 
 
 def part_seeds(seed: int, parts: int) -> list[int]:
-    """The seeds of a job's ``parts`` parts from the job's ``seed``: ``seed`` itself for the
-    first, then draws of a generator seeded with it (reproducible, distinct with overwhelming
-    probability)."""
+    """The seeds of a job's ``parts`` parts: ``seed`` itself, then draws of a generator seeded
+    with it (reproducible, distinct with overwhelming probability)."""
     if parts <= 1:
         return [seed][:parts]
     generator = torch.Generator().manual_seed(seed)
@@ -70,8 +66,7 @@ def part_seeds(seed: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Part:
-    """A part of a pool job: the worker (index) sampling it, its job there, and the range of
-    the pool job's prompts it holds (``start``, ``size``)."""
+    """A part of a pool job: the worker index, its job there, and its prompts' range."""
 
     worker: int
     job: Job
@@ -81,8 +76,7 @@ class Part:
 
 @dataclass(frozen=True)
 class PoolJob(Job):
-    """A job of an :class:`AsyncRolloutPool`: ``id``, ``version`` and ``kind`` as a
-    :class:`Job`'s, and its :class:`Part` on each worker that samples some of it."""
+    """A job of an :class:`AsyncRolloutPool`: a :class:`Job` and its :class:`Part` per worker."""
 
     parts: tuple[Part, ...] = ()
     num_samples: int = 1
@@ -93,8 +87,7 @@ class AsyncRolloutPool(WorkerSampler):
     """``num_workers`` :class:`AsyncRollout` workers sampling the parts of each job together.
 
     Args:
-        engine, tokenizer, options: as :class:`AsyncRollout`'s, for every worker
-            (``options.num_threads`` each).
+        engine, tokenizer, options: as :class:`AsyncRollout`'s, for every worker.
         num_workers: the worker processes (``rollout.num_workers``), >= 1.
         name: how errors name the workers (each ``"<name> <i> of <num_workers>"``).
 
@@ -114,15 +107,13 @@ class AsyncRolloutPool(WorkerSampler):
         options = self._start(engine, tokenizer, options, checks=False)
         rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
         base = name or "the rollout worker"
-        #: How errors name the pool.
         self.name = f"the {count} rollout workers{rank}" if name is None else f"{name} 1-{count}"
-        #: Per collected job: the wall seconds of its slowest part (``job_seconds``: the parts
-        #: run at once) and the CPU seconds of all its parts.
+        #: Per collected job: the CPU seconds of all its parts (``job_seconds``: the slowest's).
         self.job_cpu_seconds: list[float] = []
         warn_if_oversubscribed(self.name, [options.num_threads] * count)
         #: The workers, in the order of the chunks they sample.
         self.workers: list[AsyncRollout] = []
-        #: How each sync reaches the workers: gathered once, broadcast to each.
+        #: Gathered once, broadcast to each worker.
         self.weight_sync = GlooBroadcast(self.workers)
         try:
             for index in range(count):  # spawned together: each builds its model meanwhile
@@ -141,12 +132,6 @@ class AsyncRolloutPool(WorkerSampler):
         except BaseException:
             self.close()
             raise
-
-    # ----------------------------------------------------------------- state
-    @property
-    def processes(self) -> list:
-        """The workers' processes."""
-        return [worker.process for worker in self.workers]
 
     @property
     def sync_stats(self) -> dict[int, dict[str, float]]:
@@ -168,7 +153,7 @@ class AsyncRolloutPool(WorkerSampler):
             worker.close()
 
     def _push(self, engine, version: int) -> None:
-        self.weight_sync.push(engine, version)  # gathered once, checked by each worker
+        self.weight_sync.push(engine, version)
 
     def poll(self) -> None:
         self._check_open()
@@ -196,8 +181,7 @@ class AsyncRolloutPool(WorkerSampler):
     def _split(
         self, items: int, params: SamplingParams, submit, kind="generate", skip_env_errors=False
     ) -> PoolJob:
-        """``submit(worker, part, params, seed)`` for each worker's contiguous slice ``part``
-        of the ``items``."""
+        """``submit(worker, part, params, seed)`` for each worker's slice ``part`` of the items."""
         job, seed = self._new_job(kind, params)
         seeds = part_seeds(seed, len(self.workers))
         parts, start = [], 0
@@ -236,10 +220,10 @@ class AsyncRolloutPool(WorkerSampler):
             worker.poll()
         self.job_seconds.append(max((s[0] for _, _, s in results), default=0.0))
         self.job_cpu_seconds.append(sum(s[1] for _, _, s in results))
+        failed = sum(part.size for part in dropped) * job.num_samples
         if not results:
-            rows = sum(part.size for part in dropped) * job.num_samples
             raise EpisodeError(
-                f"every one of the {rows} episodes failed in its environment "
+                f"every one of the {failed} episodes failed in its environment "
                 "(rollout.skip_env_errors drops failed rows, but none is left)"
             )
         rollouts = [rollout for _, rollout, _ in results]
@@ -250,8 +234,7 @@ class AsyncRolloutPool(WorkerSampler):
         )
         metrics = dict(merged.metrics)
         if dropped:
-            errors = sum(part.size for part in dropped) * job.num_samples
-            metrics["episodes/env_errors"] = metrics.get("episodes/env_errors", 0.0) + errors
+            metrics["episodes/env_errors"] = metrics.get("episodes/env_errors", 0.0) + failed
         # Each part's group ids index its chunk: shifted to index the job's prompts (a prompt
         # whose every row was dropped keeps its gap, as from one worker).
         group_ids = torch.cat([rollout.group_ids + part.start for part, rollout, _ in results])
@@ -263,9 +246,8 @@ class AsyncRolloutPool(WorkerSampler):
 
 
 def _located(err: Exception, worker: AsyncRollout, part: Part) -> Exception:
-    """``err`` of a part's job, with a note saying which worker and prompts it came from
-    (its row and prompt indices count within the part). A worker's own errors (a failed
-    check, a dead or hung worker) name it already."""
+    """``err`` of a part's job, with a note naming its worker and prompts (a worker's own
+    errors name it already)."""
     if not isinstance(err, WorkerError | SyncCheckError):
         err.add_note(
             f"(from {worker.name}, sampling prompts {part.start}..{part.start + part.size - 1} "

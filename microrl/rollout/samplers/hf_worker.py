@@ -1,12 +1,9 @@
 """Asynchronous ``hf`` rollouts: a generation worker process that samples while the trainer trains.
 
-:class:`AsyncRollout` spawns one worker (:mod:`microrl.rollout.worker.main`) holding its own
-copy of the policy. Jobs run in submission order with each weight push queued between them, so
-a job's version is known when it is submitted. The first push streams every tensor in chunks
-(no process holds a second host copy); later ones send what the optimizer changes, packed once
-and broadcast asynchronously (:class:`~microrl.rollout.weights.gloo.GlooBroadcast`). The worker
-answers each push with its probe log-probs and the tensors' checksums, checked when the answer
-arrives (``SyncCheckError`` names the version and the tensors). docs/async.md.
+:class:`AsyncRollout` spawns one worker (:mod:`microrl.rollout.worker.main`) with its own copy
+of the policy. Jobs and weight pushes run in submission order, so a job's version is known when
+it is submitted; each push is checked by the worker's probe log-probs and tensor checksums
+(``SyncCheckError``). docs/async.md.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import signal
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -35,7 +31,7 @@ from microrl.engine.parallel import distributed
 from microrl.engine.parallel.ulysses_attention import base_implementation
 from microrl.rollout import watcher
 from microrl.rollout.base import Images, Prompts, Rollout, SamplingParams
-from microrl.rollout.channel import ChannelClosed, Receiver, Sender, close_all, start_process
+from microrl.rollout.channel import ChannelClosed, Receiver, Sender, start_process
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, WorkerError, WorkerSampler
 from microrl.rollout.samplers.hf import engine_autocast_dtype
 from microrl.rollout.weights.full_weights import FullWeights
@@ -45,19 +41,9 @@ from microrl.rollout.worker import stream
 from microrl.rollout.worker.main import (
     WorkerSpec,
     checksums_differ,
-    dumps,
-    loads,
     tensor_checksums,
     tensor_family,
     worker_main,
-)
-from microrl.rollout.worker.stream import (
-    Entry,
-    Packed,
-    check_layout,
-    pack,
-    send_chunks,
-    send_stream,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -73,15 +59,12 @@ class AsyncRollout(WorkerSampler):
     """The ``hf`` backend in a worker process: submit jobs now, collect their rollouts later.
 
     Args:
-        engine: the :class:`~microrl.engine.ActorEngine` whose policy is sampled; its weights
-            now are pushed as ``version``.
+        engine: the :class:`~microrl.engine.ActorEngine` sampled; its weights are ``version``.
         tokenizer: its tokenizer (picklable: it is sent to the worker).
         options: :class:`~microrl.rollout.sampler.SamplerOptions` (None: the defaults).
         name: how errors name the worker.
-        wait: False: spawn the worker and return at once; :meth:`wait_started` completes the
-            start (the first push and its check), so a pool spawns its workers together.
-        check_threads: warn when the trainer's and the worker's threads oversubscribe the
-            cores (a pool checks all its workers together instead).
+        wait: False: return once spawned; :meth:`wait_started` completes the start.
+        check_threads: warn when the trainer's and the worker's threads oversubscribe the cores.
 
     Under ``torchrun`` each rank owns one (its own worker); :meth:`sync` is collective.
     """
@@ -97,23 +80,20 @@ class AsyncRollout(WorkerSampler):
         check_threads: bool = True,
     ) -> None:
         options = self._start(engine, tokenizer, options)
-        self.name = name or (
-            f"the rollout worker of rank {distributed.rank()}"
-            if distributed.is_distributed()
-            else "the rollout worker"
-        )
+        rank = f" of rank {distributed.rank()}" if distributed.is_distributed() else ""
+        self.name = name or f"the rollout worker{rank}"
         #: The worker's CPU seconds per job (less than the wall time: it waited for a core).
         self.job_cpu_seconds: list[float] = []
         #: Where the causal LM sits in the engine's module (its tensors are named from there).
         self.prefix, base = locate_base_model(engine.module)
         self._expected: dict[int, tuple[torch.Tensor, dict[str, tuple[float, ...]]]] = {}
         self._done: dict[int, tuple[int, Any, tuple[float, float]]] = {}
-        self._pending_works: list[tuple[Any, list[torch.Tensor]]] = []
+        self._pending_works: list[tuple[Any, torch.Tensor]] = []  # a work and what it sends
         self.process = None
         env_bytes = None
         if self.env_maker is not None:
             try:
-                env_bytes = dumps(self.env_maker)
+                env_bytes = pickle.dumps(self.env_maker)
             except (pickle.PicklingError, TypeError, AttributeError) as err:
                 raise ValueError(
                     "env_maker cannot be sent to the rollout worker process (it must be "
@@ -121,7 +101,6 @@ class AsyncRollout(WorkerSampler):
                 ) from err
         if check_threads:
             warn_if_oversubscribed(self.name, [options.num_threads])
-        #: How each sync reaches the worker: over its gloo group.
         self.weight_sync: WeightSync = GlooBroadcast([self])
         self._spawn(engine, base, tokenizer, env_bytes, options)
         if wait:
@@ -134,7 +113,6 @@ class AsyncRollout(WorkerSampler):
         self._store = TCPStore(
             "127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout
         )
-        device = engine.device  # the compute device (parameters may be offloaded to the host)
         spec = WorkerSpec(
             name=self.name,
             model_config=unwrapped_attention(base.config),
@@ -145,7 +123,7 @@ class AsyncRollout(WorkerSampler):
             store_port=self._store.port,
             timeout_s=self.timeout_s,
             num_threads=options.num_threads,
-            device="cpu" if device.type == "cpu" else str(device),
+            device="cpu" if engine.device.type == "cpu" else str(engine.device),
             env_maker=env_bytes,
             base_dtype=setup.base_dtype(engine.config),
             autocast_dtype=engine_autocast_dtype(engine),
@@ -174,7 +152,7 @@ class AsyncRollout(WorkerSampler):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             self._check_open()
-            self._wait_for("hello", "it to start")
+            self._receive("it to start", until="hello")
             self._group = ProcessGroupGloo(
                 PrefixStore("microrl-rollout", self._store), 0, 2, timeout
             )
@@ -183,7 +161,7 @@ class AsyncRollout(WorkerSampler):
                 "trainable": self._layout(engine, trainable_only=True),
             }
             self._send(("layout", self._layouts), "its layout")
-            self._wait_for("ready", "it to check the model's tensors")
+            self._receive("it to check the model's tensors", until="ready")
             self._stream_full(engine)
             while self.version not in self.sync_stats:
                 self._receive(f"the check of the weights of policy version {self.version}")
@@ -192,7 +170,6 @@ class AsyncRollout(WorkerSampler):
             raise
 
     def _close(self) -> None:
-        """Stop the worker (a ``close`` command, then terminate/kill) and release the group."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:  # first: a live worker still takes a push in flight
             finalizer()
@@ -208,7 +185,7 @@ class AsyncRollout(WorkerSampler):
             with contextlib.suppress(ChannelClosed):
                 self._commands.put(("close",))
 
-    def _layout(self, engine, *, trainable_only: bool) -> list[Entry]:
+    def _layout(self, engine, *, trainable_only: bool) -> list[stream.Entry]:
         """``(name, shape, dtype)`` of each tensor a push of this kind sends (no gather)."""
         weights = FullWeights(engine.module, self.prefix, trainable_only=trainable_only)
         return [(name, shape, dtype) for name, dtype, shape in weights.metadata()]
@@ -220,42 +197,32 @@ class AsyncRollout(WorkerSampler):
         chunk = stream.CHUNK_BYTES
         self._send(("weights", self.version, "full", chunk), "the first weights")
         weights = FullWeights(engine.module, self.prefix)
-        checksums = send_stream(weights, entries, self._broadcast_chunk, chunk)
+        checksums = stream.send_stream(weights, entries, self._broadcast_chunk, chunk)
         self._expected[self.version] = (self._probe_logprobs(engine), checksums)
 
     def _broadcast_chunk(self, chunk: torch.Tensor):
         return self._group.broadcast(chunk, 0)
 
     def _push(self, engine, version: int) -> None:
-        """Through :attr:`weight_sync`; returns at once (the worker loads it after the jobs
-        before). Collective under ``torchrun`` (the weights are gathered)."""
-        self.weight_sync.push(engine, version)
+        self.weight_sync.push(engine, version)  # collective under torchrun: a gather
 
-    def pack(self, engine) -> Packed:
-        """The trainable tensors, gathered one at a time into one host buffer (collective under
-        ``torchrun``)."""
-        entries = self._layouts["trainable"]
+    def pack(self, engine) -> stream.Packed:
+        """The trainable tensors, gathered one at a time into one host buffer (collective)."""
         weights = FullWeights(engine.module, self.prefix, trainable_only=True)
-        check_layout(self._layout(engine, trainable_only=True), entries, self.name)
-        return pack(weights, entries)
+        return stream.pack(weights, self._layouts["trainable"])  # RuntimeError: out of layout
 
     def push_version(
         self,
         engine,
-        state: Packed | Mapping[str, torch.Tensor],
+        state: stream.Packed | Mapping[str, torch.Tensor],
         version: int,
         expected=None,
     ) -> None:
-        """Send ``state`` (the trainable tensors: :meth:`pack`'s, or gathered by name) as
-        ``version``; ``expected``: its :meth:`expected_of` when the caller computed it (a pool:
-        once for all its workers)."""
+        """Send ``state`` (the trainable tensors: :meth:`pack`'s, or by name) as ``version``;
+        ``expected``: its :meth:`expected_of` when the caller computed it (a pool: once)."""
         self._check_open()
-        entries = self._layouts["trainable"]
-        if not isinstance(state, Packed):
-            check_layout(
-                [(n, tuple(t.shape), t.dtype) for n, t in state.items()], entries, self.name
-            )
-            state = pack(state.items(), entries)
+        if not isinstance(state, stream.Packed):
+            state = stream.pack(state.items(), self._layouts["trainable"])
         self.version = version
         self._expected[version] = expected or self.expected_of(engine, state)
         self._send(
@@ -264,20 +231,21 @@ class AsyncRollout(WorkerSampler):
         )
         self._broadcast(state.buffer, stream.CHUNK_BYTES)
 
-    def expected_of(self, engine, state: Packed | Mapping[str, torch.Tensor]):
+    def expected_of(self, engine, state: stream.Packed | Mapping[str, torch.Tensor]):
         """What the worker must answer to a push of ``state``: the probe's log-probs, checksums."""
-        sums = state.checksums if isinstance(state, Packed) else tensor_checksums(state.items())
+        sums = (
+            state.checksums if isinstance(state, stream.Packed) else tensor_checksums(state.items())
+        )
         return self._probe_logprobs(engine), sums
 
     def _probe_logprobs(self, engine) -> torch.Tensor:
         return engine.infer_batch(self.probe)["logprobs"].float().cpu()
 
     def _broadcast(self, buffer: torch.Tensor, chunk_bytes: int) -> None:
-        """A packed push's chunks, broadcast without waiting for the worker (it receives them
-        at its ``weights`` command); the buffer is kept until every chunk has left."""
+        """A packed push's chunks, broadcast without waiting; the buffer is kept until they left."""
         self._pending_works = [(w, b) for w, b in self._pending_works if not w.is_completed()]
-        for work in send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
-            self._pending_works.append((work, [buffer]))
+        for work in stream.send_chunks(buffer, self._broadcast_chunk, chunk_bytes):
+            self._pending_works.append((work, buffer))
 
     def _submit(self, kind: str, args: tuple, params: SamplingParams, seed: int | None) -> Job:
         job, seed = self._new_job(kind, params, seed)  # the worker seeds the job with it
@@ -298,7 +266,6 @@ class AsyncRollout(WorkerSampler):
         return self._submit("generate", (prompts, params, images), params, seed)
 
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
-        # HFRollout.run_episodes in the worker, each row's environment built there by env_maker
         return self._submit("episodes", (problems, params, limits), params, seed)
 
     def collect(self, job: Job) -> Rollout:
@@ -315,41 +282,34 @@ class AsyncRollout(WorkerSampler):
                 f"{self.name} sampled job {job.id} with policy version {version}, but "
                 f"version {job.version} was the last pushed before it"
             )
-        rows = len(payload["texts"])  # the parts of worker.main.rollout_payload
+        rows = len(payload["texts"])  # a Rollout's fields, its batch a dict (worker.main)
         batch = payload["batch"] = TensorDict(payload["batch"], batch_size=[rows])
         batch[POLICY_VERSION_KEY] = torch.full((rows,), version, dtype=torch.long)
         return Rollout(**payload), seconds
 
     def poll(self) -> None:
         self._check_open()
-        while True:
-            try:
-                message = self._results.get_nowait()
-            except queue.Empty:
-                return
-            except ChannelClosed:
-                raise self._died("its next message") from None
+        while (message := self._next_message("its next message", wait=False)) is not None:
             self._handle(message)
 
-    def _wait_for(self, kind: str, what: str) -> None:
-        while True:
-            message = self._next_message(what)
-            if message[0] == kind:
-                return
+    def _receive(self, what: str, until: str | None = None) -> None:
+        """Handle the worker's next message, or (``until``) each one before one of that kind."""
+        while (message := self._next_message(what))[0] != until:
             self._handle(message)
+            if until is None:
+                return
 
-    def _receive(self, what: str) -> None:
-        self._handle(self._next_message(what))
-
-    def _next_message(self, what: str):
-        """The worker's next message; :class:`WorkerError` when it died (its end of the pipe
-        closes, also mid-message) or sent nothing for ``timeout_s``."""
+    def _next_message(self, what: str, wait: bool = True):
+        """The worker's next message (``wait=False``: None unless one is here whole);
+        :class:`WorkerError` when it died or sent nothing for ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                return self._results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                timeout = min(1.0, max(0.01, deadline - time.monotonic())) if wait else 0
+                return self._results.get(timeout=timeout)
             except queue.Empty:
-                pass
+                if not wait:
+                    return None
             except ChannelClosed:
                 raise self._died(what) from None
             if not self.process.is_alive():  # dead, its pipe held open by a process it started
@@ -368,7 +328,6 @@ class AsyncRollout(WorkerSampler):
             raise self._died(f"it to take {what}") from None
 
     def _died(self, what: str) -> WorkerError:
-        """The error of a worker whose channel closed, with its exit code once reaped."""
         self.process.join(timeout=5)
         return WorkerError(
             f"{self.name} (pid {self.process.pid}) died with exit code "
@@ -379,15 +338,15 @@ class AsyncRollout(WorkerSampler):
         kind = message[0]
         if kind == "done":
             _, job, version, payload, (seconds, cpu_seconds) = message
-            self._done[job] = (version, loads(payload), (seconds, cpu_seconds))
+            self._done[job] = (version, payload, (seconds, cpu_seconds))
             self.job_seconds.append(seconds)
             self.job_cpu_seconds.append(cpu_seconds)
         elif kind == "synced":
             _, version, probe, sums, seconds = message
             self.sync_seconds.append(seconds)
-            self._verify(version, loads(probe), sums)
+            self._verify(version, probe, sums)
         elif kind == "job_error":
-            raise loads(message[2])
+            raise message[2]
         elif kind == "error":
             raise WorkerError(f"{self.name} failed:\n{message[1]}")
         elif kind in ("hello", "ready"):
@@ -443,19 +402,16 @@ def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
 
 
 def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:
-    """Ask the worker to exit (between jobs), then terminate, then kill; close the channels."""
+    """Ask the worker to exit, then terminate, then kill; close the channels."""
     if process.is_alive():
         with contextlib.suppress(ChannelClosed):
             commands.put(("close",))
         process.join(timeout=3)  # an idle worker exits at once; a busy one is stopped
     if process.is_alive():
-        process.terminate()
-        with contextlib.suppress(OSError):  # a stopped (SIGSTOP) process gets the SIGTERM now
-            os.kill(process.pid, signal.SIGCONT)
+        watcher.stop([("process", process.pid)])  # our child: its pid is not reused unreaped
         process.join(timeout=5)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout=5)
-    close_all(commands, results)
+    for end in (commands, results):
+        with contextlib.suppress(Exception):
+            end.close()
     if not process.is_alive():
         watcher.release("process", process.pid)

@@ -1,10 +1,9 @@
 """One asynchronous sampler per sequence-parallel group (docs/async.md#sequence-parallelism).
 
-The processes of an sp group are one data rank: they train on the same rollout. The group's
-first process owns the sampler and broadcasts every rollout it collects to the others, so the
-group trains on one sample. A push gathers FSDP2 shards from every process and scores the probe
-(collectives over ``dp x sp``): the other processes join those collectives without a sampler
-(:class:`HFPushJoiner`; :class:`~microrl.rollout.weights.server_syncs.ServerSyncJoiner`).
+The processes of an sp group are one data rank: the group's first process owns the sampler and
+broadcasts every rollout it collects to the others. A push's collectives (FSDP2 gathers, the
+probe) span ``dp x sp``: the others join them without a sampler (:class:`HFPushJoiner`;
+:class:`~microrl.rollout.weights.server_syncs.ServerSyncJoiner`).
 """
 
 from __future__ import annotations
@@ -28,12 +27,10 @@ __all__ = ["HFPushJoiner", "SPGroupSampler"]
 class SPGroupSampler(Sampler):
     """The asynchronous sampler of a sequence-parallel group, on each of its processes.
 
-    Build it with :meth:`start` on every process of the group, and call every method on
-    every process in the same order. The group's first process drives ``sampler``; on the
-    others ``submit`` draws the job's seed as the sampler does (one ``draw_seed`` per job keeps
-    torch's generators in step: the engine's same-batch check reports a sampler that drew
-    otherwise), ``collect`` receives the first process's rollout, and ``sync`` joins the push's
-    collectives (``join_push``).
+    Build it with :meth:`start` and call every method on every process of the group in the
+    same order. On the processes after the first, ``submit`` draws the job's seed as the sampler
+    does (torch's generators stay in step), ``collect`` receives the first's rollout, and
+    ``sync`` joins the push's collectives (``join_push``).
     """
 
     trainer_thread = True  # collect broadcasts over the group: every process in step
@@ -71,10 +68,9 @@ class SPGroupSampler(Sampler):
         version: int,
         env_maker: Callable[[Any], Any] | None = None,
     ) -> SPGroupSampler:
-        """``make_sampler()`` (a sampler holding ``engine``'s weights as ``version``) on the
-        first process of ``engine.sp_group``; on the others ``make_joiner()``, which joins the
-        collectives of the sampler's start and returns what joins each push. Collective over
-        every process."""
+        """``make_sampler()`` (holding ``engine``'s weights as ``version``) on the first process of
+        ``engine.sp_group``; on the others ``make_joiner()``, which joins the sampler's start and
+        returns what joins each push. Collective."""
         group = engine.sp_group
         if dist.get_rank(group) == 0:
             return cls(make_sampler(), group, version=version, engine=engine, env_maker=env_maker)
@@ -160,13 +156,9 @@ class HFPushJoiner:
             self(engine, first=True)
 
     def __call__(self, engine: Any, *, first: bool = False) -> None:
-        """Take part in the collectives of an ``hf`` worker's push from a process that sends
-        nothing: gather every tensor (``first``: a worker's start) or the trainable ones, one
-        at a time and dropped, then score the probe with the engine.
-
-        It mirrors ``AsyncRollout.wait_started`` (``first``) and ``GlooBroadcast.push``, in
-        their order: a change there must change this too (the group's collectives would not
-        pair; tests/examples/test_examples_sequence_parallel.py runs both)."""
+        """Join an ``hf`` worker's push: gather every tensor (``first``: a worker's start) or the
+        trainable ones, dropped, then score the probe. It mirrors ``AsyncRollout.wait_started``
+        and ``GlooBroadcast.push`` in order (tests/examples/test_examples_sequence_parallel.py)."""
         for _ in FullWeights(engine.module, self.prefix, trainable_only=not first):
             pass
         engine.infer_batch(self.probe)

@@ -1,19 +1,17 @@
-"""The generation worker process of the asynchronous ``hf`` rollout (docs/async.md).
-
-``AsyncRollout`` spawns it to sample its own copy of the model with ``HFRollout``. Weights come
-over a private two-rank gloo group; the rest as pickled tuples named by their first item:
+"""The generation worker process of ``AsyncRollout`` (docs/async.md): ``HFRollout`` on its own
+copy of the model. Weights come over a private two-rank gloo group; the rest as tuples named by
+their first item:
 
 - trainer -> worker: ``("layout", layouts)`` once; ``("weights", version, layout, chunk_bytes)``;
   ``("generate" | "episodes", job, seed, args)``; ``("close",)``.
 - worker -> trainer: ``("hello", pid)``, ``("ready",)``, ``("synced", version, probe_logprobs,
   checksums, seconds)``, ``("done", job, version, payload, seconds)``, ``("job_error", job,
-  error)``, ``("error", traceback)`` (fatal). It ignores SIGINT, and exits when the trainer does.
+  error)``, ``("error", traceback)`` (fatal).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import os
 import pickle
@@ -34,8 +32,6 @@ from microrl.rollout.worker.stream import receive_stream, tensor_checksum
 __all__ = [
     "WorkerSpec",
     "build_sampler",
-    "dumps",
-    "loads",
     "score_probe",
     "tensor_checksums",
     "tensor_family",
@@ -79,14 +75,6 @@ class WorkerSpec:
     image_encoder: Any = None  # a vision-language policy's; None: text jobs only
     freeze_vision: bool = True  # the engine's: a frozen tower gets no LoRA adapter
     record_routing: bool = False  # rollout.routing_replay: rows carry routed_experts
-
-
-def dumps(value: Any) -> bytes:
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads(data: bytes) -> Any:
-    return pickle.loads(data)  # only ever the other side of this pair's own channel
 
 
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
@@ -152,14 +140,11 @@ def score_probe(
 
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     """The trainer's architecture and LoRA structure, randomly initialised (the first push
-    overwrites every tensor), built on ``spec.device`` in the base's storage dtype."""
+    overwrites it) on ``spec.device`` in the base's storage dtype."""
     from microrl.engine.setup import apply_lora, auto_model_class
     from microrl.engine.vision import vision_spec
 
-    config = copy.deepcopy(spec.model_config)
-    attention = getattr(config, "_attn_implementation", None)
-    if attention and attention.startswith("microrl_varlen_"):  # the trainer's packing variant
-        config._attn_implementation = attention.removeprefix("microrl_varlen_")
+    config = spec.model_config  # plain attention: AsyncRollout sends it unwrapped_attention'd
     with torch.device(spec.device):  # on a GPU no host copy of the model ever exists
         model = auto_model_class(config).from_config(config, dtype=spec.base_dtype)
         tower = vision_spec(model) if spec.freeze_vision else None
@@ -197,7 +182,7 @@ class _Worker:
         self.env_maker = None
         if spec.env_maker is not None:
             try:
-                self.env_maker = loads(spec.env_maker)
+                self.env_maker = pickle.loads(spec.env_maker)
             except Exception as err:
                 raise RuntimeError(
                     f"{spec.name} could not load the task's environment factory ({err!r}): a "
@@ -261,7 +246,7 @@ class _Worker:
         )
         sums = tensor_checksums((n, self.tensors[n]) for n, _, _ in entries)
         seconds = time.perf_counter() - start
-        self.results.put(("synced", version, dumps(probe), sums, seconds))
+        self.results.put(("synced", version, probe, sums, seconds))
 
     def _job(self, kind: str, job: int, seed: int, args: tuple) -> None:
         start, cpu = time.perf_counter(), time.process_time()
@@ -269,57 +254,40 @@ class _Worker:
         try:
             if kind == "generate":
                 prompts, params, images = args
-                result = rollout_payload(self.sampler.generate(prompts, params, images=images))
+                rollout = self.sampler.generate(prompts, params, images=images)
             else:
-                problems, params, limits = args
-                maker = self.env_maker
-                if maker is None:
-                    raise ValueError(f"{self.spec.name} was started without an env_maker")
+                problems, params, limits = args  # submit_episodes checked the env_maker
                 images = (  # the problems' own images (they travel with the job)
                     [list(p.images) for p in problems]
                     if any(getattr(p, "images", ()) for p in problems)
                     else None
                 )
-                result = rollout_payload(
-                    self.sampler.run_episodes(
-                        [p.prompt for p in problems],
-                        lambda i: maker(problems[i]),
-                        params,
-                        **limits,
-                        images=images,
-                    )
+                rollout = self.sampler.run_episodes(
+                    [p.prompt for p in problems],
+                    lambda i: self.env_maker(problems[i]),
+                    params,
+                    **limits,
+                    images=images,
                 )
+            result = {**vars(rollout), "batch": dict(rollout.batch.items())}  # a plain batch
         except Exception as err:
-            self.results.put(("job_error", job, _pickled_error(err)))
+            self.results.put(("job_error", job, _picklable(err)))
             return
         finally:
             if torch.device(self.spec.device).type == "cuda":
                 torch.cuda.empty_cache()  # the KV cache of generate: back to the trainer's GPU
         seconds = (time.perf_counter() - start, time.process_time() - cpu)
-        self.results.put(("done", job, self.version, dumps(result), seconds))
+        self.results.put(("done", job, self.version, result, seconds))
 
 
-def rollout_payload(rollout) -> dict[str, Any]:
-    """A :class:`~microrl.rollout.Rollout` as plain picklable parts."""
-    return {
-        "batch": {key: value for key, value in rollout.batch.items()},
-        "texts": rollout.texts,
-        "group_ids": rollout.group_ids,
-        "rewards": rollout.rewards,
-        "num_turns": rollout.num_turns,
-        "metrics": dict(rollout.metrics),
-    }
-
-
-def _pickled_error(err: Exception) -> bytes:
+def _picklable(err: Exception) -> Exception:
     """The exception if it survives pickling, else a RuntimeError with its traceback."""
-    text = "".join(traceback.format_exception(err))
     try:
-        data = dumps(err)
-        loads(data)
-        return data
+        pickle.loads(pickle.dumps(err))
+        return err
     except Exception:
-        return dumps(RuntimeError(f"{type(err).__name__}: {err}\n{text}"))
+        text = "".join(traceback.format_exception(err))
+        return RuntimeError(f"{type(err).__name__}: {err}\n{text}")
 
 
 def worker_main(spec: WorkerSpec, commands: Connection, results: Connection) -> None:

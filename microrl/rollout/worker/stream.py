@@ -1,9 +1,8 @@
 """The bytes of a weight push between the trainer and an ``hf`` worker, in bounded chunks.
 
 A push is every tensor of a layout, in order, as raw bytes of its storage dtype, cut into chunks
-of at most ``chunk_bytes`` (one gloo broadcast each) regardless of tensor boundaries. The first
-push (the whole model) is streamed, never whole on the host (:func:`send_stream`,
-:func:`receive_stream`); later ones are packed once (:func:`pack`) and broadcast asynchronously.
+of at most ``chunk_bytes`` (one gloo broadcast each). The first push (the whole model) is
+streamed, never whole on the host; later ones are packed once (:func:`pack`).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ __all__ = [
     "Entry",
     "Packed",
     "as_bytes",
-    "check_layout",
     "pack",
     "receive_stream",
     "send_chunks",
@@ -66,15 +64,6 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float, float]:
     return total, squares, magnitude
 
 
-def check_layout(found: Sequence[Entry], expected: Sequence[Entry], what: str) -> None:
-    """``RuntimeError`` unless the tensors about to be pushed are the worker's start layout."""
-    if [(n, tuple(s), d) for n, s, d in found] != [(n, tuple(s), d) for n, s, d in expected]:
-        raise RuntimeError(
-            f"the engine's tensors changed since {what} started (names, shapes or dtypes): a "
-            "worker copies a fixed set"
-        )
-
-
 def _checked(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]):
     """``named`` in lockstep with ``entries``; a tensor out of place is a ``RuntimeError``."""
     pairs = iter(named)
@@ -111,8 +100,7 @@ def send_stream(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> dict[str, tuple[float, float, float]]:
     """Send ``named`` (in ``entries``' order) through two alternating ``chunk_bytes`` host
-    buffers (one fills while the other's ``broadcast`` runs, returning a work with ``wait()``);
-    returns the checksums once every chunk has left."""
+    buffers (one fills while the other's ``broadcast`` work runs); returns the checksums."""
     total = total_bytes(entries)
     size = max(1, min(chunk_bytes, total))
     buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(1 if total <= size else 2)]

@@ -70,7 +70,7 @@ def pool():
         engine, tok, SamplerOptions(env_maker=picky_env), num_workers=2
     ) as workers:
         yield engine, tok, workers
-    assert not any(p.is_alive() for p in workers.processes)
+    assert not any(w.process.is_alive() for w in workers.workers)
 
 
 def _expected(model, tok, chunks, params) -> object:
@@ -232,7 +232,7 @@ def test_a_push_stale_on_one_worker_fails_naming_it_and_close_stops_all(pool, mo
     assert f"lora_B of layer 1 self_attn.q_proj ({name})" in message
     assert workers.workers[0].sync_stats[version]["sync/probe_abs_diff_max"] < 1e-5
     assert second.sync_stats[version]["sync/probe_abs_diff_max"] > 1e-4
-    processes = workers.processes
+    processes = [worker.process for worker in workers.workers]
     workers.close()
     for process in processes:
         assert not process.is_alive() and process not in multiprocessing.active_children()
