@@ -64,6 +64,9 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float, float]:
     return total, squares, magnitude
 
 
+_CHANGED = "the engine's tensors changed since the worker started (it copies a fixed set)"
+
+
 def _checked(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]):
     """``named`` in lockstep with ``entries``; a tensor out of place is a ``RuntimeError``."""
     pairs = iter(named)
@@ -71,10 +74,10 @@ def _checked(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]
         got = next(pairs, None)
         if got is None or got[0] != name or tuple(got[1].shape) != shape or got[1].dtype != dtype:
             found = "nothing" if got is None else f"{got[0]} {tuple(got[1].shape)} {got[1].dtype}"
-            raise RuntimeError(f"push out of layout: expected {name} {shape} {dtype}, got {found}")
+            raise RuntimeError(f"{_CHANGED}: expected {name} {shape} {dtype}, got {found}")
         yield got
     if next(pairs, None) is not None:
-        raise RuntimeError("push out of layout: more tensors than the layout has")
+        raise RuntimeError(f"{_CHANGED}: more tensors than the layout has")
 
 
 def pack(named: Iterable[tuple[str, torch.Tensor]], entries: Sequence[Entry]) -> Packed:
