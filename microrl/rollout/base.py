@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -119,13 +119,12 @@ class Rollout:
         """This rollout with its tensors on ``device`` (backends build rollouts on the host;
         docs/batch.md#devices)."""
         moved = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Rollout(
+        return replace(
+            self,
             batch=self.batch.to(device),
-            texts=self.texts,
             group_ids=self.group_ids.to(device),
             rewards=moved(self.rewards),
             num_turns=moved(self.num_turns),
-            metrics=self.metrics,
         )
 
 

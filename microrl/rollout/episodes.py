@@ -158,25 +158,19 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
     episodes; ``loss_mask`` marks the sampled tokens only (observations are context),
     ``truncated`` ``[B]`` the episodes cut by ``max_turns`` or the token budget.
     """
-    prompt_width = max(len(t.prompt_ids) for t in trajectories)
-    width = prompt_width + max(1, max(len(t.ids) for t in trajectories))
-    rows = len(trajectories)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros(rows, width, dtype=torch.bool)
-    loss_mask = torch.zeros(rows, width, dtype=torch.bool)
-    logprobs = torch.zeros(rows, width, dtype=torch.float32)
-    for row, t in enumerate(trajectories):
-        start, stop = prompt_width - len(t.prompt_ids), prompt_width + len(t.ids)
-        input_ids[row, start:prompt_width] = torch.tensor(t.prompt_ids, dtype=torch.long)
-        input_ids[row, prompt_width:stop] = torch.tensor(t.ids, dtype=torch.long)
-        attention[row, start:stop] = True
-        loss_mask[row, prompt_width:stop] = torch.tensor(t.model_token, dtype=torch.bool)
-        logprobs[row, prompt_width:stop] = torch.tensor(t.logprobs, dtype=torch.float32)
-    truncated = [t.truncated for t in trajectories]
-    batch = rollout_batch(input_ids, attention, loss_mask, logprobs, truncated)
+    batch = rollout_batch(
+        [t.prompt_ids for t in trajectories],
+        [t.ids for t in trajectories],
+        [t.logprobs for t in trajectories],
+        [t.truncated for t in trajectories],
+        pad_token_id,
+        sampled=[t.model_token for t in trajectories],
+    )
     if any(t.images is not None for t in trajectories):  # each row its prompt's images
         batch.update(pad_images([t.images for t in trajectories]))
     if any(t.routes is not None for t in trajectories):
+        prompt_width = max(len(t.prompt_ids) for t in trajectories)
+        width = batch["input_ids"].shape[1]
         batch[ROUTED_EXPERTS_KEY] = _episode_routes(trajectories, prompt_width, width)
     return batch
 

@@ -42,11 +42,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rol
         raise ValueError(f"groups {missing} are not in the rollout (its ids: 0..)")
     rows = torch.isin(rollout.group_ids, wanted).nonzero().squeeze(1)
     _, group_ids = torch.unique(rollout.group_ids[rows], return_inverse=True)
-    extra = {}
-    for f in dataclasses.fields(rollout):
-        value = getattr(rollout, f.name)
-        if f.name not in _LAYOUT_FIELDS and _is_per_row(value, len(rollout.texts)):
-            extra[f.name] = value[rows]
+    extra = {name: value[rows] for name, value in _per_row_fields(rollout).items()}
     return Rollout(
         batch=kept_images(rollout.batch[rows]),  # the dropped groups' pixels freed
         texts=[rollout.texts[i] for i in rows.tolist()],
@@ -99,18 +95,12 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
         _, index = torch.unique(part.group_ids, return_inverse=True)
         group_ids.append(index.to(torch.long) + first)
         first += int(index.max()) + 1 if index.numel() else 0
-    extra = {}
-    for f in dataclasses.fields(Rollout):
-        if f.name in _LAYOUT_FIELDS:
-            continue
-        values = [getattr(part, f.name) for part in rollouts]
-        per_row = [
-            _is_per_row(v, len(part.texts)) for v, part in zip(values, rollouts, strict=True)
-        ]
-        if all(per_row):
-            extra[f.name] = torch.cat(values)
-        elif any(per_row):
-            raise ValueError(f"Rollout.{f.name} is set on some of the rollouts only")
+    per_row = [_per_row_fields(part) for part in rollouts]
+    names = sorted(set().union(*per_row))
+    for name in names:
+        if not all(name in fields for fields in per_row):
+            raise ValueError(f"Rollout.{name} is set on some of the rollouts only")
+    extra = {name: torch.cat([fields[name] for fields in per_row]) for name in names}
     metrics: dict[str, float] = {}
     for part in rollouts:  # sums (env seconds, errors): they add up over the parts
         for key, value in part.metrics.items():
@@ -124,8 +114,16 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     )
 
 
-def _is_per_row(value: object, rows: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
+def _per_row_fields(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """The rollout's optional per-row ``[B]`` fields that are set (``rewards``, ``num_turns``)."""
+    fields = {}
+    for f in dataclasses.fields(rollout):
+        value = getattr(rollout, f.name)
+        if f.name in _LAYOUT_FIELDS or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() >= 1 and value.shape[0] == len(rollout.texts):
+            fields[f.name] = value
+    return fields
 
 
 def _span(batch: TensorDict) -> tuple[int, int, int]:

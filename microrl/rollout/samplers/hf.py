@@ -174,9 +174,6 @@ class HFRollout(RolloutBackend):
         #: Records the routers' choices around ``generate`` (None: not asked).
         self.recorder = routing_recorder(model) if record_routing else None
 
-    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
-        return self._generate(prompt_ids, params)
-
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """Image prompts through the model's own ``generate``, all rows in one batch: the rows'
         patches concatenated in row order (each prompt's repeated for its ``num_samples``
@@ -184,12 +181,12 @@ class HFRollout(RolloutBackend):
         rows = [img for img in prompts.images for _ in range(params.num_samples)]
         present = [img for img in rows if img is not None]
         if not present:
-            return self._generate(prompts.ids, params)
+            return self._sample(prompts.ids, params)
         pixels = torch.cat([pixels for pixels, _ in present])
-        return self._generate(prompts.ids, params, (pixels, torch.cat([g for _, g in present])))
+        return self._sample(prompts.ids, params, (pixels, torch.cat([g for _, g in present])))
 
     @torch.no_grad()
-    def _generate(
+    def _sample(
         self,
         prompt_ids: list[list[int]],
         params: SamplingParams,
