@@ -1,9 +1,8 @@
 """What every rollout backend shares: the sampling parameters, the result, the batch layout.
 
-A backend only turns prompt token ids into sampled response token ids and their log-probs
-(:meth:`RolloutBackend._sample`); everything else, prompt encoding, the cut after the first
-``<eos>`` and the token-aligned ``[B, T]`` layout (:mod:`microrl.rollout.layout`), is done
-once for all, so two backends given the same samples return identical batches (docs/rollouts.md).
+A backend only turns prompt ids into sampled ids and log-probs (:meth:`RolloutBackend._sample`);
+encoding, the cut at ``<eos>`` and the ``[B, T]`` layout are done here once, so two backends
+given the same samples return identical batches (docs/rollouts.md).
 """
 
 from __future__ import annotations
@@ -131,12 +130,9 @@ class Rollout:
 class RolloutBackend(ABC):
     """Samples responses to prompts from the current policy.
 
-    Subclasses implement :meth:`_sample` (token ids in, :class:`Samples` out) and, when they hold
-    their own copy of the weights, :meth:`sync`. Under ``torchrun`` every rank owns a backend and
-    samples its own prompts (shard prompts over ranks, never the rows of one prompt).
-
-    ``stop_token_ids``: the ids that end a turn, which :meth:`_sample` stops at and the layout
-    cuts after (:func:`~microrl.rollout.turns.turn_terminators`).
+    Subclasses implement :meth:`_sample` (token ids in, :class:`Samples` out, stopping at
+    ``stop_token_ids``) and, when they hold a copy of the weights, :meth:`sync`. Under
+    ``torchrun`` every rank samples its own prompts (never the rows of one prompt).
     """
 
     #: Whether the backend samples a copy of the weights, loaded by :meth:`sync` (else the live
@@ -158,11 +154,9 @@ class RolloutBackend(ABC):
     ) -> Rollout:
         """Sample ``params.num_samples`` responses per prompt; rows are grouped by prompt.
 
-        ``prompts``: texts (tokenized with the tokenizer's special tokens, e.g. ``<bos>``; apply a
-        chat template before, see :func:`microrl.tasks.format_prompt`) or token-id lists.
-        ``images``: with text prompts of a vision-language policy, ``images[i]`` are prompt
-        ``i``'s PIL images, one per image placeholder; the rows then carry ``pixel_values`` and
-        ``image_grid_thw`` (docs/batch.md#images).
+        ``prompts``: texts (with the tokenizer's special tokens; apply a chat template first,
+        :func:`microrl.tasks.format_prompt`) or token-id lists. ``images[i]``: text prompt
+        ``i``'s PIL images, one per placeholder (docs/batch.md#images).
         """
         check_params(params)
         encoded = None
@@ -200,18 +194,13 @@ class RolloutBackend(ABC):
         skip_env_errors: bool = False,
         images: Images = None,
     ) -> Rollout:
-        """Play ``params.num_samples`` multi-turn episodes per prompt against environments
-        (docs/rollouts.md#multi-turn-episodes).
+        """Play ``params.num_samples`` multi-turn episodes per prompt, each against a fresh
+        ``make_env(i)`` for ``prompts[i]`` (docs/rollouts.md#multi-turn-episodes).
 
-        ``make_env(i)`` builds a fresh environment for a row answering ``prompts[i]`` (one per
-        row: a group's episodes share no state; :class:`~microrl.rollout.episodes.TextEnv`). An
-        episode ends when the environment says ``done``, or, marked ``truncated``, after
-        ``max_turns`` model turns or at ``max_tokens`` tokens after the prompt. An environment
-        that raises stops with an :class:`~microrl.rollout.episodes.EpisodeError` naming the row
-        and turn; with ``skip_env_errors`` its row is dropped instead. Collective under
-        ``torchrun``. ``images``: ``images[i]`` are prompt ``i``'s PIL images, one per
-        placeholder in the first input its environment's ``init`` returns, sampled with every
-        turn (docs/rollouts.md#images).
+        An episode ends at ``done``, or ``truncated`` after ``max_turns`` turns or ``max_tokens``
+        tokens. An environment that raises is an :class:`~microrl.rollout.episodes.EpisodeError`
+        (``skip_env_errors``: its row dropped). Collective under ``torchrun``. ``images[i]``:
+        the PIL images of the first input ``init`` returns for prompt ``i``.
         """
         check_params(params)
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
