@@ -161,7 +161,7 @@ class RolloutBackend(ABC):
         check_params(params)
         encoded = None
         if images is None:
-            prompt_ids = self._encode(prompts)
+            prompt_ids = encode_prompts(self.tokenizer, prompts)
             samples = self._sample(prompt_ids, params)
         else:
             check_image_prompts(self, prompts, images)
@@ -212,7 +212,7 @@ class RolloutBackend(ABC):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if images is not None:
             check_image_prompts(self, prompts, images)
-        episodes = play_episodes(
+        trajectories, group_ids, metrics = play_episodes(
             self,
             prompts,
             make_env,
@@ -222,14 +222,13 @@ class RolloutBackend(ABC):
             skip_env_errors=skip_env_errors,
             images=images,
         )
-        trajectories = episodes.trajectories
         return Rollout(
             batch=episode_batch(trajectories, self.tokenizer.pad_token_id),
             texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories],
-            group_ids=torch.tensor(episodes.group_ids, dtype=torch.long),
+            group_ids=torch.tensor(group_ids, dtype=torch.long),
             rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             num_turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),
-            metrics=episodes.metrics,
+            metrics=metrics,
         )
 
     def sync(self, engine) -> None:  # noqa: B027 - a backend that reads the live model has none
@@ -244,9 +243,6 @@ class RolloutBackend(ABC):
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
         raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
-
-    def _encode(self, prompts: Prompts) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts)
 
 
 def check_tokenizer(tokenizer):

@@ -187,15 +187,6 @@ def _episode_routes(trajectories: Sequence[Trajectory], prompt_width: int, width
 
 
 @dataclass
-class Episodes:
-    """What :func:`play_episodes` returns: the kept rows, the prompt each answers, the metrics."""
-
-    trajectories: list[Trajectory]
-    group_ids: list[int]
-    metrics: dict[str, float]
-
-
-@dataclass
 class _Row:
     index: int
     trajectory: Trajectory
@@ -339,7 +330,7 @@ class _Player:
         else:
             trajectory.add(observation, None)
 
-    def finish(self, rows: list[_Row]) -> Episodes:
+    def finish(self, rows: list[_Row]) -> tuple[list[Trajectory], list[int], dict[str, float]]:
         for row in rows:
             if callable(getattr(row.env, "close", None)):
                 self.env_call(row, "close", row.env.close, turn=row.trajectory.turns)
@@ -351,7 +342,7 @@ class _Player:
             )
         # Additive only (merged rollouts sum them); per-row turns and cuts are in the rollout.
         metrics = {"episodes/env_time_s": self.env_time, "episodes/env_errors": float(self.errors)}
-        return Episodes([r.trajectory for r in kept], [r.prompt_index for r in kept], metrics)
+        return [r.trajectory for r in kept], [r.prompt_index for r in kept], metrics
 
 
 def play_episodes(
@@ -364,8 +355,9 @@ def play_episodes(
     max_tokens: int,
     skip_env_errors: bool = False,
     images: Sequence[Sequence[Any]] | None = None,
-) -> Episodes:
-    """Run ``params.num_samples`` episodes per prompt (:meth:`RolloutBackend.run_episodes`)."""
+) -> tuple[list[Trajectory], list[int], dict[str, float]]:
+    """Run ``params.num_samples`` episodes per prompt (:meth:`RolloutBackend.run_episodes`): the
+    kept trajectories, the prompt each answers and the metrics."""
     player = _Player(backend, params, skip_env_errors)
     rows = player.start(prompts, make_env, images)
     for number in range(1, max_turns + 1):

@@ -253,28 +253,22 @@ def sample_rows(
             "sample_rows of a multi-turn rollout needs the tokenizer: the prompt shown is the "
             "environment's first input as the model saw it (sample_rows(..., tokenizer))"
         )
-    return _sample_rows(rollout, problems, scores, tokenizer if episodes else None)
-
-
-def _sample_rows(
-    rollout: Rollout, problems: Sequence[Problem], scores: Sequence[float], tokenizer: Any
-) -> Iterator[dict[str, Any]]:
     group_ids = rollout.group_ids.tolist()
     nth, seen = [], {}  # nth[i]: row i is its prompt's nth response
     for group in group_ids:
         nth.append(seen.get(group, 0))
         seen[group] = nth[-1] + 1
-    for i in sorted(range(len(group_ids)), key=lambda i: (nth[i], group_ids[i])):
-        group = group_ids[i]
-        prompt = (
-            problems[group].prompt if tokenizer is None else _seen_prompt(rollout, i, tokenizer)
-        )
-        yield {
-            "group": group,
+    return (
+        {
+            "group": group_ids[i],
             "reward": float(scores[i]),
-            "prompt": prompt,
+            "prompt": _seen_prompt(rollout, i, tokenizer)
+            if episodes
+            else problems[group_ids[i]].prompt,
             "response": rollout.texts[i],
         }
+        for i in sorted(range(len(group_ids)), key=lambda i: (nth[i], group_ids[i]))
+    )
 
 
 def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:
