@@ -100,9 +100,7 @@ class ObservationRenderer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.template = chat_template_of(tokenizer)
-        end = template_turn_end(tokenizer)
-        self.turn_end_id = end.token_id
-        self._prefix = end.probe_ids  # the probe conversation up to its turn end
+        self._prefix = template_turn_end(tokenizer).probe_ids  # the probe up to its turn end
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         return encode(
@@ -248,15 +246,14 @@ class _Player:
                 )
                 if initial is None:
                     row.trajectory.failed = True
-                else:
-                    first = initial[0] if isinstance(initial, tuple) else initial
-                    row.trajectory.prompt_ids = self.renderer.prompt(first)
-                    if images is not None:
-                        self.add_images(row.trajectory, images[prompt_index], prompt_index)
+                    continue
+                first = initial[0] if isinstance(initial, tuple) else initial
+                row.trajectory.prompt_ids = self.renderer.prompt(first)
+                if images is not None:  # placeholders expanded, encoded once per prompt
+                    self.add_images(row.trajectory, images[prompt_index], prompt_index)
         return rows
 
     def add_images(self, trajectory: Trajectory, images: Sequence[Any], index: int) -> None:
-        """The first input's images, encoded once per prompt, placeholders expanded."""
         trajectory.prompt_ids, trajectory.images = self.backend.image_encoder.encode_ids(
             trajectory.prompt_ids, images, index, encoded=self.encoded.get(index)
         )

@@ -182,9 +182,7 @@ class HFRollout(RolloutBackend):
         device = self._device or next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         if images is None:  # an image's tokens take fewer (mRoPE) positions than their count
-            check_positions(
-                width, params.max_new_tokens, self.position_limit, what="the longest prompt"
-            )
+            check_positions(width, params.max_new_tokens, self.position_limit)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
         mask = torch.tensor(
