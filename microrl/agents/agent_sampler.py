@@ -1,10 +1,8 @@
 """Agent episodes as a sampler's jobs, for every ``rollout.max_staleness`` (docs/rollouts.md#agents).
 
-:class:`AgentSampler` composes over the run's sampler. Over one in this process a job's
-episodes are played at ``collect``, on the trainer's thread; over one in other processes a job
-runs on a thread of the trainer process and its calls become jobs of that sampler, so a row's
-``policy_version`` is its oldest token's. One lock orders the sampler's use between that thread
-and the trainer.
+Over a sampler in this process a job's episodes are played at ``collect``, on the trainer's
+thread; over one in other processes a job runs on a trainer-process thread whose calls become
+that sampler's jobs (a row's ``policy_version``: its oldest token's), one lock ordering them.
 """
 
 from __future__ import annotations

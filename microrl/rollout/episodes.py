@@ -1,11 +1,8 @@
-"""Multi-turn episodes: the policy talks to an environment, token in and token out.
+"""Multi-turn episodes: the policy talks to an environment (skyrl-gym's :class:`TextEnv`).
 
-An episode alternates a model turn (ended by a turn terminator, :mod:`microrl.rollout.turns`)
-and the environment's answer. The trajectory is kept as the sampled token ids, never
-re-tokenized (re-encoding the decoded conversation can give other ids, and the PPO ratio is then
-taken over tokens never sampled); only observations are tokenized, as the delta the chat
-template adds after an assistant turn (:class:`ObservationRenderer`). The environment API is
-skyrl-gym's text environment (:class:`TextEnv`).
+A trajectory keeps the sampled token ids, never re-tokenized (re-encoding the decoded text can
+give other ids, and the PPO ratio is then taken over tokens never sampled); only observations
+are tokenized, as the chat template's delta after an assistant turn (:class:`ObservationRenderer`).
 """
 
 from __future__ import annotations

@@ -29,13 +29,9 @@ def make_rollout_backend(
     image_encoder: ImageEncoder | None = None,
     record_routing: bool = False,
 ) -> RolloutBackend:
-    """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.
-
-    ``vllm``: the ``vllm`` backend's config (defaults when omitted); ``sync_check_tol`` bounds
-    each ``vllm`` sync's check (None: by the engine's precision); ``image_encoder``: a
-    vision-language policy's (docs/rollouts.md#images); ``record_routing``: rows carry their
-    ``routed_experts`` (``rollout.routing_replay``, ``hf`` only).
-    """
+    """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy; ``vllm``: its
+    config (None: defaults); ``sync_check_tol``: each ``vllm`` sync's bound (None: by the
+    engine's precision); ``record_routing``: ``rollout.routing_replay`` (``hf`` only)."""
     if backend == "hf":
         return HFRollout(
             engine, tokenizer, image_encoder=image_encoder, record_routing=record_routing

@@ -1,8 +1,5 @@
-"""Selecting groups of a rollout and merging rollouts into one ``[B, T]`` batch (docs/rollouts.md).
-
-Rollouts sampled in separate calls (dynamic sampling's rounds) have batches of different widths;
-:func:`merge_rollouts` lays their rows out again as :func:`~microrl.rollout.layout.build_rollout`
-would have from the same samples.
+"""Selecting groups of a rollout and merging rollouts into one ``[B, T]`` batch, laid out as
+:func:`~microrl.rollout.layout.build_rollout` would have from the same samples (docs/rollouts.md).
 """
 
 from __future__ import annotations
