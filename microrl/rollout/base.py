@@ -45,11 +45,10 @@ Images = Sequence[Sequence[Any]] | None
 class SamplingParams:
     """How to sample: plain ancestral sampling at ``temperature`` unless asked otherwise.
 
-    ``temperature`` must be the loss's (``ActorConfig.temperature``): the engine scores
-    ``log_softmax(logits / temperature)``, so sampling from anything else (top-k, top-p, another
-    temperature) makes the first PPO ratio differ from 1 by construction. ``top_k=0`` and
-    ``top_p=1.0`` mean off; ``greedy`` takes the argmax (evaluation), and its rollout log-probs
-    are those of the tempered distribution all the same.
+    ``temperature`` must be the loss's (``ActorConfig.temperature``): sampling from anything
+    else (top-k, top-p, another temperature) makes the first PPO ratio differ from 1.
+    ``top_k=0`` and ``top_p=1.0`` mean off; ``greedy`` takes the argmax (evaluation), its
+    log-probs still the tempered distribution's.
     """
 
     num_samples: int = 1
@@ -97,14 +96,12 @@ def draw_seed(params: SamplingParams) -> int:
 class Rollout:
     """Sampled responses in the engine's token-aligned layout (docs/rollouts.md#the-result).
 
-    ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, then the response, right-padded after
-    its first turn terminator: the backend's ``stop_token_ids``), ``attention_mask``,
-    ``loss_mask`` (the response up to and including that terminator), ``rollout_logprobs``
-    (float32, 0 off the response) and the per-row ``truncated`` ``[B]`` bool. ``texts``: each
-    response decoded, special tokens removed. ``group_ids`` ``[B]`` int64: the index of the
-    prompt a row answers (a GRPO group). From :meth:`RolloutBackend.run_episodes` a row is a
-    whole trajectory, with ``rewards`` ``[B]`` float32, ``num_turns`` ``[B]`` int64 and
-    ``metrics`` (sums only, so merged rollouts add them up).
+    ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, response cut after its first
+    ``stop_token_ids`` id, right-padded), ``attention_mask``, ``loss_mask`` (the response),
+    ``rollout_logprobs`` (float32, 0 off the response), ``truncated`` ``[B]`` bool. ``texts``:
+    responses decoded. ``group_ids`` ``[B]`` int64: the prompt a row answers (a GRPO group).
+    Episodes add ``rewards`` ``[B]`` float32, ``num_turns`` ``[B]`` int64 and ``metrics``
+    (sums, so merged rollouts add them up).
     """
 
     batch: TensorDict

@@ -66,10 +66,9 @@ def make_sampler(
 ) -> Sampler:
     """The sampler of ``rollout`` holding ``engine``'s weights as ``version`` (a recipe: its step).
 
-    ``rollout.max_staleness=0``: ``rollout.backend`` in this process (:class:`InProcessSampler`);
-    ``k > 0``: ``hf`` worker processes or ``vllm serve`` servers (logs in ``log_dir``), one per
-    sp group under sequence parallelism (docs/async.md). ``env_maker``: a multi-turn task's
-    ``problem -> environment``; ``num_threads``: each worker's or local server's CPU threads.
+    ``k = 0``: ``rollout.backend`` in this process; ``k > 0``: ``hf`` workers or ``vllm serve``
+    servers (logs in ``log_dir``, ``num_threads`` CPU threads each), one per sp group
+    (docs/async.md). ``env_maker``: a multi-turn task's ``problem -> environment``.
     """
     if not isinstance(rollout, RolloutConfig):
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
