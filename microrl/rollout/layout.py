@@ -80,19 +80,25 @@ def rollout_batch(
     Built from padded lists: a per-row loop of tensor copies cost ~20 ms for 1024 rows."""
     prompt_width = max(len(p) for p in prompts)
     response_width = max(1, max(len(r) for r in responses))
+    pad, zeros = [pad_token_id] * response_width, [0.0] * response_width
+    input_ids = [
+        [pad_token_id] * (prompt_width - len(p)) + [*p, *r] + pad[len(r) :]
+        for p, r in zip(prompts, responses, strict=True)
+    ]
+    rollout_logprobs = [[0.0] * prompt_width + [*lp] + zeros[len(lp) :] for lp in logprobs]
+    cols = torch.arange(prompt_width + response_width)
+    starts = prompt_width - torch.tensor([len(p) for p in prompts])
+    ends = prompt_width + torch.tensor([len(r) for r in responses])
+    attention = (cols >= starts[:, None]) & (cols < ends[:, None])
     if sampled is None:
-        sampled = [[True] * len(r) for r in responses]
-    input_ids, attention, loss_mask, rollout_logprobs = [], [], [], []
-    for prompt, response, mask, lps in zip(prompts, responses, sampled, logprobs, strict=True):
-        left, right = prompt_width - len(prompt), response_width - len(response)
-        input_ids.append([pad_token_id] * left + [*prompt, *response] + [pad_token_id] * right)
-        attention.append([False] * left + [True] * (len(prompt) + len(response)) + [False] * right)
-        loss_mask.append([False] * prompt_width + list(mask) + [False] * right)
-        rollout_logprobs.append([0.0] * prompt_width + list(lps) + [0.0] * right)
+        loss_mask = (cols >= prompt_width) & (cols < ends[:, None])
+    else:
+        no = [False] * response_width
+        loss_mask = torch.tensor([[False] * prompt_width + [*m] + no[len(m) :] for m in sampled])
     columns = {
         "input_ids": torch.tensor(input_ids, dtype=torch.long),
-        "attention_mask": torch.tensor(attention, dtype=torch.bool),
-        "loss_mask": torch.tensor(loss_mask, dtype=torch.bool),
+        "attention_mask": attention,
+        "loss_mask": loss_mask,
         "rollout_logprobs": torch.tensor(rollout_logprobs, dtype=torch.float32),
         "truncated": torch.tensor(truncated, dtype=torch.bool),
     }

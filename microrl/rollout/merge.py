@@ -50,14 +50,11 @@ def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rol
 
 
 def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout:
-    """One rollout with the rows of ``rollouts``, in order, laid out as one batch.
-
-    The batch is ``[left-padded prompt | response, right-padded]`` as wide as the longest prompt
-    plus the longest response (at least one column): per-token entries move by whole columns,
-    padded with ``pad_token_id`` (``input_ids``), -1 (``routed_experts``) or 0; the image keys
-    are merged (docs/batch.md#images); ``group_ids`` are renumbered contiguously part after
-    part; ``metrics`` (sums) added up. ``ValueError`` for no part, different batch keys, or a
-    part not in the rollout layout.
+    """One rollout with the rows of ``rollouts``, in order, in one batch as wide as the longest
+    prompt plus the longest response: per-token entries move by whole columns, padded with
+    ``pad_token_id`` (``input_ids``), -1 (``routed_experts``) or 0; image keys merged;
+    ``group_ids`` renumbered part after part; ``metrics`` (sums) added up. ``ValueError`` for no
+    part, different batch keys, or a part not in the rollout layout.
     """
     if not rollouts:
         raise ValueError("merge_rollouts needs at least one rollout")

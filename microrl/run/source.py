@@ -72,10 +72,8 @@ class RolloutSource:
 
     Args:
         sampler: what samples; its ``version`` is the trainer's step now (``start``).
-        rng: the recipe's prompt stream, drawn here in step order.
-        prompts_per_step: this rank's share.
+        prompts_per_step: this rank's share of the prompts ``rng`` gives.
         max_staleness: ``k >= 0``, the rounds sampled ahead and the bound every row is held to.
-        limits: the rollout config (episode limits, ``dynamic_sampling``).
         state: a :meth:`state_dict` from a checkpoint (its rounds come first).
         score_ahead: collect and score each round in a background thread (a slow reward);
             never for a ``trainer_thread`` sampler or a collective.
