@@ -97,7 +97,9 @@ class ObservationRenderer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.template = chat_template_of(tokenizer)
-        self._prefix = template_turn_end(tokenizer).probe_ids  # the probe up to its turn end
+        end = template_turn_end(tokenizer)
+        self.turn_end_id = end.token_id
+        self._prefix = end.probe_ids  # the probe conversation up to its turn end
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         return encode(
