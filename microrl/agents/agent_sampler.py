@@ -1,10 +1,8 @@
 """Agent episodes as a sampler's jobs, for every ``rollout.max_staleness`` (docs/rollouts.md#agents).
 
-:class:`AgentSampler` composes over the run's sampler. Over one in this process a job's
-episodes are played at ``collect``, on the trainer's thread; over one in other processes a job
-runs on a thread of the trainer process and its calls become jobs of that sampler, so a row's
-``policy_version`` is its oldest token's. One lock orders the sampler's use between that thread
-and the trainer.
+Over a sampler in this process a job's episodes are played at ``collect``, on the trainer's
+thread; over one in other processes a job runs on a trainer-process thread whose calls become
+that sampler's jobs (a row's ``policy_version``: its oldest token's), one lock ordering them.
 """
 
 from __future__ import annotations
@@ -56,15 +54,8 @@ class AgentSampler(Sampler):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="microrl-agents")
         self._jobs: dict[int, Future | Callable[[], Rollout]] = {}
         self._ids = itertools.count()
-        self.at_collect = isinstance(inner, InProcessSampler)
-
-    @property
-    def trainer_thread(self) -> bool:
-        return self.inner.trainer_thread
-
-    @property
-    def samples_at_collect(self) -> bool:
-        return self.at_collect
+        self.trainer_thread = inner.trainer_thread
+        self.samples_at_collect = isinstance(inner, InProcessSampler)
 
     @property
     def version(self) -> int:
@@ -81,11 +72,12 @@ class AgentSampler(Sampler):
         )
         job = Job(next(self._ids), self.inner.version, _KIND)
         play = functools.partial(self._play, problems, params, limits)
-        self._jobs[job.id] = play if self.at_collect else self._executor.submit(play)
+        self._jobs[job.id] = play if self.samples_at_collect else self._executor.submit(play)
         return job
 
     def _play(self, problems: list, params: SamplingParams, limits: AgentLimits) -> Rollout:
-        if self.at_collect:  # the backend's batched calls, on this thread, the loaded weights
+        # At collect: the backend's batched calls, on this thread, the loaded weights.
+        if self.samples_at_collect:
             sampler = BatchingSampler.over_backend(
                 self.inner.current(),
                 params,

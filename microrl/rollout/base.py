@@ -1,9 +1,8 @@
 """What every rollout backend shares: the sampling parameters, the result, the batch layout.
 
-A backend only turns prompt token ids into sampled response token ids and their log-probs
-(:meth:`RolloutBackend._sample`); everything else, prompt encoding, the cut after the first
-``<eos>`` and the token-aligned ``[B, T]`` layout (:mod:`microrl.rollout.layout`), is done
-once for all, so two backends given the same samples return identical batches (docs/rollouts.md).
+A backend only turns prompt ids into sampled ids and log-probs (:meth:`RolloutBackend._sample`);
+encoding, the cut at ``<eos>`` and the ``[B, T]`` layout are done here once, so two backends
+given the same samples return identical batches (docs/rollouts.md).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,11 +45,10 @@ Images = Sequence[Sequence[Any]] | None
 class SamplingParams:
     """How to sample: plain ancestral sampling at ``temperature`` unless asked otherwise.
 
-    ``temperature`` must be the loss's (``ActorConfig.temperature``): the engine scores
-    ``log_softmax(logits / temperature)``, so sampling from anything else (top-k, top-p, another
-    temperature) makes the first PPO ratio differ from 1 by construction. ``top_k=0`` and
-    ``top_p=1.0`` mean off; ``greedy`` takes the argmax (evaluation), and its rollout log-probs
-    are those of the tempered distribution all the same.
+    ``temperature`` must be the loss's (``ActorConfig.temperature``): sampling from anything
+    else (top-k, top-p, another temperature) makes the first PPO ratio differ from 1.
+    ``top_k=0`` and ``top_p=1.0`` mean off; ``greedy`` takes the argmax (evaluation), its
+    log-probs still the tempered distribution's.
     """
 
     num_samples: int = 1
@@ -98,14 +96,12 @@ def draw_seed(params: SamplingParams) -> int:
 class Rollout:
     """Sampled responses in the engine's token-aligned layout (docs/rollouts.md#the-result).
 
-    ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, then the response, right-padded after
-    its first turn terminator: the backend's ``stop_token_ids``), ``attention_mask``,
-    ``loss_mask`` (the response up to and including that terminator), ``rollout_logprobs``
-    (float32, 0 off the response) and the per-row ``truncated`` ``[B]`` bool. ``texts``: each
-    response decoded, special tokens removed. ``group_ids`` ``[B]`` int64: the index of the
-    prompt a row answers (a GRPO group). From :meth:`RolloutBackend.run_episodes` a row is a
-    whole trajectory, with ``rewards`` ``[B]`` float32, ``num_turns`` ``[B]`` int64 and
-    ``metrics`` (sums only, so merged rollouts add them up).
+    ``batch`` ``[B, T]``: ``input_ids`` (left-padded prompt, response cut after its first
+    ``stop_token_ids`` id, right-padded), ``attention_mask``, ``loss_mask`` (the response),
+    ``rollout_logprobs`` (float32, 0 off the response), ``truncated`` ``[B]`` bool. ``texts``:
+    responses decoded. ``group_ids`` ``[B]`` int64: the prompt a row answers (a GRPO group).
+    Episodes add ``rewards`` ``[B]`` float32, ``num_turns`` ``[B]`` int64 and ``metrics``
+    (sums, so merged rollouts add them up).
     """
 
     batch: TensorDict
@@ -119,25 +115,21 @@ class Rollout:
         """This rollout with its tensors on ``device`` (backends build rollouts on the host;
         docs/batch.md#devices)."""
         moved = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Rollout(
+        return replace(
+            self,
             batch=self.batch.to(device),
-            texts=self.texts,
             group_ids=self.group_ids.to(device),
             rewards=moved(self.rewards),
             num_turns=moved(self.num_turns),
-            metrics=self.metrics,
         )
 
 
 class RolloutBackend(ABC):
     """Samples responses to prompts from the current policy.
 
-    Subclasses implement :meth:`_sample` (token ids in, :class:`Samples` out) and, when they hold
-    their own copy of the weights, :meth:`sync`. Under ``torchrun`` every rank owns a backend and
-    samples its own prompts (shard prompts over ranks, never the rows of one prompt).
-
-    ``stop_token_ids``: the ids that end a turn, which :meth:`_sample` stops at and the layout
-    cuts after (:func:`~microrl.rollout.turns.turn_terminators`).
+    Subclasses implement :meth:`_sample` (token ids in, :class:`Samples` out, stopping at
+    ``stop_token_ids``) and, when they hold a copy of the weights, :meth:`sync`. Under
+    ``torchrun`` every rank samples its own prompts (never the rows of one prompt).
     """
 
     #: Whether the backend samples a copy of the weights, loaded by :meth:`sync` (else the live
@@ -159,16 +151,14 @@ class RolloutBackend(ABC):
     ) -> Rollout:
         """Sample ``params.num_samples`` responses per prompt; rows are grouped by prompt.
 
-        ``prompts``: texts (tokenized with the tokenizer's special tokens, e.g. ``<bos>``; apply a
-        chat template before, see :func:`microrl.tasks.format_prompt`) or token-id lists.
-        ``images``: with text prompts of a vision-language policy, ``images[i]`` are prompt
-        ``i``'s PIL images, one per image placeholder; the rows then carry ``pixel_values`` and
-        ``image_grid_thw`` (docs/batch.md#images).
+        ``prompts``: texts (with the tokenizer's special tokens; apply a chat template first,
+        :func:`microrl.tasks.format_prompt`) or token-id lists. ``images[i]``: text prompt
+        ``i``'s PIL images, one per placeholder (docs/batch.md#images).
         """
         check_params(params)
         encoded = None
         if images is None:
-            prompt_ids = self._encode(prompts)
+            prompt_ids = encode_prompts(self.tokenizer, prompts)
             samples = self._sample(prompt_ids, params)
         else:
             check_image_prompts(self, prompts, images)
@@ -201,18 +191,13 @@ class RolloutBackend(ABC):
         skip_env_errors: bool = False,
         images: Images = None,
     ) -> Rollout:
-        """Play ``params.num_samples`` multi-turn episodes per prompt against environments
-        (docs/rollouts.md#multi-turn-episodes).
+        """Play ``params.num_samples`` multi-turn episodes per prompt, each against a fresh
+        ``make_env(i)`` for ``prompts[i]`` (docs/rollouts.md#multi-turn-episodes).
 
-        ``make_env(i)`` builds a fresh environment for a row answering ``prompts[i]`` (one per
-        row: a group's episodes share no state; :class:`~microrl.rollout.episodes.TextEnv`). An
-        episode ends when the environment says ``done``, or, marked ``truncated``, after
-        ``max_turns`` model turns or at ``max_tokens`` tokens after the prompt. An environment
-        that raises stops with an :class:`~microrl.rollout.episodes.EpisodeError` naming the row
-        and turn; with ``skip_env_errors`` its row is dropped instead. Collective under
-        ``torchrun``. ``images``: ``images[i]`` are prompt ``i``'s PIL images, one per
-        placeholder in the first input its environment's ``init`` returns, sampled with every
-        turn (docs/rollouts.md#images).
+        An episode ends at ``done``, or ``truncated`` after ``max_turns`` turns or ``max_tokens``
+        tokens. An environment that raises is an :class:`~microrl.rollout.episodes.EpisodeError`
+        (``skip_env_errors``: its row dropped). Collective under ``torchrun``. ``images[i]``:
+        the PIL images of the first input ``init`` returns for prompt ``i``.
         """
         check_params(params)
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
@@ -224,7 +209,7 @@ class RolloutBackend(ABC):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if images is not None:
             check_image_prompts(self, prompts, images)
-        episodes = play_episodes(
+        trajectories, group_ids, metrics = play_episodes(
             self,
             prompts,
             make_env,
@@ -234,14 +219,13 @@ class RolloutBackend(ABC):
             skip_env_errors=skip_env_errors,
             images=images,
         )
-        trajectories = episodes.trajectories
         return Rollout(
             batch=episode_batch(trajectories, self.tokenizer.pad_token_id),
             texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories],
-            group_ids=torch.tensor(episodes.group_ids, dtype=torch.long),
+            group_ids=torch.tensor(group_ids, dtype=torch.long),
             rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             num_turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),
-            metrics=episodes.metrics,
+            metrics=metrics,
         )
 
     def sync(self, engine) -> None:  # noqa: B027 - a backend that reads the live model has none
@@ -256,9 +240,6 @@ class RolloutBackend(ABC):
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
         raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
-
-    def _encode(self, prompts: Prompts) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts)
 
 
 def check_tokenizer(tokenizer):

@@ -1,11 +1,8 @@
-"""Multi-turn episodes: the policy talks to an environment, token in and token out.
+"""Multi-turn episodes: the policy talks to an environment (skyrl-gym's :class:`TextEnv`).
 
-An episode alternates a model turn (ended by a turn terminator, :mod:`microrl.rollout.turns`)
-and the environment's answer. The trajectory is kept as the sampled token ids, never
-re-tokenized (re-encoding the decoded conversation can give other ids, and the PPO ratio is then
-taken over tokens never sampled); only observations are tokenized, as the delta the chat
-template adds after an assistant turn (:class:`ObservationRenderer`). The environment API is
-skyrl-gym's text environment (:class:`TextEnv`).
+A trajectory keeps the sampled token ids, never re-tokenized (re-encoding the decoded text can
+give other ids, and the PPO ratio is then taken over tokens never sampled); only observations
+are tokenized, as the chat template's delta after an assistant turn (:class:`ObservationRenderer`).
 """
 
 from __future__ import annotations
@@ -158,25 +155,19 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
     episodes; ``loss_mask`` marks the sampled tokens only (observations are context),
     ``truncated`` ``[B]`` the episodes cut by ``max_turns`` or the token budget.
     """
-    prompt_width = max(len(t.prompt_ids) for t in trajectories)
-    width = prompt_width + max(1, max(len(t.ids) for t in trajectories))
-    rows = len(trajectories)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros(rows, width, dtype=torch.bool)
-    loss_mask = torch.zeros(rows, width, dtype=torch.bool)
-    logprobs = torch.zeros(rows, width, dtype=torch.float32)
-    for row, t in enumerate(trajectories):
-        start, stop = prompt_width - len(t.prompt_ids), prompt_width + len(t.ids)
-        input_ids[row, start:prompt_width] = torch.tensor(t.prompt_ids, dtype=torch.long)
-        input_ids[row, prompt_width:stop] = torch.tensor(t.ids, dtype=torch.long)
-        attention[row, start:stop] = True
-        loss_mask[row, prompt_width:stop] = torch.tensor(t.model_token, dtype=torch.bool)
-        logprobs[row, prompt_width:stop] = torch.tensor(t.logprobs, dtype=torch.float32)
-    truncated = [t.truncated for t in trajectories]
-    batch = rollout_batch(input_ids, attention, loss_mask, logprobs, truncated)
+    batch = rollout_batch(
+        [t.prompt_ids for t in trajectories],
+        [t.ids for t in trajectories],
+        [t.logprobs for t in trajectories],
+        [t.truncated for t in trajectories],
+        pad_token_id,
+        sampled=[t.model_token for t in trajectories],
+    )
     if any(t.images is not None for t in trajectories):  # each row its prompt's images
         batch.update(pad_images([t.images for t in trajectories]))
     if any(t.routes is not None for t in trajectories):
+        prompt_width = max(len(t.prompt_ids) for t in trajectories)
+        width = batch["input_ids"].shape[1]
         batch[ROUTED_EXPERTS_KEY] = _episode_routes(trajectories, prompt_width, width)
     return batch
 
@@ -190,15 +181,6 @@ def _episode_routes(trajectories: Sequence[Trajectory], prompt_width: int, width
             start = prompt_width - len(t.prompt_ids)
             out[row, start : start + len(t.routes)] = t.routes
     return out
-
-
-@dataclass
-class Episodes:
-    """What :func:`play_episodes` returns: the kept rows, the prompt each answers, the metrics."""
-
-    trajectories: list[Trajectory]
-    group_ids: list[int]
-    metrics: dict[str, float]
 
 
 @dataclass
@@ -263,15 +245,14 @@ class _Player:
                 )
                 if initial is None:
                     row.trajectory.failed = True
-                else:
-                    first = initial[0] if isinstance(initial, tuple) else initial
-                    row.trajectory.prompt_ids = self.renderer.prompt(first)
-                    if images is not None:
-                        self.add_images(row.trajectory, images[prompt_index], prompt_index)
+                    continue
+                first = initial[0] if isinstance(initial, tuple) else initial
+                row.trajectory.prompt_ids = self.renderer.prompt(first)
+                if images is not None:  # placeholders expanded, encoded once per prompt
+                    self.add_images(row.trajectory, images[prompt_index], prompt_index)
         return rows
 
     def add_images(self, trajectory: Trajectory, images: Sequence[Any], index: int) -> None:
-        """The first input's images, encoded once per prompt, placeholders expanded."""
         trajectory.prompt_ids, trajectory.images = self.backend.image_encoder.encode_ids(
             trajectory.prompt_ids, images, index, encoded=self.encoded.get(index)
         )
@@ -345,7 +326,7 @@ class _Player:
         else:
             trajectory.add(observation, None)
 
-    def finish(self, rows: list[_Row]) -> Episodes:
+    def finish(self, rows: list[_Row]) -> tuple[list[Trajectory], list[int], dict[str, float]]:
         for row in rows:
             if callable(getattr(row.env, "close", None)):
                 self.env_call(row, "close", row.env.close, turn=row.trajectory.turns)
@@ -357,7 +338,7 @@ class _Player:
             )
         # Additive only (merged rollouts sum them); per-row turns and cuts are in the rollout.
         metrics = {"episodes/env_time_s": self.env_time, "episodes/env_errors": float(self.errors)}
-        return Episodes([r.trajectory for r in kept], [r.prompt_index for r in kept], metrics)
+        return [r.trajectory for r in kept], [r.prompt_index for r in kept], metrics
 
 
 def play_episodes(
@@ -370,8 +351,9 @@ def play_episodes(
     max_tokens: int,
     skip_env_errors: bool = False,
     images: Sequence[Sequence[Any]] | None = None,
-) -> Episodes:
-    """Run ``params.num_samples`` episodes per prompt (:meth:`RolloutBackend.run_episodes`)."""
+) -> tuple[list[Trajectory], list[int], dict[str, float]]:
+    """Run ``params.num_samples`` episodes per prompt (:meth:`RolloutBackend.run_episodes`): the
+    kept trajectories, the prompt each answers and the metrics."""
     player = _Player(backend, params, skip_env_errors)
     rows = player.start(prompts, make_env, images)
     for number in range(1, max_turns + 1):

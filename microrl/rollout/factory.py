@@ -29,13 +29,9 @@ def make_rollout_backend(
     image_encoder: ImageEncoder | None = None,
     record_routing: bool = False,
 ) -> RolloutBackend:
-    """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy.
-
-    ``vllm``: the ``vllm`` backend's config (defaults when omitted); ``sync_check_tol`` bounds
-    each ``vllm`` sync's check (None: by the engine's precision); ``image_encoder``: a
-    vision-language policy's (docs/rollouts.md#images); ``record_routing``: rows carry their
-    ``routed_experts`` (``rollout.routing_replay``, ``hf`` only).
-    """
+    """The ``backend`` (``"hf"`` or ``"vllm"``) sampling from ``engine``'s policy; ``vllm``: its
+    config (None: defaults); ``sync_check_tol``: each ``vllm`` sync's bound (None: by the
+    engine's precision); ``record_routing``: ``rollout.routing_replay`` (``hf`` only)."""
     if backend == "hf":
         return HFRollout(
             engine, tokenizer, image_encoder=image_encoder, record_routing=record_routing
@@ -70,10 +66,9 @@ def make_sampler(
 ) -> Sampler:
     """The sampler of ``rollout`` holding ``engine``'s weights as ``version`` (a recipe: its step).
 
-    ``rollout.max_staleness=0``: ``rollout.backend`` in this process (:class:`InProcessSampler`);
-    ``k > 0``: ``hf`` worker processes or ``vllm serve`` servers (logs in ``log_dir``), one per
-    sp group under sequence parallelism (docs/async.md). ``env_maker``: a multi-turn task's
-    ``problem -> environment``; ``num_threads``: each worker's or local server's CPU threads.
+    ``k = 0``: ``rollout.backend`` in this process; ``k > 0``: ``hf`` workers or ``vllm serve``
+    servers (logs in ``log_dir``, ``num_threads`` CPU threads each), one per sp group
+    (docs/async.md). ``env_maker``: a multi-turn task's ``problem -> environment``.
     """
     if not isinstance(rollout, RolloutConfig):
         raise TypeError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")

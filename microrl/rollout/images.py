@@ -1,9 +1,8 @@
 """Image prompts: the one preprocessing path the trainer and every sampler share.
 
-A prompt with images is a text with one placeholder token per image (Qwen-VL's
-``<|image_pad|>``). :meth:`ImageEncoder.encode` expands each placeholder once per image feature
-(``t * h * w / merge**2``) and gives ``(pixel_values [p, D], image_grid_thw [n, 3])`` per
-prompt. The processor is always transformers' PIL backend, so a sampler and the trainer never
+A prompt has one placeholder token per image; :meth:`ImageEncoder.encode` repeats each once per
+image feature (``t * h * w / merge**2``) and gives ``(pixel_values [p, D], image_grid_thw
+[n, 3])`` per prompt, always with transformers' PIL backend, so a sampler and the trainer never
 disagree on pixels (docs/rollouts.md#images).
 """
 

@@ -60,57 +60,49 @@ def build_rollout(
         responses.append(list(ids[:end]))
         logprobs.append(list(lps[:end]))
         truncated.append(not (end and ids[end - 1] in stops))
-    # Built from padded lists: a per-row loop of tensor copies cost ~20 ms for 1024 rows.
-    prompt_width = max(len(p) for p in prompt_ids)
-    response_width = max(1, max(len(r) for r in responses))
-    prompts = torch.tensor([[pad_token_id] * (prompt_width - len(p)) + list(p) for p in prompt_ids])
-    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
-    lengths = torch.tensor([len(r) for r in responses])
-    pad = [pad_token_id] * response_width
-    zeros = [0.0] * response_width
-    input_ids = torch.cat(
-        [
-            prompts.repeat_interleave(num_samples, dim=0),
-            torch.tensor([r + pad[len(r) :] for r in responses], dtype=torch.long),
-        ],
-        dim=1,
-    )
-    columns = torch.arange(response_width)
-    loss_mask = torch.cat(
-        [torch.zeros(rows, prompt_width, dtype=torch.bool), columns < lengths[:, None]], dim=1
-    )
-    in_prompt = torch.arange(prompt_width) >= prompt_width - prompt_lengths[:, None]
-    attention = loss_mask.clone()
-    attention[:, :prompt_width] = in_prompt.repeat_interleave(num_samples, dim=0)
-    rollout_logprobs = torch.cat(
-        [
-            torch.zeros(rows, prompt_width),
-            torch.tensor([lp + zeros[len(lp) :] for lp in logprobs], dtype=torch.float32),
-        ],
-        dim=1,
-    )
-    batch = rollout_batch(input_ids, attention, loss_mask, rollout_logprobs, truncated)
+    prompts = [prompt_ids[i // num_samples] for i in range(rows)]
+    batch = rollout_batch(prompts, responses, logprobs, truncated, pad_token_id)
     if samples.routed_experts is not None:
-        batch[ROUTED_EXPERTS_KEY] = routes_of_rows(samples.routed_experts, attention)
+        batch[ROUTED_EXPERTS_KEY] = routes_of_rows(samples.routed_experts, batch["attention_mask"])
     return batch
 
 
 def rollout_batch(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
     truncated: Sequence[bool],
+    pad_token_id: int,
+    sampled: Sequence[Sequence[bool]] | None = None,
 ) -> TensorDict:
-    """The ``[B, T]`` batch of the rollout layout's keys (``truncated`` ``[B]``)."""
+    """Row ``i`` ``[left-padded prompts[i] | responses[i], right-padded]`` as the ``[B, T]``
+    batch; ``loss_mask`` on ``sampled[i]`` (None: the whole response), ``truncated`` ``[B]``.
+    Built from padded lists: a per-row loop of tensor copies cost ~20 ms for 1024 rows."""
+    prompt_width = max(len(p) for p in prompts)
+    response_width = max(1, max(len(r) for r in responses))
+    pad, zeros = [pad_token_id] * response_width, [0.0] * response_width
+    input_ids = [
+        [pad_token_id] * (prompt_width - len(p)) + [*p, *r] + pad[len(r) :]
+        for p, r in zip(prompts, responses, strict=True)
+    ]
+    rollout_logprobs = [[0.0] * prompt_width + [*lp] + zeros[len(lp) :] for lp in logprobs]
+    cols = torch.arange(prompt_width + response_width)
+    starts = prompt_width - torch.tensor([len(p) for p in prompts])
+    ends = prompt_width + torch.tensor([len(r) for r in responses])
+    attention = (cols >= starts[:, None]) & (cols < ends[:, None])
+    if sampled is None:
+        loss_mask = (cols >= prompt_width) & (cols < ends[:, None])
+    else:
+        no = [False] * response_width
+        loss_mask = torch.tensor([[False] * prompt_width + [*m] + no[len(m) :] for m in sampled])
     columns = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
+        "input_ids": torch.tensor(input_ids, dtype=torch.long),
+        "attention_mask": attention,
         "loss_mask": loss_mask,
-        "rollout_logprobs": rollout_logprobs,
+        "rollout_logprobs": torch.tensor(rollout_logprobs, dtype=torch.float32),
         "truncated": torch.tensor(truncated, dtype=torch.bool),
     }
-    return TensorDict(columns, batch_size=[len(input_ids)])
+    return TensorDict(columns, batch_size=[len(prompts)])
 
 
 def routes_of_rows(routes: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,5 @@
-"""Selecting groups of a rollout and merging rollouts into one ``[B, T]`` batch (docs/rollouts.md).
-
-Rollouts sampled in separate calls (dynamic sampling's rounds) have batches of different widths;
-:func:`merge_rollouts` lays their rows out again as :func:`~microrl.rollout.layout.build_rollout`
-would have from the same samples.
+"""Selecting groups of a rollout and merging rollouts into one ``[B, T]`` batch, laid out as
+:func:`~microrl.rollout.layout.build_rollout` would have from the same samples (docs/rollouts.md).
 """
 
 from __future__ import annotations
@@ -42,11 +39,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rol
         raise ValueError(f"groups {missing} are not in the rollout (its ids: 0..)")
     rows = torch.isin(rollout.group_ids, wanted).nonzero().squeeze(1)
     _, group_ids = torch.unique(rollout.group_ids[rows], return_inverse=True)
-    extra = {}
-    for f in dataclasses.fields(rollout):
-        value = getattr(rollout, f.name)
-        if f.name not in _LAYOUT_FIELDS and _is_per_row(value, len(rollout.texts)):
-            extra[f.name] = value[rows]
+    extra = {name: value[rows] for name, value in _per_row_fields(rollout).items()}
     return Rollout(
         batch=kept_images(rollout.batch[rows]),  # the dropped groups' pixels freed
         texts=[rollout.texts[i] for i in rows.tolist()],
@@ -57,14 +50,11 @@ def select_groups(rollout: Rollout, groups: Sequence[int] | torch.Tensor) -> Rol
 
 
 def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout:
-    """One rollout with the rows of ``rollouts``, in order, laid out as one batch.
-
-    The batch is ``[left-padded prompt | response, right-padded]`` as wide as the longest prompt
-    plus the longest response (at least one column): per-token entries move by whole columns,
-    padded with ``pad_token_id`` (``input_ids``), -1 (``routed_experts``) or 0; the image keys
-    are merged (docs/batch.md#images); ``group_ids`` are renumbered contiguously part after
-    part; ``metrics`` (sums) added up. ``ValueError`` for no part, different batch keys, or a
-    part not in the rollout layout.
+    """One rollout with the rows of ``rollouts``, in order, in one batch as wide as the longest
+    prompt plus the longest response: per-token entries move by whole columns, padded with
+    ``pad_token_id`` (``input_ids``), -1 (``routed_experts``) or 0; image keys merged;
+    ``group_ids`` renumbered part after part; ``metrics`` (sums) added up. ``ValueError`` for no
+    part, different batch keys, or a part not in the rollout layout.
     """
     if not rollouts:
         raise ValueError("merge_rollouts needs at least one rollout")
@@ -99,18 +89,12 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
         _, index = torch.unique(part.group_ids, return_inverse=True)
         group_ids.append(index.to(torch.long) + first)
         first += int(index.max()) + 1 if index.numel() else 0
-    extra = {}
-    for f in dataclasses.fields(Rollout):
-        if f.name in _LAYOUT_FIELDS:
-            continue
-        values = [getattr(part, f.name) for part in rollouts]
-        per_row = [
-            _is_per_row(v, len(part.texts)) for v, part in zip(values, rollouts, strict=True)
-        ]
-        if all(per_row):
-            extra[f.name] = torch.cat(values)
-        elif any(per_row):
-            raise ValueError(f"Rollout.{f.name} is set on some of the rollouts only")
+    per_row = [_per_row_fields(part) for part in rollouts]
+    names = sorted(set().union(*per_row))
+    for name in names:
+        if not all(name in fields for fields in per_row):
+            raise ValueError(f"Rollout.{name} is set on some of the rollouts only")
+    extra = {name: torch.cat([fields[name] for fields in per_row]) for name in names}
     metrics: dict[str, float] = {}
     for part in rollouts:  # sums (env seconds, errors): they add up over the parts
         for key, value in part.metrics.items():
@@ -124,8 +108,16 @@ def merge_rollouts(rollouts: Sequence[Rollout], *, pad_token_id: int) -> Rollout
     )
 
 
-def _is_per_row(value: object, rows: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
+def _per_row_fields(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """The rollout's optional per-row ``[B]`` fields that are set (``rewards``, ``num_turns``)."""
+    fields = {}
+    for f in dataclasses.fields(rollout):
+        value = getattr(rollout, f.name)
+        if f.name in _LAYOUT_FIELDS or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() >= 1 and value.shape[0] == len(rollout.texts):
+            fields[f.name] = value
+    return fields
 
 
 def _span(batch: TensorDict) -> tuple[int, int, int]:

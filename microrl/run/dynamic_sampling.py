@@ -1,8 +1,6 @@
 """DAPO's dynamic sampling: sample fresh prompts until a step has enough groups whose rewards
 differ (Yu et al. 2025, arXiv 2503.14476, section 3.2; docs/recipes.md#dapos-knobs).
-
-An equal-reward group has advantage 0: it adds no gradient, only tokens to the token-mean
-denominator. The rollout source filters its rounds, in order, with a :class:`GroupFilter`.
+An equal-reward group has advantage 0: no gradient, only tokens in the token-mean denominator.
 """
 
 from __future__ import annotations
@@ -24,9 +22,8 @@ class GroupFilter:
     (task score plus ``shaping(rollout)``) are not all equal, in sampling order; "equal" is
     :func:`microrl.losses.group_stats`' float64 spread, as the advantages decide.
 
-    Every rank runs the same number of rounds (one all-reduce each): the ``hf`` sampler
-    generates collectively. When ``max_rounds`` rounds leave a rank short, it tops up with the
-    first equal-reward groups of its last round, so a step always has ``n_prompts`` groups.
+    Every rank runs the same number of rounds (``hf`` generates collectively); a rank short
+    after ``max_rounds`` tops up with its last round's first equal-reward groups.
     """
 
     def __init__(

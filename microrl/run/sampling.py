@@ -129,15 +129,13 @@ def whole_groups(
 
 def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
     """``episodes/*`` of a multi-turn rollout over every rank."""
-    turns, rows, cut = dist_info.sum(
+    turns, rows, cut, env_time, errors = dist_info.sum(
         [
             float(rollout.num_turns.sum()),
             float(len(rollout.num_turns)),
             float(rollout.batch["truncated"].sum()),
+            *(rollout.metrics.get(k, 0.0) for k in ("episodes/env_time_s", "episodes/env_errors")),
         ]
-    )
-    env_time, errors = dist_info.sum(
-        [rollout.metrics.get(k, 0.0) for k in ("episodes/env_time_s", "episodes/env_errors")]
     )
     return {
         "episodes/turns_mean": turns / rows,

@@ -1,9 +1,5 @@
-"""The scaffolding every RL recipe shares around its step: its rollouts, evaluation, tracking,
-shutdown.
-
-The algorithm itself (old/ref log-probs, advantages, update) stays in each recipe so it reads
-top to bottom; what is here is the same for GRPO and PPO.
-"""
+"""The scaffolding every RL recipe shares around its step: rollouts, evaluation, tracking,
+shutdown (the algorithm itself stays in each recipe, so it reads top to bottom)."""
 
 from __future__ import annotations
 
@@ -77,10 +73,8 @@ def start_rollouts(
     """The recipe's rollouts, for every ``rollout.max_staleness``: ``(source, policy)``.
 
     ``source``: a :class:`~microrl.run.RolloutSource` over :func:`~microrl.rollout.make_sampler`'s
-    sampler holding ``engine``'s weights as version ``start_step``, the rounds of ``restored``
-    (:func:`~microrl.run.load_run`'s ``extra_state``) first, ``teacher``'s log-probs added before
-    the rewards. ``policy``: what evaluation samples, the trainer's current weights. Rank 0
-    warns once when ``k > 0`` trains without a behaviour-policy correction."""
+    sampler at version ``start_step``, the rounds of ``restored`` (``extra_state``) first.
+    ``policy``: what evaluation samples, the trainer's current weights."""
     k = cfg.rollout.max_staleness
     env_maker = task.make_env if is_episode_task(task) else None
     try:
@@ -250,10 +244,8 @@ def sample_rows(
     tokenizer: Any = None,
 ) -> Iterator[dict[str, Any]]:
     """The rows of ``rollout`` as :meth:`Tracker.log_samples` shows them (each prompt's first
-    response, then each one's second, ...): ``{"group", "reward", "prompt", "response"}``, lazily.
-
-    ``prompt`` is what the model saw: a multi-turn row's first input as rendered, decoded by
-    ``tokenizer`` (needed then) with its special tokens.
+    response, then each one's second, ...): ``{"group", "reward", "prompt", "response"}``, lazily;
+    a multi-turn row's ``prompt`` is its first input as the model saw it (needs ``tokenizer``).
     """
     episodes = rollout.num_turns is not None
     if episodes and tokenizer is None:
@@ -261,28 +253,22 @@ def sample_rows(
             "sample_rows of a multi-turn rollout needs the tokenizer: the prompt shown is the "
             "environment's first input as the model saw it (sample_rows(..., tokenizer))"
         )
-    return _sample_rows(rollout, problems, scores, tokenizer if episodes else None)
-
-
-def _sample_rows(
-    rollout: Rollout, problems: Sequence[Problem], scores: Sequence[float], tokenizer: Any
-) -> Iterator[dict[str, Any]]:
     group_ids = rollout.group_ids.tolist()
     nth, seen = [], {}  # nth[i]: row i is its prompt's nth response
     for group in group_ids:
         nth.append(seen.get(group, 0))
         seen[group] = nth[-1] + 1
-    for i in sorted(range(len(group_ids)), key=lambda i: (nth[i], group_ids[i])):
-        group = group_ids[i]
-        prompt = (
-            problems[group].prompt if tokenizer is None else _seen_prompt(rollout, i, tokenizer)
-        )
-        yield {
-            "group": group,
+    return (
+        {
+            "group": group_ids[i],
             "reward": float(scores[i]),
-            "prompt": prompt,
+            "prompt": _seen_prompt(rollout, i, tokenizer)
+            if episodes
+            else problems[group_ids[i]].prompt,
             "response": rollout.texts[i],
         }
+        for i in sorted(range(len(group_ids)), key=lambda i: (nth[i], group_ids[i]))
+    )
 
 
 def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:

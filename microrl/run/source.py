@@ -1,11 +1,10 @@
 """Every step's rollout, for any ``rollout.max_staleness = k >= 0``: one source, one path.
 
 A :class:`RolloutSource` drives a :class:`~microrl.rollout.Sampler` with the recipe's prompt
-stream (drawn in step order, so every ``k`` trains the same prompts). Once version ``u`` is
-synced, the rounds of every step ``t <= u + 1 + k`` are submitted, so step ``t``'s rollout has
-a version in ``[t - 1 - k, t - 1]`` (checked before training). With ``k = 0`` and a sampler of
-this process this is the synchronous loop. Checkpoints hold the rounds not trained yet, so a
-resumed run trains on exactly the prompts and samples it would have (docs/async.md).
+stream, drawn in step order. Once version ``u`` is synced, the rounds of every step
+``t <= u + 1 + k`` are submitted, so step ``t``'s rollout has a version in
+``[t - 1 - k, t - 1]`` (checked before training). Checkpoints hold the rounds not trained yet,
+so a resumed run trains on exactly the prompts and samples it would have (docs/async.md).
 """
 
 from __future__ import annotations
@@ -73,19 +72,17 @@ class RolloutSource:
 
     Args:
         sampler: what samples; its ``version`` is the trainer's step now (``start``).
-        rng: the recipe's prompt stream, drawn here in step order.
-        prompts_per_step: this rank's share.
+        prompts_per_step: this rank's share of the prompts ``rng`` gives.
         max_staleness: ``k >= 0``, the rounds sampled ahead and the bound every row is held to.
-        limits: the rollout config (episode limits, ``dynamic_sampling``).
         state: a :meth:`state_dict` from a checkpoint (its rounds come first).
         score_ahead: collect and score each round in a background thread (a slow reward);
             never for a ``trainer_thread`` sampler or a collective.
         scorer: ``scorer(rollout)`` adds keys (a teacher's log-probs) before the rewards.
         shaping: a per-row ``[B]`` term dynamic sampling adds to judge a group's spread.
 
-    Metrics: ``dynamic_sampling/*``; with ``max_staleness > 0`` also ``staleness/mean``,
-    ``staleness/max``, ``staleness/take_wait_s``, ``dynamic_sampling/rounds_waited`` and
-    ``sync/probe_*``. :attr:`scorer_wait_s`: the part of the last take's wait ``scorer`` took.
+    Metrics: ``dynamic_sampling/*``; with ``max_staleness > 0`` also ``staleness/*``,
+    ``dynamic_sampling/rounds_waited`` and ``sync/probe_*``. :attr:`scorer_wait_s`: the part
+    of the last take's wait ``scorer`` took.
     """
 
     def __init__(
@@ -206,8 +203,8 @@ class RolloutSource:
             future.result()  # raises what the poll raised
 
     def sync(self, engine) -> None:
-        """After step ``u``'s updates: sync the weights (version ``u``) when a step still to be
-        sampled (or evaluation) needs them, and submit the rounds now allowed. Collective."""
+        """After step ``u``'s updates: sync version ``u`` when a step still to be sampled (or
+        evaluation) needs it, and submit the rounds now allowed. Collective."""
         needed = self._next_take if self.dynamic else self._next_take + len(self._rounds)
         if needed <= self.last_step or self.sampler.samples_at_collect:
             self.sampler.sync(engine)
@@ -236,9 +233,8 @@ class RolloutSource:
         return StepRollout(problems, rollout, scores, metrics)
 
     def _filtered(self, step: int) -> tuple[list[Problem], Rollout, torch.Tensor, dict]:
-        """Step ``step``'s groups under dynamic sampling: the rounds ahead, in order, filtered
-        by :class:`~microrl.run.dynamic_sampling.GroupFilter`, more submitted now if needed
-        (``dynamic_sampling/rounds_waited``); then the rounds taken are replaced."""
+        """Step ``step``'s groups under dynamic sampling: the rounds ahead filtered in order,
+        more submitted now if needed (``dynamic_sampling/rounds_waited``)."""
         groups = GroupFilter(
             self.prompts_per_step,
             self.dist_info,

@@ -28,13 +28,9 @@ __all__ = ["HFRollout", "engine_autocast_dtype", "routing_recorder", "seeded"]
 
 
 class _LogprobRecorder(LogitsProcessor):
-    """Records ``log_softmax(scores / T)`` at each sampled token, one step late.
-
-    transformers applies a user's logits processors *before* its temperature warper, and a
-    processor sees the token drawn from its scores only at the next step, so each call gathers
-    the previous step's ``[B, V]`` log-probs at the newest token (one step's memory, not
-    ``output_scores``' ``[steps, B, V]``); :meth:`finish` gathers the last step's.
-    """
+    """Records ``log_softmax(scores / T)`` at each sampled token, one step late: a processor
+    runs before transformers' temperature warper and sees the drawn token only at the next step
+    (one step's ``[B, V]`` kept, not ``output_scores``' ``[steps, B, V]``)."""
 
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
@@ -57,9 +53,8 @@ class _LogprobRecorder(LogitsProcessor):
 
 
 class _BanTokens(LogitsProcessor):
-    """Never samples ``token_ids``: a vision-language policy's image placeholder (the engine
-    refuses a row with one in its response). After :class:`_LogprobRecorder`, so it truncates
-    the sampling, as top-k does, but not the recorded log-probs (docs/rollouts.md#images)."""
+    """Never samples ``token_ids`` (an image placeholder, which the engine refuses in a
+    response); after :class:`_LogprobRecorder`, so the recorded log-probs are not truncated."""
 
     def __init__(self, token_ids: list[int]) -> None:
         self.token_ids = token_ids
@@ -95,9 +90,8 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
 
 @contextmanager
 def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
-    """Run the block on generators seeded with ``seed`` (None: unchanged) and restore the
-    caller's after it: the CPU generator and, on CUDA, ``device``'s, which sampling there
-    draws from (``torch.random.fork_rng``); other devices' generators are not touched."""
+    """Run the block on the CPU (and CUDA ``device``'s) generator seeded with ``seed`` (None:
+    unchanged), the caller's restored after it (``torch.random.fork_rng``)."""
     if seed is None:
         yield
         return
@@ -114,24 +108,18 @@ class HFRollout(RolloutBackend):
     """Samples with ``model.generate`` from the engine's live model (or any causal LM).
 
     Args:
-        engine: an :class:`~microrl.engine.ActorEngine` (its ``model`` is sampled, its ``module``
-            gathered under FSDP2), or a transformers causal LM.
-        tokenizer: its tokenizer (``eos_token_id`` and ``pad_token_id`` set).
-        autocast_dtype: for a bare causal LM, the dtype ``generate`` autocasts to (None: none);
-            an engine's is its own (:func:`engine_autocast_dtype`).
-        image_encoder: a vision-language policy's (:meth:`ImageEncoder.from_pretrained` of its
-            checkpoint): ``generate(prompts, params, images=...)`` then samples image prompts
-            (docs/rollouts.md#images).
-        record_routing: every row carries the experts of each of its tokens,
-            ``routed_experts`` ``[B, T, L, k]`` (``rollout.routing_replay``,
-            docs/recipes.md#routing-replay); a model without routers is a ``ValueError``.
+        engine: an :class:`~microrl.engine.ActorEngine` (its ``module`` gathered under FSDP2),
+            or a transformers causal LM.
+        autocast_dtype: for a bare causal LM, what ``generate`` autocasts to (None: none); an
+            engine samples under its own autocast, the distribution it trains.
+        image_encoder: a vision-language policy's, for image prompts (docs/rollouts.md#images).
+        record_routing: rows carry ``routed_experts`` ``[B, T, L, k]``
+            (``rollout.routing_replay``); a model without routers is a ``ValueError``.
 
-    ``generate`` runs under the engine's autocast, so the samples come from the distribution
-    the engine trains; a seeded call leaves the caller's generators as they were. Under data
-    parallelism it runs with ``synced_gpus=True`` (sharded weights need every rank to run the
-    same forwards). ``rollout_logprobs`` are ``log_softmax(logits / temperature)`` in float32
-    (top-k/top-p truncate the sampling, not these). A text batch that runs past the model's
-    positions is a ``ValueError`` before any forward (:mod:`~microrl.rollout.positions`).
+    Under data parallelism ``generate`` runs with ``synced_gpus=True`` (sharded weights need
+    every rank to run the same forwards); ``rollout_logprobs`` are float32
+    ``log_softmax(logits / temperature)``, which top-k/top-p do not truncate. A text batch past
+    the model's positions is a ``ValueError`` before any forward.
     """
 
     def __init__(
@@ -174,35 +162,27 @@ class HFRollout(RolloutBackend):
         #: Records the routers' choices around ``generate`` (None: not asked).
         self.recorder = routing_recorder(model) if record_routing else None
 
-    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
-        return self._generate(prompt_ids, params)
-
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
-        """Image prompts through the model's own ``generate``, all rows in one batch: the rows'
-        patches concatenated in row order (each prompt's repeated for its ``num_samples``
-        rows) and their grids."""
+        """Image prompts in one batch: the rows' patches and grids concatenated in row order."""
         rows = [img for img in prompts.images for _ in range(params.num_samples)]
         present = [img for img in rows if img is not None]
         if not present:
-            return self._generate(prompts.ids, params)
+            return self._sample(prompts.ids, params)
         pixels = torch.cat([pixels for pixels, _ in present])
-        return self._generate(prompts.ids, params, (pixels, torch.cat([g for _, g in present])))
+        return self._sample(prompts.ids, params, (pixels, torch.cat([g for _, g in present])))
 
     @torch.no_grad()
-    def _generate(
+    def _sample(
         self,
         prompt_ids: list[list[int]],
         params: SamplingParams,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Samples:
-        """Sample ``params.num_samples`` rows per prompt; ``images``: every row's patches and
-        grids, as the model's ``generate`` takes them."""
+        """``params.num_samples`` rows per prompt; ``images``: every row's patches and grids."""
         device = self._device or next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         if images is None:  # an image's tokens take fewer (mRoPE) positions than their count
-            check_positions(
-                width, params.max_new_tokens, self.position_limit, what="the longest prompt"
-            )
+            check_positions(width, params.max_new_tokens, self.position_limit)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
         mask = torch.tensor(
