@@ -1,7 +1,8 @@
 """Record the experts a mixture-of-experts model routes every token through, for replay.
 
 A sampler wraps ``model.generate`` in a :class:`RoutingRecorder`, which lays each forward's top-k
-out as ``routed_experts`` ``[B, T, L, k]`` (docs/batch.md); a row's last token: ``-1``.
+out as ``routed_experts`` ``[B, T, L, k]`` (docs/batch.md); a row's last token: ``-1`` (the
+trainer routes it).
 """
 
 from __future__ import annotations
