@@ -1,8 +1,7 @@
 """microrl.engine: the micro-batched training engine (docs/engine.md).
 
-``ActorEngine`` (log-probs, policy loss), ``CriticEngine`` (values, value loss) and
-``RewardModelEngine`` (a score per sequence, Bradley-Terry loss) share ``Engine``'s loop; a new
-role overrides the head and the loss. ``estimate_memory``: the bytes per device a config needs.
+``ActorEngine``, ``CriticEngine`` and ``RewardModelEngine`` share ``Engine``'s loop; a new role
+overrides the head and the loss. ``estimate_memory``: the bytes per device a config needs.
 """
 
 from microrl.engine.actor import ActorEngine

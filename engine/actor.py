@@ -33,12 +33,9 @@ class ActorEngine(Engine):
     The head runs through :func:`microrl.kernels.fused_linear_logprob` when that is exact for the
     model (:func:`~microrl.engine.models.fused_head_blocker` probes it), else through the
     model's own forward and an fp32 log-softmax; :attr:`uses_fused_kernel` tells which
-    (docs/engine.md#head-paths).
-    Entropy: computed by :meth:`infer_batch`, and by training passes when
-    ``policy_loss.entropy_coef > 0`` or ``config.compute_entropy``; otherwise no ``entropy`` key.
-    Temperature: ``config.temperature``, unless the batch carries ``temperature`` (``[B]`` per row,
-    or ``[B, T]`` token-aligned). With ``rollout_logprobs`` in the batch every pass with a loss
-    reports the ``mismatch/*`` metrics (docs/losses.md#rollouttrainer-mismatch).
+    (docs/engine.md#head-paths). Entropy and temperature (``[B]`` per row or ``[B, T]``
+    token-aligned): docs/engine.md#actor-and-critic. With ``rollout_logprobs`` in the batch every
+    pass with a loss reports the ``mismatch/*`` metrics (docs/losses.md#rollouttrainer-mismatch).
     ``config.fuse_loss``: the built-in loss and :meth:`sft_loss` run inside the fused head
     (:meth:`fuses_loss`; docs/engine.md#the-fused-loss-path). ``config.mask_truncated`` zeroes the
     ``loss_mask`` of ``truncated`` rows before the denominators are counted

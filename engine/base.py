@@ -1,12 +1,8 @@
 """The micro-batched training loop every engine role shares (docs/engine.md).
 
-:meth:`Engine.forward_backward_batch` validates the mini-batch, counts its global loss
-denominators once, plans the micro-batches, runs each through :meth:`Engine.forward_step` and
-``backward``, then aggregates the metrics and restores the caller's row order;
-:meth:`Engine.train_batch` adds the optimizer step. A role overrides :meth:`Engine._build_module`,
-:meth:`Engine._model_forward` and :meth:`Engine.default_loss` (with :attr:`Engine.loss_keys`,
-:attr:`Engine.row_keys`, :attr:`Engine.count_key`), optionally :meth:`Engine.fuses_loss` and
-:meth:`Engine._role_metrics` (docs/engine.md#writing-a-role); the loop is written once, here.
+:meth:`Engine.forward_backward_batch` runs a mini-batch through :meth:`Engine.forward_step` one
+micro-batch at a time; :meth:`Engine.train_batch` adds the optimizer step. The hooks a role
+overrides: docs/engine.md#writing-a-role; the loop is written once, here.
 """
 
 from __future__ import annotations
@@ -94,9 +90,8 @@ class Engine:
     loss_keys: tuple[str, ...] = ("loss_mask",)
     #: per-row ``[B]`` batch keys the default loss needs (validated as ``[B]``, indexed by row).
     row_keys: tuple[str, ...] = ()
-    #: the key the global denominators count (docs/losses.md): ``loss_mask`` ``[B, T]``, or a
-    #: per-row key of :attr:`row_keys` (``n_tokens = n_seqs`` = its nonzero rows); a custom
-    #: ``loss_fn`` needs it too.
+    #: the key the global denominators count (docs/engine.md#sequence-level-roles): ``loss_mask``
+    #: ``[B, T]``, or a per-row key of :attr:`row_keys`; a custom ``loss_fn`` needs it too.
     count_key: str = "loss_mask"
     config_class: type[EngineConfig] = EngineConfig
 
@@ -237,10 +232,9 @@ class Engine:
 
     def fuses_loss(self, loss_fn: LossFn | None, *, training: bool = True) -> bool:
         """Whether a pass with ``loss_fn`` (None: :meth:`default_loss`) runs its loss inside the
-        module, one group of whole sequences at a time (the fused loss path, docs/engine.md).
-        A role that returns True gets a :class:`~microrl.engine.group_loss.GroupLoss` as
-        :meth:`_model_forward`'s ``group_loss`` and returns the micro-batch's loss (0-d, with its
-        graph) among its outputs under :data:`~microrl.engine.outputs.FUSED_LOSS_KEY`."""
+        module (docs/engine.md#the-fused-loss-path). A role returning True gets a
+        :class:`~microrl.engine.group_loss.GroupLoss` as ``group_loss`` and returns the loss (0-d,
+        with its graph) among its outputs under :data:`~microrl.engine.outputs.FUSED_LOSS_KEY`."""
         return False
 
     # ----------------------------------------------------------------- hooks for distributed
@@ -373,14 +367,11 @@ class Engine:
     ) -> StepResult:
         """One micro-batch: forward, loss (when its inputs are present), detached outputs, metrics.
 
-        The body of :meth:`forward_backward_batch`'s loop, which passes each planned
-        :class:`~microrl.engine.microbatch.MicroBatch` with the mini-batch's ``denominators`` and
-        runs ``backward`` on the loss. A plain ``[b, T]`` batch is validated and run as one
-        micro-batch that is its own mini-batch (``denominators`` default to its counts).
-
-        Returns a :class:`~microrl.engine.outputs.StepResult` whose ``output`` is in the layout of
-        ``micro_batch`` (compact ``[b, L]`` for a ``MicroBatch``, else ``[b, T]``); an override
-        must return the same (the loop raises ``TypeError`` otherwise).
+        Gets a planned :class:`~microrl.engine.microbatch.MicroBatch` and the mini-batch's
+        ``denominators``, or a plain ``[b, T]`` batch run as its own mini-batch. Returns a
+        :class:`~microrl.engine.outputs.StepResult` whose ``output`` is in ``micro_batch``'s layout
+        (compact ``[b, L]`` for a ``MicroBatch``, else ``[b, T]``); an override must return the
+        same (the loop raises ``TypeError`` otherwise).
         """
         if isinstance(micro_batch, MicroBatch):
             return self._forward_micro(micro_batch, loss_fn, forward_only, denominators)
@@ -509,9 +500,8 @@ class Engine:
     ) -> dict[str, float]:
         """zero_grad + :meth:`forward_backward_batch` + :meth:`optimizer_step` (+ LR schedule).
 
-        The step is skipped as in :meth:`optimizer_step` (a non-finite grad norm, or no loss
-        token on any rank). Returns the loss metrics plus ``loss``, ``grad_norm``,
-        ``step_skipped`` (0/1) and ``lr`` (the learning rate this step used).
+        Returns the loss metrics plus ``loss``, ``grad_norm``, ``step_skipped`` (0/1, as in
+        :meth:`optimizer_step`) and ``lr`` (the learning rate this step used).
         """
         self._check_trains()
         self.optimizer.zero_grad(set_to_none=True)

@@ -22,8 +22,7 @@ class CriticEngine(Engine):
     Token alignment as for log-probs: ``values[b, t]`` is the value of the state *before* token
     ``t`` (from the hidden state of token ``t - 1``), the baseline of the action
     ``input_ids[b, t]``; 0 where there is no prediction (first real token, padding). A
-    ``Linear(H, 1)`` value head (trainable also under LoRA) replaces the lm head; exports:
-    docs/engine.md#exports-of-critics-and-reward-models.
+    ``Linear(H, 1)`` value head (trainable also under LoRA) replaces the lm head.
     """
 
     config: CriticConfig

@@ -1,9 +1,8 @@
 """The loss of the fused loss path, one group of whole sequences at a time (docs/engine.md).
 
 :func:`microrl.kernels.fused_linear_loss` calls a :class:`GroupLoss` with the log-probs (and
-entropy) of a group of whole rows inside the lm head, so the ``[N, V]`` logits never exist. It
-aligns them as the loop does and calls the engine's loss on those rows; the built-in losses are
-sums over rows, so the group losses add up to the micro-batch's loss.
+entropy) of a group of whole rows inside the lm head, and gets the engine's loss on them; the
+built-in losses are sums over rows, so the group losses add up to the micro-batch's loss.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """How many bytes an engine needs per device, before building it: :func:`estimate_memory`.
 
-Parameters, gradients and optimizer state are counted exactly: the model is built from its
-config on ``meta`` and prepared as the engine prepares it (``base_dtype``, LoRA, a value head).
-Activations follow a per-layer model of what autograd saves in a Llama/Qwen decoder layer,
-checked against measured bytes on the CPU (tests/engine/test_memory_estimate.py). The offloads
-(``optim.cpu_offload``, ``activation_offload``) move bytes to the host, reported apart.
-Fields, the activation model and the offloads: docs/gpu.md.
+Parameters, gradients and optimizer state are exact: the model is built on ``meta`` and
+prepared as the engine prepares it. Activations follow a per-layer model checked against measured
+bytes (tests/engine/test_memory_estimate.py). Fields, the activation model and the offloads
+(reported apart, on the host): docs/gpu.md#estimate_memory.
 """
 
 from __future__ import annotations
@@ -193,9 +191,7 @@ def estimate_memory(
     ``PretrainedConfig``) with ``config`` (default ``EngineConfig()``).
 
     ``tokens_per_micro_batch`` defaults to ``config.max_tokens_per_micro_batch``; ``world_size``
-    counts FSDP2 ranks; ``device`` resolves ``dtype="auto"`` and FSDP's mixed precision. vLLM's
-    colocated share, a teacher, a reward model, images and ``hf`` generation are described with
-    every argument in docs/gpu.md, "``estimate_memory``".
+    counts FSDP2 ranks. The other arguments: docs/gpu.md#estimate_memory.
 
     Raises:
         ValueError: naming the argument: no token budget, ``world_size < 1``, a vLLM share

@@ -173,11 +173,9 @@ def offloaded_activations(
     """``(forward, backward, host)`` bytes of a micro-batch's saved tensors under
     ``activation_offload`` (docs/gpu.md, "Offloads").
 
-    Saved tensors of at least :data:`~microrl.engine.offload.MIN_OFFLOAD_BYTES` go to the host:
-    every tensor of the activation model, or with checkpointing each layer's input, plus the final
-    norm's and the loss's. The device keeps the smaller ones and the largest copies in flight
-    (``offload.MAX_IN_FLIGHT`` forward, ``1 + offload.PREFETCH`` backward); with checkpointing
-    also one recomputed layer.
+    Saved tensors of at least :data:`~microrl.engine.offload.MIN_OFFLOAD_BYTES` go to the host;
+    the device keeps the smaller ones, the largest copies in flight (``offload.MAX_IN_FLIGHT``
+    forward, ``1 + offload.PREFETCH`` backward) and, with checkpointing, one recomputed layer.
     """
     h, min_bytes = shape.hidden, offload.MIN_OFFLOAD_BYTES
     if config.gradient_checkpointing:

@@ -1,6 +1,5 @@
 """What :func:`~microrl.engine.memory.estimate_memory` adds beside the trained model's step: frozen
-models in the trainer process (a teacher, a ``task.reward_model``), the weights ``hf``
-generation gathers under FSDP2, and an image token's pixels (docs/gpu.md).
+teacher or reward models, ``hf`` generation's gathered weights, image pixels (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Micro-batch planning and the compact layout (pure functions, no model; docs/engine.md).
 
-**Planning** (:func:`plan_micro_batches`): which rows go into which micro-batch,
-``micro_batch_size`` rows at a time or under a strict token budget; rows are sorted by length
-(little padding) and rows sharing a ``group`` id are never separated. **Compaction**
-(:func:`compact_rows` / :func:`scatter_rows`): a micro-batch is gathered into a *right-padded*
-``[b, L]`` block, ``L`` its longest real span (one contiguous span per row), so any padding side
-runs the same computation. An entry ``[B, T, ...]`` is per-token, any other (and the image keys)
-per-row (docs/batch.md); outputs go back the same way, ``[b, L]`` to ``[B, T]``, ``[b]`` to ``[B]``.
+**Planning** (:func:`plan_micro_batches`): rows sorted by length, never separating a ``group``.
+**Compaction** (:func:`compact_rows` / :func:`scatter_rows`): a *right-padded* ``[b, L]`` block,
+``L`` its longest real span, so any padding side runs the same computation. An entry
+``[B, T, ...]`` is per-token, any other (and the image keys) per-row (docs/batch.md); outputs go
+back the same way, ``[b, L]`` to ``[B, T]``, ``[b]`` to ``[B]``.
 """
 
 from __future__ import annotations
@@ -66,11 +64,9 @@ def plan_micro_batches(
         max_tokens: strict budget of :func:`micro_batch_cost` per micro-batch, exceeded only by
             a single row that is longer on its own.
         packed: whether the cost counts real tokens (sequence packing) or padded ``rows * L``.
-        min_micro_batches: at least this many (empty ones appended), so every data-parallel
-            rank can run the same count.
+        min_micro_batches: at least this many (empty ones appended; data parallelism).
         groups: a group id per row, or None: rows with one id land in one micro-batch, so a
-            loss comparing them sees all of them. A group over ``micro_batch_size`` rows, or of
-            several rows costing over ``max_tokens``, is a ``ValueError``.
+            loss comparing them sees all of them (a ``ValueError`` when a group cannot fit).
 
     Returns:
         Row-index lists, every row exactly once, by length (longest first) and balanced: the
@@ -163,9 +159,8 @@ def _plan_padded(
         return out
 
     target = max(len(runs(budget)), min(k_min, len(order)))
-    # The cap only limits adding a unit to a run, so it never exceeds the budget (a row longer
-    # than the budget still runs, alone; a group never costs more than the budget, checked by
-    # the caller).
+    # The cap only limits adding a unit to a run, so it never exceeds the budget (a longer row
+    # still runs alone; the caller checks that a group fits).
     low, high = 1, budget
     while low < high:
         mid = (low + high) // 2
@@ -241,9 +236,7 @@ def compact_rows(
     """Gather ``rows`` of ``batch`` into a right-padded ``[b, width]`` micro-batch.
 
     Column ``j`` of a ``[B, T]`` entry is column ``starts[row] + j`` of the input (0 / False past
-    the row's length); per-row entries and the image keys are indexed by row, an
-    ``UnbatchedTensor`` (the pixel store) kept whole. ``attention_mask`` and ``position_ids``
-    are rebuilt from the lengths.
+    the row's length); per-row entries are indexed by row, the pixel store kept whole.
     """
     device = batch.device if batch.device is not None else batch["input_ids"].device
     index = torch.as_tensor(list(rows), dtype=torch.long, device=device)

@@ -1,9 +1,8 @@
 """The modules the engine differentiates: one ``nn.Module`` call from ids to per-token outputs.
 
 Each wrapper owns the transformers model (or its body) and is the root the engine trains, so
-FSDP2 on it unshards the lm-head weight before its forward; no transformers class is patched.
-Outputs are aligned to the *predicting* position: entry ``[.., j]`` comes from token ``j``'s
-hidden state and concerns token ``j + 1``.
+FSDP2 on it unshards the lm-head weight before its forward. Outputs are aligned to the
+*predicting* position: entry ``[.., j]`` concerns token ``j + 1``.
 """
 
 from __future__ import annotations
@@ -158,11 +157,10 @@ class PolicyModel(nn.Module):
 
     ``fused=True``: body, then :func:`microrl.kernels.fused_linear_logprob` with the head's weight,
     bias and logit transform, so the ``[N, V]`` logits never exist. ``fused=False`` with
-    ``plain_head=True``: the same body, then the kernel's eager twin
-    :func:`microrl.kernels.reference_linear_logprob`, so switching ``use_fused_kernel`` changes
-    results by fp32 rounding only (docs/kernels.md). Otherwise the model's own forward, then an
-    fp32 ``log_softmax``. ``trusted_targets=True``: the caller validated targets and temperatures
-    (the engine's ``check_batch``), so the kernel skips its checks and host sync (docs/engine.md).
+    ``plain_head=True``: the kernel's eager twin :func:`microrl.kernels.reference_linear_logprob`
+    (fp32 rounding apart from the fused one). Otherwise the model's own forward, then an fp32
+    ``log_softmax`` (docs/engine.md#head-paths). ``trusted_targets=True``: the caller validated
+    targets and temperatures, so the kernel skips its checks and host sync.
     """
 
     def __init__(
@@ -303,9 +301,8 @@ class ValueModel(nn.Module):
 
     The head starts from ``N(0, 1/(H+1))`` weights (not zero: the body would get no gradient) and a
     zero bias. ``bias``: the critic's head has one; a Bradley-Terry reward model's does not (its
-    loss sees only score differences). ``sequence_level``: False, a value per position (exported as
-    ``*ForTokenClassification``); True, one score per sequence at its last real token, given
-    ``last_index`` (exported as ``*ForSequenceClassification``).
+    loss sees only score differences). ``sequence_level``: False, a value per position; True, one
+    score per sequence at its last real token, given ``last_index``.
     """
 
     def __init__(

@@ -1,10 +1,8 @@
 """Activation offload: the tensors autograd saves for backward live in host memory in between.
 
 A micro-batch's activation memory stays about one layer's forward and backward, not the whole
-graph. :class:`ActivationOffload` is a ``saved_tensors_hooks`` context (pack: copy to the host;
-unpack: bring back) the engine enters around each training forward with
-``EngineConfig.activation_offload``. What is offloaded, checkpointing and CUDA copy overlap:
-docs/distributed.md, "Activation offload".
+graph. :class:`ActivationOffload` is a ``saved_tensors_hooks`` context the engine enters around
+each training forward with ``activation_offload`` (docs/distributed.md#activation-offload).
 """
 
 from __future__ import annotations

@@ -163,9 +163,8 @@ def audit_grad_flow(
     module: nn.Module, loss_mask: torch.Tensor, mode: str, *, skip: Collection[int] = ()
 ) -> None:
     """Warn (``mode="warn"``) or raise ``RuntimeError`` (``"error"``) naming the trainable
-    parameters of ``module`` left without gradient by a backward over a batch with loss tokens
-    (on any rank). ``skip``: ids of parameters this batch is not expected to reach (a vision
-    tower on a mini-batch without images), the same on every rank."""
+    parameters of ``module`` a backward with loss tokens (on any rank) left without gradient;
+    ``skip``: ids not expected to get one (a vision tower without images), same on every rank."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in skip]
     has_tokens = loss_mask.any().float().reshape(1)
     group = _shard_group(p for _, p in named)

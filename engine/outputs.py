@@ -1,6 +1,5 @@
 """A role's outputs, its loss's result and a step's result at the loop's boundary (docs/engine.md).
 
-:func:`align_outputs` brings a role's per-position outputs to token alignment;
 :func:`check_loss_result` and :func:`check_step_result` check what a ``loss_fn`` and a
 ``forward_step`` override returned, instead of failing later inside backward or the reduction.
 """

@@ -1,10 +1,8 @@
 """Sequence packing: a right-padded ``[b, L]`` micro-batch as one ``[1, N]`` row without padding.
 
-The real tokens of every row are concatenated; position ids restart at 0 for each sequence,
-which transformers (>= 5) reads, given *no* attention mask, as sequence boundaries
-(``masking_utils.find_packed_sequence_indices``): each token attends to its own sequence only.
-No host sync: the engine knows ``N`` from its plan, so the flat indices come from
-``torch.nonzero_static`` (``values[valid]`` would read the count back from the device).
+Position ids restart at 0 for each sequence, which transformers (>= 5) reads, given *no*
+attention mask, as sequence boundaries (``masking_utils.find_packed_sequence_indices``). No host
+sync: ``N`` comes from the plan, so the flat indices come from ``torch.nonzero_static``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """RewardModelEngine: one score per sequence at its last real token; the Bradley-Terry loss.
 
-A sequence-level role (docs/engine.md#sequence-level-roles): the decoder body, then a bias-free
-``Linear(H, 1)`` score head on each sequence's *last real token* (the only position that has
-seen the whole sequence). The batch holds preference pairs: ``group`` ``[B]`` int, the pair id
-(the planner keeps a pair in one micro-batch), and ``chosen`` ``[B]`` bool (or 0/1), the preferred
-row; every group is one chosen and one rejected row. The loss is the mean over the mini-batch's
-pairs (``count_key = "chosen"``) of ``-log sigmoid(s_chosen - s_rejected)``, split-independent.
+A sequence-level role (docs/engine.md#sequence-level-roles): a bias-free ``Linear(H, 1)`` score
+head on each sequence's *last real token* (the only position that has seen the whole sequence).
+The batch holds preference pairs: ``group`` ``[B]`` int (the pair id) and ``chosen`` ``[B]`` bool
+(or 0/1); the batch contract and loss: docs/engine.md#actor-and-critic.
 """
 
 from __future__ import annotations
@@ -133,8 +131,7 @@ def classifier_head(model: nn.Module) -> nn.Linear | None:
     for another model (a causal LM: the engine initialises a fresh head).
 
     Raises:
-        ValueError: a classifier with more than one label, or a head with a bias (a scalar
-            reward model is one bias-free ``Linear(H, 1)``, as transformers' decoders have).
+        ValueError: a classifier with more than one label, or a head with a bias.
     """
     if not type(model).__name__.endswith(_CLASSIFIER):
         return None
@@ -158,9 +155,8 @@ def bradley_terry_loss(
     """``-log sigmoid(s_chosen - s_rejected)`` summed over the pairs present, over the global
     pair count ``denominators.n_seqs`` (times ``grad_scale``): this micro-batch's partial loss.
 
-    ``scores``, ``group``, ``chosen``: ``[b]`` per row; ``denominators`` count the mini-batch's
-    ``chosen`` rows (its pairs). Metrics (partial means over pairs, ``SUM``): ``bt_loss``,
-    ``accuracy`` (``s_chosen > s_rejected``; ties count as wrong) and ``margin``. No host sync.
+    ``scores``, ``group``, ``chosen``: ``[b]`` per row. Metrics (partial means over pairs,
+    ``SUM``): ``bt_loss``, ``accuracy`` (ties count as wrong) and ``margin``. No host sync.
     """
     picked = chosen.to(torch.bool)
     pairs = (

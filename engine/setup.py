@@ -158,10 +158,9 @@ def checkpoint_dir(model: str | os.PathLike) -> str:
 def disable_dropout(model: nn.Module) -> list[str]:
     """Set every dropout probability of ``model`` to 0, in place; returns what was non-zero.
 
-    RL needs the training forward to be the function that produced the old log-probs: dropout
-    would make the first on-policy ratio differ from 1. The rates live in ``nn.Dropout*``
+    Dropout would make the first on-policy ratio differ from 1. The rates live in ``nn.Dropout*``
     modules, in float attributes named like a drop rate (Qwen2's ``attention_dropout``), and in
-    the model config and its sub-configs (read in ``forward`` by Gemma 2; exported too).
+    the model config and its sub-configs (read in ``forward`` by Gemma 2).
     """
     changed: list[str] = []
     for name, module in model.named_modules():
@@ -203,11 +202,9 @@ def apply_lora(
 ) -> tuple[nn.Module, nn.Module | None]:
     """Inject LoRA adapters with peft when ``config.rank > 0``.
 
-    ``config.target_modules``: None is peft's ``"all-linear"`` (every linear layer but the output
-    head, GPT-2's ``Conv1D`` too), a string goes to peft as is, a list is checked first so that a
-    name matching nothing is an error naming the setting and the model's own layer names.
-    ``config.target_parameters`` (fused MoE expert weights) are checked likewise. ``exclude``:
-    module names that get no adapter (a frozen vision tower's).
+    ``config.target_modules``: None is peft's ``"all-linear"``, a string goes to peft as is, a
+    list (and ``target_parameters``) is checked first, naming the model's own layer names.
+    ``exclude``: module names that get no adapter (a frozen vision tower's).
 
     Returns ``(model, peft_model)``: the same causal LM with adapters injected (base frozen,
     adapters in fp32 whatever the base's dtype) and the ``PeftModel`` owning them, or ``None``.

@@ -40,11 +40,10 @@ def check_batch(
 ) -> TensorDict:
     """Validate a ``[B, T]`` batch (docs/batch.md) and return it as a TensorDict on ``device``.
 
-    Checks: ``input_ids`` non-empty int64 within ``[0, vocab)`` on real tokens, one contiguous
-    non-empty span of real tokens per row, ``position_ids`` equal to ``cumsum(attention_mask) - 1``
-    on real tokens, the ``required`` keys present and ``[B, T]`` (``row_keys``, and an integer
-    ``group``: ``[B]``), float inputs floating point and finite on loss tokens, and ``loss_mask``
-    only on tokens with a prediction. ``attention_mask`` defaults to all ones.
+    Checks (on real tokens): ``input_ids`` int64 in ``[0, vocab)``, one contiguous non-empty span
+    per row, ``position_ids = cumsum(attention_mask) - 1``; the ``required`` keys ``[B, T]``
+    (``row_keys`` and an integer ``group``: ``[B]``); float inputs finite on loss tokens;
+    ``loss_mask`` only where a prediction exists. ``attention_mask`` defaults to all ones.
     """
     if not isinstance(batch, (Mapping, TensorDict)):
         raise TypeError(f"batch must be a TensorDict [B], got {type(batch).__name__}")

@@ -1,11 +1,9 @@
 """Images through the engine: the batch's image keys, checks, mRoPE positions, the vision body.
 
-A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) reads ``pixel_values`` ``[G, P, D]``
-(a store of each distinct image set's zero-padded patches, an ``UnbatchedTensor``),
-``image_index`` ``[B]`` (each row's entry, -1: none) and ``image_grid_thw`` ``[B, I, 3]``
-(docs/batch.md#images). Placeholder tokens (``t * h * w / merge**2`` per image) never carry
-``loss_mask``. The 3-D rotary positions are computed once per mini-batch and travel as the
-per-token key :data:`ROPE_KEY` ``[B, T, 3]``. Nothing here imports transformers.
+A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) reads ``pixel_values`` ``[G, P, D]``,
+``image_index`` ``[B]`` and ``image_grid_thw`` ``[B, I, 3]`` (docs/batch.md#images). The 3-D
+rotary positions are computed once per mini-batch and travel as the per-token key
+:data:`ROPE_KEY` ``[B, T, 3]``. Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -234,9 +232,9 @@ def prepare_batch(batch: TensorDict, spec: VisionSpec | None) -> TensorDict:
     added (in place on the engine's shallow copy); once per public call.
 
     Raises:
-        ValueError: naming the row and the field: image keys for a text model, image tokens
-            without images (or the reverse), token counts that do not match the images' features,
-            malformed image keys, ``loss_mask`` on an image token, or a caller's :data:`ROPE_KEY`.
+        ValueError: naming the row and the field: image keys for a text model, image tokens and
+            images that do not match, malformed image keys, ``loss_mask`` on an image token or a
+            caller's :data:`ROPE_KEY`.
     """
     if ROPE_KEY in batch:
         raise ValueError(

@@ -1,9 +1,8 @@
 """Agreements of the ranks on the outcome of a step, in bounded time, instead of bare barriers.
 
-A failure on one rank must fail every rank within ``timeout_s`` and name the failed rank. Each
-rank posts "ok" or its error text in the rendezvous store and waits for the others; the store
-tells which rank never posted, which a broken collective cannot. DCP runs on a side gloo group
-with ``timeout_s``. Protocol and bounds: docs/checkpoints.md, "A failure on one rank".
+A failure on one rank fails every rank within ``timeout_s``, naming it: each rank posts "ok" or
+its error in the rendezvous store, which (unlike a broken collective) tells who never posted.
+Protocol and bounds: docs/checkpoints.md#a-failure-on-one-rank.
 """
 
 from __future__ import annotations

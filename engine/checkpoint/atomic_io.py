@@ -1,9 +1,8 @@
 """Small filesystem helpers for checkpoints and exports: JSON, fsync, atomic directory swaps.
 
-A directory is written under a temporary name next to its target and renamed into place when
-complete. The swap (:func:`replace_dir`) is ``target -> .<name>.old`` then ``.<name>.tmp ->
-target``; :func:`recover_swap` repairs a swap killed between them, and ``.old`` is deleted only
-while ``target`` exists, so no interrupted step loses the only complete copy.
+The swap (:func:`replace_dir`) is ``target -> .<name>.old`` then ``.<name>.tmp -> target``;
+:func:`recover_swap` repairs a swap killed between them, and ``.old`` is deleted only while
+``target`` exists, so no interrupted step loses the only complete copy.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Export a trained model for the ecosystem: a PEFT adapter, or a merged transformers model.
 
 Plain or FSDP2-sharded: the full state dict is gathered to rank 0 on the CPU one parameter at a
-time, then rank 0 writes atomically; every rank must call them. A critic or reward model
-(:class:`~microrl.engine.models.ValueModel`) exports as the architecture's transformers
-classifier with ``num_labels=1`` and the trained head as ``score`` (``*ForTokenClassification``
-for a critic, ``*ForSequenceClassification`` for a reward model); an architecture without a
-matching class is a ``ValueError``, never a model that loads with a random head.
+time, then rank 0 writes atomically; every rank must call them. A critic or reward model exports
+as a transformers classifier (:func:`classifier_target`), never one that loads with a random
+head (docs/engine.md#exports-of-critics-and-reward-models).
 """
 
 from __future__ import annotations
@@ -111,8 +109,7 @@ def export_peft_adapter(
         path: output directory, loadable with ``PeftModel.from_pretrained(base, path)``.
         peft_model: the ``PeftModel`` that injected the adapters (``engine.peft_model``); found
             inside ``model`` when omitted.
-        dtype: the floating-point dtype written (a LoRA sync's: vLLM's adapter dtype); None: as
-            trained (float32).
+        dtype: the dtype written (a LoRA sync: vLLM's adapter dtype); None: as trained (float32).
     """
     from peft import PeftModel
 
@@ -213,9 +210,8 @@ def export_merged_model(
     """Write the trained transformers model inside ``model`` in its own format, LoRA merged in.
 
     ``AutoModelForCausalLM.from_pretrained(path)`` loads it, in the training dtype;
-    ``merge_lora=False`` writes the base under the adapters instead. A critic or reward model is
-    written as a classifier (:func:`classifier_target`). A ``tokenizer`` is saved beside the
-    weights in the same atomic write, so the directory serves on its own.
+    ``merge_lora=False`` writes the base under the adapters instead. A ``tokenizer`` is saved in
+    the same atomic write, so the directory serves on its own.
     """
     found = _find(model, ValueModel)
     if found is not None:
@@ -247,11 +243,8 @@ class ClassifierTarget(NamedTuple):
 def classifier_target(value_model: ValueModel) -> ClassifierTarget:
     """The transformers classifier a critic (``sequence_level=False``) or a reward model exports as.
 
-    A critic: ``AutoModelForTokenClassification``, whose logits ``[b, L, 1]`` are the values at
-    each *predicting* position (the engine's ``values[b, t]`` is ``logits[b, t - 1]``), with
-    ``classifier_dropout=0.0`` and ``token_classification_bias`` matching the head. A reward model:
-    ``AutoModelForSequenceClassification``, pooled at the last non-pad token.
-
+    A critic's logits ``[b, L, 1]`` are the values at each *predicting* position (the engine's
+    ``values[b, t]`` is ``logits[b, t - 1]``); docs/engine.md#exports-of-critics-and-reward-models.
     Raises ``ValueError`` when the architecture has no such class, or its head is not one
     ``Linear(H, 1)`` with the trained head's bias.
     """

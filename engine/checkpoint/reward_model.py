@@ -1,10 +1,9 @@
 """A :class:`~microrl.engine.RewardModelEngine` checkpoint read back as a transformers classifier.
 
-A checkpoint stores only the trained tensors, so :func:`load_reward_model_checkpoint` rebuilds
-the engine's module on the CPU from the base model, restores them in this process alone (DCP
-reshards), and returns in memory the ``*ForSequenceClassification`` that
-:func:`~microrl.engine.checkpoint.export.export_merged_model` would write. Used by
-``task.reward_model`` (docs/tasks.md#reward-models).
+A checkpoint stores only the trained tensors, so the engine's module is rebuilt on the CPU from
+the base model, restored in this process alone, and returned as what
+:func:`~microrl.engine.checkpoint.export.export_merged_model` would write
+(docs/tasks.md#reward-models).
 """
 
 from __future__ import annotations

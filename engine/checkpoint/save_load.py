@@ -1,10 +1,9 @@
 """Checkpoints that resume exactly, on 1 or N ranks, written atomically, loaded without pickle.
 
-Sharded tensors go through DCP with its safetensors storage: saved on N ranks, loadable on M,
-and nothing is unpickled (the reader rebuilds DCP's metadata from the JSON headers); the rest
-is JSON. All ranks write into ``.<name>.tmp``, which rank 0 swaps into place once every rank
-agreed (:mod:`microrl.engine.checkpoint.agreement`), so a crash never replaces a good
-checkpoint with a half-written one. Layout and exact resume: docs/checkpoints.md.
+Sharded tensors go through DCP with its safetensors storage (saved on N ranks, loadable on M;
+the reader rebuilds DCP's metadata from the JSON headers); the rest is JSON. Rank 0 swaps
+``.<name>.tmp`` into place once every rank agreed, so a crash never replaces a good checkpoint.
+Layout and exact resume: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -121,15 +120,13 @@ def save_checkpoint(
         step: the optimizer-step counter to resume from.
         config: a dataclass or mapping, stored as JSON and checked on load.
         rng: save each rank's RNG states.
-        trainable_only: save only parameters with ``requires_grad`` (the base comes from the base
-            model on load).
+        trainable_only: only ``requires_grad`` parameters (the base comes from the base model).
         timeout_s: with several ranks, how long a rank waits for the others at each step before
             naming the missing ones (default ``$MICRORL_CHECKPOINT_TIMEOUT_S``, else 600).
 
     Raises:
         CheckpointAbortedError: on a rank whose part succeeded when another's failed (named in
-            ``failed_ranks``); the failed ranks raise their own. ``path`` still holds the previous
-            complete checkpoint (unless a rank is lost in the last agreement).
+            ``failed_ranks``); ``path`` keeps the previous checkpoint (docs/checkpoints.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -314,9 +311,8 @@ def load_checkpoint(
     """Restore a :func:`save_checkpoint` directory into ``model`` (and optimizer, scheduler, RNG).
 
     Every rank must call it, with model and optimizer built as for the save (sharding may differ).
-    Raises :class:`CheckpointError` naming what differs before any parameter is modified. RNG
-    states are restored only at the saving world size. With several ranks a failure on one fails
-    all (as in :func:`save_checkpoint`); one while restoring may leave them partly restored.
+    Raises :class:`CheckpointError` naming what differs before any parameter is modified; a
+    failure on one rank fails all. RNG states are restored only at the saving world size.
     ``local``: this process alone loads into an unsharded ``model`` (no collectives, no RNG; e.g.
     each rank's frozen reward model).
     """

@@ -1,9 +1,8 @@
 """Forward hooks on a model's routers: replay recorded routing, collect what the router losses use.
 
-Installed on the router instances for an engine pass (no class is patched) and armed per
-micro-batch with its recorded experts; collection runs during the forward only. The routes stay
-armed after it, so a checkpointed layer recomputed in backward routes its tokens as the forward
-did, and adds nothing to the losses.
+Installed on the router instances for an engine pass (no class is patched), armed per
+micro-batch; collection runs during the forward only. The routes stay armed after it, so a layer
+recomputed in backward routes as the forward did, and adds nothing to the losses.
 """
 
 from __future__ import annotations

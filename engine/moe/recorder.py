@@ -1,8 +1,8 @@
 """Record the experts a mixture-of-experts model routes every token through, for replay.
 
-A sampler wraps ``model.generate`` in a :class:`RoutingRecorder`; hooks on the routers keep each
-forward's top-k, laid out as the batch key ``routed_experts`` ``[B, T, L, k]`` (docs/batch.md).
-A generated row's last token is never fed back: ``-1``, which the trainer routes itself.
+A sampler wraps ``model.generate`` in a :class:`RoutingRecorder`, which lays each forward's top-k
+out as ``routed_experts`` ``[B, T, L, k]`` (docs/batch.md); a row's last token: ``-1`` (the
+trainer routes it).
 """
 
 from __future__ import annotations

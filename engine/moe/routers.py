@@ -1,9 +1,8 @@
 """The routers of a transformers mixture-of-experts model and how each family gates its experts.
 
-transformers keeps each MoE layer's router as a module (named by
-``model._can_record_outputs["router_logits"]``) returning ``(logits [N, E], weights [N, k],
-experts [N, k])``. A family is supported when the registry below knows how its router turns
-logits into gate weights over given experts: what replay needs to keep the router training.
+Each MoE layer's router is a module (``model._can_record_outputs["router_logits"]``) returning
+``(logits [N, E], weights [N, k], experts [N, k])``. A family is supported when the registry
+below knows its gating over given experts: what replay needs to keep the router training.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A mixture-of-experts engine's routing: replay, router losses over the mini-batch, metrics.
 
-Per pass with a loss, :meth:`EngineRouting.denominators` gives the whole mini-batch's tokens,
-rows and load fractions ``f`` over every DP rank first (from the routing key, else a counting
-pass); each micro-batch's forward runs in :meth:`MicroBatchRouting.forward` and
-:meth:`MicroBatchRouting.add_terms` adds its router losses. docs/engine.md,
-"Mixture-of-experts", and docs/losses.md, "Router losses".
+Per pass with a loss, :meth:`EngineRouting.denominators` counts the whole mini-batch's tokens,
+rows and load fractions ``f`` over every DP rank first; :meth:`MicroBatchRouting.add_terms` adds
+each micro-batch's router losses. docs/engine.md#mixture-of-experts, docs/losses.md#router-losses.
 """
 
 from __future__ import annotations

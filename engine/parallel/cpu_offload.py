@@ -1,9 +1,8 @@
 """Optimizer and parameter offload (``optim.cpu_offload``): FSDP2's ``CPUOffloadPolicy``.
 
-``fully_shard`` keeps every parameter shard on the host, copies a unit's shards to the device
-before its all-gather, and the optimizer steps on the CPU. A single process shards over one
-rank, in a group started here (:func:`single_process_group`). Costs and limits:
-docs/distributed.md, "Optimizer and parameter offload".
+Parameter shards live on the host and the optimizer steps on the CPU; a single process shards
+over one rank (:func:`single_process_group`). Costs and limits:
+docs/distributed.md#optimizer-and-parameter-offload.
 """
 
 from __future__ import annotations

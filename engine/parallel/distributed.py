@@ -1,11 +1,9 @@
 """Data parallelism with FSDP2: process-group setup, sharding, gradient sync, empty shares.
 
-Launch with ``torchrun --nproc_per_node N script.py``; each rank passes its own share of the
-mini-batch. Without a process group every helper is a no-op, so one process and N ranks run the
-same loop. FSDP's collectives run per forward and backward, so every rank must run the same
-number of micro-batches (:func:`agree_num_micro_batches`, :func:`placeholder_row`). Losses need
-nothing from here: ``microrl.losses.global_denominators`` scales by the world size because FSDP
-*averages* gradients. The contract is docs/engine.md, "Distributed".
+Launch with ``torchrun``; each rank passes its own share of the mini-batch. Without a process
+group every helper is a no-op. FSDP's collectives run per forward and backward, so every rank
+runs the same number of micro-batches (:func:`agree_num_micro_batches`, :func:`placeholder_row`).
+Contract: docs/engine.md#distributed.
 """
 
 from __future__ import annotations
@@ -116,11 +114,9 @@ def init_distributed(
 ) -> dist.ProcessGroup | None:
     """Return the DP process group: the initialised one, or one started from torchrun's environment.
 
-    The one place a process joins the ranks. On CUDA the rank first takes its own GPU
-    (:func:`local_cuda_index`), also for a caller's group: NCCL would otherwise put every rank on
-    GPU 0. Under ``torchrun`` (``WORLD_SIZE`` > 1) it initialises the default group with
-    ``backend`` (default :func:`default_backend`) and ``timeout``, torn down at exit
-    (:func:`shutdown`); otherwise it returns ``None`` and the engine runs unsharded.
+    On CUDA the rank first takes its own GPU (:func:`local_cuda_index`), also for a caller's
+    group: NCCL would otherwise put every rank on GPU 0. Under ``torchrun`` (``WORLD_SIZE`` > 1)
+    the default group is torn down at exit (:func:`shutdown`); otherwise returns ``None``.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")

@@ -1,10 +1,8 @@
 """Rank-0 loading: a distributed engine reads its checkpoint once, never a full model per rank.
 
-Under ``torchrun`` global rank 0 loads a checkpoint path on the CPU and the others build it on
-``meta`` (:func:`load_on_rank0`); after the same preparation rank 0 takes out the full state
-(:func:`take_full_state`) and goes ``meta`` too; the sharded meta model is materialised as
-shards and filled from rank 0 one broadcast tensor at a time (:func:`load_full_state`). The
-result equals loading on every rank and sharding (tests/engine/parallel/).
+Rank 0 loads on the CPU, the others build on ``meta`` (:func:`load_on_rank0`); after sharding
+the model is filled from rank 0 one broadcast tensor at a time (:func:`take_full_state`,
+:func:`load_full_state`), equal to loading on every rank and sharding.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ def load_on_rank0(
     load: Callable[[str | os.PathLike, torch.dtype], nn.Module],
 ) -> nn.Module:
     """The checkpoint's model in ``dtype``: ``load(path, dtype)`` on the CPU on global rank 0, built
-    on ``meta`` elsewhere as the same class from rank 0's broadcast configs (the other ranks never
-    read the path, which need not exist on their nodes).
+    on ``meta`` elsewhere from rank 0's broadcast configs (the path need not exist there).
 
     Raises:
         ValueError: on every rank, when rank 0 cannot load the path (naming it and rank 0's

@@ -1,11 +1,9 @@
 """Runs across several machines: which paths every rank must see, checked before they are used.
 
-Nodes share only the network: each has its own disk and ``/tmp``. A path one rank writes and
-another reads (``output.dir``, a base model rank 0 built, the exports for vLLM) must be on a
-file system every node mounts; otherwise one node fails alone (its peers wait in a collective
-until the timeout) or writes its checkpoint share to its own disk. These helpers are
+A path one rank writes and another reads must be on a file system every node mounts; otherwise
+one node fails alone (its peers wait in a collective until the timeout). These helpers are
 collective: every rank raises the same ``ValueError`` naming the path, ranks and hosts
-(docs/distributed.md#several-nodes). On one machine they always pass.
+(docs/distributed.md#several-nodes).
 """
 
 from __future__ import annotations
@@ -56,12 +54,11 @@ def list_ranks(ranks: list[tuple[int, str]], limit: int = 4) -> str:
 def check_shared_dir(path: str | os.PathLike, key: str) -> None:
     """Collective: make sure every rank sees the directory ``path`` that rank 0 sees.
 
-    Rank 0 creates ``path`` and writes a marker with a random token; every rank reads it back.
     ``key`` names the setting in the error (``output.dir``). A no-op in a single process.
 
     Raises:
         ValueError: on every rank, naming ``key``, ``path`` and the ranks (and hosts) that do not
-            see rank 0's file, or rank 0's own error when it cannot write there.
+            see rank 0's marker file, or rank 0's own error when it cannot write there.
     """
     _check_visible(
         Path(path),
@@ -72,13 +69,11 @@ def check_shared_dir(path: str | os.PathLike, key: str) -> None:
 
 
 def shared_tempdir(prefix: str) -> str:
-    """Collective: a fresh temporary directory rank 0 makes (under its ``TMPDIR``), the same path on
-    every rank and checked visible there, for what rank 0 writes once and every rank reads (the
-    exports for vLLM). The caller removes it (rank 0).
+    """Collective: a fresh temporary directory rank 0 makes (under its ``TMPDIR``), checked
+    visible at the same path on every rank (the exports for vLLM); the caller removes it, on rank 0.
 
     Raises:
-        ValueError: on every rank that does not see it, naming ``TMPDIR`` (the directory is
-            removed then).
+        ValueError: on every rank that does not see it, naming ``TMPDIR`` (the directory removed).
     """
     box = [tempfile.mkdtemp(prefix=prefix) if distributed.rank() == 0 else None]
     if not distributed.is_distributed():

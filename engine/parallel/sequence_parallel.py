@@ -1,12 +1,10 @@
 """Sequence parallelism (Ulysses): each rank of an sp group holds 1/s of every micro-batch's tokens.
 
-``sequence_parallel_size = s > 1`` builds a ``("dp", "sp")`` mesh (:func:`init_mesh`); the ``s``
-ranks of an sp group pass the same mini-batch (:func:`check_same_batch`) and each takes an
-equal slice of every micro-batch's tokens (:class:`SequenceShard`). Attention gathers the
-sequence with all-to-alls (:mod:`microrl.engine.parallel.ulysses_attention`); outputs are
-all-gathered back, so loss and metrics are the whole micro-batch's on every sp rank. FSDP2
-averages over all ``dp x sp`` ranks, hence ``grad_scale = dp * sp`` (:func:`scale_denominators`).
-Details: docs/distributed.md, "Sequence parallelism (Ulysses)".
+The ``s`` ranks of an sp group pass the same mini-batch (:func:`check_same_batch`) and each
+takes an equal slice of its tokens (:class:`SequenceShard`); outputs are all-gathered back, so
+loss and metrics are the whole micro-batch's on every sp rank. FSDP2 averages over all
+``dp x sp`` ranks, hence ``grad_scale = dp * sp`` (:func:`scale_denominators`).
+Details: docs/distributed.md#sequence-parallelism-ulysses.
 """
 
 from __future__ import annotations
@@ -142,8 +140,7 @@ class SequenceShard:
             lengths and the padding tail, or the padded width for rows).
         last_local: ``[b]`` bool, whether each sequence's last real token is on this rank.
         attention_calls: counted by the attention wrapper (checks the shard reached the model).
-        flash_varlen: flash-attention's varlen arguments, built by the first attention call and
-            reused by the others (one host-to-device copy).
+        flash_varlen: flash-attention's varlen arguments, built once by the first attention call.
     """
 
     group: dist.ProcessGroup
@@ -244,9 +241,8 @@ def shard_model_inputs(
 
     ``args``: ``(input_ids, position_ids, attention_mask, targets)``, ``[b, L]`` padded rows or a
     packed ``[1, N]`` row (``packed_lengths``). Per-token tensors (a ``temperature`` too) are split;
-    ``attention_mask`` becomes a 4-D placeholder that transformers' mask builders pass through
-    (the wrapper masks itself); ``last_index`` is localised, ``group_loss`` wrapped
-    (:class:`ShardedGroupLoss`), and the shard rides along as a model keyword argument.
+    ``attention_mask`` becomes a 4-D placeholder transformers passes through (the wrapper masks
+    itself); ``last_index`` is localised, ``group_loss`` wrapped, the shard a model keyword.
     """
     ids, positions, _, targets = args
     size, rank = dist.get_world_size(group), dist.get_rank(group)

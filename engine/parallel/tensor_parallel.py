@@ -1,12 +1,9 @@
 """Tensor parallelism (TP) with torch's DTensor plans, composed with FSDP2 on a 2-D mesh.
 
-``tensor_parallel_size = t > 1`` builds a ``(dp, tp)`` mesh (:func:`init_mesh`); a tp group's
-ranks hold slices of one model and see the *same* share of the mini-batch. :func:`parallelize`
-shards the decoder layers after ``config.base_model_tp_plan``, the embedding and lm head over
-the vocabulary (logits never gathered) and LoRA with its base; every other parameter becomes a
-``Replicate()`` DTensor, so clipping, optimizer and checkpoints see one mesh. Layers compute on
-local tensors (:mod:`microrl.engine.parallel.tp_layers`). Limits: docs/engine.md, "Tensor
-parallelism".
+A tp group's ranks hold slices of one model and see the *same* share of the mini-batch.
+:func:`parallelize` shards after ``config.base_model_tp_plan`` (embedding and lm head over the
+vocabulary); every other parameter becomes a ``Replicate()`` DTensor, so clipping, optimizer and
+checkpoints see one mesh. Limits: docs/engine.md#tensor-parallelism.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Tensor-parallel layers that compute on local shards; the parameters stay ``DTensor``s.
 
-The forwards read ``param.to_local()`` and place the communication themselves, Megatron-LM style
-(Shoeybi et al. 2019, section 3): ``f`` (:class:`CopyToGroup`) before a column-parallel layer,
-``g`` (:class:`ReduceFromGroup`) after a row-parallel one. DTensor's ``parallelize_module``
-re-plans shardings per input shape (seconds per new micro-batch width on a CPU). Every tp rank
-calls a layer with the same input, but a row-parallel one (its slice of the last dimension).
+The forwards read ``param.to_local()`` and communicate Megatron-LM style: :class:`CopyToGroup`
+before a column-parallel layer, :class:`ReduceFromGroup` after a row-parallel one (DTensor
+re-plans per input shape: seconds per new micro-batch width on a CPU). Every tp rank calls a
+layer with the same input, but a row-parallel one (its slice of the last dimension).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Ulysses attention: all-to-alls around the model's own attention under sequence parallelism.
 
-Attention needs the whole sequence (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all per
-query, key and value turns "``H`` heads of ``S/s`` tokens" into "``H/s`` heads of ``S``
-tokens", the model's own attention runs per row or packed sequence, and one all-to-all brings
-the output back. Registered as ``microrl_ulysses_<base>`` through transformers'
-``AttentionInterface``; without the ``SequenceShard`` model keyword (``generate``) it is the base
-implementation. Layout: docs/distributed.md, "Sequence parallelism (Ulysses)".
+Attention needs the whole sequence: an all-to-all per query, key and value turns "``H`` heads of
+``S/s`` tokens" into "``H/s`` heads of ``S`` tokens", the model's own attention runs, and one
+all-to-all brings the output back. Registered as ``microrl_ulysses_<base>`` through transformers'
+``AttentionInterface``; without the ``SequenceShard`` keyword (``generate``) it is the base
+implementation. Layout: docs/distributed.md#sequence-parallelism-ulysses.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Variable-length attention for packed rows on the SDPA / eager kernels.
 
-transformers runs a packed row ``[1, N]`` on SDPA/eager with a block-diagonal ``[N, N]`` mask:
-correct, but it costs ``N^2`` instead of ``sum(n_i^2)`` and a sequence's log-probs change in the
-last bits with its companions. ``microrl_varlen_<base>`` (registered through transformers'
-``AttentionInterface``) runs the model's own ``<base>`` attention once per sequence when the
-forward carries ``packed_seq_lens``, and is exactly ``<base>`` otherwise, like flash-attention's
-varlen path. It lives in ``parallel/`` because the Ulysses wrapper runs it too.
+transformers' block-diagonal ``[N, N]`` mask for a packed row costs ``N^2`` instead of
+``sum(n_i^2)``, and a sequence's log-probs change in the last bits with its companions.
+``microrl_varlen_<base>`` (a transformers ``AttentionInterface``) runs ``<base>`` once per
+sequence when the forward carries ``packed_seq_lens``, else exactly ``<base>``. In ``parallel/``
+because the Ulysses wrapper runs it too.
 """
 
 from __future__ import annotations
