@@ -1,4 +1,4 @@
-"""Importance-sampling-corrected KL, ``policy_loss.kl_is_correction`` (docs/losses.md#kl-penalty).
+"""Importance-sampling-corrected KL, ``policy_loss.kl_is_correction`` (docs/losses.md#importance-sampling-corrected-kl-kl_is_correction).
 
 DeepSeek-V3.2's unbiased KL estimate (TRL's ``use_bias_correction_kl``): the per-token KL times
 the unclipped, non-detached ratio ``pi / pi_old``, per token, or the GSPO sequence ratio
