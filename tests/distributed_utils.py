@@ -164,10 +164,12 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> str | None:
 
 def rank_env(nproc: int) -> dict[str, str]:
     """The environment torchrun gives its workers (rank variables apart: ``RANK``, ``LOCAL_RANK``),
-    on a free local port, one thread per rank, warnings off."""
+    on a free local port, one thread per rank, warnings off; a rank that aborts in native code
+    prints its Python stacks (``PYTHONFAULTHANDLER``), so a crash says where it happened."""
     return dict(
         os.environ,
         OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",
         PYTHONWARNINGS="ignore",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
