@@ -7,6 +7,7 @@ Protocol and bounds: docs/checkpoints.md#a-failure-on-one-rank.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -77,10 +78,28 @@ _read_keys: list[str] = []
 
 def _side_group(timeout_s: float) -> dist.ProcessGroup:
     group = _side_groups.get(timeout_s)
-    if group is None:  # collective: every rank gets here in the same save/load
+    if group is None or not _registered(group):  # collective: every rank is in the same save/load
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         _side_groups[timeout_s] = group
     return group
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` still belongs to the live default group (not destroyed with an earlier one)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+@atexit.register
+def _release_side_groups() -> None:
+    """Free the side groups while the interpreter lives: joined at its finalization instead, a
+    gloo thread still freeing a collective's tensor takes the GIL and aborts the process
+    ("terminate called without an active exception"). Destroyed here or, when their default
+    group still lives, by the engine's exit ``shutdown``."""
+    _side_groups.clear()
 
 
 def _describe(error: BaseException) -> str:

@@ -390,3 +390,45 @@ def test_the_private_default_store_accessor_still_exists(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "timed-out:" in proc.stdout, proc.stdout
+
+
+_SIDE_GROUPS = """
+import os, sys, torch, torch.distributed as dist
+from microrl.engine.checkpoint import agreement
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def init(name):
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + name, rank=0, world_size=1)
+
+before = threads()
+init("a")
+first = agreement._side_group(5.0)
+dist.all_reduce(torch.ones(2), group=first)
+dist.destroy_process_group()
+init("b")  # a new default group: the cached side group died with the first one
+second = agreement._side_group(5.0)
+assert second is not first
+dist.all_reduce(torch.ones(2), group=second)
+dist.destroy_process_group()
+del first, second
+agreement._release_side_groups()  # what atexit runs
+print("threads", before, threads())
+"""
+
+
+def test_side_groups_follow_their_default_group_and_are_freed_before_exit(tmp_path):
+    """A side group destroyed with its default group is replaced, not reused; at exit the side
+    groups' gloo threads are joined before the interpreter finalizes (joined during it, a thread
+    freeing a tensor aborts the process: "terminate called without an active exception")."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIDE_GROUPS, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = map(int, proc.stdout.split()[-2:])
+    assert after <= before, proc.stdout  # every gloo thread joined
