@@ -72,12 +72,9 @@ def _decode_arg(kind: str, name: str, value: Any) -> Any:
             return None if value is None else base64.b64decode(value, validate=True)
         except (binascii.Error, TypeError) as err:
             raise ValueError(f"IPC handle field {name!r}: not base64 ({err})") from None
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ValueError(f"IPC handle field {name!r}: expected a bool, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"IPC handle field {name!r}: expected an int, got {value!r}")
+    if isinstance(value, bool) != (kind == "bool") or not isinstance(value, int):  # bool is an int
+        expected = "a bool" if kind == "bool" else "an int"
+        raise ValueError(f"IPC handle field {name!r}: expected {expected}, got {value!r}")
     return value
 
 
@@ -181,12 +178,8 @@ def _vllm_classes() -> dict[str, type]:
         def _post_send_sync() -> None:
             torch.cuda.ipc_collect()  # vLLM's own step, without its default-group barrier
 
-    classes = (
-        JsonIPCWeightTransferEngine,
-        JsonIPCTrainerInitInfo,
-        JsonIPCTrainerWeightTransferEngine,
-    )
-    return {cls.__name__: cls for cls in classes}
+    classes = locals()  # the classes defined above, by name
+    return {name: classes[name] for name in _VLLM_CLASSES}
 
 
 __getattr__ = lazy_classes(__name__, _VLLM_CLASSES, _vllm_classes)

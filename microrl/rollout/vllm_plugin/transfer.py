@@ -88,16 +88,16 @@ def torch_dtype(name: Any, what: str) -> torch.dtype:
 
 
 class _GlooGroup:
-    """The trainer<->workers group: a ``ProcessGroupGloo`` on its own ``TCPStore``."""
+    """The trainer<->workers group of init ``info``: a ``ProcessGroupGloo`` on its ``TCPStore``."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, address: str):
+    def __init__(self, store: Any, info: Any, rank: int):
         from torch.distributed import ProcessGroupGloo
 
         options = ProcessGroupGloo._Options()
-        options._timeout = timedelta(seconds=timeout_s)
-        options._devices = [_gloo_device(address)]
+        options._timeout = timedelta(seconds=info.timeout_s)
+        options._devices = [_gloo_device(info.master_address)]
         self.store = store  # the rendezvous lives as long as the group
-        self.group = ProcessGroupGloo(store, rank, world_size, options)
+        self.group = ProcessGroupGloo(store, rank, info.world_size, options)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast a contiguous ``tensor``'s bytes from ``src`` (in place elsewhere)."""
@@ -167,22 +167,19 @@ def _together(
     post_future = _in_thread(post, f"microrl-{route.strip('/')}")
     local_future = _in_thread(local, f"microrl-{route.strip('/')}-group")
     done, _ = wait([post_future, local_future], timeout=timeout_s, return_when=FIRST_EXCEPTION)
-    if post_future in done and post_future.exception() is not None and local_future not in done:
+    error = post_future.exception() if post_future in done else None
+    if error is not None and local_future not in done:
         # A server that rejected a tensor still drained the round: our half completes at once.
         done |= wait([local_future], timeout=min(_GRACE_S, timeout_s)).done
-    local_done = local_future in done and local_future.exception() is None
-    error: BaseException | None = None
-    if post_future in done and post_future.exception() is not None:
-        error = post_future.exception()
-    elif local_future in done and local_future.exception() is not None:
-        err = local_future.exception()
-        error = RuntimeError(f"{route}: the weight-transfer group failed: {err}")
-        error.__cause__ = err
-    elif len(done) < 2:
+    local_err = local_future.exception() if local_future in done else None
+    if error is None and local_err is not None:
+        error = RuntimeError(f"{route}: the weight-transfer group failed: {local_err}")
+        error.__cause__ = local_err
+    elif error is None and len(done) < 2:
         waiting = "the server" if post_future not in done else "the weight-transfer group"
         error = TimeoutError(f"{route}: no answer from {waiting} within {timeout_s:g} s")
     if error is not None:
-        error.local_done = local_done  # type: ignore[attr-defined]
+        error.local_done = local_future in done and local_err is None  # type: ignore[attr-defined]
         raise error
     return local_future.result()
 
@@ -194,7 +191,6 @@ def _vllm_classes() -> dict[str, type]:
     import torch
     from vllm.distributed.weight_transfer.base import (
         TrainerInitInfo,
-        TrainerWeightTransferEngine,
         WeightSource,
         WeightTransferInitInfo,
     )
@@ -223,15 +219,9 @@ def _vllm_classes() -> dict[str, type]:
             self.shutdown()  # a new trainer replaces the previous one's group
             # Ranks as vLLM's NCCL engine numbers them: unique across data-parallel replicas.
             parallel = self.parallel_config
-            worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
+            rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
             store = _store(init_info, master=False)
-            self.model_update_group = _GlooGroup(
-                store,
-                worker_rank + init_info.rank_offset,
-                init_info.world_size,
-                init_info.timeout_s,
-                init_info.master_address,
-            )
+            self.model_update_group = _GlooGroup(store, init_info, rank + init_info.rank_offset)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -239,7 +229,7 @@ def _vllm_classes() -> dict[str, type]:
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
 
-        def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+        def receive_weights(self, info: NCCLWeightTransferUpdateInfo) -> None:
             from vllm.model_executor.model_loader.mtp_validation import (
                 disable_mtp_completeness_check,
             )
@@ -251,7 +241,6 @@ def _vllm_classes() -> dict[str, type]:
                     "gloo weight transfer is not initialised: POST /init_weight_transfer_engine "
                     "first"
                 )
-            info = update_info
             # The first load error is kept so the round completes (the group stays in step);
             # vLLM then leaves the layerwise reload open (meta tensors): close it here.
             failure: tuple[str, Exception] | None = None
@@ -294,17 +283,12 @@ def _vllm_classes() -> dict[str, type]:
         world_size: int
         timeout_s: float = DEFAULT_TIMEOUT_S
 
-    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-        """Trainer side of the ``"gloo"`` engine: rank 0 serves the store and broadcasts."""
+    class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+        """Trainer side of the ``"gloo"`` engine, vLLM's NCCL one over a private gloo group:
+        rank 0 serves the store and broadcasts."""
 
         init_info_cls = GlooTrainerInitInfo
-
-        def __init__(self, *, client: Any, source: Any, is_sender: bool, timeout_s: float):
-            super().__init__(client=client, source=source, is_sender=is_sender)
-            self.timeout_s = timeout_s
-            self.model_update_group: _GlooGroup | None = None
-            # False once a failed round left the group out of step with the workers.
-            self.in_step = True
+        in_step = True  # False once a failed round left the group out of step with the workers
 
         @classmethod
         def trainer_init(
@@ -312,27 +296,17 @@ def _vllm_classes() -> dict[str, type]:
         ) -> GlooTrainerWeightTransferEngine:
             if source is None:
                 raise ValueError("gloo trainer weight transfer requires a WeightSource.")
-            engine = cls(
-                client=client,
-                source=source,
-                is_sender=init_info.is_sender,
-                timeout_s=init_info.timeout_s,
-            )
+            engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+            engine.timeout_s = init_info.timeout_s
             if not engine.is_sender:
                 return engine
             store = _store(init_info, master=True)
-            worker_info = GlooWeightTransferInitInfo(
-                master_address=init_info.master_address,
-                master_port=store.port,
-                rank_offset=1,
-                world_size=init_info.world_size,
-                timeout_s=init_info.timeout_s,
-            )
+            # The workers' GlooWeightTransferInitInfo: at the store's port, ranks after this one.
+            worker_info = asdict(init_info) | {"master_port": store.port, "rank_offset": 1}
+            del worker_info["rank"]
             engine.model_update_group = _together(
-                lambda: client.init_weight_transfer_engine(asdict(worker_info)),
-                lambda: _GlooGroup(
-                    store, 0, init_info.world_size, init_info.timeout_s, init_info.master_address
-                ),
+                lambda: client.init_weight_transfer_engine(worker_info),
+                lambda: _GlooGroup(store, init_info, 0),
                 route="/init_weight_transfer_engine",
                 timeout_s=init_info.timeout_s,
             )
@@ -354,7 +328,7 @@ def _vllm_classes() -> dict[str, type]:
 
             def broadcast_all() -> None:
                 # vLLM's check that iteration matches the metadata the workers were sent.
-                for _, tensor in NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta):
+                for _, tensor in self._checked_iter(self.source, meta):
                     group.broadcast(tensor.detach().contiguous(), src=0)
 
             self.client.start_weight_update()
@@ -370,11 +344,6 @@ def _vllm_classes() -> dict[str, type]:
                 raise
             self.client.finish_weight_update()
 
-        def shutdown(self) -> None:
-            if self.model_update_group is not None:
-                self.model_update_group.destroy()
-                self.model_update_group = None
-
     class _PushSource(WeightSource):
         """The current push: its ``ParamMeta``s and a fresh pass over its pairs per iteration."""
 
@@ -388,16 +357,8 @@ def _vllm_classes() -> dict[str, type]:
         def __iter__(self):
             return self.iterate()
 
-    return {
-        cls.__name__: cls
-        for cls in (
-            GlooWeightTransferInitInfo,
-            GlooWeightTransferEngine,
-            GlooTrainerInitInfo,
-            GlooTrainerWeightTransferEngine,
-            _PushSource,
-        )
-    }
+    classes = locals()  # the classes defined above, by name
+    return {name: classes[name] for name in (*_VLLM_CLASSES, "_PushSource")}
 
 
 __getattr__ = lazy_classes(__name__, _VLLM_CLASSES, _vllm_classes)

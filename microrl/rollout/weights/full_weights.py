@@ -55,9 +55,7 @@ class FullWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, value in self._sharded().items():
-            full = materialize(value)
-            if self.device is not None or self.dtype is not None:
-                full = full.to(device=self.device, dtype=self.dtype)
+            full = materialize(value).to(device=self.device, dtype=self.dtype)  # None: unchanged
             yield name, full
             del full  # before the next gather: one full tensor at a time
 

@@ -51,8 +51,7 @@ class HTTPAdapterSync(WeightSync):
     def push(self, engine, version: int) -> Future:
         owner = self.owner
         # After the previous load and this collective, no rank reads a directory rank 0 deletes.
-        previous = self._loads.get(version - 1)
-        if previous is not None:
+        if (previous := self._loads.get(version - 1)) is not None:
             previous.result()
         path = self.join(engine, owner.workdir, version, owner._adapter_dtype)
         in_use = {job.version for job, _ in owner._futures.values()}
@@ -126,10 +125,7 @@ class TransferSync(WeightSync):
         owner, pause, self._first = self.owner, not self._first, False
         on_gpu = self.pushers and self.pushers[0].backend != "gloo"
         weights = FullWeights(
-            engine.module,
-            owner._prefix,
-            device=None if on_gpu else "cpu",
-            dtype=owner._push_dtype,
+            engine.module, owner._prefix, device=None if on_gpu else "cpu", dtype=owner._push_dtype
         )
         for client, pusher in zip(owner.clients, self.pushers, strict=True):
             if pause:  # in flight: running requests freeze, then continue on the new weights
@@ -206,12 +202,11 @@ def _workers(client: ServerClient) -> int:
     info = client.get("server_info?config_format=json")
     try:
         parallel = info["vllm_config"]["parallel_config"]
-        sizes = [
+        return math.prod(
             int(parallel.get(f"{key}_parallel_size", 1)) for key in ("tensor", "pipeline", "data")
-        ]
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(
             f"the vLLM server at {client.url} answered /server_info without its parallel "
             f"sizes ({type(err).__name__}: {err})"
         ) from err
-    return math.prod(sizes)
