@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import os
 import pickle
-import re
 import signal
 import time
 import traceback
@@ -34,7 +33,6 @@ __all__ = [
     "build_sampler",
     "score_probe",
     "tensor_checksums",
-    "tensor_family",
     "worker_main",
 ]
 
@@ -78,35 +76,9 @@ class WorkerSpec:
 
 
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
-    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64 (:func:`checksums_differ`)."""
+    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64 (compared by the trainer's
+    :func:`~microrl.rollout.samplers.hf_worker.checksums_differ`)."""
     return {name: tensor_checksum(tensor) for name, tensor in named}
-
-
-def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
-    """Whether two :func:`tensor_checksums` entries differ beyond float64 rounding (relative
-    1e-9 of the sums of magnitudes, which bound the rounding error)."""
-    if a is None or b is None:
-        return True
-    (sum_a, squares_a, magnitude_a), (sum_b, squares_b, magnitude_b) = a, b
-    return (
-        abs(sum_a - sum_b) > 1e-9 * magnitude_a
-        or abs(squares_a - squares_b) > 1e-9 * squares_a
-        or abs(magnitude_a - magnitude_b) > 1e-9 * magnitude_a
-    )
-
-
-def tensor_family(name: str) -> str:
-    """A readable parameter name: ``...layers.1.self_attn.q_proj.lora_A.default.weight`` ->
-    ``lora_A of layer 1 self_attn.q_proj``."""
-    match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.(.+)$", name)
-    where, rest = (f"layer {match.group(1)} ", match.group(2)) if match else ("", name)
-    parts = rest.split(".")
-    lora = next((p for p in parts if p.startswith("lora_")), None)
-    skip = {"default", "base_layer", "weight"}
-    module = ".".join(p for p in parts if p not in skip and not p.startswith("lora_"))
-    if lora is not None:
-        return f"{lora} of {where}{module}"
-    return f"{where}{module}".strip() or name
 
 
 @torch.no_grad()
@@ -199,18 +171,16 @@ class _Worker:
         self.group = ProcessGroupGloo(PrefixStore("microrl-rollout", store), 1, 2, timeout)
 
     def run(self) -> None:
-        while True:
-            command = self.commands.get()  # ChannelClosed when the trainer is gone, at once
-            kind = command[0]
-            if kind == "close":
-                return
+        # ChannelClosed when the trainer is gone, at once
+        while (command := self.commands.get())[0] != "close":
+            kind, *args = command
             if kind == "layout":
-                self._set_layouts(command[1])
+                self._set_layouts(*args)
                 self.results.put(("ready",))
             elif kind == "weights":
-                self._receive(*command[1:])
+                self._receive(*args)
             elif kind in ("generate", "episodes"):
-                self._job(kind, *command[1:])
+                self._job(kind, *args)
             else:
                 raise ValueError(f"{self.spec.name}: unknown command {kind!r}")
 
