@@ -194,11 +194,7 @@ class AsyncRollout(WorkerSampler):
         return stream.pack(self._weights(engine, "trainable"), self._layouts["trainable"])
 
     def push_version(
-        self,
-        engine,
-        state: stream.Packed | Mapping[str, torch.Tensor],
-        version: int,
-        expected=None,
+        self, engine, state: stream.Packed | Mapping[str, torch.Tensor], version: int, expected=None
     ) -> None:
         """Send ``state`` (the trainable tensors: :meth:`pack`'s, or by name) as ``version``;
         ``expected``: its :meth:`expected_of` when the caller computed it (a pool: once)."""
@@ -207,11 +203,9 @@ class AsyncRollout(WorkerSampler):
             state = stream.pack(state.items(), self._layouts["trainable"])
         self.version = version
         self._expected[version] = expected or self.expected_of(engine, state)
-        self._send(
-            ("weights", version, "trainable", stream.CHUNK_BYTES),
-            f"the weights of version {version}",
-        )
-        self._broadcast(state.buffer, stream.CHUNK_BYTES)
+        chunk = stream.CHUNK_BYTES
+        self._send(("weights", version, "trainable", chunk), f"the weights of version {version}")
+        self._broadcast(state.buffer, chunk)
 
     def expected_of(self, engine, state: stream.Packed | Mapping[str, torch.Tensor]):
         """What the worker must answer to a push of ``state``: the probe's log-probs, checksums."""

@@ -28,13 +28,7 @@ import torch
 from microrl.rollout.channel import ChannelClosed, Receiver, Sender
 from microrl.rollout.worker.stream import receive_stream, tensor_checksum
 
-__all__ = [
-    "WorkerSpec",
-    "build_sampler",
-    "score_probe",
-    "tensor_checksums",
-    "worker_main",
-]
+__all__ = ["WorkerSpec", "build_sampler", "score_probe", "tensor_checksums", "worker_main"]
 
 # torchrun's variables: the worker is not a data-parallel rank and must never join that group.
 _LAUNCHER_VARS = (
@@ -105,8 +99,7 @@ def score_probe(
         model.train(was_training)
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     taken = logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    out = torch.zeros(ids.shape, dtype=torch.float32, device=device)
-    out[:, 1:] = taken
+    out = torch.nn.functional.pad(taken, (1, 0))  # the first token: no log-prob
     return torch.where(probe["loss_mask"].to(device), out, 0.0).cpu()
 
 
@@ -211,12 +204,10 @@ class _Worker:
             self.tensors, entries, lambda chunk: self.group.broadcast(chunk, 0).wait(), chunk_bytes
         )
         self.version = version
-        probe = score_probe(
-            self.model, self.spec.probe, self.spec.temperature, self.spec.autocast_dtype
-        )
+        spec = self.spec
+        probe = score_probe(self.model, spec.probe, spec.temperature, spec.autocast_dtype)
         sums = tensor_checksums((n, self.tensors[n]) for n, _, _ in entries)
-        seconds = time.perf_counter() - start
-        self.results.put(("synced", version, probe, sums, seconds))
+        self.results.put(("synced", version, probe, sums, time.perf_counter() - start))
 
     def _job(self, kind: str, job: int, seed: int, args: tuple) -> None:
         start, cpu = time.perf_counter(), time.process_time()
