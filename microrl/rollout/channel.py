@@ -116,10 +116,7 @@ class Sender:
 
 
 def start_process(
-    context: BaseContext,
-    target: Callable[..., Any],
-    args: Sequence[Any],
-    **process_options: Any,
+    context: BaseContext, target: Callable[..., Any], args: Sequence[Any], **process_options: Any
 ) -> tuple[Any, Sender, Receiver]:
     """Start ``target(*args, commands, results)`` (connections for a :class:`Receiver`, a
     :class:`Sender`) in a process of ``context``, not ``fork`` (it would inherit this side's

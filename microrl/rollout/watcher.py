@@ -174,9 +174,10 @@ def _start_time(pid: int) -> str | None:
     return None if stat is None else stat[2]
 
 
-def _exists(signal_target, pid: int) -> bool:
+def _signal(kind: str, target: int, sig: int) -> bool:
+    """Send ``sig`` to the ``process`` or ``group`` ``target``; False when none exists."""
     try:
-        signal_target(pid, 0)
+        (os.killpg if kind == "group" else os.kill)(target, sig)
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, another user's
@@ -184,55 +185,31 @@ def _exists(signal_target, pid: int) -> bool:
     return True
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not reaped, does not)."""
-    if not _exists(os.kill, pid):
+def _alive(kind: str, target: int) -> bool:
+    """Whether the process ``target`` (``group``: a process of group ``target``) runs; a
+    zombie, dead but not reaped, does not."""
+    if not _signal(kind, target, 0):
         return False
-    stat = _stat(pid)
-    if stat is None:  # no /proc (it runs), or it ended just now
-        return not os.path.isdir("/proc/self")
-    return stat[0] not in "ZX"
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` runs (zombies aside)."""
-    if not _exists(os.killpg, pgid):
-        return False
-    if not os.path.isdir("/proc/self"):
+    if not os.path.isdir("/proc/self"):  # no /proc: it runs
         return True
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = _stat(int(name))
-            if stat is not None and stat[1] == pgid and stat[0] not in "ZX":
-                return True
-    return False
+    pids = [int(n) for n in os.listdir("/proc") if n.isdigit()] if kind == "group" else [target]
+    stats = [stat for stat in map(_stat, pids) if stat is not None]
+    return any(s[0] not in "ZX" and (kind == "process" or s[1] == target) for s in stats)
 
 
 def _same_process(kind: str, target: int, start: str | None) -> bool:
     """Whether ``target`` started when it did (a leaderless group: yes, its pgid is not reused)."""
     now = _start_time(target)
-    if kind == "group" and now is None:
-        return True
-    return start is None or now == start
-
-
-def _signal(kind: str, target: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        (os.killpg if kind == "group" else os.kill)(target, sig)
-
-
-def _alive(kind: str, target: int) -> bool:
-    return _group_alive(target) if kind == "group" else _process_alive(target)
+    return start is None or now == start or (kind == "group" and now is None)
 
 
 def stop(processes: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """SIGTERM (and SIGCONT: a stopped process gets it now) each ``(kind, pid)``, SIGKILL after
     :data:`GRACE_S`; what still runs :data:`GRACE_S` after that."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for signals in ((signal.SIGTERM, signal.SIGCONT), (signal.SIGKILL,)):
         for kind, target in processes:
-            _signal(kind, target, sig)
-            if sig == signal.SIGTERM:
-                _signal(kind, target, signal.SIGCONT)
+            for sig in signals:
+                _signal(kind, target, sig)
         deadline = time.monotonic() + GRACE_S
         while (processes := [p for p in processes if _alive(*p)]) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
@@ -310,7 +287,7 @@ def _owner_dead(owner: dict) -> bool:
         return False
     if start is not None:
         return _start_time(pid) != start
-    return not _exists(os.kill, pid)
+    return not _signal("process", pid, 0)
 
 
 def sweep_stale_dirs(prefix: str, parent: str | os.PathLike | None = None) -> list[Path]:

@@ -61,13 +61,13 @@ def test_a_dead_trainers_group_process_and_directory_are_stopped_and_removed(tmp
         own.forget()  # the trainer's end, as the watcher sees it
         _wait_gone(process)
         assert server.wait(timeout=5) == -15 and worker.wait(timeout=5) == -15  # SIGTERM
-        assert not watcher._process_alive(engine_core)  # the server's whole group
+        assert not watcher._alive("process", engine_core)  # the server's whole group
         assert not workdir.exists() and kept.exists()
     finally:
         for proc in (server, worker):
             proc.kill()
             proc.wait()
-        if watcher._process_alive(engine_core):
+        if watcher._alive("process", engine_core):
             os.kill(engine_core, 9)
 
 

@@ -184,12 +184,9 @@ class HFRollout(RolloutBackend):
         if images is None:  # an image's tokens take fewer (mRoPE) positions than their count
             check_positions(width, params.max_new_tokens, self.position_limit)
         pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device
-        )
-        ids = ids.repeat_interleave(params.num_samples, dim=0)
-        mask = mask.repeat_interleave(params.num_samples, dim=0)
+        rows = [p for p in prompt_ids for _ in range(params.num_samples)]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
         # Plain sampling: top-k / top-p off unless asked (an unset top_k falls back to
         # transformers' default of 50, a truncated distribution the loss does not score).
         sampling: dict[str, Any] = {"do_sample": not params.greedy}

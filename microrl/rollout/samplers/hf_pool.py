@@ -23,14 +23,7 @@ from microrl.rollout.samplers.hf_worker import AsyncRollout, warn_if_oversubscri
 from microrl.rollout.weights.gloo import GlooBroadcast
 from microrl.rollout.weights.sync_check import SyncCheckError
 
-__all__ = [
-    "AsyncRolloutPool",
-    "Part",
-    "PoolJob",
-    "check_num_workers",
-    "part_seeds",
-    "split_sizes",
-]
+__all__ = ["AsyncRolloutPool", "Part", "PoolJob", "check_num_workers", "part_seeds", "split_sizes"]
 
 
 def _all_episodes_failed(err: Exception) -> bool:
@@ -216,8 +209,7 @@ class AsyncRolloutPool(WorkerSampler):
                     error = _located(err, worker, part)
         if error is not None:
             raise error
-        for worker in self.workers:  # the checks of workers without a part surface now too
-            worker.poll()
+        self.poll()  # the checks of workers without a part surface now too
         self.job_seconds.append(max((s[0] for _, _, s in results), default=0.0))
         self.job_cpu_seconds.append(sum(s[1] for _, _, s in results))
         failed = sum(part.size for part in dropped) * job.num_samples
@@ -227,11 +219,8 @@ class AsyncRolloutPool(WorkerSampler):
                 "(rollout.skip_env_errors drops failed rows, but none is left)"
             )
         rollouts = [rollout for _, rollout, _ in results]
-        merged = (
-            rollouts[0]
-            if len(rollouts) == 1
-            else merge_rollouts(rollouts, pad_token_id=self.tokenizer.pad_token_id)
-        )
+        pad = self.tokenizer.pad_token_id
+        merged = rollouts[0] if len(rollouts) == 1 else merge_rollouts(rollouts, pad_token_id=pad)
         metrics = dict(merged.metrics)
         if dropped:
             metrics["episodes/env_errors"] = metrics.get("episodes/env_errors", 0.0) + failed

@@ -12,10 +12,10 @@ import contextlib
 import copy
 import datetime
 import logging
-import multiprocessing
 import os
 import pickle
 import queue
+import re
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing as mp
 from tensordict import TensorDict
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from microrl.engine import setup
 from microrl.engine.checkpoint.export import locate_base_model
@@ -38,13 +39,7 @@ from microrl.rollout.weights.full_weights import FullWeights
 from microrl.rollout.weights.gloo import GlooBroadcast
 from microrl.rollout.weights.weight_sync import ProbeVerifier, WeightSync
 from microrl.rollout.worker import stream
-from microrl.rollout.worker.main import (
-    WorkerSpec,
-    checksums_differ,
-    tensor_checksums,
-    tensor_family,
-    worker_main,
-)
+from microrl.rollout.worker.main import WorkerSpec, tensor_checksums, worker_main
 
 if TYPE_CHECKING:  # annotations only
     from microrl.engine.base import Engine
@@ -102,13 +97,6 @@ class AsyncRollout(WorkerSampler):
         if check_threads:
             warn_if_oversubscribed(self.name, [options.num_threads])
         self.weight_sync: WeightSync = GlooBroadcast([self])
-        self._spawn(engine, base, tokenizer, env_bytes, options)
-        if wait:
-            self.wait_started()
-
-    def _spawn(self, engine, base, tokenizer, env_bytes, options: SamplerOptions) -> None:
-        from torch.distributed import TCPStore
-
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self._store = TCPStore(
             "127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout
@@ -142,27 +130,32 @@ class AsyncRollout(WorkerSampler):
         self._finalizer = weakref.finalize(
             self, _stop_worker, self.process, self._commands, self._results
         )
+        if wait:
+            self.wait_started()
 
     def wait_started(self) -> None:
         """Complete the start (``wait=False``): push the engine's weights as ``version`` and
         check them; closes the worker on failure."""
-        from torch.distributed import PrefixStore, ProcessGroupGloo
-
         engine = self.engine
-        timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             self._check_open()
             self._receive("it to start", until="hello")
-            self._group = ProcessGroupGloo(
-                PrefixStore("microrl-rollout", self._store), 0, 2, timeout
-            )
-            self._layouts = {
-                "full": self._layout(engine, trainable_only=False),
-                "trainable": self._layout(engine, trainable_only=True),
+            store = PrefixStore("microrl-rollout", self._store)
+            self._group = ProcessGroupGloo(store, 0, 2, self._store.timeout)
+            self._layouts = {  # (name, shape, dtype) of each tensor a push of a kind sends
+                kind: [(n, s, d) for n, d, s in self._weights(engine, kind).metadata()]
+                for kind in ("full", "trainable")
             }
             self._send(("layout", self._layouts), "its layout")
             self._receive("it to check the model's tensors", until="ready")
-            self._stream_full(engine)
+            # The first push: every tensor, gathered one at a time and streamed in chunks, so no
+            # process holds a second host copy; synchronous (the start waits for its check anyway).
+            chunk = stream.CHUNK_BYTES
+            self._send(("weights", self.version, "full", chunk), "the first weights")
+            sums = stream.send_stream(
+                self._weights(engine, "full"), self._layouts["full"], self._broadcast_chunk, chunk
+            )
+            self._expected[self.version] = (self._probe_logprobs(engine), sums)
             while self.version not in self.sync_stats:
                 self._receive(f"the check of the weights of policy version {self.version}")
         except BaseException:
@@ -185,20 +178,9 @@ class AsyncRollout(WorkerSampler):
             with contextlib.suppress(ChannelClosed):
                 self._commands.put(("close",))
 
-    def _layout(self, engine, *, trainable_only: bool) -> list[stream.Entry]:
-        """``(name, shape, dtype)`` of each tensor a push of this kind sends (no gather)."""
-        weights = FullWeights(engine.module, self.prefix, trainable_only=trainable_only)
-        return [(name, shape, dtype) for name, dtype, shape in weights.metadata()]
-
-    def _stream_full(self, engine) -> None:
-        """The first push: every tensor, gathered one at a time and streamed in chunks, so no
-        process holds a second host copy; synchronous (the start waits for its check anyway)."""
-        entries = self._layouts["full"]
-        chunk = stream.CHUNK_BYTES
-        self._send(("weights", self.version, "full", chunk), "the first weights")
-        weights = FullWeights(engine.module, self.prefix)
-        checksums = stream.send_stream(weights, entries, self._broadcast_chunk, chunk)
-        self._expected[self.version] = (self._probe_logprobs(engine), checksums)
+    def _weights(self, engine, kind: str) -> FullWeights:
+        """``engine``'s tensors a push of ``kind`` (``"full"`` or ``"trainable"``) sends."""
+        return FullWeights(engine.module, self.prefix, trainable_only=kind == "trainable")
 
     def _broadcast_chunk(self, chunk: torch.Tensor):
         return self._group.broadcast(chunk, 0)
@@ -207,16 +189,12 @@ class AsyncRollout(WorkerSampler):
         self.weight_sync.push(engine, version)  # collective under torchrun: a gather
 
     def pack(self, engine) -> stream.Packed:
-        """The trainable tensors, gathered one at a time into one host buffer (collective)."""
-        weights = FullWeights(engine.module, self.prefix, trainable_only=True)
-        return stream.pack(weights, self._layouts["trainable"])  # RuntimeError: out of layout
+        """The trainable tensors, gathered one at a time into one host buffer (collective;
+        ``RuntimeError``: a tensor out of layout)."""
+        return stream.pack(self._weights(engine, "trainable"), self._layouts["trainable"])
 
     def push_version(
-        self,
-        engine,
-        state: stream.Packed | Mapping[str, torch.Tensor],
-        version: int,
-        expected=None,
+        self, engine, state: stream.Packed | Mapping[str, torch.Tensor], version: int, expected=None
     ) -> None:
         """Send ``state`` (the trainable tensors: :meth:`pack`'s, or by name) as ``version``;
         ``expected``: its :meth:`expected_of` when the caller computed it (a pool: once)."""
@@ -225,11 +203,9 @@ class AsyncRollout(WorkerSampler):
             state = stream.pack(state.items(), self._layouts["trainable"])
         self.version = version
         self._expected[version] = expected or self.expected_of(engine, state)
-        self._send(
-            ("weights", version, "trainable", stream.CHUNK_BYTES),
-            f"the weights of version {version}",
-        )
-        self._broadcast(state.buffer, stream.CHUNK_BYTES)
+        chunk = stream.CHUNK_BYTES
+        self._send(("weights", version, "trainable", chunk), f"the weights of version {version}")
+        self._broadcast(state.buffer, chunk)
 
     def expected_of(self, engine, state: stream.Packed | Mapping[str, torch.Tensor]):
         """What the worker must answer to a push of ``state``: the probe's log-probs, checksums."""
@@ -367,6 +343,33 @@ class AsyncRollout(WorkerSampler):
         verifier.verify(version, self.name, expected_probe, probe, tensors, failed=bool(differ))
 
 
+def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
+    """Whether two :func:`tensor_checksums` entries differ beyond float64 rounding (relative
+    1e-9 of the sums of magnitudes, which bound the rounding error)."""
+    if a is None or b is None:
+        return True
+    (sum_a, squares_a, magnitude_a), (sum_b, squares_b, magnitude_b) = a, b
+    return (
+        abs(sum_a - sum_b) > 1e-9 * magnitude_a
+        or abs(squares_a - squares_b) > 1e-9 * squares_a
+        or abs(magnitude_a - magnitude_b) > 1e-9 * magnitude_a
+    )
+
+
+def tensor_family(name: str) -> str:
+    """A readable parameter name: ``...layers.1.self_attn.q_proj.lora_A.default.weight`` ->
+    ``lora_A of layer 1 self_attn.q_proj``."""
+    match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.(.+)$", name)
+    where, rest = (f"layer {match.group(1)} ", match.group(2)) if match else ("", name)
+    parts = rest.split(".")
+    lora = next((p for p in parts if p.startswith("lora_")), None)
+    skip = {"default", "base_layer", "weight"}
+    module = ".".join(p for p in parts if p not in skip and not p.startswith("lora_"))
+    if lora is not None:
+        return f"{lora} of {where}{module}"
+    return f"{where}{module}".strip() or name
+
+
 def unwrapped_attention(config):
     """A copy of the model ``config`` with the plain attention the engine's wrappers (Ulysses,
     varlen) run: the worker's process samples whole rows and registers no wrapper."""
@@ -389,8 +392,7 @@ def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
         return False
     logger.warning(
         "the trainer's %d torch threads and the torch threads of %s (%s) take %d threads on "
-        "%d cores: "
-        "OpenMP threads spinning on oversubscribed cores can slow both processes many "
+        "%d cores: OpenMP threads spinning on oversubscribed cores can slow both processes many "
         "times over (torch.set_num_threads; train.num_threads in the recipes)",
         trainer,
         names,
@@ -401,7 +403,7 @@ def warn_if_oversubscribed(names: str, worker_threads: Sequence[int]) -> bool:
     return True
 
 
-def _stop_worker(process: multiprocessing.Process, commands: Sender, results: Receiver) -> None:
+def _stop_worker(process: mp.Process, commands: Sender, results: Receiver) -> None:
     """Ask the worker to exit, then terminate, then kill; close the channels."""
     if process.is_alive():
         with contextlib.suppress(ChannelClosed):

@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import os
 import pickle
-import re
 import signal
 import time
 import traceback
@@ -29,14 +28,7 @@ import torch
 from microrl.rollout.channel import ChannelClosed, Receiver, Sender
 from microrl.rollout.worker.stream import receive_stream, tensor_checksum
 
-__all__ = [
-    "WorkerSpec",
-    "build_sampler",
-    "score_probe",
-    "tensor_checksums",
-    "tensor_family",
-    "worker_main",
-]
+__all__ = ["WorkerSpec", "build_sampler", "score_probe", "tensor_checksums", "worker_main"]
 
 # torchrun's variables: the worker is not a data-parallel rank and must never join that group.
 _LAUNCHER_VARS = (
@@ -78,35 +70,9 @@ class WorkerSpec:
 
 
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, ...]]:
-    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64 (:func:`checksums_differ`)."""
+    """Per tensor ``(sum, sum of squares, sum of |x|)`` in float64 (compared by the trainer's
+    :func:`~microrl.rollout.samplers.hf_worker.checksums_differ`)."""
     return {name: tensor_checksum(tensor) for name, tensor in named}
-
-
-def checksums_differ(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
-    """Whether two :func:`tensor_checksums` entries differ beyond float64 rounding (relative
-    1e-9 of the sums of magnitudes, which bound the rounding error)."""
-    if a is None or b is None:
-        return True
-    (sum_a, squares_a, magnitude_a), (sum_b, squares_b, magnitude_b) = a, b
-    return (
-        abs(sum_a - sum_b) > 1e-9 * magnitude_a
-        or abs(squares_a - squares_b) > 1e-9 * squares_a
-        or abs(magnitude_a - magnitude_b) > 1e-9 * magnitude_a
-    )
-
-
-def tensor_family(name: str) -> str:
-    """A readable parameter name: ``...layers.1.self_attn.q_proj.lora_A.default.weight`` ->
-    ``lora_A of layer 1 self_attn.q_proj``."""
-    match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.(.+)$", name)
-    where, rest = (f"layer {match.group(1)} ", match.group(2)) if match else ("", name)
-    parts = rest.split(".")
-    lora = next((p for p in parts if p.startswith("lora_")), None)
-    skip = {"default", "base_layer", "weight"}
-    module = ".".join(p for p in parts if p not in skip and not p.startswith("lora_"))
-    if lora is not None:
-        return f"{lora} of {where}{module}"
-    return f"{where}{module}".strip() or name
 
 
 @torch.no_grad()
@@ -133,8 +99,7 @@ def score_probe(
         model.train(was_training)
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     taken = logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    out = torch.zeros(ids.shape, dtype=torch.float32, device=device)
-    out[:, 1:] = taken
+    out = torch.nn.functional.pad(taken, (1, 0))  # the first token: no log-prob
     return torch.where(probe["loss_mask"].to(device), out, 0.0).cpu()
 
 
@@ -199,18 +164,16 @@ class _Worker:
         self.group = ProcessGroupGloo(PrefixStore("microrl-rollout", store), 1, 2, timeout)
 
     def run(self) -> None:
-        while True:
-            command = self.commands.get()  # ChannelClosed when the trainer is gone, at once
-            kind = command[0]
-            if kind == "close":
-                return
+        # ChannelClosed when the trainer is gone, at once
+        while (command := self.commands.get())[0] != "close":
+            kind, *args = command
             if kind == "layout":
-                self._set_layouts(command[1])
+                self._set_layouts(*args)
                 self.results.put(("ready",))
             elif kind == "weights":
-                self._receive(*command[1:])
+                self._receive(*args)
             elif kind in ("generate", "episodes"):
-                self._job(kind, *command[1:])
+                self._job(kind, *args)
             else:
                 raise ValueError(f"{self.spec.name}: unknown command {kind!r}")
 
@@ -241,12 +204,10 @@ class _Worker:
             self.tensors, entries, lambda chunk: self.group.broadcast(chunk, 0).wait(), chunk_bytes
         )
         self.version = version
-        probe = score_probe(
-            self.model, self.spec.probe, self.spec.temperature, self.spec.autocast_dtype
-        )
+        spec = self.spec
+        probe = score_probe(self.model, spec.probe, spec.temperature, spec.autocast_dtype)
         sums = tensor_checksums((n, self.tensors[n]) for n, _, _ in entries)
-        seconds = time.perf_counter() - start
-        self.results.put(("synced", version, probe, sums, seconds))
+        self.results.put(("synced", version, probe, sums, time.perf_counter() - start))
 
     def _job(self, kind: str, job: int, seed: int, args: tuple) -> None:
         start, cpu = time.perf_counter(), time.process_time()
