@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from microrl.configs.rollout import VLLMConfig
-from microrl.engine.checkpoint.export import export_merged_model, locate_base_model
+from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
 from microrl.rollout.samplers import vllm_images, vllm_options
+from microrl.rollout.samplers.vllm_placement import trainer_gpu
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
 from microrl.rollout.weights.sync_check import default_sync_check_tol, engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, pushed_weights
@@ -119,13 +120,7 @@ class VLLMRollout(RolloutBackend):
             image_encoder=image_encoder,
         )
         if image_encoder is not None:
-            if reason := vllm_images.vision_unsupported():
-                raise ValueError(
-                    f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
-                    "rollout.backend=hf for a vision-language policy on this machine "
-                    "(docs/rollouts.md#images)"
-                )
-            vllm_images.check_tokenizer(tokenizer)
+            vllm_images.check_vision(tokenizer, "rollout.backend=vllm")
         if sync_check_tol is not None and not sync_check_tol > 0:
             raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         config = config or VLLMConfig()
@@ -157,12 +152,7 @@ class VLLMRollout(RolloutBackend):
         self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
         self.sync_stats: dict[int, dict[str, float]] = {}
         self._pending_check: tuple[int, torch.Tensor] | None = None
-        base_dir = self.workdir / "base"
-        # With images vLLM preprocesses them itself: its tokenizer and image processor are ours.
-        vision_tokenizer = tokenizer if image_encoder is not None else None
-        export_merged_model(engine.module, base_dir, merge_lora=False, tokenizer=vision_tokenizer)
-        if image_encoder is not None:
-            image_encoder.image_processor.save_pretrained(str(base_dir))
+        base_dir = vllm_options.export_base(engine, self.workdir, tokenizer, image_encoder)
         self.llm = self._start(vllm, base_dir)
         #: How each sync reaches vLLM: an adapter as a ``LoRARequest``, or ``reload_weights``.
         self.weight_sync = LoRARequestSync(self) if self.is_lora else ReloadWeightsSync(self)
@@ -173,12 +163,12 @@ class VLLMRollout(RolloutBackend):
         """The adapter vLLM serves (LoRA engines), None for full fine-tunes."""
         return self.weight_sync.request if self.is_lora else None
 
-    def _engine_args(self, vllm, base_dir: Path) -> dict:
-        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``."""
+    def _start(self, vllm, base_dir: Path):
+        """Start ``vllm.LLM`` with microrl's arguments, then ``rollout.vllm.engine_kwargs``."""
         cfg = self.config
         options = vllm_options.config_options(cfg, self.device)
         lora_rank = self.engine.peft_model.peft_config["default"].r if self.is_lora else 0
-        args = vllm_options.engine_args(
+        kwargs = vllm_options.engine_args(
             base_dir,
             dtype=self.dtype,
             seed=vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
@@ -186,20 +176,14 @@ class VLLMRollout(RolloutBackend):
             images=self.image_encoder is not None,
             **options,
         )
-        kwargs = {key: value for key, value in args.items() if value is not None}
         kwargs["use_tqdm_on_load"] = cfg.verbose
         if cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True
-        owned = {**vllm_options.OWNED, **vllm_options.IN_PROCESS_OWNED}
-        if options["cpu"]:
-            owned.update(vllm_options.CPU_OWNED)
+        cpu_owned = vllm_options.CPU_OWNED if options["cpu"] else {}
+        owned = {**vllm_options.OWNED, **vllm_options.IN_PROCESS_OWNED, **cpu_owned}
         kwargs.update(
             vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
         )
-        return kwargs
-
-    def _start(self, vllm, base_dir: Path):
-        kwargs = self._engine_args(vllm, base_dir)
         executor, env = vllm_options.placement(self.device)
         kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
@@ -207,7 +191,7 @@ class VLLMRollout(RolloutBackend):
         # vLLM replaces torch.set_num_threads and seeds the global generators: put them back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         python_state, numpy_state = random.getstate(), np.random.get_state()
-        cuda = [vllm_options.gpu_index(self.device)] if self.device.type == "cuda" else []
+        cuda = [trainer_gpu(self.device)] if self.device.type == "cuda" else []
         try:
             if cuda:
                 torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
@@ -311,15 +295,8 @@ class VLLMRollout(RolloutBackend):
 
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """One placeholder per image plus the PIL images; vLLM's expansion is checked."""
-        encoder = self.image_encoder
         requests = [
-            vllm_images.image_request(
-                ids,
-                images,
-                raw,
-                image_token_id=encoder.image_token_id,
-                merge_size=encoder.merge_size,
-            )
+            vllm_images.image_request(ids, images, raw, self.image_encoder)
             for ids, images, raw in zip(prompts.ids, prompts.images, prompts.raw, strict=True)
         ]
         return self._sample_requests(requests, params, expected=prompts.ids)

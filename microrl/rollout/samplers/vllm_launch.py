@@ -71,19 +71,18 @@ def server_env(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
     )
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    for var in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        env.pop(var, None)
     if full_weights:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    else:
-        env.pop("VLLM_SERVER_DEV_MODE", None)
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
     # CPU: the model in the engine core (serve_command); else vLLM's default, not the trainer's.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cpu else "1"
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
     return env
 
 

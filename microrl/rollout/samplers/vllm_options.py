@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
 from microrl.rollout import watcher
 from microrl.rollout.base import SEED_RANGE
+from microrl.rollout.samplers.vllm_placement import trainer_gpu
 
 if TYPE_CHECKING:
     from microrl.configs.rollout import VLLMConfig
@@ -39,7 +41,7 @@ __all__ = [
     "engine_args",
     "engine_seed",
     "environ",
-    "gpu_index",
+    "export_base",
     "kv_cache_mb",
     "make_workdir",
     "max_lora_rank",
@@ -189,6 +191,18 @@ def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
     return path, True
 
 
+def export_base(engine, workdir: Path, tokenizer, image_encoder) -> Path:
+    """``workdir/base``, the engine's base model as vLLM loads it; with images also the tokenizer
+    and image processor (vLLM preprocesses images itself)."""
+    path = workdir / "base"
+    vision = image_encoder is not None
+    tokenizer = tokenizer if vision else None
+    export_merged_model(engine.module, path, merge_lora=False, tokenizer=tokenizer)
+    if vision:
+        image_encoder.image_processor.save_pretrained(str(path))
+    return path
+
+
 def remove_workdir(workdir: Path, *, owned: bool) -> None:
     """Remove ``workdir`` on rank 0 when :func:`make_workdir` made it."""
     if owned and distributed.rank() == 0:
@@ -221,8 +235,8 @@ def engine_args(
     images: bool = False,
     cpu: bool = False,
 ) -> dict[str, Any]:
-    """The engine arguments both integrations give vLLM (:data:`OWNED` among them);
-    ``lora_rank``: one of :data:`VLLM_LORA_RANKS` (0: no LoRA)."""
+    """The engine arguments both integrations give vLLM (:data:`OWNED` among them; None: vLLM's
+    default, left out); ``lora_rank``: one of :data:`VLLM_LORA_RANKS` (0: no LoRA)."""
     args: dict[str, Any] = {
         "model": str(model),
         "skip_tokenizer_init": not images,  # vLLM's multimodal processor reads the tokenizer
@@ -242,7 +256,7 @@ def engine_args(
     if cpu:
         # vLLM 0.32 rewinds a partly computed prompt's generator, which a CPU one refuses.
         args["enable_chunked_prefill"] = False
-    return args
+    return {key: value for key, value in args.items() if value is not None}
 
 
 def user_engine_args(
@@ -293,14 +307,13 @@ def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
     current device, so under ``torchrun`` or on ``cuda:N > 0`` vLLM's ``external_launcher``
     with ``LOCAL_RANK=N`` (alone: as a group of one on a free local port)."""
     on_gpu = device.type == "cuda"
-    index = gpu_index(device) if on_gpu else 0
+    index = trainer_gpu(device) if on_gpu else 0
     env = {"LOCAL_RANK": str(index)} if on_gpu else {}
-    if distributed.is_distributed():
-        return {"distributed_executor_backend": "external_launcher"}, env
-    if on_gpu and index != 0:
+    if not distributed.is_distributed():
+        if index == 0:
+            return {}, {}
         env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        return {"distributed_executor_backend": "external_launcher"}, env
-    return {}, {}
+    return {"distributed_executor_backend": "external_launcher"}, env
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -309,11 +322,6 @@ def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
         return sock.getsockname()[1]
-
-
-def gpu_index(device: torch.device) -> int:
-    """The index of a CUDA ``device`` (the current one for a bare ``cuda``)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @contextlib.contextmanager

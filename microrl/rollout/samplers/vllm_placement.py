@@ -16,7 +16,6 @@ from microrl.engine.parallel import distributed
 from microrl.rollout.vllm_plugin.transfer import IPC_BACKEND, is_loopback
 
 __all__ = [
-    "IPC_BACKEND",
     "cuda_visible_devices",
     "data_rank",
     "pushes_per_sync",

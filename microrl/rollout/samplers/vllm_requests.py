@@ -79,12 +79,8 @@ def server_prompt(
 def check_image_servers(engine, tokenizer) -> None:
     """Check at start what image prompts on servers need (a frozen tower: servers cache
     image embeddings across pushes)."""
-    if reason := vllm_images.vision_unsupported():
-        raise ValueError(
-            "rollout.backend=vllm (its servers under rollout.max_staleness > 0) cannot sample "
-            f"image prompts here: {reason}. Use rollout.backend=hf (docs/rollouts.md#images)"
-        )
-    vllm_images.check_tokenizer(tokenizer)
+    sampler = "rollout.backend=vllm (its servers under rollout.max_staleness > 0)"
+    vllm_images.check_vision(tokenizer, sampler)
     if not getattr(engine.config, "freeze_vision", True):
         raise ValueError(
             "actor.freeze_vision=False with images on vLLM servers: the servers cache image "
