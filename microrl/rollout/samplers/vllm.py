@@ -23,6 +23,7 @@ from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_s
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
 from microrl.rollout.samplers import vllm_images, vllm_options
+from microrl.rollout.samplers.vllm_options import free_port
 from microrl.rollout.samplers.vllm_placement import trainer_gpu
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
 from microrl.rollout.weights.sync_check import default_sync_check_tol, engine_probe
@@ -184,22 +185,18 @@ class VLLMRollout(RolloutBackend):
         kwargs.update(
             vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
         )
-        executor, env = vllm_options.placement(self.device)
+        cuda = [trainer_gpu(self.device)] if self.device.type == "cuda" else []
+        executor, env = _placement(cuda)
         kwargs.update(executor)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
         # vLLM replaces torch.set_num_threads and seeds the global generators: put them back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         python_state, numpy_state = random.getstate(), np.random.get_state()
-        cuda = [trainer_gpu(self.device)] if self.device.type == "cuda" else []
         try:
             if cuda:
                 torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
-            with (
-                torch.random.fork_rng(devices=cuda),
-                vllm_options.environ(env),
-                _without_vllm_deprecations(),
-            ):
+            with torch.random.fork_rng(devices=cuda), _environ(env), _without_vllm_deprecations():
                 return vllm.LLM(**kwargs)
         finally:
             if cuda:  # vLLM's worker selects its own device; the trainer's stays current
@@ -359,26 +356,17 @@ class VLLMRollout(RolloutBackend):
         """Shut the engine down and remove the temporary directory (when it made one)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            with _keep_default_group(self._trainer_group), contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+            # vLLM's shutdown destroys the default group: the trainer's (if it was) is kept.
+            destroy = dist.destroy_process_group
+            if self._trainer_group:
+                dist.destroy_process_group = lambda group=None: group is None or destroy(group)
+            try:
+                with contextlib.suppress(Exception):
+                    llm.llm_engine.engine_core.shutdown()
+            finally:
+                dist.destroy_process_group = destroy
             del llm
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
-
-
-@contextlib.contextmanager
-def _keep_default_group(keep: bool):
-    """Keep the trainer's default group (``keep``) through vLLM's shutdown, which destroys it."""
-    original = dist.destroy_process_group
-
-    def destroy(group=None):
-        if group is not None or not keep:
-            original(group)
-
-    dist.destroy_process_group = destroy
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = original
 
 
 def _llm_args(vllm) -> set[str]:
@@ -387,3 +375,31 @@ def _llm_args(vllm) -> set[str]:
 
     own = inspect.signature(vllm.LLM.__init__).parameters
     return {f.name for f in dataclasses.fields(EngineArgs)} | set(own) - {"self", "kwargs"}
+
+
+def _placement(cuda: list[int]) -> tuple[dict, dict[str, str]]:
+    """vLLM's executor and start environment on GPU ``cuda[0]`` (none: the CPU): ``uni`` takes
+    GPU 0 whatever the current device, so under ``torchrun`` or on ``cuda:N > 0`` vLLM's
+    ``external_launcher`` with ``LOCAL_RANK=N`` (alone: as a group of one on a free port)."""
+    index = cuda[0] if cuda else 0
+    env = {"LOCAL_RANK": str(index)} if cuda else {}
+    if not distributed.is_distributed():
+        if index == 0:
+            return {}, {}
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return {"distributed_executor_backend": "external_launcher"}, env
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """``env`` set in ``os.environ`` for the block."""
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -129,7 +129,8 @@ class ServerClient:
 
     def _unanswered(self, request: str, err: Exception) -> ServerError:
         """The error of an unanswered request: the server died, timed out, or the connection."""
-        timed_out = isinstance(getattr(err, "reason", err), TimeoutError)
+        reason = getattr(err, "reason", err)
+        timed_out = isinstance(reason, TimeoutError)
         if self.exit_code is not None:
             code = self.exit_code(0.0 if timed_out else _EXIT_WAIT_S)
             if code is not None:
@@ -142,7 +143,6 @@ class ServerClient:
                 f"the vLLM server at {self.url} did not answer {request} within "
                 f"{self.timeout_s:.0f} s{self._explained()}"
             )
-        reason = getattr(err, "reason", err)
         return ServerError(
             f"the vLLM server at {self.url} did not answer {request}: the connection failed "
             f"({type(reason).__name__}: {reason}){self._explained()}"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -20,7 +19,6 @@ from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
 from microrl.rollout import watcher
 from microrl.rollout.base import SEED_RANGE
-from microrl.rollout.samplers.vllm_placement import trainer_gpu
 
 if TYPE_CHECKING:
     from microrl.configs.rollout import VLLMConfig
@@ -40,12 +38,10 @@ __all__ = [
     "enforce_eager",
     "engine_args",
     "engine_seed",
-    "environ",
     "export_base",
     "kv_cache_mb",
     "make_workdir",
     "max_lora_rank",
-    "placement",
     "remove_workdir",
     "requests_per_prompt",
     "resolve_dtype",
@@ -289,31 +285,12 @@ def cli_flags(kwargs: Mapping[str, Any]) -> list[str]:
     flags: list[str] = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
-        if value is None:
-            continue
         if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, (list, tuple)):
-            flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in values)]
     return flags
-
-
-def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
-    """vLLM's executor and start environment for ``device``: ``uni`` takes GPU 0 whatever the
-    current device, so under ``torchrun`` or on ``cuda:N > 0`` vLLM's ``external_launcher``
-    with ``LOCAL_RANK=N`` (alone: as a group of one on a free local port)."""
-    on_gpu = device.type == "cuda"
-    index = trainer_gpu(device) if on_gpu else 0
-    env = {"LOCAL_RANK": str(index)} if on_gpu else {}
-    if not distributed.is_distributed():
-        if index == 0:
-            return {}, {}
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return {"distributed_executor_backend": "external_launcher"}, env
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -322,18 +299,3 @@ def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
         return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def environ(env: dict[str, str]):
-    """``env`` set in ``os.environ`` for the block."""
-    previous = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

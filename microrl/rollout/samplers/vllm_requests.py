@@ -15,7 +15,6 @@ from microrl.rollout.samplers.vllm_http import ServerError
 __all__ = [
     "GENERATE_ROUTE",
     "ServerPrompt",
-    "check_image_servers",
     "generate_body",
     "parse_samples",
     "probe_body",
@@ -74,19 +73,6 @@ def server_prompt(
         ids, grid, encoder.image_token_id, encoder.merge_size
     )
     return ServerPrompt(collapsed, tuple(images.raw[index]), list(ids), index)
-
-
-def check_image_servers(engine, tokenizer) -> None:
-    """Check at start what image prompts on servers need (a frozen tower: servers cache
-    image embeddings across pushes)."""
-    sampler = "rollout.backend=vllm (its servers under rollout.max_staleness > 0)"
-    vllm_images.check_vision(tokenizer, sampler)
-    if not getattr(engine.config, "freeze_vision", True):
-        raise ValueError(
-            "actor.freeze_vision=False with images on vLLM servers: the servers cache image "
-            "embeddings across weight pushes, which a trained vision tower makes stale; keep "
-            "the tower frozen or use rollout.backend=hf"
-        )
 
 
 def parse_samples(

@@ -22,7 +22,7 @@ from microrl.engine.parallel import distributed
 from microrl.rollout.base import Images, Prompts, Rollout, RolloutBackend, Samples, SamplingParams
 from microrl.rollout.images import ImagePrompts, problem_images
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, WorkerError, WorkerSampler
-from microrl.rollout.samplers import vllm_options, vllm_placement, vllm_requests
+from microrl.rollout.samplers import vllm_images, vllm_options, vllm_placement, vllm_requests
 from microrl.rollout.samplers.vllm_http import ServerClient, exit_status
 from microrl.rollout.samplers.vllm_placement import cuda_visible_devices, data_rank
 from microrl.rollout.samplers.vllm_requests import GENERATE_ROUTE, ServerPrompt, probe_body
@@ -75,7 +75,15 @@ class VLLMServerRollout(WorkerSampler):
         check_arguments(engine, self.config, urls, num_workers)
         options = self._start(engine, tokenizer, options)
         if self.image_encoder is not None:
-            vllm_requests.check_image_servers(engine, tokenizer)
+            sampler = "rollout.backend=vllm (its servers under rollout.max_staleness > 0)"
+            vllm_images.check_vision(tokenizer, sampler)
+            # The servers cache image embeddings across pushes: a trained tower makes them stale.
+            if not getattr(engine.config, "freeze_vision", True):
+                raise ValueError(
+                    "actor.freeze_vision=False with images on vLLM servers: the servers cache "
+                    "image embeddings across weight pushes, which a trained vision tower makes "
+                    "stale; keep the tower frozen or use rollout.backend=hf"
+                )
         #: The layout, episodes and decoding of every backend, sampling through these servers.
         self.backend = _ServerBackend(
             self, getattr(getattr(engine, "model", None), "generation_config", None)
@@ -256,12 +264,11 @@ class VLLMServerRollout(WorkerSampler):
             rollout = run()
         finally:
             self._context.job = None
-        versions = torch.tensor(self._context.versions, dtype=torch.long).reshape(-1, 2)
-        if len(versions) != rollout.batch.batch_size[0]:  # episodes: each row spans the job's
-            span = (job.version, job.version)
-            if len(versions):
-                span = (int(versions[:, 0].min()), int(versions[:, 1].max()))
-            versions = torch.tensor([span] * rollout.batch.batch_size[0], dtype=torch.long)
+        rows = rollout.batch.batch_size[0]
+        spans = self._context.versions or [job.version, job.version]
+        versions = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
+        if len(versions) != rows:  # episodes: each row spans the job's
+            versions = torch.stack([versions[:, 0].min(), versions[:, 1].max()]).repeat(rows, 1)
         rollout.batch[POLICY_VERSION_KEY] = versions[:, 0].reshape(-1)
         rollout.batch[POLICY_VERSION_LAST_KEY] = versions[:, 1].reshape(-1)
         self.job_seconds.append(time.perf_counter() - start)
