@@ -22,9 +22,7 @@ from microrl.engine.parallel import distributed
 from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
-from microrl.rollout.samplers import vllm_images, vllm_options
-from microrl.rollout.samplers.vllm_options import free_port
-from microrl.rollout.samplers.vllm_placement import trainer_gpu
+from microrl.rollout.samplers import vllm_images, vllm_options, vllm_placement
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
 from microrl.rollout.weights.sync_check import default_sync_check_tol, engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, pushed_weights
@@ -75,9 +73,8 @@ def _check_cpu_head_dim(model_config) -> None:
     """Refuse a head size vLLM's CPU attention lacks, before it fails deep in its worker."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    model_config = model_config.get_text_config()  # a vision-language model's language model
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    config = model_config.get_text_config()  # a vision-language model's language model
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim not in supported:
         raise ValueError(
@@ -185,9 +182,17 @@ class VLLMRollout(RolloutBackend):
         kwargs.update(
             vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
         )
-        cuda = [trainer_gpu(self.device)] if self.device.type == "cuda" else []
-        executor, env = _placement(cuda)
-        kwargs.update(executor)
+        cuda = [vllm_placement.trainer_gpu(self.device)] if self.device.type == "cuda" else []
+        # vLLM's ``uni`` executor takes GPU 0 whatever the current device, so under ``torchrun``
+        # or on ``cuda:N > 0`` its ``external_launcher`` with ``LOCAL_RANK=N`` (alone: as a
+        # group of one on a free local port).
+        env = {}
+        if distributed.is_distributed() or (cuda and cuda[0] != 0):
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            env = {"LOCAL_RANK": str(cuda[0])} if cuda else {}
+            if not distributed.is_distributed():
+                port = str(vllm_options.free_port())
+                env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
         # vLLM replaces torch.set_num_threads and seeds the global generators: put them back.
@@ -375,19 +380,6 @@ def _llm_args(vllm) -> set[str]:
 
     own = inspect.signature(vllm.LLM.__init__).parameters
     return {f.name for f in dataclasses.fields(EngineArgs)} | set(own) - {"self", "kwargs"}
-
-
-def _placement(cuda: list[int]) -> tuple[dict, dict[str, str]]:
-    """vLLM's executor and start environment on GPU ``cuda[0]`` (none: the CPU): ``uni`` takes
-    GPU 0 whatever the current device, so under ``torchrun`` or on ``cuda:N > 0`` vLLM's
-    ``external_launcher`` with ``LOCAL_RANK=N`` (alone: as a group of one on a free port)."""
-    index = cuda[0] if cuda else 0
-    env = {"LOCAL_RANK": str(index)} if cuda else {}
-    if not distributed.is_distributed():
-        if index == 0:
-            return {}, {}
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return {"distributed_executor_backend": "external_launcher"}, env
 
 
 @contextlib.contextmanager

@@ -168,14 +168,10 @@ def _error_message(err: urllib.error.HTTPError) -> str:
     """The server's words from ``{"error": {"message"}}``, ``{"error"}`` or ``{"detail"}``."""
     try:
         raw = err.read()
-        payload = json.loads(raw)
+        body = json.loads(raw)
     except Exception:  # not JSON (a proxy's page): its first bytes
         return repr(raw[:200]) if "raw" in locals() else err.reason
-    error = (
-        payload.get("error", payload.get("detail", payload))
-        if isinstance(payload, dict)
-        else payload
-    )
+    error = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
     if isinstance(error, dict):
         error = error.get("message", error)
     return str(error)

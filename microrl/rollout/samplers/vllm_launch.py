@@ -20,7 +20,6 @@ from typing import Any
 from microrl.rollout import watcher
 from microrl.rollout.samplers import vllm_options
 from microrl.rollout.samplers.vllm_http import ServerClient, ServerError, exit_status
-from microrl.rollout.samplers.vllm_options import free_port
 
 __all__ = ["LocalVLLMServer", "engine_traceback", "serve_command", "server_env"]
 
@@ -116,7 +115,7 @@ class LocalVLLMServer:
     ) -> None:
         self.name = name
         self.api_key = api_key or secrets.token_urlsafe(32)
-        self.port = free_port()
+        self.port = vllm_options.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = server_env(
             self.api_key,
@@ -210,8 +209,7 @@ def engine_traceback(log: str) -> str | None:
             starts.append((i, head))
     if not starts:
         return None
-    engine = [(i, head) for i, head in starts if "EngineCore" in head]
-    start, head = (engine or starts)[-1]
+    start, head = max(starts, key=lambda s: ("EngineCore" in s[1], s[0]))  # EngineCore's last
     trace = [_TRACEBACK]
     for line in lines[start + 1 :]:
         if head.strip():  # a logged record: its lines share the head

@@ -86,8 +86,7 @@ def parse_samples(
         logprobs = [step["logprob"] for step in (choice.get("logprobs") or {}).get("content", [])]
         if len(logprobs) != len(tokens):
             raise ServerError(
-                f"the vLLM server at {url} returned {len(tokens)} tokens but {len(logprobs)} "
-                "log-probs"
+                f"the vLLM server at {url} returned {len(tokens)} tokens but {len(logprobs)} log-probs"
             )
         if version is not None:
             versions = (version, version)

@@ -107,9 +107,7 @@ class VLLMServerRollout(WorkerSampler):
         self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
         self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-sync")
         try:
-            self.clients = self._connect(
-                base, list(urls), api_key, num_workers, options.num_threads
-            )
+            self.clients = self._connect(base, urls, api_key, num_workers, options.num_threads)
             self._requests = ThreadPoolExecutor(
                 _REQUESTS_PER_SERVER * len(self.clients), thread_name_prefix="microrl-vllm-req"
             )
@@ -238,7 +236,7 @@ class VLLMServerRollout(WorkerSampler):
 
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
         """The server's probe log-probs at temperature 1, ``[B, T]`` like the engine's."""
-        adapter = self._adapter(version) if self.is_lora else None
+        adapter = self._adapter(version)
         verifier = ProbeVerifier.of(self)
         scored = [
             vllm_requests.prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(r, adapter)), r)
@@ -302,8 +300,14 @@ class VLLMServerRollout(WorkerSampler):
             raise ValueError(f"job {job.id} was not submitted here or was collected already")
         _, future = self._futures[job.id]
         deadline = time.monotonic() + self.timeout_s
+        what = f"the rollout of job {job.id} (policy version {job.version})"
         while not future.done():
-            self._check_servers(f"the rollout of job {job.id} (policy version {job.version})")
+            for server in self._servers:
+                if not server.alive():
+                    raise WorkerError(
+                        f"{server.name} died ({exit_status(server.process.returncode)}) while "
+                        f"the trainer waited for {what}; {server.diagnosis()}"
+                    )
             if time.monotonic() > deadline:
                 raise WorkerError(
                     f"the vLLM servers did not finish job {job.id} within {self.timeout_s:.0f} s "
@@ -355,13 +359,12 @@ class VLLMServerRollout(WorkerSampler):
         self, i: int, prompt: ServerPrompt, params: SamplingParams, seed: int, version: int
     ):
         client = self.clients[i % len(self.clients)]
-        adapter = self._adapter(version) if self.is_lora else None
         body = vllm_requests.generate_body(
             prompt.ids,
             params,
             seed=seed,
             eos_token_id=self.backend.stop_token_ids,
-            adapter=adapter,
+            adapter=self._adapter(version),
             images=prompt.images,
         )
         response = client.post(GENERATE_ROUTE, body)
@@ -370,17 +373,10 @@ class VLLMServerRollout(WorkerSampler):
         version = version if self.is_lora else None
         return vllm_requests.parse_samples(response, url=client.url, version=version)
 
-    def _adapter(self, version: int) -> str:
-        """A version's adapter name, unique to this run and rank: sharers never collide."""
-        return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}"
-
-    def _check_servers(self, what: str) -> None:
-        for server in self._servers:
-            if not server.alive():
-                raise WorkerError(
-                    f"{server.name} died ({exit_status(server.process.returncode)}) while the "
-                    f"trainer waited for {what}; {server.diagnosis()}"
-                )
+    def _adapter(self, version: int) -> str | None:
+        """A version's adapter name, unique to this run and rank: sharers never collide (None:
+        full weights, the served ones)."""
+        return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}" if self.is_lora else None
 
 
 class _ServerBackend(RolloutBackend):
