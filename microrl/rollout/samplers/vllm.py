@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from microrl.configs.rollout import VLLMConfig
-from microrl.engine.checkpoint.export import export_merged_model, locate_base_model
+from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, draw_seed
 from microrl.rollout.images import ImageEncoder, ImagePrompts
 from microrl.rollout.layout import Samples
-from microrl.rollout.samplers import vllm_images, vllm_options
+from microrl.rollout.samplers import vllm_images, vllm_options, vllm_placement
 from microrl.rollout.weights.colocated import LoRARequestSync, ReloadWeightsSync
 from microrl.rollout.weights.sync_check import default_sync_check_tol, engine_probe
 from microrl.rollout.weights.weight_sync import ProbeVerifier, pushed_weights
@@ -73,9 +73,8 @@ def _check_cpu_head_dim(model_config) -> None:
     """Refuse a head size vLLM's CPU attention lacks, before it fails deep in its worker."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    model_config = model_config.get_text_config()  # a vision-language model's language model
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    config = model_config.get_text_config()  # a vision-language model's language model
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim not in supported:
         raise ValueError(
@@ -119,13 +118,7 @@ class VLLMRollout(RolloutBackend):
             image_encoder=image_encoder,
         )
         if image_encoder is not None:
-            if reason := vllm_images.vision_unsupported():
-                raise ValueError(
-                    f"rollout.backend=vllm cannot sample image prompts here: {reason}. Use "
-                    "rollout.backend=hf for a vision-language policy on this machine "
-                    "(docs/rollouts.md#images)"
-                )
-            vllm_images.check_tokenizer(tokenizer)
+            vllm_images.check_vision(tokenizer, "rollout.backend=vllm")
         if sync_check_tol is not None and not sync_check_tol > 0:
             raise ValueError(f"sync_check_tol must be > 0 or None, got {sync_check_tol!r}")
         config = config or VLLMConfig()
@@ -157,12 +150,7 @@ class VLLMRollout(RolloutBackend):
         self.sync_check_tol = sync_check_tol or default_sync_check_tol(engine)
         self.sync_stats: dict[int, dict[str, float]] = {}
         self._pending_check: tuple[int, torch.Tensor] | None = None
-        base_dir = self.workdir / "base"
-        # With images vLLM preprocesses them itself: its tokenizer and image processor are ours.
-        vision_tokenizer = tokenizer if image_encoder is not None else None
-        export_merged_model(engine.module, base_dir, merge_lora=False, tokenizer=vision_tokenizer)
-        if image_encoder is not None:
-            image_encoder.image_processor.save_pretrained(str(base_dir))
+        base_dir = vllm_options.export_base(engine, self.workdir, tokenizer, image_encoder)
         self.llm = self._start(vllm, base_dir)
         #: How each sync reaches vLLM: an adapter as a ``LoRARequest``, or ``reload_weights``.
         self.weight_sync = LoRARequestSync(self) if self.is_lora else ReloadWeightsSync(self)
@@ -173,12 +161,12 @@ class VLLMRollout(RolloutBackend):
         """The adapter vLLM serves (LoRA engines), None for full fine-tunes."""
         return self.weight_sync.request if self.is_lora else None
 
-    def _engine_args(self, vllm, base_dir: Path) -> dict:
-        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``."""
+    def _start(self, vllm, base_dir: Path):
+        """Start ``vllm.LLM`` with microrl's arguments, then ``rollout.vllm.engine_kwargs``."""
         cfg = self.config
         options = vllm_options.config_options(cfg, self.device)
         lora_rank = self.engine.peft_model.peft_config["default"].r if self.is_lora else 0
-        args = vllm_options.engine_args(
+        kwargs = vllm_options.engine_args(
             base_dir,
             dtype=self.dtype,
             seed=vllm_options.engine_seed(cfg.seed, rank=distributed.rank()),
@@ -186,36 +174,34 @@ class VLLMRollout(RolloutBackend):
             images=self.image_encoder is not None,
             **options,
         )
-        kwargs = {key: value for key, value in args.items() if value is not None}
         kwargs["use_tqdm_on_load"] = cfg.verbose
         if cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True
-        owned = {**vllm_options.OWNED, **vllm_options.IN_PROCESS_OWNED}
-        if options["cpu"]:
-            owned.update(vllm_options.CPU_OWNED)
+        cpu_owned = vllm_options.CPU_OWNED if options["cpu"] else {}
+        owned = {**vllm_options.OWNED, **vllm_options.IN_PROCESS_OWNED, **cpu_owned}
         kwargs.update(
             vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
         )
-        return kwargs
-
-    def _start(self, vllm, base_dir: Path):
-        kwargs = self._engine_args(vllm, base_dir)
-        executor, env = vllm_options.placement(self.device)
-        kwargs.update(executor)
+        cuda = [vllm_placement.trainer_gpu(self.device)] if self.device.type == "cuda" else []
+        # vLLM's ``uni`` executor takes GPU 0 whatever the current device, so under ``torchrun``
+        # or on ``cuda:N > 0`` its ``external_launcher`` with ``LOCAL_RANK=N`` (alone: as a
+        # group of one on a free local port).
+        env = {}
+        if distributed.is_distributed() or (cuda and cuda[0] != 0):
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            env = {"LOCAL_RANK": str(cuda[0])} if cuda else {}
+            if not distributed.is_distributed():
+                port = str(vllm_options.free_port())
+                env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
         # vLLM replaces torch.set_num_threads and seeds the global generators: put them back.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         python_state, numpy_state = random.getstate(), np.random.get_state()
-        cuda = [vllm_options.gpu_index(self.device)] if self.device.type == "cuda" else []
         try:
             if cuda:
                 torch.cuda.set_device(cuda[0])  # the engine's GPU is the current one
-            with (
-                torch.random.fork_rng(devices=cuda),
-                vllm_options.environ(env),
-                _without_vllm_deprecations(),
-            ):
+            with torch.random.fork_rng(devices=cuda), _environ(env), _without_vllm_deprecations():
                 return vllm.LLM(**kwargs)
         finally:
             if cuda:  # vLLM's worker selects its own device; the trainer's stays current
@@ -311,15 +297,8 @@ class VLLMRollout(RolloutBackend):
 
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """One placeholder per image plus the PIL images; vLLM's expansion is checked."""
-        encoder = self.image_encoder
         requests = [
-            vllm_images.image_request(
-                ids,
-                images,
-                raw,
-                image_token_id=encoder.image_token_id,
-                merge_size=encoder.merge_size,
-            )
+            vllm_images.image_request(ids, images, raw, self.image_encoder)
             for ids, images, raw in zip(prompts.ids, prompts.images, prompts.raw, strict=True)
         ]
         return self._sample_requests(requests, params, expected=prompts.ids)
@@ -382,26 +361,17 @@ class VLLMRollout(RolloutBackend):
         """Shut the engine down and remove the temporary directory (when it made one)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            with _keep_default_group(self._trainer_group), contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+            # vLLM's shutdown destroys the default group: the trainer's (if it was) is kept.
+            destroy = dist.destroy_process_group
+            if self._trainer_group:
+                dist.destroy_process_group = lambda group=None: group is None or destroy(group)
+            try:
+                with contextlib.suppress(Exception):
+                    llm.llm_engine.engine_core.shutdown()
+            finally:
+                dist.destroy_process_group = destroy
             del llm
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
-
-
-@contextlib.contextmanager
-def _keep_default_group(keep: bool):
-    """Keep the trainer's default group (``keep``) through vLLM's shutdown, which destroys it."""
-    original = dist.destroy_process_group
-
-    def destroy(group=None):
-        if group is not None or not keep:
-            original(group)
-
-    dist.destroy_process_group = destroy
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = original
 
 
 def _llm_args(vllm) -> set[str]:
@@ -410,3 +380,18 @@ def _llm_args(vllm) -> set[str]:
 
     own = inspect.signature(vllm.LLM.__init__).parameters
     return {f.name for f in dataclasses.fields(EngineArgs)} | set(own) - {"self", "kwargs"}
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """``env`` set in ``os.environ`` for the block."""
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

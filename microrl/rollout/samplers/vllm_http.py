@@ -129,7 +129,8 @@ class ServerClient:
 
     def _unanswered(self, request: str, err: Exception) -> ServerError:
         """The error of an unanswered request: the server died, timed out, or the connection."""
-        timed_out = isinstance(getattr(err, "reason", err), TimeoutError)
+        reason = getattr(err, "reason", err)
+        timed_out = isinstance(reason, TimeoutError)
         if self.exit_code is not None:
             code = self.exit_code(0.0 if timed_out else _EXIT_WAIT_S)
             if code is not None:
@@ -142,7 +143,6 @@ class ServerClient:
                 f"the vLLM server at {self.url} did not answer {request} within "
                 f"{self.timeout_s:.0f} s{self._explained()}"
             )
-        reason = getattr(err, "reason", err)
         return ServerError(
             f"the vLLM server at {self.url} did not answer {request}: the connection failed "
             f"({type(reason).__name__}: {reason}){self._explained()}"
@@ -168,14 +168,10 @@ def _error_message(err: urllib.error.HTTPError) -> str:
     """The server's words from ``{"error": {"message"}}``, ``{"error"}`` or ``{"detail"}``."""
     try:
         raw = err.read()
-        payload = json.loads(raw)
+        body = json.loads(raw)
     except Exception:  # not JSON (a proxy's page): its first bytes
         return repr(raw[:200]) if "raw" in locals() else err.reason
-    error = (
-        payload.get("error", payload.get("detail", payload))
-        if isinstance(payload, dict)
-        else payload
-    )
+    error = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
     if isinstance(error, dict):
         error = error.get("message", error)
     return str(error)

@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 
+from microrl.rollout.images import ImageEncoder
+
 __all__ = [
     "VIDEO_TOKEN",
     "check_expanded",
     "check_tokenizer",
+    "check_vision",
     "collapse_placeholders",
     "image_content_parts",
     "image_request",
@@ -46,6 +49,16 @@ def check_tokenizer(tokenizer) -> None:
         )
 
 
+def check_vision(tokenizer, sampler: str) -> None:
+    """Refuse at start what vLLM cannot sample image prompts with; ``sampler`` names it."""
+    if reason := vision_unsupported():
+        raise ValueError(
+            f"{sampler} cannot sample image prompts here: {reason}. Use rollout.backend=hf for a "
+            "vision-language policy on this machine (docs/rollouts.md#images)"
+        )
+    check_tokenizer(tokenizer)
+
+
 def collapse_placeholders(
     ids: list[int], grid: torch.Tensor, image_token_id: int, merge_size: int
 ) -> list[int]:
@@ -76,14 +89,12 @@ def image_request(
     ids: list[int],
     images: tuple[torch.Tensor, torch.Tensor] | None,
     raw: list[Any],
-    *,
-    image_token_id: int,
-    merge_size: int,
+    encoder: ImageEncoder,
 ) -> dict[str, Any]:
     """One ``TokensPrompt`` for ``vllm.LLM.generate``, with ``multi_modal_data`` for images."""
     if images is None:
         return {"prompt_token_ids": list(ids)}
-    collapsed = collapse_placeholders(ids, images[1], image_token_id, merge_size)
+    collapsed = collapse_placeholders(ids, images[1], encoder.image_token_id, encoder.merge_size)
     return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(raw)}}
 
 

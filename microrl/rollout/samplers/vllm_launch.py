@@ -20,7 +20,6 @@ from typing import Any
 from microrl.rollout import watcher
 from microrl.rollout.samplers import vllm_options
 from microrl.rollout.samplers.vllm_http import ServerClient, ServerError, exit_status
-from microrl.rollout.samplers.vllm_options import free_port
 
 __all__ = ["LocalVLLMServer", "engine_traceback", "serve_command", "server_env"]
 
@@ -71,19 +70,18 @@ def server_env(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
     )
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    for var in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        env.pop(var, None)
     if full_weights:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    else:
-        env.pop("VLLM_SERVER_DEV_MODE", None)
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
     # CPU: the model in the engine core (serve_command); else vLLM's default, not the trainer's.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cpu else "1"
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
     return env
 
 
@@ -117,7 +115,7 @@ class LocalVLLMServer:
     ) -> None:
         self.name = name
         self.api_key = api_key or secrets.token_urlsafe(32)
-        self.port = free_port()
+        self.port = vllm_options.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = server_env(
             self.api_key,
@@ -211,8 +209,7 @@ def engine_traceback(log: str) -> str | None:
             starts.append((i, head))
     if not starts:
         return None
-    engine = [(i, head) for i, head in starts if "EngineCore" in head]
-    start, head = (engine or starts)[-1]
+    start, head = max(starts, key=lambda s: ("EngineCore" in s[1], s[0]))  # EngineCore's last
     trace = [_TRACEBACK]
     for line in lines[start + 1 :]:
         if head.strip():  # a logged record: its lines share the head

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from microrl.engine.checkpoint.export import export_merged_model
 from microrl.engine.parallel import distributed
 from microrl.engine.parallel.nodes import shared_tempdir
 from microrl.rollout import watcher
@@ -38,12 +38,10 @@ __all__ = [
     "enforce_eager",
     "engine_args",
     "engine_seed",
-    "environ",
-    "gpu_index",
+    "export_base",
     "kv_cache_mb",
     "make_workdir",
     "max_lora_rank",
-    "placement",
     "remove_workdir",
     "requests_per_prompt",
     "resolve_dtype",
@@ -189,6 +187,18 @@ def make_workdir(workdir: str | None, prefix: str) -> tuple[Path, bool]:
     return path, True
 
 
+def export_base(engine, workdir: Path, tokenizer, image_encoder) -> Path:
+    """``workdir/base``, the engine's base model as vLLM loads it; with images also the tokenizer
+    and image processor (vLLM preprocesses images itself)."""
+    path = workdir / "base"
+    vision = image_encoder is not None
+    tokenizer = tokenizer if vision else None
+    export_merged_model(engine.module, path, merge_lora=False, tokenizer=tokenizer)
+    if vision:
+        image_encoder.image_processor.save_pretrained(str(path))
+    return path
+
+
 def remove_workdir(workdir: Path, *, owned: bool) -> None:
     """Remove ``workdir`` on rank 0 when :func:`make_workdir` made it."""
     if owned and distributed.rank() == 0:
@@ -221,8 +231,8 @@ def engine_args(
     images: bool = False,
     cpu: bool = False,
 ) -> dict[str, Any]:
-    """The engine arguments both integrations give vLLM (:data:`OWNED` among them);
-    ``lora_rank``: one of :data:`VLLM_LORA_RANKS` (0: no LoRA)."""
+    """The engine arguments both integrations give vLLM (:data:`OWNED` among them; None: vLLM's
+    default, left out); ``lora_rank``: one of :data:`VLLM_LORA_RANKS` (0: no LoRA)."""
     args: dict[str, Any] = {
         "model": str(model),
         "skip_tokenizer_init": not images,  # vLLM's multimodal processor reads the tokenizer
@@ -242,7 +252,7 @@ def engine_args(
     if cpu:
         # vLLM 0.32 rewinds a partly computed prompt's generator, which a CPU one refuses.
         args["enable_chunked_prefill"] = False
-    return args
+    return {key: value for key, value in args.items() if value is not None}
 
 
 def user_engine_args(
@@ -275,32 +285,12 @@ def cli_flags(kwargs: Mapping[str, Any]) -> list[str]:
     flags: list[str] = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
-        if value is None:
-            continue
         if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, (list, tuple)):
-            flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in values)]
     return flags
-
-
-def placement(device: torch.device) -> tuple[dict, dict[str, str]]:
-    """vLLM's executor and start environment for ``device``: ``uni`` takes GPU 0 whatever the
-    current device, so under ``torchrun`` or on ``cuda:N > 0`` vLLM's ``external_launcher``
-    with ``LOCAL_RANK=N`` (alone: as a group of one on a free local port)."""
-    on_gpu = device.type == "cuda"
-    index = gpu_index(device) if on_gpu else 0
-    env = {"LOCAL_RANK": str(index)} if on_gpu else {}
-    if distributed.is_distributed():
-        return {"distributed_executor_backend": "external_launcher"}, env
-    if on_gpu and index != 0:
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        return {"distributed_executor_backend": "external_launcher"}, env
-    return {}, {}
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -309,23 +299,3 @@ def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
         return sock.getsockname()[1]
-
-
-def gpu_index(device: torch.device) -> int:
-    """The index of a CUDA ``device`` (the current one for a bare ``cuda``)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@contextlib.contextmanager
-def environ(env: dict[str, str]):
-    """``env`` set in ``os.environ`` for the block."""
-    previous = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

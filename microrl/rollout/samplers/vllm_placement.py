@@ -16,7 +16,6 @@ from microrl.engine.parallel import distributed
 from microrl.rollout.vllm_plugin.transfer import IPC_BACKEND, is_loopback
 
 __all__ = [
-    "IPC_BACKEND",
     "cuda_visible_devices",
     "data_rank",
     "pushes_per_sync",
@@ -143,8 +142,7 @@ def transfer_backend(device: torch.device, gpus: list[list[int]] | None) -> str:
     :data:`IPC_BACKEND` on the trainer's GPU (NCCL refuses a duplicate GPU), else ``nccl``."""
     if device.type != "cuda":
         return "gloo"
-    own = trainer_gpu(device)
-    if gpus is not None and any(own in server for server in gpus):
+    if gpus is not None and any(trainer_gpu(device) in server for server in gpus):
         return IPC_BACKEND
     return "nccl"
 

@@ -15,7 +15,6 @@ from microrl.rollout.samplers.vllm_http import ServerError
 __all__ = [
     "GENERATE_ROUTE",
     "ServerPrompt",
-    "check_image_servers",
     "generate_body",
     "parse_samples",
     "probe_body",
@@ -76,23 +75,6 @@ def server_prompt(
     return ServerPrompt(collapsed, tuple(images.raw[index]), list(ids), index)
 
 
-def check_image_servers(engine, tokenizer) -> None:
-    """Check at start what image prompts on servers need (a frozen tower: servers cache
-    image embeddings across pushes)."""
-    if reason := vllm_images.vision_unsupported():
-        raise ValueError(
-            "rollout.backend=vllm (its servers under rollout.max_staleness > 0) cannot sample "
-            f"image prompts here: {reason}. Use rollout.backend=hf (docs/rollouts.md#images)"
-        )
-    vllm_images.check_tokenizer(tokenizer)
-    if not getattr(engine.config, "freeze_vision", True):
-        raise ValueError(
-            "actor.freeze_vision=False with images on vLLM servers: the servers cache image "
-            "embeddings across weight pushes, which a trained vision tower makes stale; keep "
-            "the tower frozen or use rollout.backend=hf"
-        )
-
-
 def parse_samples(
     response: dict[str, Any], *, url: str, version: int | None
 ) -> list[tuple[list[int], list[float], tuple[int, int]]]:
@@ -104,8 +86,7 @@ def parse_samples(
         logprobs = [step["logprob"] for step in (choice.get("logprobs") or {}).get("content", [])]
         if len(logprobs) != len(tokens):
             raise ServerError(
-                f"the vLLM server at {url} returned {len(tokens)} tokens but {len(logprobs)} "
-                "log-probs"
+                f"the vLLM server at {url} returned {len(tokens)} tokens but {len(logprobs)} log-probs"
             )
         if version is not None:
             versions = (version, version)

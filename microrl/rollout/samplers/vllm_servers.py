@@ -17,37 +17,16 @@ import torch
 from microrl.configs.refusals import check_vllm_servers
 from microrl.configs.rollout import VLLMConfig
 from microrl.engine.base import Engine
-from microrl.engine.checkpoint.export import export_merged_model, locate_base_model
+from microrl.engine.checkpoint.export import locate_base_model
 from microrl.engine.parallel import distributed
 from microrl.rollout.base import Images, Prompts, Rollout, RolloutBackend, Samples, SamplingParams
-from microrl.rollout.images import ImagePrompts
+from microrl.rollout.images import ImagePrompts, problem_images
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, WorkerError, WorkerSampler
-from microrl.rollout.samplers import vllm_options
+from microrl.rollout.samplers import vllm_images, vllm_options, vllm_placement, vllm_requests
 from microrl.rollout.samplers.vllm_http import ServerClient, exit_status
-from microrl.rollout.samplers.vllm_options import CPU_OWNED, OWNED, SERVER_OWNED, user_engine_args
-from microrl.rollout.samplers.vllm_placement import (
-    cuda_visible_devices,
-    data_rank,
-    pushes_per_sync,
-    server_gpus,
-    transfer_backend,
-    urls_of_data_rank,
-)
-from microrl.rollout.samplers.vllm_requests import (
-    GENERATE_ROUTE,
-    ServerPrompt,
-    check_image_servers,
-    generate_body,
-    parse_samples,
-    probe_body,
-    prompt_logprobs,
-    server_prompt,
-)
-from microrl.rollout.weights.server_syncs import (
-    WORKDIR_PREFIX,
-    HTTPAdapterSync,
-    TransferSync,
-)
+from microrl.rollout.samplers.vllm_placement import cuda_visible_devices, data_rank
+from microrl.rollout.samplers.vllm_requests import GENERATE_ROUTE, ServerPrompt, probe_body
+from microrl.rollout.weights.server_syncs import WORKDIR_PREFIX, HTTPAdapterSync, TransferSync
 from microrl.rollout.weights.weight_sync import ProbeVerifier, WeightSync, pushed_weights
 
 if TYPE_CHECKING:  # annotations only
@@ -96,7 +75,15 @@ class VLLMServerRollout(WorkerSampler):
         check_arguments(engine, self.config, urls, num_workers)
         options = self._start(engine, tokenizer, options)
         if self.image_encoder is not None:
-            check_image_servers(engine, tokenizer)
+            sampler = "rollout.backend=vllm (its servers under rollout.max_staleness > 0)"
+            vllm_images.check_vision(tokenizer, sampler)
+            # The servers cache image embeddings across pushes: a trained tower makes them stale.
+            if not getattr(engine.config, "freeze_vision", True):
+                raise ValueError(
+                    "actor.freeze_vision=False with images on vLLM servers: the servers cache "
+                    "image embeddings across weight pushes, which a trained vision tower makes "
+                    "stale; keep the tower frozen or use rollout.backend=hf"
+                )
         #: The layout, episodes and decoding of every backend, sampling through these servers.
         self.backend = _ServerBackend(
             self, getattr(getattr(engine, "model", None), "generation_config", None)
@@ -115,13 +102,12 @@ class VLLMServerRollout(WorkerSampler):
         # The push dtypes: the local servers' (vLLM casts on load); None for users' servers.
         self._push_dtype: torch.dtype | None = None
         self._adapter_dtype: torch.dtype | None = None
-        self._pushes_per_sync = num_workers  # the most servers any rank pushes to
+        # The most servers any rank pushes to.
+        self._pushes_per_sync = vllm_placement.pushes_per_sync(engine, urls, num_workers)
         self._job_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-job")
         self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="microrl-vllm-sync")
         try:
-            self.clients = self._connect(
-                base, list(urls), api_key, num_workers, options.num_threads
-            )
+            self.clients = self._connect(base, urls, api_key, num_workers, options.num_threads)
             self._requests = ThreadPoolExecutor(
                 _REQUESTS_PER_SERVER * len(self.clients), thread_name_prefix="microrl-vllm-req"
             )
@@ -133,10 +119,9 @@ class VLLMServerRollout(WorkerSampler):
             raise
 
     def _connect(self, base, urls, api_key, num_workers, num_threads) -> list[ServerClient]:
-        rank = data_rank(self.engine)[0]  # servers belong to a data rank (an sp group's)
+        rank, world = data_rank(self.engine)  # servers belong to a data rank (an sp group's)
         if urls:
-            self._pushes_per_sync = pushes_per_sync(self.engine, urls, num_workers)
-            mine = urls_of_data_rank(urls, *data_rank(self.engine))
+            mine = vllm_placement.urls_of_data_rank(urls, rank, world)
             clients = [ServerClient(url, api_key, timeout_s=self.timeout_s) for url in mine]
             for client in clients:
                 client.get("v1/models")  # reachable, and the key is accepted: fail at start
@@ -145,23 +130,19 @@ class VLLMServerRollout(WorkerSampler):
 
         cfg = self.config
         # Without CUDA_VISIBLE_DEVICES every server of every rank would start on the first GPU.
-        gpus = self._server_gpus = server_gpus(
+        gpus = self._server_gpus = vllm_placement.server_gpus(
             self.engine.device,
             num_workers=num_workers,
             tensor_parallel_size=cfg.tensor_parallel_size,
             gpus=cfg.gpus,
-            group_size=distributed.world_size() // data_rank(self.engine)[1],
+            group_size=distributed.world_size() // world,
         )
-        model_dir = self.workdir / "base"
-        images = self.image_encoder is not None  # vLLM preprocesses: tokenizer and processor
-        vision_tokenizer = self.tokenizer if images else None
-        export_merged_model(
-            self.engine.module, model_dir, merge_lora=False, tokenizer=vision_tokenizer
+        model_dir = vllm_options.export_base(
+            self.engine, self.workdir, self.tokenizer, self.image_encoder
         )
-        if images:
-            self.image_encoder.image_processor.save_pretrained(str(model_dir))
         device = self.engine.device
-        owned = {**OWNED, **SERVER_OWNED, **(CPU_OWNED if device.type == "cpu" else {})}
+        cpu_owned = vllm_options.CPU_OWNED if device.type == "cpu" else {}
+        owned = {**vllm_options.OWNED, **vllm_options.SERVER_OWNED, **cpu_owned}
         if not self.is_lora:  # a cached block computed with old weights must not serve new ones
             owned["enable_prefix_caching"] = "full-weight pushes need prefix caching off"
         dtype = vllm_options.resolve_dtype(cfg.dtype, self.engine, base)
@@ -173,10 +154,10 @@ class VLLMServerRollout(WorkerSampler):
             dtype=dtype,
             lora_rank=vllm_options.max_lora_rank(lora_rank) if self.is_lora else 0,
             max_loras=4,
-            weight_transfer=None if self.is_lora else transfer_backend(device, gpus),
+            weight_transfer=None if self.is_lora else vllm_placement.transfer_backend(device, gpus),
             tensor_parallel_size=cfg.tensor_parallel_size,
-            engine_args=user_engine_args(cfg.engine_kwargs, owned=owned),
-            images=images,
+            engine_args=vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned),
+            images=self.image_encoder is not None,
         )
 
         def start(i: int) -> LocalVLLMServer:
@@ -231,7 +212,8 @@ class VLLMServerRollout(WorkerSampler):
             if previous is not None:
                 previous.result()
             self._timed(lambda: self.weight_sync.push(engine, version))
-            loaded = _done()
+            loaded = Future()
+            loaded.set_result(None)
         # LoRA: checked between jobs, alone (vLLM 0.32's CPU LoRA logits fail a batch mixing
         # prompt log-probs with other requests); full weights: at once, before the next push.
         thread = self._job_thread if self.is_lora else self._sync_thread
@@ -254,11 +236,11 @@ class VLLMServerRollout(WorkerSampler):
 
     def _score_probe(self, client: ServerClient, version: int) -> torch.Tensor:
         """The server's probe log-probs at temperature 1, ``[B, T]`` like the engine's."""
-        adapter = self._adapter(version) if self.is_lora else None
+        adapter = self._adapter(version)
         verifier = ProbeVerifier.of(self)
-        rows = verifier.rows()
         scored = [
-            prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(r, adapter)), r) for r in rows
+            vllm_requests.prompt_logprobs(client.post(GENERATE_ROUTE, probe_body(r, adapter)), r)
+            for r in verifier.rows()
         ]
         return verifier.layout(scored)
 
@@ -280,12 +262,11 @@ class VLLMServerRollout(WorkerSampler):
             rollout = run()
         finally:
             self._context.job = None
-        versions = torch.tensor(self._context.versions, dtype=torch.long).reshape(-1, 2)
-        if len(versions) != rollout.batch.batch_size[0]:  # episodes: each row spans the job's
-            span = (job.version, job.version)
-            if len(versions):
-                span = (int(versions[:, 0].min()), int(versions[:, 1].max()))
-            versions = torch.tensor([span] * rollout.batch.batch_size[0], dtype=torch.long)
+        rows = rollout.batch.batch_size[0]
+        spans = self._context.versions or [job.version, job.version]
+        versions = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
+        if len(versions) != rows:  # episodes: each row spans the job's
+            versions = torch.stack([versions[:, 0].min(), versions[:, 1].max()]).repeat(rows, 1)
         rollout.batch[POLICY_VERSION_KEY] = versions[:, 0].reshape(-1)
         rollout.batch[POLICY_VERSION_LAST_KEY] = versions[:, 1].reshape(-1)
         self.job_seconds.append(time.perf_counter() - start)
@@ -301,8 +282,7 @@ class VLLMServerRollout(WorkerSampler):
     def _submit_episodes(self, problems, params, limits, seed) -> Job:
         """The environments step in this process while the servers sample."""
         maker = self.env_maker
-        with_images = self.image_encoder is not None and any(p.images for p in problems)
-        images = [list(p.images) for p in problems] if with_images else None
+        images = problem_images(problems) if self.image_encoder is not None else None
         run = lambda: self.backend.run_episodes(  # noqa: E731
             [p.prompt for p in problems],
             lambda i: maker(problems[i]),
@@ -320,8 +300,14 @@ class VLLMServerRollout(WorkerSampler):
             raise ValueError(f"job {job.id} was not submitted here or was collected already")
         _, future = self._futures[job.id]
         deadline = time.monotonic() + self.timeout_s
+        what = f"the rollout of job {job.id} (policy version {job.version})"
         while not future.done():
-            self._check_servers(f"the rollout of job {job.id} (policy version {job.version})")
+            for server in self._servers:
+                if not server.alive():
+                    raise WorkerError(
+                        f"{server.name} died ({exit_status(server.process.returncode)}) while "
+                        f"the trainer waited for {what}; {server.diagnosis()}"
+                    )
             if time.monotonic() > deadline:
                 raise WorkerError(
                     f"the vLLM servers did not finish job {job.id} within {self.timeout_s:.0f} s "
@@ -352,7 +338,8 @@ class VLLMServerRollout(WorkerSampler):
             raise RuntimeError("VLLMServerRollout samples inside a job: use submit and collect")
         copies = vllm_options.requests_per_prompt(params)  # greedy: one request per copy
         prompts = [
-            server_prompt(ids, images, p, self.image_encoder) for p, ids in enumerate(prompt_ids)
+            vllm_requests.server_prompt(ids, images, p, self.image_encoder)
+            for p, ids in enumerate(prompt_ids)
         ]
         requests = [prompt for prompt in prompts for _ in range(copies)]
         self._context.seed = seed + len(requests)  # the next call of an episode: fresh seeds
@@ -372,31 +359,24 @@ class VLLMServerRollout(WorkerSampler):
         self, i: int, prompt: ServerPrompt, params: SamplingParams, seed: int, version: int
     ):
         client = self.clients[i % len(self.clients)]
-        adapter = self._adapter(version) if self.is_lora else None
-        body = generate_body(
+        body = vllm_requests.generate_body(
             prompt.ids,
             params,
             seed=seed,
             eos_token_id=self.backend.stop_token_ids,
-            adapter=adapter,
+            adapter=self._adapter(version),
             images=prompt.images,
         )
         response = client.post(GENERATE_ROUTE, body)
         prompt.check(response)
         # LoRA: every token comes from the request's adapter; full weights: from the spans.
-        return parse_samples(response, url=client.url, version=version if self.is_lora else None)
+        version = version if self.is_lora else None
+        return vllm_requests.parse_samples(response, url=client.url, version=version)
 
-    def _adapter(self, version: int) -> str:
-        """A version's adapter name, unique to this run and rank: sharers never collide."""
-        return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}"
-
-    def _check_servers(self, what: str) -> None:
-        for server in self._servers:
-            if not server.alive():
-                raise WorkerError(
-                    f"{server.name} died ({exit_status(server.process.returncode)}) while the "
-                    f"trainer waited for {what}; {server.diagnosis()}"
-                )
+    def _adapter(self, version: int) -> str | None:
+        """A version's adapter name, unique to this run and rank: sharers never collide (None:
+        full weights, the served ones)."""
+        return f"microrl-{self._run_id}-r{distributed.rank()}-v{version}" if self.is_lora else None
 
 
 class _ServerBackend(RolloutBackend):
@@ -428,10 +408,4 @@ def check_arguments(engine, config: VLLMConfig, urls: Sequence[str], num_workers
         raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
     check_vllm_servers(config, urls)  # the rollout rows of microrl.configs.refusals
     if urls:
-        urls_of_data_rank(urls, *data_rank(engine))
-
-
-def _done() -> Future:
-    future: Future = Future()
-    future.set_result(None)
-    return future
+        vllm_placement.urls_of_data_rank(urls, *data_rank(engine))

@@ -41,12 +41,9 @@ def test_requests_hold_one_placeholder_per_image_and_the_images():
     images = [[_picture(16, 16, 0), _picture(32, 16, 1)], []]
     prompts = [f"1{IMAGE}{IMAGE}2=", "3+4="]
     encoded = encoder.encode(tokenizer, prompts, images)
-    token = encoder.image_token_id
-    assert encoded.ids[0].count(token) > 2  # the encoder expanded them
+    assert encoded.ids[0].count(encoder.image_token_id) > 2  # the encoder expanded them
     requests = [
-        vllm_images.image_request(
-            ids, pair, raw, image_token_id=token, merge_size=encoder.merge_size
-        )
+        vllm_images.image_request(ids, pair, raw, encoder)
         for ids, pair, raw in zip(encoded.ids, encoded.images, encoded.raw, strict=True)
     ]
     # What the tokenizer makes of the prompt text: one placeholder per image.

@@ -185,7 +185,6 @@ def start_both(monkeypatch, tokenizer, lora_engine):
     use_fake_llm(monkeypatch)
     RecordingServer.started = []
     monkeypatch.setattr(vllm_launch, "LocalVLLMServer", RecordingServer)
-    monkeypatch.setattr(vllm_servers, "export_merged_model", lambda *args, **kwargs: None)
     done: Future = Future()
     done.set_result(None)
     monkeypatch.setattr(vllm_servers.VLLMServerRollout, "_submit_sync", lambda *a, **k: done)
@@ -194,7 +193,9 @@ def start_both(monkeypatch, tokenizer, lora_engine):
     def start(config: VLLMConfig | None = None, workdir=None):
         config = config or VLLMConfig()
         opened.append(VLLMRollout(lora_engine, tokenizer, config, workdir=workdir))
-        server = vllm_servers.VLLMServerRollout(lora_engine, tokenizer, config, workdir=workdir)
+        with monkeypatch.context() as patch:  # the in-process rollout's export only
+            patch.setattr(vllm_options, "export_merged_model", lambda *args, **kwargs: None)
+            server = vllm_servers.VLLMServerRollout(lora_engine, tokenizer, config, workdir=workdir)
         opened.append(server)
         return opened[-2], server
 

@@ -46,7 +46,7 @@ def lora_engine(tokenizer):
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
     """``(command, env)`` of every local server a rollout starts; nothing runs, no weights move."""
-    from microrl.rollout.samplers import vllm_launch, vllm_servers
+    from microrl.rollout.samplers import vllm_launch, vllm_options, vllm_servers
 
     started = []
 
@@ -68,7 +68,7 @@ def recorded(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_launch.watcher, "watch", lambda *args, **kwargs: None)  # no pid
     monkeypatch.setattr(vllm_launch.LocalVLLMServer, "_wait_until_up", lambda self, t: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the servers' log files
-    monkeypatch.setattr(vllm_servers, "export_merged_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(vllm_options, "export_merged_model", lambda *args, **kwargs: None)
     done: Future = Future()
     done.set_result(None)
     monkeypatch.setattr(vllm_servers.VLLMServerRollout, "_submit_sync", lambda *a, **k: done)

@@ -211,7 +211,7 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
     pushed to through it, from the GPU. Dedicated GPUs keep NCCL."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from microrl.rollout.samplers import vllm_launch, vllm_servers
+    from microrl.rollout.samplers import vllm_launch, vllm_options, vllm_servers
 
     started = []
 
@@ -224,7 +224,7 @@ def test_a_server_on_the_trainers_gpu_takes_weights_over_ipc(tokenizer, monkeypa
             pass
 
     monkeypatch.setattr(vllm_launch, "LocalVLLMServer", Server)
-    monkeypatch.setattr(vllm_servers, "export_merged_model", lambda *a, **k: None)
+    monkeypatch.setattr(vllm_options, "export_merged_model", lambda *a, **k: None)
     engine = _engine(tokenizer)
     _on_fake_gpu(engine, monkeypatch, FakeTensorMode(allow_non_fake_inputs=True))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -458,7 +458,7 @@ def test_a_group_process_joins_the_collectives_of_the_servers_sampler(
     recorded((server_syncs, "export_peft_adapter"), export, lambda m, p, **k: Path(p).name)
     workdir = vllm_options.make_workdir
     recorded((vllm_options, "make_workdir"), workdir, lambda *args: "workdir")
-    for module in (server_syncs, vllm_servers):  # the servers are stand-ins
+    for module in (server_syncs, vllm_options):  # the servers are stand-ins
         recorded((module, "export_merged_model"), lambda *a, **k: None, lambda *a, **k: "base")
     monkeypatch.setattr(vllm_launch, "LocalVLLMServer", StubServer)
     for module in (vllm_placement, vllm_servers):
