@@ -8,6 +8,8 @@ disagree on pixels (docs/rollouts.md#images).
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -151,3 +153,19 @@ def problem_images(problems: Sequence[Any]) -> list[list[Any]] | None:
     if not any(getattr(p, "images", ()) for p in problems):
         return None
     return [list(p.images) for p in problems]
+
+
+def png_base64(image: Any) -> str:
+    """A PIL image as base64 PNG text: lossless, so whoever reads it sees the trainer's pixels."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def png_image(data: str) -> Any:
+    """The PIL image of :func:`png_base64`'s text."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    image.load()  # read now: the buffer goes
+    return image

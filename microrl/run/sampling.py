@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from microrl.agents import EPISODE_KEY, AgentLimits, run_agent_episodes
-from microrl.agents.runner import agent_metric_means
+from microrl.agents.runner import AGENT_METRICS, agent_metric_means
 from microrl.configs.run import RolloutConfig
 from microrl.losses import check_whole_groups, grpo_advantages
 from microrl.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
@@ -147,10 +147,8 @@ def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
 
 def agent_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
     """``agent/*`` of an agent rollout over every rank (docs/rollouts.md#agents)."""
-    keys = ("agent/episodes", "agent/calls", "agent/tool_calls", "agent/tool_parse_errors")
-    keys += ("agent/branches", "agent/time_s", "agent/errors")
-    sums = dist_info.sum([rollout.metrics.get(k, 0.0) for k in keys])
-    return agent_metric_means(dict(zip(keys, sums, strict=True)))
+    sums = dist_info.sum([rollout.metrics.get(k, 0.0) for k in AGENT_METRICS])
+    return agent_metric_means(dict(zip(AGENT_METRICS, sums, strict=True)))
 
 
 def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:
