@@ -278,7 +278,6 @@ def _rollout(
         error = state.error or outcome.error
         if error is None and not kept:
             error = "returned without calling the model"
-        value = None
         if error is None:
             try:
                 value = _reward(outcome.result, problems[index], reward)

@@ -278,9 +278,6 @@ def encode_prompts(tokenizer, prompts: Prompts) -> list[list[int]]:
                     "no BOS): every prompt needs at least one token before its response"
                 )
         return encoded
-    encoded = []
-    for p in prompts:
-        if isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p:
-            raise ValueError("prompts must be all texts or all non-empty token-id lists, not a mix")
-        encoded.append(list(p))
-    return encoded
+    if any(isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p for p in prompts):
+        raise ValueError("prompts must be all texts or all non-empty token-id lists, not a mix")
+    return [list(p) for p in prompts]

@@ -110,8 +110,7 @@ class ObservationRenderer:
         """The ids of an episode's first input: a text, or chat messages rendered for generation."""
         if isinstance(first, str):
             return list(self.tokenizer(first)["input_ids"])
-        messages = _messages(first, "init()")
-        return self._ids(messages, generation_prompt=True)
+        return self._ids(_messages(first, "init()"), generation_prompt=True)
 
     def observation(self, messages: Any, *, with_eos: bool) -> list[int]:
         messages = _messages(messages, "step()['observations']")
@@ -195,14 +194,10 @@ class _Player:
     """Runs the turns of a batch of episodes; one per :func:`play_episodes` call."""
 
     def __init__(self, backend, params, skip_env_errors: bool) -> None:
-        self.backend = backend
-        self.tokenizer = backend.tokenizer
+        self.backend, self.params, self.skip = backend, params, skip_env_errors
         self.renderer = ObservationRenderer(backend.tokenizer)
         self.stops = frozenset(backend.stop_token_ids)  # any of them ends a turn
-        self.params = params
-        self.skip = skip_env_errors
-        self.env_time = 0.0
-        self.errors = 0
+        self.env_time, self.errors = 0.0, 0
         # Each prompt's images encoded once: its group's rows share one pixel-store entry.
         self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
@@ -303,7 +298,7 @@ class _Player:
         trajectory = row.trajectory
         trajectory.add(ids, logprobs)
         trajectory.turns += 1
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.backend.tokenizer.decode(ids, skip_special_tokens=True)
         output = self.env_call(row, "step", row.env.step, text, turn=number)
         if output is None:
             return

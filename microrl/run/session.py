@@ -137,11 +137,9 @@ def scores_ahead(
     model-based reward or a ``scorer``, unless anything there is a collective or runs on the
     trainer's thread (every rank must stay in step)."""
     reward = getattr(task, "reward", None)
-    collective = (
-        sampler.trainer_thread or scorer_collective or bool(getattr(reward, "collective", False))
-    )
-    model_based = bool(getattr(reward, "model_based", False))
-    return (model_based or scorer is not None) and not collective
+    if sampler.trainer_thread or scorer_collective or getattr(reward, "collective", False):
+        return False
+    return bool(getattr(reward, "model_based", False)) or scorer is not None
 
 
 def warn_if_uncorrected(policy_loss: Any, max_staleness: int) -> bool:
