@@ -114,14 +114,12 @@ class Rollout:
     def to(self, device: torch.device | str) -> Rollout:
         """This rollout with its tensors on ``device`` (backends build rollouts on the host;
         docs/batch.md#devices)."""
-        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(
-            self,
-            batch=self.batch.to(device),
-            group_ids=self.group_ids.to(device),
-            rewards=moved(self.rewards),
-            num_turns=moved(self.num_turns),
-        )
+        moved = {
+            name: value.to(device)
+            for name, value in vars(self).items()
+            if isinstance(value, torch.Tensor | TensorDict)  # rewards, num_turns: maybe None
+        }
+        return replace(self, **moved)
 
 
 class RolloutBackend(ABC):

@@ -165,14 +165,13 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
     if any(t.images is not None for t in trajectories):  # each row its prompt's images
         batch.update(pad_images([t.images for t in trajectories]))
     if any(t.routes is not None for t in trajectories):
-        prompt_width = max(len(t.prompt_ids) for t in trajectories)
-        width = batch["input_ids"].shape[1]
-        batch[ROUTED_EXPERTS_KEY] = _episode_routes(trajectories, prompt_width, width)
+        batch[ROUTED_EXPERTS_KEY] = _episode_routes(trajectories, batch["input_ids"].shape[1])
     return batch
 
 
-def _episode_routes(trajectories: Sequence[Trajectory], prompt_width: int, width: int):
+def _episode_routes(trajectories: Sequence[Trajectory], width: int):
     """The rows' recorded routing ``[B, T, L, k]`` (-1 where a token has none)."""
+    prompt_width = max(len(t.prompt_ids) for t in trajectories)
     like = next(t.routes for t in trajectories if t.routes is not None)
     out = like.new_full((len(trajectories), width, *like.shape[1:]), NO_ROUTE)
     for row, t in enumerate(trajectories):

@@ -68,12 +68,11 @@ class ImageEncoder:
                 f"image prompts must be texts with one image list each, got {len(prompts)} "
                 f"prompts and {len(images)} image lists"
             )
-        out = ImagePrompts(ids=[], images=[], raw=[])
+        out = ImagePrompts(ids=[], images=[], raw=[list(row) for row in images])
         for i, (text, row_images) in enumerate(zip(prompts, images, strict=True)):
             ids, encoded = self.encode_ids(list(tokenizer(text)["input_ids"]), row_images, i)
             out.ids.append(ids)
             out.images.append(encoded)
-            out.raw.append(list(row_images))
         return out
 
     def encode_ids(

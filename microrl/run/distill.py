@@ -62,11 +62,10 @@ def mix_teacher_advantages(
     advantages = task + config.coef * distill
     gap = torch.where(mask, student_lp.double() - teacher_lp.double(), 0.0)
     kl_sum, tokens, wait_sum = dist_info.sum([float(gap.sum()), float(mask.sum()), wait])
-    metrics = {
+    return advantages, {
         "teacher/reverse_kl": kl_sum / max(tokens, 1.0),
         "teacher/wait_s": wait_sum / dist_info.world_size,
     }
-    return advantages, metrics
 
 
 def teacher_scoring(teacher: Teacher | None, dist_info: Dist) -> dict[str, Any]:

@@ -55,16 +55,20 @@ def sample_and_score(
     if not is_episode_task(task):  # a problem's images go with it (docs/rollouts.md#images)
         rollout = sampler.generate(prompts, params, images=problem_images(problems))
         return rollout, score_rollout(task, problems, rollout)
+    make_env = lambda i: task.make_env(problems[i])  # noqa: E731 - one per row
     rollout = sampler.run_episodes(
-        prompts,
-        lambda i: task.make_env(problems[i]),
-        params,
-        max_turns=limits.max_turns,
-        max_tokens=limits.max_episode_tokens,
-        skip_env_errors=limits.skip_env_errors,
-        images=problem_images(problems),
+        prompts, make_env, params, images=problem_images(problems), **episode_limits(limits)
     )
     return rollout, rollout.rewards
+
+
+def episode_limits(limits: RolloutConfig) -> dict[str, Any]:
+    """A multi-turn rollout's bounds, as ``run_episodes`` and ``submit_episodes`` take them."""
+    return {
+        "max_turns": limits.max_turns,
+        "max_tokens": limits.max_episode_tokens,
+        "skip_env_errors": limits.skip_env_errors,
+    }
 
 
 def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:

@@ -273,8 +273,7 @@ def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:
     """Row ``row``'s attended prompt tokens (before the first response column), decoded."""
     batch = rollout.batch
     response_cols = batch["loss_mask"].bool().any(dim=0).nonzero()
-    width = batch["input_ids"].shape[1]
-    boundary = int(response_cols[0]) if response_cols.numel() else width
+    boundary = int(response_cols[0]) if response_cols.numel() else batch["input_ids"].shape[1]
     attended = batch["attention_mask"][row, :boundary].bool()
     ids = batch["input_ids"][row, :boundary][attended]
     return tokenizer.decode(ids.tolist(), skip_special_tokens=False)

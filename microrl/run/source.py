@@ -30,7 +30,7 @@ from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler
 from microrl.run.checkpoint import rng_state, set_rng_state
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import GroupFilter
-from microrl.run.sampling import score_rollout, whole_groups
+from microrl.run.sampling import episode_limits, score_rollout, whole_groups
 from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
 __all__ = ["ROLLOUT_BUFFER_KEY", "RolloutSource", "StepRollout"]
@@ -139,13 +139,7 @@ class RolloutSource:
         drawn_from = rng_state(self.rng)
         problems = self.task.sample(self.rng, self.prompts_per_step)
         if self.episodes:
-            job = self.sampler.submit_episodes(
-                problems,
-                self.params,
-                max_turns=self.limits.max_turns,
-                max_tokens=self.limits.max_episode_tokens,
-                skip_env_errors=self.limits.skip_env_errors,
-            )
+            job = self.sampler.submit_episodes(problems, self.params, **episode_limits(self.limits))
         else:
             images = problem_images(problems)  # a problem's images go with its job
             kwargs = {} if images is None else {"images": images}  # text: any sampler's submit
@@ -275,9 +269,8 @@ class RolloutSource:
 
     def _staleness_metrics(self, step: int, rollout: Rollout) -> dict[str, float]:
         """``staleness/*`` and the ``sync/probe_*`` (the largest) of the pushes now completed."""
-        dist_info = self.dist_info
         staleness = ((step - 1) - rollout.batch[POLICY_VERSION_KEY]).double()
-        rows, total = dist_info.sum([float(len(staleness)), float(staleness.sum())])
+        rows, total = self.dist_info.sum([float(len(staleness)), float(staleness.sum())])
         worst = distributed.max_over_ranks(int(staleness.max()) if len(staleness) else 0)
         metrics = {"staleness/mean": total / max(rows, 1.0), "staleness/max": float(worst)}
         # The slowest rank's wait: the step waits for it.
