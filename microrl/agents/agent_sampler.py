@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from microrl.agents.runner import AgentLimits, play_agents
+from microrl.agents.runner import AgentLimits, play_agents, run_agent_episodes
 from microrl.agents.sampler import BatchingSampler
 from microrl.rollout.base import Rollout, SamplingParams
 from microrl.rollout.sampler import Job, Sampler
@@ -44,11 +44,8 @@ class AgentSampler(Sampler):
         *,
         stop_ids: Sequence[int] | None = None,
     ) -> None:
-        self.inner = inner
-        self.stop_ids = stop_ids
-        self.tokenizer = tokenizer
-        self.task = task
-        self.limits = limits
+        self.inner, self.tokenizer, self.task = inner, tokenizer, task
+        self.limits, self.stop_ids = limits, stop_ids
         self.lock = threading.RLock()
         # Episode jobs run one after the other, in submission (version) order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="microrl-agents")
@@ -76,33 +73,22 @@ class AgentSampler(Sampler):
         return job
 
     def _play(self, problems: list, params: SamplingParams, limits: AgentLimits) -> Rollout:
-        # At collect: the backend's batched calls, on this thread, the loaded weights.
-        if self.samples_at_collect:
-            sampler = BatchingSampler.over_backend(
-                self.inner.current(),
-                params,
-                version=self.inner.loaded,
-                window_s=limits.batch_window_s,
-            )
-        else:  # the inner sampler's jobs, from this job's thread
-            sampler = BatchingSampler.over_async(
-                self.inner,
-                self.tokenizer,
-                params,
-                self.lock,
-                window_s=limits.batch_window_s,
-                stop_ids=self.stop_ids,
-            )
         task = self.task
-        return play_agents(
-            sampler,
-            problems,
-            task.agent,
+        scoring = {"reward": task.reward, "tool_parser": task.tool_parser}
+        if self.samples_at_collect:  # the backend's batched calls, on this thread, loaded weights
+            backend, version = self.inner.current(), self.inner.loaded
+            return run_agent_episodes(
+                backend, problems, task.agent, params, limits, version=version, **scoring
+            )
+        sampler = BatchingSampler.over_async(  # the inner sampler's jobs, from this job's thread
+            self.inner,
+            self.tokenizer,
             params,
-            limits,
-            reward=task.reward,
-            tool_parser=task.tool_parser,
+            self.lock,
+            window_s=limits.batch_window_s,
+            stop_ids=self.stop_ids,
         )
+        return play_agents(sampler, problems, task.agent, params, limits, **scoring)
 
     def submit(self, prompts: Sequence[Any], params: SamplingParams, **kwargs: Any) -> Job:
         with self.lock:

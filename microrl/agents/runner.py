@@ -30,8 +30,8 @@ import torch
 from microrl.agents.endpoint import AgentEndpoint, EpisodeState
 from microrl.agents.sampler import BatchingSampler
 from microrl.configs.task import DEFAULT_AGENT_MAX_CONCURRENCY
-from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams
-from microrl.rollout.episodes import EpisodeError, ObservationRenderer, episode_batch
+from microrl.rollout.base import Rollout, RolloutBackend, SamplingParams, episode_rollout
+from microrl.rollout.episodes import EpisodeError, ObservationRenderer
 from microrl.rollout.sampler import POLICY_VERSION_KEY
 
 __all__ = [
@@ -105,9 +105,7 @@ def run_agent_episodes(
     :class:`~microrl.rollout.episodes.EpisodeError` naming the episode, or with
     ``limits.skip_errors`` is dropped (``agent/errors``). Under ``torchrun`` it is collective.
     """
-    if not isinstance(backend, RolloutBackend):
-        raise TypeError(f"backend must be a RolloutBackend, got {type(backend).__name__}")
-    sampler = BatchingSampler.over_backend(
+    sampler = BatchingSampler.over_backend(  # TypeError unless a RolloutBackend
         backend, params, version=version, window_s=limits.batch_window_s
     )
     return play_agents(
@@ -178,8 +176,8 @@ class _AgentLoop:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        limit = limits.max_concurrency or 1 << 30
-        self.gate = asyncio.run_coroutine_threadsafe(_semaphore(limit), self.loop).result()
+        # Bound to the loop it first waits on (Python >= 3.10), the agents'.
+        self.gate = asyncio.Semaphore(limits.max_concurrency or 1 << 30)
 
     def submit(self, agent, problem, url: str, key: str, on_end) -> Future:
         coroutine = self._run(agent, problem, url, key, on_end)
@@ -253,10 +251,6 @@ def _more_time(limits: AgentLimits) -> str:
     )
 
 
-async def _semaphore(limit: int) -> asyncio.Semaphore:
-    return asyncio.Semaphore(limit)
-
-
 def _settle_from_thread(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     """Settle ``future`` from an agent's thread; an abandoned episode's loop may be closed
     by now (the runner closed after its timeout), and then nothing waits for the outcome."""
@@ -284,7 +278,6 @@ def _rollout(
         error = state.error or outcome.error
         if error is None and not kept:
             error = "returned without calling the model"
-        value = None
         if error is None:
             try:
                 value = _reward(outcome.result, problems[index], reward)
@@ -296,29 +289,21 @@ def _rollout(
                 raise EpisodeError(f"the agent of episode {name} (problem {index}) {error}")
             metrics["agent/errors"] += 1
             continue
-        for row in kept:
-            rows.append(row)
-            groups.append(index)
-            episodes.append(first + number)
-            rewards.append(value)
+        rows += kept
+        groups += [index] * len(kept)
+        episodes += [first + number] * len(kept)
+        rewards += [value] * len(kept)
     if not rows:
         raise EpisodeError(
             f"every one of the {len(names)} agent episodes failed "
             "(rollout.skip_env_errors drops failed episodes, but none is left)"
         )
-    batch = episode_batch(rows, tokenizer.pad_token_id)
-    batch[EPISODE_KEY] = torch.tensor(episodes, dtype=torch.long)
+    rollout = episode_rollout(tokenizer, rows, groups, metrics, rewards)
+    rollout.batch[EPISODE_KEY] = torch.tensor(episodes, dtype=torch.long)
     if all(None not in r.versions for r in rows):  # sampled ahead: each token's version known
         versions = [min(r.versions) for r in rows]
-        batch[POLICY_VERSION_KEY] = torch.tensor(versions, dtype=torch.long)
-    return Rollout(
-        batch=batch,
-        texts=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in rows],
-        group_ids=torch.tensor(groups, dtype=torch.long),
-        rewards=torch.tensor(rewards, dtype=torch.float32),
-        num_turns=torch.tensor([r.turns for r in rows], dtype=torch.long),
-        metrics=metrics,
-    )
+        rollout.batch[POLICY_VERSION_KEY] = torch.tensor(versions, dtype=torch.long)
+    return rollout
 
 
 def _count(metrics: dict[str, float], state: EpisodeState, outcome: _Outcome) -> None:
@@ -341,11 +326,5 @@ def _reward(result: Any, problem: Any, reward: Callable | None) -> float:
 def agent_metric_means(sums: dict[str, float]) -> dict[str, float]:
     """The reported ``agent/*`` metrics from summed counts: per episode where it reads so."""
     episodes = max(sums.get("agent/episodes", 0.0), 1.0)
-    return {
-        "agent/calls_per_episode": sums.get("agent/calls", 0.0) / episodes,
-        "agent/tool_calls": sums.get("agent/tool_calls", 0.0),
-        "agent/tool_parse_errors": sums.get("agent/tool_parse_errors", 0.0),
-        "agent/branches": sums.get("agent/branches", 0.0),
-        "agent/time_s": sums.get("agent/time_s", 0.0),
-        "agent/errors": sums.get("agent/errors", 0.0),
-    }
+    rest = {key: sums.get(key, 0.0) for key in AGENT_METRICS[2:]}  # after episodes and calls
+    return {"agent/calls_per_episode": sums.get("agent/calls", 0.0) / episodes, **rest}

@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from microrl.engine.vision import pad_images
-from microrl.rollout.episodes import episode_batch, play_episodes
+from microrl.rollout.episodes import Trajectory, episode_batch, play_episodes
 from microrl.rollout.images import ImageEncoder, ImagePrompts, check_image_prompts
 from microrl.rollout.layout import Samples, build_rollout
 from microrl.rollout.turns import turn_terminators
@@ -114,14 +114,12 @@ class Rollout:
     def to(self, device: torch.device | str) -> Rollout:
         """This rollout with its tensors on ``device`` (backends build rollouts on the host;
         docs/batch.md#devices)."""
-        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(
-            self,
-            batch=self.batch.to(device),
-            group_ids=self.group_ids.to(device),
-            rewards=moved(self.rewards),
-            num_turns=moved(self.num_turns),
-        )
+        moved = {
+            name: value.to(device)
+            for name, value in vars(self).items()
+            if isinstance(value, torch.Tensor | TensorDict)  # rewards, num_turns: maybe None
+        }
+        return replace(self, **moved)
 
 
 class RolloutBackend(ABC):
@@ -219,14 +217,7 @@ class RolloutBackend(ABC):
             skip_env_errors=skip_env_errors,
             images=images,
         )
-        return Rollout(
-            batch=episode_batch(trajectories, self.tokenizer.pad_token_id),
-            texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories],
-            group_ids=torch.tensor(group_ids, dtype=torch.long),
-            rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-            num_turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),
-            metrics=metrics,
-        )
+        return episode_rollout(self.tokenizer, trajectories, group_ids, metrics)
 
     def sync(self, engine) -> None:  # noqa: B027 - a backend that reads the live model has none
         """Load ``engine``'s current weights into the backend (after optimizer steps)."""
@@ -240,6 +231,27 @@ class RolloutBackend(ABC):
     def _sample_images(self, prompts: ImagePrompts, params: SamplingParams) -> Samples:
         """Like :meth:`_sample`, for prompts with images (``prompts.ids`` placeholders expanded)."""
         raise ValueError(f"the {type(self).__name__} rollout backend does not sample image prompts")
+
+
+def episode_rollout(
+    tokenizer,
+    trajectories: Sequence[Trajectory],
+    group_ids: Sequence[int],
+    metrics: dict[str, float],
+    rewards: Sequence[float] | None = None,
+) -> Rollout:
+    """The rollout of finished episodes (:func:`~microrl.rollout.episodes.episode_batch`), row
+    ``i`` answering prompt ``group_ids[i]``; ``rewards`` (None: the trajectories' own)."""
+    return Rollout(
+        batch=episode_batch(trajectories, tokenizer.pad_token_id),
+        texts=[tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories],
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        rewards=torch.tensor(
+            [t.reward for t in trajectories] if rewards is None else rewards, dtype=torch.float32
+        ),
+        num_turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),
+        metrics=metrics,
+    )
 
 
 def check_tokenizer(tokenizer):
@@ -264,9 +276,6 @@ def encode_prompts(tokenizer, prompts: Prompts) -> list[list[int]]:
                     "no BOS): every prompt needs at least one token before its response"
                 )
         return encoded
-    encoded = []
-    for p in prompts:
-        if isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p:
-            raise ValueError("prompts must be all texts or all non-empty token-id lists, not a mix")
-        encoded.append(list(p))
-    return encoded
+    if any(isinstance(p, str) or not all(isinstance(t, int) for t in p) or not p for p in prompts):
+        raise ValueError("prompts must be all texts or all non-empty token-id lists, not a mix")
+    return [list(p) for p in prompts]

@@ -110,8 +110,7 @@ class ObservationRenderer:
         """The ids of an episode's first input: a text, or chat messages rendered for generation."""
         if isinstance(first, str):
             return list(self.tokenizer(first)["input_ids"])
-        messages = _messages(first, "init()")
-        return self._ids(messages, generation_prompt=True)
+        return self._ids(_messages(first, "init()"), generation_prompt=True)
 
     def observation(self, messages: Any, *, with_eos: bool) -> list[int]:
         messages = _messages(messages, "step()['observations']")
@@ -166,14 +165,13 @@ def episode_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> Tens
     if any(t.images is not None for t in trajectories):  # each row its prompt's images
         batch.update(pad_images([t.images for t in trajectories]))
     if any(t.routes is not None for t in trajectories):
-        prompt_width = max(len(t.prompt_ids) for t in trajectories)
-        width = batch["input_ids"].shape[1]
-        batch[ROUTED_EXPERTS_KEY] = _episode_routes(trajectories, prompt_width, width)
+        batch[ROUTED_EXPERTS_KEY] = _episode_routes(trajectories, batch["input_ids"].shape[1])
     return batch
 
 
-def _episode_routes(trajectories: Sequence[Trajectory], prompt_width: int, width: int):
+def _episode_routes(trajectories: Sequence[Trajectory], width: int):
     """The rows' recorded routing ``[B, T, L, k]`` (-1 where a token has none)."""
+    prompt_width = max(len(t.prompt_ids) for t in trajectories)
     like = next(t.routes for t in trajectories if t.routes is not None)
     out = like.new_full((len(trajectories), width, *like.shape[1:]), NO_ROUTE)
     for row, t in enumerate(trajectories):
@@ -195,14 +193,10 @@ class _Player:
     """Runs the turns of a batch of episodes; one per :func:`play_episodes` call."""
 
     def __init__(self, backend, params, skip_env_errors: bool) -> None:
-        self.backend = backend
-        self.tokenizer = backend.tokenizer
+        self.backend, self.params, self.skip = backend, params, skip_env_errors
         self.renderer = ObservationRenderer(backend.tokenizer)
         self.stops = frozenset(backend.stop_token_ids)  # any of them ends a turn
-        self.params = params
-        self.skip = skip_env_errors
-        self.env_time = 0.0
-        self.errors = 0
+        self.env_time, self.errors = 0.0, 0
         # Each prompt's images encoded once: its group's rows share one pixel-store entry.
         self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
@@ -303,7 +297,7 @@ class _Player:
         trajectory = row.trajectory
         trajectory.add(ids, logprobs)
         trajectory.turns += 1
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.backend.tokenizer.decode(ids, skip_special_tokens=True)
         output = self.env_call(row, "step", row.env.step, text, turn=number)
         if output is None:
             return

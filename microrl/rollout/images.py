@@ -8,6 +8,8 @@ disagree on pixels (docs/rollouts.md#images).
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,12 +68,11 @@ class ImageEncoder:
                 f"image prompts must be texts with one image list each, got {len(prompts)} "
                 f"prompts and {len(images)} image lists"
             )
-        out = ImagePrompts(ids=[], images=[], raw=[])
+        out = ImagePrompts(ids=[], images=[], raw=[list(row) for row in images])
         for i, (text, row_images) in enumerate(zip(prompts, images, strict=True)):
             ids, encoded = self.encode_ids(list(tokenizer(text)["input_ids"]), row_images, i)
             out.ids.append(ids)
             out.images.append(encoded)
-            out.raw.append(list(row_images))
         return out
 
     def encode_ids(
@@ -151,3 +152,19 @@ def problem_images(problems: Sequence[Any]) -> list[list[Any]] | None:
     if not any(getattr(p, "images", ()) for p in problems):
         return None
     return [list(p.images) for p in problems]
+
+
+def png_base64(image: Any) -> str:
+    """A PIL image as base64 PNG text: lossless, so whoever reads it sees the trainer's pixels."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def png_image(data: str) -> Any:
+    """The PIL image of :func:`png_base64`'s text."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    image.load()  # read now: the buffer goes
+    return image

@@ -16,12 +16,7 @@ from microrl.rollout import Rollout
 from microrl.run.dist import Dist, train_threads
 from microrl.run.teacher import TEACHER_LOGPROBS_KEY, Teacher, VLLMTeacher, make_teacher
 
-__all__ = [
-    "mix_teacher_advantages",
-    "start_teacher",
-    "teacher_scorer",
-    "teacher_scoring",
-]
+__all__ = ["mix_teacher_advantages", "start_teacher", "teacher_scoring"]
 
 
 def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
@@ -39,16 +34,6 @@ def start_teacher(cfg: Any, tokenizer: Any, dist_info: Dist) -> Teacher | None:
         dist_info=dist_info,
         log=print if dist_info.is_main else lambda _: None,
     )
-
-
-def teacher_scorer(teacher: Teacher):
-    """``score(rollout)``: adds the teacher's log-probs to the batch unless it holds them."""
-
-    def score(rollout: Rollout) -> None:
-        if TEACHER_LOGPROBS_KEY not in rollout.batch:
-            rollout.batch[TEACHER_LOGPROBS_KEY] = teacher.score(rollout.batch)
-
-    return score
 
 
 def mix_teacher_advantages(
@@ -77,11 +62,10 @@ def mix_teacher_advantages(
     advantages = task + config.coef * distill
     gap = torch.where(mask, student_lp.double() - teacher_lp.double(), 0.0)
     kl_sum, tokens, wait_sum = dist_info.sum([float(gap.sum()), float(mask.sum()), wait])
-    metrics = {
+    return advantages, {
         "teacher/reverse_kl": kl_sum / max(tokens, 1.0),
         "teacher/wait_s": wait_sum / dist_info.world_size,
     }
-    return advantages, metrics
 
 
 def teacher_scoring(teacher: Teacher | None, dist_info: Dist) -> dict[str, Any]:
@@ -89,7 +73,12 @@ def teacher_scoring(teacher: Teacher | None, dist_info: Dist) -> dict[str, Any]:
     teacher under ``torchrun``, an sp group's data rank); {} without a teacher."""
     if teacher is None:
         return {}
+
+    def score(rollout: Rollout) -> None:  # the teacher's log-probs, unless the batch holds them
+        if TEACHER_LOGPROBS_KEY not in rollout.batch:
+            rollout.batch[TEACHER_LOGPROBS_KEY] = teacher.score(rollout.batch)
+
     collective = dist_info.replicas > 1 or (
         dist_info.world_size > 1 and not isinstance(teacher, VLLMTeacher)
     )
-    return {"scorer": teacher_scorer(teacher), "scorer_collective": collective}
+    return {"scorer": score, "scorer_collective": collective}

@@ -82,10 +82,9 @@ class GroupFilter:
         for problems, rollout, scores, take in rounds:
             if not take:
                 continue
-            rows = torch.isin(rollout.group_ids, torch.tensor(take)).nonzero().squeeze(1)
             parts.append(select_groups(rollout, take))
             kept_problems += [problems[g] for g in sorted(take)]
-            kept_scores.append(scores[rows])
+            kept_scores.append(scores[torch.isin(rollout.group_ids, torch.tensor(take))])
         merged = merge_rollouts(parts, pad_token_id=pad_token_id)
         dropped, filled, surplus = self.dist_info.sum([dropped, filled, self._surplus])
         metrics = {

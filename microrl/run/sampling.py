@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from microrl.agents import EPISODE_KEY, AgentLimits, run_agent_episodes
-from microrl.agents.runner import agent_metric_means
+from microrl.agents.runner import AGENT_METRICS, agent_metric_means
 from microrl.configs.run import RolloutConfig
 from microrl.losses import check_whole_groups, grpo_advantages
 from microrl.rollout import Rollout, RolloutBackend, SamplingParams, select_groups
@@ -55,16 +55,20 @@ def sample_and_score(
     if not is_episode_task(task):  # a problem's images go with it (docs/rollouts.md#images)
         rollout = sampler.generate(prompts, params, images=problem_images(problems))
         return rollout, score_rollout(task, problems, rollout)
+    make_env = lambda i: task.make_env(problems[i])  # noqa: E731 - one per row
     rollout = sampler.run_episodes(
-        prompts,
-        lambda i: task.make_env(problems[i]),
-        params,
-        max_turns=limits.max_turns,
-        max_tokens=limits.max_episode_tokens,
-        skip_env_errors=limits.skip_env_errors,
-        images=problem_images(problems),
+        prompts, make_env, params, images=problem_images(problems), **episode_limits(limits)
     )
     return rollout, rollout.rewards
+
+
+def episode_limits(limits: RolloutConfig) -> dict[str, Any]:
+    """A multi-turn rollout's bounds, as ``run_episodes`` and ``submit_episodes`` take them."""
+    return {
+        "max_turns": limits.max_turns,
+        "max_tokens": limits.max_episode_tokens,
+        "skip_env_errors": limits.skip_env_errors,
+    }
 
 
 def agent_limits(task: Any, limits: RolloutConfig) -> AgentLimits:
@@ -147,10 +151,8 @@ def episode_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
 
 def agent_metrics(rollout: Rollout, dist_info: Dist) -> dict[str, float]:
     """``agent/*`` of an agent rollout over every rank (docs/rollouts.md#agents)."""
-    keys = ("agent/episodes", "agent/calls", "agent/tool_calls", "agent/tool_parse_errors")
-    keys += ("agent/branches", "agent/time_s", "agent/errors")
-    sums = dist_info.sum([rollout.metrics.get(k, 0.0) for k in keys])
-    return agent_metric_means(dict(zip(keys, sums, strict=True)))
+    sums = dist_info.sum([rollout.metrics.get(k, 0.0) for k in AGENT_METRICS])
+    return agent_metric_means(dict(zip(AGENT_METRICS, sums, strict=True)))
 
 
 def reward_metrics(task: Task, dist_info: Dist) -> dict[str, float]:

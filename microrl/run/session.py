@@ -137,11 +137,9 @@ def scores_ahead(
     model-based reward or a ``scorer``, unless anything there is a collective or runs on the
     trainer's thread (every rank must stay in step)."""
     reward = getattr(task, "reward", None)
-    collective = (
-        sampler.trainer_thread or scorer_collective or bool(getattr(reward, "collective", False))
-    )
-    model_based = bool(getattr(reward, "model_based", False))
-    return (model_based or scorer is not None) and not collective
+    if sampler.trainer_thread or scorer_collective or getattr(reward, "collective", False):
+        return False
+    return bool(getattr(reward, "model_based", False)) or scorer is not None
 
 
 def warn_if_uncorrected(policy_loss: Any, max_staleness: int) -> bool:
@@ -275,8 +273,7 @@ def _seen_prompt(rollout: Rollout, row: int, tokenizer: Any) -> str:
     """Row ``row``'s attended prompt tokens (before the first response column), decoded."""
     batch = rollout.batch
     response_cols = batch["loss_mask"].bool().any(dim=0).nonzero()
-    width = batch["input_ids"].shape[1]
-    boundary = int(response_cols[0]) if response_cols.numel() else width
+    boundary = int(response_cols[0]) if response_cols.numel() else batch["input_ids"].shape[1]
     attended = batch["attention_mask"][row, :boundary].bool()
     ids = batch["input_ids"][row, :boundary][attended]
     return tokenizer.decode(ids.tolist(), skip_special_tokens=False)

@@ -9,9 +9,6 @@ so a resumed run trains on exactly the prompts and samples it would have (docs/a
 
 from __future__ import annotations
 
-import base64
-import dataclasses
-import io
 import json
 import logging
 import random
@@ -28,12 +25,12 @@ from microrl.configs.run import RolloutConfig
 from microrl.engine.parallel import distributed
 from microrl.engine.vision import from_plain_tensors, to_plain_tensors
 from microrl.rollout import Rollout, SamplingParams
-from microrl.rollout.images import problem_images
+from microrl.rollout.images import png_base64, png_image, problem_images
 from microrl.rollout.sampler import POLICY_VERSION_KEY, Job, Sampler
 from microrl.run.checkpoint import rng_state, set_rng_state
 from microrl.run.dist import Dist
 from microrl.run.dynamic_sampling import GroupFilter
-from microrl.run.sampling import score_rollout, whole_groups
+from microrl.run.sampling import episode_limits, score_rollout, whole_groups
 from microrl.tasks import Problem, Task, is_agent_task, is_episode_task
 
 __all__ = ["ROLLOUT_BUFFER_KEY", "RolloutSource", "StepRollout"]
@@ -142,21 +139,11 @@ class RolloutSource:
         drawn_from = rng_state(self.rng)
         problems = self.task.sample(self.rng, self.prompts_per_step)
         if self.episodes:
-            job = self.sampler.submit_episodes(
-                problems,
-                self.params,
-                max_turns=self.limits.max_turns,
-                max_tokens=self.limits.max_episode_tokens,
-                skip_env_errors=self.limits.skip_env_errors,
-            )
+            job = self.sampler.submit_episodes(problems, self.params, **episode_limits(self.limits))
         else:
-            prompts = [p.prompt for p in problems]
             images = problem_images(problems)  # a problem's images go with its job
-            job = (
-                self.sampler.submit(prompts, self.params)
-                if images is None
-                else self.sampler.submit(prompts, self.params, images=images)
-            )
+            kwargs = {} if images is None else {"images": images}  # text: any sampler's submit
+            job = self.sampler.submit([p.prompt for p in problems], self.params, **kwargs)
         return self._score_ahead(_Round(problems, job.version, job=job, drawn_from=drawn_from))
 
     def _score_ahead(self, round_: _Round) -> _Round:
@@ -282,9 +269,8 @@ class RolloutSource:
 
     def _staleness_metrics(self, step: int, rollout: Rollout) -> dict[str, float]:
         """``staleness/*`` and the ``sync/probe_*`` (the largest) of the pushes now completed."""
-        dist_info = self.dist_info
         staleness = ((step - 1) - rollout.batch[POLICY_VERSION_KEY]).double()
-        rows, total = dist_info.sum([float(len(staleness)), float(staleness.sum())])
+        rows, total = self.dist_info.sum([float(len(staleness)), float(staleness.sum())])
         worst = distributed.max_over_ranks(int(staleness.max()) if len(staleness) else 0)
         metrics = {"staleness/mean": total / max(rows, 1.0), "staleness/max": float(worst)}
         # The slowest rank's wait: the step waits for it.
@@ -360,8 +346,7 @@ class RolloutSource:
 
 
 def _rollout_to_plain(rollout: Rollout) -> dict[str, Any]:
-    saved = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
-    return {**saved, "batch": to_plain_tensors(rollout.batch)}  # weights_only loads it
+    return {**vars(rollout), "batch": to_plain_tensors(rollout.batch)}  # weights_only loads it
 
 
 def _rollout_from_plain(saved: dict[str, Any]) -> Rollout:
@@ -377,7 +362,7 @@ def _problem_to_json(problem: Problem) -> str:
         "columns": dict(problem.columns),
     }
     if problem.images:
-        row["images_png"] = [_png_base64(image) for image in problem.images]
+        row["images_png"] = [png_base64(image) for image in problem.images]
     try:
         return json.dumps(row)
     except TypeError as err:
@@ -389,19 +374,5 @@ def _problem_to_json(problem: Problem) -> str:
 
 def _problem_from_json(text: str) -> Problem:
     row = json.loads(text)
-    images = tuple(_png_image(data) for data in row.pop("images_png", ()))
+    images = tuple(png_image(data) for data in row.pop("images_png", ()))
     return Problem(**row, images=images)
-
-
-def _png_base64(image: Any) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _png_image(data: str) -> Any:
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(base64.b64decode(data)))
-    image.load()  # read now: the buffer goes
-    return image

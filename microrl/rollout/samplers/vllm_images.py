@@ -3,14 +3,12 @@ by vLLM and checked against the trainer's (:func:`check_expanded`, docs/rollouts
 
 from __future__ import annotations
 
-import base64
 import importlib.util
-import io
 from typing import Any
 
 import torch
 
-from microrl.rollout.images import ImageEncoder
+from microrl.rollout.images import ImageEncoder, png_base64
 
 __all__ = [
     "VIDEO_TOKEN",
@@ -100,13 +98,8 @@ def image_request(
 
 def image_content_parts(raw: list[Any]) -> list[dict[str, str]]:
     """One prompt's images as lossless PNG ``data:`` URLs: the server sees the trainer's pixels."""
-    parts = []
-    for image in raw:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        data = base64.b64encode(buffer.getvalue()).decode("ascii")
-        parts.append({"type": "image_url", "url": f"data:image/png;base64,{data}"})
-    return parts
+    urls = (f"data:image/png;base64,{png_base64(image)}" for image in raw)
+    return [{"type": "image_url", "url": url} for url in urls]
 
 
 def check_expanded(ran: list[int], expected: list[int], index: int) -> None:
