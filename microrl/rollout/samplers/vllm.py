@@ -161,8 +161,8 @@ class VLLMRollout(RolloutBackend):
         """The adapter vLLM serves (LoRA engines), None for full fine-tunes."""
         return self.weight_sync.request if self.is_lora else None
 
-    def _start(self, vllm, base_dir: Path):
-        """Start ``vllm.LLM`` with microrl's arguments, then ``rollout.vllm.engine_kwargs``."""
+    def _engine_args(self, vllm, base_dir: Path) -> dict:
+        """``vllm.LLM``'s keyword arguments: microrl's, then ``rollout.vllm.engine_kwargs``."""
         cfg = self.config
         options = vllm_options.config_options(cfg, self.device)
         lora_rank = self.engine.peft_model.peft_config["default"].r if self.is_lora else 0
@@ -182,17 +182,13 @@ class VLLMRollout(RolloutBackend):
         kwargs.update(
             vllm_options.user_engine_args(cfg.engine_kwargs, owned=owned, valid=_llm_args(vllm))
         )
+        return kwargs
+
+    def _start(self, vllm, base_dir: Path):
+        """``vllm.LLM`` on the engine's device; the trainer's threads, RNGs and GPU are kept."""
         cuda = [vllm_placement.trainer_gpu(self.device)] if self.device.type == "cuda" else []
-        # vLLM's ``uni`` executor takes GPU 0 whatever the current device, so under ``torchrun``
-        # or on ``cuda:N > 0`` its ``external_launcher`` with ``LOCAL_RANK=N`` (alone: as a
-        # group of one on a free local port).
-        env = {}
-        if distributed.is_distributed() or (cuda and cuda[0] != 0):
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            env = {"LOCAL_RANK": str(cuda[0])} if cuda else {}
-            if not distributed.is_distributed():
-                port = str(vllm_options.free_port())
-                env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        executor, env = _placement(cuda[0] if cuda else None)
+        kwargs = self._engine_args(vllm, base_dir) | executor
         # A process group that exists now is the trainer's: vLLM must not end it on close().
         self._trainer_group = dist.is_initialized()
         # vLLM replaces torch.set_num_threads and seeds the global generators: put them back.
@@ -372,6 +368,20 @@ class VLLMRollout(RolloutBackend):
                 dist.destroy_process_group = destroy
             del llm
         vllm_options.remove_workdir(self.workdir, owned=self._own_workdir)
+
+
+def _placement(gpu: int | None) -> tuple[dict[str, str], dict[str, str]]:
+    """``vllm.LLM``'s executor argument and the environment it starts in, for the trainer's GPU
+    ``gpu`` (None: a CPU): vLLM's ``uni`` executor takes GPU 0 whatever the current device, so
+    under ``torchrun`` or on ``cuda:N > 0`` its ``external_launcher`` with ``LOCAL_RANK=N``
+    (alone: as a group of one on a free local port)."""
+    if not distributed.is_distributed() and not gpu:
+        return {}, {}
+    env = {} if gpu is None else {"LOCAL_RANK": str(gpu)}
+    if not distributed.is_distributed():
+        port = str(vllm_options.free_port())
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    return {"distributed_executor_backend": "external_launcher"}, env
 
 
 def _llm_args(vllm) -> set[str]:
